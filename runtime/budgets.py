@@ -1,0 +1,104 @@
+"""Per-KV-head cache budgets from REAL's INF scores (DESIGN.md section 3).
+
+Budgets are per KV head because the cache is.  Query-head INFsc values are averaged over
+each GQA group, normalised over all ``L x Hkv`` heads to sum to one (uniform when all are
+zero), and a per-head average budget ``b`` is split as
+
+    b_base = b (1 - 1/beta)          B_pool = b L Hkv / beta
+    b_h    = b_base + B_pool * INF_h
+
+then clipped to ``[min_budget, seq_len]`` and rounded so that the total is conserved
+exactly: ``sum_h b_h == round(b L Hkv)`` (the total itself is clamped to what the bounds
+allow, ``[L Hkv min_budget, L Hkv seq_len]``).  The redistribution after clipping is an
+additive shift found by bisection, followed by largest-remainder rounding, so the result is
+monotone in INF and never violates the bounds.
+
+numpy only: the serving runtime and the profiler both call this.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def kv_head_scores(inf_scores: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    """Query-head scores ``[L, Hq]`` -> normalised KV-head weights ``[L, Hkv]`` summing to 1."""
+    scores = np.asarray(inf_scores, dtype=np.float64)
+    if scores.ndim != 2:
+        raise ValueError(f"expected INF scores of shape [layers, query_heads], got {scores.shape}")
+    num_layers, num_q_heads = scores.shape
+    if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads cannot be grouped into {num_kv_heads} KV heads")
+    if not np.all(np.isfinite(scores)) or np.any(scores < 0):
+        raise ValueError("INF scores must be finite and non-negative")
+    group = num_q_heads // num_kv_heads
+    per_kv = scores.reshape(num_layers, num_kv_heads, group).mean(axis=2)  # [L, Hkv]
+    total = per_kv.sum()
+    if total <= 0:
+        return np.full_like(per_kv, 1.0 / per_kv.size)
+    return per_kv / total
+
+
+def ideal_budgets(weights: np.ndarray, avg_budget: float, beta: float) -> np.ndarray:
+    """Unrounded REAL budgets ``b_base + B_pool * INF_h`` for normalised weights ``[L, Hkv]``."""
+    if beta < 1:
+        raise ValueError(f"beta must be >= 1, got {beta}")
+    if avg_budget <= 0:
+        raise ValueError(f"the average budget must be positive, got {avg_budget}")
+    weights = np.asarray(weights, dtype=np.float64)
+    base = avg_budget * (1.0 - 1.0 / beta)
+    pool = avg_budget * weights.size / beta
+    return base + pool * weights
+
+
+def allocate_budgets(weights: np.ndarray, avg_budget: float, seq_len: int, *, beta: float = 2.0,
+                     min_budget: int = 1) -> np.ndarray:
+    """Integer per-KV-head budgets ``[L, Hkv]`` with the total conserved exactly.
+
+    ``weights``: normalised KV-head weights from :func:`kv_head_scores` (sum 1).
+    ``avg_budget``: tokens per KV head on average (``ratio * seq_len`` for a ratio budget).
+    """
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    if min_budget < 0:
+        raise ValueError(f"min_budget must be >= 0, got {min_budget}")
+    ideal = ideal_budgets(weights, avg_budget, beta)
+    lo, hi = float(min(min_budget, seq_len)), float(seq_len)
+    count = ideal.size
+    total = int(np.clip(round(avg_budget * count), lo * count, hi * count))
+
+    # Continuous allocation clip(ideal + c, lo, hi) summing to `total`: bisection on c.
+    def placed(shift: float) -> float:
+        return float(np.clip(ideal + shift, lo, hi).sum())
+
+    low, high = lo - ideal.max() - 1.0, hi - ideal.min() + 1.0
+    for _ in range(200):
+        mid = 0.5 * (low + high)
+        if placed(mid) < total:
+            low = mid
+        else:
+            high = mid
+    continuous = np.clip(ideal + high, lo, hi)
+
+    # Largest-remainder rounding within the bounds.
+    budgets = np.floor(continuous + 1e-9).astype(np.int64)
+    budgets = np.clip(budgets, int(lo), int(hi))
+    missing = total - int(budgets.sum())
+    flat, frac = budgets.reshape(-1), (continuous - budgets).reshape(-1)
+    if missing > 0:
+        order = np.lexsort((-ideal.reshape(-1), -frac))  # largest fraction first, then largest INF
+        for index in order:
+            if missing == 0:
+                break
+            if flat[index] < hi:
+                flat[index] += 1
+                missing -= 1
+    elif missing < 0:
+        order = np.lexsort((ideal.reshape(-1), frac))
+        for index in order:
+            if missing == 0:
+                break
+            if flat[index] > lo:
+                flat[index] -= 1
+                missing += 1
+    return flat.reshape(ideal.shape)
