@@ -1,0 +1,168 @@
+"""Capturing one query's attention over the context at each generation step, cheaply.
+
+The behaviour stage needs, at every generated token and for every (layer, query head), the
+attention distribution of that single query over the *context* (the prompt tokens), and in
+fact only its maximum and argmax (:mod:`profiler.behaviour_scores`).  Materialising prefill
+attention matrices would cost ``O(prompt^2)`` memory; instead:
+
+* a custom attention function, registered with transformers' ``AttentionInterface`` (and the
+  ``sdpa`` mask builder with ``AttentionMaskInterface``, DESIGN.md section 6), computes the
+  ordinary fused ``sdpa`` output, so the model's numerics and generated text are exactly those
+  of ``attn_implementation="sdpa"``;
+* when a :class:`DecodeAttentionRecorder` is active it also computes, for the *last* query
+  of the call only, the logits ``s q.k_j`` against all cached keys ``[Hq, T]``, their
+  log-sum-exp, and the max / argmax over the context positions ``j < C``.  The weight is
+  ``exp(max - lse)``: the true attention weight (normalised over every key the query sees,
+  generated tokens included) of the dominant context token.
+
+The last query of the prefill call is the one that produces the first generated token; each
+later call has a single query.  So ``generate()`` producing ``N`` tokens records ``N`` steps,
+one per generated token.  Cost per step and layer: one ``[Hq, T]`` GEMV-sized matmul, a
+log-sum-exp and a max.  Records stay on the layer's device until the probe ends (no per-step
+host synchronisation).
+
+Batch size must be 1 (probes have different lengths and are run one at a time).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+CAPTURE_IMPLEMENTATION = "kvcal_decode_capture"
+
+_active_recorder: "DecodeAttentionRecorder | None" = None
+
+
+class DecodeAttentionRecorder:
+    """Per-step dominant-context-token records for every (layer, query head).
+
+    After the run, :meth:`results` gives ``max_weight [S, L, Hq]`` (float32) and
+    ``argmax [S, L, Hq]`` (int64 context positions), ``S`` = recorded steps; with
+    ``keep_rows=True`` also ``rows [S, L, Hq, C]``, the full distributions over the context
+    (for tests; memory grows with the context).
+    """
+
+    def __init__(self, num_layers: int, num_q_heads: int, context_len: int, max_steps: int,
+                 keep_rows: bool = False):
+        if context_len <= 0 or max_steps <= 0:
+            raise ValueError(f"context_len ({context_len}) and max_steps ({max_steps}) must be positive")
+        self.num_layers = num_layers
+        self.num_q_heads = num_q_heads
+        self.context_len = context_len
+        self.max_steps = max_steps
+        self.keep_rows = keep_rows
+        self._steps = [0] * num_layers  # calls seen per layer (layers may live on different devices)
+        self._max_weight: dict[int, torch.Tensor] = {}  # layer -> [max_steps, Hq] on the layer's device
+        self._argmax: dict[int, torch.Tensor] = {}
+        self._rows: dict[int, list[torch.Tensor]] = {}
+
+    def record(self, layer: int, query: torch.Tensor, key: torch.Tensor,
+               attention_mask: torch.Tensor | None, scaling: float | None) -> None:
+        """Record the last query of a call.  query ``[1, Hq, q, d]``, key ``[1, Hkv, T, d]``."""
+        batch, num_q_heads, _, head_dim = query.shape
+        num_kv_heads, total = key.shape[1], key.shape[2]
+        if batch != 1:
+            raise ValueError(f"decode-attention capture runs one probe at a time (batch 1), got batch {batch}")
+        if num_q_heads != self.num_q_heads or num_q_heads % num_kv_heads:
+            raise ValueError(f"layer {layer}: {num_q_heads} query heads / {num_kv_heads} KV heads do not match "
+                             f"the recorder's {self.num_q_heads} query heads")
+        if total < self.context_len:
+            raise ValueError(f"layer {layer} sees {total} keys, fewer than the {self.context_len}-token context")
+        step = self._steps[layer]
+        if step >= self.max_steps:
+            raise RuntimeError(f"more than max_steps={self.max_steps} generation steps recorded")
+        self._steps[layer] = step + 1
+        scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
+        group = num_q_heads // num_kv_heads
+
+        last_query = query[0, :, -1, :].float().reshape(num_kv_heads, group, head_dim)  # [Hkv, G, d]
+        keys = key[0].float()  # [Hkv, T, d]
+        logits = torch.matmul(last_query, keys.transpose(1, 2)).reshape(num_q_heads, total) * scale  # [Hq, T]
+        if attention_mask is not None:
+            mask_row = attention_mask[0, :, -1, :total]  # [1 or Hq, T]
+            if mask_row.dtype == torch.bool:
+                logits = logits.masked_fill(~mask_row, float("-inf"))
+            else:
+                logits = logits + mask_row.float()
+        log_norm = torch.logsumexp(logits, dim=-1)  # [Hq]
+        context_max, context_argmax = logits[:, :self.context_len].max(dim=-1)  # [Hq], [Hq]
+
+        if layer not in self._max_weight:
+            self._max_weight[layer] = torch.zeros(self.max_steps, num_q_heads, device=query.device)
+            self._argmax[layer] = torch.zeros(self.max_steps, num_q_heads, dtype=torch.long, device=query.device)
+            self._rows[layer] = []
+        self._max_weight[layer][step] = torch.exp(context_max - log_norm)
+        self._argmax[layer][step] = context_argmax
+        if self.keep_rows:
+            self._rows[layer].append(torch.exp(logits[:, :self.context_len] - log_norm[:, None]).cpu())
+
+    @property
+    def steps(self) -> int:
+        """Steps recorded (equal across layers once a forward pass has completed)."""
+        return min(self._steps) if self._steps else 0
+
+    def results(self) -> dict[str, torch.Tensor]:
+        if len(set(self._steps)) != 1:
+            raise RuntimeError(f"layers recorded different numbers of steps: {self._steps}")
+        steps = self._steps[0]
+        layers = range(self.num_layers)
+        out = {
+            "max_weight": torch.stack([self._max_weight[l][:steps].cpu() for l in layers], dim=1)
+            if steps else torch.zeros(0, self.num_layers, self.num_q_heads),
+            "argmax": torch.stack([self._argmax[l][:steps].cpu() for l in layers], dim=1)
+            if steps else torch.zeros(0, self.num_layers, self.num_q_heads, dtype=torch.long),
+        }
+        if self.keep_rows:
+            out["rows"] = (torch.stack([torch.stack(self._rows[l]) for l in layers], dim=1) if steps
+                           else torch.zeros(0, self.num_layers, self.num_q_heads, self.context_len))
+        return out
+
+    @contextmanager
+    def active(self):
+        """Route the capture attention function's records to this recorder while inside."""
+        global _active_recorder
+        if _active_recorder is not None:
+            raise RuntimeError("another DecodeAttentionRecorder is already active")
+        _active_recorder = self
+        try:
+            yield self
+        finally:
+            _active_recorder = None
+
+
+def capture_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """``sdpa`` attention, plus a record of the last query's context attention when capturing."""
+    output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    recorder = _active_recorder
+    if recorder is not None:
+        with torch.no_grad():
+            recorder.record(module.layer_idx, query, key, attention_mask, scaling)
+    return output, None
+
+
+def register_capture_attention() -> None:
+    """Register the capture function (idempotent).  The mask registration is required too:
+    without it transformers silently passes ``attention_mask=None`` (DESIGN.md section 6)."""
+    AttentionInterface.register(CAPTURE_IMPLEMENTATION, capture_attention_forward)
+    AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, sdpa_mask)
+
+
+@contextmanager
+def capture_attention_implementation(model):
+    """Switch ``model`` to the capture attention function inside the block, restore after."""
+    register_capture_attention()
+    if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
+        raise ValueError(f"{type(model).__name__} does not route attention through transformers' "
+                         "AttentionInterface, so its decode-step attention cannot be captured")
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(CAPTURE_IMPLEMENTATION)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
