@@ -1,0 +1,150 @@
+"""Model fingerprints: which architecture, which weights, which tokenizer an artifact is for.
+
+All three are SHA-256 hex digests of canonical text, so they are stable across machines,
+devices and library versions.
+
+* **architecture** (:func:`architecture_fingerprint`): the attention-relevant config numbers
+  (model type, layers, query/KV heads, head dim, hidden size, vocab size, max positions, RoPE
+  theta and parameters, query norm).
+* **weights** (:func:`weights_fingerprint`): for every parameter and buffer of the state dict,
+  in name order: its name, shape, and
+    - ``bitsum``: the wrap-around (mod 2^64) sum of the float32 bit patterns of all its values,
+      read as signed 32-bit integers.  Exact integer arithmetic, so the summation order (CPU,
+      GPU, sharded) does not matter; every value takes part, so changing any single weight
+      changes it.  It runs on the device holding the tensor; only one int64 per tensor crosses
+      to the host.
+    - ``sample``: the float32 bit patterns of up to 64 values at evenly spaced flat positions,
+      which makes permutations and swaps visible.
+  Values are compared as float32, so a bf16/fp16 checkpoint loaded in float32 has the same
+  fingerprint as loaded in its own dtype (the up-cast is exact).  Nothing is hashed on the
+  host but these few numbers: a 70B model costs one device reduction per tensor, not a hash of
+  140 GB.
+* **tokenizer** (:func:`tokenizer_fingerprint`): the vocabulary (token -> id), the added and
+  special tokens, and the chat template.
+
+Importing this module does not import torch; the functions that take a model do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from .schema import ModelIdentity, canonical_json
+
+SAMPLES_PER_TENSOR = 64
+_CHUNK_ELEMENTS = 1 << 24  # bound the temporary float32 copy per step
+
+
+def _sha256(document) -> str:
+    return hashlib.sha256(canonical_json(document).encode("ascii")).hexdigest()
+
+
+def architecture_numbers(config) -> dict:
+    """The attention-relevant numbers of a transformers config (text config for multimodal)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    missing = [name for name in ("num_hidden_layers", "num_attention_heads", "hidden_size")
+               if getattr(config, name, None) is None]
+    if missing:
+        raise ValueError(f"config of model type {getattr(config, 'model_type', '?')!r} lacks {missing}")
+    num_q_heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and all(isinstance(value, dict) for value in rope.values()) and rope:
+        rope = rope.get("full_attention", next(iter(rope.values())))  # per-layer-type parameters
+    rope = dict(rope) if isinstance(rope, dict) else {}
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError(f"config of model type {config.model_type!r} has no RoPE theta")
+    return {
+        "model_type": str(config.model_type),
+        "num_layers": int(config.num_hidden_layers),
+        "num_q_heads": num_q_heads,
+        "num_kv_heads": int(getattr(config, "num_key_value_heads", None) or num_q_heads),
+        "head_dim": int(head_dim),
+        "hidden_size": int(config.hidden_size),
+        "vocab_size": int(config.vocab_size),
+        "max_position_embeddings": int(getattr(config, "max_position_embeddings", 0) or 0),
+        "rope_theta": float(theta),
+        "rope_parameters": canonical_json(_jsonable(rope)),
+    }
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, bool, int)) or value is None:
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else str(value)
+    return str(value)
+
+
+def architecture_fingerprint(numbers: dict, query_norm: bool) -> str:
+    return _sha256({**numbers, "query_norm": bool(query_norm)})
+
+
+def weights_fingerprint(model) -> str:
+    """See the module docstring.  ``model`` is any ``torch.nn.Module``."""
+    import torch
+
+    entries = []
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict(keep_vars=False).items()):
+            if not tensor.is_floating_point() and tensor.dtype not in (torch.int8, torch.uint8, torch.int32):
+                # integer buffers other than quantised weights (e.g. position ids) carry no identity
+                continue
+            flat = tensor.detach().reshape(-1)
+            bitsum = sum(_bitsum(flat[start:start + _CHUNK_ELEMENTS])
+                         for start in range(0, flat.numel(), _CHUNK_ELEMENTS))
+            count = min(SAMPLES_PER_TENSOR, flat.numel())
+            positions = (torch.arange(count, dtype=torch.int64) * (flat.numel() - 1) // max(count - 1, 1)).to(flat.device)
+            sample = flat[positions].to(torch.float32).view(torch.int32).tolist() if count else []
+            entries.append([name, list(tensor.shape), bitsum % (1 << 64), sample])
+    return _sha256(entries)
+
+
+def _bitsum(chunk) -> int:
+    """Sum of the float32 bit patterns of ``chunk`` (a 1-D tensor), as a Python int."""
+    import numpy as np
+    import torch
+
+    bits = chunk.to(torch.float32).view(torch.int32)
+    if bits.device.type == "cpu":  # numpy's integer reduction is ~10x faster than torch's here
+        return int(bits.numpy().sum(dtype=np.int64))
+    return int(bits.to(torch.int64).sum().item())
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items())
+    added = sorted((str(token), int(index)) for index, token in
+                   getattr(tokenizer, "added_tokens_decoder", {}).items())
+    special = {key: str(value) for key, value in sorted(tokenizer.special_tokens_map.items())}
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = json.dumps(template, sort_keys=True)
+    return _sha256({"vocab": vocab, "added": added, "special": special, "chat_template": template or ""})
+
+
+def has_query_norm(model) -> bool:
+    """True when the attention modules normalise queries before RoPE (Qwen3-style ``q_norm``)."""
+    for module in model.modules():
+        if hasattr(module, "q_proj"):
+            return hasattr(module, "q_norm")
+    return False
+
+
+def model_identity(model, tokenizer, name: str) -> ModelIdentity:
+    """Everything the artifact's ``/model`` group records, computed from a loaded model."""
+    numbers = architecture_numbers(model.config)
+    query_norm = has_query_norm(model)
+    return ModelIdentity(
+        name=str(name),
+        query_norm=query_norm,
+        arch_fingerprint=architecture_fingerprint(numbers, query_norm),
+        weights_fingerprint=weights_fingerprint(model),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        **numbers,
+    )

@@ -1,0 +1,254 @@
+"""Reading a calibration artifact, strictly and safely.  Needs only h5py and numpy.
+
+``open_artifact(path)`` checks the structure at once (format name, schema version, metadata
+digest, model identity, every object's kind, links, storage and filters, every dataset's
+shape against the recorded architecture) and reads no dataset values.  Values are read on
+demand through :meth:`ArtifactReader.section` / :meth:`ArtifactReader.read`, each dataset
+checked when read: fletcher32 checksum (by HDF5), all chunks present, dtype, shape, finite,
+within range.  :meth:`ArtifactReader.validate` reads everything.
+
+Safe on untrusted files: external links, soft links, external storage, virtual datasets,
+named datatypes, unknown filters (which could load plugins) and partly allocated datasets
+(whose missing chunks would read as silent zeros) are refused; shapes are capped by the
+architecture, itself capped by ``schema.ARCH_LIMITS``.  Every failure is an
+:class:`ArtifactError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from .errors import ArtifactError
+from .metadata import ROOT_TEXT_ATTRS, metadata_digest
+from .schema import FORMAT_NAME, SCHEMA_MAJOR, SCHEMA_MINOR, SCHEMA_VERSION, SECTIONS, ModelIdentity, Section
+from .validation import (
+    check_array,
+    check_section_attrs,
+    coerce_attr,
+    model_identity_from_attrs,
+    section_dims,
+)
+
+# HDF5 filter ids the writer uses; anything else is refused (a filter id can make HDF5 load a
+# plugin library named by the environment).
+ALLOWED_FILTERS = {h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_FLETCHER32}
+MAX_DATASET_BYTES = 8 << 30  # no single dataset may claim more than 8 GiB in memory
+
+
+def open_artifact(path: str | os.PathLike) -> "ArtifactReader":
+    """Open and structurally validate an artifact; use as a context manager or call close()."""
+    return ArtifactReader(path)
+
+
+def _parse_version(text: str) -> tuple[int, int]:
+    try:
+        major, minor = (int(part) for part in text.split("."))
+    except ValueError as exc:
+        raise ArtifactError(f"schema_version {text!r} is not of the form MAJOR.MINOR") from exc
+    return major, minor
+
+
+class ArtifactReader:
+    """A validated, lazily read calibration file."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ArtifactError(f"{self.path}: no such file")
+        try:
+            self._h5 = h5py.File(self.path, "r")
+        except Exception as exc:  # truncated, not HDF5, damaged superblock...
+            raise ArtifactError(f"{self.path}: not a readable HDF5 file ({exc})") from exc
+        try:
+            self._load_structure()
+        except ArtifactError as exc:
+            self.close()
+            raise ArtifactError(f"{self.path}: {exc}") from None
+        except Exception as exc:  # damaged object headers and the like
+            self.close()
+            raise ArtifactError(f"{self.path}: damaged file ({type(exc).__name__}: {exc})") from exc
+
+    # -- structure -----------------------------------------------------------------------
+
+    def _load_structure(self) -> None:
+        attrs = self._h5.attrs
+        fmt = coerce_attr("/", "format", attrs.get("format", ""), str)
+        if fmt != FORMAT_NAME:
+            raise ArtifactError(f"not a calibration artifact (format attribute {fmt!r}, expected {FORMAT_NAME!r})")
+        version = coerce_attr("/", "schema_version", attrs.get("schema_version", ""), str)
+        major, minor = _parse_version(version)
+        if major > SCHEMA_MAJOR:
+            raise ArtifactError(
+                f"schema version {version} is newer than this toolkit understands "
+                f"(it reads {SCHEMA_MAJOR}.x up to {SCHEMA_VERSION}); a reader for schema "
+                f"{major}.x is needed: upgrade kvcal")
+        if major < SCHEMA_MAJOR:
+            raise ArtifactError(f"schema version {version} is older than {SCHEMA_MAJOR}.0 and no longer supported")
+        self.schema_version = version
+        self._newer_minor = minor > SCHEMA_MINOR
+
+        root = {name: coerce_attr("/", name, attrs[name], str) if name in attrs else None
+                for name in ROOT_TEXT_ATTRS}
+        missing = [name for name, value in root.items() if value is None]
+        if missing:
+            raise ArtifactError(f"required root attribute(s) {missing} missing")
+        self.toolkit_version = root["toolkit_version"]
+        self.created = root["created"]
+        try:
+            self.config = json.loads(root["config_json"])
+        except ValueError as exc:
+            raise ArtifactError("config_json is not valid JSON") from exc
+
+        self._check_tree()
+        if "model" not in self._h5 or not isinstance(self._h5["model"], h5py.Group):
+            raise ArtifactError("the /model group is missing")
+        self.model: ModelIdentity = model_identity_from_attrs(self._h5["model"].attrs)
+        arch = self.model.dims()
+
+        self.sections: tuple[str, ...] = tuple(name for name in SECTIONS if name in self._h5)
+        self._dims: dict[str, dict[str, int]] = {}
+        self._section_attrs: dict[str, dict] = {}
+        for name in self.sections:
+            group = self._h5[name]
+            if not isinstance(group, h5py.Group):
+                raise ArtifactError(f"/{name} must be a group")
+            shapes = {key: obj.shape for key, obj in group.items() if isinstance(obj, h5py.Dataset)}
+            self._dims[name] = section_dims(name, shapes, arch)
+            self._section_attrs[name] = check_section_attrs(name, group.attrs)
+            for key, obj in group.items():
+                if key not in SECTIONS[name].datasets and not self._newer_minor:
+                    raise ArtifactError(f"/{name}/{key}: not part of schema {self.schema_version}")
+                if key in SECTIONS[name].datasets and isinstance(obj, h5py.Dataset):
+                    self._check_dataset_storage(obj)
+
+        stored = coerce_attr("/", "metadata_sha256", attrs.get("metadata_sha256", ""), str)
+        model_attrs = {name: getattr(self.model, name) for name in self.model.__dataclass_fields__}
+        if stored != metadata_digest(root, model_attrs, self._section_attrs):
+            raise ArtifactError("metadata checksum mismatch: attributes were altered or corrupted")
+
+    def _check_tree(self) -> None:
+        """Walk every link in the file; refuse anything that could read outside it."""
+        known_root = set(SECTIONS) | {"model"}
+
+        def walk(group: h5py.Group, prefix: str, depth: int) -> None:
+            if depth > 2:
+                raise ArtifactError(f"{prefix}: nesting deeper than the schema allows")
+            for key in group.keys():
+                where = f"{prefix}{key}"
+                link = group.get(key, getlink=True)
+                if isinstance(link, h5py.ExternalLink):
+                    raise ArtifactError(f"{where}: external link to {link.filename}:{link.path} refused")
+                if isinstance(link, h5py.SoftLink):
+                    raise ArtifactError(f"{where}: soft link refused")
+                if not isinstance(link, h5py.HardLink):
+                    raise ArtifactError(f"{where}: link of unknown kind refused")
+                obj = group.get(key)
+                if isinstance(obj, h5py.Datatype):
+                    raise ArtifactError(f"{where}: named datatypes are not part of the schema")
+                if depth == 0 and key not in known_root and not self._newer_minor:
+                    raise ArtifactError(f"{where}: not part of schema {SCHEMA_VERSION}")
+                if isinstance(obj, h5py.Group):
+                    walk(obj, where + "/", depth + 1)
+                elif isinstance(obj, h5py.Dataset):
+                    self._check_dataset_storage(obj)
+                    if depth == 0:
+                        raise ArtifactError(f"{where}: datasets belong inside a section group")
+
+        walk(self._h5, "/", 0)
+
+    def _check_dataset_storage(self, dset: h5py.Dataset) -> None:
+        where = dset.name
+        if dset.is_virtual:
+            raise ArtifactError(f"{where}: virtual datasets are refused")
+        if dset.external:
+            raise ArtifactError(f"{where}: external storage is refused")
+        if dset.chunks is None:
+            raise ArtifactError(f"{where}: not chunked, so it carries no checksum")
+        filters = set(self._filter_ids(dset))
+        if h5py.h5z.FILTER_FLETCHER32 not in filters:
+            raise ArtifactError(f"{where}: no fletcher32 checksum")
+        unknown = filters - ALLOWED_FILTERS
+        if unknown:
+            raise ArtifactError(f"{where}: unsupported HDF5 filter(s) {sorted(unknown)}")
+        if dset.dtype.itemsize * int(np.prod(dset.shape, dtype=np.float64)) > MAX_DATASET_BYTES:
+            raise ArtifactError(f"{where}: larger than {MAX_DATASET_BYTES >> 30} GiB")
+
+    @staticmethod
+    def _filter_ids(dset: h5py.Dataset) -> list[int]:
+        plist = dset.id.get_create_plist()
+        return [plist.get_filter(index)[0] for index in range(plist.get_nfilters())]
+
+    # -- values --------------------------------------------------------------------------
+
+    def has(self, section: str) -> bool:
+        return section in self.sections
+
+    def require(self, section: str, needed_for: str = "") -> None:
+        """Raise a clear error when ``section`` is absent."""
+        if section not in SECTIONS:
+            raise ArtifactError(f"unknown section {section!r}; known: {', '.join(SECTIONS)}")
+        if section not in self.sections:
+            purpose = f" (needed for {needed_for})" if needed_for else ""
+            present = ", ".join(self.sections) or "none"
+            raise ArtifactError(f"{self.path}: has no {section!r} section{purpose}; "
+                                f"sections present: {present}. Re-run profile-model with that stage.")
+
+    def read(self, section: str, name: str) -> np.ndarray:
+        """One dataset's values, checked (checksum, completeness, dtype, shape, range)."""
+        self.require(section)
+        if name not in SECTIONS[section].datasets:
+            raise ArtifactError(f"/{section} has no dataset {name!r} in schema {SCHEMA_VERSION}")
+        dset = self._h5[section][name]
+        expected_chunks = int(np.prod([-(-size // chunk) for size, chunk in zip(dset.shape, dset.chunks)]))
+        try:
+            allocated = dset.id.get_num_chunks()
+            array = dset[()]
+        except Exception as exc:  # fletcher32 mismatch, inflate error, damaged chunk index
+            raise ArtifactError(f"{self.path}: /{section}/{name} cannot be read intact ({exc})") from exc
+        if allocated != expected_chunks:
+            raise ArtifactError(f"{self.path}: /{section}/{name} has {allocated} of {expected_chunks} "
+                                "chunks stored (the rest would read as fill values)")
+        try:
+            check_array(section, name, array, self._dims[section])
+        except ArtifactError as exc:
+            raise ArtifactError(f"{self.path}: {exc}") from None
+        return array
+
+    def section(self, section: str) -> Section:
+        """All of a section's datasets, read and checked, and its attributes."""
+        self.require(section)
+        arrays = {name: self.read(section, name) for name in SECTIONS[section].datasets}
+        return Section(arrays=arrays, attrs=dict(self._section_attrs[section]))
+
+    def dims(self, section: str) -> dict[str, int]:
+        """Architecture and free dimensions of a section (``P``, ``NT``...)."""
+        self.require(section)
+        return dict(self._dims[section])
+
+    def validate(self) -> None:
+        """Read and check every dataset of every section."""
+        for section in self.sections:
+            for name in SECTIONS[section].datasets:
+                self.read(section, name)
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        h5 = getattr(self, "_h5", None)
+        if h5 is not None:
+            h5.close()
+            self._h5 = None
+
+    def __enter__(self) -> "ArtifactReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()

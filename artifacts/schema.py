@@ -1,0 +1,164 @@
+"""The calibration artifact's schema: what may be in the file, with which dtype and shape.
+
+This table is the single source of truth for the writer, the reader and
+``docs/artifact-format.md``.  A section is an HDF5 group under the root; each of its
+datasets has an exact dtype and a shape written in symbols:
+
+* architecture symbols, fixed by the ``/model`` attributes: ``L`` layers, ``Hq`` query heads,
+  ``Hkv`` KV heads, ``d`` head dimension;
+* section symbols, free but equal across a section's datasets and capped: ``P`` probes,
+  ``NT`` token budgets, ``NR`` ratio budgets, ``R`` reference ratios.
+
+Every section is optional (``profile-model --stages`` may write a subset); a section that is
+present must hold all of its datasets.  A consumer that needs a section asks the reader for it
+and gets a clear error when it is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FORMAT_NAME = "kvcal-calibration"
+SCHEMA_MAJOR = 1
+SCHEMA_MINOR = 0
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
+
+# Upper bounds on the architecture numbers and free dimensions a file may declare.  They keep
+# a hostile file from making the reader allocate absurd amounts of memory.
+ARCH_LIMITS = {"L": 1024, "Hq": 1024, "Hkv": 1024, "d": 1024}
+FREE_DIM_LIMITS = {"P": 1_000_000, "NT": 4096, "NR": 4096, "R": 256}
+MAX_STRING_ATTR_CHARS = 1 << 20  # config JSON and friends: at most a million characters
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    dtype: str  # numpy dtype string, little-endian; compared exactly
+    shape: tuple[str, ...]  # symbols, see module docstring
+    unit: str  # human description of the values, for the format doc
+    minimum: float | None = None  # every value must be >= minimum (after the finite check)
+    maximum: float | None = None
+    finite: bool = True  # floats must be finite
+
+
+@dataclass(frozen=True)
+class SectionSpec:
+    description: str
+    datasets: dict[str, DatasetSpec]
+    attrs: dict[str, type] = field(default_factory=dict)  # required section attributes
+
+
+SECTIONS: dict[str, SectionSpec] = {
+    "behaviour": SectionSpec(
+        "REAL attention-behaviour accumulators and scores per (layer, query head), and the "
+        "probe table they were measured on.",
+        {
+            "W_R": DatasetSpec("<f8", ("L", "Hq"), "sum of max attention weight over decode steps whose dominant token is labelled R", 0.0),
+            "W_B": DatasetSpec("<f8", ("L", "Hq"), "same, dominant token labelled B (bias)", 0.0),
+            "W_D": DatasetSpec("<f8", ("L", "Hq"), "same, dominant token labelled D (distraction)", 0.0),
+            "W_W": DatasetSpec("<f8", ("L", "Hq"), "same, dominant token labelled W (widespread)", 0.0),
+            "steps": DatasetSpec("<i8", ("L", "Hq"), "decode steps accumulated for the head", 0),
+            "RAsc": DatasetSpec("<f8", ("L", "Hq"), "W_R / (W_R + W_D), 0 for empty heads", 0.0, 1.0),
+            "LCsc": DatasetSpec("<f8", ("L", "Hq"), "W_R / (W_R + W_B), 0 for empty heads", 0.0, 1.0),
+            "INFsc": DatasetSpec("<f8", ("L", "Hq"), "harmonic mean of RAsc and LCsc, 0 when both are 0", 0.0, 1.0),
+            "probe_length": DatasetSpec("<i8", ("P",), "asked context length of the probe, tokens", 1),
+            "probe_depth": DatasetSpec("<f8", ("P",), "needle depth, percent of the context", 0.0, 100.0),
+            "probe_family": DatasetSpec("|S64", ("P",), "needle family name, ASCII, NUL-padded"),
+            "probe_seed": DatasetSpec("<i8", ("P",), "seed the probe was generated from"),
+            "probe_success": DatasetSpec("|u1", ("P",), "1 when the greedy answer contained the ground truth", 0, 1),
+            "probe_steps": DatasetSpec("<i8", ("P",), "decode steps taken on the probe", 0),
+        },
+    ),
+    "query_stats": SectionSpec(
+        "Expected Attention statistics of pre-RoPE queries (after the query norm where the model "
+        "has one) per (layer, query head), from calibration text.",
+        {
+            "n": DatasetSpec("<i8", ("L", "Hq"), "number of queries accumulated", 0),
+            "mean": DatasetSpec("<f4", ("L", "Hq", "d"), "mean pre-RoPE query"),
+            "cov": DatasetSpec("<f4", ("L", "Hq", "d", "d"), "population covariance (divided by n) of pre-RoPE queries"),
+        },
+        {"n_sink": int},
+    ),
+    "budgets": SectionSpec(
+        "Per-KV-head budget tables from REAL's INF allocation (DESIGN.md section 3).",
+        {
+            "inf_kv": DatasetSpec("<f8", ("L", "Hkv"), "INFsc averaged over each GQA group, normalised to sum to 1", 0.0, 1.0),
+            "token_budgets": DatasetSpec("<i8", ("NT",), "average budget per KV head, tokens", 1),
+            "token_tables": DatasetSpec("<i8", ("NT", "L", "Hkv"), "budget of each KV head, tokens (sum = budget x L x Hkv)", 0),
+            "ratios": DatasetSpec("<f8", ("NR",), "average budget as a fraction of the sequence length", 0.0, 1.0),
+            "ratio_tables": DatasetSpec("<f8", ("NR", "L", "Hkv"), "unrounded budget of each KV head as a fraction of the sequence length", 0.0),
+        },
+        {"beta": float, "min_budget": int},
+    ),
+    "moments": SectionSpec(
+        "MomentKV calibration: per-KV-head choice of correction order and the measured errors.",
+        {
+            "order": DatasetSpec("|i1", ("L", "Hkv"), "correction order: -1 none, 0 zeroth, 1 first", -1, 1),
+            "errors": DatasetSpec("<f8", ("R", "3", "L", "Hkv"), "relative attention-output error ||o_hat - o|| / ||o|| for none / 0th / 1st order", 0.0),
+            "reference_ratios": DatasetSpec("<f8", ("R",), "kept fraction of the cache at which errors were measured", 0.0, 1.0),
+            "tau": DatasetSpec("<f8", ("L", "Hkv"), "threshold below which C_vk entries are zeroed; 0 = none", 0.0),
+        },
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """Which model an artifact belongs to: architecture numbers and fingerprints."""
+
+    name: str  # model name or path as given to the profiler
+    model_type: str  # transformers config.model_type, e.g. "llama"
+    num_layers: int  # L
+    num_q_heads: int  # Hq
+    num_kv_heads: int  # Hkv
+    head_dim: int  # d
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rope_parameters: str  # JSON of the config's RoPE parameters (type, scaling...)
+    query_norm: bool  # queries pass through a norm before RoPE (e.g. Qwen3)
+    arch_fingerprint: str  # sha256 hex, see artifacts.fingerprint
+    weights_fingerprint: str
+    tokenizer_fingerprint: str
+
+    def dims(self) -> dict[str, int]:
+        return {"L": self.num_layers, "Hq": self.num_q_heads, "Hkv": self.num_kv_heads, "d": self.head_dim}
+
+
+MODEL_ATTR_TYPES: dict[str, type] = typing.get_type_hints(ModelIdentity)
+
+
+@dataclass
+class Section:
+    """One section's datasets (numpy arrays by name) and attributes."""
+
+    arrays: dict[str, np.ndarray]
+    attrs: dict[str, int | float | str] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.arrays[name]
+
+
+@dataclass
+class Artifact:
+    """Everything a calibration file holds, in memory."""
+
+    model: ModelIdentity
+    config: dict  # the full probe / calibration configuration (JSON-serialisable)
+    sections: dict[str, Section] = field(default_factory=dict)
+    toolkit_version: str = ""  # filled in by the writer when empty
+    created: str = ""  # ISO-8601 UTC, filled in by the writer when empty
+
+
+def canonical_json(value) -> str:
+    """Deterministic JSON used wherever text is hashed or stored."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def resolve_shape(spec: DatasetSpec, dims: dict[str, int]) -> tuple[int, ...]:
+    """Shape of ``spec`` given architecture and section dimensions; literal digits stay as is."""
+    return tuple(int(sym) if sym.isdigit() else dims[sym] for sym in spec.shape)

@@ -1,0 +1,129 @@
+"""Writing a calibration artifact: validated, compressed, checksummed, atomic.
+
+The file is written to a temporary file in the destination directory, flushed and fsynced,
+then renamed over the destination (and the directory entry fsynced).  An exception at any
+point before the rename leaves whatever was at the destination untouched.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import tempfile
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from .errors import ArtifactError
+from .metadata import metadata_digest, root_attrs
+from .schema import FORMAT_NAME, SCHEMA_VERSION, SECTIONS, Artifact
+from .validation import check_array, check_model_identity, check_section_attrs, section_dims
+
+COMPRESSION = "gzip"
+COMPRESSION_LEVEL = 4
+
+
+def toolkit_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("kvcal")
+    except Exception:  # running from a source tree that was never installed
+        return "0+unknown"
+
+
+def write_artifact(path: str | os.PathLike, artifact: Artifact) -> Path:
+    """Validate ``artifact`` and write it atomically to ``path``; returns the final path."""
+    path = Path(path)
+    check_model_identity(artifact.model)
+    arch = artifact.model.dims()
+    checked_attrs: dict[str, dict] = {}
+    prepared: dict[str, dict[str, np.ndarray]] = {}
+    for section_name, section in artifact.sections.items():
+        if section_name not in SECTIONS:
+            raise ArtifactError(f"unknown section {section_name!r}; known: {', '.join(SECTIONS)}")
+        unknown = set(section.arrays) - set(SECTIONS[section_name].datasets)
+        if unknown:
+            raise ArtifactError(f"/{section_name}: unknown dataset(s) {sorted(unknown)}")
+        arrays = {name: _as_schema_dtype(section_name, name, value) for name, value in section.arrays.items()}
+        prepared[section_name] = arrays
+        dims = section_dims(section_name, {n: a.shape for n, a in arrays.items()}, arch)
+        for name, array in arrays.items():
+            check_array(section_name, name, array, dims)
+        checked_attrs[section_name] = check_section_attrs(section_name, section.attrs)
+
+    created = artifact.created or _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+    attrs = root_attrs(artifact, created=created, version=artifact.toolkit_version or toolkit_version())
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        # libver v110+: metadata (superblock, object headers) carries its own checksums.
+        with h5py.File(tmp_name, "w", libver=("v110", "latest")) as h5:
+            _write_contents(h5, prepared, attrs, checked_attrs)
+        with open(tmp_name, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        try:
+            os.unlink(tmp_name)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_directory(path.parent)
+    return path
+
+
+def _as_schema_dtype(section: str, name: str, value) -> np.ndarray:
+    """``value`` as the schema's dtype: text encoded as ASCII, numbers cast within their kind."""
+    target = np.dtype(SECTIONS[section].datasets[name].dtype)
+    array = np.asarray(value)
+    if target.kind == "S":
+        if array.dtype.kind == "U":
+            try:
+                array = np.char.encode(array, "ascii")
+            except UnicodeEncodeError as exc:
+                raise ArtifactError(f"/{section}/{name}: text must be ASCII") from exc
+        if array.dtype.kind != "S" or array.dtype.itemsize > target.itemsize:
+            raise ArtifactError(f"/{section}/{name}: expected ASCII text of at most {target.itemsize} bytes")
+        return array.astype(target)
+    if array.dtype.kind not in "biuf" or (target.kind in "iu" and array.dtype.kind == "f"):
+        raise ArtifactError(f"/{section}/{name}: dtype {array.dtype} cannot be stored as {target.str}")
+    converted = array.astype(target)
+    if target.kind in "iu" and not np.array_equal(converted, array):
+        raise ArtifactError(f"/{section}/{name}: values do not fit {target.str}")
+    return converted
+
+
+def _write_contents(h5: h5py.File, prepared: dict, attrs: dict, section_attrs: dict) -> None:
+    model_group = h5.create_group("model")
+    for name, value in attrs["model"].items():
+        model_group.attrs[name] = int(value) if isinstance(value, bool) else value
+    for section_name, arrays in prepared.items():
+        group = h5.create_group(section_name)
+        for name, value in section_attrs[section_name].items():
+            group.attrs[name] = value
+        for name, value in arrays.items():
+            array = np.ascontiguousarray(value)
+            group.create_dataset(name, data=array, chunks=True, compression=COMPRESSION,
+                                 compression_opts=COMPRESSION_LEVEL, shuffle=True, fletcher32=True)
+    for name, value in attrs["root"].items():
+        h5.attrs[name] = value
+    h5.attrs["metadata_sha256"] = metadata_digest(attrs["root"], attrs["model"], section_attrs)
+    h5.attrs["format"] = FORMAT_NAME
+    h5.attrs["schema_version"] = SCHEMA_VERSION
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # e.g. platforms without directory fds
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
