@@ -1,0 +1,124 @@
+"""A compact, JSON-able summary of a validated artifact: what ``inspect-artifact`` prints."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .reader import ArtifactReader
+
+
+def _range(array: np.ndarray) -> dict:
+    array = np.asarray(array, dtype=np.float64)
+    return {"min": float(array.min()), "mean": float(array.mean()), "max": float(array.max())}
+
+
+def summarize(reader: ArtifactReader) -> dict:
+    """Read (and so validate) every section and describe it with a few key figures."""
+    reader.validate()
+    model = reader.model
+    summary = {
+        "path": str(reader.path),
+        "valid": True,
+        "schema_version": reader.schema_version,
+        "toolkit_version": reader.toolkit_version,
+        "created": reader.created,
+        "model": {name: getattr(model, name) for name in model.__dataclass_fields__},
+        "config": reader.config,
+        "sections": {},
+    }
+    sections = summary["sections"]
+    if reader.has("behaviour"):
+        b = reader.section("behaviour")
+        infsc = b["INFsc"]
+        top = np.argsort(-infsc, axis=None, kind="stable")[:5]
+        families, counts = np.unique(b["probe_family"], return_counts=True)
+        sections["behaviour"] = {
+            "probes": int(b["probe_length"].size),
+            "success_rate": float(b["probe_success"].mean()),
+            "families": {f.decode("ascii"): int(c) for f, c in zip(families, counts)},
+            "lengths": {"min": int(b["probe_length"].min()), "max": int(b["probe_length"].max())},
+            "decode_steps": int(b["probe_steps"].sum()),
+            "RAsc": _range(b["RAsc"]),
+            "LCsc": _range(b["LCsc"]),
+            "INFsc": _range(infsc),
+            "top_heads": [{"layer": int(i // infsc.shape[1]), "head": int(i % infsc.shape[1]),
+                           "INFsc": float(infsc.reshape(-1)[i])} for i in top],
+        }
+    if reader.has("query_stats"):
+        q = reader.section("query_stats")
+        sections["query_stats"] = {
+            "n_sink": int(q.attrs["n_sink"]),
+            "queries_per_head": {"min": int(q["n"].min()), "max": int(q["n"].max())},
+            "mean_query_norm": _range(np.linalg.norm(q["mean"], axis=-1)),
+            "cov_trace": _range(np.trace(q["cov"], axis1=-2, axis2=-1)),
+        }
+    if reader.has("budgets"):
+        bt = reader.section("budgets")
+        tables = {}
+        for budget, table in zip(bt["token_budgets"], bt["token_tables"]):
+            tables[str(int(budget))] = {"min": int(table.min()), "max": int(table.max()),
+                                        "std": float(table.std())}
+        sections["budgets"] = {
+            "beta": bt.attrs["beta"],
+            "min_budget": bt.attrs["min_budget"],
+            "inf_kv": _range(bt["inf_kv"]),
+            "token_budgets": tables,
+            "ratios": [float(r) for r in bt["ratios"]],
+        }
+    if reader.has("moments"):
+        m = reader.section("moments")
+        orders, counts = np.unique(m["order"], return_counts=True)
+        names = {-1: "none", 0: "zeroth", 1: "first"}
+        sections["moments"] = {
+            "order_counts": {names[int(o)]: int(c) for o, c in zip(orders, counts)},
+            "reference_ratios": [float(r) for r in m["reference_ratios"]],
+            "mean_error": {names[k - 1]: [float(e) for e in m["errors"][:, k].mean(axis=(1, 2))]
+                           for k in range(3)},
+        }
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    """The summary as human-readable text."""
+    m = summary["model"]
+    lines = [
+        f"{summary['path']}: valid calibration artifact (schema {summary['schema_version']}, "
+        f"kvcal {summary['toolkit_version']}, created {summary['created']})",
+        f"model       {m['name']} ({m['model_type']}: {m['num_layers']} layers, {m['num_q_heads']} query heads, "
+        f"{m['num_kv_heads']} KV heads, head dim {m['head_dim']}, RoPE theta {m['rope_theta']:g}"
+        f"{', query norm' if m['query_norm'] else ''})",
+        f"fingerprints  arch {m['arch_fingerprint'][:16]}  weights {m['weights_fingerprint'][:16]}  "
+        f"tokenizer {m['tokenizer_fingerprint'][:16]}",
+        "config      " + ", ".join(f"{k}={v}" for k, v in sorted(summary["config"].items())
+                                   if not isinstance(v, (dict, list)))[:400],
+    ]
+    sections = summary["sections"]
+    if not sections:
+        lines.append("sections    none")
+    if "behaviour" in sections:
+        b = sections["behaviour"]
+        fam = ", ".join(f"{k} {v}" for k, v in b["families"].items())
+        lines += [
+            f"behaviour   {b['probes']} probes ({fam}), lengths {b['lengths']['min']}-{b['lengths']['max']}, "
+            f"success {b['success_rate']:.0%}, {b['decode_steps']} decode steps",
+            f"            INFsc {b['INFsc']['min']:.3f} .. {b['INFsc']['max']:.3f} (mean {b['INFsc']['mean']:.3f}); "
+            "top heads " + ", ".join(f"L{h['layer']}H{h['head']} {h['INFsc']:.2f}" for h in b["top_heads"]),
+        ]
+    if "query_stats" in sections:
+        q = sections["query_stats"]
+        lines.append(
+            f"query_stats {q['queries_per_head']['min']}-{q['queries_per_head']['max']} queries per head "
+            f"(first {q['n_sink']} tokens of each sample skipped); mean-query norm "
+            f"{q['mean_query_norm']['min']:.2f} .. {q['mean_query_norm']['max']:.2f}; cov trace "
+            f"{q['cov_trace']['min']:.2f} .. {q['cov_trace']['max']:.2f}")
+    if "budgets" in sections:
+        bt = sections["budgets"]
+        spread = "; ".join(f"{k}: {v['min']}-{v['max']}" for k, v in bt["token_budgets"].items())
+        lines.append(f"budgets     beta {bt['beta']:g}, min {bt['min_budget']}; per-head spread at average "
+                     f"budget {spread}; ratios {', '.join(f'{r:g}' for r in bt['ratios'])}")
+    if "moments" in sections:
+        mo = sections["moments"]
+        counts = ", ".join(f"{k} {v}" for k, v in mo["order_counts"].items())
+        lines.append(f"moments     correction order per KV head: {counts}; reference ratios "
+                     f"{', '.join(f'{r:g}' for r in mo['reference_ratios'])}")
+    return "\n".join(lines)

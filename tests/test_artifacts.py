@@ -1,0 +1,299 @@
+"""The HDF5 calibration artifact: round trips, corruption, unsafe files, atomic writes, CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from artifacts import SECTIONS, ArtifactError, Section, open_artifact, write_artifact
+from artifacts.cli import main as inspect_main
+from conftest import make_random_artifact, make_random_identity
+
+SHAPES = {
+    "embedded": dict(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64),
+    "32-layer GQA": dict(num_layers=32, num_q_heads=32, num_kv_heads=8, head_dim=128),
+}
+
+
+@pytest.fixture
+def artifact_path(tmp_path):
+    path = tmp_path / "kv_calibration.h5"
+    write_artifact(path, make_random_artifact())
+    return path
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_round_trip_is_bit_identical(tmp_path, shape):
+    artifact = make_random_artifact(make_random_identity(**SHAPES[shape]))
+    path = write_artifact(tmp_path / "a.h5", artifact)
+    with open_artifact(path) as reader:
+        assert reader.model == artifact.model
+        assert reader.config == artifact.config
+        assert set(reader.sections) == set(SECTIONS)
+        for name, section in artifact.sections.items():
+            loaded = reader.section(name)
+            assert loaded.attrs == section.attrs
+            for key, array in section.arrays.items():
+                expected = np.asarray(array).astype(SECTIONS[name].datasets[key].dtype)
+                got = loaded[key]
+                assert got.dtype == expected.dtype and got.shape == expected.shape
+                assert got.tobytes() == expected.tobytes(), f"{name}/{key} changed"
+
+
+def test_every_dataset_is_compressed_and_checksummed(artifact_path):
+    with h5py.File(artifact_path) as h5:
+        for section in SECTIONS:
+            for name in SECTIONS[section].datasets:
+                dset = h5[section][name]
+                assert dset.fletcher32 and dset.compression == "gzip", dset.name
+
+
+def test_sections_are_optional_and_missing_ones_are_named(tmp_path):
+    path = write_artifact(tmp_path / "a.h5", make_random_artifact(sections=("behaviour",)))
+    with open_artifact(path) as reader:
+        assert reader.sections == ("behaviour",)
+        with pytest.raises(ArtifactError, match="no 'query_stats' section.*calibrated statistics"):
+            reader.require("query_stats", needed_for="calibrated statistics")
+
+
+def test_reading_needs_neither_torch_nor_a_model(artifact_path):
+    code = ("import sys; from artifacts import open_artifact; "
+            f"r = open_artifact({str(artifact_path)!r}); r.validate(); "
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# -- corruption ----------------------------------------------------------------------------
+
+def _assert_invalid(path, match):
+    """Both the API and the CLI refuse the file with a clear message."""
+    with pytest.raises(ArtifactError, match=match):
+        with open_artifact(path) as reader:
+            reader.validate()
+    assert inspect_main([str(path)]) == 2
+
+
+def test_flipped_bytes_inside_a_dataset(artifact_path, capsys):
+    with h5py.File(artifact_path) as h5:
+        info = h5["query_stats/cov"].id.get_chunk_info(0)
+    with open(artifact_path, "r+b") as fh:
+        fh.seek(info.byte_offset + info.size // 2)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    _assert_invalid(artifact_path, "query_stats/cov cannot be read intact")
+    assert "invalid artifact" in capsys.readouterr().err
+
+
+def test_truncated_file(artifact_path):
+    size = artifact_path.stat().st_size
+    with open(artifact_path, "r+b") as fh:
+        fh.truncate(size // 2)
+    _assert_invalid(artifact_path, "not a readable HDF5 file|damaged|cannot be read")
+
+
+def test_missing_required_dataset(artifact_path):
+    with h5py.File(artifact_path, "r+") as h5:
+        del h5["behaviour/INFsc"]
+    _assert_invalid(artifact_path, "required dataset 'INFsc' is missing")
+
+
+def test_nan_value(artifact_path):
+    with h5py.File(artifact_path, "r+") as h5:
+        h5["query_stats/mean"][3, 2, 1] = np.nan
+    _assert_invalid(artifact_path, r"query_stats/mean: 1 value\(s\) are NaN")
+
+
+def test_value_out_of_range(artifact_path):
+    with h5py.File(artifact_path, "r+") as h5:
+        h5["behaviour/INFsc"][0, 0] = 1.5
+    _assert_invalid(artifact_path, "INFsc: value 1.5 above the allowed maximum")
+
+
+def test_newer_major_schema_version_is_refused_with_the_version_needed(artifact_path):
+    with h5py.File(artifact_path, "r+") as h5:
+        h5.attrs["schema_version"] = "2.0"
+    _assert_invalid(artifact_path, r"schema version 2\.0 is newer.*reader for schema 2\.x is needed")
+
+
+def test_newer_minor_version_with_extra_dataset_is_accepted(artifact_path):
+    with h5py.File(artifact_path, "r+") as h5:
+        h5.attrs["schema_version"] = "1.7"
+        h5["budgets"].create_dataset("future", data=np.zeros(3), chunks=True, fletcher32=True)
+    with open_artifact(artifact_path) as reader:
+        reader.validate()
+
+
+def test_unknown_dataset_in_current_version_is_refused(artifact_path):
+    with h5py.File(artifact_path, "r+") as h5:
+        h5["budgets"].create_dataset("surprise", data=np.zeros(3), chunks=True, fletcher32=True)
+    _assert_invalid(artifact_path, "surprise: not part of schema 1.0")
+
+
+def test_altered_metadata_attribute(artifact_path):
+    with h5py.File(artifact_path, "r+") as h5:
+        h5["model"].attrs["weights_fingerprint"] = "0" * 64
+    _assert_invalid(artifact_path, "metadata checksum mismatch")
+
+
+def test_wrong_shape_for_the_recorded_architecture(artifact_path):
+    with h5py.File(artifact_path, "r+") as h5:
+        h5["model"].attrs["num_layers"] = 31
+    _assert_invalid(artifact_path, "does not match the recorded architecture")
+
+
+@pytest.mark.parametrize("where", ["/", "/behaviour/"])
+def test_external_link_is_refused(artifact_path, tmp_path, where):
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as h5:
+        h5.create_dataset("x", data=np.zeros(3))
+    with h5py.File(artifact_path, "r+") as h5:
+        h5[where + "evil"] = h5py.ExternalLink(str(other), "/x")
+    _assert_invalid(artifact_path, "external link")
+
+
+def test_soft_link_is_refused(artifact_path):
+    with h5py.File(artifact_path, "r+") as h5:
+        h5["behaviour/alias"] = h5py.SoftLink("/behaviour/RAsc")
+    _assert_invalid(artifact_path, "soft link")
+
+
+def test_external_storage_is_refused(artifact_path, tmp_path):
+    raw = tmp_path / "raw.bin"
+    raw.write_bytes(np.zeros(30 * 9, dtype="<f8").tobytes())
+    with h5py.File(artifact_path, "r+") as h5:
+        del h5["behaviour/RAsc"]
+        h5["behaviour"].create_dataset("RAsc", shape=(30, 9), dtype="<f8", external=[(str(raw), 0, 30 * 9 * 8)])
+    _assert_invalid(artifact_path, "external storage")
+
+
+def test_virtual_dataset_is_refused(artifact_path, tmp_path):
+    source = tmp_path / "src.h5"
+    with h5py.File(source, "w") as h5:
+        h5.create_dataset("x", data=np.zeros((30, 9)))
+    layout = h5py.VirtualLayout(shape=(30, 9), dtype="<f8")
+    layout[:] = h5py.VirtualSource(str(source), "x", shape=(30, 9))
+    with h5py.File(artifact_path, "r+") as h5:
+        del h5["behaviour/LCsc"]
+        h5["behaviour"].create_virtual_dataset("LCsc", layout)
+    _assert_invalid(artifact_path, "virtual datasets are refused")
+
+
+def test_dataset_without_checksum_is_refused(artifact_path):
+    with h5py.File(artifact_path, "r+") as h5:
+        data = h5["behaviour/W_R"][()]
+        del h5["behaviour/W_R"]
+        h5["behaviour"].create_dataset("W_R", data=data, chunks=True)
+    _assert_invalid(artifact_path, "W_R: no fletcher32 checksum")
+
+
+def test_partly_allocated_dataset_is_refused(artifact_path):
+    with h5py.File(artifact_path, "r+") as h5:
+        del h5["query_stats/cov"]
+        dset = h5["query_stats"].create_dataset("cov", shape=(30, 9, 64, 64), dtype="<f4",
+                                                chunks=(1, 1, 64, 64), fletcher32=True)
+        dset[0] = 1.0  # only the first layer's chunks exist; the rest would read as zeros
+    _assert_invalid(artifact_path, "chunks stored")
+
+
+def test_absurd_architecture_is_refused(artifact_path):
+    with h5py.File(artifact_path, "r+") as h5:
+        h5["model"].attrs["num_q_heads"] = 10**6
+    _assert_invalid(artifact_path, "Hq = 1000000 is outside")
+
+
+def test_not_an_artifact(tmp_path):
+    path = tmp_path / "x.h5"
+    with h5py.File(path, "w") as h5:
+        h5.attrs["format"] = "something-else"
+    _assert_invalid(path, "not a calibration artifact")
+    _assert_invalid(tmp_path / "missing.h5", "no such file")
+
+
+# -- writer --------------------------------------------------------------------------------
+
+def test_writer_refuses_invalid_data(tmp_path):
+    artifact = make_random_artifact(sections=("query_stats",))
+    artifact.sections["query_stats"].arrays["mean"] = np.full((30, 9, 63), 0.5, np.float32)
+    with pytest.raises(ArtifactError, match="does not match the recorded architecture"):
+        write_artifact(tmp_path / "a.h5", artifact)
+    artifact = make_random_artifact(sections=("query_stats",))
+    artifact.sections["query_stats"].arrays["mean"][0, 0, 0] = np.inf
+    with pytest.raises(ArtifactError, match="NaN or infinite"):
+        write_artifact(tmp_path / "a.h5", artifact)
+    artifact.sections = {"behaviuor": Section({})}
+    with pytest.raises(ArtifactError, match="unknown section 'behaviuor'"):
+        write_artifact(tmp_path / "a.h5", artifact)
+    assert not list(tmp_path.iterdir())
+
+
+def test_exception_mid_write_leaves_the_previous_file_intact(artifact_path, monkeypatch):
+    before = artifact_path.read_bytes()
+    import artifacts.writer as writer
+
+    real_create = h5py.Group.create_dataset
+    calls = {"n": 0}
+
+    def failing_create(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError("disk full (simulated)")
+        return real_create(self, *args, **kwargs)
+
+    monkeypatch.setattr(writer.h5py.Group, "create_dataset", failing_create)
+    with pytest.raises(OSError, match="disk full"):
+        write_artifact(artifact_path, make_random_artifact(seed=1))
+    assert artifact_path.read_bytes() == before
+    assert [p.name for p in artifact_path.parent.iterdir()] == [artifact_path.name]  # no temp left
+
+
+def test_killed_writer_leaves_the_previous_file_intact(artifact_path):
+    """SIGKILL during a write (a large artifact, killed after it started) never half-writes."""
+    before = artifact_path.read_bytes()
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); from conftest import *; from artifacts import write_artifact;"
+        "a = make_random_artifact(make_random_identity(num_layers=64, num_q_heads=32, num_kv_heads=8, head_dim=128));"
+        f"print('go', flush=True); write_artifact({str(artifact_path)!r}, a)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "go"
+    import time
+
+    time.sleep(0.3)
+    proc.kill()
+    proc.wait()
+    assert artifact_path.read_bytes() == before
+    # The kill landed mid-write: the writer's temporary file is what is left behind.
+    leftovers = [p.name for p in artifact_path.parent.iterdir() if p != artifact_path]
+    assert len(leftovers) == 1 and leftovers[0].endswith(".tmp"), leftovers
+
+
+# -- inspect-artifact ----------------------------------------------------------------------
+
+def test_inspect_artifact_text_and_json(artifact_path, capsys):
+    assert inspect_main([str(artifact_path)]) == 0
+    text = capsys.readouterr().out
+    assert "valid calibration artifact" in text and "INFsc" in text and "budgets" in text
+    assert inspect_main([str(artifact_path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["valid"] and summary["model"]["num_layers"] == 30
+    assert set(summary["sections"]) == set(SECTIONS)
+    assert summary["sections"]["behaviour"]["probes"] == 7
+
+
+def test_inspect_artifact_console_script(artifact_path):
+    done = subprocess.run([sys.executable, "-m", "artifacts.cli", str(artifact_path), "--json"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["schema_version"] == "1.0"
+    with open(artifact_path, "r+b") as fh:
+        fh.truncate(100)
+    done = subprocess.run([sys.executable, "-m", "artifacts.cli", str(artifact_path)],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "invalid artifact" in done.stderr and not done.stdout
