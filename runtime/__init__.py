@@ -1,0 +1,31 @@
+"""Serving runtime: per-KV-head eviction inside ``model.generate`` (DESIGN.md sections 1-3, 6).
+
+    from runtime import CompressionPolicy, load_calibration, generate, answer
+    calibration = load_calibration(model, tokenizer)               # kv_calibration.h5 next to the weights
+    policy = CompressionPolicy(ratio=0.25, allocation="inf")       # EA scorer, calibrated statistics
+    result = generate(model, input_ids, policy, context_columns=n, calibration=calibration,
+                      max_new_tokens=32)
+
+Modules: ``cache`` (ragged per-head cache), ``attention`` (the registered attention function),
+``scorers`` (EA, KeyDiff, SnapKV, KNorm, StreamingLLM), ``policy``, ``compress`` (prefill and
+eviction), ``generate`` (entry points), ``calibration`` (artifact loading and identity checks),
+``rope``; ``budgets`` and ``models`` are shared with the profiler.
+
+Depends on ``artifacts``, torch, transformers, numpy and h5py only (never on the profiler or
+the probe generator).
+"""
+
+from .attention import enable, ragged_attention, register
+from .cache import ATTENTION_NAME, RaggedCache, RaggedLayer
+from .calibration import Calibration, find_artifact, load_calibration
+from .compress import CompressionReport, PromptQueryStats, compress, prefill
+from .generate import GenerationResult, answer, build_inputs, compress_prompt, generate, split_prompt
+from .policy import CompressionPolicy
+from .scorers import SCORERS, HeadContext, Scorer, make_scorer, select_rows
+
+__all__ = [
+    "ATTENTION_NAME", "Calibration", "CompressionPolicy", "CompressionReport", "GenerationResult", "HeadContext",
+    "PromptQueryStats", "RaggedCache", "RaggedLayer", "SCORERS", "Scorer", "answer", "build_inputs", "compress",
+    "compress_prompt", "enable", "find_artifact", "generate", "load_calibration", "make_scorer", "prefill",
+    "ragged_attention", "register", "select_rows", "split_prompt",
+]

@@ -1,0 +1,86 @@
+"""The ragged attention function and how a model is switched to it.
+
+``enable(model)`` registers the function under the name ``"kvcal_ragged"`` with
+transformers' ``AttentionInterface`` **and** ``AttentionMaskInterface`` (without the mask
+registration transformers silently passes ``attention_mask=None``), then selects it with
+``model.set_attn_implementation``.  Nothing is registered at import time.
+
+The function receives post-RoPE ``query [B, Hq, q, d]`` and the new chunk's un-repeated
+``key/value [B, Hkv, q, d]``.  When the chunk was parked by a :class:`runtime.cache.RaggedLayer`
+it hands over to :meth:`RaggedLayer.attend` (each query head over its KV head's retained
+tokens); with any other cache (or none) it is exactly transformers' SDPA attention, so an
+enabled model keeps working with ordinary caches.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from .cache import ATTENTION_NAME, LAYER_TAG
+
+
+def _real_tokens(attention_mask: torch.Tensor | None, batch: int, q_len: int) -> torch.Tensor | None:
+    """Which chunk tokens are real (not padding), bool ``[B, q]``; None when all are.
+
+    The mask is the chunk's own causal + padding mask ``[B, 1, q, q]`` (see runtime.cache):
+    a token is real exactly when it may attend to itself, i.e. on the diagonal.
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 4 or attention_mask.shape[-1] != q_len or attention_mask.shape[-2] != q_len:
+        raise ValueError(f"ragged attention expects the chunk's own [B, 1, q, q] mask, got "
+                         f"{tuple(attention_mask.shape)} for q={q_len}")
+    diagonal = attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)  # [B or 1, q]
+    real = diagonal if diagonal.dtype == torch.bool else diagonal == 0
+    return real.expand(batch, q_len)
+
+
+def ragged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """AttentionInterface function: ``(out [B, q, Hq, d], None)``."""
+    layer = getattr(key, LAYER_TAG, None)
+    if layer is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    if dropout:
+        raise ValueError("ragged attention does not implement attention dropout (use model.eval())")
+    batch, _, q_len, dim = query.shape
+    real = _real_tokens(attention_mask, batch, q_len)
+    positions = kwargs.get("position_ids")
+    if positions is None:  # no explicit positions: the chunk follows the real tokens seen
+        base = torch.tensor(layer.real_seen, device=query.device).unsqueeze(1)
+        positions = base + torch.arange(q_len, device=query.device)
+    positions = positions.expand(batch, q_len)
+    scale = float(scaling) if scaling is not None else dim ** -0.5
+    return layer.attend(query, real, positions, scale), None
+
+
+def register() -> None:
+    """Register the function and its mask builder with transformers (idempotent)."""
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, ragged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def enable(model) -> None:
+    """Switch ``model`` to the ragged attention function (stays valid with ordinary caches)."""
+    register()
+    if model.config._attn_implementation != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)
+
+
+@contextmanager
+def ragged_attention(model):
+    """``with ragged_attention(model):`` enable for the block, then restore the previous one."""
+    previous = model.config._attn_implementation
+    enable(model)
+    try:
+        yield model
+    finally:
+        if previous != ATTENTION_NAME:
+            model.set_attn_implementation(previous)

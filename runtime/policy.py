@@ -1,0 +1,133 @@
+"""The compression policy: how many tokens each KV head keeps, and which ones.
+
+    CompressionPolicy(ratio=0.25)                                   # EA, calibrated statistics
+    CompressionPolicy(budget=512, allocation="inf", beta=2.0)        # REAL budgets from the artifact
+    CompressionPolicy(ratio=0.5, scorer="expected_attention", statistics="prompt")
+    CompressionPolicy(ratio=0.5, scorer="snapkv", scorer_options={"window": 64})
+
+* budget: ``budget`` tokens per KV head on average, or ``ratio`` of the context (one of them);
+* allocation: ``uniform`` (every head the same) or ``inf`` (REAL, DESIGN.md section 3: the
+  artifact's per-KV-head INF weights split the total, ``beta`` and ``min_budget`` apply);
+* scorer: a name from ``runtime.scorers.SCORERS`` or a :class:`runtime.scorers.Scorer`
+  instance; ``statistics`` (``calibrated`` | ``prompt``) for ``expected_attention``;
+  ``scorer_options`` go to the scorer's constructor;
+* ``n_sink`` first tokens and the last ``window`` tokens of every head are always kept.
+
+Every field is checked when the policy is built; :meth:`CompressionPolicy.check_calibration`
+says which artifact section a policy needs and fails clearly when it is missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .budgets import allocate_budgets
+from .scorers import SCORERS, Scorer, make_scorer
+
+ALLOCATIONS = ("uniform", "inf")
+STATISTICS = ("calibrated", "prompt")
+
+
+@dataclass(frozen=True)
+class CompressionPolicy:
+    budget: int | None = None
+    ratio: float | None = None
+    allocation: str = "uniform"
+    beta: float = 2.0
+    min_budget: int = 1
+    scorer: str | Scorer = "expected_attention"
+    statistics: str | None = None
+    scorer_options: dict = field(default_factory=dict)
+    n_sink: int = 4
+    window: int = 32
+
+    def __post_init__(self):
+        if (self.budget is None) == (self.ratio is None):
+            raise ValueError("give exactly one of budget (tokens per KV head) or ratio (fraction of the context)")
+        if self.budget is not None:
+            if isinstance(self.budget, bool) or not isinstance(self.budget, (int, np.integer)):
+                raise ValueError(f"budget must be an integer number of tokens, got {self.budget!r}")
+            if self.budget <= 0:
+                raise ValueError(f"budget must be > 0 tokens per KV head, got {self.budget}")
+        if self.ratio is not None and not (0.0 < float(self.ratio) <= 1.0):
+            raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"unknown allocation {self.allocation!r}; known: {', '.join(ALLOCATIONS)}")
+        if not self.beta >= 1.0:
+            raise ValueError(f"beta must be >= 1, got {self.beta}")
+        if self.min_budget < 0:
+            raise ValueError(f"min_budget must be >= 0, got {self.min_budget}")
+        if self.n_sink < 0 or self.window < 0:
+            raise ValueError(f"n_sink and window must be >= 0, got {self.n_sink} and {self.window}")
+        if isinstance(self.scorer, str):
+            if self.scorer not in SCORERS:
+                raise ValueError(f"unknown scorer {self.scorer!r}; known scorers: {', '.join(sorted(SCORERS))}")
+        elif not isinstance(self.scorer, Scorer):
+            raise ValueError(f"scorer must be a name ({', '.join(sorted(SCORERS))}) or a Scorer, got {self.scorer!r}")
+        if self.statistics is not None:
+            if self.statistics not in STATISTICS:
+                raise ValueError(f"unknown statistics {self.statistics!r}; known: {', '.join(STATISTICS)}")
+            if self.scorer != "expected_attention":
+                raise ValueError("statistics applies to the expected_attention scorer only")
+        self.build_scorer()  # options are checked by the scorer's constructor
+
+    def build_scorer(self) -> Scorer:
+        if isinstance(self.scorer, Scorer):
+            return self.scorer
+        options = dict(self.scorer_options)
+        if self.scorer == "expected_attention":
+            if "statistics" in options and self.statistics is not None:
+                raise ValueError("give statistics either as a policy field or in scorer_options, not both")
+            options.setdefault("statistics", self.statistics or "calibrated")
+        return make_scorer(self.scorer, **options)
+
+    @property
+    def scorer_name(self) -> str:
+        return self.scorer if isinstance(self.scorer, str) else self.scorer.name
+
+    def needs_calibration(self) -> list[str]:
+        """What this policy reads from an artifact (human-readable)."""
+        needs = []
+        if self.allocation == "inf":
+            needs.append("INF budgets (section 'budgets' or 'behaviour')")
+        if self.build_scorer().query_statistics == "calibrated":
+            needs.append("query statistics (section 'query_stats')")
+        return needs
+
+    def check_calibration(self, calibration) -> None:
+        """Raise a clear error when ``calibration`` (or its absence) cannot serve this policy."""
+        needs = self.needs_calibration()
+        if not needs:
+            return
+        if calibration is None:
+            raise ValueError(f"policy {self.describe()} needs a calibration artifact for: {'; '.join(needs)}. "
+                             "Load one with runtime.load_calibration(model, tokenizer).")
+        if self.allocation == "inf" and calibration.inf_weights is None:
+            raise ValueError(f"allocation='inf' needs INF scores, but {calibration.path} has neither a 'budgets' "
+                             f"nor a 'behaviour' section (present: {', '.join(calibration.sections) or 'none'})")
+        if self.build_scorer().query_statistics == "calibrated" and calibration.query_mean is None:
+            raise ValueError(f"expected_attention with statistics='calibrated' needs query statistics, but "
+                             f"{calibration.path} has no 'query_stats' section (present: "
+                             f"{', '.join(calibration.sections) or 'none'}); use statistics='prompt' or "
+                             "re-run profile-model with the query-stats stage")
+
+    def head_budgets(self, seq_len: int, num_layers: int, num_kv_heads: int,
+                     inf_weights: np.ndarray | None = None) -> np.ndarray:
+        """Integer tokens to keep per KV head, int64 ``[L, Hkv]``, for a context of ``seq_len``."""
+        average = float(self.budget) if self.budget is not None else float(self.ratio) * seq_len
+        if self.allocation == "inf":
+            if inf_weights is None:
+                raise ValueError("allocation='inf' needs the artifact's INF weights")
+            weights = np.asarray(inf_weights, dtype=np.float64)
+            if weights.shape != (num_layers, num_kv_heads):
+                raise ValueError(f"INF weights have shape {weights.shape}, the model has "
+                                 f"[{num_layers}, {num_kv_heads}] KV heads")
+        else:
+            weights = np.full((num_layers, num_kv_heads), 1.0 / (num_layers * num_kv_heads))
+        return allocate_budgets(weights, max(average, 1e-9), seq_len, beta=self.beta, min_budget=self.min_budget)
+
+    def describe(self) -> str:
+        size = f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"
+        return f"CompressionPolicy({size}, allocation={self.allocation}, scorer={self.build_scorer()!r})"

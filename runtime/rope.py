@@ -1,0 +1,61 @@
+"""RoPE as matrices, and RoPE averaged over a future horizon (DESIGN.md section 1).
+
+transformers applies RoPE as ``x * cos + rotate_half(x) * sin`` with ``cos, sin [d]`` per
+position, so the rotation at position ``p`` is the matrix ``R_p = diag(cos_p) + diag(sin_p) P``
+where ``P x = rotate_half(x)``.  Because that is linear in ``(cos, sin)``, the average
+``Rbar = mean_{p=t0..t0+T-1} R_p`` is ``diag(mean cos) + diag(mean sin) P``.  ``cos`` and
+``sin`` come from the model's own rotary module, so RoPE scaling variants are honoured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotate_half_matrix(head_dim: int, dtype=torch.float32, device=None) -> torch.Tensor:
+    """``P [d, d]`` with ``P @ x == rotate_half(x) == cat(-x[d/2:], x[:d/2])``."""
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
+    half = head_dim // 2
+    matrix = torch.zeros(head_dim, head_dim, dtype=dtype, device=device)
+    eye = torch.eye(half, dtype=dtype, device=device)
+    matrix[:half, half:] = -eye
+    matrix[half:, :half] = eye
+    return matrix
+
+
+def rope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``diag(cos) + diag(sin) P`` for ``cos, sin [d]`` (one position, or an average)."""
+    return torch.diag(cos) + sin.unsqueeze(1) * rotate_half_matrix(cos.shape[0], cos.dtype, cos.device)
+
+
+def rotary_module(model):
+    """The model's rotary-embedding module (``model.model.rotary_emb`` for Llama-style models)."""
+    for candidate in (getattr(getattr(model, "model", None), "rotary_emb", None), getattr(model, "rotary_emb", None)):
+        if candidate is not None:
+            return candidate
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb"):
+            return module
+    raise ValueError(f"{type(model).__name__} has no rotary embedding module (rotary_emb)")
+
+
+def rope_cos_sin(model, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's ``cos, sin [len(positions), d]`` (float32) at absolute ``positions``."""
+    rotary = rotary_module(model)
+    device = next(rotary.buffers(), torch.empty(0)).device
+    positions = positions.to(device=device, dtype=torch.long).reshape(1, -1)
+    probe = torch.zeros(1, positions.shape[1], 1, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        cos, sin = rotary(probe, positions)
+    return cos[0].float(), sin[0].float()
+
+
+def averaged_rope(model, start: int, horizon: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean ``cos, sin [d]`` over absolute positions ``start .. start + horizon - 1``."""
+    if horizon <= 0:
+        raise ValueError(f"the RoPE averaging horizon must be positive, got {horizon}")
+    if start < 0:
+        raise ValueError(f"the start position must be >= 0, got {start}")
+    cos, sin = rope_cos_sin(model, torch.arange(start, start + horizon))
+    return cos.mean(0), sin.mean(0)
