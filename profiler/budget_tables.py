@@ -5,8 +5,8 @@ conservation) lives in ``runtime.budgets`` so that the profiler and the serving 
 never disagree; this module only evaluates it on a grid:
 
 * token budgets ``b`` (average tokens per KV head): integer tables from ``allocate_budgets``
-  with ``seq_len = max_seq_len`` (the model's context limit, recorded as attribute
-  ``token_seq_len``); a runtime that knows the real sequence length recomputes from ``inf_kv``;
+  with ``seq_len = max_seq_len`` (the model's context limit; the job records it in the
+  artifact's config as ``budgets.token_seq_len``); a runtime that knows the real sequence length recomputes from ``inf_kv``;
 * ratios ``r``: the *unrounded* REAL budget ``r (1 - 1/beta) + r L Hkv / beta * INF_h`` as a
   fraction of the sequence length (``ideal_budgets``); the runtime rounds and clips it with
   ``allocate_budgets(inf_kv, r * seq_len, seq_len, ...)`` once ``seq_len`` is known.
@@ -55,5 +55,5 @@ def budget_tables(infsc: np.ndarray, num_kv_heads: int, *, max_seq_len: int,
         "ratios": ratios,
         "ratio_tables": ratio_tables.astype(np.float64),
     }
-    attrs = {"beta": float(beta), "min_budget": int(min_budget), "token_seq_len": int(max_seq_len)}
+    attrs = {"beta": float(beta), "min_budget": int(min_budget)}
     return arrays, attrs

@@ -1,0 +1,118 @@
+"""The behaviour stage: run probes, greedy-decode, accumulate REAL's behaviour matrix.
+
+For each probe (batch 1): prefill the whole prompt with the fused ``sdpa`` kernel, decode
+greedily with ``generate()`` while :mod:`profiler.attention_capture` records, for every
+generated token and every (layer, query head), the dominant context token and its weight;
+:func:`profiler.behaviour_scores.dominant_totals` turns those into the probe's contribution
+to ``W_W, W_R, W_B, W_D``.  The generated text is checked against the probe's answer.
+
+:class:`BehaviourState` holds the running sums (float64, added in probe order) and the
+per-probe table; it round-trips through the resume work file and reduces across processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from needles.probe import Probe
+from profiler.architecture import ModelGeometry
+from profiler.attention_capture import DecodeAttentionRecorder
+from profiler.behaviour_scores import NUM_LABELS, behaviour_scores, dominant_totals
+
+
+def answer_matches(text: str, probe: Probe) -> bool:
+    """Whether the generated ``text`` answers ``probe`` (needles' checker when available)."""
+    try:
+        from needles import answer_is_correct
+    except ImportError:
+        return probe.answer.strip().lower() in text.lower()
+    return bool(answer_is_correct(text, probe))
+
+
+@dataclass
+class ProbeResult:
+    totals: np.ndarray  # [L, Hq, 4] float64, dominant weight per label (W, R, B, D)
+    steps: int  # generated tokens = recorded steps
+    success: bool
+    text: str
+
+
+def run_probe(model, tokenizer, geometry: ModelGeometry, probe: Probe, max_new_tokens: int) -> ProbeResult:
+    """Greedy-decode one probe with decode-attention capture.  The model must already use the
+    capture attention implementation (:func:`capture_attention_implementation`)."""
+    device = model.get_input_embeddings().weight.device
+    ids = torch.tensor([probe.input_ids], dtype=torch.long, device=device)  # [1, C]
+    context = ids.shape[1]
+    recorder = DecodeAttentionRecorder(geometry.num_layers, geometry.num_q_heads, context, max_new_tokens)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with torch.no_grad(), recorder.active():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad)
+    generated = out[0, context:]
+    records = recorder.results()
+    steps = int(records["max_weight"].shape[0])
+    if steps != generated.shape[0]:
+        raise RuntimeError(f"recorded {steps} steps for {generated.shape[0]} generated tokens")
+    totals = dominant_totals(records["max_weight"], records["argmax"], probe.labels())
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    return ProbeResult(totals, steps, answer_matches(text, probe), text)
+
+
+class BehaviourState:
+    """Running sums over probes and the per-probe table (probe index -> success, steps)."""
+
+    def __init__(self, num_layers: int, num_q_heads: int):
+        self.totals = np.zeros((num_layers, num_q_heads, NUM_LABELS), dtype=np.float64)  # W, R, B, D
+        self.steps = np.zeros((num_layers, num_q_heads), dtype=np.int64)
+        self.done: dict[int, tuple[bool, int]] = {}  # probe index -> (success, steps)
+
+    def add(self, index: int, result: ProbeResult) -> None:
+        self.totals += result.totals
+        self.steps += result.steps
+        self.done[index] = (bool(result.success), int(result.steps))
+
+    # -- checkpoint round trip ------------------------------------------------------------
+    def arrays(self) -> dict[str, np.ndarray]:
+        indices = np.array(sorted(self.done), dtype=np.int64)
+        return {
+            "behaviour_totals": self.totals,
+            "behaviour_steps": self.steps,
+            "behaviour_index": indices,
+            "behaviour_success": np.array([self.done[i][0] for i in indices], dtype=np.uint8),
+            "behaviour_probe_steps": np.array([self.done[i][1] for i in indices], dtype=np.int64),
+        }
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> "BehaviourState":
+        state = cls(*arrays["behaviour_totals"].shape[:2])
+        state.totals[...] = arrays["behaviour_totals"]
+        state.steps[...] = arrays["behaviour_steps"]
+        for index, success, steps in zip(arrays["behaviour_index"], arrays["behaviour_success"],
+                                         arrays["behaviour_probe_steps"]):
+            state.done[int(index)] = (bool(success), int(steps))
+        return state
+
+    # -- the artifact section -------------------------------------------------------------
+    def section_arrays(self, probes: list[Probe]) -> dict[str, np.ndarray]:
+        """The ``behaviour`` section's arrays; every probe must be done."""
+        missing = [i for i in range(len(probes)) if i not in self.done]
+        if missing:
+            raise RuntimeError(f"{len(missing)} probes were not run (first: {missing[0]})")
+        w_w, w_r, w_b, w_d = (self.totals[..., code] for code in range(NUM_LABELS))
+        rasc, lcsc, infsc = behaviour_scores(w_r, w_b, w_d)
+        return {
+            "W_R": w_r.copy(), "W_B": w_b.copy(), "W_D": w_d.copy(), "W_W": w_w.copy(),
+            "steps": self.steps.copy(), "RAsc": rasc, "LCsc": lcsc, "INFsc": infsc,
+            "probe_length": np.array([p.length for p in probes], dtype=np.int64),
+            "probe_depth": np.array([p.depth for p in probes], dtype=np.float64),
+            "probe_family": np.array([p.family.encode("ascii", "replace")[:64] for p in probes], dtype="S64"),
+            "probe_seed": np.array([p.seed for p in probes], dtype=np.int64),
+            "probe_success": np.array([self.done[i][0] for i in range(len(probes))], dtype=np.uint8),
+            "probe_steps": np.array([self.done[i][1] for i in range(len(probes))], dtype=np.int64),
+        }
+
+    def success_rate(self) -> float:
+        return float(np.mean([s for s, _ in self.done.values()])) if self.done else 0.0

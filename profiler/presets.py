@@ -1,0 +1,32 @@
+"""Named job sizes: which needles probe preset, how many decode steps, how much calibration text.
+
+``smoke`` is a seconds-long check that everything runs; ``quick`` is a useful first profile
+of a small model on a laptop CPU (minutes); ``standard`` is the recommended profile;
+``paper`` follows REAL's grid (seed 004: 30 lengths x 33 depths) and is meant for GPUs.
+Individual numbers can be overridden on the command line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class ProfilePreset:
+    probes: str  # name of the needles probe preset
+    max_new_tokens: int  # greedy decode steps per probe (fewer when EOS comes first)
+    calib_samples: int  # calibration windows for the query statistics
+    calib_tokens: int  # tokens per window
+    batch_size: int  # windows per forward pass
+    n_sink: int = 4  # leading positions of each window left out of the statistics
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS: dict[str, ProfilePreset] = {
+    "smoke": ProfilePreset("smoke", max_new_tokens=6, calib_samples=2, calib_tokens=64, batch_size=2),
+    "quick": ProfilePreset("quick", max_new_tokens=24, calib_samples=32, calib_tokens=512, batch_size=4),
+    "standard": ProfilePreset("standard", max_new_tokens=32, calib_samples=128, calib_tokens=1024, batch_size=4),
+    "paper": ProfilePreset("paper", max_new_tokens=48, calib_samples=512, calib_tokens=2048, batch_size=2),
+}
