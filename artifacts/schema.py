@@ -97,7 +97,7 @@ SECTIONS: dict[str, SectionSpec] = {
         "MomentKV calibration: per-KV-head choice of correction order and the measured errors.",
         {
             "order": DatasetSpec("|i1", ("L", "Hkv"), "correction order: -1 none, 0 zeroth, 1 first", -1, 1),
-            "errors": DatasetSpec("<f8", ("R", "3", "L", "Hkv"), "relative attention-output error ||o_hat - o|| / ||o|| for none / 0th / 1st order", 0.0),
+            "errors": DatasetSpec("<f8", ("R", "3", "L", "Hkv"), "relative attention-output error norm(o_hat - o) / norm(o) for none / 0th / 1st order", 0.0),
             "reference_ratios": DatasetSpec("<f8", ("R",), "kept fraction of the cache at which errors were measured", 0.0, 1.0),
             "tau": DatasetSpec("<f8", ("L", "Hkv"), "threshold below which C_vk entries are zeroed; 0 = none", 0.0),
         },

@@ -297,3 +297,22 @@ def test_inspect_artifact_console_script(artifact_path):
     done = subprocess.run([sys.executable, "-m", "artifacts.cli", str(artifact_path)],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "invalid artifact" in done.stderr and not done.stdout
+
+
+def test_format_doc_lists_every_dataset_and_attribute_of_the_schema():
+    """docs/artifact-format.md must follow artifacts/schema.py."""
+    from pathlib import Path
+
+    from artifacts.schema import FORMAT_NAME, MODEL_ATTR_TYPES, SCHEMA_VERSION
+
+    doc = (Path(__file__).parent.parent / "docs" / "artifact-format.md").read_text()
+    assert f"format {SCHEMA_VERSION}" in doc and FORMAT_NAME in doc
+    for section, spec in SECTIONS.items():
+        assert f"### `/{section}`" in doc
+        for name, dspec in spec.datasets.items():
+            row = f"| `{name}` | `{dspec.dtype.replace('|', chr(92) + '|')}` | `[{', '.join(dspec.shape)}]` |"
+            assert row in doc, f"format doc lacks or misdescribes /{section}/{name}: {row}"
+        for attr in spec.attrs:
+            assert f"`{attr}`" in doc
+    for attr in MODEL_ATTR_TYPES:
+        assert f"| `{attr}` |" in doc
