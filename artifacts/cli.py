@@ -1,4 +1,4 @@
-"""``inspect-artifact PATH [--json]``: validate a calibration file and summarise it."""
+"""``inspect-artifact PATH [--json] [--html OUT]``: validate a calibration file and summarise it."""
 
 from __future__ import annotations
 
@@ -24,6 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("path", help="the .h5 calibration file")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of text")
+    parser.add_argument("--html", metavar="OUT",
+                        help="also write a self-contained HTML report (heatmaps of the head scores, "
+                             "budgets, query statistics, moments) to OUT")
+    parser.add_argument("--budget", type=int, default=256, metavar="TOKENS",
+                        help="average per-head budget whose allocation the report draws (default 256; "
+                             "the nearest table in the artifact is used)")
     return parser
 
 
@@ -32,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with open_artifact(args.path) as reader:
             summary = summarize(reader)
+            if args.html:
+                from .report import write_report
+
+                write_report(args.html, reader, budget=args.budget)
     except ArtifactError as exc:
         print(f"inspect-artifact: invalid artifact: {exc}", file=sys.stderr)
         return EXIT_INVALID

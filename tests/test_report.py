@@ -1,0 +1,90 @@
+"""The HTML calibration report, rendered in a real headless Chromium."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+
+import pytest
+
+from artifacts import open_artifact, write_artifact
+from artifacts.cli import main as inspect_main
+from artifacts.report import colour, render_report
+from conftest import make_random_artifact
+
+EVALUATION = {
+    "baseline": {"accuracy": 0.8},
+    "results": [{"policy": policy, "ratio": ratio, "accuracy": max(0.0, 0.8 - ratio * slope)}
+                for policy, slope in [("uniform/keydiff", 0.5), ("inf/expected_attention", 0.3)]
+                for ratio in (0.5, 0.75, 0.9)],
+    "recommendation": {"text": "inf/expected_attention at ratio 0.5"},
+}
+
+
+def test_colour_map_endpoints():
+    assert colour(0.0) == "#440154" and colour(1.0) == "#fde725" and colour(7.0) == "#fde725"
+
+
+def test_report_holds_every_section_and_escapes_text(tmp_path):
+    artifact = make_random_artifact()
+    artifact.config["note"] = "<script>alert(1)</script>"
+    path = write_artifact(tmp_path / "a.h5", artifact)
+    with open_artifact(path) as reader:
+        page = render_report(reader, EVALUATION)
+    assert page.count('class="heatmap"') == 6  # RAsc, LCsc, INFsc, budgets, mean norm, cov trace
+    assert page.count("<rect") >= 3 * 30 * 9 + 30 * 3
+    assert page.count('class="curve"') == 2 and 'class="baseline"' in page
+    assert 'id="moments-table"' in page and "<script>" not in page and "&lt;script&gt;" in page
+    assert "http://" not in page.replace("http://www.w3.org/2000/svg", "")  # no network assets
+
+
+def _chromium():
+    driver = shutil.which("chromedriver")
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if driver and browser:
+        return driver, browser
+    message = "headless Chromium is needed (Debian packages chromium and chromium-driver)"
+    if os.environ.get("CI"):
+        pytest.fail(message + "; CI must install them")
+    pytest.skip(message)
+
+
+def test_report_renders_in_headless_chromium(tmp_path):
+    driver_path, browser_path = _chromium()
+    from PIL import Image
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    path = write_artifact(tmp_path / "a.h5", make_random_artifact())
+    html = tmp_path / "report.html"
+    assert inspect_main([str(path), "--html", str(html)]) == 0
+    with open_artifact(path) as reader:  # the evaluation variant, with curves
+        html.write_text(render_report(reader, EVALUATION), encoding="utf-8")
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser_path
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1300,1800"):
+        options.add_argument(flag)
+    browser = webdriver.Chrome(service=Service(driver_path), options=options)
+    try:
+        browser.get(html.as_uri())
+        heatmaps = browser.find_elements(By.CSS_SELECTOR, "figure.heatmap svg")
+        assert len(heatmaps) == 6
+        for svg in heatmaps:
+            assert svg.size["width"] > 40 and svg.size["height"] > 100
+            cells = svg.find_elements(By.TAG_NAME, "rect")
+            assert len(cells) > 30
+            image = Image.open(io.BytesIO(svg.screenshot_as_png)).convert("RGB")
+            assert len(set(image.getdata())) > 10, "heatmap rendered without its colours"
+        curves = browser.find_elements(By.CSS_SELECTOR, "#accuracy-chart polyline.curve")
+        assert len(curves) == 2 and all(c.size["width"] > 50 for c in curves)
+        chart = Image.open(io.BytesIO(browser.find_element(By.ID, "accuracy-chart").screenshot_as_png)).convert("RGB")
+        strokes = {px for px in chart.getdata() if max(px) - min(px) > 60}  # saturated curve colours
+        assert len(strokes) > 5
+        assert browser.find_element(By.ID, "identity").text.count("fingerprint") == 3
+    finally:
+        browser.quit()
