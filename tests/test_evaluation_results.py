@@ -1,0 +1,69 @@
+"""evaluate-artifact's pure logic: policy grammar, intervals, the recommendation."""
+
+from __future__ import annotations
+
+import pytest
+
+from profiler.evaluation_results import (
+    markdown_table,
+    parse_policy,
+    recommend,
+    wilson_interval,
+)
+
+
+def _row(policy, ratio, accuracy, kv_bytes=1000):
+    return {"policy": policy, "ratio": ratio, "accuracy": accuracy, "kv_bytes": kv_bytes,
+            "kv_fraction": 1 - (ratio or 0), "ci_low": 0.0, "ci_high": 1.0, "attention_error": 0.1,
+            "prefill_seconds": 1.0, "decode_seconds": 0.5}
+
+
+def test_wilson_interval_matches_reference_values():
+    low, high = wilson_interval(8, 10)  # reference: statsmodels proportion_confint(8, 10, method="wilson")
+    assert low == pytest.approx(0.4902, abs=1e-4) and high == pytest.approx(0.9433, abs=1e-4)
+    assert wilson_interval(0, 20)[0] == 0.0 and wilson_interval(20, 20)[1] == 1.0
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_recommendation_picks_the_highest_ratio_within_tolerance():
+    results = [_row("uniform/keydiff", 0.5, 0.80), _row("uniform/keydiff", 0.75, 0.70),
+               _row("inf/expected_attention:calibrated", 0.5, 0.81), _row("inf/expected_attention:calibrated", 0.75, 0.79),
+               _row("inf/expected_attention:calibrated", 0.9, 0.60)]
+    chosen = recommend(0.80, results, tolerance=0.02)
+    assert (chosen["policy"], chosen["ratio"]) == ("inf/expected_attention:calibrated", 0.75)
+    assert "0.75" in chosen["text"]
+    # A looser tolerance admits the 0.9 row.
+    assert recommend(0.80, results, tolerance=0.25)["ratio"] == 0.9
+
+
+def test_recommendation_ties_go_to_accuracy_then_bytes_then_name():
+    results = [_row("b", 0.75, 0.79, 900), _row("a", 0.75, 0.80, 1000), _row("c", 0.75, 0.80, 800)]
+    assert recommend(0.80, results)["policy"] == "c"
+    results = [_row("b", 0.75, 0.80, 800), _row("a", 0.75, 0.80, 800)]
+    assert recommend(0.80, results)["policy"] == "a"
+
+
+def test_recommendation_when_nothing_is_good_enough():
+    chosen = recommend(0.80, [_row("uniform/streaming", 0.5, 0.3), _row("uniform/keydiff", 0.5, 0.6)])
+    assert chosen["policy"] is None and "uniform/keydiff" in chosen["text"]
+
+
+def test_policy_grammar_and_errors():
+    spec = parse_policy("inf/expected_attention:calibrated")
+    assert (spec.allocation, spec.scorer, spec.statistics) == ("inf", "expected_attention", "calibrated")
+    policy = spec.policy(0.75)
+    assert policy.ratio == pytest.approx(0.25) and policy.allocation == "inf"
+    assert parse_policy("baseline").policy(0.5) is None
+    with pytest.raises(ValueError, match="unknown scorer 'keydif'"):
+        parse_policy("uniform/keydif")
+    with pytest.raises(ValueError, match="ALLOCATION/SCORER"):
+        parse_policy("keydiff")
+    with pytest.raises(ValueError, match="unknown allocation"):
+        parse_policy("greedy/keydiff")
+
+
+def test_markdown_table_lists_baseline_first():
+    evaluation = {"baseline": _row("baseline", None, 0.8), "results": [_row("uniform/keydiff", 0.5, 0.7)],
+                  "recommendation": recommend(0.8, [_row("uniform/keydiff", 0.5, 0.7)])}
+    table = markdown_table(evaluation).splitlines()
+    assert table[2].startswith("| baseline | - | 0.80") and table[3].startswith("| uniform/keydiff | 0.5 | 0.70")
