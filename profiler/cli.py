@@ -23,8 +23,10 @@ eviction runtime loads (kv_calibration.h5). Stages:
   budgets      per-KV-head budget tables for a grid of average budgets from INFsc (REAL).
 
 Long runs checkpoint into <out>.work.npz; after Ctrl-C or a crash rerun the same command with
---resume. Multi-process / multi-GPU: `accelerate launch [--cpu] --num_processes N -m
-profiler.cli ...` shards probes and calibration text; the main process writes the file.
+--resume. Multi-process: `accelerate launch [--cpu | --multi_gpu] --num_processes N -m
+profiler.cli ...` (or torchrun) shards probes and calibration text over N processes and
+reduces the sums exactly; the main process alone writes the file. Big models: one process
+with --device-map auto spreads the layers over the visible GPUs.
 """
 
 PRESET_HELP = "; ".join(
@@ -52,7 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="output file (default: kv_calibration.h5 in the model directory when writable, "
                              "else in the current directory)")
     parser.add_argument("--preset", choices=list(PRESETS), default="quick", help=f"job size. {PRESET_HELP}")
-    parser.add_argument("--stages", type=_csv(str), default=STAGES,
+    def stages(text: str) -> tuple[str, ...]:
+        chosen = _csv(str)(text)
+        unknown = [stage for stage in chosen if stage not in STAGES]
+        if unknown or not chosen:
+            raise argparse.ArgumentTypeError(f"unknown stage(s) {unknown}; choose from {','.join(STAGES)}")
+        return chosen
+
+    parser.add_argument("--stages", type=stages, default=STAGES,
                         help=f"comma-separated subset of {','.join(STAGES)} (default: all). Sections of an "
                              "existing artifact for the same model at --out are kept")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run from its work file")
@@ -98,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.models import ModelNotFoundError
 
     args = build_parser().parse_args(argv)
+    from profiler.distributed import relaunch_with_torchrun, requested_cpu_processes
+
+    workers = requested_cpu_processes()
+    if workers:
+        # `accelerate launch --cpu --num_processes N` started only this process: start the N
+        # gloo workers ourselves (see profiler.distributed).
+        print(f"profile-model: starting {workers} CPU worker processes (gloo)", file=sys.stderr)
+        return relaunch_with_torchrun(workers, list(sys.argv[1:] if argv is None else argv))
     options = JobOptions(
         model=args.model, out=args.out, preset=args.preset, stages=tuple(args.stages), resume=args.resume,
         probes_file=args.probes_file, max_new_tokens=args.max_new_tokens, calib_dataset=args.calib_dataset,
@@ -106,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         token_budgets=args.token_budgets, ratios=args.ratios, beta=args.beta, min_budget=args.min_budget,
         checkpoint_every=args.checkpoint_every, device_map=args.device_map, seed=args.seed,
         progress=not args.no_progress)
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # `kill` stops as cleanly as Ctrl-C
+    previous_handler = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # `kill` stops like Ctrl-C
     try:
         run_job(options)
     except JobInterrupted as exc:
@@ -119,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, WorkFileMismatch, ModelNotFoundError, ArtifactError) as exc:
         print(f"profile-model: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
     return 0
 
 

@@ -1,0 +1,177 @@
+"""profile-model as a job: resume after SIGINT / SIGKILL, accelerate 2 processes == 1, CLI errors.
+
+A tiny random Llama with the embedded model's tokenizer is saved as a model directory, with
+hand-built probes (JSON lines) and a local calibration text file, so every run takes seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from artifacts import open_artifact
+from conftest import make_tiny_llama
+from needles.probe import Probe, Span
+from profiler.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+NUM_PROBES = 12
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """In-process runs use one thread like the subprocesses (OMP_NUM_THREADS=1), so float32
+    model arithmetic is the same everywhere and only the reduction order can differ."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, embedded_tokenizer):
+    directory = tmp_path_factory.mktemp("tiny-model")
+    model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                            vocab_size=len(embedded_tokenizer), seed=7)
+    model.save_pretrained(directory)
+    embedded_tokenizer.save_pretrained(directory)
+    rng = random.Random(0)
+    with open(directory / "probes.jsonl", "w") as fh:
+        for i in range(NUM_PROBES):
+            n = 48 + 4 * i
+            ids = [rng.randrange(100, 40000) for _ in range(n)]
+            spans = [Span("R", 10, 13), Span("B", 20, 22), Span("D", 30, 34)]
+            probe = Probe(id=f"p{i}", family="hand", length=n, depth=25.0 + i, seed=i, question="q?",
+                          answer="zebra", input_ids=ids, spans=spans, context_end=n - 6)
+            fh.write(probe.to_json() + "\n")
+    (directory / "calib.txt").write_text("A heron waited by the mill pond while the barges passed. " * 150)
+    return directory
+
+
+def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
+    return [str(model_dir), "--out", str(out), "--preset", "smoke", "--probes", str(model_dir / "probes.jsonl"),
+            "--calib-dataset", str(model_dir / "calib.txt"), "--calib-samples", "8", "--batch-size", "1",
+            "--max-new-tokens", "5", "--no-progress", *extra]
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+
+
+def _run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "profiler.cli", *args], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=300, **kwargs)
+
+
+def _read(path: Path) -> tuple[dict, dict]:
+    with open_artifact(path) as reader:
+        arrays = {f"{name}/{key}": value for name in ("behaviour", "query_stats", "budgets")
+                  for key, value in reader.section(name).arrays.items()}
+        return arrays, dict(reader.config)
+
+
+def _start_and_signal(args, work: Path, sig: int) -> subprocess.CompletedProcess:
+    """Start a run, wait for its first checkpoint, send ``sig``; return the finished process."""
+    proc = subprocess.Popen([sys.executable, "-m", "profiler.cli", *args], cwd=REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not work.exists():
+        assert proc.poll() is None, f"run ended before its first checkpoint: {proc.communicate()}"
+        assert time.time() < deadline, "no checkpoint within 120 s"
+        time.sleep(0.02)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference") / "kv_calibration.h5"
+    assert main(_args(model_dir, out)) == 0  # in-process: an uninterrupted single-process run
+    assert not Path(str(out) + ".work.npz").exists()
+    return out
+
+
+def test_interrupt_and_kill_then_resume_gives_the_same_artifact(model_dir, reference, tmp_path, capsys):
+    out = tmp_path / "kv_calibration.h5"
+    work = Path(str(out) + ".work.npz")
+    args = _args(model_dir, out, "--checkpoint-every", "1")
+
+    # Ctrl-C: clean stop, work file kept, the message says how to resume, no artifact.
+    stopped = _start_and_signal(args, work, signal.SIGINT)
+    assert stopped.returncode == 130, stopped.stderr
+    assert "--resume" in stopped.stderr and work.exists() and not out.exists()
+
+    # Resuming with other settings is refused (the work file is left alone).
+    assert main([*_args(model_dir, out, "--max-new-tokens", "3"), "--resume"]) == 2
+    assert "different job" in capsys.readouterr().err and work.exists()
+
+    # SIGKILL during the resumed run: again no artifact, the work file stays readable.
+    killed = _start_and_signal([*args, "--resume"], work, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL
+    assert not out.exists() and work.exists()
+
+    assert main([*args, "--resume"]) == 0
+    stdout = capsys.readouterr().out
+    assert "resuming from" in stdout
+    done_before = int(stdout.split("resuming from")[1].split(":")[1].split("probes")[0])
+    assert 1 <= done_before < NUM_PROBES  # it really was stopped mid-run
+    assert not work.exists()
+
+    got, got_config = _read(out)
+    want, want_config = _read(reference)
+    assert got.keys() == want.keys()
+    for name in want:  # same order of float64 additions: bit-identical
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert got_config == want_config
+
+
+def test_accelerate_two_processes_equal_single(model_dir, reference, tmp_path):
+    out = tmp_path / "kv_calibration.h5"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "-m", "profiler.cli", *_args(model_dir, out)]
+    result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "starting 2 CPU worker processes" in result.stderr
+    assert result.stdout.count("wrote ") == 1  # the main process alone writes
+    got, got_config = _read(out)
+    want, want_config = _read(reference)
+    for name in want:
+        if want[name].dtype.kind in "iuS":
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        else:  # float64 sums added in another order
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-9, atol=1e-12, err_msg=name)
+    assert got_config["profiler"]["processes"] == 2 and want_config["profiler"]["processes"] == 1
+    got_config.pop("profiler"), want_config.pop("profiler")
+    assert got_config == want_config
+    assert not list(tmp_path.glob("*.work*"))
+
+
+def test_subset_of_stages_keeps_other_sections(model_dir, reference, tmp_path):
+    out = tmp_path / "kv_calibration.h5"
+    out.write_bytes(reference.read_bytes())
+    assert main(_args(model_dir, out, "--stages", "budgets", "--budgets", "32,96", "--beta", "3")) == 0
+    with open_artifact(out) as reader:
+        budgets = reader.section("budgets")
+        assert budgets.attrs["beta"] == 3.0 and budgets["token_budgets"].tolist() == [32, 96]
+        assert reader.has("behaviour") and reader.has("query_stats")
+        assert reader.config["budgets"]["beta"] == 3.0 and "behaviour" in reader.config
+
+
+def test_cli_errors_are_clear(model_dir, tmp_path, capsys):
+    assert main(_args(model_dir, tmp_path / "x.h5", "--stages", "budgets")) == 2
+    assert "needs INFsc" in capsys.readouterr().err
+    assert main([str(tmp_path), "--out", str(tmp_path / "y.h5")]) == 2
+    assert "not a model directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--stages", "behaviour,moments"])
