@@ -1,0 +1,138 @@
+"""Profiler performance on the embedded model: overhead ratios and a full quick job.
+
+    python benchmarks/profiler_perf.py [--probes-preset quick] [--limit 12] [--skip-job]
+
+Measures, within one run on this machine:
+
+1. behaviour stage vs plain greedy ``generate()`` (sdpa) on the same probes and the same
+   ``max_new_tokens``: ratio of total wall times (target <= 1.15).  Modes alternate per probe
+   so that background load hits both alike; each probe runs once per mode after a warm-up.
+2. query-stats stage vs a plain forward pass (``model.model``, no LM head in either) over the
+   same calibration windows (target <= 1.10), alternating per batch.
+3. ``profile-model --preset quick`` on the embedded model in a subprocess: wall time (target
+   <= 10 min) and peak resident memory of the child process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from profiler.architecture import inspect_model  # noqa: E402
+from profiler.attention_capture import capture_attention_implementation  # noqa: E402
+from profiler.behaviour_stage import run_probe  # noqa: E402
+from profiler.calibration_text import calibration_windows  # noqa: E402
+from profiler.presets import PRESETS  # noqa: E402
+from profiler.probe_source import preset_probes  # noqa: E402
+from profiler.query_stats import QueryStatsAccumulator, collect_queries  # noqa: E402
+from runtime.models import load_model, load_tokenizer  # noqa: E402
+
+
+def plain_generate(model, tokenizer, probe, max_new_tokens):
+    ids = torch.tensor([probe.input_ids])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                              do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad)
+
+
+def bench_behaviour(model, tokenizer, probes, max_new_tokens):
+    geometry = inspect_model(model)
+    plain_s = capture_s = 0.0
+    steps = 0
+    plain_generate(model, tokenizer, probes[0], 2)  # warm-up
+    for index, probe in enumerate(probes):
+        order = ("plain", "capture") if index % 2 == 0 else ("capture", "plain")
+        for mode in order:
+            start = time.perf_counter()
+            if mode == "plain":
+                plain_generate(model, tokenizer, probe, max_new_tokens)
+                plain_s += time.perf_counter() - start
+            else:
+                with capture_attention_implementation(model):
+                    result = run_probe(model, tokenizer, geometry, probe, max_new_tokens)
+                capture_s += time.perf_counter() - start
+                steps += result.steps
+    return {"probes": len(probes), "decode_steps": steps, "mean_prompt_tokens":
+            sum(len(p.input_ids) for p in probes) / len(probes), "plain_generate_s": round(plain_s, 2),
+            "behaviour_stage_s": round(capture_s, 2), "ratio": round(capture_s / plain_s, 3)}
+
+
+def bench_query_stats(model, windows, batch_size, n_sink):
+    geometry = inspect_model(model)
+    acc = QueryStatsAccumulator(geometry.num_layers, geometry.num_q_heads, geometry.head_dim)
+    plain_s = stats_s = 0.0
+    batches = [windows[i:i + batch_size] for i in range(0, len(windows), batch_size)]
+    with torch.no_grad():
+        model.model(input_ids=batches[0][:1, :32], use_cache=False)  # warm-up
+        for index, ids in enumerate(batches):
+            order = ("plain", "stats") if index % 2 == 0 else ("stats", "plain")
+            for mode in order:
+                start = time.perf_counter()
+                if mode == "plain":
+                    model.model(input_ids=ids, use_cache=False)
+                    plain_s += time.perf_counter() - start
+                else:
+                    with collect_queries(geometry, acc, n_sink):
+                        model.model(input_ids=ids, use_cache=False)
+                    stats_s += time.perf_counter() - start
+    return {"windows": int(windows.shape[0]), "tokens_per_window": int(windows.shape[1]),
+            "plain_forward_s": round(plain_s, 2), "query_stats_s": round(stats_s, 2),
+            "ratio": round(stats_s / plain_s, 3)}
+
+
+def bench_quick_job():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "kv_calibration.h5"
+        start = time.perf_counter()
+        result = subprocess.run([sys.executable, "-m", "profiler.cli", "--preset", "quick", "--out", str(out),
+                                 "--no-progress"], cwd=REPO, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        if result.returncode != 0:
+            raise SystemExit(f"profile-model failed:\n{result.stderr[-3000:]}")
+        summary = [line for line in result.stdout.splitlines() if line.split(":")[0] in
+                   ("behaviour", "query-stats", "budgets")]
+        return {"wall_s": round(wall, 1), "peak_rss_mib": round(peak_kib / 1024, 1), "summary": summary}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--probes-preset", default="quick", help="needles preset for the behaviour comparison")
+    parser.add_argument("--limit", type=int, default=12, help="probes used for the behaviour comparison")
+    parser.add_argument("--calib-windows", type=int, default=16)
+    parser.add_argument("--skip-job", action="store_true", help="do not run the full quick job")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args()
+
+    model, tokenizer = load_model(), load_tokenizer()
+    preset = PRESETS["quick"]
+    probes, _ = preset_probes(args.probes_preset, tokenizer)
+    step = max(1, len(probes) // args.limit)
+    probes = probes[::step][:args.limit]  # spread over lengths and depths
+    results = {"threads": torch.get_num_threads(),
+               "behaviour": bench_behaviour(model, tokenizer, probes, preset.max_new_tokens)}
+    print("behaviour:", json.dumps(results["behaviour"]), flush=True)
+    windows = calibration_windows(tokenizer, None, args.calib_windows, preset.calib_tokens)
+    results["query_stats"] = bench_query_stats(model, windows, preset.batch_size, preset.n_sink)
+    print("query_stats:", json.dumps(results["query_stats"]), flush=True)
+    if not args.skip_job:
+        results["quick_job"] = bench_quick_job()
+        print("quick_job:", json.dumps(results["quick_job"]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
