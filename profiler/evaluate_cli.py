@@ -1,0 +1,146 @@
+"""``evaluate-artifact``: does this artifact help this model, and which policy should I serve?
+
+Runs needle tasks (generated with seeds disjoint from the profiler's) through the model
+uncompressed and under every (policy, compression ratio); prints a Markdown table and a
+recommendation, and writes JSON (``docs/evaluation-format.md``) and an HTML report on request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+from pathlib import Path
+
+from .evaluation_results import NAMED_POLICIES, markdown_table, parse_policy
+
+DEFAULT_POLICIES = ("baseline", "uniform/expected_attention:prompt", "uniform/keydiff", "uniform/snapkv",
+                    "uniform/knorm", "uniform/streaming", "inf/expected_attention:calibrated")
+DEFAULT_TASKS = ("retrieval", "multi_key")
+TASK_PRESETS = ("smoke", "quick", "standard")
+EVALUATION_SEED_OFFSET = 1_000_003  # evaluation seed = profiler seed + this, unless given
+
+
+def _csv(kind):
+    def parse(text: str):
+        try:
+            return tuple(kind(part) for part in text.split(",") if part.strip())
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {text!r}") from exc
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="evaluate-artifact",
+        description="Measure how much of the KV cache a model can drop with a calibration artifact, per "
+                    "eviction policy and compression ratio, on needle tasks it was not calibrated on. Prints "
+                    "a Markdown table (accuracy with 95% Wilson interval, attention-output error, KV bytes, "
+                    "prefill and decode time) and recommends the cheapest policy within a tolerance of the "
+                    "uncompressed accuracy.",
+        epilog="Policies: 'baseline' (uncompressed), or ALLOCATION/SCORER[:STATISTICS] with ALLOCATION in "
+               "uniform|inf and SCORER in expected_attention|keydiff|snapkv|knorm|streaming (STATISTICS "
+               "calibrated|prompt for expected_attention)" + (f", or a named policy ({', '.join(NAMED_POLICIES)})"
+                                                              if NAMED_POLICIES else "") + ".")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--artifact", default=None,
+                        help="calibration file (default: kv_calibration.h5 next to the model weights)")
+    parser.add_argument("--ratios", type=_csv(float), default=(0.5, 0.75, 0.9),
+                        help="compression ratios, fractions of the context cache evicted (default 0.5,0.75,0.9)")
+    parser.add_argument("--policies", type=_csv(str), default=DEFAULT_POLICIES,
+                        help="comma-separated policies (default: baseline, every uniform scorer, INF + calibrated EA"
+                             + (", flagship" if "flagship" in NAMED_POLICIES else "") + ")")
+    parser.add_argument("--tasks", type=_csv(str), default=DEFAULT_TASKS,
+                        help="needle families, or 'all' (default retrieval,multi_key)")
+    parser.add_argument("--preset", choices=TASK_PRESETS, default="quick",
+                        help="lengths and depths of the tasks, as the needles preset of that name (default quick: "
+                             "1K/2K/4K tokens x depths 10/50/90); lengths beyond the model's context are dropped")
+    parser.add_argument("--count", type=int, default=1, help="tasks per (family, length, depth) cell (default 1)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help=f"task seed (default: the profiler's probe seed + {EVALUATION_SEED_OFFSET})")
+    parser.add_argument("--question-aware", action="store_true",
+                        help="compress the whole prompt, question included (default: compress the context "
+                             "before the question is seen)")
+    parser.add_argument("--max-new-tokens", type=int, default=24, help="greedy answer length (default 24)")
+    parser.add_argument("--tolerance", type=float, default=2.0,
+                        help="accuracy points below the baseline a recommendation may lose (default 2)")
+    parser.add_argument("--allow-mismatch", action="store_true",
+                        help="use an artifact made for other weights/tokenizer of the same architecture (warns)")
+    parser.add_argument("--json", dest="json_out", metavar="OUT", help="write the results as JSON to OUT")
+    parser.add_argument("--html", dest="html_out", metavar="OUT", help="write the HTML report to OUT")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _task_spec(args, config: dict, model_context: int):
+    from needles import FAMILIES, PRESETS
+
+    families = tuple(FAMILIES) if args.tasks == ("all",) else args.tasks
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"unknown task families {unknown}; known: {', '.join(FAMILIES)} (or 'all')")
+    base = PRESETS[args.preset]
+    lengths = tuple(n for n in base.lengths if n <= 0.9 * model_context) or (min(base.lengths),)
+    profiler_spec = config.get("behaviour", {}).get("spec") or {}
+    profiler_seed = profiler_spec.get("seed")
+    seed = args.seed if args.seed is not None else (profiler_seed or 0) + EVALUATION_SEED_OFFSET
+    if profiler_seed is not None and seed == profiler_seed:
+        raise ValueError(f"task seed {seed} is the profiler's probe seed; evaluation tasks must be unseen")
+    spec = base.replace(families=families, lengths=lengths, count=args.count, seed=seed)
+    return spec, profiler_seed
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from artifacts import ArtifactError, open_artifact
+    from needles import generate_probes
+    from runtime import load_calibration
+    from runtime.models import load_model, load_tokenizer
+
+    from .evaluation import evaluate
+
+    try:
+        policies = [parse_policy(text) for text in args.policies]
+        if not any(p.is_baseline for p in policies):
+            policies.insert(0, parse_policy("baseline"))
+        if not args.ratios or any(not 0.0 <= r < 1.0 for r in args.ratios):
+            raise ValueError(f"ratios must be in [0, 1), got {args.ratios}")
+        if args.count < 1 or args.max_new_tokens < 1:
+            raise ValueError("--count and --max-new-tokens must be at least 1")
+        model = load_model(args.model)
+        tokenizer = load_tokenizer(args.model)
+        calibration = load_calibration(model, tokenizer, path=args.artifact, allow_mismatch=args.allow_mismatch)
+        context = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
+        spec, profiler_seed = _task_spec(args, calibration.config, context)
+    except (ValueError, ArtifactError) as exc:
+        print(f"evaluate-artifact: {exc}", file=sys.stderr)
+        return 2
+
+    probes = list(generate_probes(spec, tokenizer, progress=not args.no_progress))
+    evaluation = evaluate(model, tokenizer, probes, policies, list(args.ratios), calibration=calibration,
+                          question_aware=args.question_aware, max_new_tokens=args.max_new_tokens,
+                          tolerance=args.tolerance / 100.0, progress=not args.no_progress)
+    evaluation.update({
+        "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "model": {"name": calibration.identity.name, "weights_fingerprint": calibration.identity.weights_fingerprint},
+        "artifact": str(calibration.path),
+        "tasks": {"spec": spec.to_dict(), "count": len(probes), "seed": spec.seed, "profiler_seed": profiler_seed},
+        "task_summary": f"{len(probes)} tasks: {', '.join(spec.families)}; "
+                        f"{'question-aware' if args.question_aware else 'question-agnostic'}; seed {spec.seed}",
+    })
+    print(markdown_table(evaluation))
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(evaluation, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if args.html_out:
+        from artifacts.report import write_report
+
+        with open_artifact(calibration.path) as reader:
+            write_report(args.html_out, reader, evaluation)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
