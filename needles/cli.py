@@ -1,0 +1,115 @@
+"""``generate-probes``: write a needle-probe grid as JSON lines, optionally showing some probes.
+
+Examples::
+
+    generate-probes --preset quick --out probes.jsonl               # embedded model's tokenizer
+    generate-probes --preset smoke --out p.jsonl --show 3           # print 3 with spans coloured
+    generate-probes --model ./my-model --families retrieval,counting --lengths 1024,8192 \\
+        --depths 10,50,90 --haystack prose --out p.jsonl
+    generate-probes --haystack dataset:./wiki.parquet --text-column body --out p.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from needles.families import FAMILIES
+from needles.spec import PRESETS, generate_probes, write_probes
+
+DESCRIPTION = """\
+Generate REAL-style needle-in-a-haystack probes with token-level behaviour labels.
+
+Each output line is one probe as JSON: id, family, length, depth, seed, question, answer,
+input_ids (the whole prompt after the model's chat template, generation prompt included),
+spans (a list of {"label": "R"|"B"|"D", "start": i, "end": j} token ranges; every other
+token is W), context_end (input_ids[:context_end] is the question-free context) and meta.
+Lengths are in tokens of the model's tokenizer (the prompt lands within 2%); depths are
+percent of the context before the needle.  The same options and seed always give the same
+bytes.
+
+presets: """ + "; ".join(f"{name} ({spec.size} probes, lengths {spec.lengths[0]}-{spec.lengths[-1]})"
+                         for name, spec in PRESETS.items()) + """
+families: """ + ", ".join(FAMILIES)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(item) for item in text.split(",") if item.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(item) for item in text.split(",") if item.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from exc
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="generate-probes", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="quick", choices=sorted(PRESETS),
+                        help="probe grid to start from (default: quick)")
+    parser.add_argument("--model", default=None,
+                        help="model directory or hub id whose tokenizer and chat template to use "
+                             "(default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--seed", type=int, default=None, help="grid seed (default: the preset's, 0)")
+    parser.add_argument("--out", required=True, help="output JSON-lines file")
+    parser.add_argument("--show", type=int, default=0, metavar="N",
+                        help="print the first N probes with R/B/D spans coloured")
+    parser.add_argument("--families", type=_name_list, default=None,
+                        help=f"comma-separated families (default: all: {','.join(FAMILIES)})")
+    parser.add_argument("--lengths", type=_int_list, default=None, help="comma-separated prompt lengths in tokens")
+    parser.add_argument("--depths", type=_float_list, default=None, help="comma-separated depths in percent")
+    parser.add_argument("--count", type=int, default=None, help="probes per (family, length, depth) cell")
+    parser.add_argument("--haystack", default=None,
+                        help="simple (default) | prose | files:PATH | dataset:NAME_OR_PATH")
+    parser.add_argument("--text-column", default=None, help="text column of a dataset haystack (default: text)")
+    parser.add_argument("--split", default=None, help="split of a dataset haystack (default: train)")
+    parser.add_argument("--no-colour", action="store_true", help="plain text for --show")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    changes = {name: value for name, value in (
+        ("families", args.families), ("lengths", args.lengths), ("depths", args.depths),
+        ("count", args.count), ("haystack", args.haystack), ("text_column", args.text_column),
+        ("split", args.split), ("seed", args.seed)) if value is not None}
+    try:
+        spec = PRESETS[args.preset].replace(**changes)
+        from needles.spec import resolve_tokenizer
+
+        tokenizer = resolve_tokenizer(args.model)
+        shown = []
+
+        def stream():
+            for probe in generate_probes(spec, tokenizer, progress=not args.quiet):
+                if len(shown) < args.show:
+                    shown.append(probe)
+                yield probe
+
+        written = write_probes(stream(), args.out)
+    except (ValueError, OSError) as exc:
+        print(f"generate-probes: error: {exc}", file=sys.stderr)
+        return 2
+    if shown:
+        from needles.show import render_probe
+
+        colour = not args.no_colour
+        for probe in shown:
+            print(render_probe(probe, tokenizer, colour=colour))
+            print()
+    print(f"wrote {written} probes to {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
