@@ -21,7 +21,6 @@ alone writes the artifact.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -355,12 +354,12 @@ class ProfileJob:
                                       max_seq_len=config["budgets"]["token_seq_len"], token_budgets=o.token_budgets,
                                       ratios=o.ratios, beta=o.beta, min_budget=o.min_budget)
         inf_kv = arrays["inf_kv"]
-        spread = inf_kv.max() / max(inf_kv.min(), 1e-300) if inf_kv.min() > 0 else math.inf
         table = arrays["token_tables"][min(1, len(arrays["token_tables"]) - 1)] if len(arrays["token_tables"]) else None
         detail = (f", b={arrays['token_budgets'][min(1, len(arrays['token_budgets']) - 1)]}: per-head "
                   f"{table.min()}..{table.max()}") if table is not None else ""
         self._say(f"budgets: {len(arrays['token_budgets'])} token budgets, {len(arrays['ratios'])} ratios, "
-                  f"beta={o.beta}, INF max/min over KV heads {spread:.3g}{detail}")
+                  f"beta={o.beta}, KV-head INF weights {inf_kv.min():.3g}..{inf_kv.max():.3g} "
+                  f"({int((inf_kv == 0).sum())} of {inf_kv.size} zero){detail}")
         return {**sections, "budgets": Section(arrays=arrays, attrs=attrs)}
 
 

@@ -1,0 +1,44 @@
+"""End to end on the real embedded model: `profile-model --preset smoke` -> a valid artifact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from artifacts import ARTIFACT_FILENAME, open_artifact
+from artifacts.cli import main as inspect_artifact
+from profiler.cli import main as profile_model
+from profiler.job import default_output
+
+
+@pytest.mark.slow
+def test_smoke_preset_on_embedded_model_writes_a_valid_artifact(tmp_path, capsys):
+    out = tmp_path / "kv_calibration.h5"
+    assert profile_model(["--preset", "smoke", "--out", str(out), "--no-progress"]) == 0
+    stdout = capsys.readouterr().out
+    for stage in ("behaviour:", "query-stats:", "budgets:", "wrote"):
+        assert stage in stdout  # one summary line per stage
+    assert inspect_artifact([str(out)]) == 0  # every dataset read and checked
+    with open_artifact(out) as reader:
+        assert (reader.model.num_layers, reader.model.num_q_heads, reader.model.num_kv_heads) == (30, 9, 3)
+        behaviour = reader.section("behaviour")
+        probes = len(behaviour["probe_success"])
+        assert probes == reader.config["behaviour"]["num_probes"] > 0
+        assert np.all(behaviour["steps"] == behaviour["probe_steps"].sum())  # every head, every step
+        total = behaviour["W_R"] + behaviour["W_B"] + behaviour["W_D"] + behaviour["W_W"]
+        assert np.all(total > 0) and np.all(total <= behaviour["steps"])  # weights are <= 1 per step
+        assert np.all((behaviour["INFsc"] >= 0) & (behaviour["INFsc"] <= 1))
+        stats = reader.section("query_stats")
+        assert stats.attrs["n_sink"] == 4 and np.all(stats["n"] == stats["n"][0, 0])
+        cov = stats["cov"].astype(np.float64)
+        assert np.all(np.linalg.eigvalsh(cov[0, 0]) > -1e-3)  # a covariance: PSD up to rounding
+        budgets = reader.section("budgets")
+        for b, table in zip(budgets["token_budgets"], budgets["token_tables"]):
+            assert table.sum() == b * 30 * 3
+        assert reader.config["query_stats"]["source"] == "needles prose haystack"
+
+
+def test_default_output_goes_next_to_the_weights_when_writable(tmp_path, monkeypatch):
+    assert default_output(str(tmp_path)) == tmp_path / ARTIFACT_FILENAME
+    monkeypatch.chdir(tmp_path)
+    assert default_output("some-org/some-hub-model") == tmp_path / ARTIFACT_FILENAME
