@@ -23,7 +23,9 @@ Generate REAL-style needle-in-a-haystack probes with token-level behaviour label
 Each output line is one probe as JSON: id, family, length, depth, seed, question, answer,
 input_ids (the whole prompt after the model's chat template, generation prompt included),
 spans (a list of {"label": "R"|"B"|"D", "start": i, "end": j} token ranges; every other
-token is W), context_end (input_ids[:context_end] is the question-free context) and meta.
+token is W; R = retrieval-reasoning, the answer; B = bias, question-related facts that
+are not the answer; D = distraction, same-shaped statements with another answer),
+context_end (input_ids[:context_end] is the question-free context) and meta.
 Lengths are in tokens of the model's tokenizer (the prompt lands within 2%); depths are
 percent of the context before the needle.  The same options and seed always give the same
 bytes.
@@ -31,6 +33,22 @@ bytes.
 presets: """ + "; ".join(f"{name} ({spec.size} probes, lengths {spec.lengths[0]}-{spec.lengths[-1]})"
                          for name, spec in PRESETS.items()) + """
 families: """ + ", ".join(FAMILIES)
+
+
+EPILOG = """\
+haystacks: simple = short procedural sentences (what the embedded 135M model can retrieve
+from); prose = varied paragraphs from a built-in grammar; files:PATH = a text file or a
+directory of .txt/.md/.rst files; dataset:NAME_OR_PATH = a HuggingFace datasets dataset (hub
+name, save_to_disk directory, or a local .json/.jsonl/.csv/.parquet/.txt file; see --text-column).
+
+examples:
+  generate-probes --preset quick --out probes.jsonl
+  generate-probes --preset smoke --out p.jsonl --show 3
+  generate-probes --model ./my-model --families retrieval,counting --lengths 1024,8192 \\
+      --depths 10,50,90 --haystack prose --out p.jsonl
+  generate-probes --haystack dataset:./wiki.parquet --text-column body --out p.jsonl
+
+exit status: 0 on success, 2 on a bad option or an input that cannot be turned into probes."""
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -52,7 +70,7 @@ def _name_list(text: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="generate-probes", description=DESCRIPTION,
+    parser = argparse.ArgumentParser(prog="generate-probes", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="quick", choices=sorted(PRESETS),
                         help="probe grid to start from (default: quick)")
@@ -97,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                 yield probe
 
         written = write_probes(stream(), args.out)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:  # bad spec/input, I/O, model not found
         print(f"generate-probes: error: {exc}", file=sys.stderr)
         return 2
     if shown:

@@ -64,6 +64,14 @@ class Probe:
             codes[span.start:span.end] = LABEL_CODE[span.label]
         return codes
 
+    def context_ids(self) -> list[int]:
+        """The question-free context prefix ``input_ids[:context_end]`` (question-agnostic prefill)."""
+        return self.input_ids[:self.context_end]
+
+    def question_ids(self) -> list[int]:
+        """The question part ``input_ids[context_end:]`` (question, template tail, generation prompt)."""
+        return self.input_ids[self.context_end:]
+
     def to_json(self) -> str:
         record = asdict(self)
         record["spans"] = [asdict(span) for span in self.spans]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -154,13 +155,23 @@ def generate_probes(spec: ProbeSpec | str = "smoke", tokenizer=None, *, progress
 
 
 def write_probes(probes: Iterable[Probe], path: str | Path) -> int:
-    """Write one :meth:`Probe.to_json` line per probe; returns how many were written."""
+    """Write one :meth:`Probe.to_json` line per probe; returns how many were written.
+
+    The file appears complete or not at all (written beside it, then renamed into place).
+    """
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
     written = 0
-    with open(path, "w", encoding="utf-8", newline="\n") as fh:
-        for probe in probes:
-            fh.write(probe.to_json())
-            fh.write("\n")
-            written += 1
+    try:
+        with open(partial, "w", encoding="utf-8", newline="\n") as fh:
+            for probe in probes:
+                fh.write(probe.to_json())
+                fh.write("\n")
+                written += 1
+        os.replace(partial, path)
+    finally:
+        if partial.exists():
+            partial.unlink()
     return written
 
 
