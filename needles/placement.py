@@ -5,8 +5,8 @@ chat template with the generation prompt (a tokenizer without a chat template ge
 ``[bos]context\\n\\nquestion\\nAnswer:``).  The context is haystack sentences with the needle
 inserted between two of them (a sentence boundary) so that ``depth`` percent of the haystack's
 tokens come before it.  The number of haystack words is adjusted until the whole tokenized
-prompt is within ``tolerance`` (default 2%) of the asked length; if it cannot be, that is an
-error.
+prompt is within ``tolerance`` (default 2%) of the asked length, preferring prompts no longer
+than asked (a model's context limit stays safe); if it cannot be, that is an error.
 
 ``context_end`` is the first token of the question part (just after the ``\\n\\n`` separator):
 tokenizing the prompt text up to there gives exactly ``input_ids[:context_end]``, which is
@@ -23,6 +23,7 @@ spans on one token, decoded tokens not containing the span text - raises :class:
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 from typing import Iterator
@@ -104,10 +105,22 @@ def _visible_start(text: str, start: int, end: int) -> int:
     return start
 
 
+def _candidate_window(offsets: list[tuple[int, int]], start: int, end: int) -> range:
+    """Token indices that may overlap characters ``[start, end)``: found by bisection when the
+    offsets are monotone (they are for a left-to-right tokenization), else all of them."""
+    ends = [e for _, e in offsets]
+    if any(a > b for a, b in zip(ends, ends[1:])):
+        return range(len(offsets))
+    first = bisect.bisect_right(ends, start)
+    last = bisect.bisect_left(ends, end, lo=first)
+    return range(first, min(len(offsets), last + 1))
+
+
 def _tokens_by_offsets(text: str, offsets: list[tuple[int, int]], start: int, end: int) -> tuple[int, int]:
     """Token range covering characters ``[start, end)`` by offsets (whitespace ignored)."""
-    hits = [i for i, (s, e) in enumerate(offsets)
-            if e > s and max(_visible_start(text, s, e), start) < min(e, end)]
+    hits = [i for i in _candidate_window(offsets, start, end)
+            if offsets[i][1] > offsets[i][0]
+            and max(_visible_start(text, *offsets[i]), start) < min(offsets[i][1], end)]
     if not hits:
         raise SpanError(f"span {text[start:end]!r} has no token")
     first, last = hits[0], hits[-1]
@@ -293,13 +306,17 @@ def place_needle(tokenizer, needle: RenderedNeedle, haystack_stream: Iterator[st
     words = max(0, round((length - overhead) / pool.tokens_per_word()))
     best = None
     seen: set[int] = set()
+
+    def preference(error: int) -> tuple:  # within tolerance, then not longer than asked, then closest
+        return (abs(error) > allowed, error < 0, abs(error))
+
     for _ in range(max_iterations):
         seen.add(words)
         built = build(words)
         error = length - len(built[1])
-        if best is None or abs(error) < abs(best[1]):
+        if best is None or preference(error) < preference(best[1]):
             best = (built, error)
-        if abs(error) <= stop_within:
+        if 0 <= error <= stop_within:
             break
         step = round(error / pool.tokens_per_word()) or (1 if error > 0 else -1)
         words = max(0, words + step)

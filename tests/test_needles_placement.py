@@ -101,6 +101,7 @@ def test_lengths_within_tolerance_from_512_to_8192(embedded_tokenizer, haystack)
         for length in (512, 777, 1024, 2048, 4096, 8192):
             _, placed = _place(embedded_tokenizer, family, length=length, depth=40.0, haystack=haystack)
             assert abs(len(placed.input_ids) - length) <= 0.02 * length, (family, length, len(placed.input_ids))
+            assert len(placed.input_ids) <= length  # never past the asked length (context limits)
 
 
 def test_depths_are_monotone_and_close_to_asked(embedded_tokenizer):
