@@ -126,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     previous_handler = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # `kill` stops like Ctrl-C
     try:
         run_job(options)
+    except KeyboardInterrupt:  # while loading or writing: the last checkpoint (if any) is intact
+        print("\nprofile-model: interrupted outside a profiling stage; rerun with --resume to continue "
+              "from the last checkpoint, if there is one", file=sys.stderr)
+        return 130
     except JobInterrupted as exc:
         argv_now = ["profile-model", *(sys.argv[1:] if argv is None else argv)]
         if "--resume" not in argv_now:

@@ -179,6 +179,10 @@ class ProfileJob:
             else:
                 self.probes, spec = preset_probes(PRESETS[options.preset].probes, self.tokenizer)
                 self.probe_config = {"source": "needles", "preset": PRESETS[options.preset].probes, "spec": spec}
+        longest = max((len(p.input_ids) for p in self.probes), default=0) + self.max_new_tokens
+        if longest > self.identity.max_position_embeddings:
+            self._say(f"warning: the longest probe plus {self.max_new_tokens} new tokens is {longest} tokens, beyond "
+                      f"the model's {self.identity.max_position_embeddings}-token context")
         self.windows = None
         if "query-stats" in self.stages:
             self.windows = calibration_windows(self.tokenizer, options.calib_dataset, self.calib_samples,
