@@ -1,0 +1,239 @@
+"""The ragged cache inside real forward passes and generate()."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny_llama
+from transformers import DynamicCache
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from runtime import (ATTENTION_NAME, CompressionPolicy, RaggedCache, compress, compress_prompt, generate, prefill,
+                     ragged_attention)
+from runtime.calibration import Calibration
+
+
+def inf_calibration(layers: int, kv_heads: int, seed: int = 0) -> Calibration:
+    """An in-memory calibration with only (skewed) INF weights: per-head budgets differ."""
+    weights = np.random.default_rng(seed).random((layers, kv_heads)) ** 3
+    return Calibration(path=Path("memory"), identity=None, config={}, sections=("budgets",),
+                       inf_weights=weights / weights.sum())
+
+
+@torch.no_grad()
+def test_full_budget_matches_unmodified_tiny_model_logits_and_tokens():
+    model = make_tiny_llama(num_layers=3)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    reference = model(ids).logits
+    reference_tokens = model.generate(ids, max_new_tokens=12, do_sample=False)
+    policy = CompressionPolicy(budget=1000, scorer="keydiff")
+    with ragged_attention(model):
+        cache, report = compress_prompt(model, ids, policy, context_columns=25)
+        assert (report.lengths_after == 25).all()
+        logits = model(ids[:, 25:], past_key_values=cache).logits
+        result = generate(model, ids, policy, context_columns=25, max_new_tokens=12)
+    assert model.config._attn_implementation == "sdpa"  # restored
+    torch.testing.assert_close(logits, reference[:, 25:], atol=1e-5, rtol=0)
+    assert torch.equal(result.sequences, reference_tokens)
+
+
+@torch.no_grad()
+def test_ragged_attention_falls_back_to_sdpa_without_ragged_cache():
+    model = make_tiny_llama()
+    ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    reference = model(ids, attention_mask=mask).logits
+    with ragged_attention(model):
+        assert model.config._attn_implementation == ATTENTION_NAME
+        logits = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(logits[mask.bool()], reference[mask.bool()], atol=1e-6, rtol=0)
+
+
+def masked_reference_logits(model, ids, evicted: dict[int, torch.Tensor], context: int):
+    """Full attention over ``ids [1, T]`` where queries at positions >= ``context`` cannot see the
+    evicted context positions of their KV head (``evicted[layer]``: bool ``[Hkv, context]``)."""
+    name = "kvcal_test_masked_reference"
+
+    def masked_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        group = query.shape[1] // key.shape[1]
+        total = key.shape[2]
+        allowed = torch.ones(total, total, dtype=torch.bool).tril()  # causal
+        allowed = allowed.expand(key.shape[1], total, total).clone()  # [Hkv, T, T]
+        allowed[:, context:, :context] &= ~evicted[module.layer_idx].unsqueeze(1)
+        allowed = allowed.repeat_interleave(group, dim=0)  # [Hq, T, T]
+        logits = (query @ key.repeat_interleave(group, 1).transpose(-1, -2)) * scaling
+        weights = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+        return (weights @ value.repeat_interleave(group, 1)).transpose(1, 2), None
+
+    AttentionInterface.register(name, masked_attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        return model(ids).logits
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scorer", ["keydiff", "snapkv"])
+def test_pruned_cache_equals_masked_full_attention(scorer):
+    model = make_tiny_llama(num_layers=3, num_heads=6, num_kv_heads=3)
+    ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(2))
+    context = 36
+    calibration = inf_calibration(3, 3)
+    policy = CompressionPolicy(budget=14, allocation="inf", scorer=scorer, n_sink=2, window=4)
+    with ragged_attention(model):
+        cache, report = compress_prompt(model, ids, policy, context_columns=context, calibration=calibration)
+        logits = model(ids[:, context:], past_key_values=cache).logits
+    lengths = report.lengths_after[:, 0]  # [L, Hkv]
+    assert len(np.unique(lengths)) > 1  # heads really keep different numbers of tokens
+    evicted = {}
+    for layer_idx, layer in enumerate(cache.layers):
+        mask = torch.ones(3, context, dtype=torch.bool)
+        for h in range(3):
+            kept = layer.head(0, h)[2].long()
+            mask[h, kept[kept < context]] = False
+        evicted[layer_idx] = mask
+    reference = masked_reference_logits(model, ids, evicted, context)
+    torch.testing.assert_close(logits, reference[:, context:], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_per_head_lengths_differ_and_memory_matches_budget_formula():
+    model = make_tiny_llama(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32)
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(3))
+    policy = CompressionPolicy(ratio=0.25, allocation="inf", scorer="knorm")
+    with ragged_attention(model):
+        cache, report = compress_prompt(model, ids, policy, context_columns=299, calibration=inf_calibration(4, 2))
+        full_cache, _ = compress_prompt(model, ids, None, context_columns=299)
+        budgets = report.budgets[0]  # [L, Hkv]
+        assert budgets.sum() == round(0.25 * 299 * 4 * 2)  # REAL conserves the total exactly
+        assert len(np.unique(budgets)) > 2
+        assert np.array_equal(cache.head_lengths()[:, 0].numpy(), budgets)
+        bytes_per_token = 2 * 32 * 4
+        assert cache.bytes_per_token() == bytes_per_token
+        assert cache.kv_bytes() <= 1.05 * budgets.sum() * bytes_per_token
+        assert cache.kv_bytes() == budgets.sum() * bytes_per_token  # exact right after eviction
+        assert cache.kv_bytes() <= 0.27 * full_cache.kv_bytes()
+        # positions continue from the logical length, and decoding keeps the slack small
+        assert cache.get_seq_length() == 299
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=20, do_sample=False)
+    assert out.shape[1] == 320
+    assert cache.get_seq_length() == 319
+    grown = budgets + 1 + 19  # the last prompt token and 19 generated ones were appended
+    assert np.array_equal(cache.head_lengths()[:, 0].numpy(), grown)
+    slack = sum(max(16, int(g) // 32) for g in grown.reshape(-1))
+    assert cache.kv_bytes() <= (grown.sum() + slack) * bytes_per_token
+
+
+@torch.no_grad()
+def test_positions_continue_after_eviction():
+    """A token fed after eviction is rotated at its true position: matches a manual check of
+    the stored key against the unmodified model's key at that position."""
+    model = make_tiny_llama()
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(4))
+    policy = CompressionPolicy(budget=6, scorer="streaming", n_sink=2, window=2)
+    with ragged_attention(model):
+        cache, _ = compress_prompt(model, ids, policy, context_columns=29)
+        model(ids[:, 29:], past_key_values=cache)
+    reference = {}
+    hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(
+        lambda module, inputs, output: reference.setdefault("k", output))
+    try:
+        model(ids)
+    finally:
+        hook.remove()
+    cos, sin = model.model.rotary_emb(ids[:, :1].float(), torch.tensor([[29]]))
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    raw = reference["k"][:, 29:30].view(1, 1, 2, 16).transpose(1, 2)
+    rotated, _ = apply_rotary_pos_emb(raw, raw, cos, sin)
+    keys, _, positions = cache.layers[0].head(0, 1)
+    assert positions.tolist() == [0, 1, 25, 26, 27, 28, 29]
+    torch.testing.assert_close(keys[-1], rotated[0, 1, 0], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_left_padded_batch_gives_the_same_answers_as_one_by_one():
+    model = make_tiny_llama(num_layers=2)
+    generator = torch.Generator().manual_seed(5)
+    contexts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (30, 22, 27)]
+    questions = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (4, 7, 5)]
+    calibration = inf_calibration(2, 2)
+    from runtime import build_inputs
+
+    for question_aware in (False, True):
+        policy = CompressionPolicy(ratio=0.5, allocation="inf", scorer="snapkv", window=4, n_sink=1)
+        ids, mask, columns = build_inputs(contexts, questions, pad_token_id=0)
+        batch = generate(model, ids, policy, attention_mask=mask, calibration=calibration,
+                         context_columns=None if question_aware else columns, max_new_tokens=6, pad_token_id=0)
+        for row, (context, question) in enumerate(zip(contexts, questions)):
+            single_ids = torch.tensor([context + question])
+            single = generate(model, single_ids, policy, calibration=calibration,
+                              context_columns=None if question_aware else len(context), max_new_tokens=6)
+            assert batch.new_tokens[row].tolist() == single.new_tokens[0].tolist()
+            lengths_batch = batch.report.lengths_after[:, row]
+            assert np.array_equal(lengths_batch, single.report.lengths_after[:, 0])
+    model.set_attn_implementation("sdpa")
+
+
+@torch.no_grad()
+def test_sampled_generation_runs_and_is_reproducible():
+    model = make_tiny_llama()
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(6))
+    policy = CompressionPolicy(ratio=0.3, scorer="keydiff")
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        runs.append(generate(model, ids, policy, context_columns=32, max_new_tokens=10, do_sample=True,
+                             temperature=1.5, top_k=0).new_tokens)
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(runs[0], runs[1]) and runs[0].shape == (1, 10)
+
+
+@torch.no_grad()
+def test_cache_without_ragged_attention_is_an_error():
+    model = make_tiny_llama()
+    cache = RaggedCache.for_model(model)
+    with pytest.raises(RuntimeError, match="never attended"):
+        model(torch.arange(5).unsqueeze(0), past_key_values=cache)
+        model(torch.arange(5).unsqueeze(0), past_key_values=cache)
+    with pytest.raises(ValueError, match="cannot be cropped"):
+        cache.crop(-1)
+    with pytest.raises(ValueError, match="cache is empty"):
+        compress(model, RaggedCache.for_model(model), CompressionPolicy(budget=3, scorer="knorm"))
+
+
+@torch.no_grad()
+def test_embedded_model_full_budget_is_identical(embedded_model, embedded_tokenizer):
+    """Budget >= length: the same logits as the unmodified model fed the same way (one pass,
+    or prefix + chunk through a DynamicCache), and the same generated tokens."""
+    model, tokenizer = embedded_model, embedded_tokenizer
+    messages = [{"role": "user", "content": "The special magic number for Alice is 4721. Bob likes tea. "
+                                            "What is the special magic number for Alice?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = ids["input_ids"]
+    columns = ids.shape[1] - 12
+    reference = model(ids).logits
+    dynamic = DynamicCache(config=model.config)
+    model(ids[:, :columns], past_key_values=dynamic)
+    reference_split = model(ids[:, columns:], past_key_values=dynamic).logits
+    reference_tokens = model.generate(ids, max_new_tokens=12, do_sample=False)
+    policy = CompressionPolicy(ratio=1.0, scorer="keydiff")
+    with ragged_attention(model):
+        logits = model(ids, past_key_values=RaggedCache.for_model(model)).logits
+        cache, report = compress_prompt(model, ids, policy, context_columns=columns)
+        assert (report.lengths_after == columns).all()
+        logits_split = model(ids[:, columns:], past_key_values=cache).logits
+        result = generate(model, ids, policy, context_columns=columns, max_new_tokens=12)
+    assert model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits_split, reference_split, atol=1e-5, rtol=0)
+    assert torch.equal(result.sequences, reference_tokens)
+    assert "4721" in tokenizer.decode(result.new_tokens[0])

@@ -1,0 +1,59 @@
+"""runtime/ stays lightweight: it never imports the profiler, the probe generator or their deps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+FORBIDDEN = ("profiler", "needles", "datasets", "accelerate", "jinja2", "tqdm")
+
+RUNTIME_MODULES = ["runtime", "runtime.attention", "runtime.cache", "runtime.calibration", "runtime.compress",
+                   "runtime.generate", "runtime.policy", "runtime.rope", "runtime.scorers", "runtime.budgets",
+                   "runtime.models"]
+
+# One interpreter: first what transformers' cache/mask modules load by themselves (they import
+# jinja2 for chat templates as soon as transformers.utils loads: transformers' dependency, not
+# ours, so it is measured and discounted), then what importing every runtime module adds.
+PROBE = """
+import importlib, json, sys
+tops = lambda: sorted({name.split('.')[0] for name in sys.modules})
+import transformers.cache_utils, transformers.masking_utils
+baseline = tops()
+for name in %r:
+    importlib.import_module(name)
+print(json.dumps([baseline, tops()]))
+""" % (RUNTIME_MODULES,)
+
+
+def test_importing_runtime_pulls_in_no_calibration_machinery():
+    result = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
+    baseline, loaded = (set(names) for names in json.loads(result.stdout.strip().splitlines()[-1]))
+    pulled_by_runtime = {name for name in FORBIDDEN if name in loaded and name not in baseline}
+    assert not pulled_by_runtime, f"importing runtime loaded {sorted(pulled_by_runtime)}"
+    for package in ("profiler", "needles", "datasets", "accelerate"):
+        assert package not in loaded, f"importing runtime loaded {package}"
+    assert {"runtime", "artifacts", "torch", "transformers", "numpy", "h5py"} <= loaded
+
+
+def test_runtime_sources_import_only_allowed_packages():
+    """Static check of every import statement in runtime/*.py."""
+    import ast
+    from pathlib import Path
+
+    allowed = {"artifacts", "torch", "transformers", "numpy", "h5py", "runtime"}
+    stdlib = set(sys.stdlib_module_names)
+    root = Path(__file__).resolve().parent.parent / "runtime"
+    offenders = []
+    for source in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if top not in allowed and top not in stdlib:
+                    offenders.append(f"{source.name}: {name}")
+    assert not offenders, offenders

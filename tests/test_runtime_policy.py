@@ -1,0 +1,240 @@
+"""Policy validation, artifact loading and identity checks, and the embedded model end to end."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny_llama
+
+from artifacts import Artifact, ArtifactError, ModelIdentity, Section, write_artifact
+from artifacts.fingerprint import architecture_fingerprint, architecture_numbers, tokenizer_fingerprint
+from runtime import CompressionPolicy, PromptQueryStats, RaggedCache, answer, load_calibration, prefill
+from runtime.budgets import allocate_budgets
+from runtime.calibration import Calibration, model_weights_fingerprint
+
+
+def identity_for(model, tokenizer=None, name="tiny") -> ModelIdentity:
+    numbers = architecture_numbers(model.config)
+    tokenizer_fp = tokenizer_fingerprint(tokenizer) if tokenizer is not None else hashlib.sha256(b"none").hexdigest()
+    return ModelIdentity(name=name, query_norm=False, arch_fingerprint=architecture_fingerprint(numbers, False),
+                         weights_fingerprint=model_weights_fingerprint(model), tokenizer_fingerprint=tokenizer_fp,
+                         **numbers)
+
+
+def budgets_section(inf_kv: np.ndarray) -> Section:
+    tokens = np.array([64, 128], dtype=np.int64)
+    tables = np.stack([allocate_budgets(inf_kv, b, 10_000) for b in tokens])
+    ratios = np.array([0.25, 0.5])
+    ratio_tables = np.stack([r * (0.5 + 0.5 * inf_kv * inf_kv.size) for r in ratios])
+    return Section(arrays={"inf_kv": inf_kv, "token_budgets": tokens, "token_tables": tables, "ratios": ratios,
+                           "ratio_tables": ratio_tables}, attrs={"beta": 2.0, "min_budget": 1})
+
+
+def query_stats_section(mean: np.ndarray, cov: np.ndarray, count: int = 100) -> Section:
+    n = np.full(mean.shape[:2], count, dtype=np.int64)
+    return Section(arrays={"n": n, "mean": mean.astype(np.float32), "cov": cov.astype(np.float32)},
+                   attrs={"n_sink": 4})
+
+
+def write_tiny_artifact(path, model, sections=("query_stats", "budgets"), seed=0):
+    config = model.config
+    layers, heads, kv = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
+    d = config.head_dim
+    rng = np.random.default_rng(seed)
+    parts = {}
+    if "query_stats" in sections:
+        factor = rng.standard_normal((layers, heads, d, d)) / d
+        parts["query_stats"] = query_stats_section(rng.standard_normal((layers, heads, d)),
+                                                   factor @ factor.transpose(0, 1, 3, 2))
+    if "budgets" in sections:
+        weights = rng.random((layers, kv))
+        parts["budgets"] = budgets_section(weights / weights.sum())
+    write_artifact(path, Artifact(model=identity_for(model), config={"purpose": "test"}, sections=parts))
+    return path
+
+
+# -- policy -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"budget": 0}, "budget must be > 0"),
+    ({"budget": -5}, "budget must be > 0"),
+    ({"budget": 2.5}, "integer number of tokens"),
+    ({"ratio": 0.0}, r"ratio must be in \(0, 1\]"),
+    ({"ratio": 1.2}, r"ratio must be in \(0, 1\]"),
+    ({"ratio": -0.1}, r"ratio must be in \(0, 1\]"),
+    ({}, "exactly one of budget"),
+    ({"budget": 10, "ratio": 0.5}, "exactly one of budget"),
+    ({"ratio": 0.5, "scorer": "h2o"}, "unknown scorer 'h2o'; known scorers: expected_attention, keydiff, knorm, "
+                                      "snapkv, streaming"),
+    ({"ratio": 0.5, "allocation": "pyramid"}, "unknown allocation"),
+    ({"ratio": 0.5, "beta": 0.5}, "beta must be >= 1"),
+    ({"ratio": 0.5, "scorer": "keydiff", "statistics": "prompt"}, "expected_attention scorer only"),
+    ({"ratio": 0.5, "statistics": "oracle"}, "unknown statistics"),
+    ({"ratio": 0.5, "scorer": "snapkv", "scorer_options": {"window": 0}}, "observation window must be positive"),
+    ({"ratio": 0.5, "scorer": "knorm", "scorer_options": {"bogus": 1}}, "bad options"),
+    ({"ratio": 0.5, "window": -1}, "n_sink and window must be >= 0"),
+])
+def test_bad_policies_get_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CompressionPolicy(**kwargs)
+
+
+def test_policy_needing_a_missing_section_is_refused(tmp_path):
+    model = make_tiny_llama()
+    budgets_only = load_calibration(model, path=write_tiny_artifact(tmp_path / "b.h5", model, ("budgets",)))
+    stats_only = load_calibration(model, path=write_tiny_artifact(tmp_path / "q.h5", model, ("query_stats",)))
+    calibrated = CompressionPolicy(ratio=0.5, statistics="calibrated")
+    with pytest.raises(ValueError, match="needs a calibration artifact"):
+        calibrated.check_calibration(None)
+    with pytest.raises(ValueError, match="has no 'query_stats' section"):
+        calibrated.check_calibration(budgets_only)
+    calibrated.check_calibration(stats_only)
+    inf = CompressionPolicy(ratio=0.5, allocation="inf", scorer="keydiff")
+    with pytest.raises(ValueError, match="neither a 'budgets' nor a 'behaviour' section"):
+        inf.check_calibration(stats_only)
+    inf.check_calibration(budgets_only)
+    CompressionPolicy(ratio=0.5, statistics="prompt").check_calibration(None)  # needs nothing
+
+
+def test_uniform_and_inf_budgets():
+    uniform = CompressionPolicy(ratio=0.25, scorer="knorm").head_budgets(1000, 3, 2)
+    assert uniform.tolist() == [[250, 250]] * 3
+    weights = np.array([[0.5, 0.1], [0.1, 0.1], [0.1, 0.1]])
+    inf = CompressionPolicy(budget=100, allocation="inf", beta=2.0, scorer="knorm").head_budgets(1000, 3, 2, weights)
+    assert inf.sum() == 600 and inf[0, 0] == 50 + 300 * 0.5  # b_base + B_pool * INF
+    tight = CompressionPolicy(budget=100, allocation="inf", min_budget=40, scorer="knorm").head_budgets(1000, 3, 2,
+                                                                                                      weights)
+    assert tight.min() >= 40 and tight.sum() == 600
+
+
+# -- artifact loading ---------------------------------------------------------------------------
+
+
+def test_load_calibration_reads_sections_and_finds_the_file_next_to_the_weights(tmp_path):
+    model = make_tiny_llama()
+    model.save_pretrained(tmp_path / "model")
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    with pytest.raises(ArtifactError, match="no kv_calibration.h5 found next to the weights"):
+        load_calibration(reloaded)
+    write_tiny_artifact(tmp_path / "model" / "kv_calibration.h5", reloaded)
+    calibration = load_calibration(reloaded)
+    assert calibration.path == tmp_path / "model" / "kv_calibration.h5"
+    assert calibration.query_mean.shape == (2, 4, 16) and calibration.query_cov.shape == (2, 4, 16, 16)
+    assert calibration.inf_weights.shape == (2, 2) and abs(calibration.inf_weights.sum() - 1) < 1e-9
+    explicit = load_calibration(reloaded, path=tmp_path / "model")  # a directory holding the file
+    np.testing.assert_array_equal(explicit.query_cov, calibration.query_cov)
+
+
+def test_artifact_for_another_architecture_is_refused(tmp_path):
+    path = write_tiny_artifact(tmp_path / "a.h5", make_tiny_llama(num_layers=2))
+    with pytest.raises(ArtifactError, match="another architecture.*num_layers: artifact 2 vs model 3"):
+        load_calibration(make_tiny_llama(num_layers=3), path=path)
+    with pytest.raises(ArtifactError, match="another architecture"):
+        load_calibration(make_tiny_llama(num_layers=2, num_kv_heads=4), path=path, allow_mismatch=True)
+
+
+def test_weights_mismatch_refused_unless_overridden_then_warned_once(tmp_path):
+    path = write_tiny_artifact(tmp_path / "a.h5", make_tiny_llama(seed=0))
+    other = make_tiny_llama(seed=1)
+    with pytest.raises(ArtifactError, match="different weights.*allow_mismatch=True"):
+        load_calibration(other, path=path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_calibration(other, path=path, allow_mismatch=True)
+        load_calibration(other, path=path, allow_mismatch=True)
+    assert len([w for w in caught if "fingerprint differs" in str(w.message)]) == 1
+    # an in-place weight change invalidates the remembered fingerprint
+    model = make_tiny_llama(seed=0)
+    load_calibration(model, path=path)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] += 1.0
+    with pytest.raises(ArtifactError, match="different weights"):
+        load_calibration(model, path=path)
+
+
+def test_compress_with_inf_calibration_needs_artifact_inf_weights():
+    model = make_tiny_llama()
+    cache = RaggedCache.for_model(model)
+    policy = CompressionPolicy(budget=4, allocation="inf", scorer="knorm")
+    prefill(model, cache, torch.arange(12).unsqueeze(0), policy=policy)
+    from runtime import compress
+
+    with pytest.raises(ValueError, match="needs a calibration artifact"):
+        compress(model, cache, policy, None)
+    empty = Calibration(path="x.h5", identity=None, config={}, sections=())
+    with pytest.raises(ValueError, match="neither a 'budgets' nor a 'behaviour'"):
+        compress(model, cache, policy, empty)
+
+
+# -- the embedded model end to end --------------------------------------------------------------
+
+HAYSTACK = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ") * 12
+
+
+@pytest.fixture(scope="module")
+def embedded_artifact(embedded_model, embedded_tokenizer, tmp_path_factory):
+    """A real artifact for the embedded model: query statistics measured on haystack text."""
+    model, tokenizer = embedded_model, embedded_tokenizer
+    ids = tokenizer(HAYSTACK * 2, return_tensors="pt")["input_ids"]
+    stats = PromptQueryStats(model, 1)
+    with stats, torch.no_grad():
+        model(ids)
+    mean, cov = stats.mean_cov(0)
+    config = model.config
+    weights = np.random.default_rng(0).random((config.num_hidden_layers, config.num_key_value_heads)) + 0.5
+    artifact = Artifact(model=identity_for(model, tokenizer, "SmolLM2-135M-Instruct"), config={"text": "haystack"},
+                        sections={"query_stats": query_stats_section(mean.numpy(), cov.numpy(), ids.shape[1]),
+                                  "budgets": budgets_section(weights / weights.sum())})
+    path = tmp_path_factory.mktemp("embedded") / "kv_calibration.h5"
+    write_artifact(path, artifact)
+    return path
+
+
+def test_embedded_artifact_loads_fast_and_checks_identity(embedded_model, embedded_tokenizer, embedded_artifact):
+    load_calibration(embedded_model, embedded_tokenizer, path=embedded_artifact)  # fingerprint computed once
+    started = time.perf_counter()
+    calibration = load_calibration(embedded_model, path=embedded_artifact)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 0.05, f"loading took {elapsed * 1000:.1f} ms"
+    assert calibration.query_cov.shape == (30, 9, 64, 64)
+    bad_tokenizer = type("Tokenizer", (), {"get_vocab": lambda self: {"a": 0}, "added_tokens_decoder": {},
+                                           "special_tokens_map": {}, "chat_template": None})()
+    with pytest.raises(ArtifactError, match="different tokenizer"):
+        load_calibration(embedded_model, bad_tokenizer, path=embedded_artifact)
+
+
+@pytest.mark.slow
+def test_embedded_model_answers_through_compressed_cache(embedded_model, embedded_tokenizer, embedded_artifact):
+    """Question-agnostic compression on the real model: KeyDiff with INF budgets at half the
+    context on a batch of two (same answers as one by one), EA with calibrated and with
+    prompt statistics keeping 90%."""
+    model, tokenizer = embedded_model, embedded_tokenizer
+    calibration = load_calibration(model, tokenizer, path=embedded_artifact)
+    previous = model.config._attn_implementation
+    contexts = [HAYSTACK[:400] + "The special magic number for Alice is 4721. " + HAYSTACK[:300],
+                HAYSTACK[:200] + "The special magic number for Bob is 3308. " + HAYSTACK[:500]]
+    questions = ["What is the special magic number for Alice?", "What is the special magic number for Bob?"]
+    half = CompressionPolicy(ratio=0.5, allocation="inf", scorer="keydiff")
+    try:
+        texts = answer(model, tokenizer, contexts, questions, half, calibration=calibration, max_new_tokens=12)
+        single = answer(model, tokenizer, contexts[1], questions[1], half, calibration=calibration,
+                        max_new_tokens=12)
+        calibrated = answer(model, tokenizer, contexts, questions,
+                            CompressionPolicy(ratio=0.9, allocation="inf", statistics="calibrated"),
+                            calibration=calibration, max_new_tokens=12)
+        prompt_stats = answer(model, tokenizer, contexts[0], questions[0],
+                              CompressionPolicy(ratio=0.9, statistics="prompt"), max_new_tokens=12)
+    finally:
+        model.set_attn_implementation(previous)
+    assert "4721" in texts[0] and "3308" in texts[1], texts
+    assert single == texts[1]
+    assert "4721" in calibrated[0] and "3308" in calibrated[1], calibrated
+    assert "4721" in prompt_stats, prompt_stats

@@ -1,0 +1,193 @@
+"""Scorers against direct implementations of their definitions (DESIGN.md sections 1-2)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny_llama
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from runtime import CompressionPolicy, RaggedCache, compress, prefill
+from runtime.calibration import Calibration
+from runtime.rope import averaged_rope, rope_cos_sin, rope_matrix
+from runtime.scorers import (ExpectedAttentionScorer, HeadContext, KeyDiffScorer, KNormScorer, SnapKVScorer,
+                             StreamingScorer, select_rows)
+
+
+def explicit_rope(position: int, head_dim: int, theta: float) -> torch.Tensor:
+    """``R_p [d, d]`` built pair by pair: (i, i + d/2) rotated by ``p * theta^(-2i/d)`` (float64)."""
+    half = head_dim // 2
+    matrix = torch.zeros(head_dim, head_dim, dtype=torch.float64)
+    for i in range(half):
+        angle = position * theta ** (-2.0 * i / head_dim)
+        c, s = math.cos(angle), math.sin(angle)
+        matrix[i, i], matrix[i, i + half] = c, -s
+        matrix[i + half, i], matrix[i + half, i + half] = s, c
+    return matrix
+
+
+def direct_expected_attention(keys, values, mean, cov, start, horizon, theta, scaling, epsilon=0.0):
+    """DESIGN.md section 1 written out: explicit RoPE matrices, per-head softmax, group mean."""
+    d = keys.shape[1]
+    rbar = sum(explicit_rope(p, d, theta) for p in range(start, start + horizon)) / horizon
+    keys, values = keys.double(), values.double()
+    per_head = []
+    for g in range(mean.shape[0]):
+        mu = rbar @ mean[g].double()
+        sigma = rbar @ cov[g].double() @ rbar.T
+        z = torch.stack([scaling * mu @ k + 0.5 * scaling ** 2 * k @ sigma @ k for k in keys])
+        per_head.append(torch.softmax(z, dim=0))
+    attention = torch.stack(per_head).mean(0)
+    return (attention + epsilon) * values.norm(dim=-1)
+
+
+def random_stats(groups: int, d: int, generator: torch.Generator):
+    mean = torch.randn(groups, d, generator=generator)
+    factor = torch.randn(groups, d, d, generator=generator) / math.sqrt(d)
+    return mean, factor @ factor.transpose(-1, -2)
+
+
+def test_rope_matrix_matches_transformers_rotation():
+    model = make_tiny_llama(head_dim=16)
+    query = torch.randn(1, 1, 3, 16, dtype=torch.float32)
+    positions = torch.tensor([0, 7, 123])
+    cos, sin = rope_cos_sin(model, positions)
+    rotated, _ = apply_rotary_pos_emb(query, query, cos[None], sin[None])
+    theta = model.config.rope_parameters["rope_theta"]
+    for row, position in enumerate(positions.tolist()):
+        explicit = explicit_rope(position, 16, theta).float()
+        torch.testing.assert_close(rotated[0, 0, row], explicit @ query[0, 0, row], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rope_matrix(cos[row], sin[row]), explicit, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("start", [0, 37, 1000])
+def test_expected_attention_equals_direct_formula_with_gqa(start):
+    model = make_tiny_llama(head_dim=16)
+    theta = model.config.rope_parameters["rope_theta"]
+    generator = torch.Generator().manual_seed(start)
+    n, d, groups, horizon = 30, 16, 3, 24
+    keys, values = torch.randn(n, d, generator=generator) * 2, torch.randn(n, d, generator=generator)
+    mean, cov = random_stats(groups, d, generator)
+    cos, sin = averaged_rope(model, start, horizon)
+    scorer = ExpectedAttentionScorer(horizon=horizon, epsilon=0.01)
+    head = HeadContext(layer=0, kv_head=0, keys=keys, values=values, positions=torch.arange(n), scaling=d ** -0.5,
+                       next_position=start, query_mean=mean, query_cov=cov, rope_cos=cos, rope_sin=sin)
+    expected = direct_expected_attention(keys, values, mean, cov, start, horizon, theta, d ** -0.5, epsilon=0.01)
+    torch.testing.assert_close(scorer.score(head).double(), expected, rtol=1e-4, atol=1e-7)
+
+
+def test_expected_attention_anchors_rope_at_the_absolute_position():
+    """Averaging from position 0 (the chunk-length bug) gives different scores than from t0."""
+    model = make_tiny_llama(head_dim=16)
+    theta = model.config.rope_parameters["rope_theta"]
+    generator = torch.Generator().manual_seed(5)
+    keys, values = torch.randn(40, 16, generator=generator) * 3, torch.randn(40, 16, generator=generator)
+    mean, cov = random_stats(2, 16, generator)
+    scorer = ExpectedAttentionScorer(horizon=8)
+
+    def scores(start):
+        cos, sin = averaged_rope(model, start, 8)
+        return scorer.score(HeadContext(0, 0, keys, values, torch.arange(40), 0.25, start, mean, cov, cos, sin))
+
+    at_t0 = scores(500)
+    torch.testing.assert_close(at_t0.double(), direct_expected_attention(keys, values, mean, cov, 500, 8, theta, 0.25),
+                               rtol=1e-4, atol=1e-7)
+    assert not torch.allclose(at_t0, scores(0), rtol=1e-2)
+
+
+def test_keydiff_knorm_streaming_match_definitions():
+    generator = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(20, 8, generator=generator), torch.randn(20, 8, generator=generator)
+    head = HeadContext(0, 0, keys, values, torch.arange(100, 120), 8 ** -0.5, 120)
+    unit = keys.double() / keys.double().norm(dim=-1, keepdim=True)
+    anchor = unit.mean(0)
+    expected = -(keys.double() @ anchor) / (keys.double().norm(dim=-1) * anchor.norm())
+    torch.testing.assert_close(KeyDiffScorer().score(head).double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(KNormScorer().score(head), -keys.norm(dim=-1))
+    rows = select_rows(StreamingScorer().score(head), budget=6, n_sink=2, window=1)
+    assert rows.tolist() == [0, 1, 16, 17, 18, 19]
+
+
+def test_snapkv_equals_loop_reference():
+    generator = torch.Generator().manual_seed(2)
+    n, d, groups, window = 25, 8, 2, 4
+    keys, values = torch.randn(n, d, generator=generator), torch.randn(n, d, generator=generator)
+    queries = torch.randn(groups, window, d, generator=generator)
+    positions = torch.arange(n)
+    head = HeadContext(0, 0, keys, values, positions, d ** -0.5, n, recent_queries=queries)
+    scores = SnapKVScorer(window=window, kernel=3).score(head)
+    summed = torch.zeros(n, dtype=torch.float64)
+    for g in range(groups):
+        for w in range(window):
+            query_position = n - window + w
+            logits = torch.tensor([float(queries[g, w] @ keys[i]) * d ** -0.5 if i <= query_position else -math.inf
+                                   for i in range(n)], dtype=torch.float64)
+            summed += torch.softmax(logits, dim=0) / groups
+    pooled = torch.stack([summed[max(0, i - 1):i + 2].mean() for i in range(n)])
+    torch.testing.assert_close(scores.double(), pooled, rtol=1e-5, atol=1e-7)
+
+
+def test_select_rows_keeps_sinks_then_window_then_top_scores():
+    scores = torch.tensor([0.0, 0.0, 5.0, 1.0, 9.0, 2.0, 0.0, 0.0])
+    assert select_rows(scores, 5, n_sink=1, window=2).tolist() == [0, 2, 4, 6, 7]
+    assert select_rows(scores, 8, n_sink=1, window=2).tolist() == list(range(8))
+    assert select_rows(scores, 2, n_sink=1, window=4).tolist() == [0, 7]  # sinks first, then most recent
+    assert select_rows(scores, 1, n_sink=3, window=4).tolist() == [0]
+
+
+def test_compress_applies_expected_attention_with_sink_and_window_rules_per_row():
+    """Through the real engine: kept positions = sinks + window + top direct-EA scores, per row
+    of a left-padded batch, with RoPE averaged from each row's own next position."""
+    model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    theta = model.config.rope_parameters["rope_theta"]
+    generator = torch.Generator().manual_seed(3)
+    layers, heads, d = 2, 4, 16
+    mean = torch.randn(layers, heads, d, generator=generator)
+    factor = torch.randn(layers, heads, d, d, generator=generator) / 4
+    cov = factor @ factor.transpose(-1, -2)
+    calibration = Calibration(path=Path("memory"), identity=None, config={}, sections=("query_stats",),
+                              query_mean=mean.numpy(), query_cov=cov.numpy())
+    calibration.identity = type("Identity", (), {"num_layers": layers, "num_q_heads": heads})()
+    ids = torch.randint(0, 128, (2, 40), generator=generator)
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[0, :9] = 0  # row 0 has 31 real tokens
+    horizon, budget, n_sink, window = 16, 12, 2, 3
+    policy = CompressionPolicy(budget=budget, scorer="expected_attention", n_sink=n_sink, window=window,
+                               scorer_options={"horizon": horizon})
+    cache = RaggedCache.for_model(model)
+    prefill(model, cache, ids, mask, policy=policy)
+    before = [[[tensor.clone() for tensor in layer.head(b, h)] for h in range(2) for b in range(2)]
+              for layer in cache.layers]
+    compress(model, cache, policy, calibration)
+    for layer_idx, layer in enumerate(cache.layers):
+        for b in range(2):
+            real = int(mask[b].sum())
+            for h in range(2):
+                keys, values, positions = before[layer_idx][h * 2 + b]
+                assert positions.tolist() == list(range(real))
+                expected = direct_expected_attention(keys, values, mean[layer_idx, 2 * h:2 * h + 2],
+                                                     cov[layer_idx, 2 * h:2 * h + 2], real, horizon, theta, d ** -0.5)
+                middle = expected[n_sink:real - window]
+                top = (torch.topk(middle, budget - n_sink - window).indices + n_sink).tolist()
+                wanted = sorted(list(range(n_sink)) + top + list(range(real - window, real)))
+                assert layer.head(b, h)[2].tolist() == wanted
+
+
+def test_scorer_extension_point_is_one_small_class():
+    class OldestFirst(StreamingScorer):
+        name = "oldest"
+
+        def score(self, head):
+            return -head.positions.float()
+
+    model = make_tiny_llama()
+    cache = RaggedCache.for_model(model)
+    policy = CompressionPolicy(budget=5, scorer=OldestFirst(), n_sink=0, window=1)
+    prefill(model, cache, torch.arange(20).unsqueeze(0), policy=policy)
+    compress(model, cache, policy)
+    assert cache.layers[1].head(0, 1)[2].tolist() == [0, 1, 2, 3, 19]
+    assert np.all(cache.head_lengths().numpy() == 5)
