@@ -22,6 +22,11 @@ Families (REAL, seed 004, Table 2 and appendix A.5, and HeadKV):
 * ``counting`` - how many items were bought (other numbers are B/D);
 * ``located_attribute`` - the export of the city located on a continent (locations are B);
 * ``reasoning`` - HeadKV-R2: the favourite thing of the younger/older person (ages are B).
+
+Adding a family: write ``templates/<name>.jinja`` (setting ``needle``, ``question``,
+``answer``; the answer must appear inside an R marker, which :func:`render_family` checks), a
+sampler ``rng -> slots`` drawing from ``data/`` pools, and register a :class:`Family` in
+:data:`FAMILIES`.
 """
 
 from __future__ import annotations

@@ -204,8 +204,8 @@ class DatasetHaystack(_CorpusHaystack):
     def _load(self) -> list[str]:
         dataset = self.load_dataset()
         sentences: list[str] = []
-        for row in range(min(len(dataset), self.max_rows)):
-            value = dataset[row][self.text_column]
+        texts = dataset.select(range(min(len(dataset), self.max_rows)))[self.text_column]  # one column read
+        for value in texts:
             if value is not None:
                 sentences.extend(split_sentences(str(value)))
         return sentences
