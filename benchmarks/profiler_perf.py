@@ -118,9 +118,9 @@ def main() -> None:
 
     model, tokenizer = load_model(), load_tokenizer()
     preset = PRESETS["quick"]
-    probes, _ = preset_probes(args.probes_preset, tokenizer)
-    step = max(1, len(probes) // args.limit)
-    probes = probes[::step][:args.limit]  # spread over lengths and depths
+    probe_set = preset_probes(args.probes_preset, tokenizer)
+    step = max(1, len(probe_set) // args.limit)
+    probes = [probe_set[i] for i in range(0, len(probe_set), step)][:args.limit]  # spread over the grid
     results = {"threads": torch.get_num_threads(),
                "behaviour": bench_behaviour(model, tokenizer, probes, preset.max_new_tokens)}
     print("behaviour:", json.dumps(results["behaviour"]), flush=True)

@@ -96,9 +96,11 @@ class BehaviourState:
         return state
 
     # -- the artifact section -------------------------------------------------------------
-    def section_arrays(self, probes: list[Probe]) -> dict[str, np.ndarray]:
-        """The ``behaviour`` section's arrays; every probe must be done."""
-        missing = [i for i in range(len(probes)) if i not in self.done]
+    def section_arrays(self, probe_table: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The ``behaviour`` section's arrays; ``probe_table`` holds ``probe_length``,
+        ``probe_depth``, ``probe_family``, ``probe_seed`` ``[P]``; every probe must be done."""
+        count = len(probe_table["probe_length"])
+        missing = [i for i in range(count) if i not in self.done]
         if missing:
             raise RuntimeError(f"{len(missing)} probes were not run (first: {missing[0]})")
         w_w, w_r, w_b, w_d = (self.totals[..., code] for code in range(NUM_LABELS))
@@ -106,12 +108,9 @@ class BehaviourState:
         return {
             "W_R": w_r.copy(), "W_B": w_b.copy(), "W_D": w_d.copy(), "W_W": w_w.copy(),
             "steps": self.steps.copy(), "RAsc": rasc, "LCsc": lcsc, "INFsc": infsc,
-            "probe_length": np.array([p.length for p in probes], dtype=np.int64),
-            "probe_depth": np.array([p.depth for p in probes], dtype=np.float64),
-            "probe_family": np.array([p.family.encode("ascii", "replace")[:64] for p in probes], dtype="S64"),
-            "probe_seed": np.array([p.seed for p in probes], dtype=np.int64),
-            "probe_success": np.array([self.done[i][0] for i in range(len(probes))], dtype=np.uint8),
-            "probe_steps": np.array([self.done[i][1] for i in range(len(probes))], dtype=np.int64),
+            **{name: np.asarray(values).copy() for name, values in probe_table.items()},
+            "probe_success": np.array([self.done[i][0] for i in range(count)], dtype=np.uint8),
+            "probe_steps": np.array([self.done[i][1] for i in range(count)], dtype=np.int64),
         }
 
     def success_rate(self) -> float:

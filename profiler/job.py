@@ -41,7 +41,7 @@ from profiler.budget_tables import DEFAULT_BETA, DEFAULT_MIN_BUDGET, DEFAULT_RAT
 from profiler.calibration_text import calibration_windows
 from profiler.checkpoint import load_work, remove_work, save_work, work_file_path
 from profiler.presets import PRESETS
-from profiler.probe_source import preset_probes, probes_digest, read_probes
+from profiler.probe_source import file_probes, preset_probes
 from profiler.query_stats import QueryStatsAccumulator, collect_queries
 
 STAGE_SECTIONS = {"behaviour": "behaviour", "query-stats": "query_stats", "budgets": "budgets"}
@@ -171,16 +171,13 @@ class ProfileJob:
                   f"{self.geometry.num_q_heads} query / {self.geometry.num_kv_heads} KV heads, d={self.geometry.head_dim}) "
                   f"loaded in {time.perf_counter() - started:.1f} s; output: {self.out}")
 
-        self.probes, self.probe_config = [], {}
+        self.probes = None
         if "behaviour" in self.stages:
-            if options.probes_file:
-                self.probes = read_probes(options.probes_file)
-                self.probe_config = {"source": "file", "path": str(options.probes_file)}
-            else:
-                self.probes, spec = preset_probes(PRESETS[options.preset].probes, self.tokenizer)
-                self.probe_config = {"source": "needles", "preset": PRESETS[options.preset].probes, "spec": spec}
-        longest = max((len(p.input_ids) for p in self.probes), default=0) + self.max_new_tokens
-        if longest > self.identity.max_position_embeddings:
+            self.probes = (file_probes(options.probes_file) if options.probes_file else
+                           preset_probes(PRESETS[options.preset].probes, self.tokenizer,
+                                         self.identity.tokenizer_fingerprint))
+        longest = (self.probes.max_tokens() if self.probes is not None else 0) + self.max_new_tokens
+        if self.probes is not None and longest > self.identity.max_position_embeddings:
             self._say(f"warning: the longest probe plus {self.max_new_tokens} new tokens is {longest} tokens, beyond "
                       f"the model's {self.identity.max_position_embeddings}-token context")
         self.windows = None
@@ -195,8 +192,8 @@ class ProfileJob:
         config = {"profiler": {"preset": o.preset, "stages": list(self.stages), "processes": self.info.world_size,
                                "seed": o.seed}}
         if "behaviour" in self.stages:
-            config["behaviour"] = {**self.probe_config, "num_probes": len(self.probes),
-                                   "probes_sha256": probes_digest(self.probes),
+            config["behaviour"] = {**self.probes.config, "num_probes": len(self.probes),
+                                   "probes_sha256": self.probes.digest,
                                    "max_new_tokens": self.max_new_tokens, "decoding": "greedy",
                                    "context": "prompt tokens", "prefill": "sdpa"}
         if "query-stats" in self.stages:
@@ -323,7 +320,7 @@ class ProfileJob:
             state.steps = distributed.all_reduce_sum(info, state.steps)
             for done in distributed.gather_objects(info, state.done):
                 state.done.update(done)
-            arrays = state.section_arrays(self.probes)
+            arrays = state.section_arrays(self.probes.table)
             sections["behaviour"] = Section(arrays=arrays)
             successes = int(arrays["probe_success"].sum())
             top = np.argsort(arrays["INFsc"].ravel())[::-1][:3]

@@ -10,7 +10,7 @@ import pytest
 from needles.probe import Probe, Span
 from profiler.calibration_text import calibration_windows
 from profiler.checkpoint import WorkFileMismatch, load_work, save_work, work_file_path
-from profiler.probe_source import probes_digest, read_probes
+from profiler.probe_source import file_probes, preset_probes, probes_digest, read_probes
 
 
 def test_windows_from_local_files(tmp_path, embedded_tokenizer):
@@ -71,3 +71,27 @@ def test_work_file_round_trip_and_mismatch(tmp_path):
     path.write_bytes(b"garbage")
     with pytest.raises(WorkFileMismatch, match="cannot read"):
         load_work(path, "abc")
+
+
+def test_lazy_needles_probe_set_equals_generate_probes(embedded_tokenizer):
+    from needles import PRESETS, generate_probes
+
+    probe_set = preset_probes("smoke", embedded_tokenizer, "tok")
+    expected = list(generate_probes(PRESETS["smoke"], embedded_tokenizer))
+    assert len(probe_set) == len(expected)
+    assert [probe_set[i] for i in range(len(probe_set))] == expected
+    assert probe_set.table["probe_length"].tolist() == [p.length for p in expected]
+    assert probe_set.table["probe_family"].tolist() == [p.family.encode() for p in expected]
+    assert probe_set.digest == preset_probes("smoke", embedded_tokenizer, "tok").digest
+    assert probe_set.digest != preset_probes("smoke", embedded_tokenizer, "other").digest
+    assert probe_set.config["preset"] == "smoke" and probe_set.config["source"] == "needles"
+
+
+def test_file_probe_set(tmp_path):
+    probes = [Probe(id=f"p{i}", family="hand", length=20 + i, depth=10.0, seed=i, question="q", answer="a",
+                    input_ids=list(range(1, 22 + i)), spans=[Span("R", 2, 4)], context_end=15) for i in range(3)]
+    path = tmp_path / "probes.jsonl"
+    path.write_text("\n".join(p.to_json() for p in probes))
+    probe_set = file_probes(path)
+    assert len(probe_set) == 3 and probe_set[2] == probes[2] and probe_set.max_tokens() == 23
+    assert probe_set.table["probe_seed"].tolist() == [0, 1, 2]
