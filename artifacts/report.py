@@ -52,7 +52,7 @@ def heatmap(title: str, values: np.ndarray, column_label: str, fmt: str = "{:.3f
     ]
     return {
         "title": title, "cells": cells, "rows": values.shape[0], "cols": values.shape[1],
-        "width": 30 + values.shape[1] * CELL + 10, "height": 20 + values.shape[0] * CELL + 30,
+        "width": max(30 + values.shape[1] * CELL + 10, 150), "height": 20 + values.shape[0] * CELL + 30,
         "low": fmt.format(low), "high": fmt.format(high), "cell": CELL, "column_label": column_label,
         "row_ticks": [{"y": 20 + r * CELL + CELL - 3, "label": r} for r in range(0, values.shape[0], 5)],
         "gradient": [colour(i / 8) for i in range(9)],

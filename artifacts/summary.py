@@ -78,6 +78,17 @@ def summarize(reader: ArtifactReader) -> dict:
     return summary
 
 
+def _flatten(config: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """``{"a": {"b": 1}}`` -> ``[("a.b", 1)]``, scalars only, sorted."""
+    items = []
+    for key, value in sorted(config.items()):
+        if isinstance(value, dict):
+            items += _flatten(value, f"{prefix}{key}.")
+        elif not isinstance(value, list):
+            items.append((f"{prefix}{key}", value))
+    return items
+
+
 def format_summary(summary: dict) -> str:
     """The summary as human-readable text."""
     m = summary["model"]
@@ -89,8 +100,7 @@ def format_summary(summary: dict) -> str:
         f"{', query norm' if m['query_norm'] else ''})",
         f"fingerprints  arch {m['arch_fingerprint'][:16]}  weights {m['weights_fingerprint'][:16]}  "
         f"tokenizer {m['tokenizer_fingerprint'][:16]}",
-        "config      " + ", ".join(f"{k}={v}" for k, v in sorted(summary["config"].items())
-                                   if not isinstance(v, (dict, list)))[:400],
+        "config      " + (", ".join(f"{k}={v}" for k, v in _flatten(summary["config"]))[:400] or "none"),
     ]
     sections = summary["sections"]
     if not sections:

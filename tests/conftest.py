@@ -104,3 +104,13 @@ def make_random_artifact(identity=None, *, seed=0, probes=7, sections=("behaviou
             "errors": rng.random((2, 3, L, Hkv)), "reference_ratios": np.array([0.25, 0.5]),
             "tau": rng.random((L, Hkv)) * 1e-3})
     return Artifact(model=identity, config={"preset": "test", "seed": seed}, sections=built)
+
+
+@pytest.fixture(scope="session")
+def smoke_artifact(tmp_path_factory):
+    """A real artifact: `profile-model --preset smoke` on the embedded model, run once per session."""
+    from profiler.cli import main
+
+    out = tmp_path_factory.mktemp("smoke_artifact") / "kv_calibration.h5"
+    assert main(["--preset", "smoke", "--out", str(out), "--no-progress"]) == 0
+    return out
