@@ -58,6 +58,28 @@ def test_capture_matches_eager_on_tiny_gqa_model():
     _check_against_eager(model, prompt, steps=6, atol=1e-5)
 
 
+def _tiny(kind: str):
+    import transformers
+
+    classes = {"mistral": ("MistralConfig", "MistralForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+    config_class, model_class = (getattr(transformers, name) for name in classes[kind])
+    config = config_class(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
+    torch.manual_seed(4)
+    return model_class(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3"])
+def test_capture_matches_eager_on_other_llama_family_models(kind):
+    from profiler.architecture import inspect_model
+
+    model = _tiny(kind)
+    assert inspect_model(model).query_norm == (kind == "qwen3")
+    prompt = torch.randint(1, 96, (1, 23), generator=torch.Generator().manual_seed(2))
+    _check_against_eager(model, prompt, steps=4, atol=1e-5)
+
+
 def test_capture_leaves_generation_unchanged():
     model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=1, head_dim=16, seed=5)
     prompt = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(1))
