@@ -23,9 +23,13 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
+
+
+REDUCTION_TIMEOUT = timedelta(days=7)
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,9 @@ def process_info() -> ProcessInfo:
     from accelerate import PartialState
 
     cpu = _env_flag("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
-    state = PartialState(cpu=cpu)
+    # Processes meet only at the final reduction, where the fastest waits for the slowest
+    # shard: far longer than the default 30-minute collective timeout on a big job.
+    state = PartialState(cpu=cpu, timeout=REDUCTION_TIMEOUT)
     return ProcessInfo(int(state.process_index), int(state.num_processes), torch.device(state.device))
 
 
