@@ -13,15 +13,15 @@ The file is validated by ``artifacts`` (structure, checksums, dtypes, shapes, ra
 The weights fingerprint (``artifacts.fingerprint.weights_fingerprint``) reads every weight,
 which takes seconds on CPU; it is computed once per model object and remembered on the model
 together with the tensors' version counters, so an in-place weight change invalidates it.
-Only the sections a serving process uses are read: ``query_stats`` mean/cov and the INF
-weights (``budgets/inf_kv``, else derived from ``behaviour/INFsc``).
+Only what a serving process uses is read: the INF weights (``budgets/inf_kv``, else derived
+from ``behaviour/INFsc``) at load time, and the ``query_stats`` mean/cov on first use (the
+covariance is the bulk of the file; decompressing and checksumming it takes ~50 ms).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,17 +35,54 @@ from .budgets import kv_head_scores
 _MEMO_ATTRIBUTE = "_kvcal_fingerprint_memo"
 
 
-@dataclass
 class Calibration:
-    """What the runtime uses from an artifact (numpy arrays, read once)."""
+    """What the runtime uses from an artifact.
 
-    path: Path
-    identity: ModelIdentity
-    config: dict
-    sections: tuple[str, ...]
-    query_mean: np.ndarray | None = None  # float32 [L, Hq, d] pre-RoPE
-    query_cov: np.ndarray | None = None  # float32 [L, Hq, d, d]
-    inf_weights: np.ndarray | None = None  # float64 [L, Hkv], sums to 1
+    ``inf_weights`` (float64 ``[L, Hkv]``, sums to 1) is read at load time; the query
+    statistics (``query_mean`` float32 ``[L, Hq, d]`` and ``query_cov`` ``[L, Hq, d, d]``,
+    pre-RoPE) are read from the still-open, already validated file on first use, so loading
+    stays fast for policies that do not need them.  Arrays may also be given directly.
+    """
+
+    def __init__(self, path, identity, config: dict, sections: tuple[str, ...], *,
+                 query_mean: np.ndarray | None = None, query_cov: np.ndarray | None = None,
+                 inf_weights: np.ndarray | None = None, reader=None):
+        self.path = Path(path)
+        self.identity = identity
+        self.config = config
+        self.sections = tuple(sections)
+        self.inf_weights = inf_weights
+        self._query_mean, self._query_cov = query_mean, query_cov
+        self._reader = reader
+
+    def _read_query_stats(self) -> None:
+        if self._query_mean is None and self._reader is not None and "query_stats" in self.sections:
+            self._query_mean = self._reader.read("query_stats", "mean")
+            self._query_cov = self._reader.read("query_stats", "cov")
+
+    @property
+    def query_mean(self) -> np.ndarray | None:
+        self._read_query_stats()
+        return self._query_mean
+
+    @property
+    def query_cov(self) -> np.ndarray | None:
+        self._read_query_stats()
+        return self._query_cov
+
+    @property
+    def has_query_stats(self) -> bool:
+        return self._query_mean is not None or (self._reader is not None and "query_stats" in self.sections)
+
+    def close(self) -> None:
+        """Close the artifact file (reading the query statistics first if they were never used)."""
+        if self._reader is not None:
+            self._read_query_stats()
+            self._reader.close()
+            self._reader = None
+
+    def __repr__(self) -> str:
+        return f"Calibration({self.path}, model={getattr(self.identity, 'name', None)!r}, sections={self.sections})"
 
 
 def find_artifact(model, path: str | os.PathLike | None = None) -> Path:
@@ -91,7 +128,8 @@ def _memo(model) -> dict:
 def model_weights_fingerprint(model) -> str:
     """``weights_fingerprint(model)``, remembered until a weight tensor changes."""
     memo = _memo(model)
-    versions = tuple((name, tensor.data_ptr(), tensor._version) for name, tensor in model.state_dict().items())
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    versions = tuple((name, tensor.data_ptr(), tensor._version) for name, tensor in tensors)
     if memo.get("versions") != versions:
         memo["weights"] = weights_fingerprint(model)
         memo["versions"] = versions
@@ -131,16 +169,16 @@ def load_calibration(model, tokenizer=None, path: str | os.PathLike | None = Non
                      allow_mismatch: bool = False) -> Calibration:
     """Find, validate and read the artifact for ``model`` (see the module docstring)."""
     artifact_path = find_artifact(model, path)
-    with open_artifact(artifact_path) as reader:
+    reader = open_artifact(artifact_path)
+    try:
         check_identity(reader.model, model, tokenizer, allow_mismatch=allow_mismatch, source=str(artifact_path))
-        calibration = Calibration(path=artifact_path, identity=reader.model, config=reader.config,
-                                  sections=tuple(reader.sections))
-        if reader.has("query_stats"):
-            calibration.query_mean = reader.read("query_stats", "mean")
-            calibration.query_cov = reader.read("query_stats", "cov")
+        inf_weights = None
         if reader.has("budgets"):
-            calibration.inf_weights = reader.read("budgets", "inf_kv")
+            inf_weights = reader.read("budgets", "inf_kv")
         elif reader.has("behaviour"):
-            infsc = reader.read("behaviour", "INFsc")
-            calibration.inf_weights = kv_head_scores(infsc, reader.model.num_kv_heads)
-    return calibration
+            inf_weights = kv_head_scores(reader.read("behaviour", "INFsc"), reader.model.num_kv_heads)
+    except BaseException:
+        reader.close()
+        raise
+    return Calibration(artifact_path, reader.model, reader.config, tuple(reader.sections), inf_weights=inf_weights,
+                       reader=reader if reader.has("query_stats") else None)

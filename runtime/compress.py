@@ -44,7 +44,8 @@ class PromptQueryStats:
     """Per batch element, pre-RoPE query sums ``n, sum q, sum q q^T`` per (layer, query head).
 
     Hooks ``q_norm`` where the attention has one (after the norm), else ``q_proj``; only real
-    (non-padding) tokens count.  Sums are float64 (the outer products are formed in float32
+    (non-padding) tokens count, and :func:`prefill` leaves out the policy's ``n_sink`` first
+    tokens (outlier queries of attention sinks).  Sums are float64 (the outer products are formed in float32
     per chunk, then added).
     """
 
@@ -128,7 +129,9 @@ def prefill(model, cache: RaggedCache, input_ids: torch.Tensor, attention_mask: 
     if wants_stats and prompt_stats is None:
         prompt_stats = PromptQueryStats(model, batch)
     if prompt_stats is not None:
-        prompt_stats.real = chunk_mask
+        # the first n_sink tokens (attention sinks, outlier queries) stay out of the statistics
+        skip = policy.n_sink if policy is not None else 0
+        prompt_stats.real = chunk_mask & (position_ids >= skip)
         with prompt_stats:
             model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   past_key_values=cache, use_cache=True, logits_to_keep=1)

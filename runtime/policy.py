@@ -107,7 +107,7 @@ class CompressionPolicy:
         if self.allocation == "inf" and calibration.inf_weights is None:
             raise ValueError(f"allocation='inf' needs INF scores, but {calibration.path} has neither a 'budgets' "
                              f"nor a 'behaviour' section (present: {', '.join(calibration.sections) or 'none'})")
-        if self.build_scorer().query_statistics == "calibrated" and calibration.query_mean is None:
+        if self.build_scorer().query_statistics == "calibrated" and not calibration.has_query_stats:
             raise ValueError(f"expected_attention with statistics='calibrated' needs query statistics, but "
                              f"{calibration.path} has no 'query_stats' section (present: "
                              f"{', '.join(calibration.sections) or 'none'}); use statistics='prompt' or "

@@ -18,6 +18,16 @@ from runtime.budgets import allocate_budgets
 from runtime.calibration import Calibration, model_weights_fingerprint
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on the shared 2-core machine two threads spin against other
+    processes and the many small per-head ops of the ragged cache wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def identity_for(model, tokenizer=None, name="tiny") -> ModelIdentity:
     numbers = architecture_numbers(model.config)
     tokenizer_fp = tokenizer_fingerprint(tokenizer) if tokenizer is not None else hashlib.sha256(b"none").hexdigest()
@@ -214,8 +224,8 @@ def test_embedded_artifact_loads_fast_and_checks_identity(embedded_model, embedd
 @pytest.mark.slow
 def test_embedded_model_answers_through_compressed_cache(embedded_model, embedded_tokenizer, embedded_artifact):
     """Question-agnostic compression on the real model: KeyDiff with INF budgets at half the
-    context on a batch of two (same answers as one by one), EA with calibrated and with
-    prompt statistics keeping 90%."""
+    context on a batch of two (same answers as one by one); EA with the artifact's calibrated
+    statistics keeping 90%."""
     model, tokenizer = embedded_model, embedded_tokenizer
     calibration = load_calibration(model, tokenizer, path=embedded_artifact)
     previous = model.config._attn_implementation
@@ -227,14 +237,42 @@ def test_embedded_model_answers_through_compressed_cache(embedded_model, embedde
         texts = answer(model, tokenizer, contexts, questions, half, calibration=calibration, max_new_tokens=12)
         single = answer(model, tokenizer, contexts[1], questions[1], half, calibration=calibration,
                         max_new_tokens=12)
-        calibrated = answer(model, tokenizer, contexts, questions,
-                            CompressionPolicy(ratio=0.9, allocation="inf", statistics="calibrated"),
+        calibrated = answer(model, tokenizer, contexts, questions, CompressionPolicy(ratio=0.9, statistics="calibrated"),
                             calibration=calibration, max_new_tokens=12)
-        prompt_stats = answer(model, tokenizer, contexts[0], questions[0],
-                              CompressionPolicy(ratio=0.9, statistics="prompt"), max_new_tokens=12)
     finally:
         model.set_attn_implementation(previous)
     assert "4721" in texts[0] and "3308" in texts[1], texts
     assert single == texts[1]
     assert "4721" in calibrated[0] and "3308" in calibrated[1], calibrated
-    assert "4721" in prompt_stats, prompt_stats
+
+
+def test_embedded_prompt_statistics_equal_direct_computation(embedded_model, embedded_tokenizer):
+    """Prompt statistics (EA 'prompt'): per-row pre-RoPE query mean/covariance from q_proj,
+    padding and the n_sink first tokens left out, equal float64 statistics computed directly."""
+    model, tokenizer = embedded_model, embedded_tokenizer
+    rows = [tokenizer(HAYSTACK[:300])["input_ids"], tokenizer(HAYSTACK[100:260])["input_ids"]]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    captured = {}
+    layer = 7
+
+    def capture(module, inputs, output):
+        captured["q"] = output.detach().double()
+
+    hook = model.model.layers[layer].self_attn.q_proj.register_forward_hook(capture)
+    policy = CompressionPolicy(ratio=0.5, statistics="prompt", n_sink=4)
+    previous = model.config._attn_implementation
+    try:
+        stats = prefill(model, RaggedCache.for_model(model), ids, mask, policy=policy)
+    finally:
+        hook.remove()
+        model.set_attn_implementation(previous)
+    for b, row in enumerate(rows):
+        queries = captured["q"][b, width - len(row) + 4:].reshape(-1, 9, 64)  # real tokens after the sinks
+        mean, cov = stats.mean_cov(b)
+        expected_mean = queries.mean(0)
+        centred = queries - expected_mean
+        expected_cov = torch.einsum("thd,the->hde", centred, centred) / queries.shape[0]
+        torch.testing.assert_close(mean[layer], expected_mean, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(cov[layer], expected_cov, atol=1e-3, rtol=1e-4)
