@@ -6,9 +6,12 @@ fact only its maximum and argmax (:mod:`profiler.behaviour_scores`).  Materialis
 attention matrices would cost ``O(prompt^2)`` memory; instead:
 
 * a custom attention function, registered with transformers' ``AttentionInterface`` (and the
-  ``sdpa`` mask builder with ``AttentionMaskInterface``, DESIGN.md section 6), computes the
-  ordinary fused ``sdpa`` output, so the model's numerics and generated text are exactly those
-  of ``attn_implementation="sdpa"``;
+  ``sdpa`` mask builder with ``AttentionMaskInterface``, DESIGN.md section 6), runs the prefill
+  with the ordinary fused ``sdpa`` kernel (no attention matrix); a float32 decode step, whose
+  attention matrix is a single ``[Hq, T]`` row anyway, is computed as matmul-softmax-matmul
+  from the same logits the record needs (so they are computed once; the output equals
+  ``sdpa``'s up to float rounding; other dtypes keep ``sdpa`` and compute the logits in
+  float32 for the record);
 * when a :class:`DecodeAttentionRecorder` is active it also computes, for the *last* query
   of the call only, the logits ``s q.k_j`` against all cached keys ``[Hq, T]``, their
   log-sum-exp, and the max / argmax over the context positions ``j < C``.  The weight is
@@ -63,8 +66,14 @@ class DecodeAttentionRecorder:
         self._rows: dict[int, list[torch.Tensor]] = {}
 
     def record(self, layer: int, query: torch.Tensor, key: torch.Tensor,
-               attention_mask: torch.Tensor | None, scaling: float | None) -> None:
-        """Record the last query of a call.  query ``[1, Hq, q, d]``, key ``[1, Hkv, T, d]``."""
+               attention_mask: torch.Tensor | None, scaling: float | None,
+               value: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Record the last query of a call.  query ``[1, Hq, q, d]``, key/value ``[1, Hkv, T, d]``.
+
+        With ``value`` given (single-query calls), also return that query's attention output
+        ``[1, 1, Hq, d]`` computed from the same float32 logits (matmul-softmax-matmul), so
+        the logits are computed once per step instead of once here and once in ``sdpa``.
+        """
         batch, num_q_heads, _, head_dim = query.shape
         num_kv_heads, total = key.shape[1], key.shape[2]
         if batch != 1:
@@ -101,6 +110,11 @@ class DecodeAttentionRecorder:
         self._argmax[layer][step] = context_argmax
         if self.keep_rows:
             self._rows[layer].append(torch.exp(logits[:, :self.context_len] - log_norm[:, None]).cpu())
+        if value is None:
+            return None
+        weights = torch.exp(logits - log_norm[:, None]).reshape(num_kv_heads, group, total)  # [Hkv, G, T]
+        output = torch.matmul(weights, value[0].float())  # [Hkv, G, d]
+        return output.reshape(1, 1, num_q_heads, head_dim).to(query.dtype)  # [B, q, Hq, d]
 
     @property
     def steps(self) -> int:
@@ -136,13 +150,23 @@ class DecodeAttentionRecorder:
             _active_recorder = None
 
 
-def capture_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """``sdpa`` attention, plus a record of the last query's context attention when capturing."""
-    output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+def capture_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention with a record of the last query's context attention while capturing.
+
+    Prefill (several queries) and non-float32 models: the fused ``sdpa`` kernel, plus the
+    record.  Float32 decode steps while capturing: one matmul-softmax-matmul that yields the
+    record and the output together (the same attention up to float rounding).
+    """
     recorder = _active_recorder
-    if recorder is not None:
-        with torch.no_grad():
-            recorder.record(module.layer_idx, query, key, attention_mask, scaling)
+    if recorder is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    with torch.no_grad():
+        if query.shape[2] == 1 and query.dtype == torch.float32 and not dropout:
+            return recorder.record(module.layer_idx, query, key, attention_mask, scaling, value=value), None
+        output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                           scaling=scaling, **kwargs)
+        recorder.record(module.layer_idx, query, key, attention_mask, scaling)
     return output, None
 
 

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -79,3 +82,29 @@ def remove_work(path: Path) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
+
+
+@contextmanager
+def interrupts_deferred():
+    """Hold SIGINT / SIGTERM until the block ends, then raise ``KeyboardInterrupt``.
+
+    Wraps the commit of one finished probe / batch into the accumulators together with the
+    progress counter, so that an interruption never leaves an item counted in the sums but
+    not in the progress (it would be added twice after resuming).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def remember(signum, _frame):
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, remember) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        raise KeyboardInterrupt

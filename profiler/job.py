@@ -39,7 +39,7 @@ from profiler.behaviour_stage import BehaviourState, run_probe
 from profiler.budget_tables import DEFAULT_BETA, DEFAULT_MIN_BUDGET, DEFAULT_RATIOS, DEFAULT_TOKEN_BUDGETS, \
     budget_tables
 from profiler.calibration_text import calibration_windows
-from profiler.checkpoint import load_work, remove_work, save_work, work_file_path
+from profiler.checkpoint import interrupts_deferred, load_work, remove_work, save_work, work_file_path
 from profiler.presets import PRESETS
 from profiler.probe_source import file_probes, preset_probes
 from profiler.query_stats import QueryStatsAccumulator, collect_queries
@@ -226,8 +226,9 @@ class ProfileJob:
         if saved is not None:
             self.progress, arrays = saved
             self.behaviour = BehaviourState.from_arrays(arrays)
-            self.queries = QueryStatsAccumulator.from_state(
-                {"n": arrays["query_n"], "total": arrays["query_total"], "outer": arrays["query_outer"]})
+            if "query_n" in arrays:
+                self.queries = QueryStatsAccumulator.from_state(
+                    {"n": arrays["query_n"], "total": arrays["query_total"], "outer": arrays["query_outer"]})
             self.log(f"[rank {self.info.rank}] resuming from {self.work_path}: "
                      f"{self.progress['behaviour']} probes and {self.progress['query-stats']} calibration batches done")
         elif self.options.resume:
@@ -263,7 +264,9 @@ class ProfileJob:
         return path if path is not None else self.out
 
     def _checkpoint(self) -> None:
-        arrays = {**self.behaviour.arrays(), **{f"query_{k}": v for k, v in self.queries.state().items()}}
+        arrays = self.behaviour.arrays()
+        if self.progress["query-stats"] > 0:  # [L, Hq, d, d] sums are big (0.7 GB at 70B): only once non-zero
+            arrays.update({f"query_{k}": v for k, v in self.queries.state().items()})
         save_work(self.work_path, self._fingerprint, self.progress, arrays)
 
     def _bar(self, stage: str, total: int, initial: int, unit: str):
@@ -280,12 +283,13 @@ class ProfileJob:
             for position in range(start, len(shard)):
                 index = shard[position]
                 result = run_probe(self.model, self.tokenizer, self.geometry, self.probes[index], self.max_new_tokens)
-                self.behaviour.add(index, result)
-                self.progress["behaviour"] = position + 1
-                since_checkpoint += 1
-                if since_checkpoint >= self.options.checkpoint_every:
-                    self._checkpoint()
-                    since_checkpoint = 0
+                with interrupts_deferred():  # sums and progress move together
+                    self.behaviour.add(index, result)
+                    self.progress["behaviour"] = position + 1
+                    since_checkpoint += 1
+                    if since_checkpoint >= self.options.checkpoint_every:
+                        self._checkpoint()
+                        since_checkpoint = 0
                 bar.set_postfix(success=f"{self.behaviour.success_rate():.0%}", refresh=False)
                 bar.update(1)
         self._checkpoint()
@@ -297,16 +301,23 @@ class ProfileJob:
         start, started = self.progress["query-stats"], time.perf_counter()
         device = self.model.get_input_embeddings().weight.device
         since_checkpoint = 0
+        # The hooks fill a per-batch accumulator, folded into the totals once the forward pass
+        # is complete: an interruption mid-pass leaves the totals untouched.  Each layer sees
+        # one addition per batch either way, so the sums are bit-identical to direct hooking.
+        batch_sums = QueryStatsAccumulator(*self.queries.shape)
         with self._bar("query-stats", len(batches), start, "batch") as bar, torch.no_grad(), \
-                collect_queries(self.geometry, self.queries, self.n_sink):
+                collect_queries(self.geometry, batch_sums, self.n_sink):
             for position in range(start, len(batches)):
                 ids = self.windows[batches[position]].to(device)  # [b, T]
+                batch_sums.reset()
                 self.model.model(input_ids=ids, use_cache=False)
-                self.progress["query-stats"] = position + 1
-                since_checkpoint += 1
-                if since_checkpoint >= self.options.checkpoint_every:
-                    self._checkpoint()
-                    since_checkpoint = 0
+                with interrupts_deferred():
+                    self.queries.merge(batch_sums)
+                    self.progress["query-stats"] = position + 1
+                    since_checkpoint += 1
+                    if since_checkpoint >= self.options.checkpoint_every:
+                        self._checkpoint()
+                        since_checkpoint = 0
                 bar.update(1)
         self._checkpoint()
         self._stage_seconds_query = time.perf_counter() - started

@@ -53,6 +53,13 @@ class QueryStatsAccumulator:
         self._total[layer] += per_head.sum(dim=1)
         self._outer[layer] += torch.bmm(per_head.transpose(1, 2), per_head)  # [Hq, d, d]
 
+    def reset(self) -> None:
+        """Zero all sums in place (tensors stay on their devices)."""
+        self.n[...] = 0
+        for layer in range(self.shape[0]):
+            self._total[layer].zero_()
+            self._outer[layer].zero_()
+
     @property
     def total(self) -> np.ndarray:
         return np.stack([t.cpu().numpy() for t in self._total])  # [L, Hq, d]

@@ -22,6 +22,7 @@ from artifacts import open_artifact
 from conftest import make_tiny_llama
 from needles.probe import Probe, Span
 from profiler.cli import main
+from profiler.query_stats import QueryStatsAccumulator
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_PROBES = 12
@@ -133,6 +134,31 @@ def test_interrupt_and_kill_then_resume_gives_the_same_artifact(model_dir, refer
     for name in want:  # same order of float64 additions: bit-identical
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     assert got_config == want_config
+
+
+def test_interrupt_inside_a_forward_pass_resumes_exactly(model_dir, reference, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the query hooks run (mid-batch): the half-seen batch must not be counted."""
+    out = tmp_path / "kv_calibration.h5"
+    args = _args(model_dir, out, "--checkpoint-every", "1")
+    calls = {"n": 0}
+    original = QueryStatsAccumulator.add
+
+    def interrupted_add(self, layer, queries):
+        calls["n"] += 1
+        if calls["n"] == 7:  # 2 layers per batch: layer 0 of the 4th batch
+            raise KeyboardInterrupt
+        return original(self, layer, queries)
+
+    monkeypatch.setattr(QueryStatsAccumulator, "add", interrupted_add)
+    assert main(args) == 130
+    assert "--resume" in capsys.readouterr().err and not out.exists()
+    monkeypatch.undo()
+    assert main([*args, "--resume"]) == 0
+    assert "12 probes and 3 calibration batches done" in capsys.readouterr().out
+    got, _ = _read(out)
+    want, _ = _read(reference)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 def test_accelerate_two_processes_equal_single(model_dir, reference, tmp_path):
