@@ -5,8 +5,9 @@
 Measures, within one run on this machine:
 
 1. behaviour stage vs plain greedy ``generate()`` (sdpa) on the same probes and the same
-   ``max_new_tokens``: ratio of total wall times (target <= 1.15).  Modes alternate per probe
-   so that background load hits both alike; each probe runs once per mode after a warm-up.
+   ``max_new_tokens``: ratio of total wall times (target <= 1.15), and the median of the
+   per-probe ratios.  Modes alternate per probe and repeat so that background load on a
+   shared machine hits both alike.
 2. query-stats stage vs a plain forward pass (``model.model``, no LM head in either) over the
    same calibration windows (target <= 1.10), alternating per batch.
 3. ``profile-model --preset quick`` on the embedded model in a subprocess: wall time (target
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,49 +49,60 @@ def plain_generate(model, tokenizer, probe, max_new_tokens):
                               do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad)
 
 
-def bench_behaviour(model, tokenizer, probes, max_new_tokens):
+def _summary(pairs: list[tuple[float, float]], names: tuple[str, str]) -> dict:
+    """Totals, their ratio, and the median of per-item ratios (robust to load spikes)."""
+    base = sum(a for a, _ in pairs)
+    other = sum(b for _, b in pairs)
+    ratios = sorted(b / a for a, b in pairs)
+    return {f"{names[0]}_s": round(base, 2), f"{names[1]}_s": round(other, 2), "ratio": round(other / base, 3),
+            "median_item_ratio": round(statistics.median(ratios), 3)}
+
+
+def bench_behaviour(model, tokenizer, probes, max_new_tokens, repeats):
     geometry = inspect_model(model)
-    plain_s = capture_s = 0.0
-    steps = 0
+    pairs, steps = [], 0
     plain_generate(model, tokenizer, probes[0], 2)  # warm-up
     for index, probe in enumerate(probes):
-        order = ("plain", "capture") if index % 2 == 0 else ("capture", "plain")
-        for mode in order:
-            start = time.perf_counter()
-            if mode == "plain":
-                plain_generate(model, tokenizer, probe, max_new_tokens)
-                plain_s += time.perf_counter() - start
-            else:
-                with capture_attention_implementation(model):
-                    result = run_probe(model, tokenizer, geometry, probe, max_new_tokens)
-                capture_s += time.perf_counter() - start
-                steps += result.steps
-    return {"probes": len(probes), "decode_steps": steps, "mean_prompt_tokens":
-            sum(len(p.input_ids) for p in probes) / len(probes), "plain_generate_s": round(plain_s, 2),
-            "behaviour_stage_s": round(capture_s, 2), "ratio": round(capture_s / plain_s, 3)}
+        for repeat in range(repeats):
+            times = {}
+            order = ("plain", "capture") if (index + repeat) % 2 == 0 else ("capture", "plain")
+            for mode in order:
+                start = time.perf_counter()
+                if mode == "plain":
+                    plain_generate(model, tokenizer, probe, max_new_tokens)
+                else:
+                    with capture_attention_implementation(model):
+                        result = run_probe(model, tokenizer, geometry, probe, max_new_tokens)
+                    steps += result.steps if repeat == 0 else 0
+                times[mode] = time.perf_counter() - start
+            pairs.append((times["plain"], times["capture"]))
+    return {"probes": len(probes), "repeats": repeats, "decode_steps": steps,
+            "mean_prompt_tokens": sum(len(p.input_ids) for p in probes) / len(probes),
+            **_summary(pairs, ("plain_generate", "behaviour_stage"))}
 
 
-def bench_query_stats(model, windows, batch_size, n_sink):
+def bench_query_stats(model, windows, batch_size, n_sink, repeats):
     geometry = inspect_model(model)
     acc = QueryStatsAccumulator(geometry.num_layers, geometry.num_q_heads, geometry.head_dim)
-    plain_s = stats_s = 0.0
+    pairs = []
     batches = [windows[i:i + batch_size] for i in range(0, len(windows), batch_size)]
     with torch.no_grad():
         model.model(input_ids=batches[0][:1, :32], use_cache=False)  # warm-up
         for index, ids in enumerate(batches):
-            order = ("plain", "stats") if index % 2 == 0 else ("stats", "plain")
-            for mode in order:
-                start = time.perf_counter()
-                if mode == "plain":
-                    model.model(input_ids=ids, use_cache=False)
-                    plain_s += time.perf_counter() - start
-                else:
-                    with collect_queries(geometry, acc, n_sink):
+            for repeat in range(repeats):
+                times = {}
+                order = ("plain", "stats") if (index + repeat) % 2 == 0 else ("stats", "plain")
+                for mode in order:
+                    start = time.perf_counter()
+                    if mode == "plain":
                         model.model(input_ids=ids, use_cache=False)
-                    stats_s += time.perf_counter() - start
-    return {"windows": int(windows.shape[0]), "tokens_per_window": int(windows.shape[1]),
-            "plain_forward_s": round(plain_s, 2), "query_stats_s": round(stats_s, 2),
-            "ratio": round(stats_s / plain_s, 3)}
+                    else:
+                        with collect_queries(geometry, acc, n_sink):
+                            model.model(input_ids=ids, use_cache=False)
+                    times[mode] = time.perf_counter() - start
+                pairs.append((times["plain"], times["stats"]))
+    return {"windows": int(windows.shape[0]), "tokens_per_window": int(windows.shape[1]), "repeats": repeats,
+            **_summary(pairs, ("plain_forward", "query_stats"))}
 
 
 def bench_quick_job():
@@ -112,20 +125,24 @@ def main() -> None:
     parser.add_argument("--probes-preset", default="quick", help="needles preset for the behaviour comparison")
     parser.add_argument("--limit", type=int, default=12, help="probes used for the behaviour comparison")
     parser.add_argument("--calib-windows", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2, help="measurements per probe / batch and mode")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--skip-job", action="store_true", help="do not run the full quick job")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer = load_model(), load_tokenizer()
     preset = PRESETS["quick"]
     probe_set = preset_probes(args.probes_preset, tokenizer)
     step = max(1, len(probe_set) // args.limit)
     probes = [probe_set[i] for i in range(0, len(probe_set), step)][:args.limit]  # spread over the grid
     results = {"threads": torch.get_num_threads(),
-               "behaviour": bench_behaviour(model, tokenizer, probes, preset.max_new_tokens)}
+               "behaviour": bench_behaviour(model, tokenizer, probes, preset.max_new_tokens, args.repeats)}
     print("behaviour:", json.dumps(results["behaviour"]), flush=True)
     windows = calibration_windows(tokenizer, None, args.calib_windows, preset.calib_tokens)
-    results["query_stats"] = bench_query_stats(model, windows, preset.batch_size, preset.n_sink)
+    results["query_stats"] = bench_query_stats(model, windows, preset.batch_size, preset.n_sink, args.repeats)
     print("query_stats:", json.dumps(results["query_stats"]), flush=True)
     if not args.skip_job:
         results["quick_job"] = bench_quick_job()
