@@ -6,8 +6,9 @@ Sources (``--calib-dataset``):
 * local files: a ``.txt`` file (the whole file is one document), a ``.jsonl`` / ``.json``
   file (one document per record, field ``text``), or a directory of such files (sorted), or
   several of these separated by commas;
-* anything else: a Hugging Face ``datasets`` name, optionally ``name:config``, read from the
-  local cache (``--calib-split``, field ``--calib-field``).
+* anything else: a Hugging Face ``datasets`` name, optionally ``name:config``, or a local
+  dataset directory in another format (parquet, csv...), streamed (``--calib-split``, field
+  ``--calib-field``).
 
 Documents are tokenised without special tokens, joined with the EOS token in between, and cut
 into ``num_samples`` windows of ``sample_tokens`` tokens.  Too little text is an error that
@@ -51,6 +52,8 @@ def local_documents(spec: str, field: str = "text") -> list[str] | None:
         files = sorted(f for f in path.rglob("*") if f.suffix in TEXT_SUFFIXES + RECORD_SUFFIXES) \
             if path.is_dir() else [path]
         if not files:
+            if len(paths) == 1:
+                return None  # a directory of another format (parquet, csv...): a local `datasets` dataset
             raise ValueError(f"{path}: no .txt/.md/.jsonl/.json files in this directory")
         for file in files:
             documents.extend(_documents_from_file(file, field))

@@ -28,6 +28,18 @@ def test_windows_from_local_files(tmp_path, embedded_tokenizer):
     assert directory[0].tolist() == windows.reshape(-1)[:40].tolist()
 
 
+def test_windows_from_a_local_datasets_directory(tmp_path, embedded_tokenizer):
+    directory = tmp_path / "csv-dataset"
+    directory.mkdir()
+    rows = ["body,text"] + [f"{i},A lighthouse keeper counted {i} ships before dawn." for i in range(60)]
+    (directory / "train.csv").write_text("\n".join(rows) + "\n")
+    windows = calibration_windows(embedded_tokenizer, str(directory), 2, 32)
+    first = embedded_tokenizer("A lighthouse keeper counted 0 ships before dawn.", add_special_tokens=False)["input_ids"]
+    assert windows.shape == (2, 32) and windows[0, :len(first)].tolist() == first
+    with pytest.raises(ValueError, match="no 'story' field"):
+        calibration_windows(embedded_tokenizer, str(directory), 2, 32, field="story")
+
+
 def test_windows_errors_are_clear(tmp_path, embedded_tokenizer):
     (tmp_path / "short.txt").write_text("Too short.")
     with pytest.raises(ValueError, match="too short"):
