@@ -276,6 +276,55 @@ class RaggedCache(Cache):
             raise ValueError("the cache is empty")
         return 2 * layer.head_dim * torch.empty(0, dtype=layer.dtype).element_size()
 
+    def copy(self) -> "RaggedCache":
+        """An independent copy (e.g. one prefill, several policies): buffers are cloned."""
+        if any(layer._pending is not None for layer in self.layers):
+            raise RuntimeError("cannot copy a cache in the middle of a forward pass")
+        clone = RaggedCache(len(self.layers))
+        for source, target in zip(self.layers, clone.layers):
+            target.__dict__.update({key: value for key, value in source.__dict__.items()
+                                    if key not in ("key_store", "value_store", "position_store", "lengths",
+                                                   "real_seen", "recent_queries")})
+            if source.is_initialized:
+                target.key_store = [[t.clone() for t in row] for row in source.key_store]
+                target.value_store = [[t.clone() for t in row] for row in source.value_store]
+                target.position_store = [[t.clone() for t in row] for row in source.position_store]
+                target.lengths = [list(row) for row in source.lengths]
+                target.real_seen = list(source.real_seen)
+                target.recent_queries = list(source.recent_queries)
+        return clone
+
+    @classmethod
+    def stack(cls, caches: list["RaggedCache"]) -> "RaggedCache":
+        """One batched cache from caches that saw the same columns (e.g. copies of one prefill
+        compressed under different policies), batch elements in order; buffers are shared."""
+        if not caches:
+            raise ValueError("need at least one cache to stack")
+        first = caches[0]
+        if any(len(c.layers) != len(first.layers) for c in caches):
+            raise ValueError("caches to stack must have the same number of layers")
+        if any(c.get_seq_length() != first.get_seq_length() for c in caches):
+            raise ValueError("caches to stack must have seen the same number of columns")
+        stacked = cls(len(first.layers))
+        for index, target in enumerate(stacked.layers):
+            sources = [c.layers[index] for c in caches]
+            if not all(source.is_initialized for source in sources):
+                raise ValueError("caches to stack must all be prefilled")
+            if any(source._pending is not None for source in sources):
+                raise RuntimeError("cannot stack caches in the middle of a forward pass")
+            base = sources[0]
+            target.__dict__.update({key: value for key, value in base.__dict__.items()
+                                    if key not in ("key_store", "value_store", "position_store", "lengths",
+                                                   "real_seen", "recent_queries", "batch_size")})
+            target.key_store = [row for source in sources for row in source.key_store]
+            target.value_store = [row for source in sources for row in source.value_store]
+            target.position_store = [row for source in sources for row in source.position_store]
+            target.lengths = [list(row) for source in sources for row in source.lengths]
+            target.real_seen = [n for source in sources for n in source.real_seen]
+            target.recent_queries = [q for source in sources for q in source.recent_queries]
+            target.batch_size = len(target.lengths)
+        return stacked
+
     def observe_queries(self, count: int) -> None:
         """Keep the last ``count`` post-RoPE queries of each layer (SnapKV's observation window)."""
         for layer in self.layers:

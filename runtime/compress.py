@@ -104,11 +104,15 @@ def _needs(policy: CompressionPolicy | None):
 
 @torch.no_grad()
 def prefill(model, cache: RaggedCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-            policy: CompressionPolicy | None = None, prompt_stats: PromptQueryStats | None = None):
+            policy: CompressionPolicy | None = None, prompt_stats: PromptQueryStats | None = None,
+            record_prompt_stats: bool = False, observe_queries: int = 0, n_sink: int | None = None):
     """Run ``input_ids [B, T]`` into ``cache`` and return the prompt query statistics (or None).
 
     ``attention_mask [B, past + T]`` (1 real, 0 padding) covers the columns already in the
     cache plus this chunk; None means no padding.  Positions follow the real tokens.
+    What is recorded follows ``policy``'s scorer; ``record_prompt_stats`` / ``observe_queries``
+    record more (to compress copies of one prefilled cache under several policies), with the
+    first ``n_sink`` tokens (default: the policy's, else 0) left out of the statistics.
     Pass the returned statistics back in (``prompt_stats=``) when prefilling in several chunks.
     """
     enable(model)
@@ -124,13 +128,15 @@ def prefill(model, cache: RaggedCache, input_ids: torch.Tensor, attention_mask: 
                         device=input_ids.device)
     position_ids = (seen.unsqueeze(1) + chunk_mask.long().cumsum(-1) - 1).clamp(min=0)
     wants_stats, window = _needs(policy)
+    wants_stats = wants_stats or record_prompt_stats
+    window = max(window, int(observe_queries))
     if window:
         cache.observe_queries(window)
     if wants_stats and prompt_stats is None:
         prompt_stats = PromptQueryStats(model, batch)
     if prompt_stats is not None:
         # the first n_sink tokens (attention sinks, outlier queries) stay out of the statistics
-        skip = policy.n_sink if policy is not None else 0
+        skip = n_sink if n_sink is not None else (policy.n_sink if policy is not None else 0)
         prompt_stats.real = chunk_mask & (position_ids >= skip)
         with prompt_stats:
             model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -212,7 +218,11 @@ def compress(model, cache: RaggedCache, policy: CompressionPolicy, calibration=N
                     context.query_mean = mean_all[layer_idx, heads]
                     context.query_cov = cov_all[layer_idx, heads]
                 if scorer.observation_window:
-                    context.recent_queries = layer.recent_queries[b][heads]
+                    recorded = layer.recent_queries[b]  # [Hq, w_recorded, d]
+                    if recorded.shape[1] < min(scorer.observation_window, seq_len):
+                        raise ValueError(f"{scorer!r} needs the last {scorer.observation_window} queries, only "
+                                         f"{recorded.shape[1]} were recorded at prefill")
+                    context.recent_queries = recorded[heads, -scorer.observation_window:]
                 scores = scorer.score(context)
                 if scores.shape != (keys.shape[0],):
                     raise ValueError(f"{scorer!r} returned scores of shape {tuple(scores.shape)} for "

@@ -247,3 +247,29 @@ def test_embedded_model_full_budget_is_identical(embedded_model, embedded_tokeni
     torch.testing.assert_close(logits_split, reference_split, atol=1e-5, rtol=0)
     assert torch.equal(result.sequences, reference_tokens)
     assert "4721" in tokenizer.decode(result.new_tokens[0])
+
+
+@torch.no_grad()
+def test_copies_of_one_prefill_compress_independently_and_stack_into_a_batch():
+    """One prefill, several policies: copies evict independently; stacked into one batch they
+    decode exactly like each copy on its own."""
+    model = make_tiny_llama()
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(8))
+    base = RaggedCache.for_model(model)
+    stats = prefill(model, base, ids[:, :32], record_prompt_stats=True, observe_queries=8, n_sink=2)
+    policies = [CompressionPolicy(ratio=0.5, statistics="prompt"), CompressionPolicy(budget=6, scorer="snapkv",
+                                                                                      scorer_options={"window": 8})]
+    caches = []
+    for policy in policies:
+        cache = base.copy()
+        compress(model, cache, policy, prompt_stats=stats)
+        caches.append(cache)
+    assert (base.head_lengths() == 32).all()  # the original is untouched
+    assert (caches[0].head_lengths() == 16).all() and (caches[1].head_lengths() == 6).all()
+    singles = [model.generate(ids, past_key_values=cache.copy(), max_new_tokens=5, do_sample=False)
+               for cache in caches + [base]]
+    batch = RaggedCache.stack(caches + [base])
+    stacked = model.generate(ids.expand(3, -1), past_key_values=batch, max_new_tokens=5, do_sample=False)
+    model.set_attn_implementation("sdpa")
+    for row, single in enumerate(singles):
+        assert stacked[row].tolist() == single[0].tolist()

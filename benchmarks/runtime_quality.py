@@ -1,0 +1,163 @@
+"""Retrieval accuracy under question-agnostic compression: allocations x scorers x ratios.
+
+    python benchmarks/runtime_quality.py --artifact kv_calibration.h5 [--preset quick]
+        [--families retrieval] [--compression 0.5 0.75 0.9] [--max-new-tokens 24]
+        [--limit N] [--threads 1] [--json OUT]
+
+On the ``needles`` probes of ``--preset`` (default ``quick``: 1K/2K/4K tokens, depths
+10/50/90%) restricted to ``--families`` (default ``retrieval``), with the embedded model:
+
+* each probe's context ``input_ids[:context_end]`` is prefilled **once** into a ragged cache
+  (recording the prompt's query statistics and last queries for every scorer);
+* for every allocation (``uniform``, ``inf``) x scorer (EA calibrated, EA prompt, KeyDiff,
+  SnapKV, KNorm, StreamingLLM) x compression ratio, a copy of that cache is compressed to keep
+  ``1 - ratio`` of the context (the EA paper's convention: ratio = fraction evicted), then
+  ``model.generate`` feeds the question and decodes greedily;
+* the uncompressed baseline decodes from the unevicted cache; all cells of a probe decode
+  together as one batch (``RaggedCache.stack``: one compressed cache per batch element).
+
+Accuracy = fraction of probes whose answer contains the ground truth
+(``needles.answer_is_correct``).  All cells come from one run; nothing is tuned on these
+probes (policy defaults: 4 sinks, 32-token window, EA horizon 512, SnapKV window 32).
+The INF allocation and calibrated EA need ``--artifact`` (the embedded model's profile);
+without it those rows are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from runtime import CompressionPolicy, RaggedCache, compress, enable, load_calibration, prefill  # noqa: E402
+from runtime.models import load_model, load_tokenizer  # noqa: E402
+
+SCORERS = [  # (row label, scorer, statistics)
+    ("ea-calibrated", "expected_attention", "calibrated"),
+    ("ea-prompt", "expected_attention", "prompt"),
+    ("keydiff", "keydiff", None),
+    ("snapkv", "snapkv", None),
+    ("knorm", "knorm", None),
+    ("streaming", "streaming", None),
+]
+ALLOCATIONS = ("uniform", "inf")
+SEED_OFFSET = 1000
+
+
+@torch.no_grad()
+def run_probe(model, tokenizer, probe, cells, calibration, max_new_tokens):
+    """Answers of the baseline and every (label, allocation, ratio) cell for one probe."""
+    from needles import answer_is_correct
+
+    ids = torch.tensor([probe.input_ids], dtype=torch.long)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    base = RaggedCache.for_model(model)
+    stats = prefill(model, base, ids[:, :probe.context_end], record_prompt_stats=True, observe_queries=32, n_sink=4)
+
+    keys = [("baseline", None, None)] + [key for key, _ in cells]
+    caches = [base]
+    for _, policy in cells:
+        cache = base.copy()
+        compress(model, cache, policy, calibration, prompt_stats=stats)
+        caches.append(cache)
+    kv_bytes = [cache.kv_bytes() for cache in caches]
+    # every cell decodes in one batch: same prompt, one compressed cache per batch element
+    batch = RaggedCache.stack(caches)
+    repeated = ids.expand(len(caches), -1)
+    out = model.generate(repeated, attention_mask=torch.ones_like(repeated), past_key_values=batch, do_sample=False,
+                         max_new_tokens=max_new_tokens, pad_token_id=pad, temperature=None, top_p=None, top_k=None)
+    results = {}
+    for row, key in enumerate(keys):
+        text = tokenizer.decode(out[row, ids.shape[1]:], skip_special_tokens=True)
+        results[key] = {"text": text, "correct": bool(answer_is_correct(text, probe)), "kv_bytes": kv_bytes[row]}
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--artifact", default=None, help="calibration artifact of the embedded model")
+    parser.add_argument("--preset", default="quick", help="needles probe preset (default quick)")
+    parser.add_argument("--families", nargs="+", default=["retrieval"], help="needle families (default retrieval)")
+    parser.add_argument("--compression", nargs="+", type=float, default=[0.5, 0.75, 0.9],
+                        help="fractions of the context evicted (default 0.5 0.75 0.9)")
+    parser.add_argument("--max-new-tokens", type=int, default=24, help="greedy tokens per answer (default 24)")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N probes")
+    parser.add_argument("--seed", type=int, default=None,
+                        help=f"probe seed (default: the artifact's profiling seed + {SEED_OFFSET}, so the "
+                             "test probes are never the ones the artifact was profiled on)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--json", default=None, help="also write per-probe results and the table as JSON")
+    args = parser.parse_args(argv)
+    if any(not 0.0 < r < 1.0 for r in args.compression):
+        parser.error("compression ratios must be in (0, 1)")
+    torch.set_num_threads(args.threads)
+
+    from needles import PRESETS, generate_probes
+    from tqdm import tqdm
+
+    if args.preset not in PRESETS:
+        parser.error(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
+    model, tokenizer = load_model(), load_tokenizer()
+    enable(model)
+    calibration = load_calibration(model, tokenizer, path=args.artifact) if args.artifact else None
+    profiled_seed = ((calibration.config.get("behaviour") or {}).get("spec") or {}).get("seed") if calibration else None
+    seed = args.seed if args.seed is not None else (profiled_seed or 0) + SEED_OFFSET
+    if profiled_seed is not None and seed == profiled_seed:
+        parser.error(f"seed {seed} is the artifact's profiling seed: the test probes must be unseen")
+    spec = PRESETS[args.preset].replace(families=tuple(args.families), seed=seed)
+    probes = list(generate_probes(spec, tokenizer))[: args.limit]
+
+    cells = []
+    for label, scorer, statistics in SCORERS:
+        for allocation in ALLOCATIONS:
+            for ratio in args.compression:
+                policy = CompressionPolicy(ratio=round(1.0 - ratio, 6), allocation=allocation, scorer=scorer,
+                                           statistics=statistics)
+                try:
+                    policy.check_calibration(calibration)
+                except ValueError as exc:
+                    if ratio == args.compression[0]:
+                        print(f"skipping {allocation}/{label}: {exc}", file=sys.stderr)
+                    continue
+                cells.append(((label, allocation, ratio), policy))
+
+    started = time.perf_counter()
+    per_probe = []
+    for probe in tqdm(probes, desc="probes", unit="probe"):
+        results = run_probe(model, tokenizer, probe, cells, calibration, args.max_new_tokens)
+        per_probe.append({"id": probe.id, "length": len(probe.input_ids), "depth": probe.depth,
+                          "results": {"/".join(str(k) for k in key): value for key, value in results.items()}})
+
+    def accuracy(key):
+        name = "/".join(str(k) for k in key)
+        return sum(p["results"][name]["correct"] for p in per_probe) / max(len(per_probe), 1)
+
+    header = f"{'policy':28s}" + "".join(f"  evict {r:.2f}" for r in args.compression)
+    lines = [f"{len(probes)} probes ({args.preset}, {', '.join(args.families)}, seed {seed}), question-agnostic, "
+             f"{time.perf_counter() - started:.0f} s", header,
+             f"{'baseline (no eviction)':28s}" + f"  {accuracy(('baseline', None, None)):10.2f}" * len(args.compression)]
+    table = {"baseline": accuracy(("baseline", None, None))}
+    for label, _, _ in SCORERS:
+        for allocation in ALLOCATIONS:
+            keys = [(label, allocation, r) for r in args.compression]
+            if not any(key == cell for key in keys for cell, _ in cells):
+                continue
+            values = [accuracy(key) for key in keys]
+            table[f"{allocation}/{label}"] = dict(zip(map(str, args.compression), values))
+            lines.append(f"{allocation + '/' + label:28s}" + "".join(f"  {v:10.2f}" for v in values))
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"table": table, "probes": per_probe, "artifact": args.artifact,
+                                               "compression": args.compression}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
