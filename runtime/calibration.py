@@ -13,6 +13,8 @@ The file is validated by ``artifacts`` (structure, checksums, dtypes, shapes, ra
 The weights fingerprint (``artifacts.fingerprint.weights_fingerprint``) reads every weight,
 which takes seconds on CPU; it is computed once per model object and remembered on the model
 together with the tensors' version counters, so an in-place weight change invalidates it.
+The tokenizer fingerprint is remembered on the tokenizer the same way (keyed by its size and
+chat template).
 Only what a serving process uses is read: the INF weights (``budgets/inf_kv``, else derived
 from ``behaviour/INFsc``) at load time, and the ``query_stats`` mean/cov on first use (the
 covariance is the bulk of the file; decompressing and checksumming it takes ~50 ms).
@@ -136,6 +138,20 @@ def model_weights_fingerprint(model) -> str:
     return memo["weights"]
 
 
+def model_tokenizer_fingerprint(tokenizer) -> str:
+    """``tokenizer_fingerprint(tokenizer)``, remembered while its vocabulary size and chat
+    template stay the same (reading the whole vocabulary takes ~0.2 s)."""
+    memo = getattr(tokenizer, _MEMO_ATTRIBUTE, None)
+    key = (len(tokenizer) if hasattr(tokenizer, "__len__") else None, str(getattr(tokenizer, "chat_template", None)))
+    if memo is None or memo[0] != key:
+        memo = (key, tokenizer_fingerprint(tokenizer))
+        try:
+            object.__setattr__(tokenizer, _MEMO_ATTRIBUTE, memo)
+        except (AttributeError, TypeError):  # a tokenizer that takes no attributes: no memo
+            return memo[1]
+    return memo[1]
+
+
 def check_identity(identity: ModelIdentity, model, tokenizer=None, *, allow_mismatch: bool = False,
                    source: str = "artifact") -> None:
     """Refuse an artifact made for another architecture / weights / tokenizer (see module doc)."""
@@ -149,7 +165,7 @@ def check_identity(identity: ModelIdentity, model, tokenizer=None, *, allow_mism
     mismatches = []
     if identity.weights_fingerprint != model_weights_fingerprint(model):
         mismatches.append("weights")
-    if tokenizer is not None and identity.tokenizer_fingerprint != tokenizer_fingerprint(tokenizer):
+    if tokenizer is not None and identity.tokenizer_fingerprint != model_tokenizer_fingerprint(tokenizer):
         mismatches.append("tokenizer")
     if not mismatches:
         return

@@ -209,9 +209,9 @@ def embedded_artifact(embedded_model, embedded_tokenizer, tmp_path_factory):
 
 
 def test_embedded_artifact_loads_fast_and_checks_identity(embedded_model, embedded_tokenizer, embedded_artifact):
-    load_calibration(embedded_model, embedded_tokenizer, path=embedded_artifact)  # fingerprint computed once
+    load_calibration(embedded_model, embedded_tokenizer, path=embedded_artifact)  # fingerprints computed once
     started = time.perf_counter()
-    calibration = load_calibration(embedded_model, path=embedded_artifact)
+    calibration = load_calibration(embedded_model, embedded_tokenizer, path=embedded_artifact)
     elapsed = time.perf_counter() - started
     assert elapsed < 0.05, f"loading took {elapsed * 1000:.1f} ms"
     assert calibration.query_cov.shape == (30, 9, 64, 64)
