@@ -122,7 +122,8 @@ def bench_quick_job():
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--probes-preset", default="quick", help="needles preset for the behaviour comparison")
+    parser.add_argument("--probes-preset", default="quick", choices=list(PRESETS),
+                        help="profile preset whose probes the behaviour comparison uses")
     parser.add_argument("--limit", type=int, default=12, help="probes used for the behaviour comparison")
     parser.add_argument("--calib-windows", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2, help="measurements per probe / batch and mode")
@@ -135,7 +136,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(), load_tokenizer()
     preset = PRESETS["quick"]
-    probe_set = preset_probes(args.probes_preset, tokenizer)
+    probe_set = preset_probes(PRESETS[args.probes_preset].probes, tokenizer,
+                              overrides=dict(PRESETS[args.probes_preset].probe_overrides))
     step = max(1, len(probe_set) // args.limit)
     probes = [probe_set[i] for i in range(0, len(probe_set), step)][:args.limit]  # spread over the grid
     results = {"threads": torch.get_num_threads(),

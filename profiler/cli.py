@@ -30,7 +30,9 @@ with --device-map auto spreads the layers over the visible GPUs.
 """
 
 PRESET_HELP = "; ".join(
-    f"{name}: needles '{p.probes}' probes, {p.max_new_tokens} new tokens, {p.calib_samples}x{p.calib_tokens} calibration tokens"
+    f"{name}: needles '{p.probes}' probes"
+    + "".join(f" {key}={','.join(map(str, value))}" for key, value in p.probe_overrides)
+    + f", {p.max_new_tokens} new tokens, {p.calib_samples}x{p.calib_tokens} calibration tokens"
     for name, p in PRESETS.items())
 
 

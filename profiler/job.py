@@ -175,7 +175,8 @@ class ProfileJob:
         if "behaviour" in self.stages:
             self.probes = (file_probes(options.probes_file) if options.probes_file else
                            preset_probes(PRESETS[options.preset].probes, self.tokenizer,
-                                         self.identity.tokenizer_fingerprint))
+                                         self.identity.tokenizer_fingerprint,
+                                         dict(PRESETS[options.preset].probe_overrides)))
         longest = (self.probes.max_tokens() if self.probes is not None else 0) + self.max_new_tokens
         if self.probes is not None and longest > self.identity.max_position_embeddings:
             self._say(f"warning: the longest probe plus {self.max_new_tokens} new tokens is {longest} tokens, beyond "

@@ -1,7 +1,7 @@
 """Named job sizes: which needles probe preset, how many decode steps, how much calibration text.
 
 ``smoke`` is a seconds-long check that everything runs; ``quick`` is a useful first profile
-of a small model on a laptop CPU (minutes); ``standard`` is the recommended profile;
+of a small model on a laptop CPU (minutes; a trimmed needles ``quick`` grid); ``standard`` is the recommended profile;
 ``paper`` follows REAL's grid (seed 004: 30 lengths x 33 depths) and is meant for GPUs.
 Individual numbers can be overridden on the command line.
 """
@@ -19,6 +19,7 @@ class ProfilePreset:
     calib_tokens: int  # tokens per window
     batch_size: int  # windows per forward pass
     n_sink: int = 4  # leading positions of each window left out of the statistics
+    probe_overrides: tuple[tuple[str, object], ...] = ()  # ProbeSpec fields replaced in the needles preset
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -26,7 +27,10 @@ class ProfilePreset:
 
 PRESETS: dict[str, ProfilePreset] = {
     "smoke": ProfilePreset("smoke", max_new_tokens=6, calib_samples=2, calib_tokens=64, batch_size=2),
-    "quick": ProfilePreset("quick", max_new_tokens=24, calib_samples=32, calib_tokens=512, batch_size=4),
+    # needles' quick grid (7 families x 1K/2K/4K x 3 depths) takes ~30 min on a busy 2-core CPU;
+    # this keeps every family at 1K and 2K tokens and two depths (28 probes, a few minutes).
+    "quick": ProfilePreset("quick", max_new_tokens=24, calib_samples=16, calib_tokens=512, batch_size=4,
+                           probe_overrides=(("lengths", (1024, 2048)), ("depths", (25.0, 75.0)))),
     "standard": ProfilePreset("standard", max_new_tokens=32, calib_samples=128, calib_tokens=1024, batch_size=4),
     "paper": ProfilePreset("paper", max_new_tokens=48, calib_samples=512, calib_tokens=2048, batch_size=2),
 }

@@ -85,8 +85,9 @@ def file_probes(path: str | Path) -> ProbeSet:
     return probes_from_list(read_probes(path), {"source": "file", "path": str(path)})
 
 
-def preset_probes(name: str, tokenizer, tokenizer_fingerprint: str = "") -> ProbeSet:
-    """The needles preset ``name`` for ``tokenizer``, built lazily."""
+def preset_probes(name: str, tokenizer, tokenizer_fingerprint: str = "", overrides: dict | None = None) -> ProbeSet:
+    """The needles preset ``name`` (with ``ProbeSpec`` fields replaced by ``overrides``) for
+    ``tokenizer``, built lazily."""
     try:
         from needles import PRESETS, make_haystack, make_probe
         from needles.placement import PromptFormat
@@ -94,7 +95,7 @@ def preset_probes(name: str, tokenizer, tokenizer_fingerprint: str = "") -> Prob
         raise RuntimeError("needles' probe generator is not available; pass --probes FILE.jsonl") from exc
     if name not in PRESETS:
         raise ValueError(f"unknown needles probe preset {name!r}; known: {', '.join(PRESETS)}")
-    spec = PRESETS[name]
+    spec = PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
     cells = list(spec.cells())  # (family, length, depth, replicate) in generation order
     if not cells:
         raise ValueError(f"needles preset {name!r} has no probes")
@@ -107,7 +108,7 @@ def preset_probes(name: str, tokenizer, tokenizer_fingerprint: str = "") -> Prob
                           haystack=haystack, tolerance=spec.tolerance, prompt_format=prompt_format)
 
     table = _table([c[1] for c in cells], [c[2] for c in cells], [c[0] for c in cells], [spec.seed] * len(cells))
-    config = {"source": "needles", "preset": name, "spec": spec.to_dict()}
+    config = {"source": "needles", "preset": name, "overrides": sorted(overrides or {}), "spec": spec.to_dict()}
     digest = hashlib.sha256(f"needles|{sorted(config['spec'].items())}|{tokenizer_fingerprint}".encode()).hexdigest()
     return ProbeSet(table, build, digest, config)
 

@@ -99,8 +99,17 @@ def test_recorder_rejects_too_many_steps():
                            do_sample=False, pad_token_id=0)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on the shared 2-core machine two threads spin against other work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
-def test_capture_matches_eager_on_embedded_model(embedded_model, embedded_tokenizer):
+def test_capture_matches_eager_on_embedded_model(embedded_model, embedded_tokenizer, one_thread):
     text = ("The special magic number for Paris is 4821. " * 6) + "What is the special magic number for Paris?"
     prompt = embedded_tokenizer(text, return_tensors="pt").input_ids
     generated = _check_against_eager(embedded_model, prompt, steps=4, atol=2e-4)

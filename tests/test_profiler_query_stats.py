@@ -112,8 +112,17 @@ def test_unsupported_architecture_names_what_is_missing():
         inspect_model(model)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on the shared 2-core machine two threads spin against other work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
-def test_embedded_model_query_stats(embedded_model, embedded_tokenizer):
+def test_embedded_model_query_stats(embedded_model, embedded_tokenizer, one_thread):
     geometry = inspect_model(embedded_model)
     assert (geometry.num_layers, geometry.num_q_heads, geometry.num_kv_heads, geometry.head_dim) == (30, 9, 3, 64)
     ids = embedded_tokenizer("The quick brown fox jumps over the lazy dog. " * 4, return_tensors="pt").input_ids
