@@ -159,8 +159,14 @@ class CompressionReport:
 
 @torch.no_grad()
 def compress(model, cache: RaggedCache, policy: CompressionPolicy, calibration=None,
-             prompt_stats: PromptQueryStats | None = None) -> CompressionReport:
-    """Evict every KV head of ``cache`` down to its budget (see the module docstring)."""
+             prompt_stats: PromptQueryStats | None = None, *, context_lengths: list[int] | None = None,
+             final: bool = True) -> CompressionReport:
+    """Evict every KV head of ``cache`` down to its budget (see the module docstring).
+
+    Budgets are computed for each batch element's real token count, or for
+    ``context_lengths[b]`` when given (block-wise prefill: the whole context's budget applied
+    after every block).  ``final=False`` keeps recording the last queries for later blocks.
+    """
     started = time.perf_counter()
     policy.check_calibration(calibration)
     scorer = policy.build_scorer()
@@ -190,12 +196,15 @@ def compress(model, cache: RaggedCache, policy: CompressionPolicy, calibration=N
     lengths_before = cache.head_lengths().numpy()
     bytes_before = cache.kv_bytes()
     all_budgets = []
+    if context_lengths is not None and len(context_lengths) != first.batch_size:
+        raise ValueError(f"context_lengths has {len(context_lengths)} entries for a batch of {first.batch_size}")
     for b in range(first.batch_size):
-        seq_len = first.real_seen[b]
+        seq_len = first.real_seen[b]  # the next token's absolute position
         if seq_len == 0:
             all_budgets.append(np.zeros((num_layers, num_kv_heads), dtype=np.int64))
             continue
-        budgets = policy.head_budgets(seq_len, num_layers, num_kv_heads, inf_weights)
+        budget_length = seq_len if context_lengths is None else max(int(context_lengths[b]), 1)
+        budgets = policy.head_budgets(budget_length, num_layers, num_kv_heads, inf_weights)
         all_budgets.append(budgets)
         cos = sin = None
         if scorer.rope_horizon:
@@ -228,9 +237,10 @@ def compress(model, cache: RaggedCache, policy: CompressionPolicy, calibration=N
                     raise ValueError(f"{scorer!r} returned scores of shape {tuple(scores.shape)} for "
                                      f"{keys.shape[0]} tokens")
                 layer.keep(b, h, select_rows(scores, budget, policy.n_sink, policy.window))
-    for layer in cache.layers:
-        layer.recent_queries = [None] * layer.batch_size
-        layer.observe_queries = 0
+    if final:
+        for layer in cache.layers:
+            layer.recent_queries = [None] * layer.batch_size
+            layer.observe_queries = 0
     return CompressionReport(budgets=np.stack(all_budgets), lengths_before=lengths_before,
                              lengths_after=cache.head_lengths().numpy(), kv_bytes_before=bytes_before,
                              kv_bytes_after=cache.kv_bytes(), seconds=time.perf_counter() - started)

@@ -56,11 +56,15 @@ def build_inputs(contexts: list[list[int]], questions: list[list[int]], pad_toke
 @torch.no_grad()
 def compress_prompt(model, input_ids: torch.Tensor, policy: CompressionPolicy | None, *,
                     attention_mask: torch.Tensor | None = None, context_columns: int | None = None,
-                    calibration=None) -> tuple[RaggedCache, CompressionReport | None]:
+                    calibration=None, block_size: int | None = None) -> tuple[RaggedCache, CompressionReport | None]:
     """A :class:`RaggedCache` holding the compressed prefix of ``input_ids [B, T]``.
 
     ``context_columns``: question-agnostic split (see the module docstring); None =
     question-aware.  ``policy=None`` prefills without evicting (the full cache).
+    ``block_size``: prefill in blocks of that many columns and evict after each (KeyDiff's
+    block-wise prefill, seed 001 Eq. 6), so the cache never holds more than the budget plus
+    one block; budgets are those of the whole prefix, and scorers see positions and RoPE at
+    each block's true absolute position.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
@@ -73,9 +77,22 @@ def compress_prompt(model, input_ids: torch.Tensor, policy: CompressionPolicy | 
         policy.check_calibration(calibration)
     enable(model)
     cache = RaggedCache.for_model(model)
-    mask = None if attention_mask is None else attention_mask[:, :columns]
-    stats = prefill(model, cache, input_ids[:, :columns], mask, policy=policy)
-    report = compress(model, cache, policy, calibration, prompt_stats=stats) if policy is not None else None
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if block_size is None or policy is None:
+        stats = prefill(model, cache, input_ids[:, :columns], attention_mask[:, :columns], policy=policy)
+        report = compress(model, cache, policy, calibration, prompt_stats=stats) if policy is not None else None
+        return cache, report
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    lengths = attention_mask[:, :columns].sum(-1).tolist()  # each row's real context length
+    stats = None
+    for start in range(0, columns, block_size):
+        end = min(start + block_size, columns)
+        stats = prefill(model, cache, input_ids[:, start:end], attention_mask[:, :end], policy=policy,
+                        prompt_stats=stats)
+        report = compress(model, cache, policy, calibration, prompt_stats=stats, context_lengths=lengths,
+                          final=end == columns)
     return cache, report
 
 
@@ -90,10 +107,10 @@ class GenerationResult:
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, policy: CompressionPolicy | None, *,
              attention_mask: torch.Tensor | None = None, context_columns: int | None = None, calibration=None,
-             **generate_kwargs) -> GenerationResult:
+             block_size: int | None = None, **generate_kwargs) -> GenerationResult:
     """:func:`compress_prompt` then ``model.generate`` (greedy unless ``do_sample=True``)."""
     cache, report = compress_prompt(model, input_ids, policy, attention_mask=attention_mask,
-                                    context_columns=context_columns, calibration=calibration)
+                                    context_columns=context_columns, calibration=calibration, block_size=block_size)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     generate_kwargs.setdefault("do_sample", False)

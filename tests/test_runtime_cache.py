@@ -273,3 +273,35 @@ def test_copies_of_one_prefill_compress_independently_and_stack_into_a_batch():
     model.set_attn_implementation("sdpa")
     for row, single in enumerate(singles):
         assert stacked[row].tolist() == single[0].tolist()
+
+
+@torch.no_grad()
+def test_blockwise_prefill_never_holds_more_than_budget_plus_block():
+    model = make_tiny_llama()
+    generator = torch.Generator().manual_seed(9)
+    ids = torch.randint(1, 128, (2, 50), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    seen = []
+    original = RaggedCache.head_lengths
+
+    def spy(self):
+        lengths = original(self)
+        seen.append(lengths.clone())
+        return lengths
+
+    policy = CompressionPolicy(budget=10, scorer="keydiff", n_sink=2, window=3)
+    RaggedCache.head_lengths = spy
+    try:
+        result = generate(model, ids, policy, attention_mask=mask, context_columns=45, block_size=8,
+                          max_new_tokens=3, pad_token_id=0)
+    finally:
+        RaggedCache.head_lengths = original
+        model.set_attn_implementation("sdpa")
+    assert max(int(lengths.max()) for lengths in seen) <= 10 + 8
+    assert (result.report.lengths_after == 10).all()
+    for row, real in ((0, 45), (1, 39)):
+        positions = result.cache.layers[1].head(row, 0)[2].tolist()
+        assert positions[:2] == [0, 1] and positions[7:10] == [real - 3, real - 2, real - 1]  # sinks, window
+        assert positions[10:] == list(range(real, real + 7))  # question (5) + generated (2) follow
+        assert positions == sorted(set(positions))
