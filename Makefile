@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 # The HTML report is tested in a real headless Chromium (Debian packages). Installed when
 # missing and we are root (as in CI); otherwise that one test is skipped with a message.
