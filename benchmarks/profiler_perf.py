@@ -138,8 +138,8 @@ def main() -> None:
     preset = PRESETS["quick"]
     probe_set = preset_probes(PRESETS[args.probes_preset].probes, tokenizer,
                               overrides=dict(PRESETS[args.probes_preset].probe_overrides))
-    step = max(1, len(probe_set) // args.limit)
-    probes = [probe_set[i] for i in range(0, len(probe_set), step)][:args.limit]  # spread over the grid
+    picks = sorted({round(i * (len(probe_set) - 1) / max(1, args.limit - 1)) for i in range(args.limit)})
+    probes = [probe_set[i] for i in picks]  # evenly over the grid: families, lengths and depths
     results = {"threads": torch.get_num_threads(),
                "behaviour": bench_behaviour(model, tokenizer, probes, preset.max_new_tokens, args.repeats)}
     print("behaviour:", json.dumps(results["behaviour"]), flush=True)
