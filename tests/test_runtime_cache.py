@@ -247,6 +247,14 @@ def test_embedded_model_full_budget_is_identical(embedded_model, embedded_tokeni
     torch.testing.assert_close(logits_split, reference_split, atol=1e-5, rtol=0)
     assert torch.equal(result.sequences, reference_tokens)
     assert "4721" in tokenizer.decode(result.new_tokens[0])
+    # sampled decoding draws the same tokens as the unmodified model from the same seed
+    torch.manual_seed(7)
+    reference_sampled = model.generate(ids, max_new_tokens=8, do_sample=True, temperature=1.3, top_k=0, top_p=1.0)
+    torch.manual_seed(7)
+    sampled = generate(model, ids, policy, context_columns=columns, max_new_tokens=8, do_sample=True,
+                       temperature=1.3, top_k=0, top_p=1.0)
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(sampled.sequences, reference_sampled)
 
 
 @torch.no_grad()
