@@ -16,8 +16,11 @@ def test_embedded_model_answers_quick_retrieval_probes(embedded_model, embedded_
     probes = sorted(generate_probes(spec, embedded_tokenizer), key=lambda p: (p.length, p.depth))
     assert len(probes) == 9
     # A deterministic subset from the shortest to the longest, all three depths, to keep CPU time
-    # down: (1024, 10), (1024, 90), (2048, 50), (4096, 10), (4096, 90).
-    subset = probes[0::2]
+    # down (9K prefill tokens): (1024, 10), (1024, 50), (1024, 90), (2048, 50), (4096, 90).
+    # benchmarks/needles_success.py measures all nine (9/9 correct when written).
+    subset = [probes[i] for i in (0, 1, 2, 4, 8)]
+    assert [(p.length, p.depth) for p in subset] == [(1024, 10.0), (1024, 50.0), (1024, 90.0),
+                                                      (2048, 50.0), (4096, 90.0)]
     results = []
     for probe in subset:
         text = greedy_answer(embedded_model, embedded_tokenizer, probe, max_new_tokens=20)
