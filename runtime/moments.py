@@ -1,0 +1,285 @@
+"""MomentKV (seed 002; DESIGN.md section 4): moments of the evicted set, corrected attention,
+moment-informed eviction.  Pure torch, no model and no cache in here.
+
+Notation: one KV head, head dim ``d``, scale ``s`` (``1/sqrt(d)`` for Llama), a query ``q``
+(post-RoPE), retained tokens ``R`` and evicted tokens ``E``.
+
+**Moment sums** (:class:`MomentSums`, per layer, one slot per KV head, float32, ``O(d^2)``
+per head whatever the context length), over every token ever evicted from the head::
+
+    n,   s_k = sum_E k_i [d],   s_v = sum_E v_i [d],   S_vk = sum_E v_i k_i^T [d, d]
+    kbar = s_k / n,   vbar = s_v / n,   C_vk = S_vk / n - vbar kbar^T
+
+**Evicted-set estimate** (seed Eq. 8, 9, 11; :func:`evicted_estimate`).  With centered
+logits ``l_i = s q.(k_i - kbar)`` (they sum to zero over ``E``), ``exp(l) ~= 1 + l`` gives::
+
+    o_E(q)     ~= vbar                  (order 0)
+    o_E(q)     ~= vbar + s C_vk q       (order 1)
+    log Z_E(q) ~= log n + s q.kbar      (Jensen lower bound of log sum_E exp(s q.k_i))
+
+Optionally entries with ``|C_vk| < tau`` are zeroed (seed App. C.2).
+
+**Merge** (seed Eq. 3, 12; :func:`corrected_attention`).  With ``o_R, lse_R`` the output and
+log-sum-exp of ordinary attention over the retained tokens (:func:`attention_with_lse`)::
+
+    w = sigmoid(lse_R - lse_E)          (= Z_R / (Z_R + Z_E))
+    o = w o_R + (1 - w) o_E
+
+Order ``-1`` (none) or an empty evicted set gives plain attention over ``R`` exactly.
+
+**Moment-informed eviction** (seed Eq. 10; :func:`moment_scores`, :func:`evict_in_rounds`).
+For a retained token ``j`` with attention estimate ``a_j`` (from any scorer that yields one)::
+
+    r_j = v_j - (vbar + s C_vk k_j),     score_j = a_j ||r_j||      (lowest evicted first)
+
+With empty moments ``r_j = v_j``, so the score is ``a_j ||v_j||``.  In bulk the eviction
+runs in a few rounds, folding each round's evicted tokens into the sums before re-scoring.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+ORDER_NONE = -1
+ORDERS = (ORDER_NONE, 0, 1)  # the artifact's ``moments/order`` codes; errors[:, i] is ORDERS[i]
+
+
+def _check_order(order: int) -> int:
+    if order not in ORDERS:
+        raise ValueError(f"moment correction order must be one of {ORDERS} (-1 = none), got {order!r}")
+    return int(order)
+
+
+class MomentSums:
+    """Running moments of the evicted tokens of one layer's KV heads (float32).
+
+    ``n [Hkv]`` (int64 counts), ``s_k [Hkv, d]``, ``s_v [Hkv, d]``, ``S_vk [Hkv, d, d]``.
+    Keep one instance per (batch element, layer).
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int, device: torch.device | str | None = None):
+        if num_kv_heads <= 0 or head_dim <= 0:
+            raise ValueError(f"num_kv_heads ({num_kv_heads}) and head_dim ({head_dim}) must be positive")
+        self.num_kv_heads = int(num_kv_heads)
+        self.head_dim = int(head_dim)
+        self.n = torch.zeros(num_kv_heads, dtype=torch.int64, device=device)  # [Hkv]
+        self.s_k = torch.zeros(num_kv_heads, head_dim, dtype=torch.float32, device=device)  # [Hkv, d]
+        self.s_v = torch.zeros(num_kv_heads, head_dim, dtype=torch.float32, device=device)  # [Hkv, d]
+        self.S_vk = torch.zeros(num_kv_heads, head_dim, head_dim, dtype=torch.float32, device=device)  # [Hkv, d, d]
+
+    def _check_head(self, head: int) -> int:
+        if not 0 <= head < self.num_kv_heads:
+            raise IndexError(f"KV head {head} out of range for {self.num_kv_heads} heads")
+        return int(head)
+
+    def add(self, head: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Fold evicted tokens ``keys [m, d]``, ``values [m, d]`` of ``head`` into the sums in place."""
+        head = self._check_head(head)
+        if keys.dim() != 2 or keys.shape != values.shape or keys.shape[1] != self.head_dim:
+            raise ValueError(f"add expects keys and values [m, {self.head_dim}] of the same shape, got "
+                             f"{tuple(keys.shape)} and {tuple(values.shape)}")
+        if keys.shape[0] == 0:
+            return
+        k = keys.to(self.s_k.device, torch.float32)
+        v = values.to(self.s_k.device, torch.float32)
+        self.n[head] += k.shape[0]
+        self.s_k[head] += k.sum(0)
+        self.s_v[head] += v.sum(0)
+        self.S_vk[head] += v.T @ k  # sum_i v_i k_i^T  [d, d]
+
+    def count(self, head: int) -> int:
+        return int(self.n[self._check_head(head)])
+
+    def mean_key(self, head: int) -> torch.Tensor:
+        """``kbar [d]`` (zeros when nothing was evicted)."""
+        head = self._check_head(head)
+        return self.s_k[head] / max(int(self.n[head]), 1)
+
+    def mean_value(self, head: int) -> torch.Tensor:
+        """``vbar [d]`` (zeros when nothing was evicted)."""
+        head = self._check_head(head)
+        return self.s_v[head] / max(int(self.n[head]), 1)
+
+    def cross_cov(self, head: int, tau: float = 0.0) -> torch.Tensor:
+        """``C_vk = S_vk/n - vbar kbar^T [d, d]``; entries with ``|C_vk| < tau`` zeroed."""
+        head = self._check_head(head)
+        n = int(self.n[head])
+        if n == 0:
+            return torch.zeros_like(self.S_vk[head])
+        cov = self.S_vk[head] / n - torch.outer(self.mean_value(head), self.mean_key(head))
+        if tau < 0:
+            raise ValueError(f"tau must be >= 0, got {tau}")
+        if tau > 0:
+            cov = torch.where(cov.abs() < tau, torch.zeros_like(cov), cov)
+        return cov
+
+    def copy(self) -> "MomentSums":
+        other = MomentSums.__new__(MomentSums)
+        other.num_kv_heads, other.head_dim = self.num_kv_heads, self.head_dim
+        other.n, other.s_k, other.s_v, other.S_vk = (t.clone() for t in (self.n, self.s_k, self.s_v, self.S_vk))
+        return other
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.n, self.s_k, self.s_v, self.S_vk))
+
+
+def _kernel_applies(query: torch.Tensor, keys: torch.Tensor, mask) -> bool:
+    return (mask is None and query.device.type == "cpu" and keys.shape[0] > 0
+            and query.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                       mask: torch.Tensor | None = None, use_kernel: bool | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query [G, q, d]`` over ``keys/values [n, d]`` with its log-sum-exp.
+
+    Returns ``out [G, q, d]`` (query dtype) and ``lse [G, q]`` (float32, natural log of
+    ``sum_i exp(s q.k_i)`` over the allowed keys).  ``mask``: broadcastable to ``[G, q, n]``,
+    bool (True = may attend) or additive float.  A row with no allowed key gets ``out = 0``
+    and ``lse = -inf``.  Without a mask, on CPU, it runs
+    ``aten._scaled_dot_product_flash_attention_for_cpu`` (returns ``(output, logsumexp)``);
+    otherwise (or with ``use_kernel=False``) matmul-softmax-matmul in float32.
+    """
+    if query.dim() != 3 or keys.dim() != 2 or keys.shape != values.shape or query.shape[-1] != keys.shape[-1]:
+        raise ValueError(f"attention_with_lse expects query [G, q, d] and keys/values [n, d], got "
+                         f"{tuple(query.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
+    groups, q_len, dim = query.shape
+    n = keys.shape[0]
+    if use_kernel is None:
+        use_kernel = _kernel_applies(query, keys, mask)
+    elif use_kernel and not _kernel_applies(query, keys, mask):
+        raise ValueError("the CPU flash-attention kernel needs a CPU float query, no mask and at least one key")
+    if n == 0:
+        return (torch.zeros_like(query),
+                torch.full((groups, q_len), float("-inf"), dtype=torch.float32, device=query.device))
+    if use_kernel:
+        k = keys.to(query.dtype).unsqueeze(0).unsqueeze(0).expand(1, groups, n, dim)  # [1, G, n, d]
+        v = values.to(query.dtype).unsqueeze(0).unsqueeze(0).expand(1, groups, n, dim)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query.unsqueeze(0), k.contiguous(), v.contiguous(), scale=float(scaling))
+        return out[0], lse[0].float()
+    logits = float(scaling) * torch.matmul(query.float(), keys.float().T)  # [G, q, n]
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            logits = logits.masked_fill(~mask, float("-inf"))
+        else:
+            logits = logits + mask.float()
+    lse = torch.logsumexp(logits, dim=-1)  # [G, q]
+    finite = torch.isfinite(lse)
+    weights = torch.exp(logits - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))  # [G, q, n]
+    out = torch.matmul(weights, values.float())  # [G, q, d]
+    return out.to(query.dtype), lse
+
+
+def evicted_estimate(query: torch.Tensor, sums: MomentSums, head: int, scaling: float, order: int,
+                     tau: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Moment estimate of the evicted set's attention: ``(o_E [G, q, d], lse_E [G, q])`` float32.
+
+    ``o_E = vbar`` (order 0) or ``vbar + s C_vk q`` (order 1); ``lse_E = log n + s q.kbar``.
+    With nothing evicted: ``o_E = 0`` and ``lse_E = -inf`` (the merge then keeps ``o_R``).
+    """
+    order = _check_order(order)
+    if order == ORDER_NONE:
+        raise ValueError("evicted_estimate needs order 0 or 1 (order -1 means no correction)")
+    q = query.float().to(sums.s_k.device)  # [G, q, d]
+    n = sums.count(head)
+    if n == 0:
+        return torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), device=q.device)
+    kbar, vbar = sums.mean_key(head), sums.mean_value(head)  # [d], [d]
+    lse = math.log(n) + float(scaling) * (q @ kbar)  # [G, q]
+    out = vbar.expand_as(q)
+    if order == 1:
+        out = out + float(scaling) * (q @ sums.cross_cov(head, tau).T)  # (C q) for every query row
+    return out.clone(), lse
+
+
+def merge_outputs(out_R: torch.Tensor, lse_R: torch.Tensor, out_E: torch.Tensor, lse_E: torch.Tensor
+                  ) -> torch.Tensor:
+    """``w o_R + (1 - w) o_E`` with ``w = sigmoid(lse_R - lse_E)``; ``[G, q, d]`` float32.
+
+    ``lse_E = -inf`` gives ``o_R`` exactly, ``lse_R = -inf`` gives ``o_E``.
+    """
+    both_empty = torch.isinf(lse_R) & torch.isinf(lse_E) & (lse_R < 0) & (lse_E < 0)
+    weight = torch.sigmoid(lse_R - lse_E)  # [G, q]
+    weight = torch.where(both_empty, torch.ones_like(weight), weight).unsqueeze(-1)
+    return weight * out_R.float() + (1 - weight) * out_E.float()
+
+
+def corrected_attention(query: torch.Tensor, keys_R: torch.Tensor, values_R: torch.Tensor, sums: MomentSums,
+                        head: int, scaling: float, order: int, tau: float = 0.0,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Normalization-corrected attention of ``query [G, q, d]`` (one KV head's query group).
+
+    ``keys_R/values_R [n_R, d]`` are the retained tokens (``mask`` as in
+    :func:`attention_with_lse`, over them).  Order -1, or an empty evicted set, returns
+    plain attention over the retained tokens exactly.  Output ``[G, q, d]`` in query dtype.
+    """
+    order = _check_order(order)
+    out_R, lse_R = attention_with_lse(query, keys_R, values_R, scaling, mask)
+    if order == ORDER_NONE or sums.count(head) == 0:
+        return out_R
+    out_E, lse_E = evicted_estimate(query, sums, head, scaling, order, tau)
+    return merge_outputs(out_R, lse_R.to(out_E.device), out_E, lse_E).to(query.dtype)
+
+
+def moment_residuals(keys: torch.Tensor, values: torch.Tensor, sums: MomentSums, head: int, scaling: float,
+                     tau: float = 0.0) -> torch.Tensor:
+    """``r_j = v_j - (vbar + s C_vk k_j)`` for ``keys/values [n, d]``: ``[n, d]`` float32."""
+    k = keys.float().to(sums.s_k.device)
+    v = values.float().to(sums.s_k.device)
+    prediction = sums.mean_value(head) + float(scaling) * (k @ sums.cross_cov(head, tau).T)  # [n, d]
+    return v - prediction
+
+
+def moment_scores(attention: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sums: MomentSums,
+                  head: int, scaling: float, tau: float = 0.0) -> torch.Tensor:
+    """Moment-informed eviction scores ``a_j ||r_j||`` ``[n]`` (higher = keep; lowest evicted first).
+
+    ``attention [n]`` is any scorer's attention estimate of the tokens (e.g. EA's ``a_j``).
+    """
+    if attention.dim() != 1 or keys.dim() != 2 or keys.shape != values.shape or attention.shape[0] != keys.shape[0]:
+        raise ValueError(f"moment_scores expects attention [n] and keys/values [n, d], got "
+                         f"{tuple(attention.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
+    residual = moment_residuals(keys, values, sums, head, scaling, tau)
+    return attention.float().to(residual.device) * residual.norm(dim=-1)
+
+
+def evict_in_rounds(attention: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sums: MomentSums,
+                    head: int, scaling: float, budget: int, rounds: int = 4,
+                    protected: torch.Tensor | None = None, tau: float = 0.0) -> torch.Tensor:
+    """Evict ``head``'s tokens down to ``budget`` by moment-informed scores, in ``rounds`` rounds.
+
+    Each round evicts an equal share of the remaining excess (the lowest ``a_j ||r_j||``
+    among unprotected tokens), folds them into ``sums`` (in place), then re-scores the rest
+    against the updated moments.  ``protected [n]`` bool marks tokens never evicted (sinks,
+    recent window); the budget is raised to their count if needed.  Returns the kept row
+    indices, sorted, int64.
+    """
+    n = keys.shape[0]
+    if attention.shape != (n,) or values.shape != keys.shape:
+        raise ValueError(f"evict_in_rounds expects attention [n] and keys/values [n, d], got "
+                         f"{tuple(attention.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
+    if rounds <= 0:
+        raise ValueError(f"rounds must be positive, got {rounds}")
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    device = keys.device
+    if protected is None:
+        protected = torch.zeros(n, dtype=torch.bool, device=device)
+    if protected.shape != (n,) or protected.dtype != torch.bool:
+        raise ValueError(f"protected must be bool [{n}], got {protected.dtype} {tuple(protected.shape)}")
+    budget = max(int(budget), int(protected.sum()))
+    alive = torch.ones(n, dtype=torch.bool, device=device)
+    for round_index in range(rounds):
+        excess = int(alive.sum()) - budget
+        if excess <= 0:
+            break
+        take = math.ceil(excess / (rounds - round_index))
+        rows = torch.nonzero(alive & ~protected).squeeze(1)  # candidates [c]
+        scores = moment_scores(attention[rows], keys[rows], values[rows], sums, head, scaling, tau)
+        evicted = rows[torch.topk(scores.to(device), take, largest=False, sorted=False).indices]
+        sums.add(head, keys[evicted], values[evicted])
+        alive[evicted] = False
+    return torch.nonzero(alive).squeeze(1)
