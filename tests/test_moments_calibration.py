@@ -1,0 +1,124 @@
+"""profiler.moments_calibration: shapes, an independent masked-attention reference (tiny Llama),
+and the correction on the embedded model at 75% compression."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny_llama
+
+from profiler.moments_calibration import measure_correction_errors
+
+
+def _projections(model, ids):
+    """Post-RoPE q [L, Hq, T, d] and k, v [L, Hkv, T, d] recomputed from q/k/v_proj hooks."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    config = model.config
+    hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    captured = {}
+    hooks = []
+    for layer, block in enumerate(model.model.layers):
+        for name in ("q_proj", "k_proj", "v_proj"):
+            hooks.append(getattr(block.self_attn, name).register_forward_hook(
+                lambda mod, inp, out, key=(layer, name): captured.__setitem__(key, out.detach())))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    total = ids.shape[1]
+    positions = torch.arange(total).unsqueeze(0)
+    cos, sin = model.model.rotary_emb(captured[(0, "q_proj")], positions)
+    qs, ks, vs = [], [], []
+    for layer in range(config.num_hidden_layers):
+        q = captured[(layer, "q_proj")].view(1, total, hq, d).transpose(1, 2)
+        k = captured[(layer, "k_proj")].view(1, total, hkv, d).transpose(1, 2)
+        v = captured[(layer, "v_proj")].view(1, total, hkv, d).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        qs.append(q[0]), ks.append(k[0]), vs.append(v[0])
+    return torch.stack(qs), torch.stack(ks), torch.stack(vs)
+
+
+def _reference_no_correction_error(q, k, v, kept_prefix, query_window):
+    """Mean relative error of attention with the evicted prefix tokens masked out (float64)."""
+    total, d = k.shape
+    prefix = total - query_window
+    logits = (q[:, prefix:].double() @ k.double().T) / d ** 0.5  # [G, W, T]
+    causal = torch.arange(total).unsqueeze(0) <= torch.arange(prefix, total).unsqueeze(1)  # [W, T]
+    allowed_keys = torch.ones(total, dtype=torch.bool)
+    allowed_keys[:prefix] = False
+    allowed_keys[kept_prefix] = True
+    full = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1) @ v.double()
+    compressed = torch.softmax(logits.masked_fill(~(causal & allowed_keys), float("-inf")), -1) @ v.double()
+    return float(((compressed - full).norm(dim=-1) / full.norm(dim=-1)).mean())
+
+
+def test_tiny_llama_shapes_and_none_error_match_masked_reference():
+    torch.set_num_threads(1)
+    model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=0)
+    windows = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    w, n_sink, recent, ratios = 16, 2, 4, (0.25, 0.5)
+    result = measure_correction_errors(model, windows, keep_ratios=ratios, query_window=w, scorer="keydiff",
+                                       observation_window=8, n_sink=n_sink, recent_window=recent, progress=False)
+    assert set(result) == {"errors", "order", "reference_ratios", "tau"}
+    assert result["errors"].shape == (2, 3, 2, 2) and result["errors"].dtype == np.float64
+    assert result["order"].shape == (2, 2) and result["order"].dtype == np.int8
+    assert set(np.unique(result["order"])) <= {-1, 0, 1}
+    assert result["reference_ratios"].dtype == np.float64 and result["reference_ratios"].tolist() == [0.25, 0.5]
+    assert result["tau"].shape == (2, 2) and result["tau"].dtype == np.float64 and np.all(result["tau"] == 0)
+    assert np.all(np.isfinite(result["errors"])) and np.all(result["errors"] > 0)
+    np.testing.assert_array_equal(result["order"], np.argmin(result["errors"].mean(0), axis=0) - 1)
+
+    # independent reference: projections from hooks + RoPE, own KeyDiff selection, masked softmax
+    prefix = 64 - w
+    expected = np.zeros((2, 2, 2))  # [R, L, Hkv]
+    for window in windows:
+        q, k, v = _projections(model, window.unsqueeze(0))
+        for layer in range(2):
+            for head in range(2):
+                keys = k[layer, head, :prefix]
+                anchor = torch.nn.functional.normalize(keys, dim=-1).mean(0)
+                score = -(keys @ anchor) / (keys.norm(dim=-1) * anchor.norm())
+                for r, ratio in enumerate(ratios):
+                    budget = round(ratio * prefix)
+                    middle = torch.arange(n_sink, prefix - recent)
+                    best = middle[torch.topk(score[middle], budget - n_sink - recent).indices]
+                    kept = torch.cat([torch.arange(n_sink), best, torch.arange(prefix - recent, prefix)])
+                    expected[r, layer, head] += _reference_no_correction_error(
+                        q[layer, 2 * head:2 * head + 2], k[layer, head], v[layer, head], kept, w) / 2
+    np.testing.assert_allclose(result["errors"][:, 0], expected, rtol=1e-4, atol=1e-6)
+
+    keep_all = measure_correction_errors(model, windows[:1], keep_ratios=(1.0,), query_window=w, scorer="snapkv",
+                                         observation_window=8, n_sink=n_sink, recent_window=recent, progress=False)
+    assert np.all(keep_all["errors"] < 1e-5) and np.all(keep_all["order"] == -1)  # nothing evicted -> exact
+    with pytest.raises(ValueError, match="too short"):
+        measure_correction_errors(model, windows[:, :20], query_window=16, progress=False)
+    with pytest.raises(ValueError, match="scorer"):
+        measure_correction_errors(model, windows, scorer="h2o", progress=False)
+
+
+def test_embedded_model_correction_beats_no_correction_at_75_percent_compression(embedded_model, embedded_tokenizer):
+    from needles import prose_haystack
+
+    torch.set_num_threads(1)
+    windows, total = 2, 384
+    text = prose_haystack(embedded_tokenizer, windows * total + 16, seed=1)
+    ids = np.asarray(embedded_tokenizer(text, add_special_tokens=False)["input_ids"][:windows * total])
+    result = measure_correction_errors(embedded_model, ids.reshape(windows, total), keep_ratios=(0.25, 0.5),
+                                       query_window=32, scorer="snapkv", progress=False)
+    errors = result["errors"]  # [R, 3, L, Hkv]
+    assert errors.shape == (2, 3, 30, 3)
+    for r, ratio in enumerate(result["reference_ratios"]):
+        none, zeroth, first = errors[r].mean(axis=(1, 2))
+        best = errors[r].min(axis=0).mean()
+        print(f"keep {ratio:.2f}: mean relative error none {none:.4f}, 0th {zeroth:.4f}, 1st {first:.4f}, "
+              f"per-head best {best:.4f}")
+    uncorrected = errors[0, 0].mean()
+    corrected = np.take_along_axis(errors[0], (result["order"].astype(np.int64) + 1)[None], axis=0)[0].mean()
+    print(f"keep 0.25 (75% compression): corrected (calibrated order) {corrected:.4f} vs uncorrected {uncorrected:.4f}; "
+          f"orders {dict(zip(*np.unique(result['order'], return_counts=True)))}")
+    assert corrected < uncorrected
+    assert errors[0, 2].mean() < errors[0, 0].mean()  # 1st order alone helps on average too
