@@ -26,6 +26,9 @@ log-sum-exp of ordinary attention over the retained tokens (:func:`attention_wit
     o = w o_R + (1 - w) o_E
 
 Order ``-1`` (none) or an empty evicted set gives plain attention over ``R`` exactly.
+For a serving runtime, :func:`evicted_estimates` computes the estimate for all KV heads of
+a layer at once (per-head orders and ``tau`` from the artifact) and :func:`merge_outputs`
+merges it with per-head ``(o_R, lse_R)`` in one step.
 
 **Moment-informed eviction** (seed Eq. 10; :func:`moment_scores`, :func:`evict_in_rounds`).
 For a retained token ``j`` with attention estimate ``a_j`` (from any scorer that yields one)::
@@ -155,11 +158,14 @@ def attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
         return (torch.zeros_like(query),
                 torch.full((groups, q_len), float("-inf"), dtype=torch.float32, device=query.device))
     if use_kernel:
-        k = keys.to(query.dtype).unsqueeze(0).unsqueeze(0).expand(1, groups, n, dim)  # [1, G, n, d]
-        v = values.to(query.dtype).unsqueeze(0).unsqueeze(0).expand(1, groups, n, dim)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query.unsqueeze(0), k.contiguous(), v.contiguous(), scale=float(scaling))
-        return out[0], lse[0].float()
+        # No mask, so every query row is independent: fold the group into the query axis and
+        # share one key/value head (no copies of K/V).  The kernel needs contiguous inputs
+        # (a strided float32 query gives wrong results in torch 2.13).
+        q = query.reshape(1, 1, groups * q_len, dim).contiguous()  # [1, 1, G*q, d]
+        k = keys.to(query.dtype).reshape(1, 1, n, dim).contiguous()  # [1, 1, n, d]
+        v = values.to(query.dtype).reshape(1, 1, n, dim).contiguous()
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=float(scaling))
+        return out.reshape(groups, q_len, dim), lse.reshape(groups, q_len).float()
     logits = float(scaling) * torch.matmul(query.float(), keys.float().T)  # [G, q, n]
     if mask is not None:
         if mask.dtype == torch.bool:
@@ -195,9 +201,43 @@ def evicted_estimate(query: torch.Tensor, sums: MomentSums, head: int, scaling: 
     return out.clone(), lse
 
 
+def evicted_estimates(query: torch.Tensor, sums: MomentSums, scaling: float, orders, tau=0.0
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`evicted_estimate` for all KV heads of a layer at once (no per-head Python loop).
+
+    ``query [Hkv, G, q, d]``; ``orders``: per-head codes ``[Hkv]`` in {-1, 0, 1}; ``tau``: a
+    float or ``[Hkv]``.  Returns ``o_E [Hkv, G, q, d]`` and ``lse_E [Hkv, G, q]`` (float32);
+    heads with order -1 or nothing evicted get ``o_E = 0``, ``lse_E = -inf``, so
+    :func:`merge_outputs` returns their retained output unchanged.
+    """
+    heads, groups, q_len, dim = query.shape
+    if heads != sums.num_kv_heads or dim != sums.head_dim:
+        raise ValueError(f"query [Hkv, G, q, d] = {tuple(query.shape)} does not match the sums' "
+                         f"{sums.num_kv_heads} heads of dim {sums.head_dim}")
+    device = sums.s_k.device
+    orders = torch.as_tensor(orders, device=device).reshape(-1)
+    if orders.shape[0] != heads or not bool(torch.isin(orders, torch.tensor(ORDERS, device=device)).all()):
+        raise ValueError(f"orders must be {heads} codes in {ORDERS}, got {orders.tolist()}")
+    tau = torch.as_tensor(tau, dtype=torch.float32, device=device).expand(heads)  # [Hkv]
+    count = sums.n.float()  # [Hkv]
+    safe = count.clamp_min(1)
+    kbar = sums.s_k / safe[:, None]  # [Hkv, d]
+    vbar = sums.s_v / safe[:, None]
+    cov = sums.S_vk / safe[:, None, None] - vbar[:, :, None] * kbar[:, None, :]  # [Hkv, d, d]
+    cov = torch.where(cov.abs() < tau[:, None, None], torch.zeros_like(cov), cov)
+    cov = cov * (orders == 1).float()[:, None, None]
+    q = query.float().to(device).reshape(heads, groups * q_len, dim)  # [Hkv, G*q, d]
+    out = vbar[:, None, :] + float(scaling) * torch.bmm(q, cov.transpose(1, 2))  # [Hkv, G*q, d]
+    lse = torch.log(safe)[:, None] + float(scaling) * torch.bmm(q, kbar[:, :, None])[..., 0]  # [Hkv, G*q]
+    active = (orders >= 0) & (count > 0)  # [Hkv]
+    out = torch.where(active[:, None, None], out, torch.zeros_like(out))
+    lse = torch.where(active[:, None], lse, torch.full_like(lse, float("-inf")))
+    return out.reshape(heads, groups, q_len, dim), lse.reshape(heads, groups, q_len)
+
+
 def merge_outputs(out_R: torch.Tensor, lse_R: torch.Tensor, out_E: torch.Tensor, lse_E: torch.Tensor
                   ) -> torch.Tensor:
-    """``w o_R + (1 - w) o_E`` with ``w = sigmoid(lse_R - lse_E)``; ``[G, q, d]`` float32.
+    """``w o_R + (1 - w) o_E`` with ``w = sigmoid(lse_R - lse_E)``: outputs ``[..., q, d]``, lse ``[..., q]``; float32.
 
     ``lse_E = -inf`` gives ``o_R`` exactly, ``lse_R = -inf`` gives ``o_E``.
     """

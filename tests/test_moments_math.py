@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime.moments import (MomentSums, attention_with_lse, corrected_attention, evict_in_rounds,
-                             evicted_estimate, moment_scores)
+                             evicted_estimate, evicted_estimates, merge_outputs, moment_scores)
 
 D = 16
 S = 1 / math.sqrt(D)
@@ -41,6 +41,14 @@ def test_attention_with_lse_kernel_and_fallback_agree_with_naive():
     torch.testing.assert_close(lse_b[1:].double(), torch.logsumexp(logits, -1)[1:], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="kernel"):
         attention_with_lse(q, k, v, S, mask=mask, use_kernel=True)
+    # strided (non-contiguous) query and keys, e.g. slices of a [B, H, T, d] tensor, on both paths
+    q_strided = torch.randn(5, 3, D, generator=g).transpose(0, 1)  # [3, 5, d], non-contiguous
+    k_strided = torch.randn(D, 40, generator=g).T  # [40, d], non-contiguous
+    ref_out, ref_lse = _exact(q_strided, k_strided, v)
+    for use_kernel in (True, False):
+        out, lse = attention_with_lse(q_strided, k_strided, v, S, use_kernel=use_kernel)
+        torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
 
 
 def test_moment_sums_equal_direct_recomputation_after_many_adds():
@@ -160,3 +168,32 @@ def test_evict_in_rounds_budget_protection_and_sums():
     expected = torch.sort(torch.topk(a * v.norm(dim=-1), budget).indices).values
     assert torch.equal(kept1, expected)
     assert torch.equal(evict_in_rounds(a, k, v, MomentSums(1, D), 0, S, n + 5), torch.arange(n))
+
+
+def test_batched_estimates_equal_per_head_estimates():
+    g = torch.Generator().manual_seed(7)
+    heads, groups = 4, 3
+    sums = MomentSums(heads, D)
+    for head in (0, 1, 3):  # head 2 stays empty
+        sums.add(head, torch.randn(9, D, generator=g), torch.randn(9, D, generator=g))
+    query = torch.randn(heads, groups, 2, D, generator=g)
+    orders, tau = [1, 0, 1, -1], torch.tensor([0.0, 0.0, 0.0, 0.02])
+    out, lse = evicted_estimates(query, sums, S, orders, tau=tau)
+    assert out.shape == (heads, groups, 2, D) and lse.shape == (heads, groups, 2)
+    for head in (0, 1):
+        ref_out, ref_lse = evicted_estimate(query[head], sums, head, S, orders[head], tau=float(tau[head]))
+        torch.testing.assert_close(out[head], ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[head], ref_lse, atol=1e-5, rtol=1e-5)
+    for head in (2, 3):  # empty, and order -1: no correction
+        assert torch.all(lse[head] == float("-inf")) and torch.all(out[head] == 0)
+    # merged with per-head retained attention: equals corrected_attention head by head
+    keys, values = torch.randn(heads, 11, D, generator=g), torch.randn(heads, 11, D, generator=g)
+    retained = [attention_with_lse(query[h], keys[h], values[h], S) for h in range(heads)]
+    merged = merge_outputs(torch.stack([r[0] for r in retained]), torch.stack([r[1] for r in retained]), out, lse)
+    for head in range(heads):
+        expected = corrected_attention(query[head], keys[head], values[head], sums, head, S, orders[head],
+                                       tau=float(tau[head]))
+        torch.testing.assert_close(merged[head], expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(merged[2], retained[2][0]) and torch.equal(merged[3], retained[3][0])
+    with pytest.raises(ValueError, match="orders"):
+        evicted_estimates(query, sums, S, [1, 0, 2, 0])
