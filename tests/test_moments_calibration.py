@@ -42,21 +42,32 @@ def _projections(model, ids):
     return torch.stack(qs), torch.stack(ks), torch.stack(vs)
 
 
-def _reference_no_correction_error(q, k, v, kept_prefix, query_window):
-    """Mean relative error of attention with the evicted prefix tokens masked out (float64)."""
+def _reference_errors(q, k, v, kept_prefix, query_window):
+    """Mean relative errors (none, 0th, 1st order) with the evicted prefix tokens masked out,
+    the evicted moments computed directly from the evicted tokens (float64)."""
     total, d = k.shape
     prefix = total - query_window
-    logits = (q[:, prefix:].double() @ k.double().T) / d ** 0.5  # [G, W, T]
+    q, k, v = q[:, prefix:].double(), k.double(), v.double()  # q [G, W, d]
+    s = d ** -0.5
+    logits = s * q @ k.T  # [G, W, T]
     causal = torch.arange(total).unsqueeze(0) <= torch.arange(prefix, total).unsqueeze(1)  # [W, T]
-    allowed_keys = torch.ones(total, dtype=torch.bool)
-    allowed_keys[:prefix] = False
-    allowed_keys[kept_prefix] = True
-    full = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1) @ v.double()
-    compressed = torch.softmax(logits.masked_fill(~(causal & allowed_keys), float("-inf")), -1) @ v.double()
-    return float(((compressed - full).norm(dim=-1) / full.norm(dim=-1)).mean())
+    retained = torch.ones(total, dtype=torch.bool)
+    retained[:prefix] = False
+    retained[kept_prefix] = True
+    full = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1) @ v
+    masked = logits.masked_fill(~(causal & retained), float("-inf"))
+    out_R, lse_R = torch.softmax(masked, -1) @ v, torch.logsumexp(masked, -1)
+    k_E, v_E = k[~retained], v[~retained]
+    kbar, vbar = k_E.mean(0), v_E.mean(0)
+    cov = (v_E - vbar).T @ (k_E - kbar) / k_E.shape[0]  # C_vk [d, d]
+    lse_E = torch.log(torch.tensor(float(k_E.shape[0]))) + s * q @ kbar  # [G, W]
+    weight = torch.sigmoid(lse_R - lse_E).unsqueeze(-1)
+    estimates = [out_R, weight * out_R + (1 - weight) * vbar,
+                 weight * out_R + (1 - weight) * (vbar + s * q @ cov.T)]
+    return [float(((e - full).norm(dim=-1) / full.norm(dim=-1)).mean()) for e in estimates]
 
 
-def test_tiny_llama_shapes_and_none_error_match_masked_reference():
+def test_tiny_llama_shapes_and_errors_match_independent_masked_reference():
     torch.set_num_threads(1)
     model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=0)
     windows = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -74,7 +85,7 @@ def test_tiny_llama_shapes_and_none_error_match_masked_reference():
 
     # independent reference: projections from hooks + RoPE, own KeyDiff selection, masked softmax
     prefix = 64 - w
-    expected = np.zeros((2, 2, 2))  # [R, L, Hkv]
+    expected = np.zeros((2, 3, 2, 2))  # [R, 3, L, Hkv]
     for window in windows:
         q, k, v = _projections(model, window.unsqueeze(0))
         for layer in range(2):
@@ -87,9 +98,16 @@ def test_tiny_llama_shapes_and_none_error_match_masked_reference():
                     middle = torch.arange(n_sink, prefix - recent)
                     best = middle[torch.topk(score[middle], budget - n_sink - recent).indices]
                     kept = torch.cat([torch.arange(n_sink), best, torch.arange(prefix - recent, prefix)])
-                    expected[r, layer, head] += _reference_no_correction_error(
-                        q[layer, 2 * head:2 * head + 2], k[layer, head], v[layer, head], kept, w) / 2
-    np.testing.assert_allclose(result["errors"][:, 0], expected, rtol=1e-4, atol=1e-6)
+                    expected[r, :, layer, head] += np.array(_reference_errors(
+                        q[layer, 2 * head:2 * head + 2], k[layer, head], v[layer, head], kept, w)) / 2
+    np.testing.assert_allclose(result["errors"], expected, rtol=1e-4, atol=1e-6)
+
+    # moment-informed eviction (SnapKV attention x moment residual, in rounds) and a uniform tau
+    moment = measure_correction_errors(model, windows[:1], keep_ratios=(0.25,), query_window=w, scorer="snapkv",
+                                       observation_window=8, n_sink=n_sink, recent_window=recent,
+                                       moment_eviction=True, tau=0.01, progress=False)
+    assert moment["errors"].shape == (1, 3, 2, 2) and np.all(np.isfinite(moment["errors"]))
+    assert np.all(moment["tau"] == 0.01)
 
     keep_all = measure_correction_errors(model, windows[:1], keep_ratios=(1.0,), query_window=w, scorer="snapkv",
                                          observation_window=8, n_sink=n_sink, recent_window=recent, progress=False)
