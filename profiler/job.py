@@ -6,9 +6,9 @@ Stages, in order (``--stages`` selects a subset):
 * ``query-stats`` -> section ``query_stats`` (:mod:`profiler.query_stats`)
 * ``budgets``     -> section ``budgets``     (:mod:`profiler.budget_tables`; needs INFsc from
   this run's behaviour stage or from the artifact already at the output path)
-
-A later stage (MomentKV calibration, section ``moments``) plugs in the same way: an entry in
-``STAGE_SECTIONS``, a loop with its own accumulator in the work file, and a section builder.
+* ``moments``     -> section ``moments``     (:mod:`profiler.moments_calibration`: per-KV-head
+  MomentKV correction errors on the first ``MOMENT_WINDOWS`` calibration windows; a few
+  seconds per window, run by the main process alone, not checkpointed)
 
 Running a subset keeps the other sections of an existing artifact at the output path when it
 belongs to the same model (same weights, architecture and tokenizer fingerprints).
@@ -39,12 +39,16 @@ from profiler.behaviour_stage import BehaviourState, run_probe
 from profiler.budget_tables import DEFAULT_BETA, DEFAULT_MIN_BUDGET, DEFAULT_RATIOS, DEFAULT_TOKEN_BUDGETS, \
     budget_tables
 from profiler.calibration_text import calibration_windows
+from profiler.moments_calibration import measure_correction_errors
 from profiler.checkpoint import interrupts_deferred, load_work, remove_work, save_work, work_file_path
 from profiler.presets import PRESETS
 from profiler.probe_source import file_probes, preset_probes
 from profiler.query_stats import QueryStatsAccumulator, collect_queries
 
-STAGE_SECTIONS = {"behaviour": "behaviour", "query-stats": "query_stats", "budgets": "budgets"}
+STAGE_SECTIONS = {"behaviour": "behaviour", "query-stats": "query_stats", "budgets": "budgets",
+                  "moments": "moments"}
+MOMENT_WINDOWS = 4  # calibration windows the moments stage measures on
+MOMENT_KEEP_RATIOS = (0.25, 0.5)  # reference budgets: 75% and 50% compression
 STAGES = tuple(STAGE_SECTIONS)
 
 
@@ -113,9 +117,6 @@ def _existing_sections(out: Path, identity, log) -> tuple[dict[str, Section], di
                 log(f"note: {out} belongs to another model; it will be replaced")
                 return {}, {}
             sections = {name: reader.section(name) for name in STAGE_SECTIONS.values() if reader.has(name)}
-            for name in ("moments",):  # sections of later stages are carried over untouched
-                if reader.has(name):
-                    sections[name] = reader.section(name)
             return sections, dict(reader.config)
     except ArtifactError as exc:
         log(f"note: the existing {out} is not a valid artifact ({exc}); it will be replaced")
@@ -182,7 +183,7 @@ class ProfileJob:
             self._say(f"warning: the longest probe plus {self.max_new_tokens} new tokens is {longest} tokens, beyond "
                       f"the model's {self.identity.max_position_embeddings}-token context")
         self.windows = None
-        if "query-stats" in self.stages:
+        if "query-stats" in self.stages or "moments" in self.stages:
             self.windows = calibration_windows(self.tokenizer, options.calib_dataset, self.calib_samples,
                                                self.calib_tokens, seed=options.seed, split=options.calib_split,
                                                field=options.calib_field)  # [N, T] int64
@@ -203,6 +204,10 @@ class ProfileJob:
                                      "num_samples": self.calib_samples, "sample_tokens": self.calib_tokens,
                                      "batch_size": self.batch_size, "n_sink": self.n_sink,
                                      "windows_sha256": _digest(self.windows.numpy().tobytes())}
+        if "moments" in self.stages:
+            config["moments"] = {"windows": min(MOMENT_WINDOWS, self.calib_samples), "window_tokens": self.calib_tokens,
+                                 **self._moment_settings(), "keep_ratios": list(MOMENT_KEEP_RATIOS),
+                                 "source": o.calib_dataset or "needles prose haystack"}
         if "budgets" in self.stages:
             config["budgets"] = {"token_budgets": sorted({int(b) for b in o.token_budgets}),
                                  "ratios": sorted({float(r) for r in o.ratios}), "beta": float(o.beta),
@@ -249,6 +254,8 @@ class ProfileJob:
             raise JobInterrupted(self.work_path) from None
 
         sections = self._reduce_and_build()
+        if "moments" in self.stages and self.info.is_main:
+            sections["moments"] = self._run_moments()
         path = None
         if self.info.is_main:
             existing, old_config = _existing_sections(self.out, self.identity, self.log)
@@ -322,6 +329,30 @@ class ProfileJob:
                 bar.update(1)
         self._checkpoint()
         self._stage_seconds_query = time.perf_counter() - started
+
+    def _moment_settings(self) -> dict:
+        """Query window and observation window sized for the calibration windows."""
+        query_window = max(4, min(32, self.calib_tokens // 4))
+        prefix = self.calib_tokens - query_window
+        return {"query_window": query_window, "observation_window": max(1, min(32, prefix // 2)),
+                "selection": "snapkv", "n_sink": int(self.n_sink), "recent_window": 8}
+
+    def _run_moments(self) -> Section:
+        started = time.perf_counter()
+        settings = self._moment_settings()
+        windows = self.windows[:MOMENT_WINDOWS]
+        result = measure_correction_errors(
+            self.model, windows, keep_ratios=MOMENT_KEEP_RATIOS, query_window=settings["query_window"],
+            scorer=settings["selection"], observation_window=settings["observation_window"],
+            n_sink=settings["n_sink"], recent_window=settings["recent_window"], progress=self.options.progress)
+        errors = result["errors"].mean(axis=(2, 3))  # [R, 3]
+        chosen = np.take_along_axis(result["errors"], (result["order"].astype(np.int64) + 1)[None, None], axis=1)
+        parts = ", ".join(f"keep {r:g}: none {e[0]:.3f} / 0th {e[1]:.3f} / 1st {e[2]:.3f} / chosen {c:.3f}"
+                          for r, e, c in zip(result["reference_ratios"], errors, chosen.mean(axis=(1, 2, 3))))
+        counts = {name: int((result["order"] == value).sum()) for name, value in (("none", -1), ("0th", 0), ("1st", 1))}
+        self._say(f"moments: {windows.shape[0]} windows x {windows.shape[1]} tokens, mean relative attention-output "
+                  f"error {parts}; orders {counts}; {time.perf_counter() - started:.1f} s")
+        return Section(arrays=result)
 
     # -- reduction and sections -----------------------------------------------------------
     def _reduce_and_build(self) -> dict[str, Section]:

@@ -107,10 +107,26 @@ def make_random_artifact(identity=None, *, seed=0, probes=7, sections=("behaviou
 
 
 @pytest.fixture(scope="session")
-def smoke_artifact(tmp_path_factory):
-    """A real artifact: `profile-model --preset smoke` on the embedded model, run once per session."""
+def smoke_run(tmp_path_factory):
+    """`profile-model --preset smoke` on the embedded model, run once per session: (path, stdout)."""
+    import contextlib
+    import io
+
     from profiler.cli import main
 
     out = tmp_path_factory.mktemp("smoke_artifact") / "kv_calibration.h5"
-    assert main(["--preset", "smoke", "--out", str(out), "--no-progress"]) == 0
-    return out
+    printed = io.StringIO()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a shared 2-core machine one thread is several times faster
+    try:
+        with contextlib.redirect_stdout(printed):
+            assert main(["--preset", "smoke", "--out", str(out), "--no-progress"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return out, printed.getvalue()
+
+
+@pytest.fixture(scope="session")
+def smoke_artifact(smoke_run):
+    """The path of the real smoke artifact (see ``smoke_run``)."""
+    return smoke_run[0]

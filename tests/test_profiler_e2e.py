@@ -4,30 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from artifacts import ARTIFACT_FILENAME, open_artifact
 from artifacts.cli import main as inspect_artifact
-from profiler.cli import main as profile_model
 from profiler.job import default_output
 
 
-@pytest.fixture
-def one_thread():
-    """On this shared 2-core machine two intra-op threads spin against other processes and run
-    several times slower than one; the result does not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
-def test_smoke_preset_on_embedded_model_writes_a_valid_artifact(tmp_path, capsys, one_thread):
-    out = tmp_path / "kv_calibration.h5"
-    assert profile_model(["--preset", "smoke", "--out", str(out), "--no-progress"]) == 0
-    stdout = capsys.readouterr().out
-    for stage in ("behaviour:", "query-stats:", "budgets:", "wrote"):
+def test_smoke_preset_on_embedded_model_writes_a_valid_artifact(smoke_run):
+    out, stdout = smoke_run  # `profile-model --preset smoke`, run once per session (conftest)
+    for stage in ("behaviour:", "query-stats:", "budgets:", "moments:", "wrote"):
         assert stage in stdout  # one summary line per stage
     assert inspect_artifact([str(out)]) == 0  # every dataset read and checked
     with open_artifact(out) as reader:
@@ -47,6 +33,10 @@ def test_smoke_preset_on_embedded_model_writes_a_valid_artifact(tmp_path, capsys
         for b, table in zip(budgets["token_budgets"], budgets["token_tables"]):
             assert table.sum() == b * 30 * 3
         assert reader.config["query_stats"]["source"] == "needles prose haystack"
+        moments = reader.section("moments")
+        assert moments["errors"].shape == (2, 3, 30, 3) and set(np.unique(moments["order"])) <= {-1, 0, 1}
+        chosen = np.take_along_axis(moments["errors"], (moments["order"].astype(int) + 1)[None, None], axis=1)
+        assert chosen.mean() < moments["errors"][:, 0].mean()  # correction helps on average
 
 
 def test_default_output_goes_next_to_the_weights_when_writable(tmp_path, monkeypatch):

@@ -200,4 +200,4 @@ def test_cli_errors_are_clear(model_dir, tmp_path, capsys):
     assert main([str(tmp_path), "--out", str(tmp_path / "y.h5")]) == 2
     assert "not a model directory" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["--stages", "behaviour,moments"])
+        main(["--stages", "behaviour,sudoku"])
