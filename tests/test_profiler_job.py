@@ -82,8 +82,11 @@ def _read(path: Path) -> tuple[dict, dict]:
 
 def _start_and_signal(args, work: Path, sig: int) -> subprocess.CompletedProcess:
     """Start a run, wait for its first checkpoint, send ``sig``; return the finished process."""
+    # A runner started in the background (CI) may pass SIGINT on as *ignored*, which Python
+    # keeps; give the child the default disposition so Ctrl-C reaches it as it would a user's.
     proc = subprocess.Popen([sys.executable, "-m", "profiler.cli", *args], cwd=REPO, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while not work.exists():
         assert proc.poll() is None, f"run ended before its first checkpoint: {proc.communicate()}"
