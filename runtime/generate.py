@@ -129,6 +129,9 @@ def split_prompt(tokenizer, context: str, question: str, chat: bool = True) -> t
     if chat and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": context + separator + question}],
                                              tokenize=False, add_generation_prompt=True)
+        if context not in text:
+            raise ValueError("the chat template altered the context text, so the question-free prefix cannot be "
+                             "located; pass chat=False or token ids to generate()")
         cut = text.index(context) + len(context)
         head, tail = text[:cut], text[cut:]
         encode = lambda part: tokenizer(part, add_special_tokens=False)["input_ids"]  # noqa: E731
