@@ -36,7 +36,9 @@ PRESET_HELP = "; ".join(
     for name, p in PRESETS.items())
 
 
-def _csv(kind):
+def comma_separated(kind):
+    """An argparse type: ``'a,b,c'`` -> a tuple of ``kind`` values (empty parts skipped)."""
+
     def parse(text: str):
         try:
             return tuple(kind(part) for part in text.split(",") if part.strip())
@@ -57,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "else in the current directory)")
     parser.add_argument("--preset", choices=list(PRESETS), default="quick", help=f"job size. {PRESET_HELP}")
     def stages(text: str) -> tuple[str, ...]:
-        chosen = _csv(str)(text)
+        chosen = comma_separated(str)(text)
         unknown = [stage for stage in chosen if stage not in STAGES]
         if unknown or not chosen:
             raise argparse.ArgumentTypeError(f"unknown stage(s) {unknown}; choose from {','.join(STAGES)}")
@@ -82,9 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--batch-size", type=int, default=None, help="calibration windows per forward pass")
     group.add_argument("--n-sink", type=int, default=None, help="leading tokens of each window left out (default 4)")
     group = parser.add_argument_group("budgets stage")
-    group.add_argument("--budgets", dest="token_budgets", type=_csv(int), default=DEFAULT_TOKEN_BUDGETS,
+    group.add_argument("--budgets", dest="token_budgets", type=comma_separated(int), default=DEFAULT_TOKEN_BUDGETS,
                        help=f"average token budgets per KV head (default: {','.join(map(str, DEFAULT_TOKEN_BUDGETS))})")
-    group.add_argument("--ratios", type=_csv(float), default=DEFAULT_RATIOS,
+    group.add_argument("--ratios", type=comma_separated(float), default=DEFAULT_RATIOS,
                        help="average budgets as fractions of the sequence length (default: 0.1,...,0.9)")
     group.add_argument("--beta", type=float, default=DEFAULT_BETA, help="REAL's beta >= 1 (default 2)")
     group.add_argument("--min-budget", type=int, default=DEFAULT_MIN_BUDGET, help="smallest per-head budget")

@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from .cli import comma_separated
 from .evaluation_results import NAMED_POLICIES, markdown_table, parse_policy
 
 DEFAULT_POLICIES = ("baseline", "uniform/expected_attention:prompt", "uniform/keydiff", "uniform/snapkv",
@@ -20,15 +21,6 @@ DEFAULT_POLICIES = ("baseline", "uniform/expected_attention:prompt", "uniform/ke
 DEFAULT_TASKS = ("retrieval", "multi_key")
 TASK_PRESETS = ("smoke", "quick", "standard")
 EVALUATION_SEED_OFFSET = 1_000_003  # evaluation seed = profiler seed + this, unless given
-
-
-def _csv(kind):
-    def parse(text: str):
-        try:
-            return tuple(kind(part) for part in text.split(",") if part.strip())
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {text!r}") from exc
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,12 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--artifact", default=None,
                         help="calibration file (default: kv_calibration.h5 next to the model weights)")
-    parser.add_argument("--ratios", type=_csv(float), default=(0.5, 0.75, 0.9),
+    parser.add_argument("--ratios", type=comma_separated(float), default=(0.5, 0.75, 0.9),
                         help="compression ratios, fractions of the context cache evicted (default 0.5,0.75,0.9)")
-    parser.add_argument("--policies", type=_csv(str), default=DEFAULT_POLICIES,
+    parser.add_argument("--policies", type=comma_separated(str), default=DEFAULT_POLICIES,
                         help="comma-separated policies (default: baseline, every uniform scorer, INF + calibrated EA"
                              + (", flagship" if "flagship" in NAMED_POLICIES else "") + ")")
-    parser.add_argument("--tasks", type=_csv(str), default=DEFAULT_TASKS,
+    parser.add_argument("--tasks", type=comma_separated(str), default=DEFAULT_TASKS,
                         help="needle families, or 'all' (default retrieval,multi_key)")
     parser.add_argument("--preset", choices=TASK_PRESETS, default="quick",
                         help="lengths and depths of the tasks, as the needles preset of that name (default quick: "
