@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from profiler.evaluate_cli import main
 
@@ -14,7 +15,16 @@ TOP_KEYS = {"schema", "created", "model", "artifact", "question_aware", "tasks",
             "results", "recommendation"}
 
 
-def test_smoke_run_on_the_embedded_model(smoke_artifact, tmp_path, capsys):
+@pytest.fixture
+def one_thread():
+    """Many small per-head operations: on a shared 2-core machine one thread is several times faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_smoke_run_on_the_embedded_model(smoke_artifact, tmp_path, capsys, one_thread):
     json_out, html_out = tmp_path / "ev.json", tmp_path / "ev.html"
     code = main(["--artifact", str(smoke_artifact), "--preset", "smoke", "--tasks", "retrieval", "--ratios", "0.5,0.9",
                  "--policies", "uniform/keydiff,inf/expected_attention:calibrated", "--max-new-tokens", "20",
