@@ -2,8 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+
+
+@contextlib.contextmanager
+def single_thread():
+    """One torch intra-op thread inside the block, the previous count restored after.
+
+    On a shared 2-core machine two threads spin against other processes, and the many small
+    per-head operations of the ragged cache wait on each other: one thread is several times
+    faster.  Results do not depend on it (float32 sums may differ in the last bits).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def one_thread():
+    """The test runs on one torch thread (see ``single_thread``)."""
+    with single_thread():
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -109,20 +134,14 @@ def make_random_artifact(identity=None, *, seed=0, probes=7, sections=("behaviou
 @pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory):
     """`profile-model --preset smoke` on the embedded model, run once per session: (path, stdout)."""
-    import contextlib
     import io
 
     from profiler.cli import main
 
     out = tmp_path_factory.mktemp("smoke_artifact") / "kv_calibration.h5"
     printed = io.StringIO()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # on a shared 2-core machine one thread is several times faster
-    try:
-        with contextlib.redirect_stdout(printed):
-            assert main(["--preset", "smoke", "--out", str(out), "--no-progress"]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    with single_thread(), contextlib.redirect_stdout(printed):
+        assert main(["--preset", "smoke", "--out", str(out), "--no-progress"]) == 0
     return out, printed.getvalue()
 
 

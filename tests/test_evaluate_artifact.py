@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from profiler.evaluate_cli import main
 
@@ -13,15 +12,6 @@ RESULT_KEYS = {"policy", "ratio", "n", "correct", "accuracy", "ci_low", "ci_high
                "kv_bytes", "kv_fraction", "prefill_seconds", "decode_seconds", "per_family"}
 TOP_KEYS = {"schema", "created", "model", "artifact", "question_aware", "tasks", "task_summary", "baseline",
             "results", "recommendation"}
-
-
-@pytest.fixture
-def one_thread():
-    """Many small per-head operations: on a shared 2-core machine one thread is several times faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_smoke_run_on_the_embedded_model(smoke_artifact, tmp_path, capsys, one_thread):

@@ -67,8 +67,7 @@ def _reference_errors(q, k, v, kept_prefix, query_window):
     return [float(((e - full).norm(dim=-1) / full.norm(dim=-1)).mean()) for e in estimates]
 
 
-def test_tiny_llama_shapes_and_errors_match_independent_masked_reference():
-    torch.set_num_threads(1)
+def test_tiny_llama_shapes_and_errors_match_independent_masked_reference(one_thread):
     model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=0)
     windows = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
     w, n_sink, recent, ratios = 16, 2, 4, (0.25, 0.5)
@@ -118,10 +117,10 @@ def test_tiny_llama_shapes_and_errors_match_independent_masked_reference():
         measure_correction_errors(model, windows, scorer="h2o", progress=False)
 
 
-def test_embedded_model_correction_beats_no_correction_at_75_percent_compression(embedded_model, embedded_tokenizer):
+def test_embedded_model_correction_beats_no_correction_at_75_percent_compression(embedded_model, embedded_tokenizer,
+                                                                                 one_thread):
     from needles import prose_haystack
 
-    torch.set_num_threads(1)
     windows, total = 2, 384
     text = prose_haystack(embedded_tokenizer, windows * total + 16, seed=1)
     ids = np.asarray(embedded_tokenizer(text, add_special_tokens=False)["input_ids"][:windows * total])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -97,15 +96,6 @@ def test_recorder_rejects_too_many_steps():
         with torch.no_grad(), capture_attention_implementation(model), recorder.active():
             model.generate(torch.ones(1, 10, dtype=torch.long), max_new_tokens=4, min_new_tokens=4,
                            do_sample=False, pad_token_id=0)
-
-
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: on the shared 2-core machine two threads spin against other work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow

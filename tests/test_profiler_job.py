@@ -16,10 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from artifacts import open_artifact
-from conftest import make_tiny_llama
+from conftest import make_tiny_llama, single_thread
 from needles.probe import Probe, Span
 from profiler.cli import main
 from profiler.query_stats import QueryStatsAccumulator
@@ -29,13 +28,11 @@ NUM_PROBES = 12
 
 
 @pytest.fixture(autouse=True, scope="module")
-def single_thread():
+def one_thread_for_the_module():
     """In-process runs use one thread like the subprocesses (OMP_NUM_THREADS=1), so float32
     model arithmetic is the same everywhere and only the reduction order can differ."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

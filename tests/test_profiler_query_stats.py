@@ -112,15 +112,6 @@ def test_unsupported_architecture_names_what_is_missing():
         inspect_model(model)
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: on the shared 2-core machine two threads spin against other work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
 def test_embedded_model_query_stats(embedded_model, embedded_tokenizer, one_thread):
     geometry = inspect_model(embedded_model)

@@ -17,14 +17,7 @@ from runtime import (ATTENTION_NAME, CompressionPolicy, RaggedCache, compress, c
 from runtime.calibration import Calibration
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on the shared 2-core machine two threads spin against other
-    processes and the many small per-head ops of the ragged cache wait on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
 
 def inf_calibration(layers: int, kv_heads: int, seed: int = 0) -> Calibration:

@@ -18,14 +18,7 @@ from runtime.budgets import allocate_budgets
 from runtime.calibration import Calibration, model_weights_fingerprint
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on the shared 2-core machine two threads spin against other
-    processes and the many small per-head ops of the ragged cache wait on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
 
 def identity_for(model, tokenizer=None, name="tiny") -> ModelIdentity:
