@@ -1,7 +1,7 @@
 """Writing a calibration artifact: validated, compressed, checksummed, atomic.
 
-The file is written to a temporary file in the destination directory, flushed and fsynced,
-then renamed over the destination (and the directory entry fsynced).  An exception at any
+The file is written through :func:`artifacts.atomic.atomic_path`: a temporary file in the
+destination directory, fsynced, then renamed over the destination.  An exception at any
 point before the rename leaves whatever was at the destination untouched.
 """
 
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-import tempfile
 from pathlib import Path
 
 import h5py
 import numpy as np
 
+from .atomic import atomic_path
 from .errors import ArtifactError
 from .metadata import metadata_digest, root_attrs
 from .schema import FORMAT_NAME, SCHEMA_VERSION, SECTIONS, Artifact
@@ -56,23 +56,10 @@ def write_artifact(path: str | os.PathLike, artifact: Artifact) -> Path:
     created = artifact.created or _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
     attrs = root_attrs(artifact, created=created, version=artifact.toolkit_version or toolkit_version())
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         # libver v110+: metadata (superblock, object headers) carries its own checksums.
-        with h5py.File(tmp_name, "w", libver=("v110", "latest")) as h5:
+        with h5py.File(tmp, "w", libver=("v110", "latest")) as h5:
             _write_contents(h5, prepared, attrs, checked_attrs)
-        with open(tmp_name, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        try:
-            os.unlink(tmp_name)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_directory(path.parent)
     return path
 
 
@@ -114,16 +101,3 @@ def _write_contents(h5: h5py.File, prepared: dict, attrs: dict, section_attrs: d
     h5.attrs["metadata_sha256"] = metadata_digest(attrs["root"], attrs["model"], section_attrs)
     h5.attrs["format"] = FORMAT_NAME
     h5.attrs["schema_version"] = SCHEMA_VERSION
-
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # e.g. platforms without directory fds
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from artifacts.atomic import atomic_path
 from needles.families import FAMILIES, render_needle
 from needles.haystacks import Haystack, make_haystack
 from needles.placement import PromptFormat, place_needle
@@ -159,19 +159,12 @@ def write_probes(probes: Iterable[Probe], path: str | Path) -> int:
 
     The file appears complete or not at all (written beside it, then renamed into place).
     """
-    path = Path(path)
-    partial = path.with_name(f".{path.name}.partial")
     written = 0
-    try:
-        with open(partial, "w", encoding="utf-8", newline="\n") as fh:
-            for probe in probes:
-                fh.write(probe.to_json())
-                fh.write("\n")
-                written += 1
-        os.replace(partial, path)
-    finally:
-        if partial.exists():
-            partial.unlink()
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8", newline="\n") as fh:
+        for probe in probes:
+            fh.write(probe.to_json())
+            fh.write("\n")
+            written += 1
     return written
 
 

@@ -19,14 +19,14 @@ count); ``--resume`` refuses a work file with a different fingerprint.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+
+from artifacts.atomic import atomic_path
 
 WORK_FORMAT = "kvcal-profiler-work-1"
 
@@ -43,19 +43,8 @@ def work_file_path(out: Path, rank: int = 0, world_size: int = 1) -> Path:
 def save_work(path: Path, fingerprint: str, progress: dict, arrays: dict[str, np.ndarray]) -> None:
     """Atomically replace ``path`` with the given state.  ``progress``: JSON-able counters."""
     meta = json.dumps({"format": WORK_FORMAT, "fingerprint": fingerprint, "progress": progress}, sort_keys=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, __meta__=np.frombuffer(meta.encode(), dtype=np.uint8), **arrays)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        np.savez(fh, __meta__=np.frombuffer(meta.encode(), dtype=np.uint8), **arrays)
 
 
 def load_work(path: Path, fingerprint: str) -> tuple[dict, dict[str, np.ndarray]] | None:
