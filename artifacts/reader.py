@@ -111,6 +111,7 @@ class ArtifactReader:
         arch = self.model.dims()
 
         self.sections: tuple[str, ...] = tuple(name for name in SECTIONS if name in self._h5)
+        self._read_sections: dict[str, Section] = {}  # sections already read and checked
         self._dims: dict[str, dict[str, int]] = {}
         self._section_attrs: dict[str, dict] = {}
         for name in self.sections:
@@ -220,10 +221,15 @@ class ArtifactReader:
         return array
 
     def section(self, section: str) -> Section:
-        """All of a section's datasets, read and checked, and its attributes."""
+        """All of a section's datasets, read and checked, and its attributes.
+
+        Read once per reader: later calls return the same arrays (do not modify them).
+        """
         self.require(section)
-        arrays = {name: self.read(section, name) for name in SECTIONS[section].datasets}
-        return Section(arrays=arrays, attrs=dict(self._section_attrs[section]))
+        if section not in self._read_sections:
+            arrays = {name: self.read(section, name) for name in SECTIONS[section].datasets}
+            self._read_sections[section] = Section(arrays=arrays, attrs=dict(self._section_attrs[section]))
+        return self._read_sections[section]
 
     def dims(self, section: str) -> dict[str, int]:
         """Architecture and free dimensions of a section (``P``, ``NT``...)."""
@@ -231,10 +237,11 @@ class ArtifactReader:
         return dict(self._dims[section])
 
     def validate(self) -> None:
-        """Read and check every dataset of every section."""
+        """Read and check every dataset of every section (without keeping them)."""
         for section in self.sections:
-            for name in SECTIONS[section].datasets:
-                self.read(section, name)
+            if section not in self._read_sections:
+                for name in SECTIONS[section].datasets:
+                    self.read(section, name)
 
     # -- lifetime ------------------------------------------------------------------------
 
@@ -243,6 +250,7 @@ class ArtifactReader:
         if h5 is not None:
             h5.close()
             self._h5 = None
+        self._read_sections = {}
 
     def __enter__(self) -> "ArtifactReader":
         return self

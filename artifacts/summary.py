@@ -14,7 +14,6 @@ def _range(array: np.ndarray) -> dict:
 
 def summarize(reader: ArtifactReader) -> dict:
     """Read (and so validate) every section and describe it with a few key figures."""
-    reader.validate()
     model = reader.model
     summary = {
         "path": str(reader.path),
