@@ -27,17 +27,47 @@ The layer's ``update()`` only parks the new chunk; the registered attention func
 :meth:`RaggedLayer.attend`, which stores the chunk's real (non-padding) tokens and computes
 attention head by head.  A chunk left parked means the model did not run the ragged
 attention function, which is reported as an error at the next update.
+
+MomentKV state, per batch element (so that caches compressed under different policies can be
+stacked into one batch):
+
+* ``moments[b]``: :class:`runtime.moments.MomentSums` of every token evicted from each KV
+  head of this layer (None when not tracked; :meth:`RaggedCache.track_moments` switches it
+  on before anything is evicted); :meth:`RaggedLayer.keep` folds the evicted rows in;
+* ``corrections[b]``: per-head correction orders and ``tau`` (None: plain attention); with
+  something evicted, :meth:`RaggedLayer.attend` merges the retained attention with the moment
+  estimate of the evicted set (DESIGN.md section 4);
+* ``decode_plans[b]``: a :class:`DecodePlan` when heads are also evicted while decoding.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+from .moments import MomentSums, PreparedMoments, attention_with_lse, merge_outputs
 
 # Tensor attribute through which the attention function finds the layer that parked a chunk.
 LAYER_TAG = "_kvcal_ragged_layer"
 ATTENTION_NAME = "kvcal_ragged"
 _MIN_SLACK = 16
+_ROW_STATE = ("key_store", "value_store", "position_store", "lengths", "real_seen", "recent_queries", "moments",
+              "corrections", "decode_plans", "_prepared")
+
+
+@dataclass
+class DecodePlan:
+    """Decode-time eviction of one batch element: ``evictor`` (a :class:`runtime.eviction.HeadEvictor`)
+    cuts a head back to ``budgets[layer, head]`` once it holds ``every`` tokens more;
+    ``stats_row`` is the element's row in the evictor's prompt statistics."""
+
+    evictor: object
+    budgets: np.ndarray  # int64 [L, Hkv]
+    every: int
+    stats_row: int
 
 
 class RaggedLayer(DynamicLayer):
@@ -45,8 +75,9 @@ class RaggedLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, **kwargs):
+    def __init__(self, layer_idx: int = 0, **kwargs):
         super().__init__(**kwargs)
+        self.layer_idx = int(layer_idx)
         self.key_store: list[list[torch.Tensor]] = []    # [B][Hkv] -> [capacity, d]
         self.value_store: list[list[torch.Tensor]] = []  # [B][Hkv] -> [capacity, d]
         self.position_store: list[list[torch.Tensor]] = []  # [B][Hkv] -> int32 [capacity]
@@ -55,6 +86,10 @@ class RaggedLayer(DynamicLayer):
         self.real_seen: list[int] = []  # [B] real tokens fed: the next token's RoPE position
         self.observe_queries = 0  # keep the last N post-RoPE queries (SnapKV's observation window)
         self.recent_queries: list[torch.Tensor | None] = []  # [B] -> [Hq, <=N, d]
+        self.moments: list[MomentSums | None] = []  # [B] sums of the evicted tokens, None: not tracked
+        self.corrections: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # [B] orders int [Hkv], tau [Hkv]
+        self.decode_plans: list[DecodePlan | None] = []  # [B]
+        self._prepared: list[PreparedMoments | None] = []  # [B] derived from moments[b] (by version)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- transformers API ------------------------------------------------------------------
@@ -71,6 +106,10 @@ class RaggedLayer(DynamicLayer):
         self.lengths = [[0] * heads for _ in range(batch)]
         self.real_seen = [0] * batch
         self.recent_queries = [None] * batch
+        self.moments = [None] * batch
+        self.corrections = [None] * batch
+        self.decode_plans = [None] * batch
+        self._prepared = [None] * batch
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Park the new chunk ``[B, Hkv, q, d]`` for :meth:`attend`; returns it tagged."""
@@ -99,7 +138,7 @@ class RaggedLayer(DynamicLayer):
         return -1
 
     def reset(self) -> None:
-        self.__init__()
+        self.__init__(self.layer_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError("RaggedCache cannot be cropped: evicted tokens cannot be restored "
@@ -132,6 +171,10 @@ class RaggedLayer(DynamicLayer):
         self.lengths = [list(self.lengths[b]) for b in order]
         self.real_seen = [self.real_seen[b] for b in order]
         self.recent_queries = [self.recent_queries[b] for b in order]
+        self.moments = [None if self.moments[b] is None else self.moments[b].copy() for b in order]
+        self.corrections = [self.corrections[b] for b in order]
+        self.decode_plans = [self.decode_plans[b] for b in order]
+        self._prepared = [None] * len(order)
         self.batch_size = len(order)
 
     def _append(self, b: int, h: int, keys: torch.Tensor, values: torch.Tensor,
@@ -161,14 +204,50 @@ class RaggedLayer(DynamicLayer):
         n = self.lengths[b][h]
         return self.key_store[b][h][:n], self.value_store[b][h][:n], self.position_store[b][h][:n]
 
-    def keep(self, b: int, h: int, rows: torch.Tensor) -> None:
-        """Evict all rows of head (b, h) but ``rows`` (sorted, unique); buffers become exact."""
+    def keep(self, b: int, h: int, rows: torch.Tensor, *, fold: bool = True, shrink: bool = True) -> None:
+        """Evict all rows of head (b, h) but ``rows`` (sorted, unique).
+
+        ``fold``: add the evicted rows to ``moments[b]`` when tracked (False when the caller
+        already did, as moment-informed eviction does between its rounds).  ``shrink``: the
+        buffers become exactly as long as the kept rows; otherwise the rows are compacted in
+        place and the capacity stays (decode-time eviction: no reallocation per step).
+        """
         keys, values, positions = self.head(b, h)
         rows = rows.to(keys.device)
-        self.key_store[b][h] = keys.index_select(0, rows)
-        self.value_store[b][h] = values.index_select(0, rows)
-        self.position_store[b][h] = positions.index_select(0, rows)
+        if fold and self.moments and self.moments[b] is not None and rows.numel() < keys.shape[0]:
+            evicted = torch.ones(keys.shape[0], dtype=torch.bool, device=keys.device)
+            evicted[rows] = False
+            self.moments[b].add(h, keys[evicted], values[evicted])
+        kept = [store.index_select(0, rows) for store in (keys, values, positions)]
+        if shrink:
+            self.key_store[b][h], self.value_store[b][h], self.position_store[b][h] = kept
+        else:
+            count = kept[0].shape[0]
+            for buffer, rows_kept in zip((self.key_store, self.value_store, self.position_store), kept):
+                buffer[b][h][:count] = rows_kept
         self.lengths[b][h] = int(rows.numel())
+
+    def track_moments(self) -> None:
+        """Start moment sums for every batch element (refused once something was evicted)."""
+        if not self.is_initialized:
+            raise ValueError("the cache is empty: prefill it before tracking moments")
+        for b in range(self.batch_size):
+            if self.moments[b] is not None:
+                continue
+            if any(length != self.real_seen[b] for length in self.lengths[b]):
+                raise ValueError(f"batch element {b} already evicted tokens without tracking their moments; "
+                                 "track moments before the first eviction")
+            self.moments[b] = MomentSums(self.num_heads, self.head_dim, device=self.device)
+
+    def _prepared_moments(self, b: int) -> PreparedMoments | None:
+        """The correction's per-head quantities for element ``b`` (None when nothing to correct)."""
+        correction, sums = self.corrections[b], self.moments[b]
+        if correction is None or sums is None:
+            return None
+        prepared = self._prepared[b]
+        if prepared is None or prepared.version != sums.version:
+            prepared = self._prepared[b] = PreparedMoments(sums, *correction)
+        return prepared if prepared.any_active else None
 
     # -- attention ---------------------------------------------------------------------------
 
@@ -198,12 +277,19 @@ class RaggedLayer(DynamicLayer):
             chunk_pos = (positions[b] if rows is None else positions[b, rows]).to(torch.int32)
             if self.observe_queries:
                 self._observe(b, chunk_q)
+            prepared = self._prepared_moments(b)
+            retained = []  # corrected path: per KV head (out [G, count, d], lse [G, count])
             for h in range(self.num_heads):
                 old = self.lengths[b][h]
                 total = self._append(b, h, chunk_k[h], chunk_v[h], chunk_pos)
+                q = chunk_q[h * group:(h + 1) * group]  # [G, count, d]
+                if prepared is not None:
+                    mask = None if count == 1 else _chunk_mask(old, count, total, q.device)
+                    retained.append(attention_with_lse(q, self.key_store[b][h][:total],
+                                                       self.value_store[b][h][:total], scaling, mask))
+                    continue
                 keys = self.key_store[b][h][:total].unsqueeze(0).unsqueeze(0)  # [1, 1, n, d]
                 values = self.value_store[b][h][:total].unsqueeze(0).unsqueeze(0)
-                q = chunk_q[h * group:(h + 1) * group]  # [G, count, d]
                 if count == 1:
                     # One query per head sees every retained token: the G heads become G rows.
                     out = torch.nn.functional.scaled_dot_product_attention(
@@ -213,9 +299,7 @@ class RaggedLayer(DynamicLayer):
                 if old == 0:
                     mask, causal = None, True
                 else:  # retained past fully visible, the chunk itself causal
-                    mask = torch.ones(count, total, dtype=torch.bool, device=q.device)
-                    mask[:, old:] = torch.ones(count, count, dtype=torch.bool, device=q.device).tril()
-                    causal = False
+                    mask, causal = _chunk_mask(old, count, total, q.device), False
                 out = torch.nn.functional.scaled_dot_product_attention(
                     q.unsqueeze(0), keys, values, attn_mask=mask, is_causal=causal, scale=scaling,
                     enable_gqa=True)  # [1, G, count, d]
@@ -224,9 +308,27 @@ class RaggedLayer(DynamicLayer):
                     output[b, :, h * group:(h + 1) * group] = target
                 else:
                     output[b, rows, h * group:(h + 1) * group] = target
+            if prepared is not None:
+                out_R = torch.stack([out for out, _ in retained])  # [Hkv, G, count, d]
+                lse_R = torch.stack([lse for _, lse in retained])  # [Hkv, G, count]
+                out_E, lse_E = prepared.estimates(chunk_q.reshape(self.num_heads, group, count, dim), scaling)
+                merged = merge_outputs(out_R, lse_R, out_E, lse_E)  # [Hkv, G, count, d]
+                target = merged.permute(2, 0, 1, 3).reshape(count, num_q_heads, dim).to(output.dtype)
+                output[b, (rows if rows is not None else slice(None))] = target
             self.real_seen[b] += count
+            plan = self.decode_plans[b]
+            if plan is not None:
+                self._evict_over_budget(b, plan)
         self.tokens_seen += q_len
         return output
+
+    def _evict_over_budget(self, b: int, plan: DecodePlan) -> None:
+        budgets = plan.budgets[self.layer_idx]
+        for h in range(self.num_heads):
+            budget = int(budgets[h])
+            if self.lengths[b][h] - budget >= plan.every:
+                plan.evictor.evict(self, self.layer_idx, b, h, budget, self.real_seen[b], shrink=False,
+                                   stats_row=plan.stats_row)
 
     def _observe(self, b: int, chunk_q: torch.Tensor) -> None:
         previous = self.recent_queries[b]
@@ -244,6 +346,17 @@ class RaggedLayer(DynamicLayer):
         """Bytes allocated for the per-token RoPE positions."""
         return sum(t.numel() * t.element_size() for row in self.position_store for t in row)
 
+    def moment_bytes(self) -> int:
+        """Bytes of the moment sums (``O(Hkv d^2)`` per element, whatever the context length)."""
+        return sum(sums.nbytes() for sums in self.moments if sums is not None)
+
+
+def _chunk_mask(old: int, count: int, total: int, device) -> torch.Tensor:
+    """bool ``[count, total]``: the ``old`` retained tokens fully visible, the chunk itself causal."""
+    mask = torch.ones(count, total, dtype=torch.bool, device=device)
+    mask[:, old:] = torch.ones(count, count, dtype=torch.bool, device=device).tril()
+    return mask
+
 
 class RaggedCache(Cache):
     """``Cache(layers=[RaggedLayer, ...])``; pass it as ``past_key_values`` (see module docstring)."""
@@ -251,7 +364,7 @@ class RaggedCache(Cache):
     def __init__(self, num_layers: int):
         if num_layers <= 0:
             raise ValueError(f"num_layers must be positive, got {num_layers}")
-        super().__init__(layers=[RaggedLayer() for _ in range(num_layers)])
+        super().__init__(layers=[RaggedLayer(index) for index in range(num_layers)])
 
     @classmethod
     def for_model(cls, model) -> "RaggedCache":
@@ -269,6 +382,33 @@ class RaggedCache(Cache):
     def index_bytes(self) -> int:
         return sum(layer.index_bytes() for layer in self.layers)
 
+    def moment_bytes(self) -> int:
+        return sum(layer.moment_bytes() for layer in self.layers)
+
+    def track_moments(self) -> None:
+        """Keep moment sums of every token evicted from now on (call before the first eviction)."""
+        for layer in self.layers:
+            layer.track_moments()
+
+    def set_correction(self, orders, tau, rows: list[int] | None = None) -> None:
+        """Correct attention with the moments: ``orders`` int ``[L, Hkv]`` in {-1, 0, 1}, ``tau [L, Hkv]``
+        (None: switch correction off) for batch elements ``rows`` (default all)."""
+        for index, layer in enumerate(self.layers):
+            for b in (range(layer.batch_size) if rows is None else rows):
+                if orders is None:
+                    layer.corrections[b] = None
+                    continue
+                if layer.moments[b] is None:
+                    raise ValueError("correction needs moment sums: call track_moments() before evicting")
+                layer.corrections[b] = (torch.as_tensor(np.asarray(orders[index]), dtype=torch.int64),
+                                        torch.as_tensor(np.asarray(tau[index]), dtype=torch.float32))
+                layer._prepared[b] = None
+
+    def set_decode_plan(self, plan: DecodePlan | None, row: int) -> None:
+        """Evict batch element ``row`` while decoding under ``plan`` (None: stop)."""
+        for layer in self.layers:
+            layer.decode_plans[row] = plan
+
     def bytes_per_token(self) -> int:
         """Key + value bytes of one token in one KV head."""
         layer = self.layers[0]
@@ -282,9 +422,7 @@ class RaggedCache(Cache):
             raise RuntimeError("cannot copy a cache in the middle of a forward pass")
         clone = RaggedCache(len(self.layers))
         for source, target in zip(self.layers, clone.layers):
-            target.__dict__.update({key: value for key, value in source.__dict__.items()
-                                    if key not in ("key_store", "value_store", "position_store", "lengths",
-                                                   "real_seen", "recent_queries")})
+            target.__dict__.update({key: value for key, value in source.__dict__.items() if key not in _ROW_STATE})
             if source.is_initialized:
                 target.key_store = [[t.clone() for t in row] for row in source.key_store]
                 target.value_store = [[t.clone() for t in row] for row in source.value_store]
@@ -292,6 +430,10 @@ class RaggedCache(Cache):
                 target.lengths = [list(row) for row in source.lengths]
                 target.real_seen = list(source.real_seen)
                 target.recent_queries = list(source.recent_queries)
+                target.moments = [None if sums is None else sums.copy() for sums in source.moments]
+                target.corrections = list(source.corrections)
+                target.decode_plans = list(source.decode_plans)
+                target._prepared = [None] * len(source.moments)
         return clone
 
     @classmethod
@@ -314,14 +456,17 @@ class RaggedCache(Cache):
                 raise RuntimeError("cannot stack caches in the middle of a forward pass")
             base = sources[0]
             target.__dict__.update({key: value for key, value in base.__dict__.items()
-                                    if key not in ("key_store", "value_store", "position_store", "lengths",
-                                                   "real_seen", "recent_queries", "batch_size")})
+                                    if key not in _ROW_STATE + ("batch_size",)})
             target.key_store = [row for source in sources for row in source.key_store]
             target.value_store = [row for source in sources for row in source.value_store]
             target.position_store = [row for source in sources for row in source.position_store]
             target.lengths = [list(row) for source in sources for row in source.lengths]
             target.real_seen = [n for source in sources for n in source.real_seen]
             target.recent_queries = [q for source in sources for q in source.recent_queries]
+            target.moments = [sums for source in sources for sums in source.moments]
+            target.corrections = [c for source in sources for c in source.corrections]
+            target.decode_plans = [p for source in sources for p in source.decode_plans]
+            target._prepared = [None] * len(target.moments)
             target.batch_size = len(target.lengths)
         return stacked
 

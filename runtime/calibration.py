@@ -16,7 +16,8 @@ together with the tensors' version counters, so an in-place weight change invali
 The tokenizer fingerprint is remembered on the tokenizer the same way (keyed by its size and
 chat template).
 Only what a serving process uses is read: the INF weights (``budgets/inf_kv``, else derived
-from ``behaviour/INFsc``) at load time, and the ``query_stats`` mean/cov on first use (the
+from ``behaviour/INFsc``) and the correction orders (``moments/order``, ``moments/tau``) at
+load time, and the ``query_stats`` mean/cov on first use (the
 covariance is the bulk of the file; decompressing and checksumming it takes ~50 ms).
 """
 
@@ -48,12 +49,15 @@ class Calibration:
 
     def __init__(self, path, identity, config: dict, sections: tuple[str, ...], *,
                  query_mean: np.ndarray | None = None, query_cov: np.ndarray | None = None,
-                 inf_weights: np.ndarray | None = None, reader=None):
+                 inf_weights: np.ndarray | None = None, moment_orders: np.ndarray | None = None,
+                 moment_tau: np.ndarray | None = None, reader=None):
         self.path = Path(path)
         self.identity = identity
         self.config = config
         self.sections = tuple(sections)
         self.inf_weights = inf_weights
+        self.moment_orders = moment_orders  # int8 [L, Hkv]: -1 none, 0, 1 (section 'moments')
+        self.moment_tau = moment_tau  # float64 [L, Hkv]
         self._query_mean, self._query_cov = query_mean, query_cov
         self._reader = reader
 
@@ -193,8 +197,11 @@ def load_calibration(model, tokenizer=None, path: str | os.PathLike | None = Non
             inf_weights = reader.read("budgets", "inf_kv")
         elif reader.has("behaviour"):
             inf_weights = kv_head_scores(reader.read("behaviour", "INFsc"), reader.model.num_kv_heads)
+        moment_orders = moment_tau = None
+        if reader.has("moments"):
+            moment_orders, moment_tau = reader.read("moments", "order"), reader.read("moments", "tau")
     except BaseException:
         reader.close()
         raise
     return Calibration(artifact_path, reader.model, reader.config, tuple(reader.sections), inf_weights=inf_weights,
-                       reader=reader if reader.has("query_stats") else None)
+                       moment_orders=moment_orders, moment_tau=moment_tau, reader=reader if reader.has("query_stats") else None)

@@ -20,24 +20,9 @@ import numpy as np
 import torch
 
 from .attention import enable
-from .cache import RaggedCache
+from .cache import DecodePlan, RaggedCache
+from .eviction import HeadEvictor, attention_modules, text_config
 from .policy import CompressionPolicy
-from .rope import averaged_rope
-from .scorers import HeadContext, select_rows
-
-
-def _text_config(model):
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-
-
-def _attention_modules(model) -> list:
-    """The decoder layers' attention modules, in layer order."""
-    modules = [module for module in model.modules() if hasattr(module, "q_proj") and hasattr(module, "layer_idx")]
-    modules.sort(key=lambda module: module.layer_idx)
-    if len(modules) != _text_config(model).num_hidden_layers:
-        raise ValueError(f"found {len(modules)} attention modules with q_proj, expected "
-                         f"{_text_config(model).num_hidden_layers}")
-    return modules
 
 
 class PromptQueryStats:
@@ -50,8 +35,8 @@ class PromptQueryStats:
     """
 
     def __init__(self, model, batch_size: int):
-        config = _text_config(model)
-        self.modules = _attention_modules(model)
+        config = text_config(model)
+        self.modules = attention_modules(model)
         self.num_q_heads = int(config.num_attention_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_q_heads)
         layers = len(self.modules)
@@ -166,81 +151,56 @@ def compress(model, cache: RaggedCache, policy: CompressionPolicy, calibration=N
     Budgets are computed for each batch element's real token count, or for
     ``context_lengths[b]`` when given (block-wise prefill: the whole context's budget applied
     after every block).  ``final=False`` keeps recording the last queries for later blocks.
+    With ``final``, the policy's MomentKV correction and decode-time eviction are switched on
+    for the generation that follows; while decoding, a head is held to its budget for a
+    context of ``max(prompt length, policy.budget)`` tokens (a ratio policy: the prompt's).
     """
     started = time.perf_counter()
-    policy.check_calibration(calibration)
-    scorer = policy.build_scorer()
-    config = _text_config(model)
-    num_layers = int(config.num_hidden_layers)
-    num_q_heads = int(config.num_attention_heads)
+    evictor = HeadEvictor(model, policy, calibration, prompt_stats)
     first = cache.layers[0]
     if not first.is_initialized:
         raise ValueError("the cache is empty: prefill it before compressing")
-    if len(cache.layers) != num_layers:
-        raise ValueError(f"cache has {len(cache.layers)} layers, the model {num_layers}")
-    num_kv_heads = first.num_heads
-    group = num_q_heads // num_kv_heads
-    modules = _attention_modules(model)
-    if scorer.query_statistics == "prompt" and prompt_stats is None:
-        raise ValueError(f"{scorer!r} needs the prompt's query statistics: prefill with policy=... first")
-    if scorer.observation_window and any(q is None for layer in cache.layers for q in layer.recent_queries):
-        raise ValueError(f"{scorer!r} needs the last prompt queries: prefill with policy=... first")
-    if scorer.query_statistics == "calibrated":
-        identity = calibration.identity
-        if (identity.num_layers, identity.num_q_heads) != (num_layers, num_q_heads):
-            raise ValueError("calibration statistics do not match the model's layers / query heads")
-        calibrated_mean = torch.from_numpy(np.asarray(calibration.query_mean))
-        calibrated_cov = torch.from_numpy(np.asarray(calibration.query_cov))
+    if len(cache.layers) != evictor.num_layers:
+        raise ValueError(f"cache has {len(cache.layers)} layers, the model {evictor.num_layers}")
+    if first.num_heads != evictor.num_kv_heads:
+        raise ValueError(f"cache has {first.num_heads} KV heads, the model {evictor.num_kv_heads}")
+    if evictor.scorer.observation_window and any(q is None for layer in cache.layers for q in layer.recent_queries):
+        raise ValueError(f"{evictor.scorer!r} needs the last prompt queries: prefill with policy=... first")
+    if context_lengths is not None and len(context_lengths) != first.batch_size:
+        raise ValueError(f"context_lengths has {len(context_lengths)} entries for a batch of {first.batch_size}")
+    corrections = policy.correction_orders(calibration, evictor.num_layers, evictor.num_kv_heads)
+    if policy.tracks_moments:
+        cache.track_moments()
     inf_weights = calibration.inf_weights if (policy.allocation == "inf" and calibration is not None) else None
 
     lengths_before = cache.head_lengths().numpy()
     bytes_before = cache.kv_bytes()
     all_budgets = []
-    if context_lengths is not None and len(context_lengths) != first.batch_size:
-        raise ValueError(f"context_lengths has {len(context_lengths)} entries for a batch of {first.batch_size}")
     for b in range(first.batch_size):
         seq_len = first.real_seen[b]  # the next token's absolute position
         if seq_len == 0:
-            all_budgets.append(np.zeros((num_layers, num_kv_heads), dtype=np.int64))
+            all_budgets.append(np.zeros((evictor.num_layers, evictor.num_kv_heads), dtype=np.int64))
             continue
         budget_length = seq_len if context_lengths is None else max(int(context_lengths[b]), 1)
-        budgets = policy.head_budgets(budget_length, num_layers, num_kv_heads, inf_weights)
+        budgets = policy.head_budgets(budget_length, evictor.num_layers, evictor.num_kv_heads, inf_weights)
         all_budgets.append(budgets)
-        cos = sin = None
-        if scorer.rope_horizon:
-            cos, sin = averaged_rope(model, seq_len, scorer.rope_horizon)
-        if scorer.query_statistics == "prompt":
-            mean_all, cov_all = prompt_stats.mean_cov(b)
-        elif scorer.query_statistics == "calibrated":
-            mean_all, cov_all = calibrated_mean, calibrated_cov
         for layer_idx, layer in enumerate(cache.layers):
-            scaling = float(getattr(modules[layer_idx], "scaling", layer.head_dim ** -0.5))
-            for h in range(num_kv_heads):
-                keys, values, positions = layer.head(b, h)
-                budget = int(budgets[layer_idx, h])
-                if budget >= keys.shape[0]:
-                    continue
-                heads = slice(h * group, (h + 1) * group)
-                context = HeadContext(layer=layer_idx, kv_head=h, keys=keys, values=values, positions=positions,
-                                      scaling=scaling, next_position=seq_len, rope_cos=cos, rope_sin=sin)
-                if scorer.query_statistics is not None:
-                    context.query_mean = mean_all[layer_idx, heads]
-                    context.query_cov = cov_all[layer_idx, heads]
-                if scorer.observation_window:
-                    recorded = layer.recent_queries[b]  # [Hq, w_recorded, d]
-                    if recorded.shape[1] < min(scorer.observation_window, seq_len):
-                        raise ValueError(f"{scorer!r} needs the last {scorer.observation_window} queries, only "
-                                         f"{recorded.shape[1]} were recorded at prefill")
-                    context.recent_queries = recorded[heads, -scorer.observation_window:]
-                scores = scorer.score(context)
-                if scores.shape != (keys.shape[0],):
-                    raise ValueError(f"{scorer!r} returned scores of shape {tuple(scores.shape)} for "
-                                     f"{keys.shape[0]} tokens")
-                layer.keep(b, h, select_rows(scores, budget, policy.n_sink, policy.window))
+            for h in range(evictor.num_kv_heads):
+                evictor.evict(layer, layer_idx, b, h, int(budgets[layer_idx, h]), seq_len)
     if final:
-        for layer in cache.layers:
-            layer.recent_queries = [None] * layer.batch_size
-            layer.observe_queries = 0
+        for b in range(first.batch_size):
+            if corrections is not None:
+                cache.set_correction(*corrections, rows=[b])
+            if policy.evict_every is not None and first.real_seen[b] > 0:
+                # a token budget bounds each head while decoding even when the prompt was shorter
+                length = max(first.real_seen[b] if context_lengths is None else int(context_lengths[b]),
+                             policy.budget or 0)
+                budgets = policy.head_budgets(length, evictor.num_layers, evictor.num_kv_heads, inf_weights)
+                cache.set_decode_plan(DecodePlan(evictor, budgets, int(policy.evict_every), b), row=b)
+        if policy.evict_every is None or not evictor.scorer.observation_window:
+            for layer in cache.layers:
+                layer.recent_queries = [None] * layer.batch_size
+                layer.observe_queries = 0
     return CompressionReport(budgets=np.stack(all_budgets), lengths_before=lengths_before,
                              lengths_after=cache.head_lengths().numpy(), kv_bytes_before=bytes_before,
                              kv_bytes_after=cache.kv_bytes(), seconds=time.perf_counter() - started)

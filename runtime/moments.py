@@ -71,6 +71,7 @@ class MomentSums:
         self.s_k = torch.zeros(num_kv_heads, head_dim, dtype=torch.float32, device=device)  # [Hkv, d]
         self.s_v = torch.zeros(num_kv_heads, head_dim, dtype=torch.float32, device=device)  # [Hkv, d]
         self.S_vk = torch.zeros(num_kv_heads, head_dim, head_dim, dtype=torch.float32, device=device)  # [Hkv, d, d]
+        self.version = 0  # bumped by every add(): derived quantities can be cached against it
 
     def _check_head(self, head: int) -> int:
         if not 0 <= head < self.num_kv_heads:
@@ -87,6 +88,7 @@ class MomentSums:
             return
         k = keys.to(self.s_k.device, torch.float32)
         v = values.to(self.s_k.device, torch.float32)
+        self.version += 1
         self.n[head] += k.shape[0]
         self.s_k[head] += k.sum(0)
         self.s_v[head] += v.sum(0)
@@ -120,7 +122,7 @@ class MomentSums:
 
     def copy(self) -> "MomentSums":
         other = MomentSums.__new__(MomentSums)
-        other.num_kv_heads, other.head_dim = self.num_kv_heads, self.head_dim
+        other.num_kv_heads, other.head_dim, other.version = self.num_kv_heads, self.head_dim, self.version
         other.n, other.s_k, other.s_v, other.S_vk = (t.clone() for t in (self.n, self.s_k, self.s_v, self.S_vk))
         return other
 
@@ -201,6 +203,51 @@ def evicted_estimate(query: torch.Tensor, sums: MomentSums, head: int, scaling: 
     return out.clone(), lse
 
 
+class PreparedMoments:
+    """What :func:`evicted_estimates` needs from a layer's sums, derived once per change.
+
+    ``kbar, vbar [Hkv, d]``, ``cov [Hkv, d, d]`` (``tau``-clamped, zero for heads not of
+    order 1), ``log_n [Hkv]``, ``active`` bool ``[Hkv]`` (order >= 0 and something evicted).
+    A decoding runtime keeps one per (batch element, layer) and rebuilds it only when the
+    sums changed (:attr:`MomentSums.version`), so a decode step costs two small batched matmuls.
+    """
+
+    def __init__(self, sums: MomentSums, orders, tau=0.0):
+        heads = sums.num_kv_heads
+        device = sums.s_k.device
+        orders = torch.as_tensor(orders, device=device).reshape(-1)
+        if orders.shape[0] != heads or not bool(torch.isin(orders, torch.tensor(ORDERS, device=device)).all()):
+            raise ValueError(f"orders must be {heads} codes in {ORDERS}, got {orders.tolist()}")
+        tau = torch.as_tensor(tau, dtype=torch.float32, device=device).expand(heads)  # [Hkv]
+        if bool((tau < 0).any()):
+            raise ValueError(f"tau must be >= 0, got {tau.tolist()}")
+        count = sums.n.float()  # [Hkv]
+        safe = count.clamp_min(1)
+        self.version = sums.version
+        self.num_kv_heads, self.head_dim = heads, sums.head_dim
+        self.kbar = sums.s_k / safe[:, None]  # [Hkv, d]
+        self.vbar = sums.s_v / safe[:, None]
+        cov = sums.S_vk / safe[:, None, None] - self.vbar[:, :, None] * self.kbar[:, None, :]  # [Hkv, d, d]
+        cov = torch.where(cov.abs() < tau[:, None, None], torch.zeros_like(cov), cov)
+        self.cov = cov * (orders == 1).float()[:, None, None]
+        self.log_n = torch.log(safe)  # [Hkv]
+        self.active = (orders >= 0) & (count > 0)  # [Hkv]
+        self.any_active = bool(self.active.any())
+
+    def estimates(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``o_E [Hkv, G, q, d]`` and ``lse_E [Hkv, G, q]`` (float32) for ``query [Hkv, G, q, d]``."""
+        heads, groups, q_len, dim = query.shape
+        if heads != self.num_kv_heads or dim != self.head_dim:
+            raise ValueError(f"query [Hkv, G, q, d] = {tuple(query.shape)} does not match the sums' "
+                             f"{self.num_kv_heads} heads of dim {self.head_dim}")
+        q = query.float().to(self.kbar.device).reshape(heads, groups * q_len, dim)  # [Hkv, G*q, d]
+        out = self.vbar[:, None, :] + float(scaling) * torch.bmm(q, self.cov.transpose(1, 2))  # [Hkv, G*q, d]
+        lse = self.log_n[:, None] + float(scaling) * torch.bmm(q, self.kbar[:, :, None])[..., 0]  # [Hkv, G*q]
+        out = torch.where(self.active[:, None, None], out, torch.zeros_like(out))
+        lse = torch.where(self.active[:, None], lse, torch.full_like(lse, float("-inf")))
+        return out.reshape(heads, groups, q_len, dim), lse.reshape(heads, groups, q_len)
+
+
 def evicted_estimates(query: torch.Tensor, sums: MomentSums, scaling: float, orders, tau=0.0
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`evicted_estimate` for all KV heads of a layer at once (no per-head Python loop).
@@ -210,29 +257,10 @@ def evicted_estimates(query: torch.Tensor, sums: MomentSums, scaling: float, ord
     heads with order -1 or nothing evicted get ``o_E = 0``, ``lse_E = -inf``, so
     :func:`merge_outputs` returns their retained output unchanged.
     """
-    heads, groups, q_len, dim = query.shape
-    if heads != sums.num_kv_heads or dim != sums.head_dim:
+    if query.shape[0] != sums.num_kv_heads or query.shape[-1] != sums.head_dim:
         raise ValueError(f"query [Hkv, G, q, d] = {tuple(query.shape)} does not match the sums' "
                          f"{sums.num_kv_heads} heads of dim {sums.head_dim}")
-    device = sums.s_k.device
-    orders = torch.as_tensor(orders, device=device).reshape(-1)
-    if orders.shape[0] != heads or not bool(torch.isin(orders, torch.tensor(ORDERS, device=device)).all()):
-        raise ValueError(f"orders must be {heads} codes in {ORDERS}, got {orders.tolist()}")
-    tau = torch.as_tensor(tau, dtype=torch.float32, device=device).expand(heads)  # [Hkv]
-    count = sums.n.float()  # [Hkv]
-    safe = count.clamp_min(1)
-    kbar = sums.s_k / safe[:, None]  # [Hkv, d]
-    vbar = sums.s_v / safe[:, None]
-    cov = sums.S_vk / safe[:, None, None] - vbar[:, :, None] * kbar[:, None, :]  # [Hkv, d, d]
-    cov = torch.where(cov.abs() < tau[:, None, None], torch.zeros_like(cov), cov)
-    cov = cov * (orders == 1).float()[:, None, None]
-    q = query.float().to(device).reshape(heads, groups * q_len, dim)  # [Hkv, G*q, d]
-    out = vbar[:, None, :] + float(scaling) * torch.bmm(q, cov.transpose(1, 2))  # [Hkv, G*q, d]
-    lse = torch.log(safe)[:, None] + float(scaling) * torch.bmm(q, kbar[:, :, None])[..., 0]  # [Hkv, G*q]
-    active = (orders >= 0) & (count > 0)  # [Hkv]
-    out = torch.where(active[:, None, None], out, torch.zeros_like(out))
-    lse = torch.where(active[:, None], lse, torch.full_like(lse, float("-inf")))
-    return out.reshape(heads, groups, q_len, dim), lse.reshape(heads, groups, q_len)
+    return PreparedMoments(sums, orders, tau).estimates(query, scaling)
 
 
 def merge_outputs(out_R: torch.Tensor, lse_R: torch.Tensor, out_E: torch.Tensor, lse_E: torch.Tensor

@@ -11,7 +11,15 @@
 * scorer: a name from ``runtime.scorers.SCORERS`` or a :class:`runtime.scorers.Scorer`
   instance; ``statistics`` (``calibrated`` | ``prompt``) for ``expected_attention``;
   ``scorer_options`` go to the scorer's constructor;
-* ``n_sink`` first tokens and the last ``window`` tokens of every head are always kept.
+* ``n_sink`` first tokens and the last ``window`` tokens of every head are always kept;
+* MomentKV (DESIGN.md section 4; the cache then keeps per-head moments of what it evicted):
+  ``correction`` = ``none`` | ``calibrated`` (each head's order from the artifact's
+  ``moments`` section) | ``order0`` | ``order1`` (every head); ``tau`` clamps the
+  cross-covariance (None: the artifact's per-head value for ``calibrated``, else 0);
+  ``moment_eviction`` scores ``a_j ||r_j||`` in ``moment_rounds`` rounds (scorers that
+  estimate attention: expected_attention, snapkv);
+* ``evict_every``: also evict while decoding, whenever a head has grown that many tokens past
+  its budget (1 = every step); None = only the prompt is compressed.
 
 Every field is checked when the policy is built; :meth:`CompressionPolicy.check_calibration`
 says which artifact section a policy needs and fails clearly when it is missing.
@@ -28,6 +36,7 @@ from .scorers import SCORERS, Scorer, make_scorer
 
 ALLOCATIONS = ("uniform", "inf")
 STATISTICS = ("calibrated", "prompt")
+CORRECTIONS = ("none", "calibrated", "order0", "order1")
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,11 @@ class CompressionPolicy:
     scorer_options: dict = field(default_factory=dict)
     n_sink: int = 4
     window: int = 32
+    correction: str = "none"
+    tau: float | None = None
+    moment_eviction: bool = False
+    moment_rounds: int = 4
+    evict_every: int | None = None
 
     def __post_init__(self):
         if (self.budget is None) == (self.ratio is None):
@@ -71,7 +85,42 @@ class CompressionPolicy:
                 raise ValueError(f"unknown statistics {self.statistics!r}; known: {', '.join(STATISTICS)}")
             if self.scorer != "expected_attention":
                 raise ValueError("statistics applies to the expected_attention scorer only")
-        self.build_scorer()  # options are checked by the scorer's constructor
+        scorer = self.build_scorer()  # options are checked by the scorer's constructor
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"unknown correction {self.correction!r}; known: {', '.join(CORRECTIONS)}")
+        if self.tau is not None and not self.tau >= 0:
+            raise ValueError(f"tau must be >= 0, got {self.tau}")
+        if self.moment_eviction and not scorer.yields_attention:
+            raise ValueError(f"moment_eviction needs a scorer that estimates attention (expected_attention, "
+                             f"snapkv), not {scorer!r}")
+        if isinstance(self.moment_rounds, bool) or not isinstance(self.moment_rounds, int) or self.moment_rounds < 1:
+            raise ValueError(f"moment_rounds must be a positive integer, got {self.moment_rounds!r}")
+        if self.evict_every is not None and (isinstance(self.evict_every, bool)
+                                             or not isinstance(self.evict_every, (int, np.integer))
+                                             or self.evict_every < 1):
+            raise ValueError(f"evict_every must be a positive integer (decode steps) or None, got {self.evict_every!r}")
+
+    @property
+    def tracks_moments(self) -> bool:
+        """Whether the cache must keep moment sums of the evicted tokens."""
+        return self.correction != "none" or self.moment_eviction
+
+    def correction_orders(self, calibration, num_layers: int, num_kv_heads: int):
+        """Per-head correction codes int8 ``[L, Hkv]`` and ``tau`` float32 ``[L, Hkv]`` (None: no correction)."""
+        if self.correction == "none":
+            return None
+        shape = (num_layers, num_kv_heads)
+        if self.correction == "calibrated":
+            orders = np.asarray(calibration.moment_orders, dtype=np.int8)
+            tau = np.asarray(calibration.moment_tau, dtype=np.float32)
+            if orders.shape != shape or tau.shape != shape:
+                raise ValueError(f"the artifact's moments section has shape {orders.shape}, the model {shape}")
+        else:
+            orders = np.full(shape, 0 if self.correction == "order0" else 1, dtype=np.int8)
+            tau = np.zeros(shape, dtype=np.float32)
+        if self.tau is not None:
+            tau = np.full(shape, self.tau, dtype=np.float32)
+        return orders, tau
 
     def build_scorer(self) -> Scorer:
         if isinstance(self.scorer, Scorer):
@@ -94,6 +143,8 @@ class CompressionPolicy:
             needs.append("INF budgets (section 'budgets' or 'behaviour')")
         if self.build_scorer().query_statistics == "calibrated":
             needs.append("query statistics (section 'query_stats')")
+        if self.correction == "calibrated":
+            needs.append("per-head correction orders (section 'moments')")
         return needs
 
     def check_calibration(self, calibration) -> None:
@@ -112,6 +163,10 @@ class CompressionPolicy:
                              f"{calibration.path} has no 'query_stats' section (present: "
                              f"{', '.join(calibration.sections) or 'none'}); use statistics='prompt' or "
                              "re-run profile-model with the query-stats stage")
+        if self.correction == "calibrated" and getattr(calibration, "moment_orders", None) is None:
+            raise ValueError(f"correction='calibrated' needs per-head correction orders, but {calibration.path} has "
+                             f"no 'moments' section (present: {', '.join(calibration.sections) or 'none'}); use "
+                             "correction='order1' or re-run profile-model with the moments stage")
 
     def head_budgets(self, seq_len: int, num_layers: int, num_kv_heads: int,
                      inf_weights: np.ndarray | None = None) -> np.ndarray:
@@ -130,4 +185,6 @@ class CompressionPolicy:
 
     def describe(self) -> str:
         size = f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"
-        return f"CompressionPolicy({size}, allocation={self.allocation}, scorer={self.build_scorer()!r})"
+        extras = "".join(f", {name}={getattr(self, name)!r}" for name in ("correction", "moment_eviction", "evict_every")
+                         if getattr(self, name) != type(self).__dataclass_fields__[name].default)
+        return f"CompressionPolicy({size}, allocation={self.allocation}, scorer={self.build_scorer()!r}{extras})"

@@ -55,6 +55,13 @@ class Scorer(ABC):
     def score(self, head: HeadContext) -> torch.Tensor:
         """Scores ``[n]`` for the head's live tokens; higher means more worth keeping."""
 
+    yields_attention = False  # True when attention() is implemented (moment-informed eviction)
+
+    def attention(self, head: HeadContext) -> torch.Tensor:
+        """The scorer's estimate ``a_j [n]`` of the attention future queries pay each token."""
+        raise TypeError(f"{self!r} gives no attention estimate (moment-informed eviction needs one: "
+                        "expected_attention or snapkv)")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -80,7 +87,9 @@ class ExpectedAttentionScorer(Scorer):
         self.rope_horizon = int(horizon)
         self.epsilon = float(epsilon)
 
-    def score(self, head: HeadContext) -> torch.Tensor:
+    yields_attention = True
+
+    def attention(self, head: HeadContext) -> torch.Tensor:
         keys = head.keys.float()  # [n, d]
         rbar = rope_matrix(head.rope_cos, head.rope_sin).to(keys.device)  # [d, d]
         mean = head.query_mean.float().to(keys.device) @ rbar.T  # [G, d]
@@ -88,8 +97,10 @@ class ExpectedAttentionScorer(Scorer):
         s = head.scaling
         linear = s * (mean @ keys.T)  # [G, n]
         quadratic = 0.5 * s * s * ((keys @ cov) * keys).sum(-1)  # [G, n]
-        attention = torch.softmax(linear + quadratic, dim=-1).mean(0)  # [n]
-        return (attention + self.epsilon) * head.values.float().norm(dim=-1)
+        return torch.softmax(linear + quadratic, dim=-1).mean(0)  # [n]
+
+    def score(self, head: HeadContext) -> torch.Tensor:
+        return (self.attention(head) + self.epsilon) * head.values.float().norm(dim=-1)
 
     def __repr__(self) -> str:
         return (f"ExpectedAttentionScorer(statistics={self.query_statistics!r}, horizon={self.rope_horizon}, "
@@ -119,6 +130,12 @@ class SnapKVScorer(Scorer):
             raise ValueError(f"snapkv pooling kernel must be a positive odd number, got {kernel}")
         self.observation_window = int(window)
         self.kernel = int(kernel)
+
+    yields_attention = True
+
+    def attention(self, head: HeadContext) -> torch.Tensor:
+        """Mean attention of the observation window's queries (pooled over neighbours), sums to 1."""
+        return self.score(head) / head.recent_queries.shape[1]
 
     def score(self, head: HeadContext) -> torch.Tensor:
         queries = head.recent_queries.float()  # [G, w, d]
