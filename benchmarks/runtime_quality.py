@@ -9,8 +9,9 @@ On the ``needles`` probes of ``--preset`` (default ``quick``: 1K/2K/4K tokens, d
 
 * each probe's context ``input_ids[:context_end]`` is prefilled **once** into a ragged cache
   (recording the prompt's query statistics and last queries for every scorer);
-* for every allocation (``uniform``, ``inf``) x scorer (EA calibrated, EA prompt, KeyDiff,
-  SnapKV, KNorm, StreamingLLM) x compression ratio, a copy of that cache is compressed to keep
+* for every row (``--rows``; default: allocation ``uniform``/``inf`` x scorer EA calibrated,
+  EA prompt, KeyDiff, SnapKV, KNorm, StreamingLLM; MomentKV variants such as
+  ``inf/snapkv+mom+corr`` on request, see ``--list-rows``) x compression ratio, a copy of that cache is compressed to keep
   ``1 - ratio`` of the context (the EA paper's convention: ratio = fraction evicted), then
   ``model.generate`` feeds the question and decodes greedily;
 * the uncompressed baseline decodes from the unevicted cache; all cells of a probe decode
@@ -39,15 +40,39 @@ sys.path.insert(0, str(REPO))
 from runtime import CompressionPolicy, RaggedCache, compress, enable, load_calibration, prefill  # noqa: E402
 from runtime.models import load_model, load_tokenizer  # noqa: E402
 
-SCORERS = [  # (row label, scorer, statistics)
-    ("ea-calibrated", "expected_attention", "calibrated"),
-    ("ea-prompt", "expected_attention", "prompt"),
-    ("keydiff", "keydiff", None),
-    ("snapkv", "snapkv", None),
-    ("knorm", "knorm", None),
-    ("streaming", "streaming", None),
-]
+SCORERS = {  # row label -> CompressionPolicy fields
+    "ea-calibrated": {"scorer": "expected_attention", "statistics": "calibrated"},
+    "ea-prompt": {"scorer": "expected_attention", "statistics": "prompt"},
+    "keydiff": {"scorer": "keydiff"},
+    "snapkv": {"scorer": "snapkv"},
+    "knorm": {"scorer": "knorm"},
+    "streaming": {"scorer": "streaming"},
+}
+# MomentKV variants (issue 6): "+corr" = correction with the artifact's per-head orders,
+# "+corr1" = first order on every head, "+mom" = moment-informed eviction (a_j ||r_j||)
+MOMENT_VARIANTS = {
+    "+corr": {"correction": "calibrated"},
+    "+corr1": {"correction": "order1"},
+    "+mom": {"moment_eviction": True},
+    "+mom+corr": {"moment_eviction": True, "correction": "calibrated"},
+}
 ALLOCATIONS = ("uniform", "inf")
+
+
+def all_rows() -> dict[str, tuple[str, dict]]:
+    """``ALLOCATION/LABEL[VARIANT]`` -> (allocation, policy fields) for every known row."""
+    rows = {}
+    for allocation in ALLOCATIONS:
+        for label, fields in SCORERS.items():
+            rows[f"{allocation}/{label}"] = (allocation, fields)
+            for suffix, extra in MOMENT_VARIANTS.items():
+                if extra.get("moment_eviction") and fields["scorer"] not in ("expected_attention", "snapkv"):
+                    continue
+                rows[f"{allocation}/{label}{suffix}"] = (allocation, {**fields, **extra})
+    return rows
+
+
+DEFAULT_ROWS = [f"{allocation}/{label}" for allocation in ALLOCATIONS for label in SCORERS]
 SEED_OFFSET = 1000
 
 
@@ -61,7 +86,7 @@ def run_probe(model, tokenizer, probe, cells, calibration, max_new_tokens):
     base = RaggedCache.for_model(model)
     stats = prefill(model, base, ids[:, :probe.context_end], record_prompt_stats=True, observe_queries=32, n_sink=4)
 
-    keys = [("baseline", None, None)] + [key for key, _ in cells]
+    keys = [("baseline", None)] + [key for key, _ in cells]
     caches = [base]
     for _, policy in cells:
         cache = base.copy()
@@ -94,7 +119,17 @@ def main(argv=None) -> int:
                              "test probes are never the ones the artifact was profiled on)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--json", default=None, help="also write per-probe results and the table as JSON")
+    parser.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, help="policy rows (default: every allocation x "
+                        "scorer without MomentKV; see --list-rows)")
+    parser.add_argument("--list-rows", action="store_true", help="print the known rows and exit")
     args = parser.parse_args(argv)
+    rows = all_rows()
+    if args.list_rows:
+        print("\n".join(rows))
+        return 0
+    unknown = [row for row in args.rows if row not in rows]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; see --list-rows")
     if any(not 0.0 < r < 1.0 for r in args.compression):
         parser.error("compression ratios must be in (0, 1)")
     torch.set_num_threads(args.threads)
@@ -115,18 +150,17 @@ def main(argv=None) -> int:
     probes = list(generate_probes(spec, tokenizer))[: args.limit]
 
     cells = []
-    for label, scorer, statistics in SCORERS:
-        for allocation in ALLOCATIONS:
-            for ratio in args.compression:
-                policy = CompressionPolicy(ratio=round(1.0 - ratio, 6), allocation=allocation, scorer=scorer,
-                                           statistics=statistics)
-                try:
-                    policy.check_calibration(calibration)
-                except ValueError as exc:
-                    if ratio == args.compression[0]:
-                        print(f"skipping {allocation}/{label}: {exc}", file=sys.stderr)
-                    continue
-                cells.append(((label, allocation, ratio), policy))
+    for row in args.rows:
+        allocation, fields = rows[row]
+        for ratio in args.compression:
+            policy = CompressionPolicy(ratio=round(1.0 - ratio, 6), allocation=allocation, **fields)
+            try:
+                policy.check_calibration(calibration)
+            except ValueError as exc:
+                if ratio == args.compression[0]:
+                    print(f"skipping {row}: {exc}", file=sys.stderr)
+                continue
+            cells.append(((row, ratio), policy))
 
     started = time.perf_counter()
     per_probe = []
@@ -142,16 +176,15 @@ def main(argv=None) -> int:
     header = f"{'policy':28s}" + "".join(f"  evict {r:.2f}" for r in args.compression)
     lines = [f"{len(probes)} probes ({args.preset}, {', '.join(args.families)}, seed {seed}), question-agnostic, "
              f"{time.perf_counter() - started:.0f} s", header,
-             f"{'baseline (no eviction)':28s}" + f"  {accuracy(('baseline', None, None)):10.2f}" * len(args.compression)]
-    table = {"baseline": accuracy(("baseline", None, None))}
-    for label, _, _ in SCORERS:
-        for allocation in ALLOCATIONS:
-            keys = [(label, allocation, r) for r in args.compression]
-            if not any(key == cell for key in keys for cell, _ in cells):
-                continue
-            values = [accuracy(key) for key in keys]
-            table[f"{allocation}/{label}"] = dict(zip(map(str, args.compression), values))
-            lines.append(f"{allocation + '/' + label:28s}" + "".join(f"  {v:10.2f}" for v in values))
+             f"{'baseline (no eviction)':28s}" + f"  {accuracy(('baseline', None)):10.2f}" * len(args.compression)]
+    table = {"baseline": accuracy(("baseline", None))}
+    for row in args.rows:
+        keys = [(row, r) for r in args.compression]
+        if not any(key == cell for key in keys for cell, _ in cells):
+            continue
+        values = [accuracy(key) for key in keys]
+        table[row] = dict(zip(map(str, args.compression), values))
+        lines.append(f"{row:28s}" + "".join(f"  {v:10.2f}" for v in values))
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps({"table": table, "probes": per_probe, "artifact": args.artifact,

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .moments import MomentSums, PreparedMoments, attention_with_lse, merge_outputs
+from .moments import MomentSums, PreparedMoments, attention_with_lse
 
 # Tensor attribute through which the attention function finds the layer that parked a chunk.
 LAYER_TAG = "_kvcal_ragged_layer"
@@ -311,8 +311,8 @@ class RaggedLayer(DynamicLayer):
             if prepared is not None:
                 out_R = torch.stack([out for out, _ in retained])  # [Hkv, G, count, d]
                 lse_R = torch.stack([lse for _, lse in retained])  # [Hkv, G, count]
-                out_E, lse_E = prepared.estimates(chunk_q.reshape(self.num_heads, group, count, dim), scaling)
-                merged = merge_outputs(out_R, lse_R, out_E, lse_E)  # [Hkv, G, count, d]
+                merged = prepared.corrected(chunk_q.reshape(self.num_heads, group, count, dim), out_R, lse_R,
+                                            scaling)  # [Hkv, G, count, d]
                 target = merged.permute(2, 0, 1, 3).reshape(count, num_q_heads, dim).to(output.dtype)
                 output[b, (rows if rows is not None else slice(None))] = target
             self.real_seen[b] += count

@@ -225,27 +225,48 @@ class PreparedMoments:
         safe = count.clamp_min(1)
         self.version = sums.version
         self.num_kv_heads, self.head_dim = heads, sums.head_dim
-        self.kbar = sums.s_k / safe[:, None]  # [Hkv, d]
-        self.vbar = sums.s_v / safe[:, None]
-        cov = sums.S_vk / safe[:, None, None] - self.vbar[:, :, None] * self.kbar[:, None, :]  # [Hkv, d, d]
-        cov = torch.where(cov.abs() < tau[:, None, None], torch.zeros_like(cov), cov)
-        self.cov = cov * (orders == 1).float()[:, None, None]
-        self.log_n = torch.log(safe)  # [Hkv]
         self.active = (orders >= 0) & (count > 0)  # [Hkv]
         self.any_active = bool(self.active.any())
+        live = self.active.float()
+        kbar = sums.s_k / safe[:, None] * live[:, None]  # [Hkv, d], zero where inactive
+        self.vbar = sums.s_v / safe[:, None] * live[:, None]
+        cov = sums.S_vk / safe[:, None, None] - self.vbar[:, :, None] * kbar[:, None, :]  # [Hkv, d, d]
+        cov = torch.where(cov.abs() < tau[:, None, None], torch.zeros_like(cov), cov)
+        cov = cov * (self.active & (orders == 1)).float()[:, None, None]
+        # one matmul gives both C q (first d columns) and q.kbar (last column)
+        self.projection = torch.cat([cov, kbar[:, None, :]], dim=1).transpose(1, 2).contiguous()  # [Hkv, d, d+1]
+        self.log_n = torch.where(self.active, torch.log(safe), torch.full_like(safe, float("-inf")))  # [Hkv]
+
+    @property
+    def kbar(self) -> torch.Tensor:
+        return self.projection[:, :, -1]
+
+    @property
+    def cov(self) -> torch.Tensor:
+        return self.projection[:, :, :-1].transpose(1, 2)
 
     def estimates(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``o_E [Hkv, G, q, d]`` and ``lse_E [Hkv, G, q]`` (float32) for ``query [Hkv, G, q, d]``."""
+        """``o_E [Hkv, G, q, d]`` and ``lse_E [Hkv, G, q]`` (float32) for ``query [Hkv, G, q, d]``.
+
+        Inactive heads get ``o_E = 0`` and ``lse_E = -inf``.
+        """
         heads, groups, q_len, dim = query.shape
         if heads != self.num_kv_heads or dim != self.head_dim:
             raise ValueError(f"query [Hkv, G, q, d] = {tuple(query.shape)} does not match the sums' "
                              f"{self.num_kv_heads} heads of dim {self.head_dim}")
-        q = query.float().to(self.kbar.device).reshape(heads, groups * q_len, dim)  # [Hkv, G*q, d]
-        out = self.vbar[:, None, :] + float(scaling) * torch.bmm(q, self.cov.transpose(1, 2))  # [Hkv, G*q, d]
-        lse = self.log_n[:, None] + float(scaling) * torch.bmm(q, self.kbar[:, :, None])[..., 0]  # [Hkv, G*q]
-        out = torch.where(self.active[:, None, None], out, torch.zeros_like(out))
-        lse = torch.where(self.active[:, None], lse, torch.full_like(lse, float("-inf")))
+        q = query.float().to(self.projection.device).reshape(heads, groups * q_len, dim)  # [Hkv, G*q, d]
+        projected = float(scaling) * torch.bmm(q, self.projection)  # [Hkv, G*q, d+1]
+        out = self.vbar[:, None, :] + projected[..., :dim]
+        lse = self.log_n[:, None] + projected[..., dim]
         return out.reshape(heads, groups, q_len, dim), lse.reshape(heads, groups, q_len)
+
+    def corrected(self, query: torch.Tensor, out_R: torch.Tensor, lse_R: torch.Tensor, scaling: float
+                  ) -> torch.Tensor:
+        """Merged output ``[Hkv, G, q, d]`` float32 from the retained ``out_R [Hkv, G, q, d]`` and
+        ``lse_R [Hkv, G, q]`` (finite: the retained set is never empty while decoding)."""
+        out_E, lse_E = self.estimates(query, scaling)
+        weight = torch.sigmoid(lse_R.float() - lse_E).unsqueeze(-1)  # 1 exactly where lse_E = -inf
+        return out_E + weight * (out_R.float() - out_E)
 
 
 def evicted_estimates(query: torch.Tensor, sums: MomentSums, scaling: float, orders, tau=0.0
