@@ -31,9 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "a Markdown table (accuracy with 95% Wilson interval, attention-output error, KV bytes, "
                     "prefill and decode time) and recommends the cheapest policy within a tolerance of the "
                     "uncompressed accuracy.",
-        epilog="Policies: 'baseline' (uncompressed), or ALLOCATION/SCORER[:STATISTICS] with ALLOCATION in "
-               "uniform|inf and SCORER in expected_attention|keydiff|snapkv|knorm|streaming (STATISTICS "
-               "calibrated|prompt for expected_attention)" + (f", or a named policy ({', '.join(NAMED_POLICIES)})"
+        epilog="Policies: 'baseline' (uncompressed), or ALLOCATION/SCORER[:STATISTICS][+SUFFIX...] with "
+               "ALLOCATION in uniform|inf and SCORER in expected_attention|keydiff|snapkv|knorm|streaming "
+               "(STATISTICS calibrated|prompt for expected_attention); MomentKV suffixes: +correction (each "
+               "head's order from the artifact), +correction0, +correction1 (every head), +moments "
+               "(moment-informed eviction; expected_attention or snapkv)" + (f", or a named policy ({', '.join(NAMED_POLICIES)})"
                                                               if NAMED_POLICIES else "") + ".")
     parser.add_argument("model", nargs="?", default=None,
                         help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)")

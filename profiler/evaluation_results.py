@@ -20,7 +20,7 @@ BASELINE = "baseline"
 
 @dataclass(frozen=True)
 class PolicySpec:
-    """A named policy: ``baseline`` or ``ALLOCATION/SCORER[:STATISTICS]`` plus options."""
+    """A named policy: ``baseline`` or ``ALLOCATION/SCORER[:STATISTICS][+MOMENTS...]`` plus options."""
 
     name: str
     allocation: str | None = None  # None: the uncompressed baseline
@@ -44,8 +44,21 @@ class PolicySpec:
                                  statistics=self.statistics, **self.options)
 
 
+# ``+SUFFIX`` MomentKV switches of the policy grammar -> CompressionPolicy fields
+MOMENT_SUFFIXES = {
+    "correction": {"correction": "calibrated"},  # each head's order from the artifact's moments section
+    "correction0": {"correction": "order0"},
+    "correction1": {"correction": "order1"},
+    "moments": {"moment_eviction": True},  # moment-informed eviction, a_j ||r_j||
+}
+
+
 def parse_policy(text: str) -> PolicySpec:
-    """``baseline``, ``uniform/keydiff``, ``inf/expected_attention:calibrated``... (checked)."""
+    """``baseline``, ``uniform/keydiff``, ``inf/expected_attention:calibrated+moments+correction``... (checked).
+
+    Grammar: ``ALLOCATION/SCORER[:STATISTICS][+SUFFIX]...`` with SUFFIX in
+    :data:`MOMENT_SUFFIXES`, or a name registered with :func:`register_named_policy`.
+    """
     from runtime import CompressionPolicy
 
     text = text.strip()
@@ -56,10 +69,19 @@ def parse_policy(text: str) -> PolicySpec:
     allocation, slash, rest = text.partition("/")
     if not slash or not rest:
         raise ValueError(f"policy {text!r} is not 'baseline', a named policy ({', '.join(NAMED_POLICIES)}) "
-                         "or ALLOCATION/SCORER[:STATISTICS], e.g. uniform/keydiff, inf/expected_attention:calibrated")
+                         "or ALLOCATION/SCORER[:STATISTICS][+SUFFIX...], e.g. uniform/keydiff, "
+                         "inf/expected_attention:calibrated+correction")
+    rest, *suffixes = rest.split("+")
+    options = {}
+    for suffix in suffixes:
+        if suffix not in MOMENT_SUFFIXES:
+            raise ValueError(f"policy {text!r}: unknown suffix +{suffix}; known: "
+                             f"{', '.join('+' + name for name in MOMENT_SUFFIXES)}")
+        options.update(MOMENT_SUFFIXES[suffix])
     scorer, colon, statistics = rest.partition(":")
-    spec = PolicySpec(text, allocation, scorer, statistics if colon else None)
-    CompressionPolicy(ratio=0.5, allocation=spec.allocation, scorer=spec.scorer, statistics=spec.statistics)
+    spec = PolicySpec(text, allocation, scorer, statistics if colon else None, options)
+    CompressionPolicy(ratio=0.5, allocation=spec.allocation, scorer=spec.scorer, statistics=spec.statistics,
+                      **spec.options)
     return spec
 
 

@@ -60,6 +60,13 @@ def test_policy_grammar_and_errors():
         parse_policy("keydiff")
     with pytest.raises(ValueError, match="unknown allocation"):
         parse_policy("greedy/keydiff")
+    moments = parse_policy("inf/snapkv+moments+correction").policy(0.5)
+    assert (moments.scorer, moments.moment_eviction, moments.correction) == ("snapkv", True, "calibrated")
+    assert parse_policy("uniform/keydiff+correction1").policy(0.9).correction == "order1"
+    with pytest.raises(ValueError, match=r"unknown suffix \+momentz"):
+        parse_policy("inf/snapkv+momentz")
+    with pytest.raises(ValueError, match="estimates attention"):
+        parse_policy("inf/keydiff+moments")
 
 
 def test_markdown_table_lists_baseline_first():
