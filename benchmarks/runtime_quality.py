@@ -43,6 +43,8 @@ from runtime.models import load_model, load_tokenizer  # noqa: E402
 SCORERS = {  # row label -> CompressionPolicy fields
     "ea-calibrated": {"scorer": "expected_attention", "statistics": "calibrated"},
     "ea-prompt": {"scorer": "expected_attention", "statistics": "prompt"},
+    "ea-calibrated-pool7": {"scorer": "expected_attention", "statistics": "calibrated", "scorer_options": {"pool": 7}},
+    "ea-prompt-pool7": {"scorer": "expected_attention", "statistics": "prompt", "scorer_options": {"pool": 7}},
     "keydiff": {"scorer": "keydiff"},
     "snapkv": {"scorer": "snapkv"},
     "knorm": {"scorer": "knorm"},
@@ -72,7 +74,7 @@ def all_rows() -> dict[str, tuple[str, dict]]:
     return rows
 
 
-DEFAULT_ROWS = [f"{allocation}/{label}" for allocation in ALLOCATIONS for label in SCORERS]
+DEFAULT_ROWS = [f"{allocation}/{label}" for allocation in ALLOCATIONS for label in SCORERS if "pool" not in label]
 SEED_OFFSET = 1000
 
 

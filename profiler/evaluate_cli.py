@@ -17,7 +17,7 @@ from .cli import comma_separated
 from .evaluation_results import NAMED_POLICIES, markdown_table, parse_policy
 
 DEFAULT_POLICIES = ("baseline", "uniform/expected_attention:prompt", "uniform/keydiff", "uniform/snapkv",
-                    "uniform/knorm", "uniform/streaming", "inf/expected_attention:calibrated")
+                    "uniform/knorm", "uniform/streaming", "inf/expected_attention:calibrated", "flagship")
 DEFAULT_TASKS = ("retrieval", "multi_key")
 TASK_PRESETS = ("smoke", "quick", "standard")
 EVALUATION_SEED_OFFSET = 1_000_003  # evaluation seed = profiler seed + this, unless given
@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ratios", type=comma_separated(float), default=(0.5, 0.75, 0.9),
                         help="compression ratios, fractions of the context cache evicted (default 0.5,0.75,0.9)")
     parser.add_argument("--policies", type=comma_separated(str), default=DEFAULT_POLICIES,
-                        help="comma-separated policies (default: baseline, every uniform scorer, INF + calibrated EA"
-                             + (", flagship" if "flagship" in NAMED_POLICIES else "") + ")")
+                        help="comma-separated policies (default: baseline, every uniform scorer, INF + calibrated EA, "
+                             "flagship = inf/keydiff+correction)")
     parser.add_argument("--tasks", type=comma_separated(str), default=DEFAULT_TASKS,
                         help="needle families, or 'all' (default retrieval,multi_key)")
     parser.add_argument("--preset", choices=TASK_PRESETS, default="quick",

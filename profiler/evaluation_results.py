@@ -93,6 +93,15 @@ def register_named_policy(spec: PolicySpec) -> None:
     NAMED_POLICIES[spec.name] = spec
 
 
+# The policy we recommend serving with, chosen by measurement (benchmarks/runtime_quality.py,
+# embedded model, retrieval + multi-key, question-agnostic): REAL's INF budgets from the
+# artifact, KeyDiff selection (question-agnostic and attention-free, so it keeps a needle's
+# whole digit span where attention estimates keep only its first tokens), and the MomentKV
+# correction with each head's order from the artifact's moments section.
+FLAGSHIP = PolicySpec("flagship", "inf", "keydiff", None, {"correction": "calibrated"})
+register_named_policy(FLAGSHIP)
+
+
 def wilson_interval(correct: int, total: int, z: float = 1.959964) -> tuple[float, float]:
     """95% Wilson score interval of a binomial proportion (``(0, 1)`` when ``total`` is 0)."""
     if total <= 0:

@@ -6,10 +6,12 @@
     result = generate(model, input_ids, policy, context_columns=n, calibration=calibration,
                       max_new_tokens=32)
 
-Modules: ``cache`` (ragged per-head cache), ``attention`` (the registered attention function),
-``scorers`` (EA, KeyDiff, SnapKV, KNorm, StreamingLLM), ``policy``, ``compress`` (prefill and
-eviction), ``generate`` (entry points), ``calibration`` (artifact loading and identity checks),
-``rope``; ``budgets`` and ``models`` are shared with the profiler.
+Modules: ``cache`` (ragged per-head cache, with MomentKV moment sums and correction),
+``attention`` (the registered attention function), ``scorers`` (EA, KeyDiff, SnapKV, KNorm,
+StreamingLLM), ``policy``, ``compress`` (prefill and per-prompt eviction), ``eviction`` (one
+head down to its budget: scorer, sinks/window, moment-informed rounds; also used while
+decoding), ``moments`` (MomentKV math), ``generate`` (entry points), ``calibration`` (artifact
+loading and identity checks), ``rope``; ``budgets`` and ``models`` are shared with the profiler.
 
 Depends on ``artifacts``, torch, transformers, numpy and h5py only (never on the profiler or
 the probe generator).

@@ -71,18 +71,23 @@ class ExpectedAttentionScorer(Scorer):
 
     ``z_i = s mu'.k_i + (s^2/2) k_i^T Sigma' k_i`` with ``mu' = Rbar mu``,
     ``Sigma' = Rbar Sigma Rbar^T``; ``a = softmax(z)`` per query head, averaged over the GQA
-    group; score ``(a_i + epsilon) * ||v_i||``.
+    group; score ``(a_i + epsilon) * ||v_i||``.  ``pool > 1`` (odd) replaces ``a_i`` by its maximum
+    over the ``pool`` neighbouring rows, so a span (e.g. a number's digit tokens) is kept whole
+    when one of its tokens is attended.
     """
 
     name = "expected_attention"
 
-    def __init__(self, statistics: str = "calibrated", horizon: int = 512, epsilon: float = 0.0):
+    def __init__(self, statistics: str = "calibrated", horizon: int = 512, epsilon: float = 0.0, pool: int = 1):
         if statistics not in ("calibrated", "prompt"):
             raise ValueError(f"expected_attention statistics must be 'calibrated' or 'prompt', got {statistics!r}")
         if horizon <= 0:
             raise ValueError(f"expected_attention horizon must be positive, got {horizon}")
         if epsilon < 0:
             raise ValueError(f"expected_attention epsilon must be >= 0, got {epsilon}")
+        if pool <= 0 or pool % 2 == 0:
+            raise ValueError(f"expected_attention pool must be a positive odd number of tokens, got {pool}")
+        self.pool = int(pool)
         self.query_statistics = statistics
         self.rope_horizon = int(horizon)
         self.epsilon = float(epsilon)
@@ -97,14 +102,18 @@ class ExpectedAttentionScorer(Scorer):
         s = head.scaling
         linear = s * (mean @ keys.T)  # [G, n]
         quadratic = 0.5 * s * s * ((keys @ cov) * keys).sum(-1)  # [G, n]
-        return torch.softmax(linear + quadratic, dim=-1).mean(0)  # [n]
+        attention = torch.softmax(linear + quadratic, dim=-1).mean(0)  # [n]
+        if self.pool > 1:  # a token is worth what its most-attended neighbour is (keeps spans whole)
+            attention = torch.nn.functional.max_pool1d(attention[None, None], self.pool, stride=1,
+                                                       padding=self.pool // 2)[0, 0]
+        return attention
 
     def score(self, head: HeadContext) -> torch.Tensor:
         return (self.attention(head) + self.epsilon) * head.values.float().norm(dim=-1)
 
     def __repr__(self) -> str:
         return (f"ExpectedAttentionScorer(statistics={self.query_statistics!r}, horizon={self.rope_horizon}, "
-                f"epsilon={self.epsilon})")
+                f"epsilon={self.epsilon}, pool={self.pool})")
 
 
 class KeyDiffScorer(Scorer):

@@ -83,6 +83,24 @@ def test_expected_attention_equals_direct_formula_with_gqa(start):
     torch.testing.assert_close(scorer.score(head).double(), expected, rtol=1e-4, atol=1e-7)
 
 
+def test_expected_attention_pool_takes_the_neighbourhood_maximum():
+    model = make_tiny_llama(head_dim=16)
+    generator = torch.Generator().manual_seed(8)
+    n, d = 25, 16
+    keys, values = torch.randn(n, d, generator=generator) * 2, torch.randn(n, d, generator=generator)
+    mean, cov = random_stats(2, d, generator)
+    cos, sin = averaged_rope(model, 100, 16)
+    head = HeadContext(0, 0, keys, values, torch.arange(n), d ** -0.5, 100, mean, cov, cos, sin)
+    plain = ExpectedAttentionScorer(horizon=16).attention(head)
+    pooled = ExpectedAttentionScorer(horizon=16, pool=5).attention(head)
+    expected = torch.stack([plain[max(i - 2, 0):i + 3].max() for i in range(n)])  # naive loop
+    torch.testing.assert_close(pooled, expected)
+    torch.testing.assert_close(ExpectedAttentionScorer(horizon=16, pool=5).score(head),
+                               expected * values.norm(dim=-1))
+    with pytest.raises(ValueError, match="pool"):
+        ExpectedAttentionScorer(pool=4)
+
+
 def test_expected_attention_anchors_rope_at_the_absolute_position():
     """Averaging from position 0 (the chunk-length bug) gives different scores than from t0."""
     model = make_tiny_llama(head_dim=16)
