@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import h5py
@@ -259,4 +260,7 @@ class ArtifactReader:
         self.close()
 
     def __del__(self):
-        self.close()
+        # At interpreter exit h5py's module state may already be torn down (its close() then
+        # fails inside h5py); the HDF5 library closes its files on exit by itself.
+        if not sys.is_finalizing():
+            self.close()

@@ -274,3 +274,18 @@ def test_embedded_prompt_statistics_equal_direct_computation(embedded_model, emb
         expected_cov = torch.einsum("thd,the->hde", centred, centred) / queries.shape[0]
         torch.testing.assert_close(mean[layer], expected_mean, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(cov[layer], expected_cov, atol=1e-3, rtol=1e-4)
+
+
+def test_a_calibration_left_open_at_exit_prints_nothing(smoke_artifact):
+    """Regression: the reader's __del__ ran h5py's close() during interpreter shutdown and
+    printed 'Exception ignored ... TypeError' after every script that kept a Calibration."""
+    import subprocess
+    import sys
+
+    script = ("from runtime import load_calibration\n"
+              "from runtime.models import load_model, load_tokenizer\n"
+              "model, tokenizer = load_model(), load_tokenizer()\n"
+              f"calibration = load_calibration(model, tokenizer, path={str(smoke_artifact)!r})\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
