@@ -44,15 +44,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from runtime.eviction import text_config
 from runtime.moments import ORDERS, MomentSums, attention_with_lse, corrected_attention, evict_in_rounds
 from runtime.scorers import select_rows
 
 CALIBRATION_ATTENTION = "kvcal_moments_calibration"
 SELECTION_SCORERS = ("snapkv", "keydiff")
-
-
-def _text_config(model):
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
 
 def snapkv_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -166,7 +163,7 @@ def measure_correction_errors(model, windows, keep_ratios=(0.25, 0.5), query_win
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    config = _text_config(model)
+    config = text_config(model)
     num_layers = int(config.num_hidden_layers)
     num_q_heads = int(config.num_attention_heads)
     num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_q_heads)

@@ -237,14 +237,6 @@ class PreparedMoments:
         self.projection = torch.cat([cov, kbar[:, None, :]], dim=1).transpose(1, 2).contiguous()  # [Hkv, d, d+1]
         self.log_n = torch.where(self.active, torch.log(safe), torch.full_like(safe, float("-inf")))  # [Hkv]
 
-    @property
-    def kbar(self) -> torch.Tensor:
-        return self.projection[:, :, -1]
-
-    @property
-    def cov(self) -> torch.Tensor:
-        return self.projection[:, :, :-1].transpose(1, 2)
-
     def estimates(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``o_E [Hkv, G, q, d]`` and ``lse_E [Hkv, G, q]`` (float32) for ``query [Hkv, G, q, d]``.
 
@@ -278,9 +270,6 @@ def evicted_estimates(query: torch.Tensor, sums: MomentSums, scaling: float, ord
     heads with order -1 or nothing evicted get ``o_E = 0``, ``lse_E = -inf``, so
     :func:`merge_outputs` returns their retained output unchanged.
     """
-    if query.shape[0] != sums.num_kv_heads or query.shape[-1] != sums.head_dim:
-        raise ValueError(f"query [Hkv, G, q, d] = {tuple(query.shape)} does not match the sums' "
-                         f"{sums.num_kv_heads} heads of dim {sums.head_dim}")
     return PreparedMoments(sums, orders, tau).estimates(query, scaling)
 
 

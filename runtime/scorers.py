@@ -143,7 +143,7 @@ class SnapKVScorer(Scorer):
     yields_attention = True
 
     def attention(self, head: HeadContext) -> torch.Tensor:
-        """Mean attention of the observation window's queries (pooled over neighbours), sums to 1."""
+        """Mean attention of the observation window's queries, pooled over neighbours (sums to about 1)."""
         return self.score(head) / head.recent_queries.shape[1]
 
     def score(self, head: HeadContext) -> torch.Tensor:
