@@ -28,7 +28,7 @@ import numpy as np
 
 from artifacts.atomic import atomic_path
 
-WORK_FORMAT = "kvcal-profiler-work-1"
+WORK_FORMAT = "kvcal-profiler-work-2"  # 2: arrays keyed "<section>.<name>", progress per stage
 
 
 class WorkFileMismatch(RuntimeError):

@@ -1,5 +1,11 @@
 """Sharding across ``accelerate launch`` processes and exact reduction of the sums.
 
+The process group, reduction, gathering and barriers are accelerate's (``PartialState``,
+``accelerate.utils.reduce`` / ``gather_object``, ``wait_for_everyone``).  Sharding is
+strided (:meth:`ProcessInfo.shard`) rather than accelerate's ``split_between_processes``,
+which hands out contiguous blocks: probes come sorted by length, so blocks would give the
+last process all the long ones.
+
 Every accumulator of the profiler is a sum (float64 behaviour weights and query moments,
 integer counts), so processes work on disjoint shards of the probes / calibration samples
 (item ``i`` goes to process ``i % world_size``) and the main process obtains the totals by an
@@ -118,37 +124,32 @@ def _comm_device(info: ProcessInfo) -> torch.device:
     return info.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def all_reduce_sum(info: ProcessInfo, array: np.ndarray) -> np.ndarray:
-    """Elementwise sum of ``array`` over all processes (float64 / int64 kept exactly as dtype)."""
+def all_reduce_sum(info: ProcessInfo, arrays):
+    """Elementwise sum over all processes of an array or a dict of arrays (float64 / int64 kept
+    exactly as dtype), with accelerate's ``reduce``."""
     if not info.distributed:
-        return array
-    import torch.distributed as dist
+        return arrays
+    from accelerate.utils import reduce
 
-    tensor = torch.from_numpy(np.ascontiguousarray(array)).to(_comm_device(info))
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor.cpu().numpy()
+    single = isinstance(arrays, np.ndarray)
+    tensors = {name: torch.from_numpy(np.ascontiguousarray(value)).to(_comm_device(info))
+               for name, value in ({"": arrays} if single else arrays).items()}
+    summed = {name: tensor.cpu().numpy() for name, tensor in reduce(tensors, reduction="sum").items()}
+    return summed[""] if single else summed
 
 
 def gather_objects(info: ProcessInfo, obj) -> list:
-    """Every process's ``obj``, in rank order (on every process)."""
+    """Every process's ``obj``, in rank order (on every process), with accelerate's ``gather_object``."""
     if not info.distributed:
         return [obj]
-    import torch.distributed as dist
+    from accelerate.utils import gather_object
 
-    gathered = [None] * info.world_size
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
-def any_process(info: ProcessInfo, flag: bool) -> bool:
-    """True on every process when ``flag`` is true on at least one (e.g. an interruption)."""
-    if not info.distributed:
-        return flag
-    return bool(all_reduce_sum(info, np.array([int(flag)], dtype=np.int64))[0])
+    return gather_object([obj])
 
 
 def barrier(info: ProcessInfo) -> None:
+    """Wait for every process (accelerate's ``wait_for_everyone``)."""
     if info.distributed:
-        import torch.distributed as dist
+        from accelerate import PartialState
 
-        dist.barrier()
+        PartialState().wait_for_everyone()

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import comma_separated
+from .arguments import comma_separated
 from .evaluation_results import NAMED_POLICIES, markdown_table, parse_policy
 
 DEFAULT_POLICIES = ("baseline", "uniform/expected_attention:prompt", "uniform/keydiff", "uniform/snapkv",

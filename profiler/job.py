@@ -1,21 +1,19 @@
 """The calibration job: load the model, run the stages, checkpoint, reduce, write the artifact.
 
-Stages, in order (``--stages`` selects a subset):
+The stages (:mod:`profiler.stages`; ``--stages`` selects a subset, run in canonical order)
+each write one section.  The job does for all of them what none should do on its own:
 
-* ``behaviour``   -> section ``behaviour``   (:mod:`profiler.behaviour_stage`)
-* ``query-stats`` -> section ``query_stats`` (:mod:`profiler.query_stats`)
-* ``budgets``     -> section ``budgets``     (:mod:`profiler.budget_tables`; needs INFsc from
-  this run's behaviour stage or from the artifact already at the output path)
-* ``moments``     -> section ``moments``     (:mod:`profiler.moments_calibration`: per-KV-head
-  MomentKV correction errors on the first ``MOMENT_WINDOWS`` calibration windows; a few
-  seconds per window, run by the main process alone, not checkpointed)
+* loads the model once (and the calibration text when a stage uses it);
+* runs every stage's sharded work in one loop: progress bar, Ctrl-C / SIGTERM handling
+  (the last checkpoint is kept, ``--resume`` continues), a work-file checkpoint every
+  ``checkpoint_every`` units (:mod:`profiler.checkpoint`);
+* reduces across processes, builds the sections on the main process, and writes the artifact
+  atomically, keeping the other sections of an existing artifact at the output path when it
+  belongs to the same model (same weights, architecture and tokenizer fingerprints).
 
-Running a subset keeps the other sections of an existing artifact at the output path when it
-belongs to the same model (same weights, architecture and tokenizer fingerprints).
-
-Under ``accelerate launch`` each process takes every ``world_size``-th probe / calibration
-window, keeps its own work file, and at the end the sums are all-reduced; the main process
-alone writes the artifact.
+Under ``accelerate launch`` (or ``torchrun``) each process takes every ``world_size``-th unit
+of work, keeps its own work file, and at the end the sums are all-reduced
+(:mod:`profiler.distributed`); the main process alone writes the artifact.
 """
 
 from __future__ import annotations
@@ -24,9 +22,10 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -34,22 +33,12 @@ from artifacts import ARTIFACT_FILENAME, Artifact, ArtifactError, Section, open_
 from artifacts.schema import canonical_json
 from profiler import distributed
 from profiler.architecture import inspect_model
-from profiler.attention_capture import capture_attention_implementation
-from profiler.behaviour_stage import BehaviourState, run_probe
-from profiler.budget_tables import DEFAULT_BETA, DEFAULT_MIN_BUDGET, DEFAULT_RATIOS, DEFAULT_TOKEN_BUDGETS, \
-    budget_tables
 from profiler.calibration_text import calibration_windows
-from profiler.moments_calibration import measure_correction_errors
 from profiler.checkpoint import interrupts_deferred, load_work, remove_work, save_work, work_file_path
 from profiler.presets import PRESETS
-from profiler.probe_source import file_probes, preset_probes
-from profiler.query_stats import QueryStatsAccumulator, collect_queries
+from profiler.stages import STAGE_NAMES, STAGES, Stage
 
-STAGE_SECTIONS = {"behaviour": "behaviour", "query-stats": "query_stats", "budgets": "budgets",
-                  "moments": "moments"}
-MOMENT_WINDOWS = 4  # calibration windows the moments stage measures on
-MOMENT_KEEP_RATIOS = (0.25, 0.5)  # reference budgets: 75% and 50% compression
-STAGES = tuple(STAGE_SECTIONS)
+CALIBRATION_SOURCE_DEFAULT = "needles prose haystack"
 
 
 class JobInterrupted(Exception):
@@ -65,29 +54,17 @@ class JobOptions:
     model: str | None = None  # local dir, hub id, or None for the embedded model
     out: Path | None = None  # default: <model dir>/kv_calibration.h5 when writable, else ./
     preset: str = "quick"
-    stages: tuple[str, ...] = STAGES
+    stages: tuple[str, ...] = STAGE_NAMES
     resume: bool = False
-    probes_file: str | None = None  # JSON-lines probes instead of the needles preset
-    max_new_tokens: int | None = None  # None: the preset's
-    calib_dataset: str | None = None  # None: needles' prose haystack generator
-    calib_split: str = "train"
-    calib_field: str = "text"
-    calib_samples: int | None = None
-    calib_tokens: int | None = None
-    batch_size: int | None = None
-    n_sink: int | None = None
-    token_budgets: tuple[int, ...] = DEFAULT_TOKEN_BUDGETS
-    ratios: tuple[float, ...] = DEFAULT_RATIOS
-    beta: float = DEFAULT_BETA
-    min_budget: int = DEFAULT_MIN_BUDGET
-    checkpoint_every: int = 4  # probes (behaviour) or batches (query stats) between work-file writes
+    checkpoint_every: int = 4  # units of work (probes, batches) between work-file writes
     device_map: str | None = None
-    seed: int = 0
     progress: bool = True
+    # The stages' and the calibration text's options by argparse name (e.g. "max_new_tokens",
+    # "calib_samples"); a missing or None value means the preset's / the stage's default.
+    settings: dict[str, Any] = field(default_factory=dict)
     log: object = field(default=print, repr=False)
 
 
-# ---------------------------------------------------------------------------------- helpers
 def default_output(model_dir: str) -> Path:
     """``kv_calibration.h5`` in the model directory when writable, else in the current one."""
     directory = Path(model_dir)
@@ -104,55 +81,40 @@ def _digest(*parts) -> str:
     return sha.hexdigest()
 
 
-def _existing_sections(out: Path, identity, log) -> tuple[dict[str, Section], dict]:
-    """Sections and config of an artifact already at ``out`` for the same model, else empty."""
-    if not out.exists():
-        return {}, {}
-    try:
-        with open_artifact(out) as reader:
-            same = (reader.model.weights_fingerprint == identity.weights_fingerprint
-                    and reader.model.arch_fingerprint == identity.arch_fingerprint
-                    and reader.model.tokenizer_fingerprint == identity.tokenizer_fingerprint)
-            if not same:
-                log(f"note: {out} belongs to another model; it will be replaced")
-                return {}, {}
-            sections = {name: reader.section(name) for name in STAGE_SECTIONS.values() if reader.has(name)}
-            return sections, dict(reader.config)
-    except ArtifactError as exc:
-        log(f"note: the existing {out} is not a valid artifact ({exc}); it will be replaced")
-        return {}, {}
-
-
-# ---------------------------------------------------------------------------------- the job
 class ProfileJob:
     """One run of ``profile-model`` (one process of it under ``accelerate``)."""
 
     def __init__(self, options: JobOptions):
-        unknown = [s for s in options.stages if s not in STAGE_SECTIONS]
+        unknown = [s for s in options.stages if s not in STAGE_NAMES]
         if unknown or not options.stages:
-            raise ValueError(f"unknown stage(s) {unknown}; choose from {', '.join(STAGES)}")
+            raise ValueError(f"unknown stage(s) {unknown}; choose from {', '.join(STAGE_NAMES)}")
         if options.preset not in PRESETS:
             raise ValueError(f"unknown preset {options.preset!r}; choose from {', '.join(PRESETS)}")
-        self.options = options
-        self.stages = [s for s in STAGES if s in options.stages]  # canonical order
-        preset = PRESETS[options.preset]
-        self.max_new_tokens = options.max_new_tokens or preset.max_new_tokens
-        self.calib_samples = options.calib_samples or preset.calib_samples
-        self.calib_tokens = options.calib_tokens or preset.calib_tokens
-        self.batch_size = options.batch_size or preset.batch_size
-        self.n_sink = preset.n_sink if options.n_sink is None else options.n_sink
-        if self.n_sink >= self.calib_tokens:
-            raise ValueError(f"n_sink ({self.n_sink}) must be smaller than the window ({self.calib_tokens} tokens)")
         if options.checkpoint_every < 1:
             raise ValueError("checkpoint_every must be >= 1")
+        self.options = options
+        self.preset = PRESETS[options.preset]
         self.log = options.log
+        self.calib_samples = self.setting("calib_samples") or self.preset.calib_samples
+        self.calib_tokens = self.setting("calib_tokens") or self.preset.calib_tokens
+        self.n_sink = self.setting("n_sink", self.preset.n_sink)
+        if self.calib_samples < 1 or self.calib_tokens < 1 or self.n_sink < 0:
+            raise ValueError("calibration samples and tokens must be >= 1 and n_sink >= 0")
+        if self.n_sink >= self.calib_tokens:
+            raise ValueError(f"n_sink ({self.n_sink}) must be smaller than the window ({self.calib_tokens} tokens)")
+        self.stage_names = tuple(s for s in STAGE_NAMES if s in options.stages)  # canonical order
+        self.stages: list[Stage] = [stage(self) for stage in STAGES if stage.name in self.stage_names]
         self.info = distributed.process_info()
 
-    def _say(self, message: str) -> None:
+    def setting(self, name: str, default=None):
+        value = self.options.settings.get(name)
+        return default if value is None else value
+
+    def say(self, message: str) -> None:
         if self.info.is_main:
             self.log(message)
 
-    # -- setup --------------------------------------------------------------------------
+    # -- inputs shared by stages -------------------------------------------------------------------
     def load(self) -> None:
         from artifacts.fingerprint import model_identity
         from runtime.models import load_model, load_tokenizer, resolve_model
@@ -168,243 +130,154 @@ class ProfileJob:
         self.geometry = inspect_model(self.model)
         self.identity = model_identity(self.model, self.tokenizer, options.model or "embedded")
         self.out = Path(options.out) if options.out else default_output(self.model_path)
-        self._say(f"model {self.identity.name} ({self.identity.model_type}, {self.geometry.num_layers} layers, "
-                  f"{self.geometry.num_q_heads} query / {self.geometry.num_kv_heads} KV heads, d={self.geometry.head_dim}) "
-                  f"loaded in {time.perf_counter() - started:.1f} s; output: {self.out}")
+        self.say(f"model {self.identity.name} ({self.identity.model_type}, {self.geometry.num_layers} layers, "
+                 f"{self.geometry.num_q_heads} query / {self.geometry.num_kv_heads} KV heads, "
+                 f"d={self.geometry.head_dim}) loaded in {time.perf_counter() - started:.1f} s; output: {self.out}")
 
-        self.probes = None
-        if "behaviour" in self.stages:
-            self.probes = (file_probes(options.probes_file) if options.probes_file else
-                           preset_probes(PRESETS[options.preset].probes, self.tokenizer,
-                                         self.identity.tokenizer_fingerprint,
-                                         dict(PRESETS[options.preset].probe_overrides)))
-        longest = (self.probes.max_tokens() if self.probes is not None else 0) + self.max_new_tokens
-        if self.probes is not None and longest > self.identity.max_position_embeddings:
-            self._say(f"warning: the longest probe plus {self.max_new_tokens} new tokens is {longest} tokens, beyond "
-                      f"the model's {self.identity.max_position_embeddings}-token context")
-        self.windows = None
-        if "query-stats" in self.stages or "moments" in self.stages:
-            self.windows = calibration_windows(self.tokenizer, options.calib_dataset, self.calib_samples,
-                                               self.calib_tokens, seed=options.seed, split=options.calib_split,
-                                               field=options.calib_field)  # [N, T] int64
+    @cached_property
+    def windows(self) -> torch.Tensor:
+        """Calibration text as token windows ``[N, T]`` int64 (loaded on first use)."""
+        return calibration_windows(self.tokenizer, self.setting("calib_dataset"), self.calib_samples,
+                                   self.calib_tokens, seed=self.setting("seed", 0),
+                                   split=self.setting("calib_split", "train"), field=self.setting("calib_field", "text"))
+
+    def windows_digest(self) -> str:
+        return _digest(self.windows.numpy().tobytes())
+
+    def calibration_config(self) -> dict:
+        dataset = self.setting("calib_dataset")
+        return {"source": dataset or CALIBRATION_SOURCE_DEFAULT,
+                "split": self.setting("calib_split", "train") if dataset else None,
+                "num_samples": self.calib_samples, "sample_tokens": self.calib_tokens}
 
     def config(self) -> dict:
-        """The JSON-able job configuration recorded in the artifact (per section)."""
-        o = self.options
-        config = {"profiler": {"preset": o.preset, "stages": list(self.stages), "processes": self.info.world_size,
-                               "seed": o.seed}}
-        if "behaviour" in self.stages:
-            config["behaviour"] = {**self.probes.config, "num_probes": len(self.probes),
-                                   "probes_sha256": self.probes.digest,
-                                   "max_new_tokens": self.max_new_tokens, "decoding": "greedy",
-                                   "context": "prompt tokens", "prefill": "sdpa"}
-        if "query-stats" in self.stages:
-            config["query_stats"] = {"source": o.calib_dataset or "needles prose haystack",
-                                     "split": o.calib_split if o.calib_dataset else None,
-                                     "num_samples": self.calib_samples, "sample_tokens": self.calib_tokens,
-                                     "batch_size": self.batch_size, "n_sink": self.n_sink,
-                                     "windows_sha256": _digest(self.windows.numpy().tobytes())}
-        if "moments" in self.stages:
-            config["moments"] = {"windows": min(MOMENT_WINDOWS, self.calib_samples), "window_tokens": self.calib_tokens,
-                                 **self._moment_settings(), "keep_ratios": list(MOMENT_KEEP_RATIOS),
-                                 "source": o.calib_dataset or "needles prose haystack"}
-        if "budgets" in self.stages:
-            config["budgets"] = {"token_budgets": sorted({int(b) for b in o.token_budgets}),
-                                 "ratios": sorted({float(r) for r in o.ratios}), "beta": float(o.beta),
-                                 "min_budget": int(o.min_budget),
-                                 "token_seq_len": int(self.identity.max_position_embeddings)}
+        """The JSON-able job configuration recorded in the artifact (one entry per section)."""
+        config = {"profiler": {"preset": self.options.preset, "stages": list(self.stage_names),
+                               "processes": self.info.world_size, "seed": self.setting("seed", 0)}}
+        for stage in self.stages:
+            config[stage.section] = stage.config()
         return config
 
-    # -- run ----------------------------------------------------------------------------
+    # -- run -------------------------------------------------------------------------------------
     def run(self) -> Path:
         self.load()
+        for stage in self.stages:
+            stage.prepare()
+        existing = self._existing_section_names()
+        for stage in self.stages:
+            stage.check(existing)
         config = self.config()
-        fingerprint = _digest(canonical_json(config), self.identity.weights_fingerprint,
-                              self.identity.arch_fingerprint, self.info.world_size, self.info.rank)
+        self._fingerprint = _digest(canonical_json(config), self.identity.weights_fingerprint,
+                                    self.identity.arch_fingerprint, self.info.world_size, self.info.rank)
         self.work_path = work_file_path(self.out, self.info.rank, self.info.world_size)
         self.out.parent.mkdir(parents=True, exist_ok=True)
-
-        geometry = self.geometry
-        self.behaviour = BehaviourState(geometry.num_layers, geometry.num_q_heads)
-        self.queries = QueryStatsAccumulator(geometry.num_layers, geometry.num_q_heads, geometry.head_dim)
-        self.progress = {"behaviour": 0, "query-stats": 0}
-        saved = load_work(self.work_path, fingerprint) if self.options.resume else None
-        if saved is not None:
-            self.progress, arrays = saved
-            self.behaviour = BehaviourState.from_arrays(arrays)
-            if "query_n" in arrays:
-                self.queries = QueryStatsAccumulator.from_state(
-                    {"n": arrays["query_n"], "total": arrays["query_total"], "outer": arrays["query_outer"]})
-            self.log(f"[rank {self.info.rank}] resuming from {self.work_path}: "
-                     f"{self.progress['behaviour']} probes and {self.progress['query-stats']} calibration batches done")
-        elif self.options.resume:
-            self._say(f"--resume: no work file at {self.work_path}; starting from the beginning")
-        elif self.work_path.exists():
-            self.log(f"note: discarding the work file {self.work_path} of an earlier run (use --resume to continue it)")
-            remove_work(self.work_path)
-        self._fingerprint = fingerprint
+        self.progress = {stage.name: 0 for stage in self.stages}
+        self._resume()
 
         try:
-            if "behaviour" in self.stages:
-                self._run_behaviour()
-            if "query-stats" in self.stages:
-                self._run_query_stats()
+            for stage in self.stages:
+                self._run_work(stage)
         except KeyboardInterrupt:
             self._checkpoint()
             raise JobInterrupted(self.work_path) from None
+        for stage in self.stages:
+            stage.reduce()
 
-        sections = self._reduce_and_build()
-        if "moments" in self.stages and self.info.is_main:
-            sections["moments"] = self._run_moments()
-        path = None
+        path = self.out
         if self.info.is_main:
-            existing, old_config = _existing_sections(self.out, self.identity, self.log)
-            sections = self._add_budgets(sections, existing, config)
-            merged_config = {**old_config, **config} if existing else config
-            kept = {name: section for name, section in existing.items() if name not in sections}
-            if kept:
-                self.log(f"keeping section(s) {', '.join(sorted(kept))} of the existing {self.out}")
-            artifact = Artifact(model=self.identity, config=merged_config, sections={**kept, **sections})
-            path = write_artifact(self.out, artifact)
-            self.log(f"wrote {path} (sections: {', '.join(sorted(artifact.sections))})")
+            path = self._build_and_write(config)
         distributed.barrier(self.info)
         remove_work(self.work_path)
-        return path if path is not None else self.out
+        return path
+
+    def _resume(self) -> None:
+        saved = load_work(self.work_path, self._fingerprint) if self.options.resume else None
+        if saved is not None:
+            progress, arrays = saved
+            for stage in self.stages:
+                prefix = stage.section + "."
+                stage.restore({key[len(prefix):]: value for key, value in arrays.items() if key.startswith(prefix)})
+                self.progress[stage.name] = int(progress.get(stage.name, 0))
+            done = ", ".join(f"{stage.name} {self.progress[stage.name]} {stage.units}" for stage in self.stages
+                             if stage.sharded)
+            self.log(f"[rank {self.info.rank}] resuming from {self.work_path}: {done or 'nothing'} done")
+        elif self.options.resume:
+            self.say(f"--resume: no work file at {self.work_path}; starting from the beginning")
+        elif self.work_path.exists():
+            self.log(f"note: discarding the work file {self.work_path} of an earlier run (use --resume to continue it)")
+            remove_work(self.work_path)
 
     def _checkpoint(self) -> None:
-        arrays = self.behaviour.arrays()
-        if self.progress["query-stats"] > 0:  # [L, Hq, d, d] sums are big (0.7 GB at 70B): only once non-zero
-            arrays.update({f"query_{k}": v for k, v in self.queries.state().items()})
+        arrays = {f"{stage.section}.{key}": value for stage in self.stages for key, value in stage.state().items()}
         save_work(self.work_path, self._fingerprint, self.progress, arrays)
 
-    def _bar(self, stage: str, total: int, initial: int, unit: str):
-        return tqdm(total=total, initial=initial, desc=stage, unit=unit, dynamic_ncols=True,
-                    disable=not (self.options.progress and self.info.is_main))
-
-    # -- stages -------------------------------------------------------------------------
-    def _run_behaviour(self) -> None:
-        shard = self.info.shard(len(self.probes))
-        start, started = self.progress["behaviour"], time.perf_counter()
+    def _run_work(self, stage: Stage) -> None:
+        units = stage.work()
+        if not units:
+            return
+        start, started = self.progress[stage.name], time.perf_counter()
         since_checkpoint = 0
-        with self._bar("behaviour", len(shard), start, "probe") as bar, \
-                capture_attention_implementation(self.model):
-            for position in range(start, len(shard)):
-                index = shard[position]
-                result = run_probe(self.model, self.tokenizer, self.geometry, self.probes[index], self.max_new_tokens)
-                with interrupts_deferred():  # sums and progress move together
-                    self.behaviour.add(index, result)
-                    self.progress["behaviour"] = position + 1
+        with tqdm(total=len(units), initial=start, desc=stage.name, unit=stage.unit, dynamic_ncols=True,
+                  disable=not (self.options.progress and self.info.is_main)) as bar, stage.running():
+            for position in range(start, len(units)):
+                result = stage.compute(units[position])
+                with interrupts_deferred():  # totals and progress move together
+                    stage.commit(units[position], result)
+                    self.progress[stage.name] = position + 1
                     since_checkpoint += 1
                     if since_checkpoint >= self.options.checkpoint_every:
                         self._checkpoint()
                         since_checkpoint = 0
-                bar.set_postfix(success=f"{self.behaviour.success_rate():.0%}", refresh=False)
+                bar.set_postfix(stage.progress_note(), refresh=False)
                 bar.update(1)
         self._checkpoint()
-        self._stage_seconds_behaviour = time.perf_counter() - started
+        stage.seconds = time.perf_counter() - started
 
-    def _run_query_stats(self) -> None:
-        shard = self.info.shard(self.windows.shape[0])
-        batches = [shard[i:i + self.batch_size] for i in range(0, len(shard), self.batch_size)]
-        start, started = self.progress["query-stats"], time.perf_counter()
-        device = self.model.get_input_embeddings().weight.device
-        since_checkpoint = 0
-        # The hooks fill a per-batch accumulator, folded into the totals once the forward pass
-        # is complete: an interruption mid-pass leaves the totals untouched.  Each layer sees
-        # one addition per batch either way, so the sums are bit-identical to direct hooking.
-        batch_sums = QueryStatsAccumulator(*self.queries.shape)
-        with self._bar("query-stats", len(batches), start, "batch") as bar, torch.no_grad(), \
-                collect_queries(self.geometry, batch_sums, self.n_sink):
-            for position in range(start, len(batches)):
-                ids = self.windows[batches[position]].to(device)  # [b, T]
-                batch_sums.reset()
-                self.model.model(input_ids=ids, use_cache=False)
-                with interrupts_deferred():
-                    self.queries.merge(batch_sums)
-                    self.progress["query-stats"] = position + 1
-                    since_checkpoint += 1
-                    if since_checkpoint >= self.options.checkpoint_every:
-                        self._checkpoint()
-                        since_checkpoint = 0
-                bar.update(1)
-        self._checkpoint()
-        self._stage_seconds_query = time.perf_counter() - started
+    # -- the artifact ----------------------------------------------------------------------------
+    def _same_model(self, reader) -> bool:
+        model, identity = reader.model, self.identity
+        return (model.weights_fingerprint == identity.weights_fingerprint
+                and model.arch_fingerprint == identity.arch_fingerprint
+                and model.tokenizer_fingerprint == identity.tokenizer_fingerprint)
 
-    def _moment_settings(self) -> dict:
-        """Query window and observation window sized for the calibration windows."""
-        query_window = max(4, min(32, self.calib_tokens // 4))
-        prefix = self.calib_tokens - query_window
-        return {"query_window": query_window, "observation_window": max(1, min(32, prefix // 2)),
-                "selection": "snapkv", "n_sink": int(self.n_sink), "recent_window": 8}
+    def _existing_section_names(self) -> set[str]:
+        """Sections of the artifact already at the output path, when it is for this model."""
+        if not self.out.exists():
+            return set()
+        try:
+            with open_artifact(self.out) as reader:
+                return set(reader.sections) if self._same_model(reader) else set()
+        except ArtifactError:
+            return set()
 
-    def _run_moments(self) -> Section:
-        started = time.perf_counter()
-        settings = self._moment_settings()
-        windows = self.windows[:MOMENT_WINDOWS]
-        result = measure_correction_errors(
-            self.model, windows, keep_ratios=MOMENT_KEEP_RATIOS, query_window=settings["query_window"],
-            scorer=settings["selection"], observation_window=settings["observation_window"],
-            n_sink=settings["n_sink"], recent_window=settings["recent_window"], progress=self.options.progress)
-        errors = result["errors"].mean(axis=(2, 3))  # [R, 3]
-        chosen = np.take_along_axis(result["errors"], (result["order"].astype(np.int64) + 1)[None, None], axis=1)
-        parts = ", ".join(f"keep {r:g}: none {e[0]:.3f} / 0th {e[1]:.3f} / 1st {e[2]:.3f} / chosen {c:.3f}"
-                          for r, e, c in zip(result["reference_ratios"], errors, chosen.mean(axis=(1, 2, 3))))
-        counts = {name: int((result["order"] == value).sum()) for name, value in (("none", -1), ("0th", 0), ("1st", 1))}
-        self._say(f"moments: {windows.shape[0]} windows x {windows.shape[1]} tokens, mean relative attention-output "
-                  f"error {parts}; orders {counts}; {time.perf_counter() - started:.1f} s")
-        return Section(arrays=result)
+    def _existing(self) -> tuple[dict[str, Section], dict]:
+        """Sections and config of an artifact already at the output path for the same model, else empty."""
+        if not self.out.exists():
+            return {}, {}
+        try:
+            with open_artifact(self.out) as reader:
+                if not self._same_model(reader):
+                    self.log(f"note: {self.out} belongs to another model; it will be replaced")
+                    return {}, {}
+                known = {stage.section for stage in STAGES}
+                return {name: reader.section(name) for name in known if reader.has(name)}, dict(reader.config)
+        except ArtifactError as exc:
+            self.log(f"note: the existing {self.out} is not a valid artifact ({exc}); it will be replaced")
+            return {}, {}
 
-    # -- reduction and sections -----------------------------------------------------------
-    def _reduce_and_build(self) -> dict[str, Section]:
-        info, sections = self.info, {}
-        if "behaviour" in self.stages:
-            state = self.behaviour
-            state.totals = distributed.all_reduce_sum(info, state.totals)
-            state.steps = distributed.all_reduce_sum(info, state.steps)
-            for done in distributed.gather_objects(info, state.done):
-                state.done.update(done)
-            arrays = state.section_arrays(self.probes.table)
-            sections["behaviour"] = Section(arrays=arrays)
-            successes = int(arrays["probe_success"].sum())
-            top = np.argsort(arrays["INFsc"].ravel())[::-1][:3]
-            heads = ", ".join(f"L{i // self.geometry.num_q_heads}H{i % self.geometry.num_q_heads}"
-                              f"={arrays['INFsc'].ravel()[i]:.2f}" for i in top)
-            seconds = getattr(self, "_stage_seconds_behaviour", float("nan"))
-            self._say(f"behaviour: {len(self.probes)} probes, {int(arrays['probe_steps'].sum())} decode steps, "
-                      f"success {successes}/{len(self.probes)} ({successes / len(self.probes):.0%}), "
-                      f"top INFsc {heads}; {seconds:.1f} s this run")
-        if "query-stats" in self.stages:
-            state = self.queries.state()
-            reduced = {name: distributed.all_reduce_sum(info, value) for name, value in state.items()}
-            stats = QueryStatsAccumulator.from_state(reduced).finalize()
-            sections["query_stats"] = Section(arrays=stats, attrs={"n_sink": int(self.n_sink)})
-            seconds = getattr(self, "_stage_seconds_query", float("nan"))
-            trace = np.trace(stats["cov"].astype(np.float64), axis1=-2, axis2=-1)
-            self._say(f"query-stats: {self.calib_samples} windows x {self.calib_tokens} tokens, "
-                      f"{int(stats['n'][0, 0])} queries per head (n_sink={self.n_sink}), "
-                      f"mean trace(cov) {trace.mean():.3g}; {seconds:.1f} s this run")
-        return sections
-
-    def _add_budgets(self, sections: dict[str, Section], existing: dict[str, Section], config: dict
-                     ) -> dict[str, Section]:
-        if "budgets" not in self.stages:
-            return sections
-        behaviour = sections.get("behaviour") or existing.get("behaviour")
-        if behaviour is None:
-            raise ValueError(f"the budgets stage needs INFsc: run the behaviour stage too, or keep an artifact "
-                               f"with a behaviour section for this model at {self.out}")
-        o = self.options
-        arrays, attrs = budget_tables(behaviour["INFsc"], self.geometry.num_kv_heads,
-                                      max_seq_len=config["budgets"]["token_seq_len"], token_budgets=o.token_budgets,
-                                      ratios=o.ratios, beta=o.beta, min_budget=o.min_budget)
-        inf_kv = arrays["inf_kv"]
-        table = arrays["token_tables"][min(1, len(arrays["token_tables"]) - 1)] if len(arrays["token_tables"]) else None
-        detail = (f", b={arrays['token_budgets'][min(1, len(arrays['token_budgets']) - 1)]}: per-head "
-                  f"{table.min()}..{table.max()}") if table is not None else ""
-        self._say(f"budgets: {len(arrays['token_budgets'])} token budgets, {len(arrays['ratios'])} ratios, "
-                  f"beta={o.beta}, KV-head INF weights {inf_kv.min():.3g}..{inf_kv.max():.3g} "
-                  f"({int((inf_kv == 0).sum())} of {inf_kv.size} zero){detail}")
-        return {**sections, "budgets": Section(arrays=arrays, attrs=attrs)}
+    def _build_and_write(self, config: dict) -> Path:
+        existing, old_config = self._existing()
+        available, built = dict(existing), {}
+        for stage in self.stages:
+            built[stage.section] = available[stage.section] = stage.build(available)
+        kept = {name: section for name, section in existing.items() if name not in built}
+        if kept:
+            self.log(f"keeping section(s) {', '.join(sorted(kept))} of the existing {self.out}")
+        merged_config = {**old_config, **config} if existing else config
+        artifact = Artifact(model=self.identity, config=merged_config, sections={**kept, **built})
+        path = write_artifact(self.out, artifact)
+        self.log(f"wrote {path} (sections: {', '.join(sorted(artifact.sections))})")
+        return path
 
 
 def run_job(options: JobOptions) -> Path:

@@ -124,7 +124,7 @@ def test_interrupt_and_kill_then_resume_gives_the_same_artifact(model_dir, refer
     assert main([*args, "--resume"]) == 0
     stdout = capsys.readouterr().out
     assert "resuming from" in stdout
-    done_before = int(stdout.split("resuming from")[1].split(":")[1].split("probes")[0])
+    done_before = int(stdout.split("resuming from")[1].split("behaviour ")[1].split(" probes")[0])
     assert 1 <= done_before < NUM_PROBES  # it really was stopped mid-run
     assert not work.exists()
 
@@ -154,7 +154,7 @@ def test_interrupt_inside_a_forward_pass_resumes_exactly(model_dir, reference, t
     assert "--resume" in capsys.readouterr().err and not out.exists()
     monkeypatch.undo()
     assert main([*args, "--resume"]) == 0
-    assert "12 probes and 3 calibration batches done" in capsys.readouterr().out
+    assert "behaviour 12 probes, query-stats 3 batches done" in capsys.readouterr().out
     got, _ = _read(out)
     want, _ = _read(reference)
     for name in want:

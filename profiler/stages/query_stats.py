@@ -1,0 +1,101 @@
+"""The ``query-stats`` stage: pre-RoPE query mean and covariance per (layer, query head).
+
+Expected Attention ("Expected Attention: KV Cache Compression by Estimating Attention from
+Future Queries Distribution", arXiv 2510.00636) models future queries as a Gaussian; this
+stage measures its mean and covariance on calibration text (:mod:`profiler.query_stats`:
+forward hooks on the pre-RoPE query module, float64 sums ``n, sum q, sum q q^T``, the first
+``n_sink`` positions of every window left out).  Units are batches of calibration windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+
+from artifacts import Section
+from profiler.query_stats import QueryStatsAccumulator, collect_queries
+
+from .base import Stage
+
+
+class QueryStatsStage(Stage):
+    name = "query-stats"
+    section = "query_stats"
+    unit, units = "batch", "batches"
+    summary = ("run calibration text and accumulate the mean and covariance of the pre-RoPE queries of every "
+               "(layer, query head) (Expected Attention statistics).")
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("query-stats stage")
+        group.add_argument("--batch-size", type=int, default=None,
+                           help="calibration windows per forward pass (default: the preset's)")
+
+    def __init__(self, job):
+        super().__init__(job)
+        self.batch_size = job.setting("batch_size") or job.preset.batch_size
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+    def prepare(self) -> None:
+        geometry = self.job.geometry
+        self.totals = QueryStatsAccumulator(geometry.num_layers, geometry.num_q_heads, geometry.head_dim)
+        # The hooks fill a per-batch accumulator, folded into the totals once the forward pass
+        # is complete: an interruption mid-pass leaves the totals untouched.  Each layer sees
+        # one addition per batch either way, so the sums are bit-identical to direct hooking.
+        self.batch_sums = QueryStatsAccumulator(*self.totals.shape)
+        self.done = 0
+
+    def config(self) -> dict:
+        job = self.job
+        return {**job.calibration_config(), "batch_size": self.batch_size, "n_sink": job.n_sink,
+                "windows_sha256": job.windows_digest()}
+
+    # -- work: one batch of calibration windows per unit ---------------------------------------------
+    def work(self) -> list[list[int]]:
+        shard = self.job.info.shard(self.job.windows.shape[0])
+        return [shard[i:i + self.batch_size] for i in range(0, len(shard), self.batch_size)]
+
+    def running(self):
+        from contextlib import ExitStack
+
+        stack = ExitStack()
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(collect_queries(self.job.geometry, self.batch_sums, self.job.n_sink))
+        return stack
+
+    def compute(self, batch: list[int]) -> None:
+        job = self.job
+        device = job.model.get_input_embeddings().weight.device
+        self.batch_sums.reset()
+        job.model.model(input_ids=job.windows[batch].to(device), use_cache=False)  # [b, T]
+
+    def commit(self, batch: list[int], result) -> None:
+        self.totals.merge(self.batch_sums)
+        self.done += 1
+
+    def state(self) -> dict[str, np.ndarray]:
+        # [L, Hq, d, d] sums are big (0.7 GB at 70B): saved only once something was added
+        return self.totals.state() if self.done else {}
+
+    def restore(self, arrays: dict[str, np.ndarray]) -> None:
+        if arrays:
+            self.totals = QueryStatsAccumulator.from_state(arrays)
+            self.done = 1
+
+    # -- after the work ----------------------------------------------------------------------------
+    def reduce(self) -> None:
+        from profiler import distributed
+
+        self.totals = QueryStatsAccumulator.from_state(distributed.all_reduce_sum(self.job.info, self.totals.state()))
+
+    def build(self, sections: dict[str, Section]) -> Section:
+        job = self.job
+        stats = self.totals.finalize()
+        trace = np.trace(stats["cov"].astype(np.float64), axis1=-2, axis2=-1)
+        self.say(f"query-stats: {job.calib_samples} windows x {job.calib_tokens} tokens, "
+                 f"{int(stats['n'][0, 0])} queries per head (n_sink={job.n_sink}), "
+                 f"mean trace(cov) {trace.mean():.3g}; {self.seconds:.1f} s this run")
+        return Section(arrays=stats, attrs={"n_sink": int(job.n_sink)})
