@@ -118,6 +118,10 @@ def build_view(reader: ArtifactReader, evaluation: dict | None = None, budget: i
         stats = reader.section("query_stats")
         heatmaps.append(heatmap("Mean-query norm (pre-RoPE)", np.linalg.norm(stats["mean"], axis=-1), "head", "{:.2f}"))
         heatmaps.append(heatmap("Query covariance trace", np.trace(stats["cov"], axis1=-2, axis2=-1), "head", "{:.2f}"))
+    if reader.has("learned_scorer"):
+        fit = reader.section("learned_scorer")
+        heatmaps.append(heatmap("Learned scorer: held-out rank correlation with the teacher",
+                                fit["rank_correlation"], "KV head", "{:.2f}"))
     if reader.has("moments"):
         moments = reader.section("moments")
         names = {-1: "none", 0: "0th", 1: "1st"}

@@ -7,7 +7,7 @@ datasets has an exact dtype and a shape written in symbols:
 * architecture symbols, fixed by the ``/model`` attributes: ``L`` layers, ``Hq`` query heads,
   ``Hkv`` KV heads, ``d`` head dimension;
 * section symbols, free but equal across a section's datasets and capped: ``P`` probes,
-  ``NT`` token budgets, ``NR`` ratio budgets, ``R`` reference ratios.
+  ``NT`` token budgets, ``NR`` ratio budgets, ``R`` reference ratios, ``F`` scorer features.
 
 Every section is optional (``profile-model --stages`` may write a subset); a section that is
 present must hold all of its datasets.  A consumer that needs a section asks the reader for it
@@ -24,13 +24,13 @@ import numpy as np
 
 FORMAT_NAME = "kvcal-calibration"
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 0
+SCHEMA_MINOR = 1  # 1.1: the optional learned_scorer section
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 # Upper bounds on the architecture numbers and free dimensions a file may declare.  They keep
 # a hostile file from making the reader allocate absurd amounts of memory.
 ARCH_LIMITS = {"L": 1024, "Hq": 1024, "Hkv": 1024, "d": 1024}
-FREE_DIM_LIMITS = {"P": 1_000_000, "NT": 4096, "NR": 4096, "R": 256}
+FREE_DIM_LIMITS = {"P": 1_000_000, "NT": 4096, "NR": 4096, "R": 256, "F": 4096}
 MAX_STRING_ATTR_CHARS = 1 << 20  # config JSON and friends: at most a million characters
 
 
@@ -101,6 +101,18 @@ SECTIONS: dict[str, SectionSpec] = {
             "reference_ratios": DatasetSpec("<f8", ("R",), "kept fraction of the cache at which errors were measured", 0.0, 1.0),
             "tau": DatasetSpec("<f8", ("L", "Hkv"), "threshold below which C_vk entries are zeroed; 0 = none", 0.0),
         },
+    ),
+    "learned_scorer": SectionSpec(
+        "A learned token scorer per (layer, KV head): ridge regression from the head's pre-RoPE key "
+        "and value to the log KVzip reconstruction importance, fitted on calibration text.",
+        {
+            "weights": DatasetSpec("<f8", ("L", "Hkv", "F"), "coefficients on the features [pre-RoPE key, value] (F = 2d)"),
+            "bias": DatasetSpec("<f8", ("L", "Hkv"), "intercept"),
+            "ridge": DatasetSpec("<f8", ("L", "Hkv"), "ridge strength chosen on held-out text (penalty lambda n var per feature)", 0.0),
+            "r2": DatasetSpec("<f8", ("L", "Hkv"), "held-out coefficient of determination of the log teacher score", -1e9, 1.0),
+            "rank_correlation": DatasetSpec("<f8", ("L", "Hkv"), "held-out Spearman correlation of prediction and teacher", -1.0, 1.0),
+        },
+        {"features": str, "teacher": str, "fit_tokens": int, "held_out_tokens": int},
     ),
 }
 

@@ -74,6 +74,13 @@ def summarize(reader: ArtifactReader) -> dict:
             "mean_error": {names[k - 1]: [float(e) for e in m["errors"][:, k].mean(axis=(1, 2))]
                            for k in range(3)},
         }
+    if reader.has("learned_scorer"):
+        ls = reader.section("learned_scorer")
+        sections["learned_scorer"] = {
+            "features": ls.attrs["features"], "teacher": ls.attrs["teacher"],
+            "fit_tokens": int(ls.attrs["fit_tokens"]), "held_out_tokens": int(ls.attrs["held_out_tokens"]),
+            "r2": _range(ls["r2"]), "rank_correlation": _range(ls["rank_correlation"]),
+        }
     return summary
 
 
@@ -130,4 +137,10 @@ def format_summary(summary: dict) -> str:
         counts = ", ".join(f"{k} {v}" for k, v in mo["order_counts"].items())
         lines.append(f"moments     correction order per KV head: {counts}; reference ratios "
                      f"{', '.join(f'{r:g}' for r in mo['reference_ratios'])}")
+    if "learned_scorer" in sections:
+        ls = sections["learned_scorer"]
+        lines.append(f"learned_scorer  {ls['features']} features -> log {ls['teacher']} importance, fitted on "
+                     f"{ls['fit_tokens']} tokens; held-out ({ls['held_out_tokens']} tokens) rank correlation "
+                     f"{ls['rank_correlation']['min']:.2f} .. {ls['rank_correlation']['max']:.2f}, "
+                     f"R^2 {ls['r2']['min']:.2f} .. {ls['r2']['max']:.2f}")
     return "\n".join(lines)

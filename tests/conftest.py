@@ -86,7 +86,8 @@ def make_random_identity(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=
     )
 
 
-def make_random_artifact(identity=None, *, seed=0, probes=7, sections=("behaviour", "query_stats", "budgets", "moments")):
+def make_random_artifact(identity=None, *, seed=0, probes=7, sections=("behaviour", "query_stats", "budgets", "moments",
+                                                                   "learned_scorer")):
     """An Artifact with every requested section filled with valid random values."""
     import numpy as np
 
@@ -128,6 +129,11 @@ def make_random_artifact(identity=None, *, seed=0, probes=7, sections=("behaviou
             "order": rng.integers(-1, 2, (L, Hkv)).astype(np.int8),
             "errors": rng.random((2, 3, L, Hkv)), "reference_ratios": np.array([0.25, 0.5]),
             "tau": rng.random((L, Hkv)) * 1e-3})
+    if "learned_scorer" in sections:
+        built["learned_scorer"] = Section({
+            "weights": rng.standard_normal((L, Hkv, 2 * d)), "bias": rng.standard_normal((L, Hkv)),
+            "ridge": np.full((L, Hkv), 0.01), "r2": rng.random((L, Hkv)), "rank_correlation": rng.random((L, Hkv))},
+            {"features": "kv", "teacher": "kvzip", "fit_tokens": 4096, "held_out_tokens": 1024})
     return Artifact(model=identity, config={"preset": "test", "seed": seed}, sections=built)
 
 

@@ -1,0 +1,196 @@
+"""A learned per-head token scorer: reconstruction importance as teacher, ridge regression as student.
+
+Teacher.  KVzip ("KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction",
+arXiv 2505.23416) rates a context token by how much the model needs it to *repeat* the
+context: after the context ``c [C]`` the model reads a repeat instruction and then ``c``
+again (teacher-forced); a KV pair's importance is the largest attention weight any
+reconstruction query pays it, maximised over the query heads of its GQA group.  On
+calibration text this is one causal forward pass over ``[c; instruction; c]``
+(:func:`reconstruction_input`): the context tokens' keys are exactly those a plain prefill of
+``c`` computes, and :func:`reconstruction_importance` reads the weights from the same logits
+the attention kernel uses.  The target is its logarithm.
+
+Student.  KVzap ("KVzap", arXiv 2601.07891) fits a per-layer map from what serving already
+computes to the log KVzip score per KV head.  Here, per (layer, KV head), a ridge regression
+``y ~ w . z + b`` in closed form from float64 sums (``Z^T Z``, ``Z^T y``) that add up across
+windows, processes and resumed runs, on one of two feature sets:
+
+* ``kv``: the head's own pre-RoPE key and value ``z = [k, v] [2d]``.  The runtime recovers
+  the pre-RoPE key from the cached (rotated) one, so the scorer needs nothing but the cache;
+  sums are ``[Hkv, 2d+1, 2d+1]`` per layer (small at any model size);
+* ``hidden``: the layer's attention input (the normed hidden state) ``z = x [D]``, shared by
+  the layer's KV heads; more expressive (``[k, v]`` is a linear function of ``x``), but its
+  sums are ``[D+1, D+1]`` per layer (~0.5 GB per layer at D = 8192) and the runtime would
+  have to keep each token's score beside the cache.
+
+The ridge penalty is ``lambda * n * var(z_f)`` per feature (ridge on standardised features;
+the intercept is not penalised); ``lambda`` is chosen per head on held-out windows by the
+rank correlation of predicted and teacher scores (what eviction uses is the order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+RECONSTRUCTION_INSTRUCTION = "\n\nRepeat the previous context exactly.\n\n"
+FEATURE_KINDS = ("kv", "hidden")
+RIDGE_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+MIN_LOG_SCORE = -30.0  # log of an attention weight that underflowed
+
+
+def reconstruction_input(context: torch.Tensor, instruction: torch.Tensor) -> torch.Tensor:
+    """``[c; instruction; c]`` token ids ``[2C + I]`` for a context ``c [C]``."""
+    return torch.cat([context, instruction, context])
+
+
+@torch.no_grad()
+def reconstruction_importance(query: torch.Tensor, key: torch.Tensor, context_len: int, scaling: float,
+                              chunk: int = 256) -> torch.Tensor:
+    """Log KVzip importance ``[Hkv, C]`` of the first ``C`` keys.
+
+    ``query [Hq, T, d]`` and ``key [Hkv, T, d]`` (post-RoPE) of one causal forward pass over
+    ``[c; instruction; c]``; every query after the context (positions ``C .. T-1``) is a
+    reconstruction query.  Its causal softmax over all the keys it sees is computed in float32,
+    chunk by chunk, and the weight on each context key is maximised over the queries and over
+    the GQA group's query heads.
+    """
+    num_q_heads, total, dim = query.shape
+    num_kv_heads = key.shape[0]
+    group = num_q_heads // num_kv_heads
+    keys = key.float().repeat_interleave(group, dim=0)  # [Hq, T, d]
+    best = torch.zeros(num_q_heads, context_len, device=query.device)
+    for start in range(context_len, total, chunk):
+        stop = min(start + chunk, total)
+        logits = scaling * query[:, start:stop].float() @ keys[:, :stop].transpose(1, 2)  # [Hq, c, stop]
+        future = torch.arange(stop, device=query.device)[None, :] > torch.arange(start, stop, device=query.device)[:, None]
+        weights = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+        best = torch.maximum(best, weights[:, :, :context_len].amax(dim=1))
+    per_kv_head = best.reshape(num_kv_heads, group, context_len).amax(dim=1)  # [Hkv, C]
+    return per_kv_head.clamp_min(float(np.exp(MIN_LOG_SCORE))).log()
+
+
+def kv_features(pre_rope_keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[Hkv, n, 2d]`` student features of the ``kv`` kind (float32)."""
+    return torch.cat([pre_rope_keys.float(), values.float()], dim=-1)
+
+
+class RidgeSums:
+    """Float64 normal-equation sums of one layer: ``groups`` feature sets, ``targets`` heads each.
+
+    ``kv`` features: ``groups = Hkv``, one target per group; ``hidden``: one group shared by
+    ``Hkv`` targets.  ``zz [G, F+1, F+1]``, ``zy [G, F+1, M]`` with ``z = [features, 1]``.
+    """
+
+    def __init__(self, groups: int, features: int, targets: int):
+        self.zz = np.zeros((groups, features + 1, features + 1))
+        self.zy = np.zeros((groups, features + 1, targets))
+
+    def add(self, features: torch.Tensor, targets: torch.Tensor) -> None:
+        """``features [G, n, F]``, ``targets [G, n, M]`` (any float dtype; summed in float64)."""
+        z = torch.cat([features.double(), torch.ones(*features.shape[:2], 1, dtype=torch.float64,
+                                                     device=features.device)], dim=-1)  # [G, n, F+1]
+        self.zz += (z.transpose(1, 2) @ z).cpu().numpy()
+        self.zy += (z.transpose(1, 2) @ targets.double()).cpu().numpy()
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {"zz": self.zz, "zy": self.zy}
+
+    def restore(self, state: dict[str, np.ndarray]) -> None:
+        self.zz[...] = state["zz"]
+        self.zy[...] = state["zy"]
+
+    def solve(self, ridge: float) -> np.ndarray:
+        """Weights ``[G, F+1, M]`` (last row: intercept) minimising squared error + penalty."""
+        n = self.zz[:, -1, -1]  # [G]
+        if np.any(n <= 1):
+            raise ValueError("too few calibration tokens to fit the scorer")
+        mean = self.zz[:, -1, :-1] / n[:, None]  # [G, F]
+        variance = np.maximum(np.diagonal(self.zz, axis1=1, axis2=2)[:, :-1] / n[:, None] - mean ** 2, 0.0)
+        penalty = np.zeros_like(self.zz)
+        features = self.zz.shape[1] - 1
+        penalty[:, np.arange(features), np.arange(features)] = ridge * n[:, None] * np.maximum(variance, 1e-12)
+        return np.linalg.solve(self.zz + penalty, self.zy)
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Rank correlation of two vectors (average ranks for ties are not needed: continuous scores)."""
+    ra, rb = np.argsort(np.argsort(a)).astype(np.float64), np.argsort(np.argsort(b)).astype(np.float64)
+    ra -= ra.mean()
+    rb -= rb.mean()
+    denominator = np.sqrt((ra ** 2).sum() * (rb ** 2).sum())
+    return float((ra * rb).sum() / denominator) if denominator > 0 else 0.0
+
+
+def r_squared(prediction: np.ndarray, target: np.ndarray) -> float:
+    total = ((target - target.mean()) ** 2).sum()
+    return float(1.0 - ((prediction - target) ** 2).sum() / total) if total > 0 else 0.0
+
+
+@dataclass
+class WindowRecord:
+    """One layer of one window: teacher and features of the ``C`` context tokens."""
+
+    teacher: torch.Tensor  # [Hkv, C] log importance
+    kv: torch.Tensor  # [Hkv, C, 2d] pre-RoPE keys and values
+    hidden: torch.Tensor  # [C, D] attention input
+
+
+def predict(weights: np.ndarray, features: np.ndarray) -> np.ndarray:
+    """``features [G, n, F]`` and ``weights [G, F+1, M]`` -> predictions ``[G, n, M]``."""
+    return features @ weights[:, :-1] + weights[:, -1:]
+
+
+TEACHER_ATTENTION = "kvcal_reconstruction_teacher"
+
+
+@torch.no_grad()
+def record_window(model, context: torch.Tensor, instruction: torch.Tensor) -> list[WindowRecord]:
+    """Run ``[c; instruction; c]`` through ``model`` once; per layer, the teacher and the features
+    of the context tokens ``c [C]`` (see the module docstring)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    context_len = int(context.shape[0])
+    ids = reconstruction_input(context, instruction).unsqueeze(0)  # [1, T]
+    attention_modules = [layer.self_attn for layer in model.model.layers]
+    teacher: dict[int, torch.Tensor] = {}
+    hidden: dict[int, torch.Tensor] = {}
+
+    def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        teacher[module.layer_idx] = reconstruction_importance(query[0], key[0], context_len, scale).cpu()
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+
+    def hook(module, args, kwargs):
+        states = kwargs.get("hidden_states", args[0] if args else None)
+        hidden[module.layer_idx] = states[0, :context_len].detach()
+
+    AttentionInterface.register(TEACHER_ATTENTION, attention_forward)
+    AttentionMaskInterface.register(TEACHER_ATTENTION, sdpa_mask)
+    previous = model.config._attn_implementation
+    handles = [module.register_forward_pre_hook(hook, with_kwargs=True) for module in attention_modules]
+    model.set_attn_implementation(TEACHER_ATTENTION)
+    try:
+        device = next(model.parameters()).device
+        model.model(input_ids=ids.to(device), use_cache=False)
+    finally:
+        model.set_attn_implementation(previous)
+        for handle in handles:
+            handle.remove()
+    records = []
+    for index, module in enumerate(attention_modules):
+        x = hidden[index]  # [C, D]
+        head_dim = module.head_dim
+        keys = module.k_proj(x).view(context_len, -1, head_dim)  # [C, Hkv, d]
+        if getattr(module, "k_norm", None) is not None:
+            keys = module.k_norm(keys)
+        values = module.v_proj(x).view(context_len, -1, head_dim)
+        records.append(WindowRecord(teacher=teacher[index],
+                                    kv=kv_features(keys.transpose(0, 1), values.transpose(0, 1)).cpu(),
+                                    hidden=x.float().cpu()))
+    return records
