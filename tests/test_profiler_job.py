@@ -72,7 +72,7 @@ def _run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 def _read(path: Path) -> tuple[dict, dict]:
     with open_artifact(path) as reader:
-        arrays = {f"{name}/{key}": value for name in ("behaviour", "query_stats", "budgets")
+        arrays = {f"{name}/{key}": value for name in ("behaviour", "query_stats", "budgets", "moments", "learned_scorer")
                   for key, value in reader.section(name).arrays.items()}
         return arrays, dict(reader.config)
 
@@ -154,7 +154,7 @@ def test_interrupt_inside_a_forward_pass_resumes_exactly(model_dir, reference, t
     assert "--resume" in capsys.readouterr().err and not out.exists()
     monkeypatch.undo()
     assert main([*args, "--resume"]) == 0
-    assert "behaviour 12 probes, query-stats 3 batches done" in capsys.readouterr().out
+    assert "behaviour 12 probes, query-stats 3 batches, learned-scorer 0 windows done" in capsys.readouterr().out
     got, _ = _read(out)
     want, _ = _read(reference)
     for name in want:
@@ -175,8 +175,9 @@ def test_accelerate_two_processes_equal_single(model_dir, reference, tmp_path):
     for name in want:
         if want[name].dtype.kind in "iuS":
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-        else:  # float64 sums added in another order
-            np.testing.assert_allclose(got[name], want[name], rtol=1e-9, atol=1e-12, err_msg=name)
+        else:  # float64 sums added in another order (the scorer's linear solve amplifies that ~1e3 times)
+            rtol = 1e-6 if name.startswith("learned_scorer/") else 1e-9
+            np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=1e-12, err_msg=name)
     assert got_config["profiler"]["processes"] == 2 and want_config["profiler"]["processes"] == 1
     got_config.pop("profiler"), want_config.pop("profiler")
     assert got_config == want_config
