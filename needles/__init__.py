@@ -11,8 +11,9 @@ Public API::
 
     from needles import ProbeSpec, PRESETS, generate_probes, load_probes, answer_is_correct
 
+    tokenizer = AutoTokenizer.from_pretrained(path)   # needles takes the tokenizer, never loads one
     spec = PRESETS["quick"].replace(families=("retrieval",), seed=3)
-    probes = list(generate_probes(spec))            # tokenizer: None -> the embedded model's
+    probes = list(generate_probes(spec, tokenizer))
     probe = probes[0]
     probe.input_ids, probe.labels(), probe.context_end, probe.answer
     answer_is_correct("The number is 1234567.", probe)

@@ -103,9 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         ("split", args.split), ("seed", args.seed)) if value is not None}
     try:
         spec = PRESETS[args.preset].replace(**changes)
-        from needles.spec import resolve_tokenizer
+        # The command loads the tokenizer with the loader every kvcal command shares (it also
+        # converts the embedded model); the probe generator itself only takes the object.
+        from runtime.models import load_tokenizer
 
-        tokenizer = resolve_tokenizer(args.model)
+        tokenizer = load_tokenizer(args.model)
         shown = []
 
         def stream():
