@@ -25,7 +25,7 @@ from typing import Iterable, Iterator
 from artifacts.atomic import atomic_path
 from needles.families import FAMILIES, render_needle
 from needles.haystacks import Haystack, make_haystack
-from needles.placement import PromptFormat, place_needle
+from needles.placement import place_needle
 from needles.probe import Probe
 
 
@@ -107,8 +107,7 @@ def _check_tokenizer(tokenizer) -> None:
 
 
 def make_probe(tokenizer, family: str, length: int, depth: float, *, seed: int = 0, replicate: int = 0,
-               haystack: str | Haystack = "simple", tolerance: float = 0.02,
-               prompt_format: PromptFormat | None = None) -> Probe:
+               haystack: str | Haystack = "simple", tolerance: float = 0.02) -> Probe:
     """One probe of ``family`` at ``length`` tokens and ``depth`` percent (see :class:`ProbeSpec`)."""
     _check_tokenizer(tokenizer)
     source = make_haystack(haystack)
@@ -116,7 +115,7 @@ def make_probe(tokenizer, family: str, length: int, depth: float, *, seed: int =
     haystack_seed = cell_seed(seed, family, length, depth, replicate, "haystack")
     needle = render_needle(family, needle_seed)
     placed = place_needle(tokenizer, needle, source.sentences(haystack_seed), length, depth,
-                          tolerance=tolerance, prompt_format=prompt_format)
+                          tolerance=tolerance)
     return Probe(
         id=probe_id(family, length, depth, seed, replicate), family=family, length=length, depth=depth,
         seed=seed, question=needle.question, answer=needle.answer, input_ids=placed.input_ids,
@@ -141,7 +140,6 @@ def generate_probes(spec: ProbeSpec | str, tokenizer, *, progress: bool = False)
         spec = PRESETS[spec]
     _check_tokenizer(tokenizer)
     source = make_haystack(spec.haystack, text_column=spec.text_column, split=spec.split)
-    prompt_format = PromptFormat(tokenizer)
     cells: Iterable = spec.cells()
     if progress:
         from tqdm import tqdm
@@ -149,7 +147,7 @@ def generate_probes(spec: ProbeSpec | str, tokenizer, *, progress: bool = False)
         cells = tqdm(cells, total=spec.size, desc="probes", unit="probe")
     for family, length, depth, replicate in cells:
         yield make_probe(tokenizer, family, length, depth, seed=spec.seed, replicate=replicate,
-                         haystack=source, tolerance=spec.tolerance, prompt_format=prompt_format)
+                         haystack=source, tolerance=spec.tolerance)
 
 
 def write_probes(probes: Iterable[Probe], path: str | Path) -> int:

@@ -88,11 +88,8 @@ def file_probes(path: str | Path) -> ProbeSet:
 def preset_probes(name: str, tokenizer, tokenizer_fingerprint: str = "", overrides: dict | None = None) -> ProbeSet:
     """The needles preset ``name`` (with ``ProbeSpec`` fields replaced by ``overrides``) for
     ``tokenizer``, built lazily."""
-    try:
-        from needles import PRESETS, make_haystack, make_probe
-        from needles.placement import PromptFormat
-    except ImportError as exc:
-        raise RuntimeError("needles' probe generator is not available; pass --probes FILE.jsonl") from exc
+    from needles import PRESETS, make_haystack, make_probe
+
     if name not in PRESETS:
         raise ValueError(f"unknown needles probe preset {name!r}; known: {', '.join(PRESETS)}")
     spec = PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
@@ -100,12 +97,11 @@ def preset_probes(name: str, tokenizer, tokenizer_fingerprint: str = "", overrid
     if not cells:
         raise ValueError(f"needles preset {name!r} has no probes")
     haystack = make_haystack(spec.haystack, text_column=spec.text_column, split=spec.split)
-    prompt_format = PromptFormat(tokenizer)
 
     def build(index: int) -> Probe:
         family, length, depth, replicate = cells[index]
         return make_probe(tokenizer, family, length, depth, seed=spec.seed, replicate=replicate,
-                          haystack=haystack, tolerance=spec.tolerance, prompt_format=prompt_format)
+                          haystack=haystack, tolerance=spec.tolerance)
 
     table = _table([c[1] for c in cells], [c[2] for c in cells], [c[0] for c in cells], [spec.seed] * len(cells))
     config = {"source": "needles", "preset": name, "overrides": sorted(overrides or {}), "spec": spec.to_dict()}
