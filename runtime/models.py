@@ -58,14 +58,6 @@ def embedded_gguf_path() -> Path:
     )
 
 
-def _file_digest(path: Path, length: int = 16) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            sha.update(block)
-    return sha.hexdigest()[:length]
-
-
 def embedded_model_dir() -> Path:
     """Directory holding the embedded model as safetensors, converting it on first use."""
     gguf = embedded_gguf_path()
