@@ -1,10 +1,11 @@
 """needles: REAL-style needle-in-a-haystack probes with token-level behaviour labels.
 
 A probe (:class:`needles.probe.Probe`) is a tokenized prompt - the model's chat template around
-one user message "context, blank line, question" - with its question, ground-truth answer and
-token spans labelled ``R`` (retrieval-reasoning: the answer), ``B`` (bias: question-related
-facts that are not the answer) and ``D`` (distraction: same-shaped statements with another
-answer); every other token is ``W`` (widespread).  See REAL (seed 004, section 2.1) and
+one user message "context, blank line, question", the format :mod:`prompt_format` defines for
+probes and serving alike - with its question, ground-truth answer and token spans labelled
+``R`` (retrieval-reasoning: the answer), ``B`` (bias: question-related facts that are not the
+answer) and ``D`` (distraction: same-shaped statements with another answer); every other
+token is ``W`` (widespread).  See REAL (seed 004, section 2.1) and
 DESIGN.md section 3.
 
 Public API::
