@@ -21,10 +21,12 @@ DESCRIPTION = """\
 Generate REAL-style needle-in-a-haystack probes with token-level behaviour labels.
 
 Each output line is one probe as JSON: id, family, length, depth, seed, question, answer,
-input_ids (the whole prompt after the model's chat template, generation prompt included),
-spans (a list of {"label": "R"|"B"|"D", "start": i, "end": j} token ranges; every other
-token is W; R = retrieval-reasoning, the answer; B = bias, question-related facts that
-are not the answer; D = distraction, same-shaped statements with another answer),
+input_ids (the whole prompt: the model's chat template around "context, blank line,
+question" with the generation prompt, or "context, blank line, question, Answer:" for a
+tokenizer without one - the prompt runtime.answer() builds), spans (a list of
+{"label": "R"|"B"|"D", "start": i, "end": j} token ranges; every other token is W;
+R = retrieval-reasoning, the answer; B = bias, question-related facts that are not the
+answer; D = distraction, same-shaped statements with another answer),
 context_end (input_ids[:context_end] is the question-free context) and meta.
 Lengths are in tokens of the model's tokenizer (the prompt lands within 2%); depths are
 percent of the context before the needle.  The same options and seed always give the same
@@ -103,9 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         ("split", args.split), ("seed", args.seed)) if value is not None}
     try:
         spec = PRESETS[args.preset].replace(**changes)
-        from needles.spec import resolve_tokenizer
+        # The command loads the tokenizer with the loader every kvcal command shares (it also
+        # converts the embedded model); the probe generator itself only takes the object.
+        from runtime.models import load_tokenizer
 
-        tokenizer = resolve_tokenizer(args.model)
+        tokenizer = load_tokenizer(args.model)
         shown = []
 
         def stream():

@@ -1,14 +1,15 @@
 """Placing a needle in a haystack at a token length and depth, and labelling its tokens.
 
-The prompt is one user message, ``context + "\\n\\n" + question``, put through the tokenizer's
-chat template with the generation prompt (a tokenizer without a chat template gets the plain
-``[bos]context\\n\\nquestion\\nAnswer:``).  The context is haystack sentences with the needle
-inserted between two of them (a sentence boundary) so that ``depth`` percent of the haystack's
-tokens come before it.  The number of haystack words is adjusted until the whole tokenized
-prompt is within ``tolerance`` (default 2%) of the asked length, preferring prompts no longer
-than asked (a model's context limit stays safe); if it cannot be, that is an error.
+The prompt is the one format profiling and serving share (:mod:`prompt_format`): one user
+message ``context + "\\n\\n" + question`` through the tokenizer's chat template with the
+generation prompt, or ``[bos]context\\n\\nquestion\\nAnswer:`` without a chat template.  The
+context is haystack sentences with the needle inserted between two of them (a sentence
+boundary) so that ``depth`` percent of the haystack's tokens come before it.  The number of
+haystack words is adjusted until the whole tokenized prompt is within ``tolerance`` (default
+2%) of the asked length, preferring prompts no longer than asked (a model's context limit
+stays safe); if it cannot be, that is an error.
 
-``context_end`` is the first token of the question part (just after the ``\\n\\n`` separator):
+``context_end`` is the first token of the question part (:func:`prompt_format.context_boundary`):
 tokenizing the prompt text up to there gives exactly ``input_ids[:context_end]``, which is
 checked, so question-agnostic runs can prefill the context alone.
 
@@ -31,8 +32,7 @@ from typing import Iterator
 from needles.families import CharSpan, RenderedNeedle
 from needles.haystacks import join_units
 from needles.probe import Span
-
-SEPARATOR = "\n\n"  # between the context and the question
+from prompt_format import context_boundary, encode, encode_with_offsets, render_prompt
 
 
 class SpanError(ValueError):
@@ -44,59 +44,8 @@ class LengthError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------
-# Prompt text
+# Span mapping
 # ---------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class PromptText:
-    text: str
-    context_start: int  # character where the context (haystack + needle) starts
-    question_start: int  # character where the question part starts (after the separator)
-
-
-class PromptFormat:
-    """Builds the prompt text for a tokenizer: its chat template, or a plain fallback."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.uses_chat_template = bool(getattr(tokenizer, "chat_template", None))
-
-    def render(self, context: str, question: str) -> PromptText:
-        content = context + SEPARATOR + question
-        if self.uses_chat_template:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
-            start = text.find(content)
-            if start < 0 or text.find(content, start + 1) >= 0:
-                raise ValueError("the chat template does not reproduce the user message verbatim exactly once; "
-                                 "cannot locate the needle in the prompt")
-        else:
-            bos = self.tokenizer.bos_token or ""
-            text = bos + content + "\nAnswer:"
-            start = len(bos)
-        return PromptText(text, start, start + len(context) + len(SEPARATOR))
-
-
-# ---------------------------------------------------------------------------------------
-# Tokenization and span mapping
-# ---------------------------------------------------------------------------------------
-
-def encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def encode_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
-    """Token ids of ``text`` (special-token text inside it is honoured, none are added) and the
-    offset mapping, or ``None`` when the tokenizer cannot give offsets."""
-    try:
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    except (NotImplementedError, TypeError, ValueError):
-        return encode(tokenizer, text), None
-    offsets = encoded.get("offset_mapping") if hasattr(encoded, "get") else None
-    if offsets is None:
-        return list(encoded["input_ids"]), None
-    return list(encoded["input_ids"]), [tuple(pair) for pair in offsets]
-
 
 def _visible_start(text: str, start: int, end: int) -> int:
     """First non-whitespace character of ``text[start:end]`` (``end`` if none)."""
@@ -181,29 +130,6 @@ def map_spans(tokenizer, text: str, ids: list[int], offsets: list[tuple[int, int
     return spans
 
 
-def context_boundary(tokenizer, text: str, ids: list[int], offsets, question_start: int) -> int:
-    """``context_end``: the first token of the question part.
-
-    The split goes at the context/question separator, at the first of these character
-    positions where the prompt's prefix tokenizes alone exactly as inside the whole prompt:
-    after the separator, between its two newlines, before it.  (Byte-level BPEs such as
-    SmolLM2's turn a trailing ``"\\n\\n"`` into one token but split it before a word, so there the
-    question part starts with the separator.)
-    """
-    candidates = [question_start, question_start - len(SEPARATOR) + 1, question_start - len(SEPARATOR)]
-    for cut in candidates:
-        prefix = encode(tokenizer, text[:cut])
-        if ids[:len(prefix)] != prefix:
-            continue
-        if offsets is not None and len(prefix) < len(ids):
-            start, end = offsets[len(prefix)]
-            if start < cut and text[start:cut].strip():
-                continue  # the next token starts inside the prefix
-        return len(prefix)
-    raise SpanError("no context/question split of the prompt tokenizes identically alone and inside "
-                    "the whole prompt; the tokenizer merges across the separator")
-
-
 # ---------------------------------------------------------------------------------------
 # Fitting a needle into a haystack at a length and depth
 # ---------------------------------------------------------------------------------------
@@ -276,15 +202,13 @@ def _insertion_index(tokens: list[int], depth: float) -> int:
 
 
 def place_needle(tokenizer, needle: RenderedNeedle, haystack_stream: Iterator[str], length: int,
-                 depth: float, *, tolerance: float = 0.02, prompt_format: PromptFormat | None = None,
-                 max_iterations: int = 12) -> PlacedNeedle:
+                 depth: float, *, tolerance: float = 0.02, max_iterations: int = 12) -> PlacedNeedle:
     """Hide ``needle`` in haystack units so the whole prompt is ``length`` tokens (within
     ``tolerance``) with the needle at ``depth`` percent of the context; label its tokens."""
     if not 0.0 <= depth <= 100.0:
         raise ValueError(f"depth is a percentage in [0, 100], got {depth}")
     if length < 1:
         raise ValueError(f"length must be positive, got {length}")
-    fmt = prompt_format or PromptFormat(tokenizer)
     pool = _UnitPool(tokenizer, haystack_stream)
     pool.ensure_words(64)
     allowed = tolerance * length
@@ -296,11 +220,11 @@ def place_needle(tokenizer, needle: RenderedNeedle, haystack_stream: Iterator[st
         before, after = join_units(units[:index]), join_units(units[index:])
         prefix = before + (" " if before and not before.endswith("\n") else "")
         context = (prefix + needle.text + (" " + after if after else "")).rstrip()
-        prompt = fmt.render(context, needle.question)
+        prompt = render_prompt(tokenizer, context, needle.question)
         ids, offsets = encode_with_offsets(tokenizer, prompt.text)
         return prompt, ids, offsets, prompt.context_start + len(prefix)
 
-    overhead = len(encode_with_offsets(tokenizer, fmt.render(needle.text, needle.question).text)[0])
+    overhead = len(encode(tokenizer, render_prompt(tokenizer, needle.text, needle.question).text))
     if overhead > length + allowed:
         raise LengthError(f"the needle and question alone take {overhead} tokens, more than the asked {length}")
     words = max(0, round((length - overhead) / pool.tokens_per_word()))

@@ -25,7 +25,7 @@ from typing import Iterable, Iterator
 from artifacts.atomic import atomic_path
 from needles.families import FAMILIES, render_needle
 from needles.haystacks import Haystack, make_haystack
-from needles.placement import PromptFormat, place_needle
+from needles.placement import place_needle
 from needles.probe import Probe
 
 
@@ -99,26 +99,23 @@ def probe_id(family: str, length: int, depth: float, seed: int, replicate: int) 
     return f"{family}-L{length}-D{depth:g}-S{seed}-R{replicate}"
 
 
-def resolve_tokenizer(tokenizer):
-    """A tokenizer object from ``None`` (the embedded model's), a model name/path, or itself."""
+def _check_tokenizer(tokenizer) -> None:
+    """needles works on a tokenizer object and never loads one: callers pass it in."""
     if tokenizer is None or isinstance(tokenizer, (str, Path)):
-        from runtime.models import load_tokenizer
-
-        return load_tokenizer(None if tokenizer is None else str(tokenizer))
-    return tokenizer
+        raise TypeError(f"needles needs a tokenizer object, not {tokenizer!r}: load it first, e.g. "
+                        "transformers.AutoTokenizer.from_pretrained(path) (generate-probes --model does that)")
 
 
 def make_probe(tokenizer, family: str, length: int, depth: float, *, seed: int = 0, replicate: int = 0,
-               haystack: str | Haystack = "simple", tolerance: float = 0.02,
-               prompt_format: PromptFormat | None = None) -> Probe:
+               haystack: str | Haystack = "simple", tolerance: float = 0.02) -> Probe:
     """One probe of ``family`` at ``length`` tokens and ``depth`` percent (see :class:`ProbeSpec`)."""
-    tokenizer = resolve_tokenizer(tokenizer)
+    _check_tokenizer(tokenizer)
     source = make_haystack(haystack)
     needle_seed = cell_seed(seed, family, length, depth, replicate, "needle")
     haystack_seed = cell_seed(seed, family, length, depth, replicate, "haystack")
     needle = render_needle(family, needle_seed)
     placed = place_needle(tokenizer, needle, source.sentences(haystack_seed), length, depth,
-                          tolerance=tolerance, prompt_format=prompt_format)
+                          tolerance=tolerance)
     return Probe(
         id=probe_id(family, length, depth, seed, replicate), family=family, length=length, depth=depth,
         seed=seed, question=needle.question, answer=needle.answer, input_ids=placed.input_ids,
@@ -130,20 +127,19 @@ def make_probe(tokenizer, family: str, length: int, depth: float, *, seed: int =
     )
 
 
-def generate_probes(spec: ProbeSpec | str = "smoke", tokenizer=None, *, progress: bool = False) -> Iterator[Probe]:
+def generate_probes(spec: ProbeSpec | str, tokenizer, *, progress: bool = False) -> Iterator[Probe]:
     """Probes of ``spec`` (a :class:`ProbeSpec` or a preset name), one at a time, in grid order.
 
-    ``tokenizer``: a tokenizer, a model name/path, or ``None`` for the embedded model.  This is
-    a generator (the ``paper`` grid holds tens of millions of token ids); ``list()`` it for small
-    specs.  ``progress`` shows a tqdm bar on stderr.
+    ``tokenizer``: the target model's tokenizer (a transformers tokenizer object; needles never
+    loads one).  This is a generator (the ``paper`` grid holds tens of millions of token ids);
+    ``list()`` it for small specs.  ``progress`` shows a tqdm bar on stderr.
     """
     if isinstance(spec, str):
         if spec not in PRESETS:
             raise ValueError(f"unknown probe preset {spec!r}; known: {', '.join(PRESETS)}")
         spec = PRESETS[spec]
-    tokenizer = resolve_tokenizer(tokenizer)
+    _check_tokenizer(tokenizer)
     source = make_haystack(spec.haystack, text_column=spec.text_column, split=spec.split)
-    prompt_format = PromptFormat(tokenizer)
     cells: Iterable = spec.cells()
     if progress:
         from tqdm import tqdm
@@ -151,7 +147,7 @@ def generate_probes(spec: ProbeSpec | str = "smoke", tokenizer=None, *, progress
         cells = tqdm(cells, total=spec.size, desc="probes", unit="probe")
     for family, length, depth, replicate in cells:
         yield make_probe(tokenizer, family, length, depth, seed=spec.seed, replicate=replicate,
-                         haystack=source, tolerance=spec.tolerance, prompt_format=prompt_format)
+                         haystack=source, tolerance=spec.tolerance)
 
 
 def write_probes(probes: Iterable[Probe], path: str | Path) -> int:

@@ -12,6 +12,9 @@ Stages and the modules that implement them:
   skipping ``n_sink`` leading tokens per window of :mod:`profiler.calibration_text`.
 * ``budgets`` - per-KV-head budget tables, :mod:`profiler.budget_tables`, through
   ``runtime.budgets`` (the allocation is never re-implemented here).
+* ``moments`` - the MomentKV correction order per KV head: :mod:`profiler.moments_calibration`
+  compresses calibration windows and keeps, per head, the order (none, 0 or 1) with the
+  smallest attention-output error.
 
 Around them: :mod:`profiler.job` (orchestration, section building, keeping sections of an
 existing artifact), :mod:`profiler.checkpoint` (atomic resume work file),
@@ -23,8 +26,4 @@ Reproducibility: all accumulators are sums added in a fixed order per process, s
 interrupted and resumed run reproduces an uninterrupted one bit for bit; with N processes the
 per-process sums are added in another order (float64, ~1e-16 relative; the float32 model
 arithmetic itself also depends on the number of intra-op threads).
-
-A later ``moments`` stage (MomentKV calibration) adds an entry to ``job.STAGE_SECTIONS``, an
-accumulator saved in the work file, and a section builder; sections it does not recompute
-are carried over from the artifact at the output path.
 """

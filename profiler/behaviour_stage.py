@@ -17,19 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from needles import answer_is_correct
 from needles.probe import Probe
 from profiler.architecture import ModelGeometry
 from profiler.attention_capture import DecodeAttentionRecorder
 from profiler.behaviour_scores import NUM_LABELS, behaviour_scores, dominant_totals
-
-
-def answer_matches(text: str, probe: Probe) -> bool:
-    """Whether the generated ``text`` answers ``probe`` (needles' checker when available)."""
-    try:
-        from needles import answer_is_correct
-    except ImportError:
-        return probe.answer.strip().lower() in text.lower()
-    return bool(answer_is_correct(text, probe))
 
 
 @dataclass
@@ -58,7 +50,7 @@ def run_probe(model, tokenizer, geometry: ModelGeometry, probe: Probe, max_new_t
         raise RuntimeError(f"recorded {steps} steps for {generated.shape[0]} generated tokens")
     totals = dominant_totals(records["max_weight"], records["argmax"], probe.labels())
     text = tokenizer.decode(generated, skip_special_tokens=True)
-    return ProbeResult(totals, steps, answer_matches(text, probe), text)
+    return ProbeResult(totals, steps, answer_is_correct(text, probe), text)
 
 
 class BehaviourState:

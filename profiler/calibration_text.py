@@ -82,11 +82,8 @@ def dataset_documents(name: str, split: str, field: str, max_chars: int) -> list
 
 def haystack_documents(tokenizer, num_tokens: int, seed: int) -> list[str]:
     """Prose from needles' built-in haystack generator, at least ``num_tokens`` tokens."""
-    try:
-        from needles import prose_haystack
-    except ImportError as exc:
-        raise RuntimeError("the default calibration text comes from needles' prose haystack generator, "
-                           "which is not available; pass --calib-dataset FILE_OR_DATASET") from exc
+    from needles import prose_haystack
+
     return [prose_haystack(tokenizer, num_tokens, seed=seed)]
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from needles import PRESETS, load_probes, make_haystack, make_probe
 from needles.probe import Probe
 
 
@@ -66,33 +67,16 @@ def probes_from_list(probes: list[Probe], config: dict) -> ProbeSet:
                     longest=max(len(p.input_ids) for p in probes))
 
 
-def read_probes(path: str | Path) -> list[Probe]:
-    path = Path(path)
-    probes = []
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if line.strip():
-                try:
-                    probes.append(Probe.from_json(line))
-                except (ValueError, TypeError, KeyError) as exc:
-                    raise ValueError(f"{path}:{number}: not a probe record ({exc})") from exc
+def file_probes(path: str | Path) -> ProbeSet:
+    probes = load_probes(path)
     if not probes:
         raise ValueError(f"{path}: no probes in the file")
-    return probes
-
-
-def file_probes(path: str | Path) -> ProbeSet:
-    return probes_from_list(read_probes(path), {"source": "file", "path": str(path)})
+    return probes_from_list(probes, {"source": "file", "path": str(path)})
 
 
 def preset_probes(name: str, tokenizer, tokenizer_fingerprint: str = "", overrides: dict | None = None) -> ProbeSet:
     """The needles preset ``name`` (with ``ProbeSpec`` fields replaced by ``overrides``) for
     ``tokenizer``, built lazily."""
-    try:
-        from needles import PRESETS, make_haystack, make_probe
-        from needles.placement import PromptFormat
-    except ImportError as exc:
-        raise RuntimeError("needles' probe generator is not available; pass --probes FILE.jsonl") from exc
     if name not in PRESETS:
         raise ValueError(f"unknown needles probe preset {name!r}; known: {', '.join(PRESETS)}")
     spec = PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
@@ -100,12 +84,11 @@ def preset_probes(name: str, tokenizer, tokenizer_fingerprint: str = "", overrid
     if not cells:
         raise ValueError(f"needles preset {name!r} has no probes")
     haystack = make_haystack(spec.haystack, text_column=spec.text_column, split=spec.split)
-    prompt_format = PromptFormat(tokenizer)
 
     def build(index: int) -> Probe:
         family, length, depth, replicate = cells[index]
         return make_probe(tokenizer, family, length, depth, seed=spec.seed, replicate=replicate,
-                          haystack=haystack, tolerance=spec.tolerance, prompt_format=prompt_format)
+                          haystack=haystack, tolerance=spec.tolerance)
 
     table = _table([c[1] for c in cells], [c[2] for c in cells], [c[0] for c in cells], [spec.seed] * len(cells))
     config = {"source": "needles", "preset": name, "overrides": sorted(overrides or {}), "spec": spec.to_dict()}

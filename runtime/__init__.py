@@ -13,8 +13,8 @@ head down to its budget: scorer, sinks/window, moment-informed rounds; also used
 decoding), ``moments`` (MomentKV math), ``generate`` (entry points), ``calibration`` (artifact
 loading and identity checks), ``rope``; ``budgets`` and ``models`` are shared with the profiler.
 
-Depends on ``artifacts``, torch, transformers, numpy and h5py only (never on the profiler or
-the probe generator).
+Depends on ``artifacts``, ``prompt_format``, torch, transformers, numpy and h5py only (never on
+the profiler or the probe generator).
 """
 
 from .attention import enable, ragged_attention, register

