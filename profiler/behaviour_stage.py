@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from needles.probe import Probe
-from profiler.architecture import ModelGeometry
+from runtime.geometry import ModelGeometry
 from profiler.attention_capture import DecodeAttentionRecorder
 from profiler.behaviour_scores import NUM_LABELS, behaviour_scores, dominant_totals
 

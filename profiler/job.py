@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from artifacts import ARTIFACT_FILENAME, Artifact, ArtifactError, Section, open_artifact, write_artifact
 from artifacts.schema import canonical_json
 from profiler import distributed
-from profiler.architecture import inspect_model
+from runtime.geometry import ModelGeometry
 from profiler.attention_capture import capture_attention_implementation
 from profiler.behaviour_stage import BehaviourState, run_probe
 from profiler.budget_tables import DEFAULT_BETA, DEFAULT_MIN_BUDGET, DEFAULT_RATIOS, DEFAULT_TOKEN_BUDGETS, \
@@ -165,7 +165,7 @@ class ProfileJob:
         started = time.perf_counter()
         self.tokenizer = load_tokenizer(options.model)
         self.model = load_model(options.model, device_map=device_map)
-        self.geometry = inspect_model(self.model)
+        self.geometry = ModelGeometry.of(self.model)
         self.identity = model_identity(self.model, self.tokenizer, options.model or "embedded")
         self.out = Path(options.out) if options.out else default_output(self.model_path)
         self._say(f"model {self.identity.name} ({self.identity.model_type}, {self.geometry.num_layers} layers, "

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from runtime.eviction import text_config
+from runtime.geometry import ModelGeometry
 from runtime.moments import ORDERS, MomentSums, attention_with_lse, corrected_attention, evict_in_rounds
 from runtime.scorers import select_rows
 
@@ -163,11 +163,8 @@ def measure_correction_errors(model, windows, keep_ratios=(0.25, 0.5), query_win
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    config = text_config(model)
-    num_layers = int(config.num_hidden_layers)
-    num_q_heads = int(config.num_attention_heads)
-    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_q_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_q_heads)
+    geometry = ModelGeometry.of(model)
+    num_layers, num_kv_heads, head_dim = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
     ids = torch.as_tensor(np.asarray(windows), dtype=torch.long)
     if ids.dim() != 2 or ids.shape[0] == 0:
         raise ValueError(f"windows must be token ids [N, T] with N >= 1, got shape {tuple(ids.shape)}")

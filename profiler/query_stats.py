@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from profiler.architecture import ModelGeometry
+from runtime.geometry import ModelGeometry
 
 
 class QueryStatsAccumulator:

@@ -11,7 +11,8 @@ Modules: ``cache`` (ragged per-head cache, with MomentKV moment sums and correct
 StreamingLLM), ``policy``, ``compress`` (prefill and per-prompt eviction), ``eviction`` (one
 head down to its budget: scorer, sinks/window, moment-informed rounds; also used while
 decoding), ``moments`` (MomentKV math), ``generate`` (entry points), ``calibration`` (artifact
-loading and identity checks), ``rope``; ``budgets`` and ``models`` are shared with the profiler.
+loading and identity checks), ``rope``; ``geometry`` (the model's checked attention geometry),
+``budgets`` and ``models`` are shared with the profiler.
 
 Depends on ``artifacts``, torch, transformers, numpy and h5py only (never on the profiler or
 the probe generator).
@@ -21,13 +22,14 @@ from .attention import enable, ragged_attention, register
 from .cache import ATTENTION_NAME, RaggedCache, RaggedLayer
 from .calibration import Calibration, find_artifact, load_calibration
 from .compress import CompressionReport, PromptQueryStats, compress, prefill
+from .geometry import ModelGeometry, UnsupportedModelError
 from .generate import GenerationResult, answer, build_inputs, compress_prompt, generate, split_prompt
 from .policy import CompressionPolicy
 from .scorers import SCORERS, HeadContext, Scorer, make_scorer, select_rows
 
 __all__ = [
     "ATTENTION_NAME", "Calibration", "CompressionPolicy", "CompressionReport", "GenerationResult", "HeadContext",
-    "PromptQueryStats", "RaggedCache", "RaggedLayer", "SCORERS", "Scorer", "answer", "build_inputs", "compress",
-    "compress_prompt", "enable", "find_artifact", "generate", "load_calibration", "make_scorer", "prefill",
-    "ragged_attention", "register", "select_rows", "split_prompt",
+    "ModelGeometry", "PromptQueryStats", "RaggedCache", "RaggedLayer", "SCORERS", "Scorer", "UnsupportedModelError",
+    "answer", "build_inputs", "compress", "compress_prompt", "enable", "find_artifact", "generate", "load_calibration",
+    "make_scorer", "prefill", "ragged_attention", "register", "select_rows", "split_prompt",
 ]

@@ -21,7 +21,8 @@ import torch
 
 from .attention import enable
 from .cache import DecodePlan, RaggedCache
-from .eviction import HeadEvictor, attention_modules, text_config
+from .eviction import HeadEvictor
+from .geometry import ModelGeometry
 from .policy import CompressionPolicy
 
 
@@ -35,11 +36,11 @@ class PromptQueryStats:
     """
 
     def __init__(self, model, batch_size: int):
-        config = text_config(model)
-        self.modules = attention_modules(model)
-        self.num_q_heads = int(config.num_attention_heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_q_heads)
-        layers = len(self.modules)
+        geometry = ModelGeometry.of(model)
+        self.modules = geometry.query_modules
+        self.num_q_heads = geometry.num_q_heads
+        self.head_dim = geometry.head_dim
+        layers = geometry.num_layers
         self.count = np.zeros(batch_size, dtype=np.int64)
         self.total = torch.zeros(batch_size, layers, self.num_q_heads, self.head_dim, dtype=torch.float64)
         self.outer = torch.zeros(batch_size, layers, self.num_q_heads, self.head_dim, self.head_dim,
@@ -49,8 +50,7 @@ class PromptQueryStats:
 
     def __enter__(self):
         for layer, module in enumerate(self.modules):
-            target = module.q_norm if hasattr(module, "q_norm") else module.q_proj
-            self._handles.append(target.register_forward_hook(self._hook(layer)))
+            self._handles.append(module.register_forward_hook(self._hook(layer)))
         return self
 
     def __exit__(self, *exc):

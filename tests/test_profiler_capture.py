@@ -71,10 +71,10 @@ def _tiny(kind: str):
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3"])
 def test_capture_matches_eager_on_other_llama_family_models(kind):
-    from profiler.architecture import inspect_model
+    from runtime.geometry import ModelGeometry
 
     model = _tiny(kind)
-    assert inspect_model(model).query_norm == (kind == "qwen3")
+    assert ModelGeometry.of(model).query_norm == (kind == "qwen3")
     prompt = torch.randint(1, 96, (1, 23), generator=torch.Generator().manual_seed(2))
     _check_against_eager(model, prompt, steps=4, atol=1e-5)
 
