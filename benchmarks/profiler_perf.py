@@ -31,7 +31,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from profiler.attention_capture import capture_attention_implementation  # noqa: E402
 from profiler.behaviour_stage import run_probe  # noqa: E402
 from profiler.calibration_text import calibration_windows  # noqa: E402
 from profiler.presets import PRESETS  # noqa: E402
@@ -71,8 +70,7 @@ def bench_behaviour(model, tokenizer, probes, max_new_tokens, repeats):
                 if mode == "plain":
                     plain_generate(model, tokenizer, probe, max_new_tokens)
                 else:
-                    with capture_attention_implementation(model):
-                        result = run_probe(model, tokenizer, geometry, probe, max_new_tokens)
+                    result = run_probe(model, tokenizer, geometry, probe, max_new_tokens)
                     steps += result.steps if repeat == 0 else 0
                 times[mode] = time.perf_counter() - start
             pairs.append((times["plain"], times["capture"]))

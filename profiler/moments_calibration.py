@@ -3,9 +3,8 @@
 Whether the 0th- or 1st-order moment correction helps a head is an empirical property of the
 head, so it is measured on calibration text.  For every window ``[T]`` of token ids:
 
-* one forward pass of the model with a capture attention function (registered with
-  transformers' ``AttentionInterface`` and the ``sdpa`` mask builder with
-  ``AttentionMaskInterface``, DESIGN.md section 6); the function computes the ordinary
+* one forward pass of the model with a capture attention function (switched in with
+  ``runtime.attention.attention_implementation``); the function computes the ordinary
   ``sdpa`` output and hands post-RoPE ``query [1, Hq, T, d]`` and un-repeated
   ``key/value [1, Hkv, T, d]`` to a per-call measurer (passed by closure, no module globals);
 * the window is split into a *prefix* of ``P = T - W`` tokens (the prompt that gets
@@ -44,6 +43,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from runtime.attention import attention_implementation
 from runtime.geometry import ModelGeometry
 from runtime.moments import ORDERS, MomentSums, attention_with_lse, corrected_attention, evict_in_rounds
 from runtime.scorers import select_rows
@@ -159,9 +159,7 @@ def measure_correction_errors(model, windows, keep_ratios=(0.25, 0.5), query_win
     ``errors float64 [R, 3, L, Hkv]``, ``order int8 [L, Hkv]`` (-1 none, 0, 1),
     ``reference_ratios float64 [R]``, ``tau float64 [L, Hkv]``.
     """
-    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     geometry = ModelGeometry.of(model)
     num_layers, num_kv_heads, head_dim = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
@@ -192,17 +190,10 @@ def measure_correction_errors(model, windows, keep_ratios=(0.25, 0.5), query_win
         measurer.measure(module.layer_idx, query, key, value, scaling)
         return output
 
-    AttentionInterface.register(CALIBRATION_ATTENTION, attention_forward)
-    AttentionMaskInterface.register(CALIBRATION_ATTENTION, sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(CALIBRATION_ATTENTION)
     device = next(model.parameters()).device
-    try:
-        with torch.no_grad():
-            for index in tqdm(range(ids.shape[0]), desc="moments calibration", unit="window", disable=not progress):
-                model(input_ids=ids[index:index + 1].to(device), use_cache=False)
-    finally:
-        model.set_attn_implementation(previous)
+    with torch.no_grad(), attention_implementation(model, CALIBRATION_ATTENTION, attention_forward):
+        for index in tqdm(range(ids.shape[0]), desc="moments calibration", unit="window", disable=not progress):
+            model(input_ids=ids[index:index + 1].to(device), use_cache=False)
     if not np.all(measurer.calls == ids.shape[0]):
         raise RuntimeError(f"the calibration attention saw layers {measurer.calls.tolist()} times, expected "
                            f"{ids.shape[0]} each (does the model route attention through AttentionInterface?)")
