@@ -12,7 +12,8 @@ StreamingLLM), ``policy``, ``compress`` (prefill and per-prompt eviction), ``evi
 head down to its budget: scorer, sinks/window, moment-informed rounds; also used while
 decoding), ``moments`` (MomentKV math), ``generate`` (entry points), ``calibration`` (artifact
 loading and identity checks), ``rope``; ``geometry`` (the model's checked attention geometry),
-``budgets`` and ``models`` are shared with the profiler.
+``query_moments`` (pre-RoPE query sums: a prompt's, or the calibration's), ``attention``'s
+scoped swap, ``budgets`` and ``models`` are shared with the profiler.
 
 Depends on ``artifacts``, torch, transformers, numpy and h5py only (never on the profiler or
 the probe generator).
@@ -21,15 +22,16 @@ the probe generator).
 from .attention import enable, ragged_attention, register
 from .cache import ATTENTION_NAME, RaggedCache, RaggedLayer
 from .calibration import Calibration, find_artifact, load_calibration
-from .compress import CompressionReport, PromptQueryStats, compress, prefill
+from .compress import CompressionReport, compress, prefill
 from .geometry import ModelGeometry, UnsupportedModelError
 from .generate import GenerationResult, answer, build_inputs, compress_prompt, generate, split_prompt
 from .policy import CompressionPolicy
+from .query_moments import QueryMoments
 from .scorers import SCORERS, HeadContext, Scorer, make_scorer, select_rows
 
 __all__ = [
     "ATTENTION_NAME", "Calibration", "CompressionPolicy", "CompressionReport", "GenerationResult", "HeadContext",
-    "ModelGeometry", "PromptQueryStats", "RaggedCache", "RaggedLayer", "SCORERS", "Scorer", "UnsupportedModelError",
+    "ModelGeometry", "QueryMoments", "RaggedCache", "RaggedLayer", "SCORERS", "Scorer", "UnsupportedModelError",
     "answer", "build_inputs", "compress", "compress_prompt", "enable", "find_artifact", "generate", "load_calibration",
     "make_scorer", "prefill", "ragged_attention", "register", "select_rows", "split_prompt",
 ]

@@ -13,7 +13,7 @@ from conftest import make_tiny_llama
 
 from artifacts import Artifact, ArtifactError, ModelIdentity, Section, write_artifact
 from artifacts.fingerprint import architecture_fingerprint, architecture_numbers, tokenizer_fingerprint
-from runtime import CompressionPolicy, PromptQueryStats, RaggedCache, answer, load_calibration, prefill
+from runtime import CompressionPolicy, QueryMoments, RaggedCache, answer, load_calibration, prefill
 from runtime.budgets import allocate_budgets
 from runtime.calibration import Calibration, model_weights_fingerprint
 
@@ -187,8 +187,8 @@ def embedded_artifact(embedded_model, embedded_tokenizer, tmp_path_factory):
     """A real artifact for the embedded model: query statistics measured on haystack text."""
     model, tokenizer = embedded_model, embedded_tokenizer
     ids = tokenizer(HAYSTACK * 2, return_tensors="pt")["input_ids"]
-    stats = PromptQueryStats(model, 1)
-    with stats, torch.no_grad():
+    stats = QueryMoments.for_prompt(model, 1)
+    with stats.collect(model), torch.no_grad():
         model(ids)
     mean, cov = stats.mean_cov(0)
     config = model.config
