@@ -57,7 +57,8 @@ def test_unsupported_models_are_refused_with_a_message_naming_what_is_missing():
     refused(lambda m: setattr(m.model.layers[0].self_attn, "q_proj", torch.nn.Linear(64, 32, bias=False)),
             "layer 0 q_proj gives 32 features, expected 4 heads x 16")
     refused(lambda m: delattr(m.model.layers[0], "self_attn"), "layer 0 has no self_attn module")
-    refused(lambda m: setattr(m.model.layers[1].self_attn, "layer_idx", 0), "layer 1 attention has no matching layer_idx")
+    refused(lambda m: setattr(m.model.layers[1].self_attn, "layer_idx", 0),
+            "layer 1 attention has no matching layer_idx")
     refused(lambda m: setattr(m.model, "layers", m.model.layers[:1]), "config says 2 layers, model has 1")
     refused(lambda m: setattr(m.config, "num_key_value_heads", 3), "4 query heads are not a multiple of 3 KV heads")
     refused(lambda m: setattr(m, "config", SimpleNamespace(num_hidden_layers=2)), "config lacks num_attention_heads")
