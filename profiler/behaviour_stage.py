@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from needles.probe import Probe
-from runtime.geometry import ModelGeometry
 from profiler.attention_capture import DecodeAttentionRecorder, capture_attention_implementation
 from profiler.behaviour_scores import NUM_LABELS, behaviour_scores, dominant_totals
+from runtime.geometry import ModelGeometry
 
 
 def answer_matches(text: str, probe: Probe) -> bool:

@@ -77,10 +77,10 @@ def register_attention(name: str, forward) -> None:
 
 def _switch(model, name: str, forward) -> str:
     """Register ``forward`` as ``name`` and select it on ``model``; returns the previous implementation."""
-    register_attention(name, forward)
     if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
         raise ValueError(f"{type(model).__name__} does not route attention through transformers' "
                          f"AttentionInterface, so the attention function {name!r} cannot be switched in")
+    register_attention(name, forward)
     previous = model.config._attn_implementation
     if previous != name:
         model.set_attn_implementation(name)
@@ -94,12 +94,14 @@ def attention_implementation(model, name: str, forward):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     registered = ALL_ATTENTION_FUNCTIONS.get(name)
-    previous = _switch(model, name, forward)
     try:
-        yield model
+        previous = _switch(model, name, forward)
+        try:
+            yield model
+        finally:
+            if previous != name:
+                model.set_attn_implementation(previous)
     finally:
-        if previous != name:
-            model.set_attn_implementation(previous)
         if registered is not None and registered is not forward:
             register_attention(name, registered)
 

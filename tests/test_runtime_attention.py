@@ -49,8 +49,12 @@ def test_scope_restores_after_an_exception_and_refuses_models_outside_the_interf
         with attention_implementation(model, "kvcal_test_raise", _spy([], "x")):
             raise RuntimeError("boom")
     assert model.config._attn_implementation == "sdpa"
-    monkeypatch.setattr(type(model), "_can_set_attn_implementation", classmethod(lambda cls: False))
-    with pytest.raises(ValueError, match="does not route attention through transformers' AttentionInterface"):
-        with attention_implementation(model, "kvcal_test_refused", _spy([], "x")):
-            pass
+    outer = _spy([], "outer")
+    with attention_implementation(model, "kvcal_test_refused", outer):
+        with monkeypatch.context() as patch:
+            patch.setattr(type(model), "_can_set_attn_implementation", classmethod(lambda cls: False))
+            with pytest.raises(ValueError, match="does not route attention through transformers' AttentionInterface"):
+                with attention_implementation(model, "kvcal_test_refused", _spy([], "inner")):
+                    pass
+        assert ALL_ATTENTION_FUNCTIONS["kvcal_test_refused"] is outer  # the refused scope left nothing behind
     assert model.config._attn_implementation == "sdpa"
