@@ -40,15 +40,41 @@ def _sha256(document) -> str:
     return hashlib.sha256(canonical_json(document).encode("ascii")).hexdigest()
 
 
+def text_config(config):
+    """The text model's config (``get_text_config()`` of a multimodal config, else ``config`` itself)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def attention_numbers(config) -> dict:
+    """``num_layers``, ``num_q_heads``, ``num_kv_heads``, ``head_dim`` of a transformers config.
+
+    The one place these numbers are read from a config: the architecture fingerprint records
+    them, and ``runtime.geometry.ModelGeometry`` checks the model's modules against them.
+    ``num_key_value_heads`` defaults to the query heads (no GQA), ``head_dim`` to
+    ``hidden_size // num_attention_heads``.  Raises ``ValueError("config lacks ...")``.
+    """
+    config = text_config(config)
+    missing = [name for name in ("num_hidden_layers", "num_attention_heads") if getattr(config, name, None) is None]
+    if not missing and getattr(config, "head_dim", None) is None and getattr(config, "hidden_size", None) is None:
+        missing.append("head_dim (or hidden_size)")
+    if missing:
+        raise ValueError(f"config lacks {', '.join(missing)}")
+    num_q_heads = int(config.num_attention_heads)
+    return {
+        "num_layers": int(config.num_hidden_layers),
+        "num_q_heads": num_q_heads,
+        "num_kv_heads": int(getattr(config, "num_key_value_heads", None) or num_q_heads),
+        "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // num_q_heads),
+    }
+
+
 def architecture_numbers(config) -> dict:
     """The attention-relevant numbers of a transformers config (text config for multimodal)."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     missing = [name for name in ("num_hidden_layers", "num_attention_heads", "hidden_size")
                if getattr(config, name, None) is None]
     if missing:
         raise ValueError(f"config of model type {getattr(config, 'model_type', '?')!r} lacks {missing}")
-    num_q_heads = int(config.num_attention_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if isinstance(rope, dict) and all(isinstance(value, dict) for value in rope.values()) and rope:
         rope = rope.get("full_attention", next(iter(rope.values())))  # per-layer-type parameters
@@ -58,10 +84,7 @@ def architecture_numbers(config) -> dict:
         raise ValueError(f"config of model type {config.model_type!r} has no RoPE theta")
     return {
         "model_type": str(config.model_type),
-        "num_layers": int(config.num_hidden_layers),
-        "num_q_heads": num_q_heads,
-        "num_kv_heads": int(getattr(config, "num_key_value_heads", None) or num_q_heads),
-        "head_dim": int(head_dim),
+        **attention_numbers(config),
         "hidden_size": int(config.hidden_size),
         "vocab_size": int(config.vocab_size),
         "max_position_embeddings": int(getattr(config, "max_position_embeddings", 0) or 0),
@@ -129,7 +152,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def has_query_norm(model) -> bool:
-    """True when the attention modules normalise queries before RoPE (Qwen3-style ``q_norm``)."""
+    """True when the attention modules normalise queries before RoPE (Qwen3-style ``q_norm``).
+
+    The one place this is decided: the first module with a ``q_proj`` (the first decoder
+    layer's attention) has a ``q_norm``.  ``runtime.geometry.ModelGeometry`` refuses models
+    whose layers disagree with it.
+    """
     for module in model.modules():
         if hasattr(module, "q_proj"):
             return hasattr(module, "q_norm")

@@ -31,13 +31,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from profiler.architecture import inspect_model  # noqa: E402
-from profiler.attention_capture import capture_attention_implementation  # noqa: E402
 from profiler.behaviour_stage import run_probe  # noqa: E402
 from profiler.calibration_text import calibration_windows  # noqa: E402
 from profiler.presets import PRESETS  # noqa: E402
 from profiler.probe_source import preset_probes  # noqa: E402
-from profiler.query_stats import QueryStatsAccumulator, collect_queries  # noqa: E402
+from runtime.query_moments import QueryMoments  # noqa: E402
+from runtime.geometry import ModelGeometry  # noqa: E402
 from runtime.models import load_model, load_tokenizer  # noqa: E402
 
 
@@ -59,7 +58,7 @@ def _summary(pairs: list[tuple[float, float]], names: tuple[str, str]) -> dict:
 
 
 def bench_behaviour(model, tokenizer, probes, max_new_tokens, repeats):
-    geometry = inspect_model(model)
+    geometry = ModelGeometry.of(model)
     pairs, steps = [], 0
     plain_generate(model, tokenizer, probes[0], 2)  # warm-up
     for index, probe in enumerate(probes):
@@ -71,8 +70,7 @@ def bench_behaviour(model, tokenizer, probes, max_new_tokens, repeats):
                 if mode == "plain":
                     plain_generate(model, tokenizer, probe, max_new_tokens)
                 else:
-                    with capture_attention_implementation(model):
-                        result = run_probe(model, tokenizer, geometry, probe, max_new_tokens)
+                    result = run_probe(model, tokenizer, geometry, probe, max_new_tokens)
                     steps += result.steps if repeat == 0 else 0
                 times[mode] = time.perf_counter() - start
             pairs.append((times["plain"], times["capture"]))
@@ -82,8 +80,8 @@ def bench_behaviour(model, tokenizer, probes, max_new_tokens, repeats):
 
 
 def bench_query_stats(model, windows, batch_size, n_sink, repeats):
-    geometry = inspect_model(model)
-    acc = QueryStatsAccumulator(geometry.num_layers, geometry.num_q_heads, geometry.head_dim)
+    geometry = ModelGeometry.of(model)
+    acc = QueryMoments(geometry.num_layers, geometry.num_q_heads, geometry.head_dim)
     pairs = []
     batches = [windows[i:i + batch_size] for i in range(0, len(windows), batch_size)]
     with torch.no_grad():
@@ -97,7 +95,7 @@ def bench_query_stats(model, windows, batch_size, n_sink, repeats):
                     if mode == "plain":
                         model.model(input_ids=ids, use_cache=False)
                     else:
-                        with collect_queries(geometry, acc, n_sink):
+                        with acc.collect(geometry, n_sink=n_sink):
                             model.model(input_ids=ids, use_cache=False)
                     times[mode] = time.perf_counter() - start
                 pairs.append((times["plain"], times["stats"]))

@@ -19,8 +19,8 @@ Stages and the modules that implement them:
 Around them: :mod:`profiler.job` (orchestration, section building, keeping sections of an
 existing artifact), :mod:`profiler.checkpoint` (atomic resume work file),
 :mod:`profiler.distributed` (``accelerate`` / ``torchrun`` sharding and exact reduction),
-:mod:`profiler.architecture` (what a model must provide), :mod:`profiler.presets`,
-:mod:`profiler.probe_source`, :mod:`profiler.cli`.
+:mod:`profiler.presets`, :mod:`profiler.probe_source`, :mod:`profiler.cli`.  What a model must
+provide is checked by ``runtime.geometry.ModelGeometry`` (shared with the runtime).
 
 Reproducibility: all accumulators are sums added in a fixed order per process, so an
 interrupted and resumed run reproduces an uninterrupted one bit for bit; with N processes the

@@ -5,18 +5,19 @@ attention distribution of that single query over the *context* (the prompt token
 fact only its maximum and argmax (:mod:`profiler.behaviour_scores`).  Materialising prefill
 attention matrices would cost ``O(prompt^2)`` memory; instead:
 
-* a custom attention function, registered with transformers' ``AttentionInterface`` (and the
-  ``sdpa`` mask builder with ``AttentionMaskInterface``, DESIGN.md section 6), runs the prefill
-  with the ordinary fused ``sdpa`` kernel (no attention matrix); a float32 decode step, whose
-  attention matrix is a single ``[Hq, T]`` row anyway, is computed as matmul-softmax-matmul
-  from the same logits the record needs (so they are computed once; the output equals
-  ``sdpa``'s up to float rounding; other dtypes keep ``sdpa`` and compute the logits in
-  float32 for the record);
-* when a :class:`DecodeAttentionRecorder` is active it also computes, for the *last* query
-  of the call only, the logits ``s q.k_j`` against all cached keys ``[Hq, T]``, their
-  log-sum-exp, and the max / argmax over the context positions ``j < C``.  The weight is
-  ``exp(max - lse)``: the true attention weight (normalised over every key the query sees,
-  generated tokens included) of the dominant context token.
+* a custom attention function, built around one :class:`DecodeAttentionRecorder` (passed by
+  closure, :func:`capture_attention_forward`) and switched in for a scope with
+  ``runtime.attention.attention_implementation`` (which also registers the ``sdpa`` mask
+  builder), runs the prefill with the ordinary fused ``sdpa`` kernel (no attention matrix);
+  a float32 decode step, whose attention matrix is a single ``[Hq, T]`` row anyway, is
+  computed as matmul-softmax-matmul from the same logits the record needs (so they are
+  computed once; the output equals ``sdpa``'s up to float rounding; other dtypes keep
+  ``sdpa`` and compute the logits in float32 for the record);
+* it also computes, for the *last* query of the call only, the logits ``s q.k_j`` against
+  all cached keys ``[Hq, T]``, their log-sum-exp, and the max / argmax over the context
+  positions ``j < C``.  The weight is ``exp(max - lse)``: the true attention weight
+  (normalised over every key the query sees, generated tokens included) of the dominant
+  context token.
 
 The last query of the prefill call is the one that produces the first generated token; each
 later call has a single query.  So ``generate()`` producing ``N`` tokens records ``N`` steps,
@@ -30,16 +31,13 @@ Batch size must be 1 (probes have different lengths and are run one at a time).
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import torch
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from runtime.attention import attention_implementation
 
 CAPTURE_IMPLEMENTATION = "kvcal_decode_capture"
-
-_active_recorder: "DecodeAttentionRecorder | None" = None
 
 
 class DecodeAttentionRecorder:
@@ -137,56 +135,33 @@ class DecodeAttentionRecorder:
                            else torch.zeros(0, self.num_layers, self.num_q_heads, self.context_len))
         return out
 
-    @contextmanager
-    def active(self):
-        """Route the capture attention function's records to this recorder while inside."""
-        global _active_recorder
-        if _active_recorder is not None:
-            raise RuntimeError("another DecodeAttentionRecorder is already active")
-        _active_recorder = self
-        try:
-            yield self
-        finally:
-            _active_recorder = None
 
-
-def capture_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention with a record of the last query's context attention while capturing.
+def capture_attention_forward(recorder: DecodeAttentionRecorder):
+    """The ``AttentionInterface`` function that records into ``recorder``.
 
     Prefill (several queries) and non-float32 models: the fused ``sdpa`` kernel, plus the
-    record.  Float32 decode steps while capturing: one matmul-softmax-matmul that yields the
-    record and the output together (the same attention up to float rounding).
+    record.  Float32 decode steps: one matmul-softmax-matmul that yields the record and the
+    output together (the same attention up to float rounding).
     """
-    recorder = _active_recorder
-    if recorder is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
-    with torch.no_grad():
-        if query.shape[2] == 1 and query.dtype == torch.float32 and not dropout:
-            return recorder.record(module.layer_idx, query, key, attention_mask, scaling, value=value), None
-        output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                           scaling=scaling, **kwargs)
-        recorder.record(module.layer_idx, query, key, attention_mask, scaling)
-    return output, None
+
+    def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        with torch.no_grad():
+            if query.shape[2] == 1 and query.dtype == torch.float32 and not dropout:
+                return recorder.record(module.layer_idx, query, key, attention_mask, scaling, value=value), None
+            output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                               scaling=scaling, **kwargs)
+            recorder.record(module.layer_idx, query, key, attention_mask, scaling)
+        return output, None
+
+    return forward
 
 
-def register_capture_attention() -> None:
-    """Register the capture function (idempotent).  The mask registration is required too:
-    without it transformers silently passes ``attention_mask=None`` (DESIGN.md section 6)."""
-    AttentionInterface.register(CAPTURE_IMPLEMENTATION, capture_attention_forward)
-    AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, sdpa_mask)
+def capture_attention_implementation(model, recorder: DecodeAttentionRecorder | None = None):
+    """``with capture_attention_implementation(model, recorder):`` record every forward pass of
+    ``model`` into ``recorder`` inside the block, restore the previous attention after.
 
-
-@contextmanager
-def capture_attention_implementation(model):
-    """Switch ``model`` to the capture attention function inside the block, restore after."""
-    register_capture_attention()
-    if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
-        raise ValueError(f"{type(model).__name__} does not route attention through transformers' "
-                         "AttentionInterface, so its decode-step attention cannot be captured")
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(CAPTURE_IMPLEMENTATION)
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation(previous)
+    Without a recorder the capture implementation is plain ``sdpa`` (a scope around several
+    probes, each of which records in a nested scope of its own).
+    """
+    forward = sdpa_attention_forward if recorder is None else capture_attention_forward(recorder)
+    return attention_implementation(model, CAPTURE_IMPLEMENTATION, forward)

@@ -19,9 +19,9 @@ import torch
 
 from needles import answer_is_correct
 from needles.probe import Probe
-from profiler.architecture import ModelGeometry
-from profiler.attention_capture import DecodeAttentionRecorder
+from profiler.attention_capture import DecodeAttentionRecorder, capture_attention_implementation
 from profiler.behaviour_scores import NUM_LABELS, behaviour_scores, dominant_totals
+from runtime.geometry import ModelGeometry
 
 
 @dataclass
@@ -33,14 +33,16 @@ class ProbeResult:
 
 
 def run_probe(model, tokenizer, geometry: ModelGeometry, probe: Probe, max_new_tokens: int) -> ProbeResult:
-    """Greedy-decode one probe with decode-attention capture.  The model must already use the
-    capture attention implementation (:func:`capture_attention_implementation`)."""
+    """Greedy-decode one probe with decode-attention capture: the model runs the capture
+    attention function, recording into this probe's recorder, for the probe's ``generate()``
+    (inside an outer ``capture_attention_implementation(model)`` scope, if any, that then
+    comes back)."""
     device = model.get_input_embeddings().weight.device
     ids = torch.tensor([probe.input_ids], dtype=torch.long, device=device)  # [1, C]
     context = ids.shape[1]
     recorder = DecodeAttentionRecorder(geometry.num_layers, geometry.num_q_heads, context, max_new_tokens)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    with torch.no_grad(), recorder.active():
+    with torch.no_grad(), capture_attention_implementation(model, recorder):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad)
     generated = out[0, context:]

@@ -24,6 +24,8 @@ from collections import defaultdict
 import torch
 from tqdm.auto import tqdm
 
+from runtime.geometry import ModelGeometry
+
 from .evaluation_results import (
     EVALUATION_SCHEMA,
     PolicySpec,
@@ -36,7 +38,7 @@ class AttentionOutputRecorder:
     """Records the input of every layer's ``o_proj`` on the first forward after :meth:`arm`."""
 
     def __init__(self, model):
-        self.layers = [layer.self_attn.o_proj for layer in model.model.layers]
+        self.layers = [attention.o_proj for attention in ModelGeometry.of(model).attention_modules]
         self.outputs: list[torch.Tensor | None] = [None] * len(self.layers)
         self._armed = False
         self._handles = [module.register_forward_pre_hook(self._hook(index)) for index, module in enumerate(self.layers)]

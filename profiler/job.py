@@ -32,11 +32,11 @@ from tqdm.auto import tqdm
 from artifacts import ARTIFACT_FILENAME, Artifact, ArtifactError, Section, open_artifact, write_artifact
 from artifacts.schema import canonical_json
 from profiler import distributed
-from profiler.architecture import inspect_model
 from profiler.calibration_text import calibration_windows
 from profiler.checkpoint import interrupts_deferred, load_work, remove_work, save_work, work_file_path
 from profiler.presets import PRESETS
 from profiler.stages import STAGE_NAMES, STAGES, Stage
+from runtime.geometry import ModelGeometry
 
 CALIBRATION_SOURCE_DEFAULT = "needles prose haystack"
 
@@ -127,7 +127,7 @@ class ProfileJob:
         started = time.perf_counter()
         self.tokenizer = load_tokenizer(options.model)
         self.model = load_model(options.model, device_map=device_map)
-        self.geometry = inspect_model(self.model)
+        self.geometry = ModelGeometry.of(self.model)
         self.identity = model_identity(self.model, self.tokenizer, options.model or "embedded")
         self.out = Path(options.out) if options.out else default_output(self.model_path)
         self.say(f"model {self.identity.name} ({self.identity.model_type}, {self.geometry.num_layers} layers, "

@@ -1,27 +1,37 @@
-"""Calibration of the MomentKV correction (DESIGN.md section 4, "what calibration adds").
+"""Calibration of the MomentKV correction: which order (none, 0th, 1st) helps each KV head.
 
-Whether the 0th- or 1st-order moment correction helps a head is an empirical property of the
-head, so it is measured on calibration text.  For every window ``[T]`` of token ids:
+Whether the 0th- or 1st-order moment correction of the evicted tokens' contribution (MomentKV:
+Closing the Directional Gap in KV Cache Eviction for Long-Context Inference) helps a head is an
+empirical property of the head, so it is measured on calibration text.  For every window
+``[T]`` of token ids:
 
-* one forward pass of the model with a capture attention function (registered with
-  transformers' ``AttentionInterface`` and the ``sdpa`` mask builder with
-  ``AttentionMaskInterface``, DESIGN.md section 6); the function computes the ordinary
+* one forward pass of the model with a capture attention function (switched in with
+  ``runtime.attention.attention_implementation``); the function computes the ordinary
   ``sdpa`` output and hands post-RoPE ``query [1, Hq, T, d]`` and un-repeated
   ``key/value [1, Hkv, T, d]`` to a per-call measurer (passed by closure, no module globals);
 * the window is split into a *prefix* of ``P = T - W`` tokens (the prompt that gets
   compressed) and the last ``W = query_window`` tokens, whose queries play the role of
   future (decode) queries;
 * per KV head the prefix is compressed to ``budget = round(keep_ratio * P)`` tokens: the
-  first ``n_sink`` and last ``recent_window`` prefix tokens are always kept, the rest by a
-  scorer:
+  first ``n_sink`` and last ``recent_window`` prefix tokens are always kept, the rest chosen
+  by a ``runtime.scorers`` scorer, the one a serving policy would use, over a
+  :class:`runtime.scorers.HeadContext` of the prefix (keys, values, positions ``0..P-1``,
+  the layer's scaling, next position ``P``, and the last prefix queries for SnapKV):
 
-  - ``"snapkv"`` (default): the mean attention of the last ``observation_window`` *prefix*
-    queries (causal, averaged over the query heads of the group) - SnapKV's observation
-    window, so the evaluated queries are never the ones used for selection;
-  - ``"keydiff"``: ``-cos(k_i, mean_j k_j/||k_j||)`` (seed 001), attention-free;
+  - ``"snapkv"`` (default): :class:`~runtime.scorers.SnapKVScorer` with window
+    ``observation_window`` and no neighbour pooling (``kernel=1``): the mean causal
+    attention of the last ``observation_window`` *prefix* queries, averaged over the query
+    heads of the group (SnapKV: LLM Knows What You are Looking for Before Generation,
+    arXiv 2404.14469), so the evaluated queries are never the ones used for selection;
+  - ``"keydiff"``: :class:`~runtime.scorers.KeyDiffScorer`, ``-cos(k_i, mean_j k_j/||k_j||)``
+    (KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in
+    Resource-Constrained Environments, arXiv 2504.15364), attention-free;
+  - or a :class:`~runtime.scorers.Scorer` instance that needs neither query statistics nor
+    RoPE averages (e.g. ``SnapKVScorer(window=32, kernel=5)``, the serving default);
 
-  with ``moment_eviction=True`` the SnapKV attention ``a_j`` is combined with the moment
-  residual, ``a_j ||r_j||``, evicting in ``eviction_rounds`` rounds (runtime.moments);
+  ``score()`` and :func:`runtime.scorers.select_rows` choose the kept rows; with
+  ``moment_eviction=True`` the scorer's ``attention()`` estimate ``a_j`` is combined with the
+  moment residual, ``a_j ||r_j||``, evicting in ``eviction_rounds`` rounds (runtime.moments);
 * the evicted tokens are folded into :class:`runtime.moments.MomentSums`; each of the ``W``
   queries (every query head of the group) attends to the retained prefix plus the ``W``
   tokens themselves (causally), with correction order none / 0 / 1
@@ -34,38 +44,48 @@ Result (the artifact's ``moments`` section): ``errors float64 [R, 3, L, Hkv]`` (
 none, 1 = order 0, 2 = order 1), ``order int8 [L, Hkv]`` = argmin over the ratio-averaged
 errors, mapped to -1 / 0 / 1 (ties go to none, so ``-1`` when correction does not help),
 ``reference_ratios float64 [R]`` (the keep ratios), ``tau float64 [L, Hkv]`` (the uniform
-clamp used for order 1; 0 = no clamp, the default; not tuned per head).
+clamp used for order 1; 0 = no clamp, the default; not tuned per head).  The result is a
+:class:`CorrectionErrors` dict whose ``selection`` names the scorer the orders were
+calibrated under (the runtime warns when a policy serves the orders with another scorer).
 """
 
 from __future__ import annotations
-
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from runtime.eviction import text_config
+from runtime.attention import attention_implementation
+from runtime.geometry import ModelGeometry
 from runtime.moments import ORDERS, MomentSums, attention_with_lse, corrected_attention, evict_in_rounds
-from runtime.scorers import select_rows
+from runtime.scorers import HeadContext, KeyDiffScorer, Scorer, SnapKVScorer, select_rows
 
 CALIBRATION_ATTENTION = "kvcal_moments_calibration"
 SELECTION_SCORERS = ("snapkv", "keydiff")
 
 
-def snapkv_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Mean causal attention ``[P]`` of the last ``w`` prefix queries ``[G, w, d]`` over ``keys [P, d]``."""
-    prefix, w = keys.shape[0], queries.shape[1]
-    query_positions = prefix - w + torch.arange(w, device=keys.device)  # [w]
-    allowed = torch.arange(prefix, device=keys.device).unsqueeze(0) <= query_positions.unsqueeze(1)  # [w, P]
-    logits = (scaling * queries.float() @ keys.float().T).masked_fill(~allowed, float("-inf"))  # [G, w, P]
-    return torch.softmax(logits, dim=-1).mean(dim=(0, 1))
+def selection_scorer(scorer: str | Scorer, observation_window: int) -> Scorer:
+    """The ``runtime.scorers`` scorer behind a selection name (see the module docstring)."""
+    if isinstance(scorer, Scorer):
+        if scorer.query_statistics is not None or scorer.rope_horizon:
+            raise ValueError(f"{scorer!r} needs query statistics or RoPE averages, which the moments "
+                             "calibration does not provide; choose one of " + ", ".join(SELECTION_SCORERS))
+        return scorer
+    if scorer == "snapkv":
+        return SnapKVScorer(window=observation_window, kernel=1)
+    if scorer == "keydiff":
+        return KeyDiffScorer()
+    raise ValueError(f"unknown selection scorer {scorer!r}; choose one of {SELECTION_SCORERS} or pass a Scorer")
 
 
-def keydiff_scores(keys: torch.Tensor) -> torch.Tensor:
-    """KeyDiff ``-cos(k_i, mean_j k_j/||k_j||)`` ``[P]`` (higher = keep)."""
-    keys = keys.float()
-    anchor = torch.nn.functional.normalize(keys, dim=-1).mean(0)
-    return -torch.nn.functional.cosine_similarity(keys, anchor.unsqueeze(0), dim=-1)
+class CorrectionErrors(dict):
+    """The ``moments`` section's arrays (a plain dict of them), plus what they were measured under:
+    ``selection``, the scorer's name (``runtime.scorers``), and ``scorer``, its full repr."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], selection: str, scorer: str):
+        super().__init__(arrays)
+        self.selection = selection
+        self.scorer = scorer
 
 
 def relative_error(estimate: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
@@ -77,41 +97,38 @@ def relative_error(estimate: torch.Tensor, reference: torch.Tensor) -> torch.Ten
 class _CorrectionErrorMeasurer:
     """Accumulates the relative errors ``[R, 3, L, Hkv]`` of one or more forward passes."""
 
-    def __init__(self, num_layers, num_kv_heads, head_dim, keep_ratios, query_window, scorer,
-                 observation_window, n_sink, recent_window, moment_eviction, eviction_rounds, tau):
+    def __init__(self, num_layers, num_kv_heads, keep_ratios, query_window, scorer: Scorer, n_sink,
+                 recent_window, moment_eviction, eviction_rounds, tau):
         self.keep_ratios = keep_ratios
         self.query_window = query_window
         self.scorer = scorer
-        self.observation_window = observation_window
         self.n_sink = n_sink
         self.recent_window = recent_window
         self.moment_eviction = moment_eviction
         self.eviction_rounds = eviction_rounds
         self.tau = tau
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
         self.error_sums = np.zeros((len(keep_ratios), len(ORDERS), num_layers, num_kv_heads))
         self.calls = np.zeros(num_layers, dtype=np.int64)
 
     def budget(self, prefix: int, ratio: float) -> int:
         return min(prefix, max(int(round(ratio * prefix)), 1))
 
-    def kept_rows(self, head, prefix_queries, keys, values, budget, scaling, sums) -> torch.Tensor:
-        """Kept prefix rows (sorted) for one KV head; the evicted ones are folded into ``sums``."""
-        prefix = keys.shape[0]
-        if self.scorer == "snapkv" or self.moment_eviction:
-            attention = snapkv_attention(prefix_queries, keys, scaling)  # [P]
+    def kept_rows(self, head: HeadContext, estimate: torch.Tensor, budget: int, sums: MomentSums) -> torch.Tensor:
+        """Kept prefix rows (sorted) for one KV head; the evicted ones are folded into ``sums``.
+
+        ``estimate``: the scorer's ``attention()`` (moment eviction) or ``score()`` of the head.
+        """
+        prefix = head.keys.shape[0]
         if self.moment_eviction:
-            protected = torch.zeros(prefix, dtype=torch.bool, device=keys.device)
+            protected = torch.zeros(prefix, dtype=torch.bool, device=head.keys.device)
             protected[:self.n_sink] = True
             protected[prefix - self.recent_window:] = True
-            return evict_in_rounds(attention, keys, values, sums, head, scaling, budget,
+            return evict_in_rounds(estimate, head.keys, head.values, sums, head.kv_head, head.scaling, budget,
                                    rounds=self.eviction_rounds, protected=protected, tau=self.tau)
-        scores = attention if self.scorer == "snapkv" else keydiff_scores(keys)
-        kept = select_rows(scores, budget, self.n_sink, self.recent_window)
-        evicted = torch.ones(prefix, dtype=torch.bool, device=keys.device)
+        kept = select_rows(estimate, budget, self.n_sink, self.recent_window)
+        evicted = torch.ones(prefix, dtype=torch.bool, device=head.keys.device)
         evicted[kept] = False
-        sums.add(head, keys[evicted], values[evicted])
+        sums.add(head.kv_head, head.keys[evicted], head.values[evicted])
         return kept
 
     @torch.no_grad()
@@ -124,70 +141,73 @@ class _CorrectionErrorMeasurer:
         prefix = total - w
         scale = float(scaling) if scaling is not None else dim ** -0.5
         device = query.device
+        window = self.scorer.observation_window
+        positions = torch.arange(prefix, device=device)
         # causal masks of the W queries: over all T tokens (reference) and over the tail only
         tail_causal = torch.ones(w, w, dtype=torch.bool, device=device).tril()  # [W, W]
         full_mask = torch.cat([torch.ones(w, prefix, dtype=torch.bool, device=device), tail_causal], dim=1)  # [W, T]
         sums = [MomentSums(num_kv_heads, dim, device=device) for _ in self.keep_ratios]
-        for head in range(num_kv_heads):
-            q = query[0, head * group:(head + 1) * group].float()  # [G, T, d]
-            k, v = key[0, head].float(), value[0, head].float()  # [T, d]
+        for h in range(num_kv_heads):
+            q = query[0, h * group:(h + 1) * group].float()  # [G, T, d]
+            k, v = key[0, h].float(), value[0, h].float()  # [T, d]
             tail_q = q[:, prefix:]  # [G, W, d]
             reference, _ = attention_with_lse(tail_q, k, v, scale, mask=full_mask)  # [G, W, d]
-            prefix_queries = q[:, prefix - self.observation_window:prefix]  # [G, obs, d]
+            head = HeadContext(layer=layer, kv_head=h, keys=k[:prefix], values=v[:prefix], positions=positions,
+                               scaling=scale, next_position=prefix,
+                               recent_queries=q[:, prefix - window:prefix] if window else None)  # [G, obs, d]
+            estimate = self.scorer.attention(head) if self.moment_eviction else self.scorer.score(head)  # [P]
             for r, ratio in enumerate(self.keep_ratios):
-                kept = self.kept_rows(head, prefix_queries, k[:prefix], v[:prefix],
-                                      self.budget(prefix, ratio), scale, sums[r])
+                kept = self.kept_rows(head, estimate, self.budget(prefix, ratio), sums[r])
                 keys_R = torch.cat([k[:prefix][kept], k[prefix:]])  # [b + W, d]
                 values_R = torch.cat([v[:prefix][kept], v[prefix:]])
                 mask_R = torch.cat([torch.ones(w, kept.shape[0], dtype=torch.bool, device=device), tail_causal], 1)
                 for o, order in enumerate(ORDERS):
-                    estimate = corrected_attention(tail_q, keys_R, values_R, sums[r], head, scale, order,
-                                                   tau=self.tau, mask=mask_R)
-                    self.error_sums[r, o, layer, head] += float(relative_error(estimate, reference))
+                    estimate_o = corrected_attention(tail_q, keys_R, values_R, sums[r], h, scale, order,
+                                                     tau=self.tau, mask=mask_R)
+                    self.error_sums[r, o, layer, h] += float(relative_error(estimate_o, reference))
         self.calls[layer] += 1
 
 
 def measure_correction_errors(model, windows, keep_ratios=(0.25, 0.5), query_window: int = 32,
-                              scorer: str = "snapkv", observation_window: int = 32, n_sink: int = 4,
+                              scorer: str | Scorer = "snapkv", observation_window: int = 32, n_sink: int = 4,
                               recent_window: int = 8, moment_eviction: bool = False, eviction_rounds: int = 4,
-                              tau: float = 0.0, progress: bool = True) -> dict[str, np.ndarray]:
+                              tau: float = 0.0, progress: bool = True) -> CorrectionErrors:
     """Per (layer, KV head) relative attention-output error of no / 0th / 1st-order correction.
 
     ``windows``: token ids ``[N, T]`` (tensor, array or list of equal-length lists), no
     padding.  ``keep_ratios``: fractions of the prefix ``T - query_window`` kept per head
-    (e.g. 0.25 = 75% compression).  See the module docstring for the procedure.  Returns
-    ``errors float64 [R, 3, L, Hkv]``, ``order int8 [L, Hkv]`` (-1 none, 0, 1),
-    ``reference_ratios float64 [R]``, ``tau float64 [L, Hkv]``.
+    (e.g. 0.25 = 75% compression).  ``scorer``: the selection (a name in
+    ``SELECTION_SCORERS`` or a ``runtime.scorers.Scorer``).  See the module docstring for the
+    procedure.  Returns a :class:`CorrectionErrors` dict of ``errors float64 [R, 3, L, Hkv]``,
+    ``order int8 [L, Hkv]`` (-1 none, 0, 1), ``reference_ratios float64 [R]``,
+    ``tau float64 [L, Hkv]``, with ``.selection`` (the scorer's name) and ``.scorer`` (its repr).
     """
-    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    config = text_config(model)
-    num_layers = int(config.num_hidden_layers)
-    num_q_heads = int(config.num_attention_heads)
-    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_q_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_q_heads)
+    geometry = ModelGeometry.of(model)
+    num_layers, num_kv_heads = geometry.num_layers, geometry.num_kv_heads
     ids = torch.as_tensor(np.asarray(windows), dtype=torch.long)
     if ids.dim() != 2 or ids.shape[0] == 0:
         raise ValueError(f"windows must be token ids [N, T] with N >= 1, got shape {tuple(ids.shape)}")
     total = ids.shape[1]
     prefix = total - query_window
-    if scorer not in SELECTION_SCORERS:
-        raise ValueError(f"unknown selection scorer {scorer!r}; choose one of {SELECTION_SCORERS}")
+    selection = selection_scorer(scorer, observation_window)
+    if moment_eviction and not selection.yields_attention:
+        raise ValueError(f"moment_eviction needs a selection scorer that estimates attention (snapkv), "
+                         f"not {selection!r}")
     if query_window <= 0 or observation_window <= 0 or n_sink < 0 or recent_window < 0 or tau < 0:
         raise ValueError("query_window and observation_window must be positive; n_sink, recent_window, tau >= 0")
-    if prefix < max(observation_window, n_sink + recent_window + 1):
+    window = max(observation_window, selection.observation_window)
+    if prefix < max(window, n_sink + recent_window + 1):
         raise ValueError(f"windows of {total} tokens leave a prefix of {prefix} after the {query_window}-token "
-                         f"query window: too short for observation_window={observation_window}, "
+                         f"query window: too short for observation_window={window}, "
                          f"n_sink={n_sink} + recent_window={recent_window}")
     ratios = tuple(float(r) for r in keep_ratios)
     if not ratios or any(not 0.0 < r <= 1.0 for r in ratios):
         raise ValueError(f"keep_ratios must be in (0, 1], got {keep_ratios}")
 
-    measurer = _CorrectionErrorMeasurer(num_layers, num_kv_heads, head_dim, ratios, query_window, scorer,
-                                        observation_window, n_sink, recent_window, moment_eviction,
-                                        eviction_rounds, tau)
+    measurer = _CorrectionErrorMeasurer(num_layers, num_kv_heads, ratios, query_window, selection, n_sink,
+                                        recent_window, moment_eviction, eviction_rounds, tau)
 
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         output = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
@@ -195,25 +215,18 @@ def measure_correction_errors(model, windows, keep_ratios=(0.25, 0.5), query_win
         measurer.measure(module.layer_idx, query, key, value, scaling)
         return output
 
-    AttentionInterface.register(CALIBRATION_ATTENTION, attention_forward)
-    AttentionMaskInterface.register(CALIBRATION_ATTENTION, sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(CALIBRATION_ATTENTION)
     device = next(model.parameters()).device
-    try:
-        with torch.no_grad():
-            for index in tqdm(range(ids.shape[0]), desc="moments calibration", unit="window", disable=not progress):
-                model(input_ids=ids[index:index + 1].to(device), use_cache=False)
-    finally:
-        model.set_attn_implementation(previous)
+    with torch.no_grad(), attention_implementation(model, CALIBRATION_ATTENTION, attention_forward):
+        for index in tqdm(range(ids.shape[0]), desc="moments calibration", unit="window", disable=not progress):
+            model(input_ids=ids[index:index + 1].to(device), use_cache=False)
     if not np.all(measurer.calls == ids.shape[0]):
         raise RuntimeError(f"the calibration attention saw layers {measurer.calls.tolist()} times, expected "
                            f"{ids.shape[0]} each (does the model route attention through AttentionInterface?)")
     errors = measurer.error_sums / ids.shape[0]  # [R, 3, L, Hkv]
     order = (np.argmin(errors.mean(axis=0), axis=0) - 1).astype(np.int8)  # [L, Hkv]; ties -> none
-    return {
+    return CorrectionErrors({
         "errors": errors.astype(np.float64),
         "order": order,
         "reference_ratios": np.asarray(ratios, dtype=np.float64),
         "tau": np.full((num_layers, num_kv_heads), float(tau), dtype=np.float64),
-    }
+    }, selection=selection.name, scorer=repr(selection))

@@ -150,13 +150,14 @@ TEACHER_ATTENTION = "kvcal_reconstruction_teacher"
 def record_window(model, context: torch.Tensor, instruction: torch.Tensor) -> list[WindowRecord]:
     """Run ``[c; instruction; c]`` through ``model`` once; per layer, the teacher and the features
     of the context tokens ``c [C]`` (see the module docstring)."""
-    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    from runtime.attention import attention_implementation
+    from runtime.geometry import ModelGeometry
+
+    geometry = ModelGeometry.of(model)
     context_len = int(context.shape[0])
     ids = reconstruction_input(context, instruction).unsqueeze(0)  # [1, T]
-    attention_modules = [layer.self_attn for layer in model.model.layers]
     teacher: dict[int, torch.Tensor] = {}
     hidden: dict[int, torch.Tensor] = {}
 
@@ -170,26 +171,20 @@ def record_window(model, context: torch.Tensor, instruction: torch.Tensor) -> li
         states = kwargs.get("hidden_states", args[0] if args else None)
         hidden[module.layer_idx] = states[0, :context_len].detach()
 
-    AttentionInterface.register(TEACHER_ATTENTION, attention_forward)
-    AttentionMaskInterface.register(TEACHER_ATTENTION, sdpa_mask)
-    previous = model.config._attn_implementation
-    handles = [module.register_forward_pre_hook(hook, with_kwargs=True) for module in attention_modules]
-    model.set_attn_implementation(TEACHER_ATTENTION)
+    handles = [module.register_forward_pre_hook(hook, with_kwargs=True) for module in geometry.attention_modules]
     try:
-        device = next(model.parameters()).device
-        model.model(input_ids=ids.to(device), use_cache=False)
+        with attention_implementation(model, TEACHER_ATTENTION, attention_forward):
+            model.model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
     finally:
-        model.set_attn_implementation(previous)
         for handle in handles:
             handle.remove()
     records = []
-    for index, module in enumerate(attention_modules):
+    for index, module in enumerate(geometry.attention_modules):
         x = hidden[index]  # [C, D]
-        head_dim = module.head_dim
-        keys = module.k_proj(x).view(context_len, -1, head_dim)  # [C, Hkv, d]
+        keys = module.k_proj(x).view(context_len, geometry.num_kv_heads, geometry.head_dim)  # [C, Hkv, d]
         if getattr(module, "k_norm", None) is not None:
             keys = module.k_norm(keys)
-        values = module.v_proj(x).view(context_len, -1, head_dim)
+        values = module.v_proj(x).view(context_len, geometry.num_kv_heads, geometry.head_dim)
         records.append(WindowRecord(teacher=teacher[index],
                                     kv=kv_features(keys.transpose(0, 1), values.transpose(0, 1)).cpu(),
                                     hidden=x.float().cpu()))

@@ -11,7 +11,9 @@ Modules: ``cache`` (ragged per-head cache, with MomentKV moment sums and correct
 StreamingLLM), ``policy``, ``compress`` (prefill and per-prompt eviction), ``eviction`` (one
 head down to its budget: scorer, sinks/window, moment-informed rounds; also used while
 decoding), ``moments`` (MomentKV math), ``generate`` (entry points), ``calibration`` (artifact
-loading and identity checks), ``rope``; ``budgets`` and ``models`` are shared with the profiler.
+loading and identity checks), ``rope``; ``geometry`` (the model's checked attention geometry),
+``query_moments`` (pre-RoPE query sums: a prompt's, or the calibration's), ``attention``'s
+scoped swap, ``budgets`` and ``models`` are shared with the profiler.
 
 Depends on ``artifacts``, ``prompt_format``, torch, transformers, numpy and h5py only (never on
 the profiler or the probe generator).
@@ -20,14 +22,16 @@ the profiler or the probe generator).
 from .attention import enable, ragged_attention, register
 from .cache import ATTENTION_NAME, RaggedCache, RaggedLayer
 from .calibration import Calibration, find_artifact, load_calibration
-from .compress import CompressionReport, PromptQueryStats, compress, prefill
+from .compress import CompressionReport, compress, prefill
+from .geometry import ModelGeometry, UnsupportedModelError
 from .generate import GenerationResult, answer, build_inputs, compress_prompt, generate, split_prompt
 from .policy import CompressionPolicy
+from .query_moments import QueryMoments
 from .scorers import SCORERS, HeadContext, Scorer, make_scorer, select_rows
 
 __all__ = [
     "ATTENTION_NAME", "Calibration", "CompressionPolicy", "CompressionReport", "GenerationResult", "HeadContext",
-    "PromptQueryStats", "RaggedCache", "RaggedLayer", "SCORERS", "Scorer", "answer", "build_inputs", "compress",
-    "compress_prompt", "enable", "find_artifact", "generate", "load_calibration", "make_scorer", "prefill",
-    "ragged_attention", "register", "select_rows", "split_prompt",
+    "ModelGeometry", "QueryMoments", "RaggedCache", "RaggedLayer", "SCORERS", "Scorer", "UnsupportedModelError",
+    "answer", "build_inputs", "compress", "compress_prompt", "enable", "find_artifact", "generate", "load_calibration",
+    "make_scorer", "prefill", "ragged_attention", "register", "select_rows", "split_prompt",
 ]

@@ -1,11 +1,19 @@
-"""The ragged attention function and how a model is switched to it.
+"""The ragged attention function, and how a model is switched to an attention function.
 
-``enable(model)`` registers the function under the name ``"kvcal_ragged"`` with
-transformers' ``AttentionInterface`` **and** ``AttentionMaskInterface`` (without the mask
-registration transformers silently passes ``attention_mask=None``), then selects it with
-``model.set_attn_implementation``.  Nothing is registered at import time.
+:func:`attention_implementation` is the one way this toolkit swaps a model's attention for a
+scope (the runtime's ragged attention, the profiler's decode-step capture and its MomentKV
+calibration): it registers the function with transformers' ``AttentionInterface`` **and**
+the ``sdpa`` mask builder with ``AttentionMaskInterface`` (without the mask registration
+transformers silently passes ``attention_mask=None``), checks that the model dispatches
+attention through the interface, selects it with ``model.set_attn_implementation``, and
+afterwards restores the previous implementation and the function previously registered
+under the name (so scopes nest, and a function built around per-scope state, e.g. a
+recorder passed by closure, never outlives its scope as the active one).
 
-The function receives post-RoPE ``query [B, Hq, q, d]`` and the new chunk's un-repeated
+``enable(model)`` switches a model to the ragged function ``"kvcal_ragged"`` for good
+(``ragged_attention(model)`` for a block).  Nothing is registered at import time.
+
+The ragged function receives post-RoPE ``query [B, Hq, q, d]`` and the new chunk's un-repeated
 ``key/value [B, Hkv, q, d]``.  When the chunk was parked by a :class:`runtime.cache.RaggedLayer`
 it hands over to :meth:`RaggedLayer.attend` (each query head over its KV head's retained
 tokens); with any other cache (or none) it is exactly transformers' SDPA attention, so an
@@ -58,29 +66,56 @@ def ragged_attention_forward(module, query, key, value, attention_mask, scaling=
     return layer.attend(query, real, positions, scale), None
 
 
-def register() -> None:
-    """Register the function and its mask builder with transformers (idempotent)."""
+def register_attention(name: str, forward) -> None:
+    """Register ``forward`` as attention function ``name`` together with the ``sdpa`` mask builder."""
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
 
-    AttentionInterface.register(ATTENTION_NAME, ragged_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionInterface.register(name, forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def _switch(model, name: str, forward) -> str:
+    """Register ``forward`` as ``name`` and select it on ``model``; returns the previous implementation."""
+    if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
+        raise ValueError(f"{type(model).__name__} does not route attention through transformers' "
+                         f"AttentionInterface, so the attention function {name!r} cannot be switched in")
+    register_attention(name, forward)
+    previous = model.config._attn_implementation
+    if previous != name:
+        model.set_attn_implementation(name)
+    return previous
+
+
+@contextmanager
+def attention_implementation(model, name: str, forward):
+    """``with attention_implementation(model, name, forward):`` run ``model``'s attention through
+    ``forward`` (an ``AttentionInterface`` function) inside the block; see the module docstring."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    registered = ALL_ATTENTION_FUNCTIONS.get(name)
+    try:
+        previous = _switch(model, name, forward)
+        try:
+            yield model
+        finally:
+            if previous != name:
+                model.set_attn_implementation(previous)
+    finally:
+        if registered is not None and registered is not forward:
+            register_attention(name, registered)
+
+
+def register() -> None:
+    """Register the ragged function and its mask builder with transformers (idempotent)."""
+    register_attention(ATTENTION_NAME, ragged_attention_forward)
 
 
 def enable(model) -> None:
     """Switch ``model`` to the ragged attention function (stays valid with ordinary caches)."""
-    register()
-    if model.config._attn_implementation != ATTENTION_NAME:
-        model.set_attn_implementation(ATTENTION_NAME)
+    _switch(model, ATTENTION_NAME, ragged_attention_forward)
 
 
-@contextmanager
 def ragged_attention(model):
     """``with ragged_attention(model):`` enable for the block, then restore the previous one."""
-    previous = model.config._attn_implementation
-    enable(model)
-    try:
-        yield model
-    finally:
-        if previous != ATTENTION_NAME:
-            model.set_attn_implementation(previous)
+    return attention_implementation(model, ATTENTION_NAME, ragged_attention_forward)

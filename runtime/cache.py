@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .eviction import text_config
+from .geometry import ModelGeometry
 from .moments import MomentSums, PreparedMoments, attention_with_lse
 
 # Tensor attribute through which the attention function finds the layer that parked a chunk.
@@ -369,7 +369,7 @@ class RaggedCache(Cache):
 
     @classmethod
     def for_model(cls, model) -> "RaggedCache":
-        return cls(int(text_config(model).num_hidden_layers))
+        return cls(ModelGeometry.of(model).num_layers)
 
     def head_lengths(self) -> torch.Tensor:
         """Live tokens per head, int64 ``[L, B, Hkv]``."""

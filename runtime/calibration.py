@@ -19,6 +19,11 @@ Only what a serving process uses is read: the INF weights (``budgets/inf_kv``, e
 from ``behaviour/INFsc``) and the correction orders (``moments/order``, ``moments/tau``) at
 load time, and the ``query_stats`` mean/cov on first use (the
 covariance is the bulk of the file; decompressing and checksumming it takes ~50 ms).
+
+The correction orders are the best per head for the tokens one scorer keeps; the scorer
+they were calibrated under (``Calibration.moment_selection``, the job configuration's
+``moments.selection`` recorded by profile-model) is compared with the serving policy's, and
+a mismatch is warned about once per scorer.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ class Calibration:
     def __init__(self, path, identity, config: dict, sections: tuple[str, ...], *,
                  query_mean: np.ndarray | None = None, query_cov: np.ndarray | None = None,
                  inf_weights: np.ndarray | None = None, moment_orders: np.ndarray | None = None,
-                 moment_tau: np.ndarray | None = None, reader=None):
+                 moment_tau: np.ndarray | None = None, moment_selection: str | None = None, reader=None):
         self.path = Path(path)
         self.identity = identity
         self.config = config
@@ -58,6 +63,9 @@ class Calibration:
         self.inf_weights = inf_weights
         self.moment_orders = moment_orders  # int8 [L, Hkv]: -1 none, 0, 1 (section 'moments')
         self.moment_tau = moment_tau  # float64 [L, Hkv]
+        # name of the scorer (runtime.scorers) whose selection the orders were calibrated under
+        self.moment_selection = moment_selection if moment_selection is not None else _configured_selection(config)
+        self._warned_selections: set[str] = set()
         self._query_mean, self._query_cov = query_mean, query_cov
         self._reader = reader
 
@@ -80,6 +88,19 @@ class Calibration:
     def has_query_stats(self) -> bool:
         return self._query_mean is not None or (self._reader is not None and "query_stats" in self.sections)
 
+    def check_moment_selection(self, scorer_name: str) -> None:
+        """Warn (once per scorer) when the correction orders were calibrated under another scorer's
+        selection than ``scorer_name``, the one the serving policy evicts with."""
+        if self.moment_selection is None or scorer_name == self.moment_selection:
+            return
+        if scorer_name in self._warned_selections:
+            return
+        self._warned_selections.add(scorer_name)
+        warnings.warn(f"{self.path}: correction='calibrated' serves per-head MomentKV orders measured on the tokens "
+                      f"{self.moment_selection!r} keeps, but the policy evicts with {scorer_name!r}; the best order "
+                      f"per head may differ (profiler.moments_calibration.measure_correction_errors(..., "
+                      f"scorer={scorer_name!r}) calibrates them for it)", stacklevel=4)
+
     def close(self) -> None:
         """Close the artifact file (reading the query statistics first if they were never used)."""
         if self._reader is not None:
@@ -89,6 +110,13 @@ class Calibration:
 
     def __repr__(self) -> str:
         return f"Calibration({self.path}, model={getattr(self.identity, 'name', None)!r}, sections={self.sections})"
+
+
+def _configured_selection(config) -> str | None:
+    """``config["moments"]["selection"]`` of an artifact's job configuration, if recorded."""
+    moments = config.get("moments") if isinstance(config, dict) else None
+    selection = moments.get("selection") if isinstance(moments, dict) else None
+    return str(selection) if selection is not None else None
 
 
 def find_artifact(model, path: str | os.PathLike | None = None) -> Path:

@@ -5,8 +5,9 @@
     report = compress(model, cache, policy, calibration, prompt_stats=stats)
 
 ``prefill`` runs the model over a chunk with the ragged attention function, recording what
-the policy's scorer needs (pre-RoPE query statistics of the prompt through temporary forward
-hooks on ``q_proj`` / ``q_norm``, or the last queries for SnapKV).  ``compress`` then gives
+the policy's scorer needs (pre-RoPE query statistics of the prompt, a per-row
+:class:`~runtime.query_moments.QueryMoments` filled through temporary forward hooks on
+``q_proj`` / ``q_norm``, or the last queries for SnapKV).  ``compress`` then gives
 every (batch element, layer, KV head) its budget (``policy.head_budgets`` for that element's
 real token count) and keeps sinks + recent window + the best-scored tokens.
 """
@@ -21,63 +22,10 @@ import torch
 
 from .attention import enable
 from .cache import DecodePlan, RaggedCache
-from .eviction import HeadEvictor, attention_modules, text_config
+from .eviction import HeadEvictor
+from .geometry import ModelGeometry
 from .policy import CompressionPolicy
-
-
-class PromptQueryStats:
-    """Per batch element, pre-RoPE query sums ``n, sum q, sum q q^T`` per (layer, query head).
-
-    Hooks ``q_norm`` where the attention has one (after the norm), else ``q_proj``; only real
-    (non-padding) tokens count, and :func:`prefill` leaves out the policy's ``n_sink`` first
-    tokens (outlier queries of attention sinks).  Sums are float64 (the outer products are formed in float32
-    per chunk, then added).
-    """
-
-    def __init__(self, model, batch_size: int):
-        config = text_config(model)
-        self.modules = attention_modules(model)
-        self.num_q_heads = int(config.num_attention_heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_q_heads)
-        layers = len(self.modules)
-        self.count = np.zeros(batch_size, dtype=np.int64)
-        self.total = torch.zeros(batch_size, layers, self.num_q_heads, self.head_dim, dtype=torch.float64)
-        self.outer = torch.zeros(batch_size, layers, self.num_q_heads, self.head_dim, self.head_dim,
-                                 dtype=torch.float64)
-        self.real: torch.Tensor | None = None  # bool [B, T] of the chunk being run
-        self._handles = []
-
-    def __enter__(self):
-        for layer, module in enumerate(self.modules):
-            target = module.q_norm if hasattr(module, "q_norm") else module.q_proj
-            self._handles.append(target.register_forward_hook(self._hook(layer)))
-        return self
-
-    def __exit__(self, *exc):
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-    def _hook(self, layer: int):
-        def hook(_module, _inputs, output):
-            queries = output.detach().reshape(output.shape[0], output.shape[1], self.num_q_heads, self.head_dim)
-            for b in range(queries.shape[0]):
-                rows = queries[b] if self.real is None else queries[b][self.real[b]]  # [T, Hq, d]
-                rows = rows.float().cpu()
-                self.total[b, layer] += rows.sum(0).double()
-                self.outer[b, layer] += torch.einsum("thd,the->hde", rows, rows).double()
-                if layer == 0:
-                    self.count[b] += rows.shape[0]
-        return hook
-
-    def mean_cov(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Population mean ``[L, Hq, d]`` and covariance ``[L, Hq, d, d]`` of element ``b`` (float64)."""
-        n = int(self.count[b])
-        if n == 0:
-            raise ValueError(f"no prompt queries were recorded for batch element {b}")
-        mean = self.total[b] / n
-        cov = self.outer[b] / n - mean.unsqueeze(-1) * mean.unsqueeze(-2)
-        return mean, cov
+from .query_moments import QueryMoments
 
 
 def _needs(policy: CompressionPolicy | None):
@@ -89,7 +37,7 @@ def _needs(policy: CompressionPolicy | None):
 
 @torch.no_grad()
 def prefill(model, cache: RaggedCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-            policy: CompressionPolicy | None = None, prompt_stats: PromptQueryStats | None = None,
+            policy: CompressionPolicy | None = None, prompt_stats: QueryMoments | None = None,
             record_prompt_stats: bool = False, observe_queries: int = 0, n_sink: int | None = None):
     """Run ``input_ids [B, T]`` into ``cache`` and return the prompt query statistics (or None).
 
@@ -117,13 +65,13 @@ def prefill(model, cache: RaggedCache, input_ids: torch.Tensor, attention_mask: 
     window = max(window, int(observe_queries))
     if window:
         cache.observe_queries(window)
-    if wants_stats and prompt_stats is None:
-        prompt_stats = PromptQueryStats(model, batch)
-    if prompt_stats is not None:
-        # the first n_sink tokens (attention sinks, outlier queries) stay out of the statistics
+    if wants_stats or prompt_stats is not None:
+        geometry = ModelGeometry.of(model)
+        if prompt_stats is None:
+            prompt_stats = QueryMoments.for_prompt(geometry, batch)
+        # only real tokens count; the first n_sink (attention sinks, outlier queries) stay out
         skip = n_sink if n_sink is not None else (policy.n_sink if policy is not None else 0)
-        prompt_stats.real = chunk_mask & (position_ids >= skip)
-        with prompt_stats:
+        with prompt_stats.collect(geometry, real=chunk_mask & (position_ids >= skip)):
             model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   past_key_values=cache, use_cache=True, logits_to_keep=1)
     else:
@@ -144,7 +92,7 @@ class CompressionReport:
 
 @torch.no_grad()
 def compress(model, cache: RaggedCache, policy: CompressionPolicy, calibration=None,
-             prompt_stats: PromptQueryStats | None = None, *, context_lengths: list[int] | None = None,
+             prompt_stats: QueryMoments | None = None, *, context_lengths: list[int] | None = None,
              final: bool = True) -> CompressionReport:
     """Evict every KV head of ``cache`` down to its budget (see the module docstring).
 

@@ -21,23 +21,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .geometry import ModelGeometry
 from .moments import evict_in_rounds
 from .rope import averaged_rope
 from .scorers import HeadContext, select_rows
-
-
-def text_config(model):
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-
-
-def attention_modules(model) -> list:
-    """The decoder layers' attention modules, in layer order."""
-    modules = [module for module in model.modules() if hasattr(module, "q_proj") and hasattr(module, "layer_idx")]
-    modules.sort(key=lambda module: module.layer_idx)
-    if len(modules) != text_config(model).num_hidden_layers:
-        raise ValueError(f"found {len(modules)} attention modules with q_proj, expected "
-                         f"{text_config(model).num_hidden_layers}")
-    return modules
 
 
 class HeadEvictor:
@@ -47,14 +34,12 @@ class HeadEvictor:
         policy.check_calibration(calibration)
         self.policy = policy
         self.scorer = policy.build_scorer()
-        config = text_config(model)
-        self.num_layers = int(config.num_hidden_layers)
-        self.num_q_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_q_heads)
-        self.group = self.num_q_heads // self.num_kv_heads
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_q_heads)
-        self.scalings = [float(getattr(module, "scaling", head_dim ** -0.5)) for module in attention_modules(model)]
-        self._model = model  # for its rotary module (EA's RoPE average)
+        self.geometry = geometry = ModelGeometry.of(model)
+        self.num_layers = geometry.num_layers
+        self.num_q_heads = geometry.num_q_heads
+        self.num_kv_heads = geometry.num_kv_heads
+        self.group = geometry.group_size
+        self.scalings = geometry.scalings
         self._rope: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.prompt_stats = prompt_stats
@@ -70,7 +55,7 @@ class HeadEvictor:
 
     def _rope_at(self, next_position: int):
         if self._rope is None or self._rope[0] != next_position:
-            self._rope = (next_position, averaged_rope(self._model, next_position, self.scorer.rope_horizon))
+            self._rope = (next_position, averaged_rope(self.geometry, next_position, self.scorer.rope_horizon))
         return self._rope[1]
 
     def _query_stats(self, b: int):

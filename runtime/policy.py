@@ -14,7 +14,8 @@
 * ``n_sink`` first tokens and the last ``window`` tokens of every head are always kept;
 * MomentKV (DESIGN.md section 4; the cache then keeps per-head moments of what it evicted):
   ``correction`` = ``none`` | ``calibrated`` (each head's order from the artifact's
-  ``moments`` section) | ``order0`` | ``order1`` (every head); ``tau`` clamps the
+  ``moments`` section, measured under one selection scorer: serving them with another one
+  warns once) | ``order0`` | ``order1`` (every head); ``tau`` clamps the
   cross-covariance (None: the artifact's per-head value for ``calibrated``, else 0);
   ``moment_eviction`` scores ``a_j ||r_j||`` in ``moment_rounds`` rounds (scorers that
   estimate attention: expected_attention, snapkv);
@@ -163,6 +164,8 @@ class CompressionPolicy:
             raise ValueError(f"correction='calibrated' needs per-head correction orders, but {calibration.path} has "
                              f"no 'moments' section (present: {', '.join(calibration.sections) or 'none'}); use "
                              "correction='order1' or re-run profile-model with the moments stage")
+        if self.correction == "calibrated" and hasattr(calibration, "check_moment_selection"):
+            calibration.check_moment_selection(self.scorer_name)  # warns once when calibrated under another scorer
 
     def head_budgets(self, seq_len: int, num_layers: int, num_kv_heads: int,
                      inf_weights: np.ndarray | None = None) -> np.ndarray:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .geometry import ModelGeometry
+
 
 def rotate_half_matrix(head_dim: int, dtype=torch.float32, device=None) -> torch.Tensor:
     """``P [d, d]`` with ``P @ x == rotate_half(x) == cat(-x[d/2:], x[:d/2])``."""
@@ -29,20 +31,13 @@ def rope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.diag(cos) + sin.unsqueeze(1) * rotate_half_matrix(cos.shape[0], cos.dtype, cos.device)
 
 
-def rotary_module(model):
-    """The model's rotary-embedding module (``model.model.rotary_emb`` for Llama-style models)."""
-    for candidate in (getattr(getattr(model, "model", None), "rotary_emb", None), getattr(model, "rotary_emb", None)):
-        if candidate is not None:
-            return candidate
-    for name, module in model.named_modules():
-        if name.endswith("rotary_emb"):
-            return module
-    raise ValueError(f"{type(model).__name__} has no rotary embedding module (rotary_emb)")
-
-
 def rope_cos_sin(model, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's ``cos, sin [len(positions), d]`` (float32) at absolute ``positions``."""
-    rotary = rotary_module(model)
+    """The model's ``cos, sin [len(positions), d]`` (float32) at absolute ``positions``.
+
+    ``model``: a loaded model or its :class:`~runtime.geometry.ModelGeometry` (whose ``rotary``
+    module is used).
+    """
+    rotary = ModelGeometry.of(model).rotary
     device = next(rotary.buffers(), torch.empty(0)).device
     positions = positions.to(device=device, dtype=torch.long).reshape(1, -1)
     probe = torch.zeros(1, positions.shape[1], 1, dtype=torch.float32, device=device)
@@ -52,7 +47,8 @@ def rope_cos_sin(model, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def averaged_rope(model, start: int, horizon: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean ``cos, sin [d]`` over absolute positions ``start .. start + horizon - 1``."""
+    """Mean ``cos, sin [d]`` over absolute positions ``start .. start + horizon - 1`` (``model``: a
+    model or its :class:`~runtime.geometry.ModelGeometry`)."""
     if horizon <= 0:
         raise ValueError(f"the RoPE averaging horizon must be positive, got {horizon}")
     if start < 0:

@@ -9,6 +9,7 @@ import torch
 from conftest import make_tiny_llama
 
 from profiler.moments_calibration import measure_correction_errors
+from runtime.scorers import ExpectedAttentionScorer, KeyDiffScorer, SnapKVScorer
 
 
 def _projections(model, ids):
@@ -74,6 +75,7 @@ def test_tiny_llama_shapes_and_errors_match_independent_masked_reference(one_thr
     result = measure_correction_errors(model, windows, keep_ratios=ratios, query_window=w, scorer="keydiff",
                                        observation_window=8, n_sink=n_sink, recent_window=recent, progress=False)
     assert set(result) == {"errors", "order", "reference_ratios", "tau"}
+    assert result.selection == "keydiff" and result.scorer == "KeyDiffScorer()"
     assert result["errors"].shape == (2, 3, 2, 2) and result["errors"].dtype == np.float64
     assert result["order"].shape == (2, 2) and result["order"].dtype == np.int8
     assert set(np.unique(result["order"])) <= {-1, 0, 1}
@@ -107,6 +109,7 @@ def test_tiny_llama_shapes_and_errors_match_independent_masked_reference(one_thr
                                        moment_eviction=True, tau=0.01, progress=False)
     assert moment["errors"].shape == (1, 3, 2, 2) and np.all(np.isfinite(moment["errors"]))
     assert np.all(moment["tau"] == 0.01)
+    assert moment.selection == "snapkv" and moment.scorer == "SnapKVScorer(window=8, kernel=1)"
 
     keep_all = measure_correction_errors(model, windows[:1], keep_ratios=(1.0,), query_window=w, scorer="snapkv",
                                          observation_window=8, n_sink=n_sink, recent_window=recent, progress=False)
@@ -115,6 +118,28 @@ def test_tiny_llama_shapes_and_errors_match_independent_masked_reference(one_thr
         measure_correction_errors(model, windows[:, :20], query_window=16, progress=False)
     with pytest.raises(ValueError, match="scorer"):
         measure_correction_errors(model, windows, scorer="h2o", progress=False)
+    with pytest.raises(ValueError, match="moment_eviction needs a selection scorer that estimates attention"):
+        measure_correction_errors(model, windows, scorer="keydiff", moment_eviction=True, progress=False)
+    with pytest.raises(ValueError, match="needs query statistics or RoPE averages"):
+        measure_correction_errors(model, windows, scorer=ExpectedAttentionScorer(), progress=False)
+
+
+def test_selection_is_the_runtime_scorer(one_thread):
+    """The named selections are runtime.scorers scorers: "snapkv" is SnapKV's un-pooled window
+    attention (kernel 1), "keydiff" KeyDiff; any attention-free Scorer instance may be given."""
+    model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=1)
+    windows = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(3))
+    options = dict(keep_ratios=(0.3,), query_window=8, observation_window=8, n_sink=2, recent_window=4,
+                   progress=False)
+    by_name = measure_correction_errors(model, windows, scorer="snapkv", **options)
+    by_scorer = measure_correction_errors(model, windows, scorer=SnapKVScorer(window=8, kernel=1), **options)
+    assert by_name.selection == by_scorer.selection == "snapkv"
+    for key in by_name:
+        np.testing.assert_array_equal(by_name[key], by_scorer[key])
+    keydiff = measure_correction_errors(model, windows, scorer=KeyDiffScorer(), **options)
+    assert keydiff.selection == "keydiff"
+    pooled = measure_correction_errors(model, windows, scorer=SnapKVScorer(window=8, kernel=5), **options)
+    assert pooled.scorer == "SnapKVScorer(window=8, kernel=5)" and pooled["errors"].shape == (1, 3, 2, 2)
 
 
 def test_embedded_model_correction_beats_no_correction_at_75_percent_compression(embedded_model, embedded_tokenizer,

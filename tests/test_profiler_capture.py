@@ -14,7 +14,7 @@ def _capture(model, prompt: torch.Tensor, max_new_tokens: int):
     config = model.config
     recorder = DecodeAttentionRecorder(config.num_hidden_layers, config.num_attention_heads,
                                        prompt.shape[1], max_new_tokens, keep_rows=True)
-    with torch.no_grad(), capture_attention_implementation(model), recorder.active():
+    with torch.no_grad(), capture_attention_implementation(model, recorder):
         out = model.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False,
                              min_new_tokens=max_new_tokens, pad_token_id=0)
     return out[0, prompt.shape[1]:], recorder.results()
@@ -71,10 +71,10 @@ def _tiny(kind: str):
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3"])
 def test_capture_matches_eager_on_other_llama_family_models(kind):
-    from profiler.architecture import inspect_model
+    from runtime.geometry import ModelGeometry
 
     model = _tiny(kind)
-    assert inspect_model(model).query_norm == (kind == "qwen3")
+    assert ModelGeometry.of(model).query_norm == (kind == "qwen3")
     prompt = torch.randint(1, 96, (1, 23), generator=torch.Generator().manual_seed(2))
     _check_against_eager(model, prompt, steps=4, atol=1e-5)
 
@@ -93,7 +93,7 @@ def test_recorder_rejects_too_many_steps():
     model = make_tiny_llama(num_layers=1)
     recorder = DecodeAttentionRecorder(1, 4, 10, max_steps=2)
     with pytest.raises(RuntimeError, match="max_steps"):
-        with torch.no_grad(), capture_attention_implementation(model), recorder.active():
+        with torch.no_grad(), capture_attention_implementation(model, recorder):
             model.generate(torch.ones(1, 10, dtype=torch.long), max_new_tokens=4, min_new_tokens=4,
                            do_sample=False, pad_token_id=0)
 
@@ -104,3 +104,21 @@ def test_capture_matches_eager_on_embedded_model(embedded_model, embedded_tokeni
     prompt = embedded_tokenizer(text, return_tensors="pt").input_ids
     generated = _check_against_eager(embedded_model, prompt, steps=4, atol=2e-4)
     assert generated.shape == (4,)
+
+
+def test_nested_scopes_record_into_their_own_recorder_only():
+    """As in the behaviour stage: one outer scope, a nested scope (and recorder) per probe."""
+    model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=6)
+    prompts = [torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in (12, 17)]
+    recorders = [DecodeAttentionRecorder(2, 4, p.shape[1], max_steps=3) for p in prompts]
+    generate = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad(), capture_attention_implementation(model):
+        for prompt, recorder in zip(prompts, recorders):
+            with capture_attention_implementation(model, recorder):
+                model.generate(prompt, **generate)
+            assert model.config._attn_implementation == "kvcal_decode_capture"
+        model.generate(prompts[0], **generate)  # outside a probe scope: plain sdpa, nothing recorded
+    assert model.config._attn_implementation == "sdpa"
+    assert [r.steps for r in recorders] == [3, 3]
+    _, alone = _capture(model, prompts[1], 3)  # the same probe recorded on its own
+    torch.testing.assert_close(recorders[1].results()["max_weight"], alone["max_weight"], rtol=0, atol=0)

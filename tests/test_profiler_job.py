@@ -21,7 +21,7 @@ from artifacts import open_artifact
 from conftest import make_tiny_llama, single_thread
 from needles.probe import Probe, Span
 from profiler.cli import main
-from profiler.query_stats import QueryStatsAccumulator
+from runtime.query_moments import QueryMoments
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_PROBES = 12
@@ -141,7 +141,7 @@ def test_interrupt_inside_a_forward_pass_resumes_exactly(model_dir, reference, t
     out = tmp_path / "kv_calibration.h5"
     args = _args(model_dir, out, "--checkpoint-every", "1")
     calls = {"n": 0}
-    original = QueryStatsAccumulator.add
+    original = QueryMoments.add
 
     def interrupted_add(self, layer, queries):
         calls["n"] += 1
@@ -149,7 +149,7 @@ def test_interrupt_inside_a_forward_pass_resumes_exactly(model_dir, reference, t
             raise KeyboardInterrupt
         return original(self, layer, queries)
 
-    monkeypatch.setattr(QueryStatsAccumulator, "add", interrupted_add)
+    monkeypatch.setattr(QueryMoments, "add", interrupted_add)
     assert main(args) == 130
     assert "--resume" in capsys.readouterr().err and not out.exists()
     monkeypatch.undo()

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama
-from profiler.architecture import UnsupportedModelError, inspect_model
-from profiler.query_stats import QueryStatsAccumulator, collect_queries
+from runtime.query_moments import QueryMoments
+from runtime.geometry import ModelGeometry
 
 
 def _raw_queries(model, geometry, ids):
@@ -36,10 +36,10 @@ def _naive(queries):
 
 def test_mean_and_cov_match_numpy_with_sink_skipped():
     model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, seed=1)
-    geometry = inspect_model(model)
+    geometry = ModelGeometry.of(model)
     ids = torch.randint(0, 128, (3, 25), generator=torch.Generator().manual_seed(0))
-    acc = QueryStatsAccumulator(2, 4, 8)
-    with torch.no_grad(), collect_queries(geometry, acc, n_sink=4):
+    acc = QueryMoments(2, 4, 8)
+    with torch.no_grad(), acc.collect(geometry, n_sink=4):
         model(ids)
     stats = acc.finalize()
     raw = _raw_queries(model, geometry, ids)[:, :, 4:]  # skip the sink positions of every sample
@@ -53,17 +53,17 @@ def test_mean_and_cov_match_numpy_with_sink_skipped():
 
 def test_two_shards_merge_to_one_pass():
     model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, seed=2)
-    geometry = inspect_model(model)
+    geometry = ModelGeometry.of(model)
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
-    whole, first, second = (QueryStatsAccumulator(2, 4, 8) for _ in range(3))
+    whole, first, second = (QueryMoments(2, 4, 8) for _ in range(3))
     with torch.no_grad():
-        with collect_queries(geometry, whole, n_sink=2):
+        with whole.collect(geometry, n_sink=2):
             model(ids)
-        with collect_queries(geometry, first, n_sink=2):
+        with first.collect(geometry, n_sink=2):
             model(ids[:1])
-        with collect_queries(geometry, second, n_sink=2):
+        with second.collect(geometry, n_sink=2):
             model(ids[1:])
-    merged = QueryStatsAccumulator.from_state(first.state()).merge(second)
+    merged = QueryMoments.from_state(first.state()).merge(second)
     np.testing.assert_array_equal(merged.n, whole.n)
     np.testing.assert_allclose(merged.total, whole.total, rtol=1e-12)
     np.testing.assert_allclose(merged.outer, whole.outer, rtol=1e-12)
@@ -81,11 +81,11 @@ def test_qwen3_statistics_are_taken_after_the_query_norm():
     with torch.no_grad():
         for layer in model.model.layers:  # non-trivial norm weights so pre/post norm differ
             layer.self_attn.q_norm.weight.uniform_(0.5, 2.0)
-    geometry = inspect_model(model)
+    geometry = ModelGeometry.of(model)
     assert geometry.query_norm and geometry.query_modules[0] is model.model.layers[0].self_attn.q_norm
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
-    acc = QueryStatsAccumulator(2, 4, 8)
-    with torch.no_grad(), collect_queries(geometry, acc, n_sink=0):
+    acc = QueryMoments(2, 4, 8)
+    with torch.no_grad(), acc.collect(geometry, n_sink=0):
         model(ids)
     # Reference: apply q_norm by hand to q_proj outputs.
     proj = []
@@ -101,24 +101,13 @@ def test_qwen3_statistics_are_taken_after_the_query_norm():
     np.testing.assert_allclose(acc.finalize()["mean"], mean, rtol=1e-5, atol=1e-6)
 
 
-def test_unsupported_architecture_names_what_is_missing():
-    model = make_tiny_llama(num_layers=1)
-    del model.model.rotary_emb
-    with pytest.raises(UnsupportedModelError, match="rotary_emb"):
-        inspect_model(model)
-    model = make_tiny_llama(num_layers=1)
-    model.model.layers[0].self_attn.q_proj = torch.nn.Identity()
-    with pytest.raises(UnsupportedModelError, match="q_proj"):
-        inspect_model(model)
-
-
 @pytest.mark.slow
 def test_embedded_model_query_stats(embedded_model, embedded_tokenizer, one_thread):
-    geometry = inspect_model(embedded_model)
+    geometry = ModelGeometry.of(embedded_model)
     assert (geometry.num_layers, geometry.num_q_heads, geometry.num_kv_heads, geometry.head_dim) == (30, 9, 3, 64)
     ids = embedded_tokenizer("The quick brown fox jumps over the lazy dog. " * 4, return_tensors="pt").input_ids
-    acc = QueryStatsAccumulator(30, 9, 64)
-    with torch.no_grad(), collect_queries(geometry, acc, n_sink=4):
+    acc = QueryMoments(30, 9, 64)
+    with torch.no_grad(), acc.collect(geometry, n_sink=4):
         embedded_model.model(ids)
     stats = acc.finalize()
     raw = _raw_queries(embedded_model, geometry, ids)[:, :, 4:].reshape(30, -1, 9, 64)

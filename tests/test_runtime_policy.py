@@ -13,7 +13,7 @@ from conftest import make_tiny_llama
 
 from artifacts import Artifact, ArtifactError, ModelIdentity, Section, write_artifact
 from artifacts.fingerprint import architecture_fingerprint, architecture_numbers, tokenizer_fingerprint
-from runtime import CompressionPolicy, PromptQueryStats, RaggedCache, answer, load_calibration, prefill
+from runtime import CompressionPolicy, QueryMoments, RaggedCache, answer, generate, load_calibration, prefill
 from runtime.budgets import allocate_budgets
 from runtime.calibration import Calibration, model_weights_fingerprint
 
@@ -44,7 +44,7 @@ def query_stats_section(mean: np.ndarray, cov: np.ndarray, count: int = 100) -> 
                    attrs={"n_sink": 4})
 
 
-def write_tiny_artifact(path, model, sections=("query_stats", "budgets"), seed=0):
+def write_tiny_artifact(path, model, sections=("query_stats", "budgets"), seed=0, job_config=None):
     config = model.config
     layers, heads, kv = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
     d = config.head_dim
@@ -57,7 +57,11 @@ def write_tiny_artifact(path, model, sections=("query_stats", "budgets"), seed=0
     if "budgets" in sections:
         weights = rng.random((layers, kv))
         parts["budgets"] = budgets_section(weights / weights.sum())
-    write_artifact(path, Artifact(model=identity_for(model), config={"purpose": "test"}, sections=parts))
+    if "moments" in sections:
+        parts["moments"] = Section(arrays={"order": rng.integers(-1, 2, (layers, kv)).astype(np.int8),
+                                           "errors": rng.random((1, 3, layers, kv)),
+                                           "reference_ratios": np.array([0.25]), "tau": np.zeros((layers, kv))})
+    write_artifact(path, Artifact(model=identity_for(model), config=job_config or {"purpose": "test"}, sections=parts))
     return path
 
 
@@ -163,6 +167,43 @@ def test_weights_mismatch_refused_unless_overridden_then_warned_once(tmp_path):
         load_calibration(model, path=path)
 
 
+def test_calibrated_correction_with_another_selection_scorer_warns_once(tmp_path):
+    """The moments stage records the selection its orders were calibrated under (job config
+    ``moments.selection``); serving them with another scorer warns, once per scorer."""
+    model = make_tiny_llama()
+    path = write_tiny_artifact(tmp_path / "m.h5", model, ("moments",),
+                               job_config={"moments": {"selection": "snapkv"}})
+    calibration = load_calibration(model, path=path)
+    assert calibration.moment_selection == "snapkv"
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+
+    def warnings_from(policy, runs=2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(runs):
+                generate(model, ids, policy, calibration=calibration, context_columns=36, max_new_tokens=2,
+                         pad_token_id=0)
+        return [str(w.message) for w in caught if "MomentKV orders" in str(w.message)]
+
+    keydiff = warnings_from(CompressionPolicy(ratio=0.5, scorer="keydiff", correction="calibrated"))
+    assert len(keydiff) == 1
+    assert "measured on the tokens 'snapkv' keeps, but the policy evicts with 'keydiff'" in keydiff[0]
+    assert warnings_from(CompressionPolicy(ratio=0.5, scorer="keydiff", correction="calibrated")) == []  # once
+    assert warnings_from(CompressionPolicy(ratio=0.5, scorer="snapkv", correction="calibrated")) == []  # matching
+    assert warnings_from(CompressionPolicy(ratio=0.5, scorer="keydiff", correction="order1")) == []  # not calibrated
+    # an artifact that does not say which selection its orders came from: nothing to compare
+    unknown = load_calibration(model, path=write_tiny_artifact(tmp_path / "u.h5", model, ("moments",)))
+    assert unknown.moment_selection is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        CompressionPolicy(ratio=0.5, scorer="keydiff", correction="calibrated").check_calibration(unknown)
+    assert not caught
+    given = Calibration(path="x.h5", identity=None, config={}, sections=("moments",), moment_selection="keydiff",
+                        moment_orders=np.zeros((2, 2), np.int8), moment_tau=np.zeros((2, 2)))
+    with pytest.warns(UserWarning, match="evicts with 'expected_attention'"):
+        CompressionPolicy(ratio=0.5, correction="calibrated", statistics="prompt").check_calibration(given)
+
+
 def test_compress_with_inf_calibration_needs_artifact_inf_weights():
     model = make_tiny_llama()
     cache = RaggedCache.for_model(model)
@@ -187,8 +228,8 @@ def embedded_artifact(embedded_model, embedded_tokenizer, tmp_path_factory):
     """A real artifact for the embedded model: query statistics measured on haystack text."""
     model, tokenizer = embedded_model, embedded_tokenizer
     ids = tokenizer(HAYSTACK * 2, return_tensors="pt")["input_ids"]
-    stats = PromptQueryStats(model, 1)
-    with stats, torch.no_grad():
+    stats = QueryMoments.for_prompt(model, 1)
+    with stats.collect(model), torch.no_grad():
         model(ids)
     mean, cov = stats.mean_cov(0)
     config = model.config

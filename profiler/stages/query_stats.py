@@ -2,7 +2,7 @@
 
 Expected Attention ("Expected Attention: KV Cache Compression by Estimating Attention from
 Future Queries Distribution", arXiv 2510.00636) models future queries as a Gaussian; this
-stage measures its mean and covariance on calibration text (:mod:`profiler.query_stats`:
+stage measures its mean and covariance on calibration text (:mod:`runtime.query_moments`:
 forward hooks on the pre-RoPE query module, float64 sums ``n, sum q, sum q q^T``, the first
 ``n_sink`` positions of every window left out).  Units are batches of calibration windows.
 """
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from artifacts import Section
-from profiler.query_stats import QueryStatsAccumulator, collect_queries
+from runtime.query_moments import QueryMoments
 
 from .base import Stage
 
@@ -41,11 +41,11 @@ class QueryStatsStage(Stage):
 
     def prepare(self) -> None:
         geometry = self.job.geometry
-        self.totals = QueryStatsAccumulator(geometry.num_layers, geometry.num_q_heads, geometry.head_dim)
+        self.totals = QueryMoments(geometry.num_layers, geometry.num_q_heads, geometry.head_dim)
         # The hooks fill a per-batch accumulator, folded into the totals once the forward pass
         # is complete: an interruption mid-pass leaves the totals untouched.  Each layer sees
         # one addition per batch either way, so the sums are bit-identical to direct hooking.
-        self.batch_sums = QueryStatsAccumulator(*self.totals.shape)
+        self.batch_sums = QueryMoments(*self.totals.shape)
         self.done = 0
 
     def config(self) -> dict:
@@ -63,7 +63,7 @@ class QueryStatsStage(Stage):
 
         stack = ExitStack()
         stack.enter_context(torch.no_grad())
-        stack.enter_context(collect_queries(self.job.geometry, self.batch_sums, self.job.n_sink))
+        stack.enter_context(self.batch_sums.collect(self.job.geometry, n_sink=self.job.n_sink))
         return stack
 
     def compute(self, batch: list[int]) -> None:
@@ -82,14 +82,14 @@ class QueryStatsStage(Stage):
 
     def restore(self, arrays: dict[str, np.ndarray]) -> None:
         if arrays:
-            self.totals = QueryStatsAccumulator.from_state(arrays)
+            self.totals = QueryMoments.from_state(arrays)
             self.done = 1
 
     # -- after the work ----------------------------------------------------------------------------
     def reduce(self) -> None:
         from profiler import distributed
 
-        self.totals = QueryStatsAccumulator.from_state(distributed.all_reduce_sum(self.job.info, self.totals.state()))
+        self.totals = QueryMoments.from_state(distributed.all_reduce_sum(self.job.info, self.totals.state()))
 
     def build(self, sections: dict[str, Section]) -> Section:
         job = self.job

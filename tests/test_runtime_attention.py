@@ -1,0 +1,60 @@
+"""runtime.attention.attention_implementation: the one way an attention function is swapped in for a scope."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from conftest import make_tiny_llama
+from runtime.attention import attention_implementation
+
+
+def _spy(calls: list, tag: str):
+    """An attention function that notes (tag, layer, mask given?) and computes sdpa."""
+
+    def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        calls.append((tag, module.layer_idx, attention_mask is not None))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+
+    return forward
+
+
+def test_scope_switches_registers_the_mask_and_restores_everything():
+    model = make_tiny_llama(num_layers=2)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding: the function must receive the mask
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+    outer_calls, inner_calls = [], []
+    with torch.no_grad(), attention_implementation(model, "kvcal_test_scope", _spy(outer_calls, "outer")):
+        assert model.config._attn_implementation == "kvcal_test_scope"
+        logits = model(ids, attention_mask=mask).logits
+        with attention_implementation(model, "kvcal_test_scope", _spy(inner_calls, "inner")):
+            model(ids, attention_mask=mask)
+        model(ids, attention_mask=mask)  # the outer function is back under the name
+    torch.testing.assert_close(logits, expected)
+    assert outer_calls == [("outer", 0, True), ("outer", 1, True)] * 2
+    assert inner_calls == [("inner", 0, True), ("inner", 1, True)]
+    assert model.config._attn_implementation == "sdpa"
+    assert ALL_ATTENTION_FUNCTIONS["kvcal_test_scope"].__qualname__.startswith("_spy")
+
+
+def test_scope_restores_after_an_exception_and_refuses_models_outside_the_interface(monkeypatch):
+    model = make_tiny_llama(num_layers=1)
+    with pytest.raises(RuntimeError, match="boom"):
+        with attention_implementation(model, "kvcal_test_raise", _spy([], "x")):
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+    outer = _spy([], "outer")
+    with attention_implementation(model, "kvcal_test_refused", outer):
+        with monkeypatch.context() as patch:
+            patch.setattr(type(model), "_can_set_attn_implementation", classmethod(lambda cls: False))
+            with pytest.raises(ValueError, match="does not route attention through transformers' AttentionInterface"):
+                with attention_implementation(model, "kvcal_test_refused", _spy([], "inner")):
+                    pass
+        assert ALL_ATTENTION_FUNCTIONS["kvcal_test_refused"] is outer  # the refused scope left nothing behind
+    assert model.config._attn_implementation == "sdpa"
