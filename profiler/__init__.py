@@ -1,26 +1,34 @@
-"""profiler: the offline calibration job behind ``profile-model`` (DESIGN.md sections 1, 3, 5).
+"""profiler: the offline calibration job behind ``profile-model``.
 
-Stages and the modules that implement them:
+The job (:mod:`profiler.job`) loads the model once and runs the stages of
+:mod:`profiler.stages`, one module each, every one writing one artifact section; the stage
+modules hold the life cycle (settings, sharded work, reduction, the section) and call the
+method modules here:
 
-* ``behaviour`` - REAL's attention-behaviour matrix (seed 004, Eq. 1-3).
-  :mod:`profiler.attention_capture` records, at every generated token, each (layer, query
-  head)'s dominant context token and its weight next to an unchanged fused ``sdpa`` forward;
-  :mod:`profiler.behaviour_scores` accumulates ``W_R, W_B, W_D, W_W`` and derives RAsc, LCsc,
-  INFsc; :mod:`profiler.behaviour_stage` runs one probe (greedy ``generate()``).
-* ``query-stats`` - Expected Attention statistics (seed 000): :mod:`profiler.query_stats`
-  hooks ``q_proj`` (or ``q_norm``) and keeps float64 sums ``n, sum q, sum q q^T`` per head,
-  skipping ``n_sink`` leading tokens per window of :mod:`profiler.calibration_text`.
-* ``budgets`` - per-KV-head budget tables, :mod:`profiler.budget_tables`, through
-  ``runtime.budgets`` (the allocation is never re-implemented here).
-* ``moments`` - the MomentKV correction order per KV head: :mod:`profiler.moments_calibration`
-  compresses calibration windows and keeps, per head, the order (none, 0 or 1) with the
-  smallest attention-output error.
+* ``behaviour`` (:mod:`profiler.stages.behaviour`) - REAL's attention-behaviour scores
+  ("REtrieval-reAsoning and Logic-constructed Attention Behaviors for Long-Context KV Cache
+  Compression", Eq. 1-3): :mod:`profiler.behaviour_stage` greedy-decodes one probe while
+  :mod:`profiler.attention_capture` records each (layer, query head)'s dominant context token;
+  :mod:`profiler.behaviour_scores` turns the records into ``W_R, W_B, W_D, W_W``, RAsc, LCsc,
+  INFsc; probes come from :mod:`profiler.probe_source`.
+* ``query-stats`` (:mod:`profiler.stages.query_stats`) - Expected Attention statistics
+  ("Expected Attention: KV Cache Compression by Estimating Attention from Future Queries
+  Distribution", arXiv 2510.00636): ``runtime.query_moments.QueryMoments`` sums pre-RoPE
+  queries of the windows of :mod:`profiler.calibration_text`.
+* ``budgets`` (:mod:`profiler.stages.budgets`) - per-KV-head budget tables,
+  :mod:`profiler.budget_tables`, through ``runtime.budgets`` (never re-implemented here).
+* ``moments`` (:mod:`profiler.stages.moments`) - the MomentKV correction order per KV head
+  ("MomentKV: Closing the Directional Gap in KV Cache Eviction for Long-Context Inference"):
+  :mod:`profiler.moments_calibration`.
+* ``learned-scorer`` (:mod:`profiler.stages.learned_scorer`) - a per-head token scorer
+  distilled from KVzip's reconstruction importance (arXiv 2505.23416):
+  :mod:`profiler.scorer_fitting`.
 
-Around them: :mod:`profiler.job` (orchestration, section building, keeping sections of an
-existing artifact), :mod:`profiler.checkpoint` (atomic resume work file),
-:mod:`profiler.distributed` (``accelerate`` / ``torchrun`` sharding and exact reduction),
-:mod:`profiler.presets`, :mod:`profiler.probe_source`, :mod:`profiler.cli`.  What a model must
-provide is checked by ``runtime.geometry.ModelGeometry`` (shared with the runtime).
+Around them: :mod:`profiler.checkpoint` (atomic resume work file), :mod:`profiler.distributed`
+(``accelerate`` / ``torchrun`` sharding and exact reduction), :mod:`profiler.presets`,
+:mod:`profiler.cli`; ``evaluate-artifact`` is :mod:`profiler.evaluate_cli` over
+:mod:`profiler.evaluation`.  What a model must provide is checked by
+``runtime.geometry.ModelGeometry`` (shared with the runtime).
 
 Reproducibility: all accumulators are sums added in a fixed order per process, so an
 interrupted and resumed run reproduces an uninterrupted one bit for bit; with N processes the
