@@ -165,7 +165,7 @@ class CompressionPolicy:
                              f"no 'moments' section (present: {', '.join(calibration.sections) or 'none'}); use "
                              "correction='order1' or re-run profile-model with the moments stage")
         if self.correction == "calibrated" and hasattr(calibration, "check_moment_selection"):
-            calibration.check_moment_selection(self.scorer_name)  # warns once when calibrated under another scorer
+            calibration.check_moment_selection(self.build_scorer().name)  # warns once when calibrated under another scorer
 
     def head_budgets(self, seq_len: int, num_layers: int, num_kv_heads: int,
                      inf_weights: np.ndarray | None = None) -> np.ndarray:

@@ -23,6 +23,7 @@ from .base import Stage
 
 MOMENT_WINDOWS = 4  # calibration windows the stage measures on
 MOMENT_KEEP_RATIOS = (0.25, 0.5)  # reference budgets: 75% and 50% compression
+DEFAULT_SELECTION = "keydiff"  # the flagship policy's scorer (profiler.evaluation_results.FLAGSHIP)
 
 
 class MomentsStage(Stage):
@@ -36,11 +37,12 @@ class MomentsStage(Stage):
         group = parser.add_argument_group("moments stage")
         group.add_argument("--moments-selection", choices=SELECTION_SCORERS, default=None,
                            help="scorer that selects the kept tokens while the correction errors are measured; "
-                                "serve corrections with the same scorer (default: snapkv)")
+                                "serve corrections with the same scorer (the runtime warns otherwise). Default: "
+                                "keydiff, the scorer of evaluate-artifact's flagship policy")
 
     def __init__(self, job):
         super().__init__(job)
-        self.selection = job.setting("moments_selection") or "snapkv"
+        self.selection = job.setting("moments_selection") or DEFAULT_SELECTION
         tokens = job.calib_tokens
         query_window = max(4, min(32, tokens // 4))
         self.settings = {"query_window": query_window,
