@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from runtime import CompressionPolicy, RaggedCache, compress, enable, load_calibration, prefill  # noqa: E402
+from runtime.kvzip import kvzip_global_policy, kvzip_scores, with_kvzip_scores  # noqa: E402
 from runtime.models import load_model, load_tokenizer  # noqa: E402
 
 SCORERS = {  # row label -> CompressionPolicy fields
@@ -49,6 +51,18 @@ SCORERS = {  # row label -> CompressionPolicy fields
     "snapkv": {"scorer": "snapkv"},
     "knorm": {"scorer": "knorm"},
     "streaming": {"scorer": "streaming"},
+    # Compactor (arXiv 2507.08143) as kvpress's CompactorPress: blend = the compression ratio
+    # ("ratio" is replaced per cell), Gaussian sketch of 48 columns, pre-RoPE keys
+    "leverage": {"scorer": "leverage", "scorer_options": {"blend": "ratio"}},
+    # ablations of the Compactor recipe (one change each)
+    "leverage-b05": {"scorer": "leverage", "scorer_options": {"blend": 0.5}},  # compactor-vllm's weight
+    "leverage-exact": {"scorer": "leverage", "scorer_options": {"blend": "ratio", "sketch": None}},
+    "leverage-post": {"scorer": "leverage", "scorer_options": {"blend": "ratio", "pre_rope": False}},
+    "leverage-scaled": {"scorer": "leverage", "scorer_options": {"blend": "ratio", "attention_scale": None}},
+    "leverage-only": {"scorer": "leverage", "scorer_options": {"blend": None, "sketch": None}},
+    "ncattn": {"scorer": "leverage", "scorer_options": {"blend": 0}},  # non-causal chunked attention alone
+    # KVzip (arXiv 2505.23416): scores from a context-reconstruction pass, computed once per probe
+    "kvzip": {"scorer": "kvzip"},
 }
 # MomentKV variants (issue 6): "+corr" = correction with the artifact's per-head orders,
 # "+corr1" = first order on every head, "+mom" = moment-informed eviction (a_j ||r_j||)
@@ -59,6 +73,9 @@ MOMENT_VARIANTS = {
     "+mom+corr": {"moment_eviction": True, "correction": "calibrated"},
 }
 ALLOCATIONS = ("uniform", "inf")
+# "global/kvzip": KVzip's own allocation (one top-k over every layer and KV head), per probe
+GLOBAL_ROWS = {"global/kvzip": ("global", SCORERS["kvzip"]),
+               "global/kvzip+corr": ("global", {**SCORERS["kvzip"], **MOMENT_VARIANTS["+corr"]})}
 
 
 def all_rows() -> dict[str, tuple[str, dict]]:
@@ -71,29 +88,59 @@ def all_rows() -> dict[str, tuple[str, dict]]:
                 if extra.get("moment_eviction") and fields["scorer"] not in ("expected_attention", "snapkv"):
                     continue
                 rows[f"{allocation}/{label}{suffix}"] = (allocation, {**fields, **extra})
+    rows.update(GLOBAL_ROWS)
     return rows
 
 
-DEFAULT_ROWS = [f"{allocation}/{label}" for allocation in ALLOCATIONS for label in SCORERS if "pool" not in label]
+DEFAULT_ROWS = [f"{allocation}/{label}" for allocation in ALLOCATIONS
+                for label in ("ea-calibrated", "ea-prompt", "keydiff", "snapkv", "knorm", "streaming")]
 SEED_OFFSET = 1000
+
+
+def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 @torch.no_grad()
 def run_probe(model, tokenizer, probe, cells, calibration, max_new_tokens):
-    """Answers of the baseline and every (label, allocation, ratio) cell for one probe."""
+    """Answers of the baseline and every (label, allocation, ratio) cell for one probe, and timings."""
     from needles import answer_is_correct
 
     ids = torch.tensor([probe.input_ids], dtype=torch.long)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     base = RaggedCache.for_model(model)
-    stats = prefill(model, base, ids[:, :probe.context_end], record_prompt_stats=True, observe_queries=32, n_sink=4)
+    # every scorer's needs at once: prompt statistics, and the last 32 queries (SnapKV) or all of them (leverage)
+    window = max([32] + [policy.build_scorer().observation_window for _, policy in cells])
+    started = time.perf_counter()
+    stats = prefill(model, base, ids[:, :probe.context_end], record_prompt_stats=True, observe_queries=window,
+                    n_sink=4)
+    timings = {"prefill_seconds": time.perf_counter() - started}
+    kvzip = None
+    if any(policy.scorer_name == "kvzip" for _, policy in cells):
+        kvzip = kvzip_scores(model, tokenizer, base, probe.input_ids[:probe.context_end])
+        timings.update(kvzip_seconds=kvzip.seconds, kvzip_chunks=kvzip.chunks,
+                       kvzip_tokens=kvzip.reconstruction_tokens)
 
     keys = [("baseline", None)] + [key for key, _ in cells]
     caches = [base]
-    for _, policy in cells:
+    compress_seconds = [0.0]
+    for (row, _), policy in cells:
+        if policy.scorer_name == "kvzip":
+            policy = kvzip_global_policy(policy, kvzip) if row.startswith("global/") else \
+                with_kvzip_scores(policy, kvzip)
         cache = base.copy()
-        compress(model, cache, policy, calibration, prompt_stats=stats)
+        report = compress(model, cache, policy, calibration, prompt_stats=stats)
         caches.append(cache)
+        compress_seconds.append(report.seconds)
+    for layer in base.layers:  # the baseline decodes without the recorded queries
+        layer.recent_queries = [None] * layer.batch_size
+        layer.observe_queries = 0
     kv_bytes = [cache.kv_bytes() for cache in caches]
     # every cell decodes in one batch: same prompt, one compressed cache per batch element
     batch = RaggedCache.stack(caches)
@@ -103,8 +150,9 @@ def run_probe(model, tokenizer, probe, cells, calibration, max_new_tokens):
     results = {}
     for row, key in enumerate(keys):
         text = tokenizer.decode(out[row, ids.shape[1]:], skip_special_tokens=True)
-        results[key] = {"text": text, "correct": bool(answer_is_correct(text, probe)), "kv_bytes": kv_bytes[row]}
-    return results
+        results[key] = {"text": text, "correct": bool(answer_is_correct(text, probe)), "kv_bytes": kv_bytes[row],
+                        "kept": kv_bytes[row] / kv_bytes[0], "compress_seconds": compress_seconds[row]}
+    return results, timings
 
 
 def main(argv=None) -> int:
@@ -155,7 +203,12 @@ def main(argv=None) -> int:
     for row in args.rows:
         allocation, fields = rows[row]
         for ratio in args.compression:
-            policy = CompressionPolicy(ratio=round(1.0 - ratio, 6), allocation=allocation, **fields)
+            options = dict(fields.get("scorer_options", {}))
+            if options.get("blend") == "ratio":  # kvpress's CompactorPress: blend = the compression ratio
+                options["blend"] = ratio
+            policy = CompressionPolicy(ratio=round(1.0 - ratio, 6),
+                                       allocation="uniform" if allocation == "global" else allocation,
+                                       **{**fields, "scorer_options": options})
             try:
                 policy.check_calibration(calibration)
             except ValueError as exc:
@@ -167,30 +220,46 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     per_probe = []
     for probe in tqdm(probes, desc="probes", unit="probe"):
-        results = run_probe(model, tokenizer, probe, cells, calibration, args.max_new_tokens)
-        per_probe.append({"id": probe.id, "length": len(probe.input_ids), "depth": probe.depth,
+        results, timings = run_probe(model, tokenizer, probe, cells, calibration, args.max_new_tokens)
+        per_probe.append({"id": probe.id, "length": len(probe.input_ids), "context": probe.context_end,
+                          "depth": probe.depth, **timings,
                           "results": {"/".join(str(k) for k in key): value for key, value in results.items()}})
 
-    def accuracy(key):
+    def cell(key):
+        """Accuracy, its 95% Wilson interval, n, mean kept fraction and mean compress seconds of one cell."""
         name = "/".join(str(k) for k in key)
-        return sum(p["results"][name]["correct"] for p in per_probe) / max(len(per_probe), 1)
+        hits = [p["results"][name] for p in per_probe]
+        correct = sum(h["correct"] for h in hits)
+        low, high = wilson(correct, len(hits))
+        return {"accuracy": correct / max(len(hits), 1), "correct": correct, "n": len(hits), "low": low,
+                "high": high, "kept": sum(h["kept"] for h in hits) / max(len(hits), 1),
+                "compress_seconds": sum(h["compress_seconds"] for h in hits) / max(len(hits), 1)}
 
-    header = f"{'policy':28s}" + "".join(f"  evict {r:.2f}" for r in args.compression)
+    header = f"{'policy':28s}" + "".join(f"  {'evict ' + format(r, '.2f'):>26s}" for r in args.compression)
+    fmt = lambda c: f"{c['accuracy']:.2f} [{c['low']:.2f},{c['high']:.2f}] k{c['kept']:.3f} {c['compress_seconds']:4.1f}s"  # noqa: E731
+    baseline = cell(("baseline", None))
     lines = [f"{len(probes)} probes ({args.preset}, {', '.join(args.families)}, seed {seed}), question-agnostic, "
-             f"{time.perf_counter() - started:.0f} s", header,
-             f"{'baseline (no eviction)':28s}" + f"  {accuracy(('baseline', None)):10.2f}" * len(args.compression)]
-    table = {"baseline": accuracy(("baseline", None))}
+             f"{time.perf_counter() - started:.0f} s; cells: accuracy [95% Wilson], kept fraction of the KV bytes, "
+             "compress seconds per probe", header,
+             f"{'baseline (no eviction)':28s}" + f"  {fmt(baseline):>26s}" * len(args.compression)]
+    table = {"baseline": baseline}
     for row in args.rows:
         keys = [(row, r) for r in args.compression]
-        if not any(key == cell for key in keys for cell, _ in cells):
+        if not any(key == c for key in keys for c, _ in cells):
             continue
-        values = [accuracy(key) for key in keys]
+        values = [cell(key) for key in keys]
         table[row] = dict(zip(map(str, args.compression), values))
-        lines.append(f"{row:28s}" + "".join(f"  {v:10.2f}" for v in values))
+        lines.append(f"{row:28s}" + "".join(f"  {fmt(v):>26s}" for v in values))
+    prefill_s = sum(p["prefill_seconds"] for p in per_probe)
+    lines.append(f"prefill {prefill_s:.0f} s in all ({prefill_s / max(len(per_probe), 1):.1f} s per probe)")
+    if any("kvzip_seconds" in p for p in per_probe):
+        kvzip_s = sum(p["kvzip_seconds"] for p in per_probe)
+        lines.append(f"kvzip reconstruction {kvzip_s:.0f} s in all ({kvzip_s / prefill_s:.2f} x the prefill)")
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps({"table": table, "probes": per_probe, "artifact": args.artifact,
-                                               "compression": args.compression}, indent=2))
+                                               "compression": args.compression, "seed": seed,
+                                               "families": args.families, "rows": args.rows}, indent=2))
     return 0
 
 

@@ -23,7 +23,7 @@ import torch
 
 from .geometry import ModelGeometry
 from .moments import evict_in_rounds
-from .rope import averaged_rope
+from .rope import averaged_rope, rope_cos_sin
 from .scorers import HeadContext, select_rows
 
 
@@ -85,6 +85,8 @@ class HeadEvictor:
                 raise ValueError(f"{self.scorer!r} needs the last {self.scorer.observation_window} queries, only "
                                  f"{have} were recorded")
             context.recent_queries = recorded[heads, -self.scorer.observation_window:]
+        if self.scorer.key_rope:  # the RoPE of each key's own position (to undo it: pre-RoPE keys)
+            context.key_cos, context.key_sin = rope_cos_sin(self._model, positions)
         return context
 
     def evict(self, layer, layer_idx: int, b: int, h: int, budget: int, next_position: int, *,

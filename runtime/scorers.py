@@ -8,7 +8,10 @@ must collect for it:
   ``"prompt"`` (measured on the prompt's own pre-RoPE queries) or ``None``;
 * ``rope_horizon``: when > 0, the engine averages RoPE over that many positions starting at
   the absolute position of the next token and passes ``rope_cos/rope_sin``;
-* ``observation_window``: when > 0, the last that many post-RoPE prompt queries are kept.
+* ``observation_window``: when > 0, the last that many post-RoPE prompt queries are kept
+  (:data:`ALL_QUERIES`: every prompt query);
+* ``key_rope``: when True, the engine passes ``key_cos/key_sin [n, d]``, the RoPE of every
+  key's own position, so the scorer can undo it (pre-RoPE keys, see :func:`unrotate`).
 
 Adding a scorer: subclass :class:`Scorer`, implement ``score``, and either add it to
 ``SCORERS`` or put an instance directly in the policy (``CompressionPolicy(scorer=MyScorer())``).
@@ -17,6 +20,7 @@ The sink and recent-window rules are applied by the engine (:func:`select_rows`)
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -41,6 +45,8 @@ class HeadContext:
     rope_cos: torch.Tensor | None = None  # [d] RoPE cos averaged over the horizon
     rope_sin: torch.Tensor | None = None  # [d]
     recent_queries: torch.Tensor | None = None  # [G, w, d] post-RoPE, last w prompt tokens
+    key_cos: torch.Tensor | None = None  # [n, d] RoPE cos at each key's position (scorer.key_rope)
+    key_sin: torch.Tensor | None = None  # [n, d]
 
 
 class Scorer(ABC):
@@ -50,6 +56,7 @@ class Scorer(ABC):
     query_statistics: str | None = None
     rope_horizon = 0
     observation_window = 0
+    key_rope = False
 
     @abstractmethod
     def score(self, head: HeadContext) -> torch.Tensor:
@@ -181,12 +188,266 @@ class StreamingScorer(Scorer):
         return head.positions.float()
 
 
+# An observation window that covers every prompt query (the cache keeps them all; 2^62 is
+# never reached, and slicing ``[-ALL_QUERIES:]`` clamps to what was recorded).
+ALL_QUERIES = 1 << 62
+
+
+def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Pre-RoPE keys from post-RoPE ``keys [n, d]`` and their own ``cos, sin [n, d]``.
+
+    transformers applies ``k cos + rotate_half(k) sin`` (``R_p = diag(cos) + diag(sin) P``,
+    see :mod:`runtime.rope`); ``R_p^T R_p = (cos^2 + sin^2) I``, so the inverse is
+    ``R_p^T / (cos^2 + sin^2)`` (the denominator is 1 unless RoPE carries an attention factor).
+    """
+    half = keys.shape[-1] // 2
+    rotated = torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)  # rotate_half(keys)
+    return (keys * cos - rotated * sin) / (cos * cos + sin * sin)
+
+
+def leverage_scores(keys: torch.Tensor, sketch: int | None = None, generator: torch.Generator | None = None,
+                    ridge: float = 1e-6) -> torch.Tensor:
+    """Statistical leverage of every row of the column-centred key matrix, float64 ``[n]``.
+
+    ``l_i = x_i^T (X^T X + lambda I)^{-1} x_i`` with ``X = K - mean(K)`` (``lambda = ridge *
+    mean diag(X^T X)``, only to keep the Cholesky factorisation defined for rank-deficient
+    ``X``); the scores lie in ``[0, 1]`` and sum to about ``rank(X)``.  With ``sketch = k``,
+    the columns are first projected by a right Gaussian sketch ``Phi [d, k]`` (entries
+    ``N(0, 1/k)``), ``X <- X Phi``: the approximation of "Compactor: Calibrated Query-Agnostic
+    KV Cache Compression with Approximate Leverage Scores" (arXiv 2507.08143), meant for large
+    ``d``; for ``d = 64`` the exact scores cost ``O(n d^2)`` too.
+    """
+    x = keys.double()
+    x = x - x.mean(0, keepdim=True)
+    if sketch is not None:
+        phi = torch.randn(x.shape[1], sketch, generator=generator, dtype=torch.float64) / math.sqrt(sketch)
+        x = x @ phi.to(x.device)
+    gram = x.T @ x
+    jitter = ridge * float(gram.diagonal().mean().clamp_min(1e-30))
+    factor = torch.linalg.cholesky(gram + jitter * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device))
+    whitened = torch.linalg.solve_triangular(factor, x.T, upper=False)  # L^{-1} X^T  [k, n]
+    return (whitened * whitened).sum(0)
+
+
+def chunked_attention_mass(queries: torch.Tensor, query_positions: torch.Tensor, keys: torch.Tensor,
+                           key_positions: torch.Tensor, chunk: int, scale: float, origin: int = 0) -> torch.Tensor:
+    """Non-causal chunked attention: the attention each key receives from its own chunk's queries.
+
+    Positions are cut into chunks ``[origin + c*chunk, origin + (c+1)*chunk)``; the queries
+    ``[G, w, d]`` of chunk ``c`` attend (softmax over keys, no causal mask) to the keys of
+    chunk ``c`` only; a key's mass is the sum over its chunk's queries, averaged over the
+    ``G`` query heads of the group.  Returns float32 ``[n]`` (0 for a key whose chunk has no
+    query).
+    """
+    keys = keys.float()
+    queries = queries.float()
+    key_chunk = torch.div(key_positions.to(keys.device).long() - origin, chunk, rounding_mode="floor")
+    query_chunk = torch.div(query_positions.to(keys.device).long() - origin, chunk, rounding_mode="floor")
+    mass = torch.zeros(keys.shape[0], dtype=torch.float32, device=keys.device)
+    for c in torch.unique(key_chunk).tolist():
+        key_rows = (key_chunk == c).nonzero().squeeze(1)
+        query_rows = (query_chunk == c).nonzero().squeeze(1)
+        if query_rows.numel() == 0:
+            continue
+        logits = scale * queries[:, query_rows] @ keys[key_rows].T  # [G, m, r]
+        mass[key_rows] = torch.softmax(logits, dim=-1).sum(1).mean(0)
+    return mass
+
+
+def _zscore(x: torch.Tensor) -> torch.Tensor:
+    x = x.double()
+    return (x - x.mean()) / x.std(unbiased=False).clamp_min(1e-6)
+
+
+class LeverageScorer(Scorer):
+    """Compactor ("Compactor: Calibrated Query-Agnostic KV Cache Compression with Approximate
+    Leverage Scores", arXiv 2507.08143): key leverage blended with non-causal chunked attention.
+
+    ``score = z(attention) + blend * z(leverage)`` over the head's middle rows (all but the first
+    ``exclude_first`` and last ``exclude_last``, which score the middle's maximum, i.e. are
+    kept), where ``z`` standardises over those rows and
+
+    * leverage (:func:`leverage_scores`): of the head's **pre-RoPE** keys (``pre_rope``; RoPE is
+      undone from each key's position), centred over the middle rows, exact or through a
+      Gaussian sketch of ``sketch`` columns (``seed`` fixes it per (layer, KV head));
+    * attention (:func:`chunked_attention_mass`): every prompt query (post-RoPE) attends
+      non-causally to the keys of its own ``chunk``-token chunk (chunks start at the first
+      middle row), logits ``attention_scale * q.k`` (None: the model's ``1/sqrt(d)``); the mass
+      each key receives, averaged over the GQA group, times ``||v||`` (``value_norm``), then a
+      mean over ``pool`` neighbours (zero-padded at the ends).
+
+    Defaults follow kvpress 0.5.5's ``CompactorPress`` (``leverage_press.py``,
+    ``non_causal_attention_press.py``): chunk 256, unscaled logits, ``||v||`` weighting,
+    3-token pooling, 8 + 4 protected rows, sketch of 48 columns.  kvpress sets ``blend`` to
+    the compression ratio (fraction evicted), which a per-head scorer does not know: pass it
+    (``scorer_options={"blend": 0.75}``); the paper's own engine (compactor-vllm) uses 0.5.
+    ``blend=None`` scores leverage alone, ``blend=0`` attention alone.  Differences from
+    kvpress: statistics are per KV head (kvpress standardises over all heads of a layer), the
+    sketch is seeded (kvpress draws a new one per call), and a short last chunk attends over
+    its real keys only (kvpress pads it with zero keys that stay in the softmax).
+    """
+
+    name = "leverage"
+    observation_window = ALL_QUERIES  # the non-causal attention needs every prompt query
+
+    def __init__(self, blend: float | None = 0.5, sketch: int | None = 48, pre_rope: bool = True, chunk: int = 256,
+                 attention_scale: float | None = 1.0, value_norm: bool = True, pool: int = 3, exclude_first: int = 8,
+                 exclude_last: int = 4, seed: int = 0, ridge: float = 1e-6):
+        if blend is not None and not blend >= 0:
+            raise ValueError(f"leverage blend must be >= 0 (or None: leverage alone), got {blend}")
+        if sketch is not None and (isinstance(sketch, bool) or int(sketch) <= 0):
+            raise ValueError(f"leverage sketch must be a positive number of columns or None (exact), got {sketch!r}")
+        if chunk <= 0:
+            raise ValueError(f"leverage attention chunk must be positive, got {chunk}")
+        if pool <= 0 or pool % 2 == 0:
+            raise ValueError(f"leverage pool must be a positive odd number of tokens, got {pool}")
+        if exclude_first < 0 or exclude_last < 0:
+            raise ValueError(f"exclude_first/exclude_last must be >= 0, got {exclude_first}, {exclude_last}")
+        if not ridge > 0:
+            raise ValueError(f"leverage ridge must be > 0, got {ridge}")
+        self.blend = None if blend is None else float(blend)
+        self.sketch = None if sketch is None else int(sketch)
+        self.pre_rope = bool(pre_rope)
+        self.key_rope = self.pre_rope
+        self.chunk = int(chunk)
+        self.attention_scale = None if attention_scale is None else float(attention_scale)
+        self.value_norm = bool(value_norm)
+        self.pool = int(pool)
+        self.exclude_first, self.exclude_last = int(exclude_first), int(exclude_last)
+        self.seed = int(seed)
+        self.ridge = float(ridge)
+        if self.blend == 0:  # attention alone: no leverage to compute
+            self.key_rope = False
+        if self.blend is None:  # leverage alone: no queries needed
+            self.observation_window = 0
+
+    def leverage(self, head: HeadContext, rows: slice = slice(None)) -> torch.Tensor:
+        """Leverage scores ``[m]`` of the head's keys ``rows`` (pre- or post-RoPE, see the class)."""
+        keys = head.keys[rows].float()
+        if self.pre_rope:
+            if head.key_cos is None or head.key_sin is None:
+                raise ValueError(f"{self!r} needs the keys' RoPE (key_cos/key_sin) to undo it; pass pre_rope=False "
+                                 "for post-RoPE leverage")
+            keys = unrotate(keys, head.key_cos[rows].float().to(keys.device), head.key_sin[rows].float().to(keys.device))
+        generator = None
+        if self.sketch is not None:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + head.layer * 1009 + head.kv_head)
+        return leverage_scores(keys, self.sketch, generator, self.ridge)
+
+    def attention_mass(self, head: HeadContext, rows: slice = slice(None)) -> torch.Tensor:
+        """Non-causal chunked attention received by the keys ``rows``, ``||v||``-weighted and pooled."""
+        if head.recent_queries is None:
+            raise ValueError(f"{self!r} needs the prompt's queries: prefill with policy=... (the scorer's "
+                             "observation_window) first")
+        keys, positions = head.keys[rows], head.positions[rows].to(head.keys.device).long()
+        queries = head.recent_queries  # [G, w, d], the last w prompt tokens
+        w = queries.shape[1]
+        query_positions = head.next_position - w + torch.arange(w, device=keys.device)
+        # only the middle's queries take part (kvpress scores the middle rows as a sequence of their own)
+        inside = (query_positions >= positions[0]) & (query_positions <= positions[-1])
+        scale = head.scaling if self.attention_scale is None else self.attention_scale
+        mass = chunked_attention_mass(queries[:, inside], query_positions[inside], keys, positions, self.chunk, scale,
+                                      origin=int(positions[0]))
+        if self.value_norm:
+            mass = mass * head.values[rows].float().norm(dim=-1)
+        if self.pool > 1:
+            mass = torch.nn.functional.avg_pool1d(mass[None, None], self.pool, stride=1, padding=self.pool // 2,
+                                                  count_include_pad=True)[0, 0]
+        return mass
+
+    def score(self, head: HeadContext) -> torch.Tensor:
+        n = head.keys.shape[0]
+        first = min(self.exclude_first, n)
+        last = min(self.exclude_last, n - first)
+        middle = slice(first, n - last)
+        if n - last - first <= 1:  # nothing to rank
+            return torch.zeros(n, device=head.keys.device)
+        score = None
+        if self.blend != 0:
+            score = _zscore(self.leverage(head, middle)) * (1.0 if self.blend is None else self.blend)
+        if self.blend is not None:
+            attention = _zscore(self.attention_mass(head, middle)).to(head.keys.device)
+            score = attention if score is None else score.to(attention.device) + attention
+        out = torch.empty(n, dtype=torch.float32, device=head.keys.device)
+        out[middle] = score.float().to(out.device)
+        top = out[middle].max()
+        out[:first] = top
+        out[n - last:] = top
+        return out
+
+    def __repr__(self) -> str:
+        return (f"LeverageScorer(blend={self.blend}, sketch={self.sketch}, pre_rope={self.pre_rope}, chunk={self.chunk}, "
+                f"attention_scale={self.attention_scale}, value_norm={self.value_norm}, pool={self.pool}, "
+                f"exclude_first={self.exclude_first}, exclude_last={self.exclude_last}, seed={self.seed})")
+
+
+@dataclass
+class KVzipScores:
+    """KVzip reconstruction scores of one prompt (:func:`runtime.kvzip.kvzip_scores`): ``scores[layer, kv_head, position]`` (float32
+    ``[L, Hkv, T]``, ``T`` = the context's real tokens); ``last_keys [L, Hkv, d]`` is the key
+    at position ``T - 1`` of every head (to recognise the cache the scores belong to)."""
+
+    scores: torch.Tensor
+    last_keys: torch.Tensor
+    prefix_length: int
+    chunks: int
+    reconstruction_tokens: int
+    seconds: float
+
+    @property
+    def length(self) -> int:
+        return int(self.scores.shape[-1])
+
+
+class KVzipScorer(Scorer):
+    """Scores precomputed by :func:`runtime.kvzip.kvzip_scores` (KVzip, arXiv 2505.23416), looked up by position.
+
+    One instance belongs to one prompt (one batch row): build it with
+    :func:`runtime.kvzip.with_kvzip_scores`.  Rows past the scored context (tokens decoded later) score
+    ``+inf``: they are never evicted before a context token.
+    """
+
+    name = "kvzip"
+
+    def __init__(self, scores: KVzipScores | None = None):
+        if scores is not None and not isinstance(scores, KVzipScores):
+            raise ValueError(f"kvzip scores must come from runtime.kvzip.kvzip_scores, got {type(scores).__name__}")
+        self.table = scores
+
+    def score(self, head: HeadContext) -> torch.Tensor:
+        if self.table is None:
+            raise ValueError("the kvzip scorer needs a reconstruction pass over the prefilled cache: "
+                             "scores = runtime.kvzip.kvzip_scores(model, tokenizer, cache, context_ids), then "
+                             "compress with runtime.kvzip.with_kvzip_scores(policy, scores)")
+        table = self.table
+        if head.layer >= table.scores.shape[0] or head.kv_head >= table.scores.shape[1]:
+            raise ValueError(f"kvzip scores cover {tuple(table.scores.shape[:2])} (layer, KV head), asked for "
+                             f"({head.layer}, {head.kv_head})")
+        if head.next_position < table.length:
+            raise ValueError(f"kvzip scores are for a {table.length}-token context, the cache has only seen "
+                             f"{head.next_position} tokens: they belong to another prompt")
+        positions = head.positions.long().cpu()
+        last = (positions == table.length - 1).nonzero()
+        if last.numel() and not torch.allclose(head.keys[int(last[0, 0])].float().cpu(),
+                                               table.last_keys[head.layer, head.kv_head], rtol=1e-4, atol=1e-5):
+            raise ValueError("kvzip scores belong to another prompt (the keys differ): compute them on this cache")
+        out = torch.full((positions.shape[0],), float("inf"))
+        inside = positions < table.length
+        out[inside] = table.scores[head.layer, head.kv_head, positions[inside]]
+        return out.to(head.keys.device)
+
+    def __repr__(self) -> str:
+        return f"KVzipScorer({'no scores' if self.table is None else f'{self.table.length} tokens'})"
+
+
 SCORERS: dict[str, type[Scorer]] = {
     ExpectedAttentionScorer.name: ExpectedAttentionScorer,
     KeyDiffScorer.name: KeyDiffScorer,
     SnapKVScorer.name: SnapKVScorer,
     KNormScorer.name: KNormScorer,
     StreamingScorer.name: StreamingScorer,
+    LeverageScorer.name: LeverageScorer,
+    KVzipScorer.name: KVzipScorer,
 }
 
 

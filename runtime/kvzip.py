@@ -1,0 +1,299 @@
+"""KVzip: KV importance from a context-reconstruction pass ("KVzip: Query-Agnostic KV Cache
+Compression with Context Reconstruction", arXiv 2505.23416).
+
+    cache = RaggedCache.for_model(model)
+    prefill(model, cache, context_ids)                                  # the context, as usual
+    scores = kvzip_scores(model, tokenizer, cache, context_ids)         # the reconstruction pass
+    compress(model, cache, with_kvzip_scores(policy, scores), calibration)
+
+After the context is prefilled, the model is asked to repeat it: the input is a repeat
+instruction, the chat template's assistant turn, then the context itself (teacher-forced),
+in chunks of ``chunk_size`` tokens (later chunks: "Repeat the part of the previous context
+exactly, starting with" + the previous chunk's last ``overlap`` tokens).  Every reconstruction
+token attends, in every layer, to the whole prefilled cache plus the chunk itself (causal),
+exactly as a normal forward would; nothing of the chunk is kept: the pass runs over a
+read-only view of the cache (:class:`ReconstructionView`), so the cache is neither copied nor
+changed and memory stays bounded by one chunk.
+
+A cached KV pair's score is the largest attention weight any reconstruction query of its
+GQA group gives it, where (as in the paper's code and kvpress's ``KVzipPress``) the softmax
+of chunk ``c`` runs over the template prefix (``sink`` rows: the system prompt), the cached
+rows of the context span chunk ``c`` reconstructs, and the chunk's own tokens; the scores are
+the running maximum over chunks.  Rows of the prefix are scored too (they sit in every
+chunk's softmax).  :class:`KVzipScorer` (``runtime.scorers``' name ``"kvzip"``) reads these
+scores back per head; :func:`kvzip_budgets` gives the paper's own allocation (one global
+top-k over every layer and KV head).
+
+Cost: one more forward pass over about the context's length (the chunks plus their
+instructions), each layer attending to the whole context: roughly one to two prefills.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .attention import enable
+from .cache import LAYER_TAG, RaggedCache, RaggedLayer
+from .eviction import text_config
+from .policy import CompressionPolicy
+from .scorers import KVzipScorer, KVzipScores
+
+REPEAT_FIRST = "\n\nRepeat the previous context exactly."
+REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
+
+
+def with_kvzip_scores(policy: CompressionPolicy, scores: KVzipScores) -> CompressionPolicy:
+    """``policy`` with its scorer replaced by :class:`KVzipScorer` over ``scores``."""
+    if policy.scorer_name != KVzipScorer.name:
+        raise ValueError(f"policy {policy.describe()} does not use the kvzip scorer")
+    return dataclasses.replace(policy, scorer=KVzipScorer(scores), scorer_options={})
+
+
+def repeat_template(tokenizer) -> tuple[int, list[int]]:
+    """``(prefix_length, suffix_ids)`` of the tokenizer's chat template around one user turn.
+
+    ``prefix_length``: tokens before the user's text (system prompt and user header), the
+    part of a chat-formatted context that is not reconstructed; ``suffix_ids``: what follows
+    the user's text up to the assistant's answer (end of turn, assistant header).  Without a
+    chat template: ``(1 if the tokenizer adds a BOS else 0, ids of "\\n")``.
+    """
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    if not getattr(tokenizer, "chat_template", None):
+        bos = tokenizer("x", add_special_tokens=True)["input_ids"]
+        return (1 if len(bos) > len(encode("x")) else 0), encode("\n")
+    marker, separator = "kvzip context", "\n##############"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker + separator}], tokenize=False,
+                                         add_generation_prompt=True)
+    head, suffix = text.split(separator)
+    return len(encode(head.split(marker)[0])), encode(suffix)
+
+
+def reconstruction_chunks(tokenizer, context_ids: list[int], prefix_length: int, suffix_ids: list[int],
+                          chunk_size: int = 2048, overlap: int = 8) -> list[tuple[int, int, list[int]]]:
+    """``(start, end, input_ids)`` per chunk: positions ``[start, end)`` of the context it
+    reconstructs and its input (instruction + suffix + those context tokens)."""
+    if chunk_size <= 0:
+        raise ValueError(f"kvzip chunk_size must be positive, got {chunk_size}")
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    body = list(context_ids[prefix_length:])
+    chunks = []
+    for index, start in enumerate(range(0, len(body), chunk_size)):
+        part = body[start:start + chunk_size]
+        instruction = encode(REPEAT_FIRST) if index == 0 else encode(REPEAT_NEXT) + body[max(start - overlap, 0):start]
+        chunks.append((prefix_length + start, prefix_length + start + len(part), instruction + list(suffix_ids) + part))
+    return chunks
+
+
+class ReconstructionLayer(DynamicLayer):
+    """A read-only view of one row of a :class:`RaggedLayer` for the reconstruction pass.
+
+    ``update`` parks the chunk (tagged so that the registered ragged attention function hands
+    over to :meth:`attend`); :meth:`attend` attends to the row's retained tokens plus the
+    chunk (causal) without storing anything, and records the KVzip scores of the chunk.
+    """
+
+    is_croppable = False
+
+    def __init__(self, base: RaggedLayer, row: int, scores: torch.Tensor, query_block: int):
+        super().__init__()
+        self.base, self.row, self.scores, self.query_block = base, row, scores, int(query_block)
+        self.span = (0, 0)  # positions [start, end) of the context the current chunk reconstructs
+        self.sink = 0  # the first `sink` positions sit in every chunk's softmax
+        self._pending = None
+        self.is_initialized = True
+        self.dtype, self.device = base.dtype, base.device
+
+    @property
+    def real_seen(self) -> list[int]:
+        return [self.base.real_seen[self.row]]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if key_states.shape[0] != 1:
+            raise ValueError("the reconstruction pass runs one prompt at a time")
+        self._pending = (key_states, value_states)
+        setattr(key_states, LAYER_TAG, self)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.base.tokens_seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, self.base.tokens_seen  # the chunk's own causal mask (see runtime.cache)
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def attend(self, query: torch.Tensor, real, positions, scaling: float) -> torch.Tensor:
+        if self._pending is None:
+            raise RuntimeError("ReconstructionLayer.attend called without a parked chunk")
+        if real is not None and not bool(real.all()):
+            raise ValueError("the reconstruction chunk has no padding")
+        new_keys, new_values = self._pending
+        self._pending = None
+        _, num_q_heads, q_len, dim = query.shape
+        heads = self.base.num_heads
+        group = num_q_heads // heads
+        output = query.new_zeros(1, q_len, num_q_heads, dim)
+        causal = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+        start, end = self.span
+        for h in range(heads):
+            keys, values, kept_positions = self.base.head(self.row, h)
+            old = keys.shape[0]
+            q = query[0, h * group:(h + 1) * group]  # [G, q, d]
+            all_keys = torch.cat([keys, new_keys[0, h]])
+            all_values = torch.cat([values, new_values[0, h]])
+            mask = torch.ones(q_len, old + q_len, dtype=torch.bool, device=query.device)
+            mask[:, old:] = causal
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.unsqueeze(0), all_keys[None, None], all_values[None, None], attn_mask=mask, scale=scaling,
+                enable_gqa=True)  # [1, G, q, d]: the model's own attention, nothing dropped
+            output[0, :, h * group:(h + 1) * group] = out[0].transpose(0, 1)
+            # the score: softmax over the prefix, this chunk's context span and the chunk itself
+            kept_positions = kept_positions.long()
+            rows = ((kept_positions < self.sink) | ((kept_positions >= start) & (kept_positions < end))).nonzero()
+            rows = rows.squeeze(1)
+            scored = keys.index_select(0, rows).float()  # [m, d]
+            own = new_keys[0, h].float()
+            best = torch.zeros(rows.shape[0], dtype=torch.float32, device=query.device)
+            for lo in range(0, q_len, self.query_block):
+                hi = min(lo + self.query_block, q_len)
+                block = q[:, lo:hi].float()  # [G, b, d]
+                logits = torch.cat([block @ scored.T, block @ own.T], dim=-1) * scaling  # [G, b, m + q]
+                logits[..., rows.shape[0]:].masked_fill_(~causal[lo:hi], float("-inf"))
+                weights = torch.softmax(logits, dim=-1)[..., :rows.shape[0]]
+                best = torch.maximum(best, weights.amax(dim=(0, 1)))
+            target = self.scores[h]
+            where = kept_positions.index_select(0, rows).to(target.device)
+            target[where] = torch.maximum(target[where], best.to(target.device))
+        return output
+
+
+class ReconstructionView(Cache):
+    """``Cache`` of :class:`ReconstructionLayer` views over row ``row`` of a :class:`RaggedCache`."""
+
+    def __init__(self, cache: RaggedCache, row: int, scores: torch.Tensor, query_block: int = 512):
+        super().__init__(layers=[ReconstructionLayer(layer, row, scores[index], query_block)
+                                 for index, layer in enumerate(cache.layers)])
+
+    def set_chunk(self, sink: int, start: int, end: int) -> None:
+        for layer in self.layers:
+            layer.sink, layer.span = sink, (start, end)
+
+
+@torch.no_grad()
+def kvzip_scores(model, tokenizer, cache: RaggedCache, context_ids, *, row: int = 0,
+                 prefix_length: int | None = None, chunk_size: int = 2048, overlap: int = 8,
+                 query_block: int = 512) -> KVzipScores:
+    """KVzip scores of every cached row of ``cache``'s row ``row`` (see the module docstring).
+
+    ``context_ids``: the real token ids the row was prefilled with (list or 1-D / ``[1, T]``
+    tensor); ``prefix_length``: how many of them are chat-template head (default: measured
+    from the tokenizer's chat template, :func:`repeat_template`), left out of the
+    reconstruction but kept in every chunk's softmax.  The cache is not changed.
+    """
+    started = time.perf_counter()
+    enable(model)
+    ids = torch.as_tensor(context_ids).reshape(-1).tolist()
+    layer0 = cache.layers[0]
+    if not layer0.is_initialized:
+        raise ValueError("the cache is empty: prefill the context first")
+    if not 0 <= row < layer0.batch_size:
+        raise ValueError(f"row {row} outside the cache's batch of {layer0.batch_size}")
+    if layer0.real_seen[row] != len(ids):
+        raise ValueError(f"the cache row holds {layer0.real_seen[row]} tokens, context_ids has {len(ids)}")
+    detected, suffix = repeat_template(tokenizer)
+    prefix = detected if prefix_length is None else int(prefix_length)
+    if not 0 <= prefix < len(ids):
+        raise ValueError(f"prefix_length {prefix} leaves nothing of the {len(ids)}-token context to reconstruct")
+    config = text_config(model)
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    device = layer0.device
+    scores = torch.zeros(len(cache.layers), heads, len(ids), dtype=torch.float32, device=device)
+    view = ReconstructionView(cache, row, scores, query_block)
+    chunks = reconstruction_chunks(tokenizer, ids, prefix, suffix, chunk_size, overlap)
+    seen = layer0.real_seen[row]
+    tokens = 0
+    for start, end, chunk_ids in chunks:
+        view.set_chunk(prefix, start, end)
+        input_ids = torch.tensor([chunk_ids], dtype=torch.long, device=device)
+        positions = seen + torch.arange(len(chunk_ids), device=device).unsqueeze(0)
+        model(input_ids=input_ids, position_ids=positions, past_key_values=view, use_cache=True, logits_to_keep=1)
+        tokens += len(chunk_ids)
+    last_keys = torch.stack([torch.stack([_key_at(layer, row, h, len(ids) - 1) for h in range(heads)])
+                             for layer in cache.layers])
+    return KVzipScores(scores=scores.cpu(), last_keys=last_keys, prefix_length=prefix, chunks=len(chunks),
+                       reconstruction_tokens=tokens, seconds=time.perf_counter() - started)
+
+
+def _key_at(layer: RaggedLayer, row: int, h: int, position: int) -> torch.Tensor:
+    keys, _, positions = layer.head(row, h)
+    hit = (positions.long() == position).nonzero()
+    if hit.numel() == 0:
+        return torch.full((keys.shape[1],), float("nan"))
+    return keys[int(hit[0, 0])].float().cpu()
+
+
+def kvzip_budgets(scores: KVzipScores, ratio: float, n_sink: int = 4, window: int = 32) -> np.ndarray:
+    """KVzip's own allocation: int64 ``[L, Hkv]`` tokens per head from one global top-k.
+
+    ``ratio * T * L * Hkv`` rows are kept over all heads together: the first ``n_sink`` and
+    last ``window`` rows of every head (kept by the engine anyway) first, then the highest
+    scores, wherever they are (the paper's and kvpress's default, ``layerwise=False``).
+    """
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+    table = scores.scores.clone()
+    length = table.shape[-1]
+    table[..., :min(n_sink, length)] = float("inf")
+    table[..., max(length - window, 0):] = float("inf")
+    total = int(round(ratio * table.numel()))
+    if total >= table.numel():
+        return np.full(table.shape[:2], length, dtype=np.int64)
+    flat = table.reshape(-1)
+    chosen = torch.zeros_like(flat, dtype=torch.bool)
+    chosen[torch.topk(flat, total).indices] = True
+    return chosen.reshape(table.shape).sum(-1).numpy().astype(np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class KVzipGlobalPolicy(CompressionPolicy):
+    """A :class:`CompressionPolicy` whose per-head budgets are fixed in advance (``head_table``,
+    e.g. :func:`kvzip_budgets`), for the one prompt they were computed on."""
+
+    head_table: np.ndarray | None = None
+
+    def head_budgets(self, seq_len: int, num_layers: int, num_kv_heads: int, inf_weights=None) -> np.ndarray:
+        if self.head_table is None:
+            raise ValueError("KVzipGlobalPolicy needs head_table (runtime.kvzip.kvzip_budgets)")
+        if self.head_table.shape != (num_layers, num_kv_heads):
+            raise ValueError(f"head_table has shape {self.head_table.shape}, the model [{num_layers}, {num_kv_heads}]")
+        return np.minimum(self.head_table, seq_len).astype(np.int64)
+
+
+def kvzip_global_policy(policy: CompressionPolicy, scores: KVzipScores) -> KVzipGlobalPolicy:
+    """``policy`` (a ratio, the kvzip scorer) with KVzip's global top-k allocation over ``scores``."""
+    if policy.ratio is None:
+        raise ValueError("KVzip's global allocation needs a ratio policy")
+    fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(CompressionPolicy)}
+    fields.update(scorer=KVzipScorer(scores), scorer_options={}, allocation="uniform")
+    budgets = kvzip_budgets(scores, float(policy.ratio), policy.n_sink, policy.window)
+    return KVzipGlobalPolicy(**fields, head_table=budgets)
+
+
+@torch.no_grad()
+def kvzip_compress(model, tokenizer, cache: RaggedCache, context_ids, policy: CompressionPolicy, calibration=None,
+                   **options):
+    """Score a prefilled single-prompt ``cache`` by reconstruction and compress it under ``policy``
+    (its scorer must be ``"kvzip"``); returns ``(report, scores)``."""
+    from .compress import compress
+
+    if cache.layers[0].batch_size != 1:
+        raise ValueError("kvzip_compress handles one prompt; call kvzip_scores per row and compress rows apart")
+    scores = kvzip_scores(model, tokenizer, cache, context_ids, **options)
+    return compress(model, cache, with_kvzip_scores(policy, scores), calibration), scores

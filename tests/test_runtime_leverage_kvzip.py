@@ -1,0 +1,347 @@
+"""The Compactor leverage scorer ("Compactor: Calibrated Query-Agnostic KV Cache Compression with
+Approximate Leverage Scores", arXiv 2507.08143) and KVzip ("KVzip: Query-Agnostic KV Cache
+Compression with Context Reconstruction", arXiv 2505.23416) against direct float64 loop
+references, through the engine, and on the real embedded model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny_llama
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from runtime import CompressionPolicy, RaggedCache, compress, prefill
+from runtime.kvzip import (KVzipGlobalPolicy, kvzip_budgets, kvzip_compress, kvzip_global_policy, kvzip_scores,
+                           reconstruction_chunks, with_kvzip_scores)
+from runtime.rope import rope_cos_sin
+from runtime.scorers import (ALL_QUERIES, HeadContext, KVzipScorer, KVzipScores, LeverageScorer,
+                             chunked_attention_mass, leverage_scores, unrotate)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
+
+
+# -- direct references (float64, loops) -------------------------------------------------------
+
+def naive_leverage(keys: torch.Tensor, phi: torch.Tensor | None = None) -> torch.Tensor:
+    """``x_i^T (X^T X)^{-1} x_i`` row by row, ``X`` the column-centred (optionally sketched) keys."""
+    x = keys.double()
+    mean = sum(x[i] for i in range(x.shape[0])) / x.shape[0]
+    x = torch.stack([x[i] - mean for i in range(x.shape[0])])
+    if phi is not None:
+        x = x @ phi.double()
+    inverse = torch.linalg.inv(x.T @ x)
+    return torch.stack([x[i] @ inverse @ x[i] for i in range(x.shape[0])])
+
+
+def naive_chunk_mass(queries, query_positions, keys, key_positions, chunk, scale, origin):
+    """Each key's attention from the queries of its own chunk (non-causal softmax over the chunk's keys)."""
+    groups = queries.shape[0]
+    mass = torch.zeros(keys.shape[0], dtype=torch.float64)
+    for g in range(groups):
+        for w in range(queries.shape[1]):
+            c = (int(query_positions[w]) - origin) // chunk
+            members = [i for i in range(keys.shape[0]) if (int(key_positions[i]) - origin) // chunk == c]
+            if not members:
+                continue
+            logits = torch.tensor([scale * float(queries[g, w].double() @ keys[i].double()) for i in members])
+            weights = torch.softmax(logits, dim=0)
+            for weight, i in zip(weights, members):
+                mass[i] += weight / groups
+    return mass
+
+
+def naive_compactor(head: HeadContext, blend, chunk, scale, pool, first, last, value_norm=True):
+    """LeverageScorer's definition written out (exact leverage of pre-RoPE keys)."""
+    n = head.keys.shape[0]
+    rows = list(range(first, n - last))
+    half = head.keys.shape[1] // 2
+    pre = []
+    for i in rows:  # undo RoPE with the explicit inverse rotation of each key
+        c, s = head.key_cos[i].double(), head.key_sin[i].double()
+        k = head.keys[i].double()
+        rotated = torch.cat([-k[half:], k[:half]])
+        pre.append((k * c - rotated * s) / (c * c + s * s))
+    lev = naive_leverage(torch.stack(pre))
+    w = head.recent_queries.shape[1]
+    qpos = [head.next_position - w + j for j in range(w)]
+    kpos = [int(head.positions[i]) for i in rows]
+    keep = [j for j in range(w) if kpos[0] <= qpos[j] <= kpos[-1]]
+    mass = naive_chunk_mass(head.recent_queries[:, keep], [qpos[j] for j in keep], head.keys[rows], kpos, chunk,
+                            scale, kpos[0])
+    if value_norm:
+        mass = mass * torch.stack([head.values[i].double().norm() for i in rows])
+    r = pool // 2
+    pooled = torch.stack([sum(mass[j] for j in range(i - r, i + r + 1) if 0 <= j < len(rows)) / pool
+                          for i in range(len(rows))])
+
+    def z(x):
+        return (x - x.mean()) / x.std(unbiased=False)
+
+    return z(pooled) + blend * z(lev)
+
+
+def _rope(model, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    cos, sin = rope_cos_sin(model, positions)
+    rotated, _ = apply_rotary_pos_emb(keys[None, None], keys[None, None], cos[None], sin[None])
+    return rotated[0, 0]
+
+
+# -- leverage -----------------------------------------------------------------------------------
+
+def test_exact_leverage_equals_row_by_row_formula_and_sums_to_the_rank():
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(200, 16, generator=generator) * torch.linspace(0.1, 5, 16) + 3.0
+    scores = leverage_scores(keys, ridge=1e-12)
+    torch.testing.assert_close(scores, naive_leverage(keys), rtol=1e-7, atol=1e-10)
+    assert abs(float(scores.sum()) - 16) < 1e-6 and float(scores.min()) >= 0 and float(scores.max()) <= 1
+
+
+def test_sketched_leverage_is_the_leverage_of_the_sketched_keys():
+    keys = torch.randn(150, 32, generator=torch.Generator().manual_seed(1))
+    sketch = 12
+    phi = torch.randn(32, sketch, generator=torch.Generator().manual_seed(7), dtype=torch.float64) / math.sqrt(sketch)
+    scores = leverage_scores(keys, sketch, torch.Generator().manual_seed(7), ridge=1e-12)
+    torch.testing.assert_close(scores, naive_leverage(keys, phi), rtol=1e-7, atol=1e-10)
+    assert abs(float(scores.sum()) - sketch) < 1e-6
+    # a sketch as wide as the keys spans the same column space: exact scores
+    torch.testing.assert_close(leverage_scores(keys, 40, torch.Generator().manual_seed(3), ridge=1e-12),
+                               leverage_scores(keys, ridge=1e-12), rtol=1e-6, atol=1e-9)
+
+
+def test_unrotate_inverts_the_models_rope():
+    model = make_tiny_llama(head_dim=16)
+    keys = torch.randn(9, 16, generator=torch.Generator().manual_seed(2))
+    positions = torch.tensor([0, 1, 5, 17, 100, 333, 1000, 2047, 4000])
+    cos, sin = rope_cos_sin(model, positions)
+    torch.testing.assert_close(unrotate(_rope(model, keys, positions), cos, sin), keys, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_attention_mass_equals_loop_reference():
+    generator = torch.Generator().manual_seed(4)
+    n, d, groups = 53, 8, 3
+    keys = torch.randn(n, d, generator=generator)
+    key_positions = torch.arange(10, 10 + n)
+    queries = torch.randn(groups, n, d, generator=generator)
+    for chunk, scale, origin in [(16, 1.0, 10), (7, 0.35, 12), (100, 1.0, 10)]:
+        got = chunked_attention_mass(queries, key_positions, keys, key_positions, chunk, scale, origin)
+        want = naive_chunk_mass(queries, key_positions, keys, key_positions, chunk, scale, origin)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("blend,chunk,scale", [(0.75, 16, 1.0), (0.5, 64, None), (0.1, 5, 0.3)])
+def test_leverage_scorer_equals_the_compactor_definition(blend, chunk, scale):
+    model = make_tiny_llama(head_dim=16)
+    generator = torch.Generator().manual_seed(5)
+    n, d, groups = 70, 16, 2
+    positions = torch.arange(n)
+    keys = _rope(model, torch.randn(n, d, generator=generator) * 2, positions)
+    values = torch.randn(n, d, generator=generator)
+    queries = torch.randn(groups, n, d, generator=generator)
+    cos, sin = rope_cos_sin(model, positions)
+    head = HeadContext(layer=3, kv_head=1, keys=keys, values=values, positions=positions, scaling=d ** -0.5,
+                       next_position=n, recent_queries=queries, key_cos=cos, key_sin=sin)
+    scorer = LeverageScorer(blend=blend, sketch=None, chunk=chunk, attention_scale=scale, ridge=1e-12)
+    got = scorer.score(head)
+    want = naive_compactor(head, blend, chunk, d ** -0.5 if scale is None else scale, 3, 8, 4)
+    torch.testing.assert_close(got[8:n - 4].double(), want, rtol=1e-4, atol=1e-4)
+    assert torch.all(got[:8] == got[8:n - 4].max()) and torch.all(got[n - 4:] == got[8:n - 4].max())
+
+
+def test_leverage_scorer_modes_and_options():
+    generator = torch.Generator().manual_seed(6)
+    n, d = 40, 8
+    keys, values = torch.randn(n, d, generator=generator), torch.randn(n, d, generator=generator)
+    head = HeadContext(0, 0, keys, values, torch.arange(n), d ** -0.5, n,
+                       recent_queries=torch.randn(1, n, d, generator=generator))
+    alone = LeverageScorer(blend=None, sketch=None, pre_rope=False, exclude_first=0, exclude_last=0, ridge=1e-12)
+    assert alone.observation_window == 0 and not alone.key_rope
+    lev = naive_leverage(keys)
+    torch.testing.assert_close(alone.score(head).double(), (lev - lev.mean()) / lev.std(unbiased=False),
+                               rtol=1e-4, atol=1e-5)
+    attention = LeverageScorer(blend=0, exclude_first=0, exclude_last=0, pool=1)
+    assert attention.observation_window == ALL_QUERIES and not attention.key_rope
+    mass = naive_chunk_mass(head.recent_queries, torch.arange(n), keys, torch.arange(n), 256, 1.0, 0)
+    mass = mass * values.double().norm(dim=-1)
+    torch.testing.assert_close(attention.score(head).double(), (mass - mass.mean()) / mass.std(unbiased=False),
+                               rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="key_cos"):
+        LeverageScorer().score(head)  # pre-RoPE needs the keys' RoPE
+    for bad in ({"blend": -1}, {"sketch": 0}, {"chunk": 0}, {"pool": 2}, {"exclude_first": -1}):
+        with pytest.raises(ValueError):
+            LeverageScorer(**bad)
+    with pytest.raises(ValueError, match="bad options"):
+        CompressionPolicy(ratio=0.5, scorer="leverage", scorer_options={"unknown": 1})
+
+
+def test_compress_with_leverage_keeps_sinks_window_and_top_reference_scores():
+    """Through the engine: all prompt queries recorded, the keys' RoPE passed, kept rows as the reference."""
+    model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(8))
+    budget, n_sink, window = 30, 2, 5
+    policy = CompressionPolicy(budget=budget, scorer="leverage", n_sink=n_sink, window=window,
+                               scorer_options={"blend": 0.6, "sketch": None, "chunk": 32, "ridge": 1e-12})
+    cache = RaggedCache.for_model(model)
+    prefill(model, cache, ids, policy=policy)
+    assert cache.layers[0].recent_queries[0].shape[1] == 90  # every prompt query
+    before = [[layer.head(0, h) for h in range(2)] for layer in cache.layers]
+    queries = [layer.recent_queries[0].clone() for layer in cache.layers]
+    before = [[tuple(t.clone() for t in head) for head in layer] for layer in before]
+    compress(model, cache, policy)
+    cos, sin = rope_cos_sin(model, torch.arange(90))
+    for layer_idx, layer in enumerate(cache.layers):
+        for h in range(2):
+            keys, values, positions = before[layer_idx][h]
+            head = HeadContext(layer_idx, h, keys, values, positions, 16 ** -0.5, 90,
+                               recent_queries=queries[layer_idx][2 * h:2 * h + 2], key_cos=cos, key_sin=sin)
+            reference = torch.full((90,), float("inf"), dtype=torch.float64)
+            reference[8:86] = naive_compactor(head, 0.6, 32, 1.0, 3, 8, 4)
+            middle = reference[n_sink:90 - window]
+            top = (torch.topk(middle, budget - n_sink - window).indices + n_sink).tolist()
+            wanted = sorted(list(range(n_sink)) + top + list(range(90 - window, 90)))
+            assert layer.head(0, h)[2].tolist() == wanted
+            assert layer.recent_queries[0] is None  # dropped after the prompt is compressed
+
+
+# -- KVzip ----------------------------------------------------------------------------------------
+
+class ToyTokenizer:
+    """Characters as token ids (no chat template); enough for the reconstruction prompts."""
+
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = [3 + ord(c) % 120 for c in text]
+        return {"input_ids": ([1] if add_special_tokens else []) + ids}
+
+
+def naive_kvzip(model, context: list[int], chunks, sink: int) -> torch.Tensor:
+    """Scores from the model's own (eager) attention weights: for each chunk, one forward of
+    context + chunk input; the chunk queries' weights restricted to prefix + span + own tokens
+    and renormalised (a softmax over a subset), max over GQA group and queries, max over chunks."""
+    config = model.config
+    layers, heads, kv = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
+    group = heads // kv
+    t = len(context)
+    best = torch.zeros(layers, kv, t, dtype=torch.float64)
+    model.set_attn_implementation("eager")
+    for start, end, chunk_ids in chunks:
+        ids = torch.tensor([context + chunk_ids])
+        with torch.no_grad():
+            attentions = model(input_ids=ids, output_attentions=True).attentions
+        q = len(chunk_ids)
+        for layer in range(layers):
+            weights = attentions[layer][0].double()  # [Hq, t + q, t + q]
+            for head in range(heads):
+                for i in range(q):
+                    row = weights[head, t + i]
+                    subset = [j for j in range(t) if j < sink or start <= j < end] + list(range(t, t + i + 1))
+                    total = sum(float(row[j]) for j in subset)
+                    for j in subset:
+                        if j < t:
+                            value = float(row[j]) / total
+                            if value > best[layer, head // group, j]:
+                                best[layer, head // group, j] = value
+    return best
+
+
+@pytest.mark.parametrize("chunk_size", [64, 23])
+def test_kvzip_scores_equal_the_models_attention_over_the_reconstruction(chunk_size):
+    model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    tokenizer = ToyTokenizer()
+    context = [1] + torch.randint(3, 120, (50,), generator=torch.Generator().manual_seed(9)).tolist()
+    cache = RaggedCache.for_model(model)
+    prefill(model, cache, torch.tensor([context]))
+    lengths = cache.head_lengths().clone()
+    scores = kvzip_scores(model, tokenizer, cache, context, chunk_size=chunk_size, overlap=4)
+    assert scores.prefix_length == 1 and scores.scores.shape == (2, 2, 51)
+    assert torch.equal(cache.head_lengths(), lengths) and cache.get_seq_length() == 51  # the cache is untouched
+    chunks = reconstruction_chunks(tokenizer, context, 1, tokenizer("\n", add_special_tokens=False)["input_ids"],
+                                   chunk_size, 4)
+    assert len(chunks) == scores.chunks == math.ceil(50 / chunk_size)
+    if len(chunks) > 1:  # later chunks restate the previous chunk's last tokens
+        assert chunks[1][2][-(chunks[1][1] - chunks[1][0]) - 1 - 4:-(chunks[1][1] - chunks[1][0]) - 1] == \
+            context[chunks[1][0] - 4:chunks[1][0]]
+    want = naive_kvzip(model, context, chunks, sink=1)
+    torch.testing.assert_close(scores.scores.double(), want, rtol=1e-4, atol=1e-6)
+
+
+def test_kvzip_scorer_reads_scores_by_position_and_refuses_another_prompt():
+    model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    tokenizer = ToyTokenizer()
+    context = torch.randint(3, 120, (1, 40), generator=torch.Generator().manual_seed(10))
+    cache = RaggedCache.for_model(model)
+    prefill(model, cache, context)
+    scores = kvzip_scores(model, tokenizer, cache, context, prefix_length=0)
+    policy = CompressionPolicy(budget=15, scorer="kvzip", n_sink=2, window=3)
+    with pytest.raises(ValueError, match="reconstruction pass"):
+        compress(model, cache.copy(), policy)
+    compressed = cache.copy()
+    compress(model, compressed, with_kvzip_scores(policy, scores))
+    for layer_idx, layer in enumerate(compressed.layers):
+        for h in range(2):
+            table = scores.scores[layer_idx, h]
+            top = (torch.topk(table[2:37], 10).indices + 2).tolist()
+            assert layer.head(0, h)[2].tolist() == sorted([0, 1] + top + [37, 38, 39])
+    # decoded tokens (past the scored context) are never evicted before a context token
+    keys, values, positions = cache.layers[0].head(0, 0)
+    head = HeadContext(0, 0, keys, values, positions, 0.25, 40)
+    assert torch.equal(KVzipScorer(scores).score(head), scores.scores[0, 0])
+    later = HeadContext(0, 0, torch.cat([keys, keys[:2]]), torch.cat([values, values[:2]]),
+                        torch.cat([positions, torch.tensor([40, 41], dtype=positions.dtype)]), 0.25, 42)
+    assert torch.isinf(KVzipScorer(scores).score(later)[-2:]).all()
+    other = RaggedCache.for_model(model)
+    prefill(model, other, torch.randint(3, 120, (1, 40), generator=torch.Generator().manual_seed(11)))
+    with pytest.raises(ValueError, match="another prompt"):
+        compress(model, other, with_kvzip_scores(policy, scores))
+
+
+def test_kvzip_global_budgets_are_one_top_k_over_all_heads():
+    generator = torch.Generator().manual_seed(12)
+    table = torch.rand(3, 2, 50, generator=generator) ** 4
+    scores = KVzipScores(scores=table, last_keys=torch.zeros(3, 2, 4), prefix_length=0, chunks=1,
+                         reconstruction_tokens=50, seconds=0.0)
+    budgets = kvzip_budgets(scores, 0.3, n_sink=2, window=5)
+    assert budgets.sum() == round(0.3 * 300) and budgets.shape == (3, 2) and budgets.min() >= 7
+    protected = table.clone()
+    protected[..., :2] = 2.0
+    protected[..., 45:] = 2.0
+    threshold = torch.sort(protected.reshape(-1), descending=True).values[89]
+    assert np.array_equal(budgets, (protected >= threshold).sum(-1).numpy())
+    policy = kvzip_global_policy(CompressionPolicy(ratio=0.3, scorer="kvzip", n_sink=2, window=5), scores)
+    assert isinstance(policy, KVzipGlobalPolicy) and np.array_equal(policy.head_budgets(50, 3, 2), budgets)
+    with pytest.raises(ValueError, match="ratio"):
+        kvzip_global_policy(CompressionPolicy(budget=10, scorer="kvzip"), scores)
+
+
+# -- the real embedded model --------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_embedded_model_keeps_the_needle_under_leverage_and_kvzip(embedded_model, embedded_tokenizer):
+    """Question-agnostic compression of a 1K-token retrieval probe to half its cache keeps the answer."""
+    from needles import PRESETS, answer_is_correct, generate_probes
+
+    model, tokenizer = embedded_model, embedded_tokenizer
+    spec = PRESETS["quick"].replace(families=("retrieval",), seed=1000)
+    probe = next(p for p in generate_probes(spec, tokenizer) if p.length <= 1024 and p.depth == 50.0)
+    ids = torch.tensor([probe.input_ids])
+    pad = tokenizer.eos_token_id
+    try:
+        for scorer in ("leverage", "kvzip"):
+            policy = CompressionPolicy(ratio=0.5, allocation="uniform", scorer=scorer)
+            cache = RaggedCache.for_model(model)
+            prefill(model, cache, ids[:, :probe.context_end], policy=policy)
+            if scorer == "kvzip":
+                report, scores = kvzip_compress(model, tokenizer, cache, probe.input_ids[:probe.context_end], policy)
+                assert scores.chunks == 1 and scores.prefix_length > 0
+            else:
+                report = compress(model, cache, policy)
+            assert report.kv_bytes_after <= 0.51 * report.kv_bytes_before
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+                                 max_new_tokens=20, pad_token_id=pad)
+            text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            assert answer_is_correct(text, probe), (scorer, probe.answer, text)
+    finally:
+        model.set_attn_implementation("sdpa")
