@@ -122,7 +122,7 @@ def run_probe(model, tokenizer, probe, cells, calibration, max_new_tokens):
                     n_sink=4)
     timings = {"prefill_seconds": time.perf_counter() - started}
     kvzip = None
-    if any(policy.scorer_name == "kvzip" for _, policy in cells):
+    if any(policy.build_scorer().name == "kvzip" for _, policy in cells):
         kvzip = kvzip_scores(model, tokenizer, base, probe.input_ids[:probe.context_end])
         timings.update(kvzip_seconds=kvzip.seconds, kvzip_chunks=kvzip.chunks,
                        kvzip_tokens=kvzip.reconstruction_tokens)
@@ -131,7 +131,7 @@ def run_probe(model, tokenizer, probe, cells, calibration, max_new_tokens):
     caches = [base]
     compress_seconds = [0.0]
     for (row, _), policy in cells:
-        if policy.scorer_name == "kvzip":
+        if policy.build_scorer().name == "kvzip":
             policy = kvzip_global_policy(policy, kvzip) if row.startswith("global/") else \
                 with_kvzip_scores(policy, kvzip)
         cache = base.copy()

@@ -86,7 +86,7 @@ class HeadEvictor:
                                  f"{have} were recorded")
             context.recent_queries = recorded[heads, -self.scorer.observation_window:]
         if self.scorer.key_rope:  # the RoPE of each key's own position (to undo it: pre-RoPE keys)
-            context.key_cos, context.key_sin = rope_cos_sin(self._model, positions)
+            context.key_cos, context.key_sin = rope_cos_sin(self.geometry, positions)
         return context
 
     def evict(self, layer, layer_idx: int, b: int, h: int, budget: int, next_position: int, *,

@@ -40,7 +40,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .attention import enable
 from .cache import LAYER_TAG, RaggedCache, RaggedLayer
-from .eviction import text_config
+from .geometry import ModelGeometry
 from .policy import CompressionPolicy
 from .scorers import KVzipScorer, KVzipScores
 
@@ -50,7 +50,7 @@ REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting wit
 
 def with_kvzip_scores(policy: CompressionPolicy, scores: KVzipScores) -> CompressionPolicy:
     """``policy`` with its scorer replaced by :class:`KVzipScorer` over ``scores``."""
-    if policy.scorer_name != KVzipScorer.name:
+    if policy.build_scorer().name != KVzipScorer.name:
         raise ValueError(f"policy {policy.describe()} does not use the kvzip scorer")
     return dataclasses.replace(policy, scorer=KVzipScorer(scores), scorer_options={})
 
@@ -211,8 +211,7 @@ def kvzip_scores(model, tokenizer, cache: RaggedCache, context_ids, *, row: int 
     prefix = detected if prefix_length is None else int(prefix_length)
     if not 0 <= prefix < len(ids):
         raise ValueError(f"prefix_length {prefix} leaves nothing of the {len(ids)}-token context to reconstruct")
-    config = text_config(model)
-    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    heads = ModelGeometry.of(model).num_kv_heads
     device = layer0.device
     scores = torch.zeros(len(cache.layers), heads, len(ids), dtype=torch.float32, device=device)
     view = ReconstructionView(cache, row, scores, query_block)
