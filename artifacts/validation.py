@@ -71,7 +71,8 @@ def check_model_identity(identity: ModelIdentity) -> None:
             raise ArtifactError(f"/model: {symbol} = {value} is outside [1, {ARCH_LIMITS[symbol]}]")
     if identity.num_q_heads % identity.num_kv_heads:
         raise ArtifactError(
-            f"/model: {identity.num_q_heads} query heads are not a multiple of {identity.num_kv_heads} KV heads")
+            f"/model: {identity.num_q_heads} query heads are not a multiple of {identity.num_kv_heads} KV heads"
+        )
     for name in ("hidden_size", "vocab_size", "max_position_embeddings"):
         if getattr(identity, name) < 1:
             raise ArtifactError(f"/model: {name} must be positive")
@@ -96,19 +97,20 @@ def section_dims(section: str, shapes: dict[str, tuple[int, ...]], arch: dict[st
             raise ArtifactError(f"/{section}: required dataset {name!r} is missing")
         shape = tuple(shapes[name])
         if len(shape) != len(dspec.shape):
-            raise ArtifactError(f"/{section}/{name}: expected {len(dspec.shape)} dimensions "
-                                f"{dspec.shape}, got shape {shape}")
-        for symbol, size in zip(dspec.shape, shape):
+            raise ArtifactError(
+                f"/{section}/{name}: expected {len(dspec.shape)} dimensions {dspec.shape}, got shape {shape}"
+            )
+        for symbol, size in zip(dspec.shape, shape, strict=True):
             if symbol in FREE_DIM_LIMITS and symbol not in dims:
                 if not 1 <= size <= FREE_DIM_LIMITS[symbol]:
-                    raise ArtifactError(f"/{section}/{name}: {symbol} = {size} is outside "
-                                        f"[1, {FREE_DIM_LIMITS[symbol]}]")
+                    raise ArtifactError(
+                        f"/{section}/{name}: {symbol} = {size} is outside [1, {FREE_DIM_LIMITS[symbol]}]"
+                    )
                 dims[symbol] = size
         expected = resolve_shape(dspec, dims)
         if shape != expected:
-            named = ", ".join(f"{s}={v}" for s, v in zip(dspec.shape, expected))
-            raise ArtifactError(f"/{section}/{name}: shape {shape} does not match the recorded "
-                                f"architecture ({named})")
+            named = ", ".join(f"{s}={v}" for s, v in zip(dspec.shape, expected, strict=True))
+            raise ArtifactError(f"/{section}/{name}: shape {shape} does not match the recorded architecture ({named})")
     return dims
 
 

@@ -53,7 +53,7 @@ def write_artifact(path: str | os.PathLike, artifact: Artifact) -> Path:
             check_array(section_name, name, array, dims)
         checked_attrs[section_name] = check_section_attrs(section_name, section.attrs)
 
-    created = artifact.created or _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+    created = artifact.created or _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
     attrs = root_attrs(artifact, created=created, version=artifact.toolkit_version or toolkit_version())
 
     with atomic_path(path) as tmp:
@@ -94,8 +94,15 @@ def _write_contents(h5: h5py.File, prepared: dict, attrs: dict, section_attrs: d
             group.attrs[name] = value
         for name, value in arrays.items():
             array = np.ascontiguousarray(value)
-            group.create_dataset(name, data=array, chunks=True, compression=COMPRESSION,
-                                 compression_opts=COMPRESSION_LEVEL, shuffle=True, fletcher32=True)
+            group.create_dataset(
+                name,
+                data=array,
+                chunks=True,
+                compression=COMPRESSION,
+                compression_opts=COMPRESSION_LEVEL,
+                shuffle=True,
+                fletcher32=True,
+            )
     for name, value in attrs["root"].items():
         h5.attrs[name] = value
     h5.attrs["metadata_sha256"] = metadata_digest(attrs["root"], attrs["model"], section_attrs)

@@ -20,11 +20,13 @@ IGNORED_ATTRIBUTES = {"created", "created_utc", "metadata_sha256"}
 def _items(path: str) -> dict[str, object]:
     items: dict[str, object] = {}
     with h5py.File(path, "r") as fh:
+
         def visit(name, obj):
             for key, value in obj.attrs.items():
                 items[f"{name or '/'}@{key}"] = value
             if isinstance(obj, h5py.Dataset):
                 items[name] = obj[()]
+
         visit("", fh)
         fh.visititems(visit)
     return items

@@ -35,8 +35,15 @@ sys.path.insert(0, str(REPO))
 from runtime import CompressionPolicy, RaggedCache, compress, compress_prompt, enable, load_calibration, prefill  # noqa: E402,E501
 from runtime.models import load_model, load_tokenizer  # noqa: E402
 
-SENTENCES = ["The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
-             "There and back again.", "A bird sings in the tree.", "The river runs to the sea."]
+SENTENCES = [
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+    "A bird sings in the tree.",
+    "The river runs to the sea.",
+]
 
 
 def context_ids(tokenizer, length: int) -> torch.Tensor:
@@ -78,8 +85,11 @@ def decode_overhead(model, ids, keep: float, steps: int, calibration) -> dict:
     return {
         "median_step_ms": {name: 1000 * value for name, value in median.items()},
         "correction_ratio": {name: median[name] / median["none"] for name in variants},
-        "decode_eviction_ratio": {name: median[name] / median["keydiff (no decode eviction)"]
-                                  for name in caches if name.startswith("evict_every")},
+        "decode_eviction_ratio": {
+            name: median[name] / median["keydiff (no decode eviction)"]
+            for name in caches
+            if name.startswith("evict_every")
+        },
         "live_tokens": lengths,
         "moment_bytes": caches["order1"].moment_bytes(),
     }
@@ -107,9 +117,16 @@ def _chunked_child(queue, context: int, budget: int, block: int | None, threads:
         cache, report = compress_prompt(model, full_ids, policy, context_columns=context, block_size=block)
     seconds = time.perf_counter() - started
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    queue.put({"block": block, "peak_cache_bytes": peak["cache"], "final_cache_bytes": original(cache),
-               "peak_rss_growth_mib": (rss_after - rss_before) / 1024, "seconds": seconds,
-               "max_head_tokens_after": int(report.lengths_after.max())})
+    queue.put(
+        {
+            "block": block,
+            "peak_cache_bytes": peak["cache"],
+            "final_cache_bytes": original(cache),
+            "peak_rss_growth_mib": (rss_after - rss_before) / 1024,
+            "seconds": seconds,
+            "max_head_tokens_after": int(report.lengths_after.max()),
+        }
+    )
 
 
 def chunked_memory(context: int, budget: int, block: int, threads: int) -> list[dict]:
@@ -156,9 +173,11 @@ def main(argv=None) -> int:
         print(f"prefill of {args.context} tokens, budget {args.budget} per head (KeyDiff):")
         for row in chunked:
             label = "at once" if row["block"] is None else f"blocks of {row['block']}"
-            print(f"  {label:16s} peak cache {row['peak_cache_bytes'] / 2**20:6.1f} MiB, final "
-                  f"{row['final_cache_bytes'] / 2**20:5.1f} MiB, peak RSS growth {row['peak_rss_growth_mib']:6.0f} MiB, "
-                  f"{row['seconds']:.1f} s")
+            print(
+                f"  {label:16s} peak cache {row['peak_cache_bytes'] / 2**20:6.1f} MiB, final "
+                f"{row['final_cache_bytes'] / 2**20:5.1f} MiB, peak RSS growth {row['peak_rss_growth_mib']:6.0f} MiB, "
+                f"{row['seconds']:.1f} s"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

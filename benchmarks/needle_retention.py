@@ -54,23 +54,35 @@ def main(argv=None) -> int:
         probe = make_probe(tokenizer, "retrieval", args.length, depth, seed=args.seed)
         ids = torch.tensor([probe.input_ids])
         base = RaggedCache.for_model(model)
-        stats = prefill(model, base, ids[:, :probe.context_end], record_prompt_stats=True, observe_queries=32,
-                        n_sink=4)
+        stats = prefill(
+            model, base, ids[:, : probe.context_end], record_prompt_stats=True, observe_queries=32, n_sink=4
+        )
         needle = {p for span in probe.spans if span.label == "R" for p in range(span.start, span.end)}
         kept = {}
         for name, fields in SCORERS.items():
             cache = base.copy()
-            compress(model, cache, CompressionPolicy(ratio=args.keep, allocation="inf", **fields), calibration,
-                     prompt_stats=stats)
-            kept[name] = np.array([[len(set(layer.head(0, h)[2].tolist()) & needle) / len(needle)
-                                    for h in range(layer.num_heads)] for layer in cache.layers])
+            compress(
+                model,
+                cache,
+                CompressionPolicy(ratio=args.keep, allocation="inf", **fields),
+                calibration,
+                prompt_stats=stats,
+            )
+            kept[name] = np.array(
+                [
+                    [len(set(layer.head(0, h)[2].tolist()) & needle) / len(needle) for h in range(layer.num_heads)]
+                    for layer in cache.layers
+                ]
+            )
         print(f"{probe.id} (answer {probe.answer}, {len(needle)} R tokens), {args.keep:.0%} kept, INF budgets")
         print("  mean over all heads: " + ", ".join(f"{name} {value.mean():.2f}" for name, value in kept.items()))
         print("  head      INF w   " + "  ".join(f"{name:>13s}" for name in kept))
         for index in top:
             layer, head = divmod(int(index), weights.shape[1])
-            print(f"  L{layer:<2d} H{head}  {weights[layer, head]:.3f}   "
-                  + "  ".join(f"{kept[name][layer, head]:13.2f}" for name in kept))
+            print(
+                f"  L{layer:<2d} H{head}  {weights[layer, head]:.3f}   "
+                + "  ".join(f"{kept[name][layer, head]:13.2f}" for name in kept)
+            )
     calibration.close()
     return 0
 

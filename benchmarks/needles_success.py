@@ -52,20 +52,30 @@ def main(argv: list[str] | None = None) -> int:
         tick = time.perf_counter()
         text = greedy_answer(model, tokenizer, probe, max_new_tokens=args.max_new_tokens)
         ok = answer_is_correct(text, probe)
-        records.append({"id": probe.id, "family": probe.family, "length": probe.length, "depth": probe.depth,
-                        "tokens": len(probe.input_ids), "answer": probe.answer, "generated": text,
-                        "correct": ok, "seconds": round(time.perf_counter() - tick, 2)})
-        tqdm.write(f"{'OK ' if ok else 'BAD'} {probe.id:<40} {probe.answer!r:<28} -> {text.strip()!r}",
-                   file=sys.stderr)
+        records.append(
+            {
+                "id": probe.id,
+                "family": probe.family,
+                "length": probe.length,
+                "depth": probe.depth,
+                "tokens": len(probe.input_ids),
+                "answer": probe.answer,
+                "generated": text,
+                "correct": ok,
+                "seconds": round(time.perf_counter() - tick, 2),
+            }
+        )
+        tqdm.write(f"{'OK ' if ok else 'BAD'} {probe.id:<40} {probe.answer!r:<28} -> {text.strip()!r}", file=sys.stderr)
 
     by_family: dict[str, list[bool]] = defaultdict(list)
     for record in records:
         by_family[record["family"]].append(record["correct"])
-    table = {family: {"correct": sum(v), "total": len(v), "rate": sum(v) / len(v)}
-             for family, v in by_family.items()}
+    table = {family: {"correct": sum(v), "total": len(v), "rate": sum(v) / len(v)} for family, v in by_family.items()}
     total = sum(r["correct"] for r in records)
-    print(f"preset={args.preset} haystack={spec.haystack} seed={spec.seed} model={args.model or 'embedded'} "
-          f"max_new_tokens={args.max_new_tokens} ({time.perf_counter() - started:.0f} s)")
+    print(
+        f"preset={args.preset} haystack={spec.haystack} seed={spec.seed} model={args.model or 'embedded'} "
+        f"max_new_tokens={args.max_new_tokens} ({time.perf_counter() - started:.0f} s)"
+    )
     print(f"{'family':<20}{'correct':>8}{'total':>7}{'rate':>8}")
     for family, row in table.items():
         print(f"{family:<20}{row['correct']:>8}{row['total']:>7}{row['rate']:>8.0%}")

@@ -35,17 +35,25 @@ from profiler.behaviour_stage import run_probe  # noqa: E402
 from profiler.calibration_text import calibration_windows  # noqa: E402
 from profiler.presets import PRESETS  # noqa: E402
 from profiler.probe_source import preset_probes  # noqa: E402
-from runtime.query_moments import QueryMoments  # noqa: E402
 from runtime.geometry import ModelGeometry  # noqa: E402
 from runtime.models import load_model, load_tokenizer  # noqa: E402
+from runtime.query_moments import QueryMoments  # noqa: E402
 
 
 def plain_generate(model, tokenizer, probe, max_new_tokens):
     ids = torch.tensor([probe.input_ids])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                              do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad)
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad,
+        )
 
 
 def _summary(pairs: list[tuple[float, float]], names: tuple[str, str]) -> dict:
@@ -53,8 +61,12 @@ def _summary(pairs: list[tuple[float, float]], names: tuple[str, str]) -> dict:
     base = sum(a for a, _ in pairs)
     other = sum(b for _, b in pairs)
     ratios = sorted(b / a for a, b in pairs)
-    return {f"{names[0]}_s": round(base, 2), f"{names[1]}_s": round(other, 2), "ratio": round(other / base, 3),
-            "median_item_ratio": round(statistics.median(ratios), 3)}
+    return {
+        f"{names[0]}_s": round(base, 2),
+        f"{names[1]}_s": round(other, 2),
+        "ratio": round(other / base, 3),
+        "median_item_ratio": round(statistics.median(ratios), 3),
+    }
 
 
 def bench_behaviour(model, tokenizer, probes, max_new_tokens, repeats):
@@ -74,16 +86,20 @@ def bench_behaviour(model, tokenizer, probes, max_new_tokens, repeats):
                     steps += result.steps if repeat == 0 else 0
                 times[mode] = time.perf_counter() - start
             pairs.append((times["plain"], times["capture"]))
-    return {"probes": len(probes), "repeats": repeats, "decode_steps": steps,
-            "mean_prompt_tokens": sum(len(p.input_ids) for p in probes) / len(probes),
-            **_summary(pairs, ("plain_generate", "behaviour_stage"))}
+    return {
+        "probes": len(probes),
+        "repeats": repeats,
+        "decode_steps": steps,
+        "mean_prompt_tokens": sum(len(p.input_ids) for p in probes) / len(probes),
+        **_summary(pairs, ("plain_generate", "behaviour_stage")),
+    }
 
 
 def bench_query_stats(model, windows, batch_size, n_sink, repeats):
     geometry = ModelGeometry.of(model)
     acc = QueryMoments(geometry.num_layers, geometry.num_q_heads, geometry.head_dim)
     pairs = []
-    batches = [windows[i:i + batch_size] for i in range(0, len(windows), batch_size)]
+    batches = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
     with torch.no_grad():
         model.model(input_ids=batches[0][:1, :32], use_cache=False)  # warm-up
         for index, ids in enumerate(batches):
@@ -99,29 +115,42 @@ def bench_query_stats(model, windows, batch_size, n_sink, repeats):
                             model.model(input_ids=ids, use_cache=False)
                     times[mode] = time.perf_counter() - start
                 pairs.append((times["plain"], times["stats"]))
-    return {"windows": int(windows.shape[0]), "tokens_per_window": int(windows.shape[1]), "repeats": repeats,
-            **_summary(pairs, ("plain_forward", "query_stats"))}
+    return {
+        "windows": int(windows.shape[0]),
+        "tokens_per_window": int(windows.shape[1]),
+        "repeats": repeats,
+        **_summary(pairs, ("plain_forward", "query_stats")),
+    }
 
 
 def bench_quick_job():
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "kv_calibration.h5"
         start = time.perf_counter()
-        result = subprocess.run([sys.executable, "-m", "profiler.cli", "--preset", "quick", "--out", str(out),
-                                 "--no-progress"], cwd=REPO, capture_output=True, text=True)
+        result = subprocess.run(
+            [sys.executable, "-m", "profiler.cli", "--preset", "quick", "--out", str(out), "--no-progress"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
         wall = time.perf_counter() - start
         peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         if result.returncode != 0:
             raise SystemExit(f"profile-model failed:\n{result.stderr[-3000:]}")
-        summary = [line for line in result.stdout.splitlines() if line.split(":")[0] in
-                   ("behaviour", "query-stats", "budgets")]
+        summary = [
+            line for line in result.stdout.splitlines() if line.split(":")[0] in ("behaviour", "query-stats", "budgets")
+        ]
         return {"wall_s": round(wall, 1), "peak_rss_mib": round(peak_kib / 1024, 1), "summary": summary}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--probes-preset", default="quick", choices=list(PRESETS),
-                        help="profile preset whose probes the behaviour comparison uses")
+    parser.add_argument(
+        "--probes-preset",
+        default="quick",
+        choices=list(PRESETS),
+        help="profile preset whose probes the behaviour comparison uses",
+    )
     parser.add_argument("--limit", type=int, default=12, help="probes used for the behaviour comparison")
     parser.add_argument("--calib-windows", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2, help="measurements per probe / batch and mode")
@@ -134,12 +163,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(), load_tokenizer()
     preset = PRESETS["quick"]
-    probe_set = preset_probes(PRESETS[args.probes_preset].probes, tokenizer,
-                              overrides=dict(PRESETS[args.probes_preset].probe_overrides))
+    probe_set = preset_probes(
+        PRESETS[args.probes_preset].probes, tokenizer, overrides=dict(PRESETS[args.probes_preset].probe_overrides)
+    )
     picks = sorted({round(i * (len(probe_set) - 1) / max(1, args.limit - 1)) for i in range(args.limit)})
     probes = [probe_set[i] for i in picks]  # evenly over the grid: families, lengths and depths
-    results = {"threads": torch.get_num_threads(),
-               "behaviour": bench_behaviour(model, tokenizer, probes, preset.max_new_tokens, args.repeats)}
+    results = {
+        "threads": torch.get_num_threads(),
+        "behaviour": bench_behaviour(model, tokenizer, probes, preset.max_new_tokens, args.repeats),
+    }
     print("behaviour:", json.dumps(results["behaviour"]), flush=True)
     windows = calibration_windows(tokenizer, None, args.calib_windows, preset.calib_tokens)
     results["query_stats"] = bench_query_stats(model, windows, preset.batch_size, preset.n_sink, args.repeats)

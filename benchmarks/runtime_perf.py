@@ -44,8 +44,16 @@ def progress(items):
     items = list(items)
     return tqdm(items, desc="policies", unit="policy")
 
-SENTENCES = ["The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
-             "There and back again.", "A bird sings in the tree.", "The river runs to the sea."]
+
+SENTENCES = [
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+    "A bird sings in the tree.",
+    "The river runs to the sea.",
+]
 
 
 def context_ids(tokenizer, length: int) -> torch.Tensor:
@@ -57,8 +65,10 @@ def context_ids(tokenizer, length: int) -> torch.Tensor:
 
 
 def dynamic_cache_bytes(cache) -> int:
-    return sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-               for layer in cache.layers)
+    return sum(
+        layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+        for layer in cache.layers
+    )
 
 
 @torch.no_grad()
@@ -101,8 +111,9 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=4096, help="context tokens (default 4096)")
     parser.add_argument("--ratio", type=float, default=0.25, help="kept fraction of the context (default 0.25)")
     parser.add_argument("--decode-tokens", type=int, default=32, help="greedy steps per decode timing (default 32)")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="alternated prefill repetitions, the fastest of each kept (default 2)")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="alternated prefill repetitions, the fastest of each kept (default 2)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--artifact", default=None, help="calibration artifact for calibrated EA + INF budgets")
     parser.add_argument("--json", default=None, help="also write the results as JSON here")
@@ -120,8 +131,10 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         calibration = load_calibration(model, tokenizer, path=args.artifact)
         results["artifact_load_ms"] = 1000 * (time.perf_counter() - start)
-        policies["ea-calibrated/inf"] = (CompressionPolicy(ratio=args.ratio, allocation="inf",
-                                                           statistics="calibrated"), calibration)
+        policies["ea-calibrated/inf"] = (
+            CompressionPolicy(ratio=args.ratio, allocation="inf", statistics="calibrated"),
+            calibration,
+        )
     policies["keydiff/uniform"] = (CompressionPolicy(ratio=args.ratio, scorer="keydiff"), None)
 
     plain_prefill(model, ids[:, :256])  # warm-up
@@ -141,16 +154,23 @@ def main(argv=None) -> int:
         full_bytes = dynamic_cache_bytes(full)
         held = cache.kv_bytes()
         formula = int(report.budgets.sum()) * cache.bytes_per_token()
-        rates = interleaved_decode(model, {"plain": (full, full_token), "compressed": (cache, ids[:, -1:])},
-                                   args.decode_tokens)
+        rates = interleaved_decode(
+            model, {"plain": (full, full_token), "compressed": (cache, ids[:, -1:])}, args.decode_tokens
+        )
         del full, cache
         # min over repeats: the least disturbed run of each (the machine is shared)
         row = {
-            "prefill_s": min(prefill_times), "ragged_prefill_s": min(ragged_prefill_times),
-            "compress_s": min(compress_times), "prefill_s_all": prefill_times,
-            "ragged_prefill_s_all": ragged_prefill_times, "compress_s_all": compress_times,
-            "plain_decode_tok_s": rates["plain"], "compressed_decode_tok_s": rates["compressed"],
-            "kv_bytes_full": full_bytes, "kv_bytes_compressed": held, "kv_bytes_formula": formula,
+            "prefill_s": min(prefill_times),
+            "ragged_prefill_s": min(ragged_prefill_times),
+            "compress_s": min(compress_times),
+            "prefill_s_all": prefill_times,
+            "ragged_prefill_s_all": ragged_prefill_times,
+            "compress_s_all": compress_times,
+            "plain_decode_tok_s": rates["plain"],
+            "compressed_decode_tok_s": rates["compressed"],
+            "kv_bytes_full": full_bytes,
+            "kv_bytes_compressed": held,
+            "kv_bytes_formula": formula,
         }
         row["compress_overhead"] = row["compress_s"] / row["prefill_s"]
         # everything the compressed path adds: ragged prefill (with any recording hooks) + eviction
@@ -159,12 +179,15 @@ def main(argv=None) -> int:
         row["kv_bytes_ratio"] = held / full_bytes
         row["bytes_vs_budget_formula"] = held / formula
         results["policies"][name] = row
-        print(f"{name:20s} prefill {row['prefill_s']:.2f}s (ragged {row['ragged_prefill_s']:.2f}s)  "
-              f"compress {row['compress_s'] * 1000:.0f} ms = {100 * row['compress_overhead']:.1f}% of prefill "
-              f"(all-in {100 * row['total_overhead']:+.1f}%)  "
-              f"decode {row['compressed_decode_tok_s']:.2f} vs {row['plain_decode_tok_s']:.2f} tok/s "
-              f"(x{row['decode_speed_ratio']:.2f})  KV bytes x{row['kv_bytes_ratio']:.3f} of full, "
-              f"x{row['bytes_vs_budget_formula']:.3f} of budget formula", flush=True)
+        print(
+            f"{name:20s} prefill {row['prefill_s']:.2f}s (ragged {row['ragged_prefill_s']:.2f}s)  "
+            f"compress {row['compress_s'] * 1000:.0f} ms = {100 * row['compress_overhead']:.1f}% of prefill "
+            f"(all-in {100 * row['total_overhead']:+.1f}%)  "
+            f"decode {row['compressed_decode_tok_s']:.2f} vs {row['plain_decode_tok_s']:.2f} tok/s "
+            f"(x{row['decode_speed_ratio']:.2f})  KV bytes x{row['kv_bytes_ratio']:.3f} of full, "
+            f"x{row['bytes_vs_budget_formula']:.3f} of budget formula",
+            flush=True,
+        )
     if "artifact_load_ms" in results:
         print(f"artifact load (fingerprint known): {results['artifact_load_ms']:.1f} ms")
     if args.json:

@@ -11,8 +11,8 @@ On the ``needles`` probes of ``--preset`` (default ``quick``: 1K/2K/4K tokens, d
   (recording the prompt's query statistics and last queries for every scorer);
 * for every row (``--rows``; default: allocation ``uniform``/``inf`` x scorer EA calibrated,
   EA prompt, KeyDiff, SnapKV, KNorm, StreamingLLM; MomentKV variants such as
-  ``inf/snapkv+mom+corr`` on request, see ``--list-rows``) x compression ratio, a copy of that cache is compressed to keep
-  ``1 - ratio`` of the context (the EA paper's convention: ratio = fraction evicted), then
+  ``inf/snapkv+mom+corr`` on request, see ``--list-rows``) x compression ratio, a copy of that
+  cache is compressed to keep ``1 - ratio`` of the context (the EA paper's convention: ratio = fraction evicted), then
   ``model.generate`` feeds the question and decodes greedily;
 * the uncompressed baseline decodes from the unevicted cache; all cells of a probe decode
   together as one batch (``RaggedCache.stack``: one compressed cache per batch element).
@@ -74,8 +74,10 @@ MOMENT_VARIANTS = {
 }
 ALLOCATIONS = ("uniform", "inf")
 # "global/kvzip": KVzip's own allocation (one top-k over every layer and KV head), per probe
-GLOBAL_ROWS = {"global/kvzip": ("global", SCORERS["kvzip"]),
-               "global/kvzip+corr": ("global", {**SCORERS["kvzip"], **MOMENT_VARIANTS["+corr"]})}
+GLOBAL_ROWS = {
+    "global/kvzip": ("global", SCORERS["kvzip"]),
+    "global/kvzip+corr": ("global", {**SCORERS["kvzip"], **MOMENT_VARIANTS["+corr"]}),
+}
 
 
 def all_rows() -> dict[str, tuple[str, dict]]:
@@ -92,8 +94,11 @@ def all_rows() -> dict[str, tuple[str, dict]]:
     return rows
 
 
-DEFAULT_ROWS = [f"{allocation}/{label}" for allocation in ALLOCATIONS
-                for label in ("ea-calibrated", "ea-prompt", "keydiff", "snapkv", "knorm", "streaming")]
+DEFAULT_ROWS = [
+    f"{allocation}/{label}"
+    for allocation in ALLOCATIONS
+    for label in ("ea-calibrated", "ea-prompt", "keydiff", "snapkv", "knorm", "streaming")
+]
 SEED_OFFSET = 1000
 
 
@@ -118,22 +123,23 @@ def run_probe(model, tokenizer, probe, cells, calibration, max_new_tokens):
     # every scorer's needs at once: prompt statistics, and the last 32 queries (SnapKV) or all of them (leverage)
     window = max([32] + [policy.build_scorer().observation_window for _, policy in cells])
     started = time.perf_counter()
-    stats = prefill(model, base, ids[:, :probe.context_end], record_prompt_stats=True, observe_queries=window,
-                    n_sink=4)
+    stats = prefill(
+        model, base, ids[:, : probe.context_end], record_prompt_stats=True, observe_queries=window, n_sink=4
+    )
     timings = {"prefill_seconds": time.perf_counter() - started}
     kvzip = None
     if any(policy.build_scorer().name == "kvzip" for _, policy in cells):
-        kvzip = kvzip_scores(model, tokenizer, base, probe.input_ids[:probe.context_end])
-        timings.update(kvzip_seconds=kvzip.seconds, kvzip_chunks=kvzip.chunks,
-                       kvzip_tokens=kvzip.reconstruction_tokens)
+        kvzip = kvzip_scores(model, tokenizer, base, probe.input_ids[: probe.context_end])
+        timings.update(kvzip_seconds=kvzip.seconds, kvzip_chunks=kvzip.chunks, kvzip_tokens=kvzip.reconstruction_tokens)
 
     keys = [("baseline", None)] + [key for key, _ in cells]
     caches = [base]
     compress_seconds = [0.0]
     for (row, _), policy in cells:
         if policy.build_scorer().name == "kvzip":
-            policy = kvzip_global_policy(policy, kvzip) if row.startswith("global/") else \
-                with_kvzip_scores(policy, kvzip)
+            policy = (
+                kvzip_global_policy(policy, kvzip) if row.startswith("global/") else with_kvzip_scores(policy, kvzip)
+            )
         cache = base.copy()
         report = compress(model, cache, policy, calibration, prompt_stats=stats)
         caches.append(cache)
@@ -145,13 +151,27 @@ def run_probe(model, tokenizer, probe, cells, calibration, max_new_tokens):
     # every cell decodes in one batch: same prompt, one compressed cache per batch element
     batch = RaggedCache.stack(caches)
     repeated = ids.expand(len(caches), -1)
-    out = model.generate(repeated, attention_mask=torch.ones_like(repeated), past_key_values=batch, do_sample=False,
-                         max_new_tokens=max_new_tokens, pad_token_id=pad, temperature=None, top_p=None, top_k=None)
+    out = model.generate(
+        repeated,
+        attention_mask=torch.ones_like(repeated),
+        past_key_values=batch,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
     results = {}
     for row, key in enumerate(keys):
-        text = tokenizer.decode(out[row, ids.shape[1]:], skip_special_tokens=True)
-        results[key] = {"text": text, "correct": bool(answer_is_correct(text, probe)), "kv_bytes": kv_bytes[row],
-                        "kept": kv_bytes[row] / kv_bytes[0], "compress_seconds": compress_seconds[row]}
+        text = tokenizer.decode(out[row, ids.shape[1] :], skip_special_tokens=True)
+        results[key] = {
+            "text": text,
+            "correct": bool(answer_is_correct(text, probe)),
+            "kv_bytes": kv_bytes[row],
+            "kept": kv_bytes[row] / kv_bytes[0],
+            "compress_seconds": compress_seconds[row],
+        }
     return results, timings
 
 
@@ -160,17 +180,30 @@ def main(argv=None) -> int:
     parser.add_argument("--artifact", default=None, help="calibration artifact of the embedded model")
     parser.add_argument("--preset", default="quick", help="needles probe preset (default quick)")
     parser.add_argument("--families", nargs="+", default=["retrieval"], help="needle families (default retrieval)")
-    parser.add_argument("--compression", nargs="+", type=float, default=[0.5, 0.75, 0.9],
-                        help="fractions of the context evicted (default 0.5 0.75 0.9)")
+    parser.add_argument(
+        "--compression",
+        nargs="+",
+        type=float,
+        default=[0.5, 0.75, 0.9],
+        help="fractions of the context evicted (default 0.5 0.75 0.9)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=24, help="greedy tokens per answer (default 24)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N probes")
-    parser.add_argument("--seed", type=int, default=None,
-                        help=f"probe seed (default: the artifact's profiling seed + {SEED_OFFSET}, so the "
-                             "test probes are never the ones the artifact was profiled on)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help=f"probe seed (default: the artifact's profiling seed + {SEED_OFFSET}, so the "
+        "test probes are never the ones the artifact was profiled on)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--json", default=None, help="also write per-probe results and the table as JSON")
-    parser.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, help="policy rows (default: every allocation x "
-                        "scorer without MomentKV; see --list-rows)")
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        default=DEFAULT_ROWS,
+        help="policy rows (default: every allocation x scorer without MomentKV; see --list-rows)",
+    )
     parser.add_argument("--list-rows", action="store_true", help="print the known rows and exit")
     args = parser.parse_args(argv)
     rows = all_rows()
@@ -184,8 +217,9 @@ def main(argv=None) -> int:
         parser.error("compression ratios must be in (0, 1)")
     torch.set_num_threads(args.threads)
 
-    from needles import PRESETS, generate_probes
     from tqdm import tqdm
+
+    from needles import PRESETS, generate_probes
 
     if args.preset not in PRESETS:
         parser.error(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
@@ -206,9 +240,11 @@ def main(argv=None) -> int:
             options = dict(fields.get("scorer_options", {}))
             if options.get("blend") == "ratio":  # kvpress's CompactorPress: blend = the compression ratio
                 options["blend"] = ratio
-            policy = CompressionPolicy(ratio=round(1.0 - ratio, 6),
-                                       allocation="uniform" if allocation == "global" else allocation,
-                                       **{**fields, "scorer_options": options})
+            policy = CompressionPolicy(
+                ratio=round(1.0 - ratio, 6),
+                allocation="uniform" if allocation == "global" else allocation,
+                **{**fields, "scorer_options": options},
+            )
             try:
                 policy.check_calibration(calibration)
             except ValueError as exc:
@@ -221,9 +257,16 @@ def main(argv=None) -> int:
     per_probe = []
     for probe in tqdm(probes, desc="probes", unit="probe"):
         results, timings = run_probe(model, tokenizer, probe, cells, calibration, args.max_new_tokens)
-        per_probe.append({"id": probe.id, "length": len(probe.input_ids), "context": probe.context_end,
-                          "depth": probe.depth, **timings,
-                          "results": {"/".join(str(k) for k in key): value for key, value in results.items()}})
+        per_probe.append(
+            {
+                "id": probe.id,
+                "length": len(probe.input_ids),
+                "context": probe.context_end,
+                "depth": probe.depth,
+                **timings,
+                "results": {"/".join(str(k) for k in key): value for key, value in results.items()},
+            }
+        )
 
     def cell(key):
         """Accuracy, its 95% Wilson interval, n, mean kept fraction and mean compress seconds of one cell."""
@@ -231,24 +274,36 @@ def main(argv=None) -> int:
         hits = [p["results"][name] for p in per_probe]
         correct = sum(h["correct"] for h in hits)
         low, high = wilson(correct, len(hits))
-        return {"accuracy": correct / max(len(hits), 1), "correct": correct, "n": len(hits), "low": low,
-                "high": high, "kept": sum(h["kept"] for h in hits) / max(len(hits), 1),
-                "compress_seconds": sum(h["compress_seconds"] for h in hits) / max(len(hits), 1)}
+        return {
+            "accuracy": correct / max(len(hits), 1),
+            "correct": correct,
+            "n": len(hits),
+            "low": low,
+            "high": high,
+            "kept": sum(h["kept"] for h in hits) / max(len(hits), 1),
+            "compress_seconds": sum(h["compress_seconds"] for h in hits) / max(len(hits), 1),
+        }
 
     header = f"{'policy':28s}" + "".join(f"  {'evict ' + format(r, '.2f'):>26s}" for r in args.compression)
-    fmt = lambda c: f"{c['accuracy']:.2f} [{c['low']:.2f},{c['high']:.2f}] k{c['kept']:.3f} {c['compress_seconds']:4.1f}s"  # noqa: E731
+
+    def fmt(c: dict) -> str:
+        return f"{c['accuracy']:.2f} [{c['low']:.2f},{c['high']:.2f}] k{c['kept']:.3f} {c['compress_seconds']:4.1f}s"
+
     baseline = cell(("baseline", None))
-    lines = [f"{len(probes)} probes ({args.preset}, {', '.join(args.families)}, seed {seed}), question-agnostic, "
-             f"{time.perf_counter() - started:.0f} s; cells: accuracy [95% Wilson], kept fraction of the KV bytes, "
-             "compress seconds per probe", header,
-             f"{'baseline (no eviction)':28s}" + f"  {fmt(baseline):>26s}" * len(args.compression)]
+    lines = [
+        f"{len(probes)} probes ({args.preset}, {', '.join(args.families)}, seed {seed}), question-agnostic, "
+        f"{time.perf_counter() - started:.0f} s; cells: accuracy [95% Wilson], kept fraction of the KV bytes, "
+        "compress seconds per probe",
+        header,
+        f"{'baseline (no eviction)':28s}" + f"  {fmt(baseline):>26s}" * len(args.compression),
+    ]
     table = {"baseline": baseline}
     for row in args.rows:
         keys = [(row, r) for r in args.compression]
         if not any(key == c for key in keys for c, _ in cells):
             continue
         values = [cell(key) for key in keys]
-        table[row] = dict(zip(map(str, args.compression), values))
+        table[row] = dict(zip(map(str, args.compression), values, strict=True))
         lines.append(f"{row:28s}" + "".join(f"  {fmt(v):>26s}" for v in values))
     prefill_s = sum(p["prefill_seconds"] for p in per_probe)
     lines.append(f"prefill {prefill_s:.0f} s in all ({prefill_s / max(len(per_probe), 1):.1f} s per probe)")
@@ -257,9 +312,20 @@ def main(argv=None) -> int:
         lines.append(f"kvzip reconstruction {kvzip_s:.0f} s in all ({kvzip_s / prefill_s:.2f} x the prefill)")
     print("\n".join(lines))
     if args.json:
-        Path(args.json).write_text(json.dumps({"table": table, "probes": per_probe, "artifact": args.artifact,
-                                               "compression": args.compression, "seed": seed,
-                                               "families": args.families, "rows": args.rows}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "table": table,
+                    "probes": per_probe,
+                    "artifact": args.artifact,
+                    "compression": args.compression,
+                    "seed": seed,
+                    "families": args.families,
+                    "rows": args.rows,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -59,16 +59,21 @@ def main(argv=None) -> int:
     rows = []
     for length in args.lengths:
         probe = min(probes.values(), key=lambda p: abs(p.length - length))
-        ids = torch.tensor([probe.input_ids[:probe.context_end]])
+        ids = torch.tensor([probe.input_ids[: probe.context_end]])
         cache = RaggedCache.for_model(model)
         started = time.perf_counter()
         prefill(model, cache, ids, observe_queries=ALL_QUERIES)
         prefill_s = time.perf_counter() - started
         kvzip = [kvzip_scores(model, tokenizer, cache, ids[0]) for _ in range(args.repeat)]
         kvzip_s = statistics.median(s.seconds for s in kvzip)
-        row = {"context": ids.shape[1], "prefill_seconds": prefill_s, "kvzip_seconds": kvzip_s,
-               "kvzip_over_prefill": kvzip_s / prefill_s, "kvzip_tokens": kvzip[0].reconstruction_tokens,
-               "per_head_ms": {}}
+        row = {
+            "context": ids.shape[1],
+            "prefill_seconds": prefill_s,
+            "kvzip_seconds": kvzip_s,
+            "kvzip_over_prefill": kvzip_s / prefill_s,
+            "kvzip_tokens": kvzip[0].reconstruction_tokens,
+            "per_head_ms": {},
+        }
         layers, heads = len(cache.layers), cache.layers[0].num_heads
         for label, fields in SCORERS.items():
             policy = CompressionPolicy(ratio=0.25, **fields)
@@ -84,9 +89,12 @@ def main(argv=None) -> int:
                 times.append(time.perf_counter() - started)
             row["per_head_ms"][label] = 1000 * statistics.median(times) / (layers * heads)
         rows.append(row)
-        print(f"context {row['context']}: prefill {prefill_s:.2f} s, kvzip reconstruction {kvzip_s:.2f} s "
-              f"({row['kvzip_over_prefill']:.2f} x, {row['kvzip_tokens']} tokens); per head: "
-              + ", ".join(f"{k} {v:.2f} ms" for k, v in row["per_head_ms"].items()), flush=True)
+        print(
+            f"context {row['context']}: prefill {prefill_s:.2f} s, kvzip reconstruction {kvzip_s:.2f} s "
+            f"({row['kvzip_over_prefill']:.2f} x, {row['kvzip_tokens']} tokens); per head: "
+            + ", ".join(f"{k} {v:.2f} ms" for k, v in row["per_head_ms"].items()),
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -23,8 +23,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from profiler.calibration_text import calibration_windows  # noqa: E402
-from profiler.scorer_fitting import (RECONSTRUCTION_INSTRUCTION, RIDGE_GRID, RidgeSums, predict,  # noqa: E402
-                                     r_squared, record_window, spearman)
+from profiler.scorer_fitting import (
+    RECONSTRUCTION_INSTRUCTION,
+    RIDGE_GRID,
+    RidgeSums,
+    predict,  # noqa: E402
+    r_squared,
+    record_window,
+    spearman,
+)
 from runtime.models import load_model, load_tokenizer  # noqa: E402
 
 
@@ -42,8 +49,10 @@ def main() -> None:
     config = model.config
     layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
     head_dim, hidden = config.head_dim, config.hidden_size
-    sums = {"kv": [RidgeSums(kv_heads, 2 * head_dim, 1) for _ in range(layers)],
-            "hidden": [RidgeSums(1, hidden, kv_heads) for _ in range(layers)]}
+    sums = {
+        "kv": [RidgeSums(kv_heads, 2 * head_dim, 1) for _ in range(layers)],
+        "hidden": [RidgeSums(1, hidden, kv_heads) for _ in range(layers)],
+    }
     held_out = []
     started = time.perf_counter()
     for index in range(args.windows):
@@ -55,10 +64,13 @@ def main() -> None:
         else:
             held_out.append(records)
     print(f"{args.windows} windows x {args.tokens} tokens recorded in {time.perf_counter() - started:.0f} s")
-    teacher = np.stack([np.concatenate([w[layer].teacher.numpy() for w in held_out], axis=1)
-                        for layer in range(layers)])  # [L, Hkv, n]
-    features = {"kv": [np.concatenate([w[layer].kv.numpy() for w in held_out], axis=1) for layer in range(layers)],
-                "hidden": [np.concatenate([w[layer].hidden.numpy() for w in held_out])[None] for layer in range(layers)]}
+    teacher = np.stack(
+        [np.concatenate([w[layer].teacher.numpy() for w in held_out], axis=1) for layer in range(layers)]
+    )  # [L, Hkv, n]
+    features = {
+        "kv": [np.concatenate([w[layer].kv.numpy() for w in held_out], axis=1) for layer in range(layers)],
+        "hidden": [np.concatenate([w[layer].hidden.numpy() for w in held_out])[None] for layer in range(layers)],
+    }
     keydiff = []
     for layer in range(layers):
         for head in range(kv_heads):
@@ -79,8 +91,10 @@ def main() -> None:
                 for head in range(kv_heads):
                     r2[layer, head] = r_squared(prediction[head], teacher[layer, head])
                     rho[layer, head] = spearman(prediction[head], teacher[layer, head])
-            print(f"{kind:6s} ridge {ridge:g}: held-out R^2 mean {r2.mean():.3f} (min {r2.min():.3f}), "
-                  f"rank correlation mean {rho.mean():.3f} (min {rho.min():.3f})")
+            print(
+                f"{kind:6s} ridge {ridge:g}: held-out R^2 mean {r2.mean():.3f} (min {r2.min():.3f}), "
+                f"rank correlation mean {rho.mean():.3f} (min {rho.min():.3f})"
+            )
 
 
 if __name__ == "__main__":

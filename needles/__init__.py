@@ -27,17 +27,48 @@ filler), :mod:`needles.placement` (length fitting, depth, token labels via offse
 """
 
 from needles.families import FAMILIES, RenderedNeedle, TemplateError, render_family, render_needle
-from needles.haystacks import (DatasetHaystack, Haystack, HaystackError, ProseHaystack, SimpleHaystack,
-                               TextFilesHaystack, make_haystack, prose_haystack)
+from needles.haystacks import (
+    DatasetHaystack,
+    Haystack,
+    HaystackError,
+    ProseHaystack,
+    SimpleHaystack,
+    TextFilesHaystack,
+    make_haystack,
+    prose_haystack,
+)
 from needles.placement import LengthError, SpanError, place_needle
 from needles.probe import LABELS, Probe, Span
 from needles.scoring import answer_is_correct, greedy_answer, normalise
 from needles.spec import PRESETS, ProbeSpec, generate_probes, load_probes, make_probe, write_probes
 
 __all__ = [
-    "FAMILIES", "PRESETS", "LABELS", "DatasetHaystack", "Haystack", "HaystackError", "LengthError",
-    "Probe", "ProbeSpec", "ProseHaystack", "RenderedNeedle", "SimpleHaystack", "Span", "SpanError",
-    "TemplateError", "TextFilesHaystack", "answer_is_correct", "generate_probes", "greedy_answer",
-    "load_probes", "make_haystack", "make_probe", "normalise", "place_needle", "prose_haystack",
-    "render_family", "render_needle", "write_probes",
+    "FAMILIES",
+    "PRESETS",
+    "LABELS",
+    "DatasetHaystack",
+    "Haystack",
+    "HaystackError",
+    "LengthError",
+    "Probe",
+    "ProbeSpec",
+    "ProseHaystack",
+    "RenderedNeedle",
+    "SimpleHaystack",
+    "Span",
+    "SpanError",
+    "TemplateError",
+    "TextFilesHaystack",
+    "answer_is_correct",
+    "generate_probes",
+    "greedy_answer",
+    "load_probes",
+    "make_haystack",
+    "make_probe",
+    "normalise",
+    "place_needle",
+    "prose_haystack",
+    "render_family",
+    "render_needle",
+    "write_probes",
 ]

@@ -17,7 +17,8 @@ import sys
 from needles.families import FAMILIES
 from needles.spec import PRESETS, generate_probes, write_probes
 
-DESCRIPTION = """\
+DESCRIPTION = (
+    """\
 Generate REAL-style needle-in-a-haystack probes with token-level behaviour labels.
 
 Each output line is one probe as JSON: id, family, length, depth, seed, question, answer,
@@ -32,9 +33,14 @@ Lengths are in tokens of the model's tokenizer (the prompt lands within 2%); dep
 percent of the context before the needle.  The same options and seed always give the same
 bytes.
 
-presets: """ + "; ".join(f"{name} ({spec.size} probes, lengths {spec.lengths[0]}-{spec.lengths[-1]})"
-                         for name, spec in PRESETS.items()) + """
-families: """ + ", ".join(FAMILIES)
+presets: """
+    + "; ".join(
+        f"{name} ({spec.size} probes, lengths {spec.lengths[0]}-{spec.lengths[-1]})" for name, spec in PRESETS.items()
+    )
+    + """
+families: """
+    + ", ".join(FAMILIES)
+)
 
 
 EPILOG = """\
@@ -72,24 +78,36 @@ def _name_list(text: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="generate-probes", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="quick", choices=sorted(PRESETS),
-                        help="probe grid to start from (default: quick)")
-    parser.add_argument("--model", default=None,
-                        help="model directory or hub id whose tokenizer and chat template to use "
-                             "(default: the embedded SmolLM2-135M-Instruct)")
+    parser = argparse.ArgumentParser(
+        prog="generate-probes",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--preset", default="quick", choices=sorted(PRESETS), help="probe grid to start from (default: quick)"
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model directory or hub id whose tokenizer and chat template to use "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="grid seed (default: the preset's, 0)")
     parser.add_argument("--out", required=True, help="output JSON-lines file")
-    parser.add_argument("--show", type=int, default=0, metavar="N",
-                        help="print the first N probes with R/B/D spans coloured")
-    parser.add_argument("--families", type=_name_list, default=None,
-                        help=f"comma-separated families (default: all: {','.join(FAMILIES)})")
+    parser.add_argument(
+        "--show", type=int, default=0, metavar="N", help="print the first N probes with R/B/D spans coloured"
+    )
+    parser.add_argument(
+        "--families",
+        type=_name_list,
+        default=None,
+        help=f"comma-separated families (default: all: {','.join(FAMILIES)})",
+    )
     parser.add_argument("--lengths", type=_int_list, default=None, help="comma-separated prompt lengths in tokens")
     parser.add_argument("--depths", type=_float_list, default=None, help="comma-separated depths in percent")
     parser.add_argument("--count", type=int, default=None, help="probes per (family, length, depth) cell")
-    parser.add_argument("--haystack", default=None,
-                        help="simple (default) | prose | files:PATH | dataset:NAME_OR_PATH")
+    parser.add_argument("--haystack", default=None, help="simple (default) | prose | files:PATH | dataset:NAME_OR_PATH")
     parser.add_argument("--text-column", default=None, help="text column of a dataset haystack (default: text)")
     parser.add_argument("--split", default=None, help="split of a dataset haystack (default: train)")
     parser.add_argument("--no-colour", action="store_true", help="plain text for --show")
@@ -99,10 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    changes = {name: value for name, value in (
-        ("families", args.families), ("lengths", args.lengths), ("depths", args.depths),
-        ("count", args.count), ("haystack", args.haystack), ("text_column", args.text_column),
-        ("split", args.split), ("seed", args.seed)) if value is not None}
+    changes = {
+        name: value
+        for name, value in (
+            ("families", args.families),
+            ("lengths", args.lengths),
+            ("depths", args.depths),
+            ("count", args.count),
+            ("haystack", args.haystack),
+            ("text_column", args.text_column),
+            ("split", args.split),
+            ("seed", args.seed),
+        )
+        if value is not None
+    }
     try:
         spec = PRESETS[args.preset].replace(**changes)
         # The command loads the tokenizer with the loader every kvcal command shares (it also

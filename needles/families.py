@@ -35,9 +35,9 @@ import functools
 import json
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Callable
 
 import jinja2
 
@@ -65,12 +65,13 @@ class RenderedNeedle:
     slots: dict = field(default_factory=dict)  # the sampled slot values (JSON-able)
 
     def span_text(self, span: CharSpan) -> str:
-        return self.text[span.start:span.end]
+        return self.text[span.start : span.end]
 
 
 # ---------------------------------------------------------------------------------------
 # Data pools
 # ---------------------------------------------------------------------------------------
+
 
 @functools.cache
 def data_lines(name: str) -> tuple[str, ...]:
@@ -97,6 +98,7 @@ def _clock(minutes: int) -> str:
 # ---------------------------------------------------------------------------------------
 # Slot samplers: rng -> dict of slot values
 # ---------------------------------------------------------------------------------------
+
 
 def _magic_number(rng: random.Random) -> str:
     return str(rng.randint(1_000_000, 9_999_999))
@@ -139,21 +141,31 @@ def sample_comparison(rng: random.Random) -> dict:
     entities = [{"name": f"{colors[i]} {devices[i]}", "os": systems[i]} for i in range(3)]
     entities[0]["price"], entities[1]["price"] = prices
     return {
-        "a": entities[0], "b": entities[1], "c": entities[2],
+        "a": entities[0],
+        "b": entities[1],
+        "c": entities[2],
         "ask": rng.choice(("cheaper", "more expensive")),
-        "intro": rng.choice(COMPARISON_INTROS), "aside": rng.choice(COMPARISON_ASIDES),
+        "intro": rng.choice(COMPARISON_INTROS),
+        "aside": rng.choice(COMPARISON_ASIDES),
         "distractor_first": rng.random() < 0.5,
     }
 
 
 TEMPORAL_TOPICS = (
-    "the third-quarter fiscal analysis", "the new onboarding checklist", "next year's hiring plan",
-    "the supplier contracts", "the customer survey results", "the office move",
+    "the third-quarter fiscal analysis",
+    "the new onboarding checklist",
+    "next year's hiring plan",
+    "the supplier contracts",
+    "the customer survey results",
+    "the office move",
 )
 TEMPORAL_PURPOSES = (
-    "fostering collaboration and trust among colleagues", "sharing progress across departments",
-    "welcoming the newest employees", "planning the next product launch",
-    "reviewing last month's incidents", "celebrating the team's milestones",
+    "fostering collaboration and trust among colleagues",
+    "sharing progress across departments",
+    "welcoming the newest employees",
+    "planning the next product launch",
+    "reviewing last month's incidents",
+    "celebrating the team's milestones",
 )
 
 
@@ -162,24 +174,38 @@ def sample_temporal(rng: random.Random) -> dict:
     rooms = rng.sample(data_lines("rooms.txt"), 3)
     # Start times on the quarter hour between 7:00 and 20:45, all distinct.
     minutes = [7 * 60 + 15 * q for q in _distinct_numbers(rng, 3, 0, 55)]
-    events = [{"name": names[i], "room": rooms[i], "minutes": minutes[i], "time": _clock(minutes[i])}
-              for i in range(3)]
+    events = [{"name": names[i], "room": rooms[i], "minutes": minutes[i], "time": _clock(minutes[i])} for i in range(3)]
     return {
-        "a": events[0], "b": events[1], "c": events[2],
+        "a": events[0],
+        "b": events[1],
+        "c": events[2],
         "ask": rng.choice(("earlier", "later")),
-        "topic": rng.choice(TEMPORAL_TOPICS), "purpose": rng.choice(TEMPORAL_PURPOSES),
+        "topic": rng.choice(TEMPORAL_TOPICS),
+        "purpose": rng.choice(TEMPORAL_PURPOSES),
     }
 
 
-COUNTING_OCCASIONS = ("morning special", "village fair", "school picnic", "wedding lunch",
-                      "harvest dinner", "birthday party", "weekend market", "staff breakfast")
+COUNTING_OCCASIONS = (
+    "morning special",
+    "village fair",
+    "school picnic",
+    "wedding lunch",
+    "harvest dinner",
+    "birthday party",
+    "weekend market",
+    "staff breakfast",
+)
 
 
 def sample_counting(rng: random.Random) -> dict:
     bought, grams, minutes, taken = _distinct_numbers(rng, 4, 3, 99)
     return {
-        "actor": rng.choice(data_lines("actors.txt")), "item": rng.choice(data_lines("items.txt")),
-        "bought": bought, "grams": grams, "minutes": minutes, "taken": taken,
+        "actor": rng.choice(data_lines("actors.txt")),
+        "item": rng.choice(data_lines("items.txt")),
+        "bought": bought,
+        "grams": grams,
+        "minutes": minutes,
+        "taken": taken,
         "occasion": rng.choice(COUNTING_OCCASIONS),
     }
 
@@ -192,11 +218,19 @@ def sample_located_attribute(rng: random.Random) -> dict:
     exports = rng.sample(data_lines("exports.txt"), 3)
 
     def place(country, city, export):
-        return {"country": country[0], "continent": country[1], "description": country[2],
-                "city": city, "export": export}
+        return {
+            "country": country[0],
+            "continent": country[1],
+            "description": country[2],
+            "city": city,
+            "export": export,
+        }
 
-    return {"a": place(first, cities[0], exports[0]), "b": place(second, cities[1], exports[1]),
-            "c": {"city": cities[2], "export": exports[2]}}
+    return {
+        "a": place(first, cities[0], exports[0]),
+        "b": place(second, cities[1], exports[1]),
+        "c": {"city": cities[2], "export": exports[2]},
+    }
 
 
 def sample_reasoning(rng: random.Random) -> dict:
@@ -204,8 +238,12 @@ def sample_reasoning(rng: random.Random) -> dict:
     ages = _distinct_numbers(rng, 2, 8, 80)
     activities = rng.sample(data_lines("activities.txt"), 2)
     people = [{"name": names[i], "age": ages[i], "activity": activities[i]} for i in range(2)]
-    return {"p": people[0], "q": people[1], "ask": rng.choice(("younger", "older")),
-            "distractor_first": rng.random() < 0.5}
+    return {
+        "p": people[0],
+        "q": people[1],
+        "ask": rng.choice(("younger", "older")),
+        "distractor_first": rng.random() < 0.5,
+    }
 
 
 @dataclass(frozen=True)
@@ -219,22 +257,28 @@ class Family:
         return f"{self.name}.jinja"
 
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("retrieval", "one magic-number fact, the answer copied verbatim (RULER, HeadKV-R)",
-           sample_retrieval),
-    Family("multi_key", "several magic-number facts, the others are distractions", sample_multi_key),
-    Family("comparison", "OS of the cheaper/pricier device (REAL laptop example)", sample_comparison),
-    Family("temporal", "room of the earlier/later meeting (REAL meeting-room example)", sample_temporal),
-    Family("counting", "how many items were bought (REAL eggs example)", sample_counting),
-    Family("located_attribute", "export of the city on a continent (REAL city-export example)",
-           sample_located_attribute),
-    Family("reasoning", "favourite thing of the younger/older person (HeadKV-R2)", sample_reasoning),
-)}
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("retrieval", "one magic-number fact, the answer copied verbatim (RULER, HeadKV-R)", sample_retrieval),
+        Family("multi_key", "several magic-number facts, the others are distractions", sample_multi_key),
+        Family("comparison", "OS of the cheaper/pricier device (REAL laptop example)", sample_comparison),
+        Family("temporal", "room of the earlier/later meeting (REAL meeting-room example)", sample_temporal),
+        Family("counting", "how many items were bought (REAL eggs example)", sample_counting),
+        Family(
+            "located_attribute",
+            "export of the city on a continent (REAL city-export example)",
+            sample_located_attribute,
+        ),
+        Family("reasoning", "favourite thing of the younger/older person (HeadKV-R2)", sample_reasoning),
+    )
+}
 
 
 # ---------------------------------------------------------------------------------------
 # Rendering
 # ---------------------------------------------------------------------------------------
+
 
 @functools.cache
 def template_environment() -> jinja2.Environment:
@@ -257,7 +301,7 @@ def parse_markers(marked: str) -> tuple[str, tuple[CharSpan, ...]]:
     cursor = 0
     length = 0
     for match in MARKER.finditer(marked):
-        before = marked[cursor:match.start()]
+        before = marked[cursor : match.start()]
         pieces.append(before)
         length += len(before)
         label, content = match.group(1), match.group(2)

@@ -25,8 +25,8 @@ import itertools
 import random
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from needles.families import data_json, data_lines
 
@@ -163,8 +163,14 @@ DATASET_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet"
 class DatasetHaystack(_CorpusHaystack):
     """Sentences from a text column of a HuggingFace ``datasets`` dataset."""
 
-    def __init__(self, name_or_path: str, text_column: str = "text", split: str = "train",
-                 config: str | None = None, max_rows: int = 20_000):
+    def __init__(
+        self,
+        name_or_path: str,
+        text_column: str = "text",
+        split: str = "train",
+        config: str | None = None,
+        max_rows: int = 20_000,
+    ):
         super().__init__()
         self.source, self.text_column, self.split, self.config = name_or_path, text_column, split, config
         self.max_rows = max_rows  # rows read at most (enough text for any probe length)
@@ -175,30 +181,36 @@ class DatasetHaystack(_CorpusHaystack):
 
         path = Path(self.source).expanduser()
         try:
-            if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()
-                                  or (path / "state.json").exists()):
+            if path.is_dir() and (
+                (path / "dataset_info.json").exists()
+                or (path / "dataset_dict.json").exists()
+                or (path / "state.json").exists()
+            ):
                 loaded = datasets.load_from_disk(str(path))
             elif path.is_file():
                 builder = DATASET_BUILDERS.get(path.suffix.lower())
                 if builder is None:
-                    raise HaystackError(f"cannot tell the format of {path}; use one of "
-                                        f"{', '.join(DATASET_BUILDERS)}")
+                    raise HaystackError(f"cannot tell the format of {path}; use one of {', '.join(DATASET_BUILDERS)}")
                 loaded = datasets.load_dataset(builder, data_files=str(path), split=self.split)
             else:
-                loaded = datasets.load_dataset(str(path) if path.is_dir() else self.source, self.config,
-                                               split=self.split)
+                loaded = datasets.load_dataset(
+                    str(path) if path.is_dir() else self.source, self.config, split=self.split
+                )
         except HaystackError:
             raise
         except Exception as exc:  # datasets raises many types (offline, missing split, bad files)
             raise HaystackError(f"cannot load dataset {self.source!r} (split {self.split!r}): {exc}") from exc
         if isinstance(loaded, datasets.DatasetDict):
             if self.split not in loaded:
-                raise HaystackError(f"dataset {self.source!r} has no split {self.split!r} "
-                                    f"(splits: {', '.join(loaded)})")
+                raise HaystackError(
+                    f"dataset {self.source!r} has no split {self.split!r} (splits: {', '.join(loaded)})"
+                )
             loaded = loaded[self.split]
         if self.text_column not in loaded.column_names:
-            raise HaystackError(f"dataset {self.source!r} has no column {self.text_column!r} "
-                                f"(columns: {', '.join(loaded.column_names)}); pass text_column")
+            raise HaystackError(
+                f"dataset {self.source!r} has no column {self.text_column!r} "
+                f"(columns: {', '.join(loaded.column_names)}); pass text_column"
+            )
         return loaded
 
     def _load(self) -> list[str]:

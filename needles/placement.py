@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from needles.families import CharSpan, RenderedNeedle
 from needles.haystacks import join_units
@@ -47,6 +47,7 @@ class LengthError(ValueError):
 # Span mapping
 # ---------------------------------------------------------------------------------------
 
+
 def _visible_start(text: str, start: int, end: int) -> int:
     """First non-whitespace character of ``text[start:end]`` (``end`` if none)."""
     while start < end and text[start].isspace():
@@ -58,7 +59,7 @@ def _candidate_window(offsets: list[tuple[int, int]], start: int, end: int) -> r
     """Token indices that may overlap characters ``[start, end)``: found by bisection when the
     offsets are monotone (they are for a left-to-right tokenization), else all of them."""
     ends = [e for _, e in offsets]
-    if any(a > b for a, b in zip(ends, ends[1:])):
+    if any(a > b for a, b in zip(ends, ends[1:], strict=True)):
         return range(len(offsets))
     first = bisect.bisect_right(ends, start)
     last = bisect.bisect_left(ends, end, lo=first)
@@ -67,17 +68,21 @@ def _candidate_window(offsets: list[tuple[int, int]], start: int, end: int) -> r
 
 def _tokens_by_offsets(text: str, offsets: list[tuple[int, int]], start: int, end: int) -> tuple[int, int]:
     """Token range covering characters ``[start, end)`` by offsets (whitespace ignored)."""
-    hits = [i for i in _candidate_window(offsets, start, end)
-            if offsets[i][1] > offsets[i][0]
-            and max(_visible_start(text, *offsets[i]), start) < min(offsets[i][1], end)]
+    hits = [
+        i
+        for i in _candidate_window(offsets, start, end)
+        if offsets[i][1] > offsets[i][0] and max(_visible_start(text, *offsets[i]), start) < min(offsets[i][1], end)
+    ]
     if not hits:
         raise SpanError(f"span {text[start:end]!r} has no token")
     first, last = hits[0], hits[-1]
-    lead = text[offsets[first][0]:start]
-    trail = text[end:offsets[last][1]]
+    lead = text[offsets[first][0] : start]
+    trail = text[end : offsets[last][1]]
     if lead.strip() or trail.strip():
-        raise SpanError(f"span {text[start:end]!r} shares a token with neighbouring text "
-                        f"({text[offsets[first][0]:offsets[last][1]]!r})")
+        raise SpanError(
+            f"span {text[start:end]!r} shares a token with neighbouring text "
+            f"({text[offsets[first][0] : offsets[last][1]]!r})"
+        )
     return first, last + 1
 
 
@@ -96,18 +101,21 @@ def _token_boundary_by_prefix(tokenizer, text: str, ids: list[int], char: int, b
             candidates.append(stripped)
     for cut in candidates:
         prefix = encode(tokenizer, text[:cut])
-        if ids[:len(prefix)] == prefix:
+        if ids[: len(prefix)] == prefix:
             return len(prefix)
-    raise SpanError(f"no token boundary at character {char} ({text[max(0, char - 20):char]!r}|"
-                    f"{text[char:char + 20]!r}): the tokenizer merges across it")
+    raise SpanError(
+        f"no token boundary at character {char} ({text[max(0, char - 20) : char]!r}|"
+        f"{text[char : char + 20]!r}): the tokenizer merges across it"
+    )
 
 
 def _normalised(text: str) -> str:
     return " ".join(text.split())
 
 
-def map_spans(tokenizer, text: str, ids: list[int], offsets: list[tuple[int, int]] | None,
-              char_spans: list[CharSpan]) -> list[Span]:
+def map_spans(
+    tokenizer, text: str, ids: list[int], offsets: list[tuple[int, int]] | None, char_spans: list[CharSpan]
+) -> list[Span]:
     """Token spans of ``char_spans`` (characters of ``text``, whose tokens are ``ids``)."""
     spans = []
     for span in char_spans:
@@ -117,14 +125,14 @@ def map_spans(tokenizer, text: str, ids: list[int], offsets: list[tuple[int, int
             first = _token_boundary_by_prefix(tokenizer, text, ids, span.start, back_over_space=True)
             end = _token_boundary_by_prefix(tokenizer, text, ids, span.end, back_over_space=False)
         if end <= first:
-            raise SpanError(f"span {text[span.start:span.end]!r} has no token")
+            raise SpanError(f"span {text[span.start : span.end]!r} has no token")
         decoded = _normalised(tokenizer.decode(ids[first:end]))
-        wanted = _normalised(text[span.start:span.end])
+        wanted = _normalised(text[span.start : span.end])
         if wanted not in decoded:
             raise SpanError(f"span {wanted!r} decodes as {decoded!r} after tokenization")
         spans.append(Span(span.label, first, end))
     ordered = sorted(spans, key=lambda s: (s.start, s.end))
-    for left, right in zip(ordered, ordered[1:]):
+    for left, right in zip(ordered, ordered[1:], strict=True):
         if right.start < left.end:
             raise SpanError(f"spans {left} and {right} share tokens")
     return spans
@@ -133,6 +141,7 @@ def map_spans(tokenizer, text: str, ids: list[int], offsets: list[tuple[int, int
 # ---------------------------------------------------------------------------------------
 # Fitting a needle into a haystack at a length and depth
 # ---------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class PlacedNeedle:
@@ -172,7 +181,7 @@ class _UnitPool:
         word boundary) and their estimated token counts."""
         self.ensure_words(total_words + 1)
         units, tokens, used = [], [], 0
-        for unit, words, count in zip(self.units, self.words, self.tokens):
+        for unit, words, count in zip(self.units, self.words, self.tokens, strict=True):
             if used >= total_words:
                 break
             if used + words <= total_words:
@@ -201,8 +210,16 @@ def _insertion_index(tokens: list[int], depth: float) -> int:
     return best
 
 
-def place_needle(tokenizer, needle: RenderedNeedle, haystack_stream: Iterator[str], length: int,
-                 depth: float, *, tolerance: float = 0.02, max_iterations: int = 12) -> PlacedNeedle:
+def place_needle(
+    tokenizer,
+    needle: RenderedNeedle,
+    haystack_stream: Iterator[str],
+    length: int,
+    depth: float,
+    *,
+    tolerance: float = 0.02,
+    max_iterations: int = 12,
+) -> PlacedNeedle:
     """Hide ``needle`` in haystack units so the whole prompt is ``length`` tokens (within
     ``tolerance``) with the needle at ``depth`` percent of the context; label its tokens."""
     if not 0.0 <= depth <= 100.0:
@@ -263,5 +280,6 @@ def place_needle(tokenizer, needle: RenderedNeedle, haystack_stream: Iterator[st
         context_start = _token_boundary_by_prefix(tokenizer, prompt.text, ids, prompt.context_start, False)
     haystack_tokens = max(1, (context_end - context_start) - (needle_end - needle_start))
     depth_actual = 100.0 * (needle_start - context_start) / haystack_tokens
-    return PlacedNeedle(ids, spans, context_end, context_start, needle_start, needle_end,
-                        round(min(100.0, max(0.0, depth_actual)), 3))
+    return PlacedNeedle(
+        ids, spans, context_end, context_start, needle_start, needle_end, round(min(100.0, max(0.0, depth_actual)), 3)
+    )

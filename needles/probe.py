@@ -61,16 +61,16 @@ class Probe:
         """Per-token behaviour codes ``[len(input_ids)]`` (uint8, see ``LABELS``)."""
         codes = np.zeros(len(self.input_ids), dtype=np.uint8)
         for span in self.spans:
-            codes[span.start:span.end] = LABEL_CODE[span.label]
+            codes[span.start : span.end] = LABEL_CODE[span.label]
         return codes
 
     def context_ids(self) -> list[int]:
         """The question-free context prefix ``input_ids[:context_end]`` (question-agnostic prefill)."""
-        return self.input_ids[:self.context_end]
+        return self.input_ids[: self.context_end]
 
     def question_ids(self) -> list[int]:
         """The question part ``input_ids[context_end:]`` (question, template tail, generation prompt)."""
-        return self.input_ids[self.context_end:]
+        return self.input_ids[self.context_end :]
 
     def to_json(self) -> str:
         record = asdict(self)
@@ -78,7 +78,7 @@ class Probe:
         return json.dumps(record, sort_keys=True, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, line: str) -> "Probe":
+    def from_json(cls, line: str) -> Probe:
         record = json.loads(line)
         record["spans"] = [Span(**span) for span in record["spans"]]
         return cls(**record)

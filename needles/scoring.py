@@ -30,8 +30,11 @@ def greedy_answer(model, tokenizer, probe: Probe, max_new_tokens: int = 16) -> s
     device = next(model.parameters()).device
     input_ids = torch.tensor([probe.input_ids], dtype=torch.long, device=device)  # [1, T]
     with torch.no_grad():
-        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                max_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                                else tokenizer.eos_token_id)
-    return tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
+        output = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        )
+    return tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)

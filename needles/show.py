@@ -41,10 +41,12 @@ def render_probe(probe: Probe, tokenizer, *, margin: int = 24, colour: bool = Tr
         text = f"[... {count} tokens ...]"
         return f"{DIM}{text}{RESET}" if colour else text
 
-    header = (f"{probe.id}  family={probe.family} length={probe.length} ({len(ids)} tokens) "
-              f"depth={probe.depth:g}% seed={probe.seed}\n"
-              f"question: {probe.question}\nanswer:   {probe.answer}\n"
-              f"spans:    " + ", ".join(f"{s.label}[{s.start}:{s.end}]" for s in probe.spans))
+    header = (
+        f"{probe.id}  family={probe.family} length={probe.length} ({len(ids)} tokens) "
+        f"depth={probe.depth:g}% seed={probe.seed}\n"
+        f"question: {probe.question}\nanswer:   {probe.answer}\n"
+        f"spans:    " + ", ".join(f"{s.label}[{s.start}:{s.end}]" for s in probe.spans)
+    )
     legend = " ".join(paint(label, label) for label in ("R", "B", "D")) + " W"
     body = []
     if first > 0:
@@ -53,5 +55,5 @@ def render_probe(probe: Probe, tokenizer, *, margin: int = 24, colour: bool = Tr
         body.append(paint(label, tokenizer.decode(ids[start:end])))
     if last < probe.context_end:
         body.append(elided(probe.context_end - last))
-    body.append(tokenizer.decode(ids[probe.context_end:]))
+    body.append(tokenizer.decode(ids[probe.context_end :]))
     return f"{header}\nlegend:   {legend}\n" + "".join(body)

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from artifacts.atomic import atomic_path
 from needles.families import FAMILIES, render_needle
@@ -65,12 +65,13 @@ class ProbeSpec:
     def size(self) -> int:
         return len(self.families) * len(self.lengths) * len(self.depths) * self.count
 
-    def replace(self, **changes) -> "ProbeSpec":
+    def replace(self, **changes) -> ProbeSpec:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
-        return {key: list(value) if isinstance(value, tuple) else value
-                for key, value in dataclasses.asdict(self).items()}
+        return {
+            key: list(value) if isinstance(value, tuple) else value for key, value in dataclasses.asdict(self).items()
+        }
 
     def cells(self) -> Iterator[tuple[str, int, float, int]]:
         """(family, length, depth, replicate) in generation order."""
@@ -102,28 +103,52 @@ def probe_id(family: str, length: int, depth: float, seed: int, replicate: int) 
 def _check_tokenizer(tokenizer) -> None:
     """needles works on a tokenizer object and never loads one: callers pass it in."""
     if tokenizer is None or isinstance(tokenizer, (str, Path)):
-        raise TypeError(f"needles needs a tokenizer object, not {tokenizer!r}: load it first, e.g. "
-                        "transformers.AutoTokenizer.from_pretrained(path) (generate-probes --model does that)")
+        raise TypeError(
+            f"needles needs a tokenizer object, not {tokenizer!r}: load it first, e.g. "
+            "transformers.AutoTokenizer.from_pretrained(path) (generate-probes --model does that)"
+        )
 
 
-def make_probe(tokenizer, family: str, length: int, depth: float, *, seed: int = 0, replicate: int = 0,
-               haystack: str | Haystack = "simple", tolerance: float = 0.02) -> Probe:
+def make_probe(
+    tokenizer,
+    family: str,
+    length: int,
+    depth: float,
+    *,
+    seed: int = 0,
+    replicate: int = 0,
+    haystack: str | Haystack = "simple",
+    tolerance: float = 0.02,
+) -> Probe:
     """One probe of ``family`` at ``length`` tokens and ``depth`` percent (see :class:`ProbeSpec`)."""
     _check_tokenizer(tokenizer)
     source = make_haystack(haystack)
     needle_seed = cell_seed(seed, family, length, depth, replicate, "needle")
     haystack_seed = cell_seed(seed, family, length, depth, replicate, "haystack")
     needle = render_needle(family, needle_seed)
-    placed = place_needle(tokenizer, needle, source.sentences(haystack_seed), length, depth,
-                          tolerance=tolerance)
+    placed = place_needle(tokenizer, needle, source.sentences(haystack_seed), length, depth, tolerance=tolerance)
     return Probe(
-        id=probe_id(family, length, depth, seed, replicate), family=family, length=length, depth=depth,
-        seed=seed, question=needle.question, answer=needle.answer, input_ids=placed.input_ids,
-        spans=placed.spans, context_end=placed.context_end,
-        meta={"haystack": source.name, "replicate": replicate, "needle_seed": needle_seed,
-              "haystack_seed": haystack_seed, "needle_start": placed.needle_start,
-              "needle_end": placed.needle_end, "context_start": placed.context_start_token,
-              "depth_actual": placed.depth_actual, "slots": needle.slots},
+        id=probe_id(family, length, depth, seed, replicate),
+        family=family,
+        length=length,
+        depth=depth,
+        seed=seed,
+        question=needle.question,
+        answer=needle.answer,
+        input_ids=placed.input_ids,
+        spans=placed.spans,
+        context_end=placed.context_end,
+        meta={
+            "haystack": source.name,
+            "replicate": replicate,
+            "needle_seed": needle_seed,
+            "haystack_seed": haystack_seed,
+            "needle_start": placed.needle_start,
+            "needle_end": placed.needle_end,
+            "context_start": placed.context_start_token,
+            "depth_actual": placed.depth_actual,
+            "slots": needle.slots,
+        },
     )
 
 
@@ -146,8 +171,16 @@ def generate_probes(spec: ProbeSpec | str, tokenizer, *, progress: bool = False)
 
         cells = tqdm(cells, total=spec.size, desc="probes", unit="probe")
     for family, length, depth, replicate in cells:
-        yield make_probe(tokenizer, family, length, depth, seed=spec.seed, replicate=replicate,
-                         haystack=source, tolerance=spec.tolerance)
+        yield make_probe(
+            tokenizer,
+            family,
+            length,
+            depth,
+            seed=spec.seed,
+            replicate=replicate,
+            haystack=source,
+            tolerance=spec.tolerance,
+        )
 
 
 def write_probes(probes: Iterable[Probe], path: str | Path) -> int:

@@ -13,4 +13,5 @@ def comma_separated(kind):
             return tuple(kind(part) for part in text.split(",") if part.strip())
         except ValueError as exc:
             raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {text!r}") from exc
+
     return parse

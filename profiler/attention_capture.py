@@ -49,8 +49,7 @@ class DecodeAttentionRecorder:
     (for tests; memory grows with the context).
     """
 
-    def __init__(self, num_layers: int, num_q_heads: int, context_len: int, max_steps: int,
-                 keep_rows: bool = False):
+    def __init__(self, num_layers: int, num_q_heads: int, context_len: int, max_steps: int, keep_rows: bool = False):
         if context_len <= 0 or max_steps <= 0:
             raise ValueError(f"context_len ({context_len}) and max_steps ({max_steps}) must be positive")
         self.num_layers = num_layers
@@ -63,9 +62,15 @@ class DecodeAttentionRecorder:
         self._argmax: dict[int, torch.Tensor] = {}
         self._rows: dict[int, list[torch.Tensor]] = {}
 
-    def record(self, layer: int, query: torch.Tensor, key: torch.Tensor,
-               attention_mask: torch.Tensor | None, scaling: float | None,
-               value: torch.Tensor | None = None) -> torch.Tensor | None:
+    def record(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None,
+        value: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """Record the last query of a call.  query ``[1, Hq, q, d]``, key/value ``[1, Hkv, T, d]``.
 
         With ``value`` given (single-query calls), also return that query's attention output
@@ -77,8 +82,10 @@ class DecodeAttentionRecorder:
         if batch != 1:
             raise ValueError(f"decode-attention capture runs one probe at a time (batch 1), got batch {batch}")
         if num_q_heads != self.num_q_heads or num_q_heads % num_kv_heads:
-            raise ValueError(f"layer {layer}: {num_q_heads} query heads / {num_kv_heads} KV heads do not match "
-                             f"the recorder's {self.num_q_heads} query heads")
+            raise ValueError(
+                f"layer {layer}: {num_q_heads} query heads / {num_kv_heads} KV heads do not match "
+                f"the recorder's {self.num_q_heads} query heads"
+            )
         if total < self.context_len:
             raise ValueError(f"layer {layer} sees {total} keys, fewer than the {self.context_len}-token context")
         step = self._steps[layer]
@@ -98,7 +105,7 @@ class DecodeAttentionRecorder:
             else:
                 logits = logits + mask_row.float()
         log_norm = torch.logsumexp(logits, dim=-1)  # [Hq]
-        context_max, context_argmax = logits[:, :self.context_len].max(dim=-1)  # [Hq], [Hq]
+        context_max, context_argmax = logits[:, : self.context_len].max(dim=-1)  # [Hq], [Hq]
 
         if layer not in self._max_weight:
             self._max_weight[layer] = torch.zeros(self.max_steps, num_q_heads, device=query.device)
@@ -107,7 +114,7 @@ class DecodeAttentionRecorder:
         self._max_weight[layer][step] = torch.exp(context_max - log_norm)
         self._argmax[layer][step] = context_argmax
         if self.keep_rows:
-            self._rows[layer].append(torch.exp(logits[:, :self.context_len] - log_norm[:, None]).cpu())
+            self._rows[layer].append(torch.exp(logits[:, : self.context_len] - log_norm[:, None]).cpu())
         if value is None:
             return None
         weights = torch.exp(logits - log_norm[:, None]).reshape(num_kv_heads, group, total)  # [Hkv, G, T]
@@ -125,14 +132,19 @@ class DecodeAttentionRecorder:
         steps = self._steps[0]
         layers = range(self.num_layers)
         out = {
-            "max_weight": torch.stack([self._max_weight[l][:steps].cpu() for l in layers], dim=1)
-            if steps else torch.zeros(0, self.num_layers, self.num_q_heads),
-            "argmax": torch.stack([self._argmax[l][:steps].cpu() for l in layers], dim=1)
-            if steps else torch.zeros(0, self.num_layers, self.num_q_heads, dtype=torch.long),
+            "max_weight": torch.stack([self._max_weight[layer][:steps].cpu() for layer in layers], dim=1)
+            if steps
+            else torch.zeros(0, self.num_layers, self.num_q_heads),
+            "argmax": torch.stack([self._argmax[layer][:steps].cpu() for layer in layers], dim=1)
+            if steps
+            else torch.zeros(0, self.num_layers, self.num_q_heads, dtype=torch.long),
         }
         if self.keep_rows:
-            out["rows"] = (torch.stack([torch.stack(self._rows[l]) for l in layers], dim=1) if steps
-                           else torch.zeros(0, self.num_layers, self.num_q_heads, self.context_len))
+            out["rows"] = (
+                torch.stack([torch.stack(self._rows[layer]) for layer in layers], dim=1)
+                if steps
+                else torch.zeros(0, self.num_layers, self.num_q_heads, self.context_len)
+            )
         return out
 
 
@@ -148,8 +160,9 @@ def capture_attention_forward(recorder: DecodeAttentionRecorder):
         with torch.no_grad():
             if query.shape[2] == 1 and query.dtype == torch.float32 and not dropout:
                 return recorder.record(module.layer_idx, query, key, attention_mask, scaling, value=value), None
-            output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                               scaling=scaling, **kwargs)
+            output, _ = sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
             recorder.record(module.layer_idx, query, key, attention_mask, scaling)
         return output, None
 

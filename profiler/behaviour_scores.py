@@ -29,8 +29,9 @@ LABEL_W, LABEL_R, LABEL_B, LABEL_D = (LABELS.index(name) for name in ("W", "R", 
 SCORE_FLOOR = 1e-30  # denominators below this count as empty
 
 
-def dominant_totals(max_weight: torch.Tensor | np.ndarray, argmax_pos: torch.Tensor | np.ndarray,
-                    labels: np.ndarray) -> np.ndarray:
+def dominant_totals(
+    max_weight: torch.Tensor | np.ndarray, argmax_pos: torch.Tensor | np.ndarray, labels: np.ndarray
+) -> np.ndarray:
     """Sum the dominant-behaviour weights of a set of steps.
 
     ``max_weight``: ``[S, L, Hq]`` float, the largest attention weight over the context.
@@ -63,8 +64,7 @@ def dominant_totals_from_attention(attention: np.ndarray, labels: np.ndarray) ->
     return dominant_totals(attention.max(axis=-1), attention.argmax(axis=-1), labels)
 
 
-def behaviour_scores(w_r: np.ndarray, w_b: np.ndarray, w_d: np.ndarray
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def behaviour_scores(w_r: np.ndarray, w_b: np.ndarray, w_d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """REAL Eq. 1-3 elementwise: ``(RAsc, LCsc, INFsc)``, each float64, 0 where undefined."""
     w_r, w_b, w_d = (np.asarray(x, dtype=np.float64) for x in (w_r, w_b, w_d))
     if np.any(w_r < 0) or np.any(w_b < 0) or np.any(w_d < 0):

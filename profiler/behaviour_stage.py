@@ -43,8 +43,16 @@ def run_probe(model, tokenizer, geometry: ModelGeometry, probe: Probe, max_new_t
     recorder = DecodeAttentionRecorder(geometry.num_layers, geometry.num_q_heads, context, max_new_tokens)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.no_grad(), capture_attention_implementation(model, recorder):
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad,
+        )
     generated = out[0, context:]
     records = recorder.results()
     steps = int(records["max_weight"].shape[0])
@@ -80,12 +88,13 @@ class BehaviourState:
         }
 
     @classmethod
-    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> "BehaviourState":
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> BehaviourState:
         state = cls(*arrays["behaviour_totals"].shape[:2])
         state.totals[...] = arrays["behaviour_totals"]
         state.steps[...] = arrays["behaviour_steps"]
-        for index, success, steps in zip(arrays["behaviour_index"], arrays["behaviour_success"],
-                                         arrays["behaviour_probe_steps"]):
+        for index, success, steps in zip(
+            arrays["behaviour_index"], arrays["behaviour_success"], arrays["behaviour_probe_steps"], strict=True
+        ):
             state.done[int(index)] = (bool(success), int(steps))
         return state
 
@@ -100,8 +109,14 @@ class BehaviourState:
         w_w, w_r, w_b, w_d = (self.totals[..., code] for code in range(NUM_LABELS))
         rasc, lcsc, infsc = behaviour_scores(w_r, w_b, w_d)
         return {
-            "W_R": w_r.copy(), "W_B": w_b.copy(), "W_D": w_d.copy(), "W_W": w_w.copy(),
-            "steps": self.steps.copy(), "RAsc": rasc, "LCsc": lcsc, "INFsc": infsc,
+            "W_R": w_r.copy(),
+            "W_B": w_b.copy(),
+            "W_D": w_d.copy(),
+            "W_W": w_w.copy(),
+            "steps": self.steps.copy(),
+            "RAsc": rasc,
+            "LCsc": lcsc,
+            "INFsc": infsc,
             **{name: np.asarray(values).copy() for name, values in probe_table.items()},
             "probe_success": np.array([self.done[i][0] for i in range(count)], dtype=np.uint8),
             "probe_steps": np.array([self.done[i][1] for i in range(count)], dtype=np.int64),

@@ -6,7 +6,8 @@ never disagree; this module only evaluates it on a grid:
 
 * token budgets ``b`` (average tokens per KV head): integer tables from ``allocate_budgets``
   with ``seq_len = max_seq_len`` (the model's context limit; the job records it in the
-  artifact's config as ``budgets.token_seq_len``); a runtime that knows the real sequence length recomputes from ``inf_kv``;
+  artifact's config as ``budgets.token_seq_len``); a runtime that knows the real sequence length
+  recomputes from ``inf_kv``;
 * ratios ``r``: the *unrounded* REAL budget ``r (1 - 1/beta) + r L Hkv / beta * INF_h`` as a
   fraction of the sequence length (``ideal_budgets``); the runtime rounds and clips it with
   ``allocate_budgets(inf_kv, r * seq_len, seq_len, ...)`` once ``seq_len`` is known.
@@ -24,10 +25,16 @@ DEFAULT_BETA = 2.0
 DEFAULT_MIN_BUDGET = 1
 
 
-def budget_tables(infsc: np.ndarray, num_kv_heads: int, *, max_seq_len: int,
-                  token_budgets=DEFAULT_TOKEN_BUDGETS, ratios=DEFAULT_RATIOS,
-                  beta: float = DEFAULT_BETA, min_budget: int = DEFAULT_MIN_BUDGET
-                  ) -> tuple[dict[str, np.ndarray], dict[str, int | float]]:
+def budget_tables(
+    infsc: np.ndarray,
+    num_kv_heads: int,
+    *,
+    max_seq_len: int,
+    token_budgets=DEFAULT_TOKEN_BUDGETS,
+    ratios=DEFAULT_RATIOS,
+    beta: float = DEFAULT_BETA,
+    min_budget: int = DEFAULT_MIN_BUDGET,
+) -> tuple[dict[str, np.ndarray], dict[str, int | float]]:
     """The ``budgets`` section: ``(arrays, attrs)``.
 
     ``infsc``: query-head INF scores ``[L, Hq]``.  Arrays: ``inf_kv [L, Hkv]``,
@@ -43,11 +50,18 @@ def budget_tables(infsc: np.ndarray, num_kv_heads: int, *, max_seq_len: int,
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
     inf_kv = kv_head_scores(infsc, num_kv_heads)  # [L, Hkv], sums to 1
-    token_tables = np.stack([allocate_budgets(inf_kv, int(b), max_seq_len, beta=beta, min_budget=min_budget)
-                             for b in token_budgets]) if token_budgets.size else \
-        np.zeros((0, *inf_kv.shape), dtype=np.int64)
-    ratio_tables = np.stack([ideal_budgets(inf_kv, float(r), beta) for r in ratios]) if ratios.size else \
-        np.zeros((0, *inf_kv.shape), dtype=np.float64)
+    token_tables = (
+        np.stack(
+            [allocate_budgets(inf_kv, int(b), max_seq_len, beta=beta, min_budget=min_budget) for b in token_budgets]
+        )
+        if token_budgets.size
+        else np.zeros((0, *inf_kv.shape), dtype=np.int64)
+    )
+    ratio_tables = (
+        np.stack([ideal_budgets(inf_kv, float(r), beta) for r in ratios])
+        if ratios.size
+        else np.zeros((0, *inf_kv.shape), dtype=np.float64)
+    )
     arrays = {
         "inf_kv": inf_kv.astype(np.float64),
         "token_budgets": token_budgets,

@@ -31,8 +31,11 @@ def _documents_from_file(path: Path, field: str) -> list[str]:
         return [path.read_text(encoding="utf-8")]
     if path.suffix in RECORD_SUFFIXES:
         text = path.read_text(encoding="utf-8")
-        records = ([json.loads(line) for line in text.splitlines() if line.strip()] if path.suffix == ".jsonl"
-                   else json.loads(text))
+        records = (
+            [json.loads(line) for line in text.splitlines() if line.strip()]
+            if path.suffix == ".jsonl"
+            else json.loads(text)
+        )
         if isinstance(records, dict):
             records = [records]
         try:
@@ -49,8 +52,11 @@ def local_documents(spec: str, field: str = "text") -> list[str] | None:
         return None
     documents: list[str] = []
     for path in paths:
-        files = sorted(f for f in path.rglob("*") if f.suffix in TEXT_SUFFIXES + RECORD_SUFFIXES) \
-            if path.is_dir() else [path]
+        files = (
+            sorted(f for f in path.rglob("*") if f.suffix in TEXT_SUFFIXES + RECORD_SUFFIXES)
+            if path.is_dir()
+            else [path]
+        )
         if not files:
             if len(paths) == 1:
                 return None  # a directory of another format (parquet, csv...): a local `datasets` dataset
@@ -87,8 +93,16 @@ def haystack_documents(tokenizer, num_tokens: int, seed: int) -> list[str]:
     return [prose_haystack(tokenizer, num_tokens, seed=seed)]
 
 
-def calibration_windows(tokenizer, source: str | None, num_samples: int, sample_tokens: int, *,
-                        seed: int = 0, split: str = "train", field: str = "text") -> torch.Tensor:
+def calibration_windows(
+    tokenizer,
+    source: str | None,
+    num_samples: int,
+    sample_tokens: int,
+    *,
+    seed: int = 0,
+    split: str = "train",
+    field: str = "text",
+) -> torch.Tensor:
     """``[num_samples, sample_tokens]`` token windows (int64) cut from the calibration text."""
     if num_samples < 1 or sample_tokens < 1:
         raise ValueError(f"need positive num_samples and sample_tokens, got {num_samples}, {sample_tokens}")
@@ -107,6 +121,8 @@ def calibration_windows(tokenizer, source: str | None, num_samples: int, sample_
         if len(stream) >= needed:
             break
     if len(stream) < needed:
-        raise ValueError(f"calibration text too short: {len(stream)} tokens, {num_samples} samples x "
-                         f"{sample_tokens} tokens need {needed}")
+        raise ValueError(
+            f"calibration text too short: {len(stream)} tokens, {num_samples} samples x "
+            f"{sample_tokens} tokens need {needed}"
+        )
     return torch.tensor(stream[:needed], dtype=torch.long).reshape(num_samples, sample_tokens)

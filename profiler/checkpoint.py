@@ -62,7 +62,8 @@ def load_work(path: Path, fingerprint: str) -> tuple[dict, dict[str, np.ndarray]
     if meta.get("fingerprint") != fingerprint:
         raise WorkFileMismatch(
             f"{path} belongs to a different job (model, configuration, probe set or number of processes "
-            "changed); rerun with the original arguments, or delete it / drop --resume to start over")
+            "changed); rerun with the original arguments, or delete it / drop --resume to start over"
+        )
     return meta["progress"], arrays
 
 

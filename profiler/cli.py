@@ -28,7 +28,8 @@ PRESET_HELP = "; ".join(
     f"{name}: needles '{p.probes}' probes"
     + "".join(f" {key}={','.join(map(str, value))}" for key, value in p.probe_overrides)
     + f", {p.max_new_tokens} new tokens, {p.calib_samples}x{p.calib_tokens} calibration tokens"
-    for name, p in PRESETS.items())
+    for name, p in PRESETS.items()
+)
 
 # argparse names that are the job's own options; every other one goes to JobOptions.settings
 JOB_OPTIONS = ("model", "out", "preset", "stages", "resume", "checkpoint_every", "device_map", "no_progress")
@@ -39,21 +40,27 @@ def _description() -> str:
 
     lines = [DESCRIPTION_HEAD]
     for stage in STAGES:
-        lines.append(textwrap.fill(stage.summary, width=94, initial_indent=f"  {stage.name:<12} ",
-                                   subsequent_indent=" " * 15))
+        lines.append(
+            textwrap.fill(stage.summary, width=94, initial_indent=f"  {stage.name:<12} ", subsequent_indent=" " * 15)
+        )
     return "\n".join(lines) + "\n" + DESCRIPTION_TAIL
 
 
 def build_parser() -> argparse.ArgumentParser:
     from profiler.stages import STAGE_NAMES, STAGES
 
-    parser = argparse.ArgumentParser(prog="profile-model", description=_description(),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", nargs="?", default=None,
-                        help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--out", default=None,
-                        help="output file (default: kv_calibration.h5 in the model directory when writable, "
-                             "else in the current directory)")
+    parser = argparse.ArgumentParser(
+        prog="profile-model", description=_description(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "model", nargs="?", default=None, help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="output file (default: kv_calibration.h5 in the model directory when writable, "
+        "else in the current directory)",
+    )
     parser.add_argument("--preset", choices=list(PRESETS), default="quick", help=f"job size. {PRESET_HELP}")
 
     def stages(text: str) -> tuple[str, ...]:
@@ -63,14 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
             raise argparse.ArgumentTypeError(f"unknown stage(s) {unknown}; choose from {','.join(STAGE_NAMES)}")
         return chosen
 
-    parser.add_argument("--stages", type=stages, default=STAGE_NAMES,
-                        help=f"comma-separated subset of {','.join(STAGE_NAMES)} (default: all). Sections of an "
-                             "existing artifact for the same model at --out are kept")
+    parser.add_argument(
+        "--stages",
+        type=stages,
+        default=STAGE_NAMES,
+        help=f"comma-separated subset of {','.join(STAGE_NAMES)} (default: all). Sections of an "
+        "existing artifact for the same model at --out are kept",
+    )
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run from its work file")
     group = parser.add_argument_group("calibration text (query-stats and moments stages)")
-    group.add_argument("--calib-dataset", default=None,
-                       help="calibration text: local .txt/.md/.jsonl/.json files or directories (comma-separated), "
-                            "or a datasets name[:config] (default: needles' built-in prose haystack)")
+    group.add_argument(
+        "--calib-dataset",
+        default=None,
+        help="calibration text: local .txt/.md/.jsonl/.json files or directories (comma-separated), "
+        "or a datasets name[:config] (default: needles' built-in prose haystack)",
+    )
     group.add_argument("--calib-split", default=None, help="datasets split (default: train)")
     group.add_argument("--calib-field", default=None, help="text field of JSON records / datasets rows (default: text)")
     group.add_argument("--calib-samples", type=int, default=None, help="number of calibration windows")
@@ -80,10 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
     for stage in STAGES:
         stage.add_arguments(parser)
     group = parser.add_argument_group("execution")
-    group.add_argument("--device-map", default=None,
-                       help='transformers device_map for loading (default: "auto" on a single GPU process, CPU otherwise)')
-    group.add_argument("--checkpoint-every", type=int, default=4,
-                       help="units of work (probes, calibration batches) between work-file checkpoints (default 4)")
+    group.add_argument(
+        "--device-map",
+        default=None,
+        help='transformers device_map for loading (default: "auto" on a single GPU process, CPU otherwise)',
+    )
+    group.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=4,
+        help="units of work (probes, calibration batches) between work-file checkpoints (default 4)",
+    )
     group.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
@@ -109,22 +130,35 @@ def main(argv: list[str] | None = None) -> int:
         return relaunch_with_torchrun(workers, list(sys.argv[1:] if argv is None else argv))
     arguments = vars(args)
     options = JobOptions(
-        model=args.model, out=args.out, preset=args.preset, stages=tuple(args.stages), resume=args.resume,
-        checkpoint_every=args.checkpoint_every, device_map=args.device_map, progress=not args.no_progress,
-        settings={name: value for name, value in arguments.items() if name not in JOB_OPTIONS})
+        model=args.model,
+        out=args.out,
+        preset=args.preset,
+        stages=tuple(args.stages),
+        resume=args.resume,
+        checkpoint_every=args.checkpoint_every,
+        device_map=args.device_map,
+        progress=not args.no_progress,
+        settings={name: value for name, value in arguments.items() if name not in JOB_OPTIONS},
+    )
     previous_handler = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # `kill` stops like Ctrl-C
     try:
         run_job(options)
     except KeyboardInterrupt:  # while loading or writing: the last checkpoint (if any) is intact
-        print("\nprofile-model: interrupted outside a profiling stage; rerun with --resume to continue "
-              "from the last checkpoint, if there is one", file=sys.stderr)
+        print(
+            "\nprofile-model: interrupted outside a profiling stage; rerun with --resume to continue "
+            "from the last checkpoint, if there is one",
+            file=sys.stderr,
+        )
         return 130
     except JobInterrupted as exc:
         argv_now = ["profile-model", *(sys.argv[1:] if argv is None else argv)]
         if "--resume" not in argv_now:
             argv_now.append("--resume")
-        print(f"\nprofile-model: interrupted; progress is saved in {exc.work_path}.\n"
-              f"Continue with:  {shlex.join(argv_now)}", file=sys.stderr)
+        print(
+            f"\nprofile-model: interrupted; progress is saved in {exc.work_path}.\n"
+            f"Continue with:  {shlex.join(argv_now)}",
+            file=sys.stderr,
+        )
         return 130
     except (ValueError, OSError, WorkFileMismatch, ModelNotFoundError, ArtifactError) as exc:
         print(f"profile-model: error: {exc}", file=sys.stderr)

@@ -34,7 +34,6 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-
 REDUCTION_TIMEOUT = timedelta(days=7)
 
 
@@ -94,10 +93,21 @@ def relaunch_with_torchrun(num_processes: int, module_args: list[str]) -> int:
     from torch.distributed.run import get_args_parser, run
 
     port = os.environ.get("MASTER_PORT", "29500")
-    args = get_args_parser().parse_args([
-        "--nproc_per_node", str(num_processes), "--nnodes", "1",
-        "--master_addr", os.environ.get("MASTER_ADDR", "127.0.0.1"), "--master_port", port,
-        "--module", "profiler.cli", *module_args])
+    args = get_args_parser().parse_args(
+        [
+            "--nproc_per_node",
+            str(num_processes),
+            "--nnodes",
+            "1",
+            "--master_addr",
+            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            "--master_port",
+            port,
+            "--module",
+            "profiler.cli",
+            *module_args,
+        ]
+    )
     try:
         run(args)
     except Exception as exc:  # noqa: BLE001 - torchrun raises ChildFailedError with the details printed
@@ -132,8 +142,10 @@ def all_reduce_sum(info: ProcessInfo, arrays):
     from accelerate.utils import reduce
 
     single = isinstance(arrays, np.ndarray)
-    tensors = {name: torch.from_numpy(np.ascontiguousarray(value)).to(_comm_device(info))
-               for name, value in ({"": arrays} if single else arrays).items()}
+    tensors = {
+        name: torch.from_numpy(np.ascontiguousarray(value)).to(_comm_device(info))
+        for name, value in ({"": arrays} if single else arrays).items()
+    }
     summed = {name: tensor.cpu().numpy() for name, tensor in reduce(tensors, reduction="sum").items()}
     return summed[""] if single else summed
 

@@ -16,8 +16,16 @@ from pathlib import Path
 from .arguments import comma_separated
 from .evaluation_results import NAMED_POLICIES, markdown_table, parse_policy
 
-DEFAULT_POLICIES = ("baseline", "uniform/expected_attention:prompt", "uniform/keydiff", "uniform/snapkv",
-                    "uniform/knorm", "uniform/streaming", "inf/expected_attention:calibrated", "flagship")
+DEFAULT_POLICIES = (
+    "baseline",
+    "uniform/expected_attention:prompt",
+    "uniform/keydiff",
+    "uniform/snapkv",
+    "uniform/knorm",
+    "uniform/streaming",
+    "inf/expected_attention:calibrated",
+    "flagship",
+)
 DEFAULT_TASKS = ("retrieval", "multi_key")
 TASK_PRESETS = ("smoke", "quick", "standard")
 EVALUATION_SEED_OFFSET = 1_000_003  # evaluation seed = profiler seed + this, unless given
@@ -27,41 +35,74 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="evaluate-artifact",
         description="Measure how much of the KV cache a model can drop with a calibration artifact, per "
-                    "eviction policy and compression ratio, on needle tasks it was not calibrated on. Prints "
-                    "a Markdown table (accuracy with 95% Wilson interval, attention-output error, KV bytes, "
-                    "prefill and decode time) and recommends the cheapest policy within a tolerance of the "
-                    "uncompressed accuracy.",
+        "eviction policy and compression ratio, on needle tasks it was not calibrated on. Prints "
+        "a Markdown table (accuracy with 95% Wilson interval, attention-output error, KV bytes, "
+        "prefill and decode time) and recommends the cheapest policy within a tolerance of the "
+        "uncompressed accuracy.",
         epilog="Policies: 'baseline' (uncompressed), or ALLOCATION/SCORER[:STATISTICS][+SUFFIX...] with "
-               "ALLOCATION in uniform|inf and SCORER in expected_attention|keydiff|snapkv|knorm|streaming "
-               "(STATISTICS calibrated|prompt for expected_attention); MomentKV suffixes: +correction (each "
-               "head's order from the artifact), +correction0, +correction1 (every head), +moments "
-               "(moment-informed eviction; expected_attention or snapkv)" + (f", or a named policy ({', '.join(NAMED_POLICIES)})"
-                                                              if NAMED_POLICIES else "") + ".")
-    parser.add_argument("model", nargs="?", default=None,
-                        help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--artifact", default=None,
-                        help="calibration file (default: kv_calibration.h5 next to the model weights)")
-    parser.add_argument("--ratios", type=comma_separated(float), default=(0.5, 0.75, 0.9),
-                        help="compression ratios, fractions of the context cache evicted (default 0.5,0.75,0.9)")
-    parser.add_argument("--policies", type=comma_separated(str), default=DEFAULT_POLICIES,
-                        help="comma-separated policies (default: baseline, every uniform scorer, INF + calibrated EA, "
-                             "flagship = inf/keydiff+correction)")
-    parser.add_argument("--tasks", type=comma_separated(str), default=DEFAULT_TASKS,
-                        help="needle families, or 'all' (default retrieval,multi_key)")
-    parser.add_argument("--preset", choices=TASK_PRESETS, default="quick",
-                        help="lengths and depths of the tasks, as the needles preset of that name (default quick: "
-                             "1K/2K/4K tokens x depths 10/50/90); lengths beyond the model's context are dropped")
+        "ALLOCATION in uniform|inf and SCORER in expected_attention|keydiff|snapkv|knorm|streaming "
+        "(STATISTICS calibrated|prompt for expected_attention); MomentKV suffixes: +correction (each "
+        "head's order from the artifact), +correction0, +correction1 (every head), +moments "
+        "(moment-informed eviction; expected_attention or snapkv)"
+        + (f", or a named policy ({', '.join(NAMED_POLICIES)})" if NAMED_POLICIES else "")
+        + ".",
+    )
+    parser.add_argument(
+        "model", nargs="?", default=None, help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--artifact", default=None, help="calibration file (default: kv_calibration.h5 next to the model weights)"
+    )
+    parser.add_argument(
+        "--ratios",
+        type=comma_separated(float),
+        default=(0.5, 0.75, 0.9),
+        help="compression ratios, fractions of the context cache evicted (default 0.5,0.75,0.9)",
+    )
+    parser.add_argument(
+        "--policies",
+        type=comma_separated(str),
+        default=DEFAULT_POLICIES,
+        help="comma-separated policies (default: baseline, every uniform scorer, INF + calibrated EA, "
+        "flagship = inf/keydiff+correction)",
+    )
+    parser.add_argument(
+        "--tasks",
+        type=comma_separated(str),
+        default=DEFAULT_TASKS,
+        help="needle families, or 'all' (default retrieval,multi_key)",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=TASK_PRESETS,
+        default="quick",
+        help="lengths and depths of the tasks, as the needles preset of that name (default quick: "
+        "1K/2K/4K tokens x depths 10/50/90); lengths beyond the model's context are dropped",
+    )
     parser.add_argument("--count", type=int, default=1, help="tasks per (family, length, depth) cell (default 1)")
-    parser.add_argument("--seed", type=int, default=None,
-                        help=f"task seed (default: the profiler's probe seed + {EVALUATION_SEED_OFFSET})")
-    parser.add_argument("--question-aware", action="store_true",
-                        help="compress the whole prompt, question included (default: compress the context "
-                             "before the question is seen)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help=f"task seed (default: the profiler's probe seed + {EVALUATION_SEED_OFFSET})",
+    )
+    parser.add_argument(
+        "--question-aware",
+        action="store_true",
+        help="compress the whole prompt, question included (default: compress the context before the question is seen)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=24, help="greedy answer length (default 24)")
-    parser.add_argument("--tolerance", type=float, default=2.0,
-                        help="accuracy points below the baseline a recommendation may lose (default 2)")
-    parser.add_argument("--allow-mismatch", action="store_true",
-                        help="use an artifact made for other weights/tokenizer of the same architecture (warns)")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=2.0,
+        help="accuracy points below the baseline a recommendation may lose (default 2)",
+    )
+    parser.add_argument(
+        "--allow-mismatch",
+        action="store_true",
+        help="use an artifact made for other weights/tokenizer of the same architecture (warns)",
+    )
     parser.add_argument("--json", dest="json_out", metavar="OUT", help="write the results as JSON to OUT")
     parser.add_argument("--html", dest="html_out", metavar="OUT", help="write the HTML report to OUT")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -113,17 +154,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     probes = list(generate_probes(spec, tokenizer, progress=not args.no_progress))
-    evaluation = evaluate(model, tokenizer, probes, policies, list(args.ratios), calibration=calibration,
-                          question_aware=args.question_aware, max_new_tokens=args.max_new_tokens,
-                          tolerance=args.tolerance / 100.0, progress=not args.no_progress)
-    evaluation.update({
-        "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-        "model": {"name": calibration.identity.name, "weights_fingerprint": calibration.identity.weights_fingerprint},
-        "artifact": str(calibration.path),
-        "tasks": {"spec": spec.to_dict(), "count": len(probes), "seed": spec.seed, "profiler_seed": profiler_seed},
-        "task_summary": f"{len(probes)} tasks: {', '.join(spec.families)}; "
-                        f"{'question-aware' if args.question_aware else 'question-agnostic'}; seed {spec.seed}",
-    })
+    evaluation = evaluate(
+        model,
+        tokenizer,
+        probes,
+        policies,
+        list(args.ratios),
+        calibration=calibration,
+        question_aware=args.question_aware,
+        max_new_tokens=args.max_new_tokens,
+        tolerance=args.tolerance / 100.0,
+        progress=not args.no_progress,
+    )
+    evaluation.update(
+        {
+            "created": _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat(),
+            "model": {
+                "name": calibration.identity.name,
+                "weights_fingerprint": calibration.identity.weights_fingerprint,
+            },
+            "artifact": str(calibration.path),
+            "tasks": {"spec": spec.to_dict(), "count": len(probes), "seed": spec.seed, "profiler_seed": profiler_seed},
+            "task_summary": f"{len(probes)} tasks: {', '.join(spec.families)}; "
+            f"{'question-aware' if args.question_aware else 'question-agnostic'}; seed {spec.seed}",
+        }
+    )
     print(markdown_table(evaluation))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

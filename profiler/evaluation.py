@@ -41,7 +41,9 @@ class AttentionOutputRecorder:
         self.layers = [attention.o_proj for attention in ModelGeometry.of(model).attention_modules]
         self.outputs: list[torch.Tensor | None] = [None] * len(self.layers)
         self._armed = False
-        self._handles = [module.register_forward_pre_hook(self._hook(index)) for index, module in enumerate(self.layers)]
+        self._handles = [
+            module.register_forward_pre_hook(self._hook(index)) for index, module in enumerate(self.layers)
+        ]
 
     def _hook(self, index: int):
         def record(module, args):
@@ -49,6 +51,7 @@ class AttentionOutputRecorder:
                 self.outputs[index] = args[0].detach().float().clone()  # [B, q, Hq * d]
                 if index == len(self.layers) - 1:
                     self._armed = False
+
         return record
 
     def arm(self) -> None:
@@ -67,7 +70,7 @@ class AttentionOutputRecorder:
 
 def relative_error(approx: list[torch.Tensor], exact: list[torch.Tensor]) -> float:
     """Mean over layers of ``norm(approx - exact) / norm(exact)``."""
-    errors = [float((a - e).norm() / e.norm().clamp_min(1e-12)) for a, e in zip(approx, exact)]
+    errors = [float((a - e).norm() / e.norm().clamp_min(1e-12)) for a, e in zip(approx, exact, strict=True)]
     return sum(errors) / len(errors)
 
 
@@ -83,18 +86,40 @@ def _run_one(model, tokenizer, probe, policy, calibration, recorder, question_aw
     recorder.arm()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=pad)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad,
+        )
     done = time.perf_counter()
-    text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    return {"text": text, "outputs": recorder.take(), "kv_bytes": kv_bytes,
-            "prefill_seconds": prefilled - start, "decode_seconds": done - prefilled,
-            "new_tokens": int(out.shape[1] - ids.shape[1])}
+    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    return {
+        "text": text,
+        "outputs": recorder.take(),
+        "kv_bytes": kv_bytes,
+        "prefill_seconds": prefilled - start,
+        "decode_seconds": done - prefilled,
+        "new_tokens": int(out.shape[1] - ids.shape[1]),
+    }
 
 
-def evaluate(model, tokenizer, probes, policies: list[PolicySpec], ratios: list[float], *, calibration=None,
-             question_aware: bool = False, max_new_tokens: int = 24, tolerance: float = 0.02,
-             progress: bool = True, is_correct=None) -> dict:
+def evaluate(
+    model,
+    tokenizer,
+    probes,
+    policies: list[PolicySpec],
+    ratios: list[float],
+    *,
+    calibration=None,
+    question_aware: bool = False,
+    max_new_tokens: int = 24,
+    tolerance: float = 0.02,
+    progress: bool = True,
+    is_correct=None,
+) -> dict:
     """Run every probe through the baseline and every (policy, ratio); aggregated results."""
     if is_correct is None:
         from needles import answer_is_correct as is_correct
@@ -108,17 +133,37 @@ def evaluate(model, tokenizer, probes, policies: list[PolicySpec], ratios: list[
     try:
         for probe in probes:
             reference = _run_one(model, tokenizer, probe, None, calibration, recorder, question_aware, max_new_tokens)
-            runs[("baseline", None)].append({**reference, "correct": bool(is_correct(reference["text"], probe)),
-                                             "family": probe.family, "error": None, "full_bytes": reference["kv_bytes"]})
+            runs[("baseline", None)].append(
+                {
+                    **reference,
+                    "correct": bool(is_correct(reference["text"], probe)),
+                    "family": probe.family,
+                    "error": None,
+                    "full_bytes": reference["kv_bytes"],
+                }
+            )
             bar.update()
             for spec in compressed:
                 for ratio in ratios:
-                    result = _run_one(model, tokenizer, probe, spec.policy(ratio), calibration, recorder,
-                                      question_aware, max_new_tokens)
-                    runs[(spec.name, ratio)].append({
-                        **result, "correct": bool(is_correct(result["text"], probe)), "family": probe.family,
-                        "error": relative_error(result["outputs"], reference["outputs"]),
-                        "full_bytes": reference["kv_bytes"]})
+                    result = _run_one(
+                        model,
+                        tokenizer,
+                        probe,
+                        spec.policy(ratio),
+                        calibration,
+                        recorder,
+                        question_aware,
+                        max_new_tokens,
+                    )
+                    runs[(spec.name, ratio)].append(
+                        {
+                            **result,
+                            "correct": bool(is_correct(result["text"], probe)),
+                            "family": probe.family,
+                            "error": relative_error(result["outputs"], reference["outputs"]),
+                            "full_bytes": reference["kv_bytes"],
+                        }
+                    )
                     bar.set_postfix_str(f"{spec.name} @ {ratio:g}")
                     bar.update()
     finally:
@@ -149,10 +194,16 @@ def _aggregate(key, items: list[dict]) -> dict:
     kv_bytes = sum(item["kv_bytes"] for item in items)
     full_bytes = sum(item["full_bytes"] for item in items)
     return {
-        "policy": policy, "ratio": ratio, "n": len(items), "correct": correct,
-        "accuracy": correct / len(items), "ci_low": low, "ci_high": high,
+        "policy": policy,
+        "ratio": ratio,
+        "n": len(items),
+        "correct": correct,
+        "accuracy": correct / len(items),
+        "ci_low": low,
+        "ci_high": high,
         "attention_error": sum(errors) / len(errors) if errors else None,
-        "kv_bytes": kv_bytes // len(items), "kv_fraction": kv_bytes / full_bytes if full_bytes else 1.0,
+        "kv_bytes": kv_bytes // len(items),
+        "kv_fraction": kv_bytes / full_bytes if full_bytes else 1.0,
         "prefill_seconds": sum(item["prefill_seconds"] for item in items) / len(items),
         "decode_seconds": sum(item["decode_seconds"] for item in items) / len(items),
         "per_family": {name: {"correct": c, "n": n, "accuracy": c / n} for name, (c, n) in sorted(families.items())},

@@ -40,8 +40,13 @@ class PolicySpec:
 
         if not 0.0 <= compression < 1.0:
             raise ValueError(f"compression ratio must be in [0, 1), got {compression}")
-        return CompressionPolicy(ratio=1.0 - compression, allocation=self.allocation, scorer=self.scorer,
-                                 statistics=self.statistics, **self.options)
+        return CompressionPolicy(
+            ratio=1.0 - compression,
+            allocation=self.allocation,
+            scorer=self.scorer,
+            statistics=self.statistics,
+            **self.options,
+        )
 
 
 # ``+SUFFIX`` MomentKV switches of the policy grammar -> CompressionPolicy fields
@@ -68,20 +73,24 @@ def parse_policy(text: str) -> PolicySpec:
         return NAMED_POLICIES[text]
     allocation, slash, rest = text.partition("/")
     if not slash or not rest:
-        raise ValueError(f"policy {text!r} is not 'baseline', a named policy ({', '.join(NAMED_POLICIES)}) "
-                         "or ALLOCATION/SCORER[:STATISTICS][+SUFFIX...], e.g. uniform/keydiff, "
-                         "inf/expected_attention:calibrated+correction")
+        raise ValueError(
+            f"policy {text!r} is not 'baseline', a named policy ({', '.join(NAMED_POLICIES)}) "
+            "or ALLOCATION/SCORER[:STATISTICS][+SUFFIX...], e.g. uniform/keydiff, "
+            "inf/expected_attention:calibrated+correction"
+        )
     rest, *suffixes = rest.split("+")
     options = {}
     for suffix in suffixes:
         if suffix not in MOMENT_SUFFIXES:
-            raise ValueError(f"policy {text!r}: unknown suffix +{suffix}; known: "
-                             f"{', '.join('+' + name for name in MOMENT_SUFFIXES)}")
+            raise ValueError(
+                f"policy {text!r}: unknown suffix +{suffix}; known: {', '.join('+' + name for name in MOMENT_SUFFIXES)}"
+            )
         options.update(MOMENT_SUFFIXES[suffix])
     scorer, colon, statistics = rest.partition(":")
     spec = PolicySpec(text, allocation, scorer, statistics if colon else None, options)
-    CompressionPolicy(ratio=0.5, allocation=spec.allocation, scorer=spec.scorer, statistics=spec.statistics,
-                      **spec.options)
+    CompressionPolicy(
+        ratio=0.5, allocation=spec.allocation, scorer=spec.scorer, statistics=spec.statistics, **spec.options
+    )
     return spec
 
 
@@ -123,32 +132,50 @@ def recommend(baseline_accuracy: float, results: list[dict], tolerance: float = 
     candidates = [r for r in results if r.get("ratio") is not None and r["accuracy"] >= floor - 1e-12]
     if not candidates:
         best = max(results, key=lambda r: (r["accuracy"], -(r.get("ratio") or 0.0)), default=None)
-        text = (f"No policy stays within {tolerance * 100:.0f} points of the uncompressed accuracy "
-                f"{baseline_accuracy:.2f}.")
+        text = (
+            f"No policy stays within {tolerance * 100:.0f} points of the uncompressed accuracy {baseline_accuracy:.2f}."
+        )
         if best is not None:
             text += f" The most accurate is {best['policy']} at ratio {best['ratio']:g} ({best['accuracy']:.2f})."
-        return {"policy": None, "ratio": None, "accuracy": None, "baseline_accuracy": baseline_accuracy,
-                "tolerance": tolerance, "text": text}
+        return {
+            "policy": None,
+            "ratio": None,
+            "accuracy": None,
+            "baseline_accuracy": baseline_accuracy,
+            "tolerance": tolerance,
+            "text": text,
+        }
     chosen = min(candidates, key=lambda r: (-r["ratio"], -r["accuracy"], r.get("kv_bytes", 0), r["policy"]))
-    text = (f"Serve with {chosen['policy']} at compression ratio {chosen['ratio']:g}: accuracy "
-            f"{chosen['accuracy']:.2f} vs {baseline_accuracy:.2f} uncompressed (tolerance "
-            f"{tolerance * 100:.0f} points), holding {chosen.get('kv_fraction', float('nan')):.0%} of the full KV bytes.")
-    return {"policy": chosen["policy"], "ratio": chosen["ratio"], "accuracy": chosen["accuracy"],
-            "baseline_accuracy": baseline_accuracy, "tolerance": tolerance, "text": text}
+    text = (
+        f"Serve with {chosen['policy']} at compression ratio {chosen['ratio']:g}: accuracy "
+        f"{chosen['accuracy']:.2f} vs {baseline_accuracy:.2f} uncompressed (tolerance "
+        f"{tolerance * 100:.0f} points), holding {chosen.get('kv_fraction', float('nan')):.0%} of the full KV bytes."
+    )
+    return {
+        "policy": chosen["policy"],
+        "ratio": chosen["ratio"],
+        "accuracy": chosen["accuracy"],
+        "baseline_accuracy": baseline_accuracy,
+        "tolerance": tolerance,
+        "text": text,
+    }
 
 
 def markdown_table(evaluation: dict) -> str:
     """Results as a Markdown table (baseline first, then by policy and ratio)."""
     rows = [evaluation["baseline"]] + sorted(evaluation["results"], key=lambda r: (r["policy"], r["ratio"]))
-    lines = ["| policy | ratio | accuracy [95% CI] | attn. output error | KV bytes (of full) | prefill s | decode s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| policy | ratio | accuracy [95% CI] | attn. output error | KV bytes (of full) | prefill s | decode s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         ratio = "-" if r.get("ratio") is None else f"{r['ratio']:g}"
         error = "-" if r.get("attention_error") is None else f"{r['attention_error']:.3f}"
         lines.append(
             f"| {r['policy']} | {ratio} | {r['accuracy']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] | {error} | "
             f"{r['kv_bytes'] / 2**20:.1f} MiB ({r['kv_fraction']:.0%}) | {r['prefill_seconds']:.2f} | "
-            f"{r['decode_seconds']:.2f} |")
+            f"{r['decode_seconds']:.2f} |"
+        )
     recommendation = evaluation.get("recommendation")
     if recommendation:
         lines += ["", recommendation["text"]]

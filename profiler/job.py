@@ -130,30 +130,47 @@ class ProfileJob:
         self.geometry = ModelGeometry.of(self.model)
         self.identity = model_identity(self.model, self.tokenizer, options.model or "embedded")
         self.out = Path(options.out) if options.out else default_output(self.model_path)
-        self.say(f"model {self.identity.name} ({self.identity.model_type}, {self.geometry.num_layers} layers, "
-                 f"{self.geometry.num_q_heads} query / {self.geometry.num_kv_heads} KV heads, "
-                 f"d={self.geometry.head_dim}) loaded in {time.perf_counter() - started:.1f} s; output: {self.out}")
+        self.say(
+            f"model {self.identity.name} ({self.identity.model_type}, {self.geometry.num_layers} layers, "
+            f"{self.geometry.num_q_heads} query / {self.geometry.num_kv_heads} KV heads, "
+            f"d={self.geometry.head_dim}) loaded in {time.perf_counter() - started:.1f} s; output: {self.out}"
+        )
 
     @cached_property
     def windows(self) -> torch.Tensor:
         """Calibration text as token windows ``[N, T]`` int64 (loaded on first use)."""
-        return calibration_windows(self.tokenizer, self.setting("calib_dataset"), self.calib_samples,
-                                   self.calib_tokens, seed=self.setting("seed", 0),
-                                   split=self.setting("calib_split", "train"), field=self.setting("calib_field", "text"))
+        return calibration_windows(
+            self.tokenizer,
+            self.setting("calib_dataset"),
+            self.calib_samples,
+            self.calib_tokens,
+            seed=self.setting("seed", 0),
+            split=self.setting("calib_split", "train"),
+            field=self.setting("calib_field", "text"),
+        )
 
     def windows_digest(self) -> str:
         return _digest(self.windows.numpy().tobytes())
 
     def calibration_config(self) -> dict:
         dataset = self.setting("calib_dataset")
-        return {"source": dataset or CALIBRATION_SOURCE_DEFAULT,
-                "split": self.setting("calib_split", "train") if dataset else None,
-                "num_samples": self.calib_samples, "sample_tokens": self.calib_tokens}
+        return {
+            "source": dataset or CALIBRATION_SOURCE_DEFAULT,
+            "split": self.setting("calib_split", "train") if dataset else None,
+            "num_samples": self.calib_samples,
+            "sample_tokens": self.calib_tokens,
+        }
 
     def config(self) -> dict:
         """The JSON-able job configuration recorded in the artifact (one entry per section)."""
-        config = {"profiler": {"preset": self.options.preset, "stages": list(self.stage_names),
-                               "processes": self.info.world_size, "seed": self.setting("seed", 0)}}
+        config = {
+            "profiler": {
+                "preset": self.options.preset,
+                "stages": list(self.stage_names),
+                "processes": self.info.world_size,
+                "seed": self.setting("seed", 0),
+            }
+        }
         for stage in self.stages:
             config[stage.section] = stage.config()
         return config
@@ -167,8 +184,13 @@ class ProfileJob:
         for stage in self.stages:
             stage.check(existing)
         config = self.config()
-        self._fingerprint = _digest(canonical_json(config), self.identity.weights_fingerprint,
-                                    self.identity.arch_fingerprint, self.info.world_size, self.info.rank)
+        self._fingerprint = _digest(
+            canonical_json(config),
+            self.identity.weights_fingerprint,
+            self.identity.arch_fingerprint,
+            self.info.world_size,
+            self.info.rank,
+        )
         self.work_path = work_file_path(self.out, self.info.rank, self.info.world_size)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.progress = {stage.name: 0 for stage in self.stages}
@@ -196,10 +218,11 @@ class ProfileJob:
             progress, arrays = saved
             for stage in self.stages:
                 prefix = stage.section + "."
-                stage.restore({key[len(prefix):]: value for key, value in arrays.items() if key.startswith(prefix)})
+                stage.restore({key[len(prefix) :]: value for key, value in arrays.items() if key.startswith(prefix)})
                 self.progress[stage.name] = int(progress.get(stage.name, 0))
-            done = ", ".join(f"{stage.name} {self.progress[stage.name]} {stage.units}" for stage in self.stages
-                             if stage.sharded)
+            done = ", ".join(
+                f"{stage.name} {self.progress[stage.name]} {stage.units}" for stage in self.stages if stage.sharded
+            )
             self.log(f"[rank {self.info.rank}] resuming from {self.work_path}: {done or 'nothing'} done")
         elif self.options.resume:
             self.say(f"--resume: no work file at {self.work_path}; starting from the beginning")
@@ -217,8 +240,17 @@ class ProfileJob:
             return
         start, started = self.progress[stage.name], time.perf_counter()
         since_checkpoint = 0
-        with tqdm(total=len(units), initial=start, desc=stage.name, unit=stage.unit, dynamic_ncols=True,
-                  disable=not (self.options.progress and self.info.is_main)) as bar, stage.running():
+        with (
+            tqdm(
+                total=len(units),
+                initial=start,
+                desc=stage.name,
+                unit=stage.unit,
+                dynamic_ncols=True,
+                disable=not (self.options.progress and self.info.is_main),
+            ) as bar,
+            stage.running(),
+        ):
             for position in range(start, len(units)):
                 result = stage.compute(units[position])
                 with interrupts_deferred():  # totals and progress move together
@@ -236,9 +268,11 @@ class ProfileJob:
     # -- the artifact ----------------------------------------------------------------------------
     def _same_model(self, reader) -> bool:
         model, identity = reader.model, self.identity
-        return (model.weights_fingerprint == identity.weights_fingerprint
-                and model.arch_fingerprint == identity.arch_fingerprint
-                and model.tokenizer_fingerprint == identity.tokenizer_fingerprint)
+        return (
+            model.weights_fingerprint == identity.weights_fingerprint
+            and model.arch_fingerprint == identity.arch_fingerprint
+            and model.tokenizer_fingerprint == identity.tokenizer_fingerprint
+        )
 
     def _existing_section_names(self) -> set[str]:
         """Sections of the artifact already at the output path, when it is for this model."""

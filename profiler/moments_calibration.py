@@ -68,8 +68,10 @@ def selection_scorer(scorer: str | Scorer, observation_window: int) -> Scorer:
     """The ``runtime.scorers`` scorer behind a selection name (see the module docstring)."""
     if isinstance(scorer, Scorer):
         if scorer.query_statistics is not None or scorer.rope_horizon:
-            raise ValueError(f"{scorer!r} needs query statistics or RoPE averages, which the moments "
-                             "calibration does not provide; choose one of " + ", ".join(SELECTION_SCORERS))
+            raise ValueError(
+                f"{scorer!r} needs query statistics or RoPE averages, which the moments "
+                "calibration does not provide; choose one of " + ", ".join(SELECTION_SCORERS)
+            )
         return scorer
     if scorer == "snapkv":
         return SnapKVScorer(window=observation_window, kernel=1)
@@ -97,8 +99,19 @@ def relative_error(estimate: torch.Tensor, reference: torch.Tensor) -> torch.Ten
 class _CorrectionErrorMeasurer:
     """Accumulates the relative errors ``[R, 3, L, Hkv]`` of one or more forward passes."""
 
-    def __init__(self, num_layers, num_kv_heads, keep_ratios, query_window, scorer: Scorer, n_sink,
-                 recent_window, moment_eviction, eviction_rounds, tau):
+    def __init__(
+        self,
+        num_layers,
+        num_kv_heads,
+        keep_ratios,
+        query_window,
+        scorer: Scorer,
+        n_sink,
+        recent_window,
+        moment_eviction,
+        eviction_rounds,
+        tau,
+    ):
         self.keep_ratios = keep_ratios
         self.query_window = query_window
         self.scorer = scorer
@@ -121,10 +134,20 @@ class _CorrectionErrorMeasurer:
         prefix = head.keys.shape[0]
         if self.moment_eviction:
             protected = torch.zeros(prefix, dtype=torch.bool, device=head.keys.device)
-            protected[:self.n_sink] = True
-            protected[prefix - self.recent_window:] = True
-            return evict_in_rounds(estimate, head.keys, head.values, sums, head.kv_head, head.scaling, budget,
-                                   rounds=self.eviction_rounds, protected=protected, tau=self.tau)
+            protected[: self.n_sink] = True
+            protected[prefix - self.recent_window :] = True
+            return evict_in_rounds(
+                estimate,
+                head.keys,
+                head.values,
+                sums,
+                head.kv_head,
+                head.scaling,
+                budget,
+                rounds=self.eviction_rounds,
+                protected=protected,
+                tau=self.tau,
+            )
         kept = select_rows(estimate, budget, self.n_sink, self.recent_window)
         evicted = torch.ones(prefix, dtype=torch.bool, device=head.keys.device)
         evicted[kept] = False
@@ -139,7 +162,7 @@ class _CorrectionErrorMeasurer:
         group = num_q_heads // num_kv_heads
         w = self.query_window
         prefix = total - w
-        scale = float(scaling) if scaling is not None else dim ** -0.5
+        scale = float(scaling) if scaling is not None else dim**-0.5
         device = query.device
         window = self.scorer.observation_window
         positions = torch.arange(prefix, device=device)
@@ -148,13 +171,20 @@ class _CorrectionErrorMeasurer:
         full_mask = torch.cat([torch.ones(w, prefix, dtype=torch.bool, device=device), tail_causal], dim=1)  # [W, T]
         sums = [MomentSums(num_kv_heads, dim, device=device) for _ in self.keep_ratios]
         for h in range(num_kv_heads):
-            q = query[0, h * group:(h + 1) * group].float()  # [G, T, d]
+            q = query[0, h * group : (h + 1) * group].float()  # [G, T, d]
             k, v = key[0, h].float(), value[0, h].float()  # [T, d]
             tail_q = q[:, prefix:]  # [G, W, d]
             reference, _ = attention_with_lse(tail_q, k, v, scale, mask=full_mask)  # [G, W, d]
-            head = HeadContext(layer=layer, kv_head=h, keys=k[:prefix], values=v[:prefix], positions=positions,
-                               scaling=scale, next_position=prefix,
-                               recent_queries=q[:, prefix - window:prefix] if window else None)  # [G, obs, d]
+            head = HeadContext(
+                layer=layer,
+                kv_head=h,
+                keys=k[:prefix],
+                values=v[:prefix],
+                positions=positions,
+                scaling=scale,
+                next_position=prefix,
+                recent_queries=q[:, prefix - window : prefix] if window else None,
+            )  # [G, obs, d]
             estimate = self.scorer.attention(head) if self.moment_eviction else self.scorer.score(head)  # [P]
             for r, ratio in enumerate(self.keep_ratios):
                 kept = self.kept_rows(head, estimate, self.budget(prefix, ratio), sums[r])
@@ -162,16 +192,27 @@ class _CorrectionErrorMeasurer:
                 values_R = torch.cat([v[:prefix][kept], v[prefix:]])
                 mask_R = torch.cat([torch.ones(w, kept.shape[0], dtype=torch.bool, device=device), tail_causal], 1)
                 for o, order in enumerate(ORDERS):
-                    estimate_o = corrected_attention(tail_q, keys_R, values_R, sums[r], h, scale, order,
-                                                     tau=self.tau, mask=mask_R)
+                    estimate_o = corrected_attention(
+                        tail_q, keys_R, values_R, sums[r], h, scale, order, tau=self.tau, mask=mask_R
+                    )
                     self.error_sums[r, o, layer, h] += float(relative_error(estimate_o, reference))
         self.calls[layer] += 1
 
 
-def measure_correction_errors(model, windows, keep_ratios=(0.25, 0.5), query_window: int = 32,
-                              scorer: str | Scorer = "snapkv", observation_window: int = 32, n_sink: int = 4,
-                              recent_window: int = 8, moment_eviction: bool = False, eviction_rounds: int = 4,
-                              tau: float = 0.0, progress: bool = True) -> CorrectionErrors:
+def measure_correction_errors(
+    model,
+    windows,
+    keep_ratios=(0.25, 0.5),
+    query_window: int = 32,
+    scorer: str | Scorer = "snapkv",
+    observation_window: int = 32,
+    n_sink: int = 4,
+    recent_window: int = 8,
+    moment_eviction: bool = False,
+    eviction_rounds: int = 4,
+    tau: float = 0.0,
+    progress: bool = True,
+) -> CorrectionErrors:
     """Per (layer, KV head) relative attention-output error of no / 0th / 1st-order correction.
 
     ``windows``: token ids ``[N, T]`` (tensor, array or list of equal-length lists), no
@@ -193,40 +234,60 @@ def measure_correction_errors(model, windows, keep_ratios=(0.25, 0.5), query_win
     prefix = total - query_window
     selection = selection_scorer(scorer, observation_window)
     if moment_eviction and not selection.yields_attention:
-        raise ValueError(f"moment_eviction needs a selection scorer that estimates attention (snapkv), "
-                         f"not {selection!r}")
+        raise ValueError(
+            f"moment_eviction needs a selection scorer that estimates attention (snapkv), not {selection!r}"
+        )
     if query_window <= 0 or observation_window <= 0 or n_sink < 0 or recent_window < 0 or tau < 0:
         raise ValueError("query_window and observation_window must be positive; n_sink, recent_window, tau >= 0")
     window = max(observation_window, selection.observation_window)
     if prefix < max(window, n_sink + recent_window + 1):
-        raise ValueError(f"windows of {total} tokens leave a prefix of {prefix} after the {query_window}-token "
-                         f"query window: too short for observation_window={window}, "
-                         f"n_sink={n_sink} + recent_window={recent_window}")
+        raise ValueError(
+            f"windows of {total} tokens leave a prefix of {prefix} after the {query_window}-token "
+            f"query window: too short for observation_window={window}, "
+            f"n_sink={n_sink} + recent_window={recent_window}"
+        )
     ratios = tuple(float(r) for r in keep_ratios)
     if not ratios or any(not 0.0 < r <= 1.0 for r in ratios):
         raise ValueError(f"keep_ratios must be in (0, 1], got {keep_ratios}")
 
-    measurer = _CorrectionErrorMeasurer(num_layers, num_kv_heads, ratios, query_window, selection, n_sink,
-                                        recent_window, moment_eviction, eviction_rounds, tau)
+    measurer = _CorrectionErrorMeasurer(
+        num_layers,
+        num_kv_heads,
+        ratios,
+        query_window,
+        selection,
+        n_sink,
+        recent_window,
+        moment_eviction,
+        eviction_rounds,
+        tau,
+    )
 
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        output = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                        dropout=dropout, **kwargs)
+        output = sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
         measurer.measure(module.layer_idx, query, key, value, scaling)
         return output
 
     device = next(model.parameters()).device
     with torch.no_grad(), attention_implementation(model, CALIBRATION_ATTENTION, attention_forward):
         for index in tqdm(range(ids.shape[0]), desc="moments calibration", unit="window", disable=not progress):
-            model(input_ids=ids[index:index + 1].to(device), use_cache=False)
+            model(input_ids=ids[index : index + 1].to(device), use_cache=False)
     if not np.all(measurer.calls == ids.shape[0]):
-        raise RuntimeError(f"the calibration attention saw layers {measurer.calls.tolist()} times, expected "
-                           f"{ids.shape[0]} each (does the model route attention through AttentionInterface?)")
+        raise RuntimeError(
+            f"the calibration attention saw layers {measurer.calls.tolist()} times, expected "
+            f"{ids.shape[0]} each (does the model route attention through AttentionInterface?)"
+        )
     errors = measurer.error_sums / ids.shape[0]  # [R, 3, L, Hkv]
     order = (np.argmin(errors.mean(axis=0), axis=0) - 1).astype(np.int8)  # [L, Hkv]; ties -> none
-    return CorrectionErrors({
-        "errors": errors.astype(np.float64),
-        "order": order,
-        "reference_ratios": np.asarray(ratios, dtype=np.float64),
-        "tau": np.full((num_layers, num_kv_heads), float(tau), dtype=np.float64),
-    }, selection=selection.name, scorer=repr(selection))
+    return CorrectionErrors(
+        {
+            "errors": errors.astype(np.float64),
+            "order": order,
+            "reference_ratios": np.asarray(ratios, dtype=np.float64),
+            "tau": np.full((num_layers, num_kv_heads), float(tau), dtype=np.float64),
+        },
+        selection=selection.name,
+        scorer=repr(selection),
+    )

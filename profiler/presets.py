@@ -29,8 +29,14 @@ PRESETS: dict[str, ProfilePreset] = {
     "smoke": ProfilePreset("smoke", max_new_tokens=6, calib_samples=2, calib_tokens=64, batch_size=2),
     # needles' quick grid (7 families x 1K/2K/4K x 3 depths) takes ~30 min on a busy 2-core CPU;
     # this keeps every family at 1K and 2K tokens and two depths (28 probes, a few minutes).
-    "quick": ProfilePreset("quick", max_new_tokens=24, calib_samples=16, calib_tokens=512, batch_size=4,
-                           probe_overrides=(("lengths", (1024, 2048)), ("depths", (25.0, 75.0)))),
+    "quick": ProfilePreset(
+        "quick",
+        max_new_tokens=24,
+        calib_samples=16,
+        calib_tokens=512,
+        batch_size=4,
+        probe_overrides=(("lengths", (1024, 2048)), ("depths", (25.0, 75.0))),
+    ),
     "standard": ProfilePreset("standard", max_new_tokens=32, calib_samples=128, calib_tokens=1024, batch_size=4),
     "paper": ProfilePreset("paper", max_new_tokens=48, calib_samples=512, calib_tokens=2048, batch_size=2),
 }

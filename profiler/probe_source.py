@@ -25,9 +25,10 @@ from needles.probe import Probe
 class ProbeSet:
     """``len(probes)``, ``probes[i]`` (a :class:`Probe`), the table arrays, a digest, a config."""
 
-    def __init__(self, table: dict[str, np.ndarray], build, digest: str, config: dict,
-                 longest: int | None = None):
-        self.table = table  # probe_length int64 [P], probe_depth float64 [P], probe_family S64 [P], probe_seed int64 [P]
+    def __init__(self, table: dict[str, np.ndarray], build, digest: str, config: dict, longest: int | None = None):
+        self.table = (
+            table  # probe_length int64 [P], probe_depth float64 [P], probe_family S64 [P], probe_seed int64 [P]
+        )
         self._build = build
         self.digest = digest  # identifies the exact probe set (for the resume fingerprint)
         self.config = config  # JSON-able description for the artifact
@@ -61,10 +62,12 @@ def _table(lengths, depths, families, seeds) -> dict[str, np.ndarray]:
 def probes_from_list(probes: list[Probe], config: dict) -> ProbeSet:
     if not probes:
         raise ValueError("no probes")
-    table = _table([p.length for p in probes], [p.depth for p in probes], [p.family for p in probes],
-                   [p.seed for p in probes])
-    return ProbeSet(table, probes.__getitem__, probes_digest(probes), config,
-                    longest=max(len(p.input_ids) for p in probes))
+    table = _table(
+        [p.length for p in probes], [p.depth for p in probes], [p.family for p in probes], [p.seed for p in probes]
+    )
+    return ProbeSet(
+        table, probes.__getitem__, probes_digest(probes), config, longest=max(len(p.input_ids) for p in probes)
+    )
 
 
 def file_probes(path: str | Path) -> ProbeSet:
@@ -87,8 +90,16 @@ def preset_probes(name: str, tokenizer, tokenizer_fingerprint: str = "", overrid
 
     def build(index: int) -> Probe:
         family, length, depth, replicate = cells[index]
-        return make_probe(tokenizer, family, length, depth, seed=spec.seed, replicate=replicate,
-                          haystack=haystack, tolerance=spec.tolerance)
+        return make_probe(
+            tokenizer,
+            family,
+            length,
+            depth,
+            seed=spec.seed,
+            replicate=replicate,
+            haystack=haystack,
+            tolerance=spec.tolerance,
+        )
 
     table = _table([c[1] for c in cells], [c[2] for c in cells], [c[0] for c in cells], [spec.seed] * len(cells))
     config = {"source": "needles", "preset": name, "overrides": sorted(overrides or {}), "spec": spec.to_dict()}

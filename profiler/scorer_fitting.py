@@ -47,8 +47,9 @@ def reconstruction_input(context: torch.Tensor, instruction: torch.Tensor) -> to
 
 
 @torch.no_grad()
-def reconstruction_importance(query: torch.Tensor, key: torch.Tensor, context_len: int, scaling: float,
-                              chunk: int = 256) -> torch.Tensor:
+def reconstruction_importance(
+    query: torch.Tensor, key: torch.Tensor, context_len: int, scaling: float, chunk: int = 256
+) -> torch.Tensor:
     """Log KVzip importance ``[Hkv, C]`` of the first ``C`` keys.
 
     ``query [Hq, T, d]`` and ``key [Hkv, T, d]`` (post-RoPE) of one causal forward pass over
@@ -65,7 +66,9 @@ def reconstruction_importance(query: torch.Tensor, key: torch.Tensor, context_le
     for start in range(context_len, total, chunk):
         stop = min(start + chunk, total)
         logits = scaling * query[:, start:stop].float() @ keys[:, :stop].transpose(1, 2)  # [Hq, c, stop]
-        future = torch.arange(stop, device=query.device)[None, :] > torch.arange(start, stop, device=query.device)[:, None]
+        future = (
+            torch.arange(stop, device=query.device)[None, :] > torch.arange(start, stop, device=query.device)[:, None]
+        )
         weights = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
         best = torch.maximum(best, weights[:, :, :context_len].amax(dim=1))
     per_kv_head = best.reshape(num_kv_heads, group, context_len).amax(dim=1)  # [Hkv, C]
@@ -90,8 +93,9 @@ class RidgeSums:
 
     def add(self, features: torch.Tensor, targets: torch.Tensor) -> None:
         """``features [G, n, F]``, ``targets [G, n, M]`` (any float dtype; summed in float64)."""
-        z = torch.cat([features.double(), torch.ones(*features.shape[:2], 1, dtype=torch.float64,
-                                                     device=features.device)], dim=-1)  # [G, n, F+1]
+        z = torch.cat(
+            [features.double(), torch.ones(*features.shape[:2], 1, dtype=torch.float64, device=features.device)], dim=-1
+        )  # [G, n, F+1]
         self.zz += (z.transpose(1, 2) @ z).cpu().numpy()
         self.zy += (z.transpose(1, 2) @ targets.double()).cpu().numpy()
 
@@ -108,7 +112,7 @@ class RidgeSums:
         if np.any(n <= 1):
             raise ValueError("too few calibration tokens to fit the scorer")
         mean = self.zz[:, -1, :-1] / n[:, None]  # [G, F]
-        variance = np.maximum(np.diagonal(self.zz, axis1=1, axis2=2)[:, :-1] / n[:, None] - mean ** 2, 0.0)
+        variance = np.maximum(np.diagonal(self.zz, axis1=1, axis2=2)[:, :-1] / n[:, None] - mean**2, 0.0)
         penalty = np.zeros_like(self.zz)
         features = self.zz.shape[1] - 1
         penalty[:, np.arange(features), np.arange(features)] = ridge * n[:, None] * np.maximum(variance, 1e-12)
@@ -120,7 +124,7 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     ra, rb = np.argsort(np.argsort(a)).astype(np.float64), np.argsort(np.argsort(b)).astype(np.float64)
     ra -= ra.mean()
     rb -= rb.mean()
-    denominator = np.sqrt((ra ** 2).sum() * (rb ** 2).sum())
+    denominator = np.sqrt((ra**2).sum() * (rb**2).sum())
     return float((ra * rb).sum() / denominator) if denominator > 0 else 0.0
 
 
@@ -164,8 +168,9 @@ def record_window(model, context: torch.Tensor, instruction: torch.Tensor) -> li
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         teacher[module.layer_idx] = reconstruction_importance(query[0], key[0], context_len, scale).cpu()
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
 
     def hook(module, args, kwargs):
         states = kwargs.get("hidden_states", args[0] if args else None)
@@ -185,7 +190,11 @@ def record_window(model, context: torch.Tensor, instruction: torch.Tensor) -> li
         if getattr(module, "k_norm", None) is not None:
             keys = module.k_norm(keys)
         values = module.v_proj(x).view(context_len, geometry.num_kv_heads, geometry.head_dim)
-        records.append(WindowRecord(teacher=teacher[index],
-                                    kv=kv_features(keys.transpose(0, 1), values.transpose(0, 1)).cpu(),
-                                    hidden=x.float().cpu()))
+        records.append(
+            WindowRecord(
+                teacher=teacher[index],
+                kv=kv_features(keys.transpose(0, 1), values.transpose(0, 1)).cpu(),
+                hidden=x.float().cpu(),
+            )
+        )
     return records

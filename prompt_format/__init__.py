@@ -54,12 +54,15 @@ def render_prompt(tokenizer, context: str, question: str, *, chat: bool = True) 
     """The prompt text for ``context`` and ``question`` (see the module docstring)."""
     content = context + SEPARATOR + question
     if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
         start = text.find(content)
         if start < 0 or text.find(content, start + 1) >= 0:
-            raise ValueError("the chat template does not reproduce the user message verbatim exactly once, so "
-                             "the context cannot be located in the prompt; pass chat=False, or token ids")
+            raise ValueError(
+                "the chat template does not reproduce the user message verbatim exactly once, so "
+                "the context cannot be located in the prompt; pass chat=False, or token ids"
+            )
     else:
         bos = _leading_bos(tokenizer)
         text = bos + content + ANSWER_CUE
@@ -96,15 +99,17 @@ def context_boundary(tokenizer, text: str, ids: list[int], offsets, question_sta
     candidates = [question_start, question_start - len(SEPARATOR) + 1, question_start - len(SEPARATOR)]
     for cut in candidates:
         prefix = encode(tokenizer, text[:cut])
-        if ids[:len(prefix)] != prefix:
+        if ids[: len(prefix)] != prefix:
             continue
         if offsets is not None and len(prefix) < len(ids):
             start, end = offsets[len(prefix)]
             if start < cut and text[start:cut].strip():
                 continue  # the next token starts inside the prefix
         return len(prefix)
-    raise PromptSplitError("no context/question split of the prompt tokenizes identically alone and inside "
-                           "the whole prompt; the tokenizer merges across the separator")
+    raise PromptSplitError(
+        "no context/question split of the prompt tokenizes identically alone and inside "
+        "the whole prompt; the tokenizer merges across the separator"
+    )
 
 
 def encode_prompt(tokenizer, context: str, question: str, *, chat: bool = True) -> tuple[list[int], int]:

@@ -23,15 +23,38 @@ from .attention import enable, ragged_attention, register
 from .cache import ATTENTION_NAME, RaggedCache, RaggedLayer
 from .calibration import Calibration, find_artifact, load_calibration
 from .compress import CompressionReport, compress, prefill
-from .geometry import ModelGeometry, UnsupportedModelError
 from .generate import GenerationResult, answer, build_inputs, compress_prompt, generate, split_prompt
+from .geometry import ModelGeometry, UnsupportedModelError
 from .policy import CompressionPolicy
 from .query_moments import QueryMoments
 from .scorers import SCORERS, HeadContext, Scorer, make_scorer, select_rows
 
 __all__ = [
-    "ATTENTION_NAME", "Calibration", "CompressionPolicy", "CompressionReport", "GenerationResult", "HeadContext",
-    "ModelGeometry", "QueryMoments", "RaggedCache", "RaggedLayer", "SCORERS", "Scorer", "UnsupportedModelError",
-    "answer", "build_inputs", "compress", "compress_prompt", "enable", "find_artifact", "generate", "load_calibration",
-    "make_scorer", "prefill", "ragged_attention", "register", "select_rows", "split_prompt",
+    "ATTENTION_NAME",
+    "Calibration",
+    "CompressionPolicy",
+    "CompressionReport",
+    "GenerationResult",
+    "HeadContext",
+    "ModelGeometry",
+    "QueryMoments",
+    "RaggedCache",
+    "RaggedLayer",
+    "SCORERS",
+    "Scorer",
+    "UnsupportedModelError",
+    "answer",
+    "build_inputs",
+    "compress",
+    "compress_prompt",
+    "enable",
+    "find_artifact",
+    "generate",
+    "load_calibration",
+    "make_scorer",
+    "prefill",
+    "ragged_attention",
+    "register",
+    "select_rows",
+    "split_prompt",
 ]

@@ -38,8 +38,10 @@ def _real_tokens(attention_mask: torch.Tensor | None, batch: int, q_len: int) ->
     if attention_mask is None:
         return None
     if attention_mask.dim() != 4 or attention_mask.shape[-1] != q_len or attention_mask.shape[-2] != q_len:
-        raise ValueError(f"ragged attention expects the chunk's own [B, 1, q, q] mask, got "
-                         f"{tuple(attention_mask.shape)} for q={q_len}")
+        raise ValueError(
+            f"ragged attention expects the chunk's own [B, 1, q, q] mask, got "
+            f"{tuple(attention_mask.shape)} for q={q_len}"
+        )
     diagonal = attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)  # [B or 1, q]
     real = diagonal if diagonal.dtype == torch.bool else diagonal == 0
     return real.expand(batch, q_len)
@@ -51,8 +53,9 @@ def ragged_attention_forward(module, query, key, value, attention_mask, scaling=
     if layer is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     if dropout:
         raise ValueError("ragged attention does not implement attention dropout (use model.eval())")
     batch, _, q_len, dim = query.shape
@@ -62,7 +65,7 @@ def ragged_attention_forward(module, query, key, value, attention_mask, scaling=
         base = torch.tensor(layer.real_seen, device=query.device).unsqueeze(1)
         positions = base + torch.arange(q_len, device=query.device)
     positions = positions.expand(batch, q_len)
-    scale = float(scaling) if scaling is not None else dim ** -0.5
+    scale = float(scaling) if scaling is not None else dim**-0.5
     return layer.attend(query, real, positions, scale), None
 
 
@@ -78,8 +81,10 @@ def register_attention(name: str, forward) -> None:
 def _switch(model, name: str, forward) -> str:
     """Register ``forward`` as ``name`` and select it on ``model``; returns the previous implementation."""
     if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
-        raise ValueError(f"{type(model).__name__} does not route attention through transformers' "
-                         f"AttentionInterface, so the attention function {name!r} cannot be switched in")
+        raise ValueError(
+            f"{type(model).__name__} does not route attention through transformers' "
+            f"AttentionInterface, so the attention function {name!r} cannot be switched in"
+        )
     register_attention(name, forward)
     previous = model.config._attn_implementation
     if previous != name:

@@ -51,8 +51,9 @@ def ideal_budgets(weights: np.ndarray, avg_budget: float, beta: float) -> np.nda
     return base + pool * weights
 
 
-def allocate_budgets(weights: np.ndarray, avg_budget: float, seq_len: int, *, beta: float = 2.0,
-                     min_budget: int = 1) -> np.ndarray:
+def allocate_budgets(
+    weights: np.ndarray, avg_budget: float, seq_len: int, *, beta: float = 2.0, min_budget: int = 1
+) -> np.ndarray:
     """Integer per-KV-head budgets ``[L, Hkv]`` with the total conserved exactly.
 
     ``weights``: normalised KV-head weights from :func:`kv_head_scores` (sum 1).

@@ -55,8 +55,18 @@ from .moments import MomentSums, PreparedMoments, attention_with_lse
 LAYER_TAG = "_kvcal_ragged_layer"
 ATTENTION_NAME = "kvcal_ragged"
 _MIN_SLACK = 16
-_ROW_STATE = ("key_store", "value_store", "position_store", "lengths", "real_seen", "recent_queries", "moments",
-              "corrections", "decode_plans", "_prepared")
+_ROW_STATE = (
+    "key_store",
+    "value_store",
+    "position_store",
+    "lengths",
+    "real_seen",
+    "recent_queries",
+    "moments",
+    "corrections",
+    "decode_plans",
+    "_prepared",
+)
 
 
 @dataclass
@@ -79,7 +89,7 @@ class RaggedLayer(DynamicLayer):
     def __init__(self, layer_idx: int = 0, **kwargs):
         super().__init__(**kwargs)
         self.layer_idx = int(layer_idx)
-        self.key_store: list[list[torch.Tensor]] = []    # [B][Hkv] -> [capacity, d]
+        self.key_store: list[list[torch.Tensor]] = []  # [B][Hkv] -> [capacity, d]
         self.value_store: list[list[torch.Tensor]] = []  # [B][Hkv] -> [capacity, d]
         self.position_store: list[list[torch.Tensor]] = []  # [B][Hkv] -> int32 [capacity]
         self.lengths: list[list[int]] = []  # [B][Hkv] live rows
@@ -102,8 +112,9 @@ class RaggedLayer(DynamicLayer):
         empty = lambda dtype: torch.empty(0, dim, dtype=dtype, device=self.device)  # noqa: E731
         self.key_store = [[empty(self.dtype) for _ in range(heads)] for _ in range(batch)]
         self.value_store = [[empty(self.dtype) for _ in range(heads)] for _ in range(batch)]
-        self.position_store = [[torch.empty(0, dtype=torch.int32, device=self.device) for _ in range(heads)]
-                               for _ in range(batch)]
+        self.position_store = [
+            [torch.empty(0, dtype=torch.int32, device=self.device) for _ in range(heads)] for _ in range(batch)
+        ]
         self.lengths = [[0] * heads for _ in range(batch)]
         self.real_seen = [0] * batch
         self.recent_queries = [None] * batch
@@ -118,12 +129,15 @@ class RaggedLayer(DynamicLayer):
             self._pending = None
             raise RuntimeError(
                 "RaggedCache: the previous chunk was never attended. The model must run with "
-                f"attn_implementation={ATTENTION_NAME!r}: call runtime.enable(model) first.")
+                f"attn_implementation={ATTENTION_NAME!r}: call runtime.enable(model) first."
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.batch_size or key_states.shape[1] != self.num_heads:
-            raise ValueError(f"RaggedCache holds batch {self.batch_size} x {self.num_heads} KV heads, "
-                             f"got keys of shape {tuple(key_states.shape)}")
+            raise ValueError(
+                f"RaggedCache holds batch {self.batch_size} x {self.num_heads} KV heads, "
+                f"got keys of shape {tuple(key_states.shape)}"
+            )
         self._pending = (key_states, value_states)
         setattr(key_states, LAYER_TAG, self)
         return key_states, value_states
@@ -142,8 +156,10 @@ class RaggedLayer(DynamicLayer):
         self.__init__(self.layer_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError("RaggedCache cannot be cropped: evicted tokens cannot be restored "
-                         "(assisted / speculative decoding is not supported with eviction)")
+        raise ValueError(
+            "RaggedCache cannot be cropped: evicted tokens cannot be restored "
+            "(assisted / speculative decoding is not supported with eviction)"
+        )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._reindex_batch([b for b in range(self.batch_size) for _ in range(repeats)])
@@ -178,8 +194,7 @@ class RaggedLayer(DynamicLayer):
         self._prepared = [None] * len(order)
         self.batch_size = len(order)
 
-    def _append(self, b: int, h: int, keys: torch.Tensor, values: torch.Tensor,
-                positions: torch.Tensor) -> int:
+    def _append(self, b: int, h: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> int:
         """Append ``[m, d]`` rows to head (b, h); returns the new live length."""
         length, count = self.lengths[b][h], keys.shape[0]
         new_length = length + count
@@ -224,7 +239,7 @@ class RaggedLayer(DynamicLayer):
             self.key_store[b][h], self.value_store[b][h], self.position_store[b][h] = kept
         else:
             count = kept[0].shape[0]
-            for buffer, rows_kept in zip((self.key_store, self.value_store, self.position_store), kept):
+            for buffer, rows_kept in zip((self.key_store, self.value_store, self.position_store), kept, strict=True):
                 buffer[b][h][:count] = rows_kept
         self.lengths[b][h] = int(rows.numel())
 
@@ -236,8 +251,10 @@ class RaggedLayer(DynamicLayer):
             if self.moments[b] is not None:
                 continue
             if any(length != self.real_seen[b] for length in self.lengths[b]):
-                raise ValueError(f"batch element {b} already evicted tokens without tracking their moments; "
-                                 "track moments before the first eviction")
+                raise ValueError(
+                    f"batch element {b} already evicted tokens without tracking their moments; "
+                    "track moments before the first eviction"
+                )
             self.moments[b] = MomentSums(self.num_heads, self.head_dim, device=self.device)
 
     def _prepared_moments(self, b: int) -> PreparedMoments | None:
@@ -252,8 +269,9 @@ class RaggedLayer(DynamicLayer):
 
     # -- attention ---------------------------------------------------------------------------
 
-    def attend(self, query: torch.Tensor, real: torch.Tensor | None, positions: torch.Tensor,
-               scaling: float) -> torch.Tensor:
+    def attend(
+        self, query: torch.Tensor, real: torch.Tensor | None, positions: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
         """Store the parked chunk's real tokens and attend each query head over its KV head.
 
         ``query [B, Hq, q, d]`` post-RoPE; ``real`` bool ``[B, q]`` (None: all real);
@@ -272,7 +290,10 @@ class RaggedLayer(DynamicLayer):
             count = q_len if rows is None else int(rows.numel())
             if count == 0:
                 continue
-            pick = (lambda t: t) if rows is None else (lambda t: t.index_select(-2, rows))  # noqa: E731
+
+            def pick(t: torch.Tensor, rows: torch.Tensor | None = rows) -> torch.Tensor:
+                return t if rows is None else t.index_select(-2, rows)
+
             chunk_q = pick(query[b])  # [Hq, count, d]
             chunk_k, chunk_v = pick(new_keys[b]), pick(new_values[b])  # [Hkv, count, d]
             chunk_pos = (positions[b] if rows is None else positions[b, rows]).to(torch.int32)
@@ -283,37 +304,42 @@ class RaggedLayer(DynamicLayer):
             for h in range(self.num_heads):
                 old = self.lengths[b][h]
                 total = self._append(b, h, chunk_k[h], chunk_v[h], chunk_pos)
-                q = chunk_q[h * group:(h + 1) * group]  # [G, count, d]
+                q = chunk_q[h * group : (h + 1) * group]  # [G, count, d]
                 if prepared is not None:
                     mask = None if count == 1 else _chunk_mask(old, count, total, q.device)
-                    retained.append(attention_with_lse(q, self.key_store[b][h][:total],
-                                                       self.value_store[b][h][:total], scaling, mask))
+                    retained.append(
+                        attention_with_lse(
+                            q, self.key_store[b][h][:total], self.value_store[b][h][:total], scaling, mask
+                        )
+                    )
                     continue
                 keys = self.key_store[b][h][:total].unsqueeze(0).unsqueeze(0)  # [1, 1, n, d]
                 values = self.value_store[b][h][:total].unsqueeze(0).unsqueeze(0)
                 if count == 1:
                     # One query per head sees every retained token: the G heads become G rows.
                     out = torch.nn.functional.scaled_dot_product_attention(
-                        q.transpose(0, 1).unsqueeze(0), keys, values, scale=scaling)  # [1, 1, G, d]
-                    output[b, (rows if rows is not None else slice(None)), h * group:(h + 1) * group] = out[0]
+                        q.transpose(0, 1).unsqueeze(0), keys, values, scale=scaling
+                    )  # [1, 1, G, d]
+                    output[b, (rows if rows is not None else slice(None)), h * group : (h + 1) * group] = out[0]
                     continue
                 if old == 0:
                     mask, causal = None, True
                 else:  # retained past fully visible, the chunk itself causal
                     mask, causal = _chunk_mask(old, count, total, q.device), False
                 out = torch.nn.functional.scaled_dot_product_attention(
-                    q.unsqueeze(0), keys, values, attn_mask=mask, is_causal=causal, scale=scaling,
-                    enable_gqa=True)  # [1, G, count, d]
+                    q.unsqueeze(0), keys, values, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True
+                )  # [1, G, count, d]
                 target = out[0].transpose(0, 1)  # [count, G, d]
                 if rows is None:
-                    output[b, :, h * group:(h + 1) * group] = target
+                    output[b, :, h * group : (h + 1) * group] = target
                 else:
-                    output[b, rows, h * group:(h + 1) * group] = target
+                    output[b, rows, h * group : (h + 1) * group] = target
             if prepared is not None:
                 out_R = torch.stack([out for out, _ in retained])  # [Hkv, G, count, d]
                 lse_R = torch.stack([lse for _, lse in retained])  # [Hkv, G, count]
-                merged = prepared.corrected(chunk_q.reshape(self.num_heads, group, count, dim), out_R, lse_R,
-                                            scaling)  # [Hkv, G, count, d]
+                merged = prepared.corrected(
+                    chunk_q.reshape(self.num_heads, group, count, dim), out_R, lse_R, scaling
+                )  # [Hkv, G, count, d]
                 target = merged.permute(2, 0, 1, 3).reshape(count, num_q_heads, dim).to(output.dtype)
                 output[b, (rows if rows is not None else slice(None))] = target
             self.real_seen[b] += count
@@ -328,20 +354,22 @@ class RaggedLayer(DynamicLayer):
         for h in range(self.num_heads):
             budget = int(budgets[h])
             if self.lengths[b][h] - budget >= plan.every:
-                plan.evictor.evict(self, self.layer_idx, b, h, budget, self.real_seen[b], shrink=False,
-                                   stats_row=plan.stats_row)
+                plan.evictor.evict(
+                    self, self.layer_idx, b, h, budget, self.real_seen[b], shrink=False, stats_row=plan.stats_row
+                )
 
     def _observe(self, b: int, chunk_q: torch.Tensor) -> None:
         previous = self.recent_queries[b]
         joined = chunk_q if previous is None else torch.cat([previous, chunk_q], dim=1)
-        self.recent_queries[b] = joined[:, -self.observe_queries:].clone()
+        self.recent_queries[b] = joined[:, -self.observe_queries :].clone()
 
     # -- accounting ----------------------------------------------------------------------------
 
     def kv_bytes(self) -> int:
         """Bytes allocated for keys and values (capacity, i.e. padding included)."""
-        return sum(t.numel() * t.element_size()
-                   for store in (self.key_store, self.value_store) for row in store for t in row)
+        return sum(
+            t.numel() * t.element_size() for store in (self.key_store, self.value_store) for row in store for t in row
+        )
 
     def index_bytes(self) -> int:
         """Bytes allocated for the per-token RoPE positions."""
@@ -368,7 +396,7 @@ class RaggedCache(Cache):
         super().__init__(layers=[RaggedLayer(index) for index in range(num_layers)])
 
     @classmethod
-    def for_model(cls, model) -> "RaggedCache":
+    def for_model(cls, model) -> RaggedCache:
         return cls(ModelGeometry.of(model).num_layers)
 
     def head_lengths(self) -> torch.Tensor:
@@ -394,14 +422,16 @@ class RaggedCache(Cache):
         """Correct attention with the moments: ``orders`` int ``[L, Hkv]`` in {-1, 0, 1}, ``tau [L, Hkv]``
         (None: switch correction off) for batch elements ``rows`` (default all)."""
         for index, layer in enumerate(self.layers):
-            for b in (range(layer.batch_size) if rows is None else rows):
+            for b in range(layer.batch_size) if rows is None else rows:
                 if orders is None:
                     layer.corrections[b] = None
                     continue
                 if layer.moments[b] is None:
                     raise ValueError("correction needs moment sums: call track_moments() before evicting")
-                layer.corrections[b] = (torch.as_tensor(np.asarray(orders[index]), dtype=torch.int64),
-                                        torch.as_tensor(np.asarray(tau[index]), dtype=torch.float32))
+                layer.corrections[b] = (
+                    torch.as_tensor(np.asarray(orders[index]), dtype=torch.int64),
+                    torch.as_tensor(np.asarray(tau[index]), dtype=torch.float32),
+                )
                 layer._prepared[b] = None
 
     def set_decode_plan(self, plan: DecodePlan | None, row: int) -> None:
@@ -416,12 +446,12 @@ class RaggedCache(Cache):
             raise ValueError("the cache is empty")
         return 2 * layer.head_dim * torch.empty(0, dtype=layer.dtype).element_size()
 
-    def copy(self) -> "RaggedCache":
+    def copy(self) -> RaggedCache:
         """An independent copy (e.g. one prefill, several policies): buffers are cloned."""
         if any(layer._pending is not None for layer in self.layers):
             raise RuntimeError("cannot copy a cache in the middle of a forward pass")
         clone = RaggedCache(len(self.layers))
-        for source, target in zip(self.layers, clone.layers):
+        for source, target in zip(self.layers, clone.layers, strict=True):
             target.__dict__.update({key: value for key, value in source.__dict__.items() if key not in _ROW_STATE})
             if source.is_initialized:
                 target.key_store = [[t.clone() for t in row] for row in source.key_store]
@@ -437,7 +467,7 @@ class RaggedCache(Cache):
         return clone
 
     @classmethod
-    def stack(cls, caches: list["RaggedCache"]) -> "RaggedCache":
+    def stack(cls, caches: list[RaggedCache]) -> RaggedCache:
         """One batched cache from caches that saw the same columns (e.g. copies of one prefill
         compressed under different policies), batch elements in order; buffers are shared."""
         if not caches:
@@ -455,8 +485,9 @@ class RaggedCache(Cache):
             if any(source._pending is not None for source in sources):
                 raise RuntimeError("cannot stack caches in the middle of a forward pass")
             base = sources[0]
-            target.__dict__.update({key: value for key, value in base.__dict__.items()
-                                    if key not in _ROW_STATE + ("batch_size",)})
+            target.__dict__.update(
+                {key: value for key, value in base.__dict__.items() if key not in _ROW_STATE + ("batch_size",)}
+            )
             target.key_store = [row for source in sources for row in source.key_store]
             target.value_store = [row for source in sources for row in source.value_store]
             target.position_store = [row for source in sources for row in source.position_store]

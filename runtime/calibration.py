@@ -35,8 +35,13 @@ from pathlib import Path
 import numpy as np
 
 from artifacts import ARTIFACT_FILENAME, ArtifactError, ModelIdentity, open_artifact
-from artifacts.fingerprint import (architecture_fingerprint, architecture_numbers, has_query_norm,
-                                   tokenizer_fingerprint, weights_fingerprint)
+from artifacts.fingerprint import (
+    architecture_fingerprint,
+    architecture_numbers,
+    has_query_norm,
+    tokenizer_fingerprint,
+    weights_fingerprint,
+)
 
 from .budgets import kv_head_scores
 
@@ -52,10 +57,21 @@ class Calibration:
     stays fast for policies that do not need them.  Arrays may also be given directly.
     """
 
-    def __init__(self, path, identity, config: dict, sections: tuple[str, ...], *,
-                 query_mean: np.ndarray | None = None, query_cov: np.ndarray | None = None,
-                 inf_weights: np.ndarray | None = None, moment_orders: np.ndarray | None = None,
-                 moment_tau: np.ndarray | None = None, moment_selection: str | None = None, reader=None):
+    def __init__(
+        self,
+        path,
+        identity,
+        config: dict,
+        sections: tuple[str, ...],
+        *,
+        query_mean: np.ndarray | None = None,
+        query_cov: np.ndarray | None = None,
+        inf_weights: np.ndarray | None = None,
+        moment_orders: np.ndarray | None = None,
+        moment_tau: np.ndarray | None = None,
+        moment_selection: str | None = None,
+        reader=None,
+    ):
         self.path = Path(path)
         self.identity = identity
         self.config = config
@@ -96,10 +112,13 @@ class Calibration:
         if scorer_name in self._warned_selections:
             return
         self._warned_selections.add(scorer_name)
-        warnings.warn(f"{self.path}: correction='calibrated' serves per-head MomentKV orders measured on the tokens "
-                      f"{self.moment_selection!r} keeps, but the policy evicts with {scorer_name!r}; the best order "
-                      f"per head may differ (profiler.moments_calibration.measure_correction_errors(..., "
-                      f"scorer={scorer_name!r}) calibrates them for it)", stacklevel=4)
+        warnings.warn(
+            f"{self.path}: correction='calibrated' serves per-head MomentKV orders measured on the tokens "
+            f"{self.moment_selection!r} keeps, but the policy evicts with {scorer_name!r}; the best order "
+            f"per head may differ (profiler.moments_calibration.measure_correction_errors(..., "
+            f"scorer={scorer_name!r}) calibrates them for it)",
+            stacklevel=4,
+        )
 
     def close(self) -> None:
         """Close the artifact file (reading the query statistics first if they were never used)."""
@@ -136,9 +155,13 @@ def find_artifact(model, path: str | os.PathLike | None = None) -> Path:
         try:  # a hub id: look in the local hub snapshot, offline
             from transformers.utils.hub import cached_file
 
-            found = cached_file(source, ARTIFACT_FILENAME, local_files_only=True,
-                                _raise_exceptions_for_missing_entries=False,
-                                _raise_exceptions_for_connection_errors=False)
+            found = cached_file(
+                source,
+                ARTIFACT_FILENAME,
+                local_files_only=True,
+                _raise_exceptions_for_missing_entries=False,
+                _raise_exceptions_for_connection_errors=False,
+            )
             if found:
                 candidates.append(Path(found))
         except Exception:  # not a hub id, or no local snapshot
@@ -147,8 +170,9 @@ def find_artifact(model, path: str | os.PathLike | None = None) -> Path:
         if candidate.is_file():
             return candidate
     where = ", ".join(str(c) for c in candidates) or f"(model source {source!r} is not a local directory)"
-    raise ArtifactError(f"no {ARTIFACT_FILENAME} found next to the weights: looked at {where}. "
-                        "Run profile-model, or pass path=...")
+    raise ArtifactError(
+        f"no {ARTIFACT_FILENAME} found next to the weights: looked at {where}. Run profile-model, or pass path=..."
+    )
 
 
 def _memo(model) -> dict:
@@ -184,14 +208,18 @@ def model_tokenizer_fingerprint(tokenizer) -> str:
     return memo[1]
 
 
-def check_identity(identity: ModelIdentity, model, tokenizer=None, *, allow_mismatch: bool = False,
-                   source: str = "artifact") -> None:
+def check_identity(
+    identity: ModelIdentity, model, tokenizer=None, *, allow_mismatch: bool = False, source: str = "artifact"
+) -> None:
     """Refuse an artifact made for another architecture / weights / tokenizer (see module doc)."""
     numbers = architecture_numbers(model.config)
     expected = architecture_fingerprint(numbers, has_query_norm(model))
     if identity.arch_fingerprint != expected:
-        differing = [f"{key}: artifact {getattr(identity, key)!r} vs model {value!r}"
-                     for key, value in numbers.items() if getattr(identity, key, None) != value]
+        differing = [
+            f"{key}: artifact {getattr(identity, key)!r} vs model {value!r}"
+            for key, value in numbers.items()
+            if getattr(identity, key, None) != value
+        ]
         detail = "; ".join(differing) or "query norm or RoPE parameters differ"
         raise ArtifactError(f"{source} was made for another architecture ({identity.name}): {detail}")
     mismatches = []
@@ -203,18 +231,23 @@ def check_identity(identity: ModelIdentity, model, tokenizer=None, *, allow_mism
         return
     what = " and ".join(mismatches)
     if not allow_mismatch:
-        raise ArtifactError(f"{source} was calibrated for {identity.name} with different {what} than the loaded "
-                            "model; pass allow_mismatch=True to use it anyway")
+        raise ArtifactError(
+            f"{source} was calibrated for {identity.name} with different {what} than the loaded "
+            "model; pass allow_mismatch=True to use it anyway"
+        )
     warned = _memo(model)["warned"]
     key = (str(source), what)
     if key not in warned:
         warned.add(key)
-        warnings.warn(f"{source}: {what} fingerprint differs from the loaded model; using it anyway "
-                      "(allow_mismatch=True)", stacklevel=3)
+        warnings.warn(
+            f"{source}: {what} fingerprint differs from the loaded model; using it anyway (allow_mismatch=True)",
+            stacklevel=3,
+        )
 
 
-def load_calibration(model, tokenizer=None, path: str | os.PathLike | None = None, *,
-                     allow_mismatch: bool = False) -> Calibration:
+def load_calibration(
+    model, tokenizer=None, path: str | os.PathLike | None = None, *, allow_mismatch: bool = False
+) -> Calibration:
     """Find, validate and read the artifact for ``model`` (see the module docstring)."""
     artifact_path = find_artifact(model, path)
     reader = open_artifact(artifact_path)
@@ -231,5 +264,13 @@ def load_calibration(model, tokenizer=None, path: str | os.PathLike | None = Non
     except BaseException:
         reader.close()
         raise
-    return Calibration(artifact_path, reader.model, reader.config, tuple(reader.sections), inf_weights=inf_weights,
-                       moment_orders=moment_orders, moment_tau=moment_tau, reader=reader if reader.has("query_stats") else None)
+    return Calibration(
+        artifact_path,
+        reader.model,
+        reader.config,
+        tuple(reader.sections),
+        inf_weights=inf_weights,
+        moment_orders=moment_orders,
+        moment_tau=moment_tau,
+        reader=reader if reader.has("query_stats") else None,
+    )

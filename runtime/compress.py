@@ -36,9 +36,18 @@ def _needs(policy: CompressionPolicy | None):
 
 
 @torch.no_grad()
-def prefill(model, cache: RaggedCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-            policy: CompressionPolicy | None = None, prompt_stats: QueryMoments | None = None,
-            record_prompt_stats: bool = False, observe_queries: int = 0, n_sink: int | None = None):
+def prefill(
+    model,
+    cache: RaggedCache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    policy: CompressionPolicy | None = None,
+    prompt_stats: QueryMoments | None = None,
+    record_prompt_stats: bool = False,
+    observe_queries: int = 0,
+    n_sink: int | None = None,
+):
     """Run ``input_ids [B, T]`` into ``cache`` and return the prompt query statistics (or None).
 
     ``attention_mask [B, past + T]`` (1 real, 0 padding) covers the columns already in the
@@ -54,11 +63,14 @@ def prefill(model, cache: RaggedCache, input_ids: torch.Tensor, attention_mask: 
     if attention_mask is None:
         attention_mask = torch.ones(batch, past + length, dtype=torch.long, device=input_ids.device)
     if attention_mask.shape != (batch, past + length):
-        raise ValueError(f"attention_mask must cover the {past} cached columns plus the {length} new ones: "
-                         f"expected shape {(batch, past + length)}, got {tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"attention_mask must cover the {past} cached columns plus the {length} new ones: "
+            f"expected shape {(batch, past + length)}, got {tuple(attention_mask.shape)}"
+        )
     chunk_mask = attention_mask[:, past:].bool()
-    seen = torch.tensor(cache.layers[0].real_seen if cache.layers[0].is_initialized else [0] * batch,
-                        device=input_ids.device)
+    seen = torch.tensor(
+        cache.layers[0].real_seen if cache.layers[0].is_initialized else [0] * batch, device=input_ids.device
+    )
     position_ids = (seen.unsqueeze(1) + chunk_mask.long().cumsum(-1) - 1).clamp(min=0)
     wants_stats, window = _needs(policy)
     wants_stats = wants_stats or record_prompt_stats
@@ -72,11 +84,23 @@ def prefill(model, cache: RaggedCache, input_ids: torch.Tensor, attention_mask: 
         # only real tokens count; the first n_sink (attention sinks, outlier queries) stay out
         skip = n_sink if n_sink is not None else (policy.n_sink if policy is not None else 0)
         with prompt_stats.collect(geometry, real=chunk_mask & (position_ids >= skip)):
-            model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
     else:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-              past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
     return prompt_stats
 
 
@@ -91,9 +115,16 @@ class CompressionReport:
 
 
 @torch.no_grad()
-def compress(model, cache: RaggedCache, policy: CompressionPolicy, calibration=None,
-             prompt_stats: QueryMoments | None = None, *, context_lengths: list[int] | None = None,
-             final: bool = True) -> CompressionReport:
+def compress(
+    model,
+    cache: RaggedCache,
+    policy: CompressionPolicy,
+    calibration=None,
+    prompt_stats: QueryMoments | None = None,
+    *,
+    context_lengths: list[int] | None = None,
+    final: bool = True,
+) -> CompressionReport:
     """Evict every KV head of ``cache`` down to its budget (see the module docstring).
 
     Budgets are computed for each batch element's real token count, or for
@@ -141,14 +172,20 @@ def compress(model, cache: RaggedCache, policy: CompressionPolicy, calibration=N
                 cache.set_correction(*corrections, rows=[b])
             if policy.evict_every is not None and first.real_seen[b] > 0:
                 # a token budget bounds each head while decoding even when the prompt was shorter
-                length = max(first.real_seen[b] if context_lengths is None else int(context_lengths[b]),
-                             policy.budget or 0)
+                length = max(
+                    first.real_seen[b] if context_lengths is None else int(context_lengths[b]), policy.budget or 0
+                )
                 budgets = policy.head_budgets(length, evictor.num_layers, evictor.num_kv_heads, inf_weights)
                 cache.set_decode_plan(DecodePlan(evictor, budgets, int(policy.evict_every), b), row=b)
         if policy.evict_every is None or not evictor.scorer.observation_window:
             for layer in cache.layers:
                 layer.recent_queries = [None] * layer.batch_size
                 layer.observe_queries = 0
-    return CompressionReport(budgets=np.stack(all_budgets), lengths_before=lengths_before,
-                             lengths_after=cache.head_lengths().numpy(), kv_bytes_before=bytes_before,
-                             kv_bytes_after=cache.kv_bytes(), seconds=time.perf_counter() - started)
+    return CompressionReport(
+        budgets=np.stack(all_budgets),
+        lengths_before=lengths_before,
+        lengths_after=cache.head_lengths().numpy(),
+        kv_bytes_before=bytes_before,
+        kv_bytes_after=cache.kv_bytes(),
+        seconds=time.perf_counter() - started,
+    )

@@ -50,8 +50,10 @@ class HeadEvictor:
             identity = calibration.identity
             if (identity.num_layers, identity.num_q_heads) != (self.num_layers, self.num_q_heads):
                 raise ValueError("calibration statistics do not match the model's layers / query heads")
-            self.calibrated = (torch.from_numpy(np.asarray(calibration.query_mean)),
-                               torch.from_numpy(np.asarray(calibration.query_cov)))
+            self.calibrated = (
+                torch.from_numpy(np.asarray(calibration.query_mean)),
+                torch.from_numpy(np.asarray(calibration.query_cov)),
+            )
 
     def _rope_at(self, next_position: int):
         if self._rope is None or self._rope[0] != next_position:
@@ -65,13 +67,21 @@ class HeadEvictor:
             self._stats[b] = self.prompt_stats.mean_cov(b)
         return self._stats[b]
 
-    def context(self, layer, layer_idx: int, b: int, h: int, next_position: int,
-                stats_row: int | None = None) -> HeadContext:
+    def context(
+        self, layer, layer_idx: int, b: int, h: int, next_position: int, stats_row: int | None = None
+    ) -> HeadContext:
         """What the scorer sees of head ``(b, layer_idx, h)`` with the next token at ``next_position``
         (``stats_row``: the element's row in the prompt statistics, default ``b``)."""
         keys, values, positions = layer.head(b, h)
-        context = HeadContext(layer=layer_idx, kv_head=h, keys=keys, values=values, positions=positions,
-                              scaling=self.scalings[layer_idx], next_position=next_position)
+        context = HeadContext(
+            layer=layer_idx,
+            kv_head=h,
+            keys=keys,
+            values=values,
+            positions=positions,
+            scaling=self.scalings[layer_idx],
+            next_position=next_position,
+        )
         heads = slice(h * self.group, (h + 1) * self.group)
         if self.scorer.rope_horizon:
             context.rope_cos, context.rope_sin = self._rope_at(next_position)
@@ -82,15 +92,27 @@ class HeadEvictor:
             recorded = layer.recent_queries[b]  # [Hq, w_recorded, d]
             if recorded is None or recorded.shape[1] < min(self.scorer.observation_window, next_position):
                 have = 0 if recorded is None else recorded.shape[1]
-                raise ValueError(f"{self.scorer!r} needs the last {self.scorer.observation_window} queries, only "
-                                 f"{have} were recorded")
-            context.recent_queries = recorded[heads, -self.scorer.observation_window:]
+                raise ValueError(
+                    f"{self.scorer!r} needs the last {self.scorer.observation_window} queries, only "
+                    f"{have} were recorded"
+                )
+            context.recent_queries = recorded[heads, -self.scorer.observation_window :]
         if self.scorer.key_rope:  # the RoPE of each key's own position (to undo it: pre-RoPE keys)
             context.key_cos, context.key_sin = rope_cos_sin(self.geometry, positions)
         return context
 
-    def evict(self, layer, layer_idx: int, b: int, h: int, budget: int, next_position: int, *,
-              shrink: bool = True, stats_row: int | None = None) -> int:
+    def evict(
+        self,
+        layer,
+        layer_idx: int,
+        b: int,
+        h: int,
+        budget: int,
+        next_position: int,
+        *,
+        shrink: bool = True,
+        stats_row: int | None = None,
+    ) -> int:
         """Cut head ``(b, layer_idx, h)`` down to ``budget`` tokens; returns how many were evicted.
 
         ``shrink=False`` (decoding) keeps the buffers' capacity so the next tokens append
@@ -103,17 +125,27 @@ class HeadEvictor:
         policy = self.policy
         if policy.moment_eviction:
             if layer.moments[b] is None:
-                raise ValueError("moment-informed eviction needs a cache that tracks moments "
-                                 "(RaggedCache(..., track_moments=True))")
+                raise ValueError(
+                    "moment-informed eviction needs a cache that tracks moments (RaggedCache(..., track_moments=True))"
+                )
             attention = self.scorer.attention(context)
             protected = torch.zeros(length, dtype=torch.bool, device=context.keys.device)
-            protected[:min(policy.n_sink, budget)] = True
+            protected[: min(policy.n_sink, budget)] = True
             recent = min(policy.window, max(budget - policy.n_sink, 0))
             if recent:
-                protected[length - recent:] = True
-            rows = evict_in_rounds(attention, context.keys, context.values, layer.moments[b], h,
-                                   context.scaling, budget, rounds=policy.moment_rounds, protected=protected,
-                                   tau=policy.tau or 0.0)
+                protected[length - recent :] = True
+            rows = evict_in_rounds(
+                attention,
+                context.keys,
+                context.values,
+                layer.moments[b],
+                h,
+                context.scaling,
+                budget,
+                rounds=policy.moment_rounds,
+                protected=protected,
+                tau=policy.tau or 0.0,
+            )
             layer.keep(b, h, rows, fold=False, shrink=shrink)
         else:
             scores = self.scorer.score(context)

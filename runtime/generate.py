@@ -48,7 +48,7 @@ def build_inputs(contexts: list[list[int]], questions: list[list[int]], pad_toke
     context_columns = max(len(c) for c in contexts)
     question_columns = max(len(q) for q in questions)
     ids, mask = [], []
-    for context, question in zip(contexts, questions):
+    for context, question in zip(contexts, questions, strict=True):
         pad_c, pad_q = context_columns - len(context), question_columns - len(question)
         ids.append([pad_token_id] * pad_c + list(context) + [pad_token_id] * pad_q + list(question))
         mask.append([0] * pad_c + [1] * len(context) + [0] * pad_q + [1] * len(question))
@@ -56,9 +56,16 @@ def build_inputs(contexts: list[list[int]], questions: list[list[int]], pad_toke
 
 
 @torch.no_grad()
-def compress_prompt(model, input_ids: torch.Tensor, policy: CompressionPolicy | None, *,
-                    attention_mask: torch.Tensor | None = None, context_columns: int | None = None,
-                    calibration=None, block_size: int | None = None) -> tuple[RaggedCache, CompressionReport | None]:
+def compress_prompt(
+    model,
+    input_ids: torch.Tensor,
+    policy: CompressionPolicy | None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    context_columns: int | None = None,
+    calibration=None,
+    block_size: int | None = None,
+) -> tuple[RaggedCache, CompressionReport | None]:
     """A :class:`RaggedCache` holding the compressed prefix of ``input_ids [B, T]``.
 
     ``context_columns``: question-agnostic split (see the module docstring); None =
@@ -73,8 +80,10 @@ def compress_prompt(model, input_ids: torch.Tensor, policy: CompressionPolicy | 
     total = input_ids.shape[1]
     columns = total - 1 if context_columns is None else int(context_columns)
     if not 1 <= columns <= total - 1:
-        raise ValueError(f"the compressed prefix must leave at least one column for generate(): "
-                         f"context_columns={columns} with a prompt of {total} columns")
+        raise ValueError(
+            f"the compressed prefix must leave at least one column for generate(): "
+            f"context_columns={columns} with a prompt of {total} columns"
+        )
     if policy is not None:
         policy.check_calibration(calibration)
     enable(model)
@@ -91,10 +100,12 @@ def compress_prompt(model, input_ids: torch.Tensor, policy: CompressionPolicy | 
     stats = None
     for start in range(0, columns, block_size):
         end = min(start + block_size, columns)
-        stats = prefill(model, cache, input_ids[:, start:end], attention_mask[:, :end], policy=policy,
-                        prompt_stats=stats)
-        report = compress(model, cache, policy, calibration, prompt_stats=stats, context_lengths=lengths,
-                          final=end == columns)
+        stats = prefill(
+            model, cache, input_ids[:, start:end], attention_mask[:, :end], policy=policy, prompt_stats=stats
+        )
+        report = compress(
+            model, cache, policy, calibration, prompt_stats=stats, context_lengths=lengths, final=end == columns
+        )
     return cache, report
 
 
@@ -107,18 +118,34 @@ class GenerationResult:
 
 
 @torch.no_grad()
-def generate(model, input_ids: torch.Tensor, policy: CompressionPolicy | None, *,
-             attention_mask: torch.Tensor | None = None, context_columns: int | None = None, calibration=None,
-             block_size: int | None = None, **generate_kwargs) -> GenerationResult:
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    policy: CompressionPolicy | None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    context_columns: int | None = None,
+    calibration=None,
+    block_size: int | None = None,
+    **generate_kwargs,
+) -> GenerationResult:
     """:func:`compress_prompt` then ``model.generate`` (greedy unless ``do_sample=True``)."""
-    cache, report = compress_prompt(model, input_ids, policy, attention_mask=attention_mask,
-                                    context_columns=context_columns, calibration=calibration, block_size=block_size)
+    cache, report = compress_prompt(
+        model,
+        input_ids,
+        policy,
+        attention_mask=attention_mask,
+        context_columns=context_columns,
+        calibration=calibration,
+        block_size=block_size,
+    )
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     generate_kwargs.setdefault("do_sample", False)
     sequences = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)
-    return GenerationResult(sequences=sequences, new_tokens=sequences[:, input_ids.shape[1]:], cache=cache,
-                            report=report)
+    return GenerationResult(
+        sequences=sequences, new_tokens=sequences[:, input_ids.shape[1] :], cache=cache, report=report
+    )
 
 
 def split_prompt(tokenizer, context: str, question: str, chat: bool = True) -> tuple[list[int], list[int]]:
@@ -133,21 +160,38 @@ def split_prompt(tokenizer, context: str, question: str, chat: bool = True) -> t
     return ids[:context_end], ids[context_end:]
 
 
-def answer(model, tokenizer, context: str | list[str], question: str | list[str], policy: CompressionPolicy | None,
-           *, calibration=None, question_aware: bool = False, chat: bool = True, max_new_tokens: int = 32,
-           **generate_kwargs) -> str | list[str]:
+def answer(
+    model,
+    tokenizer,
+    context: str | list[str],
+    question: str | list[str],
+    policy: CompressionPolicy | None,
+    *,
+    calibration=None,
+    question_aware: bool = False,
+    chat: bool = True,
+    max_new_tokens: int = 32,
+    **generate_kwargs,
+) -> str | list[str]:
     """Answer ``question`` about ``context`` with a compressed cache (lists: one batch)."""
     single = isinstance(context, str)
     contexts = [context] if single else list(context)
     questions = [question] if isinstance(question, str) else list(question)
     if len(contexts) != len(questions):
         raise ValueError(f"got {len(contexts)} contexts and {len(questions)} questions")
-    pairs = [split_prompt(tokenizer, c, q, chat=chat) for c, q in zip(contexts, questions)]
+    pairs = [split_prompt(tokenizer, c, q, chat=chat) for c, q in zip(contexts, questions, strict=True)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids, mask, context_columns = build_inputs([p[0] for p in pairs], [p[1] for p in pairs], pad)
     generate_kwargs.setdefault("pad_token_id", pad)
-    result = generate(model, ids, policy, attention_mask=mask,
-                      context_columns=None if question_aware else context_columns,
-                      calibration=calibration, max_new_tokens=max_new_tokens, **generate_kwargs)
+    result = generate(
+        model,
+        ids,
+        policy,
+        attention_mask=mask,
+        context_columns=None if question_aware else context_columns,
+        calibration=calibration,
+        max_new_tokens=max_new_tokens,
+        **generate_kwargs,
+    )
     texts = [tokenizer.decode(row, skip_special_tokens=True).strip() for row in result.new_tokens]
     return texts[0] if single else texts

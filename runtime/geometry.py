@@ -51,7 +51,7 @@ class ModelGeometry:
         return self.num_q_heads // self.num_kv_heads
 
     @classmethod
-    def of(cls, model) -> "ModelGeometry":
+    def of(cls, model) -> ModelGeometry:
         """Check ``model`` and return its geometry, or raise :class:`UnsupportedModelError`.
 
         A :class:`ModelGeometry` is returned as it is, so functions may take either.
@@ -71,17 +71,18 @@ class ModelGeometry:
         backbone = getattr(model, "model", None)
         layers = getattr(backbone, "layers", None)
         if backbone is None or layers is None:
-            raise UnsupportedModelError(f"{name}: no decoder layers at model.model.layers "
-                                        "(not a Llama-family causal LM)")
+            raise UnsupportedModelError(
+                f"{name}: no decoder layers at model.model.layers (not a Llama-family causal LM)"
+            )
         rotary = getattr(backbone, "rotary_emb", None)
         if rotary is None:
             raise UnsupportedModelError(f"{name}: no rotary embedding at model.model.rotary_emb (RoPE models only)")
         if num_q_heads % num_kv_heads:
-            raise UnsupportedModelError(f"{name}: {num_q_heads} query heads are not a multiple of "
-                                        f"{num_kv_heads} KV heads")
+            raise UnsupportedModelError(
+                f"{name}: {num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads"
+            )
         if len(layers) != numbers["num_layers"]:
-            raise UnsupportedModelError(f"{name}: config says {numbers['num_layers']} layers, "
-                                        f"model has {len(layers)}")
+            raise UnsupportedModelError(f"{name}: config says {numbers['num_layers']} layers, model has {len(layers)}")
 
         query_norm = has_query_norm(model)
         attention_modules, query_modules, scalings = [], [], []
@@ -91,20 +92,34 @@ class ModelGeometry:
                 raise UnsupportedModelError(f"{name}: layer {index} has no self_attn module")
             q_proj = getattr(attention, "q_proj", None)
             if not isinstance(q_proj, torch.nn.Linear):
-                raise UnsupportedModelError(f"{name}: layer {index} attention has no q_proj linear "
-                                            "(fused QKV projections are not supported)")
+                raise UnsupportedModelError(
+                    f"{name}: layer {index} attention has no q_proj linear (fused QKV projections are not supported)"
+                )
             if q_proj.out_features != num_q_heads * head_dim:
-                raise UnsupportedModelError(f"{name}: layer {index} q_proj gives {q_proj.out_features} features, "
-                                            f"expected {num_q_heads} heads x {head_dim}")
+                raise UnsupportedModelError(
+                    f"{name}: layer {index} q_proj gives {q_proj.out_features} features, "
+                    f"expected {num_q_heads} heads x {head_dim}"
+                )
             if getattr(attention, "layer_idx", None) != index:
                 raise UnsupportedModelError(f"{name}: layer {index} attention has no matching layer_idx")
             q_norm = getattr(attention, "q_norm", None)
             if (q_norm is not None) != query_norm:
-                raise UnsupportedModelError(f"{name}: only some layers have a query norm "
-                                            f"(layer {index} {'has' if q_norm is not None else 'has no'} q_norm)")
+                raise UnsupportedModelError(
+                    f"{name}: only some layers have a query norm "
+                    f"(layer {index} {'has' if q_norm is not None else 'has no'} q_norm)"
+                )
             attention_modules.append(attention)
             query_modules.append(q_norm if query_norm else q_proj)
-            scalings.append(float(getattr(attention, "scaling", head_dim ** -0.5)))
-        return cls(num_layers=len(layers), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                   scalings=tuple(scalings), attention_modules=tuple(attention_modules),
-                   query_modules=tuple(query_modules), query_norm=query_norm, rotary=rotary, text_config=config)
+            scalings.append(float(getattr(attention, "scaling", head_dim**-0.5)))
+        return cls(
+            num_layers=len(layers),
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            scalings=tuple(scalings),
+            attention_modules=tuple(attention_modules),
+            query_modules=tuple(query_modules),
+            query_norm=query_norm,
+            rotary=rotary,
+            text_config=config,
+        )

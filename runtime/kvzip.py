@@ -68,14 +68,21 @@ def repeat_template(tokenizer) -> tuple[int, list[int]]:
         bos = tokenizer("x", add_special_tokens=True)["input_ids"]
         return (1 if len(bos) > len(encode("x")) else 0), encode("\n")
     marker, separator = "kvzip context", "\n##############"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker + separator}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker + separator}], tokenize=False, add_generation_prompt=True
+    )
     head, suffix = text.split(separator)
     return len(encode(head.split(marker)[0])), encode(suffix)
 
 
-def reconstruction_chunks(tokenizer, context_ids: list[int], prefix_length: int, suffix_ids: list[int],
-                          chunk_size: int = 2048, overlap: int = 8) -> list[tuple[int, int, list[int]]]:
+def reconstruction_chunks(
+    tokenizer,
+    context_ids: list[int],
+    prefix_length: int,
+    suffix_ids: list[int],
+    chunk_size: int = 2048,
+    overlap: int = 8,
+) -> list[tuple[int, int, list[int]]]:
     """``(start, end, input_ids)`` per chunk: positions ``[start, end)`` of the context it
     reconstructs and its input (instruction + suffix + those context tokens)."""
     if chunk_size <= 0:
@@ -84,8 +91,10 @@ def reconstruction_chunks(tokenizer, context_ids: list[int], prefix_length: int,
     body = list(context_ids[prefix_length:])
     chunks = []
     for index, start in enumerate(range(0, len(body), chunk_size)):
-        part = body[start:start + chunk_size]
-        instruction = encode(REPEAT_FIRST) if index == 0 else encode(REPEAT_NEXT) + body[max(start - overlap, 0):start]
+        part = body[start : start + chunk_size]
+        instruction = (
+            encode(REPEAT_FIRST) if index == 0 else encode(REPEAT_NEXT) + body[max(start - overlap, 0) : start]
+        )
         chunks.append((prefix_length + start, prefix_length + start + len(part), instruction + list(suffix_ids) + part))
     return chunks
 
@@ -145,15 +154,20 @@ class ReconstructionLayer(DynamicLayer):
         for h in range(heads):
             keys, values, kept_positions = self.base.head(self.row, h)
             old = keys.shape[0]
-            q = query[0, h * group:(h + 1) * group]  # [G, q, d]
+            q = query[0, h * group : (h + 1) * group]  # [G, q, d]
             all_keys = torch.cat([keys, new_keys[0, h]])
             all_values = torch.cat([values, new_values[0, h]])
             mask = torch.ones(q_len, old + q_len, dtype=torch.bool, device=query.device)
             mask[:, old:] = causal
             out = torch.nn.functional.scaled_dot_product_attention(
-                q.unsqueeze(0), all_keys[None, None], all_values[None, None], attn_mask=mask, scale=scaling,
-                enable_gqa=True)  # [1, G, q, d]: the model's own attention, nothing dropped
-            output[0, :, h * group:(h + 1) * group] = out[0].transpose(0, 1)
+                q.unsqueeze(0),
+                all_keys[None, None],
+                all_values[None, None],
+                attn_mask=mask,
+                scale=scaling,
+                enable_gqa=True,
+            )  # [1, G, q, d]: the model's own attention, nothing dropped
+            output[0, :, h * group : (h + 1) * group] = out[0].transpose(0, 1)
             # the score: softmax over the prefix, this chunk's context span and the chunk itself
             kept_positions = kept_positions.long()
             rows = ((kept_positions < self.sink) | ((kept_positions >= start) & (kept_positions < end))).nonzero()
@@ -165,8 +179,8 @@ class ReconstructionLayer(DynamicLayer):
                 hi = min(lo + self.query_block, q_len)
                 block = q[:, lo:hi].float()  # [G, b, d]
                 logits = torch.cat([block @ scored.T, block @ own.T], dim=-1) * scaling  # [G, b, m + q]
-                logits[..., rows.shape[0]:].masked_fill_(~causal[lo:hi], float("-inf"))
-                weights = torch.softmax(logits, dim=-1)[..., :rows.shape[0]]
+                logits[..., rows.shape[0] :].masked_fill_(~causal[lo:hi], float("-inf"))
+                weights = torch.softmax(logits, dim=-1)[..., : rows.shape[0]]
                 best = torch.maximum(best, weights.amax(dim=(0, 1)))
             target = self.scores[h]
             where = kept_positions.index_select(0, rows).to(target.device)
@@ -178,8 +192,11 @@ class ReconstructionView(Cache):
     """``Cache`` of :class:`ReconstructionLayer` views over row ``row`` of a :class:`RaggedCache`."""
 
     def __init__(self, cache: RaggedCache, row: int, scores: torch.Tensor, query_block: int = 512):
-        super().__init__(layers=[ReconstructionLayer(layer, row, scores[index], query_block)
-                                 for index, layer in enumerate(cache.layers)])
+        super().__init__(
+            layers=[
+                ReconstructionLayer(layer, row, scores[index], query_block) for index, layer in enumerate(cache.layers)
+            ]
+        )
 
     def set_chunk(self, sink: int, start: int, end: int) -> None:
         for layer in self.layers:
@@ -187,9 +204,18 @@ class ReconstructionView(Cache):
 
 
 @torch.no_grad()
-def kvzip_scores(model, tokenizer, cache: RaggedCache, context_ids, *, row: int = 0,
-                 prefix_length: int | None = None, chunk_size: int = 2048, overlap: int = 8,
-                 query_block: int = 512) -> KVzipScores:
+def kvzip_scores(
+    model,
+    tokenizer,
+    cache: RaggedCache,
+    context_ids,
+    *,
+    row: int = 0,
+    prefix_length: int | None = None,
+    chunk_size: int = 2048,
+    overlap: int = 8,
+    query_block: int = 512,
+) -> KVzipScores:
     """KVzip scores of every cached row of ``cache``'s row ``row`` (see the module docstring).
 
     ``context_ids``: the real token ids the row was prefilled with (list or 1-D / ``[1, T]``
@@ -224,10 +250,17 @@ def kvzip_scores(model, tokenizer, cache: RaggedCache, context_ids, *, row: int 
         positions = seen + torch.arange(len(chunk_ids), device=device).unsqueeze(0)
         model(input_ids=input_ids, position_ids=positions, past_key_values=view, use_cache=True, logits_to_keep=1)
         tokens += len(chunk_ids)
-    last_keys = torch.stack([torch.stack([_key_at(layer, row, h, len(ids) - 1) for h in range(heads)])
-                             for layer in cache.layers])
-    return KVzipScores(scores=scores.cpu(), last_keys=last_keys, prefix_length=prefix, chunks=len(chunks),
-                       reconstruction_tokens=tokens, seconds=time.perf_counter() - started)
+    last_keys = torch.stack(
+        [torch.stack([_key_at(layer, row, h, len(ids) - 1) for h in range(heads)]) for layer in cache.layers]
+    )
+    return KVzipScores(
+        scores=scores.cpu(),
+        last_keys=last_keys,
+        prefix_length=prefix,
+        chunks=len(chunks),
+        reconstruction_tokens=tokens,
+        seconds=time.perf_counter() - started,
+    )
 
 
 def _key_at(layer: RaggedLayer, row: int, h: int, position: int) -> torch.Tensor:
@@ -249,8 +282,8 @@ def kvzip_budgets(scores: KVzipScores, ratio: float, n_sink: int = 4, window: in
         raise ValueError(f"ratio must be in (0, 1], got {ratio}")
     table = scores.scores.clone()
     length = table.shape[-1]
-    table[..., :min(n_sink, length)] = float("inf")
-    table[..., max(length - window, 0):] = float("inf")
+    table[..., : min(n_sink, length)] = float("inf")
+    table[..., max(length - window, 0) :] = float("inf")
     total = int(round(ratio * table.numel()))
     if total >= table.numel():
         return np.full(table.shape[:2], length, dtype=np.int64)
@@ -286,8 +319,9 @@ def kvzip_global_policy(policy: CompressionPolicy, scores: KVzipScores) -> KVzip
 
 
 @torch.no_grad()
-def kvzip_compress(model, tokenizer, cache: RaggedCache, context_ids, policy: CompressionPolicy, calibration=None,
-                   **options):
+def kvzip_compress(
+    model, tokenizer, cache: RaggedCache, context_ids, policy: CompressionPolicy, calibration=None, **options
+):
     """Score a prefilled single-prompt ``cache`` by reconstruction and compress it under ``policy``
     (its scorer must be ``"kvzip"``); returns ``(report, scores)``."""
     from .compress import compress

@@ -7,7 +7,8 @@ and cache the result as ordinary safetensors under the user cache directory, so 
 loads take a fraction of a second.
 
 Cache layout: ``$XDG_CACHE_HOME/kvcal/models/<name>-<key>/`` (``~/.cache`` when
-``XDG_CACHE_HOME`` is unset), ``<key>`` a hash of the GGUF file's size and first and last MiB.  The directory is built in a temporary sibling and renamed
+``XDG_CACHE_HOME`` is unset), ``<key>`` a hash of the GGUF file's size and first and last MiB.
+The directory is built in a temporary sibling and renamed
 into place, so two processes converting at once never leave a half-written cache: the loser of
 the race discards its copy.
 """
@@ -96,9 +97,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
     model.config.name_or_path = EMBEDDED_MODEL_NAME
@@ -129,8 +128,9 @@ def load_tokenizer(model: str | os.PathLike | None = None):
     return AutoTokenizer.from_pretrained(resolve_model(model))
 
 
-def load_model(model: str | os.PathLike | None = None, *, dtype=None, device_map=None,
-               attn_implementation: str | None = "sdpa"):
+def load_model(
+    model: str | os.PathLike | None = None, *, dtype=None, device_map=None, attn_implementation: str | None = "sdpa"
+):
     """A causal LM in eval mode (see :func:`resolve_model`); float32 by default on CPU."""
     import torch
     from transformers import AutoModelForCausalLM

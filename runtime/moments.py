@@ -82,8 +82,10 @@ class MomentSums:
         """Fold evicted tokens ``keys [m, d]``, ``values [m, d]`` of ``head`` into the sums in place."""
         head = self._check_head(head)
         if keys.dim() != 2 or keys.shape != values.shape or keys.shape[1] != self.head_dim:
-            raise ValueError(f"add expects keys and values [m, {self.head_dim}] of the same shape, got "
-                             f"{tuple(keys.shape)} and {tuple(values.shape)}")
+            raise ValueError(
+                f"add expects keys and values [m, {self.head_dim}] of the same shape, got "
+                f"{tuple(keys.shape)} and {tuple(values.shape)}"
+            )
         if keys.shape[0] == 0:
             return
         k = keys.to(self.s_k.device, torch.float32)
@@ -120,7 +122,7 @@ class MomentSums:
             cov = torch.where(cov.abs() < tau, torch.zeros_like(cov), cov)
         return cov
 
-    def copy(self) -> "MomentSums":
+    def copy(self) -> MomentSums:
         other = MomentSums.__new__(MomentSums)
         other.num_kv_heads, other.head_dim, other.version = self.num_kv_heads, self.head_dim, self.version
         other.n, other.s_k, other.s_v, other.S_vk = (t.clone() for t in (self.n, self.s_k, self.s_v, self.S_vk))
@@ -131,13 +133,22 @@ class MomentSums:
 
 
 def _kernel_applies(query: torch.Tensor, keys: torch.Tensor, mask) -> bool:
-    return (mask is None and query.device.type == "cpu" and keys.shape[0] > 0
-            and query.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    return (
+        mask is None
+        and query.device.type == "cpu"
+        and keys.shape[0] > 0
+        and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
 
 
-def attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-                       mask: torch.Tensor | None = None, use_kernel: bool | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_lse(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    mask: torch.Tensor | None = None,
+    use_kernel: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``query [G, q, d]`` over ``keys/values [n, d]`` with its log-sum-exp.
 
     Returns ``out [G, q, d]`` (query dtype) and ``lse [G, q]`` (float32, natural log of
@@ -148,8 +159,10 @@ def attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     otherwise (or with ``use_kernel=False``) matmul-softmax-matmul in float32.
     """
     if query.dim() != 3 or keys.dim() != 2 or keys.shape != values.shape or query.shape[-1] != keys.shape[-1]:
-        raise ValueError(f"attention_with_lse expects query [G, q, d] and keys/values [n, d], got "
-                         f"{tuple(query.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
+        raise ValueError(
+            f"attention_with_lse expects query [G, q, d] and keys/values [n, d], got "
+            f"{tuple(query.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}"
+        )
     groups, q_len, dim = query.shape
     n = keys.shape[0]
     if use_kernel is None:
@@ -157,8 +170,10 @@ def attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     elif use_kernel and not _kernel_applies(query, keys, mask):
         raise ValueError("the CPU flash-attention kernel needs a CPU float query, no mask and at least one key")
     if n == 0:
-        return (torch.zeros_like(query),
-                torch.full((groups, q_len), float("-inf"), dtype=torch.float32, device=query.device))
+        return (
+            torch.zeros_like(query),
+            torch.full((groups, q_len), float("-inf"), dtype=torch.float32, device=query.device),
+        )
     if use_kernel:
         # No mask, so every query row is independent: fold the group into the query axis and
         # share one key/value head (no copies of K/V).  The kernel needs contiguous inputs
@@ -181,8 +196,9 @@ def attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return out.to(query.dtype), lse
 
 
-def evicted_estimate(query: torch.Tensor, sums: MomentSums, head: int, scaling: float, order: int,
-                     tau: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def evicted_estimate(
+    query: torch.Tensor, sums: MomentSums, head: int, scaling: float, order: int, tau: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Moment estimate of the evicted set's attention: ``(o_E [G, q, d], lse_E [G, q])`` float32.
 
     ``o_E = vbar`` (order 0) or ``vbar + s C_vk q`` (order 1); ``lse_E = log n + s q.kbar``.
@@ -244,16 +260,17 @@ class PreparedMoments:
         """
         heads, groups, q_len, dim = query.shape
         if heads != self.num_kv_heads or dim != self.head_dim:
-            raise ValueError(f"query [Hkv, G, q, d] = {tuple(query.shape)} does not match the sums' "
-                             f"{self.num_kv_heads} heads of dim {self.head_dim}")
+            raise ValueError(
+                f"query [Hkv, G, q, d] = {tuple(query.shape)} does not match the sums' "
+                f"{self.num_kv_heads} heads of dim {self.head_dim}"
+            )
         q = query.float().to(self.projection.device).reshape(heads, groups * q_len, dim)  # [Hkv, G*q, d]
         projected = float(scaling) * torch.bmm(q, self.projection)  # [Hkv, G*q, d+1]
         out = self.vbar[:, None, :] + projected[..., :dim]
         lse = self.log_n[:, None] + projected[..., dim]
         return out.reshape(heads, groups, q_len, dim), lse.reshape(heads, groups, q_len)
 
-    def corrected(self, query: torch.Tensor, out_R: torch.Tensor, lse_R: torch.Tensor, scaling: float
-                  ) -> torch.Tensor:
+    def corrected(self, query: torch.Tensor, out_R: torch.Tensor, lse_R: torch.Tensor, scaling: float) -> torch.Tensor:
         """Merged output ``[Hkv, G, q, d]`` float32 from the retained ``out_R [Hkv, G, q, d]`` and
         ``lse_R [Hkv, G, q]`` (finite: the retained set is never empty while decoding)."""
         out_E, lse_E = self.estimates(query, scaling)
@@ -261,8 +278,9 @@ class PreparedMoments:
         return out_E + weight * (out_R.float() - out_E)
 
 
-def evicted_estimates(query: torch.Tensor, sums: MomentSums, scaling: float, orders, tau=0.0
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def evicted_estimates(
+    query: torch.Tensor, sums: MomentSums, scaling: float, orders, tau=0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`evicted_estimate` for all KV heads of a layer at once (no per-head Python loop).
 
     ``query [Hkv, G, q, d]``; ``orders``: per-head codes ``[Hkv]`` in {-1, 0, 1}; ``tau``: a
@@ -273,8 +291,7 @@ def evicted_estimates(query: torch.Tensor, sums: MomentSums, scaling: float, ord
     return PreparedMoments(sums, orders, tau).estimates(query, scaling)
 
 
-def merge_outputs(out_R: torch.Tensor, lse_R: torch.Tensor, out_E: torch.Tensor, lse_E: torch.Tensor
-                  ) -> torch.Tensor:
+def merge_outputs(out_R: torch.Tensor, lse_R: torch.Tensor, out_E: torch.Tensor, lse_E: torch.Tensor) -> torch.Tensor:
     """``w o_R + (1 - w) o_E`` with ``w = sigmoid(lse_R - lse_E)``: outputs ``[..., q, d]``, lse ``[..., q]``; float32.
 
     ``lse_E = -inf`` gives ``o_R`` exactly, ``lse_R = -inf`` gives ``o_E``.
@@ -285,9 +302,17 @@ def merge_outputs(out_R: torch.Tensor, lse_R: torch.Tensor, out_E: torch.Tensor,
     return weight * out_R.float() + (1 - weight) * out_E.float()
 
 
-def corrected_attention(query: torch.Tensor, keys_R: torch.Tensor, values_R: torch.Tensor, sums: MomentSums,
-                        head: int, scaling: float, order: int, tau: float = 0.0,
-                        mask: torch.Tensor | None = None) -> torch.Tensor:
+def corrected_attention(
+    query: torch.Tensor,
+    keys_R: torch.Tensor,
+    values_R: torch.Tensor,
+    sums: MomentSums,
+    head: int,
+    scaling: float,
+    order: int,
+    tau: float = 0.0,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Normalization-corrected attention of ``query [G, q, d]`` (one KV head's query group).
 
     ``keys_R/values_R [n_R, d]`` are the retained tokens (``mask`` as in
@@ -302,8 +327,9 @@ def corrected_attention(query: torch.Tensor, keys_R: torch.Tensor, values_R: tor
     return merge_outputs(out_R, lse_R.to(out_E.device), out_E, lse_E).to(query.dtype)
 
 
-def moment_residuals(keys: torch.Tensor, values: torch.Tensor, sums: MomentSums, head: int, scaling: float,
-                     tau: float = 0.0) -> torch.Tensor:
+def moment_residuals(
+    keys: torch.Tensor, values: torch.Tensor, sums: MomentSums, head: int, scaling: float, tau: float = 0.0
+) -> torch.Tensor:
     """``r_j = v_j - (vbar + s C_vk k_j)`` for ``keys/values [n, d]``: ``[n, d]`` float32."""
     k = keys.float().to(sums.s_k.device)
     v = values.float().to(sums.s_k.device)
@@ -311,22 +337,40 @@ def moment_residuals(keys: torch.Tensor, values: torch.Tensor, sums: MomentSums,
     return v - prediction
 
 
-def moment_scores(attention: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sums: MomentSums,
-                  head: int, scaling: float, tau: float = 0.0) -> torch.Tensor:
+def moment_scores(
+    attention: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    sums: MomentSums,
+    head: int,
+    scaling: float,
+    tau: float = 0.0,
+) -> torch.Tensor:
     """Moment-informed eviction scores ``a_j ||r_j||`` ``[n]`` (higher = keep; lowest evicted first).
 
     ``attention [n]`` is any scorer's attention estimate of the tokens (e.g. EA's ``a_j``).
     """
     if attention.dim() != 1 or keys.dim() != 2 or keys.shape != values.shape or attention.shape[0] != keys.shape[0]:
-        raise ValueError(f"moment_scores expects attention [n] and keys/values [n, d], got "
-                         f"{tuple(attention.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
+        raise ValueError(
+            f"moment_scores expects attention [n] and keys/values [n, d], got "
+            f"{tuple(attention.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}"
+        )
     residual = moment_residuals(keys, values, sums, head, scaling, tau)
     return attention.float().to(residual.device) * residual.norm(dim=-1)
 
 
-def evict_in_rounds(attention: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sums: MomentSums,
-                    head: int, scaling: float, budget: int, rounds: int = 4,
-                    protected: torch.Tensor | None = None, tau: float = 0.0) -> torch.Tensor:
+def evict_in_rounds(
+    attention: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    sums: MomentSums,
+    head: int,
+    scaling: float,
+    budget: int,
+    rounds: int = 4,
+    protected: torch.Tensor | None = None,
+    tau: float = 0.0,
+) -> torch.Tensor:
     """Evict ``head``'s tokens down to ``budget`` by moment-informed scores, in ``rounds`` rounds.
 
     Each round evicts an equal share of the remaining excess (the lowest ``a_j ||r_j||``
@@ -337,8 +381,10 @@ def evict_in_rounds(attention: torch.Tensor, keys: torch.Tensor, values: torch.T
     """
     n = keys.shape[0]
     if attention.shape != (n,) or values.shape != keys.shape:
-        raise ValueError(f"evict_in_rounds expects attention [n] and keys/values [n, d], got "
-                         f"{tuple(attention.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
+        raise ValueError(
+            f"evict_in_rounds expects attention [n] and keys/values [n, d], got "
+            f"{tuple(attention.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}"
+        )
     if rounds <= 0:
         raise ValueError(f"rounds must be positive, got {rounds}")
     if budget < 0:

@@ -92,13 +92,16 @@ class CompressionPolicy:
         if self.tau is not None and not self.tau >= 0:
             raise ValueError(f"tau must be >= 0, got {self.tau}")
         if self.moment_eviction and not scorer.yields_attention:
-            raise ValueError(f"moment_eviction needs a scorer that estimates attention (expected_attention, "
-                             f"snapkv), not {scorer!r}")
+            raise ValueError(
+                f"moment_eviction needs a scorer that estimates attention (expected_attention, snapkv), not {scorer!r}"
+            )
         if isinstance(self.moment_rounds, bool) or not isinstance(self.moment_rounds, int) or self.moment_rounds < 1:
             raise ValueError(f"moment_rounds must be a positive integer, got {self.moment_rounds!r}")
-        if self.evict_every is not None and (isinstance(self.evict_every, bool)
-                                             or not isinstance(self.evict_every, (int, np.integer))
-                                             or self.evict_every < 1):
+        if self.evict_every is not None and (
+            isinstance(self.evict_every, bool)
+            or not isinstance(self.evict_every, (int, np.integer))
+            or self.evict_every < 1
+        ):
             raise ValueError(f"evict_every must be a positive integer (decode steps) or None, got {self.evict_every!r}")
 
     @property
@@ -150,25 +153,36 @@ class CompressionPolicy:
         if not needs:
             return
         if calibration is None:
-            raise ValueError(f"policy {self.describe()} needs a calibration artifact for: {'; '.join(needs)}. "
-                             "Load one with runtime.load_calibration(model, tokenizer).")
+            raise ValueError(
+                f"policy {self.describe()} needs a calibration artifact for: {'; '.join(needs)}. "
+                "Load one with runtime.load_calibration(model, tokenizer)."
+            )
         if self.allocation == "inf" and calibration.inf_weights is None:
-            raise ValueError(f"allocation='inf' needs INF scores, but {calibration.path} has neither a 'budgets' "
-                             f"nor a 'behaviour' section (present: {', '.join(calibration.sections) or 'none'})")
+            raise ValueError(
+                f"allocation='inf' needs INF scores, but {calibration.path} has neither a 'budgets' "
+                f"nor a 'behaviour' section (present: {', '.join(calibration.sections) or 'none'})"
+            )
         if self.build_scorer().query_statistics == "calibrated" and not calibration.has_query_stats:
-            raise ValueError(f"expected_attention with statistics='calibrated' needs query statistics, but "
-                             f"{calibration.path} has no 'query_stats' section (present: "
-                             f"{', '.join(calibration.sections) or 'none'}); use statistics='prompt' or "
-                             "re-run profile-model with the query-stats stage")
+            raise ValueError(
+                f"expected_attention with statistics='calibrated' needs query statistics, but "
+                f"{calibration.path} has no 'query_stats' section (present: "
+                f"{', '.join(calibration.sections) or 'none'}); use statistics='prompt' or "
+                "re-run profile-model with the query-stats stage"
+            )
         if self.correction == "calibrated" and getattr(calibration, "moment_orders", None) is None:
-            raise ValueError(f"correction='calibrated' needs per-head correction orders, but {calibration.path} has "
-                             f"no 'moments' section (present: {', '.join(calibration.sections) or 'none'}); use "
-                             "correction='order1' or re-run profile-model with the moments stage")
+            raise ValueError(
+                f"correction='calibrated' needs per-head correction orders, but {calibration.path} has "
+                f"no 'moments' section (present: {', '.join(calibration.sections) or 'none'}); use "
+                "correction='order1' or re-run profile-model with the moments stage"
+            )
         if self.correction == "calibrated" and hasattr(calibration, "check_moment_selection"):
-            calibration.check_moment_selection(self.build_scorer().name)  # warns once when calibrated under another scorer
+            calibration.check_moment_selection(
+                self.build_scorer().name
+            )  # warns once when calibrated under another scorer
 
-    def head_budgets(self, seq_len: int, num_layers: int, num_kv_heads: int,
-                     inf_weights: np.ndarray | None = None) -> np.ndarray:
+    def head_budgets(
+        self, seq_len: int, num_layers: int, num_kv_heads: int, inf_weights: np.ndarray | None = None
+    ) -> np.ndarray:
         """Integer tokens to keep per KV head, int64 ``[L, Hkv]``, for a context of ``seq_len``."""
         average = float(self.budget) if self.budget is not None else float(self.ratio) * seq_len
         if self.allocation == "inf":
@@ -176,14 +190,18 @@ class CompressionPolicy:
                 raise ValueError("allocation='inf' needs the artifact's INF weights")
             weights = np.asarray(inf_weights, dtype=np.float64)
             if weights.shape != (num_layers, num_kv_heads):
-                raise ValueError(f"INF weights have shape {weights.shape}, the model has "
-                                 f"[{num_layers}, {num_kv_heads}] KV heads")
+                raise ValueError(
+                    f"INF weights have shape {weights.shape}, the model has [{num_layers}, {num_kv_heads}] KV heads"
+                )
         else:
             weights = np.full((num_layers, num_kv_heads), 1.0 / (num_layers * num_kv_heads))
         return allocate_budgets(weights, max(average, 1e-9), seq_len, beta=self.beta, min_budget=self.min_budget)
 
     def describe(self) -> str:
         size = f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"
-        extras = "".join(f", {name}={getattr(self, name)!r}" for name in ("correction", "moment_eviction", "evict_every")
-                         if getattr(self, name) != type(self).__dataclass_fields__[name].default)
+        extras = "".join(
+            f", {name}={getattr(self, name)!r}"
+            for name in ("correction", "moment_eviction", "evict_every")
+            if getattr(self, name) != type(self).__dataclass_fields__[name].default
+        )
         return f"CompressionPolicy({size}, allocation={self.allocation}, scorer={self.build_scorer()!r}{extras})"

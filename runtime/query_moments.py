@@ -51,8 +51,16 @@ class QueryMoments:
     device of that layer's queries).
     """
 
-    def __init__(self, num_layers: int, num_q_heads: int, head_dim: int, rows: int | None = None, *,
-                 product_dtype: torch.dtype = torch.float64, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        num_layers: int,
+        num_q_heads: int,
+        head_dim: int,
+        rows: int | None = None,
+        *,
+        product_dtype: torch.dtype = torch.float64,
+        device: torch.device | str | None = None,
+    ):
         if rows is not None and rows <= 0:
             raise ValueError(f"rows must be a positive batch size or None (batch-summed), got {rows}")
         self.shape = (num_layers, num_q_heads, head_dim)
@@ -61,19 +69,22 @@ class QueryMoments:
         self.device = device
         lead = () if rows is None else (rows,)
         self.n = np.zeros((*lead, num_layers, num_q_heads), dtype=np.int64)
-        self._total = [torch.zeros(*lead, num_q_heads, head_dim, dtype=torch.float64, device=device)
-                       for _ in range(num_layers)]
-        self._outer = [torch.zeros(*lead, num_q_heads, head_dim, head_dim, dtype=torch.float64, device=device)
-                       for _ in range(num_layers)]
+        self._total = [
+            torch.zeros(*lead, num_q_heads, head_dim, dtype=torch.float64, device=device) for _ in range(num_layers)
+        ]
+        self._outer = [
+            torch.zeros(*lead, num_q_heads, head_dim, head_dim, dtype=torch.float64, device=device)
+            for _ in range(num_layers)
+        ]
 
     @classmethod
-    def for_model(cls, model, rows: int | None = None, **options) -> "QueryMoments":
+    def for_model(cls, model, rows: int | None = None, **options) -> QueryMoments:
         """Sums shaped for ``model`` (or its :class:`~runtime.geometry.ModelGeometry`)."""
         geometry = ModelGeometry.of(model)
         return cls(geometry.num_layers, geometry.num_q_heads, geometry.head_dim, rows, **options)
 
     @classmethod
-    def for_prompt(cls, model, batch_size: int) -> "QueryMoments":
+    def for_prompt(cls, model, batch_size: int) -> QueryMoments:
         """Per-row sums of a prompt batch: float32 products, float64 sums on the CPU."""
         return cls.for_model(model, batch_size, product_dtype=torch.float32, device="cpu")
 
@@ -132,10 +143,12 @@ class QueryMoments:
                     return
                 for b in range(queries.shape[0]):
                     self.add(layer, queries[b] if real is None else queries[b][real[b]], row=b)
+
             return hook
 
-        handles = [module.register_forward_hook(make_hook(layer))
-                   for layer, module in enumerate(geometry.query_modules)]
+        handles = [
+            module.register_forward_hook(make_hook(layer)) for layer, module in enumerate(geometry.query_modules)
+        ]
         try:
             yield self
         finally:
@@ -165,11 +178,13 @@ class QueryMoments:
         """``sum q q^T``: ``[L, Hq, d, d]`` (per row: ``[B, L, Hq, d, d]``)."""
         return self._stacked(self._outer)
 
-    def merge(self, other: "QueryMoments") -> "QueryMoments":
+    def merge(self, other: QueryMoments) -> QueryMoments:
         """Add another shard's sums into this one (in place) and return self."""
         if other.shape != self.shape or other.rows != self.rows:
-            raise ValueError(f"cannot merge query moments of shape {other.shape} (rows {other.rows}) into "
-                             f"{self.shape} (rows {self.rows})")
+            raise ValueError(
+                f"cannot merge query moments of shape {other.shape} (rows {other.rows}) into "
+                f"{self.shape} (rows {self.rows})"
+            )
         self.n += other.n
         for layer in range(self.shape[0]):
             self._total[layer] += other._total[layer].to(self._total[layer].device)
@@ -181,17 +196,21 @@ class QueryMoments:
         return {"n": self.n.copy(), "total": self.total, "outer": self.outer}
 
     @classmethod
-    def from_state(cls, state: dict[str, np.ndarray], **options) -> "QueryMoments":
+    def from_state(cls, state: dict[str, np.ndarray], **options) -> QueryMoments:
         """Sums from :meth:`state` (per row when ``n`` has a row axis); ``options`` as in the constructor."""
         per_row = np.ndim(state["n"]) == 3
         *lead, layers, heads, dim = np.shape(state["total"])
         moments = cls(layers, heads, dim, lead[0] if per_row else None, **options)
         moments.n[...] = state["n"]
-        take = (lambda a, l: a[:, l]) if per_row else (lambda a, l: a[l])  # noqa: E731
-        moments._total = [torch.from_numpy(np.array(take(state["total"], l), dtype=np.float64)).to(
-            moments._total[l].device) for l in range(layers)]
-        moments._outer = [torch.from_numpy(np.array(take(state["outer"], l), dtype=np.float64)).to(
-            moments._outer[l].device) for l in range(layers)]
+        take = (lambda a, layer: a[:, layer]) if per_row else (lambda a, layer: a[layer])  # noqa: E731
+        moments._total = [
+            torch.from_numpy(np.array(take(state["total"], layer), dtype=np.float64)).to(moments._total[layer].device)
+            for layer in range(layers)
+        ]
+        moments._outer = [
+            torch.from_numpy(np.array(take(state["outer"], layer), dtype=np.float64)).to(moments._outer[layer].device)
+            for layer in range(layers)
+        ]
         return moments
 
     # -- statistics ------------------------------------------------------------------------
@@ -202,8 +221,9 @@ class QueryMoments:
         if self.rows is not None:
             raise ValueError("finalize() is for batch-summed moments; per-row moments give mean_cov(row)")
         if np.any(self.n <= 0):
-            raise ValueError("no queries were accumulated for some heads (calibration text too short "
-                             "for n_sink, or no samples)")
+            raise ValueError(
+                "no queries were accumulated for some heads (calibration text too short for n_sink, or no samples)"
+            )
         count = self.n.astype(np.float64)
         mean = self.total / count[..., None]
         cov = self.outer / count[..., None, None] - mean[..., :, None] * mean[..., None, :]

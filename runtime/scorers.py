@@ -66,8 +66,9 @@ class Scorer(ABC):
 
     def attention(self, head: HeadContext) -> torch.Tensor:
         """The scorer's estimate ``a_j [n]`` of the attention future queries pay each token."""
-        raise TypeError(f"{self!r} gives no attention estimate (moment-informed eviction needs one: "
-                        "expected_attention or snapkv)")
+        raise TypeError(
+            f"{self!r} gives no attention estimate (moment-informed eviction needs one: expected_attention or snapkv)"
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -111,16 +112,19 @@ class ExpectedAttentionScorer(Scorer):
         quadratic = 0.5 * s * s * ((keys @ cov) * keys).sum(-1)  # [G, n]
         attention = torch.softmax(linear + quadratic, dim=-1).mean(0)  # [n]
         if self.pool > 1:  # a token is worth what its most-attended neighbour is (keeps spans whole)
-            attention = torch.nn.functional.max_pool1d(attention[None, None], self.pool, stride=1,
-                                                       padding=self.pool // 2)[0, 0]
+            attention = torch.nn.functional.max_pool1d(
+                attention[None, None], self.pool, stride=1, padding=self.pool // 2
+            )[0, 0]
         return attention
 
     def score(self, head: HeadContext) -> torch.Tensor:
         return (self.attention(head) + self.epsilon) * head.values.float().norm(dim=-1)
 
     def __repr__(self) -> str:
-        return (f"ExpectedAttentionScorer(statistics={self.query_statistics!r}, horizon={self.rope_horizon}, "
-                f"epsilon={self.epsilon}, pool={self.pool})")
+        return (
+            f"ExpectedAttentionScorer(statistics={self.query_statistics!r}, horizon={self.rope_horizon}, "
+            f"epsilon={self.epsilon}, pool={self.pool})"
+        )
 
 
 class KeyDiffScorer(Scorer):
@@ -162,8 +166,9 @@ class SnapKVScorer(Scorer):
         future = head.positions.to(keys.device).unsqueeze(0) > query_positions.unsqueeze(1)  # [w, n]
         logits = logits.masked_fill(future, float("-inf"))
         weights = torch.softmax(logits, dim=-1).sum(1).mean(0)  # [n]
-        pooled = torch.nn.functional.avg_pool1d(weights[None, None], self.kernel, stride=1,
-                                                padding=self.kernel // 2, count_include_pad=False)
+        pooled = torch.nn.functional.avg_pool1d(
+            weights[None, None], self.kernel, stride=1, padding=self.kernel // 2, count_include_pad=False
+        )
         return pooled[0, 0]
 
     def __repr__(self) -> str:
@@ -205,8 +210,9 @@ def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return (keys * cos - rotated * sin) / (cos * cos + sin * sin)
 
 
-def leverage_scores(keys: torch.Tensor, sketch: int | None = None, generator: torch.Generator | None = None,
-                    ridge: float = 1e-6) -> torch.Tensor:
+def leverage_scores(
+    keys: torch.Tensor, sketch: int | None = None, generator: torch.Generator | None = None, ridge: float = 1e-6
+) -> torch.Tensor:
     """Statistical leverage of every row of the column-centred key matrix, float64 ``[n]``.
 
     ``l_i = x_i^T (X^T X + lambda I)^{-1} x_i`` with ``X = K - mean(K)`` (``lambda = ridge *
@@ -229,8 +235,15 @@ def leverage_scores(keys: torch.Tensor, sketch: int | None = None, generator: to
     return (whitened * whitened).sum(0)
 
 
-def chunked_attention_mass(queries: torch.Tensor, query_positions: torch.Tensor, keys: torch.Tensor,
-                           key_positions: torch.Tensor, chunk: int, scale: float, origin: int = 0) -> torch.Tensor:
+def chunked_attention_mass(
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
+    keys: torch.Tensor,
+    key_positions: torch.Tensor,
+    chunk: int,
+    scale: float,
+    origin: int = 0,
+) -> torch.Tensor:
     """Non-causal chunked attention: the attention each key receives from its own chunk's queries.
 
     Positions are cut into chunks ``[origin + c*chunk, origin + (c+1)*chunk)``; the queries
@@ -290,9 +303,20 @@ class LeverageScorer(Scorer):
     name = "leverage"
     observation_window = ALL_QUERIES  # the non-causal attention needs every prompt query
 
-    def __init__(self, blend: float | None = 0.5, sketch: int | None = 48, pre_rope: bool = True, chunk: int = 256,
-                 attention_scale: float | None = 1.0, value_norm: bool = True, pool: int = 3, exclude_first: int = 8,
-                 exclude_last: int = 4, seed: int = 0, ridge: float = 1e-6):
+    def __init__(
+        self,
+        blend: float | None = 0.5,
+        sketch: int | None = 48,
+        pre_rope: bool = True,
+        chunk: int = 256,
+        attention_scale: float | None = 1.0,
+        value_norm: bool = True,
+        pool: int = 3,
+        exclude_first: int = 8,
+        exclude_last: int = 4,
+        seed: int = 0,
+        ridge: float = 1e-6,
+    ):
         if blend is not None and not blend >= 0:
             raise ValueError(f"leverage blend must be >= 0 (or None: leverage alone), got {blend}")
         if sketch is not None and (isinstance(sketch, bool) or int(sketch) <= 0):
@@ -326,9 +350,13 @@ class LeverageScorer(Scorer):
         keys = head.keys[rows].float()
         if self.pre_rope:
             if head.key_cos is None or head.key_sin is None:
-                raise ValueError(f"{self!r} needs the keys' RoPE (key_cos/key_sin) to undo it; pass pre_rope=False "
-                                 "for post-RoPE leverage")
-            keys = unrotate(keys, head.key_cos[rows].float().to(keys.device), head.key_sin[rows].float().to(keys.device))
+                raise ValueError(
+                    f"{self!r} needs the keys' RoPE (key_cos/key_sin) to undo it; pass pre_rope=False "
+                    "for post-RoPE leverage"
+                )
+            keys = unrotate(
+                keys, head.key_cos[rows].float().to(keys.device), head.key_sin[rows].float().to(keys.device)
+            )
         generator = None
         if self.sketch is not None:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + head.layer * 1009 + head.kv_head)
@@ -337,8 +365,9 @@ class LeverageScorer(Scorer):
     def attention_mass(self, head: HeadContext, rows: slice = slice(None)) -> torch.Tensor:
         """Non-causal chunked attention received by the keys ``rows``, ``||v||``-weighted and pooled."""
         if head.recent_queries is None:
-            raise ValueError(f"{self!r} needs the prompt's queries: prefill with policy=... (the scorer's "
-                             "observation_window) first")
+            raise ValueError(
+                f"{self!r} needs the prompt's queries: prefill with policy=... (the scorer's observation_window) first"
+            )
         keys, positions = head.keys[rows], head.positions[rows].to(head.keys.device).long()
         queries = head.recent_queries  # [G, w, d], the last w prompt tokens
         w = queries.shape[1]
@@ -346,13 +375,15 @@ class LeverageScorer(Scorer):
         # only the middle's queries take part (kvpress scores the middle rows as a sequence of their own)
         inside = (query_positions >= positions[0]) & (query_positions <= positions[-1])
         scale = head.scaling if self.attention_scale is None else self.attention_scale
-        mass = chunked_attention_mass(queries[:, inside], query_positions[inside], keys, positions, self.chunk, scale,
-                                      origin=int(positions[0]))
+        mass = chunked_attention_mass(
+            queries[:, inside], query_positions[inside], keys, positions, self.chunk, scale, origin=int(positions[0])
+        )
         if self.value_norm:
             mass = mass * head.values[rows].float().norm(dim=-1)
         if self.pool > 1:
-            mass = torch.nn.functional.avg_pool1d(mass[None, None], self.pool, stride=1, padding=self.pool // 2,
-                                                  count_include_pad=True)[0, 0]
+            mass = torch.nn.functional.avg_pool1d(
+                mass[None, None], self.pool, stride=1, padding=self.pool // 2, count_include_pad=True
+            )[0, 0]
         return mass
 
     def score(self, head: HeadContext) -> torch.Tensor:
@@ -372,18 +403,21 @@ class LeverageScorer(Scorer):
         out[middle] = score.float().to(out.device)
         top = out[middle].max()
         out[:first] = top
-        out[n - last:] = top
+        out[n - last :] = top
         return out
 
     def __repr__(self) -> str:
-        return (f"LeverageScorer(blend={self.blend}, sketch={self.sketch}, pre_rope={self.pre_rope}, chunk={self.chunk}, "
-                f"attention_scale={self.attention_scale}, value_norm={self.value_norm}, pool={self.pool}, "
-                f"exclude_first={self.exclude_first}, exclude_last={self.exclude_last}, seed={self.seed})")
+        return (
+            f"LeverageScorer(blend={self.blend}, sketch={self.sketch}, pre_rope={self.pre_rope}, chunk={self.chunk}, "
+            f"attention_scale={self.attention_scale}, value_norm={self.value_norm}, pool={self.pool}, "
+            f"exclude_first={self.exclude_first}, exclude_last={self.exclude_last}, seed={self.seed})"
+        )
 
 
 @dataclass
 class KVzipScores:
-    """KVzip reconstruction scores of one prompt (:func:`runtime.kvzip.kvzip_scores`): ``scores[layer, kv_head, position]`` (float32
+    """KVzip reconstruction scores of one prompt (:func:`runtime.kvzip.kvzip_scores`):
+    ``scores[layer, kv_head, position]`` (float32
     ``[L, Hkv, T]``, ``T`` = the context's real tokens); ``last_keys [L, Hkv, d]`` is the key
     at position ``T - 1`` of every head (to recognise the cache the scores belong to)."""
 
@@ -416,20 +450,27 @@ class KVzipScorer(Scorer):
 
     def score(self, head: HeadContext) -> torch.Tensor:
         if self.table is None:
-            raise ValueError("the kvzip scorer needs a reconstruction pass over the prefilled cache: "
-                             "scores = runtime.kvzip.kvzip_scores(model, tokenizer, cache, context_ids), then "
-                             "compress with runtime.kvzip.with_kvzip_scores(policy, scores)")
+            raise ValueError(
+                "the kvzip scorer needs a reconstruction pass over the prefilled cache: "
+                "scores = runtime.kvzip.kvzip_scores(model, tokenizer, cache, context_ids), then "
+                "compress with runtime.kvzip.with_kvzip_scores(policy, scores)"
+            )
         table = self.table
         if head.layer >= table.scores.shape[0] or head.kv_head >= table.scores.shape[1]:
-            raise ValueError(f"kvzip scores cover {tuple(table.scores.shape[:2])} (layer, KV head), asked for "
-                             f"({head.layer}, {head.kv_head})")
+            raise ValueError(
+                f"kvzip scores cover {tuple(table.scores.shape[:2])} (layer, KV head), asked for "
+                f"({head.layer}, {head.kv_head})"
+            )
         if head.next_position < table.length:
-            raise ValueError(f"kvzip scores are for a {table.length}-token context, the cache has only seen "
-                             f"{head.next_position} tokens: they belong to another prompt")
+            raise ValueError(
+                f"kvzip scores are for a {table.length}-token context, the cache has only seen "
+                f"{head.next_position} tokens: they belong to another prompt"
+            )
         positions = head.positions.long().cpu()
         last = (positions == table.length - 1).nonzero()
-        if last.numel() and not torch.allclose(head.keys[int(last[0, 0])].float().cpu(),
-                                               table.last_keys[head.layer, head.kv_head], rtol=1e-4, atol=1e-5):
+        if last.numel() and not torch.allclose(
+            head.keys[int(last[0, 0])].float().cpu(), table.last_keys[head.layer, head.kv_head], rtol=1e-4, atol=1e-5
+        ):
             raise ValueError("kvzip scores belong to another prompt (the keys differ): compute them on this cache")
         out = torch.full((positions.shape[0],), float("inf"))
         inside = positions < table.length
@@ -478,7 +519,10 @@ def select_rows(scores: torch.Tensor, budget: int, n_sink: int, window: int) -> 
     middle_end = n - recent
     chosen = budget - sinks - recent
     middle = scores[sinks:middle_end]
-    top = torch.topk(middle.float(), chosen, sorted=False).indices + sinks if chosen > 0 else \
-        torch.empty(0, dtype=torch.long, device=device)
+    top = (
+        torch.topk(middle.float(), chosen, sorted=False).indices + sinks
+        if chosen > 0
+        else torch.empty(0, dtype=torch.long, device=device)
+    )
     rows = torch.cat([torch.arange(sinks, device=device), top, torch.arange(middle_end, n, device=device)])
     return torch.sort(rows).values

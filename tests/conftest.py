@@ -46,8 +46,7 @@ def embedded_tokenizer():
     return load_tokenizer()
 
 
-def make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128,
-                    seed=0, **overrides):
+def make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128, seed=0, **overrides):
     """A random-weight Llama built in-process: fast, deterministic per seed."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -78,16 +77,27 @@ def make_random_identity(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=
     from artifacts import ModelIdentity
 
     return ModelIdentity(
-        name=name, model_type="llama", num_layers=num_layers, num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, hidden_size=num_q_heads * head_dim,
-        vocab_size=1000, max_position_embeddings=8192, rope_theta=10000.0,
-        rope_parameters='{"rope_theta":10000.0,"rope_type":"default"}', query_norm=False,
-        arch_fingerprint="a" * 64, weights_fingerprint="b" * 64, tokenizer_fingerprint="c" * 64,
+        name=name,
+        model_type="llama",
+        num_layers=num_layers,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        hidden_size=num_q_heads * head_dim,
+        vocab_size=1000,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        rope_parameters='{"rope_theta":10000.0,"rope_type":"default"}',
+        query_norm=False,
+        arch_fingerprint="a" * 64,
+        weights_fingerprint="b" * 64,
+        tokenizer_fingerprint="c" * 64,
     )
 
 
-def make_random_artifact(identity=None, *, seed=0, probes=7, sections=("behaviour", "query_stats", "budgets", "moments",
-                                                                   "learned_scorer")):
+def make_random_artifact(
+    identity=None, *, seed=0, probes=7, sections=("behaviour", "query_stats", "budgets", "moments", "learned_scorer")
+):
     """An Artifact with every requested section filled with valid random values."""
     import numpy as np
 
@@ -100,18 +110,31 @@ def make_random_artifact(identity=None, *, seed=0, probes=7, sections=("behaviou
     if "behaviour" in sections:
         w = {f"W_{k}": rng.random((L, Hq)) * 10 for k in "RBDW"}
         ra, lc = rng.random((L, Hq)), rng.random((L, Hq))
-        built["behaviour"] = Section({
-            **w, "steps": rng.integers(0, 100, (L, Hq)), "RAsc": ra, "LCsc": lc,
-            "INFsc": 2 * ra * lc / (ra + lc), "probe_length": rng.integers(100, 8000, probes),
-            "probe_depth": rng.random(probes) * 100, "probe_seed": rng.integers(0, 2**40, probes),
-            "probe_family": np.array([b"retrieval", b"multi_key"] * probes, dtype="S64")[:probes],
-            "probe_success": rng.integers(0, 2, probes).astype(np.uint8),
-            "probe_steps": rng.integers(1, 20, probes)})
+        built["behaviour"] = Section(
+            {
+                **w,
+                "steps": rng.integers(0, 100, (L, Hq)),
+                "RAsc": ra,
+                "LCsc": lc,
+                "INFsc": 2 * ra * lc / (ra + lc),
+                "probe_length": rng.integers(100, 8000, probes),
+                "probe_depth": rng.random(probes) * 100,
+                "probe_seed": rng.integers(0, 2**40, probes),
+                "probe_family": np.array([b"retrieval", b"multi_key"] * probes, dtype="S64")[:probes],
+                "probe_success": rng.integers(0, 2, probes).astype(np.uint8),
+                "probe_steps": rng.integers(1, 20, probes),
+            }
+        )
     if "query_stats" in sections:
         a = rng.standard_normal((L, Hq, d, d)).astype(np.float32)
-        built["query_stats"] = Section({
-            "n": rng.integers(1, 10**6, (L, Hq)), "mean": rng.standard_normal((L, Hq, d)).astype(np.float32),
-            "cov": (a @ a.transpose(0, 1, 3, 2) / d).astype(np.float32)}, {"n_sink": 4})
+        built["query_stats"] = Section(
+            {
+                "n": rng.integers(1, 10**6, (L, Hq)),
+                "mean": rng.standard_normal((L, Hq, d)).astype(np.float32),
+                "cov": (a @ a.transpose(0, 1, 3, 2) / d).astype(np.float32),
+            },
+            {"n_sink": 4},
+        )
     if "budgets" in sections:
         from runtime.budgets import allocate_budgets, ideal_budgets
 
@@ -119,21 +142,36 @@ def make_random_artifact(identity=None, *, seed=0, probes=7, sections=("behaviou
         inf_kv /= inf_kv.sum()
         tokens = np.array([64, 128, 256])
         ratios = np.array([0.1, 0.5, 0.9])
-        built["budgets"] = Section({
-            "inf_kv": inf_kv, "token_budgets": tokens,
-            "token_tables": np.stack([allocate_budgets(inf_kv, t, 8192) for t in tokens]),
-            "ratios": ratios, "ratio_tables": np.stack([ideal_budgets(inf_kv, r, 2.0) for r in ratios])},
-            {"beta": 2.0, "min_budget": 1})
+        built["budgets"] = Section(
+            {
+                "inf_kv": inf_kv,
+                "token_budgets": tokens,
+                "token_tables": np.stack([allocate_budgets(inf_kv, t, 8192) for t in tokens]),
+                "ratios": ratios,
+                "ratio_tables": np.stack([ideal_budgets(inf_kv, r, 2.0) for r in ratios]),
+            },
+            {"beta": 2.0, "min_budget": 1},
+        )
     if "moments" in sections:
-        built["moments"] = Section({
-            "order": rng.integers(-1, 2, (L, Hkv)).astype(np.int8),
-            "errors": rng.random((2, 3, L, Hkv)), "reference_ratios": np.array([0.25, 0.5]),
-            "tau": rng.random((L, Hkv)) * 1e-3})
+        built["moments"] = Section(
+            {
+                "order": rng.integers(-1, 2, (L, Hkv)).astype(np.int8),
+                "errors": rng.random((2, 3, L, Hkv)),
+                "reference_ratios": np.array([0.25, 0.5]),
+                "tau": rng.random((L, Hkv)) * 1e-3,
+            }
+        )
     if "learned_scorer" in sections:
-        built["learned_scorer"] = Section({
-            "weights": rng.standard_normal((L, Hkv, 2 * d)), "bias": rng.standard_normal((L, Hkv)),
-            "ridge": np.full((L, Hkv), 0.01), "r2": rng.random((L, Hkv)), "rank_correlation": rng.random((L, Hkv))},
-            {"features": "kv", "teacher": "kvzip", "fit_tokens": 4096, "held_out_tokens": 1024})
+        built["learned_scorer"] = Section(
+            {
+                "weights": rng.standard_normal((L, Hkv, 2 * d)),
+                "bias": rng.standard_normal((L, Hkv)),
+                "ridge": np.full((L, Hkv), 0.01),
+                "r2": rng.random((L, Hkv)),
+                "rank_correlation": rng.random((L, Hkv)),
+            },
+            {"features": "kv", "teacher": "kvzip", "fit_tokens": 4096, "held_out_tokens": 1024},
+        )
     return Artifact(model=identity, config={"preset": "test", "seed": seed}, sections=built)
 
 

@@ -9,10 +9,10 @@ import sys
 import h5py
 import numpy as np
 import pytest
+from conftest import make_random_artifact, make_random_identity
 
 from artifacts import SECTIONS, ArtifactError, Section, open_artifact, write_artifact
 from artifacts.cli import main as inspect_main
-from conftest import make_random_artifact, make_random_identity
 
 SHAPES = {
     "embedded": dict(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64),
@@ -62,14 +62,17 @@ def test_sections_are_optional_and_missing_ones_are_named(tmp_path):
 
 
 def test_reading_needs_neither_torch_nor_a_model(artifact_path):
-    code = ("import sys; from artifacts import open_artifact; "
-            f"r = open_artifact({str(artifact_path)!r}); r.validate(); "
-            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad)")
+    code = (
+        "import sys; from artifacts import open_artifact; "
+        f"r = open_artifact({str(artifact_path)!r}); r.validate(); "
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 # -- corruption ----------------------------------------------------------------------------
+
 
 def _assert_invalid(path, match):
     """Both the API and the CLI refuse the file with a clear message."""
@@ -196,8 +199,9 @@ def test_dataset_without_checksum_is_refused(artifact_path):
 def test_partly_allocated_dataset_is_refused(artifact_path):
     with h5py.File(artifact_path, "r+") as h5:
         del h5["query_stats/cov"]
-        dset = h5["query_stats"].create_dataset("cov", shape=(30, 9, 64, 64), dtype="<f4",
-                                                chunks=(1, 1, 64, 64), fletcher32=True)
+        dset = h5["query_stats"].create_dataset(
+            "cov", shape=(30, 9, 64, 64), dtype="<f4", chunks=(1, 1, 64, 64), fletcher32=True
+        )
         dset[0] = 1.0  # only the first layer's chunks exist; the rest would read as zeros
     _assert_invalid(artifact_path, "chunks stored")
 
@@ -217,6 +221,7 @@ def test_not_an_artifact(tmp_path):
 
 
 # -- writer --------------------------------------------------------------------------------
+
 
 def test_writer_refuses_invalid_data(tmp_path):
     artifact = make_random_artifact(sections=("query_stats",))
@@ -276,6 +281,7 @@ def test_killed_writer_leaves_the_previous_file_intact(artifact_path):
 
 # -- inspect-artifact ----------------------------------------------------------------------
 
+
 def test_inspect_artifact_text_and_json(artifact_path, capsys):
     assert inspect_main([str(artifact_path)]) == 0
     text = capsys.readouterr().out
@@ -288,14 +294,14 @@ def test_inspect_artifact_text_and_json(artifact_path, capsys):
 
 
 def test_inspect_artifact_console_script(artifact_path):
-    done = subprocess.run([sys.executable, "-m", "artifacts.cli", str(artifact_path), "--json"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "artifacts.cli", str(artifact_path), "--json"], capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["schema_version"] == "1.1"
     with open(artifact_path, "r+b") as fh:
         fh.truncate(100)
-    done = subprocess.run([sys.executable, "-m", "artifacts.cli", str(artifact_path)],
-                          capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "artifacts.cli", str(artifact_path)], capture_output=True, text=True)
     assert done.returncode == 2 and "invalid artifact" in done.stderr and not done.stdout
 
 

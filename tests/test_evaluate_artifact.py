@@ -8,17 +8,58 @@ import pytest
 
 from profiler.evaluate_cli import main
 
-RESULT_KEYS = {"policy", "ratio", "n", "correct", "accuracy", "ci_low", "ci_high", "attention_error",
-               "kv_bytes", "kv_fraction", "prefill_seconds", "decode_seconds", "per_family"}
-TOP_KEYS = {"schema", "created", "model", "artifact", "question_aware", "tasks", "task_summary", "baseline",
-            "results", "recommendation"}
+RESULT_KEYS = {
+    "policy",
+    "ratio",
+    "n",
+    "correct",
+    "accuracy",
+    "ci_low",
+    "ci_high",
+    "attention_error",
+    "kv_bytes",
+    "kv_fraction",
+    "prefill_seconds",
+    "decode_seconds",
+    "per_family",
+}
+TOP_KEYS = {
+    "schema",
+    "created",
+    "model",
+    "artifact",
+    "question_aware",
+    "tasks",
+    "task_summary",
+    "baseline",
+    "results",
+    "recommendation",
+}
 
 
 def test_smoke_run_on_the_embedded_model(smoke_artifact, tmp_path, capsys, one_thread):
     json_out, html_out = tmp_path / "ev.json", tmp_path / "ev.html"
-    code = main(["--artifact", str(smoke_artifact), "--preset", "smoke", "--tasks", "retrieval", "--ratios", "0.5,0.9",
-                 "--policies", "uniform/keydiff,flagship", "--max-new-tokens", "20",
-                 "--json", str(json_out), "--html", str(html_out), "--no-progress"])
+    code = main(
+        [
+            "--artifact",
+            str(smoke_artifact),
+            "--preset",
+            "smoke",
+            "--tasks",
+            "retrieval",
+            "--ratios",
+            "0.5,0.9",
+            "--policies",
+            "uniform/keydiff,flagship",
+            "--max-new-tokens",
+            "20",
+            "--json",
+            str(json_out),
+            "--html",
+            str(html_out),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     table = capsys.readouterr().out
     assert table.startswith("| policy | ratio | accuracy [95% CI]") and "| baseline | - |" in table
@@ -26,8 +67,11 @@ def test_smoke_run_on_the_embedded_model(smoke_artifact, tmp_path, capsys, one_t
     assert set(evaluation) == TOP_KEYS and evaluation["schema"] == "kvcal-evaluation/1"
     assert evaluation["tasks"]["seed"] != evaluation["tasks"]["profiler_seed"] == 0
     assert [(r["policy"], r["ratio"]) for r in evaluation["results"]] == [
-        ("uniform/keydiff", 0.5), ("uniform/keydiff", 0.9),
-        ("flagship", 0.5), ("flagship", 0.9)]
+        ("uniform/keydiff", 0.5),
+        ("uniform/keydiff", 0.9),
+        ("flagship", 0.5),
+        ("flagship", 0.9),
+    ]
     baseline = evaluation["baseline"]
     assert set(baseline) == RESULT_KEYS and baseline["n"] == 2 and baseline["attention_error"] is None
     assert baseline["accuracy"] == 1.0  # the embedded model answers 512-token retrieval uncompressed

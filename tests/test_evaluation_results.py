@@ -13,9 +13,18 @@ from profiler.evaluation_results import (
 
 
 def _row(policy, ratio, accuracy, kv_bytes=1000):
-    return {"policy": policy, "ratio": ratio, "accuracy": accuracy, "kv_bytes": kv_bytes,
-            "kv_fraction": 1 - (ratio or 0), "ci_low": 0.0, "ci_high": 1.0, "attention_error": 0.1,
-            "prefill_seconds": 1.0, "decode_seconds": 0.5}
+    return {
+        "policy": policy,
+        "ratio": ratio,
+        "accuracy": accuracy,
+        "kv_bytes": kv_bytes,
+        "kv_fraction": 1 - (ratio or 0),
+        "ci_low": 0.0,
+        "ci_high": 1.0,
+        "attention_error": 0.1,
+        "prefill_seconds": 1.0,
+        "decode_seconds": 0.5,
+    }
 
 
 def test_wilson_interval_matches_reference_values():
@@ -26,9 +35,13 @@ def test_wilson_interval_matches_reference_values():
 
 
 def test_recommendation_picks_the_highest_ratio_within_tolerance():
-    results = [_row("uniform/keydiff", 0.5, 0.80), _row("uniform/keydiff", 0.75, 0.70),
-               _row("inf/expected_attention:calibrated", 0.5, 0.81), _row("inf/expected_attention:calibrated", 0.75, 0.79),
-               _row("inf/expected_attention:calibrated", 0.9, 0.60)]
+    results = [
+        _row("uniform/keydiff", 0.5, 0.80),
+        _row("uniform/keydiff", 0.75, 0.70),
+        _row("inf/expected_attention:calibrated", 0.5, 0.81),
+        _row("inf/expected_attention:calibrated", 0.75, 0.79),
+        _row("inf/expected_attention:calibrated", 0.9, 0.60),
+    ]
     chosen = recommend(0.80, results, tolerance=0.02)
     assert (chosen["policy"], chosen["ratio"]) == ("inf/expected_attention:calibrated", 0.75)
     assert "0.75" in chosen["text"]
@@ -70,7 +83,10 @@ def test_policy_grammar_and_errors():
 
 
 def test_markdown_table_lists_baseline_first():
-    evaluation = {"baseline": _row("baseline", None, 0.8), "results": [_row("uniform/keydiff", 0.5, 0.7)],
-                  "recommendation": recommend(0.8, [_row("uniform/keydiff", 0.5, 0.7)])}
+    evaluation = {
+        "baseline": _row("baseline", None, 0.8),
+        "results": [_row("uniform/keydiff", 0.5, 0.7)],
+        "recommendation": recommend(0.8, [_row("uniform/keydiff", 0.5, 0.7)]),
+    }
     table = markdown_table(evaluation).splitlines()
     assert table[2].startswith("| baseline | - | 0.80") and table[3].startswith("| uniform/keydiff | 0.5 | 0.70")

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from conftest import make_tiny_llama
 
 from artifacts.fingerprint import (
     architecture_fingerprint,
@@ -17,7 +18,6 @@ from artifacts.fingerprint import (
     tokenizer_fingerprint,
     weights_fingerprint,
 )
-from conftest import make_tiny_llama
 from runtime.models import ModelNotFoundError, embedded_model_dir, load_model, resolve_model
 
 
@@ -31,17 +31,20 @@ def test_embedded_model_loads_fast_from_the_cache():
 
 
 def test_embedded_model_answers_a_magic_number_question(embedded_model, embedded_tokenizer):
-    filler = " ".join(f"The {c} box is on shelf {n}." for c, n in
-                      zip(["red", "blue", "green", "grey", "pink"] * 20, range(100)))
+    filler = " ".join(
+        f"The {c} box is on shelf {n}."
+        for c, n in zip(["red", "blue", "green", "grey", "pink"] * 20, range(100), strict=True)
+    )
     half = len(filler) // 2
     cut = filler.index(". ", half) + 2
     context = filler[:cut] + "The special magic number for silver-harbor is 5902417. " + filler[cut:]
     messages = [{"role": "user", "content": context + "\n\nWhat is the special magic number for silver-harbor?"}]
-    inputs = embedded_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                    return_tensors="pt", return_dict=True)
+    inputs = embedded_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     with torch.no_grad():
         out = embedded_model.generate(**inputs, max_new_tokens=28, do_sample=False)
-    answer = embedded_tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = embedded_tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "5902417" in answer, answer
 
 
@@ -55,10 +58,16 @@ def test_resolve_model_errors_and_passthrough(tmp_path):
 def test_concurrent_first_use_builds_one_intact_cache(tmp_path):
     """Two processes converting at once into an empty cache both succeed; one copy survives."""
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    code = ("from runtime.models import embedded_model_dir, load_model; d = embedded_model_dir(); "
-            "m = load_model(); print(d)")
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True) for _ in range(2)]
+    code = (
+        "from runtime.models import embedded_model_dir, load_model; d = embedded_model_dir(); "
+        "m = load_model(); print(d)"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=300)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert outs[0] == outs[1]
@@ -66,7 +75,7 @@ def test_concurrent_first_use_builds_one_intact_cache(tmp_path):
     assert [p.name for p in models_dir.iterdir()] == [os.path.basename(outs[0])]  # no temp dirs left
     converted = load_model(outs[0])
     reference = load_model()
-    for (name, a), (_, b) in zip(converted.state_dict().items(), reference.state_dict().items()):
+    for (name, a), (_, b) in zip(converted.state_dict().items(), reference.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 
 

@@ -22,8 +22,11 @@ def _projections(model, ids):
     hooks = []
     for layer, block in enumerate(model.model.layers):
         for name in ("q_proj", "k_proj", "v_proj"):
-            hooks.append(getattr(block.self_attn, name).register_forward_hook(
-                lambda mod, inp, out, key=(layer, name): captured.__setitem__(key, out.detach())))
+            hooks.append(
+                getattr(block.self_attn, name).register_forward_hook(
+                    lambda mod, inp, out, key=(layer, name): captured.__setitem__(key, out.detach())
+                )
+            )
     try:
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
@@ -49,7 +52,7 @@ def _reference_errors(q, k, v, kept_prefix, query_window):
     total, d = k.shape
     prefix = total - query_window
     q, k, v = q[:, prefix:].double(), k.double(), v.double()  # q [G, W, d]
-    s = d ** -0.5
+    s = d**-0.5
     logits = s * q @ k.T  # [G, W, T]
     causal = torch.arange(total).unsqueeze(0) <= torch.arange(prefix, total).unsqueeze(1)  # [W, T]
     retained = torch.ones(total, dtype=torch.bool)
@@ -63,8 +66,7 @@ def _reference_errors(q, k, v, kept_prefix, query_window):
     cov = (v_E - vbar).T @ (k_E - kbar) / k_E.shape[0]  # C_vk [d, d]
     lse_E = torch.log(torch.tensor(float(k_E.shape[0]))) + s * q @ kbar  # [G, W]
     weight = torch.sigmoid(lse_R - lse_E).unsqueeze(-1)
-    estimates = [out_R, weight * out_R + (1 - weight) * vbar,
-                 weight * out_R + (1 - weight) * (vbar + s * q @ cov.T)]
+    estimates = [out_R, weight * out_R + (1 - weight) * vbar, weight * out_R + (1 - weight) * (vbar + s * q @ cov.T)]
     return [float(((e - full).norm(dim=-1) / full.norm(dim=-1)).mean()) for e in estimates]
 
 
@@ -72,8 +74,17 @@ def test_tiny_llama_shapes_and_errors_match_independent_masked_reference(one_thr
     model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=0)
     windows = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
     w, n_sink, recent, ratios = 16, 2, 4, (0.25, 0.5)
-    result = measure_correction_errors(model, windows, keep_ratios=ratios, query_window=w, scorer="keydiff",
-                                       observation_window=8, n_sink=n_sink, recent_window=recent, progress=False)
+    result = measure_correction_errors(
+        model,
+        windows,
+        keep_ratios=ratios,
+        query_window=w,
+        scorer="keydiff",
+        observation_window=8,
+        n_sink=n_sink,
+        recent_window=recent,
+        progress=False,
+    )
     assert set(result) == {"errors", "order", "reference_ratios", "tau"}
     assert result.selection == "keydiff" and result.scorer == "KeyDiffScorer()"
     assert result["errors"].shape == (2, 3, 2, 2) and result["errors"].dtype == np.float64
@@ -99,20 +110,45 @@ def test_tiny_llama_shapes_and_errors_match_independent_masked_reference(one_thr
                     middle = torch.arange(n_sink, prefix - recent)
                     best = middle[torch.topk(score[middle], budget - n_sink - recent).indices]
                     kept = torch.cat([torch.arange(n_sink), best, torch.arange(prefix - recent, prefix)])
-                    expected[r, :, layer, head] += np.array(_reference_errors(
-                        q[layer, 2 * head:2 * head + 2], k[layer, head], v[layer, head], kept, w)) / 2
+                    expected[r, :, layer, head] += (
+                        np.array(
+                            _reference_errors(
+                                q[layer, 2 * head : 2 * head + 2], k[layer, head], v[layer, head], kept, w
+                            )
+                        )
+                        / 2
+                    )
     np.testing.assert_allclose(result["errors"], expected, rtol=1e-4, atol=1e-6)
 
     # moment-informed eviction (SnapKV attention x moment residual, in rounds) and a uniform tau
-    moment = measure_correction_errors(model, windows[:1], keep_ratios=(0.25,), query_window=w, scorer="snapkv",
-                                       observation_window=8, n_sink=n_sink, recent_window=recent,
-                                       moment_eviction=True, tau=0.01, progress=False)
+    moment = measure_correction_errors(
+        model,
+        windows[:1],
+        keep_ratios=(0.25,),
+        query_window=w,
+        scorer="snapkv",
+        observation_window=8,
+        n_sink=n_sink,
+        recent_window=recent,
+        moment_eviction=True,
+        tau=0.01,
+        progress=False,
+    )
     assert moment["errors"].shape == (1, 3, 2, 2) and np.all(np.isfinite(moment["errors"]))
     assert np.all(moment["tau"] == 0.01)
     assert moment.selection == "snapkv" and moment.scorer == "SnapKVScorer(window=8, kernel=1)"
 
-    keep_all = measure_correction_errors(model, windows[:1], keep_ratios=(1.0,), query_window=w, scorer="snapkv",
-                                         observation_window=8, n_sink=n_sink, recent_window=recent, progress=False)
+    keep_all = measure_correction_errors(
+        model,
+        windows[:1],
+        keep_ratios=(1.0,),
+        query_window=w,
+        scorer="snapkv",
+        observation_window=8,
+        n_sink=n_sink,
+        recent_window=recent,
+        progress=False,
+    )
     assert np.all(keep_all["errors"] < 1e-5) and np.all(keep_all["order"] == -1)  # nothing evicted -> exact
     with pytest.raises(ValueError, match="too short"):
         measure_correction_errors(model, windows[:, :20], query_window=16, progress=False)
@@ -129,8 +165,7 @@ def test_selection_is_the_runtime_scorer(one_thread):
     attention (kernel 1), "keydiff" KeyDiff; any attention-free Scorer instance may be given."""
     model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=1)
     windows = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(3))
-    options = dict(keep_ratios=(0.3,), query_window=8, observation_window=8, n_sink=2, recent_window=4,
-                   progress=False)
+    options = dict(keep_ratios=(0.3,), query_window=8, observation_window=8, n_sink=2, recent_window=4, progress=False)
     by_name = measure_correction_errors(model, windows, scorer="snapkv", **options)
     by_scorer = measure_correction_errors(model, windows, scorer=SnapKVScorer(window=8, kernel=1), **options)
     assert by_name.selection == by_scorer.selection == "snapkv"
@@ -142,25 +177,36 @@ def test_selection_is_the_runtime_scorer(one_thread):
     assert pooled.scorer == "SnapKVScorer(window=8, kernel=5)" and pooled["errors"].shape == (1, 3, 2, 2)
 
 
-def test_embedded_model_correction_beats_no_correction_at_75_percent_compression(embedded_model, embedded_tokenizer,
-                                                                                 one_thread):
+def test_embedded_model_correction_beats_no_correction_at_75_percent_compression(
+    embedded_model, embedded_tokenizer, one_thread
+):
     from needles import prose_haystack
 
     windows, total = 2, 384
     text = prose_haystack(embedded_tokenizer, windows * total + 16, seed=1)
-    ids = np.asarray(embedded_tokenizer(text, add_special_tokens=False)["input_ids"][:windows * total])
-    result = measure_correction_errors(embedded_model, ids.reshape(windows, total), keep_ratios=(0.25, 0.5),
-                                       query_window=32, scorer="snapkv", progress=False)
+    ids = np.asarray(embedded_tokenizer(text, add_special_tokens=False)["input_ids"][: windows * total])
+    result = measure_correction_errors(
+        embedded_model,
+        ids.reshape(windows, total),
+        keep_ratios=(0.25, 0.5),
+        query_window=32,
+        scorer="snapkv",
+        progress=False,
+    )
     errors = result["errors"]  # [R, 3, L, Hkv]
     assert errors.shape == (2, 3, 30, 3)
     for r, ratio in enumerate(result["reference_ratios"]):
         none, zeroth, first = errors[r].mean(axis=(1, 2))
         best = errors[r].min(axis=0).mean()
-        print(f"keep {ratio:.2f}: mean relative error none {none:.4f}, 0th {zeroth:.4f}, 1st {first:.4f}, "
-              f"per-head best {best:.4f}")
+        print(
+            f"keep {ratio:.2f}: mean relative error none {none:.4f}, 0th {zeroth:.4f}, 1st {first:.4f}, "
+            f"per-head best {best:.4f}"
+        )
     uncorrected = errors[0, 0].mean()
     corrected = np.take_along_axis(errors[0], (result["order"].astype(np.int64) + 1)[None], axis=0)[0].mean()
-    print(f"keep 0.25 (75% compression): corrected (calibrated order) {corrected:.4f} vs uncorrected {uncorrected:.4f}; "
-          f"orders {dict(zip(*np.unique(result['order'], return_counts=True)))}")
+    print(
+        f"keep 0.25 (75% compression): corrected (calibrated order) {corrected:.4f} vs uncorrected {uncorrected:.4f}; "
+        f"orders {dict(zip(*np.unique(result['order'], return_counts=True), strict=True))}"
+    )
     assert corrected < uncorrected
     assert errors[0, 2].mean() < errors[0, 0].mean()  # 1st order alone helps on average too

@@ -7,8 +7,16 @@ import math
 import pytest
 import torch
 
-from runtime.moments import (MomentSums, attention_with_lse, corrected_attention, evict_in_rounds,
-                             evicted_estimate, evicted_estimates, merge_outputs, moment_scores)
+from runtime.moments import (
+    MomentSums,
+    attention_with_lse,
+    corrected_attention,
+    evict_in_rounds,
+    evicted_estimate,
+    evicted_estimates,
+    merge_outputs,
+    moment_scores,
+)
 
 D = 16
 S = 1 / math.sqrt(D)
@@ -127,8 +135,8 @@ def test_first_order_error_shrinks_as_evicted_keys_concentrate():
             errors[order].append(float((out.double() - exact_out).norm() / exact_out.norm()))
             assert torch.all(lse.double() <= exact_lse + 1e-4)  # Jensen: a lower bound
     for order in (0, 1):
-        assert all(a > b for a, b in zip(errors[order], errors[order][1:])), errors
-    assert all(e1 < e0 for e0, e1 in zip(errors[0], errors[1])), errors
+        assert all(a > b for a, b in zip(errors[order], errors[order][1:], strict=True)), errors
+    assert all(e1 < e0 for e0, e1 in zip(errors[0], errors[1], strict=True)), errors
     assert errors[0][-1] / errors[0][0] < 1 / 30  # ~eps^2: 8x tighter -> ~1/64
     assert errors[1][-1] / errors[1][0] < 1 / 200  # ~eps^3: 8x tighter -> ~1/512
 
@@ -191,8 +199,9 @@ def test_batched_estimates_equal_per_head_estimates():
     retained = [attention_with_lse(query[h], keys[h], values[h], S) for h in range(heads)]
     merged = merge_outputs(torch.stack([r[0] for r in retained]), torch.stack([r[1] for r in retained]), out, lse)
     for head in range(heads):
-        expected = corrected_attention(query[head], keys[head], values[head], sums, head, S, orders[head],
-                                       tau=float(tau[head]))
+        expected = corrected_attention(
+            query[head], keys[head], values[head], sums, head, S, orders[head], tau=float(tau[head])
+        )
         torch.testing.assert_close(merged[head], expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(merged[2], retained[2][0]) and torch.equal(merged[3], retained[3][0])
     with pytest.raises(ValueError, match="orders"):

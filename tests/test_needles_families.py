@@ -25,7 +25,7 @@ def test_family_renders_with_spans_and_answer_in_r_span(family):
         # the answer is not given away by the question
         assert needle.answer.lower() not in needle.question.lower()
         # spans are ordered and disjoint
-        for left, right in zip(needle.spans, needle.spans[1:]):
+        for left, right in zip(needle.spans, needle.spans[1:], strict=True):
             assert left.end <= right.start
         assert "[[" not in needle.text and "]]" not in needle.text
 
@@ -79,8 +79,11 @@ def test_seed_sweep_gives_hundreds_of_distinct_needles(family):
 def test_parse_markers_gives_character_spans():
     text, spans = parse_markers("A [[B:$5 ]] x [[R:Linux]]. [[D:The Red Box is big]].")
     assert text == "A $5  x Linux. The Red Box is big."
-    assert [(s.label, text[s.start:s.end]) for s in spans] == [("B", "$5"), ("R", "Linux"),
-                                                              ("D", "The Red Box is big")]
+    assert [(s.label, text[s.start : s.end]) for s in spans] == [
+        ("B", "$5"),
+        ("R", "Linux"),
+        ("D", "The Red Box is big"),
+    ]
 
 
 @pytest.mark.parametrize("bad", ["[[R:]] x", "x [[R:a [[D:b]] c]]", "x [[R:a", "x ]] y", "[[Q:a]]"])

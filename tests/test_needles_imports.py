@@ -11,21 +11,22 @@ import sys
 from pathlib import Path
 
 NEEDLES_DIR = Path(__file__).resolve().parent.parent / "needles"
-NEEDLES_MODULES = ["needles"] + sorted(f"needles.{path.stem}" for path in NEEDLES_DIR.glob("*.py")
-                                       if path.stem != "__init__")
+NEEDLES_MODULES = ["needles"] + sorted(
+    f"needles.{path.stem}" for path in NEEDLES_DIR.glob("*.py") if path.stem != "__init__"
+)
 # (file, module) pairs allowed to reach outside needles' own dependencies, inside a function.
 ALLOWED_RUNTIME_IMPORTS = {("cli.py", "runtime.models")}
 
 # Import every module, then build a probe (with a tokenizer that needs no model files).
 PROBE = """
 import importlib, json, sys
-for name in %r:
+for name in __MODULES__:
     importlib.import_module(name)
 from transformers import ByT5Tokenizer
 from needles import make_probe
 make_probe(ByT5Tokenizer(), "retrieval", 512, 50.0)
 print(json.dumps(sorted({name.split('.')[0] for name in sys.modules})))
-""" % (NEEDLES_MODULES,)
+""".replace("__MODULES__", repr(NEEDLES_MODULES))
 
 
 def test_importing_and_using_needles_imports_neither_runtime_nor_profiler():

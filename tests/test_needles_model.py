@@ -19,8 +19,13 @@ def test_embedded_model_answers_quick_retrieval_probes(embedded_model, embedded_
     # down (9K prefill tokens): (1024, 10), (1024, 50), (1024, 90), (2048, 50), (4096, 90).
     # benchmarks/needles_success.py measures all nine (9/9 correct when written).
     subset = [probes[i] for i in (0, 1, 2, 4, 8)]
-    assert [(p.length, p.depth) for p in subset] == [(1024, 10.0), (1024, 50.0), (1024, 90.0),
-                                                      (2048, 50.0), (4096, 90.0)]
+    assert [(p.length, p.depth) for p in subset] == [
+        (1024, 10.0),
+        (1024, 50.0),
+        (1024, 90.0),
+        (2048, 50.0),
+        (4096, 90.0),
+    ]
     results = []
     for probe in subset:
         text = greedy_answer(embedded_model, embedded_tokenizer, probe, max_new_tokens=20)

@@ -37,15 +37,15 @@ def _place(tokenizer, family, length=512, depth=50.0, seed=3, haystack="simple",
 def _assert_labels_on_the_right_tokens(tokenizer, needle, placed):
     ids = placed.input_ids
     assert len(placed.spans) == len(needle.spans)
-    for char_span, span in zip(needle.spans, placed.spans):
+    for char_span, span in zip(needle.spans, placed.spans, strict=True):
         assert span.label == char_span.label
         expected = needle.span_text(char_span)
-        assert tokenizer.decode(ids[span.start:span.end]).strip() == expected
+        assert tokenizer.decode(ids[span.start : span.end]).strip() == expected
         # dropping a token at either end loses part of the span
         if span.end - span.start > 1:
-            assert tokenizer.decode(ids[span.start + 1:span.end]).strip() != expected
-            assert tokenizer.decode(ids[span.start:span.end - 1]).strip() != expected
-    r_text = " ".join(tokenizer.decode(ids[s.start:s.end]) for s in placed.spans if s.label == "R")
+            assert tokenizer.decode(ids[span.start + 1 : span.end]).strip() != expected
+            assert tokenizer.decode(ids[span.start : span.end - 1]).strip() != expected
+    r_text = " ".join(tokenizer.decode(ids[s.start : s.end]) for s in placed.spans if s.label == "R")
     assert needle.answer in r_text
     assert placed.needle_start <= min(s.start for s in placed.spans)
     assert max(s.end for s in placed.spans) <= placed.needle_end <= placed.context_end
@@ -75,7 +75,7 @@ def test_slow_tokenizer_without_offsets_or_chat_template(family):
     needle, placed = _place(tokenizer, family, length=2048)
     assert abs(len(placed.input_ids) - 2048) <= 0.02 * 2048
     _assert_labels_on_the_right_tokens(tokenizer, needle, placed)
-    assert tokenizer.decode(placed.input_ids[placed.context_end:]).lstrip().startswith(needle.question)
+    assert tokenizer.decode(placed.input_ids[placed.context_end :]).lstrip().startswith(needle.question)
 
 
 def test_prompt_is_the_chat_template_and_context_prefix_is_stable(embedded_tokenizer):
@@ -83,16 +83,17 @@ def test_prompt_is_the_chat_template_and_context_prefix_is_stable(embedded_token
     for family in FAMILIES:
         needle, placed = _place(tokenizer, family, length=1024, depth=30.0)
         text = tokenizer.decode(placed.input_ids)
-        content = text[text.index("<|im_start|>user\n") + len("<|im_start|>user\n"):text.rindex("<|im_end|>")]
-        direct = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=True,
-                                               add_generation_prompt=True, return_dict=True)["input_ids"]
+        content = text[text.index("<|im_start|>user\n") + len("<|im_start|>user\n") : text.rindex("<|im_end|>")]
+        direct = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=True, add_generation_prompt=True, return_dict=True
+        )["input_ids"]
         assert list(direct) == placed.input_ids
         assert text.endswith("<|im_start|>assistant\n")
         # the question comes after the context, and the context prefix tokenizes on its own
-        question_part = tokenizer.decode(placed.input_ids[placed.context_end:])
+        question_part = tokenizer.decode(placed.input_ids[placed.context_end :])
         assert question_part.strip().startswith(needle.question)
-        prefix_text = tokenizer.decode(placed.input_ids[:placed.context_end])
-        assert tokenizer(prefix_text, add_special_tokens=False)["input_ids"] == placed.input_ids[:placed.context_end]
+        prefix_text = tokenizer.decode(placed.input_ids[: placed.context_end])
+        assert tokenizer(prefix_text, add_special_tokens=False)["input_ids"] == placed.input_ids[: placed.context_end]
         assert needle.question not in prefix_text
 
 
@@ -118,19 +119,22 @@ def test_depths_are_monotone_and_close_to_asked(embedded_tokenizer):
 def test_needle_sits_at_a_sentence_boundary(embedded_tokenizer):
     for depth in (5.0, 37.0, 81.0):
         needle, placed = _place(embedded_tokenizer, "retrieval", length=1024, depth=depth)
-        before = embedded_tokenizer.decode(placed.input_ids[:placed.needle_start]).rstrip()
-        after = embedded_tokenizer.decode(placed.input_ids[placed.needle_end:placed.context_end]).lstrip()
+        before = embedded_tokenizer.decode(placed.input_ids[: placed.needle_start]).rstrip()
+        after = embedded_tokenizer.decode(placed.input_ids[placed.needle_end : placed.context_end]).lstrip()
         assert before.endswith("."), before[-40:]
         assert after[:1].isupper(), after[:40]
-        assert embedded_tokenizer.decode(placed.input_ids[placed.needle_start:placed.needle_end]).strip() == needle.text
+        assert (
+            embedded_tokenizer.decode(placed.input_ids[placed.needle_start : placed.needle_end]).strip() == needle.text
+        )
 
 
 def test_span_that_does_not_survive_tokenization_raises(embedded_tokenizer):
     # "Lin" is only part of the token " Linux": the label cannot be placed on whole tokens.
     slots = {"key": "apple", "value": "7"}
     needle = render_family("retrieval", slots)
-    broken = type(needle)(needle.family, "The apple runs Linux.", (type(needle.spans[0])("R", 15, 18),),
-                          needle.question, "Lin", slots)
+    broken = type(needle)(
+        needle.family, "The apple runs Linux.", (type(needle.spans[0])("R", 15, 18),), needle.question, "Lin", slots
+    )
     with pytest.raises(SpanError):
         place_needle(embedded_tokenizer, broken, make_haystack("simple").sentences(0), 512, 50.0)
     with pytest.raises(SpanError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -9,8 +10,17 @@ import sys
 import pytest
 from transformers import ByT5Tokenizer
 
-from needles import (PRESETS, HaystackError, ProbeSpec, answer_is_correct, generate_probes, load_probes,
-                     make_haystack, prose_haystack, write_probes)
+from needles import (
+    PRESETS,
+    HaystackError,
+    ProbeSpec,
+    answer_is_correct,
+    generate_probes,
+    load_probes,
+    make_haystack,
+    prose_haystack,
+    write_probes,
+)
 from needles.cli import main as cli_main
 from needles.families import FAMILIES
 from needles.haystacks import join_units
@@ -26,7 +36,7 @@ def test_presets_have_the_documented_grids():
     paper = PRESETS["paper"]
     assert paper.lengths == tuple(1024 * k for k in range(1, 31))
     assert len(paper.depths) == 33 and paper.depths[0] == 2.0 and paper.depths[-1] == 98.0
-    assert all(b - a == 3.0 for a, b in zip(paper.depths, paper.depths[1:]))
+    assert all(b - a == 3.0 for a, b in zip(paper.depths, paper.depths[1:], strict=True))
     assert set(paper.families) == set(FAMILIES)
     json.dumps(paper.to_dict())
 
@@ -67,12 +77,13 @@ def test_same_spec_and_seed_are_byte_identical(embedded_tokenizer, tmp_path):
     write_probes(generate_probes(SMALL, embedded_tokenizer), second)
     assert first.read_bytes() == second.read_bytes()
     # and in a fresh interpreter (different hash randomisation)
-    code = ("import sys; from needles import *; from runtime.models import load_tokenizer; "
-            "spec = ProbeSpec(lengths=(512, 768), depths=(20.0, 80.0)); "
-            "write_probes(generate_probes(spec, load_tokenizer()), sys.argv[1])")
+    code = (
+        "import sys; from needles import *; from runtime.models import load_tokenizer; "
+        "spec = ProbeSpec(lengths=(512, 768), depths=(20.0, 80.0)); "
+        "write_probes(generate_probes(spec, load_tokenizer()), sys.argv[1])"
+    )
     third = tmp_path / "c.jsonl"
-    subprocess.run([sys.executable, "-c", code, str(third)], check=True, env={"PYTHONHASHSEED": "123",
-                                                                             **_env()})
+    subprocess.run([sys.executable, "-c", code, str(third)], check=True, env={"PYTHONHASHSEED": "123", **_env()})
     assert third.read_bytes() == first.read_bytes()
 
 
@@ -106,8 +117,21 @@ def test_load_probes_round_trip_and_bad_lines(embedded_tokenizer, tmp_path):
 
 def test_cli_writes_probes_and_shows_coloured_spans(embedded_tokenizer, tmp_path, capsys):
     out = tmp_path / "probes.jsonl"
-    code = cli_main(["--preset", "smoke", "--families", "comparison,retrieval", "--out", str(out),
-                     "--show", "2", "--quiet", "--seed", "4"])
+    code = cli_main(
+        [
+            "--preset",
+            "smoke",
+            "--families",
+            "comparison,retrieval",
+            "--out",
+            str(out),
+            "--show",
+            "2",
+            "--quiet",
+            "--seed",
+            "4",
+        ]
+    )
     assert code == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 4
@@ -136,10 +160,13 @@ def test_cli_help_and_errors(tmp_path, capsys):
 def test_simple_and_prose_haystacks_are_deterministic_per_seed():
     for name in ("simple", "prose"):
         haystack = make_haystack(name)
-        take = lambda seed: [s for _, s in zip(range(50), haystack.sentences(seed))]  # noqa: E731
+
+        def take(seed, haystack=haystack):
+            return list(itertools.islice(haystack.sentences(seed), 50))
+
         assert take(1) == take(1) and take(1) != take(2)
         assert all(s.strip().endswith(".") for s in take(3))
-    prose = join_units([s for _, s in zip(range(200), make_haystack("prose").sentences(0))])
+    prose = join_units([s for _, s in zip(range(200), make_haystack("prose").sentences(0), strict=True)])
     assert "\n\n" in prose and len(set(prose.split(". "))) > 100  # paragraphs, varied sentences
 
 
@@ -150,8 +177,10 @@ def test_prose_haystack_for_calibration(embedded_tokenizer):
 
 
 def _corpus(n=60):
-    return [f"Document {i} talks about the harbour. It was written in spring number {i}. "
-            f"Nobody read it twice." for i in range(n)]
+    return [
+        f"Document {i} talks about the harbour. It was written in spring number {i}. Nobody read it twice."
+        for i in range(n)
+    ]
 
 
 def test_text_file_haystack(embedded_tokenizer, tmp_path):
@@ -184,8 +213,9 @@ def test_dataset_haystack_from_local_files(embedded_tokenizer, tmp_path, fmt):
     else:
         path = tmp_path / "saved"
         data.save_to_disk(str(path))
-    spec = ProbeSpec(families=("counting",), lengths=(768,), depths=(30.0,), haystack=f"dataset:{path}",
-                     text_column="body")
+    spec = ProbeSpec(
+        families=("counting",), lengths=(768,), depths=(30.0,), haystack=f"dataset:{path}", text_column="body"
+    )
     probe = next(generate_probes(spec, embedded_tokenizer))
     assert "talks about the harbour" in embedded_tokenizer.decode(probe.input_ids)
     assert probe.meta["haystack"] == f"dataset:{path}"

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_tiny_llama
+
 from profiler.attention_capture import DecodeAttentionRecorder, capture_attention_implementation
 
 
 def _capture(model, prompt: torch.Tensor, max_new_tokens: int):
     """Greedy generate with the capture active: (generated ids [N], recorder results)."""
     config = model.config
-    recorder = DecodeAttentionRecorder(config.num_hidden_layers, config.num_attention_heads,
-                                       prompt.shape[1], max_new_tokens, keep_rows=True)
+    recorder = DecodeAttentionRecorder(
+        config.num_hidden_layers, config.num_attention_heads, prompt.shape[1], max_new_tokens, keep_rows=True
+    )
     with torch.no_grad(), capture_attention_implementation(model, recorder):
-        out = model.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False,
-                             min_new_tokens=max_new_tokens, pad_token_id=0)
-    return out[0, prompt.shape[1]:], recorder.results()
+        out = model.generate(
+            prompt, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens, pad_token_id=0
+        )
+    return out[0, prompt.shape[1] :], recorder.results()
 
 
 def _eager_rows(model, prompt: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
@@ -32,7 +34,7 @@ def _eager_rows(model, prompt: torch.Tensor, generated: torch.Tensor) -> torch.T
             attentions = model(full, output_attentions=True).attentions  # L x [1, Hq, T, T]
     finally:
         model.set_attn_implementation(previous)
-    rows = torch.stack([a[0, :, context - 1:, :context] for a in attentions])  # [L, Hq, N, C]
+    rows = torch.stack([a[0, :, context - 1 :, :context] for a in attentions])  # [L, Hq, N, C]
     return rows.permute(2, 0, 1, 3)
 
 
@@ -60,11 +62,22 @@ def test_capture_matches_eager_on_tiny_gqa_model():
 def _tiny(kind: str):
     import transformers
 
-    classes = {"mistral": ("MistralConfig", "MistralForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+    classes = {
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    }
     config_class, model_class = (getattr(transformers, name) for name in classes[kind])
-    config = config_class(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
+    config = config_class(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(4)
     return model_class(config).eval()
 
@@ -94,8 +107,9 @@ def test_recorder_rejects_too_many_steps():
     recorder = DecodeAttentionRecorder(1, 4, 10, max_steps=2)
     with pytest.raises(RuntimeError, match="max_steps"):
         with torch.no_grad(), capture_attention_implementation(model, recorder):
-            model.generate(torch.ones(1, 10, dtype=torch.long), max_new_tokens=4, min_new_tokens=4,
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                torch.ones(1, 10, dtype=torch.long), max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0
+            )
 
 
 @pytest.mark.slow
@@ -113,7 +127,7 @@ def test_nested_scopes_record_into_their_own_recorder_only():
     recorders = [DecodeAttentionRecorder(2, 4, p.shape[1], max_steps=3) for p in prompts]
     generate = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
     with torch.no_grad(), capture_attention_implementation(model):
-        for prompt, recorder in zip(prompts, recorders):
+        for prompt, recorder in zip(prompts, recorders, strict=True):
             with capture_attention_implementation(model, recorder):
                 model.generate(prompt, **generate)
             assert model.config._attn_implementation == "kvcal_decode_capture"

@@ -30,7 +30,7 @@ def test_smoke_preset_on_embedded_model_writes_a_valid_artifact(smoke_run):
         cov = stats["cov"].astype(np.float64)
         assert np.all(np.linalg.eigvalsh(cov[0, 0]) > -1e-3)  # a covariance: PSD up to rounding
         budgets = reader.section("budgets")
-        for b, table in zip(budgets["token_budgets"], budgets["token_tables"]):
+        for b, table in zip(budgets["token_budgets"], budgets["token_tables"], strict=True):
             assert table.sum() == b * 30 * 3
         assert reader.config["query_stats"]["source"] == "needles prose haystack"
         moments = reader.section("moments")

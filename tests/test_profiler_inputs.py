@@ -19,8 +19,9 @@ def test_windows_from_local_files(tmp_path, embedded_tokenizer):
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in records))
     windows = calibration_windows(embedded_tokenizer, str(tmp_path / "a.txt"), 3, 50)
     assert windows.shape == (3, 50) and windows.dtype.is_floating_point is False
-    expected = embedded_tokenizer("Rivers carve valleys over many thousands of years. " * 40,
-                                  add_special_tokens=False)["input_ids"][:150]
+    expected = embedded_tokenizer("Rivers carve valleys over many thousands of years. " * 40, add_special_tokens=False)[
+        "input_ids"
+    ][:150]
     assert windows.reshape(-1).tolist() == expected  # cut in order from the token stream
     both = calibration_windows(embedded_tokenizer, f"{tmp_path / 'b.jsonl'},{tmp_path / 'a.txt'}", 4, 64)
     assert both.shape == (4, 64)
@@ -34,8 +35,10 @@ def test_windows_from_a_local_datasets_directory(tmp_path, embedded_tokenizer):
     rows = ["body,text"] + [f"{i},A lighthouse keeper counted {i} ships before dawn." for i in range(60)]
     (directory / "train.csv").write_text("\n".join(rows) + "\n")
     windows = calibration_windows(embedded_tokenizer, str(directory), 2, 32)
-    first = embedded_tokenizer("A lighthouse keeper counted 0 ships before dawn.", add_special_tokens=False)["input_ids"]
-    assert windows.shape == (2, 32) and windows[0, :len(first)].tolist() == first
+    first = embedded_tokenizer("A lighthouse keeper counted 0 ships before dawn.", add_special_tokens=False)[
+        "input_ids"
+    ]
+    assert windows.shape == (2, 32) and windows[0, : len(first)].tolist() == first
     with pytest.raises(ValueError, match="no 'story' field"):
         calibration_windows(embedded_tokenizer, str(directory), 2, 32, field="story")
 
@@ -57,8 +60,21 @@ def test_default_windows_come_from_the_prose_haystack(embedded_tokenizer):
 
 
 def test_probe_file_round_trip(tmp_path):
-    probes = [Probe(id=f"p{i}", family="hand", length=20, depth=10.0, seed=i, question="q", answer="a",
-                    input_ids=list(range(1, 21)), spans=[Span("R", 2, 4)], context_end=15) for i in range(3)]
+    probes = [
+        Probe(
+            id=f"p{i}",
+            family="hand",
+            length=20,
+            depth=10.0,
+            seed=i,
+            question="q",
+            answer="a",
+            input_ids=list(range(1, 21)),
+            spans=[Span("R", 2, 4)],
+            context_end=15,
+        )
+        for i in range(3)
+    ]
     path = tmp_path / "probes.jsonl"
     path.write_text("\n".join(p.to_json() for p in probes) + "\n")
     probe_set = file_probes(path)
@@ -104,8 +120,21 @@ def test_lazy_needles_probe_set_equals_generate_probes(embedded_tokenizer):
 
 
 def test_file_probe_set(tmp_path):
-    probes = [Probe(id=f"p{i}", family="hand", length=20 + i, depth=10.0, seed=i, question="q", answer="a",
-                    input_ids=list(range(1, 22 + i)), spans=[Span("R", 2, 4)], context_end=15) for i in range(3)]
+    probes = [
+        Probe(
+            id=f"p{i}",
+            family="hand",
+            length=20 + i,
+            depth=10.0,
+            seed=i,
+            question="q",
+            answer="a",
+            input_ids=list(range(1, 22 + i)),
+            spans=[Span("R", 2, 4)],
+            context_end=15,
+        )
+        for i in range(3)
+    ]
     path = tmp_path / "probes.jsonl"
     path.write_text("\n".join(p.to_json() for p in probes))
     probe_set = file_probes(path)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import make_tiny_llama, single_thread
 
 from artifacts import open_artifact
-from conftest import make_tiny_llama, single_thread
 from needles.probe import Probe, Span
 from profiler.cli import main
 from runtime.query_moments import QueryMoments
@@ -38,8 +38,9 @@ def one_thread_for_the_module():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, embedded_tokenizer):
     directory = tmp_path_factory.mktemp("tiny-model")
-    model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                            vocab_size=len(embedded_tokenizer), seed=7)
+    model = make_tiny_llama(
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=len(embedded_tokenizer), seed=7
+    )
     model.save_pretrained(directory)
     embedded_tokenizer.save_pretrained(directory)
     rng = random.Random(0)
@@ -48,17 +49,43 @@ def model_dir(tmp_path_factory, embedded_tokenizer):
             n = 48 + 4 * i
             ids = [rng.randrange(100, 40000) for _ in range(n)]
             spans = [Span("R", 10, 13), Span("B", 20, 22), Span("D", 30, 34)]
-            probe = Probe(id=f"p{i}", family="hand", length=n, depth=25.0 + i, seed=i, question="q?",
-                          answer="zebra", input_ids=ids, spans=spans, context_end=n - 6)
+            probe = Probe(
+                id=f"p{i}",
+                family="hand",
+                length=n,
+                depth=25.0 + i,
+                seed=i,
+                question="q?",
+                answer="zebra",
+                input_ids=ids,
+                spans=spans,
+                context_end=n - 6,
+            )
             fh.write(probe.to_json() + "\n")
     (directory / "calib.txt").write_text("A heron waited by the mill pond while the barges passed. " * 150)
     return directory
 
 
 def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
-    return [str(model_dir), "--out", str(out), "--preset", "smoke", "--probes", str(model_dir / "probes.jsonl"),
-            "--calib-dataset", str(model_dir / "calib.txt"), "--calib-samples", "8", "--batch-size", "1",
-            "--max-new-tokens", "5", "--no-progress", *extra]
+    return [
+        str(model_dir),
+        "--out",
+        str(out),
+        "--preset",
+        "smoke",
+        "--probes",
+        str(model_dir / "probes.jsonl"),
+        "--calib-dataset",
+        str(model_dir / "calib.txt"),
+        "--calib-samples",
+        "8",
+        "--batch-size",
+        "1",
+        "--max-new-tokens",
+        "5",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def _env():
@@ -66,14 +93,24 @@ def _env():
 
 
 def _run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "profiler.cli", *args], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=300, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "profiler.cli", *args],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kwargs,
+    )
 
 
 def _read(path: Path) -> tuple[dict, dict]:
     with open_artifact(path) as reader:
-        arrays = {f"{name}/{key}": value for name in ("behaviour", "query_stats", "budgets", "moments", "learned_scorer")
-                  for key, value in reader.section(name).arrays.items()}
+        arrays = {
+            f"{name}/{key}": value
+            for name in ("behaviour", "query_stats", "budgets", "moments", "learned_scorer")
+            for key, value in reader.section(name).arrays.items()
+        }
         return arrays, dict(reader.config)
 
 
@@ -81,9 +118,15 @@ def _start_and_signal(args, work: Path, sig: int) -> subprocess.CompletedProcess
     """Start a run, wait for its first checkpoint, send ``sig``; return the finished process."""
     # A runner started in the background (CI) may pass SIGINT on as *ignored*, which Python
     # keeps; give the child the default disposition so Ctrl-C reaches it as it would a user's.
-    proc = subprocess.Popen([sys.executable, "-m", "profiler.cli", *args], cwd=REPO, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "profiler.cli", *args],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.time() + 120
     while not work.exists():
         assert proc.poll() is None, f"run ended before its first checkpoint: {proc.communicate()}"
@@ -163,9 +206,23 @@ def test_interrupt_inside_a_forward_pass_resumes_exactly(model_dir, reference, t
 
 def test_accelerate_two_processes_equal_single(model_dir, reference, tmp_path):
     out = tmp_path / "kv_calibration.h5"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "-m", "profiler.cli", *_args(model_dir, out)]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "profiler.cli",
+        *_args(model_dir, out),
+    ]
     result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "starting 2 CPU worker processes" in result.stderr

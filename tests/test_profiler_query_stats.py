@@ -5,17 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_tiny_llama
-from runtime.query_moments import QueryMoments
+
 from runtime.geometry import ModelGeometry
+from runtime.query_moments import QueryMoments
 
 
 def _raw_queries(model, geometry, ids):
     """Independent capture: outputs of each layer's query module, [L, B, T, Hq, d] numpy."""
     seen = []
-    handles = [m.register_forward_hook(lambda _m, _i, out: seen.append(out.detach().clone()))
-               for m in geometry.query_modules]
+    handles = [
+        m.register_forward_hook(lambda _m, _i, out: seen.append(out.detach().clone())) for m in geometry.query_modules
+    ]
     try:
         with torch.no_grad():
             model(ids)
@@ -29,8 +30,12 @@ def _raw_queries(model, geometry, ids):
 def _naive(queries):
     """queries [L, N, Hq, d] -> mean [L, Hq, d], population cov [L, Hq, d, d]."""
     mean = queries.mean(axis=1)
-    cov = np.stack([[np.cov(queries[l, :, h, :], rowvar=False, bias=True) for h in range(queries.shape[2])]
-                    for l in range(queries.shape[0])])
+    cov = np.stack(
+        [
+            [np.cov(queries[layer, :, h, :], rowvar=False, bias=True) for h in range(queries.shape[2])]
+            for layer in range(queries.shape[0])
+        ]
+    )
     return mean, cov
 
 
@@ -75,8 +80,15 @@ def test_qwen3_statistics_are_taken_after_the_query_norm():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     model = Qwen3ForCausalLM(config).eval()
     with torch.no_grad():
         for layer in model.model.layers:  # non-trivial norm weights so pre/post norm differ
@@ -89,14 +101,18 @@ def test_qwen3_statistics_are_taken_after_the_query_norm():
         model(ids)
     # Reference: apply q_norm by hand to q_proj outputs.
     proj = []
-    hooks = [l.self_attn.q_proj.register_forward_hook(lambda _m, _i, o: proj.append(o.detach()))
-             for l in model.model.layers]
+    hooks = [
+        layer.self_attn.q_proj.register_forward_hook(lambda _m, _i, o: proj.append(o.detach()))
+        for layer in model.model.layers
+    ]
     with torch.no_grad():
         model(ids)
     for h in hooks:
         h.remove()
-    normed = [model.model.layers[l].self_attn.q_norm(proj[l].reshape(2, 12, 4, 8)).detach().double().numpy()
-              for l in range(2)]
+    normed = [
+        model.model.layers[layer].self_attn.q_norm(proj[layer].reshape(2, 12, 4, 8)).detach().double().numpy()
+        for layer in range(2)
+    ]
     mean, _ = _naive(np.stack([q.reshape(-1, 4, 8) for q in normed]))
     np.testing.assert_allclose(acc.finalize()["mean"], mean, rtol=1e-5, atol=1e-6)
 

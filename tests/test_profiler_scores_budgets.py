@@ -66,7 +66,7 @@ def test_budget_tables_conserve_bounds_and_monotone():
     assert attrs == {"beta": 2.0, "min_budget": 3}
     inf_kv = arrays["inf_kv"]
     np.testing.assert_allclose(inf_kv, infsc.reshape(4, 2, 3).mean(-1) / infsc.reshape(4, 2, 3).mean(-1).sum())
-    for b, table in zip(arrays["token_budgets"], arrays["token_tables"]):
+    for b, table in zip(arrays["token_budgets"], arrays["token_tables"], strict=True):
         assert table.dtype == np.int64 and table.shape == (4, 2)
         assert table.sum() == b * 8  # conserved exactly
         assert table.min() >= 3 and table.max() <= 3000

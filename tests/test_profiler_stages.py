@@ -34,11 +34,14 @@ def test_stages_run_in_canonical_order_whatever_the_order_asked():
     assert STAGE_NAMES.index("behaviour") < STAGE_NAMES.index("query-stats") < STAGE_NAMES.index("budgets")
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"max_new_tokens": -1}, "max_new_tokens"),
-    ({"batch_size": -2}, "batch_size"),
-    ({"n_sink": 64, "calib_tokens": 64}, "n_sink"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"batch_size": -2}, "batch_size"),
+        ({"n_sink": 64, "calib_tokens": 64}, "n_sink"),
+    ],
+)
 def test_bad_settings_are_refused_before_the_model_loads(settings, message):
     with pytest.raises(ValueError, match=message):
         ProfileJob(JobOptions(preset="smoke", settings=settings))

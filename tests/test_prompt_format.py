@@ -23,7 +23,7 @@ def _without_chat_template(tokenizer):
 def _context_of(tokenizer, probe) -> str:
     """The context text of ``probe``: its prompt decoded, from the context's first token to the
     separator before the question."""
-    text = tokenizer.decode(probe.input_ids[probe.meta["context_start"]:])
+    text = tokenizer.decode(probe.input_ids[probe.meta["context_start"] :])
     context, found, _ = text.rpartition("\n\n" + probe.question)
     assert found, text[-200:]
     return context
@@ -37,8 +37,11 @@ def test_runtime_prompt_is_the_probe_prompt(embedded_tokenizer, chat_template):
         probe = make_probe(tokenizer, family, 512, depth, seed=5)
         context = _context_of(tokenizer, probe)
         head, tail = split_prompt(tokenizer, context, probe.question)
-        assert head + tail == probe.input_ids, (family, tokenizer.decode(head + tail)[-80:],
-                                                tokenizer.decode(probe.input_ids)[-80:])
+        assert head + tail == probe.input_ids, (
+            family,
+            tokenizer.decode(head + tail)[-80:],
+            tokenizer.decode(probe.input_ids)[-80:],
+        )
         assert len(head) == probe.context_end, family  # the same question-agnostic split
 
 
@@ -46,8 +49,8 @@ def test_plain_prompt_without_chat_template():
     tokenizer = ByT5Tokenizer()  # no chat template, no beginning-of-sequence token
     prompt = render_prompt(tokenizer, "Some context.", "Why?")
     assert prompt.text == "Some context.\n\nWhy?\nAnswer:"
-    assert prompt.text[prompt.context_start:].startswith("Some context.")
-    assert prompt.text[prompt.question_start:].startswith("Why?")
+    assert prompt.text[prompt.context_start :].startswith("Some context.")
+    assert prompt.text[prompt.question_start :].startswith("Why?")
     ids, context_end = encode_prompt(tokenizer, "Some context.", "Why?")
     assert tokenizer.decode(ids[:context_end]).rstrip() == "Some context."
     assert tokenizer.decode(ids[context_end:]).lstrip() == "Why?\nAnswer:"
@@ -67,15 +70,17 @@ def test_plain_prompt_starts_with_bos_only_when_the_tokenizer_adds_it(embedded_t
 
 def test_chat_template_prompt(embedded_tokenizer):
     content = "Ctx." + SEPARATOR + "Q?"
-    direct = embedded_tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=True,
-                                                    add_generation_prompt=True, return_dict=True)["input_ids"]
+    direct = embedded_tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=True, add_generation_prompt=True, return_dict=True
+    )["input_ids"]
     ids, context_end = encode_prompt(embedded_tokenizer, "Ctx.", "Q?")
     assert ids == list(direct)
     assert "Q?" not in embedded_tokenizer.decode(ids[:context_end])
     # chat=False: the plain prompt even when the tokenizer has a template
     assert render_prompt(embedded_tokenizer, "Ctx.", "Q?", chat=False).text == "Ctx.\n\nQ?\nAnswer:"
     assert split_prompt(embedded_tokenizer, "Ctx.", "Q?", chat=False) == split_prompt(
-        _without_chat_template(embedded_tokenizer), "Ctx.", "Q?")
+        _without_chat_template(embedded_tokenizer), "Ctx.", "Q?"
+    )
 
 
 def test_chat_template_that_rewrites_the_message_is_refused(embedded_tokenizer):

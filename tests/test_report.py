@@ -7,17 +7,19 @@ import os
 import shutil
 
 import pytest
+from conftest import make_random_artifact
 
 from artifacts import open_artifact, write_artifact
 from artifacts.cli import main as inspect_main
 from artifacts.report import colour, render_report
-from conftest import make_random_artifact
 
 EVALUATION = {
     "baseline": {"accuracy": 0.8},
-    "results": [{"policy": policy, "ratio": ratio, "accuracy": max(0.0, 0.8 - ratio * slope)}
-                for policy, slope in [("uniform/keydiff", 0.5), ("inf/expected_attention", 0.3)]
-                for ratio in (0.5, 0.75, 0.9)],
+    "results": [
+        {"policy": policy, "ratio": ratio, "accuracy": max(0.0, 0.8 - ratio * slope)}
+        for policy, slope in [("uniform/keydiff", 0.5), ("inf/expected_attention", 0.3)]
+        for ratio in (0.5, 0.75, 0.9)
+    ],
     "recommendation": {"text": "inf/expected_attention at ratio 0.5"},
 }
 
@@ -65,9 +67,18 @@ def test_report_renders_in_headless_chromium(tmp_path):
 
     options = webdriver.ChromeOptions()
     options.binary_location = browser_path
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1300,1800"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--window-size=1300,1800",
+    ):
         options.add_argument(flag)
     browser = webdriver.Chrome(service=Service(driver_path), options=options)
     try:

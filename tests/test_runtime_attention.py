@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_tiny_llama
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from conftest import make_tiny_llama
 from runtime.attention import attention_implementation
 
 
@@ -16,8 +16,9 @@ def _spy(calls: list, tag: str):
 
     def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         calls.append((tag, module.layer_idx, attention_mask is not None))
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
 
     return forward
 

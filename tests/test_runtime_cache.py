@@ -12,10 +12,17 @@ from transformers import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from runtime import (ATTENTION_NAME, CompressionPolicy, RaggedCache, compress, compress_prompt, generate, prefill,
-                     ragged_attention)
+from runtime import (
+    ATTENTION_NAME,
+    CompressionPolicy,
+    RaggedCache,
+    compress,
+    compress_prompt,
+    generate,
+    prefill,
+    ragged_attention,
+)
 from runtime.calibration import Calibration
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -23,8 +30,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 def inf_calibration(layers: int, kv_heads: int, seed: int = 0) -> Calibration:
     """An in-memory calibration with only (skewed) INF weights: per-head budgets differ."""
     weights = np.random.default_rng(seed).random((layers, kv_heads)) ** 3
-    return Calibration(path=Path("memory"), identity=None, config={}, sections=("budgets",),
-                       inf_weights=weights / weights.sum())
+    return Calibration(
+        path=Path("memory"), identity=None, config={}, sections=("budgets",), inf_weights=weights / weights.sum()
+    )
 
 
 @torch.no_grad()
@@ -147,7 +155,8 @@ def test_positions_continue_after_eviction():
         model(ids[:, 29:], past_key_values=cache)
     reference = {}
     hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(
-        lambda module, inputs, output: reference.setdefault("k", output))
+        lambda module, inputs, output: reference.setdefault("k", output)
+    )
     try:
         model(ids)
     finally:
@@ -174,12 +183,26 @@ def test_left_padded_batch_gives_the_same_answers_as_one_by_one():
     for question_aware in (False, True):
         policy = CompressionPolicy(ratio=0.5, allocation="inf", scorer="snapkv", window=4, n_sink=1)
         ids, mask, columns = build_inputs(contexts, questions, pad_token_id=0)
-        batch = generate(model, ids, policy, attention_mask=mask, calibration=calibration,
-                         context_columns=None if question_aware else columns, max_new_tokens=6, pad_token_id=0)
-        for row, (context, question) in enumerate(zip(contexts, questions)):
+        batch = generate(
+            model,
+            ids,
+            policy,
+            attention_mask=mask,
+            calibration=calibration,
+            context_columns=None if question_aware else columns,
+            max_new_tokens=6,
+            pad_token_id=0,
+        )
+        for row, (context, question) in enumerate(zip(contexts, questions, strict=True)):
             single_ids = torch.tensor([context + question])
-            single = generate(model, single_ids, policy, calibration=calibration,
-                              context_columns=None if question_aware else len(context), max_new_tokens=6)
+            single = generate(
+                model,
+                single_ids,
+                policy,
+                calibration=calibration,
+                context_columns=None if question_aware else len(context),
+                max_new_tokens=6,
+            )
             assert batch.new_tokens[row].tolist() == single.new_tokens[0].tolist()
             lengths_batch = batch.report.lengths_after[:, row]
             assert np.array_equal(lengths_batch, single.report.lengths_after[:, 0])
@@ -194,8 +217,11 @@ def test_sampled_generation_runs_and_is_reproducible():
     runs = []
     for _ in range(2):
         torch.manual_seed(123)
-        runs.append(generate(model, ids, policy, context_columns=32, max_new_tokens=10, do_sample=True,
-                             temperature=1.5, top_k=0).new_tokens)
+        runs.append(
+            generate(
+                model, ids, policy, context_columns=32, max_new_tokens=10, do_sample=True, temperature=1.5, top_k=0
+            ).new_tokens
+        )
     model.set_attn_implementation("sdpa")
     assert torch.equal(runs[0], runs[1]) and runs[0].shape == (1, 10)
 
@@ -218,8 +244,13 @@ def test_embedded_model_full_budget_is_identical(embedded_model, embedded_tokeni
     """Budget >= length: the same logits as the unmodified model fed the same way (one pass,
     or prefix + chunk through a DynamicCache), and the same generated tokens."""
     model, tokenizer = embedded_model, embedded_tokenizer
-    messages = [{"role": "user", "content": "The special magic number for Alice is 4721. Bob likes tea. "
-                                            "What is the special magic number for Alice?"}]
+    messages = [
+        {
+            "role": "user",
+            "content": "The special magic number for Alice is 4721. Bob likes tea. "
+            "What is the special magic number for Alice?",
+        }
+    ]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     ids = ids["input_ids"]
     columns = ids.shape[1] - 12
@@ -244,8 +275,17 @@ def test_embedded_model_full_budget_is_identical(embedded_model, embedded_tokeni
     torch.manual_seed(7)
     reference_sampled = model.generate(ids, max_new_tokens=8, do_sample=True, temperature=1.3, top_k=0, top_p=1.0)
     torch.manual_seed(7)
-    sampled = generate(model, ids, policy, context_columns=columns, max_new_tokens=8, do_sample=True,
-                       temperature=1.3, top_k=0, top_p=1.0)
+    sampled = generate(
+        model,
+        ids,
+        policy,
+        context_columns=columns,
+        max_new_tokens=8,
+        do_sample=True,
+        temperature=1.3,
+        top_k=0,
+        top_p=1.0,
+    )
     model.set_attn_implementation("sdpa")
     assert torch.equal(sampled.sequences, reference_sampled)
 
@@ -258,8 +298,10 @@ def test_copies_of_one_prefill_compress_independently_and_stack_into_a_batch():
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(8))
     base = RaggedCache.for_model(model)
     stats = prefill(model, base, ids[:, :32], record_prompt_stats=True, observe_queries=8, n_sink=2)
-    policies = [CompressionPolicy(ratio=0.5, statistics="prompt"), CompressionPolicy(budget=6, scorer="snapkv",
-                                                                                      scorer_options={"window": 8})]
+    policies = [
+        CompressionPolicy(ratio=0.5, statistics="prompt"),
+        CompressionPolicy(budget=6, scorer="snapkv", scorer_options={"window": 8}),
+    ]
     caches = []
     for policy in policies:
         cache = base.copy()
@@ -267,8 +309,10 @@ def test_copies_of_one_prefill_compress_independently_and_stack_into_a_batch():
         caches.append(cache)
     assert (base.head_lengths() == 32).all()  # the original is untouched
     assert (caches[0].head_lengths() == 16).all() and (caches[1].head_lengths() == 6).all()
-    singles = [model.generate(ids, past_key_values=cache.copy(), max_new_tokens=5, do_sample=False)
-               for cache in caches + [base]]
+    singles = [
+        model.generate(ids, past_key_values=cache.copy(), max_new_tokens=5, do_sample=False)
+        for cache in caches + [base]
+    ]
     batch = RaggedCache.stack(caches + [base])
     stacked = model.generate(ids.expand(3, -1), past_key_values=batch, max_new_tokens=5, do_sample=False)
     model.set_attn_implementation("sdpa")
@@ -294,8 +338,9 @@ def test_blockwise_prefill_never_holds_more_than_budget_plus_block():
     policy = CompressionPolicy(budget=10, scorer="keydiff", n_sink=2, window=3)
     RaggedCache.head_lengths = spy
     try:
-        result = generate(model, ids, policy, attention_mask=mask, context_columns=45, block_size=8,
-                          max_new_tokens=3, pad_token_id=0)
+        result = generate(
+            model, ids, policy, attention_mask=mask, context_columns=45, block_size=8, max_new_tokens=3, pad_token_id=0
+        )
     finally:
         RaggedCache.head_lengths = original
         model.set_attn_implementation("sdpa")

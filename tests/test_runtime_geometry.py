@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import make_tiny_llama
 
 from artifacts.fingerprint import architecture_numbers, has_query_norm
-from conftest import make_tiny_llama
 from runtime.geometry import ModelGeometry, UnsupportedModelError
 
 
@@ -16,8 +16,15 @@ def _qwen3():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     return Qwen3ForCausalLM(config).eval()
 
 
@@ -29,7 +36,7 @@ def test_llama_geometry_matches_the_config_and_the_modules():
     layers = model.model.layers
     assert geometry.attention_modules == tuple(layer.self_attn for layer in layers)
     assert geometry.query_modules == tuple(layer.self_attn.q_proj for layer in layers)
-    assert geometry.scalings == (8 ** -0.5,) * 3
+    assert geometry.scalings == (8**-0.5,) * 3
     assert geometry.rotary is model.model.rotary_emb and geometry.text_config is model.config
     assert ModelGeometry.of(geometry) is geometry
     # the artifact's architecture numbers are read by the same function
@@ -52,19 +59,26 @@ def test_unsupported_models_are_refused_with_a_message_naming_what_is_missing():
             ModelGeometry.of(model)
 
     refused(lambda m: delattr(m.model, "rotary_emb"), "no rotary embedding at model.model.rotary_emb")
-    refused(lambda m: setattr(m.model.layers[1].self_attn, "q_proj", torch.nn.Identity()),
-            "layer 1 attention has no q_proj linear")
-    refused(lambda m: setattr(m.model.layers[0].self_attn, "q_proj", torch.nn.Linear(64, 32, bias=False)),
-            "layer 0 q_proj gives 32 features, expected 4 heads x 16")
+    refused(
+        lambda m: setattr(m.model.layers[1].self_attn, "q_proj", torch.nn.Identity()),
+        "layer 1 attention has no q_proj linear",
+    )
+    refused(
+        lambda m: setattr(m.model.layers[0].self_attn, "q_proj", torch.nn.Linear(64, 32, bias=False)),
+        "layer 0 q_proj gives 32 features, expected 4 heads x 16",
+    )
     refused(lambda m: delattr(m.model.layers[0], "self_attn"), "layer 0 has no self_attn module")
-    refused(lambda m: setattr(m.model.layers[1].self_attn, "layer_idx", 0),
-            "layer 1 attention has no matching layer_idx")
+    refused(
+        lambda m: setattr(m.model.layers[1].self_attn, "layer_idx", 0), "layer 1 attention has no matching layer_idx"
+    )
     refused(lambda m: setattr(m.model, "layers", m.model.layers[:1]), "config says 2 layers, model has 1")
     refused(lambda m: setattr(m.config, "num_key_value_heads", 3), "4 query heads are not a multiple of 3 KV heads")
     refused(lambda m: setattr(m, "config", SimpleNamespace(num_hidden_layers=2)), "config lacks num_attention_heads")
     refused(lambda m: setattr(m, "model", torch.nn.Module()), "no decoder layers at model.model.layers")
-    refused(lambda m: setattr(m.model.layers[1].self_attn, "q_norm", torch.nn.Identity()),
-            "only some layers have a query norm")
+    refused(
+        lambda m: setattr(m.model.layers[1].self_attn, "q_norm", torch.nn.Identity()),
+        "only some layers have a query norm",
+    )
     with pytest.raises(UnsupportedModelError, match="Linear has no transformers config"):
         ModelGeometry.of(torch.nn.Linear(2, 2))
 

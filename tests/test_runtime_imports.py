@@ -10,8 +10,9 @@ from pathlib import Path
 FORBIDDEN = ("profiler", "needles", "datasets", "accelerate", "jinja2", "tqdm")
 
 RUNTIME_DIR = Path(__file__).resolve().parent.parent / "runtime"
-RUNTIME_MODULES = ["runtime"] + sorted(f"runtime.{path.stem}" for path in RUNTIME_DIR.glob("*.py")
-                                       if path.stem != "__init__")
+RUNTIME_MODULES = ["runtime"] + sorted(
+    f"runtime.{path.stem}" for path in RUNTIME_DIR.glob("*.py") if path.stem != "__init__"
+)
 
 # One interpreter: first what transformers' cache/mask modules load by themselves (they import
 # jinja2 for chat templates as soon as transformers.utils loads: transformers' dependency, not
@@ -21,10 +22,10 @@ import importlib, json, sys
 tops = lambda: sorted({name.split('.')[0] for name in sys.modules})
 import transformers.cache_utils, transformers.masking_utils
 baseline = tops()
-for name in %r:
+for name in __MODULES__:
     importlib.import_module(name)
 print(json.dumps([baseline, tops()]))
-""" % (RUNTIME_MODULES,)
+""".replace("__MODULES__", repr(RUNTIME_MODULES))
 
 
 def test_importing_runtime_pulls_in_no_calibration_machinery():

@@ -14,16 +14,32 @@ from conftest import make_tiny_llama
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from runtime import CompressionPolicy, RaggedCache, compress, prefill
-from runtime.kvzip import (KVzipGlobalPolicy, kvzip_budgets, kvzip_compress, kvzip_global_policy, kvzip_scores,
-                           reconstruction_chunks, with_kvzip_scores)
+from runtime.kvzip import (
+    KVzipGlobalPolicy,
+    kvzip_budgets,
+    kvzip_compress,
+    kvzip_global_policy,
+    kvzip_scores,
+    reconstruction_chunks,
+    with_kvzip_scores,
+)
 from runtime.rope import rope_cos_sin
-from runtime.scorers import (ALL_QUERIES, HeadContext, KVzipScorer, KVzipScores, LeverageScorer,
-                             chunked_attention_mass, leverage_scores, unrotate)
+from runtime.scorers import (
+    ALL_QUERIES,
+    HeadContext,
+    KVzipScorer,
+    KVzipScores,
+    LeverageScorer,
+    chunked_attention_mass,
+    leverage_scores,
+    unrotate,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
 
 # -- direct references (float64, loops) -------------------------------------------------------
+
 
 def naive_leverage(keys: torch.Tensor, phi: torch.Tensor | None = None) -> torch.Tensor:
     """``x_i^T (X^T X)^{-1} x_i`` row by row, ``X`` the column-centred (optionally sketched) keys."""
@@ -48,7 +64,7 @@ def naive_chunk_mass(queries, query_positions, keys, key_positions, chunk, scale
                 continue
             logits = torch.tensor([scale * float(queries[g, w].double() @ keys[i].double()) for i in members])
             weights = torch.softmax(logits, dim=0)
-            for weight, i in zip(weights, members):
+            for weight, i in zip(weights, members, strict=True):
                 mass[i] += weight / groups
     return mass
 
@@ -69,13 +85,15 @@ def naive_compactor(head: HeadContext, blend, chunk, scale, pool, first, last, v
     qpos = [head.next_position - w + j for j in range(w)]
     kpos = [int(head.positions[i]) for i in rows]
     keep = [j for j in range(w) if kpos[0] <= qpos[j] <= kpos[-1]]
-    mass = naive_chunk_mass(head.recent_queries[:, keep], [qpos[j] for j in keep], head.keys[rows], kpos, chunk,
-                            scale, kpos[0])
+    mass = naive_chunk_mass(
+        head.recent_queries[:, keep], [qpos[j] for j in keep], head.keys[rows], kpos, chunk, scale, kpos[0]
+    )
     if value_norm:
         mass = mass * torch.stack([head.values[i].double().norm() for i in rows])
     r = pool // 2
-    pooled = torch.stack([sum(mass[j] for j in range(i - r, i + r + 1) if 0 <= j < len(rows)) / pool
-                          for i in range(len(rows))])
+    pooled = torch.stack(
+        [sum(mass[j] for j in range(i - r, i + r + 1) if 0 <= j < len(rows)) / pool for i in range(len(rows))]
+    )
 
     def z(x):
         return (x - x.mean()) / x.std(unbiased=False)
@@ -90,6 +108,7 @@ def _rope(model, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 # -- leverage -----------------------------------------------------------------------------------
+
 
 def test_exact_leverage_equals_row_by_row_formula_and_sums_to_the_rank():
     generator = torch.Generator().manual_seed(0)
@@ -107,8 +126,12 @@ def test_sketched_leverage_is_the_leverage_of_the_sketched_keys():
     torch.testing.assert_close(scores, naive_leverage(keys, phi), rtol=1e-7, atol=1e-10)
     assert abs(float(scores.sum()) - sketch) < 1e-6
     # a sketch as wide as the keys spans the same column space: exact scores
-    torch.testing.assert_close(leverage_scores(keys, 40, torch.Generator().manual_seed(3), ridge=1e-12),
-                               leverage_scores(keys, ridge=1e-12), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(
+        leverage_scores(keys, 40, torch.Generator().manual_seed(3), ridge=1e-12),
+        leverage_scores(keys, ridge=1e-12),
+        rtol=1e-6,
+        atol=1e-9,
+    )
 
 
 def test_unrotate_inverts_the_models_rope():
@@ -141,32 +164,45 @@ def test_leverage_scorer_equals_the_compactor_definition(blend, chunk, scale):
     values = torch.randn(n, d, generator=generator)
     queries = torch.randn(groups, n, d, generator=generator)
     cos, sin = rope_cos_sin(model, positions)
-    head = HeadContext(layer=3, kv_head=1, keys=keys, values=values, positions=positions, scaling=d ** -0.5,
-                       next_position=n, recent_queries=queries, key_cos=cos, key_sin=sin)
+    head = HeadContext(
+        layer=3,
+        kv_head=1,
+        keys=keys,
+        values=values,
+        positions=positions,
+        scaling=d**-0.5,
+        next_position=n,
+        recent_queries=queries,
+        key_cos=cos,
+        key_sin=sin,
+    )
     scorer = LeverageScorer(blend=blend, sketch=None, chunk=chunk, attention_scale=scale, ridge=1e-12)
     got = scorer.score(head)
-    want = naive_compactor(head, blend, chunk, d ** -0.5 if scale is None else scale, 3, 8, 4)
-    torch.testing.assert_close(got[8:n - 4].double(), want, rtol=1e-4, atol=1e-4)
-    assert torch.all(got[:8] == got[8:n - 4].max()) and torch.all(got[n - 4:] == got[8:n - 4].max())
+    want = naive_compactor(head, blend, chunk, d**-0.5 if scale is None else scale, 3, 8, 4)
+    torch.testing.assert_close(got[8 : n - 4].double(), want, rtol=1e-4, atol=1e-4)
+    assert torch.all(got[:8] == got[8 : n - 4].max()) and torch.all(got[n - 4 :] == got[8 : n - 4].max())
 
 
 def test_leverage_scorer_modes_and_options():
     generator = torch.Generator().manual_seed(6)
     n, d = 40, 8
     keys, values = torch.randn(n, d, generator=generator), torch.randn(n, d, generator=generator)
-    head = HeadContext(0, 0, keys, values, torch.arange(n), d ** -0.5, n,
-                       recent_queries=torch.randn(1, n, d, generator=generator))
+    head = HeadContext(
+        0, 0, keys, values, torch.arange(n), d**-0.5, n, recent_queries=torch.randn(1, n, d, generator=generator)
+    )
     alone = LeverageScorer(blend=None, sketch=None, pre_rope=False, exclude_first=0, exclude_last=0, ridge=1e-12)
     assert alone.observation_window == 0 and not alone.key_rope
     lev = naive_leverage(keys)
-    torch.testing.assert_close(alone.score(head).double(), (lev - lev.mean()) / lev.std(unbiased=False),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        alone.score(head).double(), (lev - lev.mean()) / lev.std(unbiased=False), rtol=1e-4, atol=1e-5
+    )
     attention = LeverageScorer(blend=0, exclude_first=0, exclude_last=0, pool=1)
     assert attention.observation_window == ALL_QUERIES and not attention.key_rope
     mass = naive_chunk_mass(head.recent_queries, torch.arange(n), keys, torch.arange(n), 256, 1.0, 0)
     mass = mass * values.double().norm(dim=-1)
-    torch.testing.assert_close(attention.score(head).double(), (mass - mass.mean()) / mass.std(unbiased=False),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        attention.score(head).double(), (mass - mass.mean()) / mass.std(unbiased=False), rtol=1e-4, atol=1e-4
+    )
     with pytest.raises(ValueError, match="key_cos"):
         LeverageScorer().score(head)  # pre-RoPE needs the keys' RoPE
     for bad in ({"blend": -1}, {"sketch": 0}, {"chunk": 0}, {"pool": 2}, {"exclude_first": -1}):
@@ -181,8 +217,13 @@ def test_compress_with_leverage_keeps_sinks_window_and_top_reference_scores():
     model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
     ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(8))
     budget, n_sink, window = 30, 2, 5
-    policy = CompressionPolicy(budget=budget, scorer="leverage", n_sink=n_sink, window=window,
-                               scorer_options={"blend": 0.6, "sketch": None, "chunk": 32, "ridge": 1e-12})
+    policy = CompressionPolicy(
+        budget=budget,
+        scorer="leverage",
+        n_sink=n_sink,
+        window=window,
+        scorer_options={"blend": 0.6, "sketch": None, "chunk": 32, "ridge": 1e-12},
+    )
     cache = RaggedCache.for_model(model)
     prefill(model, cache, ids, policy=policy)
     assert cache.layers[0].recent_queries[0].shape[1] == 90  # every prompt query
@@ -194,11 +235,21 @@ def test_compress_with_leverage_keeps_sinks_window_and_top_reference_scores():
     for layer_idx, layer in enumerate(cache.layers):
         for h in range(2):
             keys, values, positions = before[layer_idx][h]
-            head = HeadContext(layer_idx, h, keys, values, positions, 16 ** -0.5, 90,
-                               recent_queries=queries[layer_idx][2 * h:2 * h + 2], key_cos=cos, key_sin=sin)
+            head = HeadContext(
+                layer_idx,
+                h,
+                keys,
+                values,
+                positions,
+                16**-0.5,
+                90,
+                recent_queries=queries[layer_idx][2 * h : 2 * h + 2],
+                key_cos=cos,
+                key_sin=sin,
+            )
             reference = torch.full((90,), float("inf"), dtype=torch.float64)
             reference[8:86] = naive_compactor(head, 0.6, 32, 1.0, 3, 8, 4)
-            middle = reference[n_sink:90 - window]
+            middle = reference[n_sink : 90 - window]
             top = (torch.topk(middle, budget - n_sink - window).indices + n_sink).tolist()
             wanted = sorted(list(range(n_sink)) + top + list(range(90 - window, 90)))
             assert layer.head(0, h)[2].tolist() == wanted
@@ -206,6 +257,7 @@ def test_compress_with_leverage_keeps_sinks_window_and_top_reference_scores():
 
 
 # -- KVzip ----------------------------------------------------------------------------------------
+
 
 class ToyTokenizer:
     """Characters as token ids (no chat template); enough for the reconstruction prompts."""
@@ -258,12 +310,15 @@ def test_kvzip_scores_equal_the_models_attention_over_the_reconstruction(chunk_s
     scores = kvzip_scores(model, tokenizer, cache, context, chunk_size=chunk_size, overlap=4)
     assert scores.prefix_length == 1 and scores.scores.shape == (2, 2, 51)
     assert torch.equal(cache.head_lengths(), lengths) and cache.get_seq_length() == 51  # the cache is untouched
-    chunks = reconstruction_chunks(tokenizer, context, 1, tokenizer("\n", add_special_tokens=False)["input_ids"],
-                                   chunk_size, 4)
+    chunks = reconstruction_chunks(
+        tokenizer, context, 1, tokenizer("\n", add_special_tokens=False)["input_ids"], chunk_size, 4
+    )
     assert len(chunks) == scores.chunks == math.ceil(50 / chunk_size)
     if len(chunks) > 1:  # later chunks restate the previous chunk's last tokens
-        assert chunks[1][2][-(chunks[1][1] - chunks[1][0]) - 1 - 4:-(chunks[1][1] - chunks[1][0]) - 1] == \
-            context[chunks[1][0] - 4:chunks[1][0]]
+        assert (
+            chunks[1][2][-(chunks[1][1] - chunks[1][0]) - 1 - 4 : -(chunks[1][1] - chunks[1][0]) - 1]
+            == context[chunks[1][0] - 4 : chunks[1][0]]
+        )
     want = naive_kvzip(model, context, chunks, sink=1)
     torch.testing.assert_close(scores.scores.double(), want, rtol=1e-4, atol=1e-6)
 
@@ -289,8 +344,15 @@ def test_kvzip_scorer_reads_scores_by_position_and_refuses_another_prompt():
     keys, values, positions = cache.layers[0].head(0, 0)
     head = HeadContext(0, 0, keys, values, positions, 0.25, 40)
     assert torch.equal(KVzipScorer(scores).score(head), scores.scores[0, 0])
-    later = HeadContext(0, 0, torch.cat([keys, keys[:2]]), torch.cat([values, values[:2]]),
-                        torch.cat([positions, torch.tensor([40, 41], dtype=positions.dtype)]), 0.25, 42)
+    later = HeadContext(
+        0,
+        0,
+        torch.cat([keys, keys[:2]]),
+        torch.cat([values, values[:2]]),
+        torch.cat([positions, torch.tensor([40, 41], dtype=positions.dtype)]),
+        0.25,
+        42,
+    )
     assert torch.isinf(KVzipScorer(scores).score(later)[-2:]).all()
     other = RaggedCache.for_model(model)
     prefill(model, other, torch.randint(3, 120, (1, 40), generator=torch.Generator().manual_seed(11)))
@@ -301,8 +363,9 @@ def test_kvzip_scorer_reads_scores_by_position_and_refuses_another_prompt():
 def test_kvzip_global_budgets_are_one_top_k_over_all_heads():
     generator = torch.Generator().manual_seed(12)
     table = torch.rand(3, 2, 50, generator=generator) ** 4
-    scores = KVzipScores(scores=table, last_keys=torch.zeros(3, 2, 4), prefix_length=0, chunks=1,
-                         reconstruction_tokens=50, seconds=0.0)
+    scores = KVzipScores(
+        scores=table, last_keys=torch.zeros(3, 2, 4), prefix_length=0, chunks=1, reconstruction_tokens=50, seconds=0.0
+    )
     budgets = kvzip_budgets(scores, 0.3, n_sink=2, window=5)
     assert budgets.sum() == round(0.3 * 300) and budgets.shape == (3, 2) and budgets.min() >= 7
     protected = table.clone()
@@ -318,6 +381,7 @@ def test_kvzip_global_budgets_are_one_top_k_over_all_heads():
 
 # -- the real embedded model --------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_embedded_model_keeps_the_needle_under_leverage_and_kvzip(embedded_model, embedded_tokenizer):
     """Question-agnostic compression of a 1K-token retrieval probe to half its cache keeps the answer."""
@@ -332,16 +396,22 @@ def test_embedded_model_keeps_the_needle_under_leverage_and_kvzip(embedded_model
         for scorer in ("leverage", "kvzip"):
             policy = CompressionPolicy(ratio=0.5, allocation="uniform", scorer=scorer)
             cache = RaggedCache.for_model(model)
-            prefill(model, cache, ids[:, :probe.context_end], policy=policy)
+            prefill(model, cache, ids[:, : probe.context_end], policy=policy)
             if scorer == "kvzip":
-                report, scores = kvzip_compress(model, tokenizer, cache, probe.input_ids[:probe.context_end], policy)
+                report, scores = kvzip_compress(model, tokenizer, cache, probe.input_ids[: probe.context_end], policy)
                 assert scores.chunks == 1 and scores.prefix_length > 0
             else:
                 report = compress(model, cache, policy)
             assert report.kv_bytes_after <= 0.51 * report.kv_bytes_before
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
-                                 max_new_tokens=20, pad_token_id=pad)
-            text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                past_key_values=cache,
+                do_sample=False,
+                max_new_tokens=20,
+                pad_token_id=pad,
+            )
+            text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
             assert answer_is_correct(text, probe), (scorer, probe.answer, text)
     finally:
         model.set_attn_implementation("sdpa")

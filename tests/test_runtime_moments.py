@@ -10,7 +10,7 @@ from conftest import make_tiny_llama
 
 from runtime import CompressionPolicy, RaggedCache, compress_prompt, generate
 from runtime.cache import RaggedLayer
-from runtime.moments import MomentSums, corrected_attention
+from runtime.moments import corrected_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -21,7 +21,7 @@ def _layer_with_tokens(generator, batch=2, kv_heads=2, groups=3, n=40, d=8):
     values = torch.randn(batch, kv_heads, n, d, generator=generator)
     query = torch.randn(batch, kv_heads * groups, n, d, generator=generator)
     layer.update(keys, values)
-    layer.attend(query, None, torch.arange(n).expand(batch, n), d ** -0.5)
+    layer.attend(query, None, torch.arange(n).expand(batch, n), d**-0.5)
     return layer
 
 
@@ -29,7 +29,7 @@ def _layer_with_tokens(generator, batch=2, kv_heads=2, groups=3, n=40, d=8):
 def test_attend_with_correction_equals_reference_and_plain_when_nothing_evicted():
     generator = torch.Generator().manual_seed(0)
     batch, kv_heads, groups, d, n = 2, 2, 3, 8, 40
-    scale = d ** -0.5
+    scale = d**-0.5
     layer = _layer_with_tokens(generator, batch, kv_heads, groups, n, d)
     layer.track_moments()
     orders = torch.tensor([1, 0])
@@ -51,11 +51,13 @@ def test_attend_with_correction_equals_reference_and_plain_when_nothing_evicted(
         for h in range(kv_heads):
             k = torch.cat([before[b][h][0], keys[b, h]])
             v = torch.cat([before[b][h][1], values[b, h]])
-            q = query[b, h * groups:(h + 1) * groups]  # [G, 1, d]
-            plain = torch.nn.functional.scaled_dot_product_attention(q, k.expand(groups, -1, -1),
-                                                                     v.expand(groups, -1, -1), scale=scale)
-            torch.testing.assert_close(out[b, :, h * groups:(h + 1) * groups], plain.transpose(0, 1),
-                                       atol=1e-6, rtol=1e-6)
+            q = query[b, h * groups : (h + 1) * groups]  # [G, 1, d]
+            plain = torch.nn.functional.scaled_dot_product_attention(
+                q, k.expand(groups, -1, -1), v.expand(groups, -1, -1), scale=scale
+            )
+            torch.testing.assert_close(
+                out[b, :, h * groups : (h + 1) * groups], plain.transpose(0, 1), atol=1e-6, rtol=1e-6
+            )
 
     # evict half of every head, then a decode step (1 query) and a 5-token chunk
     for b in range(batch):
@@ -69,13 +71,14 @@ def test_attend_with_correction_equals_reference_and_plain_when_nothing_evicted(
                 k = torch.cat([k_old, keys[b, h]])
                 v = torch.cat([v_old, values[b, h]])
                 mask = torch.ones(q_len, k.shape[0], dtype=torch.bool)
-                mask[:, k_old.shape[0]:] = torch.ones(q_len, q_len, dtype=torch.bool).tril()
-                q = query[b, h * groups:(h + 1) * groups]
+                mask[:, k_old.shape[0] :] = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+                q = query[b, h * groups : (h + 1) * groups]
                 expected = corrected_attention(q, k, v, layer.moments[b], h, scale, int(orders[h]), mask=mask)
-                torch.testing.assert_close(out[b, :, h * groups:(h + 1) * groups], expected.transpose(0, 1),
-                                           atol=2e-6, rtol=2e-5)
+                torch.testing.assert_close(
+                    out[b, :, h * groups : (h + 1) * groups], expected.transpose(0, 1), atol=2e-6, rtol=2e-5
+                )
                 uncorrected = corrected_attention(q, k, v, layer.moments[b], h, scale, -1, mask=mask)
-                assert (out[b, :, h * groups:(h + 1) * groups] - uncorrected.transpose(0, 1)).abs().max() > 1e-3
+                assert (out[b, :, h * groups : (h + 1) * groups] - uncorrected.transpose(0, 1)).abs().max() > 1e-3
 
 
 class EvictionLog:
@@ -120,12 +123,28 @@ def test_moment_sums_equal_recomputation_after_chunked_prefill_and_decode(monkey
     ids = torch.randint(1, 128, (2, 70), generator=generator)
     mask = torch.ones_like(ids)
     mask[1, :9] = 0  # left padding in row 1
-    policy = CompressionPolicy(budget=16, scorer="expected_attention", statistics="prompt", n_sink=2, window=4,
-                               correction="order1", moment_eviction=moment_eviction, evict_every=3)
+    policy = CompressionPolicy(
+        budget=16,
+        scorer="expected_attention",
+        statistics="prompt",
+        n_sink=2,
+        window=4,
+        correction="order1",
+        moment_eviction=moment_eviction,
+        evict_every=3,
+    )
     log = EvictionLog(monkeypatch)
     try:
-        result = generate(model, ids, policy, attention_mask=mask, context_columns=60, block_size=12,
-                          max_new_tokens=12, pad_token_id=0)
+        result = generate(
+            model,
+            ids,
+            policy,
+            attention_mask=mask,
+            context_columns=60,
+            block_size=12,
+            max_new_tokens=12,
+            pad_token_id=0,
+        )
     finally:
         model.set_attn_implementation("sdpa")
     calls = {key: len(parts) for key, parts in log.evicted.items()}
@@ -146,7 +165,7 @@ def test_decode_eviction_keeps_every_head_at_or_under_budget(monkeypatch):
         seen = []
         original = RaggedLayer.attend
 
-        def attend(layer, *args, **kwargs):
+        def attend(layer, *args, original=original, seen=seen, **kwargs):
             out = original(layer, *args, **kwargs)
             if layer.decode_plans[0] is not None:  # after the prompt's compression
                 seen.append(max(max(row) for row in layer.lengths))
@@ -171,8 +190,14 @@ def test_decode_eviction_with_budget_above_length_is_the_unmodified_model():
     model = make_tiny_llama(num_layers=2)
     ids = torch.randint(1, 128, (2, 30), generator=torch.Generator().manual_seed(5))
     expected = model.generate(ids, max_new_tokens=15, do_sample=False, pad_token_id=0)
-    policy = CompressionPolicy(budget=64, allocation="uniform", scorer="expected_attention", statistics="prompt",
-                               correction="order1", evict_every=1)
+    policy = CompressionPolicy(
+        budget=64,
+        allocation="uniform",
+        scorer="expected_attention",
+        statistics="prompt",
+        correction="order1",
+        evict_every=1,
+    )
     try:
         result = generate(model, ids, policy, context_columns=24, max_new_tokens=15, pad_token_id=0)
     finally:
@@ -191,7 +216,8 @@ def test_policy_refuses_moment_options_it_cannot_serve():
         CompressionPolicy(ratio=0.5, evict_every=0)
     with pytest.raises(ValueError, match="'moments' section"):
         CompressionPolicy(ratio=0.5, scorer="keydiff", correction="calibrated").check_calibration(
-            type("C", (), {"moment_orders": None, "path": "x.h5", "sections": ("behaviour",), "inf_weights": None})())
+            type("C", (), {"moment_orders": None, "path": "x.h5", "sections": ("behaviour",), "inf_weights": None})()
+        )
     cache = RaggedCache(1)
     layer = cache.layers[0]
     layer.update(torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4))
@@ -214,17 +240,20 @@ def test_embedded_model_correction_lowers_attention_output_error_at_75_percent(e
     outputs = {}
     try:
         for name, correction in (("full", None), ("none", "none"), ("order1", "order1"), ("order0", "order0")):
-            policy = None if correction is None else CompressionPolicy(ratio=0.25, scorer="snapkv",
-                                                                       correction=correction)
+            policy = (
+                None if correction is None else CompressionPolicy(ratio=0.25, scorer="snapkv", correction=correction)
+            )
             cache, _ = compress_prompt(embedded_model, ids, policy, context_columns=probe.context_end)
             recorder.arm()
-            embedded_model(input_ids=ids[:, probe.context_end:], past_key_values=cache, use_cache=True)
+            embedded_model(input_ids=ids[:, probe.context_end :], past_key_values=cache, use_cache=True)
             outputs[name] = recorder.take()
     finally:
         recorder.remove()
         embedded_model.set_attn_implementation("sdpa")
-    errors = {name: np.array([float((a - e).norm() / e.norm()) for a, e in zip(outputs[name], outputs["full"])])
-              for name in ("none", "order0", "order1")}
+    errors = {
+        name: np.array([float((a - e).norm() / e.norm()) for a, e in zip(outputs[name], outputs["full"], strict=True)])
+        for name in ("none", "order0", "order1")
+    }
     print({name: round(float(e.mean()), 4) for name, e in errors.items()})
     assert errors["order1"].mean() < errors["none"].mean()
     assert (errors["order1"] < errors["none"]).mean() > 0.5  # most layers, not one outlier

@@ -17,16 +17,20 @@ from runtime import CompressionPolicy, QueryMoments, RaggedCache, answer, genera
 from runtime.budgets import allocate_budgets
 from runtime.calibration import Calibration, model_weights_fingerprint
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
 
 def identity_for(model, tokenizer=None, name="tiny") -> ModelIdentity:
     numbers = architecture_numbers(model.config)
     tokenizer_fp = tokenizer_fingerprint(tokenizer) if tokenizer is not None else hashlib.sha256(b"none").hexdigest()
-    return ModelIdentity(name=name, query_norm=False, arch_fingerprint=architecture_fingerprint(numbers, False),
-                         weights_fingerprint=model_weights_fingerprint(model), tokenizer_fingerprint=tokenizer_fp,
-                         **numbers)
+    return ModelIdentity(
+        name=name,
+        query_norm=False,
+        arch_fingerprint=architecture_fingerprint(numbers, False),
+        weights_fingerprint=model_weights_fingerprint(model),
+        tokenizer_fingerprint=tokenizer_fp,
+        **numbers,
+    )
 
 
 def budgets_section(inf_kv: np.ndarray) -> Section:
@@ -34,14 +38,21 @@ def budgets_section(inf_kv: np.ndarray) -> Section:
     tables = np.stack([allocate_budgets(inf_kv, b, 10_000) for b in tokens])
     ratios = np.array([0.25, 0.5])
     ratio_tables = np.stack([r * (0.5 + 0.5 * inf_kv * inf_kv.size) for r in ratios])
-    return Section(arrays={"inf_kv": inf_kv, "token_budgets": tokens, "token_tables": tables, "ratios": ratios,
-                           "ratio_tables": ratio_tables}, attrs={"beta": 2.0, "min_budget": 1})
+    return Section(
+        arrays={
+            "inf_kv": inf_kv,
+            "token_budgets": tokens,
+            "token_tables": tables,
+            "ratios": ratios,
+            "ratio_tables": ratio_tables,
+        },
+        attrs={"beta": 2.0, "min_budget": 1},
+    )
 
 
 def query_stats_section(mean: np.ndarray, cov: np.ndarray, count: int = 100) -> Section:
     n = np.full(mean.shape[:2], count, dtype=np.int64)
-    return Section(arrays={"n": n, "mean": mean.astype(np.float32), "cov": cov.astype(np.float32)},
-                   attrs={"n_sink": 4})
+    return Section(arrays={"n": n, "mean": mean.astype(np.float32), "cov": cov.astype(np.float32)}, attrs={"n_sink": 4})
 
 
 def write_tiny_artifact(path, model, sections=("query_stats", "budgets"), seed=0, job_config=None):
@@ -52,15 +63,21 @@ def write_tiny_artifact(path, model, sections=("query_stats", "budgets"), seed=0
     parts = {}
     if "query_stats" in sections:
         factor = rng.standard_normal((layers, heads, d, d)) / d
-        parts["query_stats"] = query_stats_section(rng.standard_normal((layers, heads, d)),
-                                                   factor @ factor.transpose(0, 1, 3, 2))
+        parts["query_stats"] = query_stats_section(
+            rng.standard_normal((layers, heads, d)), factor @ factor.transpose(0, 1, 3, 2)
+        )
     if "budgets" in sections:
         weights = rng.random((layers, kv))
         parts["budgets"] = budgets_section(weights / weights.sum())
     if "moments" in sections:
-        parts["moments"] = Section(arrays={"order": rng.integers(-1, 2, (layers, kv)).astype(np.int8),
-                                           "errors": rng.random((1, 3, layers, kv)),
-                                           "reference_ratios": np.array([0.25]), "tau": np.zeros((layers, kv))})
+        parts["moments"] = Section(
+            arrays={
+                "order": rng.integers(-1, 2, (layers, kv)).astype(np.int8),
+                "errors": rng.random((1, 3, layers, kv)),
+                "reference_ratios": np.array([0.25]),
+                "tau": np.zeros((layers, kv)),
+            }
+        )
     write_artifact(path, Artifact(model=identity_for(model), config=job_config or {"purpose": "test"}, sections=parts))
     return path
 
@@ -68,25 +85,30 @@ def write_tiny_artifact(path, model, sections=("query_stats", "budgets"), seed=0
 # -- policy -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"budget": 0}, "budget must be > 0"),
-    ({"budget": -5}, "budget must be > 0"),
-    ({"budget": 2.5}, "integer number of tokens"),
-    ({"ratio": 0.0}, r"ratio must be in \(0, 1\]"),
-    ({"ratio": 1.2}, r"ratio must be in \(0, 1\]"),
-    ({"ratio": -0.1}, r"ratio must be in \(0, 1\]"),
-    ({}, "exactly one of budget"),
-    ({"budget": 10, "ratio": 0.5}, "exactly one of budget"),
-    ({"ratio": 0.5, "scorer": "h2o"}, "unknown scorer 'h2o'; known scorers: expected_attention, keydiff, knorm, "
-                                      "snapkv, streaming"),
-    ({"ratio": 0.5, "allocation": "pyramid"}, "unknown allocation"),
-    ({"ratio": 0.5, "beta": 0.5}, "beta must be >= 1"),
-    ({"ratio": 0.5, "scorer": "keydiff", "statistics": "prompt"}, "expected_attention scorer only"),
-    ({"ratio": 0.5, "statistics": "oracle"}, "unknown statistics"),
-    ({"ratio": 0.5, "scorer": "snapkv", "scorer_options": {"window": 0}}, "observation window must be positive"),
-    ({"ratio": 0.5, "scorer": "knorm", "scorer_options": {"bogus": 1}}, "bad options"),
-    ({"ratio": 0.5, "window": -1}, "n_sink and window must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"budget": 0}, "budget must be > 0"),
+        ({"budget": -5}, "budget must be > 0"),
+        ({"budget": 2.5}, "integer number of tokens"),
+        ({"ratio": 0.0}, r"ratio must be in \(0, 1\]"),
+        ({"ratio": 1.2}, r"ratio must be in \(0, 1\]"),
+        ({"ratio": -0.1}, r"ratio must be in \(0, 1\]"),
+        ({}, "exactly one of budget"),
+        ({"budget": 10, "ratio": 0.5}, "exactly one of budget"),
+        (
+            {"ratio": 0.5, "scorer": "h2o"},
+            "unknown scorer 'h2o'; known scorers: expected_attention, keydiff, knorm, snapkv, streaming",
+        ),
+        ({"ratio": 0.5, "allocation": "pyramid"}, "unknown allocation"),
+        ({"ratio": 0.5, "beta": 0.5}, "beta must be >= 1"),
+        ({"ratio": 0.5, "scorer": "keydiff", "statistics": "prompt"}, "expected_attention scorer only"),
+        ({"ratio": 0.5, "statistics": "oracle"}, "unknown statistics"),
+        ({"ratio": 0.5, "scorer": "snapkv", "scorer_options": {"window": 0}}, "observation window must be positive"),
+        ({"ratio": 0.5, "scorer": "knorm", "scorer_options": {"bogus": 1}}, "bad options"),
+        ({"ratio": 0.5, "window": -1}, "n_sink and window must be >= 0"),
+    ],
+)
 def test_bad_policies_get_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         CompressionPolicy(**kwargs)
@@ -115,8 +137,9 @@ def test_uniform_and_inf_budgets():
     weights = np.array([[0.5, 0.1], [0.1, 0.1], [0.1, 0.1]])
     inf = CompressionPolicy(budget=100, allocation="inf", beta=2.0, scorer="knorm").head_budgets(1000, 3, 2, weights)
     assert inf.sum() == 600 and inf[0, 0] == 50 + 300 * 0.5  # b_base + B_pool * INF
-    tight = CompressionPolicy(budget=100, allocation="inf", min_budget=40, scorer="knorm").head_budgets(1000, 3, 2,
-                                                                                                      weights)
+    tight = CompressionPolicy(budget=100, allocation="inf", min_budget=40, scorer="knorm").head_budgets(
+        1000, 3, 2, weights
+    )
     assert tight.min() >= 40 and tight.sum() == 600
 
 
@@ -171,8 +194,7 @@ def test_calibrated_correction_with_another_selection_scorer_warns_once(tmp_path
     """The moments stage records the selection its orders were calibrated under (job config
     ``moments.selection``); serving them with another scorer warns, once per scorer."""
     model = make_tiny_llama()
-    path = write_tiny_artifact(tmp_path / "m.h5", model, ("moments",),
-                               job_config={"moments": {"selection": "snapkv"}})
+    path = write_tiny_artifact(tmp_path / "m.h5", model, ("moments",), job_config={"moments": {"selection": "snapkv"}})
     calibration = load_calibration(model, path=path)
     assert calibration.moment_selection == "snapkv"
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -181,8 +203,9 @@ def test_calibrated_correction_with_another_selection_scorer_warns_once(tmp_path
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(runs):
-                generate(model, ids, policy, calibration=calibration, context_columns=36, max_new_tokens=2,
-                         pad_token_id=0)
+                generate(
+                    model, ids, policy, calibration=calibration, context_columns=36, max_new_tokens=2, pad_token_id=0
+                )
         return [str(w.message) for w in caught if "MomentKV orders" in str(w.message)]
 
     keydiff = warnings_from(CompressionPolicy(ratio=0.5, scorer="keydiff", correction="calibrated"))
@@ -198,8 +221,15 @@ def test_calibrated_correction_with_another_selection_scorer_warns_once(tmp_path
         warnings.simplefilter("always")
         CompressionPolicy(ratio=0.5, scorer="keydiff", correction="calibrated").check_calibration(unknown)
     assert not caught
-    given = Calibration(path="x.h5", identity=None, config={}, sections=("moments",), moment_selection="keydiff",
-                        moment_orders=np.zeros((2, 2), np.int8), moment_tau=np.zeros((2, 2)))
+    given = Calibration(
+        path="x.h5",
+        identity=None,
+        config={},
+        sections=("moments",),
+        moment_selection="keydiff",
+        moment_orders=np.zeros((2, 2), np.int8),
+        moment_tau=np.zeros((2, 2)),
+    )
     with pytest.warns(UserWarning, match="evicts with 'expected_attention'"):
         CompressionPolicy(ratio=0.5, correction="calibrated", statistics="prompt").check_calibration(given)
 
@@ -234,9 +264,14 @@ def embedded_artifact(embedded_model, embedded_tokenizer, tmp_path_factory):
     mean, cov = stats.mean_cov(0)
     config = model.config
     weights = np.random.default_rng(0).random((config.num_hidden_layers, config.num_key_value_heads)) + 0.5
-    artifact = Artifact(model=identity_for(model, tokenizer, "SmolLM2-135M-Instruct"), config={"text": "haystack"},
-                        sections={"query_stats": query_stats_section(mean.numpy(), cov.numpy(), ids.shape[1]),
-                                  "budgets": budgets_section(weights / weights.sum())})
+    artifact = Artifact(
+        model=identity_for(model, tokenizer, "SmolLM2-135M-Instruct"),
+        config={"text": "haystack"},
+        sections={
+            "query_stats": query_stats_section(mean.numpy(), cov.numpy(), ids.shape[1]),
+            "budgets": budgets_section(weights / weights.sum()),
+        },
+    )
     path = tmp_path_factory.mktemp("embedded") / "kv_calibration.h5"
     write_artifact(path, artifact)
     return path
@@ -251,8 +286,16 @@ def test_embedded_artifact_loads_fast_and_checks_identity(embedded_model, embedd
         timings.append(time.perf_counter() - started)
     assert min(timings) < 0.05, f"loading took {min(timings) * 1000:.1f} ms at best"
     assert calibration.query_cov.shape == (30, 9, 64, 64)
-    bad_tokenizer = type("Tokenizer", (), {"get_vocab": lambda self: {"a": 0}, "added_tokens_decoder": {},
-                                           "special_tokens_map": {}, "chat_template": None})()
+    bad_tokenizer = type(
+        "Tokenizer",
+        (),
+        {
+            "get_vocab": lambda self: {"a": 0},
+            "added_tokens_decoder": {},
+            "special_tokens_map": {},
+            "chat_template": None,
+        },
+    )()
     with pytest.raises(ArtifactError, match="different tokenizer"):
         load_calibration(embedded_model, bad_tokenizer, path=embedded_artifact)
 
@@ -267,19 +310,33 @@ def test_embedded_model_answers_through_compressed_cache(embedded_model, embedde
     model, tokenizer = embedded_model, embedded_tokenizer
     calibration = load_calibration(model, tokenizer, path=embedded_artifact)
     previous = model.config._attn_implementation
-    contexts = [HAYSTACK[:400] + "The special magic number for Alice is 4721. " + HAYSTACK[:300],
-                HAYSTACK[:200] + "The special magic number for Bob is 3308. " + HAYSTACK[:500]]
+    contexts = [
+        HAYSTACK[:400] + "The special magic number for Alice is 4721. " + HAYSTACK[:300],
+        HAYSTACK[:200] + "The special magic number for Bob is 3308. " + HAYSTACK[:500],
+    ]
     questions = ["What is the special magic number for Alice?", "What is the special magic number for Bob?"]
     half = CompressionPolicy(ratio=0.5, allocation="inf", scorer="keydiff")
     try:
         texts = answer(model, tokenizer, contexts, questions, half, calibration=calibration, max_new_tokens=12)
-        single = answer(model, tokenizer, contexts[1], questions[1], half, calibration=calibration,
-                        max_new_tokens=12)
-        calibrated = answer(model, tokenizer, contexts, questions,
-                            CompressionPolicy(ratio=0.95, statistics="calibrated"), calibration=calibration,
-                            max_new_tokens=12)
-        aware = answer(model, tokenizer, contexts[0], questions[0], CompressionPolicy(ratio=0.75, scorer="snapkv",
-                       scorer_options={"window": 16, "kernel": 1}), question_aware=True, max_new_tokens=12)
+        single = answer(model, tokenizer, contexts[1], questions[1], half, calibration=calibration, max_new_tokens=12)
+        calibrated = answer(
+            model,
+            tokenizer,
+            contexts,
+            questions,
+            CompressionPolicy(ratio=0.95, statistics="calibrated"),
+            calibration=calibration,
+            max_new_tokens=12,
+        )
+        aware = answer(
+            model,
+            tokenizer,
+            contexts[0],
+            questions[0],
+            CompressionPolicy(ratio=0.75, scorer="snapkv", scorer_options={"window": 16, "kernel": 1}),
+            question_aware=True,
+            max_new_tokens=12,
+        )
     finally:
         model.set_attn_implementation(previous)
     assert "4721" in texts[0] and "3308" in texts[1], texts
@@ -311,7 +368,7 @@ def test_embedded_prompt_statistics_equal_direct_computation(embedded_model, emb
         hook.remove()
         model.set_attn_implementation(previous)
     for b, row in enumerate(rows):
-        queries = captured["q"][b, width - len(row) + 4:].reshape(-1, 9, 64)  # real tokens after the sinks
+        queries = captured["q"][b, width - len(row) + 4 :].reshape(-1, 9, 64)  # real tokens after the sinks
         mean, cov = stats.mean_cov(b)
         expected_mean = queries.mean(0)
         centred = queries - expected_mean
@@ -326,10 +383,12 @@ def test_a_calibration_left_open_at_exit_prints_nothing(smoke_artifact):
     import subprocess
     import sys
 
-    script = ("from runtime import load_calibration\n"
-              "from runtime.models import load_model, load_tokenizer\n"
-              "model, tokenizer = load_model(), load_tokenizer()\n"
-              f"calibration = load_calibration(model, tokenizer, path={str(smoke_artifact)!r})\n")
+    script = (
+        "from runtime import load_calibration\n"
+        "from runtime.models import load_model, load_tokenizer\n"
+        "model, tokenizer = load_model(), load_tokenizer()\n"
+        f"calibration = load_calibration(model, tokenizer, path={str(smoke_artifact)!r})\n"
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr

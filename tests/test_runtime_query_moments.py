@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_tiny_llama
+
 from runtime import QueryMoments
 from runtime.geometry import ModelGeometry
 
@@ -16,8 +16,9 @@ def _query_outputs(model, ids, attention_mask=None):
     """The query modules' outputs per layer, [B, T, Hq, d] float32 (independent hooks)."""
     geometry = ModelGeometry.of(model)
     seen = []
-    handles = [m.register_forward_hook(lambda _m, _i, out: seen.append(out.detach().clone()))
-               for m in geometry.query_modules]
+    handles = [
+        m.register_forward_hook(lambda _m, _i, out: seen.append(out.detach().clone())) for m in geometry.query_modules
+    ]
     try:
         with torch.no_grad():
             model(ids, attention_mask=attention_mask)

@@ -14,9 +14,15 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from runtime import CompressionPolicy, RaggedCache, compress, prefill
 from runtime.calibration import Calibration
 from runtime.rope import averaged_rope, rope_cos_sin, rope_matrix
-from runtime.scorers import (ExpectedAttentionScorer, HeadContext, KeyDiffScorer, KNormScorer, SnapKVScorer,
-                             StreamingScorer, select_rows)
-
+from runtime.scorers import (
+    ExpectedAttentionScorer,
+    HeadContext,
+    KeyDiffScorer,
+    KNormScorer,
+    SnapKVScorer,
+    StreamingScorer,
+    select_rows,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -42,7 +48,7 @@ def direct_expected_attention(keys, values, mean, cov, start, horizon, theta, sc
     for g in range(mean.shape[0]):
         mu = rbar @ mean[g].double()
         sigma = rbar @ cov[g].double() @ rbar.T
-        z = torch.stack([scaling * mu @ k + 0.5 * scaling ** 2 * k @ sigma @ k for k in keys])
+        z = torch.stack([scaling * mu @ k + 0.5 * scaling**2 * k @ sigma @ k for k in keys])
         per_head.append(torch.softmax(z, dim=0))
     attention = torch.stack(per_head).mean(0)
     return (attention + epsilon) * values.norm(dim=-1)
@@ -77,9 +83,20 @@ def test_expected_attention_equals_direct_formula_with_gqa(start):
     mean, cov = random_stats(groups, d, generator)
     cos, sin = averaged_rope(model, start, horizon)
     scorer = ExpectedAttentionScorer(horizon=horizon, epsilon=0.01)
-    head = HeadContext(layer=0, kv_head=0, keys=keys, values=values, positions=torch.arange(n), scaling=d ** -0.5,
-                       next_position=start, query_mean=mean, query_cov=cov, rope_cos=cos, rope_sin=sin)
-    expected = direct_expected_attention(keys, values, mean, cov, start, horizon, theta, d ** -0.5, epsilon=0.01)
+    head = HeadContext(
+        layer=0,
+        kv_head=0,
+        keys=keys,
+        values=values,
+        positions=torch.arange(n),
+        scaling=d**-0.5,
+        next_position=start,
+        query_mean=mean,
+        query_cov=cov,
+        rope_cos=cos,
+        rope_sin=sin,
+    )
+    expected = direct_expected_attention(keys, values, mean, cov, start, horizon, theta, d**-0.5, epsilon=0.01)
     torch.testing.assert_close(scorer.score(head).double(), expected, rtol=1e-4, atol=1e-7)
 
 
@@ -90,13 +107,12 @@ def test_expected_attention_pool_takes_the_neighbourhood_maximum():
     keys, values = torch.randn(n, d, generator=generator) * 2, torch.randn(n, d, generator=generator)
     mean, cov = random_stats(2, d, generator)
     cos, sin = averaged_rope(model, 100, 16)
-    head = HeadContext(0, 0, keys, values, torch.arange(n), d ** -0.5, 100, mean, cov, cos, sin)
+    head = HeadContext(0, 0, keys, values, torch.arange(n), d**-0.5, 100, mean, cov, cos, sin)
     plain = ExpectedAttentionScorer(horizon=16).attention(head)
     pooled = ExpectedAttentionScorer(horizon=16, pool=5).attention(head)
-    expected = torch.stack([plain[max(i - 2, 0):i + 3].max() for i in range(n)])  # naive loop
+    expected = torch.stack([plain[max(i - 2, 0) : i + 3].max() for i in range(n)])  # naive loop
     torch.testing.assert_close(pooled, expected)
-    torch.testing.assert_close(ExpectedAttentionScorer(horizon=16, pool=5).score(head),
-                               expected * values.norm(dim=-1))
+    torch.testing.assert_close(ExpectedAttentionScorer(horizon=16, pool=5).score(head), expected * values.norm(dim=-1))
     with pytest.raises(ValueError, match="pool"):
         ExpectedAttentionScorer(pool=4)
 
@@ -115,15 +131,16 @@ def test_expected_attention_anchors_rope_at_the_absolute_position():
         return scorer.score(HeadContext(0, 0, keys, values, torch.arange(40), 0.25, start, mean, cov, cos, sin))
 
     at_t0 = scores(500)
-    torch.testing.assert_close(at_t0.double(), direct_expected_attention(keys, values, mean, cov, 500, 8, theta, 0.25),
-                               rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(
+        at_t0.double(), direct_expected_attention(keys, values, mean, cov, 500, 8, theta, 0.25), rtol=1e-4, atol=1e-7
+    )
     assert not torch.allclose(at_t0, scores(0), rtol=1e-2)
 
 
 def test_keydiff_knorm_streaming_match_definitions():
     generator = torch.Generator().manual_seed(1)
     keys, values = torch.randn(20, 8, generator=generator), torch.randn(20, 8, generator=generator)
-    head = HeadContext(0, 0, keys, values, torch.arange(100, 120), 8 ** -0.5, 120)
+    head = HeadContext(0, 0, keys, values, torch.arange(100, 120), 8**-0.5, 120)
     unit = keys.double() / keys.double().norm(dim=-1, keepdim=True)
     anchor = unit.mean(0)
     expected = -(keys.double() @ anchor) / (keys.double().norm(dim=-1) * anchor.norm())
@@ -139,16 +156,18 @@ def test_snapkv_equals_loop_reference():
     keys, values = torch.randn(n, d, generator=generator), torch.randn(n, d, generator=generator)
     queries = torch.randn(groups, window, d, generator=generator)
     positions = torch.arange(n)
-    head = HeadContext(0, 0, keys, values, positions, d ** -0.5, n, recent_queries=queries)
+    head = HeadContext(0, 0, keys, values, positions, d**-0.5, n, recent_queries=queries)
     scores = SnapKVScorer(window=window, kernel=3).score(head)
     summed = torch.zeros(n, dtype=torch.float64)
     for g in range(groups):
         for w in range(window):
             query_position = n - window + w
-            logits = torch.tensor([float(queries[g, w] @ keys[i]) * d ** -0.5 if i <= query_position else -math.inf
-                                   for i in range(n)], dtype=torch.float64)
+            logits = torch.tensor(
+                [float(queries[g, w] @ keys[i]) * d**-0.5 if i <= query_position else -math.inf for i in range(n)],
+                dtype=torch.float64,
+            )
             summed += torch.softmax(logits, dim=0) / groups
-    pooled = torch.stack([summed[max(0, i - 1):i + 2].mean() for i in range(n)])
+    pooled = torch.stack([summed[max(0, i - 1) : i + 2].mean() for i in range(n)])
     torch.testing.assert_close(scores.double(), pooled, rtol=1e-5, atol=1e-7)
 
 
@@ -170,19 +189,27 @@ def test_compress_applies_expected_attention_with_sink_and_window_rules_per_row(
     mean = torch.randn(layers, heads, d, generator=generator)
     factor = torch.randn(layers, heads, d, d, generator=generator) / 4
     cov = factor @ factor.transpose(-1, -2)
-    calibration = Calibration(path=Path("memory"), identity=None, config={}, sections=("query_stats",),
-                              query_mean=mean.numpy(), query_cov=cov.numpy())
+    calibration = Calibration(
+        path=Path("memory"),
+        identity=None,
+        config={},
+        sections=("query_stats",),
+        query_mean=mean.numpy(),
+        query_cov=cov.numpy(),
+    )
     calibration.identity = type("Identity", (), {"num_layers": layers, "num_q_heads": heads})()
     ids = torch.randint(0, 128, (2, 40), generator=generator)
     mask = torch.ones(2, 40, dtype=torch.long)
     mask[0, :9] = 0  # row 0 has 31 real tokens
     horizon, budget, n_sink, window = 16, 12, 2, 3
-    policy = CompressionPolicy(budget=budget, scorer="expected_attention", n_sink=n_sink, window=window,
-                               scorer_options={"horizon": horizon})
+    policy = CompressionPolicy(
+        budget=budget, scorer="expected_attention", n_sink=n_sink, window=window, scorer_options={"horizon": horizon}
+    )
     cache = RaggedCache.for_model(model)
     prefill(model, cache, ids, mask, policy=policy)
-    before = [[[tensor.clone() for tensor in layer.head(b, h)] for h in range(2) for b in range(2)]
-              for layer in cache.layers]
+    before = [
+        [[tensor.clone() for tensor in layer.head(b, h)] for h in range(2) for b in range(2)] for layer in cache.layers
+    ]
     compress(model, cache, policy, calibration)
     for layer_idx, layer in enumerate(cache.layers):
         for b in range(2):
@@ -190,9 +217,17 @@ def test_compress_applies_expected_attention_with_sink_and_window_rules_per_row(
             for h in range(2):
                 keys, values, positions = before[layer_idx][h * 2 + b]
                 assert positions.tolist() == list(range(real))
-                expected = direct_expected_attention(keys, values, mean[layer_idx, 2 * h:2 * h + 2],
-                                                     cov[layer_idx, 2 * h:2 * h + 2], real, horizon, theta, d ** -0.5)
-                middle = expected[n_sink:real - window]
+                expected = direct_expected_attention(
+                    keys,
+                    values,
+                    mean[layer_idx, 2 * h : 2 * h + 2],
+                    cov[layer_idx, 2 * h : 2 * h + 2],
+                    real,
+                    horizon,
+                    theta,
+                    d**-0.5,
+                )
+                middle = expected[n_sink : real - window]
                 top = (torch.topk(middle, budget - n_sink - window).indices + n_sink).tolist()
                 wanted = sorted(list(range(n_sink)) + top + list(range(real - window, real)))
                 assert layer.head(b, h)[2].tolist() == wanted

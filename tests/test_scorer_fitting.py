@@ -19,7 +19,7 @@ def test_reconstruction_importance_equals_a_naive_loop():
     for h in range(num_q):
         kv = h // (num_q // num_kv)
         for i in range(context, total):
-            weights = torch.softmax(scale * key[kv, :i + 1] @ query[h, i], dim=0)  # causal: keys 0..i
+            weights = torch.softmax(scale * key[kv, : i + 1] @ query[h, i], dim=0)  # causal: keys 0..i
             for j in range(context):
                 want[kv, j] = max(want[kv, j], float(torch.log(weights[j])))
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
@@ -48,4 +48,4 @@ def test_ridge_solution_equals_direct_least_squares_and_shards_add_up():
 def test_spearman_is_one_for_monotone_maps_and_minus_one_reversed():
     a = np.random.default_rng(2).standard_normal(50)
     assert spearman(a, np.exp(a)) == pytest.approx(1.0)
-    assert spearman(a, -a ** 3) == pytest.approx(-1.0)
+    assert spearman(a, -(a**3)) == pytest.approx(-1.0)

@@ -26,17 +26,24 @@ class BehaviourStage(Stage):
     name = "behaviour"
     section = "behaviour"
     unit, units = "probe", "probes"
-    summary = ("run REAL needle probes; greedy-decode each; at every generated token record, per (layer, "
-               "query head), which labelled context token (retrieval R, bias B, distraction D, widespread W) "
-               "dominates that query's attention; accumulate W_R, W_B, W_D, W_W and derive RAsc, LCsc, INFsc.")
+    summary = (
+        "run REAL needle probes; greedy-decode each; at every generated token record, per (layer, "
+        "query head), which labelled context token (retrieval R, bias B, distraction D, widespread W) "
+        "dominates that query's attention; accumulate W_R, W_B, W_D, W_W and derive RAsc, LCsc, INFsc."
+    )
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("behaviour stage")
-        group.add_argument("--probes", dest="probes_file", default=None,
-                           help="JSON-lines probe file (from generate-probes) instead of the preset's needles probes")
-        group.add_argument("--max-new-tokens", type=int, default=None,
-                           help="greedy decode steps per probe (default: the preset's)")
+        group.add_argument(
+            "--probes",
+            dest="probes_file",
+            default=None,
+            help="JSON-lines probe file (from generate-probes) instead of the preset's needles probes",
+        )
+        group.add_argument(
+            "--max-new-tokens", type=int, default=None, help="greedy decode steps per probe (default: the preset's)"
+        )
 
     def __init__(self, job):
         super().__init__(job)
@@ -47,19 +54,31 @@ class BehaviourStage(Stage):
     def prepare(self) -> None:
         job = self.job
         probes_file = job.setting("probes_file")
-        self.probes = (file_probes(probes_file) if probes_file else
-                       preset_probes(job.preset.probes, job.tokenizer, job.identity.tokenizer_fingerprint,
-                                     dict(job.preset.probe_overrides)))
+        self.probes = (
+            file_probes(probes_file)
+            if probes_file
+            else preset_probes(
+                job.preset.probes, job.tokenizer, job.identity.tokenizer_fingerprint, dict(job.preset.probe_overrides)
+            )
+        )
         longest = self.probes.max_tokens() + self.max_new_tokens
         if longest > job.identity.max_position_embeddings:
-            self.say(f"warning: the longest probe plus {self.max_new_tokens} new tokens is {longest} tokens, beyond "
-                     f"the model's {job.identity.max_position_embeddings}-token context")
+            self.say(
+                f"warning: the longest probe plus {self.max_new_tokens} new tokens is {longest} tokens, beyond "
+                f"the model's {job.identity.max_position_embeddings}-token context"
+            )
         self.totals = BehaviourState(job.geometry.num_layers, job.geometry.num_q_heads)
 
     def config(self) -> dict:
-        return {**self.probes.config, "num_probes": len(self.probes), "probes_sha256": self.probes.digest,
-                "max_new_tokens": self.max_new_tokens, "decoding": "greedy", "context": "prompt tokens",
-                "prefill": "sdpa"}
+        return {
+            **self.probes.config,
+            "num_probes": len(self.probes),
+            "probes_sha256": self.probes.digest,
+            "max_new_tokens": self.max_new_tokens,
+            "decoding": "greedy",
+            "context": "prompt tokens",
+            "prefill": "sdpa",
+        }
 
     # -- work: one probe per unit -----------------------------------------------------------------
     def work(self) -> list[int]:
@@ -97,7 +116,9 @@ class BehaviourStage(Stage):
         successes, count = int(arrays["probe_success"].sum()), len(self.probes)
         infsc = arrays["INFsc"].ravel()
         top = ", ".join(f"L{i // heads}H{i % heads}={infsc[i]:.2f}" for i in np.argsort(infsc)[::-1][:3])
-        self.say(f"behaviour: {count} probes, {int(arrays['probe_steps'].sum())} decode steps, "
-                 f"success {successes}/{count} ({successes / count:.0%}), top INFsc {top}; "
-                 f"{self.seconds:.1f} s this run")
+        self.say(
+            f"behaviour: {count} probes, {int(arrays['probe_steps'].sum())} decode steps, "
+            f"success {successes}/{count} ({successes / count:.0%}), top INFsc {top}; "
+            f"{self.seconds:.1f} s this run"
+        )
         return Section(arrays=arrays)

@@ -11,8 +11,13 @@ import argparse
 
 from artifacts import Section
 from profiler.arguments import comma_separated
-from profiler.budget_tables import DEFAULT_BETA, DEFAULT_MIN_BUDGET, DEFAULT_RATIOS, DEFAULT_TOKEN_BUDGETS, \
-    budget_tables
+from profiler.budget_tables import (
+    DEFAULT_BETA,
+    DEFAULT_MIN_BUDGET,
+    DEFAULT_RATIOS,
+    DEFAULT_TOKEN_BUDGETS,
+    budget_tables,
+)
 
 from .base import Stage
 
@@ -20,20 +25,31 @@ from .base import Stage
 class BudgetsStage(Stage):
     name = "budgets"
     section = "budgets"
-    summary = ("per-KV-head budget tables for a grid of average budgets from INFsc (REAL); needs the behaviour "
-               "section of this run or of the artifact at --out.")
+    summary = (
+        "per-KV-head budget tables for a grid of average budgets from INFsc (REAL); needs the behaviour "
+        "section of this run or of the artifact at --out."
+    )
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("budgets stage")
-        group.add_argument("--budgets", dest="token_budgets", type=comma_separated(int), default=None,
-                           help="average token budgets per KV head "
-                                f"(default: {','.join(map(str, DEFAULT_TOKEN_BUDGETS))})")
-        group.add_argument("--ratios", type=comma_separated(float), default=None,
-                           help="average budgets as fractions of the sequence length (default: 0.1,...,0.9)")
+        group.add_argument(
+            "--budgets",
+            dest="token_budgets",
+            type=comma_separated(int),
+            default=None,
+            help=f"average token budgets per KV head (default: {','.join(map(str, DEFAULT_TOKEN_BUDGETS))})",
+        )
+        group.add_argument(
+            "--ratios",
+            type=comma_separated(float),
+            default=None,
+            help="average budgets as fractions of the sequence length (default: 0.1,...,0.9)",
+        )
         group.add_argument("--beta", type=float, default=None, help=f"REAL's beta >= 1 (default {DEFAULT_BETA:g})")
-        group.add_argument("--min-budget", type=int, default=None,
-                           help=f"smallest per-head budget (default {DEFAULT_MIN_BUDGET})")
+        group.add_argument(
+            "--min-budget", type=int, default=None, help=f"smallest per-head budget (default {DEFAULT_MIN_BUDGET})"
+        )
 
     def __init__(self, job):
         super().__init__(job)
@@ -44,27 +60,39 @@ class BudgetsStage(Stage):
 
     def check(self, existing: set[str]) -> None:
         if "behaviour" not in self.job.stage_names and "behaviour" not in existing:
-            raise ValueError(f"the budgets stage needs INFsc: run the behaviour stage too, or keep an artifact "
-                             f"with a behaviour section for this model at {self.job.out}")
+            raise ValueError(
+                f"the budgets stage needs INFsc: run the behaviour stage too, or keep an artifact "
+                f"with a behaviour section for this model at {self.job.out}"
+            )
 
     def config(self) -> dict:
-        return {"token_budgets": sorted({int(b) for b in self.token_budgets}),
-                "ratios": sorted({float(r) for r in self.ratios}), "beta": float(self.beta),
-                "min_budget": int(self.min_budget),
-                "token_seq_len": int(self.job.identity.max_position_embeddings)}
+        return {
+            "token_budgets": sorted({int(b) for b in self.token_budgets}),
+            "ratios": sorted({float(r) for r in self.ratios}),
+            "beta": float(self.beta),
+            "min_budget": int(self.min_budget),
+            "token_seq_len": int(self.job.identity.max_position_embeddings),
+        }
 
     def build(self, sections: dict[str, Section]) -> Section:
-        arrays, attrs = budget_tables(sections["behaviour"]["INFsc"], self.job.geometry.num_kv_heads,
-                                      max_seq_len=int(self.job.identity.max_position_embeddings),
-                                      token_budgets=self.token_budgets, ratios=self.ratios, beta=self.beta,
-                                      min_budget=self.min_budget)
+        arrays, attrs = budget_tables(
+            sections["behaviour"]["INFsc"],
+            self.job.geometry.num_kv_heads,
+            max_seq_len=int(self.job.identity.max_position_embeddings),
+            token_budgets=self.token_budgets,
+            ratios=self.ratios,
+            beta=self.beta,
+            min_budget=self.min_budget,
+        )
         inf_kv, budgets = arrays["inf_kv"], arrays["token_budgets"]
         detail = ""
         if len(arrays["token_tables"]):
             pick = min(1, len(budgets) - 1)
             table = arrays["token_tables"][pick]
             detail = f", b={budgets[pick]}: per-head {table.min()}..{table.max()}"
-        self.say(f"budgets: {len(budgets)} token budgets, {len(arrays['ratios'])} ratios, beta={self.beta}, "
-                 f"KV-head INF weights {inf_kv.min():.3g}..{inf_kv.max():.3g} "
-                 f"({int((inf_kv == 0).sum())} of {inf_kv.size} zero){detail}")
+        self.say(
+            f"budgets: {len(budgets)} token budgets, {len(arrays['ratios'])} ratios, beta={self.beta}, "
+            f"KV-head INF weights {inf_kv.min():.3g}..{inf_kv.max():.3g} "
+            f"({int((inf_kv == 0).sum())} of {inf_kv.size} zero){detail}"
+        )
         return Section(arrays=arrays, attrs=attrs)

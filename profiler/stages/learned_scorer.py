@@ -15,8 +15,15 @@ import numpy as np
 import torch
 
 from artifacts import Section
-from profiler.scorer_fitting import (RECONSTRUCTION_INSTRUCTION, RIDGE_GRID, RidgeSums, predict, r_squared,
-                                     record_window, spearman)
+from profiler.scorer_fitting import (
+    RECONSTRUCTION_INSTRUCTION,
+    RIDGE_GRID,
+    RidgeSums,
+    predict,
+    r_squared,
+    record_window,
+    spearman,
+)
 
 from .base import Stage
 
@@ -25,9 +32,11 @@ class LearnedScorerStage(Stage):
     name = "learned-scorer"
     section = "learned_scorer"
     unit, units = "window", "windows"
-    summary = ("fit, per KV head, a linear map from a token's pre-RoPE key and value to the log of its KVzip "
-               "reconstruction importance (how much attention the model pays it while repeating the "
-               "context), on calibration text; the runtime's 'learned' scorer evaluates it.")
+    summary = (
+        "fit, per KV head, a linear map from a token's pre-RoPE key and value to the log of its KVzip "
+        "reconstruction importance (how much attention the model pays it while repeating the "
+        "context), on calibration text; the runtime's 'learned' scorer evaluates it."
+    )
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -49,9 +58,15 @@ class LearnedScorerStage(Stage):
 
     def config(self) -> dict:
         job = self.job
-        return {**job.calibration_config(), "windows_sha256": job.windows_digest(), "teacher": "kvzip",
-                "instruction": RECONSTRUCTION_INSTRUCTION, "features": "kv", "held_out_windows": self.held_out,
-                "ridge_grid": list(RIDGE_GRID)}
+        return {
+            **job.calibration_config(),
+            "windows_sha256": job.windows_digest(),
+            "teacher": "kvzip",
+            "instruction": RECONSTRUCTION_INSTRUCTION,
+            "features": "kv",
+            "held_out_windows": self.held_out,
+            "ridge_grid": list(RIDGE_GRID),
+        }
 
     # -- work: one calibration window per unit ---------------------------------------------------------
     def work(self) -> list[int]:
@@ -82,8 +97,10 @@ class LearnedScorerStage(Stage):
     def build(self, sections: dict[str, Section]) -> Section:
         job, geometry = self.job, self.job.geometry
         layers, heads = geometry.num_layers, geometry.num_kv_heads
-        held_out = [record_window(job.model, job.windows[index], self.instruction)
-                    for index in range(self.fit_windows, job.calib_samples)]
+        held_out = [
+            record_window(job.model, job.windows[index], self.instruction)
+            for index in range(self.fit_windows, job.calib_samples)
+        ]
         best = {name: np.zeros((layers, heads)) for name in ("ridge", "r2", "rank_correlation", "bias")}
         best["rank_correlation"][:] = -2.0
         weights = np.zeros((layers, heads, 2 * geometry.head_dim))
@@ -104,11 +121,19 @@ class LearnedScorerStage(Stage):
         fit_tokens = int(round(self.sums[0].zz[0, -1, -1]))
         held_out_tokens = int(sum(w[0].teacher.shape[1] for w in held_out))
         rho = best["rank_correlation"]
-        self.say(f"learned-scorer: fitted on {self.fit_windows} windows ({fit_tokens} tokens), held out "
-                 f"{self.held_out} ({held_out_tokens} tokens): rank correlation with the KVzip teacher mean "
-                 f"{rho.mean():.3f} (min {rho.min():.3f}), R^2 mean {best['r2'].mean():.3f}; "
-                 f"{self.seconds:.1f} s this run")
-        return Section(arrays={"weights": weights, "bias": best["bias"], "ridge": best["ridge"], "r2": best["r2"],
-                               "rank_correlation": rho},
-                       attrs={"features": "kv", "teacher": "kvzip", "fit_tokens": fit_tokens,
-                              "held_out_tokens": held_out_tokens})
+        self.say(
+            f"learned-scorer: fitted on {self.fit_windows} windows ({fit_tokens} tokens), held out "
+            f"{self.held_out} ({held_out_tokens} tokens): rank correlation with the KVzip teacher mean "
+            f"{rho.mean():.3f} (min {rho.min():.3f}), R^2 mean {best['r2'].mean():.3f}; "
+            f"{self.seconds:.1f} s this run"
+        )
+        return Section(
+            arrays={
+                "weights": weights,
+                "bias": best["bias"],
+                "ridge": best["ridge"],
+                "r2": best["r2"],
+                "rank_correlation": rho,
+            },
+            attrs={"features": "kv", "teacher": "kvzip", "fit_tokens": fit_tokens, "held_out_tokens": held_out_tokens},
+        )

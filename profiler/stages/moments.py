@@ -29,45 +29,70 @@ DEFAULT_SELECTION = "keydiff"  # the flagship policy's scorer (profiler.evaluati
 class MomentsStage(Stage):
     name = "moments"
     section = "moments"
-    summary = ("per KV head, the MomentKV correction order (none, 0th, 1st) with the lowest attention-output "
-               "error on calibration text at 75% and 50% compression.")
+    summary = (
+        "per KV head, the MomentKV correction order (none, 0th, 1st) with the lowest attention-output "
+        "error on calibration text at 75% and 50% compression."
+    )
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("moments stage")
-        group.add_argument("--moments-selection", choices=SELECTION_SCORERS, default=None,
-                           help="scorer that selects the kept tokens while the correction errors are measured; "
-                                "serve corrections with the same scorer (the runtime warns otherwise). Default: "
-                                "keydiff, the scorer of evaluate-artifact's flagship policy")
+        group.add_argument(
+            "--moments-selection",
+            choices=SELECTION_SCORERS,
+            default=None,
+            help="scorer that selects the kept tokens while the correction errors are measured; "
+            "serve corrections with the same scorer (the runtime warns otherwise). Default: "
+            "keydiff, the scorer of evaluate-artifact's flagship policy",
+        )
 
     def __init__(self, job):
         super().__init__(job)
         self.selection = job.setting("moments_selection") or DEFAULT_SELECTION
         tokens = job.calib_tokens
         query_window = max(4, min(32, tokens // 4))
-        self.settings = {"query_window": query_window,
-                         "observation_window": max(1, min(32, (tokens - query_window) // 2)),
-                         "selection": self.selection, "n_sink": int(job.n_sink), "recent_window": 8}
+        self.settings = {
+            "query_window": query_window,
+            "observation_window": max(1, min(32, (tokens - query_window) // 2)),
+            "selection": self.selection,
+            "n_sink": int(job.n_sink),
+            "recent_window": 8,
+        }
 
     def config(self) -> dict:
         job = self.job
-        return {"windows": min(MOMENT_WINDOWS, job.calib_samples), "window_tokens": job.calib_tokens,
-                **self.settings, "keep_ratios": list(MOMENT_KEEP_RATIOS),
-                "source": job.calibration_config()["source"]}
+        return {
+            "windows": min(MOMENT_WINDOWS, job.calib_samples),
+            "window_tokens": job.calib_tokens,
+            **self.settings,
+            "keep_ratios": list(MOMENT_KEEP_RATIOS),
+            "source": job.calibration_config()["source"],
+        }
 
     def build(self, sections: dict[str, Section]) -> Section:
         started = time.perf_counter()
         settings = self.settings
         windows = self.job.windows[:MOMENT_WINDOWS]
         result = measure_correction_errors(
-            self.job.model, windows, keep_ratios=MOMENT_KEEP_RATIOS, query_window=settings["query_window"],
-            scorer=settings["selection"], observation_window=settings["observation_window"],
-            n_sink=settings["n_sink"], recent_window=settings["recent_window"], progress=self.job.options.progress)
+            self.job.model,
+            windows,
+            keep_ratios=MOMENT_KEEP_RATIOS,
+            query_window=settings["query_window"],
+            scorer=settings["selection"],
+            observation_window=settings["observation_window"],
+            n_sink=settings["n_sink"],
+            recent_window=settings["recent_window"],
+            progress=self.job.options.progress,
+        )
         errors = result["errors"].mean(axis=(2, 3))  # [R, 3]
         chosen = np.take_along_axis(result["errors"], (result["order"].astype(np.int64) + 1)[None, None], axis=1)
-        parts = ", ".join(f"keep {r:g}: none {e[0]:.3f} / 0th {e[1]:.3f} / 1st {e[2]:.3f} / chosen {c:.3f}"
-                          for r, e, c in zip(result["reference_ratios"], errors, chosen.mean(axis=(1, 2, 3))))
+        parts = ", ".join(
+            f"keep {r:g}: none {e[0]:.3f} / 0th {e[1]:.3f} / 1st {e[2]:.3f} / chosen {c:.3f}"
+            for r, e, c in zip(result["reference_ratios"], errors, chosen.mean(axis=(1, 2, 3)), strict=True)
+        )
         counts = {name: int((result["order"] == value).sum()) for name, value in (("none", -1), ("0th", 0), ("1st", 1))}
-        self.say(f"moments: {windows.shape[0]} windows x {windows.shape[1]} tokens, mean relative attention-output "
-                 f"error {parts}; orders {counts}; {time.perf_counter() - started:.1f} s")
+        self.say(
+            f"moments: {windows.shape[0]} windows x {windows.shape[1]} tokens, mean relative attention-output "
+            f"error {parts}; orders {counts}; {time.perf_counter() - started:.1f} s"
+        )
         return Section(arrays=result)

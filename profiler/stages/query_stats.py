@@ -24,14 +24,17 @@ class QueryStatsStage(Stage):
     name = "query-stats"
     section = "query_stats"
     unit, units = "batch", "batches"
-    summary = ("run calibration text and accumulate the mean and covariance of the pre-RoPE queries of every "
-               "(layer, query head) (Expected Attention statistics).")
+    summary = (
+        "run calibration text and accumulate the mean and covariance of the pre-RoPE queries of every "
+        "(layer, query head) (Expected Attention statistics)."
+    )
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("query-stats stage")
-        group.add_argument("--batch-size", type=int, default=None,
-                           help="calibration windows per forward pass (default: the preset's)")
+        group.add_argument(
+            "--batch-size", type=int, default=None, help="calibration windows per forward pass (default: the preset's)"
+        )
 
     def __init__(self, job):
         super().__init__(job)
@@ -50,13 +53,17 @@ class QueryStatsStage(Stage):
 
     def config(self) -> dict:
         job = self.job
-        return {**job.calibration_config(), "batch_size": self.batch_size, "n_sink": job.n_sink,
-                "windows_sha256": job.windows_digest()}
+        return {
+            **job.calibration_config(),
+            "batch_size": self.batch_size,
+            "n_sink": job.n_sink,
+            "windows_sha256": job.windows_digest(),
+        }
 
     # -- work: one batch of calibration windows per unit ---------------------------------------------
     def work(self) -> list[list[int]]:
         shard = self.job.info.shard(self.job.windows.shape[0])
-        return [shard[i:i + self.batch_size] for i in range(0, len(shard), self.batch_size)]
+        return [shard[i : i + self.batch_size] for i in range(0, len(shard), self.batch_size)]
 
     def running(self):
         from contextlib import ExitStack
@@ -95,7 +102,9 @@ class QueryStatsStage(Stage):
         job = self.job
         stats = self.totals.finalize()
         trace = np.trace(stats["cov"].astype(np.float64), axis1=-2, axis2=-1)
-        self.say(f"query-stats: {job.calib_samples} windows x {job.calib_tokens} tokens, "
-                 f"{int(stats['n'][0, 0])} queries per head (n_sink={job.n_sink}), "
-                 f"mean trace(cov) {trace.mean():.3g}; {self.seconds:.1f} s this run")
+        self.say(
+            f"query-stats: {job.calib_samples} windows x {job.calib_tokens} tokens, "
+            f"{int(stats['n'][0, 0])} queries per head (n_sink={job.n_sink}), "
+            f"mean trace(cov) {trace.mean():.3g}; {self.seconds:.1f} s this run"
+        )
         return Section(arrays=stats, attrs={"n_sink": int(job.n_sink)})
