@@ -90,7 +90,7 @@ SECTIONS: dict[str, SectionSpec] = {
         {"n_sink": int},
     ),
     "budgets": SectionSpec(
-        "Per-KV-head budget tables from REAL's INF allocation (DESIGN.md section 3).",
+        "Per-KV-head budget tables from REAL's INF allocation (docs/design.md section 3).",
         {
             "inf_kv": DatasetSpec(
                 "<f8", ("L", "Hkv"), "INFsc averaged over each GQA group, normalised to sum to 1", 0.0, 1.0

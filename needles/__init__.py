@@ -5,8 +5,8 @@ one user message "context, blank line, question", the format :mod:`prompt_format
 probes and serving alike - with its question, ground-truth answer and token spans labelled
 ``R`` (retrieval-reasoning: the answer), ``B`` (bias: question-related facts that are not the
 answer) and ``D`` (distraction: same-shaped statements with another answer); every other
-token is ``W`` (widespread).  See REAL (seed 004, section 2.1) and
-DESIGN.md section 3.
+token is ``W`` (widespread).  See REAL ("REtrieval-reAsoning and Logic-constructed Attention Behaviors
+for Long-Context KV Cache Compression", section 2.1) and docs/design.md section 3.
 
 Public API::
 

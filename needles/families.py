@@ -13,7 +13,7 @@ the pools in ``needles/data/``; a sampler is a pure function of a :class:`random
 seed fixes the needle.  :func:`render_needle` turns (family, seed) into a
 :class:`RenderedNeedle` with character spans.
 
-Families (REAL, seed 004, Table 2 and appendix A.5, and HeadKV):
+Families (REAL's Table 2 and appendix A.5, and HeadKV):
 
 * ``retrieval`` - RULER magic number, one fact copied verbatim;
 * ``multi_key`` - several magic numbers, the others are D;

@@ -8,7 +8,7 @@ unit that ends in a newline (a paragraph break).
 Sources (:func:`make_haystack` parses the names):
 
 * ``simple`` - :class:`SimpleHaystack`, procedural short sentences ("The lamp is quiet.").  The
-  embedded 135M model retrieves reliably only from such text (DESIGN.md section 7).
+  embedded 135M model retrieves reliably only from such text (docs/design.md section 7).
 * ``prose`` - :class:`ProseHaystack`, varied paragraph-like text from our own grammar
   (``needles/data/prose_grammar.json``), for larger models and calibration text.
 * ``files:PATH`` - :class:`TextFilesHaystack`, a local text file or a directory of them.

@@ -59,7 +59,7 @@ def _candidate_window(offsets: list[tuple[int, int]], start: int, end: int) -> r
     """Token indices that may overlap characters ``[start, end)``: found by bisection when the
     offsets are monotone (they are for a left-to-right tokenization), else all of them."""
     ends = [e for _, e in offsets]
-    if any(a > b for a, b in zip(ends, ends[1:], strict=True)):
+    if any(a > b for a, b in itertools.pairwise(ends)):
         return range(len(offsets))
     first = bisect.bisect_right(ends, start)
     last = bisect.bisect_left(ends, end, lo=first)
@@ -132,7 +132,7 @@ def map_spans(
             raise SpanError(f"span {wanted!r} decodes as {decoded!r} after tokenization")
         spans.append(Span(span.label, first, end))
     ordered = sorted(spans, key=lambda s: (s.start, s.end))
-    for left, right in zip(ordered, ordered[1:], strict=True):
+    for left, right in itertools.pairwise(ordered):
         if right.start < left.end:
             raise SpanError(f"spans {left} and {right} share tokens")
     return spans

@@ -10,7 +10,7 @@ Presets:
 * ``smoke`` - every family at 512 tokens, depths 25/75 (14 probes; for tests);
 * ``quick`` - every family at 1K/2K/4K tokens, depths 10/50/90 (63 probes; CPU-sized);
 * ``standard`` - every family at 1K..8K tokens in 1K steps, depths 5..95 in steps of 10 (560);
-* ``paper`` - REAL's grid (seed 004, section 2.1): 30 lengths 1K..30K in steps of 1,024 and 33
+* ``paper`` - REAL's grid (its section 2.1): 30 lengths 1K..30K in steps of 1,024 and 33
   depths 2%..98% in steps of 3%, for every family (6,930 probes; needs a long-context model).
 """
 

@@ -1,4 +1,4 @@
-"""REAL's attention-behaviour accumulation and scores (seed 004, Eq. 1-3; DESIGN.md section 3).
+"""REAL's attention-behaviour accumulation and scores (REAL Eq. 1-3; docs/design.md section 3).
 
 At every decode step, for every (layer, query head), the query's attention distribution over
 the context (the prompt tokens) has one *dominant* token, its argmax.  The label of that token

@@ -2,7 +2,7 @@
 
 ``smoke`` is a seconds-long check that everything runs; ``quick`` is a useful first profile
 of a small model on a laptop CPU (minutes; a trimmed needles ``quick`` grid); ``standard`` is the recommended profile;
-``paper`` follows REAL's grid (seed 004: 30 lengths x 33 depths) and is meant for GPUs.
+``paper`` follows REAL's grid (30 lengths x 33 depths) and is meant for GPUs.
 Individual numbers can be overridden on the command line.
 """
 

@@ -1,4 +1,4 @@
-"""Serving runtime: per-KV-head eviction inside ``model.generate`` (DESIGN.md sections 1-3, 6).
+"""Serving runtime: per-KV-head eviction inside ``model.generate`` (docs/design.md sections 1-3, 6).
 
     from runtime import CompressionPolicy, load_calibration, generate, answer
     calibration = load_calibration(model, tokenizer)               # kv_calibration.h5 next to the weights

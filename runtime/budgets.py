@@ -1,4 +1,4 @@
-"""Per-KV-head cache budgets from REAL's INF scores (DESIGN.md section 3).
+"""Per-KV-head cache budgets from REAL's INF scores (REAL; docs/design.md section 3).
 
 Budgets are per KV head because the cache is.  Query-head INFsc values are averaged over
 each GQA group, normalised over all ``L x Hkv`` heads to sum to one (uniform when all are

@@ -36,7 +36,7 @@ stacked into one batch):
   on before anything is evicted); :meth:`RaggedLayer.keep` folds the evicted rows in;
 * ``corrections[b]``: per-head correction orders and ``tau`` (None: plain attention); with
   something evicted, :meth:`RaggedLayer.attend` merges the retained attention with the moment
-  estimate of the evicted set (DESIGN.md section 4);
+  estimate of the evicted set (docs/design.md section 4);
 * ``decode_plans[b]``: a :class:`DecodePlan` when heads are also evicted while decoding.
 """
 

@@ -10,7 +10,7 @@ the budget).  One call:
    (EA's RoPE average starts at the next token, so at decode time it moves with generation);
 2. plain eviction: ``select_rows`` keeps sinks, recent window and the best scores; the
    evicted rows are folded into the layer's moment sums when the cache tracks them;
-3. moment-informed eviction (``policy.moment_eviction``, DESIGN.md section 4): the scorer's
+3. moment-informed eviction (``policy.moment_eviction``, docs/design.md section 4): the scorer's
    attention estimate ``a_j`` is combined with the moment residual, ``a_j ||r_j||``, and
    tokens are evicted in ``policy.moment_rounds`` rounds with the sums updated in between
    (:func:`runtime.moments.evict_in_rounds`).

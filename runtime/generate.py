@@ -71,7 +71,7 @@ def compress_prompt(
     ``context_columns``: question-agnostic split (see the module docstring); None =
     question-aware.  ``policy=None`` prefills without evicting (the full cache).
     ``block_size``: prefill in blocks of that many columns and evict after each (KeyDiff's
-    block-wise prefill, seed 001 Eq. 6), so the cache never holds more than the budget plus
+    block-wise prefill, KeyDiff arXiv 2504.15364 Eq. 6), so the cache never holds more than the budget plus
     one block; budgets are those of the whole prefix, and scorers see positions and RoPE at
     each block's true absolute position.
     """

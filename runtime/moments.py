@@ -1,4 +1,5 @@
-"""MomentKV (seed 002; DESIGN.md section 4): moments of the evicted set, corrected attention,
+"""MomentKV ("MomentKV: Closing the Directional Gap in KV Cache Eviction for Long-Context
+Inference"; docs/design.md section 4): moments of the evicted set, corrected attention,
 moment-informed eviction.  Pure torch, no model and no cache in here.
 
 Notation: one KV head, head dim ``d``, scale ``s`` (``1/sqrt(d)`` for Llama), a query ``q``

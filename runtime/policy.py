@@ -6,13 +6,13 @@
     CompressionPolicy(ratio=0.5, scorer="snapkv", scorer_options={"window": 64})
 
 * budget: ``budget`` tokens per KV head on average, or ``ratio`` of the context (one of them);
-* allocation: ``uniform`` (every head the same) or ``inf`` (REAL, DESIGN.md section 3: the
+* allocation: ``uniform`` (every head the same) or ``inf`` (REAL, docs/design.md section 3: the
   artifact's per-KV-head INF weights split the total, ``beta`` and ``min_budget`` apply);
 * scorer: a name from ``runtime.scorers.SCORERS`` or a :class:`runtime.scorers.Scorer`
   instance; ``statistics`` (``calibrated`` | ``prompt``) for ``expected_attention``;
   ``scorer_options`` go to the scorer's constructor;
 * ``n_sink`` first tokens and the last ``window`` tokens of every head are always kept;
-* MomentKV (DESIGN.md section 4; the cache then keeps per-head moments of what it evicted):
+* MomentKV (docs/design.md section 4; the cache then keeps per-head moments of what it evicted):
   ``correction`` = ``none`` | ``calibrated`` (each head's order from the artifact's
   ``moments`` section, measured under one selection scorer: serving them with another one
   warns once) | ``order0`` | ``order1`` (every head); ``tau`` clamps the

@@ -1,4 +1,4 @@
-"""RoPE as matrices, and RoPE averaged over a future horizon (DESIGN.md section 1).
+"""RoPE as matrices, and RoPE averaged over a future horizon (docs/design.md section 1).
 
 transformers applies RoPE as ``x * cos + rotate_half(x) * sin`` with ``cos, sin [d]`` per
 position, so the rotation at position ``p`` is the matrix ``R_p = diag(cos_p) + diag(sin_p) P``

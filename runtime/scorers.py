@@ -75,7 +75,7 @@ class Scorer(ABC):
 
 
 class ExpectedAttentionScorer(Scorer):
-    """Expected Attention (seed 000, Eq. 5-9; DESIGN.md section 1).
+    """Expected Attention (arXiv 2510.00636, Eq. 5-9; docs/design.md section 1).
 
     ``z_i = s mu'.k_i + (s^2/2) k_i^T Sigma' k_i`` with ``mu' = Rbar mu``,
     ``Sigma' = Rbar Sigma Rbar^T``; ``a = softmax(z)`` per query head, averaged over the GQA
@@ -128,7 +128,7 @@ class ExpectedAttentionScorer(Scorer):
 
 
 class KeyDiffScorer(Scorer):
-    """KeyDiff (seed 001, Eq. 8): ``-cos(k_i, mean_j k_j/||k_j||)``; no attention needed."""
+    """KeyDiff (arXiv 2504.15364, Eq. 8): ``-cos(k_i, mean_j k_j/||k_j||)``; no attention needed."""
 
     name = "keydiff"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -135,7 +136,7 @@ def test_first_order_error_shrinks_as_evicted_keys_concentrate():
             errors[order].append(float((out.double() - exact_out).norm() / exact_out.norm()))
             assert torch.all(lse.double() <= exact_lse + 1e-4)  # Jensen: a lower bound
     for order in (0, 1):
-        assert all(a > b for a, b in zip(errors[order], errors[order][1:], strict=True)), errors
+        assert all(a > b for a, b in itertools.pairwise(errors[order])), errors
     assert all(e1 < e0 for e0, e1 in zip(errors[0], errors[1], strict=True)), errors
     assert errors[0][-1] / errors[0][0] < 1 / 30  # ~eps^2: 8x tighter -> ~1/64
     assert errors[1][-1] / errors[1][0] < 1 / 200  # ~eps^3: 8x tighter -> ~1/512

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -25,7 +26,7 @@ def test_family_renders_with_spans_and_answer_in_r_span(family):
         # the answer is not given away by the question
         assert needle.answer.lower() not in needle.question.lower()
         # spans are ordered and disjoint
-        for left, right in zip(needle.spans, needle.spans[1:], strict=True):
+        for left, right in itertools.pairwise(needle.spans):
             assert left.end <= right.start
         assert "[[" not in needle.text and "]]" not in needle.text
 

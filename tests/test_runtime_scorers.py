@@ -1,4 +1,4 @@
-"""Scorers against direct implementations of their definitions (DESIGN.md sections 1-2)."""
+"""Scorers against direct implementations of their definitions (docs/design.md sections 1-2)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def explicit_rope(position: int, head_dim: int, theta: float) -> torch.Tensor:
 
 
 def direct_expected_attention(keys, values, mean, cov, start, horizon, theta, scaling, epsilon=0.0):
-    """DESIGN.md section 1 written out: explicit RoPE matrices, per-head softmax, group mean."""
+    """docs/design.md section 1 written out: explicit RoPE matrices, per-head softmax, group mean."""
     d = keys.shape[1]
     rbar = sum(explicit_rope(p, d, theta) for p in range(start, start + horizon)) / horizon
     keys, values = keys.double(), values.double()
