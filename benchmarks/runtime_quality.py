@@ -63,6 +63,9 @@ SCORERS = {  # row label -> CompressionPolicy fields
     "ncattn": {"scorer": "leverage", "scorer_options": {"blend": 0}},  # non-causal chunked attention alone
     # KVzip (arXiv 2505.23416): scores from a context-reconstruction pass, computed once per probe
     "kvzip": {"scorer": "kvzip"},
+    # the artifact's learned scorer (profile-model's learned-scorer stage: KVzip distilled into a
+    # per-head linear map of the pre-RoPE key and value); no extra forward pass
+    "learned": {"scorer": "learned"},
 }
 # MomentKV variants (issue 6): "+corr" = correction with the artifact's per-head orders,
 # "+corr1" = first order on every head, "+mom" = moment-informed eviction (a_j ||r_j||)
@@ -77,6 +80,9 @@ ALLOCATIONS = ("uniform", "inf")
 GLOBAL_ROWS = {
     "global/kvzip": ("global", SCORERS["kvzip"]),
     "global/kvzip+corr": ("global", {**SCORERS["kvzip"], **MOMENT_VARIANTS["+corr"]}),
+    # the engine's global allocation (runtime.budgets.global_budgets) over the learned scores
+    "global/learned": ("global", SCORERS["learned"]),
+    "global/learned+corr": ("global", {**SCORERS["learned"], **MOMENT_VARIANTS["+corr"]}),
 }
 
 
@@ -242,7 +248,8 @@ def main(argv=None) -> int:
                 options["blend"] = ratio
             policy = CompressionPolicy(
                 ratio=round(1.0 - ratio, 6),
-                allocation="uniform" if allocation == "global" else allocation,
+                # kvzip's global rows get their head table per probe (kvzip_global_policy)
+                allocation="uniform" if allocation == "global" and fields["scorer"] == "kvzip" else allocation,
                 **{**fields, "scorer_options": options},
             )
             try:

@@ -19,6 +19,7 @@ numpy only: the serving runtime and the profiler both call this.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 
 def kv_head_scores(inf_scores: np.ndarray, num_kv_heads: int) -> np.ndarray:
@@ -103,3 +104,30 @@ def allocate_budgets(
                 flat[index] -= 1
                 missing += 1
     return flat.reshape(ideal.shape)
+
+
+def global_budgets(scores: list[list[torch.Tensor]], total: int, n_sink: int, window: int) -> np.ndarray:
+    """Tokens per KV head, int64 ``[L, Hkv]``, from one ranking of every head's tokens together.
+
+    ``scores[layer][head]`` holds a head's scores ``[n]`` (comparable across heads); each head's
+    first ``n_sink`` and last ``window`` rows (kept by the engine anyway) count first, then the
+    ``total`` budget goes to the highest scores wherever they are (KVzip's allocation,
+    "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv 2505.23416).
+    """
+    flat, owners = [], []
+    for layer, heads in enumerate(scores):
+        for h, head in enumerate(heads):
+            head = head.detach().float().cpu().clone()
+            head[: min(n_sink, head.numel())] = float("inf")
+            head[max(head.numel() - window, 0) :] = float("inf")
+            flat.append(head)
+            owners.append(torch.full((head.numel(),), layer * len(heads) + h, dtype=torch.long))
+    shape = (len(scores), len(scores[0]) if scores else 0)
+    table = np.zeros(shape, dtype=np.int64)
+    if not flat:
+        return table
+    values, owner = torch.cat(flat), torch.cat(owners)
+    keep = min(max(int(total), 0), values.numel())
+    chosen = owner[torch.topk(values, keep).indices] if keep else owner[:0]
+    table.reshape(-1)[:] = torch.bincount(chosen, minlength=table.size).numpy()
+    return table

@@ -16,7 +16,8 @@ together with the tensors' version counters, so an in-place weight change invali
 The tokenizer fingerprint is remembered on the tokenizer the same way (keyed by its size and
 chat template).
 Only what a serving process uses is read: the INF weights (``budgets/inf_kv``, else derived
-from ``behaviour/INFsc``) and the correction orders (``moments/order``, ``moments/tau``) at
+from ``behaviour/INFsc``) and the correction orders (``moments/order``, ``moments/tau``) and the learned scorer's
+weights (``learned_scorer/weights``, ``/bias``) at
 load time, and the ``query_stats`` mean/cov on first use (the
 covariance is the bulk of the file; decompressing and checksumming it takes ~50 ms).
 
@@ -70,6 +71,8 @@ class Calibration:
         moment_orders: np.ndarray | None = None,
         moment_tau: np.ndarray | None = None,
         moment_selection: str | None = None,
+        scorer_weights: np.ndarray | None = None,
+        scorer_bias: np.ndarray | None = None,
         reader=None,
     ):
         self.path = Path(path)
@@ -82,6 +85,8 @@ class Calibration:
         # name of the scorer (runtime.scorers) whose selection the orders were calibrated under
         self.moment_selection = moment_selection if moment_selection is not None else _configured_selection(config)
         self._warned_selections: set[str] = set()
+        # the learned scorer (section 'learned_scorer'): float64 [L, Hkv, 2d] and [L, Hkv]
+        self.scorer_weights, self.scorer_bias = scorer_weights, scorer_bias
         self._query_mean, self._query_cov = query_mean, query_cov
         self._reader = reader
 
@@ -261,6 +266,10 @@ def load_calibration(
         moment_orders = moment_tau = None
         if reader.has("moments"):
             moment_orders, moment_tau = reader.read("moments", "order"), reader.read("moments", "tau")
+        scorer_weights = scorer_bias = None
+        if reader.has("learned_scorer"):
+            scorer_weights = reader.read("learned_scorer", "weights")
+            scorer_bias = reader.read("learned_scorer", "bias")
     except BaseException:
         reader.close()
         raise
@@ -272,5 +281,7 @@ def load_calibration(
         inf_weights=inf_weights,
         moment_orders=moment_orders,
         moment_tau=moment_tau,
+        scorer_weights=scorer_weights,
+        scorer_bias=scorer_bias,
         reader=reader if reader.has("query_stats") else None,
     )

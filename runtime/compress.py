@@ -14,6 +14,7 @@ real token count) and keeps sinks + recent window + the best-scored tokens.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from .attention import enable
+from .budgets import global_budgets
 from .cache import DecodePlan, RaggedCache
 from .eviction import HeadEvictor
 from .geometry import ModelGeometry
@@ -77,22 +79,15 @@ def prefill(
     window = max(window, int(observe_queries))
     if window:
         cache.observe_queries(window)
+    collecting = contextlib.nullcontext()
     if wants_stats or prompt_stats is not None:
         geometry = ModelGeometry.of(model)
         if prompt_stats is None:
             prompt_stats = QueryMoments.for_prompt(geometry, batch)
         # only real tokens count; the first n_sink (attention sinks, outlier queries) stay out
         skip = n_sink if n_sink is not None else (policy.n_sink if policy is not None else 0)
-        with prompt_stats.collect(geometry, real=chunk_mask & (position_ids >= skip)):
-            model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-    else:
+        collecting = prompt_stats.collect(geometry, real=chunk_mask & (position_ids >= skip))
+    with collecting:
         model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -162,10 +157,18 @@ def compress(
             continue
         budget_length = seq_len if context_lengths is None else max(int(context_lengths[b]), 1)
         budgets = policy.head_budgets(budget_length, evictor.num_layers, evictor.num_kv_heads, inf_weights)
+        scores = None
+        if policy.allocation == "global":  # one ranking of every head's tokens shares out the total
+            scores = [
+                [evictor.head_scores(layer, layer_idx, b, h, seq_len) for h in range(evictor.num_kv_heads)]
+                for layer_idx, layer in enumerate(cache.layers)
+            ]
+            budgets = global_budgets(scores, int(budgets.sum()), policy.n_sink, policy.window)
         all_budgets.append(budgets)
         for layer_idx, layer in enumerate(cache.layers):
             for h in range(evictor.num_kv_heads):
-                evictor.evict(layer, layer_idx, b, h, int(budgets[layer_idx, h]), seq_len)
+                head_scores = None if scores is None else scores[layer_idx][h]
+                evictor.evict(layer, layer_idx, b, h, int(budgets[layer_idx, h]), seq_len, scores=head_scores)
     if final:
         for b in range(first.batch_size):
             if corrections is not None:

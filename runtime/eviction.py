@@ -54,6 +54,15 @@ class HeadEvictor:
                 torch.from_numpy(np.asarray(calibration.query_mean)),
                 torch.from_numpy(np.asarray(calibration.query_cov)),
             )
+        self.learned = None
+        if self.scorer.learned:
+            weights = torch.from_numpy(np.asarray(calibration.scorer_weights, dtype=np.float32))  # [L, Hkv, 2d]
+            if tuple(weights.shape) != (self.num_layers, self.num_kv_heads, 2 * geometry.head_dim):
+                raise ValueError(
+                    f"learned scorer weights of shape {tuple(weights.shape)} do not fit the model "
+                    f"({self.num_layers} layers, {self.num_kv_heads} KV heads, d={geometry.head_dim})"
+                )
+            self.learned = (weights, np.asarray(calibration.scorer_bias, dtype=np.float64))
 
     def _rope_at(self, next_position: int):
         if self._rope is None or self._rope[0] != next_position:
@@ -99,7 +108,14 @@ class HeadEvictor:
             context.recent_queries = recorded[heads, -self.scorer.observation_window :]
         if self.scorer.key_rope:  # the RoPE of each key's own position (to undo it: pre-RoPE keys)
             context.key_cos, context.key_sin = rope_cos_sin(self.geometry, positions)
+        if self.scorer.learned:
+            weights, bias = self.learned
+            context.learned_weights, context.learned_bias = weights[layer_idx, h], float(bias[layer_idx, h])
         return context
+
+    def head_scores(self, layer, layer_idx: int, b: int, h: int, next_position: int) -> torch.Tensor:
+        """The scorer's scores ``[n]`` of head ``(b, layer_idx, h)`` (nothing evicted)."""
+        return self.scorer.score(self.context(layer, layer_idx, b, h, next_position))
 
     def evict(
         self,
@@ -112,11 +128,13 @@ class HeadEvictor:
         *,
         shrink: bool = True,
         stats_row: int | None = None,
+        scores: torch.Tensor | None = None,
     ) -> int:
         """Cut head ``(b, layer_idx, h)`` down to ``budget`` tokens; returns how many were evicted.
 
         ``shrink=False`` (decoding) keeps the buffers' capacity so the next tokens append
-        without reallocating.
+        without reallocating.  ``scores``: the head's scores when already computed (``global``
+        allocation ranks every head's scores before any head is cut).
         """
         length = layer.lengths[b][h]
         if budget >= length:
@@ -148,7 +166,7 @@ class HeadEvictor:
             )
             layer.keep(b, h, rows, fold=False, shrink=shrink)
         else:
-            scores = self.scorer.score(context)
+            scores = self.scorer.score(context) if scores is None else scores
             if scores.shape != (length,):
                 raise ValueError(f"{self.scorer!r} returned scores of shape {tuple(scores.shape)} for {length} tokens")
             layer.keep(b, h, select_rows(scores, budget, policy.n_sink, policy.window), shrink=shrink)

@@ -6,8 +6,10 @@
     CompressionPolicy(ratio=0.5, scorer="snapkv", scorer_options={"window": 64})
 
 * budget: ``budget`` tokens per KV head on average, or ``ratio`` of the context (one of them);
-* allocation: ``uniform`` (every head the same) or ``inf`` (REAL, docs/design.md section 3: the
-  artifact's per-KV-head INF weights split the total, ``beta`` and ``min_budget`` apply);
+* allocation: ``uniform`` (every head the same), ``inf`` (REAL, docs/design.md section 3: the
+  artifact's per-KV-head INF weights split the total, ``beta`` and ``min_budget`` apply) or
+  ``global`` (the uniform total, shared out by ranking every head's tokens together: for
+  scorers whose scores are comparable across heads, e.g. ``learned``);
 * scorer: a name from ``runtime.scorers.SCORERS`` or a :class:`runtime.scorers.Scorer`
   instance; ``statistics`` (``calibrated`` | ``prompt``) for ``expected_attention``;
   ``scorer_options`` go to the scorer's constructor;
@@ -35,7 +37,7 @@ import numpy as np
 from .budgets import allocate_budgets
 from .scorers import SCORERS, Scorer, make_scorer
 
-ALLOCATIONS = ("uniform", "inf")
+ALLOCATIONS = ("uniform", "inf", "global")
 STATISTICS = ("calibrated", "prompt")
 CORRECTIONS = ("none", "calibrated", "order0", "order1")
 
@@ -95,6 +97,13 @@ class CompressionPolicy:
             raise ValueError(
                 f"moment_eviction needs a scorer that estimates attention (expected_attention, snapkv), not {scorer!r}"
             )
+        if self.allocation == "global" and not scorer.comparable:
+            raise ValueError(
+                f"allocation='global' ranks all heads' tokens together: it needs a scorer whose scores are "
+                f"comparable across heads (learned), not {scorer!r}"
+            )
+        if self.allocation == "global" and self.moment_eviction:
+            raise ValueError("allocation='global' and moment_eviction cannot be combined")
         if isinstance(self.moment_rounds, bool) or not isinstance(self.moment_rounds, int) or self.moment_rounds < 1:
             raise ValueError(f"moment_rounds must be a positive integer, got {self.moment_rounds!r}")
         if self.evict_every is not None and (
@@ -145,6 +154,8 @@ class CompressionPolicy:
             needs.append("query statistics (section 'query_stats')")
         if self.correction == "calibrated":
             needs.append("per-head correction orders (section 'moments')")
+        if self.build_scorer().learned:
+            needs.append("learned scorer weights (section 'learned_scorer')")
         return needs
 
     def check_calibration(self, calibration) -> None:
@@ -174,6 +185,12 @@ class CompressionPolicy:
                 f"correction='calibrated' needs per-head correction orders, but {calibration.path} has "
                 f"no 'moments' section (present: {', '.join(calibration.sections) or 'none'}); use "
                 "correction='order1' or re-run profile-model with the moments stage"
+            )
+        if self.build_scorer().learned and getattr(calibration, "scorer_weights", None) is None:
+            raise ValueError(
+                f"the learned scorer needs its weights, but {calibration.path} has no 'learned_scorer' section "
+                f"(present: {', '.join(calibration.sections) or 'none'}); re-run profile-model with the "
+                "learned-scorer stage"
             )
         if self.correction == "calibrated" and hasattr(calibration, "check_moment_selection"):
             calibration.check_moment_selection(

@@ -11,7 +11,11 @@ must collect for it:
 * ``observation_window``: when > 0, the last that many post-RoPE prompt queries are kept
   (:data:`ALL_QUERIES`: every prompt query);
 * ``key_rope``: when True, the engine passes ``key_cos/key_sin [n, d]``, the RoPE of every
-  key's own position, so the scorer can undo it (pre-RoPE keys, see :func:`unrotate`).
+  key's own position, so the scorer can undo it (pre-RoPE keys, see :func:`unrotate`);
+* ``learned``: when True, the engine passes the artifact's learned-scorer weights of the head
+  (``learned_weights [2d]``, ``learned_bias``);
+* ``comparable``: True when scores of different heads are on one scale (log attention), so
+  the ``global`` allocation may rank all heads' tokens together.
 
 Adding a scorer: subclass :class:`Scorer`, implement ``score``, and either add it to
 ``SCORERS`` or put an instance directly in the policy (``CompressionPolicy(scorer=MyScorer())``).
@@ -47,6 +51,8 @@ class HeadContext:
     recent_queries: torch.Tensor | None = None  # [G, w, d] post-RoPE, last w prompt tokens
     key_cos: torch.Tensor | None = None  # [n, d] RoPE cos at each key's position (scorer.key_rope)
     key_sin: torch.Tensor | None = None  # [n, d]
+    learned_weights: torch.Tensor | None = None  # [2d] learned-scorer coefficients (scorer.learned)
+    learned_bias: float | None = None
 
 
 class Scorer(ABC):
@@ -57,6 +63,8 @@ class Scorer(ABC):
     rope_horizon = 0
     observation_window = 0
     key_rope = False
+    learned = False
+    comparable = False
 
     @abstractmethod
     def score(self, head: HeadContext) -> torch.Tensor:
@@ -481,6 +489,30 @@ class KVzipScorer(Scorer):
         return f"KVzipScorer({'no scores' if self.table is None else f'{self.table.length} tokens'})"
 
 
+class LearnedScorer(Scorer):
+    """The artifact's learned scorer: a per-head linear map from a token's pre-RoPE key and value
+    to the log of its KVzip reconstruction importance (fitted by ``profile-model``'s
+    ``learned-scorer`` stage; "KVzip: Query-Agnostic KV Cache Compression with Context
+    Reconstruction", arXiv 2505.23416, distilled as in "KVzap", arXiv 2601.07891).
+
+    ``score = [unrotate(k), v] . w + b``: one small matmul per head, no extra forward pass.
+    Scores predict log attention weights, so they are comparable across heads.
+    """
+
+    name = "learned"
+    key_rope = True
+    learned = True
+    comparable = True
+
+    def score(self, head: HeadContext) -> torch.Tensor:
+        if head.learned_weights is None or head.key_cos is None or head.key_sin is None:
+            raise ValueError(f"{self!r} needs the artifact's learned_scorer weights and the keys' RoPE")
+        keys = head.keys.float()
+        cos, sin = head.key_cos.float().to(keys.device), head.key_sin.float().to(keys.device)
+        features = torch.cat([unrotate(keys, cos, sin), head.values.float()], dim=-1)  # [n, 2d]
+        return features @ head.learned_weights.float().to(keys.device) + float(head.learned_bias)
+
+
 SCORERS: dict[str, type[Scorer]] = {
     ExpectedAttentionScorer.name: ExpectedAttentionScorer,
     KeyDiffScorer.name: KeyDiffScorer,
@@ -489,6 +521,7 @@ SCORERS: dict[str, type[Scorer]] = {
     StreamingScorer.name: StreamingScorer,
     LeverageScorer.name: LeverageScorer,
     KVzipScorer.name: KVzipScorer,
+    LearnedScorer.name: LearnedScorer,
 }
 
 
