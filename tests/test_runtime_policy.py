@@ -98,7 +98,8 @@ def write_tiny_artifact(path, model, sections=("query_stats", "budgets"), seed=0
         ({"budget": 10, "ratio": 0.5}, "exactly one of budget"),
         (
             {"ratio": 0.5, "scorer": "h2o"},
-            "unknown scorer 'h2o'; known scorers: expected_attention, keydiff, knorm, kvzip, learned, leverage, snapkv, streaming",
+            "unknown scorer 'h2o'; known scorers: expected_attention, keydiff, knorm, kvzip, learned, leverage, "
+            "snapkv, streaming",
         ),
         ({"ratio": 0.5, "allocation": "pyramid"}, "unknown allocation"),
         ({"ratio": 0.5, "beta": 0.5}, "beta must be >= 1"),
