@@ -17,6 +17,14 @@ On the ``needles`` probes of ``--preset`` (default ``quick``: 1K/2K/4K tokens, d
 * the uncompressed baseline decodes from the unevicted cache; all cells of a probe decode
   together as one batch (``RaggedCache.stack``: one compressed cache per batch element).
 
+Question-agnostic baselines from the field: ``leverage`` (Compactor, arXiv 2507.08143, as
+kvpress's CompactorPress: blend = the compression ratio) and its one-change ablations
+(``leverage-exact``, ``-b05``, ``-post``, ``-scaled``, ``-only``, ``ncattn``); ``kvzip``
+(arXiv 2505.23416): a reconstruction pass scores the prefilled cache once per probe
+(``runtime.kvzip``); ``global/kvzip`` uses KVzip's own allocation (one top-k over all heads).
+Cells print accuracy with its 95% Wilson interval, the kept fraction of the KV bytes and the
+compression time per probe; the prefill and reconstruction times are summed at the end.
+
 Accuracy = fraction of probes whose answer contains the ground truth
 (``needles.answer_is_correct``).  All cells come from one run; nothing is tuned on these
 probes (policy defaults: 4 sinks, 32-token window, EA horizon 512, SnapKV window 32).
