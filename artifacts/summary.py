@@ -88,6 +88,16 @@ def summarize(reader: ArtifactReader) -> dict:
             "r2": _range(ls["r2"]),
             "rank_correlation": _range(ls["rank_correlation"]),
         }
+    for name in reader.sections:  # a section with no summary above: its attributes and value ranges
+        if name not in sections:
+            section = reader.section(name)
+            sections[name] = {
+                "generic": True,
+                "attrs": {
+                    key: value.item() if hasattr(value, "item") else value for key, value in section.attrs.items()
+                },
+                "datasets": {key: _range(value) for key, value in section.arrays.items() if value.dtype.kind in "iuf"},
+            }
     return summary
 
 
@@ -100,6 +110,11 @@ def _flatten(config: dict, prefix: str = "") -> list[tuple[str, object]]:
         elif not isinstance(value, list):
             items.append((f"{prefix}{key}", value))
     return items
+
+
+def _described(sections: dict, name: str) -> bool:
+    """Whether ``name`` has its own summary (not the generic one)."""
+    return name in sections and not sections[name].get("generic")
 
 
 def format_summary(summary: dict) -> str:
@@ -118,7 +133,7 @@ def format_summary(summary: dict) -> str:
     sections = summary["sections"]
     if not sections:
         lines.append("sections    none")
-    if "behaviour" in sections:
+    if _described(sections, "behaviour"):
         b = sections["behaviour"]
         fam = ", ".join(f"{k} {v}" for k, v in b["families"].items())
         lines += [
@@ -127,7 +142,7 @@ def format_summary(summary: dict) -> str:
             f"            INFsc {b['INFsc']['min']:.3f} .. {b['INFsc']['max']:.3f} (mean {b['INFsc']['mean']:.3f}); "
             "top heads " + ", ".join(f"L{h['layer']}H{h['head']} {h['INFsc']:.2f}" for h in b["top_heads"]),
         ]
-    if "query_stats" in sections:
+    if _described(sections, "query_stats"):
         q = sections["query_stats"]
         lines.append(
             f"query_stats {q['queries_per_head']['min']}-{q['queries_per_head']['max']} queries per head "
@@ -135,21 +150,21 @@ def format_summary(summary: dict) -> str:
             f"{q['mean_query_norm']['min']:.2f} .. {q['mean_query_norm']['max']:.2f}; cov trace "
             f"{q['cov_trace']['min']:.2f} .. {q['cov_trace']['max']:.2f}"
         )
-    if "budgets" in sections:
+    if _described(sections, "budgets"):
         bt = sections["budgets"]
         spread = "; ".join(f"{k}: {v['min']}-{v['max']}" for k, v in bt["token_budgets"].items())
         lines.append(
             f"budgets     beta {bt['beta']:g}, min {bt['min_budget']}; per-head spread at average "
             f"budget {spread}; ratios {', '.join(f'{r:g}' for r in bt['ratios'])}"
         )
-    if "moments" in sections:
+    if _described(sections, "moments"):
         mo = sections["moments"]
         counts = ", ".join(f"{k} {v}" for k, v in mo["order_counts"].items())
         lines.append(
             f"moments     correction order per KV head: {counts}; reference ratios "
             f"{', '.join(f'{r:g}' for r in mo['reference_ratios'])}"
         )
-    if "learned_scorer" in sections:
+    if _described(sections, "learned_scorer"):
         ls = sections["learned_scorer"]
         lines.append(
             f"learned_scorer  {ls['features']} features -> log {ls['teacher']} importance, fitted on "
@@ -157,4 +172,8 @@ def format_summary(summary: dict) -> str:
             f"{ls['rank_correlation']['min']:.2f} .. {ls['rank_correlation']['max']:.2f}, "
             f"R^2 {ls['r2']['min']:.2f} .. {ls['r2']['max']:.2f}"
         )
+    for name, generic in sections.items():
+        if generic.get("generic"):
+            ranges = ", ".join(f"{key} {r['min']:.3g}..{r['max']:.3g}" for key, r in generic["datasets"].items())
+            lines.append(f"{name:<11} {ranges}")
     return "\n".join(lines)

@@ -99,3 +99,29 @@ def test_report_renders_in_headless_chromium(tmp_path):
         assert browser.find_element(By.ID, "identity").text.count("fingerprint") == 3
     finally:
         browser.quit()
+
+
+def test_a_section_without_its_own_summary_is_summarised_generically(tmp_path):
+    """A new stage's section shows in inspect-artifact before anyone writes a summary for it."""
+    import json
+
+    from conftest import make_random_artifact
+
+    from artifacts import open_artifact, write_artifact
+    from artifacts.summary import format_summary, summarize
+
+    path = write_artifact(tmp_path / "a.h5", make_random_artifact())
+    with open_artifact(path) as reader:
+        specific = reader.has
+        reader.has = lambda name: name != "learned_scorer" and specific(name)  # as if it had no summary code
+        summary = summarize(reader)
+    generic = summary["sections"]["learned_scorer"]
+    assert generic["attrs"]["features"] == "kv" and set(generic["datasets"]) == {
+        "weights",
+        "bias",
+        "ridge",
+        "r2",
+        "rank_correlation",
+    }
+    json.dumps(summary)  # --json must work
+    assert "learned_scorer" in format_summary(summary) and "rank_correlation" in format_summary(summary)

@@ -28,6 +28,9 @@ runs the same way for every stage:
 Adding a stage: a module in this package with a :class:`Stage` subclass, its entry in
 ``profiler.stages.STAGES``, a schema entry in ``artifacts/schema.py`` and its description in
 ``docs/artifact-format.md`` (and a ``runtime.Calibration`` field when the runtime serves it).
+The job, ``profile-model``'s parser and help, resume, multi-process reduction, and
+``inspect-artifact`` (a generic summary of any section) need no change; a dedicated summary in
+``artifacts/summary.py`` or a heatmap in ``artifacts/report.py`` is optional.
 """
 
 from __future__ import annotations
