@@ -31,7 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from profiler.behaviour_stage import run_probe  # noqa: E402
+from profiler.behaviour_probe import run_probe  # noqa: E402
 from profiler.calibration_text import calibration_windows  # noqa: E402
 from profiler.presets import PRESETS  # noqa: E402
 from profiler.probe_source import preset_probes  # noqa: E402
@@ -91,7 +91,7 @@ def bench_behaviour(model, tokenizer, probes, max_new_tokens, repeats):
         "repeats": repeats,
         "decode_steps": steps,
         "mean_prompt_tokens": sum(len(p.input_ids) for p in probes) / len(probes),
-        **_summary(pairs, ("plain_generate", "behaviour_stage")),
+        **_summary(pairs, ("plain_generate", "behaviour_probe")),
     }
 
 

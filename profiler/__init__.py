@@ -7,7 +7,7 @@ method modules here:
 
 * ``behaviour`` (:mod:`profiler.stages.behaviour`) - REAL's attention-behaviour scores
   ("REtrieval-reAsoning and Logic-constructed Attention Behaviors for Long-Context KV Cache
-  Compression", Eq. 1-3): :mod:`profiler.behaviour_stage` greedy-decodes one probe while
+  Compression", Eq. 1-3): :mod:`profiler.behaviour_probe` greedy-decodes one probe while
   :mod:`profiler.attention_capture` records each (layer, query head)'s dominant context token;
   :mod:`profiler.behaviour_scores` turns the records into ``W_R, W_B, W_D, W_W``, RAsc, LCsc,
   INFsc; probes come from :mod:`profiler.probe_source`.

@@ -3,7 +3,7 @@
 REAL ("REtrieval-reAsoning and Logic-constructed Attention Behaviors for Long-Context KV Cache
 Compression", Eq. 1-3): every probe is greedy-decoded while, at each generated token, each
 (layer, query head)'s dominant context token is recorded (:mod:`profiler.attention_capture`,
-inside :func:`profiler.behaviour_stage.run_probe`);
+inside :func:`profiler.behaviour_probe.run_probe`);
 its label (retrieval R, bias B, distraction D, widespread W) adds the dominant weight to
 ``W_R, W_B, W_D, W_W`` (:mod:`profiler.behaviour_scores`), from which RAsc, LCsc and INFsc
 follow.  Units are probes, sharded over processes; the section also keeps a per-probe table.
@@ -16,7 +16,7 @@ import argparse
 import numpy as np
 
 from artifacts import Section
-from profiler.behaviour_stage import BehaviourState, run_probe
+from profiler.behaviour_probe import BehaviourState, run_probe
 from profiler.probe_source import file_probes, preset_probes
 
 from .base import Stage

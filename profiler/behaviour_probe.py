@@ -1,4 +1,4 @@
-"""The behaviour stage: run probes, greedy-decode, accumulate REAL's behaviour matrix.
+"""One behaviour probe: greedy-decode it, record the dominant context tokens, accumulate REAL's matrix.
 
 For each probe (batch 1): prefill the whole prompt with the fused ``sdpa`` kernel, decode
 greedily with ``generate()`` while :mod:`profiler.attention_capture` records, for every
