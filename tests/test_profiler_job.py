@@ -259,3 +259,17 @@ def test_cli_errors_are_clear(model_dir, tmp_path, capsys):
     assert "not a model directory" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--stages", "behaviour,sudoku"])
+
+
+def test_learned_scorer_fits_on_probe_contexts_too(model_dir, tmp_path):
+    """--scorer-probes N adds the N shortest probes' contexts (R spans as positives) to the fit."""
+    plain, with_probes = tmp_path / "plain.h5", tmp_path / "probes.h5"
+    assert main(_args(model_dir, plain, "--stages", "learned-scorer")) == 0
+    assert main(_args(model_dir, with_probes, "--stages", "learned-scorer", "--scorer-probes", "3")) == 0
+    with open_artifact(plain) as a, open_artifact(with_probes) as b:
+        assert "probes" not in a.config["learned_scorer"]
+        assert b.config["learned_scorer"]["probes"]["ids"] == ["p0", "p1", "p2"]  # the shortest three
+        extra = b.section("learned_scorer").attrs["fit_tokens"] - a.section("learned_scorer").attrs["fit_tokens"]
+        assert extra == (48 - 6) + (52 - 6) + (56 - 6)  # their context tokens (context_end = n - 6)
+        assert not np.array_equal(a.section("learned_scorer")["weights"], b.section("learned_scorer")["weights"])
+    assert main(_args(model_dir, tmp_path / "x.h5", "--stages", "learned-scorer", "--scorer-probes", "-1")) == 2

@@ -1,10 +1,12 @@
 """The ``learned-scorer`` stage: a per-head token scorer distilled from KVzip's reconstruction importance.
 
 :mod:`profiler.scorer_fitting` has the method (teacher, features, ridge regression).  Units
-are calibration windows: each adds one layer-by-layer reconstruction pass to float64 sums
-(sharded, resumable).  The last ``max(1, N // 5)`` windows are held out: after the sums are
-reduced, the main process records them, picks each head's ridge strength by the held-out rank
-correlation between prediction and teacher, and writes that correlation and the R^2.
+are calibration windows (and, with ``--scorer-probes N``, the contexts of needle probes whose
+retrieval-span tokens are raised to the top of the teacher's scores: REAL's labels as
+positives): each adds one reconstruction pass to float64 sums (sharded, resumable).  The
+last ``max(1, N // 5)`` windows are held out: after the sums are reduced, the main process
+records them, picks each head's ridge strength by the held-out rank correlation between
+prediction and teacher, and writes that correlation and the R^2.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 
 from artifacts import Section
+from needles.probe import LABEL_CODE
 from profiler.scorer_fitting import (
     RECONSTRUCTION_INSTRUCTION,
     RIDGE_GRID,
@@ -40,7 +43,16 @@ class LearnedScorerStage(Stage):
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """No options of its own: it uses the calibration text."""
+        group = parser.add_argument_group("learned-scorer stage")
+        group.add_argument(
+            "--scorer-probes",
+            type=int,
+            default=None,
+            help="also fit on the contexts of the N shortest needle probes (the preset's, or --probes), with the "
+            "tokens of "
+            "their retrieval (R) spans raised to the top of each head's teacher scores (REAL's labels as "
+            "positives); default 0: calibration text only",
+        )
 
     def prepare(self) -> None:
         job = self.job
@@ -54,11 +66,30 @@ class LearnedScorerStage(Stage):
         self.sums = [RidgeSums(geometry.num_kv_heads, features, 1) for _ in range(geometry.num_layers)]
         ids = job.tokenizer(RECONSTRUCTION_INSTRUCTION, add_special_tokens=False)["input_ids"]
         self.instruction = torch.tensor(ids, dtype=torch.long)
-        self.fit_tokens = 0
+        self.probes = []
+        count = int(job.setting("scorer_probes", 0))
+        if count < 0:
+            raise ValueError(f"--scorer-probes must be >= 0, got {count}")
+        if count:
+            from profiler.probe_source import file_probes, preset_probes
+
+            probes_file = job.setting("probes_file")  # the behaviour stage's probes
+            probe_set = (
+                file_probes(probes_file)
+                if probes_file
+                else preset_probes(
+                    job.preset.probes,
+                    job.tokenizer,
+                    job.identity.tokenizer_fingerprint,
+                    dict(job.preset.probe_overrides),
+                )
+            )
+            order = np.argsort(probe_set.table["probe_length"], kind="stable")[:count]
+            self.probes = [probe_set[int(i)] for i in sorted(order)]
 
     def config(self) -> dict:
         job = self.job
-        return {
+        config = {
             **job.calibration_config(),
             "windows_sha256": job.windows_digest(),
             "teacher": "kvzip",
@@ -67,15 +98,32 @@ class LearnedScorerStage(Stage):
             "held_out_windows": self.held_out,
             "ridge_grid": list(RIDGE_GRID),
         }
+        if self.probes:
+            config["probes"] = {
+                "preset": job.preset.probes,
+                "ids": [probe.id for probe in self.probes],
+                "positives": "R-span tokens raised to each head's maximum teacher score",
+            }
+        return config
 
-    # -- work: one calibration window per unit ---------------------------------------------------------
+    # -- work: one calibration window or probe context per unit ------------------------------------------
     def work(self) -> list[int]:
-        return [index for index in self.job.info.shard(self.job.calib_samples) if index < self.fit_windows]
+        """Units: fit windows ``0 .. fit_windows-1``, then probe ``j`` as ``-1 - j``."""
+        units = list(range(self.fit_windows)) + [-1 - j for j in range(len(self.probes))]
+        return [units[i] for i in self.job.info.shard(len(units))]
 
-    def compute(self, index: int):
-        return record_window(self.job.model, self.job.windows[index], self.instruction)
+    def compute(self, unit: int):
+        if unit >= 0:
+            return record_window(self.job.model, self.job.windows[unit], self.instruction)
+        probe = self.probes[-1 - unit]
+        records = record_window(self.job.model, torch.tensor(probe.context_ids(), dtype=torch.long), self.instruction)
+        positive = torch.from_numpy(probe.labels()[: probe.context_end] == LABEL_CODE["R"])  # [C]
+        for record in records:  # REAL's retrieval tokens must be kept: the top of every head
+            top = record.teacher.max(dim=1, keepdim=True).values  # [Hkv, 1]
+            record.teacher = torch.where(positive.unsqueeze(0), top.expand_as(record.teacher), record.teacher)
+        return records
 
-    def commit(self, index: int, records) -> None:
+    def commit(self, unit: int, records) -> None:
         for layer, record in enumerate(records):
             self.sums[layer].add(record.kv, record.teacher.unsqueeze(-1))
 
@@ -122,7 +170,8 @@ class LearnedScorerStage(Stage):
         held_out_tokens = int(sum(w[0].teacher.shape[1] for w in held_out))
         rho = best["rank_correlation"]
         self.say(
-            f"learned-scorer: fitted on {self.fit_windows} windows ({fit_tokens} tokens), held out "
+            f"learned-scorer: fitted on {self.fit_windows} windows and {len(self.probes)} probes "
+            f"({fit_tokens} tokens), held out "
             f"{self.held_out} ({held_out_tokens} tokens): rank correlation with the KVzip teacher mean "
             f"{rho.mean():.3f} (min {rho.min():.3f}), R^2 mean {best['r2'].mean():.3f}; "
             f"{self.seconds:.1f} s this run"
