@@ -13,6 +13,9 @@ import json
 import sys
 from pathlib import Path
 
+from runtime.policy import ALLOCATIONS
+from runtime.scorers import SCORERS
+
 from .arguments import comma_separated
 from .evaluation_results import NAMED_POLICIES, markdown_table, parse_policy
 
@@ -40,8 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill and decode time) and recommends the cheapest policy within a tolerance of the "
         "uncompressed accuracy.",
         epilog="Policies: 'baseline' (uncompressed), or ALLOCATION/SCORER[:STATISTICS][+SUFFIX...] with "
-        "ALLOCATION in uniform|inf and SCORER in expected_attention|keydiff|snapkv|knorm|streaming "
-        "(STATISTICS calibrated|prompt for expected_attention); MomentKV suffixes: +correction (each "
+        f"ALLOCATION in {'|'.join(ALLOCATIONS)} (global: for the learned scorer) and SCORER in "
+        f"{'|'.join(name for name in SCORERS if name != 'kvzip')} "
+        "(STATISTICS calibrated|prompt for expected_attention; kvzip needs its reconstruction pass and runs "
+        "in benchmarks/runtime_quality.py); MomentKV suffixes: +correction (each "
         "head's order from the artifact), +correction0, +correction1 (every head), +moments "
         "(moment-informed eviction; expected_attention or snapkv)"
         + (f", or a named policy ({', '.join(NAMED_POLICIES)})" if NAMED_POLICIES else "")
