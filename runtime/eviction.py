@@ -24,7 +24,7 @@ import torch
 from .geometry import ModelGeometry
 from .moments import evict_in_rounds
 from .rope import averaged_rope, rope_cos_sin
-from .scorers import HeadContext, select_rows
+from .scorers import ALL_QUERIES, HeadContext, select_rows
 
 
 class HeadEvictor:
@@ -101,9 +101,11 @@ class HeadEvictor:
             recorded = layer.recent_queries[b]  # [Hq, w_recorded, d]
             if recorded is None or recorded.shape[1] < min(self.scorer.observation_window, next_position):
                 have = 0 if recorded is None else recorded.shape[1]
+                wanted = self.scorer.observation_window
+                needs = "every prompt query" if wanted >= ALL_QUERIES else f"the last {wanted} prompt queries"
                 raise ValueError(
-                    f"{self.scorer!r} needs the last {self.scorer.observation_window} queries, only "
-                    f"{have} were recorded"
+                    f"{self.scorer!r} needs {needs}, only {have} were recorded: prefill with policy=... "
+                    "(or observe_queries=...) for this scorer"
                 )
             context.recent_queries = recorded[heads, -self.scorer.observation_window :]
         if self.scorer.key_rope:  # the RoPE of each key's own position (to undo it: pre-RoPE keys)

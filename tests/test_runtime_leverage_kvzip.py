@@ -415,3 +415,16 @@ def test_embedded_model_keeps_the_needle_under_leverage_and_kvzip(embedded_model
             assert answer_is_correct(text, probe), (scorer, probe.answer, text)
     finally:
         model.set_attn_implementation("sdpa")
+
+
+def test_too_few_recorded_queries_are_reported_in_words():
+    """A scorer that needs every prompt query, on a cache that kept only 4, names what is missing
+    (it used to print 'needs the last 4611686018427387904 queries')."""
+    model = make_tiny_llama(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, seed=2)
+    ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    cache = RaggedCache.for_model(model)
+    prefill(model, cache, ids, observe_queries=4)
+    with pytest.raises(ValueError) as caught:
+        compress(model, cache, CompressionPolicy(ratio=0.5, scorer="leverage"))
+    assert "every prompt query" in str(caught.value) and "only 4 were recorded" in str(caught.value)
+    assert str(ALL_QUERIES) not in str(caught.value)
