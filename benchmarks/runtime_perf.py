@@ -2,6 +2,7 @@
 
     python benchmarks/runtime_perf.py [--context 4096] [--ratio 0.25] [--decode-tokens 32]
                                       [--repeats 3] [--threads 1] [--artifact PATH] [--json OUT]
+                                      [--batch-sizes 1 8]
 
 Measures, within one run on this machine (ratios, so background load hits both sides alike):
 
@@ -9,10 +10,12 @@ Measures, within one run on this machine (ratios, so background load hits both s
    time of the ordinary prefill (sdpa, DynamicCache) of the same ``--context`` tokens
    (target <= 5%).  "all-in" adds the ragged-cache prefill's own extra time (per-head
    attention, prompt-statistics hooks) over the ordinary prefill.  Policies: EA with prompt
-   statistics (always) and, with ``--artifact``, EA with calibrated statistics and INF budgets.
+   statistics (always) and, with ``--artifact``, EA with calibrated statistics and INF budgets,
+   and the learned scorer with the global allocation when the artifact has its section.
 2. **decode speed**: greedy tokens/s through the compressed ragged cache vs through the full
    DynamicCache of the unmodified model, same loop, the two alternating step by step
-   (target: ratio >= 1).
+   (target: ratio >= 1), also as ms per decode step; ``--batch-sizes`` repeats everything for
+   each batch size (the context repeated in every row).
 3. **KV bytes** held after compression vs the full cache (target <= 0.27 at 25%), and vs the
    budget formula ``sum(per-head budgets) x 2 x d x bytes`` (target <= 1.05).
 4. With ``--artifact``: time to load and validate the artifact (fingerprint already known).
@@ -106,39 +109,8 @@ def compressed_cache(model, ids, policy, calibration):
     return cache, report, prefill_s
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--context", type=int, default=4096, help="context tokens (default 4096)")
-    parser.add_argument("--ratio", type=float, default=0.25, help="kept fraction of the context (default 0.25)")
-    parser.add_argument("--decode-tokens", type=int, default=32, help="greedy steps per decode timing (default 32)")
-    parser.add_argument(
-        "--repeats", type=int, default=2, help="alternated prefill repetitions, the fastest of each kept (default 2)"
-    )
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    parser.add_argument("--artifact", default=None, help="calibration artifact for calibrated EA + INF budgets")
-    parser.add_argument("--json", default=None, help="also write the results as JSON here")
-    args = parser.parse_args(argv)
-    if not 0 < args.ratio <= 1 or args.context < 64 or args.decode_tokens < 1 or args.repeats < 1:
-        parser.error("need 0 < ratio <= 1, context >= 64, decode-tokens >= 1, repeats >= 1")
-    torch.set_num_threads(args.threads)
-
-    model, tokenizer = load_model(), load_tokenizer()
-    ids = context_ids(tokenizer, args.context)
-    policies = {"ea-prompt/uniform": (CompressionPolicy(ratio=args.ratio, statistics="prompt"), None)}
-    results = {"context": args.context, "ratio": args.ratio, "threads": args.threads, "policies": {}}
-    if args.artifact:
-        load_calibration(model, tokenizer, path=args.artifact)  # computes the weights fingerprint once
-        start = time.perf_counter()
-        calibration = load_calibration(model, tokenizer, path=args.artifact)
-        results["artifact_load_ms"] = 1000 * (time.perf_counter() - start)
-        policies["ea-calibrated/inf"] = (
-            CompressionPolicy(ratio=args.ratio, allocation="inf", statistics="calibrated"),
-            calibration,
-        )
-    policies["keydiff/uniform"] = (CompressionPolicy(ratio=args.ratio, scorer="keydiff"), None)
-
-    plain_prefill(model, ids[:, :256])  # warm-up
-    enable(model)
+def run_batch(model, ids, batch, args, policies, results) -> None:
+    """Every policy at one batch size: prefill overheads, interleaved decode, KV bytes."""
     for name, (policy, calibration) in progress(policies.items()):
         prefill_times, ragged_prefill_times, compress_times = [], [], []
         for repeat in range(args.repeats):
@@ -175,19 +147,66 @@ def main(argv=None) -> int:
         row["compress_overhead"] = row["compress_s"] / row["prefill_s"]
         # everything the compressed path adds: ragged prefill (with any recording hooks) + eviction
         row["total_overhead"] = (row["ragged_prefill_s"] + row["compress_s"]) / row["prefill_s"] - 1.0
+        row["compressed_decode_ms"] = 1000 / row["compressed_decode_tok_s"]
+        row["plain_decode_ms"] = 1000 / row["plain_decode_tok_s"]
         row["decode_speed_ratio"] = row["compressed_decode_tok_s"] / row["plain_decode_tok_s"]
         row["kv_bytes_ratio"] = held / full_bytes
         row["bytes_vs_budget_formula"] = held / formula
-        results["policies"][name] = row
+        results["policies"][f"{name} batch {batch}"] = row
         print(
-            f"{name:20s} prefill {row['prefill_s']:.2f}s (ragged {row['ragged_prefill_s']:.2f}s)  "
+            f"{name:20s} batch {batch}  prefill {row['prefill_s']:.2f}s (ragged {row['ragged_prefill_s']:.2f}s)  "
             f"compress {row['compress_s'] * 1000:.0f} ms = {100 * row['compress_overhead']:.1f}% of prefill "
             f"(all-in {100 * row['total_overhead']:+.1f}%)  "
             f"decode {row['compressed_decode_tok_s']:.2f} vs {row['plain_decode_tok_s']:.2f} tok/s "
-            f"(x{row['decode_speed_ratio']:.2f})  KV bytes x{row['kv_bytes_ratio']:.3f} of full, "
+            f"(x{row['decode_speed_ratio']:.2f}; {row['compressed_decode_ms']:.1f} vs {row['plain_decode_ms']:.1f} "
+            f"ms/step)  KV bytes x{row['kv_bytes_ratio']:.3f} of full, "
             f"x{row['bytes_vs_budget_formula']:.3f} of budget formula",
             flush=True,
         )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=4096, help="context tokens (default 4096)")
+    parser.add_argument("--ratio", type=float, default=0.25, help="kept fraction of the context (default 0.25)")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="greedy steps per decode timing (default 32)")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="alternated prefill repetitions, the fastest of each kept (default 2)"
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--artifact", default=None, help="calibration artifact for calibrated EA + INF budgets")
+    parser.add_argument("--json", default=None, help="also write the results as JSON here")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="batch sizes to run (default 1)")
+    args = parser.parse_args(argv)
+    if not 0 < args.ratio <= 1 or args.context < 64 or args.decode_tokens < 1 or args.repeats < 1:
+        parser.error("need 0 < ratio <= 1, context >= 64, decode-tokens >= 1, repeats >= 1")
+    torch.set_num_threads(args.threads)
+
+    model, tokenizer = load_model(), load_tokenizer()
+    single = context_ids(tokenizer, args.context)  # [1, T]
+    policies = {"ea-prompt/uniform": (CompressionPolicy(ratio=args.ratio, statistics="prompt"), None)}
+    results = {"context": args.context, "ratio": args.ratio, "threads": args.threads, "policies": {}}
+    if args.artifact:
+        load_calibration(model, tokenizer, path=args.artifact)  # computes the weights fingerprint once
+        start = time.perf_counter()
+        calibration = load_calibration(model, tokenizer, path=args.artifact)
+        results["artifact_load_ms"] = 1000 * (time.perf_counter() - start)
+        policies["ea-calibrated/inf"] = (
+            CompressionPolicy(ratio=args.ratio, allocation="inf", statistics="calibrated"),
+            calibration,
+        )
+        if calibration.scorer_weights is not None:
+            policies["learned/global"] = (
+                CompressionPolicy(ratio=args.ratio, allocation="global", scorer="learned"),
+                calibration,
+            )
+    policies["keydiff/uniform"] = (CompressionPolicy(ratio=args.ratio, scorer="keydiff"), None)
+
+    plain_prefill(model, single[:, :256])  # warm-up
+    enable(model)
+    for batch in args.batch_sizes:
+        ids = single.expand(batch, -1).contiguous()  # [B, T]
+        run_batch(model, ids, batch, args, policies, results)
     if "artifact_load_ms" in results:
         print(f"artifact load (fingerprint known): {results['artifact_load_ms']:.1f} ms")
     if args.json:
