@@ -36,6 +36,7 @@ from profiler.calibration_text import calibration_windows
 from profiler.checkpoint import interrupts_deferred, load_work, remove_work, save_work, work_file_path
 from profiler.presets import PRESETS
 from profiler.stages import STAGE_NAMES, STAGES, Stage
+from profiler.stages.base import ShardedStage
 from runtime.geometry import ModelGeometry
 
 CALIBRATION_SOURCE_DEFAULT = "needles prose haystack"
@@ -104,6 +105,7 @@ class ProfileJob:
             raise ValueError(f"n_sink ({self.n_sink}) must be smaller than the window ({self.calib_tokens} tokens)")
         self.stage_names = tuple(s for s in STAGE_NAMES if s in options.stages)  # canonical order
         self.stages: list[Stage] = [stage(self) for stage in STAGES if stage.name in self.stage_names]
+        self.sharded: list[ShardedStage] = [stage for stage in self.stages if isinstance(stage, ShardedStage)]
         self.info = distributed.process_info()
 
     def setting(self, name: str, default=None):
@@ -193,16 +195,16 @@ class ProfileJob:
         )
         self.work_path = work_file_path(self.out, self.info.rank, self.info.world_size)
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.progress = {stage.name: 0 for stage in self.stages}
+        self.progress = {stage.name: 0 for stage in self.sharded}
         self._resume()
 
         try:
-            for stage in self.stages:
+            for stage in self.sharded:
                 self._run_work(stage)
         except KeyboardInterrupt:
             self._checkpoint()
             raise JobInterrupted(self.work_path) from None
-        for stage in self.stages:
+        for stage in self.sharded:
             stage.reduce()
 
         path = self.out
@@ -216,13 +218,11 @@ class ProfileJob:
         saved = load_work(self.work_path, self._fingerprint) if self.options.resume else None
         if saved is not None:
             progress, arrays = saved
-            for stage in self.stages:
+            for stage in self.sharded:
                 prefix = stage.section + "."
                 stage.restore({key[len(prefix) :]: value for key, value in arrays.items() if key.startswith(prefix)})
                 self.progress[stage.name] = int(progress.get(stage.name, 0))
-            done = ", ".join(
-                f"{stage.name} {self.progress[stage.name]} {stage.units}" for stage in self.stages if stage.sharded
-            )
+            done = ", ".join(f"{stage.name} {self.progress[stage.name]} {stage.units}" for stage in self.sharded)
             self.log(f"[rank {self.info.rank}] resuming from {self.work_path}: {done or 'nothing'} done")
         elif self.options.resume:
             self.say(f"--resume: no work file at {self.work_path}; starting from the beginning")
@@ -231,10 +231,10 @@ class ProfileJob:
             remove_work(self.work_path)
 
     def _checkpoint(self) -> None:
-        arrays = {f"{stage.section}.{key}": value for stage in self.stages for key, value in stage.state().items()}
+        arrays = {f"{stage.section}.{key}": value for stage in self.sharded for key, value in stage.state().items()}
         save_work(self.work_path, self._fingerprint, self.progress, arrays)
 
-    def _run_work(self, stage: Stage) -> None:
+    def _run_work(self, stage: ShardedStage) -> None:
         units = stage.work()
         if not units:
             return

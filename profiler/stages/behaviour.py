@@ -19,10 +19,10 @@ from artifacts import Section
 from profiler.behaviour_probe import BehaviourState, run_probe
 from profiler.probe_source import file_probes, preset_probes
 
-from .base import Stage
+from .base import ShardedStage
 
 
-class BehaviourStage(Stage):
+class BehaviourStage(ShardedStage):
     name = "behaviour"
     section = "behaviour"
     unit, units = "probe", "probes"

@@ -28,10 +28,10 @@ from profiler.scorer_fitting import (
     spearman,
 )
 
-from .base import Stage
+from .base import ShardedStage
 
 
-class LearnedScorerStage(Stage):
+class LearnedScorerStage(ShardedStage):
     name = "learned-scorer"
     section = "learned_scorer"
     unit, units = "window", "windows"

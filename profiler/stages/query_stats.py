@@ -17,10 +17,10 @@ import torch
 from artifacts import Section
 from runtime.query_moments import QueryMoments
 
-from .base import Stage
+from .base import ShardedStage
 
 
-class QueryStatsStage(Stage):
+class QueryStatsStage(ShardedStage):
     name = "query-stats"
     section = "query_stats"
     unit, units = "batch", "batches"
