@@ -35,7 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-RECONSTRUCTION_INSTRUCTION = "\n\nRepeat the previous context exactly.\n\n"
+from runtime.kvzip import REPEAT_FIRST
+
+RECONSTRUCTION_INSTRUCTION = REPEAT_FIRST + "\n\n"  # KVzip's repeat request, as runtime.kvzip sends it
 FEATURE_KINDS = ("kv", "hidden")
 RIDGE_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 MIN_LOG_SCORE = -30.0  # log of an attention weight that underflowed

@@ -39,6 +39,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .attention import enable
+from .budgets import global_budgets
 from .cache import LAYER_TAG, RaggedCache, RaggedLayer
 from .geometry import ModelGeometry
 from .policy import CompressionPolicy
@@ -280,17 +281,9 @@ def kvzip_budgets(scores: KVzipScores, ratio: float, n_sink: int = 4, window: in
     """
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"ratio must be in (0, 1], got {ratio}")
-    table = scores.scores.clone()
-    length = table.shape[-1]
-    table[..., : min(n_sink, length)] = float("inf")
-    table[..., max(length - window, 0) :] = float("inf")
-    total = int(round(ratio * table.numel()))
-    if total >= table.numel():
-        return np.full(table.shape[:2], length, dtype=np.int64)
-    flat = table.reshape(-1)
-    chosen = torch.zeros_like(flat, dtype=torch.bool)
-    chosen[torch.topk(flat, total).indices] = True
-    return chosen.reshape(table.shape).sum(-1).numpy().astype(np.int64)
+    table = scores.scores  # [L, Hkv, T]
+    heads = [[table[layer, h] for h in range(table.shape[1])] for layer in range(table.shape[0])]
+    return global_budgets(heads, int(round(ratio * table.numel())), n_sink, window)
 
 
 @dataclass(frozen=True, eq=False)
