@@ -56,7 +56,7 @@ def main() -> None:
     held_out = []
     started = time.perf_counter()
     for index in range(args.windows):
-        records = record_window(model, windows[index], instruction)
+        records = record_window(model, windows[index], instruction, hidden=True)
         if index < args.windows - args.held_out:
             for layer, record in enumerate(records):
                 sums["kv"][layer].add(record.kv, record.teacher.unsqueeze(-1))

@@ -141,7 +141,7 @@ class WindowRecord:
 
     teacher: torch.Tensor  # [Hkv, C] log importance
     kv: torch.Tensor  # [Hkv, C, 2d] pre-RoPE keys and values
-    hidden: torch.Tensor  # [C, D] attention input
+    hidden: torch.Tensor | None = None  # [C, D] attention input (record_window(..., hidden=True))
 
 
 def predict(weights: np.ndarray, features: np.ndarray) -> np.ndarray:
@@ -153,9 +153,11 @@ TEACHER_ATTENTION = "kvcal_reconstruction_teacher"
 
 
 @torch.no_grad()
-def record_window(model, context: torch.Tensor, instruction: torch.Tensor) -> list[WindowRecord]:
+def record_window(model, context: torch.Tensor, instruction: torch.Tensor, hidden: bool = False) -> list[WindowRecord]:
     """Run ``[c; instruction; c]`` through ``model`` once; per layer, the teacher and the features
-    of the context tokens ``c [C]`` (see the module docstring)."""
+    of the context tokens ``c [C]`` (see the module docstring), read from the pass itself: the
+    key module's output (``k_norm`` where the model has one, else ``k_proj``: pre-RoPE keys),
+    ``v_proj``'s, and with ``hidden`` the attention input too."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from runtime.attention import attention_implementation
@@ -165,7 +167,7 @@ def record_window(model, context: torch.Tensor, instruction: torch.Tensor) -> li
     context_len = int(context.shape[0])
     ids = reconstruction_input(context, instruction).unsqueeze(0)  # [1, T]
     teacher: dict[int, torch.Tensor] = {}
-    hidden: dict[int, torch.Tensor] = {}
+    captured: dict[tuple[int, str], torch.Tensor] = {}
 
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
@@ -174,29 +176,35 @@ def record_window(model, context: torch.Tensor, instruction: torch.Tensor) -> li
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
 
-    def hook(module, args, kwargs):
-        states = kwargs.get("hidden_states", args[0] if args else None)
-        hidden[module.layer_idx] = states[0, :context_len].detach()
+    def keep(layer: int, name: str):
+        def hook(_module, args, output):
+            tensor = args[0] if name == "hidden" else output
+            captured[layer, name] = tensor[0, :context_len].detach()
 
-    handles = [module.register_forward_pre_hook(hook, with_kwargs=True) for module in geometry.attention_modules]
+        return hook
+
+    handles = []
+    for layer, module in enumerate(geometry.attention_modules):
+        key_module = module.k_norm if getattr(module, "k_norm", None) is not None else module.k_proj
+        handles.append(key_module.register_forward_hook(keep(layer, "keys")))
+        handles.append(module.v_proj.register_forward_hook(keep(layer, "values")))
+        if hidden:
+            handles.append(module.k_proj.register_forward_hook(keep(layer, "hidden")))  # its input: the normed state
     try:
         with attention_implementation(model, TEACHER_ATTENTION, attention_forward):
             model.model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
-    records = []
-    for index, module in enumerate(geometry.attention_modules):
-        x = hidden[index]  # [C, D]
-        keys = module.k_proj(x).view(context_len, geometry.num_kv_heads, geometry.head_dim)  # [C, Hkv, d]
-        if getattr(module, "k_norm", None) is not None:
-            keys = module.k_norm(keys)
-        values = module.v_proj(x).view(context_len, geometry.num_kv_heads, geometry.head_dim)
-        records.append(
-            WindowRecord(
-                teacher=teacher[index],
-                kv=kv_features(keys.transpose(0, 1), values.transpose(0, 1)).cpu(),
-                hidden=x.float().cpu(),
-            )
+    shape = (context_len, geometry.num_kv_heads, geometry.head_dim)
+    return [
+        WindowRecord(
+            teacher=teacher[layer],
+            kv=kv_features(
+                captured[layer, "keys"].reshape(shape).transpose(0, 1),
+                captured[layer, "values"].reshape(shape).transpose(0, 1),
+            ).cpu(),
+            hidden=captured[layer, "hidden"].float().cpu() if hidden else None,
         )
-    return records
+        for layer in range(geometry.num_layers)
+    ]
