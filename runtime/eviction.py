@@ -42,6 +42,7 @@ class HeadEvictor:
         self.scalings = geometry.scalings
         self._rope: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._key_rope_memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.prompt_stats = prompt_stats
         if self.scorer.query_statistics == "prompt" and prompt_stats is None:
             raise ValueError(f"{self.scorer!r} needs the prompt's query statistics: prefill with policy=... first")
@@ -68,6 +69,14 @@ class HeadEvictor:
         if self._rope is None or self._rope[0] != next_position:
             self._rope = (next_position, averaged_rope(self.geometry, next_position, self.scorer.rope_horizon))
         return self._rope[1]
+
+    def _key_rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin [n, d]`` at ``positions``; the heads of a freshly prefilled prompt share their
+        positions, so the last result is reused while the positions are the same."""
+        memo = self._key_rope_memo
+        if memo is None or memo[0].shape != positions.shape or not torch.equal(memo[0], positions):
+            memo = self._key_rope_memo = (positions.clone(), *rope_cos_sin(self.geometry, positions))
+        return memo[1], memo[2]
 
     def _query_stats(self, b: int):
         if self.calibrated is not None:
@@ -109,7 +118,7 @@ class HeadEvictor:
                 )
             context.recent_queries = recorded[heads, -self.scorer.observation_window :]
         if self.scorer.key_rope:  # the RoPE of each key's own position (to undo it: pre-RoPE keys)
-            context.key_cos, context.key_sin = rope_cos_sin(self.geometry, positions)
+            context.key_cos, context.key_sin = self._key_rope(positions)
         if self.scorer.learned:
             weights, bias = self.learned
             context.learned_weights, context.learned_bias = weights[layer_idx, h], float(bias[layer_idx, h])
