@@ -1,5 +1,6 @@
 # Two entry points for a fresh machine (Python 3.11, pip, make):
-#   make profile   set everything up, then calibrate the embedded model (writes an artifact)
+#   make profile   set everything up, then calibrate the embedded model (writes out/kv_calibration.h5;
+#                  the quick preset, ~10-15 min on 2 CPU cores; PRESET=smoke for a seconds-long check)
 #   make test      set everything up, then run the test suite
 # Both are idempotent: the virtual environment is (re)built only when it is missing or
 # pyproject.toml / this Makefile changed.
@@ -8,7 +9,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-PRESET ?= smoke
+PRESET ?= quick
 OUT    ?= out/kv_calibration.h5
 
 .PHONY: setup test profile clean browser

@@ -84,10 +84,10 @@ def heatmap(title: str, values: np.ndarray, column_label: str, fmt: str = "{:.3f
 
 def accuracy_chart(evaluation: dict) -> dict | None:
     """A view model of accuracy vs compression ratio per policy (None without results)."""
-    results = [r for r in evaluation.get("results", []) if r.get("ratio") is not None]
+    results = [r for r in evaluation.get("results", []) if r.get("compression_ratio") is not None]
     if not results:
         return None
-    ratios = sorted({float(r["ratio"]) for r in results})
+    ratios = sorted({float(r["compression_ratio"]) for r in results})
     x_low, x_high = min(ratios + [0.0]), max(ratios + [1.0])
 
     def x(ratio: float) -> float:
@@ -98,7 +98,7 @@ def accuracy_chart(evaluation: dict) -> dict | None:
 
     policies = []
     for index, name in enumerate(sorted({r["policy"] for r in results})):
-        points = sorted((float(r["ratio"]), float(r["accuracy"])) for r in results if r["policy"] == name)
+        points = sorted((float(r["compression_ratio"]), float(r["accuracy"])) for r in results if r["policy"] == name)
         hue = (index * 67) % 360
         policies.append(
             {

@@ -7,7 +7,8 @@ datasets has an exact dtype and a shape written in symbols:
 * architecture symbols, fixed by the ``/model`` attributes: ``L`` layers, ``Hq`` query heads,
   ``Hkv`` KV heads, ``d`` head dimension;
 * section symbols, free but equal across a section's datasets and capped: ``P`` probes,
-  ``NT`` token budgets, ``NR`` ratio budgets, ``R`` reference ratios, ``F`` scorer features.
+  ``NT`` token budgets, ``NR`` ratio budgets, ``R`` reference ratios, ``F`` scorer features,
+  ``NC`` recommended compression ratios, ``NP`` candidate policies.
 
 Every section is optional (``profile-model --stages`` may write a subset); a section that is
 present must hold all of its datasets.  A consumer that needs a section asks the reader for it
@@ -24,13 +25,13 @@ import numpy as np
 
 FORMAT_NAME = "kvcal-calibration"
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 1  # 1.1: the optional learned_scorer section
+SCHEMA_MINOR = 2  # 1.1: the optional learned_scorer section; 1.2: the optional recommendation section
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 # Upper bounds on the architecture numbers and free dimensions a file may declare.  They keep
 # a hostile file from making the reader allocate absurd amounts of memory.
 ARCH_LIMITS = {"L": 1024, "Hq": 1024, "Hkv": 1024, "d": 1024}
-FREE_DIM_LIMITS = {"P": 1_000_000, "NT": 4096, "NR": 4096, "R": 256, "F": 4096}
+FREE_DIM_LIMITS = {"P": 1_000_000, "NT": 4096, "NR": 4096, "R": 256, "F": 4096, "NC": 256, "NP": 256}
 MAX_STRING_ATTR_CHARS = 1 << 20  # config JSON and friends: at most a million characters
 
 
@@ -141,6 +142,25 @@ SECTIONS: dict[str, SectionSpec] = {
             ),
         },
         {"features": str, "teacher": str, "fit_tokens": int, "held_out_tokens": int},
+    ),
+    "recommendation": SectionSpec(
+        "Which eviction policy to serve at which compression ratio, measured on held-out needle tasks "
+        "(never the profiled probes): per ratio the most accurate candidate policy (runtime.policy_spec "
+        "grammar), and every candidate's accuracy.",
+        {
+            "compression_ratios": DatasetSpec("<f8", ("NC",), "fraction of the context's cache evicted", 0.0, 1.0),
+            "policy": DatasetSpec("|S128", ("NC",), "the policy measured best at that ratio, ASCII, NUL-padded"),
+            "accuracy": DatasetSpec("<f8", ("NC",), "its accuracy: fraction of tasks answered correctly", 0.0, 1.0),
+            "ci_low": DatasetSpec("<f8", ("NC",), "lower end of its 95% Wilson interval", 0.0, 1.0),
+            "ci_high": DatasetSpec("<f8", ("NC",), "upper end of its 95% Wilson interval", 0.0, 1.0),
+            "candidates": DatasetSpec(
+                "|S128", ("NP",), "every candidate policy measured, in preference order (ties go to the first)"
+            ),
+            "candidate_accuracy": DatasetSpec(
+                "<f8", ("NP", "NC"), "accuracy of each candidate at each ratio", 0.0, 1.0
+            ),
+        },
+        {"tasks": int, "baseline_accuracy": float, "task_seed": int, "families": str},
     ),
 }
 

@@ -88,6 +88,35 @@ def summarize(reader: ArtifactReader) -> dict:
             "r2": _range(ls["r2"]),
             "rank_correlation": _range(ls["rank_correlation"]),
         }
+    if reader.has("recommendation"):
+        rec = reader.section("recommendation")
+        candidates = [name.decode("ascii") for name in rec["candidates"]]
+        sections["recommendation"] = {
+            "tasks": int(rec.attrs["tasks"]),
+            "baseline_accuracy": float(rec.attrs["baseline_accuracy"]),
+            "task_seed": int(rec.attrs["task_seed"]),
+            "families": str(rec.attrs["families"]),
+            "best": [
+                {
+                    "compression_ratio": float(ratio),
+                    "policy": policy.decode("ascii"),
+                    "accuracy": float(accuracy),
+                    "ci_low": float(low),
+                    "ci_high": float(high),
+                }
+                for ratio, policy, accuracy, low, high in zip(
+                    rec["compression_ratios"],
+                    rec["policy"],
+                    rec["accuracy"],
+                    rec["ci_low"],
+                    rec["ci_high"],
+                    strict=True,
+                )
+            ],
+            "candidates": {
+                name: [float(a) for a in row] for name, row in zip(candidates, rec["candidate_accuracy"], strict=True)
+            },
+        }
     for name in reader.sections:  # a section with no summary above: its attributes and value ranges
         if name not in sections:
             section = reader.section(name)
@@ -155,13 +184,13 @@ def format_summary(summary: dict) -> str:
         spread = "; ".join(f"{k}: {v['min']}-{v['max']}" for k, v in bt["token_budgets"].items())
         lines.append(
             f"budgets     beta {bt['beta']:g}, min {bt['min_budget']}; per-head spread at average "
-            f"budget {spread}; ratios {', '.join(f'{r:g}' for r in bt['ratios'])}"
+            f"budget {spread}; keep ratios {', '.join(f'{r:g}' for r in bt['ratios'])}"
         )
     if _described(sections, "moments"):
         mo = sections["moments"]
         counts = ", ".join(f"{k} {v}" for k, v in mo["order_counts"].items())
         lines.append(
-            f"moments     correction order per KV head: {counts}; reference ratios "
+            f"moments     correction order per KV head: {counts}; reference keep ratios "
             f"{', '.join(f'{r:g}' for r in mo['reference_ratios'])}"
         )
     if _described(sections, "learned_scorer"):
@@ -172,6 +201,17 @@ def format_summary(summary: dict) -> str:
             f"{ls['rank_correlation']['min']:.2f} .. {ls['rank_correlation']['max']:.2f}, "
             f"R^2 {ls['r2']['min']:.2f} .. {ls['r2']['max']:.2f}"
         )
+    if _described(sections, "recommendation"):
+        rec = sections["recommendation"]
+        lines.append(
+            f"recommendation  measured on {rec['tasks']} held-out tasks ({rec['families']}, seed {rec['task_seed']}), "
+            f"uncompressed accuracy {rec['baseline_accuracy']:.2f}; serve:"
+        )
+        lines += [
+            f"            compression ratio {row['compression_ratio']:g}: {row['policy']} (accuracy "
+            f"{row['accuracy']:.2f} [{row['ci_low']:.2f}, {row['ci_high']:.2f}], n={rec['tasks']})"
+            for row in rec["best"]
+        ]
     for name, generic in sections.items():
         if generic.get("generic"):
             ranges = ", ".join(f"{key} {r['min']:.3g}..{r['max']:.3g}" for key, r in generic["datasets"].items())

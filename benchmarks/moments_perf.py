@@ -55,22 +55,22 @@ def context_ids(tokenizer, length: int) -> torch.Tensor:
 def decode_overhead(model, ids, keep: float, steps: int, calibration) -> dict:
     base = RaggedCache.for_model(model)
     stats = prefill(model, base, ids, observe_queries=32, record_prompt_stats=True, n_sink=4)
-    plain = CompressionPolicy(ratio=keep, scorer="snapkv")
-    variants = {"none": plain, "order1": CompressionPolicy(ratio=keep, scorer="snapkv", correction="order1")}
+    plain = CompressionPolicy(keep_ratio=keep, scorer="snapkv")
+    variants = {"none": plain, "order1": CompressionPolicy(keep_ratio=keep, scorer="snapkv", correction="order1")}
     if calibration is not None and calibration.moment_orders is not None:
-        variants["calibrated"] = CompressionPolicy(ratio=keep, scorer="snapkv", correction="calibrated")
+        variants["calibrated"] = CompressionPolicy(keep_ratio=keep, scorer="snapkv", correction="calibrated")
     caches = {}
     for name, policy in variants.items():
         cache = base.copy()
         compress(model, cache, policy, calibration, prompt_stats=stats)
         caches[name] = cache
     for every in (1, 16):  # decode-time eviction, no correction
-        policy = CompressionPolicy(ratio=keep, scorer="keydiff", evict_every=every)
+        policy = CompressionPolicy(keep_ratio=keep, scorer="keydiff", evict_every=every)
         cache = base.copy()
         compress(model, cache, policy, calibration, prompt_stats=stats)
         caches[f"evict_every={every}"] = cache
     keydiff = base.copy()
-    compress(model, keydiff, CompressionPolicy(ratio=keep, scorer="keydiff"), calibration, prompt_stats=stats)
+    compress(model, keydiff, CompressionPolicy(keep_ratio=keep, scorer="keydiff"), calibration, prompt_stats=stats)
     caches["keydiff (no decode eviction)"] = keydiff
     tokens = torch.randint(100, 5000, (steps,), generator=torch.Generator().manual_seed(0))
     times = {name: [] for name in caches}

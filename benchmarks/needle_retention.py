@@ -64,7 +64,7 @@ def main(argv=None) -> int:
             compress(
                 model,
                 cache,
-                CompressionPolicy(ratio=args.keep, allocation="inf", **fields),
+                CompressionPolicy(keep_ratio=args.keep, allocation="inf", **fields),
                 calibration,
                 prompt_stats=stats,
             )

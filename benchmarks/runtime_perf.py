@@ -1,12 +1,12 @@
 """Runtime performance on the embedded model: compression overhead, decode speed, KV bytes.
 
-    python benchmarks/runtime_perf.py [--context 4096] [--ratio 0.25] [--decode-tokens 32]
+    python benchmarks/runtime_perf.py [--context 4096] [--keep-ratio 0.25] [--decode-tokens 32]
                                       [--repeats 3] [--threads 1] [--artifact PATH] [--json OUT]
                                       [--batch-sizes 1 8]
 
 Measures, within one run on this machine (ratios, so background load hits both sides alike):
 
-1. **prefill overhead**: time to evict down to ``--ratio`` (``runtime.compress``) divided by the
+1. **prefill overhead**: time to evict down to ``--keep-ratio`` (``runtime.compress``) divided by the
    time of the ordinary prefill (sdpa, DynamicCache) of the same ``--context`` tokens
    (target <= 5%).  "all-in" adds the ragged-cache prefill's own extra time (per-head
    attention, prompt-statistics hooks) over the ordinary prefill.  Policies: EA with prompt
@@ -168,7 +168,9 @@ def run_batch(model, ids, batch, args, policies, results) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=4096, help="context tokens (default 4096)")
-    parser.add_argument("--ratio", type=float, default=0.25, help="kept fraction of the context (default 0.25)")
+    parser.add_argument(
+        "--keep-ratio", type=float, default=0.25, help="kept fraction of the context (default 0.25: compression 0.75)"
+    )
     parser.add_argument("--decode-tokens", type=int, default=32, help="greedy steps per decode timing (default 32)")
     parser.add_argument(
         "--repeats", type=int, default=2, help="alternated prefill repetitions, the fastest of each kept (default 2)"
@@ -178,29 +180,36 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="also write the results as JSON here")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="batch sizes to run (default 1)")
     args = parser.parse_args(argv)
-    if not 0 < args.ratio <= 1 or args.context < 64 or args.decode_tokens < 1 or args.repeats < 1:
+    if not 0 < args.keep_ratio <= 1 or args.context < 64 or args.decode_tokens < 1 or args.repeats < 1:
         parser.error("need 0 < ratio <= 1, context >= 64, decode-tokens >= 1, repeats >= 1")
     torch.set_num_threads(args.threads)
 
     model, tokenizer = load_model(), load_tokenizer()
     single = context_ids(tokenizer, args.context)  # [1, T]
-    policies = {"ea-prompt/uniform": (CompressionPolicy(ratio=args.ratio, statistics="prompt"), None)}
-    results = {"context": args.context, "ratio": args.ratio, "threads": args.threads, "policies": {}}
+    policies = {
+        "ea-prompt/uniform": (
+            CompressionPolicy(scorer="expected_attention", keep_ratio=args.keep_ratio, statistics="prompt"),
+            None,
+        )
+    }
+    results = {"context": args.context, "keep_ratio": args.keep_ratio, "threads": args.threads, "policies": {}}
     if args.artifact:
         load_calibration(model, tokenizer, path=args.artifact)  # computes the weights fingerprint once
         start = time.perf_counter()
         calibration = load_calibration(model, tokenizer, path=args.artifact)
         results["artifact_load_ms"] = 1000 * (time.perf_counter() - start)
         policies["ea-calibrated/inf"] = (
-            CompressionPolicy(ratio=args.ratio, allocation="inf", statistics="calibrated"),
+            CompressionPolicy(
+                scorer="expected_attention", keep_ratio=args.keep_ratio, allocation="inf", statistics="calibrated"
+            ),
             calibration,
         )
         if calibration.scorer_weights is not None:
             policies["learned/global"] = (
-                CompressionPolicy(ratio=args.ratio, allocation="global", scorer="learned"),
+                CompressionPolicy(keep_ratio=args.keep_ratio, allocation="global", scorer="learned"),
                 calibration,
             )
-    policies["keydiff/uniform"] = (CompressionPolicy(ratio=args.ratio, scorer="keydiff"), None)
+    policies["keydiff/uniform"] = (CompressionPolicy(keep_ratio=args.keep_ratio, scorer="keydiff"), None)
 
     plain_prefill(model, single[:, :256])  # warm-up
     enable(model)

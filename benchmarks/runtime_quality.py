@@ -255,7 +255,7 @@ def main(argv=None) -> int:
             if options.get("blend") == "ratio":  # kvpress's CompactorPress: blend = the compression ratio
                 options["blend"] = ratio
             policy = CompressionPolicy(
-                ratio=round(1.0 - ratio, 6),
+                compression_ratio=ratio,
                 # kvzip's global rows get their head table per probe (kvzip_global_policy)
                 allocation="uniform" if allocation == "global" and fields["scorer"] == "kvzip" else allocation,
                 **{**fields, "scorer_options": options},

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         }
         layers, heads = len(cache.layers), cache.layers[0].num_heads
         for label, fields in scorers.items():
-            policy = CompressionPolicy(ratio=0.25, **fields)
+            policy = CompressionPolicy(keep_ratio=0.25, **fields)
             if fields["scorer"] == "kvzip":
                 policy = with_kvzip_scores(policy, kvzip[0])
             evictor = HeadEvictor(model, policy, calibration)

@@ -73,9 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--stages",
         type=stages,
-        default=STAGE_NAMES,
-        help=f"comma-separated subset of {','.join(STAGE_NAMES)} (default: all). Sections of an "
-        "existing artifact for the same model at --out are kept",
+        default=None,
+        help=f"comma-separated subset of {','.join(STAGE_NAMES)} (default: all; recommendation only from "
+        "the quick preset up). Sections of an existing artifact for the same model at --out are kept",
     )
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run from its work file")
     group = parser.add_argument_group("calibration text (query-stats and moments stages)")
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         out=args.out,
         preset=args.preset,
-        stages=tuple(args.stages),
+        stages=None if args.stages is None else tuple(args.stages),
         resume=args.resume,
         checkpoint_every=args.checkpoint_every,
         device_map=args.device_map,

@@ -16,22 +16,16 @@ from pathlib import Path
 from runtime.policy import ALLOCATIONS
 from runtime.scorers import SCORERS
 
-from .arguments import comma_separated
-from .evaluation_results import NAMED_POLICIES, markdown_table, parse_policy
+from .arguments import RenamedOption, comma_separated
+from .evaluation_results import NAMED_POLICIES, RECOMMENDATION_CANDIDATES, markdown_table, parse_policy
 
-DEFAULT_POLICIES = (
-    "baseline",
-    "uniform/expected_attention:prompt",
-    "uniform/keydiff",
-    "uniform/snapkv",
-    "uniform/knorm",
-    "uniform/streaming",
-    "inf/expected_attention:calibrated",
-    "flagship",
-)
+# The recommendation stage's candidates and two artifact-free references; those the artifact
+# cannot serve (a missing section) are left out with a note.  Policies given with --policies
+# must all be servable.
+DEFAULT_POLICIES = ("baseline", *RECOMMENDATION_CANDIDATES, "uniform/keydiff", "uniform/expected_attention:prompt")
 DEFAULT_TASKS = ("retrieval", "multi_key")
 TASK_PRESETS = ("smoke", "quick", "standard")
-EVALUATION_SEED_OFFSET = 1_000_003  # evaluation seed = profiler seed + this, unless given
+EVALUATION_SEED_OFFSET = 1_000_003  # = profiler.evaluation.EVALUATION_SEED_OFFSET (no torch import here)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,17 +53,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--artifact", default=None, help="calibration file (default: kv_calibration.h5 next to the model weights)"
     )
     parser.add_argument(
-        "--ratios",
+        "--compression-ratios",
+        dest="ratios",
         type=comma_separated(float),
         default=(0.5, 0.75, 0.9),
         help="compression ratios, fractions of the context cache evicted (default 0.5,0.75,0.9)",
     )
     parser.add_argument(
+        "--ratios",
+        action=RenamedOption,
+        message="was renamed --compression-ratios (the fractions of the context cache evicted)",
+    )
+    parser.add_argument(
         "--policies",
         type=comma_separated(str),
         default=DEFAULT_POLICIES,
-        help="comma-separated policies (default: baseline, every uniform scorer, INF + calibrated EA, "
-        "flagship = inf/keydiff+correction)",
+        help="comma-separated policies, cheapest to serve first (ties in the per-ratio table go to the "
+        f"first). Default: {','.join(DEFAULT_POLICIES)} (those the artifact cannot serve are left out)",
     )
     parser.add_argument(
         "--tasks",
@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="use an artifact made for other weights/tokenizer of the same architecture (warns)",
     )
     parser.add_argument("--json", dest="json_out", metavar="OUT", help="write the results as JSON to OUT")
+    parser.add_argument(
+        "--write-recommendation",
+        action="store_true",
+        help="record the most accurate policy per compression ratio (of the policies run, ties to the first "
+        "given) in the artifact's recommendation section, which calibration.policy(compression_ratio=...) "
+        "serves; the artifact is rewritten atomically, its other sections kept",
+    )
     parser.add_argument("--html", dest="html_out", metavar="OUT", help="write the HTML report to OUT")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -117,19 +124,61 @@ def build_parser() -> argparse.ArgumentParser:
 def _task_spec(args, config: dict, model_context: int):
     from needles import FAMILIES, PRESETS
 
+    from .evaluation import held_out_spec
+
     families = tuple(FAMILIES) if args.tasks == ("all",) else args.tasks
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         raise ValueError(f"unknown task families {unknown}; known: {', '.join(FAMILIES)} (or 'all')")
-    base = PRESETS[args.preset]
-    lengths = tuple(n for n in base.lengths if n <= 0.9 * model_context) or (min(base.lengths),)
     profiler_spec = config.get("behaviour", {}).get("spec") or {}
     profiler_seed = profiler_spec.get("seed")
-    seed = args.seed if args.seed is not None else (profiler_seed or 0) + EVALUATION_SEED_OFFSET
-    if profiler_seed is not None and seed == profiler_seed:
-        raise ValueError(f"task seed {seed} is the profiler's probe seed; evaluation tasks must be unseen")
-    spec = base.replace(families=families, lengths=lengths, count=args.count, seed=seed)
+    spec = held_out_spec(
+        PRESETS[args.preset],
+        families=families,
+        count=args.count,
+        profiler_seed=profiler_seed,
+        model_context=model_context,
+        seed=args.seed,
+    )
     return spec, profiler_seed
+
+
+def _servable(policies, calibration, ratio: float, explicit: bool):
+    """``policies`` the calibration can serve; with the default list the others are left out (noted)."""
+    kept = []
+    for spec in policies:
+        if not spec.is_baseline:
+            try:
+                spec.policy(ratio).check_calibration(calibration)
+            except ValueError as exc:
+                if explicit:
+                    raise
+                print(f"evaluate-artifact: leaving out {spec.name}: {exc}", file=sys.stderr)
+                continue
+        kept.append(spec)
+    return kept
+
+
+def write_recommendation(path, evaluation: dict, policies) -> None:
+    """Rewrite the artifact at ``path`` with a ``recommendation`` section from ``evaluation``."""
+    from artifacts import Artifact, open_artifact, write_artifact
+
+    from .stages.recommendation import recommendation_section
+
+    candidates = [spec.name for spec in policies if not spec.is_baseline]
+    tasks = evaluation["tasks"]
+    section = recommendation_section(evaluation, candidates, tasks["seed"], ",".join(tasks["spec"]["families"]))
+    with open_artifact(path) as reader:
+        sections = {name: reader.section(name) for name in reader.sections}
+        config, identity = dict(reader.config), reader.model
+    config["recommendation"] = {
+        "candidates": candidates,
+        "compression_ratios": sorted({r["compression_ratio"] for r in evaluation["results"]}),
+        "tasks": tasks["spec"],
+        "question_aware": evaluation["question_aware"],
+        "source": "evaluate-artifact",
+    }
+    write_artifact(path, Artifact(model=identity, config=config, sections={**sections, "recommendation": section}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         if not any(p.is_baseline for p in policies):
             policies.insert(0, parse_policy("baseline"))
         if not args.ratios or any(not 0.0 <= r < 1.0 for r in args.ratios):
-            raise ValueError(f"ratios must be in [0, 1), got {args.ratios}")
+            raise ValueError(f"compression ratios must be in [0, 1), got {args.ratios}")
+        if args.write_recommendation and args.question_aware:
+            raise ValueError("--write-recommendation records question-agnostic measurements; drop --question-aware")
         if args.count < 1 or args.max_new_tokens < 1:
             raise ValueError("--count and --max-new-tokens must be at least 1")
         model = load_model(args.model)
@@ -154,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         calibration = load_calibration(model, tokenizer, path=args.artifact, allow_mismatch=args.allow_mismatch)
         context = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
         spec, profiler_seed = _task_spec(args, calibration.config, context)
+        policies = _servable(policies, calibration, args.ratios[0], explicit=args.policies != DEFAULT_POLICIES)
+        if args.write_recommendation and not any(not p.is_baseline for p in policies):
+            raise ValueError("--write-recommendation needs at least one compression policy")
     except (ValueError, ArtifactError) as exc:
         print(f"evaluate-artifact: {exc}", file=sys.stderr)
         return 2
@@ -188,6 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(evaluation, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if args.write_recommendation:
+        calibration.close()
+        try:
+            write_recommendation(calibration.path, evaluation, policies)
+        except (ValueError, OSError, ArtifactError) as exc:
+            print(
+                f"evaluate-artifact: could not write the recommendation into {calibration.path}: {exc}", file=sys.stderr
+            )
+            return 2
+        print(f"\nwrote the recommendation section into {calibration.path}")
     if args.html_out:
         from artifacts.report import write_report
 

@@ -29,9 +29,29 @@ from runtime.geometry import ModelGeometry
 from .evaluation_results import (
     EVALUATION_SCHEMA,
     PolicySpec,
+    best_per_ratio,
     recommend,
     wilson_interval,
 )
+
+EVALUATION_SEED_OFFSET = 1_000_003  # held-out task seed = the profiled probes' seed + this, unless given
+
+
+def held_out_spec(
+    base, *, families, count: int, profiler_seed: int | None, model_context: int, depths=None, seed: int | None = None
+):
+    """Needle tasks the profiler never saw: ``base`` (a ``needles.ProbeSpec``) with ``families``,
+    ``count`` tasks per cell, lengths beyond 90% of the model's context dropped, and the seed
+    ``profiler_seed + EVALUATION_SEED_OFFSET`` (or ``seed``; refused when it is the profiler's)."""
+    lengths = tuple(n for n in base.lengths if n <= 0.9 * model_context) or (min(base.lengths),)
+    if seed is None:
+        seed = (profiler_seed or 0) + EVALUATION_SEED_OFFSET
+    if profiler_seed is not None and seed == profiler_seed:
+        raise ValueError(f"task seed {seed} is the profiler's probe seed; evaluation tasks must be unseen")
+    changes = {"families": tuple(families), "lengths": lengths, "count": count, "seed": seed}
+    if depths is not None:
+        changes["depths"] = tuple(depths)
+    return base.replace(**changes)
 
 
 class AttentionOutputRecorder:
@@ -179,6 +199,7 @@ def evaluate(
         "baseline": baseline,
         "results": results,
         "recommendation": recommend(baseline["accuracy"], results, tolerance),
+        "best_per_ratio": best_per_ratio(results, [spec.name for spec in compressed]),
     }
 
 
@@ -195,7 +216,7 @@ def _aggregate(key, items: list[dict]) -> dict:
     full_bytes = sum(item["full_bytes"] for item in items)
     return {
         "policy": policy,
-        "ratio": ratio,
+        "compression_ratio": ratio,
         "n": len(items),
         "correct": correct,
         "accuracy": correct / len(items),

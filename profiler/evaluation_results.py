@@ -1,114 +1,41 @@
-"""Evaluation results: the policy grammar, accuracy intervals, the recommendation, output.
+"""Evaluation results: accuracy intervals, the recommendations, output.
 
 Pure data and arithmetic (no model): ``profiler.evaluation`` fills these records by running
 the model; this module defines what they mean.  The JSON layout is documented in
-``docs/evaluation-format.md`` and versioned by ``EVALUATION_SCHEMA``.
+``docs/evaluation-format.md`` and versioned by ``EVALUATION_SCHEMA``.  Policies are written
+in the runtime's grammar (``runtime.policy_spec``, re-exported here).
 
-Ratios here are **compression** ratios, the fraction of the context's cache that is evicted
-(0.75 keeps a quarter), as in kvpress tables.  ``CompressionPolicy.ratio`` is the fraction
-*kept*; :meth:`PolicySpec.policy` converts.
+Ratios are **compression** ratios (``compression_ratio``), the fraction of the context's cache
+that is evicted (0.75 keeps a quarter), as in kvpress tables and ``CompressionPolicy``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
-EVALUATION_SCHEMA = "kvcal-evaluation/1"
-BASELINE = "baseline"
+from runtime.policy_spec import (  # noqa: F401 - the grammar, re-exported for the profiler's callers
+    BASELINE,
+    FLAGSHIP,
+    MOMENT_SUFFIXES,
+    NAMED_POLICIES,
+    PolicySpec,
+    parse_policy,
+    register_named_policy,
+)
 
+EVALUATION_SCHEMA = "kvcal-evaluation/2"  # 2: "ratio" became "compression_ratio"
 
-@dataclass(frozen=True)
-class PolicySpec:
-    """A named policy: ``baseline`` or ``ALLOCATION/SCORER[:STATISTICS][+MOMENTS...]`` plus options."""
-
-    name: str
-    allocation: str | None = None  # None: the uncompressed baseline
-    scorer: str | None = None
-    statistics: str | None = None
-    options: dict = field(default_factory=dict)  # extra CompressionPolicy fields
-
-    @property
-    def is_baseline(self) -> bool:
-        return self.allocation is None
-
-    def policy(self, compression: float):
-        """The runtime policy evicting ``compression`` of the context (None for the baseline)."""
-        if self.is_baseline:
-            return None
-        from runtime import CompressionPolicy
-
-        if not 0.0 <= compression < 1.0:
-            raise ValueError(f"compression ratio must be in [0, 1), got {compression}")
-        return CompressionPolicy(
-            ratio=1.0 - compression,
-            allocation=self.allocation,
-            scorer=self.scorer,
-            statistics=self.statistics,
-            **self.options,
-        )
-
-
-# ``+SUFFIX`` MomentKV switches of the policy grammar -> CompressionPolicy fields
-MOMENT_SUFFIXES = {
-    "correction": {"correction": "calibrated"},  # each head's order from the artifact's moments section
-    "correction0": {"correction": "order0"},
-    "correction1": {"correction": "order1"},
-    "moments": {"moment_eviction": True},  # moment-informed eviction, a_j ||r_j||
-}
-
-
-def parse_policy(text: str) -> PolicySpec:
-    """``baseline``, ``uniform/keydiff``, ``inf/expected_attention:calibrated+moments+correction``... (checked).
-
-    Grammar: ``ALLOCATION/SCORER[:STATISTICS][+SUFFIX]...`` with SUFFIX in
-    :data:`MOMENT_SUFFIXES`, or a name registered with :func:`register_named_policy`.
-    """
-    from runtime import CompressionPolicy
-
-    text = text.strip()
-    if text == BASELINE:
-        return PolicySpec(BASELINE)
-    if text in NAMED_POLICIES:
-        return NAMED_POLICIES[text]
-    allocation, slash, rest = text.partition("/")
-    if not slash or not rest:
-        raise ValueError(
-            f"policy {text!r} is not 'baseline', a named policy ({', '.join(NAMED_POLICIES)}) "
-            "or ALLOCATION/SCORER[:STATISTICS][+SUFFIX...], e.g. uniform/keydiff, "
-            "inf/expected_attention:calibrated+correction"
-        )
-    rest, *suffixes = rest.split("+")
-    options = {}
-    for suffix in suffixes:
-        if suffix not in MOMENT_SUFFIXES:
-            raise ValueError(
-                f"policy {text!r}: unknown suffix +{suffix}; known: {', '.join('+' + name for name in MOMENT_SUFFIXES)}"
-            )
-        options.update(MOMENT_SUFFIXES[suffix])
-    scorer, colon, statistics = rest.partition(":")
-    spec = PolicySpec(text, allocation, scorer, statistics if colon else None, options)
-    CompressionPolicy(
-        ratio=0.5, allocation=spec.allocation, scorer=spec.scorer, statistics=spec.statistics, **spec.options
-    )
-    return spec
-
-
-NAMED_POLICIES: dict[str, PolicySpec] = {}
-
-
-def register_named_policy(spec: PolicySpec) -> None:
-    """Give a policy with options a short name usable on the command line."""
-    NAMED_POLICIES[spec.name] = spec
-
-
-# The policy we recommend serving with, chosen by measurement (benchmarks/runtime_quality.py,
-# embedded model, retrieval + multi-key, question-agnostic): REAL's INF budgets from the
-# artifact, KeyDiff selection (question-agnostic and attention-free, so it keeps a needle's
-# whole digit span where attention estimates keep only its first tokens), and the MomentKV
-# correction with each head's order from the artifact's moments section.
-FLAGSHIP = PolicySpec("flagship", "inf", "keydiff", None, {"correction": "calibrated"})
-register_named_policy(FLAGSHIP)
+# The policies the recommendation stage measures by default, cheapest to serve first (ties at
+# a ratio go to the earlier one).  Scoring cost per prompt, share of the prefill on the embedded
+# model (benchmarks/scorer_cost.py): KeyDiff ~0.7%, the learned scorer ~1.7%, leverage ~17%;
+# the MomentKV correction adds O(d^2) state per head and a correction term per decode step.
+RECOMMENDATION_CANDIDATES = (
+    "inf/keydiff+correction",
+    "global/learned",
+    "global/learned+correction",
+    "inf/leverage",
+    "uniform/leverage",
+)
 
 
 def wilson_interval(correct: int, total: int, z: float = 1.959964) -> tuple[float, float]:
@@ -129,31 +56,34 @@ def recommend(baseline_accuracy: float, results: list[dict], tolerance: float = 
     bytes held, then the policy name.  ``tolerance`` is in accuracy units (0.02 = 2 points).
     """
     floor = baseline_accuracy - tolerance
-    candidates = [r for r in results if r.get("ratio") is not None and r["accuracy"] >= floor - 1e-12]
+    candidates = [r for r in results if r.get("compression_ratio") is not None and r["accuracy"] >= floor - 1e-12]
     if not candidates:
-        best = max(results, key=lambda r: (r["accuracy"], -(r.get("ratio") or 0.0)), default=None)
+        best = max(results, key=lambda r: (r["accuracy"], -(r.get("compression_ratio") or 0.0)), default=None)
         text = (
             f"No policy stays within {tolerance * 100:.0f} points of the uncompressed accuracy {baseline_accuracy:.2f}."
         )
         if best is not None:
-            text += f" The most accurate is {best['policy']} at ratio {best['ratio']:g} ({best['accuracy']:.2f})."
+            text += (
+                f" The most accurate is {best['policy']} at compression ratio {best['compression_ratio']:g} "
+                f"({best['accuracy']:.2f})."
+            )
         return {
             "policy": None,
-            "ratio": None,
+            "compression_ratio": None,
             "accuracy": None,
             "baseline_accuracy": baseline_accuracy,
             "tolerance": tolerance,
             "text": text,
         }
-    chosen = min(candidates, key=lambda r: (-r["ratio"], -r["accuracy"], r.get("kv_bytes", 0), r["policy"]))
+    chosen = min(candidates, key=lambda r: (-r["compression_ratio"], -r["accuracy"], r.get("kv_bytes", 0), r["policy"]))
     text = (
-        f"Serve with {chosen['policy']} at compression ratio {chosen['ratio']:g}: accuracy "
+        f"Serve with {chosen['policy']} at compression ratio {chosen['compression_ratio']:g}: accuracy "
         f"{chosen['accuracy']:.2f} vs {baseline_accuracy:.2f} uncompressed (tolerance "
         f"{tolerance * 100:.0f} points), holding {chosen.get('kv_fraction', float('nan')):.0%} of the full KV bytes."
     )
     return {
         "policy": chosen["policy"],
-        "ratio": chosen["ratio"],
+        "compression_ratio": chosen["compression_ratio"],
         "accuracy": chosen["accuracy"],
         "baseline_accuracy": baseline_accuracy,
         "tolerance": tolerance,
@@ -163,13 +93,14 @@ def recommend(baseline_accuracy: float, results: list[dict], tolerance: float = 
 
 def markdown_table(evaluation: dict) -> str:
     """Results as a Markdown table (baseline first, then by policy and ratio)."""
-    rows = [evaluation["baseline"]] + sorted(evaluation["results"], key=lambda r: (r["policy"], r["ratio"]))
+    rows = [evaluation["baseline"]] + sorted(evaluation["results"], key=lambda r: (r["policy"], r["compression_ratio"]))
     lines = [
-        "| policy | ratio | accuracy [95% CI] | attn. output error | KV bytes (of full) | prefill s | decode s |",
+        "| policy | compression ratio | accuracy [95% CI] | attn. output error | KV bytes (of full) "
+        "| prefill s | decode s |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ratio = "-" if r.get("ratio") is None else f"{r['ratio']:g}"
+        ratio = "-" if r.get("compression_ratio") is None else f"{r['compression_ratio']:g}"
         error = "-" if r.get("attention_error") is None else f"{r['attention_error']:.3f}"
         lines.append(
             f"| {r['policy']} | {ratio} | {r['accuracy']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] | {error} | "
@@ -179,4 +110,31 @@ def markdown_table(evaluation: dict) -> str:
     recommendation = evaluation.get("recommendation")
     if recommendation:
         lines += ["", recommendation["text"]]
+    best = evaluation.get("best_per_ratio")
+    if best:
+        lines += ["", "Most accurate policy per compression ratio (ties: the first listed):", ""]
+        lines += ["| compression ratio | policy | accuracy [95% CI] | n |", "|---|---|---|---|"]
+        lines += [
+            f"| {row['compression_ratio']:g} | {row['policy']} | {row['accuracy']:.2f} "
+            f"[{row['ci_low']:.2f}, {row['ci_high']:.2f}] | {row['n']} |"
+            for row in best
+        ]
     return "\n".join(lines)
+
+
+def best_per_ratio(results: list[dict], preference: list[str]) -> list[dict]:
+    """Per compression ratio, the most accurate policy; ties go to the earlier one in ``preference``.
+
+    ``results`` are the evaluation's aggregated records (policy, compression_ratio, accuracy,
+    ci_low, ci_high, n); ``preference`` orders every policy name in them (cheapest to serve first).
+    """
+    rank = {name: index for index, name in enumerate(preference)}
+    by_ratio: dict[float, list[dict]] = {}
+    for record in results:
+        if record.get("compression_ratio") is not None:
+            by_ratio.setdefault(float(record["compression_ratio"]), []).append(record)
+    best = []
+    for ratio in sorted(by_ratio):
+        chosen = min(by_ratio[ratio], key=lambda r: (-r["accuracy"], rank[r["policy"]]))
+        best.append({key: chosen[key] for key in ("policy", "compression_ratio", "accuracy", "ci_low", "ci_high", "n")})
+    return best

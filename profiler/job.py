@@ -35,7 +35,7 @@ from profiler import distributed
 from profiler.calibration_text import calibration_windows
 from profiler.checkpoint import interrupts_deferred, load_work, remove_work, save_work, work_file_path
 from profiler.presets import PRESETS
-from profiler.stages import STAGE_NAMES, STAGES, Stage
+from profiler.stages import STAGE_NAMES, STAGES, Stage, default_stages
 from profiler.stages.base import ShardedStage
 from runtime.geometry import ModelGeometry
 
@@ -55,7 +55,7 @@ class JobOptions:
     model: str | None = None  # local dir, hub id, or None for the embedded model
     out: Path | None = None  # default: <model dir>/kv_calibration.h5 when writable, else ./
     preset: str = "quick"
-    stages: tuple[str, ...] = STAGE_NAMES
+    stages: tuple[str, ...] | None = None  # None: the preset's default stages (profiler.stages.default_stages)
     resume: bool = False
     checkpoint_every: int = 4  # units of work (probes, batches) between work-file writes
     device_map: str | None = None
@@ -86,11 +86,12 @@ class ProfileJob:
     """One run of ``profile-model`` (one process of it under ``accelerate``)."""
 
     def __init__(self, options: JobOptions):
-        unknown = [s for s in options.stages if s not in STAGE_NAMES]
-        if unknown or not options.stages:
-            raise ValueError(f"unknown stage(s) {unknown}; choose from {', '.join(STAGE_NAMES)}")
         if options.preset not in PRESETS:
             raise ValueError(f"unknown preset {options.preset!r}; choose from {', '.join(PRESETS)}")
+        chosen = default_stages(PRESETS[options.preset]) if options.stages is None else options.stages
+        unknown = [s for s in chosen if s not in STAGE_NAMES]
+        if unknown or not chosen:
+            raise ValueError(f"unknown stage(s) {unknown}; choose from {', '.join(STAGE_NAMES)}")
         if options.checkpoint_every < 1:
             raise ValueError("checkpoint_every must be >= 1")
         self.options = options
@@ -103,7 +104,7 @@ class ProfileJob:
             raise ValueError("calibration samples and tokens must be >= 1 and n_sink >= 0")
         if self.n_sink >= self.calib_tokens:
             raise ValueError(f"n_sink ({self.n_sink}) must be smaller than the window ({self.calib_tokens} tokens)")
-        self.stage_names = tuple(s for s in STAGE_NAMES if s in options.stages)  # canonical order
+        self.stage_names = tuple(s for s in STAGE_NAMES if s in chosen)  # canonical order
         self.stages: list[Stage] = [stage(self) for stage in STAGES if stage.name in self.stage_names]
         self.sharded: list[ShardedStage] = [stage for stage in self.stages if isinstance(stage, ShardedStage)]
         self.info = distributed.process_info()

@@ -19,11 +19,16 @@ class ProfilePreset:
     calib_tokens: int  # tokens per window
     batch_size: int  # windows per forward pass
     n_sink: int = 4  # leading positions of each window left out of the statistics
+    # held-out tasks per (family, length, depth) cell of the recommendation stage; 0: the stage
+    # is off unless --stages names it (then 1)
+    recommendation_count: int = 0
     probe_overrides: tuple[tuple[str, object], ...] = ()  # ProbeSpec fields replaced in the needles preset
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+
+RECOMMENDATION_COUNT_QUICK = 2
 
 PRESETS: dict[str, ProfilePreset] = {
     "smoke": ProfilePreset("smoke", max_new_tokens=6, calib_samples=2, calib_tokens=64, batch_size=2),
@@ -36,7 +41,12 @@ PRESETS: dict[str, ProfilePreset] = {
         calib_tokens=512,
         batch_size=4,
         probe_overrides=(("lengths", (1024, 2048)), ("depths", (25.0, 75.0))),
+        recommendation_count=RECOMMENDATION_COUNT_QUICK,
     ),
-    "standard": ProfilePreset("standard", max_new_tokens=32, calib_samples=128, calib_tokens=1024, batch_size=4),
-    "paper": ProfilePreset("paper", max_new_tokens=48, calib_samples=512, calib_tokens=2048, batch_size=2),
+    "standard": ProfilePreset(
+        "standard", max_new_tokens=32, calib_samples=128, calib_tokens=1024, batch_size=4, recommendation_count=4
+    ),
+    "paper": ProfilePreset(
+        "paper", max_new_tokens=48, calib_samples=512, calib_tokens=2048, batch_size=2, recommendation_count=4
+    ),
 }

@@ -2,14 +2,17 @@
 
     from runtime import CompressionPolicy, load_calibration, generate, answer
     calibration = load_calibration(model, tokenizer)               # kv_calibration.h5 next to the weights
-    policy = CompressionPolicy(ratio=0.25, allocation="inf")       # EA scorer, calibrated statistics
+    policy = calibration.policy(compression_ratio=0.75)            # the artifact's measured best, 75% evicted
+    policy = CompressionPolicy(compression_ratio=0.75)             # or any policy; this one needs no artifact
     result = generate(model, input_ids, policy, context_columns=n, calibration=calibration,
                       max_new_tokens=32)
 
 Modules: ``cache`` (ragged per-head cache, with MomentKV moment sums and correction),
 ``attention`` (the registered attention function), ``scorers`` (EA, KeyDiff, SnapKV, KNorm,
-StreamingLLM), ``policy``, ``compress`` (prefill and per-prompt eviction), ``eviction`` (one
-head down to its budget: scorer, sinks/window, moment-informed rounds; also used while
+StreamingLLM, leverage, KVzip, learned), ``policy``, ``policy_spec`` (policies by name: the grammar
+``inf/leverage``, ``global/learned+correction``..., the flagship), ``recommendation`` (the
+artifact's measured best policy per compression ratio), ``compress`` (prefill and per-prompt
+eviction), ``eviction`` (one head down to its budget: scorer, sinks/window, moment-informed rounds; also used while
 decoding), ``moments`` (MomentKV math), ``generate`` (entry points), ``calibration`` (artifact
 loading and identity checks), ``rope``; ``geometry`` (the model's checked attention geometry),
 ``query_moments`` (pre-RoPE query sums: a prompt's, or the calibration's), ``attention``'s
@@ -26,7 +29,9 @@ from .compress import CompressionReport, compress, prefill
 from .generate import GenerationResult, answer, build_inputs, compress_prompt, generate, split_prompt
 from .geometry import ModelGeometry, UnsupportedModelError
 from .policy import CompressionPolicy
+from .policy_spec import FLAGSHIP, PolicySpec, parse_policy
 from .query_moments import QueryMoments
+from .recommendation import Recommendation
 from .scorers import SCORERS, HeadContext, Scorer, make_scorer, select_rows
 
 __all__ = [
@@ -34,12 +39,15 @@ __all__ = [
     "Calibration",
     "CompressionPolicy",
     "CompressionReport",
+    "FLAGSHIP",
     "GenerationResult",
     "HeadContext",
+    "PolicySpec",
     "ModelGeometry",
     "QueryMoments",
     "RaggedCache",
     "RaggedLayer",
+    "Recommendation",
     "SCORERS",
     "Scorer",
     "UnsupportedModelError",
@@ -52,6 +60,7 @@ __all__ = [
     "generate",
     "load_calibration",
     "make_scorer",
+    "parse_policy",
     "prefill",
     "ragged_attention",
     "register",

@@ -15,11 +15,12 @@ which takes seconds on CPU; it is computed once per model object and remembered 
 together with the tensors' version counters, so an in-place weight change invalidates it.
 The tokenizer fingerprint is remembered on the tokenizer the same way (keyed by its size and
 chat template).
-Only what a serving process uses is read: the INF weights (``budgets/inf_kv``, else derived
-from ``behaviour/INFsc``) and the correction orders (``moments/order``, ``moments/tau``) and the learned scorer's
-weights (``learned_scorer/weights``, ``/bias``) at
-load time, and the ``query_stats`` mean/cov on first use (the
-covariance is the bulk of the file; decompressing and checksumming it takes ~50 ms).
+Only what a serving process uses is read: at load time the INF weights (``budgets/inf_kv``,
+else derived from ``behaviour/INFsc``), the correction orders (``moments/order``,
+``moments/tau``), the learned scorer's weights (``learned_scorer/weights``, ``/bias``) and the
+measured recommendation (section ``recommendation``, served by :meth:`Calibration.policy`);
+the ``query_stats`` mean/cov on first use (the covariance is the bulk of the file;
+decompressing and checksumming it takes ~50 ms).
 
 The correction orders are the best per head for the tokens one scorer keeps; the scorer
 they were calibrated under (``Calibration.moment_selection``, the job configuration's
@@ -45,6 +46,7 @@ from artifacts.fingerprint import (
 )
 
 from .budgets import kv_head_scores
+from .recommendation import Recommendation
 
 _MEMO_ATTRIBUTE = "_kvcal_fingerprint_memo"
 
@@ -73,6 +75,7 @@ class Calibration:
         moment_selection: str | None = None,
         scorer_weights: np.ndarray | None = None,
         scorer_bias: np.ndarray | None = None,
+        recommendation=None,
         reader=None,
     ):
         self.path = Path(path)
@@ -87,8 +90,23 @@ class Calibration:
         self._warned_selections: set[str] = set()
         # the learned scorer (section 'learned_scorer'): float64 [L, Hkv, 2d] and [L, Hkv]
         self.scorer_weights, self.scorer_bias = scorer_weights, scorer_bias
+        # the measured best policy per compression ratio (section 'recommendation'), or None
+        self.recommendation = recommendation
         self._query_mean, self._query_cov = query_mean, query_cov
         self._reader = reader
+
+    @classmethod
+    def from_sections(cls, path, identity, config: dict, sections: dict) -> Calibration:
+        """A calibration from in-memory sections (``artifacts.Section`` by name), e.g. those a
+        profiling job has just built and not yet written; read exactly as :func:`load_calibration`
+        reads a file's."""
+        fields = _serving_fields(identity, {name: (lambda key, name=name: sections[name][key]) for name in sections})
+        if "query_stats" in sections:
+            fields.update(query_mean=sections["query_stats"]["mean"], query_cov=sections["query_stats"]["cov"])
+        if "recommendation" in sections:
+            section = sections["recommendation"]
+            fields["recommendation"] = Recommendation.from_section(section.arrays, section.attrs)
+        return cls(path, identity, config, tuple(sections), **fields)
 
     def _read_query_stats(self) -> None:
         if self._query_mean is None and self._reader is not None and "query_stats" in self.sections:
@@ -108,6 +126,13 @@ class Calibration:
     @property
     def has_query_stats(self) -> bool:
         return self._query_mean is not None or (self._reader is not None and "query_stats" in self.sections)
+
+    def policy(self, compression_ratio: float):
+        """The policy to serve evicting ``compression_ratio`` of the context: the one this artifact
+        measured best (its ``recommendation`` section), else the flagship (runtime.recommendation)."""
+        from .policy import CompressionPolicy
+
+        return CompressionPolicy.recommended(self, compression_ratio)
 
     def check_moment_selection(self, scorer_name: str) -> None:
         """Warn (once per scorer) when the correction orders were calibrated under another scorer's
@@ -258,18 +283,11 @@ def load_calibration(
     reader = open_artifact(artifact_path)
     try:
         check_identity(reader.model, model, tokenizer, allow_mismatch=allow_mismatch, source=str(artifact_path))
-        inf_weights = None
-        if reader.has("budgets"):
-            inf_weights = reader.read("budgets", "inf_kv")
-        elif reader.has("behaviour"):
-            inf_weights = kv_head_scores(reader.read("behaviour", "INFsc"), reader.model.num_kv_heads)
-        moment_orders = moment_tau = None
-        if reader.has("moments"):
-            moment_orders, moment_tau = reader.read("moments", "order"), reader.read("moments", "tau")
-        scorer_weights = scorer_bias = None
-        if reader.has("learned_scorer"):
-            scorer_weights = reader.read("learned_scorer", "weights")
-            scorer_bias = reader.read("learned_scorer", "bias")
+        readers = {name: (lambda key, name=name: reader.read(name, key)) for name in reader.sections}
+        fields = _serving_fields(reader.model, readers)
+        if reader.has("recommendation"):
+            section = reader.section("recommendation")
+            fields["recommendation"] = Recommendation.from_section(section.arrays, section.attrs)
     except BaseException:
         reader.close()
         raise
@@ -278,10 +296,20 @@ def load_calibration(
         reader.model,
         reader.config,
         tuple(reader.sections),
-        inf_weights=inf_weights,
-        moment_orders=moment_orders,
-        moment_tau=moment_tau,
-        scorer_weights=scorer_weights,
-        scorer_bias=scorer_bias,
+        **fields,
         reader=reader if reader.has("query_stats") else None,
     )
+
+
+def _serving_fields(identity, read: dict) -> dict:
+    """What a serving process reads at load time, given ``read[section](dataset)`` per present section."""
+    fields = {}
+    if "budgets" in read:
+        fields["inf_weights"] = read["budgets"]("inf_kv")
+    elif "behaviour" in read:
+        fields["inf_weights"] = kv_head_scores(read["behaviour"]("INFsc"), identity.num_kv_heads)
+    if "moments" in read:
+        fields.update(moment_orders=read["moments"]("order"), moment_tau=read["moments"]("tau"))
+    if "learned_scorer" in read:
+        fields.update(scorer_weights=read["learned_scorer"]("weights"), scorer_bias=read["learned_scorer"]("bias"))
+    return fields

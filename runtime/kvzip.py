@@ -272,18 +272,18 @@ def _key_at(layer: RaggedLayer, row: int, h: int, position: int) -> torch.Tensor
     return keys[int(hit[0, 0])].float().cpu()
 
 
-def kvzip_budgets(scores: KVzipScores, ratio: float, n_sink: int = 4, window: int = 32) -> np.ndarray:
+def kvzip_budgets(scores: KVzipScores, keep_ratio: float, n_sink: int = 4, window: int = 32) -> np.ndarray:
     """KVzip's own allocation: int64 ``[L, Hkv]`` tokens per head from one global top-k.
 
-    ``ratio * T * L * Hkv`` rows are kept over all heads together: the first ``n_sink`` and
+    ``keep_ratio * T * L * Hkv`` rows are kept over all heads together: the first ``n_sink`` and
     last ``window`` rows of every head (kept by the engine anyway) first, then the highest
     scores, wherever they are (the paper's and kvpress's default, ``layerwise=False``).
     """
-    if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+    if not 0.0 < keep_ratio <= 1.0:
+        raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio}")
     table = scores.scores  # [L, Hkv, T]
     heads = [[table[layer, h] for h in range(table.shape[1])] for layer in range(table.shape[0])]
-    return global_budgets(heads, int(round(ratio * table.numel())), n_sink, window)
+    return global_budgets(heads, int(round(keep_ratio * table.numel())), n_sink, window)
 
 
 @dataclass(frozen=True, eq=False)
@@ -303,11 +303,11 @@ class KVzipGlobalPolicy(CompressionPolicy):
 
 def kvzip_global_policy(policy: CompressionPolicy, scores: KVzipScores) -> KVzipGlobalPolicy:
     """``policy`` (a ratio, the kvzip scorer) with KVzip's global top-k allocation over ``scores``."""
-    if policy.ratio is None:
-        raise ValueError("KVzip's global allocation needs a ratio policy")
+    if policy.kept_fraction is None:
+        raise ValueError("KVzip's global allocation needs a compression_ratio or keep_ratio policy")
     fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(CompressionPolicy)}
     fields.update(scorer=KVzipScorer(scores), scorer_options={}, allocation="uniform")
-    budgets = kvzip_budgets(scores, float(policy.ratio), policy.n_sink, policy.window)
+    budgets = kvzip_budgets(scores, policy.kept_fraction, policy.n_sink, policy.window)
     return KVzipGlobalPolicy(**fields, head_table=budgets)
 
 

@@ -1,18 +1,25 @@
 """The compression policy: how many tokens each KV head keeps, and which ones.
 
-    CompressionPolicy(ratio=0.25)                                   # EA, calibrated statistics
+    CompressionPolicy(compression_ratio=0.75)                       # evict 75%: uniform leverage, no artifact
     CompressionPolicy(budget=512, allocation="inf", beta=2.0)        # REAL budgets from the artifact
-    CompressionPolicy(ratio=0.5, scorer="expected_attention", statistics="prompt")
-    CompressionPolicy(ratio=0.5, scorer="snapkv", scorer_options={"window": 64})
+    CompressionPolicy(keep_ratio=0.5, scorer="expected_attention", statistics="prompt")
+    CompressionPolicy(compression_ratio=0.5, scorer="snapkv", scorer_options={"window": 64})
+    CompressionPolicy.recommended(calibration, compression_ratio=0.75)  # the artifact's measured best
 
-* budget: ``budget`` tokens per KV head on average, or ``ratio`` of the context (one of them);
+* size, exactly one of: ``compression_ratio`` (the fraction of the context's cache evicted, as
+  kvpress and the literature use it: 0.75 keeps a quarter), ``keep_ratio`` (the fraction kept,
+  ``1 - compression_ratio``) or ``budget`` (tokens per KV head on average).  The old ``ratio=``
+  (a kept fraction) is refused with a message naming both;
 * allocation: ``uniform`` (every head the same), ``inf`` (REAL, docs/design.md section 3: the
   artifact's per-KV-head INF weights split the total, ``beta`` and ``min_budget`` apply) or
   ``global`` (the uniform total, shared out by ranking every head's tokens together: for
   scorers whose scores are comparable across heads, e.g. ``learned``);
 * scorer: a name from ``runtime.scorers.SCORERS`` or a :class:`runtime.scorers.Scorer`
-  instance; ``statistics`` (``calibrated`` | ``prompt``) for ``expected_attention``;
-  ``scorer_options`` go to the scorer's constructor;
+  instance (default ``leverage``: Compactor's scores need no artifact and measured best of the
+  artifact-free scorers, see :data:`DEFAULT_SCORER`); ``statistics`` (``calibrated`` |
+  ``prompt``) for ``expected_attention``;
+  ``scorer_options`` go to the scorer's constructor (``leverage``'s ``blend`` defaults to the
+  compression ratio, as kvpress's CompactorPress sets it);
 * ``n_sink`` first tokens and the last ``window`` tokens of every head are always kept;
 * MomentKV (docs/design.md section 4; the cache then keeps per-head moments of what it evicted):
   ``correction`` = ``none`` | ``calibrated`` (each head's order from the artifact's
@@ -30,7 +37,7 @@ says which artifact section a policy needs and fails clearly when it is missing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import numpy as np
 
@@ -40,16 +47,27 @@ from .scorers import SCORERS, Scorer, make_scorer
 ALLOCATIONS = ("uniform", "inf", "global")
 STATISTICS = ("calibrated", "prompt")
 CORRECTIONS = ("none", "calibrated", "order0", "order1")
+# The scorer of a policy that names none: Compactor's leverage + chunked attention needs no
+# artifact and kept the most of the artifact-free scorers on needle probes (benchmarks/
+# runtime_quality.py, embedded model, 36 probes, evicting 50/75/90%: 0.83 / 0.86 / 0.61 against
+# the uncompressed 0.78; calibrated Expected Attention, the old default, scored 0.00 from 75% on).
+DEFAULT_SCORER = "leverage"
+RATIO_RENAMED = (
+    "CompressionPolicy(ratio=...) was the fraction of the context KEPT; it is now spelled "
+    "keep_ratio=... (kept) or compression_ratio=... (evicted, as kvpress uses it): ratio=0.25 is "
+    "keep_ratio=0.25, i.e. compression_ratio=0.75"
+)
 
 
 @dataclass(frozen=True)
 class CompressionPolicy:
     budget: int | None = None
-    ratio: float | None = None
+    compression_ratio: float | None = None
+    keep_ratio: float | None = None
     allocation: str = "uniform"
     beta: float = 2.0
     min_budget: int = 1
-    scorer: str | Scorer = "expected_attention"
+    scorer: str | Scorer = DEFAULT_SCORER
     statistics: str | None = None
     scorer_options: dict = field(default_factory=dict)
     n_sink: int = 4
@@ -59,17 +77,30 @@ class CompressionPolicy:
     moment_eviction: bool = False
     moment_rounds: int = 4
     evict_every: int | None = None
+    ratio: InitVar[float | None] = None  # the old spelling, refused (RATIO_RENAMED)
 
-    def __post_init__(self):
-        if (self.budget is None) == (self.ratio is None):
-            raise ValueError("give exactly one of budget (tokens per KV head) or ratio (fraction of the context)")
+    def __post_init__(self, ratio):
+        if ratio is not None:
+            raise TypeError(RATIO_RENAMED)
+        given = [name for name in ("budget", "compression_ratio", "keep_ratio") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of compression_ratio (fraction of the context evicted), keep_ratio (fraction "
+                f"kept) or budget (tokens per KV head); got {', '.join(given) or 'none'}"
+            )
+        for name in ("compression_ratio", "keep_ratio"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float, np.floating))):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if self.compression_ratio is not None and not (0.0 <= float(self.compression_ratio) < 1.0):
+            raise ValueError(f"compression_ratio (fraction evicted) must be in [0, 1), got {self.compression_ratio}")
+        if self.keep_ratio is not None and not (0.0 < float(self.keep_ratio) <= 1.0):
+            raise ValueError(f"keep_ratio (fraction kept) must be in (0, 1], got {self.keep_ratio}")
         if self.budget is not None:
             if isinstance(self.budget, bool) or not isinstance(self.budget, (int, np.integer)):
                 raise ValueError(f"budget must be an integer number of tokens, got {self.budget!r}")
             if self.budget <= 0:
                 raise ValueError(f"budget must be > 0 tokens per KV head, got {self.budget}")
-        if self.ratio is not None and not (0.0 < float(self.ratio) <= 1.0):
-            raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"unknown allocation {self.allocation!r}; known: {', '.join(ALLOCATIONS)}")
         if not self.beta >= 1.0:
@@ -114,6 +145,30 @@ class CompressionPolicy:
             raise ValueError(f"evict_every must be a positive integer (decode steps) or None, got {self.evict_every!r}")
 
     @property
+    def kept_fraction(self) -> float | None:
+        """The fraction of the context each head keeps on average (None for a token budget)."""
+        if self.keep_ratio is not None:
+            return float(self.keep_ratio)
+        if self.compression_ratio is not None:
+            return 1.0 - float(self.compression_ratio)
+        return None
+
+    @property
+    def evicted_fraction(self) -> float | None:
+        """``1 - kept_fraction``: the compression ratio (None for a token budget)."""
+        kept = self.kept_fraction
+        return None if kept is None else 1.0 - kept
+
+    @classmethod
+    def recommended(cls, calibration, compression_ratio: float) -> CompressionPolicy:
+        """The policy the artifact measured best at (the grid ratio nearest) ``compression_ratio``,
+        evicting ``compression_ratio``; the flagship when it recorded no recommendation (see
+        :func:`runtime.recommendation.recommended_spec`)."""
+        from .recommendation import recommended_spec
+
+        return recommended_spec(calibration, compression_ratio).policy(compression_ratio)
+
+    @property
     def tracks_moments(self) -> bool:
         """Whether the cache must keep moment sums of the evicted tokens."""
         return self.correction != "none" or self.moment_eviction
@@ -139,6 +194,8 @@ class CompressionPolicy:
         if isinstance(self.scorer, Scorer):
             return self.scorer
         options = dict(self.scorer_options)
+        if self.scorer == "leverage" and self.evicted_fraction is not None:
+            options.setdefault("blend", round(self.evicted_fraction, 6))  # kvpress CompactorPress's choice
         if self.scorer == "expected_attention":
             if "statistics" in options and self.statistics is not None:
                 raise ValueError("give statistics either as a policy field or in scorer_options, not both")
@@ -201,7 +258,7 @@ class CompressionPolicy:
         self, seq_len: int, num_layers: int, num_kv_heads: int, inf_weights: np.ndarray | None = None
     ) -> np.ndarray:
         """Integer tokens to keep per KV head, int64 ``[L, Hkv]``, for a context of ``seq_len``."""
-        average = float(self.budget) if self.budget is not None else float(self.ratio) * seq_len
+        average = float(self.budget) if self.budget is not None else self.kept_fraction * seq_len
         if self.allocation == "inf":
             if inf_weights is None:
                 raise ValueError("allocation='inf' needs the artifact's INF weights")
@@ -215,7 +272,11 @@ class CompressionPolicy:
         return allocate_budgets(weights, max(average, 1e-9), seq_len, beta=self.beta, min_budget=self.min_budget)
 
     def describe(self) -> str:
-        size = f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"
+        size = (
+            f"budget={self.budget}"
+            if self.budget is not None
+            else f"compression_ratio={round(self.evicted_fraction, 6):g}"
+        )
         extras = "".join(
             f", {name}={getattr(self, name)!r}"
             for name in ("correction", "moment_eviction", "evict_every")

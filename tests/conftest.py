@@ -96,7 +96,11 @@ def make_random_identity(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=
 
 
 def make_random_artifact(
-    identity=None, *, seed=0, probes=7, sections=("behaviour", "query_stats", "budgets", "moments", "learned_scorer")
+    identity=None,
+    *,
+    seed=0,
+    probes=7,
+    sections=("behaviour", "query_stats", "budgets", "moments", "learned_scorer", "recommendation"),
 ):
     """An Artifact with every requested section filled with valid random values."""
     import numpy as np
@@ -171,6 +175,22 @@ def make_random_artifact(
                 "rank_correlation": rng.random((L, Hkv)),
             },
             {"features": "kv", "teacher": "kvzip", "fit_tokens": 4096, "held_out_tokens": 1024},
+        )
+    if "recommendation" in sections:
+        candidates = np.array([b"inf/leverage", b"uniform/keydiff", b"inf/keydiff+correction"], dtype="S128")
+        accuracy = rng.integers(0, 13, (3, 3)) / 12.0
+        best = accuracy.argmax(axis=0)
+        built["recommendation"] = Section(
+            {
+                "compression_ratios": np.array([0.5, 0.75, 0.9]),
+                "policy": candidates[best],
+                "accuracy": accuracy.max(axis=0),
+                "ci_low": accuracy.max(axis=0) * 0.8,
+                "ci_high": np.minimum(1.0, accuracy.max(axis=0) * 1.1 + 0.05),
+                "candidates": candidates,
+                "candidate_accuracy": accuracy,
+            },
+            {"tasks": 12, "baseline_accuracy": 0.75, "task_seed": 1_000_003, "families": "retrieval,multi_key"},
         )
     return Artifact(model=identity, config={"preset": "test", "seed": seed}, sections=built)
 

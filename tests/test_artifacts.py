@@ -13,6 +13,7 @@ from conftest import make_random_artifact, make_random_identity
 
 from artifacts import SECTIONS, ArtifactError, Section, open_artifact, write_artifact
 from artifacts.cli import main as inspect_main
+from artifacts.schema import SCHEMA_VERSION
 
 SHAPES = {
     "embedded": dict(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64),
@@ -136,7 +137,7 @@ def test_newer_minor_version_with_extra_dataset_is_accepted(artifact_path):
 def test_unknown_dataset_in_current_version_is_refused(artifact_path):
     with h5py.File(artifact_path, "r+") as h5:
         h5["budgets"].create_dataset("surprise", data=np.zeros(3), chunks=True, fletcher32=True)
-    _assert_invalid(artifact_path, "surprise: not part of schema 1.1")
+    _assert_invalid(artifact_path, f"surprise: not part of schema {SCHEMA_VERSION}")
 
 
 def test_altered_metadata_attribute(artifact_path):
@@ -298,7 +299,7 @@ def test_inspect_artifact_console_script(artifact_path):
         [sys.executable, "-m", "artifacts.cli", str(artifact_path), "--json"], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["schema_version"] == "1.1"
+    assert json.loads(done.stdout)["schema_version"] == SCHEMA_VERSION
     with open(artifact_path, "r+b") as fh:
         fh.truncate(100)
     done = subprocess.run([sys.executable, "-m", "artifacts.cli", str(artifact_path)], capture_output=True, text=True)

@@ -10,7 +10,7 @@ from profiler.evaluate_cli import main
 
 RESULT_KEYS = {
     "policy",
-    "ratio",
+    "compression_ratio",
     "n",
     "correct",
     "accuracy",
@@ -34,6 +34,7 @@ TOP_KEYS = {
     "baseline",
     "results",
     "recommendation",
+    "best_per_ratio",
 }
 
 
@@ -47,7 +48,7 @@ def test_smoke_run_on_the_embedded_model(smoke_artifact, tmp_path, capsys, one_t
             "smoke",
             "--tasks",
             "retrieval",
-            "--ratios",
+            "--compression-ratios",
             "0.5,0.9",
             "--policies",
             "uniform/keydiff,flagship",
@@ -62,11 +63,11 @@ def test_smoke_run_on_the_embedded_model(smoke_artifact, tmp_path, capsys, one_t
     )
     assert code == 0
     table = capsys.readouterr().out
-    assert table.startswith("| policy | ratio | accuracy [95% CI]") and "| baseline | - |" in table
+    assert table.startswith("| policy | compression ratio | accuracy [95% CI]") and "| baseline | - |" in table
     evaluation = json.loads(json_out.read_text())
-    assert set(evaluation) == TOP_KEYS and evaluation["schema"] == "kvcal-evaluation/1"
+    assert set(evaluation) == TOP_KEYS and evaluation["schema"] == "kvcal-evaluation/2"
     assert evaluation["tasks"]["seed"] != evaluation["tasks"]["profiler_seed"] == 0
-    assert [(r["policy"], r["ratio"]) for r in evaluation["results"]] == [
+    assert [(r["policy"], r["compression_ratio"]) for r in evaluation["results"]] == [
         ("uniform/keydiff", 0.5),
         ("uniform/keydiff", 0.9),
         ("flagship", 0.5),
@@ -78,7 +79,7 @@ def test_smoke_run_on_the_embedded_model(smoke_artifact, tmp_path, capsys, one_t
     for result in evaluation["results"]:
         assert set(result) == RESULT_KEYS and result["n"] == 2
         assert 0 < result["attention_error"] < 2
-        kept = 1 - result["ratio"]
+        kept = 1 - result["compression_ratio"]
         assert result["kv_fraction"] == pytest.approx(kept, abs=0.03)  # memory follows the budget
     assert "recommendation" in evaluation and evaluation["recommendation"]["text"]
     page = html_out.read_text()
@@ -88,7 +89,10 @@ def test_smoke_run_on_the_embedded_model(smoke_artifact, tmp_path, capsys, one_t
 def test_bad_input_is_reported_before_any_model_work(smoke_artifact, capsys):
     assert main(["--artifact", str(smoke_artifact), "--policies", "uniform/nonsense"]) == 2
     assert "unknown scorer 'nonsense'" in capsys.readouterr().err
-    assert main(["--artifact", str(smoke_artifact), "--ratios", "1.5"]) == 2
-    assert "ratios must be in [0, 1)" in capsys.readouterr().err
+    assert main(["--artifact", str(smoke_artifact), "--compression-ratios", "1.5"]) == 2
+    assert "compression ratios must be in [0, 1)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # the old spelling names the new one
+        main(["--artifact", str(smoke_artifact), "--ratios", "0.5"])
+    assert exited.value.code == 2 and "--ratios was renamed --compression-ratios" in capsys.readouterr().err
     assert main(["--artifact", str(smoke_artifact), "--tasks", "sudoku"]) == 2
     assert "unknown task families ['sudoku']" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from profiler.evaluation_results import (
+    best_per_ratio,
     markdown_table,
     parse_policy,
     recommend,
@@ -15,7 +16,8 @@ from profiler.evaluation_results import (
 def _row(policy, ratio, accuracy, kv_bytes=1000):
     return {
         "policy": policy,
-        "ratio": ratio,
+        "compression_ratio": ratio,
+        "n": 12,
         "accuracy": accuracy,
         "kv_bytes": kv_bytes,
         "kv_fraction": 1 - (ratio or 0),
@@ -43,10 +45,10 @@ def test_recommendation_picks_the_highest_ratio_within_tolerance():
         _row("inf/expected_attention:calibrated", 0.9, 0.60),
     ]
     chosen = recommend(0.80, results, tolerance=0.02)
-    assert (chosen["policy"], chosen["ratio"]) == ("inf/expected_attention:calibrated", 0.75)
+    assert (chosen["policy"], chosen["compression_ratio"]) == ("inf/expected_attention:calibrated", 0.75)
     assert "0.75" in chosen["text"]
     # A looser tolerance admits the 0.9 row.
-    assert recommend(0.80, results, tolerance=0.25)["ratio"] == 0.9
+    assert recommend(0.80, results, tolerance=0.25)["compression_ratio"] == 0.9
 
 
 def test_recommendation_ties_go_to_accuracy_then_bytes_then_name():
@@ -65,7 +67,8 @@ def test_policy_grammar_and_errors():
     spec = parse_policy("inf/expected_attention:calibrated")
     assert (spec.allocation, spec.scorer, spec.statistics) == ("inf", "expected_attention", "calibrated")
     policy = spec.policy(0.75)
-    assert policy.ratio == pytest.approx(0.25) and policy.allocation == "inf"
+    assert policy.compression_ratio == pytest.approx(0.75) and policy.kept_fraction == pytest.approx(0.25)
+    assert policy.allocation == "inf"
     assert parse_policy("baseline").policy(0.5) is None
     with pytest.raises(ValueError, match="unknown scorer 'keydif'"):
         parse_policy("uniform/keydif")
@@ -90,3 +93,29 @@ def test_markdown_table_lists_baseline_first():
     }
     table = markdown_table(evaluation).splitlines()
     assert table[2].startswith("| baseline | - | 0.80") and table[3].startswith("| uniform/keydiff | 0.5 | 0.70")
+
+
+def test_best_per_ratio_takes_the_most_accurate_and_breaks_ties_by_preference():
+    results = [
+        _row("inf/keydiff+correction", 0.5, 0.80),
+        _row("inf/keydiff+correction", 0.9, 0.40),
+        _row("inf/leverage", 0.5, 0.80),
+        _row("inf/leverage", 0.9, 0.60),
+    ]
+    best = best_per_ratio(results, ["inf/keydiff+correction", "inf/leverage"])
+    assert [(row["compression_ratio"], row["policy"], row["accuracy"]) for row in best] == [
+        (0.5, "inf/keydiff+correction", 0.80),  # a tie: the first in preference order
+        (0.9, "inf/leverage", 0.60),
+    ]
+    assert best_per_ratio(results, ["inf/leverage", "inf/keydiff+correction"])[0]["policy"] == "inf/leverage"
+    assert set(best[0]) == {"policy", "compression_ratio", "accuracy", "ci_low", "ci_high", "n"}
+
+
+def test_the_grammar_lives_in_the_runtime_and_the_profiler_re_exports_it():
+    import runtime.policy_spec as grammar
+    from profiler import evaluation_results
+
+    assert evaluation_results.parse_policy is grammar.parse_policy
+    flagship = grammar.parse_policy("flagship")
+    assert flagship is grammar.FLAGSHIP and (flagship.allocation, flagship.scorer) == ("inf", "leverage")
+    assert grammar.parse_policy("inf/keydiff+correction").policy(0.75).correction == "calibrated"

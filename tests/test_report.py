@@ -125,3 +125,13 @@ def test_a_section_without_its_own_summary_is_summarised_generically(tmp_path):
     }
     json.dumps(summary)  # --json must work
     assert "learned_scorer" in format_summary(summary) and "rank_correlation" in format_summary(summary)
+
+
+@pytest.mark.parametrize("sections", [("moments",), ("budgets",), ("recommendation",), ("behaviour", "moments")])
+def test_report_of_an_artifact_with_a_subset_of_sections(tmp_path, sections):
+    """`profile-model --stages moments` writes an artifact without query_stats: its report must render."""
+    path = write_artifact(tmp_path / "subset.h5", make_random_artifact(sections=sections))
+    with open_artifact(path) as reader:
+        page = render_report(reader)
+    assert ('id="served-policies"' in page) == ("recommendation" in sections)
+    assert "pre-RoPE queries per head" not in page

@@ -119,7 +119,7 @@ def test_pruned_cache_equals_masked_full_attention(scorer):
 def test_per_head_lengths_differ_and_memory_matches_budget_formula():
     model = make_tiny_llama(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32)
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(3))
-    policy = CompressionPolicy(ratio=0.25, allocation="inf", scorer="knorm")
+    policy = CompressionPolicy(keep_ratio=0.25, allocation="inf", scorer="knorm")
     with ragged_attention(model):
         cache, report = compress_prompt(model, ids, policy, context_columns=299, calibration=inf_calibration(4, 2))
         full_cache, _ = compress_prompt(model, ids, None, context_columns=299)
@@ -181,7 +181,7 @@ def test_left_padded_batch_gives_the_same_answers_as_one_by_one():
     from runtime import build_inputs
 
     for question_aware in (False, True):
-        policy = CompressionPolicy(ratio=0.5, allocation="inf", scorer="snapkv", window=4, n_sink=1)
+        policy = CompressionPolicy(keep_ratio=0.5, allocation="inf", scorer="snapkv", window=4, n_sink=1)
         ids, mask, columns = build_inputs(contexts, questions, pad_token_id=0)
         batch = generate(
             model,
@@ -213,7 +213,7 @@ def test_left_padded_batch_gives_the_same_answers_as_one_by_one():
 def test_sampled_generation_runs_and_is_reproducible():
     model = make_tiny_llama()
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(6))
-    policy = CompressionPolicy(ratio=0.3, scorer="keydiff")
+    policy = CompressionPolicy(keep_ratio=0.3, scorer="keydiff")
     runs = []
     for _ in range(2):
         torch.manual_seed(123)
@@ -259,7 +259,7 @@ def test_embedded_model_full_budget_is_identical(embedded_model, embedded_tokeni
     model(ids[:, :columns], past_key_values=dynamic)
     reference_split = model(ids[:, columns:], past_key_values=dynamic).logits
     reference_tokens = model.generate(ids, max_new_tokens=12, do_sample=False)
-    policy = CompressionPolicy(ratio=1.0, scorer="keydiff")
+    policy = CompressionPolicy(keep_ratio=1.0, scorer="keydiff")
     with ragged_attention(model):
         logits = model(ids, past_key_values=RaggedCache.for_model(model)).logits
         cache, report = compress_prompt(model, ids, policy, context_columns=columns)
@@ -299,7 +299,7 @@ def test_copies_of_one_prefill_compress_independently_and_stack_into_a_batch():
     base = RaggedCache.for_model(model)
     stats = prefill(model, base, ids[:, :32], record_prompt_stats=True, observe_queries=8, n_sink=2)
     policies = [
-        CompressionPolicy(ratio=0.5, statistics="prompt"),
+        CompressionPolicy(scorer="expected_attention", keep_ratio=0.5, statistics="prompt"),
         CompressionPolicy(budget=6, scorer="snapkv", scorer_options={"window": 8}),
     ]
     caches = []

@@ -91,4 +91,6 @@ def test_runtime_entry_points_refuse_unsupported_models():
     with pytest.raises(UnsupportedModelError, match="rotary_emb"):
         RaggedCache.for_model(model)
     with pytest.raises(UnsupportedModelError, match="rotary_emb"):
-        generate(model, torch.arange(10).unsqueeze(0), CompressionPolicy(ratio=0.5, scorer="knorm"), max_new_tokens=1)
+        generate(
+            model, torch.arange(10).unsqueeze(0), CompressionPolicy(keep_ratio=0.5, scorer="knorm"), max_new_tokens=1
+        )

@@ -100,7 +100,7 @@ def test_global_compression_keeps_the_total_and_the_best_scored_rows():
     model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=4)
     ids = torch.randint(1, 128, (1, 48), generator=torch.Generator().manual_seed(6))
     calibration = _calibration(model, seed=1)
-    policy = CompressionPolicy(ratio=0.25, allocation="global", scorer="learned", n_sink=2, window=4)
+    policy = CompressionPolicy(keep_ratio=0.25, allocation="global", scorer="learned", n_sink=2, window=4)
     cache = RaggedCache.for_model(model)
     prefill(model, cache, ids, policy=policy)
     report = compress(model, cache, policy, calibration)
@@ -110,8 +110,8 @@ def test_global_compression_keeps_the_total_and_the_best_scored_rows():
 
 def test_policy_refusals_are_clear():
     with pytest.raises(ValueError, match="comparable across heads"):
-        CompressionPolicy(ratio=0.5, allocation="global", scorer="keydiff")
-    policy = CompressionPolicy(ratio=0.5, scorer="learned")
+        CompressionPolicy(keep_ratio=0.5, allocation="global", scorer="keydiff")
+    policy = CompressionPolicy(keep_ratio=0.5, scorer="learned")
     empty = Calibration(path="x.h5", identity=None, config={}, sections=("budgets",))
     with pytest.raises(ValueError, match="learned-scorer stage"):
         policy.check_calibration(empty)
@@ -134,7 +134,7 @@ def test_embedded_model_keeps_the_needle_under_the_learned_scorer(embedded_model
     ids = torch.tensor([probe.input_ids])
     try:
         for ratio in (0.5, 0.25):
-            policy = CompressionPolicy(ratio=ratio, allocation="global", scorer="learned")
+            policy = CompressionPolicy(keep_ratio=ratio, allocation="global", scorer="learned")
             cache = RaggedCache.for_model(model)
             prefill(model, cache, ids[:, : probe.context_end], policy=policy)
             report = compress(model, cache, policy, calibration)

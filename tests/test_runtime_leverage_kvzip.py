@@ -209,7 +209,7 @@ def test_leverage_scorer_modes_and_options():
         with pytest.raises(ValueError):
             LeverageScorer(**bad)
     with pytest.raises(ValueError, match="bad options"):
-        CompressionPolicy(ratio=0.5, scorer="leverage", scorer_options={"unknown": 1})
+        CompressionPolicy(keep_ratio=0.5, scorer="leverage", scorer_options={"unknown": 1})
 
 
 def test_compress_with_leverage_keeps_sinks_window_and_top_reference_scores():
@@ -373,7 +373,7 @@ def test_kvzip_global_budgets_are_one_top_k_over_all_heads():
     protected[..., 45:] = 2.0
     threshold = torch.sort(protected.reshape(-1), descending=True).values[89]
     assert np.array_equal(budgets, (protected >= threshold).sum(-1).numpy())
-    policy = kvzip_global_policy(CompressionPolicy(ratio=0.3, scorer="kvzip", n_sink=2, window=5), scores)
+    policy = kvzip_global_policy(CompressionPolicy(keep_ratio=0.3, scorer="kvzip", n_sink=2, window=5), scores)
     assert isinstance(policy, KVzipGlobalPolicy) and np.array_equal(policy.head_budgets(50, 3, 2), budgets)
     with pytest.raises(ValueError, match="ratio"):
         kvzip_global_policy(CompressionPolicy(budget=10, scorer="kvzip"), scores)
@@ -394,7 +394,7 @@ def test_embedded_model_keeps_the_needle_under_leverage_and_kvzip(embedded_model
     pad = tokenizer.eos_token_id
     try:
         for scorer in ("leverage", "kvzip"):
-            policy = CompressionPolicy(ratio=0.5, allocation="uniform", scorer=scorer)
+            policy = CompressionPolicy(keep_ratio=0.5, allocation="uniform", scorer=scorer)
             cache = RaggedCache.for_model(model)
             prefill(model, cache, ids[:, : probe.context_end], policy=policy)
             if scorer == "kvzip":
@@ -425,6 +425,6 @@ def test_too_few_recorded_queries_are_reported_in_words():
     cache = RaggedCache.for_model(model)
     prefill(model, cache, ids, observe_queries=4)
     with pytest.raises(ValueError) as caught:
-        compress(model, cache, CompressionPolicy(ratio=0.5, scorer="leverage"))
+        compress(model, cache, CompressionPolicy(keep_ratio=0.5, scorer="leverage"))
     assert "every prompt query" in str(caught.value) and "only 4 were recorded" in str(caught.value)
     assert str(ALL_QUERIES) not in str(caught.value)

@@ -209,13 +209,13 @@ def test_decode_eviction_with_budget_above_length_is_the_unmodified_model():
 
 def test_policy_refuses_moment_options_it_cannot_serve():
     with pytest.raises(ValueError, match="estimates attention"):
-        CompressionPolicy(ratio=0.5, scorer="keydiff", moment_eviction=True)
+        CompressionPolicy(keep_ratio=0.5, scorer="keydiff", moment_eviction=True)
     with pytest.raises(ValueError, match="unknown correction"):
-        CompressionPolicy(ratio=0.5, correction="second")
+        CompressionPolicy(keep_ratio=0.5, correction="second")
     with pytest.raises(ValueError, match="evict_every"):
-        CompressionPolicy(ratio=0.5, evict_every=0)
+        CompressionPolicy(keep_ratio=0.5, evict_every=0)
     with pytest.raises(ValueError, match="'moments' section"):
-        CompressionPolicy(ratio=0.5, scorer="keydiff", correction="calibrated").check_calibration(
+        CompressionPolicy(keep_ratio=0.5, scorer="keydiff", correction="calibrated").check_calibration(
             type("C", (), {"moment_orders": None, "path": "x.h5", "sections": ("behaviour",), "inf_weights": None})()
         )
     cache = RaggedCache(1)
@@ -241,7 +241,9 @@ def test_embedded_model_correction_lowers_attention_output_error_at_75_percent(e
     try:
         for name, correction in (("full", None), ("none", "none"), ("order1", "order1"), ("order0", "order0")):
             policy = (
-                None if correction is None else CompressionPolicy(ratio=0.25, scorer="snapkv", correction=correction)
+                None
+                if correction is None
+                else CompressionPolicy(keep_ratio=0.25, scorer="snapkv", correction=correction)
             )
             cache, _ = compress_prompt(embedded_model, ids, policy, context_columns=probe.context_end)
             recorder.arm()

@@ -91,23 +91,29 @@ def write_tiny_artifact(path, model, sections=("query_stats", "budgets"), seed=0
         ({"budget": 0}, "budget must be > 0"),
         ({"budget": -5}, "budget must be > 0"),
         ({"budget": 2.5}, "integer number of tokens"),
-        ({"ratio": 0.0}, r"ratio must be in \(0, 1\]"),
-        ({"ratio": 1.2}, r"ratio must be in \(0, 1\]"),
-        ({"ratio": -0.1}, r"ratio must be in \(0, 1\]"),
-        ({}, "exactly one of budget"),
-        ({"budget": 10, "ratio": 0.5}, "exactly one of budget"),
+        ({"keep_ratio": 0.0}, r"keep_ratio \(fraction kept\) must be in \(0, 1\]"),
+        ({"keep_ratio": 1.2}, r"keep_ratio \(fraction kept\) must be in \(0, 1\]"),
+        ({"compression_ratio": 1.0}, r"compression_ratio \(fraction evicted\) must be in \[0, 1\)"),
+        ({"compression_ratio": -0.1}, r"compression_ratio \(fraction evicted\) must be in \[0, 1\)"),
+        ({"compression_ratio": "0.5"}, "compression_ratio must be a number"),
+        ({}, "exactly one of compression_ratio"),
+        ({"budget": 10, "keep_ratio": 0.5}, "exactly one of compression_ratio.*got budget, keep_ratio"),
+        ({"compression_ratio": 0.5, "keep_ratio": 0.5}, "exactly one of compression_ratio"),
         (
-            {"ratio": 0.5, "scorer": "h2o"},
+            {"keep_ratio": 0.5, "scorer": "h2o"},
             "unknown scorer 'h2o'; known scorers: expected_attention, keydiff, knorm, kvzip, learned, leverage, "
             "snapkv, streaming",
         ),
-        ({"ratio": 0.5, "allocation": "pyramid"}, "unknown allocation"),
-        ({"ratio": 0.5, "beta": 0.5}, "beta must be >= 1"),
-        ({"ratio": 0.5, "scorer": "keydiff", "statistics": "prompt"}, "expected_attention scorer only"),
-        ({"ratio": 0.5, "statistics": "oracle"}, "unknown statistics"),
-        ({"ratio": 0.5, "scorer": "snapkv", "scorer_options": {"window": 0}}, "observation window must be positive"),
-        ({"ratio": 0.5, "scorer": "knorm", "scorer_options": {"bogus": 1}}, "bad options"),
-        ({"ratio": 0.5, "window": -1}, "n_sink and window must be >= 0"),
+        ({"keep_ratio": 0.5, "allocation": "pyramid"}, "unknown allocation"),
+        ({"keep_ratio": 0.5, "beta": 0.5}, "beta must be >= 1"),
+        ({"keep_ratio": 0.5, "scorer": "keydiff", "statistics": "prompt"}, "expected_attention scorer only"),
+        ({"keep_ratio": 0.5, "statistics": "oracle"}, "unknown statistics"),
+        (
+            {"keep_ratio": 0.5, "scorer": "snapkv", "scorer_options": {"window": 0}},
+            "observation window must be positive",
+        ),
+        ({"keep_ratio": 0.5, "scorer": "knorm", "scorer_options": {"bogus": 1}}, "bad options"),
+        ({"keep_ratio": 0.5, "window": -1}, "n_sink and window must be >= 0"),
     ],
 )
 def test_bad_policies_get_clear_errors(kwargs, message):
@@ -119,21 +125,23 @@ def test_policy_needing_a_missing_section_is_refused(tmp_path):
     model = make_tiny_llama()
     budgets_only = load_calibration(model, path=write_tiny_artifact(tmp_path / "b.h5", model, ("budgets",)))
     stats_only = load_calibration(model, path=write_tiny_artifact(tmp_path / "q.h5", model, ("query_stats",)))
-    calibrated = CompressionPolicy(ratio=0.5, statistics="calibrated")
+    calibrated = CompressionPolicy(scorer="expected_attention", keep_ratio=0.5, statistics="calibrated")
     with pytest.raises(ValueError, match="needs a calibration artifact"):
         calibrated.check_calibration(None)
     with pytest.raises(ValueError, match="has no 'query_stats' section"):
         calibrated.check_calibration(budgets_only)
     calibrated.check_calibration(stats_only)
-    inf = CompressionPolicy(ratio=0.5, allocation="inf", scorer="keydiff")
+    inf = CompressionPolicy(keep_ratio=0.5, allocation="inf", scorer="keydiff")
     with pytest.raises(ValueError, match="neither a 'budgets' nor a 'behaviour' section"):
         inf.check_calibration(stats_only)
     inf.check_calibration(budgets_only)
-    CompressionPolicy(ratio=0.5, statistics="prompt").check_calibration(None)  # needs nothing
+    CompressionPolicy(scorer="expected_attention", keep_ratio=0.5, statistics="prompt").check_calibration(
+        None
+    )  # needs nothing
 
 
 def test_uniform_and_inf_budgets():
-    uniform = CompressionPolicy(ratio=0.25, scorer="knorm").head_budgets(1000, 3, 2)
+    uniform = CompressionPolicy(keep_ratio=0.25, scorer="knorm").head_budgets(1000, 3, 2)
     assert uniform.tolist() == [[250, 250]] * 3
     weights = np.array([[0.5, 0.1], [0.1, 0.1], [0.1, 0.1]])
     inf = CompressionPolicy(budget=100, allocation="inf", beta=2.0, scorer="knorm").head_budgets(1000, 3, 2, weights)
@@ -209,18 +217,20 @@ def test_calibrated_correction_with_another_selection_scorer_warns_once(tmp_path
                 )
         return [str(w.message) for w in caught if "MomentKV orders" in str(w.message)]
 
-    keydiff = warnings_from(CompressionPolicy(ratio=0.5, scorer="keydiff", correction="calibrated"))
+    keydiff = warnings_from(CompressionPolicy(keep_ratio=0.5, scorer="keydiff", correction="calibrated"))
     assert len(keydiff) == 1
     assert "measured on the tokens 'snapkv' keeps, but the policy evicts with 'keydiff'" in keydiff[0]
-    assert warnings_from(CompressionPolicy(ratio=0.5, scorer="keydiff", correction="calibrated")) == []  # once
-    assert warnings_from(CompressionPolicy(ratio=0.5, scorer="snapkv", correction="calibrated")) == []  # matching
-    assert warnings_from(CompressionPolicy(ratio=0.5, scorer="keydiff", correction="order1")) == []  # not calibrated
+    assert warnings_from(CompressionPolicy(keep_ratio=0.5, scorer="keydiff", correction="calibrated")) == []  # once
+    assert warnings_from(CompressionPolicy(keep_ratio=0.5, scorer="snapkv", correction="calibrated")) == []  # matching
+    assert (
+        warnings_from(CompressionPolicy(keep_ratio=0.5, scorer="keydiff", correction="order1")) == []
+    )  # not calibrated
     # an artifact that does not say which selection its orders came from: nothing to compare
     unknown = load_calibration(model, path=write_tiny_artifact(tmp_path / "u.h5", model, ("moments",)))
     assert unknown.moment_selection is None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        CompressionPolicy(ratio=0.5, scorer="keydiff", correction="calibrated").check_calibration(unknown)
+        CompressionPolicy(keep_ratio=0.5, scorer="keydiff", correction="calibrated").check_calibration(unknown)
     assert not caught
     given = Calibration(
         path="x.h5",
@@ -232,7 +242,9 @@ def test_calibrated_correction_with_another_selection_scorer_warns_once(tmp_path
         moment_tau=np.zeros((2, 2)),
     )
     with pytest.warns(UserWarning, match="evicts with 'expected_attention'"):
-        CompressionPolicy(ratio=0.5, correction="calibrated", statistics="prompt").check_calibration(given)
+        CompressionPolicy(
+            scorer="expected_attention", keep_ratio=0.5, correction="calibrated", statistics="prompt"
+        ).check_calibration(given)
 
 
 def test_compress_with_inf_calibration_needs_artifact_inf_weights():
@@ -316,7 +328,7 @@ def test_embedded_model_answers_through_compressed_cache(embedded_model, embedde
         HAYSTACK[:200] + "The special magic number for Bob is 3308. " + HAYSTACK[:500],
     ]
     questions = ["What is the special magic number for Alice?", "What is the special magic number for Bob?"]
-    half = CompressionPolicy(ratio=0.5, allocation="inf", scorer="keydiff")
+    half = CompressionPolicy(keep_ratio=0.5, allocation="inf", scorer="keydiff")
     try:
         texts = answer(model, tokenizer, contexts, questions, half, calibration=calibration, max_new_tokens=12)
         single = answer(model, tokenizer, contexts[1], questions[1], half, calibration=calibration, max_new_tokens=12)
@@ -325,7 +337,7 @@ def test_embedded_model_answers_through_compressed_cache(embedded_model, embedde
             tokenizer,
             contexts,
             questions,
-            CompressionPolicy(ratio=0.95, statistics="calibrated"),
+            CompressionPolicy(scorer="expected_attention", keep_ratio=0.95, statistics="calibrated"),
             calibration=calibration,
             max_new_tokens=12,
         )
@@ -334,7 +346,7 @@ def test_embedded_model_answers_through_compressed_cache(embedded_model, embedde
             tokenizer,
             contexts[0],
             questions[0],
-            CompressionPolicy(ratio=0.75, scorer="snapkv", scorer_options={"window": 16, "kernel": 1}),
+            CompressionPolicy(keep_ratio=0.75, scorer="snapkv", scorer_options={"window": 16, "kernel": 1}),
             question_aware=True,
             max_new_tokens=12,
         )
@@ -361,7 +373,7 @@ def test_embedded_prompt_statistics_equal_direct_computation(embedded_model, emb
         captured["q"] = output.detach().double()
 
     hook = model.model.layers[layer].self_attn.q_proj.register_forward_hook(capture)
-    policy = CompressionPolicy(ratio=0.5, statistics="prompt", n_sink=4)
+    policy = CompressionPolicy(scorer="expected_attention", keep_ratio=0.5, statistics="prompt", n_sink=4)
     previous = model.config._attn_implementation
     try:
         stats = prefill(model, RaggedCache.for_model(model), ids, mask, policy=policy)
@@ -393,3 +405,27 @@ def test_a_calibration_left_open_at_exit_prints_nothing(smoke_artifact):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_old_ratio_spelling_is_refused_with_both_new_names():
+    with pytest.raises(TypeError, match=r"keep_ratio=.*compression_ratio=.*ratio=0.25 is keep_ratio=0.25"):
+        CompressionPolicy(ratio=0.25)
+
+
+def test_compression_ratio_and_keep_ratio_are_complements():
+    evict = CompressionPolicy(compression_ratio=0.75, scorer="knorm")
+    keep = CompressionPolicy(keep_ratio=0.25, scorer="knorm")
+    assert evict.kept_fraction == pytest.approx(0.25) and keep.evicted_fraction == pytest.approx(0.75)
+    assert np.array_equal(evict.head_budgets(1000, 3, 2), keep.head_budgets(1000, 3, 2))
+    assert np.all(evict.head_budgets(1000, 3, 2) == 250)
+    assert "compression_ratio=0.75" in evict.describe()
+
+
+def test_the_default_policy_needs_no_artifact_and_blends_leverage_by_the_compression_ratio():
+    policy = CompressionPolicy(compression_ratio=0.75)
+    assert policy.scorer == "leverage" and policy.allocation == "uniform" and policy.needs_calibration() == []
+    policy.check_calibration(None)
+    assert policy.build_scorer().blend == pytest.approx(0.75)  # kvpress CompactorPress's choice
+    assert CompressionPolicy(budget=64).build_scorer().blend == pytest.approx(0.5)  # no ratio: the paper's 0.5
+    explicit = CompressionPolicy(compression_ratio=0.75, scorer_options={"blend": 0.2})
+    assert explicit.build_scorer().blend == pytest.approx(0.2)

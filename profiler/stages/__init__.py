@@ -11,9 +11,23 @@ from .budgets import BudgetsStage
 from .learned_scorer import LearnedScorerStage
 from .moments import MomentsStage
 from .query_stats import QueryStatsStage
+from .recommendation import RecommendationStage
 
-STAGES: tuple[type[Stage], ...] = (BehaviourStage, QueryStatsStage, BudgetsStage, MomentsStage, LearnedScorerStage)
+STAGES: tuple[type[Stage], ...] = (
+    BehaviourStage,
+    QueryStatsStage,
+    BudgetsStage,
+    MomentsStage,
+    LearnedScorerStage,
+    RecommendationStage,  # last: it serves the sections the others built
+)
 STAGE_NAMES: tuple[str, ...] = tuple(stage.name for stage in STAGES)
 SECTIONS: dict[str, str] = {stage.name: stage.section for stage in STAGES}
 
-__all__ = ["STAGES", "STAGE_NAMES", "SECTIONS", "Stage"]
+
+def default_stages(preset) -> tuple[str, ...]:
+    """The stages a job with ``preset`` runs when ``--stages`` is not given."""
+    return tuple(stage.name for stage in STAGES if stage.on_by_default(preset))
+
+
+__all__ = ["STAGES", "STAGE_NAMES", "SECTIONS", "Stage", "default_stages"]

@@ -61,6 +61,11 @@ class Stage(ABC):
     def __init__(self, job: ProfileJob):
         self.job = job
 
+    @classmethod
+    def on_by_default(cls, preset) -> bool:
+        """Whether a job with this preset (``profiler.presets.ProfilePreset``) and no ``--stages`` runs it."""
+        return True
+
     @classmethod  # noqa: B027 - an optional hook
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         """Add this stage's options (an argument group) to ``profile-model``'s parser."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from artifacts import Section
-from profiler.arguments import comma_separated
+from profiler.arguments import RenamedOption, comma_separated
 from profiler.budget_tables import (
     DEFAULT_BETA,
     DEFAULT_MIN_BUDGET,
@@ -41,10 +41,16 @@ class BudgetsStage(Stage):
             help=f"average token budgets per KV head (default: {','.join(map(str, DEFAULT_TOKEN_BUDGETS))})",
         )
         group.add_argument(
-            "--ratios",
+            "--keep-ratios",
+            dest="keep_ratios",
             type=comma_separated(float),
             default=None,
-            help="average budgets as fractions of the sequence length (default: 0.1,...,0.9)",
+            help="average budgets as fractions of the sequence length KEPT (default: 0.1,...,0.9)",
+        )
+        group.add_argument(
+            "--ratios",
+            action=RenamedOption,
+            message="was renamed --keep-ratios (average budgets as fractions of the sequence length kept)",
         )
         group.add_argument("--beta", type=float, default=None, help=f"REAL's beta >= 1 (default {DEFAULT_BETA:g})")
         group.add_argument(
@@ -54,7 +60,7 @@ class BudgetsStage(Stage):
     def __init__(self, job):
         super().__init__(job)
         self.token_budgets = job.setting("token_budgets", DEFAULT_TOKEN_BUDGETS)
-        self.ratios = job.setting("ratios", DEFAULT_RATIOS)
+        self.ratios = job.setting("keep_ratios", DEFAULT_RATIOS)
         self.beta = job.setting("beta", DEFAULT_BETA)
         self.min_budget = job.setting("min_budget", DEFAULT_MIN_BUDGET)
 

@@ -23,7 +23,7 @@ from .base import Stage
 
 MOMENT_WINDOWS = 4  # calibration windows the stage measures on
 MOMENT_KEEP_RATIOS = (0.25, 0.5)  # reference budgets: 75% and 50% compression
-DEFAULT_SELECTION = "keydiff"  # the flagship policy's scorer (profiler.evaluation_results.FLAGSHIP)
+DEFAULT_SELECTION = "keydiff"  # the scorer of the inf/keydiff+correction recommendation candidate
 
 
 class MomentsStage(Stage):
@@ -43,7 +43,7 @@ class MomentsStage(Stage):
             default=None,
             help="scorer that selects the kept tokens while the correction errors are measured; "
             "serve corrections with the same scorer (the runtime warns otherwise). Default: "
-            "keydiff, the scorer of evaluate-artifact's flagship policy",
+            "keydiff, the scorer of the inf/keydiff+correction candidate policy",
         )
 
     def __init__(self, job):

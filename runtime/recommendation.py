@@ -1,0 +1,109 @@
+"""The artifact's measured recommendation: which policy to serve at which compression ratio.
+
+    calibration.policy(compression_ratio=0.75)                 # the measured best, as a CompressionPolicy
+    CompressionPolicy.recommended(calibration, compression_ratio=0.75)   # the same
+
+``profile-model``'s recommendation stage (or ``evaluate-artifact --write-recommendation``) runs
+needle tasks the profiler never saw under candidate policies at a grid of compression ratios
+and records, per ratio, the most accurate policy in the artifact's ``recommendation`` section
+(docs/artifact-format.md).  :func:`recommended_spec` serves it:
+
+* the grid ratio nearest the asked one decides the policy (ties: the larger ratio, whose
+  measurement is the stricter one); the policy then evicts exactly the asked fraction;
+* with no recommendation recorded, the flagship (``runtime.policy_spec.FLAGSHIP``) when the
+  artifact has INF budgets, else the artifact-free default (uniform leverage);
+* a recorded policy this calibration cannot serve (its section was removed since) falls back
+  the same way, with a warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from .policy_spec import ARTIFACT_FREE, FLAGSHIP, PolicySpec, parse_policy
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The ``recommendation`` section: per grid compression ratio, the policy measured best."""
+
+    compression_ratios: tuple[float, ...]  # ascending, fractions evicted
+    policies: tuple[str, ...]  # policy grammar (runtime.policy_spec), one per ratio
+    accuracy: tuple[float, ...]  # of that policy on the held-out tasks
+    ci_low: tuple[float, ...]  # 95% Wilson interval
+    ci_high: tuple[float, ...]
+    tasks: int  # n: held-out tasks per cell
+    baseline_accuracy: float  # the uncompressed model on the same tasks
+
+    @classmethod
+    def from_section(cls, arrays: dict, attrs: dict) -> Recommendation:
+        order = np.argsort(np.asarray(arrays["compression_ratios"], dtype=np.float64))
+
+        def column(name):
+            return tuple(float(x) for x in np.asarray(arrays[name], dtype=np.float64)[order])
+
+        names = [arrays["policy"][i] for i in order]
+        return cls(
+            compression_ratios=column("compression_ratios"),
+            policies=tuple(n.decode("ascii") if isinstance(n, bytes) else str(n) for n in names),
+            accuracy=column("accuracy"),
+            ci_low=column("ci_low"),
+            ci_high=column("ci_high"),
+            tasks=int(attrs["tasks"]),
+            baseline_accuracy=float(attrs["baseline_accuracy"]),
+        )
+
+    def nearest(self, compression_ratio: float) -> int:
+        """Index of the grid ratio nearest ``compression_ratio`` (ties: the larger one)."""
+        distances = [abs(r - compression_ratio) for r in self.compression_ratios]
+        best = min(distances)
+        return max(i for i, d in enumerate(distances) if d <= best + 1e-12)
+
+    def rows(self) -> list[dict]:
+        return [
+            {
+                "compression_ratio": r,
+                "policy": p,
+                "accuracy": a,
+                "ci_low": lo,
+                "ci_high": hi,
+                "tasks": self.tasks,
+                "baseline_accuracy": self.baseline_accuracy,
+            }
+            for r, p, a, lo, hi in zip(
+                self.compression_ratios, self.policies, self.accuracy, self.ci_low, self.ci_high, strict=True
+            )
+        ]
+
+
+def fallback_spec(calibration) -> PolicySpec:
+    """The flagship when ``calibration`` has INF budgets, else the artifact-free default."""
+    if calibration is not None and getattr(calibration, "inf_weights", None) is not None:
+        return FLAGSHIP
+    return ARTIFACT_FREE
+
+
+def recommended_spec(calibration, compression_ratio: float) -> PolicySpec:
+    """The policy to serve at ``compression_ratio`` with ``calibration`` (see the module docstring)."""
+    if isinstance(compression_ratio, bool) or not isinstance(compression_ratio, (int, float, np.floating)):
+        raise ValueError(f"compression_ratio must be a number, got {compression_ratio!r}")
+    if not 0.0 <= float(compression_ratio) < 1.0:
+        raise ValueError(f"compression_ratio (fraction evicted) must be in [0, 1), got {compression_ratio}")
+    recommendation = getattr(calibration, "recommendation", None)
+    if recommendation is None:
+        return fallback_spec(calibration)
+    name = recommendation.policies[recommendation.nearest(float(compression_ratio))]
+    try:
+        spec = parse_policy(name)
+        spec.policy(float(compression_ratio)).check_calibration(calibration)
+    except ValueError as exc:
+        fallback = fallback_spec(calibration)
+        warnings.warn(
+            f"{calibration.path}: the recommended policy {name!r} cannot be served ({exc}); using {fallback.name}",
+            stacklevel=3,
+        )
+        return fallback
+    return spec

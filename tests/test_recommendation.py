@@ -1,0 +1,192 @@
+"""The measured recommendation: written by profile-model / evaluate-artifact, served by the runtime."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import make_tiny_llama
+from test_runtime_policy import write_tiny_artifact
+
+from artifacts import open_artifact
+from artifacts.report import render_report
+from artifacts.summary import format_summary, summarize
+from runtime import CompressionPolicy, load_calibration
+from runtime.policy_spec import ARTIFACT_FREE, FLAGSHIP, parse_policy
+from runtime.recommendation import Recommendation, recommended_spec
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
+README = Path(__file__).parent.parent / "README.md"
+
+
+def _recommendation(ratios=(0.5, 0.75, 0.9), policies=("uniform/keydiff", "inf/leverage", "uniform/knorm")):
+    n = len(ratios)
+    return Recommendation.from_section(
+        {
+            "compression_ratios": np.array(ratios),
+            "policy": np.array([p.encode() for p in policies], dtype="S128"),
+            "accuracy": np.full(n, 0.75),
+            "ci_low": np.full(n, 0.5),
+            "ci_high": np.full(n, 0.9),
+        },
+        {"tasks": 12, "baseline_accuracy": 0.8},
+    )
+
+
+def test_the_nearest_grid_ratio_decides_and_ties_go_to_the_larger():
+    recommendation = _recommendation()
+    assert [recommendation.nearest(r) for r in (0.0, 0.5, 0.6, 0.625, 0.7, 0.85, 0.99)] == [0, 0, 0, 1, 1, 2, 2]
+    shuffled = _recommendation(ratios=(0.9, 0.5, 0.75), policies=("c", "a", "b"))
+    assert shuffled.compression_ratios == (0.5, 0.75, 0.9) and shuffled.policies == ("a", "b", "c")
+
+
+def test_without_a_recommendation_the_flagship_or_the_artifact_free_policy_is_served(tmp_path):
+    model = make_tiny_llama()
+    with_budgets = load_calibration(model, path=write_tiny_artifact(tmp_path / "b.h5", model, ("budgets",)))
+    stats_only = load_calibration(model, path=write_tiny_artifact(tmp_path / "q.h5", model, ("query_stats",)))
+    assert recommended_spec(with_budgets, 0.75) is FLAGSHIP
+    assert recommended_spec(stats_only, 0.75) is ARTIFACT_FREE
+    assert recommended_spec(None, 0.75) is ARTIFACT_FREE
+    policy = with_budgets.policy(compression_ratio=0.75)
+    assert policy == FLAGSHIP.policy(0.75) and policy.kept_fraction == pytest.approx(0.25)
+    assert CompressionPolicy.recommended(with_budgets, compression_ratio=0.75) == policy
+    for bad in (1.0, -0.1, "0.75", True):
+        with pytest.raises(ValueError, match="compression_ratio"):
+            with_budgets.policy(compression_ratio=bad)
+
+
+def test_a_recorded_policy_the_artifact_cannot_serve_falls_back_with_a_warning(tmp_path):
+    model = make_tiny_llama()
+    calibration = load_calibration(model, path=write_tiny_artifact(tmp_path / "b.h5", model, ("budgets",)))
+    calibration.recommendation = _recommendation(policies=("uniform/keydiff", "global/learned", "inf/leverage"))
+    assert calibration.policy(compression_ratio=0.5) == parse_policy("uniform/keydiff").policy(0.5)
+    with pytest.warns(UserWarning, match="'global/learned' cannot be served.*using flagship"):
+        assert calibration.policy(compression_ratio=0.8) == FLAGSHIP.policy(0.8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert calibration.policy(compression_ratio=0.9) == parse_policy("inf/leverage").policy(0.9)
+
+
+@pytest.fixture(scope="module")
+def recommended_artifact(smoke_artifact, tmp_path_factory):
+    """The smoke artifact plus a recommendation section written by `profile-model --stages recommendation`."""
+    from conftest import single_thread
+
+    from profiler.cli import main
+
+    out = tmp_path_factory.mktemp("recommended") / "kv_calibration.h5"
+    shutil.copyfile(smoke_artifact, out)
+    printed = io.StringIO()
+    arguments = [
+        "--preset",
+        "smoke",
+        "--stages",
+        "recommendation",
+        "--recommend-policies",
+        "inf/keydiff+correction,inf/leverage",
+        "--recommend-compression-ratios",
+        "0.5,0.75",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
+    with single_thread(), redirect_stdout(printed):
+        assert main(arguments) == 0
+    return out, printed.getvalue()
+
+
+def test_profile_model_records_the_recommendation_and_the_runtime_serves_the_same_policy(
+    recommended_artifact, embedded_model, embedded_tokenizer
+):
+    path, printed = recommended_artifact
+    assert re.search(r"recommendation: 6 held-out tasks, baseline \d\.\d\d; 0\.5: \S+ \d\.\d\d; 0\.75: ", printed)
+    with open_artifact(path) as reader:
+        assert {"behaviour", "budgets", "moments", "recommendation"} <= set(reader.sections)  # others kept
+        section = reader.section("recommendation")
+        config = reader.config["recommendation"]
+        text, page = format_summary(summarize(reader)), render_report(reader)
+    assert "recommendation  measured on 6 held-out tasks" in text and "compression ratio 0.75: " in text
+    assert 'id="served-policies"' in page and "How to serve this model" in page
+    recorded = [name.decode() for name in section["policy"]]
+    candidates = [name.decode() for name in section["candidates"]]
+    assert candidates == ["inf/keydiff+correction", "inf/leverage"] == config["candidates"]
+    assert list(section["compression_ratios"]) == [0.5, 0.75] and set(recorded) <= set(candidates)
+    assert section.attrs["tasks"] == 6 and section.attrs["families"] == "retrieval,multi_key"
+    assert section.attrs["task_seed"] != 0 and config["tasks"]["seed"] == section.attrs["task_seed"]
+    for column, name in enumerate(recorded):  # the recorded policy is the most accurate, ties to the first
+        accuracy = section["candidate_accuracy"][:, column]
+        assert name == candidates[int(np.argmax(accuracy))] and section["accuracy"][column] == accuracy.max()
+        assert section["ci_low"][column] <= section["accuracy"][column] <= section["ci_high"][column]
+    calibration = load_calibration(embedded_model, embedded_tokenizer, path=path)
+    try:
+        for ratio, name in zip((0.5, 0.75), recorded, strict=True):
+            assert calibration.policy(compression_ratio=ratio) == parse_policy(name).policy(ratio)
+        assert calibration.recommendation.baseline_accuracy == section.attrs["baseline_accuracy"]
+    finally:
+        calibration.close()
+
+
+def test_the_recommendation_is_off_by_default_for_smoke_and_on_from_quick(smoke_run):
+    from profiler.presets import PRESETS
+    from profiler.stages import default_stages
+
+    assert "recommendation" not in default_stages(PRESETS["smoke"])
+    assert all("recommendation" in default_stages(PRESETS[name]) for name in ("quick", "standard", "paper"))
+    assert "recommendation" not in smoke_run[1]
+
+
+def test_evaluate_artifact_writes_its_recommendation_into_the_artifact(smoke_artifact, tmp_path, capsys):
+    from profiler.evaluate_cli import main
+
+    path = tmp_path / "kv_calibration.h5"
+    shutil.copyfile(smoke_artifact, path)
+    arguments = ["--artifact", str(path), "--preset", "smoke", "--tasks", "retrieval", "--no-progress"]
+    arguments += ["--compression-ratios", "0.75", "--policies", "uniform/keydiff,inf/leverage", "--json"]
+    arguments += [str(tmp_path / "ev.json"), "--write-recommendation", "--max-new-tokens", "12"]
+    assert main(arguments) == 0
+    out = capsys.readouterr().out
+    assert "Most accurate policy per compression ratio" in out and "wrote the recommendation section" in out
+    evaluation = json.loads((tmp_path / "ev.json").read_text())
+    (best,) = evaluation["best_per_ratio"]
+    with open_artifact(path) as reader:
+        section = reader.section("recommendation")
+        assert [n.decode() for n in section["policy"]] == [best["policy"]]
+        assert section["accuracy"][0] == best["accuracy"] and section.attrs["tasks"] == best["n"] == 2
+        assert reader.config["recommendation"]["source"] == "evaluate-artifact"
+        assert set(reader.sections) >= {"behaviour", "budgets", "query_stats", "moments"}
+
+
+def _readme_serving_snippet() -> str:
+    text = README.read_text()
+    section = text[text.index("## Serving with an artifact") :]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "README's serving section lost its python snippet"
+    return match.group(1)
+
+
+def test_the_readme_serving_snippet_runs_verbatim_and_answers_at_75_percent_compression(recommended_artifact, tmp_path):
+    """CI runs README.md's serving snippet as written, where `make profile` leaves the artifact."""
+    snippet = _readme_serving_snippet()
+    assert "compression_ratio=0.75" in snippet and "out/kv_calibration.h5" in snippet
+    (tmp_path / "out").mkdir()
+    shutil.copyfile(recommended_artifact[0], tmp_path / "out" / "kv_calibration.h5")
+    script = "import torch\ntorch.set_num_threads(1)\n" + snippet
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "PYTHONPATH": str(README.parent)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "4821" in done.stdout, done.stdout
