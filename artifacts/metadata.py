@@ -4,10 +4,13 @@ HDF5 attributes are not covered by the per-dataset fletcher32 checksums, so the 
 ``metadata_sha256``: the SHA-256 of the canonical JSON (``schema.canonical_json``) of
 
     {"root": {"config_json", "created", "toolkit_version"},
-     "model": {every ModelIdentity field, query_norm as true/false},
+     "model": {every ModelIdentity field of schema 1.1, query_norm as true/false},
      "sections": {section: {its schema attributes}}}
 
-with values as the schema types them.  The reader recomputes it from what it read.
+with values as the schema types them.  The reader recomputes it from what it read.  The
+/model attributes added later (``schema.OPTIONAL_MODEL_ATTRS``) are left out of it, so that a
+1.1 reader, which does not know them, can still verify it; when a file has any of them,
+``extended_metadata_sha256`` is the digest of the same document with them included.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-from .schema import Artifact, canonical_json
+from .schema import OPTIONAL_MODEL_ATTRS, Artifact, canonical_json
 
 ROOT_TEXT_ATTRS = ("toolkit_version", "created", "config_json")
 
@@ -30,6 +33,21 @@ def root_attrs(artifact: Artifact, *, created: str, version: str) -> dict:
 
 
 def metadata_digest(root: dict, model: dict, section_attrs: dict) -> str:
+    """``metadata_sha256``: over the /model attributes of schema 1.1 (not the optional later ones)."""
+    return _digest(root, {name: v for name, v in model.items() if name not in OPTIONAL_MODEL_ATTRS}, section_attrs)
+
+
+def extended_metadata_digest(root: dict, model: dict, section_attrs: dict) -> str | None:
+    """``extended_metadata_sha256``: the same document with the optional /model attributes added
+    after 1.1 that are present (non-empty) included; None when there are none."""
+    extra = {name: model[name] for name in OPTIONAL_MODEL_ATTRS if model.get(name)}
+    if not extra:
+        return None
+    base = {name: v for name, v in model.items() if name not in OPTIONAL_MODEL_ATTRS}
+    return _digest(root, {**base, **extra}, section_attrs)
+
+
+def _digest(root: dict, model: dict, section_attrs: dict) -> str:
     document = {
         "root": {name: root[name] for name in ROOT_TEXT_ATTRS},
         "model": {name: (bool(v) if name == "query_norm" else v) for name, v in model.items()},

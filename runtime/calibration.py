@@ -10,9 +10,13 @@ The file is validated by ``artifacts`` (structure, checksums, dtypes, shapes, ra
 * different weights or a different tokenizer are refused unless ``allow_mismatch=True``,
   which warns once per (model, file) instead.
 
-The weights fingerprint (``artifacts.fingerprint.weights_fingerprint``) reads every weight,
-which takes seconds on CPU; it is computed once per model object and remembered on the model
-together with the tensors' version counters, so an in-place weight change invalidates it.
+The weights are compared under the dtype the model is loaded in (:func:`weights_match`): the
+artifact records the weights fingerprint of the profiled checkpoint cast to float32, bfloat16
+and float16, so a float32-profiled checkpoint served in bfloat16 or float16 is recognised, while
+a checkpoint with any weight changed is not.  The fingerprint
+(``artifacts.fingerprint.weights_fingerprint``) reads every weight, which takes about a second
+on CPU; it is computed once per model object (for the one dtype compared) and remembered on the
+model together with the tensors' version counters, so an in-place weight change invalidates it.
 The tokenizer fingerprint is remembered on the tokenizer the same way (keyed by its size and
 chat template).
 Only what a serving process uses is read: the INF weights (``budgets/inf_kv``, else derived
@@ -40,6 +44,7 @@ from artifacts.fingerprint import (
     architecture_fingerprint,
     architecture_numbers,
     has_query_norm,
+    serving_dtype,
     tokenizer_fingerprint,
     weights_fingerprint,
 )
@@ -188,15 +193,34 @@ def _memo(model) -> dict:
     return memo
 
 
-def model_weights_fingerprint(model) -> str:
-    """``weights_fingerprint(model)``, remembered until a weight tensor changes."""
+def model_weights_fingerprint(model, dtype: str = "float32") -> str:
+    """``weights_fingerprint(model, dtype)``, remembered (per dtype) until a weight tensor changes."""
     memo = _memo(model)
     tensors = list(model.named_parameters()) + list(model.named_buffers())
-    versions = tuple((name, tensor.data_ptr(), tensor._version) for name, tensor in tensors)
+    versions = tuple((name, tensor.data_ptr(), tensor.dtype, tensor._version) for name, tensor in tensors)
     if memo.get("versions") != versions:
-        memo["weights"] = weights_fingerprint(model)
+        memo["weights"] = {}
         memo["versions"] = versions
-    return memo["weights"]
+    if dtype not in memo["weights"]:
+        memo["weights"][dtype] = weights_fingerprint(model, dtype)
+    return memo["weights"][dtype]
+
+
+def weights_match(identity: ModelIdentity, model) -> tuple[bool, str]:
+    """Whether ``model``'s weights are the ones ``identity`` was profiled from, and the dtype
+    they were compared under.
+
+    With the artifact's per-dtype fingerprints (schema 1.2) the model is compared under its own
+    dtype (``serving_dtype``: bfloat16, float16 or float32) with the entry for that dtype, so
+    any of those loads of the profiled checkpoint matches.  Without them (1.0 / 1.1 files), or
+    for a dtype the artifact has no entry for, the float32 view is compared with
+    ``weights_fingerprint``, which only a load with the profiled values matches.
+    """
+    entries = identity.dtype_fingerprints()
+    dtype = serving_dtype(model)
+    if dtype is not None and dtype in entries:
+        return entries[dtype] == model_weights_fingerprint(model, dtype), dtype
+    return identity.weights_fingerprint == model_weights_fingerprint(model), "float32"
 
 
 def model_tokenizer_fingerprint(tokenizer) -> str:
@@ -228,8 +252,9 @@ def check_identity(
         detail = "; ".join(differing) or "query norm or RoPE parameters differ"
         raise ArtifactError(f"{source} was made for another architecture ({identity.name}): {detail}")
     mismatches = []
-    if identity.weights_fingerprint != model_weights_fingerprint(model):
-        mismatches.append("weights")
+    same_weights, compared_as = weights_match(identity, model)
+    if not same_weights:
+        mismatches.append(f"weights (compared as {compared_as})")
     if tokenizer is not None and identity.tokenizer_fingerprint != model_tokenizer_fingerprint(tokenizer):
         mismatches.append("tokenizer")
     if not mismatches:

@@ -136,7 +136,7 @@ def test_newer_minor_version_with_extra_dataset_is_accepted(artifact_path):
 def test_unknown_dataset_in_current_version_is_refused(artifact_path):
     with h5py.File(artifact_path, "r+") as h5:
         h5["budgets"].create_dataset("surprise", data=np.zeros(3), chunks=True, fletcher32=True)
-    _assert_invalid(artifact_path, "surprise: not part of schema 1.1")
+    _assert_invalid(artifact_path, "surprise: not part of schema 1.2")
 
 
 def test_altered_metadata_attribute(artifact_path):
@@ -298,7 +298,7 @@ def test_inspect_artifact_console_script(artifact_path):
         [sys.executable, "-m", "artifacts.cli", str(artifact_path), "--json"], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["schema_version"] == "1.1"
+    assert json.loads(done.stdout)["schema_version"] == "1.2"
     with open(artifact_path, "r+b") as fh:
         fh.truncate(100)
     done = subprocess.run([sys.executable, "-m", "artifacts.cli", str(artifact_path)], capture_output=True, text=True)
