@@ -1,7 +1,7 @@
 """Serving runtime: per-KV-head eviction inside ``model.generate`` (docs/design.md sections 1-3, 6).
 
     from runtime import CompressionPolicy, load_calibration, generate, answer
-    calibration = load_calibration(model, tokenizer)               # kv_calibration.h5 next to the weights
+    calibration = load_calibration(model, tokenizer)               # next to the weights, hub snapshot, kvcal cache
     policy = CompressionPolicy(ratio=0.25, allocation="inf")       # EA scorer, calibrated statistics
     result = generate(model, input_ids, policy, context_columns=n, calibration=calibration,
                       max_new_tokens=32)
