@@ -257,7 +257,8 @@ def find_artifact(model, path: str | os.PathLike | None = None) -> Path:
             return candidate
     where = ", ".join(str(c) for c in candidates) or f"nowhere (model source {source!r} is no directory or hub id)"
     raise ArtifactError(
-        f"no {ARTIFACT_FILENAME} found for {source or 'the model'}: looked at {where}. "
+        f"no {ARTIFACT_FILENAME} found next to the weights, in the hub snapshot or in kvcal's cache for "
+        f"{source or 'the model'}: looked at {where}. "
         "Run profile-model, or pass path=..."
     )
 
