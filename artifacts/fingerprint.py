@@ -19,6 +19,14 @@ devices and library versions.
   fingerprint as loaded in its own dtype (the up-cast is exact).  Nothing is hashed on the
   host but these few numbers: a 70B model costs one device reduction per tensor, not a hash of
   140 GB.
+* **weights under a dtype** (:func:`weights_fingerprints`): the same, with every floating
+  tensor first cast to that dtype (``tensor.to(dtype)``: round to nearest even, exactly what
+  transformers does when it loads a float32 checkpoint with ``dtype=torch.bfloat16``).  The
+  profiler records it for each of :data:`FINGERPRINT_DTYPES`; the runtime computes only the
+  one for the dtype the served model is in (:func:`serving_dtype`) and compares like with
+  like, so a float32-profiled checkpoint loaded in bfloat16 or float16 is recognised, and a
+  weight that differs after the rounding is still seen.  The float32 entry is the plain
+  weights fingerprint above.
 * **tokenizer** (:func:`tokenizer_fingerprint`): the vocabulary (token -> id), the added and
   special tokens, and the chat template.
 
@@ -33,6 +41,9 @@ import json
 from .schema import ModelIdentity, canonical_json
 
 SAMPLES_PER_TENSOR = 64
+# The dtypes a checkpoint is commonly served in; the artifact records the weights fingerprint
+# under each (``/model`` attribute ``weights_fingerprints``, schema 1.2).
+FINGERPRINT_DTYPES = ("float32", "bfloat16", "float16")
 _CHUNK_ELEMENTS = 1 << 24  # bound the temporary float32 copy per step
 
 
@@ -112,27 +123,67 @@ def architecture_fingerprint(numbers: dict, query_norm: bool) -> str:
     return _sha256({**numbers, "query_norm": bool(query_norm)})
 
 
-def weights_fingerprint(model) -> str:
-    """See the module docstring.  ``model`` is any ``torch.nn.Module``."""
+def weights_fingerprint(model, dtype: str = "float32") -> str:
+    """The weights fingerprint of ``model`` as loaded in ``dtype`` (see the module docstring).
+
+    ``model`` is any ``torch.nn.Module``.  ``dtype="float32"`` (the default) is the recorded
+    ``weights_fingerprint``; see :func:`weights_fingerprints` for the others.
+    """
+    return weights_fingerprints(model, (dtype,))[dtype]
+
+
+def weights_fingerprints(model, dtypes: tuple[str, ...] = FINGERPRINT_DTYPES) -> dict[str, str]:
+    """``{dtype: fingerprint}``: the weights fingerprint of ``model`` as if each floating tensor
+    were cast to ``dtype`` first (``tensor.to(dtype)``, round to nearest even: what transformers
+    does to a float32 checkpoint loaded with that dtype).  One pass over the weights for all of
+    ``dtypes``; a tensor already in ``dtype`` (or of lower precision) is not changed by the cast.
+    """
     import torch
 
-    entries = []
+    targets = {name: getattr(torch, name) for name in dtypes}
+    entries: dict[str, list] = {name: [] for name in dtypes}
     with torch.no_grad():
         for name, tensor in sorted(model.state_dict(keep_vars=False).items()):
-            if not tensor.is_floating_point() and tensor.dtype not in (torch.int8, torch.uint8, torch.int32):
+            floating = tensor.is_floating_point()
+            if not floating and tensor.dtype not in (torch.int8, torch.uint8, torch.int32):
                 # integer buffers other than quantised weights (e.g. position ids) carry no identity
                 continue
             flat = tensor.detach().reshape(-1)
-            bitsum = sum(
-                _bitsum(flat[start : start + _CHUNK_ELEMENTS]) for start in range(0, flat.numel(), _CHUNK_ELEMENTS)
-            )
             count = min(SAMPLES_PER_TENSOR, flat.numel())
             positions = (torch.arange(count, dtype=torch.int64) * (flat.numel() - 1) // max(count - 1, 1)).to(
                 flat.device
             )
-            sample = flat[positions].to(torch.float32).view(torch.int32).tolist() if count else []
-            entries.append([name, list(tensor.shape), bitsum % (1 << 64), sample])
-    return _sha256(entries)
+            bitsums = dict.fromkeys(dtypes, 0)
+            for start in range(0, flat.numel(), _CHUNK_ELEMENTS):
+                chunk = flat[start : start + _CHUNK_ELEMENTS]
+                for key, target in targets.items():
+                    bitsums[key] += _bitsum(chunk.to(target) if floating else chunk)
+            for key, target in targets.items():
+                picked = flat[positions]
+                picked = picked.to(target) if floating else picked
+                sample = picked.to(torch.float32).view(torch.int32).tolist() if count else []
+                entries[key].append([name, list(tensor.shape), bitsums[key] % (1 << 64), sample])
+    return {key: _sha256(value) for key, value in entries.items()}
+
+
+def serving_dtype(model) -> str | None:
+    """The dtype ``model``'s weights are compared under: its lowest-precision floating dtype.
+
+    ``"bfloat16"`` when any floating tensor of the state dict is bfloat16, else ``"float16"``
+    when any is float16, else ``"float32"`` (float32 and float64 tensors); ``None`` for other
+    floating dtypes (float8...), which have no recorded entry.  A model loaded in bfloat16 that
+    keeps some modules in float32 is compared under bfloat16: casting those to bfloat16 is what
+    the profile-time entry did too.
+    """
+    import torch
+
+    seen = {tensor.dtype for tensor in model.state_dict(keep_vars=False).values() if tensor.is_floating_point()}
+    if seen - {torch.float64, torch.float32, torch.float16, torch.bfloat16}:
+        return None
+    for dtype in (torch.bfloat16, torch.float16):
+        if dtype in seen:
+            return str(dtype).removeprefix("torch.")
+    return "float32"
 
 
 def _bitsum(chunk) -> int:
@@ -173,11 +224,13 @@ def model_identity(model, tokenizer, name: str) -> ModelIdentity:
     """Everything the artifact's ``/model`` group records, computed from a loaded model."""
     numbers = architecture_numbers(model.config)
     query_norm = has_query_norm(model)
+    fingerprints = weights_fingerprints(model)
     return ModelIdentity(
         name=str(name),
         query_norm=query_norm,
         arch_fingerprint=architecture_fingerprint(numbers, query_norm),
-        weights_fingerprint=weights_fingerprint(model),
+        weights_fingerprint=fingerprints["float32"],
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        weights_fingerprints=canonical_json(fingerprints),
         **numbers,
     )

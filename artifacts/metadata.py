@@ -4,10 +4,14 @@ HDF5 attributes are not covered by the per-dataset fletcher32 checksums, so the 
 ``metadata_sha256``: the SHA-256 of the canonical JSON (``schema.canonical_json``) of
 
     {"root": {"config_json", "created", "toolkit_version"},
-     "model": {every ModelIdentity field, query_norm as true/false},
+     "model": {every ModelIdentity field of schema 1.1, query_norm as true/false},
      "sections": {section: {its schema attributes}}}
 
-with values as the schema types them.  The reader recomputes it from what it read.
+with values as the schema types them.  The reader recomputes it from what it read.  The
+/model attributes and the sections added after 1.1 (``schema.OPTIONAL_MODEL_ATTRS``,
+``schema.SECTIONS_AFTER_1_1``) are left out of it, so that a 1.1 reader, which does not know
+them, can still verify it; when a file has any of them, ``extended_metadata_sha256`` is the
+digest of the same document with them included.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-from .schema import Artifact, canonical_json
+from .schema import OPTIONAL_MODEL_ATTRS, SECTIONS_AFTER_1_1, Artifact, canonical_json
 
 ROOT_TEXT_ATTRS = ("toolkit_version", "created", "config_json")
 
@@ -30,6 +34,25 @@ def root_attrs(artifact: Artifact, *, created: str, version: str) -> dict:
 
 
 def metadata_digest(root: dict, model: dict, section_attrs: dict) -> str:
+    """``metadata_sha256``: over what schema 1.1 has (not the /model attributes and sections added later)."""
+    return _digest(
+        root,
+        {name: v for name, v in model.items() if name not in OPTIONAL_MODEL_ATTRS},
+        {name: v for name, v in section_attrs.items() if name not in SECTIONS_AFTER_1_1},
+    )
+
+
+def extended_metadata_digest(root: dict, model: dict, section_attrs: dict) -> str | None:
+    """``extended_metadata_sha256``: the same document with the /model attributes and the sections
+    added after 1.1 that are present included; None when there are none."""
+    extra = {name: model[name] for name in OPTIONAL_MODEL_ATTRS if model.get(name)}
+    if not extra and not any(name in SECTIONS_AFTER_1_1 for name in section_attrs):
+        return None
+    base = {name: v for name, v in model.items() if name not in OPTIONAL_MODEL_ATTRS}
+    return _digest(root, {**base, **extra}, section_attrs)
+
+
+def _digest(root: dict, model: dict, section_attrs: dict) -> str:
     document = {
         "root": {name: root[name] for name in ROOT_TEXT_ATTRS},
         "model": {name: (bool(v) if name == "query_norm" else v) for name, v in model.items()},

@@ -25,7 +25,7 @@ import h5py
 import numpy as np
 
 from .errors import ArtifactError
-from .metadata import ROOT_TEXT_ATTRS, metadata_digest
+from .metadata import ROOT_TEXT_ATTRS, extended_metadata_digest, metadata_digest
 from .schema import FORMAT_NAME, SCHEMA_MAJOR, SCHEMA_MINOR, SCHEMA_VERSION, SECTIONS, ModelIdentity, Section
 from .validation import (
     check_array,
@@ -132,6 +132,14 @@ class ArtifactReader:
         model_attrs = {name: getattr(self.model, name) for name in self.model.__dataclass_fields__}
         if stored != metadata_digest(root, model_attrs, self._section_attrs):
             raise ArtifactError("metadata checksum mismatch: attributes were altered or corrupted")
+        # the /model attributes added after 1.1 (weights_fingerprints) have their own digest; a
+        # file that has either the attributes or the digest must have both, and they must agree
+        extended = extended_metadata_digest(root, model_attrs, self._section_attrs)
+        stored_extended = attrs.get("extended_metadata_sha256")
+        if stored_extended is not None:
+            stored_extended = coerce_attr("/", "extended_metadata_sha256", stored_extended, str)
+        if stored_extended != extended:
+            raise ArtifactError("metadata checksum mismatch: attributes were altered or corrupted (extended digest)")
 
     def _check_tree(self) -> None:
         """Walk every link in the file; refuse anything that could read outside it."""

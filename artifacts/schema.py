@@ -25,7 +25,7 @@ import numpy as np
 
 FORMAT_NAME = "kvcal-calibration"
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 2  # 1.1: the optional learned_scorer section; 1.2: the optional recommendation section
+SCHEMA_MINOR = 2  # 1.1: the learned_scorer section; 1.2: the recommendation section, /model weights_fingerprints
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 # Upper bounds on the architecture numbers and free dimensions a file may declare.  They keep
@@ -165,6 +165,11 @@ SECTIONS: dict[str, SectionSpec] = {
 }
 
 
+# Sections added after schema 1.1: their attributes are protected by extended_metadata_sha256 only
+# (artifacts.metadata), so that a 1.1 reader, which skips them, can still verify metadata_sha256.
+SECTIONS_AFTER_1_1 = ("recommendation",)
+
+
 @dataclass(frozen=True)
 class ModelIdentity:
     """Which model an artifact belongs to: architecture numbers and fingerprints."""
@@ -184,12 +189,24 @@ class ModelIdentity:
     arch_fingerprint: str  # sha256 hex, see artifacts.fingerprint
     weights_fingerprint: str
     tokenizer_fingerprint: str
+    # 1.2, optional: canonical JSON {dtype name: weights fingerprint with the weights cast to that
+    # dtype} for float32, bfloat16, float16 (artifacts.fingerprint.weights_fingerprints); "" when
+    # absent (files of 1.0 / 1.1), then only weights_fingerprint can be compared.
+    weights_fingerprints: str = ""
 
     def dims(self) -> dict[str, int]:
         return {"L": self.num_layers, "Hq": self.num_q_heads, "Hkv": self.num_kv_heads, "d": self.head_dim}
 
+    def dtype_fingerprints(self) -> dict[str, str]:
+        """``weights_fingerprints`` as a dict (empty when the file has none)."""
+        return json.loads(self.weights_fingerprints) if self.weights_fingerprints else {}
+
 
 MODEL_ATTR_TYPES: dict[str, type] = typing.get_type_hints(ModelIdentity)
+# /model attributes added after 1.1, absent from older files (the field's default then).  They
+# are not part of metadata_sha256, which a 1.1 reader must still be able to verify; the root
+# attribute extended_metadata_sha256 covers them (docs/artifact-format.md section 5).
+OPTIONAL_MODEL_ATTRS: tuple[str, ...] = ("weights_fingerprints",)
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .reader import ArtifactReader
+from .schema import OPTIONAL_MODEL_ATTRS
 
 
 def _range(array: np.ndarray) -> dict:
@@ -21,7 +22,11 @@ def summarize(reader: ArtifactReader) -> dict:
         "schema_version": reader.schema_version,
         "toolkit_version": reader.toolkit_version,
         "created": reader.created,
-        "model": {name: getattr(model, name) for name in model.__dataclass_fields__},
+        "model": {
+            name: getattr(model, name)
+            for name in model.__dataclass_fields__
+            if name not in OPTIONAL_MODEL_ATTRS or getattr(model, name)  # absent optional attributes
+        },
         "config": reader.config,
         "sections": {},
     }

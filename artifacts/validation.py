@@ -13,6 +13,7 @@ from .schema import (
     FREE_DIM_LIMITS,
     MAX_STRING_ATTR_CHARS,
     MODEL_ATTR_TYPES,
+    OPTIONAL_MODEL_ATTRS,
     SECTIONS,
     ModelIdentity,
     resolve_shape,
@@ -57,6 +58,8 @@ def model_identity_from_attrs(attrs) -> ModelIdentity:
     """Build and check a :class:`ModelIdentity` from a mapping of attribute values."""
     values = {}
     for name, kind in MODEL_ATTR_TYPES.items():
+        if name not in attrs and name in OPTIONAL_MODEL_ATTRS:
+            continue  # added after 1.1: absent from older files (the field's default)
         if name not in attrs:
             raise ArtifactError(f"/model: required attribute {name!r} is missing")
         values[name] = coerce_attr("/model", name, attrs[name], kind)
@@ -82,6 +85,24 @@ def check_model_identity(identity: ModelIdentity) -> None:
         json.loads(identity.rope_parameters)
     except ValueError as exc:
         raise ArtifactError("/model: rope_parameters is not valid JSON") from exc
+    if identity.weights_fingerprints:
+        _check_dtype_fingerprints(identity)
+
+
+def _check_dtype_fingerprints(identity: ModelIdentity) -> None:
+    """``weights_fingerprints``: a JSON object of SHA-256 hex digests by dtype name, whose float32
+    entry is ``weights_fingerprint`` (unknown dtype names are allowed: a newer writer's)."""
+    try:
+        entries = json.loads(identity.weights_fingerprints)
+    except ValueError as exc:
+        raise ArtifactError("/model: weights_fingerprints is not valid JSON") from exc
+    if not isinstance(entries, dict) or not all(
+        isinstance(value, str) and len(value) == 64 and set(value) <= set("0123456789abcdef")
+        for value in entries.values()
+    ):
+        raise ArtifactError("/model: weights_fingerprints must map dtype names to SHA-256 hex digests")
+    if entries.get("float32") != identity.weights_fingerprint:
+        raise ArtifactError("/model: weights_fingerprints['float32'] differs from weights_fingerprint")
 
 
 def section_dims(section: str, shapes: dict[str, tuple[int, ...]], arch: dict[str, int]) -> dict[str, int]:

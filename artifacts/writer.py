@@ -16,8 +16,8 @@ import numpy as np
 
 from .atomic import atomic_path
 from .errors import ArtifactError
-from .metadata import metadata_digest, root_attrs
-from .schema import FORMAT_NAME, SCHEMA_VERSION, SECTIONS, Artifact
+from .metadata import extended_metadata_digest, metadata_digest, root_attrs
+from .schema import FORMAT_NAME, OPTIONAL_MODEL_ATTRS, SCHEMA_VERSION, SECTIONS, Artifact
 from .validation import check_array, check_model_identity, check_section_attrs, section_dims
 
 COMPRESSION = "gzip"
@@ -87,6 +87,8 @@ def _as_schema_dtype(section: str, name: str, value) -> np.ndarray:
 def _write_contents(h5: h5py.File, prepared: dict, attrs: dict, section_attrs: dict) -> None:
     model_group = h5.create_group("model")
     for name, value in attrs["model"].items():
+        if name in OPTIONAL_MODEL_ATTRS and not value:
+            continue  # an optional attribute the identity does not carry
         model_group.attrs[name] = int(value) if isinstance(value, bool) else value
     for section_name, arrays in prepared.items():
         group = h5.create_group(section_name)
@@ -106,5 +108,8 @@ def _write_contents(h5: h5py.File, prepared: dict, attrs: dict, section_attrs: d
     for name, value in attrs["root"].items():
         h5.attrs[name] = value
     h5.attrs["metadata_sha256"] = metadata_digest(attrs["root"], attrs["model"], section_attrs)
+    extended = extended_metadata_digest(attrs["root"], attrs["model"], section_attrs)
+    if extended is not None:
+        h5.attrs["extended_metadata_sha256"] = extended
     h5.attrs["format"] = FORMAT_NAME
     h5.attrs["schema_version"] = SCHEMA_VERSION

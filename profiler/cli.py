@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--out",
         default=None,
-        help="output file (default: kv_calibration.h5 in the model directory when writable, "
-        "else in the current directory)",
+        help="output file (default: kv_calibration.h5 in the model directory when writable, else in "
+        "kvcal's cache, $XDG_CACHE_HOME/kvcal/artifacts/<org>--<name>/ for a hub id, where load_calibration looks)",
     )
     parser.add_argument("--preset", choices=list(PRESETS), default="quick", help=f"job size. {PRESET_HELP}")
 

@@ -19,7 +19,6 @@ of work, keeps its own work file, and at the end the sums are all-reduced
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from artifacts import ARTIFACT_FILENAME, Artifact, ArtifactError, Section, open_artifact, write_artifact
+from artifacts import Artifact, ArtifactError, Section, open_artifact, write_artifact
 from artifacts.schema import canonical_json
 from profiler import distributed
 from profiler.calibration_text import calibration_windows
@@ -37,6 +36,7 @@ from profiler.checkpoint import interrupts_deferred, load_work, remove_work, sav
 from profiler.presets import PRESETS
 from profiler.stages import STAGE_NAMES, STAGES, Stage, default_stages
 from profiler.stages.base import ShardedStage
+from runtime.calibration import default_artifact_path
 from runtime.geometry import ModelGeometry
 
 CALIBRATION_SOURCE_DEFAULT = "needles prose haystack"
@@ -53,7 +53,7 @@ class JobInterrupted(Exception):
 @dataclass
 class JobOptions:
     model: str | None = None  # local dir, hub id, or None for the embedded model
-    out: Path | None = None  # default: <model dir>/kv_calibration.h5 when writable, else ./
+    out: Path | None = None  # default: <model dir>/kv_calibration.h5 when writable, else kvcal's cache
     preset: str = "quick"
     stages: tuple[str, ...] | None = None  # None: the preset's default stages (profiler.stages.default_stages)
     resume: bool = False
@@ -66,12 +66,11 @@ class JobOptions:
     log: object = field(default=print, repr=False)
 
 
-def default_output(model_dir: str) -> Path:
-    """``kv_calibration.h5`` in the model directory when writable, else in the current one."""
-    directory = Path(model_dir)
-    if directory.is_dir() and os.access(directory, os.W_OK):
-        return directory / ARTIFACT_FILENAME
-    return Path.cwd() / ARTIFACT_FILENAME
+def default_output(model_source: str) -> Path:
+    """``kv_calibration.h5`` in the model directory when writable, else in kvcal's cache
+    (``$XDG_CACHE_HOME/kvcal/artifacts/<org>--<name>/`` for a hub id), where ``load_calibration``
+    looks for it too (``runtime.calibration.default_artifact_path``)."""
+    return default_artifact_path(model_source)
 
 
 def _digest(*parts) -> str:

@@ -1,7 +1,7 @@
 """Serving runtime: per-KV-head eviction inside ``model.generate`` (docs/design.md sections 1-3, 6).
 
     from runtime import CompressionPolicy, load_calibration, generate, answer
-    calibration = load_calibration(model, tokenizer)               # kv_calibration.h5 next to the weights
+    calibration = load_calibration(model, tokenizer)               # next to the weights, hub snapshot, kvcal cache
     policy = calibration.policy(compression_ratio=0.75)            # the artifact's measured best, 75% evicted
     policy = CompressionPolicy(compression_ratio=0.75)             # or any policy; this one needs no artifact
     result = generate(model, input_ids, policy, context_columns=n, calibration=calibration,

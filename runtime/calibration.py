@@ -1,7 +1,13 @@
 """Finding and loading the calibration artifact for a loaded model.
 
-    calibration = load_calibration(model, tokenizer)              # kv_calibration.h5 next to the weights
+    calibration = load_calibration(model, tokenizer)              # found from model.name_or_path
     calibration = load_calibration(model, tokenizer, path="x.h5")  # explicit file
+
+Without ``path`` the file is looked for (:func:`artifact_locations`) next to the weights (a
+local model directory), in the local hub snapshot (a hub id: an artifact its publisher ships),
+then in kvcal's cache, ``$XDG_CACHE_HOME/kvcal/artifacts/<org>--<name>/kv_calibration.h5``
+(:func:`artifact_cache_path`), which is where ``profile-model`` writes by default when it cannot
+write next to the weights (a hub id, a read-only directory: :func:`default_artifact_path`).
 
 The file is validated by ``artifacts`` (structure, checksums, dtypes, shapes, ranges) and its
 ``/model`` identity compared with the loaded model:
@@ -10,9 +16,13 @@ The file is validated by ``artifacts`` (structure, checksums, dtypes, shapes, ra
 * different weights or a different tokenizer are refused unless ``allow_mismatch=True``,
   which warns once per (model, file) instead.
 
-The weights fingerprint (``artifacts.fingerprint.weights_fingerprint``) reads every weight,
-which takes seconds on CPU; it is computed once per model object and remembered on the model
-together with the tensors' version counters, so an in-place weight change invalidates it.
+The weights are compared under the dtype the model is loaded in (:func:`weights_match`): the
+artifact records the weights fingerprint of the profiled checkpoint cast to float32, bfloat16
+and float16, so a float32-profiled checkpoint served in bfloat16 or float16 is recognised, while
+a checkpoint with any weight changed is not.  The fingerprint
+(``artifacts.fingerprint.weights_fingerprint``) reads every weight, which takes about a second
+on CPU; it is computed once per model object (for the one dtype compared) and remembered on the
+model together with the tensors' version counters, so an in-place weight change invalidates it.
 The tokenizer fingerprint is remembered on the tokenizer the same way (keyed by its size and
 chat template).
 Only what a serving process uses is read: at load time the INF weights (``budgets/inf_kv``,
@@ -30,7 +40,9 @@ a mismatch is warned about once per scorer.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -41,6 +53,7 @@ from artifacts.fingerprint import (
     architecture_fingerprint,
     architecture_numbers,
     has_query_norm,
+    serving_dtype,
     tokenizer_fingerprint,
     weights_fingerprint,
 )
@@ -168,19 +181,68 @@ def _configured_selection(config) -> str | None:
     return str(selection) if selection is not None else None
 
 
-def find_artifact(model, path: str | os.PathLike | None = None) -> Path:
-    """The artifact for ``model``: ``path`` itself, or ``kv_calibration.h5`` next to its weights."""
-    if path is not None:
-        path = Path(path).expanduser()
-        if path.is_dir():
-            path = path / ARTIFACT_FILENAME
-        if not path.is_file():
-            raise ArtifactError(f"{path}: no such calibration artifact")
-        return path
-    source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None) or ""
-    candidates = []
-    if source and Path(source).expanduser().is_dir():
-        candidates.append(Path(source).expanduser() / ARTIFACT_FILENAME)
+# A hub model id: "name" or "org/name", of letters, digits, "-", "_", "." (as the hub allows).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def model_source(model) -> str:
+    """The local directory or hub id ``model`` was loaded from (``name_or_path``), or ""."""
+    return str(getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None) or "")
+
+
+def _local_directory(source: str) -> Path | None:
+    path = Path(source).expanduser() if source else None
+    return path.resolve() if path is not None and path.is_dir() else None
+
+
+def artifact_cache_path(source: str) -> Path | None:
+    """kvcal's own place for the artifact of the model ``source``, under ``runtime.models.cache_root()``:
+
+    * a hub id ``org/name`` (not a local directory): ``<cache>/artifacts/org--name/kv_calibration.h5``
+      (``name`` alone: ``<cache>/artifacts/name/...``);
+    * a local directory: ``<cache>/artifacts/local/<dir name>-<12 hex of SHA-256 of its resolved
+      absolute path>/kv_calibration.h5``, so any path naming the same directory gives one place.
+
+    ``None`` for anything else (a missing path, text that is no hub id).  profile-model writes
+    here by default when it cannot write next to the weights (:func:`default_artifact_path`),
+    and :func:`find_artifact` looks here last.
+    """
+    from .models import cache_root
+
+    directory = _local_directory(source)
+    if directory is not None:
+        digest = hashlib.sha256(str(directory).encode()).hexdigest()[:12]
+        return cache_root() / "artifacts" / "local" / f"{directory.name}-{digest}" / ARTIFACT_FILENAME
+    if not _HUB_ID.fullmatch(source) or ".." in source or "--" in source:
+        return None
+    return cache_root() / "artifacts" / source.replace("/", "--") / ARTIFACT_FILENAME
+
+
+def default_artifact_path(source: str) -> Path:
+    """Where profile-model writes the artifact of ``source`` by default: ``kv_calibration.h5`` in
+    the model directory when it is a writable local directory, else :func:`artifact_cache_path`
+    (a hub id, or a read-only directory).  :func:`find_artifact` looks in both places."""
+    directory = _local_directory(source)
+    if directory is not None and os.access(directory, os.W_OK):
+        return Path(source).expanduser() / ARTIFACT_FILENAME
+    place = artifact_cache_path(source)
+    if place is None:
+        raise ValueError(f"{source!r} is neither a local model directory nor a hub id; pass an output path")
+    return place
+
+
+def artifact_locations(source: str) -> list[Path]:
+    """Where :func:`find_artifact` looks for the artifact of ``source``, in order:
+
+    1. next to the weights (``source`` is a local directory);
+    2. the local hub snapshot of a hub id, offline (an artifact the publisher ships);
+    3. kvcal's cache, :func:`artifact_cache_path` (where profile-model writes by default when
+       it cannot write next to the weights).
+    """
+    places = []
+    directory = _local_directory(source)
+    if directory is not None:
+        places.append(Path(source).expanduser() / ARTIFACT_FILENAME)
     elif source:
         try:  # a hub id: look in the local hub snapshot, offline
             from transformers.utils.hub import cached_file
@@ -193,15 +255,36 @@ def find_artifact(model, path: str | os.PathLike | None = None) -> Path:
                 _raise_exceptions_for_connection_errors=False,
             )
             if found:
-                candidates.append(Path(found))
+                places.append(Path(found))
         except Exception:  # not a hub id, or no local snapshot
             pass
+    cached = artifact_cache_path(source)
+    if cached is not None:
+        places.append(cached)
+    return places
+
+
+def find_artifact(model, path: str | os.PathLike | None = None) -> Path:
+    """The artifact for ``model``: ``path`` itself (a file, or a directory holding
+    ``kv_calibration.h5``), else the first of :func:`artifact_locations` of the model's source
+    (``name_or_path``) that exists: next to the weights, the hub snapshot, kvcal's cache."""
+    if path is not None:
+        path = Path(path).expanduser()
+        if path.is_dir():
+            path = path / ARTIFACT_FILENAME
+        if not path.is_file():
+            raise ArtifactError(f"{path}: no such calibration artifact")
+        return path
+    source = model_source(model)
+    candidates = artifact_locations(source)
     for candidate in candidates:
         if candidate.is_file():
             return candidate
-    where = ", ".join(str(c) for c in candidates) or f"(model source {source!r} is not a local directory)"
+    where = ", ".join(str(c) for c in candidates) or f"nowhere (model source {source!r} is no directory or hub id)"
     raise ArtifactError(
-        f"no {ARTIFACT_FILENAME} found next to the weights: looked at {where}. Run profile-model, or pass path=..."
+        f"no {ARTIFACT_FILENAME} found next to the weights, in the hub snapshot or in kvcal's cache for "
+        f"{source or 'the model'}: looked at {where}. "
+        "Run profile-model, or pass path=..."
     )
 
 
@@ -213,15 +296,34 @@ def _memo(model) -> dict:
     return memo
 
 
-def model_weights_fingerprint(model) -> str:
-    """``weights_fingerprint(model)``, remembered until a weight tensor changes."""
+def model_weights_fingerprint(model, dtype: str = "float32") -> str:
+    """``weights_fingerprint(model, dtype)``, remembered (per dtype) until a weight tensor changes."""
     memo = _memo(model)
     tensors = list(model.named_parameters()) + list(model.named_buffers())
-    versions = tuple((name, tensor.data_ptr(), tensor._version) for name, tensor in tensors)
+    versions = tuple((name, tensor.data_ptr(), tensor.dtype, tensor._version) for name, tensor in tensors)
     if memo.get("versions") != versions:
-        memo["weights"] = weights_fingerprint(model)
+        memo["weights"] = {}
         memo["versions"] = versions
-    return memo["weights"]
+    if dtype not in memo["weights"]:
+        memo["weights"][dtype] = weights_fingerprint(model, dtype)
+    return memo["weights"][dtype]
+
+
+def weights_match(identity: ModelIdentity, model) -> tuple[bool, str]:
+    """Whether ``model``'s weights are the ones ``identity`` was profiled from, and the dtype
+    they were compared under.
+
+    With the artifact's per-dtype fingerprints (schema 1.2) the model is compared under its own
+    dtype (``serving_dtype``: bfloat16, float16 or float32) with the entry for that dtype, so
+    any of those loads of the profiled checkpoint matches.  Without them (1.0 / 1.1 files), or
+    for a dtype the artifact has no entry for, the float32 view is compared with
+    ``weights_fingerprint``, which only a load with the profiled values matches.
+    """
+    entries = identity.dtype_fingerprints()
+    dtype = serving_dtype(model)
+    if dtype is not None and dtype in entries:
+        return entries[dtype] == model_weights_fingerprint(model, dtype), dtype
+    return identity.weights_fingerprint == model_weights_fingerprint(model), "float32"
 
 
 def model_tokenizer_fingerprint(tokenizer) -> str:
@@ -253,8 +355,9 @@ def check_identity(
         detail = "; ".join(differing) or "query norm or RoPE parameters differ"
         raise ArtifactError(f"{source} was made for another architecture ({identity.name}): {detail}")
     mismatches = []
-    if identity.weights_fingerprint != model_weights_fingerprint(model):
-        mismatches.append("weights")
+    same_weights, compared_as = weights_match(identity, model)
+    if not same_weights:
+        mismatches.append(f"weights (compared as {compared_as})")
     if tokenizer is not None and identity.tokenizer_fingerprint != model_tokenizer_fingerprint(tokenizer):
         mismatches.append("tokenizer")
     if not mismatches:

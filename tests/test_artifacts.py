@@ -323,3 +323,19 @@ def test_format_doc_lists_every_dataset_and_attribute_of_the_schema():
             assert f"`{attr}`" in doc
     for attr in MODEL_ATTR_TYPES:
         assert f"| `{attr}` |" in doc
+
+
+def test_a_1_1_reader_can_verify_the_digest_of_a_file_with_a_recommendation(tmp_path):
+    """Sections added after 1.1 are protected by extended_metadata_sha256 only (docs section 5)."""
+    from artifacts.metadata import metadata_digest
+
+    root = {"toolkit_version": "v", "created": "c", "config_json": "{}"}
+    sections = {"budgets": {"beta": 2.0, "min_budget": 1}, "recommendation": {"tasks": 12}}
+    without = {"budgets": sections["budgets"]}
+    assert metadata_digest(root, {}, sections) == metadata_digest(root, {}, without)  # what a 1.1 reader computes
+    path = write_artifact(tmp_path / "r.h5", make_random_artifact())
+    with h5py.File(path, "r") as h5:
+        assert h5.attrs["metadata_sha256"] != h5.attrs["extended_metadata_sha256"]
+    with h5py.File(path, "r+") as h5:
+        h5["recommendation"].attrs["tasks"] = 13
+    _assert_invalid(path, r"metadata checksum mismatch.*\(extended digest\)")

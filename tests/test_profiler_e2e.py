@@ -46,4 +46,7 @@ def test_smoke_preset_on_embedded_model_writes_a_valid_artifact(smoke_run):
 def test_default_output_goes_next_to_the_weights_when_writable(tmp_path, monkeypatch):
     assert default_output(str(tmp_path)) == tmp_path / ARTIFACT_FILENAME
     monkeypatch.chdir(tmp_path)
-    assert default_output("some-org/some-hub-model") == tmp_path / ARTIFACT_FILENAME
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    # a hub id: kvcal's cache, where load_calibration looks too (tests/test_artifact_location.py)
+    expected = tmp_path / "cache" / "kvcal" / "artifacts" / "some-org--some-hub-model" / ARTIFACT_FILENAME
+    assert default_output("some-org/some-hub-model") == expected

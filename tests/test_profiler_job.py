@@ -273,3 +273,44 @@ def test_learned_scorer_fits_on_probe_contexts_too(model_dir, tmp_path):
         assert extra == (48 - 6) + (52 - 6) + (56 - 6)  # their context tokens (context_end = n - 6)
         assert not np.array_equal(a.section("learned_scorer")["weights"], b.section("learned_scorer")["weights"])
     assert main(_args(model_dir, tmp_path / "x.h5", "--stages", "learned-scorer", "--scorer-probes", "-1")) == 2
+
+
+def test_hub_id_round_trip_profile_then_serve(model_dir, tmp_path):
+    """`profile-model ORG/NAME` without --out, then `load_calibration(load_model("ORG/NAME"))`,
+    both offline from a local hub cache: the artifact goes to kvcal's cache and is found there."""
+    snapshot = tmp_path / "hub" / "models--some-org--tiny-model" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    for file in model_dir.iterdir():  # the model and tokenizer files, as a hub snapshot holds them
+        if file.is_file() and file.name not in ("probes.jsonl", "calib.txt"):
+            (snapshot / file.name).write_bytes(file.read_bytes())
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    env = {
+        **_env(),
+        "HF_HUB_CACHE": str(tmp_path / "hub"),
+        "HF_HUB_OFFLINE": "1",
+        "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+    }
+    args = _args(model_dir, tmp_path / "unused.h5")
+    args = ["some-org/tiny-model", *args[3:]]  # no model dir, no --out
+    done = subprocess.run(
+        [sys.executable, "-m", "profiler.cli", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    expected = tmp_path / "xdg" / "kvcal" / "artifacts" / "some-org--tiny-model" / "kv_calibration.h5"
+    assert expected.is_file() and not (tmp_path / "kv_calibration.h5").exists()
+    serve = (
+        "from runtime import load_calibration; from runtime.models import load_model, load_tokenizer; "
+        "m = load_model('some-org/tiny-model'); t = load_tokenizer('some-org/tiny-model'); "
+        "print(load_calibration(m, t).path)"
+    )
+    served = subprocess.run(
+        [sys.executable, "-c", serve], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert served.returncode == 0, served.stderr
+    assert served.stdout.strip().splitlines()[-1] == str(expected)

@@ -16,7 +16,7 @@ from artifacts.report import colour, render_report
 EVALUATION = {
     "baseline": {"accuracy": 0.8},
     "results": [
-        {"policy": policy, "ratio": ratio, "accuracy": max(0.0, 0.8 - ratio * slope)}
+        {"policy": policy, "compression_ratio": ratio, "accuracy": max(0.0, 0.8 - ratio * slope)}
         for policy, slope in [("uniform/keydiff", 0.5), ("inf/expected_attention", 0.3)]
         for ratio in (0.5, 0.75, 0.9)
     ],
