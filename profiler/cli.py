@@ -114,13 +114,12 @@ def _raise_keyboard_interrupt(_signum, _frame):
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)  # before the job's imports (torch): --help and --version stay fast
     from artifacts import ArtifactError
     from profiler.checkpoint import WorkFileMismatch
+    from profiler.distributed import relaunch_with_torchrun, requested_cpu_processes
     from profiler.job import JobInterrupted, JobOptions, run_job
     from runtime.models import ModelNotFoundError
-
-    args = build_parser().parse_args(argv)
-    from profiler.distributed import relaunch_with_torchrun, requested_cpu_processes
 
     workers = requested_cpu_processes()
     if workers:

@@ -13,11 +13,13 @@ import json
 import sys
 from pathlib import Path
 
-from runtime.policy import ALLOCATIONS
-from runtime.scorers import SCORERS
-
 from .arguments import comma_separated
 from .evaluation_results import NAMED_POLICIES, markdown_table, parse_policy
+
+# The names of runtime.policy.ALLOCATIONS and runtime.scorers.SCORERS for the help text, spelled
+# out because importing runtime takes torch and --help must not wait for it (tests check they agree).
+ALLOCATIONS = ("uniform", "inf", "global")
+SCORERS = ("expected_attention", "keydiff", "snapkv", "knorm", "streaming", "leverage", "kvzip", "learned")
 
 DEFAULT_POLICIES = (
     "baseline",

@@ -1,0 +1,51 @@
+"""Conventions every command shares (issue 12): import-light parsers, --version, progress bars
+off when stderr is not a terminal, clear errors for a model that does not exist.
+
+``--help`` wall time is not tested (machine-dependent); what makes it fast is: building a
+parser imports neither torch nor transformers, which is deterministic and checked here.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CLI_MODULES = ("profiler.cli", "profiler.evaluate_cli", "artifacts.cli", "needles.cli")
+HEAVY = ("torch", "transformers", "tqdm", "datasets", "accelerate")
+
+
+def _python(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, timeout=300, **kwargs)
+
+
+PROBE = """
+import contextlib, io, sys
+import {module} as cli
+cli.build_parser()
+with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+    cli.main(["--help"])
+print(",".join(name for name in {heavy!r} if name in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("module", CLI_MODULES)
+def test_parsing_and_help_import_no_torch(module):
+    done = _python("-c", PROBE.format(module=module, heavy=HEAVY))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "", f"{module}'s parser or --help imported {done.stdout.strip()}"
+
+
+def test_torch_free_copies_of_runtime_names_agree_with_the_runtime():
+    """The parsers spell out a few runtime names so that they need no torch; they must not drift."""
+    from profiler import evaluate_cli, moments_calibration
+    from profiler.stages import moments
+    from runtime.policy import ALLOCATIONS
+    from runtime.scorers import SCORERS
+
+    assert evaluate_cli.ALLOCATIONS == ALLOCATIONS
+    assert evaluate_cli.SCORERS == tuple(SCORERS)
+    assert moments.SELECTION_SCORERS == moments_calibration.SELECTION_SCORERS
