@@ -9,6 +9,7 @@ import sys
 from .errors import ArtifactError
 from .reader import open_artifact
 from .summary import format_summary, summarize
+from .version import add_version_argument
 
 EXIT_VALID, EXIT_INVALID = 0, 2
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Exit status: 0 valid, 2 invalid (the reason goes to stderr).",
     )
     parser.add_argument("path", help="the .h5 calibration file")
+    add_version_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of text")
     parser.add_argument(
         "--html",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from artifacts.version import add_version_argument
 from needles.families import FAMILIES
 from needles.spec import PRESETS, generate_probes, write_probes
 
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_version_argument(parser)
     parser.add_argument(
         "--preset", default="quick", choices=sorted(PRESETS), help="probe grid to start from (default: quick)"
     )

@@ -8,6 +8,7 @@ import signal
 import sys
 import textwrap
 
+from artifacts.version import add_version_argument
 from profiler.arguments import comma_separated
 from profiler.presets import PRESETS
 
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "model", nargs="?", default=None, help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
     )
+    add_version_argument(parser)
     parser.add_argument(
         "--out",
         default=None,

@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+from artifacts.version import add_version_argument
+
 from .arguments import comma_separated
 from .evaluation_results import NAMED_POLICIES, markdown_table, parse_policy
 
@@ -57,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "model", nargs="?", default=None, help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
     )
+    add_version_argument(parser)
     parser.add_argument(
         "--artifact", default=None, help="calibration file (default: kv_calibration.h5 next to the model weights)"
     )

@@ -49,3 +49,32 @@ def test_torch_free_copies_of_runtime_names_agree_with_the_runtime():
     assert evaluate_cli.ALLOCATIONS == ALLOCATIONS
     assert evaluate_cli.SCORERS == tuple(SCORERS)
     assert moments.SELECTION_SCORERS == moments_calibration.SELECTION_SCORERS
+
+
+COMMANDS = {
+    "profile-model": "profiler.cli",
+    "evaluate-artifact": "profiler.evaluate_cli",
+    "inspect-artifact": "artifacts.cli",
+    "generate-probes": "needles.cli",
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_version_names_the_command_and_the_installed_distribution(command):
+    from importlib.metadata import version
+
+    done = _python("-m", COMMANDS[command], "--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"{command} {version('kvcal')}"
+
+
+def test_version_from_a_source_tree_that_was_never_installed(monkeypatch):
+    import importlib.metadata
+
+    from artifacts.version import toolkit_version
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert toolkit_version() == "0+unknown"
