@@ -78,3 +78,21 @@ def test_version_from_a_source_tree_that_was_never_installed(monkeypatch):
 
     monkeypatch.setattr(importlib.metadata, "version", missing)
     assert toolkit_version() == "0+unknown"
+
+
+def test_inspect_artifact_json_reports_an_invalid_file_as_json(tmp_path, capsys):
+    import json
+
+    from artifacts.cli import main
+
+    broken = tmp_path / "kv_calibration.h5"
+    broken.write_bytes(b"not an HDF5 file")
+    for path in (broken, tmp_path / "missing.h5"):
+        assert main([str(path), "--json"]) == 2
+        captured = capsys.readouterr()
+        report = json.loads(captured.out)
+        assert report["valid"] is False and report["error"] and str(path) in report["error"]
+        assert captured.err.startswith("inspect-artifact: invalid artifact: ")  # the message stays on stderr too
+    assert main([str(broken)]) == 2
+    captured = capsys.readouterr()
+    assert not captured.out and "invalid artifact" in captured.err  # without --json: stderr only, as before
