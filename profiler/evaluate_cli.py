@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     from artifacts import ArtifactError, open_artifact
     from needles import generate_probes
     from runtime import load_calibration
-    from runtime.models import load_model, load_tokenizer
+    from runtime.models import ModelNotFoundError, load_model, load_tokenizer
 
     from .evaluation import evaluate
 
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         calibration = load_calibration(model, tokenizer, path=args.artifact, allow_mismatch=args.allow_mismatch)
         context = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
         spec, profiler_seed = _task_spec(args, calibration.config, context)
-    except (ValueError, ArtifactError) as exc:
+    except (ValueError, OSError, ArtifactError, ModelNotFoundError) as exc:
         print(f"evaluate-artifact: {exc}", file=sys.stderr)
         return 2
 

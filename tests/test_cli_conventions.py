@@ -96,3 +96,56 @@ def test_inspect_artifact_json_reports_an_invalid_file_as_json(tmp_path, capsys)
     assert main([str(broken)]) == 2
     captured = capsys.readouterr()
     assert not captured.out and "invalid artifact" in captured.err  # without --json: stderr only, as before
+
+
+# -- a model that does not exist -----------------------------------------------------------------
+
+
+@pytest.fixture
+def offline_hub(monkeypatch):
+    """No network retries: the hub is offline (only the local hub cache is looked at)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def test_a_path_that_does_not_exist_is_no_such_model_directory(tmp_path):
+    from runtime.models import ModelNotFoundError, resolve_model
+
+    for path in ("./no-such-model", "../no/such", str(tmp_path / "gone"), "~/no-such-model", "models/a/b", "x/"):
+        with pytest.raises(ModelNotFoundError, match="^no such model directory: "):
+            resolve_model(path)
+    for hub_id in ("org/some-model", "gpt2", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        assert resolve_model(hub_id) == hub_id  # hub-id shaped: from_pretrained resolves it
+
+
+def test_a_hub_id_that_is_neither_a_directory_nor_in_the_hub_cache_says_both(offline_hub):
+    from runtime.models import ModelNotFoundError, load_model, load_tokenizer
+
+    for load in (load_tokenizer, load_model):
+        with pytest.raises(ModelNotFoundError) as info:
+            load("no-such-org/no-such-model")
+        message = str(info.value)
+        assert message.startswith("no such model directory: no-such-org/no-such-model, and no hub id ")
+        assert "in the local hub cache" in message
+
+
+def _commands(model: str, tmp_path) -> dict:
+    return {
+        "profile-model": ("profiler.cli", [model, "--out", str(tmp_path / "a.h5"), "--preset", "smoke"]),
+        "evaluate-artifact": ("profiler.evaluate_cli", [model, "--artifact", str(tmp_path / "a.h5")]),
+        "generate-probes": ("needles.cli", ["--model", model, "--preset", "smoke", "--out", str(tmp_path / "p.jsonl")]),
+    }
+
+
+@pytest.mark.parametrize("command", ["profile-model", "evaluate-artifact", "generate-probes"])
+@pytest.mark.parametrize("model", ["./no-such-model", "no-such-org/no-such-model"])
+def test_commands_say_the_model_does_not_exist(command, model, tmp_path, capsys, offline_hub):
+    import importlib
+
+    module, argv = _commands(model, tmp_path)[command]
+    assert importlib.import_module(module).main(argv) == 2  # an uncaught exception would fail the test
+    err = capsys.readouterr().err
+    assert f"no such model directory: {model}" in err
+    assert ("hub id" in err) == ("/" in model and not model.startswith("."))
+    assert "Traceback" not in err and "Repo id must use" not in err
