@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="units of work (probes, calibration batches) between work-file checkpoints (default 4)",
     )
-    group.add_argument("--no-progress", action="store_true", help="no progress bars")
+    group.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (there are none when stderr is not a terminal)"
+    )
     return parser
 
 
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     from profiler.checkpoint import WorkFileMismatch
     from profiler.distributed import relaunch_with_torchrun, requested_cpu_processes
     from profiler.job import JobInterrupted, JobOptions, run_job
-    from runtime.models import ModelNotFoundError
+    from runtime.models import ModelNotFoundError, use_progress_bars
 
     workers = requested_cpu_processes()
     if workers:
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         resume=args.resume,
         checkpoint_every=args.checkpoint_every,
         device_map=args.device_map,
-        progress=not args.no_progress,
+        progress=use_progress_bars(args.no_progress),
         settings={name: value for name, value in arguments.items() if name not in JOB_OPTIONS},
     )
     previous_handler = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # `kill` stops like Ctrl-C

@@ -115,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", dest="json_out", metavar="OUT", help="write the results as JSON to OUT")
     parser.add_argument("--html", dest="html_out", metavar="OUT", help="write the HTML report to OUT")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (there are none when stderr is not a terminal)"
+    )
     return parser
 
 
@@ -142,9 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     from artifacts import ArtifactError, open_artifact
     from needles import generate_probes
     from runtime import load_calibration
-    from runtime.models import ModelNotFoundError, load_model, load_tokenizer
+    from runtime.models import ModelNotFoundError, load_model, load_tokenizer, use_progress_bars
 
     from .evaluation import evaluate
+
+    progress = use_progress_bars(args.no_progress)
 
     try:
         policies = [parse_policy(text) for text in args.policies]
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluate-artifact: {exc}", file=sys.stderr)
         return 2
 
-    probes = list(generate_probes(spec, tokenizer, progress=not args.no_progress))
+    probes = list(generate_probes(spec, tokenizer, progress=progress))
     evaluation = evaluate(
         model,
         tokenizer,
@@ -174,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         question_aware=args.question_aware,
         max_new_tokens=args.max_new_tokens,
         tolerance=args.tolerance / 100.0,
-        progress=not args.no_progress,
+        progress=progress,
     )
     evaluation.update(
         {

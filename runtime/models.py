@@ -20,6 +20,7 @@ import importlib.metadata
 import os
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -174,3 +175,20 @@ def load_model(
     loaded = _from_pretrained(AutoModelForCausalLM, model, **kwargs)
     loaded.eval()
     return loaded
+
+
+def use_progress_bars(no_progress: bool = False) -> bool:
+    """Whether a command draws progress bars: never under ``--no-progress``, and only while stderr
+    is a terminal (a log file or a pipe gets no bar redraws).  Every kvcal command decides here.
+
+    When they are off, transformers' and huggingface_hub's own bars (loading weights,
+    downloads) are turned off for the rest of the process, and datasets' (imported later) through
+    ``HF_DATASETS_DISABLE_PROGRESS_BARS`` unless that is set already.  Imports transformers then.
+    """
+    if not no_progress and sys.stderr.isatty():
+        return True
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    return False

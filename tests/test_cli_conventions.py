@@ -7,6 +7,7 @@ parser imports neither torch nor transformers, which is deterministic and checke
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -149,3 +150,67 @@ def test_commands_say_the_model_does_not_exist(command, model, tmp_path, capsys,
     assert f"no such model directory: {model}" in err
     assert ("hub id" in err) == ("/" in model and not model.startswith("."))
     assert "Traceback" not in err and "Repo id must use" not in err
+
+
+# -- progress bars -------------------------------------------------------------------------------
+
+
+class _Terminal:
+    def __init__(self, tty: bool):
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_progress_bars_only_on_a_terminal_and_never_under_no_progress(monkeypatch):
+    from transformers.utils import logging
+
+    from runtime.models import use_progress_bars
+
+    monkeypatch.delenv("HF_DATASETS_DISABLE_PROGRESS_BARS", raising=False)  # restored after the test
+    before = logging.is_progress_bar_enabled()  # process-wide: in-process command runs may have turned it off
+    logging.enable_progress_bar()
+    try:
+        monkeypatch.setattr(sys, "stderr", _Terminal(True))
+        assert use_progress_bars(no_progress=False) and logging.is_progress_bar_enabled()
+        assert not use_progress_bars(no_progress=True)
+        assert not logging.is_progress_bar_enabled()  # transformers' (and huggingface_hub's) loading bars too
+        assert os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] == "1"  # and datasets', imported later
+        logging.enable_progress_bar()
+        monkeypatch.setattr(sys, "stderr", _Terminal(False))  # a log file or a pipe
+        assert not use_progress_bars(no_progress=False) and not logging.is_progress_bar_enabled()
+    finally:
+        (logging.enable_progress_bar if before else logging.disable_progress_bar)()
+
+
+def _assert_no_bar(stderr: str) -> None:
+    assert "%|" not in stderr and "\r" not in stderr and "it/s" not in stderr, stderr
+
+
+def test_generate_probes_draws_no_bar_into_a_pipe(tmp_path):
+    done = _python("-m", "needles.cli", "--preset", "smoke", "--families", "retrieval", "--out", str(tmp_path / "p"))
+    assert done.returncode == 0, done.stderr
+    assert "wrote 2 probes" in done.stderr
+    _assert_no_bar(done.stderr)
+
+
+def test_profile_model_draws_no_bar_into_a_pipe(tmp_path, embedded_tokenizer):
+    from conftest import make_tiny_llama
+
+    model = make_tiny_llama(vocab_size=len(embedded_tokenizer))
+    model.save_pretrained(tmp_path)
+    embedded_tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "calib.txt").write_text("A heron waited by the mill pond while the barges passed. " * 40)
+    args = [str(tmp_path), "--out", str(tmp_path / "a.h5"), "--preset", "smoke", "--stages", "query-stats"]
+    args += ["--calib-dataset", str(tmp_path / "calib.txt"), "--calib-samples", "2", "--calib-tokens", "32"]
+    done = _python("-m", "profiler.cli", *args, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "a.h5").is_file()
+    _assert_no_bar(done.stderr)
