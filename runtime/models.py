@@ -32,7 +32,7 @@ EMBEDDED = "embedded"
 # What can be a hub id: ``name`` or ``org/name``, each part starting with a letter or digit, then
 # letters, digits, ``-``, ``_``, ``.`` (huggingface_hub also refuses ``--``, ``..`` and more than
 # 96 characters).  A model argument that cannot be one is a path.
-HUB_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
+HUB_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*", re.ASCII)
 
 
 class ModelNotFoundError(RuntimeError):

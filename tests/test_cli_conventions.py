@@ -113,7 +113,8 @@ def offline_hub(monkeypatch):
 def test_a_path_that_does_not_exist_is_no_such_model_directory(tmp_path):
     from runtime.models import ModelNotFoundError, resolve_model
 
-    for path in ("./no-such-model", "../no/such", str(tmp_path / "gone"), "~/no-such-model", "models/a/b", "x/"):
+    paths = ("./no-such-model", "../no/such", str(tmp_path / "gone"), "~/no-such-model", "models/a/b", "x/", "é/x")
+    for path in paths:
         with pytest.raises(ModelNotFoundError, match="^no such model directory: "):
             resolve_model(path)
     for hub_id in ("org/some-model", "gpt2", "HuggingFaceTB/SmolLM2-135M-Instruct"):
