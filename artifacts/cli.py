@@ -9,6 +9,7 @@ import sys
 from .errors import ArtifactError
 from .reader import open_artifact
 from .summary import format_summary, summarize
+from .version import add_version_argument
 
 EXIT_VALID, EXIT_INVALID = 0, 2
 
@@ -23,7 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
         "Exit status: 0 valid, 2 invalid (the reason goes to stderr).",
     )
     parser.add_argument("path", help="the .h5 calibration file")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of text")
+    add_version_argument(parser)
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='print the summary as JSON instead of text; an invalid file prints {"valid": false, "error": ...} '
+        "(and the reason on stderr, as without --json)",
+    )
     parser.add_argument(
         "--html",
         metavar="OUT",
@@ -52,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                 write_report(args.html, reader, budget=args.budget)
     except ArtifactError as exc:
         print(f"inspect-artifact: invalid artifact: {exc}", file=sys.stderr)
+        if args.json:  # a JSON consumer gets JSON either way
+            print(json.dumps({"valid": False, "error": str(exc)}, indent=2, sort_keys=True))
         return EXIT_INVALID
     text = json.dumps(summary, indent=2, sort_keys=True) if args.json else format_summary(summary)
     try:

@@ -19,18 +19,10 @@ from .errors import ArtifactError
 from .metadata import extended_metadata_digest, metadata_digest, root_attrs
 from .schema import FORMAT_NAME, OPTIONAL_MODEL_ATTRS, SCHEMA_VERSION, SECTIONS, Artifact
 from .validation import check_array, check_model_identity, check_section_attrs, section_dims
+from .version import toolkit_version
 
 COMPRESSION = "gzip"
 COMPRESSION_LEVEL = 4
-
-
-def toolkit_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("kvcal")
-    except Exception:  # running from a source tree that was never installed
-        return "0+unknown"
 
 
 def write_artifact(path: str | os.PathLike, artifact: Artifact) -> Path:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from artifacts.version import add_version_argument
 from needles.families import FAMILIES
 from needles.spec import PRESETS, generate_probes, write_probes
 
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_version_argument(parser)
     parser.add_argument(
         "--preset", default="quick", choices=sorted(PRESETS), help="probe grid to start from (default: quick)"
     )
@@ -111,7 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--text-column", default=None, help="text column of a dataset haystack (default: text)")
     parser.add_argument("--split", default=None, help="split of a dataset haystack (default: train)")
     parser.add_argument("--no-colour", action="store_true", help="plain text for --show")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-progress",
+        "--quiet",
+        dest="no_progress",
+        action="store_true",
+        help="no progress bar (there is none when stderr is not a terminal)",
+    )
     return parser
 
 
@@ -135,13 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         spec = PRESETS[args.preset].replace(**changes)
         # The command loads the tokenizer with the loader every kvcal command shares (it also
         # converts the embedded model); the probe generator itself only takes the object.
-        from runtime.models import load_tokenizer
+        from runtime.models import load_tokenizer, use_progress_bars
 
+        progress = use_progress_bars(args.no_progress)
         tokenizer = load_tokenizer(args.model)
         shown = []
 
         def stream():
-            for probe in generate_probes(spec, tokenizer, progress=not args.quiet):
+            for probe in generate_probes(spec, tokenizer, progress=progress):
                 if len(shown) < args.show:
                     shown.append(probe)
                 yield probe

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.budgets import allocate_budgets, ideal_budgets, kv_head_scores
-
 DEFAULT_TOKEN_BUDGETS = (64, 128, 256, 512, 1024, 2048)
 DEFAULT_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 DEFAULT_BETA = 2.0
@@ -49,6 +47,8 @@ def budget_tables(
         raise ValueError(f"ratios must lie in (0, 1], got {ratios.tolist()}")
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+    from runtime.budgets import allocate_budgets, ideal_budgets, kv_head_scores  # torch: not for the parser
+
     inf_kv = kv_head_scores(infsc, num_kv_heads)  # [L, Hkv], sums to 1
     token_tables = (
         np.stack(

@@ -8,6 +8,7 @@ import signal
 import sys
 import textwrap
 
+from artifacts.version import add_version_argument
 from profiler.arguments import comma_separated
 from profiler.presets import PRESETS
 
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "model", nargs="?", default=None, help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
     )
+    add_version_argument(parser)
     parser.add_argument(
         "--out",
         default=None,
@@ -105,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="units of work (probes, calibration batches) between work-file checkpoints (default 4)",
     )
-    group.add_argument("--no-progress", action="store_true", help="no progress bars")
+    group.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (there are none when stderr is not a terminal)"
+    )
     return parser
 
 
@@ -114,13 +118,12 @@ def _raise_keyboard_interrupt(_signum, _frame):
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)  # before the job's imports (torch): --help and --version stay fast
     from artifacts import ArtifactError
     from profiler.checkpoint import WorkFileMismatch
-    from profiler.job import JobInterrupted, JobOptions, run_job
-    from runtime.models import ModelNotFoundError
-
-    args = build_parser().parse_args(argv)
     from profiler.distributed import relaunch_with_torchrun, requested_cpu_processes
+    from profiler.job import JobInterrupted, JobOptions, run_job
+    from runtime.models import ModelNotFoundError, use_progress_bars
 
     workers = requested_cpu_processes()
     if workers:
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         resume=args.resume,
         checkpoint_every=args.checkpoint_every,
         device_map=args.device_map,
-        progress=not args.no_progress,
+        progress=use_progress_bars(args.no_progress),
         settings={name: value for name, value in arguments.items() if name not in JOB_OPTIONS},
     )
     previous_handler = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # `kill` stops like Ctrl-C

@@ -13,11 +13,18 @@ import json
 import sys
 from pathlib import Path
 
-from runtime.policy import ALLOCATIONS
-from runtime.scorers import SCORERS
+from artifacts.version import add_version_argument
 
 from .arguments import RenamedOption, comma_separated
-from .evaluation_results import NAMED_POLICIES, RECOMMENDATION_CANDIDATES, markdown_table, parse_policy
+from .evaluation_results import RECOMMENDATION_CANDIDATES, markdown_table
+
+# runtime.policy_spec.NAMED_POLICIES, spelled out for the help text (tested equal)
+NAMED_POLICIES = {"flagship": "inf/leverage"}
+
+# The names of runtime.policy.ALLOCATIONS and runtime.scorers.SCORERS for the help text, spelled
+# out because importing runtime takes torch and --help must not wait for it (tests check they agree).
+ALLOCATIONS = ("uniform", "inf", "global")
+SCORERS = ("expected_attention", "keydiff", "snapkv", "knorm", "streaming", "leverage", "kvzip", "learned")
 
 # The recommendation stage's candidates and two artifact-free references; those the artifact
 # cannot serve (a missing section) are left out with a note.  Policies given with --policies
@@ -43,12 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
         "in benchmarks/runtime_quality.py); MomentKV suffixes: +correction (each "
         "head's order from the artifact), +correction0, +correction1 (every head), +moments "
         "(moment-informed eviction; expected_attention or snapkv)"
-        + (f", or a named policy ({', '.join(NAMED_POLICIES)})" if NAMED_POLICIES else "")
+        + ", or a named policy ("
+        + ", ".join(f"{name} = {policy}" for name, policy in NAMED_POLICIES.items())
+        + ")"
         + ".",
     )
     parser.add_argument(
         "model", nargs="?", default=None, help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
     )
+    add_version_argument(parser)
     parser.add_argument(
         "--artifact", default=None, help="calibration file (default: kv_calibration.h5 next to the model weights)"
     )
@@ -117,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
         "serves; the artifact is rewritten atomically, its other sections kept",
     )
     parser.add_argument("--html", dest="html_out", metavar="OUT", help="write the HTML report to OUT")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (there are none when stderr is not a terminal)"
+    )
     return parser
 
 
@@ -186,9 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     from artifacts import ArtifactError, open_artifact
     from needles import generate_probes
     from runtime import load_calibration
-    from runtime.models import load_model, load_tokenizer
+    from runtime.models import ModelNotFoundError, load_model, load_tokenizer, use_progress_bars
+    from runtime.policy_spec import parse_policy
 
     from .evaluation import evaluate
+
+    progress = use_progress_bars(args.no_progress)
 
     try:
         policies = [parse_policy(text) for text in args.policies]
@@ -208,11 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         policies = _servable(policies, calibration, args.ratios[0], explicit=args.policies != DEFAULT_POLICIES)
         if args.write_recommendation and not any(not p.is_baseline for p in policies):
             raise ValueError("--write-recommendation needs at least one compression policy")
-    except (ValueError, ArtifactError) as exc:
+    except (ValueError, OSError, ArtifactError, ModelNotFoundError) as exc:
         print(f"evaluate-artifact: {exc}", file=sys.stderr)
         return 2
 
-    probes = list(generate_probes(spec, tokenizer, progress=not args.no_progress))
+    probes = list(generate_probes(spec, tokenizer, progress=progress))
     evaluation = evaluate(
         model,
         tokenizer,
@@ -223,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         question_aware=args.question_aware,
         max_new_tokens=args.max_new_tokens,
         tolerance=args.tolerance / 100.0,
-        progress=not args.no_progress,
+        progress=progress,
     )
     evaluation.update(
         {

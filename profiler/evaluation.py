@@ -25,10 +25,10 @@ import torch
 from tqdm.auto import tqdm
 
 from runtime.geometry import ModelGeometry
+from runtime.policy_spec import PolicySpec
 
 from .evaluation_results import (
     EVALUATION_SCHEMA,
-    PolicySpec,
     best_per_ratio,
     recommend,
     wilson_interval,

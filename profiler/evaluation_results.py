@@ -3,7 +3,8 @@
 Pure data and arithmetic (no model): ``profiler.evaluation`` fills these records by running
 the model; this module defines what they mean.  The JSON layout is documented in
 ``docs/evaluation-format.md`` and versioned by ``EVALUATION_SCHEMA``.  Policies are written
-in the runtime's grammar (``runtime.policy_spec``, re-exported here).
+in the runtime's grammar (``runtime.policy_spec``).  Imports no torch (the command lines'
+``--help`` reads :data:`RECOMMENDATION_CANDIDATES`).
 
 Ratios are **compression** ratios (``compression_ratio``), the fraction of the context's cache
 that is evicted (0.75 keeps a quarter), as in kvpress tables and ``CompressionPolicy``.
@@ -12,16 +13,6 @@ that is evicted (0.75 keeps a quarter), as in kvpress tables and ``CompressionPo
 from __future__ import annotations
 
 import math
-
-from runtime.policy_spec import (  # noqa: F401 - the grammar, re-exported for the profiler's callers
-    BASELINE,
-    FLAGSHIP,
-    MOMENT_SUFFIXES,
-    NAMED_POLICIES,
-    PolicySpec,
-    parse_policy,
-    register_named_policy,
-)
 
 EVALUATION_SCHEMA = "kvcal-evaluation/2"  # 2: "ratio" became "compression_ratio"
 

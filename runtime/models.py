@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
+import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -27,6 +29,10 @@ EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 # What a model name resolves to when the caller gives none.
 EMBEDDED = "embedded"
+# What can be a hub id: ``name`` or ``org/name``, each part starting with a letter or digit, then
+# letters, digits, ``-``, ``_``, ``.`` (huggingface_hub also refuses ``--``, ``..`` and more than
+# 96 characters).  A model argument that cannot be one is a path.
+HUB_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*", re.ASCII)
 
 
 class ModelNotFoundError(RuntimeError):
@@ -118,14 +124,38 @@ def resolve_model(model: str | os.PathLike | None) -> str:
         if not path.is_dir() or not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{path} is not a model directory (no config.json in it)")
         return str(path)
+    if not could_be_hub_id(str(model)):
+        raise ModelNotFoundError(f"no such model directory: {model}")
     return str(model)  # a hub id; from_pretrained resolves it (offline: from the local hub cache)
+
+
+def could_be_hub_id(text: str) -> bool:
+    """Whether ``text`` has a hub id's shape (``org/name`` or ``name``; ``./x``, ``/x``, ``~/x``,
+    ``a/b/c`` and ``x/`` have not).  ``org/name`` is also a relative path: see :func:`_from_pretrained`."""
+    return len(text) <= 96 and "--" not in text and ".." not in text and HUB_ID.fullmatch(text) is not None
+
+
+def _from_pretrained(auto_class, model: str | os.PathLike | None, **kwargs):
+    """``auto_class.from_pretrained`` of ``resolve_model(model)``; a name that is neither a local
+    directory nor a loadable hub id (``foo/bar`` could be either) says both."""
+    resolved = resolve_model(model)
+    try:
+        return auto_class.from_pretrained(resolved, **kwargs)
+    except OSError as exc:
+        if Path(resolved).expanduser().exists():
+            raise
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelNotFoundError(
+            f"no such model directory: {model}, and no hub id {model} in the local hub cache or on the hub "
+            f"(transformers: {reason})"
+        ) from exc
 
 
 def load_tokenizer(model: str | os.PathLike | None = None):
     """The tokenizer of ``model`` (see :func:`resolve_model`)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model(model))
+    return _from_pretrained(AutoTokenizer, model)
 
 
 def load_model(
@@ -142,6 +172,23 @@ def load_model(
         kwargs["device_map"] = device_map
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    loaded = AutoModelForCausalLM.from_pretrained(resolve_model(model), **kwargs)
+    loaded = _from_pretrained(AutoModelForCausalLM, model, **kwargs)
     loaded.eval()
     return loaded
+
+
+def use_progress_bars(no_progress: bool = False) -> bool:
+    """Whether a command draws progress bars: never under ``--no-progress``, and only while stderr
+    is a terminal (a log file or a pipe gets no bar redraws).  Every kvcal command decides here.
+
+    When they are off, transformers' and huggingface_hub's own bars (loading weights,
+    downloads) are turned off for the rest of the process, and datasets' (imported later) through
+    ``HF_DATASETS_DISABLE_PROGRESS_BARS`` unless that is set already.  Imports transformers then.
+    """
+    if not no_progress and sys.stderr.isatty():
+        return True
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    return False

@@ -7,10 +7,10 @@ import pytest
 from profiler.evaluation_results import (
     best_per_ratio,
     markdown_table,
-    parse_policy,
     recommend,
     wilson_interval,
 )
+from runtime.policy_spec import parse_policy
 
 
 def _row(policy, ratio, accuracy, kv_bytes=1000):
@@ -111,11 +111,23 @@ def test_best_per_ratio_takes_the_most_accurate_and_breaks_ties_by_preference():
     assert set(best[0]) == {"policy", "compression_ratio", "accuracy", "ci_low", "ci_high", "n"}
 
 
-def test_the_grammar_lives_in_the_runtime_and_the_profiler_re_exports_it():
+def test_the_grammar_lives_in_the_runtime_and_evaluate_artifacts_help_names_its_policies():
     import runtime.policy_spec as grammar
-    from profiler import evaluation_results
+    from profiler import evaluate_cli
 
-    assert evaluation_results.parse_policy is grammar.parse_policy
+    assert evaluate_cli.NAMED_POLICIES == {name: spec_text(spec) for name, spec in grammar.NAMED_POLICIES.items()}
+    for name in evaluate_cli.DEFAULT_POLICIES:
+        grammar.parse_policy(name)  # every default parses
     flagship = grammar.parse_policy("flagship")
     assert flagship is grammar.FLAGSHIP and (flagship.allocation, flagship.scorer) == ("inf", "leverage")
     assert grammar.parse_policy("inf/keydiff+correction").policy(0.75).correction == "calibrated"
+
+
+def spec_text(spec) -> str:
+    """A PolicySpec written back in the grammar (allocation/scorer[:statistics][+suffix...])."""
+    from runtime.policy_spec import MOMENT_SUFFIXES
+
+    text = f"{spec.allocation}/{spec.scorer}" + (f":{spec.statistics}" if spec.statistics else "")
+    return text + "".join(
+        f"+{name}" for name, fields in MOMENT_SUFFIXES.items() if fields.items() <= spec.options.items()
+    )

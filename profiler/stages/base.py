@@ -32,6 +32,11 @@ subclass, its entry in ``profiler.stages.STAGES``, a schema entry in ``artifacts
 The job, ``profile-model``'s parser and help, resume, multi-process reduction, and
 ``inspect-artifact`` (a generic summary of any section) need no change; a dedicated summary in
 ``artifacts/summary.py`` or a heatmap in ``artifacts/report.py`` is optional.
+
+``profile-model``'s parser imports every stage module for its ``name``, ``summary`` and
+``add_arguments``, and ``--help`` must not wait for torch: a stage module imports torch, and
+the method modules that import it, inside the methods that use them
+(``tests/test_cli_conventions.py`` checks).
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ import argparse
 import numpy as np
 
 from artifacts import Section
-from profiler.behaviour_probe import BehaviourState, run_probe
 from profiler.probe_source import file_probes, preset_probes
 
 from .base import ShardedStage
@@ -52,6 +51,8 @@ class BehaviourStage(ShardedStage):
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
     def prepare(self) -> None:
+        from profiler.behaviour_probe import BehaviourState  # torch: not for the parser
+
         job = self.job
         probes_file = job.setting("probes_file")
         self.probes = (
@@ -85,6 +86,8 @@ class BehaviourStage(ShardedStage):
         return self.job.info.shard(len(self.probes))
 
     def compute(self, index: int):
+        from profiler.behaviour_probe import run_probe
+
         job = self.job
         return run_probe(job.model, job.tokenizer, job.geometry, self.probes[index], self.max_new_tokens)
 
@@ -98,6 +101,8 @@ class BehaviourStage(ShardedStage):
         return self.totals.arrays()
 
     def restore(self, arrays: dict[str, np.ndarray]) -> None:
+        from profiler.behaviour_probe import BehaviourState
+
         self.totals = BehaviourState.from_arrays(arrays)
 
     # -- after the work --------------------------------------------------------------------------

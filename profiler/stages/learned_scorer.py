@@ -14,21 +14,14 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-import torch
 
 from artifacts import Section
 from needles.probe import LABEL_CODE
-from profiler.scorer_fitting import (
-    RECONSTRUCTION_INSTRUCTION,
-    RIDGE_GRID,
-    RidgeSums,
-    predict,
-    r_squared,
-    record_window,
-    spearman,
-)
 
 from .base import ShardedStage
+
+# torch and profiler.scorer_fitting (torch) are imported where they are used: building
+# profile-model's parser imports this module, and --help must not wait for torch.
 
 
 class LearnedScorerStage(ShardedStage):
@@ -55,6 +48,10 @@ class LearnedScorerStage(ShardedStage):
         )
 
     def prepare(self) -> None:
+        import torch
+
+        from profiler.scorer_fitting import RECONSTRUCTION_INSTRUCTION, RidgeSums
+
         job = self.job
         count = job.calib_samples
         if count < 2:
@@ -88,6 +85,8 @@ class LearnedScorerStage(ShardedStage):
             self.probes = [probe_set[int(i)] for i in sorted(order)]
 
     def config(self) -> dict:
+        from profiler.scorer_fitting import RECONSTRUCTION_INSTRUCTION, RIDGE_GRID
+
         job = self.job
         config = {
             **job.calibration_config(),
@@ -113,6 +112,10 @@ class LearnedScorerStage(ShardedStage):
         return [units[i] for i in self.job.info.shard(len(units))]
 
     def compute(self, unit: int):
+        import torch
+
+        from profiler.scorer_fitting import record_window
+
         if unit >= 0:
             return record_window(self.job.model, self.job.windows[unit], self.instruction)
         probe = self.probes[-1 - unit]
@@ -143,6 +146,10 @@ class LearnedScorerStage(ShardedStage):
         self.restore(reduced)
 
     def build(self, sections: dict[str, Section]) -> Section:
+        import torch
+
+        from profiler.scorer_fitting import RIDGE_GRID, predict, r_squared, record_window, spearman
+
         job, geometry = self.job, self.job.geometry
         layers, heads = geometry.num_layers, geometry.num_kv_heads
         held_out = [

@@ -17,12 +17,13 @@ import time
 import numpy as np
 
 from artifacts import Section
-from profiler.moments_calibration import SELECTION_SCORERS, measure_correction_errors
 
 from .base import Stage
 
 MOMENT_WINDOWS = 4  # calibration windows the stage measures on
 MOMENT_KEEP_RATIOS = (0.25, 0.5)  # reference budgets: 75% and 50% compression
+# profiler.moments_calibration.SELECTION_SCORERS, spelled out so that the parser needs no torch (tested equal)
+SELECTION_SCORERS = ("snapkv", "keydiff")
 DEFAULT_SELECTION = "keydiff"  # the scorer of the inf/keydiff+correction recommendation candidate
 
 
@@ -70,6 +71,8 @@ class MomentsStage(Stage):
         }
 
     def build(self, sections: dict[str, Section]) -> Section:
+        from profiler.moments_calibration import measure_correction_errors  # torch: not for the parser
+
         started = time.perf_counter()
         settings = self.settings
         windows = self.job.windows[:MOMENT_WINDOWS]

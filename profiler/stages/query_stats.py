@@ -12,10 +12,8 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-import torch
 
 from artifacts import Section
-from runtime.query_moments import QueryMoments
 
 from .base import ShardedStage
 
@@ -43,6 +41,8 @@ class QueryStatsStage(ShardedStage):
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 
     def prepare(self) -> None:
+        from runtime.query_moments import QueryMoments  # torch: not for the parser
+
         geometry = self.job.geometry
         self.totals = QueryMoments(geometry.num_layers, geometry.num_q_heads, geometry.head_dim)
         # The hooks fill a per-batch accumulator, folded into the totals once the forward pass
@@ -68,6 +68,8 @@ class QueryStatsStage(ShardedStage):
     def running(self):
         from contextlib import ExitStack
 
+        import torch
+
         stack = ExitStack()
         stack.enter_context(torch.no_grad())
         stack.enter_context(self.batch_sums.collect(self.job.geometry, n_sink=self.job.n_sink))
@@ -88,6 +90,8 @@ class QueryStatsStage(ShardedStage):
         return self.totals.state() if self.done else {}
 
     def restore(self, arrays: dict[str, np.ndarray]) -> None:
+        from runtime.query_moments import QueryMoments
+
         if arrays:
             self.totals = QueryMoments.from_state(arrays)
             self.done = 1
@@ -95,6 +99,7 @@ class QueryStatsStage(ShardedStage):
     # -- after the work ----------------------------------------------------------------------------
     def reduce(self) -> None:
         from profiler import distributed
+        from runtime.query_moments import QueryMoments
 
         self.totals = QueryMoments.from_state(distributed.all_reduce_sum(self.job.info, self.totals.state()))
 

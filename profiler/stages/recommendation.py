@@ -71,7 +71,8 @@ class RecommendationStage(Stage):
 
     def __init__(self, job):
         super().__init__(job)
-        from profiler.evaluation_results import RECOMMENDATION_CANDIDATES, parse_policy
+        from profiler.evaluation_results import RECOMMENDATION_CANDIDATES
+        from runtime.policy_spec import parse_policy
 
         names = job.setting("recommend_policies") or RECOMMENDATION_CANDIDATES
         self.candidates = [parse_policy(name) for name in names]
