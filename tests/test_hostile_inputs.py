@@ -5,8 +5,11 @@ Each section lists, one test per case, what is refused; the test names read as t
 
 from __future__ import annotations
 
+import importlib
+import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +22,48 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # -- models and the runtime API ------------------------------------------------------------------
+
+
+def _bad_config_dir(tmp_path: Path, **fields) -> Path:
+    """A real model directory (tiny Llama + the embedded tokenizer's files) whose config.json has ``fields``."""
+    from runtime.models import embedded_model_dir
+
+    directory = tmp_path / "bad-model"
+    make_tiny_llama().save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(embedded_model_dir() / name, directory / name)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(fields)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_model_directory_with_an_invalid_config_field_is_a_clear_model_error(tmp_path):
+    from runtime.models import ModelError, load_model, load_tokenizer
+
+    directory = _bad_config_dir(tmp_path, num_hidden_layers="x")
+    for load in (load_model, load_tokenizer):
+        with pytest.raises(ModelError) as info:
+            load(directory)
+        message = str(info.value)
+        assert str(directory) in message and "num_hidden_layers" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("command", ["profile-model", "evaluate-artifact", "generate-probes"])
+def test_commands_exit_2_on_a_model_directory_with_an_invalid_config(command, tmp_path, capsys, one_thread):
+    directory = _bad_config_dir(tmp_path, num_hidden_layers="x")
+    capsys.readouterr()  # save_pretrained's own output
+    module, argv = {
+        "profile-model": ("profiler.cli", [str(directory), "--out", str(tmp_path / "a.h5"), "--preset", "smoke"]),
+        "evaluate-artifact": ("profiler.evaluate_cli", [str(directory), "--artifact", str(tmp_path / "a.h5")]),
+        "generate-probes": (
+            "needles.cli",
+            ["--model", str(directory), "--preset", "smoke", "--out", str(tmp_path / "p")],
+        ),
+    }[command]
+    assert importlib.import_module(module).main(argv) == 2  # an uncaught exception fails the test
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and str(directory) in lines[0] and "num_hidden_layers" in lines[0], lines
 
 
 def test_evaluate_artifact_of_an_uncached_hub_id_offline_exits_2_without_a_traceback(tmp_path):
@@ -209,3 +254,87 @@ def test_a_calibration_of_another_architecture_is_refused_by_compress_prompt(tmp
     with pytest.raises(ValueError, match="calibration.*another architecture.*num_layers"):
         compress_prompt(other, _prompt(), CompressionPolicy(keep_ratio=0.5, allocation="inf"), calibration=calibration)
     assert not calls
+
+
+def _cache_copy(tmp_path: Path) -> tuple[Path, dict]:
+    """A copy of the real converted embedded model in a fresh cache; the env that points at it."""
+    from runtime.models import embedded_model_dir
+
+    source = embedded_model_dir()  # the real cache, converted already (or now)
+    cache = tmp_path / "cache"
+    target = cache / "kvcal" / "models" / source.name
+    shutil.copytree(source, target)
+    return target, {**os.environ, "XDG_CACHE_HOME": str(cache), "OMP_NUM_THREADS": "1"}
+
+
+LOAD_EMBEDDED = (
+    "import warnings; warnings.simplefilter('always')\n"
+    "from runtime.models import embedded_model_dir, load_model, load_tokenizer\n"
+    "d = embedded_model_dir(); m = load_model(); t = load_tokenizer()\n"
+    "assert m.config.num_hidden_layers == 30 and len(t) > 1000\n"
+    "print(d)\n"
+)
+
+
+def _load_embedded(env: dict, count: int = 1) -> list[subprocess.CompletedProcess]:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", LOAD_EMBEDDED], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for _ in range(count)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode()))
+    return results
+
+
+def _assert_healed(target: Path, reference: Path) -> None:
+    from runtime.models import MANIFEST_NAME, cache_entry_problem
+
+    assert cache_entry_problem(target, hashes=True) is None and (target / MANIFEST_NAME).is_file()
+    assert (target / "model.safetensors").stat().st_size == (reference / "model.safetensors").stat().st_size
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # nothing left aside
+
+
+def test_a_truncated_weights_file_in_the_embedded_model_cache_is_converted_again(tmp_path):
+    from runtime.models import embedded_model_dir
+
+    target, env = _cache_copy(tmp_path)
+    weights = target / "model.safetensors"
+    with open(weights, "r+b") as fh:
+        fh.truncate(weights.stat().st_size // 2)
+    (done,) = _load_embedded(env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(target)
+    assert "is damaged (model.safetensors has" in done.stderr and "Traceback" not in done.stderr
+    _assert_healed(target, embedded_model_dir())
+
+
+def test_a_deleted_weights_file_in_the_embedded_model_cache_is_converted_once_by_two_processes_at_once(tmp_path):
+    from runtime.models import _write_manifest, embedded_model_dir
+
+    target, env = _cache_copy(tmp_path)
+    _write_manifest(target)  # as a conversion leaves it
+    (target / "model.safetensors").unlink()
+    results = _load_embedded(env, count=2)
+    for done in results:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == str(target)
+    warned = [done for done in results if "model.safetensors is missing" in done.stderr]
+    assert len(warned) == 1  # one converts; the other waits for it and uses its copy
+    _assert_healed(target, embedded_model_dir())
+
+
+def test_a_weights_file_damaged_without_changing_its_size_is_converted_again_when_the_load_fails(tmp_path):
+    from runtime.models import _write_manifest, embedded_model_dir
+
+    target, env = _cache_copy(tmp_path)
+    _write_manifest(target)
+    with open(target / "model.safetensors", "r+b") as fh:
+        fh.write(b"\xff" * 8)  # the header length: safetensors cannot read it, the size is unchanged
+    (done,) = _load_embedded(env)
+    assert done.returncode == 0, done.stderr
+    assert "differs from the file converted" in done.stderr
+    _assert_healed(target, embedded_model_dir())
