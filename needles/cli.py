@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                 yield probe
 
         written = write_probes(stream(), args.out)
-    except (ValueError, OSError, RuntimeError) as exc:  # bad spec/input, I/O, model not found
+    except (ValueError, OSError, RuntimeError) as exc:  # bad spec/input, I/O, runtime.models.ModelError
         print(f"generate-probes: error: {exc}", file=sys.stderr)
         return 2
     if shown:

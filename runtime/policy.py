@@ -42,6 +42,7 @@ from dataclasses import InitVar, dataclass, field
 import numpy as np
 
 from .budgets import allocate_budgets
+from .checks import check_flag, check_integer, check_number
 from .scorers import SCORERS, Scorer, make_scorer
 
 ALLOCATIONS = ("uniform", "inf", "global")
@@ -97,18 +98,14 @@ class CompressionPolicy:
         if self.keep_ratio is not None and not (0.0 < float(self.keep_ratio) <= 1.0):
             raise ValueError(f"keep_ratio (fraction kept) must be in (0, 1], got {self.keep_ratio}")
         if self.budget is not None:
-            if isinstance(self.budget, bool) or not isinstance(self.budget, (int, np.integer)):
-                raise ValueError(f"budget must be an integer number of tokens, got {self.budget!r}")
-            if self.budget <= 0:
-                raise ValueError(f"budget must be > 0 tokens per KV head, got {self.budget}")
+            check_integer("budget (tokens per KV head)", self.budget, minimum=1)
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"unknown allocation {self.allocation!r}; known: {', '.join(ALLOCATIONS)}")
-        if not self.beta >= 1.0:
-            raise ValueError(f"beta must be >= 1, got {self.beta}")
-        if self.min_budget < 0:
-            raise ValueError(f"min_budget must be >= 0, got {self.min_budget}")
-        if self.n_sink < 0 or self.window < 0:
-            raise ValueError(f"n_sink and window must be >= 0, got {self.n_sink} and {self.window}")
+        check_number("beta", self.beta, minimum=1.0)
+        check_integer("min_budget", self.min_budget, minimum=0)
+        check_integer("n_sink", self.n_sink, minimum=0)
+        check_integer("window", self.window, minimum=0)
+        check_flag("moment_eviction", self.moment_eviction)
         if isinstance(self.scorer, str):
             if self.scorer not in SCORERS:
                 raise ValueError(f"unknown scorer {self.scorer!r}; known scorers: {', '.join(sorted(SCORERS))}")
@@ -122,8 +119,8 @@ class CompressionPolicy:
         scorer = self.build_scorer()  # options are checked by the scorer's constructor
         if self.correction not in CORRECTIONS:
             raise ValueError(f"unknown correction {self.correction!r}; known: {', '.join(CORRECTIONS)}")
-        if self.tau is not None and not self.tau >= 0:
-            raise ValueError(f"tau must be >= 0, got {self.tau}")
+        if self.tau is not None:
+            check_number("tau", self.tau, minimum=0.0)
         if self.moment_eviction and not scorer.yields_attention:
             raise ValueError(
                 f"moment_eviction needs a scorer that estimates attention (expected_attention, snapkv), not {scorer!r}"
@@ -135,14 +132,9 @@ class CompressionPolicy:
             )
         if self.allocation == "global" and self.moment_eviction:
             raise ValueError("allocation='global' and moment_eviction cannot be combined")
-        if isinstance(self.moment_rounds, bool) or not isinstance(self.moment_rounds, int) or self.moment_rounds < 1:
-            raise ValueError(f"moment_rounds must be a positive integer, got {self.moment_rounds!r}")
-        if self.evict_every is not None and (
-            isinstance(self.evict_every, bool)
-            or not isinstance(self.evict_every, (int, np.integer))
-            or self.evict_every < 1
-        ):
-            raise ValueError(f"evict_every must be a positive integer (decode steps) or None, got {self.evict_every!r}")
+        check_integer("moment_rounds", self.moment_rounds, minimum=1)
+        if self.evict_every is not None:
+            check_integer("evict_every", self.evict_every, minimum=1)  # decode steps; None: only the prompt
 
     @property
     def kept_fraction(self) -> float | None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_flag, check_integer, check_number
 from .rope import rope_matrix
 
 
@@ -97,16 +98,10 @@ class ExpectedAttentionScorer(Scorer):
     def __init__(self, statistics: str = "calibrated", horizon: int = 512, epsilon: float = 0.0, pool: int = 1):
         if statistics not in ("calibrated", "prompt"):
             raise ValueError(f"expected_attention statistics must be 'calibrated' or 'prompt', got {statistics!r}")
-        if horizon <= 0:
-            raise ValueError(f"expected_attention horizon must be positive, got {horizon}")
-        if epsilon < 0:
-            raise ValueError(f"expected_attention epsilon must be >= 0, got {epsilon}")
-        if pool <= 0 or pool % 2 == 0:
-            raise ValueError(f"expected_attention pool must be a positive odd number of tokens, got {pool}")
-        self.pool = int(pool)
+        self.rope_horizon = check_integer("expected_attention horizon", horizon, minimum=1)
+        self.epsilon = check_number("expected_attention epsilon", epsilon, minimum=0.0)
+        self.pool = check_integer("expected_attention pool", pool, minimum=1, odd=True)
         self.query_statistics = statistics
-        self.rope_horizon = int(horizon)
-        self.epsilon = float(epsilon)
 
     yields_attention = True
 
@@ -152,12 +147,8 @@ class SnapKVScorer(Scorer):
     name = "snapkv"
 
     def __init__(self, window: int = 32, kernel: int = 5):
-        if window <= 0:
-            raise ValueError(f"snapkv observation window must be positive, got {window}")
-        if kernel <= 0 or kernel % 2 == 0:
-            raise ValueError(f"snapkv pooling kernel must be a positive odd number, got {kernel}")
-        self.observation_window = int(window)
-        self.kernel = int(kernel)
+        self.observation_window = check_integer("snapkv observation window", window, minimum=1)
+        self.kernel = check_integer("snapkv pooling kernel", kernel, minimum=1, odd=True)
 
     yields_attention = True
 
@@ -330,29 +321,21 @@ class LeverageScorer(Scorer):
         seed: int = 0,
         ridge: float = 1e-6,
     ):
-        if blend is not None and not blend >= 0:
-            raise ValueError(f"leverage blend must be >= 0 (or None: leverage alone), got {blend}")
-        if sketch is not None and (isinstance(sketch, bool) or int(sketch) <= 0):
-            raise ValueError(f"leverage sketch must be a positive number of columns or None (exact), got {sketch!r}")
-        if chunk <= 0:
-            raise ValueError(f"leverage attention chunk must be positive, got {chunk}")
-        if pool <= 0 or pool % 2 == 0:
-            raise ValueError(f"leverage pool must be a positive odd number of tokens, got {pool}")
-        if exclude_first < 0 or exclude_last < 0:
-            raise ValueError(f"exclude_first/exclude_last must be >= 0, got {exclude_first}, {exclude_last}")
-        if not ridge > 0:
-            raise ValueError(f"leverage ridge must be > 0, got {ridge}")
-        self.blend = None if blend is None else float(blend)
-        self.sketch = None if sketch is None else int(sketch)
-        self.pre_rope = bool(pre_rope)
+        # None: leverage alone; the sketch's columns, None: exact; the scale, None: the model's 1/sqrt(d)
+        self.blend = None if blend is None else check_number("leverage blend", blend, minimum=0.0)
+        self.sketch = None if sketch is None else check_integer("leverage sketch", sketch, minimum=1)
+        self.pre_rope = check_flag("leverage pre_rope", pre_rope)
         self.key_rope = self.pre_rope
-        self.chunk = int(chunk)
-        self.attention_scale = None if attention_scale is None else float(attention_scale)
-        self.value_norm = bool(value_norm)
-        self.pool = int(pool)
-        self.exclude_first, self.exclude_last = int(exclude_first), int(exclude_last)
-        self.seed = int(seed)
-        self.ridge = float(ridge)
+        self.chunk = check_integer("leverage attention chunk", chunk, minimum=1)
+        self.attention_scale = (
+            None if attention_scale is None else check_number("leverage attention_scale", attention_scale, above=0.0)
+        )
+        self.value_norm = check_flag("leverage value_norm", value_norm)
+        self.pool = check_integer("leverage pool", pool, minimum=1, odd=True)
+        self.exclude_first = check_integer("leverage exclude_first", exclude_first, minimum=0)
+        self.exclude_last = check_integer("leverage exclude_last", exclude_last, minimum=0)
+        self.seed = check_integer("leverage seed", seed)
+        self.ridge = check_number("leverage ridge", ridge, above=0.0)
         if self.blend == 0:  # attention alone: no leverage to compute
             self.key_rope = False
         if self.blend is None:  # leverage alone: no queries needed

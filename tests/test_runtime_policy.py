@@ -88,9 +88,9 @@ def write_tiny_artifact(path, model, sections=("query_stats", "budgets"), seed=0
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"budget": 0}, "budget must be > 0"),
-        ({"budget": -5}, "budget must be > 0"),
-        ({"budget": 2.5}, "integer number of tokens"),
+        ({"budget": 0}, r"budget \(tokens per KV head\) must be a positive integer"),
+        ({"budget": -5}, r"budget \(tokens per KV head\) must be a positive integer"),
+        ({"budget": 2.5}, r"budget \(tokens per KV head\) must be a positive integer, got 2.5"),
         ({"keep_ratio": 0.0}, r"keep_ratio \(fraction kept\) must be in \(0, 1\]"),
         ({"keep_ratio": 1.2}, r"keep_ratio \(fraction kept\) must be in \(0, 1\]"),
         ({"compression_ratio": 1.0}, r"compression_ratio \(fraction evicted\) must be in \[0, 1\)"),
@@ -105,15 +105,15 @@ def write_tiny_artifact(path, model, sections=("query_stats", "budgets"), seed=0
             "snapkv, streaming",
         ),
         ({"keep_ratio": 0.5, "allocation": "pyramid"}, "unknown allocation"),
-        ({"keep_ratio": 0.5, "beta": 0.5}, "beta must be >= 1"),
+        ({"keep_ratio": 0.5, "beta": 0.5}, "beta must be a finite number >= 1"),
         ({"keep_ratio": 0.5, "scorer": "keydiff", "statistics": "prompt"}, "expected_attention scorer only"),
         ({"keep_ratio": 0.5, "statistics": "oracle"}, "unknown statistics"),
         (
             {"keep_ratio": 0.5, "scorer": "snapkv", "scorer_options": {"window": 0}},
-            "observation window must be positive",
+            "observation window must be a positive integer",
         ),
         ({"keep_ratio": 0.5, "scorer": "knorm", "scorer_options": {"bogus": 1}}, "bad options"),
-        ({"keep_ratio": 0.5, "window": -1}, "n_sink and window must be >= 0"),
+        ({"keep_ratio": 0.5, "window": -1}, "window must be an integer >= 0, got -1"),
     ],
 )
 def test_bad_policies_get_clear_errors(kwargs, message):
