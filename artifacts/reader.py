@@ -53,6 +53,7 @@ MAX_ARTIFACT_BYTES = 8 << 30  # 8x the covariance of Llama-3.1-405B (126 x 128 x
 MAX_EXPANSION = 64
 DECLARED_SIZE_FLOOR = 64 << 20
 MAX_DATASET_BYTES = MAX_ARTIFACT_BYTES  # also for datasets of a newer minor version, never read
+MAX_CHUNK_SLACK = 1 << 20  # a chunk may exceed its dataset's size only up to this (h5py's own never does)
 
 
 def _size(nbytes: float) -> str:
@@ -219,8 +220,14 @@ class ArtifactReader:
         unknown = filters - ALLOWED_FILTERS
         if unknown:
             raise ArtifactError(f"{where}: unsupported HDF5 filter(s) {sorted(unknown)}")
-        if dset.dtype.itemsize * int(np.prod(dset.shape, dtype=np.float64)) > MAX_DATASET_BYTES:
+        nbytes = dset.dtype.itemsize * int(np.prod(dset.shape, dtype=np.float64))
+        if nbytes > MAX_DATASET_BYTES:
             raise ArtifactError(f"{where}: larger than {MAX_DATASET_BYTES >> 30} GiB")
+        # HDF5 inflates a whole chunk to read any of it: a chunk far beyond its (extendible) dataset
+        # would allocate what the declared size never shows
+        chunk_bytes = dset.dtype.itemsize * int(np.prod(dset.chunks, dtype=np.float64))
+        if chunk_bytes > max(nbytes, MAX_CHUNK_SLACK):
+            raise ArtifactError(f"{where}: chunks of {_size(chunk_bytes)}, larger than the dataset ({_size(nbytes)})")
 
     @staticmethod
     def _filter_ids(dset: h5py.Dataset) -> list[int]:

@@ -174,6 +174,28 @@ def test_file_declaring_far_more_data_than_it_holds_is_refused(tmp_path, capsys)
     _refused(path, r"declares 128\.\d MiB of data.*times the file's size", capsys)
 
 
+def test_dataset_whose_chunk_is_far_larger_than_the_dataset_is_refused(artifact_path, capsys):
+    """A 7-value dataset stored in one 1 GiB chunk (extendible): reading it inflated the whole
+    chunk (2.1 GB peak RSS) although the dataset declares 56 bytes."""
+
+    def huge_chunk(h5):
+        data = h5["behaviour/probe_steps"][()]
+        del h5["behaviour/probe_steps"]
+        h5["behaviour"].create_dataset(
+            "probe_steps",
+            data=data,
+            maxshape=(None,),
+            chunks=(1 << 27,),
+            compression="gzip",
+            compression_opts=9,
+            shuffle=True,
+            fletcher32=True,
+        )
+
+    _edit(artifact_path, huge_chunk)
+    _refused(artifact_path, r"/behaviour/probe_steps: chunks of 1\.0 GiB, larger than the dataset", capsys)
+
+
 @pytest.mark.parametrize(
     "name, value, symbol", [("head_dim", 1024, "d"), ("num_layers", 1000, "L"), ("num_q_heads", 768, "Hq")]
 )
