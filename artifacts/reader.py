@@ -10,13 +10,15 @@ within range.  :meth:`ArtifactReader.validate` reads everything.
 Safe on untrusted files: external links, soft links, external storage, virtual datasets,
 named datatypes, unknown filters (which could load plugins) and partly allocated datasets
 (whose missing chunks would read as silent zeros) are refused; shapes are capped by the
-architecture, itself capped by ``schema.ARCH_LIMITS``.  Every failure is an
+architecture, itself capped by ``schema.ARCH_LIMITS``, and the total size the datasets declare
+by :func:`check_declared_size` (no decompression bombs).  Values that pass a range check but
+would poison serving are refused too: magnitudes, and each section's relations
+(``validation.check_section_values``: sums, symmetry, membership).  Every failure is an
 :class:`ArtifactError`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -28,17 +30,50 @@ from .errors import ArtifactError
 from .metadata import ROOT_TEXT_ATTRS, extended_metadata_digest, metadata_digest
 from .schema import FORMAT_NAME, SCHEMA_MAJOR, SCHEMA_MINOR, SCHEMA_VERSION, SECTIONS, ModelIdentity, Section
 from .validation import (
+    RELATED,
     check_array,
     check_section_attrs,
+    check_section_values,
     coerce_attr,
     model_identity_from_attrs,
+    parse_json_object,
     section_dims,
 )
 
 # HDF5 filter ids the writer uses; anything else is refused (a filter id can make HDF5 load a
 # plugin library named by the environment).
 ALLOWED_FILTERS = {h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_FLETCHER32}
-MAX_DATASET_BYTES = 8 << 30  # no single dataset may claim more than 8 GiB in memory
+
+# What reading a whole file may hold in memory (docs/artifact-format.md section 7): the sum of
+# every schema dataset's declared size is at most MAX_ARTIFACT_BYTES, and at most MAX_EXPANSION
+# times the file's size once above DECLARED_SIZE_FLOOR.  Real artifacts store float statistics
+# that deflate barely shrinks (the embedded model's: 1.1x); deflate on constant data shrinks
+# ~1000x, which is how a small file would declare gigabytes.
+MAX_ARTIFACT_BYTES = 8 << 30  # 8x the covariance of Llama-3.1-405B (126 x 128 x 128 x 128 float32)
+MAX_EXPANSION = 64
+DECLARED_SIZE_FLOOR = 64 << 20
+MAX_DATASET_BYTES = MAX_ARTIFACT_BYTES  # also for datasets of a newer minor version, never read
+MAX_CHUNK_SLACK = 1 << 20  # a chunk may exceed its dataset's size only up to this (h5py's own never does)
+
+
+def _size(nbytes: float) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{int(nbytes)} bytes"
+
+
+def check_declared_size(declared: int, file_size: int) -> None:
+    """Refuse a file whose datasets would take more memory than a reader allows (see above)."""
+    if declared > MAX_ARTIFACT_BYTES:
+        raise ArtifactError(
+            f"declares {_size(declared)} of data, more than the {_size(MAX_ARTIFACT_BYTES)} a reader holds"
+        )
+    if declared > max(DECLARED_SIZE_FLOOR, MAX_EXPANSION * file_size):
+        raise ArtifactError(
+            f"declares {_size(declared)} of data in a {_size(file_size)} file: more than {MAX_EXPANSION} times the "
+            "file's size (calibration statistics do not compress like that; a decompression bomb does)"
+        )
 
 
 def open_artifact(path: str | os.PathLike) -> ArtifactReader:
@@ -100,10 +135,7 @@ class ArtifactReader:
             raise ArtifactError(f"required root attribute(s) {missing} missing")
         self.toolkit_version = root["toolkit_version"]
         self.created = root["created"]
-        try:
-            self.config = json.loads(root["config_json"])
-        except ValueError as exc:
-            raise ArtifactError("config_json is not valid JSON") from exc
+        self.config = parse_json_object("config_json", root["config_json"])
 
         self._check_tree()
         if "model" not in self._h5 or not isinstance(self._h5["model"], h5py.Group):
@@ -115,6 +147,7 @@ class ArtifactReader:
         self._read_sections: dict[str, Section] = {}  # sections already read and checked
         self._dims: dict[str, dict[str, int]] = {}
         self._section_attrs: dict[str, dict] = {}
+        declared = 0  # bytes the schema datasets take in memory once read
         for name in self.sections:
             group = self._h5[name]
             if not isinstance(group, h5py.Group):
@@ -127,6 +160,8 @@ class ArtifactReader:
                     raise ArtifactError(f"/{name}/{key}: not part of schema {self.schema_version}")
                 if key in SECTIONS[name].datasets and isinstance(obj, h5py.Dataset):
                     self._check_dataset_storage(obj)
+                    declared += obj.dtype.itemsize * int(np.prod(obj.shape, dtype=np.float64))
+        check_declared_size(declared, self.path.stat().st_size)
 
         stored = coerce_attr("/", "metadata_sha256", attrs.get("metadata_sha256", ""), str)
         model_attrs = {name: getattr(self.model, name) for name in self.model.__dataclass_fields__}
@@ -185,8 +220,14 @@ class ArtifactReader:
         unknown = filters - ALLOWED_FILTERS
         if unknown:
             raise ArtifactError(f"{where}: unsupported HDF5 filter(s) {sorted(unknown)}")
-        if dset.dtype.itemsize * int(np.prod(dset.shape, dtype=np.float64)) > MAX_DATASET_BYTES:
+        nbytes = dset.dtype.itemsize * int(np.prod(dset.shape, dtype=np.float64))
+        if nbytes > MAX_DATASET_BYTES:
             raise ArtifactError(f"{where}: larger than {MAX_DATASET_BYTES >> 30} GiB")
+        # HDF5 inflates a whole chunk to read any of it: a chunk far beyond its (extendible) dataset
+        # would allocate what the declared size never shows
+        chunk_bytes = dset.dtype.itemsize * int(np.prod(dset.chunks, dtype=np.float64))
+        if chunk_bytes > max(nbytes, MAX_CHUNK_SLACK):
+            raise ArtifactError(f"{where}: chunks of {_size(chunk_bytes)}, larger than the dataset ({_size(nbytes)})")
 
     @staticmethod
     def _filter_ids(dset: h5py.Dataset) -> list[int]:
@@ -211,7 +252,19 @@ class ArtifactReader:
             )
 
     def read(self, section: str, name: str) -> np.ndarray:
-        """One dataset's values, checked (checksum, completeness, dtype, shape, range)."""
+        """One dataset's values, checked (checksum, completeness, dtype, shape, range, magnitude) and,
+        with the small siblings they relate to, the section's relations (``validation.RELATED``:
+        sums, symmetry, membership)."""
+        array = self._read_one(section, name)
+        related = {key: self._read_one(section, key) for key in RELATED.get((section, name), ())}
+        try:
+            check_section_values(section, {name: array, **related}, self._section_attrs[section])
+        except ArtifactError as exc:
+            raise ArtifactError(f"{self.path}: {exc}") from None
+        return array
+
+    def _read_one(self, section: str, name: str) -> np.ndarray:
+        """One dataset's values with the per-dataset checks."""
         self.require(section)
         if name not in SECTIONS[section].datasets:
             raise ArtifactError(f"/{section} has no dataset {name!r} in schema {SCHEMA_VERSION}")

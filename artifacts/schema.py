@@ -29,10 +29,15 @@ SCHEMA_MINOR = 2  # 1.1: the learned_scorer section; 1.2: the recommendation sec
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 # Upper bounds on the architecture numbers and free dimensions a file may declare.  They keep
-# a hostile file from making the reader allocate absurd amounts of memory.
-ARCH_LIMITS = {"L": 1024, "Hq": 1024, "Hkv": 1024, "d": 1024}
+# a hostile file from making the reader allocate absurd amounts of memory (together with the
+# reader's cap on the total declared size, artifacts.reader.check_declared_size).  The largest
+# released models are far inside them (Llama-3.1-405B: L=126, Hq=128, Hkv=8, d=128; head
+# dimensions go up to 256).
+ARCH_LIMITS = {"L": 512, "Hq": 512, "Hkv": 512, "d": 512}
 FREE_DIM_LIMITS = {"P": 1_000_000, "NT": 4096, "NR": 4096, "R": 256, "F": 4096, "NC": 256, "NP": 256}
 MAX_STRING_ATTR_CHARS = 1 << 20  # config JSON and friends: at most a million characters
+MAX_CONFIG_DEPTH = 64  # config_json / rope_parameters: objects and lists nested at most this deep
+MAX_TOKENS = 1 << 40  # token counts in budget tables: sums over every head stay exact in int64
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ class DatasetSpec:
     minimum: float | None = None  # every value must be >= minimum (after the finite check)
     maximum: float | None = None
     finite: bool = True  # floats must be finite
+    magnitude: float | None = None  # every |value| must be <= magnitude (what serving computes with stays finite)
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,8 @@ class SectionSpec:
     description: str
     datasets: dict[str, DatasetSpec]
     attrs: dict[str, type] = field(default_factory=dict)  # required section attributes
+    # (minimum, maximum) of numeric attributes, None = unbounded on that side
+    attr_bounds: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
 
 
 SECTIONS: dict[str, SectionSpec] = {
@@ -83,12 +91,16 @@ SECTIONS: dict[str, SectionSpec] = {
         "has one) per (layer, query head), from calibration text.",
         {
             "n": DatasetSpec("<i8", ("L", "Hq"), "number of queries accumulated", 0),
-            "mean": DatasetSpec("<f4", ("L", "Hq", "d"), "mean pre-RoPE query"),
+            "mean": DatasetSpec("<f4", ("L", "Hq", "d"), "mean pre-RoPE query", magnitude=1e4),
             "cov": DatasetSpec(
-                "<f4", ("L", "Hq", "d", "d"), "population covariance (divided by n) of pre-RoPE queries"
+                "<f4",
+                ("L", "Hq", "d", "d"),
+                "population covariance (divided by n) of pre-RoPE queries; symmetric positive semi-definite",
+                magnitude=1e8,
             ),
         },
         {"n_sink": int},
+        {"n_sink": (0, None)},
     ),
     "budgets": SectionSpec(
         "Per-KV-head budget tables from REAL's INF allocation (docs/design.md section 3).",
@@ -96,9 +108,9 @@ SECTIONS: dict[str, SectionSpec] = {
             "inf_kv": DatasetSpec(
                 "<f8", ("L", "Hkv"), "INFsc averaged over each GQA group, normalised to sum to 1", 0.0, 1.0
             ),
-            "token_budgets": DatasetSpec("<i8", ("NT",), "average budget per KV head, tokens", 1),
+            "token_budgets": DatasetSpec("<i8", ("NT",), "average budget per KV head, tokens", 1, MAX_TOKENS),
             "token_tables": DatasetSpec(
-                "<i8", ("NT", "L", "Hkv"), "budget of each KV head, tokens (sum = budget x L x Hkv)", 0
+                "<i8", ("NT", "L", "Hkv"), "budget of each KV head, tokens (sum = budget x L x Hkv)", 0, MAX_TOKENS
             ),
             "ratios": DatasetSpec("<f8", ("NR",), "average budget as a fraction of the sequence length", 0.0, 1.0),
             "ratio_tables": DatasetSpec(
@@ -106,6 +118,7 @@ SECTIONS: dict[str, SectionSpec] = {
             ),
         },
         {"beta": float, "min_budget": int},
+        {"beta": (1.0, None), "min_budget": (0, MAX_TOKENS)},
     ),
     "moments": SectionSpec(
         "MomentKV calibration: per-KV-head choice of correction order and the measured errors.",
@@ -128,9 +141,9 @@ SECTIONS: dict[str, SectionSpec] = {
         "and value to the log KVzip reconstruction importance, fitted on calibration text.",
         {
             "weights": DatasetSpec(
-                "<f8", ("L", "Hkv", "F"), "coefficients on the features [pre-RoPE key, value] (F = 2d)"
+                "<f8", ("L", "Hkv", "F"), "coefficients on the features [pre-RoPE key, value] (F = 2d)", magnitude=1e12
             ),
-            "bias": DatasetSpec("<f8", ("L", "Hkv"), "intercept"),
+            "bias": DatasetSpec("<f8", ("L", "Hkv"), "intercept", magnitude=1e12),
             "ridge": DatasetSpec(
                 "<f8", ("L", "Hkv"), "ridge strength chosen on held-out text (penalty lambda n var per feature)", 0.0
             ),
@@ -142,6 +155,7 @@ SECTIONS: dict[str, SectionSpec] = {
             ),
         },
         {"features": str, "teacher": str, "fit_tokens": int, "held_out_tokens": int},
+        {"fit_tokens": (0, None), "held_out_tokens": (0, None)},
     ),
     "recommendation": SectionSpec(
         "Which eviction policy to serve at which compression ratio, measured on held-out needle tasks "
@@ -161,6 +175,7 @@ SECTIONS: dict[str, SectionSpec] = {
             ),
         },
         {"tasks": int, "baseline_accuracy": float, "task_seed": int, "families": str},
+        {"tasks": (1, None), "baseline_accuracy": (0.0, 1.0)},
     ),
 }
 

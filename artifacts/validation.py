@@ -8,14 +8,17 @@ import json
 import numpy as np
 
 from .errors import ArtifactError
+from .fingerprint import architecture_fingerprint
 from .schema import (
     ARCH_LIMITS,
     FREE_DIM_LIMITS,
+    MAX_CONFIG_DEPTH,
     MAX_STRING_ATTR_CHARS,
     MODEL_ATTR_TYPES,
     OPTIONAL_MODEL_ATTRS,
     SECTIONS,
     ModelIdentity,
+    canonical_json,
     resolve_shape,
 )
 
@@ -81,12 +84,76 @@ def check_model_identity(identity: ModelIdentity) -> None:
             raise ArtifactError(f"/model: {name} must be positive")
     if identity.rope_theta <= 0:
         raise ArtifactError("/model: rope_theta must be positive")
-    try:
-        json.loads(identity.rope_parameters)
-    except ValueError as exc:
-        raise ArtifactError("/model: rope_parameters is not valid JSON") from exc
+    parse_json_object("/model: rope_parameters", identity.rope_parameters)
+    # The fingerprint is a digest of the numbers above: recomputed, not trusted, so that an edited
+    # number (a head_dim changed to fit a model) cannot pass the identity check with the old digest.
+    numbers = {name: getattr(identity, name) for name in ARCH_NUMBERS}
+    if architecture_fingerprint(numbers, identity.query_norm) != identity.arch_fingerprint:
+        raise ArtifactError(
+            "/model: arch_fingerprint does not match the recorded architecture numbers (they were edited, "
+            "or the fingerprint was not computed by artifacts.fingerprint.architecture_fingerprint)"
+        )
     if identity.weights_fingerprints:
         _check_dtype_fingerprints(identity)
+
+
+# The /model numbers the architecture fingerprint is computed from (docs/artifact-format.md section 4).
+ARCH_NUMBERS = (
+    "model_type",
+    "num_layers",
+    "num_q_heads",
+    "num_kv_heads",
+    "head_dim",
+    "hidden_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "rope_theta",
+    "rope_parameters",
+)
+
+
+def _refuse_constant(constant: str):
+    raise ValueError(f"{constant} is not JSON (the writer's canonical JSON never holds it)")
+
+
+def _depth(value) -> int:
+    """How deeply objects and lists nest in ``value`` (iterative: no recursion limit)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth + 1)
+            if deepest > MAX_CONFIG_DEPTH:
+                return deepest
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def parse_json_object(where: str, text: str) -> dict:
+    """``text`` as strict JSON (no NaN / Infinity, which canonical JSON never writes), an object,
+    nested at most ``MAX_CONFIG_DEPTH`` deep."""
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ArtifactError(f"{where} is nested deeper than {MAX_CONFIG_DEPTH} levels") from None
+    except ValueError as exc:
+        raise ArtifactError(f"{where} is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ArtifactError(f"{where} must be a JSON object, got {type(value).__name__}")
+    if _depth(value) > MAX_CONFIG_DEPTH:
+        raise ArtifactError(f"{where} is nested deeper than {MAX_CONFIG_DEPTH} levels")
+    return value
+
+
+def check_config(config) -> None:
+    """The writer's side of ``parse_json_object`` for the job configuration."""
+    if not isinstance(config, dict):
+        raise ArtifactError(f"config must be a JSON object (a dict), got {type(config).__name__}")
+    try:
+        text = canonical_json(config)
+    except (TypeError, ValueError) as exc:
+        raise ArtifactError(f"config cannot be stored as canonical JSON ({exc})") from None
+    parse_json_object("config", text)
 
 
 def _check_dtype_fingerprints(identity: ModelIdentity) -> None:
@@ -132,11 +199,29 @@ def section_dims(section: str, shapes: dict[str, tuple[int, ...]], arch: dict[st
         if shape != expected:
             named = ", ".join(f"{s}={v}" for s, v in zip(dspec.shape, expected, strict=True))
             raise ArtifactError(f"/{section}/{name}: shape {shape} does not match the recorded architecture ({named})")
+    if section == "learned_scorer" and dims["F"] != 2 * dims["d"]:
+        raise ArtifactError(
+            f"/learned_scorer/weights: F = {dims['F']} features, the format says 2d = {2 * dims['d']} "
+            "(the pre-RoPE key and the value)"
+        )
     return dims
 
 
+_BLOCK_BYTES = 16 << 20  # value checks run over blocks of the leading axis: bounded temporaries
+
+
+def _blocks(array: np.ndarray):
+    """``array`` as views of whole leading-axis slices of about ``_BLOCK_BYTES`` each."""
+    if array.ndim == 0 or array.nbytes <= _BLOCK_BYTES:
+        yield array
+        return
+    step = max(1, _BLOCK_BYTES // max(1, array[0].nbytes))
+    for start in range(0, array.shape[0], step):
+        yield array[start : start + step]
+
+
 def check_array(section: str, name: str, array: np.ndarray, dims: dict[str, int]) -> None:
-    """dtype, shape, finiteness and range of one dataset's values."""
+    """dtype, shape, finiteness, range and magnitude of one dataset's values."""
     dspec = SECTIONS[section].datasets[name]
     where = f"/{section}/{name}"
     if array.dtype != np.dtype(dspec.dtype):
@@ -144,14 +229,19 @@ def check_array(section: str, name: str, array: np.ndarray, dims: dict[str, int]
     expected = resolve_shape(dspec, dims)
     if array.shape != expected:
         raise ArtifactError(f"{where}: shape {array.shape}, expected {expected}")
-    if array.dtype.kind == "f" and dspec.finite and not np.all(np.isfinite(array)):
-        bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
-        raise ArtifactError(f"{where}: {bad} value(s) are NaN or infinite")
     if array.dtype.kind in "fiu" and array.size:
-        if dspec.minimum is not None and array.min() < dspec.minimum:
-            raise ArtifactError(f"{where}: value {array.min()} below the allowed minimum {dspec.minimum}")
-        if dspec.maximum is not None and array.max() > dspec.maximum:
-            raise ArtifactError(f"{where}: value {array.max()} above the allowed maximum {dspec.maximum}")
+        if array.dtype.kind == "f" and dspec.finite:
+            bad = sum(int(block.size - np.count_nonzero(np.isfinite(block))) for block in _blocks(array))
+            if bad:
+                raise ArtifactError(f"{where}: {bad} value(s) are NaN or infinite")
+        low, high = array.min(), array.max()
+        if dspec.minimum is not None and low < dspec.minimum:
+            raise ArtifactError(f"{where}: value {low} below the allowed minimum {dspec.minimum}")
+        if dspec.maximum is not None and high > dspec.maximum:
+            raise ArtifactError(f"{where}: value {high} above the allowed maximum {dspec.maximum}")
+        if dspec.magnitude is not None and max(abs(float(low)), abs(float(high))) > dspec.magnitude:
+            worst = low if abs(float(low)) > abs(float(high)) else high
+            raise ArtifactError(f"{where}: value {worst:g} beyond the allowed magnitude {dspec.magnitude:g}")
     if array.dtype.kind == "S":
         for item in array.reshape(-1):
             try:
@@ -166,5 +256,117 @@ def check_section_attrs(section: str, attrs) -> dict:
     for name, kind in spec.attrs.items():
         if name not in attrs:
             raise ArtifactError(f"/{section}: required attribute {name!r} is missing")
-        values[name] = coerce_attr(f"/{section}", name, attrs[name], kind)
+        values[name] = value = coerce_attr(f"/{section}", name, attrs[name], kind)
+        low, high = spec.attr_bounds.get(name, (None, None))
+        if low is not None and value < low:
+            raise ArtifactError(f"/{section}: attribute {name} = {value:g} is below the allowed minimum {low:g}")
+        if high is not None and value > high:
+            raise ArtifactError(f"/{section}: attribute {name} = {value:g} is above the allowed maximum {high:g}")
     return values
+
+
+# -- relations between a section's values ------------------------------------------------------
+#
+# One function per section checks what the format says about its values together (sums,
+# symmetry, membership): ``check_section_values(section, arrays, attrs)`` with whichever of
+# the section's datasets ``arrays`` holds; a relation is checked when all its datasets are
+# there.  The writer passes every dataset; the reader, reading one dataset, passes it with the
+# siblings its relations need (``RELATED``, all small), so whatever a consumer reads was checked.
+
+RELATED: dict[tuple[str, str], tuple[str, ...]] = {
+    ("budgets", "token_tables"): ("token_budgets",),
+    ("budgets", "ratio_tables"): ("ratios",),
+    ("recommendation", "policy"): ("candidates",),
+}
+SUM_TOLERANCE = 1e-6  # relative: inf_kv sums to 1, ratio_tables rows to ratio x L x Hkv
+# a covariance entry may miss symmetry / Cauchy-Schwarz by this much, relative to the head's
+# largest variance, plus COV_ATOL (float64 accumulation, then float32 storage, round both)
+COV_RTOL, COV_ATOL = 1e-4, 1e-6
+
+
+def check_section_values(section: str, arrays: dict, attrs: dict) -> None:
+    check = _SECTION_CHECKS.get(section)
+    if check is not None:
+        check(arrays, attrs)
+
+
+def _check_query_stats(arrays: dict, attrs: dict) -> None:
+    cov = arrays.get("cov")
+    if cov is None:
+        return
+    heads_per_block = max(1, (_BLOCK_BYTES // 4) // (cov.shape[-1] * cov.shape[-1]))
+    for layer in range(cov.shape[0]):
+        for first in range(0, cov.shape[1], heads_per_block):  # temporaries of ~_BLOCK_BYTES
+            _check_covariances(cov[layer, first : first + heads_per_block], layer, first)
+
+
+def _check_covariances(block: np.ndarray, layer: int, first: int) -> None:
+    """``block`` ``[heads, d, d]`` (magnitudes already checked): symmetric and positive semi-definite-ish."""
+    variances = np.diagonal(block, axis1=-2, axis2=-1)  # [heads, d]
+    scale = np.maximum(variances.max(axis=-1), 0.0)[:, None, None]  # [heads, 1, 1]
+    slack = (COV_RTOL * scale + COV_ATOL).astype(block.dtype)
+    asymmetric = (np.abs(block - block.swapaxes(-1, -2)) > slack).any(axis=(-1, -2))
+    if asymmetric.any():
+        head = first + int(np.flatnonzero(asymmetric)[0])
+        raise ArtifactError(f"/query_stats/cov: layer {layer}, query head {head} is not symmetric")
+    # positive semi-definite, by its cheap necessary conditions: variances >= 0 and
+    # |cov_ij| <= sqrt(cov_ii cov_jj) (Cauchy-Schwarz)
+    std = np.sqrt(np.maximum(variances, 0.0))
+    negative = (variances < -slack[:, :, 0]).any(axis=-1)
+    correlated = (np.abs(block) > std[:, :, None] * std[:, None, :] + slack).any(axis=(-1, -2))
+    bad = negative | correlated
+    if bad.any():
+        head = first + int(np.flatnonzero(bad)[0])
+        raise ArtifactError(
+            f"/query_stats/cov: layer {layer}, query head {head} is not positive semi-definite "
+            "(a negative variance, or a covariance larger than its variances allow)"
+        )
+
+
+def _check_budgets(arrays: dict, attrs: dict) -> None:
+    inf_kv = arrays.get("inf_kv")
+    if inf_kv is not None:
+        total = float(inf_kv.sum())
+        if abs(total - 1.0) > SUM_TOLERANCE:
+            raise ArtifactError(f"/budgets/inf_kv: sums to {total:.9g}, not 1")
+    tables, budgets = arrays.get("token_tables"), arrays.get("token_budgets")
+    if tables is not None and budgets is not None:
+        heads = tables.shape[1] * tables.shape[2]
+        min_budget = attrs.get("min_budget", 0)
+        for row, (budget, table) in enumerate(zip(budgets, tables, strict=True)):
+            total, want = int(table.sum()), int(budget) * heads
+            # a row whose heads are all clipped to one bound (the profiled length, shorter than the
+            # budget; or min_budget above it) holds that bound everywhere instead
+            clipped = int(table.min()) == int(table.max())
+            if total != want and not clipped:
+                raise ArtifactError(
+                    f"/budgets/token_tables: row {row} sums to {total}, not token_budgets[{row}] x L x Hkv = {want}"
+                )
+            if not clipped and int(table.min()) < min_budget:
+                raise ArtifactError(f"/budgets/token_tables: row {row} has a head below min_budget {min_budget}")
+    tables, ratios = arrays.get("ratio_tables"), arrays.get("ratios")
+    if tables is not None and ratios is not None:
+        heads = tables.shape[1] * tables.shape[2]
+        for row, (ratio, table) in enumerate(zip(ratios, tables, strict=True)):
+            total, want = float(table.sum()), float(ratio) * heads
+            if abs(total - want) > SUM_TOLERANCE * max(want, 1.0):
+                raise ArtifactError(
+                    f"/budgets/ratio_tables: row {row} sums to {total:.9g}, not ratios[{row}] x L x Hkv = {want:.9g}"
+                )
+
+
+def _check_recommendation(arrays: dict, attrs: dict) -> None:
+    policies, candidates = arrays.get("policy"), arrays.get("candidates")
+    if policies is not None and candidates is not None:
+        known = set(candidates.tolist())
+        for policy in policies.tolist():
+            if policy not in known:
+                name = policy.decode("ascii", "replace")
+                raise ArtifactError(f"/recommendation/policy: {name!r} is not one of the candidates measured")
+
+
+_SECTION_CHECKS = {
+    "query_stats": _check_query_stats,
+    "budgets": _check_budgets,
+    "recommendation": _check_recommendation,
+}

@@ -18,7 +18,14 @@ from .atomic import atomic_path
 from .errors import ArtifactError
 from .metadata import extended_metadata_digest, metadata_digest, root_attrs
 from .schema import FORMAT_NAME, OPTIONAL_MODEL_ATTRS, SCHEMA_VERSION, SECTIONS, Artifact
-from .validation import check_array, check_model_identity, check_section_attrs, section_dims
+from .validation import (
+    check_array,
+    check_config,
+    check_model_identity,
+    check_section_attrs,
+    check_section_values,
+    section_dims,
+)
 from .version import toolkit_version
 
 COMPRESSION = "gzip"
@@ -29,6 +36,7 @@ def write_artifact(path: str | os.PathLike, artifact: Artifact) -> Path:
     """Validate ``artifact`` and write it atomically to ``path``; returns the final path."""
     path = Path(path)
     check_model_identity(artifact.model)
+    check_config(artifact.config)
     arch = artifact.model.dims()
     checked_attrs: dict[str, dict] = {}
     prepared: dict[str, dict[str, np.ndarray]] = {}
@@ -44,6 +52,7 @@ def write_artifact(path: str | os.PathLike, artifact: Artifact) -> Path:
         for name, array in arrays.items():
             check_array(section_name, name, array, dims)
         checked_attrs[section_name] = check_section_attrs(section_name, section.attrs)
+        check_section_values(section_name, arrays, checked_attrs[section_name])
 
     created = artifact.created or _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
     attrs = root_attrs(artifact, created=created, version=artifact.toolkit_version or toolkit_version())

@@ -240,7 +240,12 @@ def main(argv=None) -> int:
     model, tokenizer = load_model(), load_tokenizer()
     enable(model)
     calibration = load_calibration(model, tokenizer, path=args.artifact) if args.artifact else None
-    profiled_seed = ((calibration.config.get("behaviour") or {}).get("spec") or {}).get("seed") if calibration else None
+    profiled_seed = None  # config entries are free-form: one of another kind is ignored (docs/artifact-format.md)
+    behaviour = calibration.config.get("behaviour") if calibration else None
+    spec = behaviour.get("spec") if isinstance(behaviour, dict) else None
+    seed = spec.get("seed") if isinstance(spec, dict) else None
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        profiled_seed = seed
     seed = args.seed if args.seed is not None else (profiled_seed or 0) + SEED_OFFSET
     if profiled_seed is not None and seed == profiled_seed:
         parser.error(f"seed {seed} is the artifact's profiling seed: the test probes must be unseen")

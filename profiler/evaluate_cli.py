@@ -142,8 +142,13 @@ def _task_spec(args, config: dict, model_context: int):
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         raise ValueError(f"unknown task families {unknown}; known: {', '.join(FAMILIES)} (or 'all')")
-    profiler_spec = config.get("behaviour", {}).get("spec") or {}
-    profiler_seed = profiler_spec.get("seed")
+    # the configuration's entries are free-form (docs/artifact-format.md section 2): one that is
+    # not the object (or seed) expected is ignored
+    behaviour = config.get("behaviour") if isinstance(config, dict) else None
+    profiler_spec = behaviour.get("spec") if isinstance(behaviour, dict) else None
+    profiler_seed = profiler_spec.get("seed") if isinstance(profiler_spec, dict) else None
+    if isinstance(profiler_seed, bool) or not isinstance(profiler_seed, int):
+        profiler_seed = None
     spec = held_out_spec(
         PRESETS[args.preset],
         families=families,

@@ -126,7 +126,17 @@ class HeadEvictor:
 
     def head_scores(self, layer, layer_idx: int, b: int, h: int, next_position: int) -> torch.Tensor:
         """The scorer's scores ``[n]`` of head ``(b, layer_idx, h)`` (nothing evicted)."""
-        return self.scorer.score(self.context(layer, layer_idx, b, h, next_position))
+        return self._checked(self.scorer.score(self.context(layer, layer_idx, b, h, next_position)), layer_idx, h)
+
+    def _checked(self, scores: torch.Tensor, layer_idx: int, h: int, what: str = "scores") -> torch.Tensor:
+        """``scores``, refused when any is NaN: ranking NaN keeps arbitrary tokens, silently (a
+        calibration whose statistics overflow does that).  ``+inf`` is a score (never evict)."""
+        if bool(torch.isnan(scores).any()):
+            raise ValueError(
+                f"{self.scorer!r} returned NaN {what} for layer {layer_idx}, KV head {h}: its inputs overflow "
+                "(the calibration's statistics or the cached keys); refusing to evict on them"
+            )
+        return scores
 
     def evict(
         self,
@@ -157,7 +167,7 @@ class HeadEvictor:
                 raise ValueError(
                     "moment-informed eviction needs a cache that tracks moments (RaggedCache(..., track_moments=True))"
                 )
-            attention = self.scorer.attention(context)
+            attention = self._checked(self.scorer.attention(context), layer_idx, h, "attention estimates")
             protected = torch.zeros(length, dtype=torch.bool, device=context.keys.device)
             protected[: min(policy.n_sink, budget)] = True
             recent = min(policy.window, max(budget - policy.n_sink, 0))
@@ -177,7 +187,7 @@ class HeadEvictor:
             )
             layer.keep(b, h, rows, fold=False, shrink=shrink)
         else:
-            scores = self.scorer.score(context) if scores is None else scores
+            scores = self._checked(self.scorer.score(context), layer_idx, h) if scores is None else scores
             if scores.shape != (length,):
                 raise ValueError(f"{self.scorer!r} returned scores of shape {tuple(scores.shape)} for {length} tokens")
             layer.keep(b, h, select_rows(scores, budget, policy.n_sink, policy.window), shrink=shrink)

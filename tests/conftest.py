@@ -73,11 +73,12 @@ def tiny_llama():
 
 
 def make_random_identity(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, name="random"):
-    """A ModelIdentity with the given shapes and made-up fingerprints (no model needed)."""
+    """A ModelIdentity with the given shapes, its architecture fingerprint computed from them (a
+    reader recomputes it) and made-up weights and tokenizer fingerprints (no model needed)."""
     from artifacts import ModelIdentity
+    from artifacts.fingerprint import architecture_fingerprint
 
-    return ModelIdentity(
-        name=name,
+    numbers = dict(
         model_type="llama",
         num_layers=num_layers,
         num_q_heads=num_q_heads,
@@ -88,8 +89,12 @@ def make_random_identity(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=
         max_position_embeddings=8192,
         rope_theta=10000.0,
         rope_parameters='{"rope_theta":10000.0,"rope_type":"default"}',
+    )
+    return ModelIdentity(
+        name=name,
+        **numbers,
         query_norm=False,
-        arch_fingerprint="a" * 64,
+        arch_fingerprint=architecture_fingerprint(numbers, False),
         weights_fingerprint="b" * 64,
         tokenizer_fingerprint="c" * 64,
     )

@@ -271,7 +271,11 @@ def test_killed_writer_leaves_the_previous_file_intact(artifact_path):
     assert proc.stdout.readline().strip() == "go"
     import time
 
-    time.sleep(0.3)
+    # kill once the temporary file exists (validation comes first and takes a moment), mid-write
+    deadline = time.monotonic() + 120
+    while not any(p.name.endswith(".tmp") for p in artifact_path.parent.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
     proc.kill()
     proc.wait()
     assert artifact_path.read_bytes() == before

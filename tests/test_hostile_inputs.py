@@ -5,6 +5,7 @@ Each section lists, one test per case, what is refused; the test names read as t
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import math
@@ -14,12 +15,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import h5py
+import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_llama
+from conftest import make_random_artifact, make_random_identity, make_tiny_llama
+
+from artifacts import ArtifactError, open_artifact, write_artifact
+from artifacts.cli import main as inspect_main
+from artifacts.metadata import ROOT_TEXT_ATTRS, extended_metadata_digest, metadata_digest
+from artifacts.schema import MODEL_ATTR_TYPES, OPTIONAL_MODEL_ATTRS, SECTIONS
+from artifacts.validation import coerce_attr
 
 REPO = Path(__file__).resolve().parents[1]
-
 
 # -- models and the runtime API ------------------------------------------------------------------
 
@@ -338,3 +346,360 @@ def test_a_weights_file_damaged_without_changing_its_size_is_converted_again_whe
     assert done.returncode == 0, done.stderr
     assert "differs from the file converted" in done.stderr
     _assert_healed(target, embedded_model_dir())
+
+
+# -- artifact files (reader, validation, serving values) ----------------------------------------
+
+
+def _resign(path) -> None:
+    """Recompute the metadata digests of ``path`` from its attributes as they now are, so that a
+    crafted edit is judged on its own merits, not refused as tampering."""
+    with h5py.File(path, "r+") as h5:
+        root = {name: coerce_attr("/", name, h5.attrs[name], str) for name in ROOT_TEXT_ATTRS}
+        model = {
+            name: coerce_attr("/model", name, h5["model"].attrs[name], kind)
+            for name, kind in MODEL_ATTR_TYPES.items()
+            if name in h5["model"].attrs or name not in OPTIONAL_MODEL_ATTRS
+        }
+        sections = {
+            name: {key: coerce_attr(f"/{name}", key, h5[name].attrs[key], kind) for key, kind in spec.attrs.items()}
+            for name, spec in SECTIONS.items()
+            if name in h5
+        }
+        h5.attrs["metadata_sha256"] = metadata_digest(root, model, sections)
+        extended = extended_metadata_digest(root, model, sections)
+        if extended is not None:
+            h5.attrs["extended_metadata_sha256"] = extended
+
+
+def _edit(path, edit) -> None:
+    """Apply ``edit(h5)`` to the file and re-sign its metadata."""
+    with h5py.File(path, "r+") as h5:
+        edit(h5)
+    _resign(path)
+
+
+def _refused(path, match, capsys=None) -> None:
+    """The reader refuses the file for ``match``; inspect-artifact exits 2 with one line on stderr."""
+    with pytest.raises(ArtifactError, match=match):
+        with open_artifact(path) as reader:
+            reader.validate()
+    if capsys is not None:
+        capsys.readouterr()
+    assert inspect_main([str(path)]) == 2
+    if capsys is not None:
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "invalid artifact" in err, err
+
+
+def _strict_json(text: str):
+    def refuse(constant):
+        raise ValueError(f"invalid JSON constant {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.fixture
+def artifact_path(tmp_path):
+    return write_artifact(tmp_path / "kv_calibration.h5", make_random_artifact())
+
+
+def test_resigned_edit_of_a_harmless_attribute_is_still_valid(artifact_path):
+    """The helper itself: a re-signed file is judged on its content only."""
+    _edit(artifact_path, lambda h5: h5.attrs.__setitem__("created", "2030-01-01T00:00:00+00:00"))
+    with open_artifact(artifact_path) as reader:
+        reader.validate()
+        assert reader.created.startswith("2030")
+
+
+@pytest.mark.parametrize("text", ["[1,2]", "null", '"x"', "5", "true"])
+def test_config_json_that_is_not_an_object_is_refused(artifact_path, capsys, text):
+    _edit(artifact_path, lambda h5: h5.attrs.__setitem__("config_json", text))
+    _refused(artifact_path, "config_json must be a JSON object", capsys)
+    assert inspect_main([str(artifact_path), "--json"]) == 2
+    out = _strict_json(capsys.readouterr().out)
+    assert out["valid"] is False and "config_json must be a JSON object" in out["error"]
+
+
+def test_writer_refuses_a_config_that_is_not_an_object(tmp_path):
+    artifact = make_random_artifact(sections=())
+    artifact.config = [1, 2]
+    with pytest.raises(ArtifactError, match="config must be a JSON object"):
+        write_artifact(tmp_path / "a.h5", artifact)
+
+
+HOSTILE_ENTRIES = {"behaviour": 5, "moments": "x", "recommendation": [1], "budgets": None}
+
+
+def test_config_entries_that_are_not_objects_are_ignored_by_every_consumer(tmp_path, capsys):
+    """The config's entries are descriptive and free-form: a consumer that looks inside one
+    ignores an entry that is not the object it expects (docs/artifact-format.md section 2)."""
+    artifact = make_random_artifact()
+    artifact.config = dict(HOSTILE_ENTRIES)
+    path = write_artifact(tmp_path / "a.h5", artifact)
+    assert inspect_main([str(path)]) == 0
+    capsys.readouterr()
+    assert inspect_main([str(path), "--json"]) == 0
+    assert _strict_json(capsys.readouterr().out)["config"] == HOSTILE_ENTRIES
+    assert inspect_main([str(path), "--html", str(tmp_path / "r.html")]) == 0
+    assert (tmp_path / "r.html").stat().st_size > 0
+
+    from profiler.evaluate_cli import _task_spec
+    from runtime.calibration import _configured_selection
+
+    args = argparse.Namespace(tasks=("retrieval",), preset="smoke", count=1, seed=None)
+    spec, profiler_seed = _task_spec(args, artifact.config, 4096)
+    assert profiler_seed is None and spec is not None
+    assert _configured_selection(artifact.config) is None
+    hostile_spec = {"behaviour": {"spec": 7}, "moments": {"selection": ["snapkv"]}}
+    assert _task_spec(args, hostile_spec, 4096)[1] is None
+    assert _task_spec(args, {"behaviour": {"spec": {"seed": "zero"}}}, 4096)[1] is None
+
+
+def test_config_json_with_nan_is_refused_and_json_output_stays_strict(artifact_path, capsys):
+    _edit(artifact_path, lambda h5: h5.attrs.__setitem__("config_json", '{"beta":NaN,"x":Infinity}'))
+    _refused(artifact_path, "config_json.*NaN", capsys)
+    assert inspect_main([str(artifact_path), "--json"]) == 2
+    assert _strict_json(capsys.readouterr().out)["valid"] is False
+
+
+def test_config_json_nested_absurdly_deep_is_refused(artifact_path, capsys):
+    deep = '{"a":' * 5000 + "1" + "}" * 5000
+    _edit(artifact_path, lambda h5: h5.attrs.__setitem__("config_json", deep))
+    _refused(artifact_path, "config_json is nested deeper than", capsys)
+
+
+def test_valid_artifact_json_summary_is_strict_json(artifact_path, capsys):
+    assert inspect_main([str(artifact_path), "--json"]) == 0
+    assert _strict_json(capsys.readouterr().out)["valid"] is True
+
+
+# memory: what a file may declare
+
+
+def _add_zero_cov_bomb(h5, layers: int, heads: int, head_dim: int) -> None:
+    """A query_stats section of zeros: compresses ~1000x, so a tiny file declares a huge array."""
+    group = h5.create_group("query_stats")
+    group.attrs["n_sink"] = 4
+    filters = dict(compression="gzip", compression_opts=9, shuffle=True, fletcher32=True)
+    group.create_dataset("n", data=np.ones((layers, heads), dtype="<i8"), chunks=True, **filters)
+    group.create_dataset("mean", data=np.zeros((layers, heads, head_dim), dtype="<f4"), chunks=True, **filters)
+    cov = group.create_dataset(
+        "cov", shape=(layers, heads, head_dim, head_dim), dtype="<f4", chunks=(1, heads, head_dim, head_dim), **filters
+    )
+    zeros = np.zeros((1, heads, head_dim, head_dim), dtype="<f4")
+    for layer in range(layers):
+        cov[layer : layer + 1] = zeros
+
+
+def test_file_declaring_far_more_data_than_it_holds_is_refused(tmp_path, capsys):
+    """A decompression bomb: 128 MiB of covariance in a file of a few hundred KiB."""
+    identity = make_random_identity(num_layers=32, num_q_heads=16, num_kv_heads=4, head_dim=256)
+    path = write_artifact(tmp_path / "bomb.h5", make_random_artifact(identity, sections=()))
+    _edit(path, lambda h5: _add_zero_cov_bomb(h5, 32, 16, 256))
+    assert path.stat().st_size < 2 << 20
+    _refused(path, r"declares 128\.\d MiB of data.*times the file's size", capsys)
+
+
+def test_dataset_whose_chunk_is_far_larger_than_the_dataset_is_refused(artifact_path, capsys):
+    """A 7-value dataset stored in one 1 GiB chunk (extendible): reading it inflated the whole
+    chunk (2.1 GB peak RSS) although the dataset declares 56 bytes."""
+
+    def huge_chunk(h5):
+        data = h5["behaviour/probe_steps"][()]
+        del h5["behaviour/probe_steps"]
+        h5["behaviour"].create_dataset(
+            "probe_steps",
+            data=data,
+            maxshape=(None,),
+            chunks=(1 << 27,),
+            compression="gzip",
+            compression_opts=9,
+            shuffle=True,
+            fletcher32=True,
+        )
+
+    _edit(artifact_path, huge_chunk)
+    _refused(artifact_path, r"/behaviour/probe_steps: chunks of 1\.0 GiB, larger than the dataset", capsys)
+
+
+@pytest.mark.parametrize(
+    "name, value, symbol", [("head_dim", 1024, "d"), ("num_layers", 1000, "L"), ("num_q_heads", 768, "Hq")]
+)
+def test_architecture_beyond_the_caps_is_refused(artifact_path, name, value, symbol):
+    _edit(artifact_path, lambda h5: h5["model"].attrs.__setitem__(name, value))
+    _refused(artifact_path, rf"/model: {symbol} = {value} is outside \[1, 512\]")
+
+
+def test_total_declared_size_beyond_the_absolute_cap_is_refused():
+    """Even a file big enough for the ratio rule may not make a reader hold more than the cap."""
+    from artifacts.reader import MAX_ARTIFACT_BYTES, check_declared_size
+
+    check_declared_size(MAX_ARTIFACT_BYTES, file_size=MAX_ARTIFACT_BYTES)  # at the cap: fine
+    with pytest.raises(ArtifactError, match="more than the 8.0 GiB a reader holds"):
+        check_declared_size(MAX_ARTIFACT_BYTES + 1, file_size=MAX_ARTIFACT_BYTES)
+    with pytest.raises(ArtifactError, match="times the file's size"):
+        check_declared_size(1 << 30, file_size=1 << 20)
+    check_declared_size(60 << 20, file_size=1 << 10)  # below the floor: any file size
+
+
+# values that pass a per-dataset range check but poison serving
+
+
+@pytest.mark.parametrize("value", [3e38, -2e8])
+def test_covariance_of_absurd_magnitude_is_refused(artifact_path, value):
+    def poison(h5):
+        cov = h5["query_stats/cov"][()]
+        cov[:, :, 0, 0] = value
+        h5["query_stats/cov"][...] = cov
+
+    _edit(artifact_path, poison)
+    _refused(artifact_path, r"query_stats/cov: .*magnitude")
+
+
+def test_query_mean_of_absurd_magnitude_is_refused(artifact_path):
+    _edit(artifact_path, lambda h5: h5["query_stats/mean"].__setitem__((0, 0, 0), 1e30))
+    _refused(artifact_path, r"query_stats/mean: .*magnitude")
+
+
+def test_covariance_that_is_not_symmetric_is_refused(artifact_path):
+    def skew(h5):
+        cov = h5["query_stats/cov"][()]
+        cov[2, 1, 0, 1] += 1.0
+        h5["query_stats/cov"][...] = cov
+
+    _edit(artifact_path, skew)
+    _refused(artifact_path, r"query_stats/cov: layer 2, query head 1 is not symmetric")
+
+
+def test_covariance_with_a_negative_variance_is_refused(artifact_path):
+    def negative(h5):
+        cov = h5["query_stats/cov"][()]
+        cov[3, 4, 5, 5] = -1.0
+        h5["query_stats/cov"][...] = cov
+
+    _edit(artifact_path, negative)
+    _refused(artifact_path, r"query_stats/cov: layer 3, query head 4 is not positive semi-definite")
+
+
+def test_covariance_breaking_cauchy_schwarz_is_refused(artifact_path):
+    def too_correlated(h5):
+        cov = h5["query_stats/cov"][()]
+        bound = math.sqrt(cov[0, 0, 0, 0] * cov[0, 0, 1, 1])
+        cov[0, 0, 0, 1] = cov[0, 0, 1, 0] = 3 * bound
+        h5["query_stats/cov"][...] = cov
+
+    _edit(artifact_path, too_correlated)
+    _refused(artifact_path, r"query_stats/cov: layer 0, query head 0 is not positive semi-definite")
+
+
+@pytest.mark.parametrize(
+    "section, attr, value, match",
+    [
+        ("budgets", "beta", 0.5, "beta = 0.5 is below the allowed minimum 1"),
+        ("budgets", "min_budget", -3, "min_budget = -3 is below the allowed minimum 0"),
+        ("query_stats", "n_sink", -1, "n_sink = -1 is below the allowed minimum 0"),
+        ("learned_scorer", "fit_tokens", -5, "fit_tokens = -5 is below the allowed minimum 0"),
+        ("recommendation", "tasks", 0, "tasks = 0 is below the allowed minimum 1"),
+        ("recommendation", "baseline_accuracy", 1.5, "baseline_accuracy = 1.5 is above the allowed maximum 1"),
+    ],
+)
+def test_section_attribute_out_of_bounds_is_refused(artifact_path, section, attr, value, match):
+    _edit(artifact_path, lambda h5: h5[section].attrs.__setitem__(attr, value))
+    _refused(artifact_path, f"/{section}: attribute {match}")
+
+
+def test_budget_rows_that_do_not_sum_to_their_total_are_refused(artifact_path):
+    def shift(h5):
+        tables = h5["budgets/token_tables"][()]
+        tables[1, 0, 0] += 7
+        h5["budgets/token_tables"][...] = tables
+
+    _edit(artifact_path, shift)
+    _refused(artifact_path, r"budgets/token_tables: row 1 sums to \d+, not token_budgets\[1\] x L x Hkv = 11520")
+
+
+def test_budget_row_clipped_at_a_short_sequence_is_accepted(tmp_path):
+    """ "When sequences are long enough": a budget above the profiled length clips every head to it."""
+    from runtime.budgets import allocate_budgets
+
+    artifact = make_random_artifact(sections=("budgets",))
+    arrays = artifact.sections["budgets"].arrays
+    arrays["token_tables"] = np.stack([allocate_budgets(arrays["inf_kv"], t, 100) for t in arrays["token_budgets"]])
+    path = write_artifact(tmp_path / "a.h5", artifact)
+    with open_artifact(path) as reader:
+        reader.validate()
+
+
+def test_budget_table_below_min_budget_is_refused(artifact_path):
+    _edit(artifact_path, lambda h5: h5["budgets"].attrs.__setitem__("min_budget", 40))
+    _refused(artifact_path, r"budgets/token_tables: row 0 has a head below min_budget 40")
+
+
+def test_ratio_rows_that_do_not_sum_to_their_total_are_refused(artifact_path):
+    _edit(artifact_path, lambda h5: h5["budgets/ratio_tables"].__setitem__((0, 0, 0), 50.0))
+    _refused(artifact_path, r"budgets/ratio_tables: row 0 sums to .*, not ratios\[0\] x L x Hkv")
+
+
+def test_inf_weights_that_do_not_sum_to_one_are_refused(artifact_path):
+    _edit(artifact_path, lambda h5: h5["budgets/inf_kv"].__setitem__(..., np.full((30, 3), 0.5)))
+    _refused(artifact_path, r"budgets/inf_kv: sums to 45, not 1")
+
+
+def test_learned_scorer_with_features_other_than_twice_head_dim_is_refused(tmp_path):
+    artifact = make_random_artifact(sections=("learned_scorer",))
+    artifact.sections["learned_scorer"].arrays["weights"] = np.zeros((30, 3, 100))
+    with pytest.raises(ArtifactError, match=r"learned_scorer/weights: F = 100 features, the format says 2d = 128"):
+        write_artifact(tmp_path / "a.h5", artifact)
+
+
+def test_learned_scorer_weights_beyond_float32_range_are_refused(artifact_path):
+    _edit(artifact_path, lambda h5: h5["learned_scorer/weights"].__setitem__((0, 0, 0), 1e300))
+    _refused(artifact_path, r"learned_scorer/weights: .*magnitude")
+
+
+def test_recommendation_naming_a_policy_it_did_not_measure_is_refused(artifact_path):
+    _edit(artifact_path, lambda h5: h5["recommendation/policy"].__setitem__(0, b"uniform/streaming"))
+    _refused(artifact_path, r"recommendation/policy: 'uniform/streaming' .* not one of the candidates")
+
+
+def test_serving_refuses_nan_scores_naming_the_layer_and_head(one_thread):
+    """A calibration whose statistics overflow (as 3e38 covariances did) makes expected attention
+    score NaN; compression must stop there, not keep arbitrary tokens."""
+    from runtime import CompressionPolicy, generate
+    from runtime.calibration import Calibration
+
+    model = make_tiny_llama()
+    identity = make_random_identity(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
+    mean = np.zeros((2, 4, 16), dtype=np.float32)
+    cov = np.zeros((2, 4, 16, 16), dtype=np.float32)
+    cov[1] = 3e38  # layer 1: every entry; its rotation overflows to inf - inf
+    calibration = Calibration("hostile.h5", identity, {}, ("query_stats",), query_mean=mean, query_cov=cov)
+    policy = CompressionPolicy(keep_ratio=0.5, scorer="expected_attention", statistics="calibrated", window=4)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"returned NaN scores for layer 1, KV head 0"):
+        generate(model, ids, policy, calibration=calibration, max_new_tokens=1, pad_token_id=0)
+
+
+# identity
+
+
+def test_edited_head_dim_with_the_stored_fingerprint_is_refused(tmp_path, capsys):
+    path = write_artifact(tmp_path / "a.h5", make_random_artifact(sections=("behaviour", "budgets")))
+    _edit(path, lambda h5: h5["model"].attrs.__setitem__("head_dim", 32))
+    _refused(path, "arch_fingerprint does not match the recorded architecture", capsys)
+
+
+def test_writer_refuses_an_identity_whose_fingerprint_does_not_match(tmp_path):
+    import dataclasses
+
+    artifact = make_random_artifact(sections=())
+    artifact.model = dataclasses.replace(artifact.model, arch_fingerprint="a" * 64)
+    with pytest.raises(ArtifactError, match="arch_fingerprint does not match"):
+        write_artifact(tmp_path / "a.h5", artifact)
+
+
+@pytest.mark.parametrize("text", ["[1]", "not json", '{"rope_theta":NaN}'])
+def test_rope_parameters_that_are_not_a_json_object_are_refused(artifact_path, text):
+    _edit(artifact_path, lambda h5: h5["model"].attrs.__setitem__("rope_parameters", text))
+    _refused(artifact_path, "rope_parameters")
