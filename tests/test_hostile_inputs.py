@@ -666,11 +666,13 @@ def test_recommendation_naming_a_policy_it_did_not_measure_is_refused(artifact_p
 def test_serving_refuses_nan_scores_naming_the_layer_and_head(one_thread):
     """A calibration whose statistics overflow (as 3e38 covariances did) makes expected attention
     score NaN; compression must stop there, not keep arbitrary tokens."""
+    from test_runtime_policy import identity_for
+
     from runtime import CompressionPolicy, generate
     from runtime.calibration import Calibration
 
     model = make_tiny_llama()
-    identity = make_random_identity(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
+    identity = identity_for(model)  # the tiny model's own architecture (compress_prompt checks it)
     mean = np.zeros((2, 4, 16), dtype=np.float32)
     cov = np.zeros((2, 4, 16, 16), dtype=np.float32)
     cov[1] = 3e38  # layer 1: every entry; its rotation overflows to inf - inf
