@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_random_artifact, single_thread
+from conftest import make_random_artifact, make_random_identity, single_thread
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -128,6 +128,24 @@ def _start_profile(args: list[str], wait_for: Path) -> subprocess.Popen:
     return proc
 
 
+def test_disk_full_during_the_final_artifact_write_exits_2_and_keeps_the_old_artifact(outputs_model_dir, tmp_path):
+    from artifacts import open_artifact, write_artifact
+
+    out = tmp_path / "kv_calibration.h5"
+    write_artifact(out, make_random_artifact(sections=("moments",)))  # another model's, replaced with --force
+    before = out.read_bytes()
+    # 8 KiB: the behaviour work file (~3 KiB) fits, the final artifact (~15 KiB) does not
+    args = _profile_args(outputs_model_dir, out, "--stages", "behaviour,budgets", "--force")
+    done = _python(["-m", "profiler.cli", *args], limit_bytes=8 << 10)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"cannot write the artifact {out}: File too large (the existing {out} is unchanged)" in done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
+    assert out.read_bytes() == before
+    with open_artifact(out) as reader:
+        reader.validate()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_every_output_writer_on_a_full_disk_raises_one_clear_error_and_keeps_the_old_file(tmp_path):
     """Artifact, work file, JSON and HTML report: one writer, one error, the old file intact."""
     script = """
@@ -198,6 +216,144 @@ def test_inspect_artifact_html_to_a_directory_or_device_is_refused(tmp_path, cap
     assert os.path.exists("/dev/full") and not os.path.isfile("/dev/full")  # the device is still a device
 
 
+@pytest.mark.parametrize("option", ["--json", "--html"])
+@pytest.mark.parametrize("kind", ["directory", "device", "under-a-file"])
+def test_evaluate_artifact_output_paths_are_checked_before_any_model_work(tmp_path, capsys, option, kind):
+    from profiler.evaluate_cli import main
+
+    (tmp_path / "file").write_text("x")
+    target = {"directory": str(tmp_path), "device": "/dev/full", "under-a-file": str(tmp_path / "file" / "out")}
+    # a model that does not exist: the output error must come first, before anything is loaded
+    assert main([str(tmp_path / "no-such-model"), option, target[kind]]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write the {'JSON results' if option == '--json' else 'HTML report'} {target[kind]}" in err
+    assert "no such model directory" not in err
+
+
+def test_profile_model_refuses_to_overwrite_a_file_that_is_not_an_artifact(outputs_model_dir, tmp_path, capsys):
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(os.urandom(4096))
+    before = out.read_bytes()
+    for extra in ((), ("--force",)):
+        assert _profile(_profile_args(outputs_model_dir, out, "--stages", "query-stats", *extra)) == 2
+        err = capsys.readouterr().err
+        assert f"{out} exists and is not a kvcal artifact" in err
+        assert out.read_bytes() == before
+    assert not list(tmp_path.glob("*.work*"))
+
+
+def test_profile_model_refuses_to_replace_another_models_artifact_unless_forced(outputs_model_dir, tmp_path, capsys):
+    from artifacts import open_artifact, write_artifact
+
+    out = tmp_path / "kv_calibration.h5"
+    write_artifact(out, make_random_artifact(make_random_identity(name="another-model")))
+    before = out.read_bytes()
+    assert _profile(_profile_args(outputs_model_dir, out, "--stages", "query-stats")) == 2
+    err = capsys.readouterr().err
+    assert f"{out} is the artifact of another model (another-model)" in err and "--force" in err
+    assert out.read_bytes() == before
+    assert _profile(_profile_args(outputs_model_dir, out, "--stages", "query-stats", "--force")) == 0
+    with open_artifact(out) as reader:
+        assert set(reader.sections) == {"query_stats"}
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        ("--keep-ratios", "1.5"),
+        ("--keep-ratios", "0"),
+        ("--beta", "nan"),
+        ("--beta", "0.5"),
+        ("--budgets", "0,64"),
+        ("--min-budget", "-1"),
+        ("--recommend-compression-ratios", "1"),
+        ("--recommend-policies", ","),
+        ("--keep-ratios", ","),
+    ],
+    ids=" ".join,
+)
+def test_profile_model_later_stage_options_are_refused_before_any_model_work(tmp_path, capsys, option):
+    from profiler.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main([str(tmp_path / "no-such-model"), "--stages", "behaviour,budgets", *option])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option[0]}:" in err and "no such model directory" not in err
+
+
+def test_profile_job_api_validates_every_setting_before_loading(tmp_path):
+    from profiler.job import JobOptions, ProfileJob
+
+    bad = {
+        "keep_ratios": (1.5,),
+        "beta": float("nan"),
+        "token_budgets": (0,),
+        "min_budget": -1,
+        "calib_samples": 0,
+        "max_new_tokens": 0,
+        "batch_size": 0,
+        "recommend_count": 0,
+    }
+    for name, value in bad.items():
+        options = JobOptions(model=str(tmp_path / "no-such-model"), preset="quick", settings={name: value})
+        with pytest.raises(ValueError):
+            ProfileJob(options)
+
+
+def test_resume_accepts_a_changed_option_of_a_later_unsharded_stage(outputs_model_dir, tmp_path, capsys):
+    from artifacts import open_artifact
+
+    out = tmp_path / "kv_calibration.h5"
+    work = Path(str(out) + ".work.npz")
+    args = _profile_args(outputs_model_dir, out, "--stages", "behaviour,budgets", "--checkpoint-every", "1")
+    proc = _start_profile(args, work)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 130 and work.exists() and not out.exists()
+    # the budgets options were wrong: corrected, the behaviour work is kept
+    assert _profile([*args, "--beta", "3", "--keep-ratios", "0.25,0.5", "--resume"]) == 0
+    assert "resuming from" in capsys.readouterr().out
+    with open_artifact(out) as reader:
+        assert reader.config["budgets"]["beta"] == 3.0 and reader.config["budgets"]["ratios"] == [0.25, 0.5]
+    # a changed option of the checkpointed (sharded) work is still refused
+    proc = _start_profile(args, work)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    assert (
+        _profile(
+            [
+                *_profile_args(outputs_model_dir, out, "--stages", "behaviour,budgets", "--max-new-tokens", "3"),
+                "--resume",
+            ]
+        )
+        == 2
+    )
+    assert "different job" in capsys.readouterr().err and work.exists()
+
+
+def test_a_second_run_on_the_same_output_is_refused_and_a_dead_runs_lock_does_not_block(
+    outputs_model_dir, tmp_path, capsys
+):
+    out = tmp_path / "kv_calibration.h5"
+    work = Path(str(out) + ".work.npz")
+    args = _profile_args(outputs_model_dir, out, "--stages", "behaviour", "--checkpoint-every", "1")
+    first = _start_profile(args, work)
+    try:
+        first.send_signal(signal.SIGSTOP)  # still running (it holds its lock), just not progressing
+        assert _profile(args) == 2
+        err = capsys.readouterr().err
+        assert f"another profile-model run (pid {first.pid}) is writing {out}" in err
+        assert work.exists()  # its work file was left alone
+    finally:
+        first.kill()
+        first.communicate(timeout=60)
+    # killed: its lock died with it; --resume continues its work
+    assert _profile([*args, "--resume"]) == 0
+    assert "resuming from" in capsys.readouterr().out and out.is_file()
+    assert not Path(str(out) + ".lock").exists()
+
+
 def test_a_killed_writers_temp_file_is_removed_by_the_next_write(tmp_path):
     from artifacts import write_artifact
     from artifacts.atomic import STALE_TEMP_SECONDS
@@ -233,3 +389,42 @@ def test_a_killed_writers_temp_file_is_removed_by_the_next_write(tmp_path):
     write_artifact(out, make_random_artifact(sections=("moments",)))
     assert not dead.exists()
     assert live.exists() and fresh_dead.exists() and other.exists()
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        ("--calib-samples", "0"),
+        ("--max-new-tokens", "0"),
+        ("--batch-size", "0"),
+        ("--calib-tokens", "0"),
+        ("--batch-size", "-2"),
+        ("--checkpoint-every", "0"),
+        ("--recommend-count", "0"),
+        ("--n-sink", "-1"),
+        ("--scorer-probes", "-1"),
+    ],
+    ids=" ".join,
+)
+def test_profile_model_zero_or_negative_counts_are_refused_by_the_parser(capsys, option):
+    from profiler.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main([*option])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option[0]}: expected an integer >= " in err
+
+
+@pytest.mark.parametrize(
+    "option",
+    [("--policies", ","), ("--tasks", ","), ("--count", "0"), ("--max-new-tokens", "0"), ("--tolerance", "nan")],
+    ids=" ".join,
+)
+def test_evaluate_artifact_empty_lists_and_zero_counts_are_refused_by_the_parser(capsys, option):
+    from profiler.evaluate_cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main([*option])
+    assert exited.value.code == 2
+    assert f"argument {option[0]}:" in capsys.readouterr().err
