@@ -1,13 +1,27 @@
-"""Writing a file so that it appears complete or not at all.
+"""Writing a file so that it appears complete or not at all: the one writer of every file the
+tools write (artifacts, work files, JSON, HTML reports).
 
     with atomic_path("out/kv_calibration.h5") as tmp:
         write_everything_to(tmp)
+    write_atomic("out/evaluation.json", text)  # the same, for text or bytes already in memory
 
 The block writes to a temporary file in the destination's directory (same file system, so
 the rename is atomic); when the block succeeds the file is fsynced, renamed over the
 destination and the directory entry fsynced.  An exception in the block removes the
-temporary file and leaves whatever was at the destination untouched.  A process killed in
-the block leaves at most a hidden ``.<name>.<random>.tmp`` beside the destination.
+temporary file and leaves whatever was at the destination untouched; a failing write (disk
+full, file too large, permission) is raised as :class:`OutputError` (an ``OSError``) with one
+clear sentence naming the destination.
+
+Destinations: an existing symbolic link is followed (its target is replaced); a directory, a
+device or anything else that is not a regular file is refused (:func:`check_output_path`,
+which the command lines also call before any model work, so a bad ``--json`` / ``--html`` /
+``--out`` is reported at once, not after an hour).
+
+Temporary files are named ``.<name>.<pid>.<random>.tmp``.  A process killed in the block leaves
+one behind; the next write to the same destination removes those whose writer ``pid`` is no
+longer alive on this machine and that have not been modified for ``STALE_TEMP_SECONDS`` (a
+writer in another PID namespace or on another host sharing the directory keeps modifying its
+file while it writes, and a reused pid only makes a stale file look alive, which keeps it).
 
 File mode: the temporary file is private (0600, from ``mkstemp``) while it is written; before
 the rename it is given the mode a plain ``open(path, "w")`` would have created the file with,
@@ -19,21 +33,61 @@ editor does).  The umask is read without changing it (:func:`current_umask`).
 from __future__ import annotations
 
 import os
+import re
 import stat
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+STALE_TEMP_SECONDS = 600  # a dead writer's temporary file untouched this long is removed
+_TEMP = re.compile(r"\.(?P<name>.+)\.(?P<pid>[0-9]+)\.[A-Za-z0-9_]+\.tmp")
+
+
+class OutputError(OSError):
+    """A file the tools write could not be written (or would not be a file); the message says
+    which and why, and whatever was at the destination is unchanged."""
+
+
+def _describe(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+def check_output_path(path: str | os.PathLike, what: str = "output") -> Path:
+    """The destination a write to ``path`` would replace (a symbolic link's target), checked
+    without writing anything: not a directory or other non-regular file, and its directory
+    exists and is writable or can be created.  Raises :class:`OutputError` otherwise."""
+    destination = Path(os.path.realpath(os.fspath(path)))
+    shown = os.fspath(path)
+    if destination.exists() and not destination.is_file():
+        kind = "a directory" if destination.is_dir() else "not a regular file"
+        raise OutputError(f"cannot write the {what} {shown}: it is {kind}")
+    ancestor = destination.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputError(f"cannot write the {what} {shown}: {ancestor} is not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write the {what} {shown}: the directory {ancestor} is not writable")
+    return destination
+
 
 @contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, what: str = "output") -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it replaces ``path`` durably."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    shown = os.fspath(path)
+    path = check_output_path(path, what)
+    existed = path.exists()
+    unchanged = f"the existing {shown} is unchanged" if existed else f"{shown} was not created"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temp_files(path)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise OutputError(f"cannot write the {what} {shown}: {_describe(exc)}") from exc
     tmp = Path(name)
     try:
         yield tmp
@@ -41,10 +95,57 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OutputError):
+            raise
+        raise OutputError(f"cannot write the {what} {shown}: {_describe(exc)} ({unchanged})") from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_directory(path.parent)
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | memoryview | str, what: str = "output") -> Path:
+    """Write ``data`` (text is UTF-8 encoded) to ``path`` atomically (see :func:`atomic_path`)."""
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    with atomic_path(path, what) as tmp, open(tmp, "wb") as fh:
+        fh.write(payload)
+    return Path(path)
+
+
+def remove_stale_temp_files(path: Path, now: float | None = None) -> list[Path]:
+    """Remove the temporary files of dead writers of ``path`` (see the module docstring)."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _TEMP.fullmatch(entry.name)
+        if match is None or match["name"] != path.name or _pid_alive(int(match["pid"])):
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False) or now - entry.stat().st_mtime < STALE_TEMP_SECONDS:
+                continue
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        removed.append(Path(entry.path))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a pid a writer could have had: leave the file alone
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
 
 
 def _destination_mode(path: Path) -> int:
@@ -89,4 +190,49 @@ def fsync_directory(directory: Path) -> None:
     except OSError:
         pass
     finally:
+        os.close(fd)
+
+
+class OutputLocked(OSError):
+    """Another live process holds the lock of this output (see :func:`output_lock`)."""
+
+
+def lock_file_path(path: str | os.PathLike, rank: int = 0) -> Path:
+    """``<path>.lock`` (``<path>.lock-rank<r>`` for the other processes of a multi-process job)."""
+    path = Path(path)
+    return path.with_name(path.name + (".lock" if rank == 0 else f".lock-rank{rank}"))
+
+
+@contextmanager
+def output_lock(path: str | os.PathLike, program: str, rank: int = 0) -> Iterator[Path]:
+    """Hold an exclusive ``flock`` on ``<path>.lock`` for the block, or raise :class:`OutputLocked`
+    naming the holder's pid.  The lock dies with its process (a killed run never blocks the next);
+    the lock file holds ``pid program`` and is removed when the block ends."""
+    import fcntl
+
+    lock = lock_file_path(path, rank)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode("ascii", "replace").split()
+            os.close(fd)
+            who = f"{holder[1] if len(holder) > 1 else 'kvcal'} run (pid {holder[0]})" if holder else "kvcal run"
+            raise OutputLocked(
+                f"another {who} is writing {path} (lock {lock}); wait for it to finish or choose another output"
+            ) from None
+        try:  # the file we locked may have been removed by its previous holder meanwhile: then retry
+            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {program}\n".encode("ascii", "replace"))
+        yield lock
+    finally:
+        lock.unlink(missing_ok=True)
         os.close(fd)

@@ -50,7 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .atomic import check_output_path
+
     try:
+        if args.html:
+            check_output_path(args.html, "HTML report")  # before the artifact is read
         with open_artifact(args.path) as reader:
             summary = summarize(reader)
             if args.html:
@@ -61,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"inspect-artifact: invalid artifact: {exc}", file=sys.stderr)
         if args.json:  # a JSON consumer gets JSON either way
             print(json.dumps({"valid": False, "error": str(exc)}, indent=2, sort_keys=True))
+        return EXIT_INVALID
+    except OSError as exc:  # the report could not be written (artifacts.atomic.OutputError): not about validity
+        print(f"inspect-artifact: {exc}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"valid": None, "error": str(exc)}, indent=2, sort_keys=True))
         return EXIT_INVALID
     text = json.dumps(summary, indent=2, sort_keys=True) if args.json else format_summary(summary)
     try:

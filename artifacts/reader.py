@@ -81,6 +81,19 @@ def open_artifact(path: str | os.PathLike) -> ArtifactReader:
     return ArtifactReader(path)
 
 
+def is_artifact_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is an HDF5 file whose format attribute says it is a kvcal artifact (valid
+    or not): what a writer may replace, unlike any other file that happens to be at the path."""
+    try:
+        if not Path(path).is_file() or not h5py.is_hdf5(path):
+            return False
+        with h5py.File(path, "r") as h5:
+            fmt = h5.attrs.get("format", "")
+    except Exception:  # noqa: BLE001 - unreadable: not recognisably an artifact
+        return False
+    return (fmt.decode("ascii", "replace") if isinstance(fmt, bytes) else str(fmt)) == FORMAT_NAME
+
+
 def _parse_version(text: str) -> tuple[int, int]:
     try:
         major, minor = (int(part) for part in text.split("."))

@@ -208,7 +208,7 @@ def render_report(reader: ArtifactReader, evaluation: dict | None = None, budget
 
 
 def write_report(path: str | Path, reader: ArtifactReader, evaluation: dict | None = None, budget: int = 256) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_report(reader, evaluation, budget), encoding="utf-8")
-    return path
+    """Render the report and write it atomically (``artifacts.atomic.OutputError`` when it cannot be written)."""
+    from .atomic import write_atomic
+
+    return write_atomic(path, render_report(reader, evaluation, budget), what="HTML report")

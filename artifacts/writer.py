@@ -1,20 +1,26 @@
 """Writing a calibration artifact: validated, compressed, checksummed, atomic.
 
-The file is written through :func:`artifacts.atomic.atomic_path`: a temporary file in the
-destination directory, fsynced, then renamed over the destination.  An exception at any
-point before the rename leaves whatever was at the destination untouched.
+The HDF5 file is built in memory and then written through :func:`artifacts.atomic.write_atomic`
+(the one writer of every output): a temporary file in the destination directory, fsynced, then
+renamed over the destination.  An exception at any point before the rename leaves whatever was
+at the destination untouched; a failing write (disk full) is an ``artifacts.atomic.OutputError``.
+Building in memory keeps HDF5 away from a failing disk: libhdf5 handles a write error while it
+flushes by leaving its objects half-closed, which printed "Exception ignored" tracebacks and
+then crashed the interpreter at exit.  The compressed image costs memory about the size of
+the file.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import io
 import os
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-from .atomic import atomic_path
+from .atomic import check_output_path, write_atomic
 from .errors import ArtifactError
 from .metadata import extended_metadata_digest, metadata_digest, root_attrs
 from .schema import FORMAT_NAME, OPTIONAL_MODEL_ATTRS, SCHEMA_VERSION, SECTIONS, Artifact
@@ -35,6 +41,7 @@ COMPRESSION_LEVEL = 4
 def write_artifact(path: str | os.PathLike, artifact: Artifact) -> Path:
     """Validate ``artifact`` and write it atomically to ``path``; returns the final path."""
     path = Path(path)
+    check_output_path(path, "artifact")
     check_model_identity(artifact.model)
     check_config(artifact.config)
     arch = artifact.model.dims()
@@ -57,10 +64,11 @@ def write_artifact(path: str | os.PathLike, artifact: Artifact) -> Path:
     created = artifact.created or _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
     attrs = root_attrs(artifact, created=created, version=artifact.toolkit_version or toolkit_version())
 
-    with atomic_path(path) as tmp:
-        # libver v110+: metadata (superblock, object headers) carries its own checksums.
-        with h5py.File(tmp, "w", libver=("v110", "latest")) as h5:
-            _write_contents(h5, prepared, attrs, checked_attrs)
+    image = io.BytesIO()
+    # libver v110+: metadata (superblock, object headers) carries its own checksums.
+    with h5py.File(image, "w", libver=("v110", "latest")) as h5:
+        _write_contents(h5, prepared, attrs, checked_attrs)
+    write_atomic(path, image.getbuffer(), what="artifact")
     return path
 
 

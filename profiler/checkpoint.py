@@ -12,8 +12,10 @@ resumed single-process run reproduces the uninterrupted result bit for bit.  Acr
 different number of processes the sums are added in a different order (differences of the
 order of 1e-16 relative).
 
-A work file records a fingerprint of the job (model, configuration, probe set, process
-count); ``--resume`` refuses a work file with a different fingerprint.
+A work file records a fingerprint of the checkpointed work (model, the sharded stages'
+configuration and probe set, process count and rank; ``profiler.job``); ``--resume`` refuses a
+work file with a different fingerprint.  Options of the unsharded stages (budgets, moments,
+recommendation) are not part of it: their sections are rebuilt from the sums at the end.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def work_file_path(out: Path, rank: int = 0, world_size: int = 1) -> Path:
 def save_work(path: Path, fingerprint: str, progress: dict, arrays: dict[str, np.ndarray]) -> None:
     """Atomically replace ``path`` with the given state.  ``progress``: JSON-able counters."""
     meta = json.dumps({"format": WORK_FORMAT, "fingerprint": fingerprint, "progress": progress}, sort_keys=True)
-    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+    with atomic_path(path, "work file") as tmp, open(tmp, "wb") as fh:
         np.savez(fh, __meta__=np.frombuffer(meta.encode(), dtype=np.uint8), **arrays)
 
 

@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 from artifacts.version import add_version_argument
-from profiler.arguments import comma_separated
+from profiler.arguments import comma_separated, non_negative_int, positive_int
 from profiler.presets import PRESETS
 
 DESCRIPTION_HEAD = """\
@@ -33,7 +33,7 @@ PRESET_HELP = "; ".join(
 )
 
 # argparse names that are the job's own options; every other one goes to JobOptions.settings
-JOB_OPTIONS = ("model", "out", "preset", "stages", "resume", "checkpoint_every", "device_map", "no_progress")
+JOB_OPTIONS = ("model", "out", "force", "preset", "stages", "resume", "checkpoint_every", "device_map", "no_progress")
 
 
 def _description() -> str:
@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="output file (default: kv_calibration.h5 in the model directory when writable, else in "
         "kvcal's cache, $XDG_CACHE_HOME/kvcal/artifacts/<org>--<name>/ for a hub id, where load_calibration looks)",
     )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an artifact at the output path that belongs to another model or does not validate "
+        "(a file that is not a kvcal artifact is never replaced)",
+    )
     parser.add_argument("--preset", choices=list(PRESETS), default="quick", help=f"job size. {PRESET_HELP}")
 
     def stages(text: str) -> tuple[str, ...]:
@@ -89,9 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group.add_argument("--calib-split", default=None, help="datasets split (default: train)")
     group.add_argument("--calib-field", default=None, help="text field of JSON records / datasets rows (default: text)")
-    group.add_argument("--calib-samples", type=int, default=None, help="number of calibration windows")
-    group.add_argument("--calib-tokens", type=int, default=None, help="tokens per calibration window")
-    group.add_argument("--n-sink", type=int, default=None, help="leading tokens of each window left out (default 4)")
+    group.add_argument("--calib-samples", type=positive_int, default=None, help="number of calibration windows")
+    group.add_argument("--calib-tokens", type=positive_int, default=None, help="tokens per calibration window")
+    group.add_argument(
+        "--n-sink", type=non_negative_int, default=None, help="leading tokens of each window left out (default 4)"
+    )
     group.add_argument("--seed", type=int, default=None, help="seed of the built-in calibration text (default 0)")
     for stage in STAGES:
         stage.add_arguments(parser)
@@ -103,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--checkpoint-every",
-        type=int,
+        type=positive_int,
         default=4,
         help="units of work (probes, calibration batches) between work-file checkpoints (default 4)",
     )
@@ -138,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         preset=args.preset,
         stages=None if args.stages is None else tuple(args.stages),
         resume=args.resume,
+        force=args.force,
         checkpoint_every=args.checkpoint_every,
         device_map=args.device_map,
         progress=use_progress_bars(args.no_progress),

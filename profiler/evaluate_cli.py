@@ -11,11 +11,10 @@ import argparse
 import datetime as _dt
 import json
 import sys
-from pathlib import Path
 
 from artifacts.version import add_version_argument
 
-from .arguments import RenamedOption, comma_separated
+from .arguments import RenamedOption, comma_separated, number_in, positive_int
 from .evaluation_results import RECOMMENDATION_CANDIDATES, markdown_table
 
 # runtime.policy_spec.NAMED_POLICIES, spelled out for the help text (tested equal)
@@ -94,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="lengths and depths of the tasks, as the needles preset of that name (default quick: "
         "1K/2K/4K tokens x depths 10/50/90); lengths beyond the model's context are dropped",
     )
-    parser.add_argument("--count", type=int, default=1, help="tasks per (family, length, depth) cell (default 1)")
+    parser.add_argument(
+        "--count", type=positive_int, default=1, help="tasks per (family, length, depth) cell (default 1)"
+    )
     parser.add_argument(
         "--seed",
         type=int,
@@ -106,10 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compress the whole prompt, question included (default: compress the context before the question is seen)",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=24, help="greedy answer length (default 24)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=24, help="greedy answer length (default 24)")
     parser.add_argument(
         "--tolerance",
-        type=float,
+        type=number_in(0.0, 100.0),
         default=2.0,
         help="accuracy points below the baseline a recommendation may lose (default 2)",
     )
@@ -177,30 +178,35 @@ def _servable(policies, calibration, ratio: float, explicit: bool):
 
 
 def write_recommendation(path, evaluation: dict, policies) -> None:
-    """Rewrite the artifact at ``path`` with a ``recommendation`` section from ``evaluation``."""
+    """Rewrite the artifact at ``path`` with a ``recommendation`` section from ``evaluation`` (under
+    the output's lock: a profile-model run writing it at the same time is refused, not overwritten)."""
     from artifacts import Artifact, open_artifact, write_artifact
+    from artifacts.atomic import output_lock
 
     from .stages.recommendation import recommendation_section
 
     candidates = [spec.name for spec in policies if not spec.is_baseline]
     tasks = evaluation["tasks"]
     section = recommendation_section(evaluation, candidates, tasks["seed"], ",".join(tasks["spec"]["families"]))
-    with open_artifact(path) as reader:
-        sections = {name: reader.section(name) for name in reader.sections}
-        config, identity = dict(reader.config), reader.model
-    config["recommendation"] = {
-        "candidates": candidates,
-        "compression_ratios": sorted({r["compression_ratio"] for r in evaluation["results"]}),
-        "tasks": tasks["spec"],
-        "question_aware": evaluation["question_aware"],
-        "source": "evaluate-artifact",
-    }
-    write_artifact(path, Artifact(model=identity, config=config, sections={**sections, "recommendation": section}))
+    with output_lock(path, "evaluate-artifact"):
+        with open_artifact(path) as reader:
+            sections = {name: reader.section(name) for name in reader.sections}
+            config, identity = dict(reader.config), reader.model
+        config["recommendation"] = {
+            "candidates": candidates,
+            "compression_ratios": sorted({r["compression_ratio"] for r in evaluation["results"]}),
+            "tasks": tasks["spec"],
+            "question_aware": evaluation["question_aware"],
+            "source": "evaluate-artifact",
+        }
+        sections = {**sections, "recommendation": section}
+        write_artifact(path, Artifact(model=identity, config=config, sections=sections))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from artifacts import ArtifactError, open_artifact
+    from artifacts.atomic import check_output_path
     from needles import generate_probes
     from runtime import load_calibration
     from runtime.models import ModelError, load_model, load_tokenizer, use_progress_bars
@@ -220,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--write-recommendation records question-agnostic measurements; drop --question-aware")
         if args.count < 1 or args.max_new_tokens < 1:
             raise ValueError("--count and --max-new-tokens must be at least 1")
+        # every output is checked before any model work (the results are not lost at the end)
+        for path, what in ((args.json_out, "JSON results"), (args.html_out, "HTML report")):
+            if path:
+                check_output_path(path, what)
+        if args.write_recommendation and args.artifact:
+            check_output_path(args.artifact, "artifact")
         model = load_model(args.model)
         tokenizer = load_tokenizer(args.model)
         calibration = load_calibration(model, tokenizer, path=args.artifact, allow_mismatch=args.allow_mismatch)
@@ -228,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         policies = _servable(policies, calibration, args.ratios[0], explicit=args.policies != DEFAULT_POLICIES)
         if args.write_recommendation and not any(not p.is_baseline for p in policies):
             raise ValueError("--write-recommendation needs at least one compression policy")
+        if args.write_recommendation:
+            check_output_path(calibration.path, "artifact")
     except (ValueError, OSError, ArtifactError, ModelError) as exc:
         print(f"evaluate-artifact: {exc}", file=sys.stderr)
         return 2
@@ -260,8 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(markdown_table(evaluation))
     if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(evaluation, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        from artifacts.atomic import write_atomic
+
+        try:
+            write_atomic(args.json_out, json.dumps(evaluation, indent=2, sort_keys=True) + "\n", what="JSON results")
+        except OSError as exc:
+            print(f"evaluate-artifact: {exc}", file=sys.stderr)
+            return 2
     if args.write_recommendation:
         calibration.close()
         try:
@@ -275,8 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.html_out:
         from artifacts.report import write_report
 
-        with open_artifact(calibration.path) as reader:
-            write_report(args.html_out, reader, evaluation)
+        try:
+            with open_artifact(calibration.path) as reader:
+                write_report(args.html_out, reader, evaluation)
+        except (OSError, ArtifactError) as exc:
+            print(f"evaluate-artifact: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -11,6 +11,19 @@ each write one section.  The job does for all of them what none should do on its
   atomically, keeping the other sections of an existing artifact at the output path when it
   belongs to the same model (same weights, architecture and tokenizer fingerprints).
 
+What is at the output path is protected: every option is checked when the job is made (the
+stages' ``__init__``), the output path before the model loads (a directory, a device, an
+unwritable directory, or a file that is not a kvcal artifact, e.g. the weights, is refused),
+and, once the model is loaded and before any stage runs, an artifact of another model or one
+that does not validate is replaced only with ``force`` (``--force``).  The run holds an
+exclusive lock on ``<out>.lock`` (each process of a multi-process run its own,
+``artifacts.atomic.output_lock``), so a second run on the same output is refused instead of
+discarding the first one's work file.
+
+The work file's fingerprint covers what its checkpointed sums depend on: the model, the
+process count and rank, and the configs of the sharded stages.  Options of the other stages
+(budgets, moments, recommendation: rebuilt from the sums at the end) can change on ``--resume``.
+
 Under ``accelerate launch`` (or ``torchrun``) each process takes every ``world_size``-th unit
 of work, keeps its own work file, and at the end the sums are all-reduced
 (:mod:`profiler.distributed`); the main process alone writes the artifact.
@@ -29,6 +42,8 @@ import torch
 from tqdm.auto import tqdm
 
 from artifacts import Artifact, ArtifactError, Section, open_artifact, write_artifact
+from artifacts.atomic import OutputError, check_output_path, output_lock
+from artifacts.reader import is_artifact_file
 from artifacts.schema import canonical_json
 from profiler import distributed
 from profiler.calibration_text import calibration_windows
@@ -57,6 +72,7 @@ class JobOptions:
     preset: str = "quick"
     stages: tuple[str, ...] | None = None  # None: the preset's default stages (profiler.stages.default_stages)
     resume: bool = False
+    force: bool = False  # replace an artifact of another model, or one that does not validate, at ``out``
     checkpoint_every: int = 4  # units of work (probes, batches) between work-file writes
     device_map: str | None = None
     progress: bool = True
@@ -96,8 +112,9 @@ class ProfileJob:
         self.options = options
         self.preset = PRESETS[options.preset]
         self.log = options.log
-        self.calib_samples = self.setting("calib_samples") or self.preset.calib_samples
-        self.calib_tokens = self.setting("calib_tokens") or self.preset.calib_tokens
+        # None means the preset's; 0 is refused (it used to mean the preset's, silently)
+        self.calib_samples = self.setting("calib_samples", self.preset.calib_samples)
+        self.calib_tokens = self.setting("calib_tokens", self.preset.calib_tokens)
         self.n_sink = self.setting("n_sink", self.preset.n_sink)
         if self.calib_samples < 1 or self.calib_tokens < 1 or self.n_sink < 0:
             raise ValueError("calibration samples and tokens must be >= 1 and n_sink >= 0")
@@ -119,10 +136,9 @@ class ProfileJob:
     # -- inputs shared by stages -------------------------------------------------------------------
     def load(self) -> None:
         from artifacts.fingerprint import model_identity
-        from runtime.models import load_model, load_tokenizer, resolve_model
+        from runtime.models import load_model, load_tokenizer
 
         options = self.options
-        self.model_path = resolve_model(options.model)
         device_map = options.device_map
         if device_map is None and torch.cuda.is_available():
             device_map = "auto" if not self.info.distributed else {"": str(self.info.device)}
@@ -131,7 +147,6 @@ class ProfileJob:
         self.model = load_model(options.model, device_map=device_map)
         self.geometry = ModelGeometry.of(self.model)
         self.identity = model_identity(self.model, self.tokenizer, options.model or "embedded")
-        self.out = Path(options.out) if options.out else default_output(self.model_path)
         self.say(
             f"model {self.identity.name} ({self.identity.model_type}, {self.geometry.num_layers} layers, "
             f"{self.geometry.num_q_heads} query / {self.geometry.num_kv_heads} KV heads, "
@@ -179,22 +194,37 @@ class ProfileJob:
 
     # -- run -------------------------------------------------------------------------------------
     def run(self) -> Path:
+        from runtime.models import resolve_model
+
+        options = self.options
+        self.model_path = resolve_model(options.model)
+        self.out = Path(options.out) if options.out else default_output(self.model_path)
+        check_output_path(self.out, "artifact")
+        if self.out.exists() and not is_artifact_file(self.out):
+            raise ValueError(
+                f"{self.out} exists and is not a kvcal artifact; it is never replaced: choose another --out "
+                "(or delete the file yourself)"
+            )
+        with output_lock(self.out, "profile-model", self.info.rank):
+            return self._run_locked()
+
+    def _run_locked(self) -> Path:
         self.load()
+        existing = self._replaceable_sections()
         for stage in self.stages:
             stage.prepare()
-        existing = self._existing_section_names()
         for stage in self.stages:
             stage.check(existing)
         config = self.config()
-        self._fingerprint = _digest(
-            canonical_json(config),
+        self._fingerprint = _digest(  # the checkpointed work only: see the module docstring
+            canonical_json({stage.section: config[stage.section] for stage in self.sharded}),
             self.identity.weights_fingerprint,
             self.identity.arch_fingerprint,
+            self.identity.tokenizer_fingerprint,
             self.info.world_size,
             self.info.rank,
         )
         self.work_path = work_file_path(self.out, self.info.rank, self.info.world_size)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
         self.progress = {stage.name: 0 for stage in self.sharded}
         self._resume()
 
@@ -209,7 +239,14 @@ class ProfileJob:
 
         path = self.out
         if self.info.is_main:
-            path = self._build_and_write(config)
+            try:
+                path = self._build_and_write(config)
+            except OutputError as exc:
+                if self.sharded:
+                    raise OutputError(
+                        f"{exc}; the finished work is kept in {self.work_path}: rerun with --resume"
+                    ) from exc
+                raise
         distributed.barrier(self.info)
         remove_work(self.work_path)
         return path
@@ -274,15 +311,29 @@ class ProfileJob:
             and model.tokenizer_fingerprint == identity.tokenizer_fingerprint
         )
 
-    def _existing_section_names(self) -> set[str]:
-        """Sections of the artifact already at the output path, when it is for this model."""
+    def _replaceable_sections(self) -> set[str]:
+        """Sections of the artifact already at the output path, when it is for this model (they are
+        kept).  An artifact of another model, or one that does not validate, is refused here, before
+        any stage runs, unless ``force``: the result would not keep its sections."""
         if not self.out.exists():
             return set()
         try:
             with open_artifact(self.out) as reader:
-                return set(reader.sections) if self._same_model(reader) else set()
-        except ArtifactError:
+                if self._same_model(reader):
+                    return set(reader.sections)
+                other, sections = reader.model.name, sorted(reader.sections)
+        except ArtifactError as exc:
+            if not self.options.force:
+                raise ValueError(
+                    f"{self.out} is a kvcal artifact that does not validate ({exc}); --force replaces it"
+                ) from None
             return set()
+        if not self.options.force:
+            raise ValueError(
+                f"{self.out} is the artifact of another model ({other}), with section(s) {', '.join(sections)}; "
+                "--force replaces it, or choose another --out"
+            )
+        return set()
 
     def _existing(self) -> tuple[dict[str, Section], dict]:
         """Sections and config of an artifact already at the output path for the same model, else empty."""

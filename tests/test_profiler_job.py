@@ -272,7 +272,9 @@ def test_learned_scorer_fits_on_probe_contexts_too(model_dir, tmp_path):
         extra = b.section("learned_scorer").attrs["fit_tokens"] - a.section("learned_scorer").attrs["fit_tokens"]
         assert extra == (48 - 6) + (52 - 6) + (56 - 6)  # their context tokens (context_end = n - 6)
         assert not np.array_equal(a.section("learned_scorer")["weights"], b.section("learned_scorer")["weights"])
-    assert main(_args(model_dir, tmp_path / "x.h5", "--stages", "learned-scorer", "--scorer-probes", "-1")) == 2
+    with pytest.raises(SystemExit) as refused:  # a parser error (exit 2) before any model work
+        main(_args(model_dir, tmp_path / "x.h5", "--stages", "learned-scorer", "--scorer-probes", "-1"))
+    assert refused.value.code == 2
 
 
 def test_hub_id_round_trip_profile_then_serve(model_dir, tmp_path):

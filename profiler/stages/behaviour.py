@@ -16,6 +16,7 @@ import argparse
 import numpy as np
 
 from artifacts import Section
+from profiler.arguments import positive_int
 from profiler.probe_source import file_probes, preset_probes
 
 from .base import ShardedStage
@@ -41,12 +42,15 @@ class BehaviourStage(ShardedStage):
             help="JSON-lines probe file (from generate-probes) instead of the preset's needles probes",
         )
         group.add_argument(
-            "--max-new-tokens", type=int, default=None, help="greedy decode steps per probe (default: the preset's)"
+            "--max-new-tokens",
+            type=positive_int,
+            default=None,
+            help="greedy decode steps per probe (default: the preset's)",
         )
 
     def __init__(self, job):
         super().__init__(job)
-        self.max_new_tokens = job.setting("max_new_tokens") or job.preset.max_new_tokens
+        self.max_new_tokens = job.setting("max_new_tokens", job.preset.max_new_tokens)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 

@@ -8,9 +8,10 @@ INFsc of this run's behaviour section or of the artifact already at the output p
 from __future__ import annotations
 
 import argparse
+import math
 
 from artifacts import Section
-from profiler.arguments import RenamedOption, comma_separated
+from profiler.arguments import RenamedOption, comma_separated, non_negative_int, number_in, positive_int
 from profiler.budget_tables import (
     DEFAULT_BETA,
     DEFAULT_MIN_BUDGET,
@@ -36,14 +37,14 @@ class BudgetsStage(Stage):
         group.add_argument(
             "--budgets",
             dest="token_budgets",
-            type=comma_separated(int),
+            type=comma_separated(positive_int),
             default=None,
             help=f"average token budgets per KV head (default: {','.join(map(str, DEFAULT_TOKEN_BUDGETS))})",
         )
         group.add_argument(
             "--keep-ratios",
             dest="keep_ratios",
-            type=comma_separated(float),
+            type=comma_separated(number_in(0.0, 1.0, low_open=True)),
             default=None,
             help="average budgets as fractions of the sequence length KEPT (default: 0.1,...,0.9)",
         )
@@ -52,9 +53,14 @@ class BudgetsStage(Stage):
             action=RenamedOption,
             message="was renamed --keep-ratios (average budgets as fractions of the sequence length kept)",
         )
-        group.add_argument("--beta", type=float, default=None, help=f"REAL's beta >= 1 (default {DEFAULT_BETA:g})")
         group.add_argument(
-            "--min-budget", type=int, default=None, help=f"smallest per-head budget (default {DEFAULT_MIN_BUDGET})"
+            "--beta", type=number_in(1.0), default=None, help=f"REAL's beta >= 1 (default {DEFAULT_BETA:g})"
+        )
+        group.add_argument(
+            "--min-budget",
+            type=non_negative_int,
+            default=None,
+            help=f"smallest per-head budget (default {DEFAULT_MIN_BUDGET})",
         )
 
     def __init__(self, job):
@@ -63,6 +69,15 @@ class BudgetsStage(Stage):
         self.ratios = job.setting("keep_ratios", DEFAULT_RATIOS)
         self.beta = job.setting("beta", DEFAULT_BETA)
         self.min_budget = job.setting("min_budget", DEFAULT_MIN_BUDGET)
+        # the parser checks each value; this is for JobOptions built in code (before any model work)
+        if not self.token_budgets or any(int(b) != b or b < 1 for b in self.token_budgets):
+            raise ValueError(f"token budgets must be integers >= 1, got {self.token_budgets}")
+        if not self.ratios or any(not (0.0 < float(r) <= 1.0) for r in self.ratios):
+            raise ValueError(f"keep ratios must lie in (0, 1], got {self.ratios}")
+        if not (math.isfinite(float(self.beta)) and float(self.beta) >= 1.0):
+            raise ValueError(f"beta must be a finite number >= 1, got {self.beta}")
+        if int(self.min_budget) != self.min_budget or self.min_budget < 0:
+            raise ValueError(f"min_budget must be an integer >= 0, got {self.min_budget}")
 
     def check(self, existing: set[str]) -> None:
         if "behaviour" not in self.job.stage_names and "behaviour" not in existing:

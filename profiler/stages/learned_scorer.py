@@ -17,6 +17,7 @@ import numpy as np
 
 from artifacts import Section
 from needles.probe import LABEL_CODE
+from profiler.arguments import non_negative_int
 
 from .base import ShardedStage
 
@@ -39,13 +40,21 @@ class LearnedScorerStage(ShardedStage):
         group = parser.add_argument_group("learned-scorer stage")
         group.add_argument(
             "--scorer-probes",
-            type=int,
+            type=non_negative_int,
             default=None,
             help="also fit on the contexts of the N shortest needle probes (the preset's, or --probes), with the "
             "tokens of "
             "their retrieval (R) spans raised to the top of each head's teacher scores (REAL's labels as "
             "positives); default 0: calibration text only",
         )
+
+    def __init__(self, job):
+        super().__init__(job)
+        self.probe_count = int(job.setting("scorer_probes", 0))
+        if self.probe_count < 0:
+            raise ValueError(f"--scorer-probes must be >= 0, got {self.probe_count}")
+        if job.calib_samples < 2:
+            raise ValueError("the learned-scorer stage needs at least 2 calibration windows (one is held out)")
 
     def prepare(self) -> None:
         import torch
@@ -54,8 +63,6 @@ class LearnedScorerStage(ShardedStage):
 
         job = self.job
         count = job.calib_samples
-        if count < 2:
-            raise ValueError("the learned-scorer stage needs at least 2 calibration windows (one is held out)")
         self.held_out = max(1, count // 5)
         self.fit_windows = count - self.held_out
         geometry = job.geometry
@@ -64,9 +71,7 @@ class LearnedScorerStage(ShardedStage):
         ids = job.tokenizer(RECONSTRUCTION_INSTRUCTION, add_special_tokens=False)["input_ids"]
         self.instruction = torch.tensor(ids, dtype=torch.long)
         self.probes = []
-        count = int(job.setting("scorer_probes", 0))
-        if count < 0:
-            raise ValueError(f"--scorer-probes must be >= 0, got {count}")
+        count = self.probe_count
         if count:
             from profiler.probe_source import file_probes, preset_probes
 

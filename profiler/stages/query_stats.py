@@ -14,6 +14,7 @@ import argparse
 import numpy as np
 
 from artifacts import Section
+from profiler.arguments import positive_int
 
 from .base import ShardedStage
 
@@ -31,12 +32,15 @@ class QueryStatsStage(ShardedStage):
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("query-stats stage")
         group.add_argument(
-            "--batch-size", type=int, default=None, help="calibration windows per forward pass (default: the preset's)"
+            "--batch-size",
+            type=positive_int,
+            default=None,
+            help="calibration windows per forward pass (default: the preset's)",
         )
 
     def __init__(self, job):
         super().__init__(job)
-        self.batch_size = job.setting("batch_size") or job.preset.batch_size
+        self.batch_size = job.setting("batch_size", job.preset.batch_size)
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from artifacts import Section
-from profiler.arguments import comma_separated
+from profiler.arguments import comma_separated, number_in, positive_int
 
 from .base import Stage
 
@@ -56,14 +56,14 @@ class RecommendationStage(Stage):
         )
         group.add_argument(
             "--recommend-compression-ratios",
-            type=comma_separated(float),
+            type=comma_separated(number_in(0.0, 1.0, low_open=True, high_open=True)),
             default=None,
             help="compression ratios (fractions of the context cache evicted) to recommend a policy for "
             "(default 0.5,0.75,0.9)",
         )
         group.add_argument(
             "--recommend-count",
-            type=int,
+            type=positive_int,
             default=None,
             help="held-out tasks per (family, length, depth) cell (default: the preset's; 2 x 2 lengths x 3 "
             "depths x this many tasks)",
@@ -74,14 +74,16 @@ class RecommendationStage(Stage):
         from profiler.evaluation_results import RECOMMENDATION_CANDIDATES
         from runtime.policy_spec import parse_policy
 
-        names = job.setting("recommend_policies") or RECOMMENDATION_CANDIDATES
+        names = job.setting("recommend_policies", RECOMMENDATION_CANDIDATES)
+        if not names:
+            raise ValueError("--recommend-policies: no policy given")
         self.candidates = [parse_policy(name) for name in names]
         if any(spec.is_baseline for spec in self.candidates):
             raise ValueError("--recommend-policies: 'baseline' is measured anyway; list compression policies")
-        self.ratios = tuple(float(r) for r in job.setting("recommend_compression_ratios") or DEFAULT_COMPRESSION_RATIOS)
+        self.ratios = tuple(float(r) for r in job.setting("recommend_compression_ratios", DEFAULT_COMPRESSION_RATIOS))
         if not self.ratios or any(not 0.0 < r < 1.0 for r in self.ratios) or len(set(self.ratios)) != len(self.ratios):
             raise ValueError(f"recommendation compression ratios must be distinct and in (0, 1), got {self.ratios}")
-        self.count = job.setting("recommend_count") or max(1, job.preset.recommendation_count)
+        self.count = job.setting("recommend_count", max(1, job.preset.recommendation_count))
         if self.count < 1:
             raise ValueError(f"--recommend-count must be >= 1, got {self.count}")
 
