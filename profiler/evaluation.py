@@ -1,17 +1,19 @@
 """Running an evaluation: probes x policies x compression ratios through the real model.
 
-For every probe the uncompressed baseline runs first: the context is prefilled into a full
-cache and the answer generated greedily, while forward pre-hooks on each layer's ``o_proj``
-record the attention output of the first forward after the prefix (the question tokens in
-question-agnostic mode, the last prompt token in question-aware mode).  Then every (policy,
-ratio) compresses the same prefix, generates, and is scored:
+For every probe the prefix (the context in question-agnostic mode, the prompt but its last
+token in question-aware mode) is prefilled once into a full cache; every (policy, ratio)
+compresses its own copy of it, and the uncompressed baseline (batch row 0) and every cell
+decode greedily together in one batch (the runtime keeps each row's own cache, budgets and
+correction; batch == one by one is tested in tests/test_runtime_cache.py).  Forward
+pre-hooks on each layer's ``o_proj`` record the attention output of the first forward after
+the prefix for every row.  Each cell is scored:
 
 * ``correct``: the answer contains the ground truth (substring match as RULER does);
 * ``attention_error``: mean over layers of ``norm(o_hat - o) / norm(o)`` on those recorded
   outputs (end to end: a layer's error includes what earlier layers changed);
 * ``kv_bytes``: bytes the cache holds for keys and values right after compression;
-* ``prefill_seconds``: prefill + compression; ``decode_seconds``: ``model.generate`` (question
-  tokens and new tokens).
+* ``prefill_seconds``: the shared prefill + this cell's compression; ``decode_seconds``: the
+  batched ``model.generate`` (question tokens and new tokens) divided by its rows.
 
 Results are aggregated per (policy, ratio) into the records of ``evaluation_results``.
 """
@@ -94,36 +96,69 @@ def relative_error(approx: list[torch.Tensor], exact: list[torch.Tensor]) -> flo
     return sum(errors) / len(errors)
 
 
-def _run_one(model, tokenizer, probe, policy, calibration, recorder, question_aware, max_new_tokens):
-    from runtime import compress_prompt
+@torch.no_grad()
+def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_aware, max_new_tokens):
+    """The baseline and every ``(key, policy)`` cell on one probe: one prefill, one copy of it
+    compressed per cell, and one batched ``generate`` (row 0 the baseline).  Returns per-row records."""
+    from runtime import RaggedCache, compress, enable, prefill
+    from runtime.generate import check_calibration_fits, check_inputs
 
     ids = torch.tensor([probe.input_ids], dtype=torch.long)
-    context_columns = None if question_aware else probe.context_end
+    check_inputs(model, ids, None)
+    columns = ids.shape[1] - 1 if question_aware else probe.context_end
+    policies = [policy for _, policy in cells]
+    for policy in policies:
+        policy.check_calibration(calibration)
+    check_calibration_fits(model, calibration)
+    enable(model)
+    # every scorer's needs at once: prompt statistics and the last queries it observes
+    window = max([0] + [policy.build_scorer().observation_window for policy in policies])
     start = time.perf_counter()
-    cache, _ = compress_prompt(model, ids, policy, context_columns=context_columns, calibration=calibration)
-    prefilled = time.perf_counter()
-    kv_bytes = cache.kv_bytes()
-    recorder.arm()
+    base = RaggedCache.for_model(model)
+    stats = prefill(model, base, ids[:, :columns], record_prompt_stats=bool(cells), observe_queries=window, n_sink=4)
+    prefill_seconds = time.perf_counter() - start
+    caches, compress_seconds = [], []
+    for policy in policies:
+        cache = base.copy()
+        report = compress(model, cache, policy, calibration, prompt_stats=stats)
+        caches.append(cache)
+        compress_seconds.append(report.seconds)
+    for layer in base.layers:  # the baseline decodes without the recorded queries
+        layer.recent_queries = [None] * layer.batch_size
+        layer.observe_queries = 0
+    caches.insert(0, base)
+    compress_seconds.insert(0, 0.0)
+    kv_bytes = [cache.kv_bytes() for cache in caches]
+    batch = RaggedCache.stack(caches)
+    rows = ids.expand(len(caches), -1)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            past_key_values=cache,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=pad,
+    recorder.arm()
+    started = time.perf_counter()
+    out = model.generate(
+        rows,
+        attention_mask=torch.ones_like(rows),
+        past_key_values=batch,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad,
+    )
+    decode_seconds = (time.perf_counter() - started) / len(caches)
+    outputs = recorder.take()  # per layer [rows, q, Hq * d]
+    records = []
+    for row in range(len(caches)):
+        text = tokenizer.decode(out[row, ids.shape[1] :], skip_special_tokens=True)
+        mine = [layer[row : row + 1] for layer in outputs]
+        reference = [layer[0:1] for layer in outputs]
+        records.append(
+            {
+                "text": text,
+                "kv_bytes": kv_bytes[row],
+                "prefill_seconds": prefill_seconds + compress_seconds[row],
+                "decode_seconds": decode_seconds,
+                "error": None if row == 0 else relative_error(mine, reference),
+            }
         )
-    done = time.perf_counter()
-    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    return {
-        "text": text,
-        "outputs": recorder.take(),
-        "kv_bytes": kv_bytes,
-        "prefill_seconds": prefilled - start,
-        "decode_seconds": done - prefilled,
-        "new_tokens": int(out.shape[1] - ids.shape[1]),
-    }
+    return records
 
 
 def evaluate(
@@ -140,52 +175,36 @@ def evaluate(
     progress: bool = True,
     is_correct=None,
 ) -> dict:
-    """Run every probe through the baseline and every (policy, ratio); aggregated results."""
+    """Run every probe through the baseline and every (policy, ratio); aggregated results.
+
+    Per probe the prefix is prefilled once; each (policy, ratio) compresses its own copy, and
+    the baseline and all cells decode together as one batch (equal to one by one: the
+    runtime's batch equivalence tests), so a cell costs its compression and a batch row of
+    decoding, not a prefill.  ``decode_seconds`` is the batch's time divided by its rows.
+    """
     if is_correct is None:
         from needles import answer_is_correct as is_correct
     compressed = [spec for spec in policies if not spec.is_baseline]
     for spec in compressed:  # fail before any model time is spent
         spec.policy(ratios[0]).check_calibration(calibration)
+    cells = [((spec.name, ratio), spec.policy(ratio)) for spec in compressed for ratio in ratios]
     runs = defaultdict(list)  # (policy, ratio) -> per-probe records
     recorder = AttentionOutputRecorder(model)
-    total = len(probes) * (1 + len(compressed) * len(ratios))
-    bar = tqdm(total=total, desc="evaluate", unit="run", disable=not progress)
+    bar = tqdm(total=len(probes), desc="evaluate", unit="task", disable=not progress)
     try:
         for probe in probes:
-            reference = _run_one(model, tokenizer, probe, None, calibration, recorder, question_aware, max_new_tokens)
-            runs[("baseline", None)].append(
-                {
-                    **reference,
-                    "correct": bool(is_correct(reference["text"], probe)),
-                    "family": probe.family,
-                    "error": None,
-                    "full_bytes": reference["kv_bytes"],
-                }
-            )
+            records = _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_aware, max_new_tokens)
+            full_bytes = records[0]["kv_bytes"]
+            for key, record in zip([("baseline", None)] + [key for key, _ in cells], records, strict=True):
+                runs[key].append(
+                    {
+                        **record,
+                        "correct": bool(is_correct(record["text"], probe)),
+                        "family": probe.family,
+                        "full_bytes": full_bytes,
+                    }
+                )
             bar.update()
-            for spec in compressed:
-                for ratio in ratios:
-                    result = _run_one(
-                        model,
-                        tokenizer,
-                        probe,
-                        spec.policy(ratio),
-                        calibration,
-                        recorder,
-                        question_aware,
-                        max_new_tokens,
-                    )
-                    runs[(spec.name, ratio)].append(
-                        {
-                            **result,
-                            "correct": bool(is_correct(result["text"], probe)),
-                            "family": probe.family,
-                            "error": relative_error(result["outputs"], reference["outputs"]),
-                            "full_bytes": reference["kv_bytes"],
-                        }
-                    )
-                    bar.set_postfix_str(f"{spec.name} @ {ratio:g}")
-                    bar.update()
     finally:
         bar.close()
         recorder.remove()
