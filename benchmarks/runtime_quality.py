@@ -46,7 +46,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from runtime import CompressionPolicy, RaggedCache, compress, enable, load_calibration, prefill  # noqa: E402
+from runtime import CompressionPolicy, RaggedCache, compress, enable, load_calibration  # noqa: E402
+from runtime.compress import prefill_for_policies  # noqa: E402
 from runtime.kvzip import kvzip_global_policy, kvzip_scores, with_kvzip_scores  # noqa: E402
 from runtime.models import load_model, load_tokenizer  # noqa: E402
 
@@ -134,12 +135,8 @@ def run_probe(model, tokenizer, probe, cells, calibration, max_new_tokens):
     ids = torch.tensor([probe.input_ids], dtype=torch.long)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     base = RaggedCache.for_model(model)
-    # every scorer's needs at once: prompt statistics, and the last 32 queries (SnapKV) or all of them (leverage)
-    window = max([32] + [policy.build_scorer().observation_window for _, policy in cells])
     started = time.perf_counter()
-    stats = prefill(
-        model, base, ids[:, : probe.context_end], record_prompt_stats=True, observe_queries=window, n_sink=4
-    )
+    stats = prefill_for_policies(model, base, ids[:, : probe.context_end], [policy for _, policy in cells])
     timings = {"prefill_seconds": time.perf_counter() - started}
     kvzip = None
     if any(policy.build_scorer().name == "kvzip" for _, policy in cells):
@@ -158,9 +155,7 @@ def run_probe(model, tokenizer, probe, cells, calibration, max_new_tokens):
         report = compress(model, cache, policy, calibration, prompt_stats=stats)
         caches.append(cache)
         compress_seconds.append(report.seconds)
-    for layer in base.layers:  # the baseline decodes without the recorded queries
-        layer.recent_queries = [None] * layer.batch_size
-        layer.observe_queries = 0
+    base.stop_observing()  # the baseline decodes without the recorded queries
     kv_bytes = [cache.kv_bytes() for cache in caches]
     # every cell decodes in one batch: same prompt, one compressed cache per batch element
     batch = RaggedCache.stack(caches)

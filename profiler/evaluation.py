@@ -100,7 +100,8 @@ def relative_error(approx: list[torch.Tensor], exact: list[torch.Tensor]) -> flo
 def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_aware, max_new_tokens):
     """The baseline and every ``(key, policy)`` cell on one probe: one prefill, one copy of it
     compressed per cell, and one batched ``generate`` (row 0 the baseline).  Returns per-row records."""
-    from runtime import RaggedCache, compress, enable, prefill
+    from runtime import RaggedCache, compress, enable
+    from runtime.compress import prefill_for_policies
     from runtime.generate import check_calibration_fits, check_inputs
 
     ids = torch.tensor([probe.input_ids], dtype=torch.long)
@@ -111,11 +112,9 @@ def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_a
         policy.check_calibration(calibration)
     check_calibration_fits(model, calibration)
     enable(model)
-    # every scorer's needs at once: prompt statistics and the last queries it observes
-    window = max([0] + [policy.build_scorer().observation_window for policy in policies])
     start = time.perf_counter()
     base = RaggedCache.for_model(model)
-    stats = prefill(model, base, ids[:, :columns], record_prompt_stats=bool(cells), observe_queries=window, n_sink=4)
+    stats = prefill_for_policies(model, base, ids[:, :columns], policies)
     prefill_seconds = time.perf_counter() - start
     caches, compress_seconds = [], []
     for policy in policies:
@@ -123,9 +122,7 @@ def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_a
         report = compress(model, cache, policy, calibration, prompt_stats=stats)
         caches.append(cache)
         compress_seconds.append(report.seconds)
-    for layer in base.layers:  # the baseline decodes without the recorded queries
-        layer.recent_queries = [None] * layer.batch_size
-        layer.observe_queries = 0
+    base.stop_observing()  # the baseline decodes without the recorded queries
     caches.insert(0, base)
     compress_seconds.insert(0, 0.0)
     kv_bytes = [cache.kv_bytes() for cache in caches]

@@ -501,6 +501,12 @@ class RaggedCache(Cache):
             target.batch_size = len(target.lengths)
         return stacked
 
+    def stop_observing(self) -> None:
+        """Drop the recorded prompt queries and record no more (what decoding needs no longer)."""
+        for layer in self.layers:
+            layer.recent_queries = [None] * layer.batch_size
+            layer.observe_queries = 0
+
     def observe_queries(self, count: int) -> None:
         """Keep the last ``count`` post-RoPE queries of each layer (SnapKV's observation window)."""
         for layer in self.layers:

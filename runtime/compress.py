@@ -99,6 +99,15 @@ def prefill(
     return prompt_stats
 
 
+def prefill_for_policies(model, cache: RaggedCache, input_ids: torch.Tensor, policies) -> QueryMoments | None:
+    """Prefill ``input_ids [1, T]`` once so that copies of ``cache`` (``cache.copy()``) can each be
+    compressed under one of ``policies``: records the prompt query statistics and the last
+    queries that any of their scorers observes.  Returns the statistics to pass to ``compress``;
+    ``cache.stop_observing()`` before decoding the uncompressed cache itself."""
+    window = max([0] + [policy.build_scorer().observation_window for policy in policies])
+    return prefill(model, cache, input_ids, record_prompt_stats=bool(policies), observe_queries=window, n_sink=4)
+
+
 @dataclass
 class CompressionReport:
     budgets: np.ndarray  # int64 [B, L, Hkv] budget given to each head
@@ -181,9 +190,7 @@ def compress(
                 budgets = policy.head_budgets(length, evictor.num_layers, evictor.num_kv_heads, inf_weights)
                 cache.set_decode_plan(DecodePlan(evictor, budgets, int(policy.evict_every), b), row=b)
         if policy.evict_every is None or not evictor.scorer.observation_window:
-            for layer in cache.layers:
-                layer.recent_queries = [None] * layer.batch_size
-                layer.observe_queries = 0
+            cache.stop_observing()
     return CompressionReport(
         budgets=np.stack(all_budgets),
         lengths_before=lengths_before,
