@@ -1121,3 +1121,15 @@ def test_evaluate_artifact_empty_lists_and_zero_counts_are_refused_by_the_parser
         main([*option])
     assert exited.value.code == 2
     assert f"argument {option[0]}:" in capsys.readouterr().err
+
+
+def test_evaluation_tasks_longer_than_the_models_context_are_refused_before_any_model_work():
+    """A model whose context is shorter than every task length: a clear error while the tasks are
+    chosen (inside evaluate-artifact's input checks), not a traceback from the runtime later."""
+    from needles import PRESETS
+    from profiler.evaluation import held_out_spec
+
+    with pytest.raises(ValueError, match=r"context of 600 tokens.*shortest task length 1024"):
+        held_out_spec(PRESETS["quick"], families=("retrieval",), count=1, profiler_seed=0, model_context=600)
+    spec = held_out_spec(PRESETS["quick"], families=("retrieval",), count=1, profiler_seed=0, model_context=2400)
+    assert spec.lengths == (1024, 2048)  # lengths beyond 90% of the context are dropped
