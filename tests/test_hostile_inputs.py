@@ -10,7 +10,6 @@ import importlib
 import json
 import math
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -753,46 +752,17 @@ def _python(args: list[str], limit_bytes: int | None = None, **kwargs) -> subpro
 @pytest.fixture(scope="module")
 def outputs_model_dir(tmp_path_factory, embedded_tokenizer):
     """A tiny random Llama with the embedded tokenizer, hand-built probes and calibration text."""
-    from conftest import make_tiny_llama
+    from conftest import write_tiny_model_dir
 
-    from needles.probe import Probe, Span
-
-    directory = tmp_path_factory.mktemp("outputs-tiny-model")
-    model = make_tiny_llama(vocab_size=len(embedded_tokenizer), seed=11)
-    model.save_pretrained(directory)
-    embedded_tokenizer.save_pretrained(directory)
-    rng = random.Random(0)
-    with open(directory / "probes.jsonl", "w") as fh:
-        for i in range(OUTPUTS_PROBES):
-            n = 48 + 4 * i
-            ids = [rng.randrange(100, 40000) for _ in range(n)]
-            spans = [Span("R", 10, 13), Span("B", 20, 22), Span("D", 30, 34)]
-            probe = Probe(f"p{i}", "hand", n, 25.0 + i, i, "q?", "zebra", ids, spans, context_end=n - 6)
-            fh.write(probe.to_json() + "\n")
-    (directory / "calib.txt").write_text("A heron waited by the mill pond while the barges passed. " * 150)
-    return directory
+    return write_tiny_model_dir(
+        tmp_path_factory.mktemp("outputs-tiny-model"), embedded_tokenizer, probes=OUTPUTS_PROBES, seed=11
+    )
 
 
 def _profile_args(model_dir: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        str(model_dir),
-        "--out",
-        str(out),
-        "--preset",
-        "smoke",
-        "--probes",
-        str(model_dir / "probes.jsonl"),
-        "--calib-dataset",
-        str(model_dir / "calib.txt"),
-        "--calib-samples",
-        "4",
-        "--batch-size",
-        "1",
-        "--max-new-tokens",
-        "5",
-        "--no-progress",
-        *extra,
-    ]
+    from conftest import tiny_profile_args
+
+    return tiny_profile_args(model_dir, out, *extra, calib_samples=4)
 
 
 def _profile(args: list[str]) -> int:

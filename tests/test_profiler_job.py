@@ -7,7 +7,6 @@ hand-built probes (JSON lines) and a local calibration text file, so every run t
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -16,10 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_tiny_llama, single_thread
+from conftest import single_thread, tiny_profile_args, write_tiny_model_dir
 
 from artifacts import open_artifact
-from needles.probe import Probe, Span
 from profiler.cli import main
 from runtime.query_moments import QueryMoments
 
@@ -37,55 +35,11 @@ def one_thread_for_the_module():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, embedded_tokenizer):
-    directory = tmp_path_factory.mktemp("tiny-model")
-    model = make_tiny_llama(
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=len(embedded_tokenizer), seed=7
-    )
-    model.save_pretrained(directory)
-    embedded_tokenizer.save_pretrained(directory)
-    rng = random.Random(0)
-    with open(directory / "probes.jsonl", "w") as fh:
-        for i in range(NUM_PROBES):
-            n = 48 + 4 * i
-            ids = [rng.randrange(100, 40000) for _ in range(n)]
-            spans = [Span("R", 10, 13), Span("B", 20, 22), Span("D", 30, 34)]
-            probe = Probe(
-                id=f"p{i}",
-                family="hand",
-                length=n,
-                depth=25.0 + i,
-                seed=i,
-                question="q?",
-                answer="zebra",
-                input_ids=ids,
-                spans=spans,
-                context_end=n - 6,
-            )
-            fh.write(probe.to_json() + "\n")
-    (directory / "calib.txt").write_text("A heron waited by the mill pond while the barges passed. " * 150)
-    return directory
+    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"), embedded_tokenizer, probes=NUM_PROBES)
 
 
 def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        str(model_dir),
-        "--out",
-        str(out),
-        "--preset",
-        "smoke",
-        "--probes",
-        str(model_dir / "probes.jsonl"),
-        "--calib-dataset",
-        str(model_dir / "calib.txt"),
-        "--calib-samples",
-        "8",
-        "--batch-size",
-        "1",
-        "--max-new-tokens",
-        "5",
-        "--no-progress",
-        *extra,
-    ]
+    return tiny_profile_args(model_dir, out, *extra)
 
 
 def _env():
