@@ -15,7 +15,7 @@ import sys
 from artifacts.version import add_version_argument
 
 from .arguments import RenamedOption, comma_separated, number_in, positive_int
-from .evaluation_results import RECOMMENDATION_CANDIDATES, markdown_table
+from .evaluation_results import EVALUATION_SEED_OFFSET, RECOMMENDATION_CANDIDATES, markdown_table
 
 # runtime.policy_spec.NAMED_POLICIES, spelled out for the help text (tested equal)
 NAMED_POLICIES = {"flagship": "inf/leverage"}
@@ -31,7 +31,6 @@ SCORERS = ("expected_attention", "keydiff", "snapkv", "knorm", "streaming", "lev
 DEFAULT_POLICIES = ("baseline", *RECOMMENDATION_CANDIDATES, "uniform/keydiff", "uniform/expected_attention:prompt")
 DEFAULT_TASKS = ("retrieval", "multi_key")
 TASK_PRESETS = ("smoke", "quick", "standard")
-EVALUATION_SEED_OFFSET = 1_000_003  # = profiler.evaluation.EVALUATION_SEED_OFFSET (no torch import here)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,12 +31,11 @@ from runtime.policy_spec import PolicySpec
 
 from .evaluation_results import (
     EVALUATION_SCHEMA,
+    EVALUATION_SEED_OFFSET,
     best_per_ratio,
     recommend,
     wilson_interval,
 )
-
-EVALUATION_SEED_OFFSET = 1_000_003  # held-out task seed = the profiled probes' seed + this, unless given
 
 
 def held_out_spec(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 EVALUATION_SCHEMA = "kvcal-evaluation/2"  # 2: "ratio" became "compression_ratio"
+EVALUATION_SEED_OFFSET = 1_000_003  # held-out task seed = the profiled probes' seed + this, unless given
 
 # The policies the recommendation stage measures by default, cheapest to serve first (ties at
 # a ratio go to the earlier one).  Scoring cost per prompt, share of the prefill on the embedded

@@ -91,6 +91,42 @@ def write_tiny_model_dir(directory, tokenizer, *, probes: int = 12, seed: int = 
     return directory
 
 
+def profile_env() -> dict:
+    """The environment of a profile-model child: this checkout on the path, one thread."""
+    import os
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": repo, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+
+
+def start_profile(args: list[str], wait_for):
+    """Start ``profile-model ARGS`` in a child; return the Popen once ``wait_for`` exists (e.g. its
+    first checkpoint).  A runner started in the background (CI) may pass SIGINT on as *ignored*,
+    which Python keeps; the child gets the default disposition so Ctrl-C reaches it as a user's."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "profiler.cli", *args],
+        cwd=Path(__file__).resolve().parents[1],
+        env=profile_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    deadline = time.time() + 120
+    while not wait_for.exists():
+        assert proc.poll() is None, f"run ended before {wait_for.name} appeared: {proc.communicate()}"
+        assert time.time() < deadline, f"no {wait_for.name} within 120 s"
+        time.sleep(0.02)
+    return proc
+
+
 def tiny_profile_args(model_dir, out, *extra: str, calib_samples: int = 8) -> list[str]:
     """``profile-model`` arguments for a :func:`write_tiny_model_dir` model (smoke preset, seconds)."""
     return [

@@ -720,7 +720,9 @@ OUTPUTS_PROBES = 12
 
 
 def _outputs_env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    from conftest import profile_env
+
+    return profile_env()
 
 
 def _limited(limit_bytes: int):
@@ -774,21 +776,9 @@ def _profile(args: list[str]) -> int:
 
 def _start_profile(args: list[str], wait_for: Path) -> subprocess.Popen:
     """Start profile-model in a child; return once ``wait_for`` exists (its first checkpoint)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "profiler.cli", *args],
-        cwd=REPO,
-        env=_outputs_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    deadline = time.time() + 120
-    while not wait_for.exists():
-        assert proc.poll() is None, f"run ended early: {proc.communicate()}"
-        assert time.time() < deadline, f"no {wait_for.name} within 120 s"
-        time.sleep(0.02)
-    return proc
+    from conftest import start_profile
+
+    return start_profile(args, wait_for)
 
 
 def test_disk_full_during_the_final_artifact_write_exits_2_and_keeps_the_old_artifact(outputs_model_dir, tmp_path):

@@ -6,16 +6,14 @@ hand-built probes (JSON lines) and a local calibration text file, so every run t
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import single_thread, tiny_profile_args, write_tiny_model_dir
+from conftest import profile_env, single_thread, start_profile, tiny_profile_args, write_tiny_model_dir
 
 from artifacts import open_artifact
 from profiler.cli import main
@@ -43,7 +41,7 @@ def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
 
 
 def _env():
-    return {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    return profile_env()
 
 
 def _run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -70,22 +68,7 @@ def _read(path: Path) -> tuple[dict, dict]:
 
 def _start_and_signal(args, work: Path, sig: int) -> subprocess.CompletedProcess:
     """Start a run, wait for its first checkpoint, send ``sig``; return the finished process."""
-    # A runner started in the background (CI) may pass SIGINT on as *ignored*, which Python
-    # keeps; give the child the default disposition so Ctrl-C reaches it as it would a user's.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "profiler.cli", *args],
-        cwd=REPO,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    deadline = time.time() + 120
-    while not work.exists():
-        assert proc.poll() is None, f"run ended before its first checkpoint: {proc.communicate()}"
-        assert time.time() < deadline, "no checkpoint within 120 s"
-        time.sleep(0.02)
+    proc = start_profile(args, work)
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=120)
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)

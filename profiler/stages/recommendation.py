@@ -114,7 +114,6 @@ class RecommendationStage(Stage):
     def build(self, sections: dict[str, Section]) -> Section:
         from needles import generate_probes
         from profiler.evaluation import evaluate
-        from profiler.evaluation_results import best_per_ratio
         from runtime.calibration import Calibration
 
         job = self.job
@@ -144,10 +143,10 @@ class RecommendationStage(Stage):
         section = recommendation_section(
             evaluation, [spec.name for spec in candidates], self.spec.seed, ",".join(self.spec.families)
         )
-        best = best_per_ratio(evaluation["results"], [spec.name for spec in candidates])
+        served = zip(section["compression_ratios"], section["policy"], section["accuracy"], strict=True)
         self.say(
             f"recommendation: {len(probes)} held-out tasks, baseline {evaluation['baseline']['accuracy']:.2f}; "
-            + "; ".join(f"{row['compression_ratio']:g}: {row['policy']} {row['accuracy']:.2f}" for row in best)
+            + "; ".join(f"{ratio:g}: {policy.decode()} {accuracy:.2f}" for ratio, policy, accuracy in served)
             + f"; {time.perf_counter() - started:.1f} s"
         )
         return section
