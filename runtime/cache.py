@@ -1,16 +1,33 @@
-"""A transformers 5.x cache whose KV heads each keep their own set of tokens.
+"""A transformers 5.x cache whose KV heads each keep their own set of tokens, packed per layer.
 
-Layout (per layer, per batch element ``b``, per KV head ``h``): one key buffer and one value
-buffer of shape ``[capacity, d]`` of which the first ``length[b][h]`` rows are live, plus the
-absolute RoPE position of every live row (``int32 [capacity]``).  Rows stay in arrival order,
-so "the first tokens" (attention sinks) and "the last tokens" (the recent window) are the
-first and last rows.  Left-padding tokens are never stored: a batch element only holds its
-real tokens, so batching costs no memory either.
+Layout (one :class:`RaggedLayer` per decoder layer).  The retained tokens of every (batch row
+``b``, KV head ``h``) pair, a *segment* ``s = b * Hkv + h``, live in one contiguous buffer per
+layer (AdaKV's "flattened" cache; vLLM's one KV tensor per layer)::
 
-Right after :meth:`RaggedLayer.keep` (eviction) every buffer is exactly as long as its kept
-tokens, so the bytes held for keys and values equal ``sum(per-head lengths) * 2 * d *
-bytes_per_value``.  Appending beyond the capacity reallocates with a small slack (1/32 of
-the length, at least 16 rows) so decoding does not copy the cache at every step.
+    key_buffer, value_buffer   [C, d]          C = sum of the segments' capacities
+    position_buffer            int32 [C]       absolute RoPE position of every row
+    offset, capacity, length   int64 [B, Hkv]  (host) segment s holds its live rows at
+                                               buffer rows offset_s .. offset_s + length_s - 1
+
+Offsets and capacities are multiples of the layer's page size ``P``, so
+``key_buffer.view(C // P, P, d)`` cuts every segment into whole pages and one decode step's
+attention, for every row and head of the layer, is one batched computation over pages
+(:func:`runtime.paged_attention.segment_attention`).  ``P`` is chosen whenever the layer is
+repacked: the largest power of two (at most 64) not above a twentieth of the mean segment
+length, so rounding capacities up to whole pages costs at most ~2.5% of the memory.  While
+every segment has the same length and capacity (nothing evicted yet, or uniform budgets) the
+buffer is also a ``[B, Hkv, capacity, d]`` tensor and attention is one SDPA call over it.
+
+Rows stay in arrival order, so "the first tokens" (attention sinks) and "the last tokens" (the
+recent window) are a segment's first and last rows.  Left-padding tokens are never stored: a
+batch row only holds its real tokens, so batching costs no memory either.
+
+Memory.  After eviction :meth:`RaggedLayer.compact` repacks the layer (one gather) so every
+capacity is its length rounded up to a page: the bytes held are the per-head budgets x bytes
+per token, within ~2.5%.  Appending past a segment's capacity repacks once for all segments
+running short, giving each a slack of ``max(16, length / 32)`` rows, so decoding copies the
+cache every few dozen steps instead of at every step (transformers' DynamicCache concatenates
+at every step).
 
 Sizes seen by transformers:
 
@@ -25,48 +42,34 @@ Sizes seen by transformers:
 
 The layer's ``update()`` only parks the new chunk; the registered attention function calls
 :meth:`RaggedLayer.attend`, which stores the chunk's real (non-padding) tokens and computes
-attention head by head.  A chunk left parked means the model did not run the ragged
+attention for the whole layer.  A chunk left parked means the model did not run the ragged
 attention function, which is reported as an error at the next update.
 
-MomentKV state, per batch element (so that caches compressed under different policies can be
-stacked into one batch):
-
-* ``moments[b]``: :class:`runtime.moments.MomentSums` of every token evicted from each KV
-  head of this layer (None when not tracked; :meth:`RaggedCache.track_moments` switches it
-  on before anything is evicted); :meth:`RaggedLayer.keep` folds the evicted rows in;
-* ``corrections[b]``: per-head correction orders and ``tau`` (None: plain attention); with
-  something evicted, :meth:`RaggedLayer.attend` merges the retained attention with the moment
-  estimate of the evicted set (docs/design.md section 4);
-* ``decode_plans[b]``: a :class:`DecodePlan` when heads are also evicted while decoding.
+Per batch row, one small :class:`RowState`: the real tokens seen, the recorded prompt queries
+(SnapKV / Compactor), the MomentKV sums of every token evicted from each KV head of this layer
+(``moments``; None when not tracked: :meth:`RaggedCache.track_moments`), the correction orders
+and ``tau`` (None: plain attention), and the decode-time eviction plan.  With something
+evicted and a correction set, :meth:`RaggedLayer.attend` merges the retained attention with the
+moment estimate of the evicted set (docs/design.md section 4), for all rows and heads at once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .geometry import ModelGeometry
-from .moments import MomentSums, PreparedMoments, attention_with_lse
+from .moments import MomentSums, PreparedMoments
+from .paged_attention import segment_attention
 
 # Tensor attribute through which the attention function finds the layer that parked a chunk.
 LAYER_TAG = "_kvcal_ragged_layer"
 ATTENTION_NAME = "kvcal_ragged"
 _MIN_SLACK = 16
-_ROW_STATE = (
-    "key_store",
-    "value_store",
-    "position_store",
-    "lengths",
-    "real_seen",
-    "recent_queries",
-    "moments",
-    "corrections",
-    "decode_plans",
-    "_prepared",
-)
+_MAX_PAGE = 64
 
 
 @dataclass
@@ -81,27 +84,96 @@ class DecodePlan:
     stats_row: int
 
 
+@dataclass
+class RowState:
+    """What one layer keeps about one batch row besides its tokens."""
+
+    real_seen: int = 0  # real tokens fed: the next token's RoPE position
+    recent_queries: torch.Tensor | None = None  # [Hq, <=N, d] the last N post-RoPE prompt queries
+    moments: MomentSums | None = None  # sums of the tokens evicted from each KV head (None: not tracked)
+    correction: tuple[torch.Tensor, torch.Tensor] | None = None  # orders int64 [Hkv], tau float32 [Hkv]
+    decode_plan: DecodePlan | None = None
+
+    def copy(self) -> RowState:
+        return replace(self, moments=None if self.moments is None else self.moments.copy())
+
+
+def _page_size(mean_length: float) -> int:
+    """The largest power of two <= ``mean_length / 20`` (1 .. 64): page rounding wastes <= ~2.5%."""
+    page = 1
+    while page * 2 <= min(_MAX_PAGE, mean_length / 20):
+        page *= 2
+    return page
+
+
+def _round_up(values: torch.Tensor, page: int) -> torch.Tensor:
+    return (values + page - 1) // page * page
+
+
+def _exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(values, 0) - values
+
+
+def _segment_rows(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``cat([arange(start, start + count) for each segment])`` without a Python loop (int64)."""
+    total = int(counts.sum())
+    segment = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    within = torch.arange(total) - torch.repeat_interleave(_exclusive_cumsum(counts), counts)
+    return starts[segment] + within
+
+
 class RaggedLayer(DynamicLayer):
-    """One decoder layer's per-KV-head token stores (see the module docstring)."""
+    """One decoder layer's packed per-KV-head token stores (see the module docstring)."""
 
     is_croppable = False
 
     def __init__(self, layer_idx: int = 0, **kwargs):
         super().__init__(**kwargs)
         self.layer_idx = int(layer_idx)
-        self.key_store: list[list[torch.Tensor]] = []  # [B][Hkv] -> [capacity, d]
-        self.value_store: list[list[torch.Tensor]] = []  # [B][Hkv] -> [capacity, d]
-        self.position_store: list[list[torch.Tensor]] = []  # [B][Hkv] -> int32 [capacity]
-        self.lengths: list[list[int]] = []  # [B][Hkv] live rows
+        self.batch_size = self.num_heads = self.head_dim = 0
+        self.key_buffer: torch.Tensor | None = None  # [C, d]
+        self.value_buffer: torch.Tensor | None = None  # [C, d]
+        self.position_buffer: torch.Tensor | None = None  # int32 [C]
+        self.offset = torch.zeros(0, 0, dtype=torch.int64)  # [B, Hkv] host
+        self.capacity = torch.zeros(0, 0, dtype=torch.int64)  # [B, Hkv] host, multiples of page_size
+        self.length = torch.zeros(0, 0, dtype=torch.int64)  # [B, Hkv] host, live rows
+        self.page_size = 1
+        self.rows: list[RowState] = []
         self.tokens_seen = 0  # logical columns fed (padding included)
-        self.real_seen: list[int] = []  # [B] real tokens fed: the next token's RoPE position
         self.observe_queries = 0  # keep the last N post-RoPE queries (SnapKV's observation window)
-        self.recent_queries: list[torch.Tensor | None] = []  # [B] -> [Hq, <=N, d]
-        self.moments: list[MomentSums | None] = []  # [B] sums of the evicted tokens, None: not tracked
-        self.corrections: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # [B] orders int [Hkv], tau [Hkv]
-        self.decode_plans: list[DecodePlan | None] = []  # [B]
-        self._prepared: list[PreparedMoments | None] = []  # [B] derived from moments[b] (by version)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pages: tuple[torch.Tensor, torch.Tensor] | None = None  # device owner [np], page_start [np]
+        self._length_on_device: torch.Tensor | None = None  # device copy of length [B * Hkv]
+        self._uniform = False  # every segment: same length, same capacity (a [B, Hkv, cap, d] view)
+        self._loose = False  # segments shrank in place: compact() releases the memory
+        self._prepared: tuple[tuple, PreparedMoments | None] | None = None
+
+    # -- per-row views (read-only lists, for callers that index [b] or [b][h]) ----------------
+
+    @property
+    def lengths(self) -> list[list[int]]:
+        """Live tokens per head, ``[B][Hkv]``."""
+        return self.length.tolist()
+
+    @property
+    def real_seen(self) -> list[int]:
+        return [row.real_seen for row in self.rows]
+
+    @property
+    def recent_queries(self) -> list[torch.Tensor | None]:
+        return [row.recent_queries for row in self.rows]
+
+    @property
+    def moments(self) -> list[MomentSums | None]:
+        return [row.moments for row in self.rows]
+
+    @property
+    def corrections(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        return [row.correction for row in self.rows]
+
+    @property
+    def decode_plans(self) -> list[DecodePlan | None]:
+        return [row.decode_plan for row in self.rows]
 
     # -- transformers API ------------------------------------------------------------------
 
@@ -109,19 +181,17 @@ class RaggedLayer(DynamicLayer):
         super().lazy_initialization(key_states, value_states)
         batch, heads, _, dim = key_states.shape
         self.batch_size, self.num_heads, self.head_dim = batch, heads, dim
-        empty = lambda dtype: torch.empty(0, dim, dtype=dtype, device=self.device)  # noqa: E731
-        self.key_store = [[empty(self.dtype) for _ in range(heads)] for _ in range(batch)]
-        self.value_store = [[empty(self.dtype) for _ in range(heads)] for _ in range(batch)]
-        self.position_store = [
-            [torch.empty(0, dtype=torch.int32, device=self.device) for _ in range(heads)] for _ in range(batch)
-        ]
-        self.lengths = [[0] * heads for _ in range(batch)]
-        self.real_seen = [0] * batch
-        self.recent_queries = [None] * batch
-        self.moments = [None] * batch
-        self.corrections = [None] * batch
-        self.decode_plans = [None] * batch
-        self._prepared = [None] * batch
+        self.rows = [RowState() for _ in range(batch)]
+        zeros = torch.zeros(batch, heads, dtype=torch.int64)
+        self._install(
+            torch.zeros(0, dim, dtype=self.dtype, device=self.device),
+            torch.zeros(0, dim, dtype=self.dtype, device=self.device),
+            torch.zeros(0, dtype=torch.int32, device=self.device),
+            zeros,
+            zeros.clone(),
+            zeros.clone(),
+            1,
+        )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Park the new chunk ``[B, Hkv, q, d]`` for :meth:`attend`; returns it tagged."""
@@ -129,7 +199,8 @@ class RaggedLayer(DynamicLayer):
             self._pending = None
             raise RuntimeError(
                 "RaggedCache: the previous chunk was never attended. The model must run with "
-                f"attn_implementation={ATTENTION_NAME!r}: call runtime.enable(model) first."
+                f"attn_implementation={ATTENTION_NAME!r}: wrap the call in `with runtime.ragged_attention(model):` "
+                "(or call runtime.enable(model) first)."
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -178,101 +249,208 @@ class RaggedLayer(DynamicLayer):
 
     # -- storage ---------------------------------------------------------------------------
 
+    def _install(self, keys, values, positions, offset, capacity, length, page_size) -> None:
+        """Adopt new buffers and segment tables; derive the page tables on the buffers' device."""
+        self.key_buffer, self.value_buffer, self.position_buffer = keys, values, positions
+        self.offset, self.capacity, self.length = offset, capacity, length
+        self.page_size = int(page_size)
+        pages = (capacity.reshape(-1) // self.page_size).clamp_min(0)
+        owner = torch.repeat_interleave(torch.arange(pages.numel()), pages)
+        page_start = (torch.arange(int(pages.sum())) - torch.repeat_interleave(_exclusive_cumsum(pages), pages)) * (
+            self.page_size
+        )
+        self._pages = (owner.to(keys.device), page_start.to(keys.device))
+        self._refresh_lengths()
+
+    def _refresh_lengths(self) -> None:
+        """Re-derive what follows from ``length`` after an in-place change (eviction)."""
+        self._length_on_device = self.length.reshape(-1).to(self.key_buffer.device, copy=True)
+        flat_capacity = self.capacity.reshape(-1)
+        flat_length = self.length.reshape(-1)
+        self._uniform = bool(
+            flat_length.numel() > 0
+            and bool((flat_length == flat_length[0]).all())
+            and bool((flat_capacity == flat_capacity[0]).all())
+        )
+
+    def _repack(self, capacity: torch.Tensor, sources: list[tuple[RaggedLayer, int]] | None = None) -> None:
+        """New buffers with segment capacities ``capacity [B', Hkv]`` (rounded up to the new page
+        size), each batch row ``b'`` taking the live rows of ``sources[b'] = (layer, row)`` (default:
+        this layer's own rows in order): one gather and one scatter per source layer."""
+        if sources is None:
+            sources = [(self, b) for b in range(self.batch_size)]
+        dim = self.head_dim
+        length = torch.stack([source.length[b] for source, b in sources]) if sources else capacity.clone()
+        capacity = torch.maximum(capacity, length)
+        mean = float(length.float().mean()) if length.numel() else 0.0
+        page = _page_size(mean)
+        capacity = _round_up(capacity, page)
+        offset = _exclusive_cumsum(capacity.reshape(-1)).reshape(capacity.shape)
+        total = int(capacity.sum())
+        device = self.device if self.key_buffer is None else self.key_buffer.device
+        keys = torch.zeros(total, dim, dtype=self.dtype, device=device)
+        values = torch.zeros(total, dim, dtype=self.dtype, device=device)
+        positions = torch.zeros(total, dtype=torch.int32, device=device)
+        for source in {id(layer): layer for layer, _ in sources}.values():
+            rows = [index for index, (layer, _) in enumerate(sources) if layer is source]
+            from_rows = [sources[index][1] for index in rows]
+            counts = length[rows].reshape(-1)
+            src = _segment_rows(source.offset[from_rows].reshape(-1), counts).to(device)
+            dst = _segment_rows(offset[rows].reshape(-1), counts).to(device)
+            keys.index_copy_(0, dst, source.key_buffer.index_select(0, src))
+            values.index_copy_(0, dst, source.value_buffer.index_select(0, src))
+            positions.index_copy_(0, dst, source.position_buffer.index_select(0, src))
+        self.batch_size = len(sources)
+        self._install(keys, values, positions, offset, capacity, length, page)
+        self._loose = False
+
+    def compact(self) -> None:
+        """Release what eviction freed: every capacity becomes its length rounded up to a page."""
+        if self.is_initialized and self._loose:
+            self._repack(self.length.clone())
+
     def _reindex_batch(self, order: list[int]) -> None:
         if not self.is_initialized:
             return
-        # Buffers are appended in place, so rows shared by two batch entries must be copied.
-        self.key_store = [[t.clone() for t in self.key_store[b]] for b in order]
-        self.value_store = [[t.clone() for t in self.value_store[b]] for b in order]
-        self.position_store = [[t.clone() for t in self.position_store[b]] for b in order]
-        self.lengths = [list(self.lengths[b]) for b in order]
-        self.real_seen = [self.real_seen[b] for b in order]
-        self.recent_queries = [self.recent_queries[b] for b in order]
-        self.moments = [None if self.moments[b] is None else self.moments[b].copy() for b in order]
-        self.corrections = [self.corrections[b] for b in order]
-        self.decode_plans = [self.decode_plans[b] for b in order]
-        self._prepared = [None] * len(order)
-        self.batch_size = len(order)
+        self._repack(self.capacity[order] if order else self.capacity[:0], [(self, b) for b in order])
+        self.rows = [self.rows[b].copy() for b in order]
+        self._prepared = None
 
-    def _append(self, b: int, h: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> int:
-        """Append ``[m, d]`` rows to head (b, h); returns the new live length."""
-        length, count = self.lengths[b][h], keys.shape[0]
-        new_length = length + count
-        buffer = self.key_store[b][h]
-        if new_length > buffer.shape[0]:
-            slack = 0 if length == 0 else max(_MIN_SLACK, new_length // 32)
-            capacity = new_length + slack
-            grown_k = buffer.new_empty(capacity, self.head_dim)
-            grown_v = buffer.new_empty(capacity, self.head_dim)
-            grown_p = torch.empty(capacity, dtype=torch.int32, device=buffer.device)
-            grown_k[:length] = buffer[:length]
-            grown_v[:length] = self.value_store[b][h][:length]
-            grown_p[:length] = self.position_store[b][h][:length]
-            self.key_store[b][h], self.value_store[b][h], self.position_store[b][h] = grown_k, grown_v, grown_p
-        self.key_store[b][h][length:new_length] = keys
-        self.value_store[b][h][length:new_length] = values
-        self.position_store[b][h][length:new_length] = positions
-        self.lengths[b][h] = new_length
-        return new_length
+    def _reserve(self, counts: torch.Tensor) -> None:
+        """Make room for ``counts [B]`` more rows in every head of each row (repacks at most once)."""
+        need = self.length + counts.unsqueeze(1)  # [B, Hkv]
+        if bool((need <= self.capacity).all()):
+            return
+        slack = torch.where(self.length > 0, torch.clamp(need // 32, min=_MIN_SLACK), torch.zeros_like(need))
+        short = self.capacity - need < slack  # out of room now, or soon: grow them all in one repack
+        self._repack(torch.where(short, need + slack, self.capacity))
+
+    def _append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, real) -> torch.Tensor:
+        """Store the chunk's real tokens ``[B, Hkv, q, d]`` at the end of every head; returns the counts ``[B]``."""
+        batch, heads, q_len, dim = keys.shape
+        if real is None:
+            counts = torch.full((batch,), q_len, dtype=torch.int64)
+        else:
+            counts = real.sum(1).cpu()
+        self._reserve(counts)
+        device = self.key_buffer.device
+        if self._uniform and real is None:  # one strided copy into the [B, Hkv, cap, d] view
+            capacity, length = int(self.capacity[0, 0]), int(self.length[0, 0])
+            end = length + q_len
+            self.key_buffer.view(batch, heads, capacity, dim)[:, :, length:end] = keys
+            self.value_buffer.view(batch, heads, capacity, dim)[:, :, length:end] = values
+            self.position_buffer.view(batch, heads, capacity)[:, :, length:end] = positions.to(torch.int32).unsqueeze(1)
+        else:
+            ends = (self.offset + self.length).to(device)  # [B, Hkv] first free row of each head
+            if real is None:
+                rank = torch.arange(q_len, device=device)
+                target = ends.unsqueeze(1) + rank[None, :, None]  # [B, q, Hkv]
+                flat_keys = keys.transpose(1, 2)  # [B, q, Hkv, d]
+                flat_values = values.transpose(1, 2)
+                flat_positions = positions.unsqueeze(2).expand(batch, q_len, heads)
+            else:
+                take = real.nonzero(as_tuple=True)  # (row, column) of every real token, [T] each
+                rank = real.long().cumsum(1) - 1  # [B, q] rank among the row's real tokens
+                target = ends[take[0]] + rank[take].unsqueeze(1)  # [T, Hkv]
+                flat_keys = keys.transpose(1, 2)[take]  # [T, Hkv, d]
+                flat_values = values.transpose(1, 2)[take]
+                flat_positions = positions[take].unsqueeze(1).expand(-1, heads)
+            target = target.reshape(-1)
+            self.key_buffer.index_copy_(0, target, flat_keys.reshape(-1, dim).to(self.key_buffer.dtype))
+            self.value_buffer.index_copy_(0, target, flat_values.reshape(-1, dim).to(self.value_buffer.dtype))
+            self.position_buffer.index_copy_(0, target, flat_positions.reshape(-1).to(torch.int32))
+        self.length += counts.unsqueeze(1)
+        self._length_on_device = self._length_on_device + counts.to(device).repeat_interleave(heads)
+        if self._uniform and real is not None and not bool((counts == counts[0]).all()):
+            self._uniform = False
+        return counts
 
     def head(self, b: int, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Live ``keys [n, d]``, ``values [n, d]`` and ``positions int32 [n]`` of head (b, h)."""
-        n = self.lengths[b][h]
-        return self.key_store[b][h][:n], self.value_store[b][h][:n], self.position_store[b][h][:n]
+        """Live ``keys [n, d]``, ``values [n, d]`` and ``positions int32 [n]`` of head (b, h) (views)."""
+        start = int(self.offset[b, h])
+        end = start + int(self.length[b, h])
+        return self.key_buffer[start:end], self.value_buffer[start:end], self.position_buffer[start:end]
 
     def keep(self, b: int, h: int, rows: torch.Tensor, *, fold: bool = True, shrink: bool = True) -> None:
         """Evict all rows of head (b, h) but ``rows`` (sorted, unique).
 
-        ``fold``: add the evicted rows to ``moments[b]`` when tracked (False when the caller
-        already did, as moment-informed eviction does between its rounds).  ``shrink``: the
-        buffers become exactly as long as the kept rows; otherwise the rows are compacted in
-        place and the capacity stays (decode-time eviction: no reallocation per step).
+        ``fold``: add the evicted rows to the row's moment sums when tracked (False when the caller
+        already did, as moment-informed eviction does between its rounds).  The kept rows move to
+        the front of the head's segment in place; ``shrink`` marks the memory for release by the
+        next :meth:`compact` (``compress`` compacts once after evicting every head; ``attend``
+        compacts before the next step at the latest); decode-time eviction keeps the capacity.
         """
         keys, values, positions = self.head(b, h)
         rows = rows.to(keys.device)
-        if fold and self.moments and self.moments[b] is not None and rows.numel() < keys.shape[0]:
+        sums = self.rows[b].moments
+        if fold and sums is not None and rows.numel() < keys.shape[0]:
             evicted = torch.ones(keys.shape[0], dtype=torch.bool, device=keys.device)
             evicted[rows] = False
-            self.moments[b].add(h, keys[evicted], values[evicted])
-        kept = [store.index_select(0, rows) for store in (keys, values, positions)]
-        if shrink:
-            self.key_store[b][h], self.value_store[b][h], self.position_store[b][h] = kept
-        else:
-            count = kept[0].shape[0]
-            for buffer, rows_kept in zip((self.key_store, self.value_store, self.position_store), kept, strict=True):
-                buffer[b][h][:count] = rows_kept
-        self.lengths[b][h] = int(rows.numel())
+            sums.add(h, keys[evicted], values[evicted])
+        count = int(rows.numel())
+        for store in (keys, values, positions):
+            store[:count] = store.index_select(0, rows)
+        self.length[b, h] = count
+        self._refresh_lengths()
+        self._loose = self._loose or shrink
 
     def track_moments(self) -> None:
         """Start moment sums for every batch element (refused once something was evicted)."""
         if not self.is_initialized:
             raise ValueError("the cache is empty: prefill it before tracking moments")
-        for b in range(self.batch_size):
-            if self.moments[b] is not None:
+        for b, row in enumerate(self.rows):
+            if row.moments is not None:
                 continue
-            if any(length != self.real_seen[b] for length in self.lengths[b]):
+            if any(int(length) != row.real_seen for length in self.length[b]):
                 raise ValueError(
                     f"batch element {b} already evicted tokens without tracking their moments; "
                     "track moments before the first eviction"
                 )
-            self.moments[b] = MomentSums(self.num_heads, self.head_dim, device=self.device)
+            row.moments = MomentSums(self.num_heads, self.head_dim, device=self.device)
 
-    def _prepared_moments(self, b: int) -> PreparedMoments | None:
-        """The correction's per-head quantities for element ``b`` (None when nothing to correct)."""
-        correction, sums = self.corrections[b], self.moments[b]
-        if correction is None or sums is None:
+    def _prepared_moments(self) -> PreparedMoments | None:
+        """The correction's quantities for every row and head, ``[B * Hkv]`` (None: nothing to correct),
+        rebuilt only when a row's sums or correction changed."""
+        active = [row.correction is not None and row.moments is not None for row in self.rows]
+        if not any(active):
             return None
-        prepared = self._prepared[b]
-        if prepared is None or prepared.version != sums.version:
-            prepared = self._prepared[b] = PreparedMoments(sums, *correction)
-        return prepared if prepared.any_active else None
+        key = tuple(
+            (id(row.moments), row.moments.version, id(row.correction)) if on else None
+            for row, on in zip(self.rows, active, strict=True)
+        )
+        if self._prepared is not None and self._prepared[0] == key:
+            return self._prepared[1]
+        heads, device = self.num_heads, self.key_buffer.device
+        sums = MomentSums.concatenate(
+            [row.moments if on else None for row, on in zip(self.rows, active, strict=True)],
+            heads,
+            self.head_dim,
+            device=device,
+        )
+        orders = torch.cat(
+            [
+                row.correction[0].to(device) if on else torch.full((heads,), -1, dtype=torch.int64, device=device)
+                for row, on in zip(self.rows, active, strict=True)
+            ]
+        )
+        tau = torch.cat(
+            [
+                row.correction[1].to(device) if on else torch.zeros(heads, device=device)
+                for row, on in zip(self.rows, active, strict=True)
+            ]
+        )
+        prepared = PreparedMoments(sums, orders, tau)
+        prepared = prepared if prepared.any_active else None
+        self._prepared = (key, prepared)
+        return prepared
 
     # -- attention ---------------------------------------------------------------------------
 
     def attend(
         self, query: torch.Tensor, real: torch.Tensor | None, positions: torch.Tensor, scaling: float
     ) -> torch.Tensor:
-        """Store the parked chunk's real tokens and attend each query head over its KV head.
+        """Store the parked chunk's real tokens and attend every query head over its KV head's
+        retained tokens plus the chunk (causally), all rows and heads in one computation.
 
         ``query [B, Hq, q, d]`` post-RoPE; ``real`` bool ``[B, q]`` (None: all real);
         ``positions`` int ``[B, q]`` RoPE positions of the chunk.  Returns ``[B, q, Hq, d]``;
@@ -282,109 +460,135 @@ class RaggedLayer(DynamicLayer):
             raise RuntimeError("RaggedLayer.attend called without a parked chunk (update() first)")
         new_keys, new_values = self._pending
         self._pending = None
+        if real is not None and bool(real.all()):
+            real = None
         batch, num_q_heads, q_len, dim = query.shape
-        group = num_q_heads // self.num_heads
-        output = query.new_zeros(batch, q_len, num_q_heads, dim)
+        heads = self.num_heads
+        self.compact()
+        if self.observe_queries:
+            for b in range(batch):
+                chunk = query[b] if real is None else query[b][:, real[b]]
+                if chunk.shape[1]:
+                    self._observe(b, chunk)
+        fresh = not bool(self.length.any())
+        counts = self._append(new_keys, new_values, positions, real)
+        prepared = self._prepared_moments()
+        if fresh and prepared is None:  # nothing retained before this chunk: ordinary causal attention
+            with torch.profiler.record_function("kvcal.attention"):
+                output = self._attend_chunk_only(query, new_keys, new_values, real, scaling)
+        elif self._uniform and real is None and prepared is None and q_len == 1:
+            with torch.profiler.record_function("kvcal.attention"):  # one [B, Hkv, n, d] view: plain SDPA
+                capacity, length = int(self.capacity[0, 0]), int(self.length[0, 0])
+                keys = self.key_buffer.view(batch, heads, capacity, dim)[:, :, :length]
+                values = self.value_buffer.view(batch, heads, capacity, dim)[:, :, :length]
+                output = torch.nn.functional.scaled_dot_product_attention(
+                    query, keys, values, scale=scaling, enable_gqa=True
+                ).transpose(1, 2)  # [B, 1, Hq, d]
+        else:
+            output = self._attend_pages(query, real, scaling, prepared)
         for b in range(batch):
-            rows = None if real is None or bool(real[b].all()) else real[b].nonzero().squeeze(1)
-            count = q_len if rows is None else int(rows.numel())
-            if count == 0:
-                continue
-
-            def pick(t: torch.Tensor, rows: torch.Tensor | None = rows) -> torch.Tensor:
-                return t if rows is None else t.index_select(-2, rows)
-
-            chunk_q = pick(query[b])  # [Hq, count, d]
-            chunk_k, chunk_v = pick(new_keys[b]), pick(new_values[b])  # [Hkv, count, d]
-            chunk_pos = (positions[b] if rows is None else positions[b, rows]).to(torch.int32)
-            if self.observe_queries:
-                self._observe(b, chunk_q)
-            prepared = self._prepared_moments(b)
-            retained = []  # corrected path: per KV head (out [G, count, d], lse [G, count])
-            for h in range(self.num_heads):
-                old = self.lengths[b][h]
-                total = self._append(b, h, chunk_k[h], chunk_v[h], chunk_pos)
-                q = chunk_q[h * group : (h + 1) * group]  # [G, count, d]
-                if prepared is not None:
-                    mask = None if count == 1 else _chunk_mask(old, count, total, q.device)
-                    retained.append(
-                        attention_with_lse(
-                            q, self.key_store[b][h][:total], self.value_store[b][h][:total], scaling, mask
-                        )
-                    )
-                    continue
-                keys = self.key_store[b][h][:total].unsqueeze(0).unsqueeze(0)  # [1, 1, n, d]
-                values = self.value_store[b][h][:total].unsqueeze(0).unsqueeze(0)
-                if count == 1:
-                    # One query per head sees every retained token: the G heads become G rows.
-                    out = torch.nn.functional.scaled_dot_product_attention(
-                        q.transpose(0, 1).unsqueeze(0), keys, values, scale=scaling
-                    )  # [1, 1, G, d]
-                    output[b, (rows if rows is not None else slice(None)), h * group : (h + 1) * group] = out[0]
-                    continue
-                if old == 0:
-                    mask, causal = None, True
-                else:  # retained past fully visible, the chunk itself causal
-                    mask, causal = _chunk_mask(old, count, total, q.device), False
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    q.unsqueeze(0), keys, values, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True
-                )  # [1, G, count, d]
-                target = out[0].transpose(0, 1)  # [count, G, d]
-                if rows is None:
-                    output[b, :, h * group : (h + 1) * group] = target
-                else:
-                    output[b, rows, h * group : (h + 1) * group] = target
-            if prepared is not None:
-                out_R = torch.stack([out for out, _ in retained])  # [Hkv, G, count, d]
-                lse_R = torch.stack([lse for _, lse in retained])  # [Hkv, G, count]
-                merged = prepared.corrected(
-                    chunk_q.reshape(self.num_heads, group, count, dim), out_R, lse_R, scaling
-                )  # [Hkv, G, count, d]
-                target = merged.permute(2, 0, 1, 3).reshape(count, num_q_heads, dim).to(output.dtype)
-                output[b, (rows if rows is not None else slice(None))] = target
-            self.real_seen[b] += count
-            plan = self.decode_plans[b]
-            if plan is not None:
-                self._evict_over_budget(b, plan)
+            self.rows[b].real_seen += int(counts[b])
         self.tokens_seen += q_len
+        if any(row.decode_plan is not None for row in self.rows):
+            with torch.profiler.record_function("kvcal.eviction"):
+                for b, row in enumerate(self.rows):
+                    if row.decode_plan is not None:
+                        self._evict_over_budget(b, row.decode_plan)
+        return output
+
+    def _attend_chunk_only(self, query, keys, values, real, scaling) -> torch.Tensor:
+        """Causal attention of the chunk over itself (padding keys hidden): ``[B, q, Hq, d]``."""
+        q_len = query.shape[2]
+        if real is None:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, keys, values, is_causal=True, scale=scaling, enable_gqa=True
+            )
+            return out.transpose(1, 2)
+        causal = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+        eye = torch.eye(q_len, dtype=torch.bool, device=query.device)
+        mask = (causal & real[:, None, None, :]) | eye  # padding queries see themselves (zeroed below)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True
+        ).transpose(1, 2)  # [B, q, Hq, d]
+        return out * real[:, :, None, None].to(out.dtype)
+
+    def _attend_pages(self, query, real, scaling, prepared) -> torch.Tensor:
+        """Every query over its head's retained rows (the chunk's own rows causally) through the
+        page tables, then the MomentKV merge: ``[B, q, Hq, d]``."""
+        batch, num_q_heads, q_len, dim = query.shape
+        heads = self.num_heads
+        group = num_q_heads // heads
+        segments = batch * heads
+        device = query.device
+        # rows visible to chunk token t of head (b, h): everything before the chunk + its rank + 1
+        length = self._length_on_device.view(batch, heads)
+        if real is None:
+            visible = length.unsqueeze(2) - q_len + 1 + torch.arange(q_len, device=device)  # [B, Hkv, q]
+        else:
+            counts = real.long().sum(1, keepdim=True)  # [B, 1]
+            rank = real.long().cumsum(1) - 1  # [B, q]
+            visible = length.unsqueeze(2) - counts.unsqueeze(1) + 1 + rank.unsqueeze(1)
+            visible = torch.where(real.unsqueeze(1), visible, torch.zeros_like(visible))
+        limit = visible.unsqueeze(2).expand(batch, heads, group, q_len).reshape(segments, group * q_len)
+        grouped = query.reshape(segments, group * q_len, dim)  # [S, G*q, d]
+        owner, page_start = self._pages
+        page = self.page_size
+        with torch.profiler.record_function("kvcal.attention"):
+            out, lse = segment_attention(
+                grouped,
+                self.key_buffer.view(-1, page, dim),
+                self.value_buffer.view(-1, page, dim),
+                owner,
+                page_start,
+                limit,
+                scaling,
+            )  # [S, G*q, d], [S, G*q]
+        if prepared is not None:
+            with torch.profiler.record_function("kvcal.correction"):
+                shape = (segments, group, q_len)
+                out_E, lse_E = prepared.estimates(grouped.view(*shape, dim), scaling)
+                lse_R = lse.view(shape)
+                weight = torch.sigmoid(lse_R - lse_E)
+                weight = torch.where(torch.isinf(lse_E) & (lse_E < 0), torch.ones_like(weight), weight)
+                out = (out_E + weight.unsqueeze(-1) * (out.view(*shape, dim) - out_E)).view(segments, -1, dim)
+        output = (
+            out.view(batch, heads, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(batch, q_len, num_q_heads, dim)
+        )
+        output = output.to(query.dtype)
+        if real is not None:
+            output = output * real[:, :, None, None].to(output.dtype)
         return output
 
     def _evict_over_budget(self, b: int, plan: DecodePlan) -> None:
         budgets = plan.budgets[self.layer_idx]
+        lengths = self.length[b].tolist()
         for h in range(self.num_heads):
             budget = int(budgets[h])
-            if self.lengths[b][h] - budget >= plan.every:
+            if lengths[h] - budget >= plan.every:
                 plan.evictor.evict(
-                    self, self.layer_idx, b, h, budget, self.real_seen[b], shrink=False, stats_row=plan.stats_row
+                    self, self.layer_idx, b, h, budget, self.rows[b].real_seen, shrink=False, stats_row=plan.stats_row
                 )
 
     def _observe(self, b: int, chunk_q: torch.Tensor) -> None:
-        previous = self.recent_queries[b]
+        previous = self.rows[b].recent_queries
         joined = chunk_q if previous is None else torch.cat([previous, chunk_q], dim=1)
-        self.recent_queries[b] = joined[:, -self.observe_queries :].clone()
+        self.rows[b].recent_queries = joined[:, -self.observe_queries :].clone()
 
     # -- accounting ----------------------------------------------------------------------------
 
     def kv_bytes(self) -> int:
-        """Bytes allocated for keys and values (capacity, i.e. padding included)."""
-        return sum(
-            t.numel() * t.element_size() for store in (self.key_store, self.value_store) for row in store for t in row
-        )
+        """Bytes allocated for keys and values (capacity, i.e. page rounding and slack included)."""
+        if self.key_buffer is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.key_buffer, self.value_buffer))
 
     def index_bytes(self) -> int:
         """Bytes allocated for the per-token RoPE positions."""
-        return sum(t.numel() * t.element_size() for row in self.position_store for t in row)
+        return 0 if self.position_buffer is None else self.position_buffer.numel() * 4
 
     def moment_bytes(self) -> int:
         """Bytes of the moment sums (``O(Hkv d^2)`` per element, whatever the context length)."""
-        return sum(sums.nbytes() for sums in self.moments if sums is not None)
-
-
-def _chunk_mask(old: int, count: int, total: int, device) -> torch.Tensor:
-    """bool ``[count, total]``: the ``old`` retained tokens fully visible, the chunk itself causal."""
-    mask = torch.ones(count, total, dtype=torch.bool, device=device)
-    mask[:, old:] = torch.ones(count, count, dtype=torch.bool, device=device).tril()
-    return mask
+        return sum(row.moments.nbytes() for row in self.rows if row.moments is not None)
 
 
 class RaggedCache(Cache):
@@ -401,10 +605,10 @@ class RaggedCache(Cache):
 
     def head_lengths(self) -> torch.Tensor:
         """Live tokens per head, int64 ``[L, B, Hkv]``."""
-        return torch.tensor([layer.lengths for layer in self.layers], dtype=torch.int64)
+        return torch.stack([layer.length for layer in self.layers])
 
     def kv_bytes(self) -> int:
-        """Bytes allocated for keys and values over all layers (padding included)."""
+        """Bytes allocated for keys and values over all layers (page rounding and slack included)."""
         return sum(layer.kv_bytes() for layer in self.layers)
 
     def index_bytes(self) -> int:
@@ -423,21 +627,26 @@ class RaggedCache(Cache):
         (None: switch correction off) for batch elements ``rows`` (default all)."""
         for index, layer in enumerate(self.layers):
             for b in range(layer.batch_size) if rows is None else rows:
+                row = layer.rows[b]
                 if orders is None:
-                    layer.corrections[b] = None
+                    row.correction = None
                     continue
-                if layer.moments[b] is None:
+                if row.moments is None:
                     raise ValueError("correction needs moment sums: call track_moments() before evicting")
-                layer.corrections[b] = (
+                row.correction = (
                     torch.as_tensor(np.asarray(orders[index]), dtype=torch.int64),
                     torch.as_tensor(np.asarray(tau[index]), dtype=torch.float32),
                 )
-                layer._prepared[b] = None
 
     def set_decode_plan(self, plan: DecodePlan | None, row: int) -> None:
         """Evict batch element ``row`` while decoding under ``plan`` (None: stop)."""
         for layer in self.layers:
-            layer.decode_plans[row] = plan
+            layer.rows[row].decode_plan = plan
+
+    def compact(self) -> None:
+        """Release the memory eviction freed (every layer repacked once; see :meth:`RaggedLayer.compact`)."""
+        for layer in self.layers:
+            layer.compact()
 
     def bytes_per_token(self) -> int:
         """Key + value bytes of one token in one KV head."""
@@ -446,30 +655,19 @@ class RaggedCache(Cache):
             raise ValueError("the cache is empty")
         return 2 * layer.head_dim * torch.empty(0, dtype=layer.dtype).element_size()
 
-    def copy(self) -> RaggedCache:
-        """An independent copy (e.g. one prefill, several policies): buffers are cloned."""
+    def _check_idle(self, what: str) -> None:
         if any(layer._pending is not None for layer in self.layers):
-            raise RuntimeError("cannot copy a cache in the middle of a forward pass")
-        clone = RaggedCache(len(self.layers))
-        for source, target in zip(self.layers, clone.layers, strict=True):
-            target.__dict__.update({key: value for key, value in source.__dict__.items() if key not in _ROW_STATE})
-            if source.is_initialized:
-                target.key_store = [[t.clone() for t in row] for row in source.key_store]
-                target.value_store = [[t.clone() for t in row] for row in source.value_store]
-                target.position_store = [[t.clone() for t in row] for row in source.position_store]
-                target.lengths = [list(row) for row in source.lengths]
-                target.real_seen = list(source.real_seen)
-                target.recent_queries = list(source.recent_queries)
-                target.moments = [None if sums is None else sums.copy() for sums in source.moments]
-                target.corrections = list(source.corrections)
-                target.decode_plans = list(source.decode_plans)
-                target._prepared = [None] * len(source.moments)
-        return clone
+            raise RuntimeError(f"cannot {what} a cache in the middle of a forward pass")
+
+    def copy(self) -> RaggedCache:
+        """An independent copy (e.g. one prefill, several policies): buffers and moment sums are cloned."""
+        return RaggedCache.stack([self])
 
     @classmethod
     def stack(cls, caches: list[RaggedCache]) -> RaggedCache:
         """One batched cache from caches that saw the same columns (e.g. copies of one prefill
-        compressed under different policies), batch elements in order; buffers are shared."""
+        compressed under different policies), batch elements in order.  The result owns new
+        buffers: decoding it never writes into the sources, nor they into it."""
         if not caches:
             raise ValueError("need at least one cache to stack")
         first = caches[0]
@@ -477,34 +675,34 @@ class RaggedCache(Cache):
             raise ValueError("caches to stack must have the same number of layers")
         if any(c.get_seq_length() != first.get_seq_length() for c in caches):
             raise ValueError("caches to stack must have seen the same number of columns")
+        for cache in caches:
+            cache._check_idle("stack or copy")
         stacked = cls(len(first.layers))
         for index, target in enumerate(stacked.layers):
             sources = [c.layers[index] for c in caches]
             if not all(source.is_initialized for source in sources):
+                if len(caches) == 1:  # copying an empty cache
+                    continue
                 raise ValueError("caches to stack must all be prefilled")
-            if any(source._pending is not None for source in sources):
-                raise RuntimeError("cannot stack caches in the middle of a forward pass")
+            if len({(s.num_heads, s.head_dim, s.dtype, s.key_buffer.device) for s in sources}) != 1:
+                raise ValueError("caches to stack must have the same KV heads, head dim, dtype and device")
             base = sources[0]
-            target.__dict__.update(
-                {key: value for key, value in base.__dict__.items() if key not in _ROW_STATE + ("batch_size",)}
-            )
-            target.key_store = [row for source in sources for row in source.key_store]
-            target.value_store = [row for source in sources for row in source.value_store]
-            target.position_store = [row for source in sources for row in source.position_store]
-            target.lengths = [list(row) for source in sources for row in source.lengths]
-            target.real_seen = [n for source in sources for n in source.real_seen]
-            target.recent_queries = [q for source in sources for q in source.recent_queries]
-            target.moments = [sums for source in sources for sums in source.moments]
-            target.corrections = [c for source in sources for c in source.corrections]
-            target.decode_plans = [p for source in sources for p in source.decode_plans]
-            target._prepared = [None] * len(target.moments)
-            target.batch_size = len(target.lengths)
+            target.is_initialized = True
+            target.dtype, target.device = base.dtype, base.device
+            target.keys, target.values = base.keys, base.values
+            target.num_heads, target.head_dim = base.num_heads, base.head_dim
+            target.tokens_seen, target.observe_queries = base.tokens_seen, base.observe_queries
+            rows = [(source, b) for source in sources for b in range(source.batch_size)]
+            capacity = torch.cat([source.capacity for source in sources])
+            target._repack(capacity, rows)
+            target.rows = [source.rows[b].copy() for source, b in rows]
         return stacked
 
     def stop_observing(self) -> None:
         """Drop the recorded prompt queries and record no more (what decoding needs no longer)."""
         for layer in self.layers:
-            layer.recent_queries = [None] * layer.batch_size
+            for row in layer.rows:
+                row.recent_queries = None
             layer.observe_queries = 0
 
     def observe_queries(self, count: int) -> None:

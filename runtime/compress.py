@@ -178,6 +178,7 @@ def compress(
             for h in range(evictor.num_kv_heads):
                 head_scores = None if scores is None else scores[layer_idx][h]
                 evictor.evict(layer, layer_idx, b, h, int(budgets[layer_idx, h]), seq_len, scores=head_scores)
+    cache.compact()  # one repack per layer releases what eviction freed
     if final:
         for b in range(first.batch_size):
             if corrections is not None:

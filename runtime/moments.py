@@ -129,6 +129,22 @@ class MomentSums:
         other.n, other.s_k, other.s_v, other.S_vk = (t.clone() for t in (self.n, self.s_k, self.s_v, self.S_vk))
         return other
 
+    @classmethod
+    def concatenate(cls, parts: list[MomentSums | None], num_kv_heads: int, head_dim: int, device=None) -> MomentSums:
+        """One set of sums whose heads are ``parts``' heads in order (``None``: ``num_kv_heads``
+        empty heads): a whole layer's batch rows as one ``[B * Hkv]`` set, so that
+        :class:`PreparedMoments` corrects every row and head in one batched computation."""
+        joined = cls.__new__(cls)
+        joined.num_kv_heads, joined.head_dim = num_kv_heads * len(parts), head_dim
+        joined.version = 0
+        empty = cls(num_kv_heads, head_dim, device=device) if any(part is None for part in parts) else None
+        filled = [empty if part is None else part for part in parts]
+        joined.n = torch.cat([part.n for part in filled])
+        joined.s_k = torch.cat([part.s_k for part in filled])
+        joined.s_v = torch.cat([part.s_v for part in filled])
+        joined.S_vk = torch.cat([part.S_vk for part in filled])
+        return joined
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.n, self.s_k, self.s_v, self.S_vk))
 

@@ -130,7 +130,13 @@ def test_per_head_lengths_differ_and_memory_matches_budget_formula():
         bytes_per_token = 2 * 32 * 4
         assert cache.bytes_per_token() == bytes_per_token
         assert cache.kv_bytes() <= 1.05 * budgets.sum() * bytes_per_token
-        assert cache.kv_bytes() == budgets.sum() * bytes_per_token  # exact right after eviction
+        # right after eviction every head's capacity is its budget rounded up to the layer's page
+        # (a power of two <= a twentieth of the mean budget)
+        for layer, row in zip(cache.layers, budgets, strict=True):
+            page = layer.page_size
+            assert page & (page - 1) == 0 and page <= max(1, row.mean() / 20)
+            assert layer.capacity[0].tolist() == [-(-int(b) // page) * page for b in row]
+        assert cache.kv_bytes() == int(sum(layer.capacity.sum() for layer in cache.layers)) * bytes_per_token
         assert cache.kv_bytes() <= 0.27 * full_cache.kv_bytes()
         # positions continue from the logical length, and decoding keeps the slack small
         assert cache.get_seq_length() == 299
@@ -139,7 +145,7 @@ def test_per_head_lengths_differ_and_memory_matches_budget_formula():
     assert cache.get_seq_length() == 319
     grown = budgets + 1 + 19  # the last prompt token and 19 generated ones were appended
     assert np.array_equal(cache.head_lengths()[:, 0].numpy(), grown)
-    slack = sum(max(16, int(g) // 32) for g in grown.reshape(-1))
+    slack = sum(max(16, int(g) // 32) + 64 for g in grown.reshape(-1))  # + page rounding (pages <= 64 rows)
     assert cache.kv_bytes() <= (grown.sum() + slack) * bytes_per_token
 
 
@@ -268,7 +274,10 @@ def test_embedded_model_full_budget_is_identical(embedded_model, embedded_tokeni
         result = generate(model, ids, policy, context_columns=columns, max_new_tokens=12)
     assert model.config._attn_implementation == "sdpa"
     torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
-    torch.testing.assert_close(logits_split, reference_split, atol=1e-5, rtol=0)
+    # The second chunk attends through the packed pages (a different float32 summation order than
+    # SDPA over one tensor): DynamicCache's own split-vs-whole difference here is 4.6e-5, and
+    # both stay within 6e-5 of a float64 run of the model.
+    torch.testing.assert_close(logits_split, reference_split, atol=1e-4, rtol=0)
     assert torch.equal(result.sequences, reference_tokens)
     assert "4721" in tokenizer.decode(result.new_tokens[0])
     # sampled decoding draws the same tokens as the unmodified model from the same seed

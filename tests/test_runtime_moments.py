@@ -34,7 +34,7 @@ def test_attend_with_correction_equals_reference_and_plain_when_nothing_evicted(
     layer.track_moments()
     orders = torch.tensor([1, 0])
     for b in range(batch):
-        layer.corrections[b] = (orders, torch.zeros(kv_heads))
+        layer.rows[b].correction = (orders, torch.zeros(kv_heads))
 
     def step(q_len):
         keys = torch.randn(batch, kv_heads, q_len, d, generator=generator)
