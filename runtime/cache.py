@@ -13,8 +13,8 @@ Offsets and capacities are multiples of the layer's page size ``P``, so
 ``key_buffer.view(C // P, P, d)`` cuts every segment into whole pages and one decode step's
 attention, for every row and head of the layer, is one batched computation over pages
 (:func:`runtime.paged_attention.segment_attention`).  ``P`` is chosen whenever the layer is
-repacked: the largest power of two (at most 64) not above a twentieth of the mean segment
-length, so rounding capacities up to whole pages costs at most ~2.5% of the memory.  While
+repacked: the largest power of two (at most 64) not above a sixteenth of the mean segment
+length, so rounding capacities up to whole pages costs ~3% of the memory on average.  While
 every segment has the same length and capacity (nothing evicted yet, or uniform budgets) the
 buffer is also a ``[B, Hkv, capacity, d]`` tensor and attention is one SDPA call over it.
 
@@ -24,7 +24,7 @@ batch row only holds its real tokens, so batching costs no memory either.
 
 Memory.  After eviction :meth:`RaggedLayer.compact` repacks the layer (one gather) so every
 capacity is its length rounded up to a page: the bytes held are the per-head budgets x bytes
-per token, within ~2.5%.  Appending past a segment's capacity repacks once for all segments
+per token, within ~3%.  Appending past a segment's capacity repacks once for all segments
 running short, giving each a slack of ``max(16, length / 32)`` rows, so decoding copies the
 cache every few dozen steps instead of at every step (transformers' DynamicCache concatenates
 at every step).
@@ -63,7 +63,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .geometry import ModelGeometry
 from .moments import MomentSums, PreparedMoments
-from .paged_attention import segment_attention
+from .paged_attention import decode_attention, segment_attention
 
 # Tensor attribute through which the attention function finds the layer that parked a chunk.
 LAYER_TAG = "_kvcal_ragged_layer"
@@ -99,9 +99,11 @@ class RowState:
 
 
 def _page_size(mean_length: float) -> int:
-    """The largest power of two <= ``mean_length / 20`` (1 .. 64): page rounding wastes <= ~2.5%."""
+    """The largest power of two <= ``mean_length / 16`` (1 .. 64): rounding capacities up to whole
+    pages wastes (P - 1) / 2 rows per head on average, <= ~3% of the memory.  (Pages of 8 rows make
+    the decode kernel ~2x slower than pages of 32-64, measured on CPU: the size is a trade.)"""
     page = 1
-    while page * 2 <= min(_MAX_PAGE, mean_length / 20):
+    while page * 2 <= min(_MAX_PAGE, mean_length / 16):
         page *= 2
     return page
 
@@ -134,6 +136,7 @@ class RaggedLayer(DynamicLayer):
         self.key_buffer: torch.Tensor | None = None  # [C, d]
         self.value_buffer: torch.Tensor | None = None  # [C, d]
         self.position_buffer: torch.Tensor | None = None  # int32 [C]
+        self.row_bias: torch.Tensor | None = None  # [C] KV dtype: 0 for a stored row, -inf for free capacity
         self.offset = torch.zeros(0, 0, dtype=torch.int64)  # [B, Hkv] host
         self.capacity = torch.zeros(0, 0, dtype=torch.int64)  # [B, Hkv] host, multiples of page_size
         self.length = torch.zeros(0, 0, dtype=torch.int64)  # [B, Hkv] host, live rows
@@ -144,6 +147,8 @@ class RaggedLayer(DynamicLayer):
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pages: tuple[torch.Tensor, torch.Tensor] | None = None  # device owner [np], page_start [np]
         self._length_on_device: torch.Tensor | None = None  # device copy of length [B * Hkv]
+        self._ends_on_device: torch.Tensor | None = None  # first free buffer row of each head [B * Hkv]
+        self._free = 0  # rows every head can still take without a repack: min(capacity - length)
         self._uniform = False  # every segment: same length, same capacity (a [B, Hkv, cap, d] view)
         self._loose = False  # segments shrank in place: compact() releases the memory
         self._prepared: tuple[tuple, PreparedMoments | None] | None = None
@@ -260,13 +265,18 @@ class RaggedLayer(DynamicLayer):
             self.page_size
         )
         self._pages = (owner.to(keys.device), page_start.to(keys.device))
+        self.row_bias = torch.full((keys.shape[0],), float("-inf"), dtype=keys.dtype, device=keys.device)
+        live = _segment_rows(offset.reshape(-1), length.reshape(-1)).to(keys.device)
+        self.row_bias.index_fill_(0, live, 0.0)
         self._refresh_lengths()
 
     def _refresh_lengths(self) -> None:
         """Re-derive what follows from ``length`` after an in-place change (eviction)."""
         self._length_on_device = self.length.reshape(-1).to(self.key_buffer.device, copy=True)
+        self._ends_on_device = (self.offset + self.length).reshape(-1).to(self.key_buffer.device, copy=True)
         flat_capacity = self.capacity.reshape(-1)
         flat_length = self.length.reshape(-1)
+        self._free = int((flat_capacity - flat_length).min()) if flat_length.numel() else 0
         self._uniform = bool(
             flat_length.numel() > 0
             and bool((flat_length == flat_length[0]).all())
@@ -319,51 +329,73 @@ class RaggedLayer(DynamicLayer):
     def _reserve(self, counts: torch.Tensor) -> None:
         """Make room for ``counts [B]`` more rows in every head of each row (repacks at most once)."""
         need = self.length + counts.unsqueeze(1)  # [B, Hkv]
-        if bool((need <= self.capacity).all()):
+        if int(counts.max()) <= self._free or bool((need <= self.capacity).all()):
             return
         slack = torch.where(self.length > 0, torch.clamp(need // 32, min=_MIN_SLACK), torch.zeros_like(need))
         short = self.capacity - need < slack  # out of room now, or soon: grow them all in one repack
         self._repack(torch.where(short, need + slack, self.capacity))
 
-    def _append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, real) -> torch.Tensor:
-        """Store the chunk's real tokens ``[B, Hkv, q, d]`` at the end of every head; returns the counts ``[B]``."""
+    def _append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, real) -> torch.Tensor | None:
+        """Store the chunk's real tokens ``[B, Hkv, q, d]`` at the end of every head; returns the
+        counts ``[B]`` (None without padding: ``q`` for every row)."""
         batch, heads, q_len, dim = keys.shape
         if real is None:
-            counts = torch.full((batch,), q_len, dtype=torch.int64)
-        else:
-            counts = real.sum(1).cpu()
+            if q_len > self._free:
+                self._reserve(torch.full((batch,), q_len, dtype=torch.int64))
+            self._append_all(keys, values, positions)
+            return None
+        counts = real.sum(1).cpu()
         self._reserve(counts)
         device = self.key_buffer.device
-        if self._uniform and real is None:  # one strided copy into the [B, Hkv, cap, d] view
+        ends = self._ends_on_device.view(batch, heads)  # first free row of each head
+        take = real.nonzero(as_tuple=True)  # (row, column) of every real token, [T] each
+        rank = real.long().cumsum(1) - 1  # [B, q] rank among the row's real tokens
+        target = (ends[take[0]] + rank[take].unsqueeze(1)).reshape(-1)  # [T * Hkv]
+        self._store(
+            target,
+            keys.transpose(1, 2)[take].reshape(-1, dim),  # [T, Hkv, d] -> rows in target's order
+            values.transpose(1, 2)[take].reshape(-1, dim),
+            positions[take].unsqueeze(1).expand(-1, heads).reshape(-1),
+        )
+        self.length += counts.unsqueeze(1)
+        step = counts.to(device).repeat_interleave(heads)
+        self._length_on_device += step
+        self._ends_on_device += step
+        self._free -= int(counts.max())
+        if self._uniform and not bool((counts == counts[0]).all()):
+            self._uniform = False
+        return counts
+
+    def _append_all(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """:meth:`_append` of a chunk without padding: ``q`` rows for every head."""
+        batch, heads, q_len, dim = keys.shape
+        if self._uniform:  # one strided copy into the [B, Hkv, cap, d] view
             capacity, length = int(self.capacity[0, 0]), int(self.length[0, 0])
             end = length + q_len
             self.key_buffer.view(batch, heads, capacity, dim)[:, :, length:end] = keys
             self.value_buffer.view(batch, heads, capacity, dim)[:, :, length:end] = values
             self.position_buffer.view(batch, heads, capacity)[:, :, length:end] = positions.to(torch.int32).unsqueeze(1)
+            self.row_bias.view(batch, heads, capacity)[:, :, length:end] = 0.0
         else:
-            ends = (self.offset + self.length).to(device)  # [B, Hkv] first free row of each head
-            if real is None:
-                rank = torch.arange(q_len, device=device)
-                target = ends.unsqueeze(1) + rank[None, :, None]  # [B, q, Hkv]
-                flat_keys = keys.transpose(1, 2)  # [B, q, Hkv, d]
-                flat_values = values.transpose(1, 2)
-                flat_positions = positions.unsqueeze(2).expand(batch, q_len, heads)
-            else:
-                take = real.nonzero(as_tuple=True)  # (row, column) of every real token, [T] each
-                rank = real.long().cumsum(1) - 1  # [B, q] rank among the row's real tokens
-                target = ends[take[0]] + rank[take].unsqueeze(1)  # [T, Hkv]
-                flat_keys = keys.transpose(1, 2)[take]  # [T, Hkv, d]
-                flat_values = values.transpose(1, 2)[take]
-                flat_positions = positions[take].unsqueeze(1).expand(-1, heads)
-            target = target.reshape(-1)
-            self.key_buffer.index_copy_(0, target, flat_keys.reshape(-1, dim).to(self.key_buffer.dtype))
-            self.value_buffer.index_copy_(0, target, flat_values.reshape(-1, dim).to(self.value_buffer.dtype))
-            self.position_buffer.index_copy_(0, target, flat_positions.reshape(-1).to(torch.int32))
-        self.length += counts.unsqueeze(1)
-        self._length_on_device = self._length_on_device + counts.to(device).repeat_interleave(heads)
-        if self._uniform and real is not None and not bool((counts == counts[0]).all()):
-            self._uniform = False
-        return counts
+            rank = torch.arange(q_len, device=self._ends_on_device.device)
+            target = (self._ends_on_device.view(batch, heads, 1) + rank).reshape(-1)  # [B * Hkv * q]
+            self._store(
+                target,
+                keys.reshape(-1, dim),
+                values.reshape(-1, dim),
+                positions.unsqueeze(1).expand(batch, heads, q_len).reshape(-1),
+            )
+        self.length += q_len
+        self._length_on_device += q_len
+        self._ends_on_device += q_len
+        self._free -= q_len
+
+    def _store(self, target: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write rows ``keys / values [n, d]``, ``positions [n]`` at buffer rows ``target [n]``."""
+        self.key_buffer.index_copy_(0, target, keys.to(self.key_buffer.dtype))
+        self.value_buffer.index_copy_(0, target, values.to(self.value_buffer.dtype))
+        self.position_buffer.index_copy_(0, target, positions.to(torch.int32))
+        self.row_bias.index_fill_(0, target, 0.0)
 
     def head(self, b: int, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Live ``keys [n, d]``, ``values [n, d]`` and ``positions int32 [n]`` of head (b, h) (views)."""
@@ -390,6 +422,8 @@ class RaggedLayer(DynamicLayer):
         count = int(rows.numel())
         for store in (keys, values, positions):
             store[:count] = store.index_select(0, rows)
+        start = int(self.offset[b, h])
+        self.row_bias[start + count : start + keys.shape[0]] = float("-inf")
         self.length[b, h] = count
         self._refresh_lengths()
         self._loose = self._loose or shrink
@@ -471,7 +505,7 @@ class RaggedLayer(DynamicLayer):
                 if chunk.shape[1]:
                     self._observe(b, chunk)
         fresh = not bool(self.length.any())
-        counts = self._append(new_keys, new_values, positions, real)
+        counts = self._append(new_keys, new_values, positions, real)  # None: q_len for every row
         prepared = self._prepared_moments()
         if fresh and prepared is None:  # nothing retained before this chunk: ordinary causal attention
             with torch.profiler.record_function("kvcal.attention"):
@@ -487,7 +521,7 @@ class RaggedLayer(DynamicLayer):
         else:
             output = self._attend_pages(query, real, scaling, prepared)
         for b in range(batch):
-            self.rows[b].real_seen += int(counts[b])
+            self.rows[b].real_seen += q_len if counts is None else int(counts[b])
         self.tokens_seen += q_len
         if any(row.decode_plan is not None for row in self.rows):
             with torch.profiler.record_function("kvcal.eviction"):
@@ -519,30 +553,28 @@ class RaggedLayer(DynamicLayer):
         heads = self.num_heads
         group = num_q_heads // heads
         segments = batch * heads
-        device = query.device
-        # rows visible to chunk token t of head (b, h): everything before the chunk + its rank + 1
-        length = self._length_on_device.view(batch, heads)
-        if real is None:
-            visible = length.unsqueeze(2) - q_len + 1 + torch.arange(q_len, device=device)  # [B, Hkv, q]
-        else:
-            counts = real.long().sum(1, keepdim=True)  # [B, 1]
-            rank = real.long().cumsum(1) - 1  # [B, q]
-            visible = length.unsqueeze(2) - counts.unsqueeze(1) + 1 + rank.unsqueeze(1)
-            visible = torch.where(real.unsqueeze(1), visible, torch.zeros_like(visible))
-        limit = visible.unsqueeze(2).expand(batch, heads, group, q_len).reshape(segments, group * q_len)
         grouped = query.reshape(segments, group * q_len, dim)  # [S, G*q, d]
         owner, page_start = self._pages
         page = self.page_size
-        with torch.profiler.record_function("kvcal.attention"):
-            out, lse = segment_attention(
-                grouped,
-                self.key_buffer.view(-1, page, dim),
-                self.value_buffer.view(-1, page, dim),
-                owner,
-                page_start,
-                limit,
-                scaling,
-            )  # [S, G*q, d], [S, G*q]
+        key_pages, value_pages = self.key_buffer.view(-1, page, dim), self.value_buffer.view(-1, page, dim)
+        if q_len == 1 and real is None:  # decoding: every query of a head sees all its rows
+            with torch.profiler.record_function("kvcal.attention"):
+                out, lse = decode_attention(
+                    grouped, key_pages, value_pages, owner, self.row_bias.view(-1, page), scaling
+                )
+        else:  # a chunk: rows visible to its token t = everything before the chunk + t's rank + 1
+            device = query.device
+            length = self._length_on_device.view(batch, heads)
+            if real is None:
+                visible = length.unsqueeze(2) - q_len + 1 + torch.arange(q_len, device=device)  # [B, Hkv, q]
+            else:
+                counts = real.long().sum(1, keepdim=True)  # [B, 1]
+                rank = real.long().cumsum(1) - 1  # [B, q]
+                visible = length.unsqueeze(2) - counts.unsqueeze(1) + 1 + rank.unsqueeze(1)
+                visible = torch.where(real.unsqueeze(1), visible, torch.zeros_like(visible))
+            limit = visible.unsqueeze(2).expand(batch, heads, group, q_len).reshape(segments, group * q_len)
+            with torch.profiler.record_function("kvcal.attention"):
+                out, lse = segment_attention(grouped, key_pages, value_pages, owner, page_start, limit, scaling)
         if prepared is not None:
             with torch.profiler.record_function("kvcal.correction"):
                 shape = (segments, group, q_len)
@@ -583,8 +615,10 @@ class RaggedLayer(DynamicLayer):
         return sum(t.numel() * t.element_size() for t in (self.key_buffer, self.value_buffer))
 
     def index_bytes(self) -> int:
-        """Bytes allocated for the per-token RoPE positions."""
-        return 0 if self.position_buffer is None else self.position_buffer.numel() * 4
+        """Bytes allocated for the per-row RoPE positions and visibility bias."""
+        if self.position_buffer is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.position_buffer, self.row_bias))
 
     def moment_bytes(self) -> int:
         """Bytes of the moment sums (``O(Hkv d^2)`` per element, whatever the context length)."""

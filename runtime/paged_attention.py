@@ -45,13 +45,8 @@ def segment_attention(
     ``[num_pages]`` (segment of each page); ``page_start`` int64 ``[num_pages]`` (the segment row
     of each page's first row); ``limit`` int64 ``[S, M]``.
     """
-    segments, rows, dim = query.shape
     num_pages, page, _ = key_pages.shape
-    if num_pages == 0:
-        return (
-            torch.zeros(segments, rows, dim, dtype=torch.float32, device=query.device),
-            torch.full((segments, rows), float("-inf"), dtype=torch.float32, device=query.device),
-        )
+    rows = query.shape[1]
     tile = max(1, _MAX_LOGITS // max(num_pages * page, 1))
     if rows > tile:
         parts = [
@@ -61,22 +56,97 @@ def segment_attention(
             for lo in range(0, rows, tile)
         ]
         return torch.cat([out for out, _ in parts], dim=1), torch.cat([lse for _, lse in parts], dim=1)
-    page_query = query.to(key_pages.dtype).index_select(0, owner)  # [np, M, d]
-    logits = torch.bmm(page_query, key_pages.transpose(1, 2)).float() * float(scaling)  # [np, M, P]
     row = page_start.unsqueeze(1) + torch.arange(page, device=owner.device)  # [np, P] segment row
-    visible = row.unsqueeze(1) < limit.index_select(0, owner).unsqueeze(2)  # [np, M, P]
-    logits = logits.masked_fill(~visible, float("-inf"))
-    page_max = logits.amax(dim=2)  # [np, M]
-    seg_max = torch.full((segments, rows), float("-inf"), dtype=torch.float32, device=query.device)
-    seg_max = seg_max.scatter_reduce(0, owner.unsqueeze(1).expand(-1, rows), page_max, "amax")
-    shift = torch.where(torch.isfinite(seg_max), seg_max, torch.zeros_like(seg_max))  # [S, M]
-    weights = torch.exp(logits - shift.index_select(0, owner).unsqueeze(2))  # [np, M, P], 0 where hidden
-    seg_sum = torch.zeros(segments, rows, dtype=torch.float32, device=query.device)
-    seg_sum = seg_sum.index_add(0, owner, weights.sum(dim=2))  # [S, M]
-    page_out = torch.bmm(weights.to(value_pages.dtype), value_pages)  # [np, M, d]
-    out = torch.zeros(segments, rows, dim, dtype=torch.float32, device=query.device)
-    out = out.index_add(0, owner, page_out.float())  # [S, M, d]
-    seen = seg_sum > 0
-    out = out / torch.where(seen, seg_sum, torch.ones_like(seg_sum)).unsqueeze(2)
-    lse = torch.where(seen, shift + torch.log(torch.where(seen, seg_sum, torch.ones_like(seg_sum))), seg_max)
-    return out, lse
+    visible = row.unsqueeze(2) < limit.index_select(0, owner).unsqueeze(1)  # [np, P, M]
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=owner.device).masked_fill_(~visible, float("-inf"))
+    return paged_attention(query, key_pages, value_pages, owner, bias, scaling)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    owner: torch.Tensor,
+    bias: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K computation with an additive ``bias`` (0 visible, ``-inf`` hidden) broadcastable
+    to ``[num_pages, P, M]``: e.g. ``[num_pages, P, 1]``, one bias per stored row, while decoding.
+    Returns ``(out [S, M, d], lse [S, M])`` float32."""
+    segments, rows, dim = query.shape
+    num_pages = key_pages.shape[0]
+    device = query.device
+    if num_pages == 0:
+        return (
+            torch.zeros(segments, rows, dim, dtype=torch.float32, device=device),
+            torch.full((segments, rows), float("-inf"), dtype=torch.float32, device=device),
+        )
+    page_query = (query * scaling).to(key_pages.dtype).index_select(0, owner)  # [np, M, d]
+    # [np, P, M]: keys as the left operand (contiguous rows) is the fast layout for bmm
+    logits = torch.bmm(key_pages, page_query.transpose(1, 2)).float().add_(bias)
+    seg_max = torch.full((segments, rows), float("-inf"), dtype=torch.float32, device=device)
+    seg_max.scatter_reduce_(0, owner.unsqueeze(1).expand(-1, rows), logits.amax(dim=1), "amax")
+    seg_max.clamp_min_(torch.finfo(torch.float32).min)  # a segment with no visible row: exp(-inf) = 0 below
+    weights = logits.sub_(seg_max.index_select(0, owner).unsqueeze(1)).exp_()  # [np, P, M]
+    seg_sum = torch.zeros(segments, rows, dtype=torch.float32, device=device)
+    seg_sum.index_add_(0, owner, weights.sum(dim=1))
+    page_out = torch.bmm(weights.transpose(1, 2).to(value_pages.dtype), value_pages)  # [np, M, d]
+    out = torch.zeros(segments, rows, dim, dtype=torch.float32, device=device)
+    out.index_add_(0, owner, page_out.float())
+    out.div_(seg_sum.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(2))  # 0 where nothing is visible
+    return out, seg_max + torch.log(seg_sum)
+
+
+def _merge_pages(
+    out_pages: torch.Tensor, lse_pages: torch.Tensor, owner: torch.Tensor, segments: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine per-page attention ``out [np, M, d]`` with its log-sum-exp ``lse [np, M]`` (``-inf``:
+    nothing visible in the page) into per-segment ``(out [S, M, d], lse [S, M])`` float32."""
+    num_pages, rows, dim = out_pages.shape
+    device = out_pages.device
+    seg_max = torch.full((segments, rows), float("-inf"), dtype=torch.float32, device=device)
+    seg_max.scatter_reduce_(0, owner.unsqueeze(1).expand(-1, rows), lse_pages, "amax")
+    seg_max.clamp_min_(torch.finfo(torch.float32).min)
+    weight = torch.exp(lse_pages - seg_max.index_select(0, owner))  # [np, M]
+    seg_sum = torch.zeros(segments, rows, dtype=torch.float32, device=device).index_add_(0, owner, weight)
+    out = torch.zeros(segments, rows, dim, dtype=torch.float32, device=device)
+    out.index_add_(0, owner, out_pages.float() * weight.unsqueeze(2))
+    out.div_(seg_sum.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(2))
+    return out, seg_max + torch.log(seg_sum)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    owner: torch.Tensor,
+    row_bias: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query of a segment sees the same rows (decoding): ``row_bias [num_pages, P]`` in the
+    keys' dtype is 0 for a stored row and ``-inf`` for free capacity, and a segment's rows fill its
+    pages in order (a page holds a visible row exactly when its first row is one).
+
+    On CPU each page runs through PyTorch's fused flash-attention kernel (as one batch of
+    pages, returning each page's log-sum-exp) and the pages are merged; elsewhere, or for dtypes
+    that kernel does not take, the two-``bmm`` path of :func:`paged_attention`.  Returns
+    ``(out [S, M, d], lse [S, M])`` float32.
+    """
+    segments, rows, dim = query.shape
+    num_pages, page, _ = key_pages.shape
+    if num_pages == 0 or query.device.type != "cpu" or key_pages.dtype not in _FLASH_CPU_DTYPES:
+        return paged_attention(query, key_pages, value_pages, owner, row_bias.float().unsqueeze(2), scaling)
+    page_query = query.to(key_pages.dtype).index_select(0, owner).unsqueeze(1)  # [np, 1, M, d]
+    out_pages, lse_pages = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        page_query,
+        key_pages.unsqueeze(1),
+        value_pages.unsqueeze(1),
+        attn_mask=row_bias.view(num_pages, 1, 1, page),
+        scale=float(scaling),
+    )  # [np, 1, M, d], [np, 1, M]
+    live = (row_bias[:, 0] == 0).unsqueeze(1)  # [np, 1]; a page with no visible row reports lse 0
+    lse_pages = torch.where(live, lse_pages[:, 0].float(), float("-inf"))
+    return _merge_pages(out_pages[:, 0], lse_pages, owner, segments)
+
+
+_FLASH_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -138,7 +138,8 @@ def test_embedded_model_keeps_the_needle_under_the_learned_scorer(embedded_model
             cache = RaggedCache.for_model(model)
             prefill(model, cache, ids[:, : probe.context_end], policy=policy)
             report = compress(model, cache, policy, calibration)
-            assert report.kv_bytes_after <= (ratio + 0.01) * report.kv_bytes_before
+            # the budgets, plus at most ~3% for rounding capacities up to whole pages
+            assert report.kv_bytes_after <= 1.05 * ratio * report.kv_bytes_before
             out = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
