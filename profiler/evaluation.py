@@ -106,7 +106,7 @@ def relative_error(approx: list[torch.Tensor], exact: list[torch.Tensor]) -> flo
 def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_aware, max_new_tokens):
     """The baseline and every ``(key, policy)`` cell on one probe: one prefill, one copy of it
     compressed per cell, and one batched ``generate`` (row 0 the baseline).  Returns per-row records."""
-    from runtime import RaggedCache, compress, enable
+    from runtime import RaggedCache, compress, ragged_attention
     from runtime.compress import prefill_for_policies
     from runtime.generate import check_calibration_fits, check_inputs
 
@@ -117,7 +117,6 @@ def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_a
     for policy in policies:
         policy.check_calibration(calibration)
     check_calibration_fits(model, calibration)
-    enable(model)
     start = time.perf_counter()
     base = RaggedCache.for_model(model)
     stats = prefill_for_policies(model, base, ids[:, :columns], policies)
@@ -137,14 +136,15 @@ def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_a
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     recorder.arm()
     started = time.perf_counter()
-    out = model.generate(
-        rows,
-        attention_mask=torch.ones_like(rows),
-        past_key_values=batch,
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=pad,
-    )
+    with ragged_attention(model):
+        out = model.generate(
+            rows,
+            attention_mask=torch.ones_like(rows),
+            past_key_values=batch,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad,
+        )
     decode_seconds = (time.perf_counter() - started) / len(caches)
     outputs = recorder.take()  # per layer [rows, q, Hq * d]
     records = []

@@ -10,8 +10,13 @@ afterwards restores the previous implementation and the function previously regi
 under the name (so scopes nest, and a function built around per-scope state, e.g. a
 recorder passed by closure, never outlives its scope as the active one).
 
-``enable(model)`` switches a model to the ragged function ``"kvcal_ragged"`` for good
-(``ragged_attention(model)`` for a block).  Nothing is registered at import time.
+``ragged_attention(model)`` switches a model to the ragged function ``"kvcal_ragged"`` for a
+block and then restores the implementation the model had (eager, sdpa, flash...): the runtime's
+own entry points (``prefill``, ``compress_prompt``, ``generate``, ``answer``, KVzip scoring) all
+switch this way, so a model handed to them comes back as it was.  Serving a compressed cache
+through ``model.generate`` yourself takes the same block (``with ragged_attention(model):
+model.generate(..., past_key_values=cache)``); ``enable(model)`` switches for good instead.
+Nothing is registered at import time.
 
 The ragged function receives post-RoPE ``query [B, Hq, q, d]`` and the new chunk's un-repeated
 ``key/value [B, Hkv, q, d]``.  When the chunk was parked by a :class:`runtime.cache.RaggedLayer`
@@ -117,7 +122,8 @@ def register() -> None:
 
 
 def enable(model) -> None:
-    """Switch ``model`` to the ragged attention function (stays valid with ordinary caches)."""
+    """Switch ``model`` to the ragged attention function for good (with ordinary caches it then
+    computes SDPA attention, whatever the model used before); prefer ``ragged_attention(model)``."""
     _switch(model, ATTENTION_NAME, ragged_attention_forward)
 
 

@@ -152,6 +152,7 @@ class RaggedLayer(DynamicLayer):
         self._uniform = False  # every segment: same length, same capacity (a [B, Hkv, cap, d] view)
         self._loose = False  # segments shrank in place: compact() releases the memory
         self._prepared: tuple[tuple, PreparedMoments | None] | None = None
+        self.model_config = None  # the model's config (RaggedCache.for_model): its attention is checked
 
     # -- per-row views (read-only lists, for callers that index [b] or [b][h]) ----------------
 
@@ -200,6 +201,13 @@ class RaggedLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Park the new chunk ``[B, Hkv, q, d]`` for :meth:`attend`; returns it tagged."""
+        implementation = getattr(self.model_config, "_attn_implementation", ATTENTION_NAME)
+        if implementation != ATTENTION_NAME:  # the chunk would be attended without the cache: refuse now
+            raise RuntimeError(
+                f"RaggedCache needs the model to run attn_implementation={ATTENTION_NAME!r}, it runs "
+                f"{implementation!r}: wrap the call in `with runtime.ragged_attention(model):` "
+                "(or call runtime.enable(model) first)."
+            )
         if self._pending is not None:
             self._pending = None
             raise RuntimeError(
@@ -229,7 +237,9 @@ class RaggedLayer(DynamicLayer):
         return -1
 
     def reset(self) -> None:
+        config = self.model_config
         self.__init__(self.layer_idx)
+        self.model_config = config
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
@@ -635,7 +645,11 @@ class RaggedCache(Cache):
 
     @classmethod
     def for_model(cls, model) -> RaggedCache:
-        return cls(ModelGeometry.of(model).num_layers)
+        """A cache for ``model``; it refuses a forward pass that does not run the ragged attention."""
+        cache = cls(ModelGeometry.of(model).num_layers)
+        for layer in cache.layers:
+            layer.model_config = model.config
+        return cache
 
     def head_lengths(self) -> torch.Tensor:
         """Live tokens per head, int64 ``[L, B, Hkv]``."""
@@ -726,6 +740,7 @@ class RaggedCache(Cache):
             target.keys, target.values = base.keys, base.values
             target.num_heads, target.head_dim = base.num_heads, base.head_dim
             target.tokens_seen, target.observe_queries = base.tokens_seen, base.observe_queries
+            target.model_config = base.model_config
             rows = [(source, b) for source in sources for b in range(source.batch_size)]
             capacity = torch.cat([source.capacity for source in sources])
             target._repack(capacity, rows)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import enable
+from .attention import ragged_attention
 from .budgets import global_budgets
 from .cache import DecodePlan, RaggedCache
 from .eviction import HeadEvictor
@@ -59,7 +59,6 @@ def prefill(
     first ``n_sink`` tokens (default: the policy's, else 0) left out of the statistics.
     Pass the returned statistics back in (``prompt_stats=``) when prefilling in several chunks.
     """
-    enable(model)
     batch, length = input_ids.shape
     past = cache.get_seq_length()
     if attention_mask is None:
@@ -87,7 +86,7 @@ def prefill(
         # only real tokens count; the first n_sink (attention sinks, outlier queries) stay out
         skip = n_sink if n_sink is not None else (policy.n_sink if policy is not None else 0)
         collecting = prompt_stats.collect(geometry, real=chunk_mask & (position_ids >= skip))
-    with collecting:
+    with collecting, ragged_attention(model):
         model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -31,7 +31,7 @@ import torch
 
 from prompt_format import encode_prompt
 
-from .attention import enable
+from .attention import ragged_attention
 from .cache import RaggedCache
 from .calibration import architecture_mismatch
 from .checks import check_integer
@@ -166,7 +166,6 @@ def compress_prompt(
     if policy is not None:
         policy.check_calibration(calibration)
     check_calibration_fits(model, calibration)
-    enable(model)
     cache = RaggedCache.for_model(model)
     if block_size is None or policy is None:
         stats = prefill(model, cache, input_ids[:, :columns], attention_mask[:, :columns], policy=policy)
@@ -217,7 +216,8 @@ def generate(
     )
     attention_mask = check_inputs(model, input_ids, attention_mask)
     generate_kwargs.setdefault("do_sample", False)
-    sequences = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)
+    with ragged_attention(model):  # for this call only: the model keeps its own implementation
+        sequences = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)
     return GenerationResult(
         sequences=sequences, new_tokens=sequences[:, input_ids.shape[1] :], cache=cache, report=report
     )

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .attention import enable
+from .attention import ragged_attention
 from .budgets import global_budgets
 from .cache import LAYER_TAG, RaggedCache, RaggedLayer
 from .geometry import ModelGeometry
@@ -225,7 +225,6 @@ def kvzip_scores(
     reconstruction but kept in every chunk's softmax.  The cache is not changed.
     """
     started = time.perf_counter()
-    enable(model)
     ids = torch.as_tensor(context_ids).reshape(-1).tolist()
     layer0 = cache.layers[0]
     if not layer0.is_initialized:
@@ -245,12 +244,13 @@ def kvzip_scores(
     chunks = reconstruction_chunks(tokenizer, ids, prefix, suffix, chunk_size, overlap)
     seen = layer0.real_seen[row]
     tokens = 0
-    for start, end, chunk_ids in chunks:
-        view.set_chunk(prefix, start, end)
-        input_ids = torch.tensor([chunk_ids], dtype=torch.long, device=device)
-        positions = seen + torch.arange(len(chunk_ids), device=device).unsqueeze(0)
-        model(input_ids=input_ids, position_ids=positions, past_key_values=view, use_cache=True, logits_to_keep=1)
-        tokens += len(chunk_ids)
+    with ragged_attention(model):
+        for start, end, chunk_ids in chunks:
+            view.set_chunk(prefix, start, end)
+            input_ids = torch.tensor([chunk_ids], dtype=torch.long, device=device)
+            positions = seen + torch.arange(len(chunk_ids), device=device).unsqueeze(0)
+            model(input_ids=input_ids, position_ids=positions, past_key_values=view, use_cache=True, logits_to_keep=1)
+            tokens += len(chunk_ids)
     last_keys = torch.stack(
         [torch.stack([_key_at(layer, row, h, len(ids) - 1) for h in range(heads)]) for layer in cache.layers]
     )

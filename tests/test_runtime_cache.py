@@ -212,7 +212,6 @@ def test_left_padded_batch_gives_the_same_answers_as_one_by_one():
             assert batch.new_tokens[row].tolist() == single.new_tokens[0].tolist()
             lengths_batch = batch.report.lengths_after[:, row]
             assert np.array_equal(lengths_batch, single.report.lengths_after[:, 0])
-    model.set_attn_implementation("sdpa")
 
 
 @torch.no_grad()
@@ -228,7 +227,6 @@ def test_sampled_generation_runs_and_is_reproducible():
                 model, ids, policy, context_columns=32, max_new_tokens=10, do_sample=True, temperature=1.5, top_k=0
             ).new_tokens
         )
-    model.set_attn_implementation("sdpa")
     assert torch.equal(runs[0], runs[1]) and runs[0].shape == (1, 10)
 
 
@@ -236,9 +234,13 @@ def test_sampled_generation_runs_and_is_reproducible():
 def test_cache_without_ragged_attention_is_an_error():
     model = make_tiny_llama()
     cache = RaggedCache.for_model(model)
+    with pytest.raises(RuntimeError, match="it runs 'sdpa': wrap the call in `with runtime.ragged_attention"):
+        model(torch.arange(5).unsqueeze(0), past_key_values=cache)  # refused before attending anything
+    assert cache.get_seq_length() == 0
+    bare = RaggedCache(len(model.model.layers))  # built without the model: caught at the next chunk
     with pytest.raises(RuntimeError, match="never attended"):
-        model(torch.arange(5).unsqueeze(0), past_key_values=cache)
-        model(torch.arange(5).unsqueeze(0), past_key_values=cache)
+        model(torch.arange(5).unsqueeze(0), past_key_values=bare)
+        model(torch.arange(5).unsqueeze(0), past_key_values=bare)
     with pytest.raises(ValueError, match="cannot be cropped"):
         cache.crop(-1)
     with pytest.raises(ValueError, match="cache is empty"):
@@ -295,7 +297,6 @@ def test_embedded_model_full_budget_is_identical(embedded_model, embedded_tokeni
         top_k=0,
         top_p=1.0,
     )
-    model.set_attn_implementation("sdpa")
     assert torch.equal(sampled.sequences, reference_sampled)
 
 
@@ -318,13 +319,13 @@ def test_copies_of_one_prefill_compress_independently_and_stack_into_a_batch():
         caches.append(cache)
     assert (base.head_lengths() == 32).all()  # the original is untouched
     assert (caches[0].head_lengths() == 16).all() and (caches[1].head_lengths() == 6).all()
-    singles = [
-        model.generate(ids, past_key_values=cache.copy(), max_new_tokens=5, do_sample=False)
-        for cache in caches + [base]
-    ]
-    batch = RaggedCache.stack(caches + [base])
-    stacked = model.generate(ids.expand(3, -1), past_key_values=batch, max_new_tokens=5, do_sample=False)
-    model.set_attn_implementation("sdpa")
+    with ragged_attention(model):
+        singles = [
+            model.generate(ids, past_key_values=cache.copy(), max_new_tokens=5, do_sample=False)
+            for cache in caches + [base]
+        ]
+        batch = RaggedCache.stack(caches + [base])
+        stacked = model.generate(ids.expand(3, -1), past_key_values=batch, max_new_tokens=5, do_sample=False)
     for row, single in enumerate(singles):
         assert stacked[row].tolist() == single[0].tolist()
 
@@ -352,7 +353,6 @@ def test_blockwise_prefill_never_holds_more_than_budget_plus_block():
         )
     finally:
         RaggedCache.head_lengths = original
-        model.set_attn_implementation("sdpa")
     assert max(int(lengths.max()) for lengths in seen) <= 10 + 8
     assert (result.report.lengths_after == 10).all()
     for row, real in ((0, 45), (1, 39)):

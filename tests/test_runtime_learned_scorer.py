@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 
-from runtime import CompressionPolicy, RaggedCache, compress, load_calibration, prefill
+from runtime import CompressionPolicy, RaggedCache, compress, load_calibration, prefill, ragged_attention
 from runtime.budgets import global_budgets
 from runtime.calibration import Calibration
 
@@ -132,7 +132,7 @@ def test_embedded_model_keeps_the_needle_under_the_learned_scorer(embedded_model
     spec = PRESETS["quick"].replace(families=("retrieval",), seed=1000)
     probe = next(p for p in generate_probes(spec, tokenizer) if p.length <= 1024 and p.depth == 50.0)
     ids = torch.tensor([probe.input_ids])
-    try:
+    with ragged_attention(model):
         for ratio in (0.5, 0.25):
             policy = CompressionPolicy(keep_ratio=ratio, allocation="global", scorer="learned")
             cache = RaggedCache.for_model(model)
@@ -150,5 +150,3 @@ def test_embedded_model_keeps_the_needle_under_the_learned_scorer(embedded_model
             )
             text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
             assert answer_is_correct(text, probe), (ratio, probe.answer, text)
-    finally:
-        model.set_attn_implementation("sdpa")

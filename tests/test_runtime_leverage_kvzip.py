@@ -13,7 +13,7 @@ import torch
 from conftest import make_tiny_llama
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from runtime import CompressionPolicy, RaggedCache, compress, prefill
+from runtime import CompressionPolicy, RaggedCache, compress, prefill, ragged_attention
 from runtime.kvzip import (
     KVzipGlobalPolicy,
     kvzip_budgets,
@@ -392,7 +392,7 @@ def test_embedded_model_keeps_the_needle_under_leverage_and_kvzip(embedded_model
     probe = next(p for p in generate_probes(spec, tokenizer) if p.length <= 1024 and p.depth == 50.0)
     ids = torch.tensor([probe.input_ids])
     pad = tokenizer.eos_token_id
-    try:
+    with ragged_attention(model):
         for scorer in ("leverage", "kvzip"):
             policy = CompressionPolicy(keep_ratio=0.5, allocation="uniform", scorer=scorer)
             cache = RaggedCache.for_model(model)
@@ -413,8 +413,6 @@ def test_embedded_model_keeps_the_needle_under_leverage_and_kvzip(embedded_model
             )
             text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
             assert answer_is_correct(text, probe), (scorer, probe.answer, text)
-    finally:
-        model.set_attn_implementation("sdpa")
 
 
 def test_too_few_recorded_queries_are_reported_in_words():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 
-from runtime import CompressionPolicy, RaggedCache, compress_prompt, generate
+from runtime import CompressionPolicy, RaggedCache, compress_prompt, generate, ragged_attention
 from runtime.cache import RaggedLayer
 from runtime.moments import corrected_attention
 
@@ -134,19 +134,9 @@ def test_moment_sums_equal_recomputation_after_chunked_prefill_and_decode(monkey
         evict_every=3,
     )
     log = EvictionLog(monkeypatch)
-    try:
-        result = generate(
-            model,
-            ids,
-            policy,
-            attention_mask=mask,
-            context_columns=60,
-            block_size=12,
-            max_new_tokens=12,
-            pad_token_id=0,
-        )
-    finally:
-        model.set_attn_implementation("sdpa")
+    result = generate(
+        model, ids, policy, attention_mask=mask, context_columns=60, block_size=12, max_new_tokens=12, pad_token_id=0
+    )
     calls = {key: len(parts) for key, parts in log.evicted.items()}
     assert min(calls.values()) >= 6  # five prefill blocks + question/decode evictions, every head
     checked = log.check(result.cache)
@@ -176,7 +166,6 @@ def test_decode_eviction_keeps_every_head_at_or_under_budget(monkeypatch):
             result = generate(model, ids, policy, context_columns=30, max_new_tokens=25)
         finally:
             monkeypatch.setattr(RaggedLayer, "attend", original)
-            model.set_attn_implementation("sdpa")
         assert result.new_tokens.shape[1] == 25 and len(seen) == 2 * 25  # question chunk + 24 steps, 2 layers
         assert max(seen) <= 20 + every - 1, (every, max(seen))
         assert int(result.cache.head_lengths().max()) <= 20 + every - 1
@@ -198,10 +187,7 @@ def test_decode_eviction_with_budget_above_length_is_the_unmodified_model():
         correction="order1",
         evict_every=1,
     )
-    try:
-        result = generate(model, ids, policy, context_columns=24, max_new_tokens=15, pad_token_id=0)
-    finally:
-        model.set_attn_implementation("sdpa")
+    result = generate(model, ids, policy, context_columns=24, max_new_tokens=15, pad_token_id=0)
     assert result.sequences.tolist() == expected.tolist()
     assert int(result.cache.head_lengths().min()) == 30 + 15 - 1  # nothing was evicted
     assert all(int(sums.n.sum()) == 0 for layer in result.cache.layers for sums in layer.moments)
@@ -247,11 +233,11 @@ def test_embedded_model_correction_lowers_attention_output_error_at_75_percent(e
             )
             cache, _ = compress_prompt(embedded_model, ids, policy, context_columns=probe.context_end)
             recorder.arm()
-            embedded_model(input_ids=ids[:, probe.context_end :], past_key_values=cache, use_cache=True)
+            with ragged_attention(embedded_model):
+                embedded_model(input_ids=ids[:, probe.context_end :], past_key_values=cache, use_cache=True)
             outputs[name] = recorder.take()
     finally:
         recorder.remove()
-        embedded_model.set_attn_implementation("sdpa")
     errors = {
         name: np.array([float((a - e).norm() / e.norm()) for a, e in zip(outputs[name], outputs["full"], strict=True)])
         for name in ("none", "order0", "order1")
