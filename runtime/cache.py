@@ -438,6 +438,70 @@ class RaggedLayer(DynamicLayer):
         self._refresh_lengths()
         self._loose = self._loose or shrink
 
+    def padded_rows(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Batch rows ``rows``' live tokens, every head padded to the longest (one gather):
+        ``keys, values [R, Hkv, n, d]`` (padding zero), ``positions`` int64 ``[R, Hkv, n]`` and
+        ``valid`` bool ``[R, Hkv, n]``."""
+        lengths = self.length[rows]  # [R, Hkv]
+        n = int(lengths.max()) if lengths.numel() else 0
+        device = self.key_buffer.device
+        row = torch.arange(n)
+        valid = row < lengths.unsqueeze(-1)  # [R, Hkv, n]
+        index = torch.where(valid, self.offset[rows].unsqueeze(-1) + row, 0).to(device)
+        valid = valid.to(device)
+        keep = valid.unsqueeze(-1).to(self.key_buffer.dtype)
+        keys = self.key_buffer[index] * keep
+        values = self.value_buffer[index] * keep
+        positions = self.position_buffer[index].long().masked_fill(~valid, 0)
+        return keys, values, positions, valid
+
+    def keep_rows(self, rows: list[int], keep: torch.Tensor, *, fold: bool = True, shrink: bool = True) -> None:
+        """Evict, in every head of batch rows ``rows``, the live rows not marked in ``keep`` bool
+        ``[R, Hkv, n]`` (n >= the longest head; rows past a head's length are ignored).
+
+        One gather and one scatter for the whole layer move the kept rows to the front of their
+        segments, in order; the evicted rows are folded into the rows' moment sums when tracked
+        (``fold``), in one batched computation.  ``shrink``: as in :meth:`keep`.
+        """
+        lengths = self.length[rows]  # [R, Hkv] host
+        n = keep.shape[-1]
+        device = self.key_buffer.device
+        row = torch.arange(n, device=device)
+        valid = row < lengths.to(device).unsqueeze(-1)
+        keep = keep.to(device) & valid
+        source = self.offset[rows].to(device).unsqueeze(-1) + row  # [R, Hkv, n] buffer rows
+        if fold and any(self.rows[r].moments is not None for r in rows):
+            self._fold(rows, source, valid & ~keep)
+        rank = keep.long().cumsum(-1) - 1
+        target = self.offset[rows].to(device).unsqueeze(-1) + rank
+        src, dst = source[keep], target[keep]
+        for buffer in (self.key_buffer, self.value_buffer, self.position_buffer):
+            buffer.index_copy_(0, dst, buffer.index_select(0, src))
+        kept = keep.sum(-1).cpu()  # [R, Hkv]
+        self.row_bias.index_fill_(0, source[valid & (row >= kept.to(device).unsqueeze(-1))], float("-inf"))
+        self.length[rows] = kept
+        self._refresh_lengths()
+        self._loose = self._loose or shrink
+
+    def _fold(self, rows: list[int], source: torch.Tensor, evicted: torch.Tensor) -> None:
+        """Add the buffer rows ``source [R, Hkv, n]`` marked ``evicted`` to the rows' moment sums."""
+        weight = evicted.unsqueeze(-1).float()  # [R, Hkv, n, 1]
+        index = torch.where(evicted, source, 0)
+        keys = self.key_buffer[index].float() * weight  # [R, Hkv, n, d]
+        values = self.value_buffer[index].float() * weight
+        counts = evicted.sum(-1)  # [R, Hkv]
+        sum_k, sum_v = keys.sum(2), values.sum(2)  # [R, Hkv, d]
+        sum_vk = torch.einsum("rhnd,rhne->rhde", values, keys)  # [R, Hkv, d, d]
+        for i, r in enumerate(rows):
+            sums = self.rows[r].moments
+            if sums is None or not bool(counts[i].any()):
+                continue
+            sums.version += 1
+            sums.n += counts[i].to(sums.n.device)
+            sums.s_k += sum_k[i].to(sums.s_k.device)
+            sums.s_v += sum_v[i].to(sums.s_v.device)
+            sums.S_vk += sum_vk[i].to(sums.S_vk.device)
+
     def track_moments(self) -> None:
         """Start moment sums for every batch element (refused once something was evicted)."""
         if not self.is_initialized:
@@ -535,9 +599,7 @@ class RaggedLayer(DynamicLayer):
         self.tokens_seen += q_len
         if any(row.decode_plan is not None for row in self.rows):
             with torch.profiler.record_function("kvcal.eviction"):
-                for b, row in enumerate(self.rows):
-                    if row.decode_plan is not None:
-                        self._evict_over_budget(b, row.decode_plan)
+                self._evict_over_budget()
         return output
 
     def _attend_chunk_only(self, query, keys, values, real, scaling) -> torch.Tensor:
@@ -601,15 +663,29 @@ class RaggedLayer(DynamicLayer):
             output = output * real[:, :, None, None].to(output.dtype)
         return output
 
-    def _evict_over_budget(self, b: int, plan: DecodePlan) -> None:
-        budgets = plan.budgets[self.layer_idx]
-        lengths = self.length[b].tolist()
-        for h in range(self.num_heads):
-            budget = int(budgets[h])
-            if lengths[h] - budget >= plan.every:
-                plan.evictor.evict(
-                    self, self.layer_idx, b, h, budget, self.rows[b].real_seen, shrink=False, stats_row=plan.stats_row
-                )
+    def _evict_over_budget(self) -> None:
+        """Decode-time eviction: the heads that grew ``every`` tokens past their budget are cut back,
+        one :meth:`~runtime.eviction.HeadEvictor.evict_layer` call per plan (rows under one policy)."""
+        plans: dict[int, list[int]] = {}
+        for b, row in enumerate(self.rows):
+            if row.decode_plan is not None:
+                plans.setdefault(id(row.decode_plan.evictor), []).append(b)
+        for rows in plans.values():
+            plan = self.rows[rows[0]].decode_plan
+            budgets = torch.as_tensor(np.stack([self.rows[b].decode_plan.budgets[self.layer_idx] for b in rows]))
+            lengths = self.length[rows]
+            over = lengths - budgets >= torch.tensor([self.rows[b].decode_plan.every for b in rows]).unsqueeze(1)
+            if not bool(over.any()):
+                continue
+            plan.evictor.evict_layer(
+                self,
+                self.layer_idx,
+                rows,
+                torch.where(over, budgets, lengths),
+                [self.rows[b].real_seen for b in rows],
+                shrink=False,
+                stats_rows=[self.rows[b].decode_plan.stats_row for b in rows],
+            )
 
     def _observe(self, b: int, chunk_q: torch.Tensor) -> None:
         previous = self.rows[b].recent_queries

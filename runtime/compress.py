@@ -157,26 +157,34 @@ def compress(
 
     lengths_before = cache.head_lengths().numpy()
     bytes_before = cache.kv_bytes()
-    all_budgets = []
-    for b in range(first.batch_size):
-        seq_len = first.real_seen[b]  # the next token's absolute position
-        if seq_len == 0:
-            all_budgets.append(np.zeros((evictor.num_layers, evictor.num_kv_heads), dtype=np.int64))
-            continue
-        budget_length = seq_len if context_lengths is None else max(int(context_lengths[b]), 1)
-        budgets = policy.head_budgets(budget_length, evictor.num_layers, evictor.num_kv_heads, inf_weights)
+    num_layers, num_kv_heads = evictor.num_layers, evictor.num_kv_heads
+    all_budgets = np.zeros((first.batch_size, num_layers, num_kv_heads), dtype=np.int64)
+    rows = [b for b in range(first.batch_size) if first.real_seen[b] > 0]  # an all-padding row holds nothing
+    next_positions = [first.real_seen[b] for b in rows]  # each row's next absolute position
+    for b in rows:
+        budget_length = first.real_seen[b] if context_lengths is None else max(int(context_lengths[b]), 1)
+        all_budgets[b] = policy.head_budgets(budget_length, num_layers, num_kv_heads, inf_weights)
+    with torch.profiler.record_function("kvcal.eviction"):
         scores = None
-        if policy.allocation == "global":  # one ranking of every head's tokens shares out the total
+        if policy.allocation == "global" and rows:  # one ranking of every head's tokens shares out the total
             scores = [
-                [evictor.head_scores(layer, layer_idx, b, h, seq_len) for h in range(evictor.num_kv_heads)]
-                for layer_idx, layer in enumerate(cache.layers)
+                evictor.layer_scores(layer, index, rows, next_positions) for index, layer in enumerate(cache.layers)
             ]
-            budgets = global_budgets(scores, int(budgets.sum()), policy.n_sink, policy.window)
-        all_budgets.append(budgets)
-        for layer_idx, layer in enumerate(cache.layers):
-            for h in range(evictor.num_kv_heads):
-                head_scores = None if scores is None else scores[layer_idx][h]
-                evictor.evict(layer, layer_idx, b, h, int(budgets[layer_idx, h]), seq_len, scores=head_scores)
+            for i, b in enumerate(rows):
+                per_head = [
+                    [layer_scores[i, h, : int(cache.layers[index].length[b, h])] for h in range(num_kv_heads)]
+                    for index, layer_scores in enumerate(scores)
+                ]
+                all_budgets[b] = global_budgets(per_head, int(all_budgets[b].sum()), policy.n_sink, policy.window)
+        for index, layer in enumerate(cache.layers):
+            evictor.evict_layer(
+                layer,
+                index,
+                rows,
+                all_budgets[rows, index],
+                next_positions,
+                scores=None if scores is None else scores[index],
+            )
     cache.compact()  # one repack per layer releases what eviction freed
     if final:
         for b in range(first.batch_size):
@@ -192,7 +200,7 @@ def compress(
         if policy.evict_every is None or not evictor.scorer.observation_window:
             cache.stop_observing()
     return CompressionReport(
-        budgets=np.stack(all_budgets),
+        budgets=all_budgets,
         lengths_before=lengths_before,
         lengths_after=cache.head_lengths().numpy(),
         kv_bytes_before=bytes_before,

@@ -1,10 +1,14 @@
-"""Evicting one KV head down to its budget: scorer, sinks and window, moments.
+"""Evicting KV heads down to their budgets: scorer, sinks and window, moments.
 
 :class:`HeadEvictor` is built once per compression from the model, the policy, the
-calibration and the prompt's statistics.  ``compress()`` calls it for every head after
-prefill (or after each prefill block), and the cache calls it while decoding when the policy
-has ``evict_every`` (a head that grew ``evict_every`` tokens past its budget is cut back to
-the budget).  One call:
+calibration and the prompt's statistics.  ``compress()`` calls :meth:`HeadEvictor.evict_layer`
+for every layer after prefill (or after each prefill block), and the cache calls it while
+decoding when the policy has ``evict_every`` (heads that grew ``evict_every`` tokens past their
+budget are cut back to it).  One layer is one batched computation for all its rows and heads:
+the scorer's ``score_layer`` over a :class:`~runtime.scorers.LayerContext`, one ranking
+(:func:`~runtime.scorers.keep_mask`), one gather that compacts the kept rows
+(:meth:`~runtime.cache.RaggedLayer.keep_rows`) and one batched fold of the evicted rows into the
+moment sums.  Moment-informed eviction works head by head (:meth:`HeadEvictor.evict`):
 
 1. builds the head's :class:`~runtime.scorers.HeadContext` at the current absolute position
    (EA's RoPE average starts at the next token, so at decode time it moves with generation);
@@ -24,7 +28,7 @@ import torch
 from .geometry import ModelGeometry
 from .moments import evict_in_rounds
 from .rope import averaged_rope, rope_cos_sin
-from .scorers import ALL_QUERIES, HeadContext, select_rows
+from .scorers import ALL_QUERIES, HeadContext, LayerContext, keep_mask, select_rows
 
 
 class HeadEvictor:
@@ -108,14 +112,7 @@ class HeadEvictor:
             context.query_mean, context.query_cov = mean_all[layer_idx, heads], cov_all[layer_idx, heads]
         if self.scorer.observation_window:
             recorded = layer.recent_queries[b]  # [Hq, w_recorded, d]
-            if recorded is None or recorded.shape[1] < min(self.scorer.observation_window, next_position):
-                have = 0 if recorded is None else recorded.shape[1]
-                wanted = self.scorer.observation_window
-                needs = "every prompt query" if wanted >= ALL_QUERIES else f"the last {wanted} prompt queries"
-                raise ValueError(
-                    f"{self.scorer!r} needs {needs}, only {have} were recorded: prefill with policy=... "
-                    "(or observe_queries=...) for this scorer"
-                )
+            self._check_recorded(recorded, next_position)
             context.recent_queries = recorded[heads, -self.scorer.observation_window :]
         if self.scorer.key_rope:  # the RoPE of each key's own position (to undo it: pre-RoPE keys)
             context.key_cos, context.key_sin = self._key_rope(positions)
@@ -123,6 +120,17 @@ class HeadEvictor:
             weights, bias = self.learned
             context.learned_weights, context.learned_bias = weights[layer_idx, h], float(bias[layer_idx, h])
         return context
+
+    def _check_recorded(self, recorded: torch.Tensor | None, next_position: int) -> None:
+        """Refuse to score with fewer recorded prompt queries than the scorer observes."""
+        wanted = self.scorer.observation_window
+        if recorded is None or recorded.shape[1] < min(wanted, next_position):
+            have = 0 if recorded is None else recorded.shape[1]
+            needs = "every prompt query" if wanted >= ALL_QUERIES else f"the last {wanted} prompt queries"
+            raise ValueError(
+                f"{self.scorer!r} needs {needs}, only {have} were recorded: prefill with policy=... "
+                "(or observe_queries=...) for this scorer"
+            )
 
     def head_scores(self, layer, layer_idx: int, b: int, h: int, next_position: int) -> torch.Tensor:
         """The scorer's scores ``[n]`` of head ``(b, layer_idx, h)`` (nothing evicted)."""
@@ -192,3 +200,111 @@ class HeadEvictor:
                 raise ValueError(f"{self.scorer!r} returned scores of shape {tuple(scores.shape)} for {length} tokens")
             layer.keep(b, h, select_rows(scores, budget, policy.n_sink, policy.window), shrink=shrink)
         return length - layer.lengths[b][h]
+
+    # -- a whole layer at once ---------------------------------------------------------------
+
+    def layer_context(
+        self, layer, layer_idx: int, rows: list[int], next_positions: list[int], stats_rows: list[int] | None = None
+    ) -> LayerContext:
+        """What the scorer sees of batch rows ``rows`` of layer ``layer_idx`` (every KV head, padded)."""
+        keys, values, positions, valid = layer.padded_rows(rows)
+        lengths = layer.length[rows]
+        context = LayerContext(
+            layer=layer_idx,
+            keys=keys,
+            values=values,
+            positions=positions,
+            valid=valid,
+            lengths=lengths,
+            scaling=self.scalings[layer_idx],
+            next_positions=list(next_positions),
+        )
+        scorer = self.scorer
+        stats_rows = rows if stats_rows is None else stats_rows
+        if scorer.rope_horizon:
+            pairs = [self._rope_at(int(p)) for p in next_positions]
+            context.rope_cos = torch.stack([cos for cos, _ in pairs])
+            context.rope_sin = torch.stack([sin for _, sin in pairs])
+        if scorer.query_statistics is not None:
+            group = self.group
+            stats = [self._query_stats(r) for r in stats_rows]
+            shape = (self.num_kv_heads, group)
+            context.query_mean = torch.stack([mean[layer_idx].reshape(*shape, -1) for mean, _ in stats])
+            context.query_cov = torch.stack([cov[layer_idx].reshape(*shape, *cov.shape[-2:]) for _, cov in stats])
+        if scorer.observation_window:
+            context.recent_queries = []
+            for r, position in zip(rows, next_positions, strict=True):
+                recorded = layer.rows[r].recent_queries  # [Hq, w_recorded, d]
+                self._check_recorded(recorded, int(position))
+                context.recent_queries.append(recorded[:, -scorer.observation_window :])
+        if scorer.key_rope:
+            cos, sin = self._key_rope(positions.reshape(-1))
+            context.key_cos = cos.reshape(*positions.shape, -1).to(keys.device)
+            context.key_sin = sin.reshape(*positions.shape, -1).to(keys.device)
+        if scorer.learned:
+            weights, bias = self.learned
+            context.learned_weights = weights[layer_idx]
+            context.learned_bias = torch.as_tensor(bias[layer_idx], dtype=torch.float32)
+        return context
+
+    def layer_scores(
+        self, layer, layer_idx: int, rows: list[int], next_positions: list[int], stats_rows: list[int] | None = None
+    ) -> torch.Tensor:
+        """The scorer's scores ``[R, Hkv, n]`` of rows ``rows`` of the layer (padding: ``-inf``)."""
+        context = self.layer_context(layer, layer_idx, rows, next_positions, stats_rows)
+        scores = self.scorer.layer_scores(context)
+        if tuple(scores.shape) != tuple(context.valid.shape):
+            raise ValueError(
+                f"{self.scorer!r} returned layer scores of shape {tuple(scores.shape)} for {tuple(context.valid.shape)}"
+            )
+        return self._checked_layer(scores, context.valid, layer_idx)
+
+    def _checked_layer(self, scores: torch.Tensor, valid: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """:meth:`_checked` for a whole layer: one check, naming the first head with a NaN score."""
+        bad = torch.isnan(scores) & valid
+        if bool(bad.any()):
+            h = int(bad.any(-1).nonzero()[0, 1])
+            self._checked(torch.tensor([float("nan")]), layer_idx, h)
+        return scores
+
+    def evict_layer(
+        self,
+        layer,
+        layer_idx: int,
+        rows: list[int],
+        budgets,
+        next_positions: list[int],
+        *,
+        shrink: bool = True,
+        stats_rows: list[int] | None = None,
+        scores: torch.Tensor | None = None,
+    ) -> None:
+        """Cut every KV head of batch rows ``rows`` down to ``budgets`` int ``[R, Hkv]`` tokens.
+
+        ``scores``: the layer's ``[R, Hkv, n]`` scores when already computed (``global``
+        allocation ranks every head's scores before any head is cut).  ``shrink=False``
+        (decoding) keeps the capacity for the tokens that follow.
+        """
+        budgets = torch.as_tensor(np.asarray(budgets), dtype=torch.int64)
+        if not rows or not bool((layer.length[rows] > budgets).any()):
+            return
+        if self.policy.moment_eviction:  # rounds that re-score against updated sums: head by head
+            stats_rows = rows if stats_rows is None else stats_rows
+            for i, (r, position) in enumerate(zip(rows, next_positions, strict=True)):
+                for h in range(self.num_kv_heads):
+                    self.evict(
+                        layer,
+                        layer_idx,
+                        r,
+                        h,
+                        int(budgets[i, h]),
+                        int(position),
+                        shrink=shrink,
+                        stats_row=stats_rows[i],
+                    )
+            return
+        if scores is None:
+            scores = self.layer_scores(layer, layer_idx, rows, next_positions, stats_rows)
+        valid = torch.arange(scores.shape[-1]) < layer.length[rows].unsqueeze(-1)
+        keep = keep_mask(scores, valid.to(scores.device), budgets, self.policy.n_sink, self.policy.window)
+        layer.keep_rows(rows, keep, shrink=shrink)

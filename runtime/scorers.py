@@ -2,7 +2,10 @@
 
 A scorer is a small class with a ``score(head) -> [n]`` method over one KV head's live
 tokens (:class:`HeadContext`) and a few class attributes saying what the compression engine
-must collect for it:
+must collect for it.  The engine scores a whole layer at once, every batch row and KV head in
+one call, through ``score_layer(layer) -> [R, Hkv, n]`` over a :class:`LayerContext` (the
+heads' tokens padded to the longest, with a validity mask); its default calls ``score`` head by
+head, and the built-in scorers override it with one batched computation.  The attributes:
 
 * ``query_statistics``: ``"calibrated"`` (the artifact's pre-RoPE query mean/covariance),
   ``"prompt"`` (measured on the prompt's own pre-RoPE queries) or ``None``;
@@ -17,9 +20,10 @@ must collect for it:
 * ``comparable``: True when scores of different heads are on one scale (log attention), so
   the ``global`` allocation may rank all heads' tokens together.
 
-Adding a scorer: subclass :class:`Scorer`, implement ``score``, and either add it to
-``SCORERS`` or put an instance directly in the policy (``CompressionPolicy(scorer=MyScorer())``).
-The sink and recent-window rules are applied by the engine (:func:`select_rows`), not here.
+Adding a scorer: subclass :class:`Scorer`, implement ``score`` (and, for speed, ``score_layer``),
+and either add it to ``SCORERS`` or put an instance directly in the policy
+(``CompressionPolicy(scorer=MyScorer())``).  The sink and recent-window rules are applied by the
+engine (:func:`select_rows`, :func:`keep_mask`), not here.
 """
 
 from __future__ import annotations
@@ -56,6 +60,57 @@ class HeadContext:
     learned_bias: float | None = None
 
 
+@dataclass
+class LayerContext:
+    """Everything a scorer may look at for ``R`` batch rows x every KV head of one layer, each head's
+    tokens padded to the longest (``valid`` says which are real).  Fields as in :class:`HeadContext`,
+    with leading ``[R, Hkv]`` (or ``[R]``) axes; padding rows of ``keys``/``values`` are zero."""
+
+    layer: int
+    keys: torch.Tensor  # [R, Hkv, n, d] post-RoPE
+    values: torch.Tensor  # [R, Hkv, n, d]
+    positions: torch.Tensor  # int64 [R, Hkv, n]
+    valid: torch.Tensor  # bool [R, Hkv, n]
+    lengths: torch.Tensor  # int64 [R, Hkv] (host)
+    scaling: float
+    next_positions: list[int]  # [R]
+    query_mean: torch.Tensor | None = None  # [R, Hkv, G, d] pre-RoPE
+    query_cov: torch.Tensor | None = None  # [R, Hkv, G, d, d]
+    rope_cos: torch.Tensor | None = None  # [R, d] RoPE averaged over each row's horizon
+    rope_sin: torch.Tensor | None = None  # [R, d]
+    recent_queries: list[torch.Tensor | None] | None = None  # [R] -> [Hq, w, d] post-RoPE
+    key_cos: torch.Tensor | None = None  # [R, Hkv, n, d]
+    key_sin: torch.Tensor | None = None  # [R, Hkv, n, d]
+    learned_weights: torch.Tensor | None = None  # [Hkv, 2d]
+    learned_bias: torch.Tensor | None = None  # [Hkv]
+
+    def head(self, r: int, h: int) -> HeadContext:
+        """The :class:`HeadContext` of row ``r``'s KV head ``h`` (views, without padding)."""
+        n = int(self.lengths[r, h])
+        recent = None
+        if self.recent_queries is not None and self.recent_queries[r] is not None:
+            g = self.recent_queries[r].shape[0] // self.keys.shape[1]
+            recent = self.recent_queries[r][h * g : (h + 1) * g]
+        return HeadContext(
+            layer=self.layer,
+            kv_head=h,
+            keys=self.keys[r, h, :n],
+            values=self.values[r, h, :n],
+            positions=self.positions[r, h, :n],
+            scaling=self.scaling,
+            next_position=int(self.next_positions[r]),
+            query_mean=None if self.query_mean is None else self.query_mean[r, h],
+            query_cov=None if self.query_cov is None else self.query_cov[r, h],
+            rope_cos=None if self.rope_cos is None else self.rope_cos[r],
+            rope_sin=None if self.rope_sin is None else self.rope_sin[r],
+            recent_queries=recent,
+            key_cos=None if self.key_cos is None else self.key_cos[r, h, :n],
+            key_sin=None if self.key_sin is None else self.key_sin[r, h, :n],
+            learned_weights=None if self.learned_weights is None else self.learned_weights[h],
+            learned_bias=None if self.learned_bias is None else float(self.learned_bias[h]),
+        )
+
+
 class Scorer(ABC):
     """Base class; see the module docstring."""
 
@@ -70,6 +125,28 @@ class Scorer(ABC):
     @abstractmethod
     def score(self, head: HeadContext) -> torch.Tensor:
         """Scores ``[n]`` for the head's live tokens; higher means more worth keeping."""
+
+    def layer_scores(self, layer: LayerContext) -> torch.Tensor:
+        """What the engine calls: :meth:`score_layer`, unless a subclass overrides :meth:`score`
+        below the class that batched it (its own ``score`` is then applied head by head)."""
+        for klass in type(self).__mro__:
+            if "score_layer" in vars(klass):
+                return self.score_layer(layer)
+            if "score" in vars(klass):
+                return Scorer.score_layer(self, layer)
+        return Scorer.score_layer(self, layer)
+
+    def score_layer(self, layer: LayerContext) -> torch.Tensor:
+        """Scores ``[R, Hkv, n]`` float32 for every head of the layer (padding: ``-inf``).  This
+        default calls :meth:`score` head by head; override it with one batched computation."""
+        out = torch.full(layer.valid.shape, float("-inf"), dtype=torch.float32, device=layer.keys.device)
+        rows, heads = layer.lengths.shape
+        for r in range(rows):
+            for h in range(heads):
+                n = int(layer.lengths[r, h])
+                if n:
+                    out[r, h, :n] = self.score(layer.head(r, h)).float().to(out.device)
+        return out
 
     yields_attention = False  # True when attention() is implemented (moment-informed eviction)
 
@@ -123,6 +200,29 @@ class ExpectedAttentionScorer(Scorer):
     def score(self, head: HeadContext) -> torch.Tensor:
         return (self.attention(head) + self.epsilon) * head.values.float().norm(dim=-1)
 
+    def score_layer(self, layer: LayerContext) -> torch.Tensor:
+        # the per-head computation of attention() with leading [R, Hkv] axes (same matmuls, so the
+        # same float32 results: near-ties at a budget's edge fall the same way both paths)
+        keys = layer.keys.float()  # [R, Hkv, n, d]
+        rbar = torch.stack([rope_matrix(cos, sin) for cos, sin in zip(layer.rope_cos, layer.rope_sin, strict=True)]).to(
+            keys.device
+        )[:, None, None]  # [R, 1, 1, d, d]
+        mean = layer.query_mean.float().to(keys.device).unsqueeze(-2) @ rbar.transpose(-1, -2)  # [R, Hkv, G, 1, d]
+        cov = rbar @ layer.query_cov.float().to(keys.device) @ rbar.transpose(-1, -2)  # [R, Hkv, G, d, d]
+        s = layer.scaling
+        linear = s * (mean @ keys.unsqueeze(2).transpose(-1, -2)).squeeze(-2)  # [R, Hkv, G, n]
+        quadratic = 0.5 * s * s * ((keys.unsqueeze(2) @ cov) * keys.unsqueeze(2)).sum(-1)  # [R, Hkv, G, n]
+        logits = (linear + quadratic).masked_fill(~layer.valid.unsqueeze(2), float("-inf"))
+        attention = torch.softmax(logits, dim=-1).mean(2)  # [R, Hkv, n]
+        attention = torch.nan_to_num(attention, nan=0.0)  # a head with no token at all
+        if self.pool > 1:
+            rows, heads, n = attention.shape
+            attention = torch.nn.functional.max_pool1d(
+                attention.reshape(rows * heads, 1, n), self.pool, stride=1, padding=self.pool // 2
+            ).reshape(rows, heads, n)
+        scores = (attention + self.epsilon) * layer.values.float().norm(dim=-1)
+        return scores.masked_fill(~layer.valid, float("-inf"))
+
     def __repr__(self) -> str:
         return (
             f"ExpectedAttentionScorer(statistics={self.query_statistics!r}, horizon={self.rope_horizon}, "
@@ -139,6 +239,13 @@ class KeyDiffScorer(Scorer):
         keys = head.keys.float()
         anchor = torch.nn.functional.normalize(keys, dim=-1).mean(0)  # [d]
         return -torch.nn.functional.cosine_similarity(keys, anchor.unsqueeze(0), dim=-1)
+
+    def score_layer(self, layer: LayerContext) -> torch.Tensor:
+        keys = layer.keys.float()  # [R, Hkv, n, d], padding rows zero
+        unit = torch.nn.functional.normalize(keys, dim=-1)
+        anchor = unit.sum(2) / layer.lengths.to(keys.device).clamp_min(1).unsqueeze(-1)  # [R, Hkv, d]
+        scores = -torch.nn.functional.cosine_similarity(keys, anchor.unsqueeze(2), dim=-1)
+        return scores.masked_fill(~layer.valid, float("-inf"))
 
 
 class SnapKVScorer(Scorer):
@@ -182,6 +289,9 @@ class KNormScorer(Scorer):
     def score(self, head: HeadContext) -> torch.Tensor:
         return -head.keys.float().norm(dim=-1)
 
+    def score_layer(self, layer: LayerContext) -> torch.Tensor:
+        return (-layer.keys.float().norm(dim=-1)).masked_fill(~layer.valid, float("-inf"))
+
 
 class StreamingScorer(Scorer):
     """StreamingLLM: sinks + the most recent tokens (score = position)."""
@@ -190,6 +300,9 @@ class StreamingScorer(Scorer):
 
     def score(self, head: HeadContext) -> torch.Tensor:
         return head.positions.float()
+
+    def score_layer(self, layer: LayerContext) -> torch.Tensor:
+        return layer.positions.float().masked_fill(~layer.valid, float("-inf"))
 
 
 # An observation window that covers every prompt query (the cache keeps them all; 2^62 is
@@ -500,6 +613,16 @@ class LearnedScorer(Scorer):
         features = torch.cat([unrotate(keys, cos, sin), head.values.float()], dim=-1)  # [n, 2d]
         return features @ head.learned_weights.float().to(keys.device) + float(head.learned_bias)
 
+    def score_layer(self, layer: LayerContext) -> torch.Tensor:
+        if layer.learned_weights is None or layer.key_cos is None or layer.key_sin is None:
+            raise ValueError(f"{self!r} needs the artifact's learned_scorer weights and the keys' RoPE")
+        keys = layer.keys.float()
+        pre_rope = unrotate(keys, layer.key_cos.float().to(keys.device), layer.key_sin.float().to(keys.device))
+        features = torch.cat([pre_rope, layer.values.float()], dim=-1)  # [R, Hkv, n, 2d]
+        weights = layer.learned_weights.float().to(keys.device)  # [Hkv, 2d]
+        scores = torch.einsum("rhnf,hf->rhn", features, weights) + layer.learned_bias.float().to(keys.device)[:, None]
+        return scores.masked_fill(~layer.valid, float("-inf"))
+
 
 SCORERS: dict[str, type[Scorer]] = {
     ExpectedAttentionScorer.name: ExpectedAttentionScorer,
@@ -521,6 +644,32 @@ def make_scorer(name: str, **options) -> Scorer:
         return SCORERS[name](**options)
     except TypeError as exc:
         raise ValueError(f"bad options {options} for scorer {name!r}: {exc}") from None
+
+
+def keep_mask(
+    scores: torch.Tensor, valid: torch.Tensor, budgets: torch.Tensor, n_sink: int, window: int
+) -> torch.Tensor:
+    """:func:`select_rows` for every head of a layer at once: bool ``[R, Hkv, n]``, True = keep.
+
+    ``scores [R, Hkv, n]`` over ``valid`` rows (each head's first ``lengths`` rows), ``budgets``
+    int ``[R, Hkv]``.  Per head: the first ``min(n_sink, budget)`` rows, then the last
+    ``min(window, budget - sinks)`` rows, then the best-scored of the rest (ties: the later row).
+    """
+    device = scores.device
+    lengths = valid.sum(-1)  # [R, Hkv]
+    budgets = torch.minimum(budgets.to(device).clamp_min(0), lengths)
+    sinks = budgets.clamp(max=n_sink)
+    recent = torch.minimum(budgets - sinks, torch.full_like(budgets, window))
+    chosen = budgets - sinks - recent  # middle rows to pick by score
+    row = torch.arange(scores.shape[-1], device=device)  # [n]
+    protected = (row < sinks.unsqueeze(-1)) | ((row >= (lengths - recent).unsqueeze(-1)) & valid)
+    middle = valid & ~protected
+    ranked = scores.float().masked_fill(~middle, float("-inf"))
+    # ties (e.g. scores that underflow to 0) go to the later, more recent row: sort the reversed rows stably
+    last = scores.shape[-1] - 1
+    order = last - torch.sort(ranked.flip(-1), dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, row.expand_as(order))  # each row's place in the order
+    return protected | (middle & (rank < chosen.unsqueeze(-1)))
 
 
 def select_rows(scores: torch.Tensor, budget: int, n_sink: int, window: int) -> torch.Tensor:

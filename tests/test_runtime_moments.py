@@ -82,7 +82,7 @@ def test_attend_with_correction_equals_reference_and_plain_when_nothing_evicted(
 
 
 class EvictionLog:
-    """Records, per (layer, batch row, KV head), every key/value row that ``keep`` removes."""
+    """Records, per (layer, batch row, KV head), every key/value row that ``keep`` / ``keep_rows`` removes."""
 
     def __init__(self, monkeypatch):
         self.evicted: dict[tuple[int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -96,7 +96,19 @@ class EvictionLog:
             log.evicted.setdefault((layer.layer_idx, b, h), []).append((keys[gone], values[gone]))
             return original(layer, b, h, rows, **kwargs)
 
+        original_rows = RaggedLayer.keep_rows
+
+        def keep_rows(layer, rows, keep, **kwargs):  # the batched eviction of a whole layer
+            for i, b in enumerate(rows):
+                for h in range(layer.num_heads):
+                    keys, values, _ = (t.clone() for t in layer.head(b, h))
+                    gone = ~keep[i, h, : keys.shape[0]].cpu()
+                    if bool(gone.any()):
+                        log.evicted.setdefault((layer.layer_idx, b, h), []).append((keys[gone], values[gone]))
+            return original_rows(layer, rows, keep, **kwargs)
+
         monkeypatch.setattr(RaggedLayer, "keep", keep)
+        monkeypatch.setattr(RaggedLayer, "keep_rows", keep_rows)
 
     def check(self, cache: RaggedCache) -> int:
         """Compare the cache's sums with a float64 recomputation; returns the tokens checked."""

@@ -247,3 +247,61 @@ def test_scorer_extension_point_is_one_small_class():
     compress(model, cache, policy)
     assert cache.layers[1].head(0, 1)[2].tolist() == [0, 1, 2, 3, 19]
     assert np.all(cache.head_lengths().numpy() == 5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "scorer,options",
+    [
+        ("expected_attention", {"statistics": "prompt", "scorer_options": {"pool": 3}}),
+        ("keydiff", {}),
+        ("knorm", {}),
+        ("streaming", {}),
+        ("snapkv", {}),
+        ("leverage", {}),
+    ],
+)
+def test_layer_scores_equal_the_per_head_scores(scorer, options):
+    """One batched call per layer scores every row and head as the head-by-head definition does:
+    two left-padded rows of different lengths, after a first eviction left the heads ragged."""
+    from runtime.eviction import HeadEvictor
+
+    model = make_tiny_llama(num_layers=2, num_heads=6, num_kv_heads=3)
+    generator = torch.Generator().manual_seed(11)
+    ids = torch.randint(1, 128, (2, 48), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    policy = CompressionPolicy(keep_ratio=0.5, scorer=scorer, **options)
+    cache = RaggedCache.for_model(model)
+    stats = prefill(model, cache, ids, mask, policy=policy, record_prompt_stats=True, observe_queries=48)
+    evictor = HeadEvictor(model, policy, None, stats)
+    positions = cache.layers[0].real_seen
+    for index, layer in enumerate(cache.layers):  # ragged heads: cut each head to its own length
+        cut = torch.tensor([[40, 31, 44], [35, 39, 22]])
+        evictor.evict_layer(layer, index, [0, 1], cut, positions)
+    for index, layer in enumerate(cache.layers):
+        assert len(set(layer.length.reshape(-1).tolist())) > 2
+        batched = evictor.layer_scores(layer, index, [0, 1], positions)
+        for b in range(2):
+            for h in range(3):
+                single = evictor.head_scores(layer, index, b, h, positions[b])
+                n = single.shape[0]
+                torch.testing.assert_close(batched[b, h, :n], single.float(), atol=1e-5, rtol=1e-4)
+                assert bool(torch.isneginf(batched[b, h, n:]).all())  # padding never competes
+
+
+def test_keep_mask_equals_select_rows_per_head():
+    from runtime.scorers import keep_mask
+
+    generator = torch.Generator().manual_seed(12)
+    lengths = torch.tensor([[30, 17, 1], [0, 25, 30]])
+    budgets = torch.tensor([[12, 20, 1], [3, 4, 7]])
+    scores = torch.rand(2, 3, 30, generator=generator)  # distinct: no ties
+    valid = torch.arange(30) < lengths.unsqueeze(-1)
+    for n_sink, window in ((0, 0), (2, 3), (4, 32)):
+        keep = keep_mask(scores, valid, budgets, n_sink, window)
+        for b in range(2):
+            for h in range(3):
+                n = int(lengths[b, h])
+                expected = select_rows(scores[b, h, :n], int(budgets[b, h]), n_sink, window).tolist()
+                assert keep[b, h].nonzero().squeeze(1).tolist() == expected, (b, h, n_sink, window)
