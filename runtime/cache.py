@@ -448,11 +448,14 @@ class RaggedLayer(DynamicLayer):
         row = torch.arange(n)
         valid = row < lengths.unsqueeze(-1)  # [R, Hkv, n]
         index = torch.where(valid, self.offset[rows].unsqueeze(-1) + row, 0).to(device)
+        padded = not bool(valid.all())
         valid = valid.to(device)
-        keep = valid.unsqueeze(-1).to(self.key_buffer.dtype)
-        keys = self.key_buffer[index] * keep
-        values = self.value_buffer[index] * keep
-        positions = self.position_buffer[index].long().masked_fill(~valid, 0)
+        keys, values = self.key_buffer[index], self.value_buffer[index]
+        positions = self.position_buffer[index].long()
+        if padded:
+            keys.masked_fill_(~valid.unsqueeze(-1), 0.0)
+            values.masked_fill_(~valid.unsqueeze(-1), 0.0)
+            positions.masked_fill_(~valid, 0)
         return keys, values, positions, valid
 
     def keep_rows(self, rows: list[int], keep: torch.Tensor, *, fold: bool = True, shrink: bool = True) -> None:

@@ -242,9 +242,10 @@ class KeyDiffScorer(Scorer):
 
     def score_layer(self, layer: LayerContext) -> torch.Tensor:
         keys = layer.keys.float()  # [R, Hkv, n, d], padding rows zero
-        unit = torch.nn.functional.normalize(keys, dim=-1)
+        unit = keys / keys.norm(dim=-1, keepdim=True).clamp_min(1e-8)  # as normalize()
         anchor = unit.sum(2) / layer.lengths.to(keys.device).clamp_min(1).unsqueeze(-1)  # [R, Hkv, d]
-        scores = -torch.nn.functional.cosine_similarity(keys, anchor.unsqueeze(2), dim=-1)
+        anchor = anchor / anchor.norm(dim=-1, keepdim=True).clamp_min(1e-8)
+        scores = -(unit @ anchor.unsqueeze(-1)).squeeze(-1)  # -cos(k_i, anchor)
         return scores.masked_fill(~layer.valid, float("-inf"))
 
 
@@ -384,6 +385,15 @@ def _zscore(x: torch.Tensor) -> torch.Tensor:
     return (x - x.mean()) / x.std(unbiased=False).clamp_min(1e-6)
 
 
+def _masked_zscore(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`_zscore` over the ``mask``ed entries of the last axis, per leading index (0 elsewhere)."""
+    x, weight = x.double(), mask.double()
+    count = weight.sum(-1, keepdim=True).clamp_min(1)
+    mean = (x * weight).sum(-1, keepdim=True) / count
+    std = (((x - mean) ** 2 * weight).sum(-1, keepdim=True) / count).sqrt().clamp_min(1e-6)
+    return (x - mean) / std * weight
+
+
 class LeverageScorer(Scorer):
     """Compactor ("Compactor: Calibrated Query-Agnostic KV Cache Compression with Approximate
     Leverage Scores", arXiv 2507.08143): key leverage blended with non-causal chunked attention.
@@ -514,6 +524,126 @@ class LeverageScorer(Scorer):
         out[:first] = top
         out[n - last :] = top
         return out
+
+    def score_layer(self, layer: LayerContext) -> torch.Tensor:
+        """:meth:`score` for every row and head of a layer: the same quantities with masks over
+        each head's middle rows (batched Cholesky for the leverage, one masked softmax per
+        attention chunk for all heads)."""
+        keys = layer.keys
+        rows, heads, n, _ = keys.shape
+        device = keys.device
+        lengths = layer.lengths.to(device)
+        first = lengths.clamp(max=self.exclude_first)  # [R, Hkv]
+        last = (lengths - first).clamp(max=self.exclude_last)
+        index = torch.arange(n, device=device)
+        middle = (index >= first.unsqueeze(-1)) & (index < (lengths - last).unsqueeze(-1))  # [R, Hkv, n]
+        count = middle.sum(-1)  # [R, Hkv]
+        score = torch.zeros(rows, heads, n, dtype=torch.float64, device=device)
+        if self.blend != 0:
+            score = _masked_zscore(self.layer_leverage(layer, middle), middle) * (
+                1.0 if self.blend is None else self.blend
+            )
+        if self.blend is not None:
+            score = score + _masked_zscore(self.layer_attention_mass(layer, middle, first, lengths - last), middle)
+        score = score.float().masked_fill(~middle, float("-inf"))
+        top = score.amax(-1, keepdim=True).expand_as(score)  # the middle's maximum: ends are kept
+        score = torch.where(middle, score, top)
+        score = torch.where((count <= 1).unsqueeze(-1), torch.zeros_like(score), score)  # nothing to rank
+        return score.masked_fill(~layer.valid, float("-inf"))
+
+    def layer_leverage(self, layer: LayerContext, middle: torch.Tensor) -> torch.Tensor:
+        """Leverage ``[R, Hkv, n]`` float64 of every head's middle rows (0 elsewhere), see :meth:`leverage`."""
+        keys = layer.keys.double()
+        if self.pre_rope:
+            if layer.key_cos is None or layer.key_sin is None:
+                raise ValueError(f"{self!r} needs the keys' RoPE (key_cos/key_sin) to undo it")
+            keys = unrotate(keys, layer.key_cos.double().to(keys.device), layer.key_sin.double().to(keys.device))
+        weight = middle.unsqueeze(-1).double()
+        count = weight.sum(2, keepdim=True).clamp_min(1)
+        x = (keys - (keys * weight).sum(2, keepdim=True) / count) * weight  # centred middle rows, 0 elsewhere
+        if self.sketch is not None:
+            heads = keys.shape[1]
+            phi = torch.stack(
+                [
+                    torch.randn(
+                        keys.shape[-1],
+                        self.sketch,
+                        generator=torch.Generator().manual_seed(self.seed * 1_000_003 + layer.layer * 1009 + h),
+                        dtype=torch.float64,
+                    )
+                    for h in range(heads)
+                ]
+            ) / math.sqrt(self.sketch)  # [Hkv, d, k], as leverage() draws it per (layer, KV head)
+            x = x @ phi.to(x.device)  # [R, Hkv, n, k]
+        gram = x.transpose(-1, -2) @ x  # [R, Hkv, k, k]
+        jitter = self.ridge * gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)  # [R, Hkv]
+        eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+        factor = torch.linalg.cholesky(gram + jitter[..., None, None] * eye)
+        whitened = torch.linalg.solve_triangular(factor, x.transpose(-1, -2), upper=False)  # [R, Hkv, k, n]
+        return (whitened * whitened).sum(-2)
+
+    def layer_attention_mass(
+        self, layer: LayerContext, middle: torch.Tensor, first: torch.Tensor, end: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`attention_mass` of every head's middle rows ``[R, Hkv, n]`` (0 elsewhere): per
+        attention chunk, one masked softmax for all rows and heads."""
+        if layer.recent_queries is None or any(q is None for q in layer.recent_queries):
+            raise ValueError(
+                f"{self!r} needs the prompt's queries: prefill with policy=... (the scorer's observation_window) first"
+            )
+        keys, positions = layer.keys.float(), layer.positions
+        rows, heads, n, dim = keys.shape
+        device = keys.device
+        width = max(q.shape[1] for q in layer.recent_queries)
+        group = layer.recent_queries[0].shape[0] // heads
+        queries = torch.zeros(rows, heads, group, width, dim, device=device)
+        query_positions = torch.full((rows, width), -1, dtype=torch.int64, device=device)
+        for r, recorded in enumerate(layer.recent_queries):  # [Hq, w_r, d], right-aligned
+            w = recorded.shape[1]
+            queries[r, :, :, width - w :] = recorded.float().to(device).reshape(heads, group, w, dim)
+            query_positions[r, width - w :] = int(layer.next_positions[r]) - w + torch.arange(w, device=device)
+        origin = positions.gather(-1, first.clamp(max=n - 1).unsqueeze(-1)).squeeze(-1)  # [R, Hkv]
+        stop = positions.gather(-1, (end - 1).clamp(min=0, max=n - 1).unsqueeze(-1)).squeeze(-1)
+        query_positions = query_positions.unsqueeze(1)  # [R, 1, W]
+        inside = (query_positions >= origin.unsqueeze(-1)) & (query_positions <= stop.unsqueeze(-1))  # [R, Hkv, W]
+        key_chunk = torch.div(positions - origin.unsqueeze(-1), self.chunk, rounding_mode="floor")
+        key_chunk = key_chunk.masked_fill(~middle, -1)
+        query_chunk = torch.div(query_positions - origin.unsqueeze(-1), self.chunk, rounding_mode="floor")
+        query_chunk = query_chunk.masked_fill(~inside, -1)
+        scale = layer.scaling if self.attention_scale is None else self.attention_scale
+        mass = torch.zeros(rows, heads, n, dtype=torch.float32, device=device)
+        for c in range(int(key_chunk.max()) + 1 if bool(middle.any()) else 0):
+            in_keys, in_queries = key_chunk == c, query_chunk == c  # [R, Hkv, n], [R, Hkv, W]
+            key_rows = in_keys.any(0).any(0).nonzero().squeeze(1)  # the rows any head has in chunk c
+            query_rows = in_queries.any(0).any(0).nonzero().squeeze(1)
+            if key_rows.numel() == 0 or query_rows.numel() == 0:
+                continue
+            lo_k, hi_k = int(key_rows[0]), int(key_rows[-1]) + 1
+            lo_q, hi_q = int(query_rows[0]), int(query_rows[-1]) + 1
+            span_q, span_k = hi_q - lo_q, hi_k - lo_k
+            grouped = queries[:, :, :, lo_q:hi_q].reshape(rows, heads, group * span_q, dim)
+            logits = grouped @ keys[:, :, lo_k:hi_k].transpose(-1, -2)  # [R, Hkv, G*q, k]
+            if scale != 1.0:
+                logits.mul_(scale)
+            chunk_keys = in_keys[:, :, lo_k:hi_k]
+            ragged = not bool(chunk_keys.all())  # after evictions the heads' chunks differ: mask
+            if ragged:
+                logits.masked_fill_(~chunk_keys.unsqueeze(2), float("-inf"))
+            weights = torch.softmax(logits, dim=-1).view(rows, heads, group, span_q, span_k)
+            if ragged:
+                weights = weights.nan_to_num_(nan=0.0)  # a head with no key in this chunk
+            chunk_queries = in_queries[:, :, lo_q:hi_q]
+            if not bool(chunk_queries.all()):
+                weights = weights * chunk_queries[:, :, None, :, None]
+            mass[:, :, lo_k:hi_k] += weights.sum(3).mean(2)
+        if self.value_norm:
+            mass = mass * layer.values.float().norm(dim=-1)
+        mass = mass * middle
+        if self.pool > 1:  # a mean over neighbours, zero beyond the middle rows (as per head)
+            mass = torch.nn.functional.avg_pool1d(
+                mass.reshape(rows * heads, 1, n), self.pool, stride=1, padding=self.pool // 2, count_include_pad=True
+            ).reshape(rows, heads, n)
+        return mass
 
     def __repr__(self) -> str:
         return (

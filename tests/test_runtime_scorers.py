@@ -259,6 +259,8 @@ def test_scorer_extension_point_is_one_small_class():
         ("streaming", {}),
         ("snapkv", {}),
         ("leverage", {}),
+        ("leverage", {"scorer_options": {"chunk": 8, "blend": 0.5, "sketch": None}}),  # many chunks, exact
+        ("leverage", {"scorer_options": {"blend": None}}),  # leverage alone
     ],
 )
 def test_layer_scores_equal_the_per_head_scores(scorer, options):
