@@ -7,14 +7,17 @@
     result = generate(model, input_ids, policy, context_columns=n, calibration=calibration,
                       max_new_tokens=32)
 
-Modules: ``cache`` (ragged per-head cache, with MomentKV moment sums and correction),
-``attention`` (the registered attention function), ``scorers`` (EA, KeyDiff, SnapKV, KNorm,
+Modules: ``cache`` (the packed per-layer cache: every head's retained tokens in one buffer per
+layer, MomentKV moment sums and correction), ``paged_attention`` (attention over that buffer for
+all rows and heads at once), ``attention`` (the registered attention function and its scoped
+switch), ``scorers`` (EA, KeyDiff, SnapKV, KNorm,
 StreamingLLM, leverage, KVzip, learned), ``policy``, ``policy_spec`` (policies by name: the grammar
 ``inf/leverage``, ``global/learned+correction``..., the flagship), ``recommendation`` (the
 artifact's measured best policy per compression ratio), ``compress`` (prefill and per-prompt
-eviction), ``eviction`` (one head down to its budget: scorer, sinks/window, moment-informed rounds; also used while
-decoding), ``moments`` (MomentKV math), ``generate`` (entry points), ``calibration`` (artifact
-loading and identity checks), ``rope``; ``geometry`` (the model's checked attention geometry),
+eviction), ``eviction`` (a layer's heads down to their budgets: layer-batched scores,
+sinks/window, compaction; moment-informed rounds head by head; also used while decoding),
+``moments`` (MomentKV math), ``generate`` (entry points), ``calibration`` (artifact loading and
+identity checks), ``rope``; ``geometry`` (the model's checked attention geometry),
 ``query_moments`` (pre-RoPE query sums: a prompt's, or the calibration's), ``attention``'s
 scoped swap, ``budgets`` and ``models`` are shared with the profiler.
 
