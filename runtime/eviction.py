@@ -106,33 +106,10 @@ class HeadEvictor:
         self, layer, layer_idx: int, b: int, h: int, next_position: int, stats_row: int | None = None
     ) -> HeadContext:
         """What the scorer sees of head ``(b, layer_idx, h)`` with the next token at ``next_position``
-        (``stats_row``: the element's row in the prompt statistics, default ``b``)."""
-        keys, values, positions = layer.head(b, h)
-        context = HeadContext(
-            layer=layer_idx,
-            kv_head=h,
-            keys=keys,
-            values=values,
-            positions=positions,
-            scaling=self.scalings[layer_idx],
-            next_position=next_position,
-        )
-        heads = slice(h * self.group, (h + 1) * self.group)
-        if self.scorer.rope_horizon:
-            context.rope_cos, context.rope_sin = self._rope_at(next_position)
-        if self.scorer.query_statistics is not None:
-            mean_all, cov_all = self._query_stats(b if stats_row is None else stats_row)
-            context.query_mean, context.query_cov = mean_all[layer_idx, heads], cov_all[layer_idx, heads]
-        if self.scorer.observation_window:
-            recorded = layer.recent_queries[b]  # [Hq, w_recorded, d]
-            self._check_recorded(recorded, next_position)
-            context.recent_queries = recorded[heads, -self.scorer.observation_window :]
-        if self.scorer.key_rope:  # the RoPE of each key's own position (to undo it: pre-RoPE keys)
-            context.key_cos, context.key_sin = self._key_rope(positions)
-        if self.scorer.learned:
-            weights, bias = self.learned
-            context.learned_weights, context.learned_bias = weights[layer_idx, h], float(bias[layer_idx, h])
-        return context
+        (``stats_row``: the element's row in the prompt statistics, default ``b``): the head of
+        :meth:`layer_context`, so that both see exactly the same inputs."""
+        row = [b if stats_row is None else stats_row]
+        return self.layer_context(layer, layer_idx, [b], [next_position], row).head(0, h)
 
     def _check_recorded(self, recorded: torch.Tensor | None, next_position: int) -> None:
         """Refuse to score with fewer recorded prompt queries than the scorer observes."""

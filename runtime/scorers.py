@@ -214,7 +214,8 @@ class ExpectedAttentionScorer(Scorer):
         quadratic = 0.5 * s * s * ((keys.unsqueeze(2) @ cov) * keys.unsqueeze(2)).sum(-1)  # [R, Hkv, G, n]
         logits = (linear + quadratic).masked_fill(~layer.valid.unsqueeze(2), float("-inf"))
         attention = torch.softmax(logits, dim=-1).mean(2)  # [R, Hkv, n]
-        attention = torch.nan_to_num(attention, nan=0.0)  # a head with no token at all
+        # a head with no token at all (softmax over nothing) scores 0; NaN from overflow stays NaN
+        attention = torch.where(layer.valid.any(-1, keepdim=True), attention, torch.zeros_like(attention))
         if self.pool > 1:
             rows, heads, n = attention.shape
             attention = torch.nn.functional.max_pool1d(
@@ -630,8 +631,9 @@ class LeverageScorer(Scorer):
             if ragged:
                 logits.masked_fill_(~chunk_keys.unsqueeze(2), float("-inf"))
             weights = torch.softmax(logits, dim=-1).view(rows, heads, group, span_q, span_k)
-            if ragged:
-                weights = weights.nan_to_num_(nan=0.0)  # a head with no key in this chunk
+            if ragged:  # a head with no key in this chunk: softmax over nothing, no mass
+                has_keys = chunk_keys.any(-1)[:, :, None, None, None]
+                weights = torch.where(has_keys, weights, torch.zeros_like(weights))
             chunk_queries = in_queries[:, :, lo_q:hi_q]
             if not bool(chunk_queries.all()):
                 weights = weights * chunk_queries[:, :, None, :, None]
