@@ -150,6 +150,7 @@ class RaggedLayer(DynamicLayer):
         self._ends_on_device: torch.Tensor | None = None  # first free buffer row of each head [B * Hkv]
         self._free = 0  # rows every head can still take without a repack: min(capacity - length)
         self._uniform = False  # every segment: same length, same capacity (a [B, Hkv, cap, d] view)
+        self._segment_pages: torch.Tensor | None = None  # arange(B * Hkv) while capacities are all equal
         self._loose = False  # segments shrank in place: compact() releases the memory
         self._prepared: tuple[tuple, PreparedMoments | None] | None = None
         self.model_config = None  # the model's config (RaggedCache.for_model): its attention is checked
@@ -275,6 +276,12 @@ class RaggedLayer(DynamicLayer):
             self.page_size
         )
         self._pages = (owner.to(keys.device), page_start.to(keys.device))
+        flat_capacity = capacity.reshape(-1)
+        equal = (
+            flat_capacity.numel() > 0 and int(flat_capacity[0]) > 0 and bool((flat_capacity == flat_capacity[0]).all())
+        )
+        # equal capacities: the buffer is [B * Hkv, cap, d] and decoding takes each head as one page
+        self._segment_pages = torch.arange(flat_capacity.numel(), device=keys.device) if equal else None
         self.row_bias = torch.full((keys.shape[0],), float("-inf"), dtype=keys.dtype, device=keys.device)
         live = _segment_rows(offset.reshape(-1), length.reshape(-1)).to(keys.device)
         self.row_bias.index_fill_(0, live, 0.0)
@@ -574,7 +581,6 @@ class RaggedLayer(DynamicLayer):
         if real is not None and bool(real.all()):
             real = None
         batch, num_q_heads, q_len, dim = query.shape
-        heads = self.num_heads
         self.compact()
         if self.observe_queries:
             for b in range(batch):
@@ -587,14 +593,6 @@ class RaggedLayer(DynamicLayer):
         if fresh and prepared is None:  # nothing retained before this chunk: ordinary causal attention
             with torch.profiler.record_function("kvcal.attention"):
                 output = self._attend_chunk_only(query, new_keys, new_values, real, scaling)
-        elif self._uniform and real is None and prepared is None and q_len == 1:
-            with torch.profiler.record_function("kvcal.attention"):  # one [B, Hkv, n, d] view: plain SDPA
-                capacity, length = int(self.capacity[0, 0]), int(self.length[0, 0])
-                keys = self.key_buffer.view(batch, heads, capacity, dim)[:, :, :length]
-                values = self.value_buffer.view(batch, heads, capacity, dim)[:, :, :length]
-                output = torch.nn.functional.scaled_dot_product_attention(
-                    query, keys, values, scale=scaling, enable_gqa=True
-                ).transpose(1, 2)  # [B, 1, Hq, d]
         else:
             output = self._attend_pages(query, real, scaling, prepared)
         for b in range(batch):
@@ -631,11 +629,17 @@ class RaggedLayer(DynamicLayer):
         grouped = query.reshape(segments, group * q_len, dim)  # [S, G*q, d]
         owner, page_start = self._pages
         page = self.page_size
-        key_pages, value_pages = self.key_buffer.view(-1, page, dim), self.value_buffer.view(-1, page, dim)
-        if q_len == 1 and real is None:  # decoding: every query of a head sees all its rows
+        if q_len == 1 and real is None:  # decoding: every query of a head sees all its stored rows
+            if self._segment_pages is not None:  # equal capacities: each head's whole segment is one page
+                owner, page = self._segment_pages, int(self.capacity[0, 0])
             with torch.profiler.record_function("kvcal.attention"):
                 out, lse = decode_attention(
-                    grouped, key_pages, value_pages, owner, self.row_bias.view(-1, page), scaling
+                    grouped,
+                    self.key_buffer.view(-1, page, dim),
+                    self.value_buffer.view(-1, page, dim),
+                    owner,
+                    self.row_bias.view(-1, page),
+                    scaling,
                 )
         else:  # a chunk: rows visible to its token t = everything before the chunk + t's rank + 1
             device = query.device
@@ -648,16 +652,17 @@ class RaggedLayer(DynamicLayer):
                 visible = length.unsqueeze(2) - counts.unsqueeze(1) + 1 + rank.unsqueeze(1)
                 visible = torch.where(real.unsqueeze(1), visible, torch.zeros_like(visible))
             limit = visible.unsqueeze(2).expand(batch, heads, group, q_len).reshape(segments, group * q_len)
+            key_pages, value_pages = self.key_buffer.view(-1, page, dim), self.value_buffer.view(-1, page, dim)
             with torch.profiler.record_function("kvcal.attention"):
                 out, lse = segment_attention(grouped, key_pages, value_pages, owner, page_start, limit, scaling)
         if prepared is not None:
             with torch.profiler.record_function("kvcal.correction"):
                 shape = (segments, group, q_len)
                 out_E, lse_E = prepared.estimates(grouped.view(*shape, dim), scaling)
-                lse_R = lse.view(shape)
-                weight = torch.sigmoid(lse_R - lse_E)
-                weight = torch.where(torch.isinf(lse_E) & (lse_E < 0), torch.ones_like(weight), weight)
-                out = (out_E + weight.unsqueeze(-1) * (out.view(*shape, dim) - out_E)).view(segments, -1, dim)
+                # w = Z_R / (Z_R + Z_E): exactly 1 where nothing was evicted (lse_E = -inf), and where
+                # neither set holds anything (-inf - -inf = NaN) the retained output (0) stands
+                weight = torch.sigmoid(lse.view(shape) - lse_E).nan_to_num_(nan=1.0)
+                out = torch.lerp(out_E, out.view(*shape, dim), weight.unsqueeze(-1)).view(segments, -1, dim)
         output = (
             out.view(batch, heads, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(batch, q_len, num_q_heads, dim)
         )

@@ -125,7 +125,8 @@ def decode_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every query of a segment sees the same rows (decoding): ``row_bias [num_pages, P]`` in the
     keys' dtype is 0 for a stored row and ``-inf`` for free capacity, and a segment's rows fill its
-    pages in order (a page holds a visible row exactly when its first row is one).
+    pages in order (a page holds a visible row exactly when its first row is one).  With one page
+    per segment (``owner`` is then ``arange(S)``), page ``s`` is segment ``s`` and nothing is merged.
 
     On CPU each page runs through PyTorch's fused flash-attention kernel (as one batch of
     pages, returning each page's log-sum-exp) and the pages are merged; elsewhere, or for dtypes
@@ -136,6 +137,16 @@ def decode_attention(
     num_pages, page, _ = key_pages.shape
     if num_pages == 0 or query.device.type != "cpu" or key_pages.dtype not in _FLASH_CPU_DTYPES:
         return paged_attention(query, key_pages, value_pages, owner, row_bias.float().unsqueeze(2), scaling)
+    live = (row_bias[:, 0] == 0).unsqueeze(1)  # [np, 1]; a page with no visible row reports lse 0
+    if num_pages == segments:  # one page per segment (equal capacities): nothing to merge
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query.to(key_pages.dtype).unsqueeze(1),
+            key_pages.unsqueeze(1),
+            value_pages.unsqueeze(1),
+            attn_mask=row_bias.view(num_pages, 1, 1, page),
+            scale=float(scaling),
+        )  # [S, 1, M, d], [S, 1, M]
+        return out[:, 0].float(), torch.where(live, lse[:, 0].float(), float("-inf"))
     page_query = query.to(key_pages.dtype).index_select(0, owner).unsqueeze(1)  # [np, 1, M, d]
     out_pages, lse_pages = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         page_query,
@@ -144,7 +155,6 @@ def decode_attention(
         attn_mask=row_bias.view(num_pages, 1, 1, page),
         scale=float(scaling),
     )  # [np, 1, M, d], [np, 1, M]
-    live = (row_bias[:, 0] == 0).unsqueeze(1)  # [np, 1]; a page with no visible row reports lse 0
     lse_pages = torch.where(live, lse_pages[:, 0].float(), float("-inf"))
     return _merge_pages(out_pages[:, 0], lse_pages, owner, segments)
 
