@@ -69,6 +69,10 @@ from .paged_attention import decode_attention, segment_attention
 LAYER_TAG = "_kvcal_ragged_layer"
 ATTENTION_NAME = "kvcal_ragged"
 _MIN_SLACK = 16
+# Decoding a layer whose heads hold at most this many rows in all (padded to the widest) copies
+# them into one page per head rather than attending page by page: measured on CPU (3 heads of
+# ~300 rows: 104 us vs 177 us; 24 heads of 100: 293 vs 583), not past ~2,500 rows (24 x 300: 780 vs 639).
+_GATHER_ROWS = 2048
 _MAX_PAGE = 64
 
 
@@ -136,7 +140,7 @@ class RaggedLayer(DynamicLayer):
         self.key_buffer: torch.Tensor | None = None  # [C, d]
         self.value_buffer: torch.Tensor | None = None  # [C, d]
         self.position_buffer: torch.Tensor | None = None  # int32 [C]
-        self.row_bias: torch.Tensor | None = None  # [C] KV dtype: 0 for a stored row, -inf for free capacity
+        self.row_bias: torch.Tensor | None = None  # [C + 1] KV dtype: 0 for a stored row, -inf otherwise
         self.offset = torch.zeros(0, 0, dtype=torch.int64)  # [B, Hkv] host
         self.capacity = torch.zeros(0, 0, dtype=torch.int64)  # [B, Hkv] host, multiples of page_size
         self.length = torch.zeros(0, 0, dtype=torch.int64)  # [B, Hkv] host, live rows
@@ -151,6 +155,7 @@ class RaggedLayer(DynamicLayer):
         self._free = 0  # rows every head can still take without a repack: min(capacity - length)
         self._uniform = False  # every segment: same length, same capacity (a [B, Hkv, cap, d] view)
         self._segment_pages: torch.Tensor | None = None  # arange(B * Hkv) while capacities are all equal
+        self._gather: tuple[torch.Tensor, torch.Tensor, int] | None = None  # small layers: see _install
         self._loose = False  # segments shrank in place: compact() releases the memory
         self._prepared: tuple[tuple, PreparedMoments | None] | None = None
         self.model_config = None  # the model's config (RaggedCache.for_model): its attention is checked
@@ -282,7 +287,21 @@ class RaggedLayer(DynamicLayer):
         )
         # equal capacities: the buffer is [B * Hkv, cap, d] and decoding takes each head as one page
         self._segment_pages = torch.arange(flat_capacity.numel(), device=keys.device) if equal else None
-        self.row_bias = torch.full((keys.shape[0],), float("-inf"), dtype=keys.dtype, device=keys.device)
+        self._gather = None
+        widest = int(flat_capacity.max()) if flat_capacity.numel() else 0
+        if not equal and flat_capacity.numel() * widest <= _GATHER_ROWS:
+            # a small layer: decoding copies every head padded to the widest capacity (one gather) and
+            # attends it as one page per head; free rows and rows past a head's capacity read the
+            # bias's extra -inf entry at index C
+            inside = torch.arange(widest) < flat_capacity.unsqueeze(1)  # [S, W]
+            rows = offset.reshape(-1, 1) + torch.arange(widest)
+            self._gather = (
+                torch.where(inside, rows, 0).reshape(-1).to(keys.device),
+                torch.where(inside, rows, keys.shape[0]).reshape(-1).to(keys.device),
+                widest,
+            )
+        # one entry per buffer row, plus a trailing -inf that gathered padding reads
+        self.row_bias = torch.full((keys.shape[0] + 1,), float("-inf"), dtype=keys.dtype, device=keys.device)
         live = _segment_rows(offset.reshape(-1), length.reshape(-1)).to(keys.device)
         self.row_bias.index_fill_(0, live, 0.0)
         self._refresh_lengths()
@@ -392,7 +411,7 @@ class RaggedLayer(DynamicLayer):
             self.key_buffer.view(batch, heads, capacity, dim)[:, :, length:end] = keys
             self.value_buffer.view(batch, heads, capacity, dim)[:, :, length:end] = values
             self.position_buffer.view(batch, heads, capacity)[:, :, length:end] = positions.to(torch.int32).unsqueeze(1)
-            self.row_bias.view(batch, heads, capacity)[:, :, length:end] = 0.0
+            self.row_bias[:-1].view(batch, heads, capacity)[:, :, length:end] = 0.0
         else:
             rank = torch.arange(q_len, device=self._ends_on_device.device)
             target = (self._ends_on_device.view(batch, heads, 1) + rank).reshape(-1)  # [B * Hkv * q]
@@ -457,8 +476,10 @@ class RaggedLayer(DynamicLayer):
         index = torch.where(valid, self.offset[rows].unsqueeze(-1) + row, 0).to(device)
         padded = not bool(valid.all())
         valid = valid.to(device)
-        keys, values = self.key_buffer[index], self.value_buffer[index]
-        positions = self.position_buffer[index].long()
+        flat = index.reshape(-1)  # index_select: ~5x faster than advanced indexing on CPU
+        keys = self.key_buffer.index_select(0, flat).view(*index.shape, -1)
+        values = self.value_buffer.index_select(0, flat).view(*index.shape, -1)
+        positions = self.position_buffer.index_select(0, flat).view(index.shape).long()
         if padded:
             keys.masked_fill_(~valid.unsqueeze(-1), 0.0)
             values.masked_fill_(~valid.unsqueeze(-1), 0.0)
@@ -497,8 +518,9 @@ class RaggedLayer(DynamicLayer):
         """Add the buffer rows ``source [R, Hkv, n]`` marked ``evicted`` to the rows' moment sums."""
         weight = evicted.unsqueeze(-1).float()  # [R, Hkv, n, 1]
         index = torch.where(evicted, source, 0)
-        keys = self.key_buffer[index].float() * weight  # [R, Hkv, n, d]
-        values = self.value_buffer[index].float() * weight
+        flat = index.reshape(-1)
+        keys = self.key_buffer.index_select(0, flat).view(*index.shape, -1).float() * weight  # [R, Hkv, n, d]
+        values = self.value_buffer.index_select(0, flat).view(*index.shape, -1).float() * weight
         counts = evicted.sum(-1)  # [R, Hkv]
         sum_k, sum_v = keys.sum(2), values.sum(2)  # [R, Hkv, d]
         sum_vk = torch.einsum("rhnd,rhne->rhde", values, keys)  # [R, Hkv, d, d]
@@ -630,16 +652,16 @@ class RaggedLayer(DynamicLayer):
         owner, page_start = self._pages
         page = self.page_size
         if q_len == 1 and real is None:  # decoding: every query of a head sees all its stored rows
-            if self._segment_pages is not None:  # equal capacities: each head's whole segment is one page
-                owner, page = self._segment_pages, int(self.capacity[0, 0])
+            keys, values, bias = self.key_buffer, self.value_buffer, self.row_bias[:-1]
             with torch.profiler.record_function("kvcal.attention"):
+                if self._segment_pages is not None:  # equal capacities: each head's whole segment is one page
+                    owner, page = self._segment_pages, int(self.capacity[0, 0])
+                elif self._gather is not None:  # a small layer: every head padded to the widest, one page each
+                    key_rows, bias_rows, page = self._gather
+                    keys, values = keys.index_select(0, key_rows), values.index_select(0, key_rows)
+                    owner, bias = torch.arange(segments, device=keys.device), self.row_bias.index_select(0, bias_rows)
                 out, lse = decode_attention(
-                    grouped,
-                    self.key_buffer.view(-1, page, dim),
-                    self.value_buffer.view(-1, page, dim),
-                    owner,
-                    self.row_bias.view(-1, page),
-                    scaling,
+                    grouped, keys.view(-1, page, dim), values.view(-1, page, dim), owner, bias.view(-1, page), scaling
                 )
         else:  # a chunk: rows visible to its token t = everything before the chunk + t's rank + 1
             device = query.device
