@@ -58,8 +58,14 @@ def test_segment_attention_equals_one_softmax_per_head_and_query(page):
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_decode_attention_equals_direct_computation(dtype, tolerance):
-    """Decoding: each head's queries see its stored rows; free capacity (and a head with none) hidden."""
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu-flash-kernel", "bmm"])
+def test_decode_attention_equals_direct_computation(monkeypatch, dtype, tolerance, fused):
+    """Decoding: each head's queries see its stored rows; free capacity (and a head with none) hidden.
+    Both the fused CPU kernel path and the two-``bmm`` path other devices take."""
+    import runtime.paged_attention
+
+    if not fused:
+        monkeypatch.setattr(runtime.paged_attention, "_FLASH_CPU_DTYPES", ())
     generator = torch.Generator().manual_seed(1)
     page, dim, rows = 4, 8, 3
     capacities, lengths = [8, 12, 4, 16], [5, 12, 0, 9]
