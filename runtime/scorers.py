@@ -5,7 +5,8 @@ tokens (:class:`HeadContext`) and a few class attributes saying what the compres
 must collect for it.  The engine scores a whole layer at once, every batch row and KV head in
 one call, through ``score_layer(layer) -> [R, Hkv, n]`` over a :class:`LayerContext` (the
 heads' tokens padded to the longest, with a validity mask); its default calls ``score`` head by
-head, and the built-in scorers override it with one batched computation.  The attributes:
+head, and the built-in scorers (all but ``kvzip``, a table lookup) override it with one batched
+computation.  The attributes:
 
 * ``query_statistics``: ``"calibrated"`` (the artifact's pre-RoPE query mean/covariance),
   ``"prompt"`` (measured on the prompt's own pre-RoPE queries) or ``None``;
@@ -278,6 +279,36 @@ class SnapKVScorer(Scorer):
             weights[None, None], self.kernel, stride=1, padding=self.kernel // 2, count_include_pad=False
         )
         return pooled[0, 0]
+
+    def score_layer(self, layer: LayerContext) -> torch.Tensor:
+        keys = layer.keys.float()  # [R, Hkv, n, d]
+        rows, heads, n, dim = keys.shape
+        device = keys.device
+        width = max(q.shape[1] for q in layer.recent_queries)  # rows may have recorded fewer queries
+        group = layer.recent_queries[0].shape[0] // heads
+        queries = torch.zeros(rows, heads, group, width, dim, device=device)
+        query_positions = torch.full((rows, width), -1, dtype=torch.int64, device=device)  # -1: no query
+        for r, recorded in enumerate(layer.recent_queries):  # [Hq, w_r, d], right-aligned
+            w = recorded.shape[1]
+            queries[r, :, :, width - w :] = recorded.float().to(device).reshape(heads, group, w, dim)
+            query_positions[r, width - w :] = int(layer.next_positions[r]) - w + torch.arange(w, device=device)
+        logits = layer.scaling * queries @ keys.unsqueeze(2).transpose(-1, -2)  # [R, Hkv, G, w, n]
+        visible = layer.positions.unsqueeze(2).unsqueeze(3) <= query_positions[:, None, None, :, None]
+        visible = visible & layer.valid[:, :, None, None, :]
+        logits = logits.masked_fill(~visible, float("-inf"))
+        weights = torch.softmax(logits, dim=-1)
+        weights = torch.where(visible.any(-1, keepdim=True), weights, torch.zeros_like(weights))  # no query there
+        weights = weights.sum(3).mean(2)  # [R, Hkv, n]
+        # a mean over the kernel's neighbours that exist (count_include_pad=False at each head's own end)
+        valid = layer.valid.float()
+        summed = torch.nn.functional.avg_pool1d(
+            (weights * valid).reshape(rows * heads, 1, n), self.kernel, stride=1, padding=self.kernel // 2
+        )
+        counted = torch.nn.functional.avg_pool1d(
+            valid.reshape(rows * heads, 1, n), self.kernel, stride=1, padding=self.kernel // 2
+        )
+        pooled = (summed / counted.clamp_min(1e-12)).reshape(rows, heads, n)
+        return pooled.masked_fill(~layer.valid, float("-inf"))
 
     def __repr__(self) -> str:
         return f"SnapKVScorer(window={self.observation_window}, kernel={self.kernel})"
