@@ -150,7 +150,6 @@ class RaggedLayer(DynamicLayer):
         self.observe_queries = 0  # keep the last N post-RoPE queries (SnapKV's observation window)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pages: tuple[torch.Tensor, torch.Tensor] | None = None  # device owner [np], page_start [np]
-        self._length_on_device: torch.Tensor | None = None  # device copy of length [B * Hkv]
         self._ends_on_device: torch.Tensor | None = None  # first free buffer row of each head [B * Hkv]
         self._free = 0  # rows every head can still take without a repack: min(capacity - length)
         self._uniform = False  # every segment: same length, same capacity (a [B, Hkv, cap, d] view)
@@ -308,7 +307,6 @@ class RaggedLayer(DynamicLayer):
 
     def _refresh_lengths(self) -> None:
         """Re-derive what follows from ``length`` after an in-place change (eviction)."""
-        self._length_on_device = self.length.reshape(-1).to(self.key_buffer.device, copy=True)
         self._ends_on_device = (self.offset + self.length).reshape(-1).to(self.key_buffer.device, copy=True)
         flat_capacity = self.capacity.reshape(-1)
         flat_length = self.length.reshape(-1)
@@ -395,7 +393,6 @@ class RaggedLayer(DynamicLayer):
         )
         self.length += counts.unsqueeze(1)
         step = counts.to(device).repeat_interleave(heads)
-        self._length_on_device += step
         self._ends_on_device += step
         self._free -= int(counts.max())
         if self._uniform and not bool((counts == counts[0]).all()):
@@ -422,7 +419,6 @@ class RaggedLayer(DynamicLayer):
                 positions.unsqueeze(1).expand(batch, heads, q_len).reshape(-1),
             )
         self.length += q_len
-        self._length_on_device += q_len
         self._ends_on_device += q_len
         self._free -= q_len
 
@@ -665,7 +661,7 @@ class RaggedLayer(DynamicLayer):
                 )
         else:  # a chunk: rows visible to its token t = everything before the chunk + t's rank + 1
             device = query.device
-            length = self._length_on_device.view(batch, heads)
+            length = self.length.to(device)  # [B, Hkv], the chunk already appended
             if real is None:
                 visible = length.unsqueeze(2) - q_len + 1 + torch.arange(q_len, device=device)  # [B, Hkv, q]
             else:

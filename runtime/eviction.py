@@ -8,16 +8,13 @@ budget are cut back to it).  One layer is one batched computation for all its ro
 the scorer's ``score_layer`` over a :class:`~runtime.scorers.LayerContext`, one ranking
 (:func:`~runtime.scorers.keep_mask`), one gather that compacts the kept rows
 (:meth:`~runtime.cache.RaggedLayer.keep_rows`) and one batched fold of the evicted rows into the
-moment sums.  Moment-informed eviction works head by head (:meth:`HeadEvictor.evict`):
+moment sums.  Scorers see every head at the current absolute position of its row (EA's RoPE
+average starts at the next token, so at decode time it moves with generation).
 
-1. builds the head's :class:`~runtime.scorers.HeadContext` at the current absolute position
-   (EA's RoPE average starts at the next token, so at decode time it moves with generation);
-2. plain eviction: ``select_rows`` keeps sinks, recent window and the best scores; the
-   evicted rows are folded into the layer's moment sums when the cache tracks them;
-3. moment-informed eviction (``policy.moment_eviction``, docs/design.md section 4): the scorer's
-   attention estimate ``a_j`` is combined with the moment residual, ``a_j ||r_j||``, and
-   tokens are evicted in ``policy.moment_rounds`` rounds with the sums updated in between
-   (:func:`runtime.moments.evict_in_rounds`).
+Moment-informed eviction (``policy.moment_eviction``, docs/design.md section 4) works head by head
+(:meth:`HeadEvictor.evict_head_in_rounds`): the scorer's attention estimate ``a_j`` is combined
+with the moment residual, ``a_j ||r_j||``, and tokens are evicted in ``policy.moment_rounds``
+rounds with the sums updated in between (:func:`runtime.moments.evict_in_rounds`).
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ import torch
 from .geometry import ModelGeometry
 from .moments import evict_in_rounds
 from .rope import averaged_rope, rope_cos_sin
-from .scorers import ALL_QUERIES, HeadContext, LayerContext, keep_mask, select_rows
+from .scorers import ALL_QUERIES, HeadContext, LayerContext, keep_mask
 
 # Elements of one row's keys (Hkv x n x d) a CPU scoring tile may hold in all: scorers make a few
 # intermediates of that size, and past the caches' size they run memory-bound (measured: Compactor's
@@ -130,13 +127,16 @@ class HeadEvictor:
         """``scores``, refused when any is NaN: ranking NaN keeps arbitrary tokens, silently (a
         calibration whose statistics overflow does that).  ``+inf`` is a score (never evict)."""
         if bool(torch.isnan(scores).any()):
-            raise ValueError(
-                f"{self.scorer!r} returned NaN {what} for layer {layer_idx}, KV head {h}: its inputs overflow "
-                "(the calibration's statistics or the cached keys); refusing to evict on them"
-            )
+            self._refuse_nan(layer_idx, h, what)
         return scores
 
-    def evict(
+    def _refuse_nan(self, layer_idx: int, h: int, what: str = "scores") -> None:
+        raise ValueError(
+            f"{self.scorer!r} returned NaN {what} for layer {layer_idx}, KV head {h}: its inputs overflow "
+            "(the calibration's statistics or the cached keys); refusing to evict on them"
+        )
+
+    def evict_head_in_rounds(
         self,
         layer,
         layer_idx: int,
@@ -147,49 +147,37 @@ class HeadEvictor:
         *,
         shrink: bool = True,
         stats_row: int | None = None,
-        scores: torch.Tensor | None = None,
-    ) -> int:
-        """Cut head ``(b, layer_idx, h)`` down to ``budget`` tokens; returns how many were evicted.
-
-        ``shrink=False`` (decoding) keeps the buffers' capacity so the next tokens append
-        without reallocating.  ``scores``: the head's scores when already computed (``global``
-        allocation ranks every head's scores before any head is cut).
-        """
+    ) -> None:
+        """Moment-informed eviction of head ``(b, layer_idx, h)`` down to ``budget`` tokens (see the
+        module docstring); ``shrink=False`` (decoding) keeps the capacity for the next tokens."""
         length = layer.lengths[b][h]
         if budget >= length:
-            return 0
+            return
+        if layer.moments[b] is None:
+            raise ValueError(
+                "moment-informed eviction needs a cache that tracks moments (RaggedCache(..., track_moments=True))"
+            )
         context = self.context(layer, layer_idx, b, h, next_position, stats_row)
         policy = self.policy
-        if policy.moment_eviction:
-            if layer.moments[b] is None:
-                raise ValueError(
-                    "moment-informed eviction needs a cache that tracks moments (RaggedCache(..., track_moments=True))"
-                )
-            attention = self._checked(self.scorer.attention(context), layer_idx, h, "attention estimates")
-            protected = torch.zeros(length, dtype=torch.bool, device=context.keys.device)
-            protected[: min(policy.n_sink, budget)] = True
-            recent = min(policy.window, max(budget - policy.n_sink, 0))
-            if recent:
-                protected[length - recent :] = True
-            rows = evict_in_rounds(
-                attention,
-                context.keys,
-                context.values,
-                layer.moments[b],
-                h,
-                context.scaling,
-                budget,
-                rounds=policy.moment_rounds,
-                protected=protected,
-                tau=policy.tau or 0.0,
-            )
-            layer.keep(b, h, rows, fold=False, shrink=shrink)
-        else:
-            scores = self._checked(self.scorer.score(context), layer_idx, h) if scores is None else scores
-            if scores.shape != (length,):
-                raise ValueError(f"{self.scorer!r} returned scores of shape {tuple(scores.shape)} for {length} tokens")
-            layer.keep(b, h, select_rows(scores, budget, policy.n_sink, policy.window), shrink=shrink)
-        return length - layer.lengths[b][h]
+        attention = self._checked(self.scorer.attention(context), layer_idx, h, "attention estimates")
+        protected = torch.zeros(length, dtype=torch.bool, device=context.keys.device)
+        protected[: min(policy.n_sink, budget)] = True
+        recent = min(policy.window, max(budget - policy.n_sink, 0))
+        if recent:
+            protected[length - recent :] = True
+        rows = evict_in_rounds(
+            attention,
+            context.keys,
+            context.values,
+            layer.moments[b],
+            h,
+            context.scaling,
+            budget,
+            rounds=policy.moment_rounds,
+            protected=protected,
+            tau=policy.tau or 0.0,
+        )
+        layer.keep(b, h, rows, fold=False, shrink=shrink)
 
     # -- a whole layer at once ---------------------------------------------------------------
 
@@ -216,9 +204,8 @@ class HeadEvictor:
             context.rope_cos = torch.stack([cos for cos, _ in pairs])
             context.rope_sin = torch.stack([sin for _, sin in pairs])
         if scorer.query_statistics is not None:
-            group = self.group
             stats = [self._query_stats(r) for r in stats_rows]
-            shape = (self.num_kv_heads, group)
+            shape = (self.num_kv_heads, self.group)
             context.query_mean = torch.stack([mean[layer_idx].reshape(*shape, -1) for mean, _ in stats])
             context.query_cov = torch.stack([cov[layer_idx].reshape(*shape, *cov.shape[-2:]) for _, cov in stats])
         if scorer.observation_window:
@@ -266,8 +253,7 @@ class HeadEvictor:
         """:meth:`_checked` for a whole layer: one check, naming the first head with a NaN score."""
         bad = torch.isnan(scores) & valid
         if bool(bad.any()):
-            h = int(bad.any(-1).nonzero()[0, 1])
-            self._checked(torch.tensor([float("nan")]), layer_idx, h)
+            self._refuse_nan(layer_idx, int(bad.any(-1).nonzero()[0, 1]))
         return scores
 
     def evict_layer(
@@ -295,7 +281,7 @@ class HeadEvictor:
             stats_rows = rows if stats_rows is None else stats_rows
             for i, (r, position) in enumerate(zip(rows, next_positions, strict=True)):
                 for h in range(self.num_kv_heads):
-                    self.evict(
+                    self.evict_head_in_rounds(
                         layer,
                         layer_idx,
                         r,

@@ -85,6 +85,22 @@ class LayerContext:
     learned_weights: torch.Tensor | None = None  # [Hkv, 2d]
     learned_bias: torch.Tensor | None = None  # [Hkv]
 
+    def padded_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' recorded queries grouped per KV head, ``[R, Hkv, G, w, d]`` float32, right-aligned
+        to the longest record (rows may have recorded fewer), and each query's absolute position
+        ``[R, w]`` (``-1``: no query there)."""
+        rows, heads, _, dim = self.keys.shape
+        device = self.keys.device
+        width = max(q.shape[1] for q in self.recent_queries)
+        group = self.recent_queries[0].shape[0] // heads
+        queries = torch.zeros(rows, heads, group, width, dim, device=device)
+        positions = torch.full((rows, width), -1, dtype=torch.int64, device=device)
+        for r, recorded in enumerate(self.recent_queries):  # [Hq, w_r, d]
+            w = recorded.shape[1]
+            queries[r, :, :, width - w :] = recorded.float().to(device).reshape(heads, group, w, dim)
+            positions[r, width - w :] = int(self.next_positions[r]) - w + torch.arange(w, device=device)
+        return queries, positions
+
     def head(self, r: int, h: int) -> HeadContext:
         """The :class:`HeadContext` of row ``r``'s KV head ``h`` (views, without padding)."""
         n = int(self.lengths[r, h])
@@ -282,16 +298,8 @@ class SnapKVScorer(Scorer):
 
     def score_layer(self, layer: LayerContext) -> torch.Tensor:
         keys = layer.keys.float()  # [R, Hkv, n, d]
-        rows, heads, n, dim = keys.shape
-        device = keys.device
-        width = max(q.shape[1] for q in layer.recent_queries)  # rows may have recorded fewer queries
-        group = layer.recent_queries[0].shape[0] // heads
-        queries = torch.zeros(rows, heads, group, width, dim, device=device)
-        query_positions = torch.full((rows, width), -1, dtype=torch.int64, device=device)  # -1: no query
-        for r, recorded in enumerate(layer.recent_queries):  # [Hq, w_r, d], right-aligned
-            w = recorded.shape[1]
-            queries[r, :, :, width - w :] = recorded.float().to(device).reshape(heads, group, w, dim)
-            query_positions[r, width - w :] = int(layer.next_positions[r]) - w + torch.arange(w, device=device)
+        rows, heads, n, _ = keys.shape
+        queries, query_positions = layer.padded_queries()  # [R, Hkv, G, w, d], [R, w]
         logits = layer.scaling * queries @ keys.unsqueeze(2).transpose(-1, -2)  # [R, Hkv, G, w, n]
         visible = layer.positions.unsqueeze(2).unsqueeze(3) <= query_positions[:, None, None, :, None]
         visible = visible & layer.valid[:, :, None, None, :]
@@ -626,14 +634,8 @@ class LeverageScorer(Scorer):
         keys, positions = layer.keys.float(), layer.positions
         rows, heads, n, dim = keys.shape
         device = keys.device
-        width = max(q.shape[1] for q in layer.recent_queries)
-        group = layer.recent_queries[0].shape[0] // heads
-        queries = torch.zeros(rows, heads, group, width, dim, device=device)
-        query_positions = torch.full((rows, width), -1, dtype=torch.int64, device=device)
-        for r, recorded in enumerate(layer.recent_queries):  # [Hq, w_r, d], right-aligned
-            w = recorded.shape[1]
-            queries[r, :, :, width - w :] = recorded.float().to(device).reshape(heads, group, w, dim)
-            query_positions[r, width - w :] = int(layer.next_positions[r]) - w + torch.arange(w, device=device)
+        queries, query_positions = layer.padded_queries()
+        group = queries.shape[2]
         origin = positions.gather(-1, first.clamp(max=n - 1).unsqueeze(-1)).squeeze(-1)  # [R, Hkv]
         stop = positions.gather(-1, (end - 1).clamp(min=0, max=n - 1).unsqueeze(-1)).squeeze(-1)
         query_positions = query_positions.unsqueeze(1)  # [R, 1, W]
