@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from runtime import CompressionPolicy, RaggedCache, compress, enable, load_calibration  # noqa: E402
 from runtime.compress import prefill_for_policies  # noqa: E402
-from runtime.kvzip import kvzip_global_policy, kvzip_scores, with_kvzip_scores  # noqa: E402
+from runtime.kvzip import with_reconstruction_scores  # noqa: E402
 from runtime.models import load_model, load_tokenizer  # noqa: E402
 
 SCORERS = {  # row label -> CompressionPolicy fields
@@ -85,11 +85,11 @@ MOMENT_VARIANTS = {
     "+mom+corr": {"moment_eviction": True, "correction": "calibrated"},
 }
 ALLOCATIONS = ("uniform", "inf")
-# "global/kvzip": KVzip's own allocation (one top-k over every layer and KV head), per probe
+# the engine's global allocation (runtime.budgets.global_budgets): over KVzip's scores it is the
+# paper's own allocation (one top-k over every layer and KV head)
 GLOBAL_ROWS = {
     "global/kvzip": ("global", SCORERS["kvzip"]),
     "global/kvzip+corr": ("global", {**SCORERS["kvzip"], **MOMENT_VARIANTS["+corr"]}),
-    # the engine's global allocation (runtime.budgets.global_budgets) over the learned scores
     "global/learned": ("global", SCORERS["learned"]),
     "global/learned+corr": ("global", {**SCORERS["learned"], **MOMENT_VARIANTS["+corr"]}),
 }
@@ -138,19 +138,16 @@ def run_probe(model, tokenizer, probe, cells, calibration, max_new_tokens):
     started = time.perf_counter()
     stats = prefill_for_policies(model, base, ids[:, : probe.context_end], [policy for _, policy in cells])
     timings = {"prefill_seconds": time.perf_counter() - started}
-    kvzip = None
-    if any(policy.build_scorer().name == "kvzip" for _, policy in cells):
-        kvzip = kvzip_scores(model, tokenizer, base, probe.input_ids[: probe.context_end])
+    policies, kvzip = with_reconstruction_scores(
+        model, tokenizer, base, probe.input_ids[: probe.context_end], [policy for _, policy in cells]
+    )
+    if kvzip is not None:
         timings.update(kvzip_seconds=kvzip.seconds, kvzip_chunks=kvzip.chunks, kvzip_tokens=kvzip.reconstruction_tokens)
 
     keys = [("baseline", None)] + [key for key, _ in cells]
     caches = [base]
     compress_seconds = [0.0]
-    for (row, _), policy in cells:
-        if policy.build_scorer().name == "kvzip":
-            policy = (
-                kvzip_global_policy(policy, kvzip) if row.startswith("global/") else with_kvzip_scores(policy, kvzip)
-            )
+    for policy in policies:
         cache = base.copy()
         report = compress(model, cache, policy, calibration, prompt_stats=stats)
         caches.append(cache)
@@ -256,8 +253,7 @@ def main(argv=None) -> int:
                 options["blend"] = ratio
             policy = CompressionPolicy(
                 compression_ratio=ratio,
-                # kvzip's global rows get their head table per probe (kvzip_global_policy)
-                allocation="uniform" if allocation == "global" and fields["scorer"] == "kvzip" else allocation,
+                allocation=allocation,
                 **{**fields, "scorer_options": options},
             )
             try:

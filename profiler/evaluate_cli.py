@@ -42,10 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill and decode time) and recommends the cheapest policy within a tolerance of the "
         "uncompressed accuracy.",
         epilog="Policies: 'baseline' (uncompressed), or ALLOCATION/SCORER[:STATISTICS][+SUFFIX...] with "
-        f"ALLOCATION in {'|'.join(ALLOCATIONS)} (global: for the learned scorer) and SCORER in "
-        f"{'|'.join(name for name in SCORERS if name != 'kvzip')} "
-        "(STATISTICS calibrated|prompt for expected_attention; kvzip needs its reconstruction pass and runs "
-        "in benchmarks/runtime_quality.py); MomentKV suffixes: +correction (each "
+        f"ALLOCATION in {'|'.join(ALLOCATIONS)} (global: learned or kvzip, whose scores compare across "
+        f"heads) and SCORER in {'|'.join(SCORERS)} (STATISTICS calibrated|prompt for expected_attention; "
+        "kvzip runs a reconstruction pass per task, timed in its prefill, and is never recommended: "
+        "calibration.policy() cannot serve it); MomentKV suffixes: +correction (each "
         "head's order from the artifact), +correction0, +correction1 (every head), +moments "
         "(moment-informed eviction; expected_attention or snapkv)"
         + ", or a named policy ("
@@ -184,7 +184,7 @@ def write_recommendation(path, evaluation: dict, policies) -> None:
 
     from .stages.recommendation import recommendation_section
 
-    candidates = [spec.name for spec in policies if not spec.is_baseline]
+    candidates = [spec.name for spec in policies if not spec.is_baseline and not spec.needs_reconstruction]
     tasks = evaluation["tasks"]
     section = recommendation_section(evaluation, candidates, tasks["seed"], ",".join(tasks["spec"]["families"]))
     with output_lock(path, "evaluate-artifact"):
@@ -237,8 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         context = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
         spec, profiler_seed = _task_spec(args, calibration.config, context)
         policies = _servable(policies, calibration, args.ratios[0], explicit=args.policies != DEFAULT_POLICIES)
-        if args.write_recommendation and not any(not p.is_baseline for p in policies):
-            raise ValueError("--write-recommendation needs at least one compression policy")
+        if args.write_recommendation and not any(not p.is_baseline and not p.needs_reconstruction for p in policies):
+            raise ValueError(
+                "--write-recommendation needs at least one compression policy that calibration.policy() can serve "
+                "(kvzip needs a reconstruction pass per prompt)"
+            )
         if args.write_recommendation:
             check_output_path(calibration.path, "artifact")
     except (ValueError, OSError, ArtifactError, ModelError) as exc:

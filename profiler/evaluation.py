@@ -12,8 +12,14 @@ the prefix for every row.  Each cell is scored:
 * ``attention_error``: mean over layers of ``norm(o_hat - o) / norm(o)`` on those recorded
   outputs (end to end: a layer's error includes what earlier layers changed);
 * ``kv_bytes``: bytes the cache holds for keys and values right after compression;
-* ``prefill_seconds``: the shared prefill + this cell's compression; ``decode_seconds``: the
-  batched ``model.generate`` (question tokens and new tokens) divided by its rows.
+* ``prefill_seconds``: the shared prefill + this cell's compression (for ``kvzip`` policies
+  including the reconstruction pass, :func:`runtime.kvzip.kvzip_scores`, run once per probe and
+  shared by them); ``decode_seconds``: the batched ``model.generate`` (question tokens and new
+  tokens) divided by its rows.
+
+Policies that need a forward pass of their own at serving (``kvzip``) are measured like the
+others but never chosen by ``recommend``/``best_per_ratio``: an artifact's recommendation must
+be servable by ``calibration.policy()`` alone.
 
 Results are aggregated per (policy, ratio) into the records of ``evaluation_results``.
 """
@@ -109,6 +115,7 @@ def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_a
     from runtime import RaggedCache, compress, ragged_attention
     from runtime.compress import prefill_for_policies
     from runtime.generate import check_calibration_fits, check_inputs
+    from runtime.kvzip import uses_kvzip, with_reconstruction_scores
 
     ids = torch.tensor([probe.input_ids], dtype=torch.long)
     check_inputs(model, ids, None)
@@ -121,12 +128,14 @@ def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_a
     base = RaggedCache.for_model(model)
     stats = prefill_for_policies(model, base, ids[:, :columns], policies)
     prefill_seconds = time.perf_counter() - start
+    # KVzip's policies share one reconstruction pass; its time counts in each of their cells
+    scored, reconstruction = with_reconstruction_scores(model, tokenizer, base, ids[0, :columns], policies)
     caches, compress_seconds = [], []
-    for policy in policies:
+    for policy, original in zip(scored, policies, strict=True):
         cache = base.copy()
         report = compress(model, cache, policy, calibration, prompt_stats=stats)
         caches.append(cache)
-        compress_seconds.append(report.seconds)
+        compress_seconds.append(report.seconds + (reconstruction.seconds if uses_kvzip(original) else 0.0))
     base.stop_observing()  # the baseline decodes without the recorded queries
     caches.insert(0, base)
     compress_seconds.insert(0, 0.0)
@@ -215,13 +224,15 @@ def evaluate(
     records = {key: _aggregate(key, items) for key, items in runs.items()}
     baseline = records.pop(("baseline", None))
     results = [records[(spec.name, ratio)] for spec in compressed for ratio in ratios]
+    servable = [spec.name for spec in compressed if not spec.needs_reconstruction]
+    candidates = [record for record in results if record["policy"] in servable]
     return {
         "schema": EVALUATION_SCHEMA,
         "question_aware": question_aware,
         "baseline": baseline,
         "results": results,
-        "recommendation": recommend(baseline["accuracy"], results, tolerance),
-        "best_per_ratio": best_per_ratio(results, [spec.name for spec in compressed]),
+        "recommendation": recommend(baseline["accuracy"], candidates, tolerance),
+        "best_per_ratio": best_per_ratio(candidates, servable),
     }
 
 

@@ -21,8 +21,9 @@ of chunk ``c`` runs over the template prefix (``sink`` rows: the system prompt),
 rows of the context span chunk ``c`` reconstructs, and the chunk's own tokens; the scores are
 the running maximum over chunks.  Rows of the prefix are scored too (they sit in every
 chunk's softmax).  :class:`KVzipScorer` (``runtime.scorers``' name ``"kvzip"``) reads these
-scores back per head; :func:`kvzip_budgets` gives the paper's own allocation (one global
-top-k over every layer and KV head).
+scores back; with ``allocation="global"`` the engine ranks every head's tokens together, the
+paper's own allocation (one global top-k over every layer and KV head; :func:`kvzip_budgets`
+computes those budgets directly).
 
 Cost: one more forward pass over about the context's length (the chunks plus their
 instructions), each layer attending to the whole context: roughly one to two prefills.
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting wit
 
 def with_kvzip_scores(policy: CompressionPolicy, scores: KVzipScores) -> CompressionPolicy:
     """``policy`` with its scorer replaced by :class:`KVzipScorer` over ``scores``."""
-    if policy.build_scorer().name != KVzipScorer.name:
+    if not uses_kvzip(policy):
         raise ValueError(f"policy {policy.describe()} does not use the kvzip scorer")
     return dataclasses.replace(policy, scorer=KVzipScorer(scores), scorer_options={})
 
@@ -286,29 +286,20 @@ def kvzip_budgets(scores: KVzipScores, keep_ratio: float, n_sink: int = 4, windo
     return global_budgets(heads, int(round(keep_ratio * table.numel())), n_sink, window)
 
 
-@dataclass(frozen=True, eq=False)
-class KVzipGlobalPolicy(CompressionPolicy):
-    """A :class:`CompressionPolicy` whose per-head budgets are fixed in advance (``head_table``,
-    e.g. :func:`kvzip_budgets`), for the one prompt they were computed on."""
-
-    head_table: np.ndarray | None = None
-
-    def head_budgets(self, seq_len: int, num_layers: int, num_kv_heads: int, inf_weights=None) -> np.ndarray:
-        if self.head_table is None:
-            raise ValueError("KVzipGlobalPolicy needs head_table (runtime.kvzip.kvzip_budgets)")
-        if self.head_table.shape != (num_layers, num_kv_heads):
-            raise ValueError(f"head_table has shape {self.head_table.shape}, the model [{num_layers}, {num_kv_heads}]")
-        return np.minimum(self.head_table, seq_len).astype(np.int64)
+def uses_kvzip(policy: CompressionPolicy) -> bool:
+    """True when ``policy`` scores with KVzip (it needs :func:`kvzip_scores` per prompt)."""
+    return policy.build_scorer().name == KVzipScorer.name
 
 
-def kvzip_global_policy(policy: CompressionPolicy, scores: KVzipScores) -> KVzipGlobalPolicy:
-    """``policy`` (a ratio, the kvzip scorer) with KVzip's global top-k allocation over ``scores``."""
-    if policy.kept_fraction is None:
-        raise ValueError("KVzip's global allocation needs a compression_ratio or keep_ratio policy")
-    fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(CompressionPolicy)}
-    fields.update(scorer=KVzipScorer(scores), scorer_options={}, allocation="uniform")
-    budgets = kvzip_budgets(scores, policy.kept_fraction, policy.n_sink, policy.window)
-    return KVzipGlobalPolicy(**fields, head_table=budgets)
+def with_reconstruction_scores(model, tokenizer, cache: RaggedCache, context_ids, policies, **options):
+    """``(policies, scores)``: every kvzip policy of ``policies`` given the scores of one
+    reconstruction pass over ``cache`` (row 0, prefilled with ``context_ids``), the others as
+    they are; ``scores`` is None (and no pass is run) when no policy uses kvzip.  For compressing
+    copies of one prefilled cache under several policies (evaluation)."""
+    if not any(uses_kvzip(policy) for policy in policies):
+        return list(policies), None
+    scores = kvzip_scores(model, tokenizer, cache, context_ids, **options)
+    return [with_kvzip_scores(policy, scores) if uses_kvzip(policy) else policy for policy in policies], scores
 
 
 @torch.no_grad()

@@ -43,6 +43,12 @@ class PolicySpec:
     def is_baseline(self) -> bool:
         return self.allocation is None
 
+    @property
+    def needs_reconstruction(self) -> bool:
+        """True for ``kvzip`` policies: each prompt needs a reconstruction pass at serving
+        (``runtime.kvzip``), so ``calibration.policy()`` cannot serve them."""
+        return self.scorer == "kvzip"
+
     def policy(self, compression_ratio: float) -> CompressionPolicy | None:
         """The runtime policy evicting ``compression_ratio`` of the context (None for the baseline)."""
         if self.is_baseline:

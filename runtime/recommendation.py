@@ -98,6 +98,8 @@ def recommended_spec(calibration, compression_ratio: float) -> PolicySpec:
     name = recommendation.policies[recommendation.nearest(float(compression_ratio))]
     try:
         spec = parse_policy(name)
+        if spec.needs_reconstruction:
+            raise ValueError("it needs a reconstruction pass per prompt (runtime.kvzip)")
         spec.policy(float(compression_ratio)).check_calibration(calibration)
     except ValueError as exc:
         fallback = fallback_spec(calibration)

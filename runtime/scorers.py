@@ -5,8 +5,7 @@ tokens (:class:`HeadContext`) and a few class attributes saying what the compres
 must collect for it.  The engine scores a whole layer at once, every batch row and KV head in
 one call, through ``score_layer(layer) -> [R, Hkv, n]`` over a :class:`LayerContext` (the
 heads' tokens padded to the longest, with a validity mask); its default calls ``score`` head by
-head, and the built-in scorers (all but ``kvzip``, a table lookup) override it with one batched
-computation.  The attributes:
+head, and the built-in scorers override it with one batched computation.  The attributes:
 
 * ``query_statistics``: ``"calibrated"`` (the artifact's pre-RoPE query mean/covariance),
   ``"prompt"`` (measured on the prompt's own pre-RoPE queries) or ``None``;
@@ -712,17 +711,20 @@ class KVzipScorer(Scorer):
 
     One instance belongs to one prompt (one batch row): build it with
     :func:`runtime.kvzip.with_kvzip_scores`.  Rows past the scored context (tokens decoded later) score
-    ``+inf``: they are never evicted before a context token.
+    ``+inf``: they are never evicted before a context token.  The scores are attention weights, on
+    one scale for every head, so ``allocation="global"`` ranks all heads' tokens together: KVzip's
+    own allocation (one top-k over every layer and KV head, :func:`runtime.kvzip.kvzip_budgets`).
     """
 
     name = "kvzip"
+    comparable = True
 
     def __init__(self, scores: KVzipScores | None = None):
         if scores is not None and not isinstance(scores, KVzipScores):
             raise ValueError(f"kvzip scores must come from runtime.kvzip.kvzip_scores, got {type(scores).__name__}")
         self.table = scores
 
-    def score(self, head: HeadContext) -> torch.Tensor:
+    def _checked_table(self, layer: int, next_positions) -> KVzipScores:
         if self.table is None:
             raise ValueError(
                 "the kvzip scorer needs a reconstruction pass over the prefilled cache: "
@@ -730,16 +732,19 @@ class KVzipScorer(Scorer):
                 "compress with runtime.kvzip.with_kvzip_scores(policy, scores)"
             )
         table = self.table
-        if head.layer >= table.scores.shape[0] or head.kv_head >= table.scores.shape[1]:
-            raise ValueError(
-                f"kvzip scores cover {tuple(table.scores.shape[:2])} (layer, KV head), asked for "
-                f"({head.layer}, {head.kv_head})"
-            )
-        if head.next_position < table.length:
+        if layer >= table.scores.shape[0]:
+            raise ValueError(f"kvzip scores cover {table.scores.shape[0]} layers, asked for layer {layer}")
+        if min(next_positions) < table.length:
             raise ValueError(
                 f"kvzip scores are for a {table.length}-token context, the cache has only seen "
-                f"{head.next_position} tokens: they belong to another prompt"
+                f"{min(next_positions)} tokens: they belong to another prompt"
             )
+        return table
+
+    def score(self, head: HeadContext) -> torch.Tensor:
+        table = self._checked_table(head.layer, [head.next_position])
+        if head.kv_head >= table.scores.shape[1]:
+            raise ValueError(f"kvzip scores cover {table.scores.shape[1]} KV heads, asked for {head.kv_head}")
         positions = head.positions.long().cpu()
         last = (positions == table.length - 1).nonzero()
         if last.numel() and not torch.allclose(
@@ -750,6 +755,26 @@ class KVzipScorer(Scorer):
         inside = positions < table.length
         out[inside] = table.scores[head.layer, head.kv_head, positions[inside]]
         return out.to(head.keys.device)
+
+    def score_layer(self, layer: LayerContext) -> torch.Tensor:
+        table = self._checked_table(layer.layer, layer.next_positions)
+        rows, heads, n, dim = layer.keys.shape
+        if heads != table.scores.shape[1]:
+            raise ValueError(f"kvzip scores cover {table.scores.shape[1]} KV heads, the layer has {heads}")
+        device = layer.keys.device
+        positions = layer.positions.to(device)
+        # the key at the last scored position must be the one the scores were computed with
+        last = (positions == table.length - 1) & layer.valid  # [R, Hkv, n]
+        found = last.any(-1)  # [R, Hkv]
+        keys_there = (layer.keys.float() * last.unsqueeze(-1)).sum(2).cpu()  # [R, Hkv, d]
+        wanted = table.last_keys[layer.layer].unsqueeze(0).expand(rows, -1, -1)
+        if found.any() and not torch.allclose(keys_there[found.cpu()], wanted[found.cpu()], rtol=1e-4, atol=1e-5):
+            raise ValueError("kvzip scores belong to another prompt (the keys differ): compute them on this cache")
+        scores = table.scores[layer.layer].to(device).unsqueeze(0).expand(rows, -1, -1)  # [R, Hkv, T]
+        inside = (positions < table.length) & layer.valid
+        looked_up = torch.gather(scores, 2, positions.clamp(0, table.length - 1))  # [R, Hkv, n]
+        out = torch.where(inside, looked_up, torch.full_like(looked_up, float("inf")))
+        return out.masked_fill(~layer.valid, float("-inf"))
 
     def __repr__(self) -> str:
         return f"KVzipScorer({'no scores' if self.table is None else f'{self.table.length} tokens'})"

@@ -165,6 +165,50 @@ def test_evaluate_artifact_writes_its_recommendation_into_the_artifact(smoke_art
         assert set(reader.sections) >= {"behaviour", "budgets", "query_stats", "moments"}
 
 
+def test_evaluate_artifact_measures_kvzip_but_never_records_it(smoke_artifact, tmp_path, capsys):
+    """kvzip runs its reconstruction pass per task (timed in its cells' prefill) and is compared
+    side by side; the recommendation written into the artifact is chosen among the others, since
+    calibration.policy() cannot serve a policy that needs a forward pass of its own."""
+    from profiler.evaluate_cli import main
+
+    path = tmp_path / "kv_calibration.h5"
+    shutil.copyfile(smoke_artifact, path)
+    arguments = ["--artifact", str(path), "--preset", "smoke", "--tasks", "retrieval", "--no-progress"]
+    arguments += ["--compression-ratios", "0.5", "--policies", "global/kvzip,uniform/kvzip,uniform/knorm"]
+    arguments += ["--json", str(tmp_path / "ev.json"), "--write-recommendation", "--max-new-tokens", "12"]
+    assert main(arguments) == 0
+    evaluation = json.loads((tmp_path / "ev.json").read_text())
+    rows = {r["policy"]: r for r in evaluation["results"]}
+    assert set(rows) == {"global/kvzip", "uniform/kvzip", "uniform/knorm"}
+    assert all(rows[name]["n"] == 2 and rows[name]["kv_fraction"] < 0.6 for name in rows)
+    # the reconstruction pass (about one more prefill) is in the kvzip cells' prefill time
+    assert min(rows["global/kvzip"]["prefill_seconds"], rows["uniform/kvzip"]["prefill_seconds"]) > (
+        1.3 * rows["uniform/knorm"]["prefill_seconds"]
+    )
+    assert [row["policy"] for row in evaluation["best_per_ratio"]] == ["uniform/knorm"]
+    assert evaluation["recommendation"]["policy"] in (None, "uniform/knorm")
+    with open_artifact(path) as reader:
+        section = reader.section("recommendation")
+        assert [n.decode() for n in section["policy"]] == ["uniform/knorm"]
+        assert [n.decode() for n in section["candidates"]] == ["uniform/knorm"]
+
+
+def test_kvzip_is_refused_as_a_recommendation_candidate_or_a_recorded_recommendation(tmp_path):
+    from profiler.job import JobOptions, ProfileJob
+
+    options = JobOptions(
+        model=str(tmp_path / "no-such-model"), preset="quick", settings={"recommend_policies": ("global/kvzip",)}
+    )
+    with pytest.raises(ValueError, match="reconstruction pass"):
+        ProfileJob(options)
+    model = make_tiny_llama()
+    calibration = load_calibration(model, path=write_tiny_artifact(tmp_path / "b.h5", model, ("budgets",)))
+    calibration.recommendation = _recommendation(policies=("global/kvzip", "inf/leverage", "inf/leverage"))
+    with pytest.warns(UserWarning, match="reconstruction pass"):
+        assert recommended_spec(calibration, 0.5) is FLAGSHIP
+    assert recommended_spec(calibration, 0.75).name == "inf/leverage"
+
+
 def _readme_serving_snippet() -> str:
     text = README.read_text()
     section = text[text.index("## Serving with an artifact") :]

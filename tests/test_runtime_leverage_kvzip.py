@@ -14,11 +14,10 @@ from conftest import make_tiny_llama
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from runtime import CompressionPolicy, RaggedCache, compress, prefill, ragged_attention
+from runtime.eviction import HeadEvictor
 from runtime.kvzip import (
-    KVzipGlobalPolicy,
     kvzip_budgets,
     kvzip_compress,
-    kvzip_global_policy,
     kvzip_scores,
     reconstruction_chunks,
     with_kvzip_scores,
@@ -373,10 +372,53 @@ def test_kvzip_global_budgets_are_one_top_k_over_all_heads():
     protected[..., 45:] = 2.0
     threshold = torch.sort(protected.reshape(-1), descending=True).values[89]
     assert np.array_equal(budgets, (protected >= threshold).sum(-1).numpy())
-    policy = kvzip_global_policy(CompressionPolicy(keep_ratio=0.3, scorer="kvzip", n_sink=2, window=5), scores)
-    assert isinstance(policy, KVzipGlobalPolicy) and np.array_equal(policy.head_budgets(50, 3, 2), budgets)
-    with pytest.raises(ValueError, match="ratio"):
-        kvzip_global_policy(CompressionPolicy(budget=10, scorer="kvzip"), scores)
+
+
+def test_the_engines_global_allocation_over_kvzip_scores_is_kvzips_own_top_k():
+    """``global/kvzip`` needs no policy of its own: KVzip's scores are attention weights, comparable
+    across heads, so the engine's global ranking is the paper's one top-k over every head."""
+    model = make_tiny_llama(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, seed=5)
+    context = torch.randint(3, 120, (1, 60), generator=torch.Generator().manual_seed(13))
+    cache = RaggedCache.for_model(model)
+    prefill(model, cache, context)
+    scores = kvzip_scores(model, ToyTokenizer(), cache, context, prefix_length=0)
+    assert KVzipScorer.comparable
+    policy = with_kvzip_scores(CompressionPolicy(keep_ratio=0.3, allocation="global", scorer="kvzip", window=5), scores)
+    report = compress(model, cache, policy)
+    want = kvzip_budgets(scores, 0.3, n_sink=policy.n_sink, window=5)
+    assert np.array_equal(report.budgets[0], want) and report.budgets.sum() == round(0.3 * 60 * 3 * 2)
+    for index, layer in enumerate(cache.layers):
+        for h in range(2):
+            kept = layer.head(0, h)[2].long()
+            rest = torch.ones(60, dtype=torch.bool)
+            rest[kept] = False
+            rest[: policy.n_sink] = rest[-5:] = False
+            if rest.any():  # every evicted context token scored no higher than the lowest kept one
+                kept_scores = scores.scores[index, h, kept[policy.n_sink : -5]]
+                if kept_scores.numel():
+                    assert scores.scores[index, h, rest].max() <= kept_scores.min()
+
+
+def test_kvzip_layer_scores_equal_the_per_head_lookup_with_rows_of_different_lengths():
+    model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=6)
+    context = torch.randint(3, 120, (1, 40), generator=torch.Generator().manual_seed(14))
+    cache = RaggedCache.for_model(model)
+    prefill(model, cache, context)
+    scores = kvzip_scores(model, ToyTokenizer(), cache, context, prefix_length=0)
+    layer = cache.layers[1]
+    layer.keep(0, 0, torch.arange(0, 40, 3))  # heads of different lengths
+    scorer = KVzipScorer(scores)
+    evictor = HeadEvictor(model, CompressionPolicy(budget=10, scorer=scorer), None, None)
+    context_of_layer = evictor.layer_context(layer, 1, [0], [40])
+    batched = scorer.score_layer(context_of_layer)
+    for h in range(2):
+        n = int(context_of_layer.lengths[0, h])
+        torch.testing.assert_close(batched[0, h, :n], scorer.score(context_of_layer.head(0, h)))
+        assert torch.isinf(batched[0, h, n:]).all() and (batched[0, h, n:] < 0).all()
+    other = RaggedCache.for_model(model)
+    prefill(model, other, torch.randint(3, 120, (1, 40), generator=torch.Generator().manual_seed(15)))
+    with pytest.raises(ValueError, match="another prompt"):
+        scorer.score_layer(evictor.layer_context(other.layers[1], 1, [0], [40]))
 
 
 # -- the real embedded model --------------------------------------------------------------------

@@ -80,6 +80,12 @@ class RecommendationStage(Stage):
         self.candidates = [parse_policy(name) for name in names]
         if any(spec.is_baseline for spec in self.candidates):
             raise ValueError("--recommend-policies: 'baseline' is measured anyway; list compression policies")
+        unservable = [spec.name for spec in self.candidates if spec.needs_reconstruction]
+        if unservable:
+            raise ValueError(
+                f"--recommend-policies: {', '.join(unservable)} need a reconstruction pass per prompt at serving, "
+                "which calibration.policy() cannot serve; compare them with evaluate-artifact"
+            )
         self.ratios = tuple(float(r) for r in job.setting("recommend_compression_ratios", DEFAULT_COMPRESSION_RATIOS))
         if not self.ratios or any(not 0.0 < r < 1.0 for r in self.ratios) or len(set(self.ratios)) != len(self.ratios):
             raise ValueError(f"recommendation compression ratios must be distinct and in (0, 1), got {self.ratios}")
@@ -160,7 +166,7 @@ def recommendation_section(evaluation: dict, candidates: list[str], task_seed: i
     too_long = [name for name in candidates if len(name) > 128 or not name.isascii()]
     if too_long:
         raise ValueError(f"policy names are stored as ASCII of at most 128 characters: {too_long}")
-    best = best_per_ratio(evaluation["results"], candidates)
+    best = best_per_ratio([r for r in evaluation["results"] if r["policy"] in candidates], candidates)
     ratios = [row["compression_ratio"] for row in best]
     accuracy = {(r["policy"], r["compression_ratio"]): r["accuracy"] for r in evaluation["results"]}
     missing = [(name, ratio) for name in candidates for ratio in ratios if (name, ratio) not in accuracy]
