@@ -56,12 +56,14 @@ import torch
 from tqdm.auto import tqdm
 
 from runtime.attention import attention_implementation
+from runtime.budgets import global_budgets
 from runtime.geometry import ModelGeometry
 from runtime.moments import ORDERS, MomentSums, attention_with_lse, corrected_attention, evict_in_rounds
-from runtime.scorers import HeadContext, KeyDiffScorer, Scorer, SnapKVScorer, select_rows
+from runtime.rope import rope_cos_sin
+from runtime.scorers import HeadContext, KeyDiffScorer, LearnedScorer, Scorer, SnapKVScorer, select_rows
 
 CALIBRATION_ATTENTION = "kvcal_moments_calibration"
-SELECTION_SCORERS = ("snapkv", "keydiff")
+SELECTION_SCORERS = ("snapkv", "keydiff", "learned")
 
 
 def selection_scorer(scorer: str | Scorer, observation_window: int) -> Scorer:
@@ -77,6 +79,8 @@ def selection_scorer(scorer: str | Scorer, observation_window: int) -> Scorer:
         return SnapKVScorer(window=observation_window, kernel=1)
     if scorer == "keydiff":
         return KeyDiffScorer()
+    if scorer == "learned":
+        return LearnedScorer()
     raise ValueError(f"unknown selection scorer {scorer!r}; choose one of {SELECTION_SCORERS} or pass a Scorer")
 
 
@@ -111,6 +115,9 @@ class _CorrectionErrorMeasurer:
         moment_eviction,
         eviction_rounds,
         tau,
+        allocation: str = "uniform",
+        learned: tuple[torch.Tensor, torch.Tensor] | None = None,
+        key_rope=None,
     ):
         self.keep_ratios = keep_ratios
         self.query_window = query_window
@@ -120,6 +127,10 @@ class _CorrectionErrorMeasurer:
         self.moment_eviction = moment_eviction
         self.eviction_rounds = eviction_rounds
         self.tau = tau
+        self.allocation = allocation
+        self.learned = learned  # (weights [L, Hkv, 2d], bias [L, Hkv]) for the learned scorer
+        self.key_rope = key_rope  # positions -> (cos, sin) [n, d], for scorers that undo RoPE
+        self.pending: dict[int, tuple] = {}  # layer -> captured (query, key, value, scaling): global allocation
         self.error_sums = np.zeros((len(keep_ratios), len(ORDERS), num_layers, num_kv_heads))
         self.calls = np.zeros(num_layers, dtype=np.int64)
 
@@ -154,27 +165,22 @@ class _CorrectionErrorMeasurer:
         sums.add(head.kv_head, head.keys[evicted], head.values[evicted])
         return kept
 
-    @torch.no_grad()
-    def measure(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> None:
-        """One layer of one window: ``query [1, Hq, T, d]``, ``key/value [1, Hkv, T, d]`` (post-RoPE)."""
+    def _heads(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float):
+        """Per KV head: ``(q [G, T, d], k, v [T, d], HeadContext of the prefix, estimate [P])``."""
         _, num_q_heads, total, dim = query.shape
         num_kv_heads = key.shape[1]
         group = num_q_heads // num_kv_heads
-        w = self.query_window
-        prefix = total - w
-        scale = float(scaling) if scaling is not None else dim**-0.5
+        prefix = total - self.query_window
         device = query.device
         window = self.scorer.observation_window
         positions = torch.arange(prefix, device=device)
-        # causal masks of the W queries: over all T tokens (reference) and over the tail only
-        tail_causal = torch.ones(w, w, dtype=torch.bool, device=device).tril()  # [W, W]
-        full_mask = torch.cat([torch.ones(w, prefix, dtype=torch.bool, device=device), tail_causal], dim=1)  # [W, T]
-        sums = [MomentSums(num_kv_heads, dim, device=device) for _ in self.keep_ratios]
+        key_cos = key_sin = None
+        if self.scorer.key_rope:
+            key_cos, key_sin = (t.to(device) for t in self.key_rope(positions))
+        heads = []
         for h in range(num_kv_heads):
             q = query[0, h * group : (h + 1) * group].float()  # [G, T, d]
             k, v = key[0, h].float(), value[0, h].float()  # [T, d]
-            tail_q = q[:, prefix:]  # [G, W, d]
-            reference, _ = attention_with_lse(tail_q, k, v, scale, mask=full_mask)  # [G, W, d]
             head = HeadContext(
                 layer=layer,
                 kv_head=h,
@@ -183,11 +189,65 @@ class _CorrectionErrorMeasurer:
                 positions=positions,
                 scaling=scale,
                 next_position=prefix,
-                recent_queries=q[:, prefix - window : prefix] if window else None,
-            )  # [G, obs, d]
+                recent_queries=q[:, prefix - window : prefix] if window else None,  # [G, obs, d]
+                key_cos=key_cos,
+                key_sin=key_sin,
+                learned_weights=None if self.learned is None else self.learned[0][layer, h],
+                learned_bias=None if self.learned is None else float(self.learned[1][layer, h]),
+            )
             estimate = self.scorer.attention(head) if self.moment_eviction else self.scorer.score(head)  # [P]
-            for r, ratio in enumerate(self.keep_ratios):
-                kept = self.kept_rows(head, estimate, self.budget(prefix, ratio), sums[r])
+            heads.append((q, k, v, head, estimate))
+        return heads
+
+    @torch.no_grad()
+    def measure(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> None:
+        """One layer of one window: ``query [1, Hq, T, d]``, ``key/value [1, Hkv, T, d]`` (post-RoPE).
+        Under the global allocation the layer is kept until :meth:`finish_window` has seen every layer."""
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        if self.allocation == "global":
+            self.pending[layer] = (query.detach(), key.detach(), value.detach(), scale)
+            return
+        heads = self._heads(layer, query, key, value, scale)
+        prefix = query.shape[2] - self.query_window
+        budgets = [[self.budget(prefix, ratio) for ratio in self.keep_ratios] for _ in heads]
+        self._measure_layer(layer, heads, budgets)
+
+    @torch.no_grad()
+    def finish_window(self) -> None:
+        """Global allocation: one ranking of every layer's and head's scores shares out each ratio's
+        total (the uniform budgets' sum), then every captured layer is measured."""
+        if self.allocation != "global":
+            return
+        layers = sorted(self.pending)
+        heads = {layer: self._heads(layer, *self.pending.pop(layer)) for layer in layers}
+        scores = [[estimate for *_, estimate in heads[layer]] for layer in layers]
+        budgets = {layer: [[0] * len(self.keep_ratios) for _ in heads[layer]] for layer in layers}
+        for r, ratio in enumerate(self.keep_ratios):
+            total = sum(self.budget(int(estimate.shape[0]), ratio) for row in scores for estimate in row)
+            table = global_budgets(scores, total, self.n_sink, self.recent_window)  # [L, Hkv]
+            for i, layer in enumerate(layers):
+                for h in range(len(heads[layer])):
+                    budgets[layer][h][r] = int(table[i, h])
+        for layer in layers:
+            self._measure_layer(layer, heads[layer], budgets[layer])
+
+    def _measure_layer(self, layer: int, heads, budgets: list[list[int]]) -> None:
+        """The errors of one layer; ``budgets[h][r]``: head ``h``'s kept prefix rows at keep ratio ``r``."""
+        w = self.query_window
+        k0 = heads[0][1]
+        total = k0.shape[0]
+        prefix = total - w
+        device = k0.device
+        scale = heads[0][3].scaling
+        # causal masks of the W queries: over all T tokens (reference) and over the tail only
+        tail_causal = torch.ones(w, w, dtype=torch.bool, device=device).tril()  # [W, W]
+        full_mask = torch.cat([torch.ones(w, prefix, dtype=torch.bool, device=device), tail_causal], dim=1)  # [W, T]
+        sums = [MomentSums(len(heads), k0.shape[1], device=device) for _ in self.keep_ratios]
+        for h, (q, k, v, head, estimate) in enumerate(heads):
+            tail_q = q[:, prefix:]  # [G, W, d]
+            reference, _ = attention_with_lse(tail_q, k, v, scale, mask=full_mask)  # [G, W, d]
+            for r in range(len(self.keep_ratios)):
+                kept = self.kept_rows(head, estimate, budgets[h][r], sums[r])
                 keys_R = torch.cat([k[:prefix][kept], k[prefix:]])  # [b + W, d]
                 values_R = torch.cat([v[:prefix][kept], v[prefix:]])
                 mask_R = torch.cat([torch.ones(w, kept.shape[0], dtype=torch.bool, device=device), tail_causal], 1)
@@ -212,6 +272,8 @@ def measure_correction_errors(
     eviction_rounds: int = 4,
     tau: float = 0.0,
     progress: bool = True,
+    allocation: str = "uniform",
+    learned=None,
 ) -> CorrectionErrors:
     """Per (layer, KV head) relative attention-output error of no / 0th / 1st-order correction.
 
@@ -222,6 +284,12 @@ def measure_correction_errors(
     procedure.  Returns a :class:`CorrectionErrors` dict of ``errors float64 [R, 3, L, Hkv]``,
     ``order int8 [L, Hkv]`` (-1 none, 0, 1), ``reference_ratios float64 [R]``,
     ``tau float64 [L, Hkv]``, with ``.selection`` (the scorer's name) and ``.scorer`` (its repr).
+
+    ``allocation``: ``"uniform"`` (every head keeps ``keep_ratio`` of the prefix) or ``"global"``
+    (that total shared out by one ranking of every layer's and head's scores, as the runtime's
+    ``allocation="global"``; for scorers whose scores compare across heads).  ``learned``: the
+    artifact's ``learned_scorer`` weights ``[L, Hkv, 2d]`` and bias ``[L, Hkv]`` (arrays), needed by
+    the ``"learned"`` selection.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -239,6 +307,21 @@ def measure_correction_errors(
         )
     if query_window <= 0 or observation_window <= 0 or n_sink < 0 or recent_window < 0 or tau < 0:
         raise ValueError("query_window and observation_window must be positive; n_sink, recent_window, tau >= 0")
+    if allocation not in ("uniform", "global"):
+        raise ValueError(f"allocation must be 'uniform' or 'global', got {allocation!r}")
+    if allocation == "global" and not selection.comparable:
+        raise ValueError(f"the global allocation ranks all heads' scores together; {selection!r} is not comparable")
+    if allocation == "global" and moment_eviction:
+        raise ValueError("the global allocation and moment_eviction cannot be combined")
+    if selection.learned:
+        if learned is None:
+            raise ValueError("the learned selection needs the artifact's learned_scorer weights and bias (learned=...)")
+        learned = tuple(torch.as_tensor(np.asarray(a), dtype=torch.float32) for a in learned)
+        if learned[0].shape[:2] != (num_layers, num_kv_heads) or learned[1].shape != (num_layers, num_kv_heads):
+            raise ValueError(
+                f"learned weights {tuple(learned[0].shape)} / bias {tuple(learned[1].shape)} do not fit the "
+                f"model's {num_layers} layers x {num_kv_heads} KV heads"
+            )
     window = max(observation_window, selection.observation_window)
     if prefix < max(window, n_sink + recent_window + 1):
         raise ValueError(
@@ -261,6 +344,9 @@ def measure_correction_errors(
         moment_eviction,
         eviction_rounds,
         tau,
+        allocation=allocation,
+        learned=learned if selection.learned else None,
+        key_rope=lambda positions: rope_cos_sin(geometry, positions),
     )
 
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -274,6 +360,7 @@ def measure_correction_errors(
     with torch.no_grad(), attention_implementation(model, CALIBRATION_ATTENTION, attention_forward):
         for index in tqdm(range(ids.shape[0]), desc="moments calibration", unit="window", disable=not progress):
             model(input_ids=ids[index : index + 1].to(device), use_cache=False)
+            measurer.finish_window()
     if not np.all(measurer.calls == ids.shape[0]):
         raise RuntimeError(
             f"the calibration attention saw layers {measurer.calls.tolist()} times, expected "
@@ -289,5 +376,5 @@ def measure_correction_errors(
             "tau": np.full((num_layers, num_kv_heads), float(tau), dtype=np.float64),
         },
         selection=selection.name,
-        scorer=repr(selection),
+        scorer=repr(selection) + (" with the global allocation" if allocation == "global" else ""),
     )

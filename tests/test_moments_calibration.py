@@ -12,8 +12,9 @@ from profiler.moments_calibration import measure_correction_errors
 from runtime.scorers import ExpectedAttentionScorer, KeyDiffScorer, SnapKVScorer
 
 
-def _projections(model, ids):
-    """Post-RoPE q [L, Hq, T, d] and k, v [L, Hkv, T, d] recomputed from q/k/v_proj hooks."""
+def _projections(model, ids, pre_rope_keys: bool = False):
+    """Post-RoPE q [L, Hq, T, d] and k, v [L, Hkv, T, d] recomputed from q/k/v_proj hooks
+    (and, with ``pre_rope_keys``, the keys before RoPE [L, Hkv, T, d] as a fourth)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     config = model.config
@@ -36,14 +37,16 @@ def _projections(model, ids):
     total = ids.shape[1]
     positions = torch.arange(total).unsqueeze(0)
     cos, sin = model.model.rotary_emb(captured[(0, "q_proj")], positions)
-    qs, ks, vs = [], [], []
+    qs, ks, vs, raw = [], [], [], []
     for layer in range(config.num_hidden_layers):
         q = captured[(layer, "q_proj")].view(1, total, hq, d).transpose(1, 2)
         k = captured[(layer, "k_proj")].view(1, total, hkv, d).transpose(1, 2)
         v = captured[(layer, "v_proj")].view(1, total, hkv, d).transpose(1, 2)
+        raw.append(k[0])
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         qs.append(q[0]), ks.append(k[0]), vs.append(v[0])
-    return torch.stack(qs), torch.stack(ks), torch.stack(vs)
+    out = torch.stack(qs), torch.stack(ks), torch.stack(vs)
+    return (*out, torch.stack(raw)) if pre_rope_keys else out
 
 
 def _reference_errors(q, k, v, kept_prefix, query_window):
@@ -175,6 +178,48 @@ def test_selection_is_the_runtime_scorer(one_thread):
     assert keydiff.selection == "keydiff"
     pooled = measure_correction_errors(model, windows, scorer=SnapKVScorer(window=8, kernel=5), **options)
     assert pooled.scorer == "SnapKVScorer(window=8, kernel=5)" and pooled["errors"].shape == (1, 3, 2, 2)
+
+
+def test_learned_selection_with_the_global_allocation_matches_an_independent_reference(one_thread):
+    """The orders of global/learned+correction are calibrated under that selector: the learned score
+    of each prefix token (its pre-RoPE key and value through the head's linear map), one ranking of
+    every layer's and head's tokens sharing out the uniform total (sinks and recent rows first)."""
+    model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=4)
+    windows = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(5))
+    generator = torch.Generator().manual_seed(6)
+    weights, bias = torch.randn(2, 2, 32, generator=generator), torch.randn(2, 2, generator=generator)
+    w, n_sink, recent, ratios = 16, 2, 4, (0.25, 0.5)
+    options = dict(keep_ratios=ratios, query_window=w, n_sink=n_sink, recent_window=recent, progress=False)
+    result = measure_correction_errors(
+        model, windows, scorer="learned", allocation="global", learned=(weights.numpy(), bias.numpy()), **options
+    )
+    assert result.selection == "learned" and result.scorer == "LearnedScorer() with the global allocation"
+    prefix = 64 - w
+    expected = np.zeros((2, 3, 2, 2))
+    for window in windows:
+        q, k, v, raw = _projections(model, window.unsqueeze(0), pre_rope_keys=True)
+        scores = torch.einsum("lhtf,lhf->lht", torch.cat([raw, v], -1)[:, :, :prefix], weights) + bias[..., None]
+        protected = scores.clone()
+        protected[..., :n_sink] = protected[..., prefix - recent :] = float("inf")
+        for r, ratio in enumerate(ratios):
+            total = 2 * 2 * round(ratio * prefix)
+            threshold = torch.sort(protected.reshape(-1), descending=True).values[total - 1]
+            for layer in range(2):
+                for head in range(2):
+                    kept = (protected[layer, head] >= threshold).nonzero().squeeze(1)
+                    errors = _reference_errors(
+                        q[layer, 2 * head : 2 * head + 2], k[layer, head], v[layer, head], kept, w
+                    )
+                    expected[r, :, layer, head] += np.array(errors) / 2
+    np.testing.assert_allclose(result["errors"], expected, rtol=1e-4, atol=1e-6)
+    uniform = measure_correction_errors(model, windows, scorer="learned", learned=(weights, bias), **options)
+    assert uniform.scorer == "LearnedScorer()" and not np.allclose(uniform["errors"], result["errors"])
+    with pytest.raises(ValueError, match="learned_scorer weights"):
+        measure_correction_errors(model, windows, scorer="learned", **options)
+    with pytest.raises(ValueError, match="not comparable"):
+        measure_correction_errors(model, windows, scorer="keydiff", allocation="global", **options)
+    with pytest.raises(ValueError, match="do not fit"):
+        measure_correction_errors(model, windows, scorer="learned", learned=(weights[:1], bias[:1]), **options)
 
 
 def test_embedded_model_correction_beats_no_correction_at_75_percent_compression(

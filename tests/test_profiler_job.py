@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -189,9 +190,45 @@ def test_subset_of_stages_keeps_other_sections(model_dir, reference, tmp_path):
         assert reader.config["budgets"]["beta"] == 3.0 and "behaviour" in reader.config
 
 
+def test_moment_orders_are_calibrated_under_the_learned_selector_when_there_are_learned_weights(
+    model_dir, reference, tmp_path
+):
+    """By default the moments stage measures the correction under the learned scorer with the global
+    allocation (global/learned+correction) when the learned_scorer section is built or kept, and
+    the runtime then serves those orders to that policy without a mismatch warning."""
+    from runtime import load_calibration
+
+    arrays, config = _read(reference)
+    assert config["moments"]["selection"] == "learned" and config["moments"]["allocation"] == "global"
+    keydiff = tmp_path / "kv_calibration.h5"
+    keydiff.write_bytes(reference.read_bytes())
+    assert main(_args(model_dir, keydiff, "--stages", "moments", "--moments-selection", "keydiff")) == 0
+    again = tmp_path / "again.h5"
+    again.write_bytes(keydiff.read_bytes())
+    assert main(_args(model_dir, again, "--stages", "moments")) == 0  # the kept learned_scorer section decides
+    got_keydiff, config_keydiff = _read(keydiff)
+    got_again, config_again = _read(again)
+    assert config_keydiff["moments"]["selection"] == "keydiff" and config_keydiff["moments"]["allocation"] == "uniform"
+    assert config_again["moments"]["selection"] == "learned"
+    np.testing.assert_array_equal(got_again["moments/errors"], arrays["moments/errors"])
+    assert not np.array_equal(got_keydiff["moments/errors"], arrays["moments/errors"])
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    calibration = load_calibration(model, path=again)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        calibration.check_moment_selection("learned")
+    with pytest.warns(UserWarning, match="keydiff"):
+        calibration.check_moment_selection("keydiff")
+
+
 def test_cli_errors_are_clear(model_dir, tmp_path, capsys):
     assert main(_args(model_dir, tmp_path / "x.h5", "--stages", "budgets")) == 2
     assert "needs INFsc" in capsys.readouterr().err
+    assert main(_args(model_dir, tmp_path / "x.h5", "--stages", "moments", "--moments-selection", "learned")) == 2
+    assert "needs the learned_scorer section" in capsys.readouterr().err
+    assert not (tmp_path / "x.h5").exists()
     assert main([str(tmp_path), "--out", str(tmp_path / "y.h5")]) == 2
     assert "not a model directory" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -17,8 +17,8 @@ STAGES: tuple[type[Stage], ...] = (
     BehaviourStage,
     QueryStatsStage,
     BudgetsStage,
-    MomentsStage,
     LearnedScorerStage,
+    MomentsStage,  # after learned-scorer: it may select tokens with the learned scorer
     RecommendationStage,  # last: it serves the sections the others built
 )
 STAGE_NAMES: tuple[str, ...] = tuple(stage.name for stage in STAGES)

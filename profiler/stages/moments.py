@@ -7,6 +7,11 @@ and values.  Whether the 0th- or 1st-order correction helps a head is measured o
 per KV head, the relative attention-output error of no / 0th / 1st-order correction at two
 reference compressions, tokens selected by ``--moments-selection``).  A few seconds per
 window, run by the main process alone after the sharded stages, not checkpointed.
+
+The orders are calibrated under one selection, the one a serving policy should use them with
+(the runtime warns otherwise): by default the learned scorer with the global allocation (the
+``global/learned+correction`` candidate) when the job builds or the artifact has a
+``learned_scorer`` section, else KeyDiff with per-head budgets (``inf/keydiff+correction``).
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from .base import Stage
 MOMENT_WINDOWS = 4  # calibration windows the stage measures on
 MOMENT_KEEP_RATIOS = (0.25, 0.5)  # reference budgets: 75% and 50% compression
 # profiler.moments_calibration.SELECTION_SCORERS, spelled out so that the parser needs no torch (tested equal)
-SELECTION_SCORERS = ("snapkv", "keydiff")
-DEFAULT_SELECTION = "keydiff"  # the scorer of the inf/keydiff+correction recommendation candidate
+SELECTION_SCORERS = ("snapkv", "keydiff", "learned")
+# the selection when none is asked: the learned scorer if there are learned weights (the scorer of
+# the global/learned+correction recommendation candidate), else KeyDiff (inf/keydiff+correction's)
+DEFAULT_SELECTIONS = ("learned", "keydiff")
 
 
 class MomentsStage(Stage):
@@ -43,22 +50,39 @@ class MomentsStage(Stage):
             choices=SELECTION_SCORERS,
             default=None,
             help="scorer that selects the kept tokens while the correction errors are measured; "
-            "serve corrections with the same scorer (the runtime warns otherwise). Default: "
-            "keydiff, the scorer of the inf/keydiff+correction candidate policy",
+            "serve corrections with the same scorer (the runtime warns otherwise); 'learned' shares each "
+            "compression's total out globally, as global/learned+correction serves it, and needs the "
+            "learned_scorer section (built in this run or in the artifact). Default: learned when that "
+            "section is there, else keydiff (the scorer of inf/keydiff+correction)",
         )
 
     def __init__(self, job):
         super().__init__(job)
-        self.selection = job.setting("moments_selection") or DEFAULT_SELECTION
+        self.asked = job.setting("moments_selection")
+        self.selection = self.asked or (
+            DEFAULT_SELECTIONS[0] if "learned-scorer" in job.stage_names else DEFAULT_SELECTIONS[1]
+        )
         tokens = job.calib_tokens
         query_window = max(4, min(32, tokens // 4))
         self.settings = {
             "query_window": query_window,
             "observation_window": max(1, min(32, (tokens - query_window) // 2)),
             "selection": self.selection,
+            "allocation": "global" if self.selection == "learned" else "uniform",
             "n_sink": int(job.n_sink),
             "recent_window": 8,
         }
+
+    def check(self, existing: set[str]) -> None:
+        has_weights = "learned-scorer" in self.job.stage_names or "learned_scorer" in existing
+        if self.asked is None and has_weights and self.selection != "learned":
+            self.selection = "learned"
+            self.settings.update(selection="learned", allocation="global")
+        if self.selection == "learned" and not has_weights:
+            raise ValueError(
+                "--moments-selection learned needs the learned_scorer section: add the learned-scorer stage "
+                "(--stages ...,learned-scorer,moments) or profile into an artifact that has it"
+            )
 
     def config(self) -> dict:
         job = self.job
@@ -76,12 +100,17 @@ class MomentsStage(Stage):
         started = time.perf_counter()
         settings = self.settings
         windows = self.job.windows[:MOMENT_WINDOWS]
+        learned = None
+        if settings["selection"] == "learned":
+            learned = (sections["learned_scorer"]["weights"], sections["learned_scorer"]["bias"])
         result = measure_correction_errors(
             self.job.model,
             windows,
             keep_ratios=MOMENT_KEEP_RATIOS,
             query_window=settings["query_window"],
             scorer=settings["selection"],
+            allocation=settings["allocation"],
+            learned=learned,
             observation_window=settings["observation_window"],
             n_sink=settings["n_sink"],
             recent_window=settings["recent_window"],
