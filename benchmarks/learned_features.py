@@ -333,10 +333,23 @@ class PrefillScores:
         }
 
 
+def retrieval_kept(cache, positions: torch.Tensor) -> float:
+    """Mean over (layer, KV head) of the fraction of the retrieval (R) span's positions still cached."""
+    if positions.numel() == 0:
+        return float("nan")
+    fractions = []
+    for layer in cache.layers:
+        for h in range(layer.num_heads):
+            kept = layer.head(0, h)[2].long().cpu()
+            fractions.append(float(torch.isin(positions, kept).float().mean()))
+    return float(np.mean(fractions))
+
+
 @torch.no_grad()
 def run_probe(model, tokenizer, probe, cells, calibration, fit, max_new_tokens):
     """Answers of the baseline and every (row, ratio) cell for one probe, and timings."""
     from needles import answer_is_correct
+    from needles.probe import LABEL_CODE
 
     ids = torch.tensor([probe.input_ids], dtype=torch.long)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -354,8 +367,9 @@ def run_probe(model, tokenizer, probe, cells, calibration, fit, max_new_tokens):
     if tables["hidden"].shape[-1] != probe.context_end:
         raise RuntimeError(f"hooks saw {tables['hidden'].shape[-1]} tokens, the context has {probe.context_end}")
 
+    retrieval = torch.from_numpy(probe.labels()[: probe.context_end] == LABEL_CODE["R"]).nonzero().squeeze(1)
     keys = [("baseline", None)] + [key for key, _ in cells]
-    caches, extra = [base], [{}]
+    caches, extra = [base], [{"r_kept": 1.0}]
     for (row, _), policy in cells:
         kind = ROWS[row][0]
         scorer = TimedLearnedScorer() if kind == "learned" else PositionTableScorer(kind, tables[kind])
@@ -363,7 +377,13 @@ def run_probe(model, tokenizer, probe, cells, calibration, fit, max_new_tokens):
         cache = base.copy()
         report = compress(model, cache, policy, calibration, prompt_stats=stats)
         caches.append(cache)
-        extra.append({"compress_seconds": report.seconds, "scoring_seconds": scorer.seconds})
+        extra.append(
+            {
+                "compress_seconds": report.seconds,
+                "scoring_seconds": scorer.seconds,
+                "r_kept": retrieval_kept(cache, retrieval),
+            }
+        )
     base.stop_observing()
     kv_bytes = [cache.kv_bytes() for cache in caches]
     batch = RaggedCache.stack(caches)
@@ -400,7 +420,12 @@ def cell_stats(per_probe: list[dict], name: str) -> dict:
     hits = [p["results"][name]["correct"] for p in per_probe]
     correct, n = sum(hits), len(hits)
     low, high = wilson_interval(correct, n)
-    return {"correct": correct, "n": n, "accuracy": correct / max(n, 1), "low": low, "high": high}
+    r_kept = float(np.nanmean([p["results"][name]["r_kept"] for p in per_probe]))
+    return {"correct": correct, "n": n, "accuracy": correct / max(n, 1), "low": low, "high": high, "r_kept": r_kept}
+
+
+def _fmt(c: dict) -> str:
+    return f"{c['correct']:2d}/{c['n']} {c['accuracy']:.2f} [{c['low']:.2f},{c['high']:.2f}] R{c['r_kept']:.2f}"
 
 
 def report(per_probe: list[dict], rows: list[str], ratios: list[float], seeds: list[int]) -> tuple[list[str], dict]:
@@ -408,18 +433,22 @@ def report(per_probe: list[dict], rows: list[str], ratios: list[float], seeds: l
     groups = [(f"seed {s}", [p for p in per_probe if p["seed"] == s]) for s in seeds]
     if len(seeds) > 1:
         groups.append(("pooled", per_probe))
-    header = f"{'policy':24s}" + "".join(f"  {'evict ' + format(r, '.2f'):>24s}" for r in ratios)
+    header = f"{'policy':24s}" + "".join(f"  {'evict ' + format(r, '.2f'):>30s}" for r in ratios)
     for label, probes in groups:
-        lines += ["", f"{label}: {len(probes)} probes; cells: correct/n accuracy [95% Wilson]", header]
+        lines += [
+            "",
+            f"{label}: {len(probes)} probes; cells: correct/n accuracy [95% Wilson] and the mean per-head fraction "
+            "of the retrieval span kept",
+            header,
+        ]
         table[label] = {}
         base = cell_stats(probes, "baseline/None")
         table[label]["baseline"] = base
-        fmt = lambda c: f"{c['correct']:2d}/{c['n']} {c['accuracy']:.2f} [{c['low']:.2f},{c['high']:.2f}]"  # noqa: E731
-        lines.append(f"{'baseline (no eviction)':24s}" + f"  {fmt(base):>24s}" * len(ratios))
+        lines.append(f"{'baseline (no eviction)':24s}" + f"  {_fmt(base):>30s}" * len(ratios))
         for row in rows:
             values = [cell_stats(probes, f"{row}/{r}") for r in ratios]
             table[label][row] = dict(zip(map(str, ratios), values, strict=True))
-            lines.append(f"{row:24s}" + "".join(f"  {fmt(v):>24s}" for v in values))
+            lines.append(f"{row:24s}" + "".join(f"  {_fmt(v):>30s}" for v in values))
     # paired view, pooled: probes only one of two rows answers
     pairs = [("global/hidden", "global/learned"), ("global/hidden+corr", "global/learned+corr")]
     pairs += [("global/kv-lookup", "global/learned")]
