@@ -5,9 +5,10 @@
 
 For one ``quick`` retrieval probe of each length (embedded model, seed 1000): the prefill time
 (ragged cache, recording every prompt query), KVzip's reconstruction pass
-(:func:`runtime.kvzip.kvzip_scores`), and for every scorer the time of ``scorer.score`` over
-all ``L x Hkv`` heads of the prefilled cache (median of ``--repeat``), reported per head and,
-for all heads together, as a fraction of the prefill.  ``--artifact`` adds the artifact's
+(:func:`runtime.kvzip.kvzip_scores`), and for every scorer the time the engine takes to score
+every ``L x Hkv`` head of the prefilled cache (``HeadEvictor.layer_scores``, one call per layer,
+what ``compress`` runs; median of ``--repeat``), reported per head and, for all heads together,
+as a fraction of the prefill.  ``--artifact`` adds the artifact's
 ``learned`` scorer (profile-model's learned-scorer stage).
 """
 
@@ -25,7 +26,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from runtime import RaggedCache, enable, prefill  # noqa: E402
+from runtime import RaggedCache, prefill  # noqa: E402
 from runtime.eviction import HeadEvictor  # noqa: E402
 from runtime.kvzip import kvzip_scores, with_kvzip_scores  # noqa: E402
 from runtime.models import load_model, load_tokenizer  # noqa: E402
@@ -56,7 +57,6 @@ def main(argv=None) -> int:
     from needles import PRESETS, generate_probes
 
     model, tokenizer = load_model(), load_tokenizer()
-    enable(model)
     scorers = {label: fields for label, fields in SCORERS.items() if not (args.no_kvzip and label.startswith("kvzip"))}
     calibration = None
     if args.artifact:
@@ -97,8 +97,7 @@ def main(argv=None) -> int:
             for _ in range(args.repeat):
                 started = time.perf_counter()
                 for layer_idx, layer in enumerate(cache.layers):
-                    for h in range(heads):
-                        evictor.scorer.score(evictor.context(layer, layer_idx, 0, h, ids.shape[1]))
+                    evictor.layer_scores(layer, layer_idx, [0], [ids.shape[1]])
                 times.append(time.perf_counter() - started)
             row["per_head_ms"][label] = 1000 * statistics.median(times) / (layers * heads)
             row["all_heads_over_prefill"][label] = statistics.median(times) / prefill_s
