@@ -155,11 +155,15 @@ class Calibration:
         if scorer_name in self._warned_selections:
             return
         self._warned_selections.add(scorer_name)
+        if scorer_name in MOMENT_SELECTIONS:
+            remedy = f"profile-model --stages moments --moments-selection {scorer_name} calibrates them for it"
+        else:
+            remedy = "the moments stage can calibrate them under " + ", ".join(MOMENT_SELECTIONS[:-1])
+            remedy += f" or {MOMENT_SELECTIONS[-1]} only"
         warnings.warn(
             f"{self.path}: correction='calibrated' serves per-head MomentKV orders measured on the tokens "
             f"{self.moment_selection!r} keeps, but the policy evicts with {scorer_name!r}; the best order "
-            f"per head may differ (profiler.moments_calibration.measure_correction_errors(..., "
-            f"scorer={scorer_name!r}) calibrates them for it)",
+            f"per head may differ ({remedy})",
             stacklevel=4,
         )
 
@@ -172,6 +176,11 @@ class Calibration:
 
     def __repr__(self) -> str:
         return f"Calibration({self.path}, model={getattr(self.identity, 'name', None)!r}, sections={self.sections})"
+
+
+# the selections profile-model's moments stage calibrates orders under (--moments-selection;
+# profiler.moments_calibration.SELECTION_SCORERS, spelled out: the runtime does not import the profiler)
+MOMENT_SELECTIONS = ("snapkv", "keydiff", "learned")
 
 
 def _configured_selection(config) -> str | None:
