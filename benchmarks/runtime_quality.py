@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -46,6 +45,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from profiler.evaluation_results import wilson_interval  # noqa: E402
 from runtime import CompressionPolicy, RaggedCache, compress, enable, load_calibration  # noqa: E402
 from runtime.compress import prefill_for_policies  # noqa: E402
 from runtime.kvzip import with_reconstruction_scores  # noqa: E402
@@ -115,16 +115,6 @@ DEFAULT_ROWS = [
     for label in ("ea-calibrated", "ea-prompt", "keydiff", "snapkv", "knorm", "streaming")
 ]
 SEED_OFFSET = 1000
-
-
-def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """95% Wilson score interval of a binomial proportion."""
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 @torch.no_grad()
@@ -284,7 +274,7 @@ def main(argv=None) -> int:
         name = "/".join(str(k) for k in key)
         hits = [p["results"][name] for p in per_probe]
         correct = sum(h["correct"] for h in hits)
-        low, high = wilson(correct, len(hits))
+        low, high = wilson_interval(correct, len(hits))
         return {
             "accuracy": correct / max(len(hits), 1),
             "correct": correct,
