@@ -71,6 +71,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from profiler.evaluation import decode_together  # noqa: E402
 from profiler.evaluation_results import wilson_interval  # noqa: E402
 from runtime import CompressionPolicy, RaggedCache, compress, enable, load_calibration  # noqa: E402
 from runtime.compress import prefill_for_policies  # noqa: E402
@@ -361,7 +362,6 @@ def run_probe(model, tokenizer, probe, cells, calibration, fit, max_new_tokens):
     from needles.probe import LABEL_CODE
 
     ids = torch.tensor([probe.input_ids], dtype=torch.long)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     base = RaggedCache.for_model(model)
     hooks = PrefillScores(model, fit)
     started = time.perf_counter()
@@ -395,24 +395,9 @@ def run_probe(model, tokenizer, probe, cells, calibration, fit, max_new_tokens):
         )
     base.stop_observing()
     kv_bytes = [cache.kv_bytes() for cache in caches]
-    batch = RaggedCache.stack(caches)
-    repeated = ids.expand(len(caches), -1)
-    started = time.perf_counter()
-    out = model.generate(
-        repeated,
-        attention_mask=torch.ones_like(repeated),
-        past_key_values=batch,
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=pad,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-    )
-    timings["decode_seconds"] = time.perf_counter() - started
+    texts, timings["decode_seconds"] = decode_together(model, tokenizer, ids, caches, max_new_tokens)
     results = {}
-    for index, key in enumerate(keys):
-        text = tokenizer.decode(out[index, ids.shape[1] :], skip_special_tokens=True)
+    for index, (key, text) in enumerate(zip(keys, texts, strict=True)):
         results["/".join(str(k) for k in key)] = {
             "text": text,
             "correct": bool(answer_is_correct(text, probe)),

@@ -45,6 +45,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from profiler.evaluation import decode_together  # noqa: E402
 from profiler.evaluation_results import wilson_interval  # noqa: E402
 from runtime import CompressionPolicy, RaggedCache, compress, enable, load_calibration  # noqa: E402
 from runtime.compress import prefill_for_policies  # noqa: E402
@@ -123,7 +124,6 @@ def run_probe(model, tokenizer, probe, cells, calibration, max_new_tokens):
     from needles import answer_is_correct
 
     ids = torch.tensor([probe.input_ids], dtype=torch.long)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     base = RaggedCache.for_model(model)
     started = time.perf_counter()
     stats = prefill_for_policies(model, base, ids[:, : probe.context_end], [policy for _, policy in cells])
@@ -145,22 +145,9 @@ def run_probe(model, tokenizer, probe, cells, calibration, max_new_tokens):
     base.stop_observing()  # the baseline decodes without the recorded queries
     kv_bytes = [cache.kv_bytes() for cache in caches]
     # every cell decodes in one batch: same prompt, one compressed cache per batch element
-    batch = RaggedCache.stack(caches)
-    repeated = ids.expand(len(caches), -1)
-    out = model.generate(
-        repeated,
-        attention_mask=torch.ones_like(repeated),
-        past_key_values=batch,
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=pad,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-    )
+    texts, _ = decode_together(model, tokenizer, ids, caches, max_new_tokens)
     results = {}
-    for row, key in enumerate(keys):
-        text = tokenizer.decode(out[row, ids.shape[1] :], skip_special_tokens=True)
+    for row, (key, text) in enumerate(zip(keys, texts, strict=True)):
         results[key] = {
             "text": text,
             "correct": bool(answer_is_correct(text, probe)),

@@ -109,10 +109,34 @@ def relative_error(approx: list[torch.Tensor], exact: list[torch.Tensor]) -> flo
 
 
 @torch.no_grad()
+def decode_together(model, tokenizer, ids: torch.Tensor, caches, max_new_tokens: int) -> tuple[list[str], float]:
+    """Greedy answers to one prompt ``ids [1, T]`` from each of ``caches`` (copies of its prefilled
+    prefix, compressed or not), decoded as one batch (``RaggedCache.stack``: equal to one by one,
+    the runtime's batch tests); returns the answers and the batch's wall seconds."""
+    from runtime import RaggedCache, ragged_attention
+
+    batch = RaggedCache.stack(caches)
+    rows = ids.expand(len(caches), -1)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    started = time.perf_counter()
+    with ragged_attention(model):
+        out = model.generate(
+            rows,
+            attention_mask=torch.ones_like(rows),
+            past_key_values=batch,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad,
+        )
+    seconds = time.perf_counter() - started
+    return [tokenizer.decode(row[ids.shape[1] :], skip_special_tokens=True) for row in out], seconds
+
+
+@torch.no_grad()
 def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_aware, max_new_tokens):
     """The baseline and every ``(key, policy)`` cell on one probe: one prefill, one copy of it
     compressed per cell, and one batched ``generate`` (row 0 the baseline).  Returns per-row records."""
-    from runtime import RaggedCache, compress, ragged_attention
+    from runtime import RaggedCache, compress
     from runtime.compress import prefill_for_policies
     from runtime.generate import check_calibration_fits, check_inputs
     from runtime.kvzip import uses_kvzip, with_reconstruction_scores
@@ -140,25 +164,12 @@ def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_a
     caches.insert(0, base)
     compress_seconds.insert(0, 0.0)
     kv_bytes = [cache.kv_bytes() for cache in caches]
-    batch = RaggedCache.stack(caches)
-    rows = ids.expand(len(caches), -1)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     recorder.arm()
-    started = time.perf_counter()
-    with ragged_attention(model):
-        out = model.generate(
-            rows,
-            attention_mask=torch.ones_like(rows),
-            past_key_values=batch,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=pad,
-        )
-    decode_seconds = (time.perf_counter() - started) / len(caches)
+    texts, seconds = decode_together(model, tokenizer, ids, caches, max_new_tokens)
+    decode_seconds = seconds / len(caches)
     outputs = recorder.take()  # per layer [rows, q, Hq * d]
     records = []
-    for row in range(len(caches)):
-        text = tokenizer.decode(out[row, ids.shape[1] :], skip_special_tokens=True)
+    for row, text in enumerate(texts):
         mine = [layer[row : row + 1] for layer in outputs]
         reference = [layer[0:1] for layer in outputs]
         records.append(
