@@ -18,7 +18,7 @@ from .arguments import RenamedOption, comma_separated, number_in, positive_int
 from .evaluation_results import EVALUATION_SEED_OFFSET, RECOMMENDATION_CANDIDATES, markdown_table
 
 # runtime.policy_spec.NAMED_POLICIES, spelled out for the help text (tested equal)
-NAMED_POLICIES = {"flagship": "inf/leverage"}
+NAMED_POLICIES = {"flagship": "inf/leverage+correction"}
 
 # The names of runtime.policy.ALLOCATIONS and runtime.scorers.SCORERS for the help text, spelled
 # out because importing runtime takes torch and --help must not wait for it (tests check they agree).

@@ -10,8 +10,9 @@ and records, per ratio, the most accurate policy in the artifact's ``recommendat
 
 * the grid ratio nearest the asked one decides the policy (ties: the larger ratio, whose
   measurement is the stricter one); the policy then evicts exactly the asked fraction;
-* with no recommendation recorded, the flagship (``runtime.policy_spec.FLAGSHIP``) when the
-  artifact has INF budgets, else the artifact-free default (uniform leverage);
+* with no recommendation recorded, the first of the flagship (``runtime.policy_spec.FLAGSHIP``:
+  inf/leverage+correction, needs the budgets and moments sections), ``inf/leverage`` (budgets)
+  and the artifact-free default (uniform leverage) that the artifact can serve;
 * a recorded policy this calibration cannot serve (its section was removed since) falls back
   the same way, with a warning.
 """
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .policy_spec import ARTIFACT_FREE, FLAGSHIP, PolicySpec, parse_policy
+from .policy_spec import ARTIFACT_FREE, FLAGSHIP, INF_LEVERAGE, PolicySpec, parse_policy
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,16 @@ class Recommendation:
 
 
 def fallback_spec(calibration) -> PolicySpec:
-    """The flagship when ``calibration`` has INF budgets, else the artifact-free default."""
-    if calibration is not None and getattr(calibration, "inf_weights", None) is not None:
-        return FLAGSHIP
+    """The first of the flagship, ``inf/leverage`` and the artifact-free default that ``calibration``
+    can serve (the artifact-free default when there is no calibration)."""
+    if calibration is None:
+        return ARTIFACT_FREE
+    for spec in (FLAGSHIP, INF_LEVERAGE):
+        try:
+            spec.policy(0.5).check_calibration(calibration)
+        except ValueError:
+            continue
+        return spec
     return ARTIFACT_FREE
 
 

@@ -120,6 +120,7 @@ def test_the_grammar_lives_in_the_runtime_and_evaluate_artifacts_help_names_its_
         grammar.parse_policy(name)  # every default parses
     flagship = grammar.parse_policy("flagship")
     assert flagship is grammar.FLAGSHIP and (flagship.allocation, flagship.scorer) == ("inf", "leverage")
+    assert flagship.policy(0.75).correction == "calibrated"
     assert grammar.parse_policy("inf/keydiff+correction").policy(0.75).correction == "calibrated"
 
 

@@ -21,7 +21,7 @@ from artifacts import open_artifact
 from artifacts.report import render_report
 from artifacts.summary import format_summary, summarize
 from runtime import CompressionPolicy, load_calibration
-from runtime.policy_spec import ARTIFACT_FREE, FLAGSHIP, parse_policy
+from runtime.policy_spec import ARTIFACT_FREE, FLAGSHIP, INF_LEVERAGE, parse_policy
 from runtime.recommendation import Recommendation, recommended_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
@@ -49,15 +49,21 @@ def test_the_nearest_grid_ratio_decides_and_ties_go_to_the_larger():
     assert shuffled.compression_ratios == (0.5, 0.75, 0.9) and shuffled.policies == ("a", "b", "c")
 
 
-def test_without_a_recommendation_the_flagship_or_the_artifact_free_policy_is_served(tmp_path):
+def test_without_a_recommendation_the_first_servable_of_flagship_inf_leverage_artifact_free_is_served(tmp_path):
     model = make_tiny_llama()
+    full = load_calibration(model, path=write_tiny_artifact(tmp_path / "f.h5", model, ("budgets", "moments")))
+    moments_only = load_calibration(model, path=write_tiny_artifact(tmp_path / "n.h5", model, ("moments",)))
     with_budgets = load_calibration(model, path=write_tiny_artifact(tmp_path / "b.h5", model, ("budgets",)))
     stats_only = load_calibration(model, path=write_tiny_artifact(tmp_path / "q.h5", model, ("query_stats",)))
-    assert recommended_spec(with_budgets, 0.75) is FLAGSHIP
+    assert FLAGSHIP.name == "flagship" and FLAGSHIP.policy(0.75) == parse_policy("inf/leverage+correction").policy(0.75)
+    assert recommended_spec(full, 0.75) is FLAGSHIP
+    assert recommended_spec(with_budgets, 0.75) is INF_LEVERAGE  # the flagship's correction needs the orders
+    assert recommended_spec(moments_only, 0.75) is ARTIFACT_FREE  # INF budgets are needed by both
     assert recommended_spec(stats_only, 0.75) is ARTIFACT_FREE
     assert recommended_spec(None, 0.75) is ARTIFACT_FREE
+    assert full.policy(compression_ratio=0.75) == FLAGSHIP.policy(0.75)
     policy = with_budgets.policy(compression_ratio=0.75)
-    assert policy == FLAGSHIP.policy(0.75) and policy.kept_fraction == pytest.approx(0.25)
+    assert policy == INF_LEVERAGE.policy(0.75) and policy.kept_fraction == pytest.approx(0.25)
     assert CompressionPolicy.recommended(with_budgets, compression_ratio=0.75) == policy
     for bad in (1.0, -0.1, "0.75", True):
         with pytest.raises(ValueError, match="compression_ratio"):
@@ -69,8 +75,8 @@ def test_a_recorded_policy_the_artifact_cannot_serve_falls_back_with_a_warning(t
     calibration = load_calibration(model, path=write_tiny_artifact(tmp_path / "b.h5", model, ("budgets",)))
     calibration.recommendation = _recommendation(policies=("uniform/keydiff", "global/learned", "inf/leverage"))
     assert calibration.policy(compression_ratio=0.5) == parse_policy("uniform/keydiff").policy(0.5)
-    with pytest.warns(UserWarning, match="'global/learned' cannot be served.*using flagship"):
-        assert calibration.policy(compression_ratio=0.8) == FLAGSHIP.policy(0.8)
+    with pytest.warns(UserWarning, match="'global/learned' cannot be served.*using inf/leverage"):
+        assert calibration.policy(compression_ratio=0.8) == INF_LEVERAGE.policy(0.8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert calibration.policy(compression_ratio=0.9) == parse_policy("inf/leverage").policy(0.9)
@@ -205,7 +211,7 @@ def test_kvzip_is_refused_as_a_recommendation_candidate_or_a_recorded_recommenda
     calibration = load_calibration(model, path=write_tiny_artifact(tmp_path / "b.h5", model, ("budgets",)))
     calibration.recommendation = _recommendation(policies=("global/kvzip", "inf/leverage", "inf/leverage"))
     with pytest.warns(UserWarning, match="reconstruction pass"):
-        assert recommended_spec(calibration, 0.5) is FLAGSHIP
+        assert recommended_spec(calibration, 0.5) is INF_LEVERAGE
     assert recommended_spec(calibration, 0.75).name == "inf/leverage"
 
 

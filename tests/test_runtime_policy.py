@@ -78,6 +78,17 @@ def write_tiny_artifact(path, model, sections=("query_stats", "budgets"), seed=0
                 "tau": np.zeros((layers, kv)),
             }
         )
+    if "learned_scorer" in sections:
+        parts["learned_scorer"] = Section(
+            arrays={
+                "weights": rng.standard_normal((layers, kv, 2 * d)),
+                "bias": rng.standard_normal((layers, kv)),
+                "ridge": np.full((layers, kv), 0.01),
+                "r2": rng.random((layers, kv)),
+                "rank_correlation": rng.random((layers, kv)),
+            },
+            attrs={"features": "kv", "teacher": "kvzip", "fit_tokens": 4096, "held_out_tokens": 1024},
+        )
     write_artifact(path, Artifact(model=identity_for(model), config=job_config or {"purpose": "test"}, sections=parts))
     return path
 

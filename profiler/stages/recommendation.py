@@ -52,7 +52,8 @@ class RecommendationStage(Stage):
             type=comma_separated(str),
             default=None,
             help="candidate policies, cheapest to serve first (ties go to the first); default: "
-            "inf/keydiff+correction, global/learned, global/learned+correction, inf/leverage, uniform/leverage",
+            "inf/keydiff+correction, global/learned, global/learned+correction, inf/leverage, uniform/leverage, "
+            "inf/leverage+correction",
         )
         group.add_argument(
             "--recommend-compression-ratios",
