@@ -130,6 +130,7 @@ class _CorrectionErrorMeasurer:
         self.allocation = allocation
         self.learned = learned  # (weights [L, Hkv, 2d], bias [L, Hkv]) for the learned scorer
         self.key_rope = key_rope  # positions -> (cos, sin) [n, d], for scorers that undo RoPE
+        self._rope_memo: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (prefix, cos, sin)
         self.pending: dict[int, tuple] = {}  # layer -> captured (query, key, value, scaling): global allocation
         self.error_sums = np.zeros((len(keep_ratios), len(ORDERS), num_layers, num_kv_heads))
         self.calls = np.zeros(num_layers, dtype=np.int64)
@@ -175,8 +176,10 @@ class _CorrectionErrorMeasurer:
         window = self.scorer.observation_window
         positions = torch.arange(prefix, device=device)
         key_cos = key_sin = None
-        if self.scorer.key_rope:
-            key_cos, key_sin = (t.to(device) for t in self.key_rope(positions))
+        if self.scorer.key_rope:  # the same prefix positions in every layer and window: computed once
+            if self._rope_memo is None or self._rope_memo[0] != prefix:
+                self._rope_memo = (prefix, *(t.to(device) for t in self.key_rope(positions)))
+            key_cos, key_sin = self._rope_memo[1:]
         heads = []
         for h in range(num_kv_heads):
             q = query[0, h * group : (h + 1) * group].float()  # [G, T, d]

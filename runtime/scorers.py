@@ -758,7 +758,7 @@ class KVzipScorer(Scorer):
 
     def score_layer(self, layer: LayerContext) -> torch.Tensor:
         table = self._checked_table(layer.layer, layer.next_positions)
-        rows, heads, n, dim = layer.keys.shape
+        rows, heads = layer.lengths.shape
         if heads != table.scores.shape[1]:
             raise ValueError(f"kvzip scores cover {table.scores.shape[1]} KV heads, the layer has {heads}")
         device = layer.keys.device
