@@ -31,7 +31,7 @@ in every row):
      ``parse_policy("inf/keydiff+correction").policy(1 - K)``, per-head orders from the
      artifact) or, without one, ``uniform/keydiff+correction1``
      (``CompressionPolicy(keep_ratio=K, scorer="keydiff", correction="order1")``);
-   * leverage: the flagship ``inf/leverage`` (``runtime.policy_spec.FLAGSHIP.policy(1 - K)``)
+   * leverage: the flagship ``inf/leverage+correction`` (``runtime.policy_spec.FLAGSHIP.policy(1 - K)``)
      with ``--artifact``, else ``uniform/leverage`` (``CompressionPolicy(keep_ratio=K)``),
 
    where K is ``--keep-ratio`` (default 0.25).  Bars: nothing evicted <= 1.05x plain at every
@@ -557,7 +557,11 @@ def build_policies(args, model, tokenizer, results) -> dict:
     policies = {
         "uniform/keydiff": (CompressionPolicy(keep_ratio=keep, scorer="keydiff"), None),
         "inf/keydiff+correction": (parse_policy("inf/keydiff+correction").policy(1.0 - keep), calibration),
-        f"{FLAGSHIP.name} {FLAGSHIP.allocation}/{FLAGSHIP.scorer}": (FLAGSHIP.policy(1.0 - keep), calibration),
+        f"{FLAGSHIP.name} {FLAGSHIP.allocation}/{FLAGSHIP.scorer}"
+        + ("+correction" if FLAGSHIP.options.get("correction") == "calibrated" else ""): (
+            FLAGSHIP.policy(1.0 - keep),
+            calibration,
+        ),
     }
     for policy, with_calibration in policies.values():
         policy.check_calibration(with_calibration)  # before anything long runs
