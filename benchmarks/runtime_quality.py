@@ -56,6 +56,13 @@ SCORERS = {  # row label -> CompressionPolicy fields
     "ea-prompt": {"scorer": "expected_attention", "statistics": "prompt"},
     "ea-calibrated-pool7": {"scorer": "expected_attention", "statistics": "calibrated", "scorer_options": {"pool": 7}},
     "ea-prompt-pool7": {"scorer": "expected_attention", "statistics": "prompt", "scorer_options": {"pool": 7}},
+    # kvpress's ExpectedAttentionPress adds epsilon = 1e-2 to the attention estimate before the value norm
+    "ea-calibrated-eps": {
+        "scorer": "expected_attention",
+        "statistics": "calibrated",
+        "scorer_options": {"epsilon": 1e-2},
+    },
+    "ea-prompt-eps": {"scorer": "expected_attention", "statistics": "prompt", "scorer_options": {"epsilon": 1e-2}},
     "keydiff": {"scorer": "keydiff"},
     "snapkv": {"scorer": "snapkv"},
     "knorm": {"scorer": "knorm"},
