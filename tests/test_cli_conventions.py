@@ -44,10 +44,11 @@ def test_torch_free_copies_of_runtime_names_agree_with_the_runtime():
     """The parsers spell out a few runtime names so that they need no torch; they must not drift."""
     from profiler import evaluate_cli, moments_calibration
     from profiler.stages import moments
-    from runtime.policy import ALLOCATIONS
+    from runtime.policy import ALLOCATIONS, STATISTICS
     from runtime.scorers import SCORERS
 
     assert evaluate_cli.ALLOCATIONS == ALLOCATIONS
+    assert evaluate_cli.STATISTICS == STATISTICS
     assert evaluate_cli.SCORERS == tuple(SCORERS)
     assert moments.SELECTION_SCORERS == moments_calibration.SELECTION_SCORERS
 
