@@ -63,6 +63,20 @@ SCORERS = {  # row label -> CompressionPolicy fields
         "scorer_options": {"epsilon": 1e-2},
     },
     "ea-prompt-eps": {"scorer": "expected_attention", "statistics": "prompt", "scorer_options": {"epsilon": 1e-2}},
+    # EA's epsilon before it defaulted to 1e-2
+    "ea-calibrated-eps0": {
+        "scorer": "expected_attention",
+        "statistics": "calibrated",
+        "scorer_options": {"epsilon": 0.0},
+    },
+    "ea-prompt-eps0": {"scorer": "expected_attention", "statistics": "prompt", "scorer_options": {"epsilon": 0.0}},
+    # statistics of the queries after the probes' context (the artifact's future_queries section)
+    "ea-future": {"scorer": "expected_attention", "statistics": "future"},
+    "ea-future-eps0": {"scorer": "expected_attention", "statistics": "future", "scorer_options": {"epsilon": 0.0}},
+    "proto": {"scorer": "prototype_attention"},  # max over the centres, mean over the GQA group
+    "proto-mean": {"scorer": "prototype_attention", "scorer_options": {"centres": "mean"}},
+    "proto-gmax": {"scorer": "prototype_attention", "scorer_options": {"group": "max"}},
+    "proto-eps": {"scorer": "prototype_attention", "scorer_options": {"epsilon": 1e-2}},
     "keydiff": {"scorer": "keydiff"},
     "snapkv": {"scorer": "snapkv"},
     "knorm": {"scorer": "knorm"},

@@ -130,7 +130,7 @@ def test_one_centre_with_mixture_reduction_is_expected_attention_without_covaria
     cos, sin = averaged_rope(model, 30, 8)
     head = HeadContext(0, 0, keys, values, torch.arange(19), 0.25, 30, rope_cos=cos, rope_sin=sin)
     head.query_centres, head.centre_weights = mean[:, None], torch.ones(2, 1)
-    expected = direct_expected_attention(keys, values, mean, torch.zeros(2, 16, 16), 30, 8, theta, 0.25)
+    expected = direct_expected_attention(keys, values, mean, torch.zeros(2, 16, 16), 30, 8, theta, 0.25, epsilon=0.0)
     torch.testing.assert_close(
         PrototypeAttentionScorer(horizon=8, centres="mean").score(head).double(), expected, rtol=1e-4, atol=1e-6
     )
