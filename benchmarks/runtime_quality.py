@@ -77,6 +77,17 @@ SCORERS = {  # row label -> CompressionPolicy fields
     "proto-mean": {"scorer": "prototype_attention", "scorer_options": {"centres": "mean"}},
     "proto-gmax": {"scorer": "prototype_attention", "scorer_options": {"group": "max"}},
     "proto-eps": {"scorer": "prototype_attention", "scorer_options": {"epsilon": 1e-2}},
+    "proto-mean-gmax": {"scorer": "prototype_attention", "scorer_options": {"centres": "mean", "group": "max"}},
+    "proto-gmax-h64": {"scorer": "prototype_attention", "scorer_options": {"group": "max", "horizon": 64}},
+    "proto-mean-h64": {"scorer": "prototype_attention", "scorer_options": {"centres": "mean", "horizon": 64}},
+    "proto-mean-gmax-h64": {
+        "scorer": "prototype_attention",
+        "scorer_options": {"centres": "mean", "group": "max", "horizon": 64},
+    },
+    # RoPE averaged over the span the question and answer occupy (~40-60 tokens), not EA's 512
+    "proto-h64": {"scorer": "prototype_attention", "scorer_options": {"horizon": 64}},
+    "proto-eps-h64": {"scorer": "prototype_attention", "scorer_options": {"horizon": 64, "epsilon": 1e-2}},
+    "ea-future-h64": {"scorer": "expected_attention", "statistics": "future", "scorer_options": {"horizon": 64}},
     "keydiff": {"scorer": "keydiff"},
     "snapkv": {"scorer": "snapkv"},
     "knorm": {"scorer": "knorm"},
