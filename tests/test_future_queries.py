@@ -292,3 +292,52 @@ def test_a_damaged_future_queries_section_is_refused(tmp_path, damage, message):
     damage(artifact.sections["future_queries"].arrays)
     with pytest.raises(ArtifactError, match=message):
         write_artifact(tmp_path / "bad.h5", artifact)
+
+
+# -- the real embedded model --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_embedded_model_keeps_the_needle_under_prototype_attention(embedded_model, embedded_tokenizer):
+    """Centres fitted on the future queries of four profiling-seed retrieval probes (what the
+    future-queries stage records) let a 1K-token probe of an unseen seed keep its answer at half
+    the cache with uniform budgets, question-agnostic."""
+    from needles import PRESETS, answer_is_correct, generate_probes
+    from runtime import compress, ragged_attention
+    from runtime.query_moments import QueryMoments
+
+    model, tokenizer = embedded_model, embedded_tokenizer
+    geometry = ModelGeometry.of(model)
+    seen = PRESETS["quick"].replace(families=("retrieval",), lengths=(1024,), depths=(25.0, 75.0), count=2, seed=0)
+    queries = np.concatenate(
+        [probe_future_queries(model, tokenizer, geometry, probe, 24) for probe in generate_probes(seen, tokenizer)]
+    )  # [N, L, Hq, d]
+    L, H, d = queries.shape[1:]
+    moments = QueryMoments(L, H, d)
+    for layer in range(L):
+        moments.add(layer, queries[:, layer])
+    stats = moments.finalize()
+    centres, weights = kmeans_centres(queries.reshape(-1, L * H, d).transpose(1, 0, 2), 4)
+    future = {**stats, "centres": centres.reshape(L, H, 4, d), "centre_weights": weights.reshape(L, H, 4)}
+    calibration = Calibration("memory.h5", SimpleNamespace(num_layers=L, num_q_heads=H), {}, ("future_queries",))
+    calibration._future = {key: future[key] for key in ("mean", "cov", "centres", "centre_weights")}
+
+    spec = PRESETS["quick"].replace(families=("retrieval",), seed=1000)
+    probe = next(p for p in generate_probes(spec, tokenizer) if p.length <= 1024 and p.depth == 50.0)
+    ids = torch.tensor([probe.input_ids])
+    policy = parse_policy("uniform/prototype_attention").policy(0.5)
+    with ragged_attention(model):
+        cache = RaggedCache.for_model(model)
+        prefill(model, cache, ids[:, : probe.context_end], policy=policy)
+        report = compress(model, cache, policy, calibration)
+        assert report.kv_bytes_after <= 0.55 * report.kv_bytes_before
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            do_sample=False,
+            max_new_tokens=20,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+    text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    assert answer_is_correct(text, probe), (probe.answer, text)
