@@ -132,7 +132,10 @@ def test_one_centre_with_mixture_reduction_is_expected_attention_without_covaria
     head.query_centres, head.centre_weights = mean[:, None], torch.ones(2, 1)
     expected = direct_expected_attention(keys, values, mean, torch.zeros(2, 16, 16), 30, 8, theta, 0.25, epsilon=0.0)
     torch.testing.assert_close(
-        PrototypeAttentionScorer(horizon=8, centres="mean").score(head).double(), expected, rtol=1e-4, atol=1e-6
+        PrototypeAttentionScorer(horizon=8, centres="mean", group="mean").score(head).double(),
+        expected,
+        rtol=1e-4,
+        atol=1e-6,
     )
 
 
