@@ -11,7 +11,9 @@ with values as the schema types them.  The reader recomputes it from what it rea
 /model attributes and the sections added after 1.1 (``schema.OPTIONAL_MODEL_ATTRS``,
 ``schema.SECTIONS_AFTER_1_1``) are left out of it, so that a 1.1 reader, which does not know
 them, can still verify it; when a file has any of them, ``extended_metadata_sha256`` is the
-digest of the same document with them included.
+digest of the same document with them included.  Sections added after 1.2
+(``schema.SECTIONS_AFTER_1_2``) have no attributes and are in neither digest (a 1.2 reader
+skips them; their datasets carry their own checksums).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-from .schema import OPTIONAL_MODEL_ATTRS, SECTIONS_AFTER_1_1, Artifact, canonical_json
+from .schema import OPTIONAL_MODEL_ATTRS, SECTIONS_AFTER_1_1, SECTIONS_AFTER_1_2, Artifact, canonical_json
 
 ROOT_TEXT_ATTRS = ("toolkit_version", "created", "config_json")
 
@@ -33,8 +35,14 @@ def root_attrs(artifact: Artifact, *, created: str, version: str) -> dict:
     }
 
 
+def _before_1_3(section_attrs: dict) -> dict:
+    """The sections of ``section_attrs`` that a 1.2 reader knows (those added after 1.2 have no attributes)."""
+    return {name: v for name, v in section_attrs.items() if name not in SECTIONS_AFTER_1_2}
+
+
 def metadata_digest(root: dict, model: dict, section_attrs: dict) -> str:
     """``metadata_sha256``: over what schema 1.1 has (not the /model attributes and sections added later)."""
+    section_attrs = _before_1_3(section_attrs)
     return _digest(
         root,
         {name: v for name, v in model.items() if name not in OPTIONAL_MODEL_ATTRS},
@@ -44,7 +52,8 @@ def metadata_digest(root: dict, model: dict, section_attrs: dict) -> str:
 
 def extended_metadata_digest(root: dict, model: dict, section_attrs: dict) -> str | None:
     """``extended_metadata_sha256``: the same document with the /model attributes and the sections
-    added after 1.1 that are present included; None when there are none."""
+    added after 1.1 that are present included (not those added after 1.2); None when there are none."""
+    section_attrs = _before_1_3(section_attrs)
     extra = {name: model[name] for name in OPTIONAL_MODEL_ATTRS if model.get(name)}
     if not extra and not any(name in SECTIONS_AFTER_1_1 for name in section_attrs):
         return None

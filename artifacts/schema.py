@@ -8,7 +8,7 @@ datasets has an exact dtype and a shape written in symbols:
   ``Hkv`` KV heads, ``d`` head dimension;
 * section symbols, free but equal across a section's datasets and capped: ``P`` probes,
   ``NT`` token budgets, ``NR`` ratio budgets, ``R`` reference ratios, ``F`` scorer features,
-  ``NC`` recommended compression ratios, ``NP`` candidate policies.
+  ``NC`` recommended compression ratios, ``NP`` candidate policies, ``K`` query centres.
 
 Every section is optional (``profile-model --stages`` may write a subset); a section that is
 present must hold all of its datasets.  A consumer that needs a section asks the reader for it
@@ -25,7 +25,8 @@ import numpy as np
 
 FORMAT_NAME = "kvcal-calibration"
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 2  # 1.1: the learned_scorer section; 1.2: the recommendation section, /model weights_fingerprints
+SCHEMA_MINOR = 3  # 1.1: the learned_scorer section; 1.2: the recommendation section, /model weights_fingerprints;
+# 1.3: the future_queries section
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 # Upper bounds on the architecture numbers and free dimensions a file may declare.  They keep
@@ -34,7 +35,7 @@ SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 # released models are far inside them (Llama-3.1-405B: L=126, Hq=128, Hkv=8, d=128; head
 # dimensions go up to 256).
 ARCH_LIMITS = {"L": 512, "Hq": 512, "Hkv": 512, "d": 512}
-FREE_DIM_LIMITS = {"P": 1_000_000, "NT": 4096, "NR": 4096, "R": 256, "F": 4096, "NC": 256, "NP": 256}
+FREE_DIM_LIMITS = {"P": 1_000_000, "NT": 4096, "NR": 4096, "R": 256, "F": 4096, "NC": 256, "NP": 256, "K": 256}
 MAX_STRING_ATTR_CHARS = 1 << 20  # config JSON and friends: at most a million characters
 MAX_CONFIG_DEPTH = 64  # config_json / rope_parameters: objects and lists nested at most this deep
 MAX_TOKENS = 1 << 40  # token counts in budget tables: sums over every head stay exact in int64
@@ -101,6 +102,27 @@ SECTIONS: dict[str, SectionSpec] = {
         },
         {"n_sink": int},
         {"n_sink": (0, None)},
+    ),
+    "future_queries": SectionSpec(
+        "Statistics of the pre-RoPE queries that read a cache compressed before the question: the queries "
+        "after each needle probe's context (question, answer), per (layer, query head): mean, covariance, "
+        "and k-means centres with their weights.",
+        {
+            "n": DatasetSpec("<i8", ("L", "Hq"), "number of future queries accumulated", 0),
+            "mean": DatasetSpec("<f4", ("L", "Hq", "d"), "mean pre-RoPE future query", magnitude=1e4),
+            "cov": DatasetSpec(
+                "<f4",
+                ("L", "Hq", "d", "d"),
+                "population covariance (divided by n) of pre-RoPE future queries; symmetric positive semi-definite",
+                magnitude=1e8,
+            ),
+            "centres": DatasetSpec(
+                "<f4", ("L", "Hq", "K", "d"), "k-means centres of the pre-RoPE future queries", magnitude=1e4
+            ),
+            "centre_weights": DatasetSpec(
+                "<f8", ("L", "Hq", "K"), "fraction of the head's future queries nearest each centre", 0.0, 1.0
+            ),
+        },
     ),
     "budgets": SectionSpec(
         "Per-KV-head budget tables from REAL's INF allocation (docs/design.md section 3).",
@@ -183,6 +205,9 @@ SECTIONS: dict[str, SectionSpec] = {
 # Sections added after schema 1.1: their attributes are protected by extended_metadata_sha256 only
 # (artifacts.metadata), so that a 1.1 reader, which skips them, can still verify metadata_sha256.
 SECTIONS_AFTER_1_1 = ("recommendation",)
+# Sections added after schema 1.2.  They have no attributes (every value is a checksummed dataset), and
+# no metadata digest covers them, so that a 1.2 reader, which skips them, still verifies both digests.
+SECTIONS_AFTER_1_2 = ("future_queries",)
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,17 @@ def summarize(reader: ArtifactReader) -> dict:
             "mean_query_norm": _range(np.linalg.norm(q["mean"], axis=-1)),
             "cov_trace": _range(np.trace(q["cov"], axis1=-2, axis2=-1)),
         }
+    if reader.has("future_queries"):
+        f = reader.section("future_queries")
+        mean_norm = np.linalg.norm(f["mean"], axis=-1)  # [L, Hq]
+        centre_norm = np.linalg.norm(f["centres"], axis=-1)  # [L, Hq, K]
+        sections["future_queries"] = {
+            "queries_per_head": {"min": int(f["n"].min()), "max": int(f["n"].max())},
+            "centres_per_head": int(f["centres"].shape[2]),
+            "mean_query_norm": _range(mean_norm),
+            "centre_norm": _range(centre_norm),
+            "largest_centre_weight": _range(f["centre_weights"].max(-1)),
+        }
     if reader.has("budgets"):
         bt = reader.section("budgets")
         tables = {}
@@ -183,6 +194,15 @@ def format_summary(summary: dict) -> str:
             f"(first {q['n_sink']} tokens of each sample skipped); mean-query norm "
             f"{q['mean_query_norm']['min']:.2f} .. {q['mean_query_norm']['max']:.2f}; cov trace "
             f"{q['cov_trace']['min']:.2f} .. {q['cov_trace']['max']:.2f}"
+        )
+    if _described(sections, "future_queries"):
+        f = sections["future_queries"]
+        lines.append(
+            f"future_queries {f['queries_per_head']['min']}-{f['queries_per_head']['max']} queries per head after "
+            f"the probes' context (question, answer); mean-query norm {f['mean_query_norm']['min']:.2f} .. "
+            f"{f['mean_query_norm']['max']:.2f}; {f['centres_per_head']} centres per head, norms "
+            f"{f['centre_norm']['min']:.2f} .. {f['centre_norm']['max']:.2f}, largest weight "
+            f"{f['largest_centre_weight']['min']:.2f} .. {f['largest_centre_weight']['max']:.2f}"
         )
     if _described(sections, "budgets"):
         bt = sections["budgets"]

@@ -290,17 +290,31 @@ def check_section_values(section: str, arrays: dict, attrs: dict) -> None:
         check(arrays, attrs)
 
 
-def _check_query_stats(arrays: dict, attrs: dict) -> None:
+def _check_query_stats(arrays: dict, attrs: dict, section: str = "query_stats") -> None:
     cov = arrays.get("cov")
     if cov is None:
         return
     heads_per_block = max(1, (_BLOCK_BYTES // 4) // (cov.shape[-1] * cov.shape[-1]))
     for layer in range(cov.shape[0]):
         for first in range(0, cov.shape[1], heads_per_block):  # temporaries of ~_BLOCK_BYTES
-            _check_covariances(cov[layer, first : first + heads_per_block], layer, first)
+            _check_covariances(cov[layer, first : first + heads_per_block], layer, first, section)
 
 
-def _check_covariances(block: np.ndarray, layer: int, first: int) -> None:
+def _check_future_queries(arrays: dict, attrs: dict) -> None:
+    _check_query_stats(arrays, attrs, "future_queries")
+    weights = arrays.get("centre_weights")
+    if weights is not None and weights.size:
+        totals = weights.sum(axis=-1)  # [L, Hq]
+        bad = np.abs(totals - 1.0) > SUM_TOLERANCE
+        if bad.any():
+            layer, head = (int(i) for i in np.argwhere(bad)[0])
+            raise ArtifactError(
+                f"/future_queries/centre_weights: layer {layer}, query head {head} sums to "
+                f"{float(totals[layer, head]):.9g}, not 1"
+            )
+
+
+def _check_covariances(block: np.ndarray, layer: int, first: int, section: str = "query_stats") -> None:
     """``block`` ``[heads, d, d]`` (magnitudes already checked): symmetric and positive semi-definite-ish."""
     variances = np.diagonal(block, axis1=-2, axis2=-1)  # [heads, d]
     scale = np.maximum(variances.max(axis=-1), 0.0)[:, None, None]  # [heads, 1, 1]
@@ -308,7 +322,7 @@ def _check_covariances(block: np.ndarray, layer: int, first: int) -> None:
     asymmetric = (np.abs(block - block.swapaxes(-1, -2)) > slack).any(axis=(-1, -2))
     if asymmetric.any():
         head = first + int(np.flatnonzero(asymmetric)[0])
-        raise ArtifactError(f"/query_stats/cov: layer {layer}, query head {head} is not symmetric")
+        raise ArtifactError(f"/{section}/cov: layer {layer}, query head {head} is not symmetric")
     # positive semi-definite, by its cheap necessary conditions: variances >= 0 and
     # |cov_ij| <= sqrt(cov_ii cov_jj) (Cauchy-Schwarz)
     std = np.sqrt(np.maximum(variances, 0.0))
@@ -318,7 +332,7 @@ def _check_covariances(block: np.ndarray, layer: int, first: int) -> None:
     if bad.any():
         head = first + int(np.flatnonzero(bad)[0])
         raise ArtifactError(
-            f"/query_stats/cov: layer {layer}, query head {head} is not positive semi-definite "
+            f"/{section}/cov: layer {layer}, query head {head} is not positive semi-definite "
             "(a negative variance, or a covariance larger than its variances allow)"
         )
 
@@ -367,6 +381,7 @@ def _check_recommendation(arrays: dict, attrs: dict) -> None:
 
 _SECTION_CHECKS = {
     "query_stats": _check_query_stats,
+    "future_queries": _check_future_queries,
     "budgets": _check_budgets,
     "recommendation": _check_recommendation,
 }

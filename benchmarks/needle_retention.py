@@ -2,10 +2,13 @@
 question-agnostic compression, per scorer, on the heads REAL ranks highest.
 
     python benchmarks/needle_retention.py --artifact kv_calibration.h5 [--keep 0.25]
-        [--length 2048] [--depths 10 50] [--seed 1000] [--top 12]
+        [--length 2048] [--depths 10 50] [--seed 1000] [--top 12] [--allocation inf|uniform]
+        [--scorers ea-calibrated ea-prompt keydiff ...]
 
 For each retrieval probe the context is prefilled once; copies are compressed with INF
-budgets (the same budgets for every scorer) and calibrated EA, prompt EA or KeyDiff; the
+budgets (``--allocation``; the same budgets for every scorer) and each of ``--scorers``
+(calibrated EA, prompt EA, KeyDiff by default; ``ea-future`` and ``proto`` read the artifact's
+``future_queries`` section); the
 table lists, for the ``--top`` KV heads by INF weight, the fraction of the R span (the
 needle's answer tokens) each scorer kept.  This is how the issue-7 finding was made: on this
 model EA drops most of the needle in several high-INF retrieval heads where KeyDiff keeps it.
@@ -30,6 +33,9 @@ SCORERS = {
     "ea-calibrated": {"scorer": "expected_attention", "statistics": "calibrated"},
     "ea-prompt": {"scorer": "expected_attention", "statistics": "prompt"},
     "keydiff": {"scorer": "keydiff"},
+    "ea-future": {"scorer": "expected_attention", "statistics": "future"},
+    "proto": {"scorer": "prototype_attention"},
+    "proto-mean": {"scorer": "prototype_attention", "scorer_options": {"centres": "mean"}},
 }
 
 
@@ -41,6 +47,14 @@ def main(argv=None) -> int:
     parser.add_argument("--depths", type=float, nargs="+", default=[10.0, 50.0], help="needle depths (default 10 50)")
     parser.add_argument("--seed", type=int, default=1000, help="probe seed (default 1000)")
     parser.add_argument("--top", type=int, default=12, help="heads listed, by INF weight (default 12)")
+    parser.add_argument("--allocation", default="inf", choices=("inf", "uniform"), help="budgets (default inf)")
+    parser.add_argument(
+        "--scorers",
+        nargs="+",
+        default=["ea-calibrated", "ea-prompt", "keydiff"],
+        choices=sorted(SCORERS),
+        help="scorers compared (default ea-calibrated ea-prompt keydiff)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     from needles.spec import make_probe
@@ -59,12 +73,13 @@ def main(argv=None) -> int:
         )
         needle = {p for span in probe.spans if span.label == "R" for p in range(span.start, span.end)}
         kept = {}
-        for name, fields in SCORERS.items():
+        for name in args.scorers:
+            fields = SCORERS[name]
             cache = base.copy()
             compress(
                 model,
                 cache,
-                CompressionPolicy(keep_ratio=args.keep, allocation="inf", **fields),
+                CompressionPolicy(keep_ratio=args.keep, allocation=args.allocation, **fields),
                 calibration,
                 prompt_stats=stats,
             )
@@ -74,7 +89,10 @@ def main(argv=None) -> int:
                     for layer in cache.layers
                 ]
             )
-        print(f"{probe.id} (answer {probe.answer}, {len(needle)} R tokens), {args.keep:.0%} kept, INF budgets")
+        print(
+            f"{probe.id} (answer {probe.answer}, {len(needle)} R tokens), {args.keep:.0%} kept, "
+            f"{args.allocation} budgets"
+        )
         print("  mean over all heads: " + ", ".join(f"{name} {value.mean():.2f}" for name, value in kept.items()))
         print("  head      INF w   " + "  ".join(f"{name:>13s}" for name in kept))
         for index in top:

@@ -57,6 +57,38 @@ SCORERS = {  # row label -> CompressionPolicy fields
     "ea-prompt": {"scorer": "expected_attention", "statistics": "prompt"},
     "ea-calibrated-pool7": {"scorer": "expected_attention", "statistics": "calibrated", "scorer_options": {"pool": 7}},
     "ea-prompt-pool7": {"scorer": "expected_attention", "statistics": "prompt", "scorer_options": {"pool": 7}},
+    # kvpress's ExpectedAttentionPress adds epsilon = 1e-2 to the attention estimate before the value norm
+    "ea-calibrated-eps": {
+        "scorer": "expected_attention",
+        "statistics": "calibrated",
+        "scorer_options": {"epsilon": 1e-2},
+    },
+    "ea-prompt-eps": {"scorer": "expected_attention", "statistics": "prompt", "scorer_options": {"epsilon": 1e-2}},
+    # EA's epsilon before it defaulted to 1e-2
+    "ea-calibrated-eps0": {
+        "scorer": "expected_attention",
+        "statistics": "calibrated",
+        "scorer_options": {"epsilon": 0.0},
+    },
+    "ea-prompt-eps0": {"scorer": "expected_attention", "statistics": "prompt", "scorer_options": {"epsilon": 0.0}},
+    # statistics of the queries after the probes' context (the artifact's future_queries section)
+    "ea-future": {"scorer": "expected_attention", "statistics": "future"},
+    "ea-future-eps0": {"scorer": "expected_attention", "statistics": "future", "scorer_options": {"epsilon": 0.0}},
+    "proto": {"scorer": "prototype_attention"},  # max over the centres, mean over the GQA group
+    "proto-mean": {"scorer": "prototype_attention", "scorer_options": {"centres": "mean"}},
+    "proto-gmax": {"scorer": "prototype_attention", "scorer_options": {"group": "max"}},
+    "proto-eps": {"scorer": "prototype_attention", "scorer_options": {"epsilon": 1e-2}},
+    "proto-mean-gmax": {"scorer": "prototype_attention", "scorer_options": {"centres": "mean", "group": "max"}},
+    "proto-gmax-h64": {"scorer": "prototype_attention", "scorer_options": {"group": "max", "horizon": 64}},
+    "proto-mean-h64": {"scorer": "prototype_attention", "scorer_options": {"centres": "mean", "horizon": 64}},
+    "proto-mean-gmax-h64": {
+        "scorer": "prototype_attention",
+        "scorer_options": {"centres": "mean", "group": "max", "horizon": 64},
+    },
+    # RoPE averaged over the span the question and answer occupy (~40-60 tokens), not EA's 512
+    "proto-h64": {"scorer": "prototype_attention", "scorer_options": {"horizon": 64}},
+    "proto-eps-h64": {"scorer": "prototype_attention", "scorer_options": {"horizon": 64, "epsilon": 1e-2}},
+    "ea-future-h64": {"scorer": "expected_attention", "statistics": "future", "scorer_options": {"horizon": 64}},
     "keydiff": {"scorer": "keydiff"},
     "snapkv": {"scorer": "snapkv"},
     "knorm": {"scorer": "knorm"},

@@ -20,10 +20,22 @@ from .evaluation_results import EVALUATION_SEED_OFFSET, RECOMMENDATION_CANDIDATE
 # runtime.policy_spec.NAMED_POLICIES, spelled out for the help text (tested equal)
 NAMED_POLICIES = {"flagship": "inf/leverage+correction"}
 
-# The names of runtime.policy.ALLOCATIONS and runtime.scorers.SCORERS for the help text, spelled
-# out because importing runtime takes torch and --help must not wait for it (tests check they agree).
+# The names of runtime.policy.ALLOCATIONS, runtime.policy.STATISTICS and runtime.scorers.SCORERS for the
+# help text, spelled out because importing runtime takes torch and --help must not wait for it (tests
+# check they agree).
 ALLOCATIONS = ("uniform", "inf", "global")
-SCORERS = ("expected_attention", "keydiff", "snapkv", "knorm", "streaming", "leverage", "kvzip", "learned")
+STATISTICS = ("calibrated", "future", "prompt")
+SCORERS = (
+    "expected_attention",
+    "prototype_attention",
+    "keydiff",
+    "snapkv",
+    "knorm",
+    "streaming",
+    "leverage",
+    "kvzip",
+    "learned",
+)
 
 # The recommendation stage's candidates and two artifact-free references; those the artifact
 # cannot serve (a missing section) are left out with a note.  Policies given with --policies
@@ -43,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
         "uncompressed accuracy.",
         epilog="Policies: 'baseline' (uncompressed), or ALLOCATION/SCORER[:STATISTICS][+SUFFIX...] with "
         f"ALLOCATION in {'|'.join(ALLOCATIONS)} (global: learned or kvzip, whose scores compare across "
-        f"heads) and SCORER in {'|'.join(SCORERS)} (STATISTICS calibrated|prompt for expected_attention; "
+        f"heads) and SCORER in {'|'.join(SCORERS)} (STATISTICS {'|'.join(STATISTICS)} for expected_attention: "
+        "calibrated = the artifact's query statistics of calibration text, future = of the questions and "
+        "answers of needle probes (section future_queries; prototype_attention uses its centres), prompt = "
+        "the prompt's own; "
         "kvzip runs a reconstruction pass per task, timed in its prefill, and is never recommended: "
         "calibration.policy() cannot serve it); MomentKV suffixes: +correction (each "
         "head's order from the artifact), +correction0, +correction1 (every head), +moments "

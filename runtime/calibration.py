@@ -29,8 +29,8 @@ Only what a serving process uses is read: at load time the INF weights (``budget
 else derived from ``behaviour/INFsc``), the correction orders (``moments/order``,
 ``moments/tau``), the learned scorer's weights (``learned_scorer/weights``, ``/bias``) and the
 measured recommendation (section ``recommendation``, served by :meth:`Calibration.policy`);
-the ``query_stats`` mean/cov on first use (the covariance is the bulk of the file;
-decompressing and checksumming it takes ~50 ms).
+the ``query_stats`` mean/cov and the ``future_queries`` mean/cov/centres on first use (the
+covariance is the bulk of the file; decompressing and checksumming it takes ~50 ms).
 
 The correction orders are the best per head for the tokens one scorer keeps; the scorer
 they were calibrated under (``Calibration.moment_selection``, the job configuration's
@@ -62,6 +62,7 @@ from .budgets import kv_head_scores
 from .recommendation import Recommendation
 
 _MEMO_ATTRIBUTE = "_kvcal_fingerprint_memo"
+FUTURE_DATASETS = ("mean", "cov", "centres", "centre_weights")  # section future_queries, read on first use
 
 
 class Calibration:
@@ -70,7 +71,10 @@ class Calibration:
     ``inf_weights`` (float64 ``[L, Hkv]``, sums to 1) is read at load time; the query
     statistics (``query_mean`` float32 ``[L, Hq, d]`` and ``query_cov`` ``[L, Hq, d, d]``,
     pre-RoPE) are read from the still-open, already validated file on first use, so loading
-    stays fast for policies that do not need them.  Arrays may also be given directly.
+    stays fast for policies that do not need them; so are the statistics of the queries after
+    the context of needle probes (section ``future_queries``: ``future_mean``, ``future_cov``,
+    ``future_centres [L, Hq, K, d]``, ``future_centre_weights [L, Hq, K]``).  Arrays may also be
+    given directly (``future={"mean": ..., "cov": ..., "centres": ..., "centre_weights": ...}``).
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class Calibration:
         scorer_weights: np.ndarray | None = None,
         scorer_bias: np.ndarray | None = None,
         recommendation=None,
+        future: dict | None = None,
         reader=None,
     ):
         self.path = Path(path)
@@ -106,6 +111,7 @@ class Calibration:
         # the measured best policy per compression ratio (section 'recommendation'), or None
         self.recommendation = recommendation
         self._query_mean, self._query_cov = query_mean, query_cov
+        self._future = dict(future) if future is not None else None
         self._reader = reader
 
     @classmethod
@@ -116,6 +122,8 @@ class Calibration:
         fields = _serving_fields(identity, {name: (lambda key, name=name: sections[name][key]) for name in sections})
         if "query_stats" in sections:
             fields.update(query_mean=sections["query_stats"]["mean"], query_cov=sections["query_stats"]["cov"])
+        if "future_queries" in sections:
+            fields["future"] = {key: sections["future_queries"][key] for key in FUTURE_DATASETS}
         if "recommendation" in sections:
             section = sections["recommendation"]
             fields["recommendation"] = Recommendation.from_section(section.arrays, section.attrs)
@@ -139,6 +147,39 @@ class Calibration:
     @property
     def has_query_stats(self) -> bool:
         return self._query_mean is not None or (self._reader is not None and "query_stats" in self.sections)
+
+    def _read_future(self) -> dict | None:
+        if self._future is None and self._reader is not None and "future_queries" in self.sections:
+            self._future = {key: self._reader.read("future_queries", key) for key in FUTURE_DATASETS}
+        return self._future
+
+    @property
+    def has_future_queries(self) -> bool:
+        return self._future is not None or (self._reader is not None and "future_queries" in self.sections)
+
+    @property
+    def future_mean(self) -> np.ndarray | None:
+        """Mean pre-RoPE query after the probes' context, float32 ``[L, Hq, d]`` (section ``future_queries``)."""
+        future = self._read_future()
+        return None if future is None else future["mean"]
+
+    @property
+    def future_cov(self) -> np.ndarray | None:
+        """Their covariance, float32 ``[L, Hq, d, d]``."""
+        future = self._read_future()
+        return None if future is None else future["cov"]
+
+    @property
+    def future_centres(self) -> np.ndarray | None:
+        """Their k-means centres, float32 ``[L, Hq, K, d]``."""
+        future = self._read_future()
+        return None if future is None else future["centres"]
+
+    @property
+    def future_centre_weights(self) -> np.ndarray | None:
+        """The fraction of future queries nearest each centre, float64 ``[L, Hq, K]``."""
+        future = self._read_future()
+        return None if future is None else future["centre_weights"]
 
     def policy(self, compression_ratio: float):
         """The policy to serve evicting ``compression_ratio`` of the context: the one this artifact
@@ -171,6 +212,7 @@ class Calibration:
         """Close the artifact file (reading the query statistics first if they were never used)."""
         if self._reader is not None:
             self._read_query_stats()
+            self._read_future()
             self._reader.close()
             self._reader = None
 
@@ -417,7 +459,7 @@ def load_calibration(
         reader.config,
         tuple(reader.sections),
         **fields,
-        reader=reader if reader.has("query_stats") else None,
+        reader=reader if reader.has("query_stats") or reader.has("future_queries") else None,
     )
 
 

@@ -61,13 +61,30 @@ class HeadEvictor:
         if self.scorer.query_statistics == "prompt" and prompt_stats is None:
             raise ValueError(f"{self.scorer!r} needs the prompt's query statistics: prefill with policy=... first")
         self.calibrated = None
-        if self.scorer.query_statistics == "calibrated":
+        if self.scorer.query_statistics in ("calibrated", "future"):
             identity = calibration.identity
             if (identity.num_layers, identity.num_q_heads) != (self.num_layers, self.num_q_heads):
                 raise ValueError("calibration statistics do not match the model's layers / query heads")
+            future = self.scorer.query_statistics == "future"  # the future_queries section's, else query_stats'
             self.calibrated = (
-                torch.from_numpy(np.asarray(calibration.query_mean)),
-                torch.from_numpy(np.asarray(calibration.query_cov)),
+                torch.from_numpy(np.asarray(calibration.future_mean if future else calibration.query_mean)),
+                torch.from_numpy(np.asarray(calibration.future_cov if future else calibration.query_cov)),
+            )
+        self.centres = None
+        if self.scorer.query_centres:
+            centres = torch.from_numpy(np.asarray(calibration.future_centres, dtype=np.float32))  # [L, Hq, K, d]
+            weights = torch.from_numpy(np.asarray(calibration.future_centre_weights, dtype=np.float32))  # [L, Hq, K]
+            if tuple(centres.shape[:2]) != (self.num_layers, self.num_q_heads) or centres.shape[-1] != (
+                geometry.head_dim
+            ):
+                raise ValueError(
+                    f"future-query centres of shape {tuple(centres.shape)} do not fit the model ({self.num_layers} "
+                    f"layers, {self.num_q_heads} query heads, d={geometry.head_dim})"
+                )
+            k = centres.shape[2]
+            self.centres = (
+                centres.reshape(self.num_layers, self.num_kv_heads, self.group, k, -1),
+                weights.reshape(self.num_layers, self.num_kv_heads, self.group, k),
             )
         self.learned = None
         if self.scorer.learned:
@@ -218,6 +235,8 @@ class HeadEvictor:
             cos, sin = self._key_rope(positions.reshape(-1))
             context.key_cos = cos.reshape(*positions.shape, -1).to(keys.device)
             context.key_sin = sin.reshape(*positions.shape, -1).to(keys.device)
+        if scorer.query_centres:
+            context.query_centres, context.centre_weights = (part[layer_idx] for part in self.centres)
         if scorer.learned:
             weights, bias = self.learned
             context.learned_weights = weights[layer_idx]

@@ -16,8 +16,10 @@
   scorers whose scores are comparable across heads, e.g. ``learned``);
 * scorer: a name from ``runtime.scorers.SCORERS`` or a :class:`runtime.scorers.Scorer`
   instance (default ``leverage``: Compactor's scores need no artifact and measured best of the
-  artifact-free scorers, see :data:`DEFAULT_SCORER`); ``statistics`` (``calibrated`` |
-  ``prompt``) for ``expected_attention``;
+  artifact-free scorers, see :data:`DEFAULT_SCORER`); ``statistics`` (``calibrated``: the
+  artifact's query statistics of calibration text | ``future``: of the queries after the context of
+  needle probes, section ``future_queries`` | ``prompt``: the prompt's own) for ``expected_attention``;
+  ``prototype_attention`` reads the ``future_queries`` centres;
   ``scorer_options`` go to the scorer's constructor (``leverage``'s ``blend`` defaults to the
   compression ratio, as kvpress's CompactorPress sets it);
 * ``n_sink`` first tokens and the last ``window`` tokens of every head are always kept;
@@ -46,7 +48,7 @@ from .checks import check_flag, check_integer, check_number
 from .scorers import SCORERS, Scorer, make_scorer
 
 ALLOCATIONS = ("uniform", "inf", "global")
-STATISTICS = ("calibrated", "prompt")
+STATISTICS = ("calibrated", "future", "prompt")
 CORRECTIONS = ("none", "calibrated", "order0", "order1")
 # The scorer of a policy that names none: Compactor's leverage + chunked attention needs no
 # artifact and kept the most of the artifact-free scorers on needle probes (benchmarks/
@@ -201,6 +203,8 @@ class CompressionPolicy:
             needs.append("INF budgets (section 'budgets' or 'behaviour')")
         if self.build_scorer().query_statistics == "calibrated":
             needs.append("query statistics (section 'query_stats')")
+        if self.build_scorer().query_statistics == "future" or self.build_scorer().query_centres:
+            needs.append("future-query statistics (section 'future_queries')")
         if self.correction == "calibrated":
             needs.append("per-head correction orders (section 'moments')")
         if self.build_scorer().learned:
@@ -228,6 +232,16 @@ class CompressionPolicy:
                 f"{calibration.path} has no 'query_stats' section (present: "
                 f"{', '.join(calibration.sections) or 'none'}); use statistics='prompt' or "
                 "re-run profile-model with the query-stats stage"
+            )
+        scorer = self.build_scorer()
+        if (scorer.query_statistics == "future" or scorer.query_centres) and not getattr(
+            calibration, "has_future_queries", False
+        ):
+            what = repr(scorer) if scorer.query_centres else "expected_attention with statistics='future'"
+            raise ValueError(
+                f"{what} needs the statistics of the queries after a probe's context, but {calibration.path} has no "
+                f"'future_queries' section (present: {', '.join(calibration.sections) or 'none'}); re-run "
+                "profile-model with the future-queries stage"
             )
         if self.correction == "calibrated" and getattr(calibration, "moment_orders", None) is None:
             raise ValueError(

@@ -7,7 +7,7 @@
 
 Grammar: ``baseline`` (no compression), a name in :data:`NAMED_POLICIES`, or
 ``ALLOCATION/SCORER[:STATISTICS][+SUFFIX]...`` with ALLOCATION in ``runtime.policy.ALLOCATIONS``,
-SCORER in ``runtime.scorers.SCORERS``, STATISTICS ``calibrated|prompt`` (expected_attention
+SCORER in ``runtime.scorers.SCORERS``, STATISTICS ``calibrated|future|prompt`` (expected_attention
 only) and SUFFIX in :data:`MOMENT_SUFFIXES`.  A spec carries no size: :meth:`PolicySpec.policy`
 makes the :class:`runtime.policy.CompressionPolicy` for one compression ratio.
 """

@@ -188,7 +188,7 @@ def make_random_artifact(
     *,
     seed=0,
     probes=7,
-    sections=("behaviour", "query_stats", "budgets", "moments", "learned_scorer", "recommendation"),
+    sections=("behaviour", "query_stats", "future_queries", "budgets", "moments", "learned_scorer", "recommendation"),
 ):
     """An Artifact with every requested section filled with valid random values."""
     import numpy as np
@@ -226,6 +226,18 @@ def make_random_artifact(
                 "cov": (a @ a.transpose(0, 1, 3, 2) / d).astype(np.float32),
             },
             {"n_sink": 4},
+        )
+    if "future_queries" in sections:
+        a = rng.standard_normal((L, Hq, d, d)).astype(np.float32)
+        weights = rng.random((L, Hq, 3)) + 0.1
+        built["future_queries"] = Section(
+            {
+                "n": rng.integers(1, 10**4, (L, Hq)),
+                "mean": rng.standard_normal((L, Hq, d)).astype(np.float32),
+                "cov": (a @ a.transpose(0, 1, 3, 2) / d).astype(np.float32),
+                "centres": rng.standard_normal((L, Hq, 3, d)).astype(np.float32),
+                "centre_weights": weights / weights.sum(-1, keepdims=True),
+            }
         )
     if "budgets" in sections:
         from runtime.budgets import allocate_budgets, ideal_budgets

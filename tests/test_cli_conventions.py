@@ -45,10 +45,11 @@ def test_torch_free_copies_of_runtime_names_agree_with_the_runtime():
     from profiler import evaluate_cli, moments_calibration
     from profiler.stages import moments
     from runtime import calibration
-    from runtime.policy import ALLOCATIONS
+    from runtime.policy import ALLOCATIONS, STATISTICS
     from runtime.scorers import SCORERS
 
     assert evaluate_cli.ALLOCATIONS == ALLOCATIONS
+    assert evaluate_cli.STATISTICS == STATISTICS
     assert evaluate_cli.SCORERS == tuple(SCORERS)
     assert moments.SELECTION_SCORERS == moments_calibration.SELECTION_SCORERS == calibration.MOMENT_SELECTIONS
 

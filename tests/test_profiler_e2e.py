@@ -13,7 +13,7 @@ from profiler.job import default_output
 @pytest.mark.slow
 def test_smoke_preset_on_embedded_model_writes_a_valid_artifact(smoke_run):
     out, stdout = smoke_run  # `profile-model --preset smoke`, run once per session (conftest)
-    for stage in ("behaviour:", "query-stats:", "budgets:", "moments:", "learned-scorer:", "wrote"):
+    for stage in ("behaviour:", "query-stats:", "future-queries:", "budgets:", "moments:", "learned-scorer:", "wrote"):
         assert stage in stdout  # one summary line per stage
     assert inspect_artifact([str(out)]) == 0  # every dataset read and checked
     with open_artifact(out) as reader:
@@ -29,6 +29,13 @@ def test_smoke_preset_on_embedded_model_writes_a_valid_artifact(smoke_run):
         assert stats.attrs["n_sink"] == 4 and np.all(stats["n"] == stats["n"][0, 0])
         cov = stats["cov"].astype(np.float64)
         assert np.all(np.linalg.eigvalsh(cov[0, 0]) > -1e-3)  # a covariance: PSD up to rounding
+        future = reader.section("future_queries")
+        # every probe's question and answer tokens, the same count for every head
+        assert reader.config["future_queries"]["num_probes"] == probes
+        assert np.all(future["n"] == future["n"][0, 0]) and future["n"][0, 0] >= probes
+        assert future["centres"].shape == (30, 9, reader.config["future_queries"]["centres"], 64)
+        np.testing.assert_allclose(future["centre_weights"].sum(-1), 1.0)
+        assert np.all(np.linalg.eigvalsh(future["cov"][0, 0].astype(np.float64)) > -1e-3)
         budgets = reader.section("budgets")
         for b, table in zip(budgets["token_budgets"], budgets["token_tables"], strict=True):
             assert table.sum() == b * 30 * 3

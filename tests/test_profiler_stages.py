@@ -26,6 +26,7 @@ def test_help_lists_every_stage_and_its_options():
     for stage in STAGES:
         assert f"  {stage.name} " in text
     assert "--moments-selection" in text and "--max-new-tokens" in text and "--budgets" in text
+    assert "--query-centres" in text and "--future-sample" in text
 
 
 def test_stages_run_in_canonical_order_whatever_the_order_asked():
@@ -40,6 +41,8 @@ def test_stages_run_in_canonical_order_whatever_the_order_asked():
         ({"max_new_tokens": -1}, "max_new_tokens"),
         ({"batch_size": -2}, "batch_size"),
         ({"n_sink": 64, "calib_tokens": 64}, "n_sink"),
+        ({"query_centres": 0}, "query_centres must be a positive integer"),
+        ({"future_sample": -3}, "future_sample must be a positive integer"),
     ],
 )
 def test_bad_settings_are_refused_before_the_model_loads(settings, message):

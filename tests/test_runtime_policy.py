@@ -113,7 +113,7 @@ def write_tiny_artifact(path, model, sections=("query_stats", "budgets"), seed=0
         (
             {"keep_ratio": 0.5, "scorer": "h2o"},
             "unknown scorer 'h2o'; known scorers: expected_attention, keydiff, knorm, kvzip, learned, leverage, "
-            "snapkv, streaming",
+            "prototype_attention, snapkv, streaming",
         ),
         ({"keep_ratio": 0.5, "allocation": "pyramid"}, "unknown allocation"),
         ({"keep_ratio": 0.5, "beta": 0.5}, "beta must be a finite number >= 1"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 from .base import Stage
 from .behaviour import BehaviourStage
 from .budgets import BudgetsStage
+from .future_queries import FutureQueriesStage
 from .learned_scorer import LearnedScorerStage
 from .moments import MomentsStage
 from .query_stats import QueryStatsStage
@@ -16,6 +17,7 @@ from .recommendation import RecommendationStage
 STAGES: tuple[type[Stage], ...] = (
     BehaviourStage,
     QueryStatsStage,
+    FutureQueriesStage,
     BudgetsStage,
     LearnedScorerStage,
     MomentsStage,  # after learned-scorer: it may select tokens with the learned scorer

@@ -1,0 +1,184 @@
+"""The ``future-queries`` stage: statistics of the queries that read a cache after compression.
+
+Expected Attention ("Expected Attention: KV Cache Compression by Estimating Attention from
+Future Queries Distribution", arXiv 2510.00636) needs the distribution of the queries that will
+read the cache.  Under question-agnostic compression those are the question's and the answer's,
+not calibration prose (the ``query-stats`` stage).  This stage greedy-decodes the behaviour
+stage's needle probes (the same probe set, ``--probes`` / the preset's, and ``--max-new-tokens``)
+and records the pre-RoPE queries at positions after each probe's context
+(:func:`profiler.future_queries.probe_future_queries`): their mean and covariance per (layer,
+query head), and ``--query-centres`` k-means centres with weights
+(:func:`profiler.future_queries.kmeans_centres`) for the ``prototype_attention`` scorer.
+
+Units are probes, sharded over processes.  The moments are float64 sums (they add up exactly
+across shards); the centres are fitted once, on the main process, on at most
+``--future-sample`` queries per head: every process keeps the queries of its probes in probe
+order until it holds that many, and the main process takes the first that many in probe order.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from artifacts import Section
+from profiler.arguments import positive_int
+from profiler.probe_source import file_probes, preset_probes
+
+from .base import ShardedStage
+
+# Centres per head.  Measured with prototype_attention's defaults (benchmarks/future_centres.py +
+# runtime_quality.py, embedded model, 18 unseen retrieval + multi_key probes, uniform budgets; accuracy
+# evicting 50 / 75 / 90%): 1 centre 0.61 / 0.50 / 0.22, 4 centres 0.72 / 0.39 / 0.28, 8 centres
+# 0.72 / 0.44 / 0.22: 24, 25 and 25 of 54 cells, within the noise of 18 probes; 4 is the smaller of the best.
+DEFAULT_CENTRES = 4
+DEFAULT_SAMPLE = 4096
+
+
+class FutureQueriesStage(ShardedStage):
+    name = "future-queries"
+    section = "future_queries"
+    unit, units = "probe", "probes"
+    summary = (
+        "greedy-decode the needle probes and accumulate, per (layer, query head), the mean and covariance of "
+        "the pre-RoPE queries after each probe's context (its question and answer: the queries that read a "
+        "cache compressed before the question), and k-means centres of them (expected_attention:future, "
+        "prototype_attention)."
+    )
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("future-queries stage (probes and --max-new-tokens as the behaviour stage)")
+        group.add_argument(
+            "--query-centres",
+            type=positive_int,
+            default=None,
+            help=f"k-means centres of the future queries per query head (default {DEFAULT_CENTRES})",
+        )
+        group.add_argument(
+            "--future-sample",
+            type=positive_int,
+            default=None,
+            help=f"future queries per head the centres are fitted on, at most (default {DEFAULT_SAMPLE})",
+        )
+
+    def __init__(self, job):
+        super().__init__(job)
+        self.max_new_tokens = job.setting("max_new_tokens", job.preset.max_new_tokens)
+        self.centres = job.setting("query_centres", DEFAULT_CENTRES)
+        self.sample = job.setting("future_sample", DEFAULT_SAMPLE)
+        for name, value in (
+            ("max_new_tokens", self.max_new_tokens),
+            ("query_centres", self.centres),
+            ("future_sample", self.sample),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    def prepare(self) -> None:
+        from runtime.query_moments import QueryMoments  # torch: not for the parser
+
+        job = self.job
+        probes_file = job.setting("probes_file")
+        self.probes = (
+            file_probes(probes_file)
+            if probes_file
+            else preset_probes(
+                job.preset.probes, job.tokenizer, job.identity.tokenizer_fingerprint, dict(job.preset.probe_overrides)
+            )
+        )
+        geometry = job.geometry
+        self.totals = QueryMoments(geometry.num_layers, geometry.num_q_heads, geometry.head_dim)
+        self.kept: dict[int, np.ndarray] = {}  # probe index -> [T, L, Hq, d] float32, in probe order
+        self.kept_tokens = 0
+
+    def config(self) -> dict:
+        return {
+            **self.probes.config,
+            "num_probes": len(self.probes),
+            "probes_sha256": self.probes.digest,
+            "max_new_tokens": self.max_new_tokens,
+            "tokens": "after context_end: question, template tail, greedy answer fed back",
+            "centres": self.centres,
+            "sample": self.sample,
+            "kmeans": {"seeding": "k-means++", "seed": 0, "iterations": 50},
+        }
+
+    # -- work: one probe per unit -----------------------------------------------------------------
+    def work(self) -> list[int]:
+        return self.job.info.shard(len(self.probes))
+
+    def compute(self, index: int):
+        from profiler.future_queries import probe_future_queries
+
+        job = self.job
+        return probe_future_queries(job.model, job.tokenizer, job.geometry, self.probes[index], self.max_new_tokens)
+
+    def commit(self, index: int, queries: np.ndarray) -> None:
+        for layer in range(queries.shape[1]):
+            self.totals.add(layer, queries[:, layer])
+        if self.kept_tokens < self.sample and queries.shape[0]:
+            self.kept[index] = queries[: self.sample - self.kept_tokens]
+            self.kept_tokens += self.kept[index].shape[0]
+
+    def state(self) -> dict[str, np.ndarray]:
+        if not self.kept and not self.totals.n.any():
+            return {}
+        indices = np.array(sorted(self.kept), dtype=np.int64)
+        return {
+            **self.totals.state(),
+            "kept_index": indices,
+            "kept_length": np.array([self.kept[i].shape[0] for i in indices], dtype=np.int64),
+            "kept": np.concatenate([self.kept[i] for i in indices]) if len(indices) else np.zeros((0,), np.float32),
+        }
+
+    def restore(self, arrays: dict[str, np.ndarray]) -> None:
+        from runtime.query_moments import QueryMoments
+
+        if not arrays:
+            return
+        self.totals = QueryMoments.from_state({key: arrays[key] for key in ("n", "total", "outer")})
+        self.kept, offset = {}, 0
+        for index, length in zip(arrays["kept_index"], arrays["kept_length"], strict=True):
+            self.kept[int(index)] = arrays["kept"][offset : offset + int(length)]
+            offset += int(length)
+        self.kept_tokens = offset
+
+    # -- after the work --------------------------------------------------------------------------
+    def reduce(self) -> None:
+        from profiler import distributed
+        from runtime.query_moments import QueryMoments
+
+        info = self.job.info
+        self.totals = QueryMoments.from_state(distributed.all_reduce_sum(info, self.totals.state()))
+        merged: dict[int, np.ndarray] = {}
+        for kept in distributed.gather_objects(info, self.kept):
+            merged.update(kept)
+        self.kept = merged
+
+    def build(self, sections: dict[str, Section]) -> Section:
+        from profiler.future_queries import kmeans_centres
+
+        stats = self.totals.finalize()  # n, mean, cov; refuses heads without a query
+        ordered = [self.kept[i] for i in sorted(self.kept)]
+        sample = np.concatenate(ordered)[: self.sample]  # [N, L, Hq, d]
+        layers, heads, dim = sample.shape[1:]
+        per_head = sample.reshape(sample.shape[0], layers * heads, dim).transpose(1, 0, 2)  # [L*Hq, N, d]
+        centres, weights = kmeans_centres(per_head, self.centres, seed=0, iterations=50)
+        # fraction of the sample's squared spread the centres leave unexplained (1 = one mean query)
+        spread = ((per_head - per_head.mean(1, keepdims=True)) ** 2).sum((1, 2))
+        nearest = ((per_head[:, :, None] - centres[:, None]) ** 2).sum(-1).min(-1).sum(-1)
+        unexplained = float(np.mean(nearest / np.maximum(spread, 1e-30)))
+        self.say(
+            f"future-queries: {len(self.probes)} probes, {int(stats['n'][0, 0])} future queries per head, "
+            f"{self.centres} centres fitted on {sample.shape[0]} (k-means leaves {unexplained:.0%} of the "
+            f"spread); {self.seconds:.1f} s this run"
+        )
+        return Section(
+            arrays={
+                **stats,
+                "centres": centres.reshape(layers, heads, self.centres, dim).astype(np.float32),
+                "centre_weights": weights.reshape(layers, heads, self.centres),
+            }
+        )
