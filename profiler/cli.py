@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--preset", choices=list(PRESETS), default="quick", help=f"job size. {PRESET_HELP}")
 
+    opt_in = [stage.name for stage in STAGES if not any(stage.on_by_default(preset) for preset in PRESETS.values())]
+
     def stages(text: str) -> tuple[str, ...]:
         chosen = comma_separated(str)(text)
         unknown = [stage for stage in chosen if stage not in STAGE_NAMES]
@@ -82,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--stages",
         type=stages,
         default=None,
-        help=f"comma-separated subset of {','.join(STAGE_NAMES)} (default: all; recommendation only from "
-        "the quick preset up). Sections of an existing artifact for the same model at --out are kept",
+        help=f"comma-separated subset of {','.join(STAGE_NAMES)} (default: all but {','.join(opt_in)}, which run "
+        "only when named; recommendation only from the quick preset up). Sections of an existing artifact for "
+        "the same model at --out are kept",
     )
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run from its work file")
     group = parser.add_argument_group("calibration text (query-stats and moments stages)")

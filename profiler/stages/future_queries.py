@@ -48,6 +48,13 @@ class FutureQueriesStage(ShardedStage):
     )
 
     @classmethod
+    def on_by_default(cls, preset) -> bool:
+        # Off unless --stages names it: it greedy-decodes every probe a second time (about 6 minutes on
+        # the quick preset, 2 CPU cores), and no policy it serves is the measured best (docs/design.md,
+        # "Future queries and prototypes").
+        return False
+
+    @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("future-queries stage (probes and --max-new-tokens as the behaviour stage)")
         group.add_argument(
