@@ -22,7 +22,7 @@ NAMED_POLICIES = {"flagship": "inf/leverage"}
 
 # The names of runtime.policy.ALLOCATIONS and runtime.scorers.SCORERS for the help text, spelled
 # out because importing runtime takes torch and --help must not wait for it (tests check they agree).
-ALLOCATIONS = ("uniform", "inf", "global")
+ALLOCATIONS = ("uniform", "inf", "global", "curve")
 SCORERS = ("expected_attention", "keydiff", "snapkv", "knorm", "streaming", "leverage", "kvzip", "learned")
 
 # The recommendation stage's candidates and two artifact-free references; those the artifact
@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         "uncompressed accuracy.",
         epilog="Policies: 'baseline' (uncompressed), or ALLOCATION/SCORER[:STATISTICS][+SUFFIX...] with "
         f"ALLOCATION in {'|'.join(ALLOCATIONS)} (global: learned or kvzip, whose scores compare across "
-        f"heads) and SCORER in {'|'.join(SCORERS)} (STATISTICS calibrated|prompt for expected_attention; "
+        f"heads; curve: the artifact's budget_curves section) and SCORER in {'|'.join(SCORERS)} "
+        "(STATISTICS calibrated|prompt for expected_attention; "
         "kvzip runs a reconstruction pass per task, timed in its prefill, and is never recommended: "
         "calibration.policy() cannot serve it); MomentKV suffixes: +correction (each "
         "head's order from the artifact), +correction0, +correction1 (every head), +moments "
