@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .base import Stage
 from .behaviour import BehaviourStage
+from .budget_curves import BudgetCurvesStage
 from .budgets import BudgetsStage
 from .learned_scorer import LearnedScorerStage
 from .moments import MomentsStage
@@ -17,6 +18,7 @@ STAGES: tuple[type[Stage], ...] = (
     BehaviourStage,
     QueryStatsStage,
     BudgetsStage,
+    BudgetCurvesStage,
     LearnedScorerStage,
     MomentsStage,  # after learned-scorer: it may select tokens with the learned scorer
     RecommendationStage,  # last: it serves the sections the others built
