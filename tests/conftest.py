@@ -284,8 +284,8 @@ def make_random_artifact(
         grid = np.array([0.05, 0.1, 0.3, 1.0])
         ratios = np.array([0.5, 0.75, 0.9])
         error = np.sort(rng.random((4, L, Hkv)), axis=0)[::-1] * np.array([1.0, 1.0, 1.0, 0.0])[:, None, None]
-        weights = rng.random((L, Hkv)) + 0.1
-        shares = weights / weights.sum() * L * Hkv  # mean 1
+        weights = rng.random((L, Hkv)) * 0.5 + 0.5
+        shares = weights / weights.sum() * L * Hkv  # mean 1, at most 2: every fraction <= 1
         fractions = np.stack([(1 - r) * shares for r in ratios])  # row r sums to (1 - r) L Hkv, all <= 1
         built["budget_curves"] = Section(
             {

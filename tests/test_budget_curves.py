@@ -342,14 +342,15 @@ def test_measured_curves_match_a_direct_reference_on_a_tiny_llama(tiny_llama, on
 
 def test_measure_curves_refuses_bad_input(tiny_llama):
     windows = torch.randint(0, 128, (1, 40))
+    small = {"query_window": 6, "n_sink": 2, "window": 4, "progress": False}
     with pytest.raises(ValueError, match="no probe has an R span"):
-        measure_curves(tiny_llama, windows, [], progress=False)
+        measure_curves(tiny_llama, windows, [], **small)
     with pytest.raises(ValueError, match="calibration windows"):
-        measure_curves(tiny_llama, windows[:, :20], [_tiny_probe(1)], progress=False)
+        measure_curves(tiny_llama, windows[:, :10], [_tiny_probe(1)], **small)
     with pytest.raises(ValueError, match="unknown selection"):
-        measure_curves(
-            tiny_llama, windows, [_tiny_probe(1)], selection="knorm", query_window=6, n_sink=2, window=4, progress=False
-        )
+        measure_curves(tiny_llama, windows, [_tiny_probe(1)], selection="knorm", **small)
+    with pytest.raises(ValueError, match="grid"):
+        measure_curves(tiny_llama, windows, [_tiny_probe(1)], grid=(0.5, 0.2), **small)
 
 
 def test_budget_curves_on_the_embedded_model(embedded_model, embedded_tokenizer, one_thread):
@@ -374,3 +375,20 @@ def test_budget_curves_on_the_embedded_model(embedded_model, embedded_tokenizer,
     policy = CompressionPolicy(compression_ratio=0.9, allocation="curve", scorer="keydiff")
     budgets = policy.head_budgets(2000, 30, 3, curve=(section["compression_ratios"], fractions))
     assert budgets.sum() == 200 * 90
+
+
+def test_inspect_artifact_and_the_report_show_the_section(tmp_path):
+    from artifacts.report import render_report
+    from artifacts.summary import format_summary, summarize
+
+    artifact = make_random_artifact(make_random_identity(4, 4, 2, 8), sections=("budget_curves",))
+    path = write_artifact(tmp_path / "c.h5", artifact)
+    with open_artifact(path) as reader:
+        summary = summarize(reader)
+        text = format_summary(summary)
+        html = render_report(reader)
+    described = summary["sections"]["budget_curves"]
+    assert not described.get("generic") and described["selection"] == "keydiff"
+    assert set(described["fractions"]) == {"0.5", "0.75", "0.9"}
+    assert "budget_curves  keydiff selection, 4 windows, 7 probes" in text
+    assert "kept fraction per KV head at compression ratio 0.9" in html

@@ -85,6 +85,8 @@ class BudgetCurvesStage(Stage):
             raise ValueError(f"the curve floor must lie in [0, 1], got {self.floor}")
         if not self.retention_weight >= 0.0:
             raise ValueError(f"the retention weight must be >= 0, got {self.retention_weight}")
+        # the last tokens of each calibration window play the future queries (32, fewer in short windows)
+        self.query_window = max(4, min(32, job.calib_tokens // 4))
 
     def prepare(self) -> None:
         from profiler.probe_source import file_probes, preset_probes
@@ -107,7 +109,7 @@ class BudgetCurvesStage(Stage):
             "compression_ratios": list(self.ratios),
             "floor": self.floor,
             "retention_weight": self.retention_weight,
-            "query_window": 32,
+            "query_window": self.query_window,
             "n_sink": N_SINK,
             "window": WINDOW,
             "windows": job.calib_samples,
@@ -128,7 +130,7 @@ class BudgetCurvesStage(Stage):
             probes,
             grid=CURVE_GRID,
             selection=self.selection,
-            query_window=32,
+            query_window=self.query_window,
             n_sink=N_SINK,
             window=WINDOW,
             progress=job.options.progress,
