@@ -8,6 +8,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from conftest import make_random_artifact, make_random_identity, single_thread, tiny_profile_args, write_tiny_model_dir
 
 from artifacts import ArtifactError, open_artifact, write_artifact
 from profiler.budget_curves import (
@@ -25,7 +26,6 @@ from profiler.budget_curves import (
 from runtime.budgets import curve_row
 from runtime.policy import CompressionPolicy
 from runtime.scorers import KeyDiffScorer, select_rows
-from tests.conftest import make_random_artifact, make_random_identity
 
 # -- keep order --------------------------------------------------------------------------------
 
@@ -392,3 +392,27 @@ def test_inspect_artifact_and_the_report_show_the_section(tmp_path):
     assert set(described["fractions"]) == {"0.5", "0.75", "0.9"}
     assert "budget_curves  keydiff selection, 4 windows, 7 probes" in text
     assert "kept fraction per KV head at compression ratio 0.9" in html
+
+
+def test_profile_model_runs_the_stage_into_an_existing_artifact(tmp_path, embedded_tokenizer):
+    """``--stages budget-curves`` on a tiny model: the section is written next to the kept ones,
+    its options are recorded, and the artifact serves allocation="curve"."""
+    from profiler.cli import main
+    from profiler.presets import PRESETS
+    from profiler.stages import BudgetCurvesStage, default_stages
+
+    model_dir = write_tiny_model_dir(tmp_path / "model", embedded_tokenizer, probes=4)
+    out = tmp_path / "a.h5"
+    with single_thread():
+        assert main(tiny_profile_args(model_dir, out, "--stages", "behaviour,budgets")) == 0
+        assert main(tiny_profile_args(model_dir, out, "--stages", "budget-curves", "--curve-floor", "0.5")) == 0
+    with open_artifact(out) as reader:
+        assert {"behaviour", "budgets", "budget_curves"} <= set(reader.sections)
+        section = reader.section("budget_curves")
+        assert section.attrs["floor"] == 0.5 and reader.config["budget_curves"]["selection"] == "keydiff"
+        for ratio, row in zip(section["compression_ratios"], section["fractions"], strict=True):
+            assert row.sum() == pytest.approx((1 - ratio) * row.size, rel=1e-9)
+            assert row.min() >= 0.5 * (1 - ratio) - 1e-9
+    assert not BudgetCurvesStage.on_by_default(PRESETS["quick"]) and "budget-curves" not in default_stages(
+        PRESETS["standard"]
+    )
