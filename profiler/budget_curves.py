@@ -1,6 +1,6 @@
 """Per-head budget curves: how a head's loss falls as its budget grows, and the allocation per ratio.
 
-LU-KV ("LU-KV: ...long-horizon marginal utility...", arXiv 2602.08585) precomputes, per (model,
+LU-KV (arXiv 2602.08585; title not in our notes, docs/design.md section 8) precomputes, per (model,
 compression ratio), per-head budgets from each head's marginal utility and ships them as a
 ``[ratio, L, H]`` curve: at 90% compression the right split is not the 50% split scaled.
 This module measures, per KV head and on a grid of kept fractions ``f`` of the context, two
