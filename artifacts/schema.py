@@ -8,7 +8,8 @@ datasets has an exact dtype and a shape written in symbols:
   ``Hkv`` KV heads, ``d`` head dimension;
 * section symbols, free but equal across a section's datasets and capped: ``P`` probes,
   ``NT`` token budgets, ``NR`` ratio budgets, ``R`` reference ratios, ``F`` scorer features,
-  ``NC`` recommended compression ratios, ``NP`` candidate policies, ``K`` query centres.
+  ``NC`` recommended compression ratios, ``NP`` candidate policies, ``K`` query centres, ``NG``
+  budget-curve grid points.
 
 Every section is optional (``profile-model --stages`` may write a subset); a section that is
 present must hold all of its datasets.  A consumer that needs a section asks the reader for it
@@ -26,7 +27,7 @@ import numpy as np
 FORMAT_NAME = "kvcal-calibration"
 SCHEMA_MAJOR = 1
 SCHEMA_MINOR = 3  # 1.1: the learned_scorer section; 1.2: the recommendation section, /model weights_fingerprints;
-# 1.3: the future_queries section
+# 1.3: the future_queries and budget_curves sections
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 # Upper bounds on the architecture numbers and free dimensions a file may declare.  They keep
@@ -35,7 +36,17 @@ SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 # released models are far inside them (Llama-3.1-405B: L=126, Hq=128, Hkv=8, d=128; head
 # dimensions go up to 256).
 ARCH_LIMITS = {"L": 512, "Hq": 512, "Hkv": 512, "d": 512}
-FREE_DIM_LIMITS = {"P": 1_000_000, "NT": 4096, "NR": 4096, "R": 256, "F": 4096, "NC": 256, "NP": 256, "K": 256}
+FREE_DIM_LIMITS = {
+    "P": 1_000_000,
+    "NT": 4096,
+    "NR": 4096,
+    "R": 256,
+    "F": 4096,
+    "NC": 256,
+    "NP": 256,
+    "K": 256,
+    "NG": 256,
+}
 MAX_STRING_ATTR_CHARS = 1 << 20  # config JSON and friends: at most a million characters
 MAX_CONFIG_DEPTH = 64  # config_json / rope_parameters: objects and lists nested at most this deep
 MAX_TOKENS = 1 << 40  # token counts in budget tables: sums over every head stay exact in int64
@@ -199,6 +210,36 @@ SECTIONS: dict[str, SectionSpec] = {
         {"tasks": int, "baseline_accuracy": float, "task_seed": int, "families": str},
         {"tasks": (1, None), "baseline_accuracy": (0.0, 1.0)},
     ),
+    "budget_curves": SectionSpec(
+        "Per-KV-head budget curves (LU-KV, arXiv 2602.08585): each head's measured loss at a grid of kept "
+        "fractions, and per compression ratio the kept fraction of every head allocated by marginal utility.",
+        {
+            "compression_ratios": DatasetSpec(
+                "<f8", ("NR",), "fraction of the context's cache evicted, strictly increasing", 0.0, 1.0
+            ),
+            "fractions": DatasetSpec(
+                "<f8",
+                ("NR", "L", "Hkv"),
+                "kept fraction of the context per KV head; row r sums to (1 - compression_ratios[r]) x L x Hkv",
+                0.0,
+                1.0,
+            ),
+            "grid": DatasetSpec(
+                "<f8", ("NG",), "kept fractions the losses were measured at, strictly increasing", 0.0, 1.0
+            ),
+            "output_error": DatasetSpec(
+                "<f8", ("NG", "L", "Hkv"), "relative attention-output error on calibration text", 0.0
+            ),
+            "retention_loss": DatasetSpec(
+                "<f8", ("NG", "L", "Hkv"), "question attention mass on evicted R-span tokens of the probes", 0.0, 1.0
+            ),
+            "loss": DatasetSpec("<f8", ("NG", "L", "Hkv"), "the combined loss the allocation minimised", 0.0),
+        },
+        # no attributes (sections added after 1.2 are in no metadata digest): the settings are in
+        # config_json["budget_curves"], which the digest covers
+        {},
+        {},
+    ),
 }
 
 
@@ -207,7 +248,7 @@ SECTIONS: dict[str, SectionSpec] = {
 SECTIONS_AFTER_1_1 = ("recommendation",)
 # Sections added after schema 1.2.  They have no attributes (every value is a checksummed dataset), and
 # no metadata digest covers them, so that a 1.2 reader, which skips them, still verifies both digests.
-SECTIONS_AFTER_1_2 = ("future_queries",)
+SECTIONS_AFTER_1_2 = ("future_queries", "budget_curves")
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,23 @@ def summarize(reader: ArtifactReader) -> dict:
                 name: [float(a) for a in row] for name, row in zip(candidates, rec["candidate_accuracy"], strict=True)
             },
         }
+    if reader.has("budget_curves"):
+        bc = reader.section("budget_curves")
+        settings = reader.config.get("budget_curves") or {}  # the stage's settings (the section has no attributes)
+        sections["budget_curves"] = {
+            "selection": settings.get("selection", "?"),
+            "floor": settings.get("floor"),
+            "retention_weight": settings.get("retention_weight"),
+            "probes": settings.get("probes", "?"),
+            "windows": settings.get("windows", "?"),
+            "grid": [float(f) for f in bc["grid"]],
+            "mean_output_error": [float(e) for e in bc["output_error"].mean(axis=(1, 2))],
+            "mean_retention_loss": [float(e) for e in bc["retention_loss"].mean(axis=(1, 2))],
+            "fractions": {
+                f"{float(ratio):g}": _range(row)
+                for ratio, row in zip(bc["compression_ratios"], bc["fractions"], strict=True)
+            },
+        }
     for name in reader.sections:  # a section with no summary above: its attributes and value ranges
         if name not in sections:
             section = reader.section(name)
@@ -236,6 +253,19 @@ def format_summary(summary: dict) -> str:
             f"            compression ratio {row['compression_ratio']:g}: {row['policy']} (accuracy "
             f"{row['accuracy']:.2f} [{row['ci_low']:.2f}, {row['ci_high']:.2f}], n={rec['tasks']})"
             for row in rec["best"]
+        ]
+    if _described(sections, "budget_curves"):
+        bc = sections["budget_curves"]
+        spread = "; ".join(f"{k}: {v['min']:.3f}-{v['max']:.3f}" for k, v in bc["fractions"].items())
+        errors = ", ".join(
+            f"{f:g} {e:.3f}/{r:.4f}"
+            for f, e, r in zip(bc["grid"], bc["mean_output_error"], bc["mean_retention_loss"], strict=True)
+        )
+        lines += [
+            f"budget_curves  {bc['selection']} selection, {bc['windows']} windows, {bc['probes']} probes, floor "
+            f"{bc['floor']}, retention weight {bc['retention_weight']}; per-head kept fraction by compression "
+            f"ratio {spread}",
+            f"            mean output error / retention loss by kept fraction: {errors}",
         ]
     for name, generic in sections.items():
         if generic.get("generic"):

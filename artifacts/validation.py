@@ -277,6 +277,7 @@ RELATED: dict[tuple[str, str], tuple[str, ...]] = {
     ("budgets", "token_tables"): ("token_budgets",),
     ("budgets", "ratio_tables"): ("ratios",),
     ("recommendation", "policy"): ("candidates",),
+    ("budget_curves", "fractions"): ("compression_ratios",),
 }
 SUM_TOLERANCE = 1e-6  # relative: inf_kv sums to 1, ratio_tables rows to ratio x L x Hkv
 # a covariance entry may miss symmetry / Cauchy-Schwarz by this much, relative to the head's
@@ -379,9 +380,27 @@ def _check_recommendation(arrays: dict, attrs: dict) -> None:
                 raise ArtifactError(f"/recommendation/policy: {name!r} is not one of the candidates measured")
 
 
+def _check_budget_curves(arrays: dict, attrs: dict) -> None:
+    for name in ("compression_ratios", "grid"):
+        values = arrays.get(name)
+        if values is not None and np.any(np.diff(values) <= 0):
+            raise ArtifactError(f"/budget_curves/{name}: values are not strictly increasing")
+    fractions, ratios = arrays.get("fractions"), arrays.get("compression_ratios")
+    if fractions is not None and ratios is not None:
+        heads = fractions.shape[1] * fractions.shape[2]
+        for row, (ratio, table) in enumerate(zip(ratios, fractions, strict=True)):
+            total, want = float(table.sum()), (1.0 - float(ratio)) * heads
+            if abs(total - want) > SUM_TOLERANCE * max(want, 1.0):
+                raise ArtifactError(
+                    f"/budget_curves/fractions: row {row} sums to {total:.9g}, not "
+                    f"(1 - compression_ratios[{row}]) x L x Hkv = {want:.9g}"
+                )
+
+
 _SECTION_CHECKS = {
     "query_stats": _check_query_stats,
     "future_queries": _check_future_queries,
     "budgets": _check_budgets,
     "recommendation": _check_recommendation,
+    "budget_curves": _check_budget_curves,
 }

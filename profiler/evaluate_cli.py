@@ -23,7 +23,7 @@ NAMED_POLICIES = {"flagship": "inf/leverage+correction"}
 # The names of runtime.policy.ALLOCATIONS, runtime.policy.STATISTICS and runtime.scorers.SCORERS for the
 # help text, spelled out because importing runtime takes torch and --help must not wait for it (tests
 # check they agree).
-ALLOCATIONS = ("uniform", "inf", "global")
+ALLOCATIONS = ("uniform", "inf", "global", "curve")
 STATISTICS = ("calibrated", "future", "prompt")
 SCORERS = (
     "expected_attention",
@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
         "uncompressed accuracy.",
         epilog="Policies: 'baseline' (uncompressed), or ALLOCATION/SCORER[:STATISTICS][+SUFFIX...] with "
         f"ALLOCATION in {'|'.join(ALLOCATIONS)} (global: learned or kvzip, whose scores compare across "
-        f"heads) and SCORER in {'|'.join(SCORERS)} (STATISTICS {'|'.join(STATISTICS)} for expected_attention: "
+        "heads; curve: the artifact's budget_curves section) "
+        f"and SCORER in {'|'.join(SCORERS)} (STATISTICS {'|'.join(STATISTICS)} for expected_attention: "
         "calibrated = the artifact's query statistics of calibration text, future = of the questions and "
         "answers of needle probes (section future_queries; prototype_attention uses its centres), prompt = "
         "the prompt's own; "

@@ -131,3 +131,31 @@ def global_budgets(scores: list[list[torch.Tensor]], total: int, n_sink: int, wi
     chosen = owner[torch.topk(values, keep).indices] if keep else owner[:0]
     table.reshape(-1)[:] = torch.bincount(chosen, minlength=table.size).numpy()
     return table
+
+
+def curve_row(compression_ratios: np.ndarray, fractions: np.ndarray, keep: float) -> np.ndarray:
+    """Kept fraction per KV head ``[L, Hkv]`` at the kept fraction ``keep`` from a budget curve
+    (the artifact's ``budget_curves`` section): ``fractions[r]`` is the allocation at compression
+    ratio ``compression_ratios[r]`` (increasing) and sums to ``(1 - ratio) L Hkv``.
+
+    Between two grid ratios the rows are interpolated linearly in the kept fraction, so the row
+    sums to ``keep L Hkv`` exactly; outside the grid the nearest row is scaled to that sum (a head
+    may then pass 1: :func:`allocate_budgets` clips it and hands the excess to the others).
+    """
+    ratios = np.asarray(compression_ratios, dtype=np.float64).reshape(-1)
+    table = np.asarray(fractions, dtype=np.float64)
+    if table.ndim != 3 or table.shape[0] != ratios.size or ratios.size == 0:
+        raise ValueError(f"a budget curve needs fractions [NR, L, Hkv] for ratios [NR], got {table.shape}")
+    if np.any(np.diff(ratios) <= 0):
+        raise ValueError("the budget curve's compression ratios must be strictly increasing")
+    if not 0.0 < keep <= 1.0 or not np.isfinite(keep):
+        raise ValueError(f"the kept fraction must lie in (0, 1], got {keep}")
+    keeps = 1.0 - ratios[::-1]  # increasing
+    rows = table[::-1]
+    if keep <= keeps[0]:
+        return rows[0] * (keep / keeps[0])
+    if keep >= keeps[-1]:
+        return rows[-1] * (keep / keeps[-1])
+    upper = int(np.searchsorted(keeps, keep))  # keeps[upper - 1] < keep <= keeps[upper]
+    t = (keep - keeps[upper - 1]) / (keeps[upper] - keeps[upper - 1])
+    return (1.0 - t) * rows[upper - 1] + t * rows[upper]

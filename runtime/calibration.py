@@ -27,7 +27,8 @@ The tokenizer fingerprint is remembered on the tokenizer the same way (keyed by 
 chat template).
 Only what a serving process uses is read: at load time the INF weights (``budgets/inf_kv``,
 else derived from ``behaviour/INFsc``), the correction orders (``moments/order``,
-``moments/tau``), the learned scorer's weights (``learned_scorer/weights``, ``/bias``) and the
+``moments/tau``), the learned scorer's weights (``learned_scorer/weights``, ``/bias``), the
+per-head budget curves (``budget_curves/compression_ratios``, ``/fractions``) and the
 measured recommendation (section ``recommendation``, served by :meth:`Calibration.policy`);
 the ``query_stats`` mean/cov and the ``future_queries`` mean/cov/centres on first use (the
 covariance is the bulk of the file; decompressing and checksumming it takes ~50 ms).
@@ -94,6 +95,7 @@ class Calibration:
         scorer_bias: np.ndarray | None = None,
         recommendation=None,
         future: dict | None = None,
+        budget_curve: tuple[np.ndarray, np.ndarray] | None = None,
         reader=None,
     ):
         self.path = Path(path)
@@ -110,6 +112,8 @@ class Calibration:
         self.scorer_weights, self.scorer_bias = scorer_weights, scorer_bias
         # the measured best policy per compression ratio (section 'recommendation'), or None
         self.recommendation = recommendation
+        # per-head budget curves (section 'budget_curves'): (compression_ratios [NR], fractions [NR, L, Hkv])
+        self.budget_curve = budget_curve
         self._query_mean, self._query_cov = query_mean, query_cov
         self._future = dict(future) if future is not None else None
         self._reader = reader
@@ -474,4 +478,6 @@ def _serving_fields(identity, read: dict) -> dict:
         fields.update(moment_orders=read["moments"]("order"), moment_tau=read["moments"]("tau"))
     if "learned_scorer" in read:
         fields.update(scorer_weights=read["learned_scorer"]("weights"), scorer_bias=read["learned_scorer"]("bias"))
+    if "budget_curves" in read:
+        fields["budget_curve"] = (read["budget_curves"]("compression_ratios"), read["budget_curves"]("fractions"))
     return fields

@@ -154,6 +154,7 @@ def compress(
     if policy.tracks_moments:
         cache.track_moments()
     inf_weights = calibration.inf_weights if (policy.allocation == "inf" and calibration is not None) else None
+    curve = getattr(calibration, "budget_curve", None) if policy.allocation == "curve" else None
 
     lengths_before = cache.head_lengths().numpy()
     bytes_before = cache.kv_bytes()
@@ -163,7 +164,7 @@ def compress(
     next_positions = [first.real_seen[b] for b in rows]  # each row's next absolute position
     for b in rows:
         budget_length = first.real_seen[b] if context_lengths is None else max(int(context_lengths[b]), 1)
-        all_budgets[b] = policy.head_budgets(budget_length, num_layers, num_kv_heads, inf_weights)
+        all_budgets[b] = policy.head_budgets(budget_length, num_layers, num_kv_heads, inf_weights, curve)
     with torch.profiler.record_function("kvcal.eviction"):
         scores = None
         if policy.allocation == "global" and rows:  # one ranking of every head's tokens shares out the total
@@ -195,7 +196,7 @@ def compress(
                 length = max(
                     first.real_seen[b] if context_lengths is None else int(context_lengths[b]), policy.budget or 0
                 )
-                budgets = policy.head_budgets(length, evictor.num_layers, evictor.num_kv_heads, inf_weights)
+                budgets = policy.head_budgets(length, evictor.num_layers, evictor.num_kv_heads, inf_weights, curve)
                 cache.set_decode_plan(DecodePlan(evictor, budgets, int(policy.evict_every), b), row=b)
         if policy.evict_every is None or not evictor.scorer.observation_window:
             cache.stop_observing()

@@ -11,9 +11,12 @@
   ``1 - compression_ratio``) or ``budget`` (tokens per KV head on average).  The old ``ratio=``
   (a kept fraction) is refused with a message naming both;
 * allocation: ``uniform`` (every head the same), ``inf`` (REAL, docs/design.md section 3: the
-  artifact's per-KV-head INF weights split the total, ``beta`` and ``min_budget`` apply) or
+  artifact's per-KV-head INF weights split the total, ``beta`` and ``min_budget`` apply),
   ``global`` (the uniform total, shared out by ranking every head's tokens together: for
-  scorers whose scores are comparable across heads, e.g. ``learned``);
+  scorers whose scores are comparable across heads, e.g. ``learned``) or ``curve`` (the
+  artifact's ``budget_curves`` section: per compression ratio, per-head kept fractions
+  allocated by marginal utility on measured loss curves, LU-KV arXiv 2602.08585, interpolated
+  between its grid ratios; ``min_budget`` applies, ``beta`` does not);
 * scorer: a name from ``runtime.scorers.SCORERS`` or a :class:`runtime.scorers.Scorer`
   instance (default ``leverage``: Compactor's scores need no artifact and measured best of the
   artifact-free scorers, see :data:`DEFAULT_SCORER`); ``statistics`` (``calibrated``: the
@@ -43,11 +46,11 @@ from dataclasses import InitVar, dataclass, field
 
 import numpy as np
 
-from .budgets import allocate_budgets
+from .budgets import allocate_budgets, curve_row
 from .checks import check_flag, check_integer, check_number
 from .scorers import SCORERS, Scorer, make_scorer
 
-ALLOCATIONS = ("uniform", "inf", "global")
+ALLOCATIONS = ("uniform", "inf", "global", "curve")
 STATISTICS = ("calibrated", "future", "prompt")
 CORRECTIONS = ("none", "calibrated", "order0", "order1")
 # The scorer of a policy that names none: Compactor's leverage + chunked attention needs no
@@ -201,6 +204,8 @@ class CompressionPolicy:
         needs = []
         if self.allocation == "inf":
             needs.append("INF budgets (section 'budgets' or 'behaviour')")
+        if self.allocation == "curve":
+            needs.append("budget curves (section 'budget_curves')")
         if self.build_scorer().query_statistics == "calibrated":
             needs.append("query statistics (section 'query_stats')")
         if self.build_scorer().query_statistics == "future" or self.build_scorer().query_centres:
@@ -225,6 +230,12 @@ class CompressionPolicy:
             raise ValueError(
                 f"allocation='inf' needs INF scores, but {calibration.path} has neither a 'budgets' "
                 f"nor a 'behaviour' section (present: {', '.join(calibration.sections) or 'none'})"
+            )
+        if self.allocation == "curve" and getattr(calibration, "budget_curve", None) is None:
+            raise ValueError(
+                f"allocation='curve' needs per-head budget curves, but {calibration.path} has no 'budget_curves' "
+                f"section (present: {', '.join(calibration.sections) or 'none'}); re-run profile-model with the "
+                "budget-curves stage, or use allocation='inf'"
             )
         if self.build_scorer().query_statistics == "calibrated" and not calibration.has_query_stats:
             raise ValueError(
@@ -261,10 +272,36 @@ class CompressionPolicy:
             )  # warns once when calibrated under another scorer
 
     def head_budgets(
-        self, seq_len: int, num_layers: int, num_kv_heads: int, inf_weights: np.ndarray | None = None
+        self,
+        seq_len: int,
+        num_layers: int,
+        num_kv_heads: int,
+        inf_weights: np.ndarray | None = None,
+        curve: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> np.ndarray:
-        """Integer tokens to keep per KV head, int64 ``[L, Hkv]``, for a context of ``seq_len``."""
+        """Integer tokens to keep per KV head, int64 ``[L, Hkv]``, for a context of ``seq_len``.
+
+        ``inf_weights``: the artifact's ``[L, Hkv]`` INF weights (allocation ``inf``); ``curve``:
+        its budget curve ``(compression_ratios [NR], fractions [NR, L, Hkv])`` (allocation
+        ``curve``, ``Calibration.budget_curve``).  The total is ``round(average x L x Hkv)`` exactly
+        (within what ``[min_budget, seq_len]`` per head allows).
+        """
         average = float(self.budget) if self.budget is not None else self.kept_fraction * seq_len
+        if self.allocation == "curve":
+            if curve is None:
+                raise ValueError("allocation='curve' needs the artifact's budget curve (section 'budget_curves')")
+            ratios, fractions = curve
+            if np.asarray(fractions).shape[1:] != (num_layers, num_kv_heads):
+                raise ValueError(
+                    f"the budget curve has shape {np.asarray(fractions).shape[1:]}, the model "
+                    f"[{num_layers}, {num_kv_heads}] KV heads"
+                )
+            keep = min(max(average, 1e-9) / seq_len, 1.0)
+            row = curve_row(ratios, fractions, keep)
+            total = float(row.sum())
+            weights = row / total if total > 0 else np.full(row.shape, 1.0 / row.size)
+            # beta = 1: each head's ideal budget is its share of the total, row[h] x seq_len
+            return allocate_budgets(weights, max(average, 1e-9), seq_len, beta=1.0, min_budget=self.min_budget)
         if self.allocation == "inf":
             if inf_weights is None:
                 raise ValueError("allocation='inf' needs the artifact's INF weights")

@@ -188,7 +188,16 @@ def make_random_artifact(
     *,
     seed=0,
     probes=7,
-    sections=("behaviour", "query_stats", "future_queries", "budgets", "moments", "learned_scorer", "recommendation"),
+    sections=(
+        "behaviour",
+        "query_stats",
+        "future_queries",
+        "budgets",
+        "moments",
+        "learned_scorer",
+        "recommendation",
+        "budget_curves",
+    ),
 ):
     """An Artifact with every requested section filled with valid random values."""
     import numpy as np
@@ -292,7 +301,33 @@ def make_random_artifact(
             },
             {"tasks": 12, "baseline_accuracy": 0.75, "task_seed": 1_000_003, "families": "retrieval,multi_key"},
         )
-    return Artifact(model=identity, config={"preset": "test", "seed": seed}, sections=built)
+    if "budget_curves" in sections:
+        grid = np.array([0.05, 0.1, 0.3, 1.0])
+        ratios = np.array([0.5, 0.75, 0.9])
+        error = np.sort(rng.random((4, L, Hkv)), axis=0)[::-1] * np.array([1.0, 1.0, 1.0, 0.0])[:, None, None]
+        weights = rng.random((L, Hkv)) * 0.5 + 0.5
+        shares = weights / weights.sum() * L * Hkv  # mean 1, at most 2: every fraction <= 1
+        fractions = np.stack([(1 - r) * shares for r in ratios])  # row r sums to (1 - r) L Hkv, all <= 1
+        built["budget_curves"] = Section(
+            {
+                "compression_ratios": ratios,
+                "fractions": fractions,
+                "grid": grid,
+                "output_error": error,
+                "retention_loss": error * 0.1,
+                "loss": error * 1.1,
+            },
+        )
+    config = {"preset": "test", "seed": seed}
+    if "budget_curves" in built:  # the stage's settings, which the section does not repeat
+        config["budget_curves"] = {
+            "selection": "keydiff",
+            "floor": 0.25,
+            "retention_weight": 1.0,
+            "probes": 7,
+            "windows": 4,
+        }
+    return Artifact(model=identity, config=config, sections=built)
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,8 @@ def test_report_holds_every_section_and_escapes_text(tmp_path):
     path = write_artifact(tmp_path / "a.h5", artifact)
     with open_artifact(path) as reader:
         page = render_report(reader, EVALUATION)
-    assert page.count('class="heatmap"') == 7  # RAsc, LCsc, INFsc, budgets, mean norm, cov trace, learned scorer
+    # RAsc, LCsc, INFsc, budgets, budget curves at 0.5 / 0.75 / 0.9, mean norm, cov trace, learned scorer
+    assert page.count('class="heatmap"') == 10
     assert page.count("<rect") >= 3 * 30 * 9 + 30 * 3
     assert page.count('class="curve"') == 2 and 'class="baseline"' in page
     assert 'id="moments-table"' in page and "<script>" not in page and "&lt;script&gt;" in page
@@ -84,7 +85,7 @@ def test_report_renders_in_headless_chromium(tmp_path):
     try:
         browser.get(html.as_uri())
         heatmaps = browser.find_elements(By.CSS_SELECTOR, "figure.heatmap svg")
-        assert len(heatmaps) == 7
+        assert len(heatmaps) == 10  # 7 + the budget curves at compression 0.5, 0.75, 0.9
         for svg in heatmaps:
             assert svg.size["width"] > 40 and svg.size["height"] > 100
             cells = svg.find_elements(By.TAG_NAME, "rect")

@@ -17,7 +17,7 @@ from conftest import make_tiny_llama
 
 from artifacts import Artifact, ArtifactError, Section, open_artifact, write_artifact
 from artifacts.fingerprint import FINGERPRINT_DTYPES, model_identity, serving_dtype, weights_fingerprint
-from artifacts.schema import canonical_json
+from artifacts.schema import SCHEMA_VERSION, canonical_json
 from runtime import load_calibration
 from runtime.models import load_model
 
@@ -130,7 +130,7 @@ def test_dtype_fingerprints_are_protected_by_the_extended_digest(tmp_path, embed
     model = make_tiny_llama(seed=2)
     path = _write(tmp_path / "a.h5", model_identity(model, embedded_tokenizer, "tiny"))
     with open_artifact(path) as reader:
-        assert reader.schema_version == "1.3"  # written by this toolkit; the fingerprints came in 1.2
+        assert reader.schema_version == SCHEMA_VERSION  # 1.2 added the fingerprints; files are written as the newest
         assert reader.model.dtype_fingerprints()["float32"] == reader.model.weights_fingerprint
     with h5py.File(path, "r+") as h5:
         entries = json.loads(h5["model"].attrs["weights_fingerprints"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .base import Stage
 from .behaviour import BehaviourStage
+from .budget_curves import BudgetCurvesStage
 from .budgets import BudgetsStage
 from .future_queries import FutureQueriesStage
 from .learned_scorer import LearnedScorerStage
@@ -19,6 +20,7 @@ STAGES: tuple[type[Stage], ...] = (
     QueryStatsStage,
     FutureQueriesStage,
     BudgetsStage,
+    BudgetCurvesStage,
     LearnedScorerStage,
     MomentsStage,  # after learned-scorer: it may select tokens with the learned scorer
     RecommendationStage,  # last: it serves the sections the others built

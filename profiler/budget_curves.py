@@ -1,0 +1,366 @@
+"""Per-head budget curves: how a head's loss falls as its budget grows, and the allocation per ratio.
+
+LU-KV (arXiv 2602.08585; title not in our notes, docs/design.md section 8) precomputes, per (model,
+compression ratio), per-head budgets from each head's marginal utility and ships them as a
+``[ratio, L, H]`` curve: at 90% compression the right split is not the 50% split scaled.
+This module measures, per KV head and on a grid of kept fractions ``f`` of the context, two
+losses, under one token selection (``selection``: KeyDiff by default, the scorer of
+``inf/keydiff``; the serving engine's rule: the first ``n_sink`` and last ``window`` tokens,
+then the best-scored, :func:`runtime.scorers.select_rows`):
+
+* ``output_error[f]`` on calibration text (as :mod:`profiler.moments_calibration` measures it):
+  each window ``[T]`` is split into a prefix of ``P = T - W`` tokens, compressed per KV head to
+  ``round(f P)`` tokens, and the last ``W = query_window`` tokens, whose queries (every query
+  head of the group) attend to the kept prefix plus the tail (causally); the relative error
+  ``||o_hat - o|| / ||o||`` against full causal attention, averaged over the group's query
+  heads, the ``W`` queries and the windows (no MomentKV correction);
+* ``retention_loss[f]`` on the behaviour stage's needle probes (question-agnostic, as served):
+  the context ``[0, context_end)`` is compressed per KV head to ``round(f context_end)``
+  tokens with the scores of the context alone; the question's queries (every token after
+  ``context_end``, every query head of the group, full causal attention over the uncompressed
+  prompt) tell how much attention the head pays to the needle's R span (the answer tokens,
+  REAL's retrieval label); the loss is the part of that attention mass whose R tokens were
+  evicted, averaged over the group, the question's queries and the probes.  A head that does
+  not read the needle has no retention loss at any budget.
+
+Both are 0 at ``f = 1`` (nothing evicted).  The curve the allocation uses is
+``loss = output_error / mean_h output_error[f_0] + retention_weight * retention_loss /
+mean_h retention_loss[f_0]`` (each part normalised by its mean over heads at the smallest
+grid fraction ``f_0``, so that with weight 1 the two have the same total stake).
+
+Allocation (:func:`allocate_fractions`): for a kept fraction ``k`` (``1 - compression ratio``)
+every head first gets the floor ``floor * k``; the rest of the total ``k L Hkv`` goes by
+marginal utility, greedily on the lower convex hull of each head's piecewise-linear loss curve
+(the segments with the steepest loss decrease per unit of budget first; on convex curves this
+greedy is optimal for the sum of the losses), the last level of equal utility shared in
+proportion to the segments' lengths, so the total is conserved exactly and no head passes 1.
+Below ``f_0`` nothing was measured: a head's curve is flat there (no utility).
+
+Measured (embedded model, the quick artifact of main with this stage added, KeyDiff selection,
+floor 0.25, retention weight 1; ``evaluate-artifact --preset quick --count 3``: 54 held-out
+retrieval / multi_key tasks, question-agnostic, baseline 0.94 [0.85, 0.98]), accuracy [95% Wilson]
+at 75% / 90% compression:
+
+    inf/keydiff               0.78 [0.65, 0.87] / 0.52 [0.39, 0.65]
+    curve/keydiff             0.43 [0.30, 0.56] / 0.07 [0.03, 0.18]
+    inf/leverage              0.83 [0.71, 0.91] / 0.67 [0.53, 0.78]
+    curve/leverage            0.70 [0.57, 0.81] / 0.28 [0.18, 0.41]
+    inf/keydiff+correction    0.87 [0.76, 0.94] / 0.56 [0.42, 0.68]
+    curve/keydiff+correction  0.52 [0.39, 0.65] / 0.07 [0.03, 0.18]
+
+and with floor 0.5 (INF's own floor at beta 2) curve/keydiff 0.37 [0.25, 0.50] / 0.06 [0.02, 0.15]:
+the curves send the budget to the wrong heads, not too little to the rest.  The allocations
+correlate weakly with INF's (Pearson 0.11 at 75%, 0.34 at 90%); the output-error part puts the
+most budget on layers 0 and 21-24, and the retention part is small (at most 0.6% of the
+question's attention lost in any head at ``f = 0.02``).  Hence the stage is off unless asked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# kept fractions of the context at which the losses are measured (1.0: nothing evicted, loss 0)
+CURVE_GRID = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)
+# compression ratios (fractions evicted) the section allocates; the runtime interpolates between them
+CURVE_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
+CURVE_FLOOR = 0.25  # every head keeps at least this share of the average kept fraction
+RETENTION_WEIGHT = 1.0
+SELECTIONS = ("keydiff", "leverage")
+
+
+# -- allocation (numpy only) -------------------------------------------------------------------
+
+
+def _lower_hull(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Vertices of the lower convex hull of the points ``(x, y)`` (x strictly increasing)."""
+    hull: list[int] = []
+    for i in range(len(x)):
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            # drop b when it lies on or above the segment a -> i
+            if (y[b] - y[a]) * (x[i] - x[a]) >= (y[i] - y[a]) * (x[b] - x[a]):
+                hull.pop()
+            else:
+                break
+        hull.append(i)
+    return x[hull], y[hull]
+
+
+def _loss_at(grid: np.ndarray, curve: np.ndarray, fractions: np.ndarray) -> np.ndarray:
+    """A head's piecewise-linear loss at ``fractions``; flat below the grid (nothing measured there)."""
+    return np.interp(fractions, grid, curve, left=curve[0], right=curve[-1])
+
+
+def allocate_fractions(loss: np.ndarray, grid, keep_fractions, floor: float = CURVE_FLOOR) -> np.ndarray:
+    """Kept fraction per head ``[NR, L, Hkv]`` for every kept fraction in ``keep_fractions``.
+
+    ``loss [NG, L, Hkv]``: each head's loss at the kept fractions ``grid [NG]`` (strictly
+    increasing, in (0, 1]).  Row ``r`` sums to ``keep_fractions[r] x L x Hkv`` (to rounding),
+    every head holds at least ``floor x keep_fractions[r]`` and at most 1.  See the module
+    docstring.
+    """
+    loss = np.asarray(loss, dtype=np.float64)
+    grid = np.asarray(grid, dtype=np.float64)
+    keeps = np.asarray(keep_fractions, dtype=np.float64).reshape(-1)
+    if loss.ndim != 3 or grid.ndim != 1 or loss.shape[0] != grid.shape[0] or grid.size < 1:
+        raise ValueError(f"loss must be [NG, L, Hkv] over a grid [NG], got {loss.shape} and {grid.shape}")
+    if not np.all(np.isfinite(loss)) or np.any(loss < 0):
+        raise ValueError("losses must be finite and non-negative")
+    if np.any(np.diff(grid) <= 0) or grid[0] <= 0 or grid[-1] > 1:
+        raise ValueError(f"the grid must be strictly increasing in (0, 1], got {grid.tolist()}")
+    if np.any(keeps <= 0) or np.any(keeps > 1):
+        raise ValueError(f"kept fractions must lie in (0, 1], got {keeps.tolist()}")
+    if not 0.0 <= floor <= 1.0:
+        raise ValueError(f"the floor (share of the average kept fraction) must lie in [0, 1], got {floor}")
+    _, layers, heads = loss.shape
+    curves = loss.reshape(grid.size, -1).T  # [N, NG]
+    count = curves.shape[0]
+    out = np.zeros((keeps.size, count))
+    for r, keep in enumerate(keeps):
+        low = floor * keep
+        total = keep * count
+        fractions = np.full(count, low)
+        # every head's hull segments above the floor: (utility per unit budget, length, head, order)
+        utilities, lengths, owners = [], [], []
+        for h, curve in enumerate(curves):
+            x = np.concatenate([[low], grid[grid > low]])
+            if x[-1] < 1.0:
+                x = np.concatenate([x, [1.0]])
+            hx, hy = _lower_hull(x, _loss_at(grid, curve, x))
+            dx = np.diff(hx)
+            utilities.append(-np.diff(hy) / dx)
+            lengths.append(dx)
+            owners.append(np.full(dx.size, h))
+        utility, length, owner = (np.concatenate(a) for a in (utilities, lengths, owners))
+        remaining = total - fractions.sum()
+        # convex hulls: each head's segments come in falling utility, so a stable sort keeps their order
+        order = np.argsort(-utility, kind="stable")
+        i = 0
+        while remaining > 0 and i < order.size:
+            level = utility[order[i]]
+            j = i
+            while j < order.size and utility[order[j]] == level:
+                j += 1
+            members = order[i:j]
+            available = float(length[members].sum())
+            share = 1.0 if available <= remaining else remaining / available
+            np.add.at(fractions, owner[members], length[members] * share)
+            remaining -= available * share
+            i = j
+        fractions = np.minimum(fractions, 1.0)
+        out[r] = fractions
+    return out.reshape(keeps.size, layers, heads)
+
+
+def combined_loss(output_error: np.ndarray, retention_loss: np.ndarray, retention_weight: float) -> np.ndarray:
+    """``output_error / mean(output_error[0]) + retention_weight * retention_loss / mean(retention_loss[0])``
+    (``[NG, L, Hkv]``; a part whose mean is 0 contributes nothing)."""
+    if retention_weight < 0:
+        raise ValueError(f"retention_weight must be >= 0, got {retention_weight}")
+    parts = []
+    for part, weight in ((output_error, 1.0), (retention_loss, retention_weight)):
+        part = np.asarray(part, dtype=np.float64)
+        scale = float(part[0].mean())
+        parts.append(weight * part / scale if scale > 0 else np.zeros_like(part))
+    return parts[0] + parts[1]
+
+
+# -- measuring (torch) -------------------------------------------------------------------------
+
+
+def priority_ranks(scores, n_sink: int, window: int):
+    """Each row's place in the engine's keep order (``runtime.scorers.select_rows``): the first
+    ``n_sink`` rows, then the last ``window`` rows from the newest, then the rest by falling score.
+    A budget of ``b`` keeps exactly the rows of rank ``< b`` (the kept sets are nested)."""
+    import torch
+
+    n = scores.shape[0]
+    sinks = min(n_sink, n)
+    recent = min(window, n - sinks)
+    middle = torch.argsort(scores[sinks : n - recent].float(), descending=True, stable=True) + sinks
+    order = torch.cat(
+        [torch.arange(sinks), torch.arange(n - 1, n - recent - 1, -1, dtype=torch.long), middle.cpu()]
+    ).to(scores.device)
+    ranks = torch.empty(n, dtype=torch.long, device=scores.device)
+    ranks[order] = torch.arange(n, device=scores.device)
+    return ranks
+
+
+def budgets_for(length: int, grid) -> list[int]:
+    """Tokens kept of ``length`` at each grid fraction: ``min(length, max(round(f length), 1))``."""
+    return [min(length, max(int(round(float(f) * length)), 1)) for f in grid]
+
+
+def selection_scorer(name: str):
+    """The ``runtime.scorers`` scorer a selection name stands for (leverage: blend 0.75, its
+    serving value at 75% compression)."""
+    from runtime.scorers import KeyDiffScorer, LeverageScorer
+
+    if name == "keydiff":
+        return KeyDiffScorer()
+    if name == "leverage":
+        return LeverageScorer(blend=0.75)
+    raise ValueError(f"unknown selection {name!r}; choose one of {', '.join(SELECTIONS)}")
+
+
+class _CurveMeasurer:
+    """Captures one forward pass's post-RoPE queries / keys / values per layer and accumulates the
+    losses of every KV head at every grid fraction."""
+
+    def __init__(self, geometry, grid, scorer, n_sink: int, window: int):
+        from runtime.rope import rope_cos_sin
+
+        self.grid = tuple(float(f) for f in grid)
+        self.scorer = scorer
+        self.n_sink, self.window = n_sink, window
+        self.rope = lambda positions: rope_cos_sin(geometry, positions)
+        shape = (len(self.grid), geometry.num_layers, geometry.num_kv_heads)
+        self.sums = np.zeros(shape)
+        self.calls = np.zeros(geometry.num_layers, dtype=np.int64)
+        self.target = None  # (kind, prefix length, extra) for the pass in progress
+
+    def head_ranks(self, layer, h, query, key, value, prefix, scale):
+        """Keep order of the first ``prefix`` tokens of KV head ``h`` under the selection scorer."""
+        import torch
+
+        from runtime.scorers import HeadContext
+
+        group = query.shape[1] // key.shape[1]
+        positions = torch.arange(prefix, device=key.device)
+        window = self.scorer.observation_window
+        recent = None
+        if window:
+            q = query[0, h * group : (h + 1) * group, :prefix].float()  # [G, prefix, d]
+            recent = q if window >= prefix else q[:, prefix - window :]
+        key_cos = key_sin = None
+        if self.scorer.key_rope:
+            key_cos, key_sin = (t.to(key.device) for t in self.rope(positions))
+        context = HeadContext(
+            layer=layer,
+            kv_head=h,
+            keys=key[0, h, :prefix].float(),
+            values=value[0, h, :prefix].float(),
+            positions=positions,
+            scaling=scale,
+            next_position=prefix,
+            recent_queries=recent,
+            key_cos=key_cos,
+            key_sin=key_sin,
+        )
+        return priority_ranks(self.scorer.score(context), self.n_sink, self.window)
+
+    def measure(self, layer, query, key, value, scaling):
+        import torch
+
+        kind, prefix, extra = self.target
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        num_kv = key.shape[1]
+        group = query.shape[1] // num_kv
+        total = key.shape[2]
+        budgets = torch.tensor(budgets_for(prefix, self.grid), device=key.device)  # [NG]
+        tail = total - prefix
+        tail_causal = torch.ones(tail, tail, dtype=torch.bool, device=key.device).tril()
+        for h in range(num_kv):
+            ranks = self.head_ranks(layer, h, query, key, value, prefix, scale)
+            q = query[0, h * group : (h + 1) * group, prefix:].float()  # [G, W, d]
+            k, v = key[0, h].float(), value[0, h].float()  # [T, d]
+            logits = torch.einsum("gwd,td->gwt", q, k) * scale  # [G, W, T]
+            logits[..., prefix:] = logits[..., prefix:].masked_fill(~tail_causal, float("-inf"))
+            if kind == "text":
+                reference = torch.softmax(logits, dim=-1) @ v  # [G, W, d]
+                kept = ranks[None, :] < budgets[:, None]  # [NG, prefix]
+                masked = logits[None].expand(len(self.grid), -1, -1, -1).clone()  # [NG, G, W, T]
+                masked[..., :prefix] = masked[..., :prefix].masked_fill(~kept[:, None, None, :], float("-inf"))
+                estimate = torch.softmax(masked, dim=-1) @ v  # [NG, G, W, d]
+                error = (estimate - reference).norm(dim=-1) / reference.norm(dim=-1).clamp_min(1e-30)
+                self.sums[:, layer, h] += error.mean(dim=(1, 2)).double().cpu().numpy()
+            else:  # probes: the question's attention mass on evicted R tokens
+                mass = torch.softmax(logits, dim=-1)[..., :prefix].mean(dim=(0, 1))  # [prefix]
+                needle = extra  # bool [prefix]
+                lost = (ranks[None, :] >= budgets[:, None]) & needle[None, :]  # [NG, prefix]
+                self.sums[:, layer, h] += (lost.float() * mass[None, :]).sum(dim=1).double().cpu().numpy()
+        self.calls[layer] += 1
+
+
+def measure_curves(
+    model,
+    windows,
+    probes,
+    *,
+    grid=CURVE_GRID,
+    selection: str = "keydiff",
+    query_window: int = 32,
+    n_sink: int = 4,
+    window: int = 32,
+    progress: bool = True,
+) -> dict[str, np.ndarray]:
+    """``output_error`` and ``retention_loss`` ``[NG, L, Hkv]`` (float64), see the module docstring.
+
+    ``windows``: calibration token ids ``[N, T]``; ``probes``: ``needles.probe.Probe`` objects
+    (those without an R span in their context are skipped; at least one must have one).
+    ``n_sink`` / ``window``: the tokens the engine keeps unconditionally (CompressionPolicy's).
+    """
+    import torch
+    from tqdm.auto import tqdm
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from runtime.attention import attention_implementation
+    from runtime.geometry import ModelGeometry
+
+    grid = tuple(float(f) for f in grid)
+    if not grid or any(not 0.0 < f <= 1.0 for f in grid) or any(np.diff(grid) <= 0):
+        raise ValueError(f"the grid must be strictly increasing kept fractions in (0, 1], got {grid}")
+    if query_window < 1 or n_sink < 0 or window < 0:
+        raise ValueError("query_window must be >= 1; n_sink and window >= 0")
+    ids = torch.as_tensor(np.asarray(windows), dtype=torch.long)
+    if ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] <= query_window + n_sink + window:
+        raise ValueError(
+            f"calibration windows must be [N >= 1, T > query_window + n_sink + window = "
+            f"{query_window + n_sink + window}], got {tuple(ids.shape)}"
+        )
+    usable = []
+    for probe in probes:
+        needle = np.zeros(probe.context_end, dtype=bool)
+        for span in probe.spans:
+            if span.label == "R":
+                needle[span.start : min(span.end, probe.context_end)] = True
+        if needle.any() and probe.context_end < len(probe.input_ids):
+            usable.append((probe, needle))
+    if not usable:
+        raise ValueError("no probe has an R span in its context and a question after it")
+    geometry = ModelGeometry.of(model)
+    scorer = selection_scorer(selection)
+    text = _CurveMeasurer(geometry, grid, scorer, n_sink, window)
+    needles = _CurveMeasurer(geometry, grid, scorer, n_sink, window)
+    current = [text]
+
+    def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        output = sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+        current[0].measure(module.layer_idx, query, key, value, scaling)
+        return output
+
+    device = next(model.parameters()).device
+    bar = tqdm(total=ids.shape[0] + len(usable), desc="budget curves", unit="pass", disable=not progress)
+    with torch.no_grad(), attention_implementation(model, "kvcal_budget_curves", attention_forward), bar:
+        for index in range(ids.shape[0]):
+            text.target = ("text", ids.shape[1] - query_window, None)
+            model(input_ids=ids[index : index + 1].to(device), use_cache=False)
+            bar.update()
+        current[0] = needles
+        for probe, needle in usable:
+            needles.target = ("probe", probe.context_end, torch.as_tensor(needle, device=device))
+            model(input_ids=torch.tensor([probe.input_ids], device=device), use_cache=False)
+            bar.update()
+    for measurer, passes in ((text, ids.shape[0]), (needles, len(usable))):
+        if not np.all(measurer.calls == passes):
+            raise RuntimeError(
+                f"the capture attention saw layers {measurer.calls.tolist()} times, expected {passes} each "
+                "(does the model route attention through AttentionInterface?)"
+            )
+    return {
+        "output_error": text.sums / ids.shape[0],
+        "retention_loss": needles.sums / len(usable),
+        "probes": len(usable),
+    }
