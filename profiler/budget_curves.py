@@ -274,11 +274,18 @@ class _CurveMeasurer:
                 estimate = torch.softmax(masked, dim=-1) @ v  # [NG, G, W, d]
                 error = (estimate - reference).norm(dim=-1) / reference.norm(dim=-1).clamp_min(1e-30)
                 self.sums[:, layer, h] += error.mean(dim=(1, 2)).double().cpu().numpy()
-            else:  # probes: the question's attention mass on evicted R tokens
+            elif kind == "probe":  # the question's attention mass on evicted R tokens
                 mass = torch.softmax(logits, dim=-1)[..., :prefix].mean(dim=(0, 1))  # [prefix]
                 needle = extra  # bool [prefix]
                 lost = (ranks[None, :] >= budgets[:, None]) & needle[None, :]  # [NG, prefix]
                 self.sums[:, layer, h] += (lost.float() * mass[None, :]).sum(dim=1).double().cpu().numpy()
+            else:  # "answer": REAL's retrieval hits of the answer's steps whose token the budget evicts
+                needle, answer = extra  # bool [prefix], answer tokens at the end of the tail
+                top = logits[:, tail - answer :].argmax(dim=-1)  # [G, A]: each step's most attended token
+                hit = (top < prefix) & needle[top.clamp_max(prefix - 1)]  # [G, A]
+                evicted = ranks[top.clamp_max(prefix - 1)][None] >= budgets[:, None, None]  # [NG, G, A]
+                lost = (evicted & hit[None]).float().mean(dim=(1, 2))  # [NG]
+                self.sums[:, layer, h] += lost.double().cpu().numpy()
         self.calls[layer] += 1
 
 
@@ -292,6 +299,7 @@ def measure_curves(
     query_window: int = 32,
     n_sink: int = 4,
     window: int = 32,
+    answers=None,
     progress: bool = True,
 ) -> dict[str, np.ndarray]:
     """``output_error`` and ``retention_loss`` ``[NG, L, Hkv]`` (float64), see the module docstring.
@@ -299,6 +307,11 @@ def measure_curves(
     ``windows``: calibration token ids ``[N, T]``; ``probes``: ``needles.probe.Probe`` objects
     (those without an R span in their context are skipped; at least one must have one).
     ``n_sink`` / ``window``: the tokens the engine keeps unconditionally (CompressionPolicy's).
+    ``answers``: token ids of each probe's answer, or None.  Given, each probe is run with its
+    answer appended (teacher forcing) and ``retention_loss`` counts REAL's retrieval hits at the
+    answer's steps instead of the question's attention mass: per KV head, the share of (query
+    head, answer step) pairs whose most attended token is an R token of the context that the
+    budget evicts.
     """
     import torch
     from tqdm.auto import tqdm
@@ -318,14 +331,17 @@ def measure_curves(
             f"calibration windows must be [N >= 1, T > query_window + n_sink + window = "
             f"{query_window + n_sink + window}], got {tuple(ids.shape)}"
         )
+    if answers is not None and len(answers) != len(probes):
+        raise ValueError(f"got {len(answers)} answers for {len(probes)} probes")
     usable = []
-    for probe in probes:
+    for index, probe in enumerate(probes):
         needle = np.zeros(probe.context_end, dtype=bool)
         for span in probe.spans:
             if span.label == "R":
                 needle[span.start : min(span.end, probe.context_end)] = True
-        if needle.any() and probe.context_end < len(probe.input_ids):
-            usable.append((probe, needle))
+        answer = [] if answers is None else [int(token) for token in answers[index]]
+        if needle.any() and probe.context_end < len(probe.input_ids) and (answers is None or answer):
+            usable.append((probe, needle, answer))
     if not usable:
         raise ValueError("no probe has an R span in its context and a question after it")
     geometry = ModelGeometry.of(model)
@@ -349,9 +365,13 @@ def measure_curves(
             model(input_ids=ids[index : index + 1].to(device), use_cache=False)
             bar.update()
         current[0] = needles
-        for probe, needle in usable:
-            needles.target = ("probe", probe.context_end, torch.as_tensor(needle, device=device))
-            model(input_ids=torch.tensor([probe.input_ids], device=device), use_cache=False)
+        for probe, needle, answer in usable:
+            needle = torch.as_tensor(needle, device=device)
+            if answers is None:
+                needles.target = ("probe", probe.context_end, needle)
+            else:
+                needles.target = ("answer", probe.context_end, (needle, len(answer)))
+            model(input_ids=torch.tensor([[*probe.input_ids, *answer]], device=device), use_cache=False)
             bar.update()
     for measurer, passes in ((text, ids.shape[0]), (needles, len(usable))):
         if not np.all(measurer.calls == passes):

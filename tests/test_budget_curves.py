@@ -340,6 +340,64 @@ def test_measured_curves_match_a_direct_reference_on_a_tiny_llama(tiny_llama, on
     assert retention[0].max() > 0  # the test exercises the needle part
 
 
+def _reference_answer_hits(model, probes, answers, grid, n_sink, window):
+    """REAL's retrieval hits lost, directly: per (KV head, query head of its group, answer step),
+    the most attended token of the full causal attention; a hit when it is an R token of the
+    context, lost at a budget when select_rows does not keep it."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from runtime.attention import attention_implementation
+
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    lost = np.zeros((len(grid), layers, heads))
+    captured = {}
+
+    def capture(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        captured[module.layer_idx] = (query[0].double(), key[0].double(), value[0].double(), float(scaling))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    for probe, answer in zip(probes, answers, strict=True):
+        ids = [*probe.input_ids, *answer]
+        end = probe.context_end
+        needle = {i for s in probe.spans if s.label == "R" for i in range(s.start, min(s.end, end))}
+        captured.clear()
+        with torch.no_grad(), attention_implementation(model, "kvcal_test_capture", capture):
+            model(input_ids=torch.tensor([ids]), use_cache=False)
+        for layer, (q, k, v, scale) in captured.items():
+            group = q.shape[0] // heads
+            for h in range(heads):
+                scores = KeyDiffScorer().score(_head(layer, h, k, v, end, scale))
+                tops = [
+                    int(torch.argmax(scale * k[h, : t + 1] @ q[qh, t]))
+                    for qh in range(h * group, (h + 1) * group)
+                    for t in range(len(ids) - len(answer), len(ids))
+                ]
+                for g, budget in enumerate(budgets_for(end, grid)):
+                    kept = set(select_rows(scores, budget, n_sink, window).tolist())
+                    misses = sum(1 for top in tops if top in needle and top not in kept)
+                    lost[g, layer, h] += misses / len(tops) / len(probes)
+    return lost
+
+
+def test_answer_retention_counts_lost_retrieval_hits_like_a_direct_reference(tiny_llama, one_thread):
+    """With answers, the retention loss is REAL's retrieval hits at the answer's steps whose token
+    the budget evicts (teacher forcing), equal to a per-step loop over query heads."""
+    grid = (0.1, 0.3, 0.6, 1.0)
+    windows = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    probes = [_tiny_probe(3), _tiny_probe(4)]
+    # answers that copy the needle, so that some heads attend to it
+    answers = [p.input_ids[s.start : s.end] for p in probes for s in p.spans if s.label == "R"]
+    common = {"grid": grid, "selection": "keydiff", "query_window": 6, "n_sink": 2, "window": 4, "progress": False}
+    measured = measure_curves(tiny_llama, windows, probes, answers=answers, **common)
+    want = _reference_answer_hits(tiny_llama, probes, answers, grid, n_sink=2, window=4)
+    np.testing.assert_allclose(measured["retention_loss"], want, atol=1e-12)
+    assert want[0].max() > 0 and np.all(want[-1] == 0)  # some hit is lost at the smallest budget, none at 1
+    question = measure_curves(tiny_llama, windows, probes, **common)
+    np.testing.assert_allclose(measured["output_error"], question["output_error"])  # the text part is unchanged
+    with pytest.raises(ValueError, match="2 answers for 1 probes"):
+        measure_curves(tiny_llama, windows, probes[:1], answers=answers, **common)
+
+
 def test_measure_curves_refuses_bad_input(tiny_llama):
     windows = torch.randint(0, 128, (1, 40))
     small = {"query_window": 6, "n_sink": 2, "window": 4, "progress": False}
@@ -405,12 +463,20 @@ def test_profile_model_runs_the_stage_into_an_existing_artifact(tmp_path, embedd
     out = tmp_path / "a.h5"
     with single_thread():
         assert main(tiny_profile_args(model_dir, out, "--stages", "behaviour,budgets")) == 0
-        assert main(tiny_profile_args(model_dir, out, "--stages", "budget-curves", "--curve-floor", "0.5")) == 0
+        assert (
+            main(
+                tiny_profile_args(
+                    model_dir, out, "--stages", "budget-curves", "--curve-floor", "0.5", "--curve-retention", "answer"
+                )
+            )
+            == 0
+        )
     with open_artifact(out) as reader:
         assert {"behaviour", "budgets", "budget_curves"} <= set(reader.sections)
         section = reader.section("budget_curves")
         settings = reader.config["budget_curves"]
         assert dict(section.attrs) == {} and settings["floor"] == 0.5 and settings["selection"] == "keydiff"
+        assert settings["retention"] == "answer"
         for ratio, row in zip(section["compression_ratios"], section["fractions"], strict=True):
             assert row.sum() == pytest.approx((1 - ratio) * row.size, rel=1e-9)
             assert row.min() >= 0.5 * (1 - ratio) - 1e-9

@@ -29,6 +29,7 @@ CURVE_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
 CURVE_FLOOR = 0.25
 RETENTION_WEIGHT = 1.0
 SELECTIONS = ("keydiff", "leverage")
+RETENTION_QUERIES = ("question", "answer")  # whose attention the retention loss follows
 N_SINK, WINDOW = 4, 32  # CompressionPolicy's defaults: the tokens the engine always keeps
 
 
@@ -71,6 +72,14 @@ class BudgetCurvesStage(Stage):
             help=f"every head keeps at least this share of the average kept fraction (default {CURVE_FLOOR:g})",
         )
         group.add_argument(
+            "--curve-retention",
+            choices=RETENTION_QUERIES,
+            default=None,
+            help="retention loss: 'question' = the question tokens' attention mass on evicted R tokens; "
+            "'answer' = the probe's answer appended (teacher forcing) and REAL's retrieval hits of its steps "
+            "(most attended token an R token) whose token is evicted (default question)",
+        )
+        group.add_argument(
             "--curve-retention-weight",
             type=number_in(0.0),
             default=None,
@@ -84,6 +93,11 @@ class BudgetCurvesStage(Stage):
         self.ratios = tuple(sorted(float(r) for r in job.setting("curve_compression_ratios", CURVE_RATIOS)))
         self.floor = float(job.setting("curve_floor", CURVE_FLOOR))
         self.retention_weight = float(job.setting("curve_retention_weight", RETENTION_WEIGHT))
+        self.retention = job.setting("curve_retention", "question")
+        if self.retention not in RETENTION_QUERIES:
+            raise ValueError(
+                f"unknown curve retention {self.retention!r}; choose one of {', '.join(RETENTION_QUERIES)}"
+            )
         if self.selection not in SELECTIONS:
             raise ValueError(f"unknown curve selection {self.selection!r}; choose one of {', '.join(SELECTIONS)}")
         if not self.ratios or any(not 0.0 < r < 1.0 for r in self.ratios) or len(set(self.ratios)) != len(self.ratios):
@@ -116,6 +130,7 @@ class BudgetCurvesStage(Stage):
             "compression_ratios": list(self.ratios),
             "floor": self.floor,
             "retention_weight": self.retention_weight,
+            "retention": self.retention,
             "query_window": self.query_window,
             "n_sink": N_SINK,
             "window": WINDOW,
@@ -132,6 +147,9 @@ class BudgetCurvesStage(Stage):
         started = time.perf_counter()
         job = self.job
         probes = [self.probes[i] for i in range(len(self.probes))]
+        answers = None
+        if self.retention == "answer":
+            answers = [job.tokenizer.encode(probe.answer, add_special_tokens=False) for probe in probes]
         measured = measure_curves(
             job.model,
             job.windows,
@@ -141,6 +159,7 @@ class BudgetCurvesStage(Stage):
             query_window=self.query_window,
             n_sink=N_SINK,
             window=WINDOW,
+            answers=answers,
             progress=job.options.progress,
         )
         section = curve_section(measured, CURVE_GRID, self.ratios, self.floor, self.retention_weight)
