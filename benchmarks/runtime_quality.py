@@ -74,7 +74,11 @@ SCORERS = {  # row label -> CompressionPolicy fields
     # statistics of the queries after the probes' context (the artifact's future_queries section)
     "ea-future": {"scorer": "expected_attention", "statistics": "future"},
     "ea-future-eps0": {"scorer": "expected_attention", "statistics": "future", "scorer_options": {"epsilon": 0.0}},
-    "proto": {"scorer": "prototype_attention"},  # max over the centres, mean over the GQA group
+    "proto": {"scorer": "prototype_attention"},  # its defaults: max over the centres and the GQA group, horizon 64
+    # a needle is several contiguous tokens: keep the neighbours of a peak (kvpress's SnapKV / EA pooling)
+    "proto-pool3": {"scorer": "prototype_attention", "scorer_options": {"pool": 3}},
+    "proto-pool5": {"scorer": "prototype_attention", "scorer_options": {"pool": 5}},
+    "proto-pool9": {"scorer": "prototype_attention", "scorer_options": {"pool": 9}},
     "proto-mean": {"scorer": "prototype_attention", "scorer_options": {"centres": "mean"}},
     "proto-gmax": {"scorer": "prototype_attention", "scorer_options": {"group": "max"}},
     "proto-eps": {"scorer": "prototype_attention", "scorer_options": {"epsilon": 1e-2}},

@@ -445,6 +445,12 @@ def load_calibration(
     model, tokenizer=None, path: str | os.PathLike | None = None, *, allow_mismatch: bool = False
 ) -> Calibration:
     """Find, validate and read the artifact for ``model`` (see the module docstring)."""
+    if not hasattr(model, "config"):  # a path or a name where the model goes: say so before anything else
+        raise TypeError(
+            "load_calibration(model, tokenizer=None, path=...) needs the loaded model (a transformers "
+            f"PreTrainedModel, to check the artifact against), got {type(model).__name__} {model!r:.80}; "
+            "pass an artifact's location as path="
+        )
     artifact_path = find_artifact(model, path)
     reader = open_artifact(artifact_path)
     try:

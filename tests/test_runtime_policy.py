@@ -183,6 +183,15 @@ def test_load_calibration_reads_sections_and_finds_the_file_next_to_the_weights(
     np.testing.assert_array_equal(explicit.query_cov, calibration.query_cov)
 
 
+@pytest.mark.parametrize("given", ["kv_calibration.h5", None, 3])
+def test_load_calibration_without_a_model_says_what_it_needs(tmp_path, given):
+    """A path (or nothing) where the model goes: one clear TypeError, not an AttributeError from inside."""
+    write_tiny_artifact(tmp_path / "kv_calibration.h5", make_tiny_llama())
+    argument = str(tmp_path / given) if isinstance(given, str) else given
+    with pytest.raises(TypeError, match=r"load_calibration\(model, tokenizer=None, path=...\) needs the loaded model"):
+        load_calibration(argument)
+
+
 def test_artifact_for_another_architecture_is_refused(tmp_path):
     path = write_tiny_artifact(tmp_path / "a.h5", make_tiny_llama(num_layers=2))
     with pytest.raises(ArtifactError, match="another architecture.*num_layers: artifact 2 vs model 3"):
