@@ -169,6 +169,19 @@ class ProfileJob:
     def windows_digest(self) -> str:
         return _digest(self.windows.numpy().tobytes())
 
+    def probes(self):
+        """The needle probes the probe stages share (behaviour, future-queries, learned-scorer,
+        budget-curves): ``--probes`` (a JSON-lines file) or the preset's, built lazily
+        (:class:`profiler.probe_source.ProbeSet`)."""
+        from profiler.probe_source import file_probes, preset_probes
+
+        probes_file = self.setting("probes_file")
+        if probes_file:
+            return file_probes(probes_file)
+        return preset_probes(
+            self.preset.probes, self.tokenizer, self.identity.tokenizer_fingerprint, dict(self.preset.probe_overrides)
+        )
+
     def calibration_config(self) -> dict:
         dataset = self.setting("calib_dataset")
         return {

@@ -187,6 +187,16 @@ class Scorer(ABC):
         return f"{type(self).__name__}()"
 
 
+def max_pooled(attention: torch.Tensor, pool: int) -> torch.Tensor:
+    """``attention [..., n]`` with each token worth its most-attended neighbour within ``pool``
+    (odd) positions, which keeps multi-token spans whole (kvpress's EA / SnapKV pooling)."""
+    if pool <= 1:
+        return attention
+    shape = attention.shape
+    pooled = torch.nn.functional.max_pool1d(attention.reshape(-1, 1, shape[-1]), pool, stride=1, padding=pool // 2)
+    return pooled.reshape(shape)
+
+
 class ExpectedAttentionScorer(Scorer):
     """Expected Attention (arXiv 2510.00636, Eq. 5-9; docs/design.md section 1).
 
@@ -228,11 +238,7 @@ class ExpectedAttentionScorer(Scorer):
         linear = s * (mean @ keys.T)  # [G, n]
         quadratic = 0.5 * s * s * ((keys @ cov) * keys).sum(-1)  # [G, n]
         attention = torch.softmax(linear + quadratic, dim=-1).mean(0)  # [n]
-        if self.pool > 1:  # a token is worth what its most-attended neighbour is (keeps spans whole)
-            attention = torch.nn.functional.max_pool1d(
-                attention[None, None], self.pool, stride=1, padding=self.pool // 2
-            )[0, 0]
-        return attention
+        return max_pooled(attention, self.pool)
 
     def score(self, head: HeadContext) -> torch.Tensor:
         return (self.attention(head) + self.epsilon) * head.values.float().norm(dim=-1)
@@ -253,12 +259,7 @@ class ExpectedAttentionScorer(Scorer):
         attention = torch.softmax(logits, dim=-1).mean(2)  # [R, Hkv, n]
         # a head with no token at all (softmax over nothing) scores 0; NaN from overflow stays NaN
         attention = torch.where(layer.valid.any(-1, keepdim=True), attention, torch.zeros_like(attention))
-        if self.pool > 1:
-            rows, heads, n = attention.shape
-            attention = torch.nn.functional.max_pool1d(
-                attention.reshape(rows * heads, 1, n), self.pool, stride=1, padding=self.pool // 2
-            ).reshape(rows, heads, n)
-        scores = (attention + self.epsilon) * layer.values.float().norm(dim=-1)
+        scores = (max_pooled(attention, self.pool) + self.epsilon) * layer.values.float().norm(dim=-1)
         return scores.masked_fill(~layer.valid, float("-inf"))
 
     def __repr__(self) -> str:
@@ -331,11 +332,7 @@ class PrototypeAttentionScorer(Scorer):
         centres = head.query_centres.float().to(keys.device) @ rbar.T  # [G, K, d]
         logits = head.scaling * (centres @ keys.T)  # [G, K, n]
         attention = self._reduce(torch.softmax(logits, dim=-1), head.centre_weights.float().to(keys.device))
-        if self.pool > 1:
-            attention = torch.nn.functional.max_pool1d(
-                attention[None, None], self.pool, stride=1, padding=self.pool // 2
-            )[0, 0]
-        return attention
+        return max_pooled(attention, self.pool)
 
     def score(self, head: HeadContext) -> torch.Tensor:
         return (self.attention(head) + self.epsilon) * head.values.float().norm(dim=-1)
@@ -353,12 +350,7 @@ class PrototypeAttentionScorer(Scorer):
         weights = layer.centre_weights.float().to(keys.device).unsqueeze(0)  # [1, Hkv, G, K]
         attention = self._reduce(torch.softmax(logits, dim=-1), weights)  # [R, Hkv, n]
         attention = torch.where(layer.valid.any(-1, keepdim=True), attention, torch.zeros_like(attention))
-        if self.pool > 1:
-            rows, heads, n = attention.shape
-            attention = torch.nn.functional.max_pool1d(
-                attention.reshape(rows * heads, 1, n), self.pool, stride=1, padding=self.pool // 2
-            ).reshape(rows, heads, n)
-        scores = (attention + self.epsilon) * layer.values.float().norm(dim=-1)
+        scores = (max_pooled(attention, self.pool) + self.epsilon) * layer.values.float().norm(dim=-1)
         return scores.masked_fill(~layer.valid, float("-inf"))
 
     def __repr__(self) -> str:

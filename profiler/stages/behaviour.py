@@ -17,7 +17,6 @@ import numpy as np
 
 from artifacts import Section
 from profiler.arguments import positive_int
-from profiler.probe_source import file_probes, preset_probes
 
 from .base import ShardedStage
 
@@ -58,14 +57,7 @@ class BehaviourStage(ShardedStage):
         from profiler.behaviour_probe import BehaviourState  # torch: not for the parser
 
         job = self.job
-        probes_file = job.setting("probes_file")
-        self.probes = (
-            file_probes(probes_file)
-            if probes_file
-            else preset_probes(
-                job.preset.probes, job.tokenizer, job.identity.tokenizer_fingerprint, dict(job.preset.probe_overrides)
-            )
-        )
+        self.probes = job.probes()
         longest = self.probes.max_tokens() + self.max_new_tokens
         if longest > job.identity.max_position_embeddings:
             self.say(

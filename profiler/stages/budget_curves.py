@@ -110,17 +110,9 @@ class BudgetCurvesStage(Stage):
         self.query_window = max(4, min(32, job.calib_tokens // 4))
 
     def prepare(self) -> None:
-        from profiler.probe_source import file_probes, preset_probes
 
         job = self.job
-        probes_file = job.setting("probes_file")  # the behaviour stage's probes
-        self.probes = (
-            file_probes(probes_file)
-            if probes_file
-            else preset_probes(
-                job.preset.probes, job.tokenizer, job.identity.tokenizer_fingerprint, dict(job.preset.probe_overrides)
-            )
-        )
+        self.probes = job.probes()  # the behaviour stage's probes
 
     def config(self) -> dict:
         job = self.job

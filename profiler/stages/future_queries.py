@@ -24,7 +24,6 @@ import numpy as np
 
 from artifacts import Section
 from profiler.arguments import positive_int
-from profiler.probe_source import file_probes, preset_probes
 
 from .base import ShardedStage
 
@@ -87,14 +86,7 @@ class FutureQueriesStage(ShardedStage):
         from runtime.query_moments import QueryMoments  # torch: not for the parser
 
         job = self.job
-        probes_file = job.setting("probes_file")
-        self.probes = (
-            file_probes(probes_file)
-            if probes_file
-            else preset_probes(
-                job.preset.probes, job.tokenizer, job.identity.tokenizer_fingerprint, dict(job.preset.probe_overrides)
-            )
-        )
+        self.probes = job.probes()
         geometry = job.geometry
         self.totals = QueryMoments(geometry.num_layers, geometry.num_q_heads, geometry.head_dim)
         self.kept: dict[int, np.ndarray] = {}  # probe index -> [T, L, Hq, d] float32, in probe order

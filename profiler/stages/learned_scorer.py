@@ -73,19 +73,7 @@ class LearnedScorerStage(ShardedStage):
         self.probes = []
         count = self.probe_count
         if count:
-            from profiler.probe_source import file_probes, preset_probes
-
-            probes_file = job.setting("probes_file")  # the behaviour stage's probes
-            probe_set = (
-                file_probes(probes_file)
-                if probes_file
-                else preset_probes(
-                    job.preset.probes,
-                    job.tokenizer,
-                    job.identity.tokenizer_fingerprint,
-                    dict(job.preset.probe_overrides),
-                )
-            )
+            probe_set = job.probes()  # the behaviour stage's probes
             order = np.argsort(probe_set.table["probe_length"], kind="stable")[:count]
             self.probes = [probe_set[int(i)] for i in sorted(order)]
 
