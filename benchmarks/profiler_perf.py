@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from profiler.behaviour_probe import run_probe  # noqa: E402
 from profiler.calibration_text import calibration_windows  # noqa: E402
+from profiler.greedy import greedy_generate  # noqa: E402
 from profiler.presets import PRESETS  # noqa: E402
 from profiler.probe_source import preset_probes  # noqa: E402
 from runtime.geometry import ModelGeometry  # noqa: E402
@@ -41,19 +42,8 @@ from runtime.query_moments import QueryMoments  # noqa: E402
 
 
 def plain_generate(model, tokenizer, probe, max_new_tokens):
-    ids = torch.tensor([probe.input_ids])
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.no_grad():
-        return model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            pad_token_id=pad,
-        )
+        return greedy_generate(model, tokenizer, torch.tensor([probe.input_ids]), max_new_tokens)
 
 
 def _summary(pairs: list[tuple[float, float]], names: tuple[str, str]) -> dict:

@@ -21,6 +21,7 @@ from needles import answer_is_correct
 from needles.probe import Probe
 from profiler.attention_capture import DecodeAttentionRecorder, capture_attention_implementation
 from profiler.behaviour_scores import NUM_LABELS, behaviour_scores, dominant_totals
+from profiler.greedy import greedy_generate
 from runtime.geometry import ModelGeometry
 
 
@@ -41,18 +42,8 @@ def run_probe(model, tokenizer, geometry: ModelGeometry, probe: Probe, max_new_t
     ids = torch.tensor([probe.input_ids], dtype=torch.long, device=device)  # [1, C]
     context = ids.shape[1]
     recorder = DecodeAttentionRecorder(geometry.num_layers, geometry.num_q_heads, context, max_new_tokens)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.no_grad(), capture_attention_implementation(model, recorder):
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            pad_token_id=pad,
-        )
+        out = greedy_generate(model, tokenizer, ids, max_new_tokens)
     generated = out[0, context:]
     records = recorder.results()
     steps = int(records["max_weight"].shape[0])

@@ -32,6 +32,7 @@ from collections import defaultdict
 import torch
 from tqdm.auto import tqdm
 
+from profiler.greedy import greedy_generate
 from runtime.geometry import ModelGeometry
 from runtime.policy_spec import PolicySpec
 
@@ -117,17 +118,9 @@ def decode_together(model, tokenizer, ids: torch.Tensor, caches, max_new_tokens:
 
     batch = RaggedCache.stack(caches)
     rows = ids.expand(len(caches), -1)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     started = time.perf_counter()
     with ragged_attention(model):
-        out = model.generate(
-            rows,
-            attention_mask=torch.ones_like(rows),
-            past_key_values=batch,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=pad,
-        )
+        out = greedy_generate(model, tokenizer, rows, max_new_tokens, past_key_values=batch)
     seconds = time.perf_counter() - started
     return [tokenizer.decode(row[ids.shape[1] :], skip_special_tokens=True) for row in out], seconds
 

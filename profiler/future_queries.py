@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from profiler.greedy import greedy_generate
 from runtime.geometry import ModelGeometry
 
 
@@ -57,18 +58,8 @@ def probe_future_queries(model, tokenizer, geometry: ModelGeometry, probe, max_n
         return hook
 
     handles = [module.register_forward_hook(make_hook(i)) for i, module in enumerate(geometry.query_modules)]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     try:
-        model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            pad_token_id=pad,
-        )
+        greedy_generate(model, tokenizer, ids, max_new_tokens)
     finally:
         for handle in handles:
             handle.remove()
