@@ -21,7 +21,12 @@ then the best-scored, :func:`runtime.scorers.select_rows`):
   prompt) tell how much attention the head pays to the needle's R span (the answer tokens,
   REAL's retrieval label); the loss is the part of that attention mass whose R tokens were
   evicted, averaged over the group, the question's queries and the probes.  A head that does
-  not read the needle has no retention loss at any budget.
+  not read the needle has no retention loss at any budget.  With ``answers`` (the stage's
+  ``--curve-retention answer``) the probe's answer is appended and the loss follows REAL's
+  retrieval hits instead (REAL, "REtrieval-reAsoning and Logic-constructed Attention Behaviors
+  for Long-Context KV Cache Compression"): per (query head of the group, answer step), the
+  step's most attended token; the loss is the share of those that are R tokens of the context
+  the budget evicts.
 
 Both are 0 at ``f = 1`` (nothing evicted).  The curve the allocation uses is
 ``loss = output_error / mean_h output_error[f_0] + retention_weight * retention_loss /

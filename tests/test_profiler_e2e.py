@@ -13,7 +13,16 @@ from profiler.job import default_output
 @pytest.mark.slow
 def test_smoke_preset_on_embedded_model_writes_a_valid_artifact(smoke_run):
     out, stdout = smoke_run  # `profile-model --preset smoke`, run once per session (conftest)
-    for stage in ("behaviour:", "query-stats:", "future-queries:", "budgets:", "moments:", "learned-scorer:", "wrote"):
+    for stage in (
+        "behaviour:",
+        "query-stats:",
+        "future-queries:",
+        "budgets:",
+        "budget-curves:",
+        "moments:",
+        "learned-scorer:",
+        "wrote",
+    ):
         assert stage in stdout  # one summary line per stage
     assert inspect_artifact([str(out)]) == 0  # every dataset read and checked
     with open_artifact(out) as reader:
@@ -36,6 +45,10 @@ def test_smoke_preset_on_embedded_model_writes_a_valid_artifact(smoke_run):
         assert future["centres"].shape == (30, 9, reader.config["future_queries"]["centres"], 64)
         np.testing.assert_allclose(future["centre_weights"].sum(-1), 1.0)
         assert np.all(np.linalg.eigvalsh(future["cov"][0, 0].astype(np.float64)) > -1e-3)
+        curves = reader.section("budget_curves")  # opt-in: the smoke fixture names every stage
+        for ratio, row in zip(curves["compression_ratios"], curves["fractions"], strict=True):
+            assert row.shape == (30, 3) and row.sum() == pytest.approx((1 - ratio) * 90, rel=1e-9)
+        assert np.all(curves["output_error"][-1] < 1e-3) and reader.config["budget_curves"]["selection"] == "keydiff"
         budgets = reader.section("budgets")
         for b, table in zip(budgets["token_budgets"], budgets["token_tables"], strict=True):
             assert table.sum() == b * 30 * 3
