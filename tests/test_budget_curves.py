@@ -466,7 +466,7 @@ def test_profile_model_runs_the_stage_into_an_existing_artifact(tmp_path, embedd
         assert (
             main(
                 tiny_profile_args(
-                    model_dir, out, "--stages", "budget-curves", "--curve-floor", "0.5", "--curve-retention", "answer"
+                    model_dir, out, "--stages", "budget-curves", "--curve-floor", "0.5", "--curve-retention", "question"
                 )
             )
             == 0
@@ -476,7 +476,7 @@ def test_profile_model_runs_the_stage_into_an_existing_artifact(tmp_path, embedd
         section = reader.section("budget_curves")
         settings = reader.config["budget_curves"]
         assert dict(section.attrs) == {} and settings["floor"] == 0.5 and settings["selection"] == "keydiff"
-        assert settings["retention"] == "answer"
+        assert settings["retention"] == "question"
         for ratio, row in zip(section["compression_ratios"], section["fractions"], strict=True):
             assert row.sum() == pytest.approx((1 - ratio) * row.size, rel=1e-9)
             assert row.min() >= 0.5 * (1 - ratio) - 1e-9

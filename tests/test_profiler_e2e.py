@@ -48,7 +48,9 @@ def test_smoke_preset_on_embedded_model_writes_a_valid_artifact(smoke_run):
         curves = reader.section("budget_curves")  # opt-in: the smoke fixture names every stage
         for ratio, row in zip(curves["compression_ratios"], curves["fractions"], strict=True):
             assert row.shape == (30, 3) and row.sum() == pytest.approx((1 - ratio) * 90, rel=1e-9)
-        assert np.all(curves["output_error"][-1] < 1e-3) and reader.config["budget_curves"]["selection"] == "keydiff"
+        assert np.all(curves["output_error"][-1] < 1e-3)
+        assert reader.config["budget_curves"]["selection"] == "keydiff"
+        assert reader.config["budget_curves"]["retention"] == "answer"  # the default: REAL's hits at the answer
         budgets = reader.section("budgets")
         for b, table in zip(budgets["token_budgets"], budgets["token_tables"], strict=True):
             assert table.sum() == b * 30 * 3
