@@ -480,6 +480,5 @@ def test_profile_model_runs_the_stage_into_an_existing_artifact(tmp_path, embedd
         for ratio, row in zip(section["compression_ratios"], section["fractions"], strict=True):
             assert row.sum() == pytest.approx((1 - ratio) * row.size, rel=1e-9)
             assert row.min() >= 0.5 * (1 - ratio) - 1e-9
-    assert not BudgetCurvesStage.on_by_default(PRESETS["quick"]) and "budget-curves" not in default_stages(
-        PRESETS["standard"]
-    )
+    assert all(BudgetCurvesStage.on_by_default(preset) for preset in PRESETS.values())
+    assert "budget-curves" in default_stages(PRESETS["standard"])

@@ -41,17 +41,11 @@ class BudgetCurvesStage(Stage):
     name = "budget-curves"
     section = "budget_curves"
     summary = (
-        "per KV head, how attention-output error on calibration text and the needle's lost R-span attention "
-        "on the probes fall as the head's kept fraction grows (KeyDiff selection by default); per compression "
-        "ratio, budgets by marginal utility on those curves (LU-KV), served as allocation 'curve'. Off unless "
-        "--stages names it (on the embedded model it measured below INF budgets)."
+        "per KV head, how attention-output error on calibration text and the needle's lost retrieval hits "
+        "(REAL's, at the probes' answer steps) fall as the head's kept fraction grows (KeyDiff selection by "
+        "default); per compression ratio, budgets by marginal utility on those curves (LU-KV), served as "
+        "allocation 'curve'."
     )
-
-    @classmethod
-    def on_by_default(cls, preset) -> bool:
-        # Off unless --stages names it: on the embedded model curve/* measured below inf/* (module
-        # profiler.budget_curves, "Measured"), so no preset pays its ~4 minutes by default.
-        return False
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
