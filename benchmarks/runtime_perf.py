@@ -32,7 +32,8 @@ in every row):
      artifact) or, without one, ``uniform/keydiff+correction1``
      (``CompressionPolicy(keep_ratio=K, scorer="keydiff", correction="order1")``);
    * leverage: the flagship ``inf/leverage+correction`` (``runtime.policy_spec.FLAGSHIP.policy(1 - K)``)
-     with ``--artifact``, else ``uniform/leverage`` (``CompressionPolicy(keep_ratio=K)``),
+     with ``--artifact``, else ``uniform/leverage`` (``CompressionPolicy(keep_ratio=K)``);
+   * ``curve/keydiff+correction`` when the artifact has a ``budget_curves`` section,
 
    where K is ``--keep-ratio`` (default 0.25).  Bars: nothing evicted <= 1.05x plain at every
    batch; K = 25% kept <= 0.75x plain at B=8, 4K and never above 1.0x.
@@ -563,6 +564,11 @@ def build_policies(args, model, tokenizer, results) -> dict:
             calibration,
         ),
     }
+    if calibration.budget_curve is not None:  # per-head budgets from the artifact's budget curves
+        policies["curve/keydiff+correction"] = (
+            parse_policy("curve/keydiff+correction").policy(1.0 - keep),
+            calibration,
+        )
     for policy, with_calibration in policies.values():
         policy.check_calibration(with_calibration)  # before anything long runs
     return policies
