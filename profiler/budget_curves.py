@@ -62,6 +62,10 @@ head at ``f = 0.02``): those curves correlated weakly with INF's (Pearson 0.11 a
 not help (curve/keydiff 0.37 / 0.06).  The answer's retrieval hits reach 0.28 of a head's steps
 at ``f = 0.02`` (14 of 90 heads above 0.05); those curves correlate with INF at 0.48 / 0.66 and
 give the retrieval heads more than INF does at 90% (up to 0.7 of the context against 0.35).
+Curves measured under leverage selection (``--curve-selection leverage``, one more run) did worse
+for the leverage policies than these KeyDiff-selected ones: curve/leverage 0.80 / 0.63,
+curve/leverage+correction 0.93 / 0.78 (against inf/leverage+correction's 0.94 / 0.83 in the same
+run), so KeyDiff stays the default selection.
 """
 
 from __future__ import annotations
