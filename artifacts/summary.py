@@ -140,6 +140,7 @@ def summarize(reader: ArtifactReader) -> dict:
             "selection": settings.get("selection", "?"),
             "floor": settings.get("floor"),
             "retention_weight": settings.get("retention_weight"),
+            "retention": settings.get("retention", "question"),  # files before the setting measured the question
             "probes": settings.get("probes", "?"),
             "windows": settings.get("windows", "?"),
             "grid": [float(f) for f in bc["grid"]],
@@ -263,7 +264,8 @@ def format_summary(summary: dict) -> str:
         )
         lines += [
             f"budget_curves  {bc['selection']} selection, {bc['windows']} windows, {bc['probes']} probes, floor "
-            f"{bc['floor']}, retention weight {bc['retention_weight']}; per-head kept fraction by compression "
+            f"{bc['floor']}, retention ({bc['retention']}) weight {bc['retention_weight']}; per-head kept fraction "
+            "by compression "
             f"ratio {spread}",
             f"            mean output error / retention loss by kept fraction: {errors}",
         ]
