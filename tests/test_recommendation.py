@@ -240,3 +240,12 @@ def test_the_readme_serving_snippet_runs_verbatim_and_answers_at_75_percent_comp
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "4821" in done.stdout, done.stdout
+
+
+def test_profile_model_help_lists_the_default_candidates():
+    """The --recommend-policies help names exactly the candidates the stage measures by default."""
+    from profiler.cli import build_parser
+    from profiler.evaluation_results import RECOMMENDATION_CANDIDATES
+
+    text = " ".join(build_parser().format_help().split())
+    assert "default: " + ", ".join(RECOMMENDATION_CANDIDATES) in text.replace("- ", "-")

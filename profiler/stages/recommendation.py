@@ -23,6 +23,7 @@ import numpy as np
 
 from artifacts import Section
 from profiler.arguments import comma_separated, number_in, positive_int
+from profiler.evaluation_results import RECOMMENDATION_CANDIDATES
 
 from .base import Stage
 
@@ -52,8 +53,7 @@ class RecommendationStage(Stage):
             type=comma_separated(str),
             default=None,
             help="candidate policies, cheapest to serve first (ties go to the first); default: "
-            "inf/keydiff+correction, global/learned, global/learned+correction, inf/leverage, uniform/leverage, "
-            "inf/leverage+correction",
+            + ", ".join(RECOMMENDATION_CANDIDATES),
         )
         group.add_argument(
             "--recommend-compression-ratios",
