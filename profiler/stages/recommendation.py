@@ -72,7 +72,6 @@ class RecommendationStage(Stage):
 
     def __init__(self, job):
         super().__init__(job)
-        from profiler.evaluation_results import RECOMMENDATION_CANDIDATES
         from runtime.policy_spec import parse_policy
 
         names = job.setting("recommend_policies", RECOMMENDATION_CANDIDATES)
