@@ -231,7 +231,11 @@ SECTIONS: dict[str, SectionSpec] = {
                 "<f8", ("NG", "L", "Hkv"), "relative attention-output error on calibration text", 0.0
             ),
             "retention_loss": DatasetSpec(
-                "<f8", ("NG", "L", "Hkv"), "question attention mass on evicted R-span tokens of the probes", 0.0, 1.0
+                "<f8",
+                ("NG", "L", "Hkv"),
+                "lost retrieval hits at the answer's steps (or the question's attention mass) on evicted R-span tokens",
+                0.0,
+                1.0,
             ),
             "loss": DatasetSpec("<f8", ("NG", "L", "Hkv"), "the combined loss the allocation minimised", 0.0),
         },
