@@ -231,6 +231,17 @@ class _CurveMeasurer:
         self.sums = np.zeros(shape)
         self.calls = np.zeros(geometry.num_layers, dtype=np.int64)
         self.target = None  # (kind, prefix length, extra) for the pass in progress
+        self._rope_memo = None  # (prefix, cos, sin) of the last prefix length asked
+
+    def rope_of_prefix(self, prefix: int, device):
+        """RoPE cos / sin of positions ``0 .. prefix - 1``, computed once per prefix length (every
+        layer and head of a pass shares them)."""
+        import torch
+
+        if self._rope_memo is None or self._rope_memo[0] != prefix:
+            cos, sin = self.rope(torch.arange(prefix))
+            self._rope_memo = (prefix, cos.to(device), sin.to(device))
+        return self._rope_memo[1], self._rope_memo[2]
 
     def head_ranks(self, layer, h, query, key, value, prefix, scale):
         """Keep order of the first ``prefix`` tokens of KV head ``h`` under the selection scorer."""
@@ -247,7 +258,7 @@ class _CurveMeasurer:
             recent = q if window >= prefix else q[:, prefix - window :]
         key_cos = key_sin = None
         if self.scorer.key_rope:
-            key_cos, key_sin = (t.to(key.device) for t in self.rope(positions))
+            key_cos, key_sin = self.rope_of_prefix(prefix, key.device)
         context = HeadContext(
             layer=layer,
             kv_head=h,
