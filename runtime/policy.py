@@ -202,17 +202,18 @@ class CompressionPolicy:
     def needs_calibration(self) -> list[str]:
         """What this policy reads from an artifact (human-readable)."""
         needs = []
+        scorer = self.build_scorer()
         if self.allocation == "inf":
             needs.append("INF budgets (section 'budgets' or 'behaviour')")
         if self.allocation == "curve":
             needs.append("budget curves (section 'budget_curves')")
-        if self.build_scorer().query_statistics == "calibrated":
+        if scorer.query_statistics == "calibrated":
             needs.append("query statistics (section 'query_stats')")
-        if self.build_scorer().query_statistics == "future" or self.build_scorer().query_centres:
+        if scorer.query_statistics == "future" or scorer.query_centres:
             needs.append("future-query statistics (section 'future_queries')")
         if self.correction == "calibrated":
             needs.append("per-head correction orders (section 'moments')")
-        if self.build_scorer().learned:
+        if scorer.learned:
             needs.append("learned scorer weights (section 'learned_scorer')")
         return needs
 
@@ -221,6 +222,7 @@ class CompressionPolicy:
         needs = self.needs_calibration()
         if not needs:
             return
+        scorer = self.build_scorer()
         if calibration is None:
             raise ValueError(
                 f"policy {self.describe()} needs a calibration artifact for: {'; '.join(needs)}. "
@@ -237,14 +239,13 @@ class CompressionPolicy:
                 f"section (present: {', '.join(calibration.sections) or 'none'}); re-run profile-model with the "
                 "budget-curves stage, or use allocation='inf'"
             )
-        if self.build_scorer().query_statistics == "calibrated" and not calibration.has_query_stats:
+        if scorer.query_statistics == "calibrated" and not calibration.has_query_stats:
             raise ValueError(
                 f"expected_attention with statistics='calibrated' needs query statistics, but "
                 f"{calibration.path} has no 'query_stats' section (present: "
                 f"{', '.join(calibration.sections) or 'none'}); use statistics='prompt' or "
                 "re-run profile-model with the query-stats stage"
             )
-        scorer = self.build_scorer()
         if (scorer.query_statistics == "future" or scorer.query_centres) and not getattr(
             calibration, "has_future_queries", False
         ):
@@ -260,16 +261,14 @@ class CompressionPolicy:
                 f"no 'moments' section (present: {', '.join(calibration.sections) or 'none'}); use "
                 "correction='order1' or re-run profile-model with the moments stage"
             )
-        if self.build_scorer().learned and getattr(calibration, "scorer_weights", None) is None:
+        if scorer.learned and getattr(calibration, "scorer_weights", None) is None:
             raise ValueError(
                 f"the learned scorer needs its weights, but {calibration.path} has no 'learned_scorer' section "
                 f"(present: {', '.join(calibration.sections) or 'none'}); re-run profile-model with the "
                 "learned-scorer stage"
             )
         if self.correction == "calibrated" and hasattr(calibration, "check_moment_selection"):
-            calibration.check_moment_selection(
-                self.build_scorer().name
-            )  # warns once when calibrated under another scorer
+            calibration.check_moment_selection(scorer.name)  # warns once when calibrated under another scorer
 
     def head_budgets(
         self,
