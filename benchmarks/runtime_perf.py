@@ -100,6 +100,7 @@ from runtime import (  # noqa: E402
 )
 from runtime.compress import prefill_for_policies  # noqa: E402
 from runtime.models import load_model, load_tokenizer, use_progress_bars  # noqa: E402
+from runtime.transformers_compat import cache_argument  # noqa: E402
 
 PLAIN, FULL = "plain", "ragged full"
 LABELS = ("kvcal.attention", "kvcal.correction", "kvcal.eviction")  # the runtime's record_function labels
@@ -159,7 +160,7 @@ def plain_prefill(model, ids):
 
     cache = DynamicCache(config=model.config)
     start = time.perf_counter()
-    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(ids, **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
     return cache, out.logits[:, -1].argmax(-1, keepdim=True), time.perf_counter() - start
 
 
@@ -203,7 +204,7 @@ def compressed_copy(model, source: RaggedCache, batch: int, policy, calibration,
 def decode_steps(model, cache, token, steps: int) -> torch.Tensor:
     """``steps`` untimed greedy steps (warm-up); the next token."""
     for _ in range(steps):
-        token = model(token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        token = model(token, **cache_argument(model, cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
     return token
 
 
@@ -222,7 +223,7 @@ def interleaved_decode(runs: dict, steps: int) -> tuple[dict, dict, dict]:
             model, cache, _ = runs[name]
             faults = minor_faults()
             start = time.perf_counter()
-            logits = model(tokens[name], past_key_values=cache, use_cache=True).logits
+            logits = model(tokens[name], **cache_argument(model, cache), use_cache=True).logits
             tokens[name] = logits[:, -1].argmax(-1, keepdim=True)
             step_ms[name].append(1000 * (time.perf_counter() - start))
             step_faults[name].append(minor_faults() - faults)
@@ -247,7 +248,7 @@ def step_split(model, cache, token, steps: int) -> dict:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for step in range(steps + 1):
             with record_function(STEP if step else WARMUP):
-                logits = model(token, past_key_values=cache, use_cache=True).logits
+                logits = model(token, **cache_argument(model, cache), use_cache=True).logits
             token = logits[:, -1].argmax(-1, keepdim=True)
     return split_events(prof.events(), steps)
 

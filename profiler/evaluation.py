@@ -115,12 +115,13 @@ def decode_together(model, tokenizer, ids: torch.Tensor, caches, max_new_tokens:
     prefix, compressed or not), decoded as one batch (``RaggedCache.stack``: equal to one by one,
     the runtime's batch tests); returns the answers and the batch's wall seconds."""
     from runtime import RaggedCache, ragged_attention
+    from runtime.transformers_compat import cache_argument
 
     batch = RaggedCache.stack(caches)
     rows = ids.expand(len(caches), -1)
     started = time.perf_counter()
     with ragged_attention(model):
-        out = greedy_generate(model, tokenizer, rows, max_new_tokens, past_key_values=batch)
+        out = greedy_generate(model, tokenizer, rows, max_new_tokens, **cache_argument(model, batch))
     seconds = time.perf_counter() - started
     return [tokenizer.decode(row[ids.shape[1] :], skip_special_tokens=True) for row in out], seconds
 

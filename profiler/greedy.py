@@ -9,7 +9,8 @@ def greedy_generate(model, tokenizer, ids: torch.Tensor, max_new_tokens: int, **
     """``model.generate`` on ``ids [B, T]`` (no padding), greedy, for ``max_new_tokens`` tokens at most:
     the sampling settings of the checkpoint's generation config are overridden (no temperature,
     top-p or top-k warnings), and the pad token is the tokenizer's, else its EOS.  ``kwargs`` go to
-    ``generate`` (e.g. ``past_key_values``).  Returns the prompt and the answer ``[B, T + n]``."""
+    ``generate`` (e.g. the cache: ``runtime.cache_argument``).  Returns the prompt and the answer
+    ``[B, T + n]``."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return model.generate(
         ids,

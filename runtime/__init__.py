@@ -36,6 +36,7 @@ from .policy_spec import FLAGSHIP, PolicySpec, parse_policy
 from .query_moments import QueryMoments
 from .recommendation import Recommendation
 from .scorers import SCORERS, HeadContext, Scorer, make_scorer, select_rows
+from .transformers_compat import cache_argument
 
 __all__ = [
     "ATTENTION_NAME",
@@ -56,6 +57,7 @@ __all__ = [
     "UnsupportedModelError",
     "answer",
     "build_inputs",
+    "cache_argument",
     "compress",
     "compress_prompt",
     "enable",

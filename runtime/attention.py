@@ -15,7 +15,7 @@ block and then restores the implementation the model had (eager, sdpa, flash...)
 own entry points (``prefill``, ``compress_prompt``, ``generate``, ``answer``, KVzip scoring) all
 switch this way, so a model handed to them comes back as it was.  Serving a compressed cache
 through ``model.generate`` yourself takes the same block (``with ragged_attention(model):
-model.generate(..., past_key_values=cache)``); ``enable(model)`` switches for good instead.
+model.generate(..., **cache_argument(model, cache))``); ``enable(model)`` switches for good instead.
 Nothing is registered at import time.
 
 The ragged function receives post-RoPE ``query [B, Hq, q, d]`` and the new chunk's un-repeated

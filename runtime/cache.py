@@ -64,6 +64,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from .geometry import ModelGeometry
 from .moments import MomentSums, PreparedMoments
 from .paged_attention import decode_attention, segment_attention
+from .transformers_compat import query_length
 
 # Tensor attribute through which the attention function finds the layer that parked a chunk.
 LAYER_TAG = "_kvcal_ragged_layer"
@@ -190,6 +191,8 @@ class RaggedLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
+        # Our own record of the KV dtype and device: DynamicLayer stopped setting ``dtype`` in 5.24.
+        self.dtype, self.device = key_states.dtype, key_states.device
         batch, heads, _, dim = key_states.shape
         self.batch_size, self.num_heads, self.head_dim = batch, heads, dim
         self.rows = [RowState() for _ in range(batch)]
@@ -234,9 +237,9 @@ class RaggedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.tokens_seen
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query: int | torch.Tensor) -> tuple[int, int]:
         # The mask covers only the chunk being fed: kv columns [tokens_seen, tokens_seen + q).
-        return query_length, self.tokens_seen
+        return query_length(query), self.tokens_seen
 
     def get_max_length(self) -> int:
         return -1
@@ -738,7 +741,8 @@ class RaggedLayer(DynamicLayer):
 
 
 class RaggedCache(Cache):
-    """``Cache(layers=[RaggedLayer, ...])``; pass it as ``past_key_values`` (see module docstring)."""
+    """``Cache(layers=[RaggedLayer, ...])``; pass it as the model's cache argument
+    (``runtime.transformers_compat.cache_argument``; see the module docstring)."""
 
     def __init__(self, num_layers: int):
         if num_layers <= 0:

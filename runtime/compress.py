@@ -28,6 +28,7 @@ from .eviction import HeadEvictor
 from .geometry import ModelGeometry
 from .policy import CompressionPolicy
 from .query_moments import QueryMoments
+from .transformers_compat import cache_argument
 
 
 def _needs(policy: CompressionPolicy | None):
@@ -91,9 +92,9 @@ def prefill(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **cache_argument(model, cache),
         )
     return prompt_stats
 

@@ -13,7 +13,7 @@ Token level::
 
     cache, report = compress_prompt(model, ids, policy, attention_mask=mask, context_columns=n,
                                     calibration=calibration)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=32)
+    out = model.generate(ids, attention_mask=mask, **cache_argument(model, cache), max_new_tokens=32)
 
 or ``generate(model, ids, policy, ...)`` which does both.  Text level: ``answer(model,
 tokenizer, context, question, policy)`` (one pair or lists of them, batched with padding).
@@ -37,6 +37,7 @@ from .calibration import architecture_mismatch
 from .checks import check_integer
 from .compress import CompressionReport, compress, prefill
 from .policy import CompressionPolicy
+from .transformers_compat import cache_argument
 
 
 def build_inputs(contexts: list[list[int]], questions: list[list[int]], pad_token_id: int):
@@ -217,7 +218,9 @@ def generate(
     attention_mask = check_inputs(model, input_ids, attention_mask)
     generate_kwargs.setdefault("do_sample", False)
     with ragged_attention(model):  # for this call only: the model keeps its own implementation
-        sequences = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)
+        sequences = model.generate(
+            input_ids, attention_mask=attention_mask, **cache_argument(model, cache), **generate_kwargs
+        )
     return GenerationResult(
         sequences=sequences, new_tokens=sequences[:, input_ids.shape[1] :], cache=cache, report=report
     )

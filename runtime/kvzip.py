@@ -44,6 +44,7 @@ from .cache import LAYER_TAG, RaggedCache, RaggedLayer
 from .geometry import ModelGeometry
 from .policy import CompressionPolicy
 from .scorers import KVzipScorer, KVzipScores
+from .transformers_compat import cache_argument, query_length
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -133,8 +134,8 @@ class ReconstructionLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.base.tokens_seen
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, self.base.tokens_seen  # the chunk's own causal mask (see runtime.cache)
+    def get_mask_sizes(self, query: int | torch.Tensor) -> tuple[int, int]:
+        return query_length(query), self.base.tokens_seen  # the chunk's own causal mask (see runtime.cache)
 
     def get_max_length(self) -> int:
         return -1
@@ -249,7 +250,13 @@ def kvzip_scores(
             view.set_chunk(prefix, start, end)
             input_ids = torch.tensor([chunk_ids], dtype=torch.long, device=device)
             positions = seen + torch.arange(len(chunk_ids), device=device).unsqueeze(0)
-            model(input_ids=input_ids, position_ids=positions, past_key_values=view, use_cache=True, logits_to_keep=1)
+            model(
+                input_ids=input_ids,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **cache_argument(model, view),
+            )
             tokens += len(chunk_ids)
     last_keys = torch.stack(
         [torch.stack([_key_at(layer, row, h, len(ids) - 1) for h in range(heads)]) for layer in cache.layers]

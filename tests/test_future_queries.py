@@ -19,6 +19,7 @@ from runtime.geometry import ModelGeometry
 from runtime.policy_spec import parse_policy
 from runtime.rope import averaged_rope
 from runtime.scorers import ExpectedAttentionScorer, HeadContext, PrototypeAttentionScorer
+from runtime.transformers_compat import cache_argument
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -337,7 +338,7 @@ def test_embedded_model_keeps_the_needle_under_prototype_attention(embedded_mode
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            past_key_values=cache,
+            **cache_argument(model, cache),
             do_sample=False,
             max_new_tokens=20,
             pad_token_id=tokenizer.eos_token_id,

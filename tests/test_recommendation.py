@@ -236,10 +236,16 @@ def test_the_readme_serving_snippet_runs_verbatim_and_answers_at_75_percent_comp
         capture_output=True,
         text=True,
         timeout=600,
-        env={**__import__("os").environ, "PYTHONPATH": str(README.parent)},
+        env={
+            **__import__("os").environ,
+            "PYTHONPATH": str(README.parent),
+            "PYTHONWARNINGS": "default::FutureWarning,default::DeprecationWarning",
+        },
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "4821" in done.stdout, done.stdout
+    # every warning is shown once (PYTHONWARNINGS below): none may say the code calls a deprecated API
+    assert not re.search(r"FutureWarning|DeprecationWarning", done.stderr), done.stderr[-3000:]
 
 
 def test_profile_model_help_lists_the_default_candidates():

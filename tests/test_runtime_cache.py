@@ -23,6 +23,7 @@ from runtime import (
     ragged_attention,
 )
 from runtime.calibration import Calibration
+from runtime.transformers_compat import cache_argument
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -45,7 +46,7 @@ def test_full_budget_matches_unmodified_tiny_model_logits_and_tokens():
     with ragged_attention(model):
         cache, report = compress_prompt(model, ids, policy, context_columns=25)
         assert (report.lengths_after == 25).all()
-        logits = model(ids[:, 25:], past_key_values=cache).logits
+        logits = model(ids[:, 25:], **cache_argument(model, cache)).logits
         result = generate(model, ids, policy, context_columns=25, max_new_tokens=12)
     assert model.config._attn_implementation == "sdpa"  # restored
     torch.testing.assert_close(logits, reference[:, 25:], atol=1e-5, rtol=0)
@@ -101,7 +102,7 @@ def test_pruned_cache_equals_masked_full_attention(scorer):
     policy = CompressionPolicy(budget=14, allocation="inf", scorer=scorer, n_sink=2, window=4)
     with ragged_attention(model):
         cache, report = compress_prompt(model, ids, policy, context_columns=context, calibration=calibration)
-        logits = model(ids[:, context:], past_key_values=cache).logits
+        logits = model(ids[:, context:], **cache_argument(model, cache)).logits
     lengths = report.lengths_after[:, 0]  # [L, Hkv]
     assert len(np.unique(lengths)) > 1  # heads really keep different numbers of tokens
     evicted = {}
@@ -140,7 +141,7 @@ def test_per_head_lengths_differ_and_memory_matches_budget_formula():
         assert cache.kv_bytes() <= 0.27 * full_cache.kv_bytes()
         # positions continue from the logical length, and decoding keeps the slack small
         assert cache.get_seq_length() == 299
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=20, do_sample=False)
+        out = model.generate(ids, **cache_argument(model, cache), max_new_tokens=20, do_sample=False)
     assert out.shape[1] == 320
     assert cache.get_seq_length() == 319
     grown = budgets + 1 + 19  # the last prompt token and 19 generated ones were appended
@@ -158,7 +159,7 @@ def test_positions_continue_after_eviction():
     policy = CompressionPolicy(budget=6, scorer="streaming", n_sink=2, window=2)
     with ragged_attention(model):
         cache, _ = compress_prompt(model, ids, policy, context_columns=29)
-        model(ids[:, 29:], past_key_values=cache)
+        model(ids[:, 29:], **cache_argument(model, cache))
     reference = {}
     hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(
         lambda module, inputs, output: reference.setdefault("k", output)
@@ -235,12 +236,12 @@ def test_cache_without_ragged_attention_is_an_error():
     model = make_tiny_llama()
     cache = RaggedCache.for_model(model)
     with pytest.raises(RuntimeError, match="it runs 'sdpa': wrap the call in `with runtime.ragged_attention"):
-        model(torch.arange(5).unsqueeze(0), past_key_values=cache)  # refused before attending anything
+        model(torch.arange(5).unsqueeze(0), **cache_argument(model, cache))  # refused before attending anything
     assert cache.get_seq_length() == 0
     bare = RaggedCache(len(model.model.layers))  # built without the model: caught at the next chunk
     with pytest.raises(RuntimeError, match="never attended"):
-        model(torch.arange(5).unsqueeze(0), past_key_values=bare)
-        model(torch.arange(5).unsqueeze(0), past_key_values=bare)
+        model(torch.arange(5).unsqueeze(0), **cache_argument(model, bare))
+        model(torch.arange(5).unsqueeze(0), **cache_argument(model, bare))
     with pytest.raises(ValueError, match="cannot be cropped"):
         cache.crop(-1)
     with pytest.raises(ValueError, match="cache is empty"):
@@ -264,15 +265,15 @@ def test_embedded_model_full_budget_is_identical(embedded_model, embedded_tokeni
     columns = ids.shape[1] - 12
     reference = model(ids).logits
     dynamic = DynamicCache(config=model.config)
-    model(ids[:, :columns], past_key_values=dynamic)
-    reference_split = model(ids[:, columns:], past_key_values=dynamic).logits
+    model(ids[:, :columns], **cache_argument(model, dynamic))
+    reference_split = model(ids[:, columns:], **cache_argument(model, dynamic)).logits
     reference_tokens = model.generate(ids, max_new_tokens=12, do_sample=False)
     policy = CompressionPolicy(keep_ratio=1.0, scorer="keydiff")
     with ragged_attention(model):
-        logits = model(ids, past_key_values=RaggedCache.for_model(model)).logits
+        logits = model(ids, **cache_argument(model, RaggedCache.for_model(model))).logits
         cache, report = compress_prompt(model, ids, policy, context_columns=columns)
         assert (report.lengths_after == columns).all()
-        logits_split = model(ids[:, columns:], past_key_values=cache).logits
+        logits_split = model(ids[:, columns:], **cache_argument(model, cache)).logits
         result = generate(model, ids, policy, context_columns=columns, max_new_tokens=12)
     assert model.config._attn_implementation == "sdpa"
     torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
@@ -321,11 +322,11 @@ def test_copies_of_one_prefill_compress_independently_and_stack_into_a_batch():
     assert (caches[0].head_lengths() == 16).all() and (caches[1].head_lengths() == 6).all()
     with ragged_attention(model):
         singles = [
-            model.generate(ids, past_key_values=cache.copy(), max_new_tokens=5, do_sample=False)
+            model.generate(ids, **cache_argument(model, cache.copy()), max_new_tokens=5, do_sample=False)
             for cache in caches + [base]
         ]
         batch = RaggedCache.stack(caches + [base])
-        stacked = model.generate(ids.expand(3, -1), past_key_values=batch, max_new_tokens=5, do_sample=False)
+        stacked = model.generate(ids.expand(3, -1), **cache_argument(model, batch), max_new_tokens=5, do_sample=False)
     for row, single in enumerate(singles):
         assert stacked[row].tolist() == single[0].tolist()
 

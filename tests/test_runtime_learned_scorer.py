@@ -13,6 +13,7 @@ from conftest import make_tiny_llama
 from runtime import CompressionPolicy, RaggedCache, compress, load_calibration, prefill, ragged_attention
 from runtime.budgets import global_budgets
 from runtime.calibration import Calibration
+from runtime.transformers_compat import cache_argument
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -143,7 +144,7 @@ def test_embedded_model_keeps_the_needle_under_the_learned_scorer(embedded_model
             out = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                past_key_values=cache,
+                **cache_argument(model, cache),
                 do_sample=False,
                 max_new_tokens=20,
                 pad_token_id=tokenizer.eos_token_id,

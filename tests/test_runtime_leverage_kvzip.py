@@ -33,6 +33,7 @@ from runtime.scorers import (
     leverage_scores,
     unrotate,
 )
+from runtime.transformers_compat import cache_argument
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -448,7 +449,7 @@ def test_embedded_model_keeps_the_needle_under_leverage_and_kvzip(embedded_model
             out = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                past_key_values=cache,
+                **cache_argument(model, cache),
                 do_sample=False,
                 max_new_tokens=20,
                 pad_token_id=pad,

@@ -11,6 +11,7 @@ from conftest import make_tiny_llama
 from runtime import CompressionPolicy, RaggedCache, compress_prompt, generate, ragged_attention
 from runtime.cache import RaggedLayer
 from runtime.moments import corrected_attention
+from runtime.transformers_compat import cache_argument
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -246,7 +247,9 @@ def test_embedded_model_correction_lowers_attention_output_error_at_75_percent(e
             cache, _ = compress_prompt(embedded_model, ids, policy, context_columns=probe.context_end)
             recorder.arm()
             with ragged_attention(embedded_model):
-                embedded_model(input_ids=ids[:, probe.context_end :], past_key_values=cache, use_cache=True)
+                embedded_model(
+                    input_ids=ids[:, probe.context_end :], **cache_argument(embedded_model, cache), use_cache=True
+                )
             outputs[name] = recorder.take()
     finally:
         recorder.remove()

@@ -11,6 +11,7 @@ from test_runtime_cache import inf_calibration
 
 from runtime import CompressionPolicy, RaggedCache, compress_prompt, generate, prefill, ragged_attention
 from runtime.paged_attention import decode_attention, segment_attention
+from runtime.transformers_compat import cache_argument
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -97,12 +98,12 @@ def test_a_stacked_cache_and_its_sources_decode_without_overwriting_each_other()
     with ragged_attention(model):
         source = RaggedCache.for_model(model)
         prefill(model, source, ids[:, :10])
-        model(ids[:, 10:11], past_key_values=source)  # growing past the prompt leaves spare capacity
+        model(ids[:, 10:11], **cache_argument(model, source))  # growing past the prompt leaves spare capacity
         assert all(int(layer.capacity.min()) > int(layer.length.max()) for layer in source.layers)
         stacked = RaggedCache.stack([source, source.copy()])
-        model(torch.tensor([[5], [5]]), past_key_values=stacked)
+        model(torch.tensor([[5], [5]]), **cache_argument(model, stacked))
         written = [layer.head(0, h)[0].clone() for layer in stacked.layers for h in range(layer.num_heads)]
-        model(torch.tensor([[77]]), past_key_values=source)  # the source decodes another token
+        model(torch.tensor([[77]]), **cache_argument(model, source))  # the source decodes another token
         after = [layer.head(0, h)[0] for layer in stacked.layers for h in range(layer.num_heads)]
     for before, now in zip(written, after, strict=True):
         assert torch.equal(before, now)
@@ -153,5 +154,5 @@ def test_the_runtime_leaves_the_models_attention_implementation_as_it_found_it(i
     cache, _ = compress_prompt(model, ids, policy, context_columns=25)
     assert model.config._attn_implementation == implementation
     with ragged_attention(model):  # what serving the returned cache through model.generate takes
-        model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+        model.generate(ids, **cache_argument(model, cache), max_new_tokens=2, do_sample=False)
     assert model.config._attn_implementation == implementation

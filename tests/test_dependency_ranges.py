@@ -1,0 +1,80 @@
+"""The declared dependency ranges are the tested ranges.
+
+`make test` installs the newest versions pyproject.toml allows and `make test-lowest` the pins of
+.ci/lowest-versions.txt: these tests keep the pins equal to the declared lower bounds, every
+range closed above, and the Makefile's torch the newest the range allows.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def declared() -> dict[str, Requirement]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(line) for line in project["dependencies"] + project["optional-dependencies"]["test"]]
+    return {req.name.lower(): req for req in requirements}
+
+
+def lowest_pins() -> dict[str, Version]:
+    pins = {}
+    for line in (ROOT / ".ci" / "lowest-versions.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[name.strip().lower()] = Version(version.strip())
+    return pins
+
+
+def bounds(req: Requirement) -> tuple[Version | None, Version | None]:
+    lower = upper = None
+    for spec in req.specifier:
+        if spec.operator in (">=", "=="):
+            lower = Version(spec.version)
+        if spec.operator == "<":
+            upper = Version(spec.version)
+        if spec.operator == "==":
+            upper = Version(spec.version)
+    return lower, upper
+
+
+def test_every_dependency_has_a_lower_and_an_upper_bound():
+    for req in declared().values():
+        lower, upper = bounds(req)
+        assert lower is not None and upper is not None, f"{req}: a range CI tests needs both ends"
+
+
+def test_lowest_pins_are_the_declared_lower_bounds():
+    pins = lowest_pins()
+    for name, req in declared().items():
+        lower, upper = bounds(req)
+        if lower == upper:  # an exact pin (ruff) has one version only
+            continue
+        assert name in pins, f"{name} has no pin in .ci/lowest-versions.txt"
+        assert pins[name] == lower, f"{name}: pinned {pins[name]}, declared lower bound {lower}"
+    assert set(pins) <= set(declared()), f"pins for undeclared packages: {set(pins) - set(declared())}"
+
+
+def test_makefile_torch_is_the_newest_allowed_minor():
+    torch_pin = Version(re.search(r"^TORCH\s*\?=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M).group(1))
+    req = declared()["torch"]
+    _, upper = bounds(req)
+    assert torch_pin in req.specifier, f"Makefile installs torch {torch_pin}, outside {req.specifier}"
+    assert (torch_pin.major, torch_pin.minor + 1) == (upper.major, upper.minor), (
+        f"torch {torch_pin} is not the newest minor below {upper}: the newest end of the range would go untested"
+    )
+
+
+def test_installed_versions_are_inside_the_declared_ranges():
+    from importlib.metadata import version
+
+    for name, req in declared().items():
+        installed = Version(version(name))
+        assert req.specifier.contains(installed, prereleases=True), f"{name} {installed} outside {req.specifier}"
