@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -45,8 +46,14 @@ def work_file_path(out: Path, rank: int = 0, world_size: int = 1) -> Path:
 def save_work(path: Path, fingerprint: str, progress: dict, arrays: dict[str, np.ndarray]) -> None:
     """Atomically replace ``path`` with the given state.  ``progress``: JSON-able counters."""
     meta = json.dumps({"format": WORK_FORMAT, "fingerprint": fingerprint, "progress": progress}, sort_keys=True)
-    with atomic_path(path, "work file") as tmp, open(tmp, "wb") as fh:
-        np.savez(fh, __meta__=np.frombuffer(meta.encode(), dtype=np.uint8), **arrays)
+    members = {"__meta__": np.frombuffer(meta.encode(), dtype=np.uint8), **arrays}
+    # np.savez's layout (one .npy member per array, read back by np.load), written through a
+    # ZipFile we close ourselves: NumPy 2.0's savez leaves its archive open when a write fails
+    # (a full disk), and the archive's finaliser then prints a traceback at exit.
+    with atomic_path(path, "work file") as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, array in members.items():
+            with zf.open(name + ".npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
 
 
 def load_work(path: Path, fingerprint: str) -> tuple[dict, dict[str, np.ndarray]] | None:

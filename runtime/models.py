@@ -292,6 +292,9 @@ def _from_pretrained(auto_class, model: str | os.PathLike | None, **kwargs):
     directory nor a loadable hub id (``foo/bar`` could be either) says both."""
     resolved = resolve_model(model)
     embedded = model is None or str(model) == EMBEDDED
+    field = None if embedded else _wrong_config_field(resolved)
+    if field is not None:  # refused the same way by every transformers version, tokenizer or model
+        raise InvalidModelError(f"cannot load the model in {resolved}: {field}")
     try:
         return auto_class.from_pretrained(resolved, **kwargs)
     except Exception as exc:
@@ -313,6 +316,39 @@ def _from_pretrained(auto_class, model: str | os.PathLike | None, **kwargs):
             reason = " ".join(str(exc).split()) or type(exc).__name__
             raise InvalidModelError(f"cannot load the model in {resolved}: {reason}") from exc
         raise
+
+
+# config.json fields every decoder we serve reads as integers, checked before transformers loads
+# anything: transformers 5.24 names a wrong one itself (strict dataclass validation), 5.2 fails
+# later with "'str' object cannot be interpreted as an integer" and no name, and loads a tokenizer
+# from the directory without a word.
+_INTEGER_CONFIG_FIELDS = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "hidden_size",
+    "intermediate_size",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+)
+
+
+def _wrong_config_field(resolved: str) -> str | None:
+    """``"<field> must be an integer, got <value>"`` for the first such field of a local model
+    directory's config.json, else None (no directory, no readable config, nothing wrong)."""
+    path = Path(resolved).expanduser() / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    for name in _INTEGER_CONFIG_FIELDS:
+        value = config.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return f"{name} must be an integer, got {value!r}"
+    return None
 
 
 def _invalid_model_files(exc: Exception) -> bool:
