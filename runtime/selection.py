@@ -31,19 +31,36 @@ from __future__ import annotations
 import torch
 
 
-def _layout(valid: torch.Tensor, n_sink: int, window: int):
-    """``lengths, sinks, recent`` int64 ``[...]`` and the fixed ranks of the sinks and window:
-    ``fixed`` int64 ``[..., T]`` (sinks: their row; window rows: ``sinks + (n - 1 - row)``) with
-    ``is_fixed`` bool ``[..., T]`` saying where it applies."""
-    device = valid.device
+def _counts(valid: torch.Tensor, n_sink: int, window: int):
+    """Per head int64 ``[...]``: ``lengths`` (valid rows), ``sinks`` (``min(n_sink, n)``) and
+    ``recent`` (``min(window, n - sinks)``); and ``row = arange(T)``."""
     lengths = valid.sum(-1)  # [...]
     sinks = lengths.clamp(max=max(int(n_sink), 0))  # [...]
     recent = torch.minimum(lengths - sinks, torch.full_like(lengths, max(int(window), 0)))  # [...]
-    row = torch.arange(valid.shape[-1], device=device)  # [T]
+    return lengths, sinks, recent, torch.arange(valid.shape[-1], device=valid.device)
+
+
+def _fixed_ranks(valid: torch.Tensor, lengths, sinks, recent, row):
+    """The ranks of the sinks and window rows, which no score changes: ``fixed`` int64 ``[..., T]``
+    (a sink: its row; a window row: ``sinks + (n - 1 - row)``), valid where ``is_fixed`` bool."""
     is_sink = row < sinks.unsqueeze(-1)  # [..., T]
     is_recent = valid & (row >= (lengths - recent).unsqueeze(-1))  # [..., T]
     fixed = torch.where(is_sink, row, (sinks + lengths - 1).unsqueeze(-1) - row)  # [..., T]
-    return lengths, sinks, recent, fixed, is_sink | is_recent
+    return fixed, is_sink | is_recent
+
+
+def _middle_order(scores: torch.Tensor, middle: torch.Tensor):
+    """The ``middle`` rows (bool ``[..., T]``: those ranked by score), best first, ties to the later
+    row: ``order`` int64 ``[..., T]`` (row indices) and ``tail`` bool ``[..., T]`` (the positions
+    scored ``-inf``).  The other rows sort as ``-inf``; a stable descending sort of the reversed
+    rows puts the ``-inf`` tail later rows first: padding, the window, the middle rows scored
+    ``-inf``, the sinks.  So the middle row at position ``p`` of the order is the ``p``-th middle
+    row, or, in the tail, the ``(p - ahead)``-th, ``ahead = T - n + window rows``."""
+    size = scores.shape[-1]
+    # + 0.0 turns -0.0 into 0.0 (a radix sort would tell them apart)
+    key = (scores.float() + 0.0).masked_fill_(~middle, float("-inf"))  # [..., T]
+    ordered, flipped = torch.sort(key.flip(-1), dim=-1, descending=True, stable=True)  # [..., T]
+    return flipped.neg_().add_(size - 1), ordered == float("-inf")  # (in place: this runs at every compression)
 
 
 def priority_ranks(scores: torch.Tensor, valid: torch.Tensor | None, n_sink: int, window: int) -> torch.Tensor:
@@ -51,29 +68,46 @@ def priority_ranks(scores: torch.Tensor, valid: torch.Tensor | None, n_sink: int
     per head; see the module docstring).  ``valid=None``: every row is valid."""
     if valid is None:
         valid = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
-    lengths, sinks, recent, fixed, is_fixed = _layout(valid, n_sink, window)
-    size = scores.shape[-1]
-    row = torch.arange(size, device=scores.device)  # [T]
-    middle = valid & ~is_fixed  # [..., T] rows ranked by score
-    # + 0.0 turns -0.0 into 0.0 (a radix sort would tell them apart); rows that are not ranked by
-    # score sort with -inf, so a middle row scored -inf can tie with them: the cumulative count
-    # below numbers only the middle rows, whatever sits between them in the order
-    key = (scores.float() + 0.0).masked_fill(~middle, float("-inf"))  # [..., T]
-    # ties to the later row: a stable descending sort of the reversed rows
-    order = (size - 1) - torch.sort(key.flip(-1), dim=-1, descending=True, stable=True).indices  # [..., T]
-    place = torch.cumsum(middle.gather(-1, order), dim=-1) - 1  # [..., T] middle rows' place among them
-    ranked = torch.empty_like(order).scatter_(-1, order, place + (sinks + recent).unsqueeze(-1))  # [..., T]
+    lengths, sinks, recent, row = _counts(valid, n_sink, window)
+    fixed, is_fixed = _fixed_ranks(valid, lengths, sinks, recent, row)
+    order, tail = _middle_order(scores, valid & ~is_fixed)
+    ahead = (scores.shape[-1] - lengths + recent).unsqueeze(-1)  # [..., 1]
+    place = row - ahead * tail + (sinks + recent).unsqueeze(-1)  # [..., T] by position in the order
+    ranked = torch.empty_like(order).scatter_(-1, order, place)  # [..., T] by row
     ranks = torch.where(is_fixed, fixed, ranked)
-    return torch.where(valid, ranks, row.expand_as(ranks))  # padding: its row index, >= the length
+    return torch.where(valid, ranks, row)  # padding: its row index, >= the length
+
+
+def _split(valid: torch.Tensor, budgets, n_sink: int, window: int):
+    """What ``budgets`` keeps of each head: ``protected`` bool ``[..., T]`` (its first
+    ``min(n_sink, budget)`` rows and last ``min(window, budget - sinks)`` rows: the fixed rows of
+    rank ``< budget``), ``chosen`` int64 ``[..., 1]`` (how many rows it keeps by score) and
+    ``ahead`` int64 ``[..., 1]`` (see :func:`_middle_order`; 0 where none is chosen)."""
+    lengths, sinks, recent, row = _counts(valid, n_sink, window)
+    budgets = torch.as_tensor(budgets, device=valid.device)
+    budgets = torch.minimum(budgets.clamp_min(0), lengths)  # [...]
+    kept_sinks = torch.minimum(budgets, sinks)
+    kept_recent = torch.minimum(budgets - kept_sinks, recent)
+    protected = (row < kept_sinks.unsqueeze(-1)) | (valid & (row >= (lengths - kept_recent).unsqueeze(-1)))
+    chosen = (budgets - kept_sinks - kept_recent).unsqueeze(-1)
+    # none chosen: no middle row either, whatever stands in the -inf tail
+    ahead = torch.where(chosen > 0, (valid.shape[-1] - lengths + recent).unsqueeze(-1), 0)
+    return protected, chosen, ahead, row
 
 
 def keep_mask(
     scores: torch.Tensor, valid: torch.Tensor, budgets: torch.Tensor | int, n_sink: int, window: int
 ) -> torch.Tensor:
-    """The rows kept under ``budgets`` int ``[...]``: bool ``[..., T]``, True = keep (rank < budget)."""
-    ranks = priority_ranks(scores, valid, n_sink, window)
-    budgets = torch.as_tensor(budgets, device=ranks.device)
-    return valid & (ranks < budgets.unsqueeze(-1))
+    """The rows kept under ``budgets`` int ``[...]``: bool ``[..., T]``, True = keep; the rows of
+    :func:`priority_ranks` ``< budget``, without building the ranks (the engine's hot path)."""
+    protected, chosen, ahead, row = _split(valid, budgets, n_sink, window)
+    # the rows not protected under the budget: the middle rows whenever any is chosen (a budget
+    # below sinks + window chooses none), so the order of the middle rows is priority_ranks'
+    middle = valid & ~protected
+    order, tail = _middle_order(scores, middle)
+    # the first `chosen` middle rows by position in the order (tail: `ahead` other rows before them)
+    taken = (row < chosen).logical_or_(tail.logical_and_(row < chosen + ahead))  # [..., T]
+    return torch.zeros_like(valid).scatter_(-1, order, taken).logical_and_(middle).logical_or_(protected)
 
 
 def select_rows(scores: torch.Tensor, budget: int, n_sink: int, window: int) -> torch.Tensor:
@@ -81,17 +115,15 @@ def select_rows(scores: torch.Tensor, budget: int, n_sink: int, window: int) -> 
     n = scores.shape[-1]
     if budget >= n:
         return torch.arange(n, device=scores.device)
-    ranks = priority_ranks(scores, None, n_sink, window)
-    return torch.nonzero(ranks < max(int(budget), 0)).reshape(-1)
+    valid = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
+    return torch.nonzero(keep_mask(scores, valid, budget, n_sink, window)).reshape(-1)
 
 
 def protected_mask(valid: torch.Tensor, budgets: torch.Tensor | int, n_sink: int, window: int) -> torch.Tensor:
     """The sinks and window rows a budget keeps whatever the scores, bool ``[..., T]``: the first
     ``min(n_sink, budget)`` rows, then the last ``min(window, budget - sinks)`` (moment-informed
     eviction never evicts these and chooses the rest itself)."""
-    _, _, _, fixed, is_fixed = _layout(valid, n_sink, window)
-    budgets = torch.as_tensor(budgets, device=fixed.device)
-    return is_fixed & (fixed < budgets.unsqueeze(-1))
+    return _split(valid, budgets, n_sink, window)[0]
 
 
 def global_counts(scores: torch.Tensor, valid: torch.Tensor, total: int, n_sink: int, window: int) -> torch.Tensor:
@@ -108,7 +140,8 @@ def global_counts(scores: torch.Tensor, valid: torch.Tensor, total: int, n_sink:
     size = scores.shape[-1]
     heads = scores.reshape(-1, size)  # [H, T]
     valid = valid.reshape(-1, size)  # [H, T]
-    _, _, _, fixed, is_fixed = _layout(valid, n_sink, window)  # [H, T]
+    lengths, sinks, recent, row = _counts(valid, n_sink, window)
+    fixed, is_fixed = _fixed_ranks(valid, lengths, sinks, recent, row)  # [H, T]
     middle = valid & ~is_fixed
     # key [H, T], ascending: fixed rows by their rank (< T), middle rows after every fixed row by
     # falling score (a float32 -> int map that keeps the order: -0.0 made 0.0, NaN made the
