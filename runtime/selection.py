@@ -140,20 +140,27 @@ def global_counts(scores: torch.Tensor, valid: torch.Tensor, total: int, n_sink:
     size = scores.shape[-1]
     heads = scores.reshape(-1, size)  # [H, T]
     valid = valid.reshape(-1, size)  # [H, T]
+    device = heads.device
     lengths, sinks, recent, row = _counts(valid, n_sink, window)
     fixed, is_fixed = _fixed_ranks(valid, lengths, sinks, recent, row)  # [H, T]
-    middle = valid & ~is_fixed
-    # key [H, T], ascending: fixed rows by their rank (< T), middle rows after every fixed row by
-    # falling score (a float32 -> int map that keeps the order: -0.0 made 0.0, NaN made the
-    # positive NaN, above +inf), padding last
+    keep = min(max(int(total), 0), int(lengths.sum()))
+    counts = sinks + recent  # [H] every fixed row, when the total reaches past them all
+    spare = keep - int(counts.sum())
+    if spare <= 0:  # only fixed rows: by (rank in head, later row, lower head)
+        head, at = is_fixed.nonzero(as_tuple=True)
+        order = (fixed[head, at] * size + (size - 1 - at)) * heads.shape[0] + head
+        chosen = head[torch.argsort(order)[:keep]]
+        return torch.bincount(chosen, minlength=heads.shape[0]).reshape(shape)
+    # the middle rows by falling score: an int32 key that keeps float32's order (-0.0 made 0.0,
+    # NaN made the positive NaN, above +inf), the other rows below every score; then the
+    # spare-th largest key splits the rows kept outright from the ties at the threshold
     values = heads.float() + 0.0
-    values = torch.where(torch.isnan(values), float("nan"), values)
-    bits = values.view(torch.int32).to(torch.int64)  # [H, T]
-    ordered = torch.where(bits >= 0, bits + (1 << 31), (1 << 31) - 1 - (bits & 0x7FFFFFFF))  # in [0, 2^32)
-    key = torch.where(is_fixed, fixed, torch.where(middle, size + ((1 << 32) - 1 - ordered), 1 << 62))
-    # in (row descending, head ascending) order first, so the stable sort breaks ties that way
-    arranged = key.flip(-1).T.reshape(-1)  # [T * H]: row T-1 of every head, then row T-2, ...
-    owner = torch.arange(heads.shape[0], device=heads.device).repeat(size)  # [T * H]
-    keep = min(max(int(total), 0), int(valid.sum()))
-    chosen = owner[torch.sort(arranged, stable=True).indices[:keep]]
-    return torch.bincount(chosen, minlength=heads.shape[0]).reshape(shape)
+    bits = torch.where(torch.isnan(values), float("nan"), values).view(torch.int32)  # [H, T]
+    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # [H, T] signed, increasing with the score
+    key = key.masked_fill_(~(valid & ~is_fixed), torch.iinfo(torch.int32).min)
+    threshold = torch.kthvalue(key.reshape(-1), key.numel() - spare + 1).values
+    above = key > threshold  # [H, T] kept outright
+    counts = counts + above.sum(-1)
+    head, at = (key == threshold).nonzero(as_tuple=True)  # the ties: the later row, then the lower head
+    chosen = head[torch.argsort((size - 1 - at) * heads.shape[0] + head)[: spare - int(above.sum())]]
+    return (counts + torch.bincount(chosen, minlength=heads.shape[0]).to(device)).reshape(shape)
