@@ -6,7 +6,7 @@ compression ratio), per-head budgets from each head's marginal utility and ships
 This module measures, per KV head and on a grid of kept fractions ``f`` of the context, two
 losses, under one token selection (``selection``: KeyDiff by default, the scorer of
 ``inf/keydiff``; the serving engine's rule: the first ``n_sink`` and last ``window`` tokens,
-then the best-scored, :func:`runtime.scorers.select_rows`):
+then the best-scored, ties to the newer token: :func:`runtime.selection.priority_ranks`):
 
 * ``output_error[f]`` on calibration text (as :mod:`profiler.moments_calibration` measures it):
   each window ``[T]`` is split into a prefix of ``P = T - W`` tokens, compressed per KV head to
@@ -181,24 +181,6 @@ def combined_loss(output_error: np.ndarray, retention_loss: np.ndarray, retentio
 # -- measuring (torch) -------------------------------------------------------------------------
 
 
-def priority_ranks(scores, n_sink: int, window: int):
-    """Each row's place in the engine's keep order (``runtime.scorers.select_rows``): the first
-    ``n_sink`` rows, then the last ``window`` rows from the newest, then the rest by falling score.
-    A budget of ``b`` keeps exactly the rows of rank ``< b`` (the kept sets are nested)."""
-    import torch
-
-    n = scores.shape[0]
-    sinks = min(n_sink, n)
-    recent = min(window, n - sinks)
-    middle = torch.argsort(scores[sinks : n - recent].float(), descending=True, stable=True) + sinks
-    order = torch.cat(
-        [torch.arange(sinks), torch.arange(n - 1, n - recent - 1, -1, dtype=torch.long), middle.cpu()]
-    ).to(scores.device)
-    ranks = torch.empty(n, dtype=torch.long, device=scores.device)
-    ranks[order] = torch.arange(n, device=scores.device)
-    return ranks
-
-
 def budgets_for(length: int, grid) -> list[int]:
     """Tokens kept of ``length`` at each grid fraction: ``min(length, max(round(f length), 1))``."""
     return [min(length, max(int(round(float(f) * length)), 1)) for f in grid]
@@ -248,6 +230,7 @@ class _CurveMeasurer:
         import torch
 
         from runtime.scorers import HeadContext
+        from runtime.selection import priority_ranks
 
         group = query.shape[1] // key.shape[1]
         positions = torch.arange(prefix, device=key.device)
@@ -271,7 +254,7 @@ class _CurveMeasurer:
             key_cos=key_cos,
             key_sin=key_sin,
         )
-        return priority_ranks(self.scorer.score(context), self.n_sink, self.window)
+        return priority_ranks(self.scorer.score(context), None, self.n_sink, self.window)
 
     def measure(self, layer, query, key, value, scaling):
         import torch

@@ -13,7 +13,8 @@ empirical property of the head, so it is measured on calibration text.  For ever
   compressed) and the last ``W = query_window`` tokens, whose queries play the role of
   future (decode) queries;
 * per KV head the prefix is compressed to ``budget = round(keep_ratio * P)`` tokens: the
-  first ``n_sink`` and last ``recent_window`` prefix tokens are always kept, the rest chosen
+  first ``n_sink`` and last ``recent_window`` prefix tokens are kept first (as far as the budget
+  goes, :mod:`runtime.selection`'s rule, as in serving), the rest chosen
   by a ``runtime.scorers`` scorer, the one a serving policy would use, over a
   :class:`runtime.scorers.HeadContext` of the prefix (keys, values, positions ``0..P-1``,
   the layer's scaling, next position ``P``, and the last prefix queries for SnapKV):
@@ -29,7 +30,7 @@ empirical property of the head, so it is measured on calibration text.  For ever
   - or a :class:`~runtime.scorers.Scorer` instance that needs neither query statistics nor
     RoPE averages (e.g. ``SnapKVScorer(window=32, kernel=5)``, the serving default);
 
-  ``score()`` and :func:`runtime.scorers.select_rows` choose the kept rows; with
+  ``score()`` and :func:`runtime.selection.select_rows` choose the kept rows (as serving does); with
   ``moment_eviction=True`` the scorer's ``attention()`` estimate ``a_j`` is combined with the
   moment residual, ``a_j ||r_j||``, evicting in ``eviction_rounds`` rounds (runtime.moments);
 * the evicted tokens are folded into :class:`runtime.moments.MomentSums`; each of the ``W``
@@ -60,7 +61,8 @@ from runtime.budgets import global_budgets
 from runtime.geometry import ModelGeometry
 from runtime.moments import ORDERS, MomentSums, attention_with_lse, corrected_attention, evict_in_rounds
 from runtime.rope import rope_cos_sin
-from runtime.scorers import HeadContext, KeyDiffScorer, LearnedScorer, Scorer, SnapKVScorer, select_rows
+from runtime.scorers import HeadContext, KeyDiffScorer, LearnedScorer, Scorer, SnapKVScorer
+from runtime.selection import protected_mask, select_rows
 
 CALIBRATION_ATTENTION = "kvcal_moments_calibration"
 SELECTION_SCORERS = ("snapkv", "keydiff", "learned")
@@ -145,9 +147,8 @@ class _CorrectionErrorMeasurer:
         """
         prefix = head.keys.shape[0]
         if self.moment_eviction:
-            protected = torch.zeros(prefix, dtype=torch.bool, device=head.keys.device)
-            protected[: self.n_sink] = True
-            protected[prefix - self.recent_window :] = True
+            every = torch.ones(prefix, dtype=torch.bool, device=head.keys.device)
+            protected = protected_mask(every, budget, self.n_sink, self.recent_window)  # serving's
             return evict_in_rounds(
                 estimate,
                 head.keys,

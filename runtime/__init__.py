@@ -35,7 +35,8 @@ from .policy import CompressionPolicy
 from .policy_spec import FLAGSHIP, PolicySpec, parse_policy
 from .query_moments import QueryMoments
 from .recommendation import Recommendation
-from .scorers import SCORERS, HeadContext, Scorer, make_scorer, select_rows
+from .scorers import SCORERS, HeadContext, Scorer, make_scorer
+from .selection import select_rows
 from .transformers_compat import cache_argument
 
 __all__ = [

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .selection import global_counts
+
 
 def kv_head_scores(inf_scores: np.ndarray, num_kv_heads: int) -> np.ndarray:
     """Query-head scores ``[L, Hq]`` -> normalised KV-head weights ``[L, Hkv]`` summing to 1."""
@@ -113,24 +115,17 @@ def global_budgets(scores: list[list[torch.Tensor]], total: int, n_sink: int, wi
     first ``n_sink`` and last ``window`` rows (kept by the engine anyway) count first, then the
     ``total`` budget goes to the highest scores wherever they are (KVzip's allocation,
     "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv 2505.23416).
+    The order, ties included, is :func:`runtime.selection.global_counts`': restricted to one head it
+    is the head's keep order, so the engine keeps exactly the rows this ranking chose.
     """
-    flat, owners = [], []
-    for layer, heads in enumerate(scores):
-        for h, head in enumerate(heads):
-            head = head.detach().float().cpu().clone()
-            head[: min(n_sink, head.numel())] = float("inf")
-            head[max(head.numel() - window, 0) :] = float("inf")
-            flat.append(head)
-            owners.append(torch.full((head.numel(),), layer * len(heads) + h, dtype=torch.long))
     shape = (len(scores), len(scores[0]) if scores else 0)
-    table = np.zeros(shape, dtype=np.int64)
-    if not flat:
-        return table
-    values, owner = torch.cat(flat), torch.cat(owners)
-    keep = min(max(int(total), 0), values.numel())
-    chosen = owner[torch.topk(values, keep).indices] if keep else owner[:0]
-    table.reshape(-1)[:] = torch.bincount(chosen, minlength=table.size).numpy()
-    return table
+    heads = [head.detach().float().cpu().reshape(-1) for row in scores for head in row]
+    if not heads:
+        return np.zeros(shape, dtype=np.int64)
+    lengths = torch.tensor([head.numel() for head in heads])  # [L * Hkv]
+    padded = torch.nn.utils.rnn.pad_sequence(heads, batch_first=True, padding_value=float("-inf"))  # [L * Hkv, T]
+    valid = torch.arange(padded.shape[-1]) < lengths.unsqueeze(-1)
+    return global_counts(padded, valid, total, n_sink, window).reshape(shape).numpy()
 
 
 def curve_row(compression_ratios: np.ndarray, fractions: np.ndarray, keep: float) -> np.ndarray:

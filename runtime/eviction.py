@@ -6,7 +6,7 @@ for every layer after prefill (or after each prefill block), and the cache calls
 decoding when the policy has ``evict_every`` (heads that grew ``evict_every`` tokens past their
 budget are cut back to it).  One layer is one batched computation for all its rows and heads:
 the scorer's ``score_layer`` over a :class:`~runtime.scorers.LayerContext`, one ranking
-(:func:`~runtime.scorers.keep_mask`), one gather that compacts the kept rows
+(:func:`~runtime.selection.keep_mask`), one gather that compacts the kept rows
 (:meth:`~runtime.cache.RaggedLayer.keep_rows`) and one batched fold of the evicted rows into the
 moment sums.  Scorers see every head at the current absolute position of its row (EA's RoPE
 average starts at the next token, so at decode time it moves with generation).
@@ -25,7 +25,8 @@ import torch
 from .geometry import ModelGeometry
 from .moments import evict_in_rounds
 from .rope import averaged_rope, rope_cos_sin
-from .scorers import ALL_QUERIES, HeadContext, LayerContext, keep_mask
+from .scorers import ALL_QUERIES, HeadContext, LayerContext
+from .selection import keep_mask, protected_mask
 
 # Elements of one row's keys (Hkv x n x d) a CPU scoring tile may hold in all: scorers make a few
 # intermediates of that size, and past the caches' size they run memory-bound (measured: Compactor's
@@ -177,11 +178,8 @@ class HeadEvictor:
         context = self.context(layer, layer_idx, b, h, next_position, stats_row)
         policy = self.policy
         attention = self._checked(self.scorer.attention(context), layer_idx, h, "attention estimates")
-        protected = torch.zeros(length, dtype=torch.bool, device=context.keys.device)
-        protected[: min(policy.n_sink, budget)] = True
-        recent = min(policy.window, max(budget - policy.n_sink, 0))
-        if recent:
-            protected[length - recent :] = True
+        every = torch.ones(length, dtype=torch.bool, device=context.keys.device)
+        protected = protected_mask(every, budget, policy.n_sink, policy.window)  # [length]
         rows = evict_in_rounds(
             attention,
             context.keys,

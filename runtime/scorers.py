@@ -26,8 +26,8 @@ head, and the built-in scorers override it with one batched computation.  The at
 
 Adding a scorer: subclass :class:`Scorer`, implement ``score`` (and, for speed, ``score_layer``),
 and either add it to ``SCORERS`` or put an instance directly in the policy
-(``CompressionPolicy(scorer=MyScorer())``).  The sink and recent-window rules are applied by the
-engine (:func:`select_rows`, :func:`keep_mask`), not here.
+(``CompressionPolicy(scorer=MyScorer())``).  Which rows the scores keep (sinks, recent window,
+then the best-scored, ties to the newer token) is :mod:`runtime.selection`'s, not the scorer's.
 """
 
 from __future__ import annotations
@@ -948,55 +948,3 @@ def make_scorer(name: str, **options) -> Scorer:
         return SCORERS[name](**options)
     except TypeError as exc:
         raise ValueError(f"bad options {options} for scorer {name!r}: {exc}") from None
-
-
-def keep_mask(
-    scores: torch.Tensor, valid: torch.Tensor, budgets: torch.Tensor, n_sink: int, window: int
-) -> torch.Tensor:
-    """:func:`select_rows` for every head of a layer at once: bool ``[R, Hkv, n]``, True = keep.
-
-    ``scores [R, Hkv, n]`` over ``valid`` rows (each head's first ``lengths`` rows), ``budgets``
-    int ``[R, Hkv]``.  Per head: the first ``min(n_sink, budget)`` rows, then the last
-    ``min(window, budget - sinks)`` rows, then the best-scored of the rest (ties: the later row).
-    """
-    device = scores.device
-    lengths = valid.sum(-1)  # [R, Hkv]
-    budgets = torch.minimum(budgets.to(device).clamp_min(0), lengths)
-    sinks = budgets.clamp(max=n_sink)
-    recent = torch.minimum(budgets - sinks, torch.full_like(budgets, window))
-    chosen = budgets - sinks - recent  # middle rows to pick by score
-    row = torch.arange(scores.shape[-1], device=device)  # [n]
-    protected = (row < sinks.unsqueeze(-1)) | ((row >= (lengths - recent).unsqueeze(-1)) & valid)
-    middle = valid & ~protected
-    ranked = scores.float().masked_fill(~middle, float("-inf"))
-    # ties (e.g. scores that underflow to 0) go to the later, more recent row: sort the reversed rows stably
-    last = scores.shape[-1] - 1
-    order = last - torch.sort(ranked.flip(-1), dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, row.expand_as(order))  # each row's place in the order
-    return protected | (middle & (rank < chosen.unsqueeze(-1)))
-
-
-def select_rows(scores: torch.Tensor, budget: int, n_sink: int, window: int) -> torch.Tensor:
-    """Sorted rows to keep out of ``n = len(scores)``: sinks, recent window, then top scores.
-
-    The first ``n_sink`` rows and the last ``window`` rows are kept unconditionally; when the
-    budget is smaller than both together, sinks come first, then the most recent rows.
-    """
-    n = scores.shape[0]
-    device = scores.device
-    if budget >= n:
-        return torch.arange(n, device=device)
-    if budget <= 0:
-        return torch.empty(0, dtype=torch.long, device=device)
-    sinks = min(n_sink, budget)
-    recent = min(window, budget - sinks)
-    middle_end = n - recent
-    chosen = budget - sinks - recent
-    middle = scores[sinks:middle_end]
-    top = (
-        torch.topk(middle.float(), chosen, sorted=False).indices + sinks
-        if chosen > 0
-        else torch.empty(0, dtype=torch.long, device=device)
-    )
-    rows = torch.cat([torch.arange(sinks, device=device), top, torch.arange(middle_end, n, device=device)])
-    return torch.sort(rows).values

@@ -21,11 +21,11 @@ from profiler.budget_curves import (
     budgets_for,
     combined_loss,
     measure_curves,
-    priority_ranks,
 )
 from runtime.budgets import curve_row
 from runtime.policy import CompressionPolicy
-from runtime.scorers import KeyDiffScorer, select_rows
+from runtime.scorers import KeyDiffScorer
+from runtime.selection import priority_ranks, select_rows
 
 # -- keep order --------------------------------------------------------------------------------
 
@@ -33,7 +33,7 @@ from runtime.scorers import KeyDiffScorer, select_rows
 @pytest.mark.parametrize("n, n_sink, window", [(50, 4, 8), (12, 4, 32), (40, 0, 0), (9, 3, 3)])
 def test_priority_ranks_keep_exactly_what_select_rows_keeps_at_every_budget(n, n_sink, window):
     scores = torch.randn(n, generator=torch.Generator().manual_seed(n))
-    ranks = priority_ranks(scores, n_sink, window)
+    ranks = priority_ranks(scores, None, n_sink, window)
     assert sorted(ranks.tolist()) == list(range(n))
     for budget in range(0, n + 1):
         expected = select_rows(scores, budget, n_sink, window).tolist()

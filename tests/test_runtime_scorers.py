@@ -21,8 +21,8 @@ from runtime.scorers import (
     KNormScorer,
     SnapKVScorer,
     StreamingScorer,
-    select_rows,
 )
+from runtime.selection import keep_mask, select_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -297,8 +297,6 @@ def test_layer_scores_equal_the_per_head_scores(scorer, options):
 
 
 def test_keep_mask_equals_select_rows_per_head():
-    from runtime.scorers import keep_mask
-
     generator = torch.Generator().manual_seed(12)
     lengths = torch.tensor([[30, 17, 1], [0, 25, 30]])
     budgets = torch.tensor([[12, 20, 1], [3, 4, 7]])
