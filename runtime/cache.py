@@ -71,7 +71,11 @@ __all__ = [
 # Tensor attribute through which the attention function finds the layer that parked a chunk.
 LAYER_TAG = "_kvcal_ragged_layer"
 ATTENTION_NAME = "kvcal_ragged"
-_NO_SEGMENTS = torch.zeros(0, 0, dtype=torch.int64)
+
+
+def _no_segments() -> torch.Tensor:
+    """The tables of a layer that has seen nothing yet: int64 ``[0, 0]`` (a new tensor each time)."""
+    return torch.zeros(0, 0, dtype=torch.int64)
 
 
 class RaggedLayer(DynamicLayer):
@@ -124,15 +128,15 @@ class RaggedLayer(DynamicLayer):
 
     @property
     def offset(self) -> torch.Tensor:
-        return _NO_SEGMENTS if self.store is None else self.store.offset  # int64 [B, Hkv] host
+        return _no_segments() if self.store is None else self.store.offset  # int64 [B, Hkv] host
 
     @property
     def capacity(self) -> torch.Tensor:
-        return _NO_SEGMENTS if self.store is None else self.store.capacity  # int64 [B, Hkv] host
+        return _no_segments() if self.store is None else self.store.capacity  # int64 [B, Hkv] host
 
     @property
     def length(self) -> torch.Tensor:
-        return _NO_SEGMENTS if self.store is None else self.store.length  # int64 [B, Hkv] host, live rows
+        return _no_segments() if self.store is None else self.store.length  # int64 [B, Hkv] host, live rows
 
     @property
     def page_size(self) -> int:
