@@ -13,6 +13,15 @@ from artifacts import open_artifact, write_artifact
 from artifacts.cli import main as inspect_main
 from artifacts.report import colour, render_report
 
+
+def _pixels(image) -> set[tuple[int, ...]]:
+    """The distinct RGB pixels of a PIL image (through numpy: Pillow 13 deprecates getdata, Pillow 10 lacks
+    its successor get_flattened_data)."""
+    import numpy as np
+
+    return set(map(tuple, np.asarray(image).reshape(-1, 3).tolist()))
+
+
 EVALUATION = {
     "baseline": {"accuracy": 0.8},
     "results": [
@@ -91,11 +100,11 @@ def test_report_renders_in_headless_chromium(tmp_path):
             cells = svg.find_elements(By.TAG_NAME, "rect")
             assert len(cells) > 30
             image = Image.open(io.BytesIO(svg.screenshot_as_png)).convert("RGB")
-            assert len(set(image.getdata())) > 10, "heatmap rendered without its colours"
+            assert len(_pixels(image)) > 10, "heatmap rendered without its colours"
         curves = browser.find_elements(By.CSS_SELECTOR, "#accuracy-chart polyline.curve")
         assert len(curves) == 2 and all(c.size["width"] > 50 for c in curves)
         chart = Image.open(io.BytesIO(browser.find_element(By.ID, "accuracy-chart").screenshot_as_png)).convert("RGB")
-        strokes = {px for px in chart.getdata() if max(px) - min(px) > 60}  # saturated curve colours
+        strokes = {px for px in _pixels(chart) if max(px) - min(px) > 60}  # saturated curve colours
         assert len(strokes) > 5
         assert browser.find_element(By.ID, "identity").text.count("fingerprint") == 3
     finally:
