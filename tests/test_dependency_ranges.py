@@ -38,9 +38,7 @@ def bounds(req: Requirement) -> tuple[Version | None, Version | None]:
     for spec in req.specifier:
         if spec.operator in (">=", "=="):
             lower = Version(spec.version)
-        if spec.operator == "<":
-            upper = Version(spec.version)
-        if spec.operator == "==":
+        if spec.operator in ("<", "=="):
             upper = Version(spec.version)
     return lower, upper
 
