@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -287,16 +288,27 @@ LOAD_EMBEDDED = (
 
 
 def _load_embedded(env: dict, count: int = 1) -> list[subprocess.CompletedProcess]:
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", LOAD_EMBEDDED], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        for _ in range(count)
-    ]
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=600)
-        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode()))
+    """Start ``count`` loads at once and wait for all.  Their output goes to files, not pipes: a
+    process blocked on a full pipe (transformers 5.2 prints ~150 KB of progress while loading)
+    while it holds the conversion lock would stall the one the test reads first."""
+    with tempfile.TemporaryDirectory() as directory:
+        logs = [(Path(directory) / f"{i}.out", Path(directory) / f"{i}.err") for i in range(count)]
+        procs = []
+        for out, err in logs:
+            with open(out, "wb") as stdout, open(err, "wb") as stderr:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", LOAD_EMBEDDED], env=env, cwd=REPO, stdout=stdout, stderr=stderr
+                    )
+                )
+        results = []
+        for proc, (out, err) in zip(procs, logs):
+            proc.wait(timeout=600)
+            results.append(
+                subprocess.CompletedProcess(
+                    proc.args, proc.returncode, out.read_text(errors="replace"), err.read_text(errors="replace")
+                )
+            )
     return results
 
 
