@@ -39,19 +39,8 @@ needle-retrieval accuracy after question-agnostic compression.
    time computing the hidden scores, the ``learned`` scorer's own scoring time
    (``score_layer``) and every row's whole compression time.
 
-Reproduce the numbers reported for branch hidden-features (2 CPU cores shared, one thread):
-
-    python benchmarks/learned_features.py --artifact /work/artifacts/quick12.h5 --seeds 1000 2000 \\
-        --threads 1 --fit-cache /tmp/learned_features_fit.npz --json /tmp/learned_features.json
-
-Result (quick12.h5, 36 probes = seeds 1000 + 2000 x 18, 742 s): the kv refit equals the
-artifact's weights exactly and ``global/kv-lookup`` keeps exactly the tokens ``global/learned``
-keeps.  Held-out rank correlation with the teacher (per-head ridge): kv 0.771, hidden 0.826.
-Pooled correct/36 at evicting 0.5 / 0.75 / 0.9 (baseline 28): learned 29 / 30 / 19, hidden
-29 / 28 / 21, learned+corr 30 / 30 / 23, hidden+corr 30 / 28 / 26: every difference is 2-3
-probes, within noise (paired at 0.9: 4 vs 2 and 5 vs 2 probes only one of the two answers).
-Hidden scores keep more of the retrieval span (mean per-head fraction 0.48 / 0.27 / 0.13 vs
-0.43 / 0.22 / 0.10; more in 36 of 36 probes at 0.9) and cost 0.3% of the prefill.
+The result (hidden features keep no more needles than the served ``kv`` features) and the
+command that produced it: docs/results.md R-learned-features-2026-11-22.
 """
 
 from __future__ import annotations

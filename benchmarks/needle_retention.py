@@ -10,8 +10,9 @@ budgets (``--allocation``; the same budgets for every scorer) and each of ``--sc
 (calibrated EA, prompt EA, KeyDiff by default; ``ea-future`` and ``proto`` read the artifact's
 ``future_queries`` section); the
 table lists, for the ``--top`` KV heads by INF weight, the fraction of the R span (the
-needle's answer tokens) each scorer kept.  This is how the issue-7 finding was made: on this
-model EA drops most of the needle in several high-INF retrieval heads where KeyDiff keeps it.
+needle's answer tokens) each scorer kept.  This is how calibrated Expected Attention's collapse
+at high compression was diagnosed (docs/results.md R-flagship-keydiff-2026-11-21): on this model
+it drops most of the needle in several high-INF retrieval heads where KeyDiff keeps it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Runtime performance on the embedded model against the unmodified one (issue 14's benchmark).
+"""Runtime performance on the embedded model against the unmodified one.
 
     python benchmarks/runtime_perf.py [--contexts 1024 4096] [--batch-sizes 1 8 32] [--decode-tokens 8]
                                       [--warmup-steps 2] [--keep-ratio 0.25] [--artifact PATH] [--repeats 1]
@@ -65,7 +65,7 @@ context once at batch 1 (``runtime.compress.prefill_for_policies``: recording wh
 policy's scorer needs) and repeating its row (``batch_repeat_interleave``); the compressed
 caches are compressed (timed) at batch B.  Peak memory is about two full caches at the
 largest batch and context (fp32 B=32 x 4K: ~6 GB each) plus the compressed ones and the
-models (19 GB peak RSS measured for B=32 x 4K).  ``--quick`` is a smoke run (contexts
+models (measured: docs/results.md R-runtime-perf-memory-2026-11-22).  ``--quick`` is a smoke run (contexts
 1024, batch sizes 1 8, 4 decode tokens; explicit options win).  ``--threads 1`` (default)
 avoids intra-op threads spinning against other processes on a shared machine.
 Prints markdown tables (stdout; progress on stderr) and, with ``--json``, writes everything
@@ -510,7 +510,7 @@ def report(results: dict) -> str:
 
 
 def bars(results: dict) -> list[str]:
-    """The issue's bars, checked on the cells that were run."""
+    """The bars of the module docstring, checked on the cells that were run."""
     compressed, cells = results["policies"], results["cells"]
     verdict = lambda ok: "PASS" if ok else "FAIL"  # noqa: E731
     lines = []

@@ -26,8 +26,11 @@ Cells print accuracy with its 95% Wilson interval, the kept fraction of the KV b
 compression time per probe; the prefill and reconstruction times are summed at the end.
 
 Accuracy = fraction of probes whose answer contains the ground truth
-(``needles.answer_is_correct``).  All cells come from one run; nothing is tuned on these
-probes (policy defaults: 4 sinks, 32-token window, EA horizon 512, SnapKV window 32).
+(``needles.answer_is_correct``).  All cells come from one run.  The probes are unseen by the
+artifact (a seed other than its profiling seed), but several defaults were chosen on them
+(docs/results.md calls them the 18 tuning probes); held-out numbers come from
+``evaluate-artifact``.  Policy defaults: 4 sinks, 32-token window, EA horizon 512, SnapKV
+window 32.
 The INF allocation and calibrated EA need ``--artifact`` (the embedded model's profile);
 without it those rows are skipped.
 """
@@ -113,7 +116,7 @@ SCORERS = {  # row label -> CompressionPolicy fields
     # per-head linear map of the pre-RoPE key and value); no extra forward pass
     "learned": {"scorer": "learned"},
 }
-# MomentKV variants (issue 6): "+corr" = correction with the artifact's per-head orders,
+# MomentKV variants: "+corr" = correction with the artifact's per-head orders,
 # "+corr1" = first order on every head, "+mom" = moment-informed eviction (a_j ||r_j||)
 MOMENT_VARIANTS = {
     "+corr": {"correction": "calibrated"},

@@ -1,4 +1,4 @@
-"""Where profile-model writes the artifact by default and where load_calibration looks (issue 12).
+"""Where profile-model writes the artifact by default and where load_calibration looks.
 
 Both sides derive the place from the model source (a loaded model's ``name_or_path``) with the
 same functions (``runtime.calibration``), so a model profiled from a hub id or a read-only

@@ -1,4 +1,4 @@
-"""Budget curves (issue 16): measured per-head loss curves, marginal-utility allocation per
+"""Budget curves: measured per-head loss curves, marginal-utility allocation per
 compression ratio, the artifact section, and allocation="curve" in the runtime."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Conventions every command shares (issue 12): import-light parsers, --version, progress bars
+"""Conventions every command shares: import-light parsers, --version, progress bars
 off when stderr is not a terminal, clear errors for a model that does not exist.
 
 ``--help`` wall time is not tested (machine-dependent); what makes it fast is: building a

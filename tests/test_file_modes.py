@@ -1,4 +1,4 @@
-"""Files the toolkit writes get the mode a plain ``open(path, "w")`` would give (issue 12).
+"""Files the toolkit writes get the mode a plain ``open(path, "w")`` would give.
 
 Artifacts and work files are written atomically through a temporary file; ``mkstemp`` makes
 it 0600, which the rename used to carry to the destination.  Now the destination gets

@@ -1,4 +1,4 @@
-"""Issue 13: bad input or a fault is refused with one clear error, never a traceback or a wrong answer.
+"""Bad input or a fault is refused with one clear error, never a traceback or a wrong answer.
 
 Each section lists, one test per case, what is refused; the test names read as that list.
 """

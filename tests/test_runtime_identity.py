@@ -1,4 +1,4 @@
-"""Identity checks that survive the dtype a checkpoint is loaded in (issue 12).
+"""Identity checks that survive the dtype a checkpoint is loaded in.
 
 An artifact profiled from a float32 checkpoint is accepted by float32, bfloat16 and float16
 loads of that checkpoint, and refused by a checkpoint with one weight changed.

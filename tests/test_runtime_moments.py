@@ -1,5 +1,5 @@
 """MomentKV in the runtime: moment sums in the cache, corrected attention, moment-informed,
-decode-time and chunked eviction (issue 6)."""
+decode-time and chunked eviction."""
 
 from __future__ import annotations
 
