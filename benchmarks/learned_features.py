@@ -37,7 +37,7 @@ needle-retrieval accuracy after question-agnostic compression.
    pooled, with the 95% Wilson interval; per (ratio, hidden vs learned) pair the probes only one
    of them answers (a paired view: the same probes under both).  Costs: the prefill, the hook
    time computing the hidden scores, the ``learned`` scorer's own scoring time
-   (``score_layer``) and every row's whole compression time.
+   (``score``) and every row's whole compression time.
 
 The result (hidden features keep no more needles than the served ``kv`` features) and the
 command that produced it: docs/results.md R-learned-features-2026-11-22.
@@ -66,7 +66,7 @@ from runtime import CompressionPolicy, RaggedCache, compress, enable, load_calib
 from runtime.compress import prefill_for_policies  # noqa: E402
 from runtime.geometry import ModelGeometry  # noqa: E402
 from runtime.models import load_model, load_tokenizer  # noqa: E402
-from runtime.scorers import HeadContext, LayerContext, LearnedScorer, Scorer  # noqa: E402
+from runtime.scorers import LayerInputs, LearnedScorer, Scorer  # noqa: E402
 
 CORR = {"correction": "calibrated"}  # benchmarks/runtime_quality.py's MOMENT_VARIANTS["+corr"]
 ROWS = {  # row -> (scorer kind, extra policy fields); allocation is "global" throughout
@@ -243,19 +243,13 @@ class PositionTableScorer(Scorer):
         found = table.to(positions.device).expand(*positions.shape[:-2], -1, -1).gather(-1, index)
         return torch.where(positions < length, found, torch.full_like(found, float("inf")))
 
-    def score(self, head: HeadContext) -> torch.Tensor:
-        if head.next_position != self.table.shape[-1]:
-            raise ValueError(f"the table covers {self.table.shape[-1]} tokens, the cache has seen {head.next_position}")
-        scores = self._lookup(head.layer, head.positions.unsqueeze(0).expand(self.table.shape[1], -1))  # [Hkv, n]
-        return scores[head.kv_head]
-
-    def score_layer(self, layer: LayerContext) -> torch.Tensor:
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
         started = time.perf_counter()
-        if any(int(p) != self.table.shape[-1] for p in layer.next_positions):
+        if any(int(p) != self.table.shape[-1] for p in inputs.next_positions):
             raise ValueError(
-                f"the table covers {self.table.shape[-1]} tokens, the cache has seen {layer.next_positions}"
+                f"the table covers {self.table.shape[-1]} tokens, the cache has seen {inputs.next_positions}"
             )
-        scores = self._lookup(layer.layer, layer.positions).masked_fill(~layer.valid, float("-inf"))
+        scores = self._lookup(inputs.layer, inputs.positions).masked_fill(~inputs.valid, float("-inf"))
         self.seconds += time.perf_counter() - started
         return scores
 
@@ -264,14 +258,14 @@ class PositionTableScorer(Scorer):
 
 
 class TimedLearnedScorer(LearnedScorer):
-    """The runtime's learned scorer, unchanged, with the time its ``score_layer`` takes."""
+    """The runtime's learned scorer, unchanged, with the time its ``score`` takes."""
 
     def __init__(self):
         self.seconds = 0.0
 
-    def score_layer(self, layer: LayerContext) -> torch.Tensor:
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
         started = time.perf_counter()
-        scores = super().score_layer(layer)
+        scores = super().score(inputs)
         self.seconds += time.perf_counter() - started
         return scores
 
@@ -472,7 +466,7 @@ def report(per_probe: list[dict], rows: list[str], ratios: list[float], seeds: l
             table["costs"][name] = {"compress_seconds": comp, "scoring_seconds": scoring}
             lines.append(
                 f"  {name:28s} compress {comp:6.2f} s = {comp / prefill:.4f} x prefill "
-                f"(scorer.score_layer {scoring:.2f} s = {scoring / prefill:.4f} x)"
+                f"(scorer.score {scoring:.2f} s = {scoring / prefill:.4f} x)"
             )
     return lines, table
 

@@ -203,58 +203,37 @@ class _CurveMeasurer:
     losses of every KV head at every grid fraction."""
 
     def __init__(self, geometry, grid, scorer, n_sink: int, window: int):
-        from runtime.rope import rope_cos_sin
+        from runtime.scorers import ScorerInputs
 
         self.grid = tuple(float(f) for f in grid)
         self.scorer = scorer
+        self.inputs = ScorerInputs(scorer, geometry)  # what the scorer needs, from the captured pass
         self.n_sink, self.window = n_sink, window
-        self.rope = lambda positions: rope_cos_sin(geometry, positions)
         shape = (len(self.grid), geometry.num_layers, geometry.num_kv_heads)
         self.sums = np.zeros(shape)
         self.calls = np.zeros(geometry.num_layers, dtype=np.int64)
         self.target = None  # (kind, prefix length, extra) for the pass in progress
-        self._rope_memo = None  # (prefix, cos, sin) of the last prefix length asked
 
-    def rope_of_prefix(self, prefix: int, device):
-        """RoPE cos / sin of positions ``0 .. prefix - 1``, computed once per prefix length (every
-        layer and head of a pass shares them)."""
+    def layer_ranks(self, layer, query, key, value, prefix, scale):
+        """Keep order int64 ``[Hkv, prefix]`` of the first ``prefix`` tokens of every KV head under the
+        selection scorer (``query [1, Hq, T, d]``, ``key/value [1, Hkv, T, d]``, post-RoPE)."""
         import torch
 
-        if self._rope_memo is None or self._rope_memo[0] != prefix:
-            cos, sin = self.rope(torch.arange(prefix))
-            self._rope_memo = (prefix, cos.to(device), sin.to(device))
-        return self._rope_memo[1], self._rope_memo[2]
-
-    def head_ranks(self, layer, h, query, key, value, prefix, scale):
-        """Keep order of the first ``prefix`` tokens of KV head ``h`` under the selection scorer."""
-        import torch
-
-        from runtime.scorers import HeadContext
         from runtime.selection import priority_ranks
 
-        group = query.shape[1] // key.shape[1]
-        positions = torch.arange(prefix, device=key.device)
-        window = self.scorer.observation_window
-        recent = None
-        if window:
-            q = query[0, h * group : (h + 1) * group, :prefix].float()  # [G, prefix, d]
-            recent = q if window >= prefix else q[:, prefix - window :]
-        key_cos = key_sin = None
-        if self.scorer.key_rope:
-            key_cos, key_sin = self.rope_of_prefix(prefix, key.device)
-        context = HeadContext(
-            layer=layer,
-            kv_head=h,
-            keys=key[0, h, :prefix].float(),
-            values=value[0, h, :prefix].float(),
-            positions=positions,
+        heads = key.shape[1]
+        inputs = self.inputs.layer(
+            layer,
+            key[:, :, :prefix].float(),
+            value[:, :, :prefix].float(),
+            torch.arange(prefix, device=key.device).expand(1, heads, prefix),
+            torch.ones(1, heads, prefix, dtype=torch.bool, device=key.device),
+            torch.full((1, heads), prefix, dtype=torch.int64),
+            [prefix],
+            queries=[query[0, :, :prefix].float()],  # every prefix query [Hq, prefix, d]; the scorer's window of it
             scaling=scale,
-            next_position=prefix,
-            recent_queries=recent,
-            key_cos=key_cos,
-            key_sin=key_sin,
         )
-        return priority_ranks(self.scorer.score(context), None, self.n_sink, self.window)
+        return priority_ranks(self.scorer.score(inputs)[0], None, self.n_sink, self.window)
 
     def measure(self, layer, query, key, value, scaling):
         import torch
@@ -267,8 +246,9 @@ class _CurveMeasurer:
         budgets = torch.tensor(budgets_for(prefix, self.grid), device=key.device)  # [NG]
         tail = total - prefix
         tail_causal = torch.ones(tail, tail, dtype=torch.bool, device=key.device).tril()
+        layer_ranks = self.layer_ranks(layer, query, key, value, prefix, scale)  # [Hkv, prefix]
         for h in range(num_kv):
-            ranks = self.head_ranks(layer, h, query, key, value, prefix, scale)
+            ranks = layer_ranks[h]
             q = query[0, h * group : (h + 1) * group, prefix:].float()  # [G, W, d]
             k, v = key[0, h].float(), value[0, h].float()  # [T, d]
             logits = torch.einsum("gwd,td->gwt", q, k) * scale  # [G, W, T]

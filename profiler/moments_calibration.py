@@ -15,9 +15,10 @@ empirical property of the head, so it is measured on calibration text.  For ever
 * per KV head the prefix is compressed to ``budget = round(keep_ratio * P)`` tokens: the
   first ``n_sink`` and last ``recent_window`` prefix tokens are kept first (as far as the budget
   goes, :mod:`runtime.selection`'s rule, as in serving), the rest chosen
-  by a ``runtime.scorers`` scorer, the one a serving policy would use, over a
-  :class:`runtime.scorers.HeadContext` of the prefix (keys, values, positions ``0..P-1``,
-  the layer's scaling, next position ``P``, and the last prefix queries for SnapKV):
+  by a ``runtime.scorers`` scorer, the one a serving policy would use, over the
+  :class:`runtime.scorers.LayerInputs` of the prefix (every KV head's keys, values, positions
+  ``0..P-1``, the layer's scaling, next position ``P``, and what the scorer needs: the last prefix
+  queries for SnapKV, the keys' RoPE and the learned weights for the learned scorer):
 
   - ``"snapkv"`` (default): :class:`~runtime.scorers.SnapKVScorer` with window
     ``observation_window`` and no neighbour pooling (``kernel=1``): the mean causal
@@ -27,8 +28,8 @@ empirical property of the head, so it is measured on calibration text.  For ever
   - ``"keydiff"``: :class:`~runtime.scorers.KeyDiffScorer`, ``-cos(k_i, mean_j k_j/||k_j||)``
     (KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in
     Resource-Constrained Environments, arXiv 2504.15364), attention-free;
-  - or a :class:`~runtime.scorers.Scorer` instance that needs neither query statistics nor
-    RoPE averages (e.g. ``SnapKVScorer(window=32, kernel=5)``, the serving default);
+  - or a :class:`~runtime.scorers.Scorer` instance that needs neither query statistics,
+    RoPE averages nor query centres (e.g. ``SnapKVScorer(window=32, kernel=5)``, the serving default);
 
   ``score()`` and :func:`runtime.selection.select_rows` choose the kept rows (as serving does); with
   ``moment_eviction=True`` the scorer's ``attention()`` estimate ``a_j`` is combined with the
@@ -60,18 +61,28 @@ from runtime.attention import attention_implementation
 from runtime.budgets import global_budgets
 from runtime.geometry import ModelGeometry
 from runtime.moments import ORDERS, MomentSums, attention_with_lse, corrected_attention, evict_in_rounds
-from runtime.rope import rope_cos_sin
-from runtime.scorers import HeadContext, KeyDiffScorer, LearnedScorer, Scorer, SnapKVScorer
+from runtime.scorers import (
+    KeyDiffScorer,
+    KeyRope,
+    LearnedScorer,
+    LearnedWeights,
+    RecentQueries,
+    Scorer,
+    ScorerInputs,
+    SnapKVScorer,
+    recent_query_window,
+)
 from runtime.selection import protected_mask, select_rows
 
 CALIBRATION_ATTENTION = "kvcal_moments_calibration"
 SELECTION_SCORERS = ("snapkv", "keydiff", "learned")
+CAPTURED_NEEDS = (RecentQueries, KeyRope, LearnedWeights)  # what a captured pass (and learned=...) supplies
 
 
 def selection_scorer(scorer: str | Scorer, observation_window: int) -> Scorer:
     """The ``runtime.scorers`` scorer behind a selection name (see the module docstring)."""
     if isinstance(scorer, Scorer):
-        if scorer.query_statistics is not None or scorer.rope_horizon:
+        if any(not isinstance(need, CAPTURED_NEEDS) for need in scorer.needs):
             raise ValueError(
                 f"{scorer!r} needs query statistics or RoPE averages, which the moments "
                 "calibration does not provide; choose one of " + ", ".join(SELECTION_SCORERS)
@@ -111,28 +122,24 @@ class _CorrectionErrorMeasurer:
         num_kv_heads,
         keep_ratios,
         query_window,
-        scorer: Scorer,
+        inputs: ScorerInputs,
         n_sink,
         recent_window,
         moment_eviction,
         eviction_rounds,
         tau,
         allocation: str = "uniform",
-        learned: tuple[torch.Tensor, torch.Tensor] | None = None,
-        key_rope=None,
     ):
         self.keep_ratios = keep_ratios
         self.query_window = query_window
-        self.scorer = scorer
+        self.inputs = inputs  # the selection scorer's inputs, built from each captured layer
+        self.scorer = inputs.scorer
         self.n_sink = n_sink
         self.recent_window = recent_window
         self.moment_eviction = moment_eviction
         self.eviction_rounds = eviction_rounds
         self.tau = tau
         self.allocation = allocation
-        self.learned = learned  # (weights [L, Hkv, 2d], bias [L, Hkv]) for the learned scorer
-        self.key_rope = key_rope  # positions -> (cos, sin) [n, d], for scorers that undo RoPE
-        self._rope_memo: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (prefix, cos, sin)
         self.pending: dict[int, tuple] = {}  # layer -> captured (query, key, value, scaling): global allocation
         self.error_sums = np.zeros((len(keep_ratios), len(ORDERS), num_layers, num_kv_heads))
         self.calls = np.zeros(num_layers, dtype=np.int64)
@@ -140,67 +147,58 @@ class _CorrectionErrorMeasurer:
     def budget(self, prefix: int, ratio: float) -> int:
         return min(prefix, max(int(round(ratio * prefix)), 1))
 
-    def kept_rows(self, head: HeadContext, estimate: torch.Tensor, budget: int, sums: MomentSums) -> torch.Tensor:
-        """Kept prefix rows (sorted) for one KV head; the evicted ones are folded into ``sums``.
-
-        ``estimate``: the scorer's ``attention()`` (moment eviction) or ``score()`` of the head.
-        """
-        prefix = head.keys.shape[0]
+    def kept_rows(
+        self, h: int, keys: torch.Tensor, values: torch.Tensor, scale: float, estimate: torch.Tensor, budget: int, sums
+    ) -> torch.Tensor:
+        """Kept prefix rows (sorted) of KV head ``h`` (its prefix ``keys, values [P, d]``); the evicted
+        ones are folded into ``sums``.  ``estimate [P]``: the scorer's ``attention()`` (moment
+        eviction) or ``score()`` of the head."""
+        prefix = keys.shape[0]
         if self.moment_eviction:
-            every = torch.ones(prefix, dtype=torch.bool, device=head.keys.device)
+            every = torch.ones(prefix, dtype=torch.bool, device=keys.device)
             protected = protected_mask(every, budget, self.n_sink, self.recent_window)  # serving's
             return evict_in_rounds(
                 estimate,
-                head.keys,
-                head.values,
+                keys,
+                values,
                 sums,
-                head.kv_head,
-                head.scaling,
+                h,
+                scale,
                 budget,
                 rounds=self.eviction_rounds,
                 protected=protected,
                 tau=self.tau,
             )
         kept = select_rows(estimate, budget, self.n_sink, self.recent_window)
-        evicted = torch.ones(prefix, dtype=torch.bool, device=head.keys.device)
+        evicted = torch.ones(prefix, dtype=torch.bool, device=keys.device)
         evicted[kept] = False
-        sums.add(head.kv_head, head.keys[evicted], head.values[evicted])
+        sums.add(h, keys[evicted], values[evicted])
         return kept
 
     def _heads(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float):
-        """Per KV head: ``(q [G, T, d], k, v [T, d], HeadContext of the prefix, estimate [P])``."""
+        """Per KV head: ``(q [G, T, d], k, v [T, d], estimate [P])``, the estimates of every head of the
+        prefix from one scorer call."""
         _, num_q_heads, total, dim = query.shape
         num_kv_heads = key.shape[1]
         group = num_q_heads // num_kv_heads
         prefix = total - self.query_window
         device = query.device
-        window = self.scorer.observation_window
-        positions = torch.arange(prefix, device=device)
-        key_cos = key_sin = None
-        if self.scorer.key_rope:  # the same prefix positions in every layer and window: computed once
-            if self._rope_memo is None or self._rope_memo[0] != prefix:
-                self._rope_memo = (prefix, *(t.to(device) for t in self.key_rope(positions)))
-            key_cos, key_sin = self._rope_memo[1:]
+        inputs = self.inputs.layer(
+            layer,
+            key[:, :, :prefix].float(),
+            value[:, :, :prefix].float(),
+            torch.arange(prefix, device=device).expand(1, num_kv_heads, prefix),
+            torch.ones(1, num_kv_heads, prefix, dtype=torch.bool, device=device),
+            torch.full((1, num_kv_heads), prefix, dtype=torch.int64),
+            [prefix],
+            queries=[query[0, :, :prefix].float()],  # the prefix queries [Hq, P, d]; the scorer's window of them
+            scaling=scale,
+        )
+        estimates = self.scorer.attention(inputs) if self.moment_eviction else self.scorer.score(inputs)  # [1, Hkv, P]
         heads = []
         for h in range(num_kv_heads):
             q = query[0, h * group : (h + 1) * group].float()  # [G, T, d]
-            k, v = key[0, h].float(), value[0, h].float()  # [T, d]
-            head = HeadContext(
-                layer=layer,
-                kv_head=h,
-                keys=k[:prefix],
-                values=v[:prefix],
-                positions=positions,
-                scaling=scale,
-                next_position=prefix,
-                recent_queries=q[:, prefix - window : prefix] if window else None,  # [G, obs, d]
-                key_cos=key_cos,
-                key_sin=key_sin,
-                learned_weights=None if self.learned is None else self.learned[0][layer, h],
-                learned_bias=None if self.learned is None else float(self.learned[1][layer, h]),
-            )
-            estimate = self.scorer.attention(head) if self.moment_eviction else self.scorer.score(head)  # [P]
-            heads.append((q, k, v, head, estimate))
+            heads.append((q, key[0, h].float(), value[0, h].float(), estimates[0, h]))
         return heads
 
     @torch.no_grad()
@@ -214,7 +212,7 @@ class _CorrectionErrorMeasurer:
         heads = self._heads(layer, query, key, value, scale)
         prefix = query.shape[2] - self.query_window
         budgets = [[self.budget(prefix, ratio) for ratio in self.keep_ratios] for _ in heads]
-        self._measure_layer(layer, heads, budgets)
+        self._measure_layer(layer, heads, budgets, scale)
 
     @torch.no_grad()
     def finish_window(self) -> None:
@@ -223,7 +221,8 @@ class _CorrectionErrorMeasurer:
         if self.allocation != "global":
             return
         layers = sorted(self.pending)
-        heads = {layer: self._heads(layer, *self.pending.pop(layer)) for layer in layers}
+        captured = {layer: self.pending.pop(layer) for layer in layers}
+        heads = {layer: self._heads(layer, *captured[layer]) for layer in layers}
         scores = [[estimate for *_, estimate in heads[layer]] for layer in layers]
         budgets = {layer: [[0] * len(self.keep_ratios) for _ in heads[layer]] for layer in layers}
         for r, ratio in enumerate(self.keep_ratios):
@@ -233,25 +232,24 @@ class _CorrectionErrorMeasurer:
                 for h in range(len(heads[layer])):
                     budgets[layer][h][r] = int(table[i, h])
         for layer in layers:
-            self._measure_layer(layer, heads[layer], budgets[layer])
+            self._measure_layer(layer, heads[layer], budgets[layer], captured[layer][3])
 
-    def _measure_layer(self, layer: int, heads, budgets: list[list[int]]) -> None:
+    def _measure_layer(self, layer: int, heads, budgets: list[list[int]], scale: float) -> None:
         """The errors of one layer; ``budgets[h][r]``: head ``h``'s kept prefix rows at keep ratio ``r``."""
         w = self.query_window
         k0 = heads[0][1]
         total = k0.shape[0]
         prefix = total - w
         device = k0.device
-        scale = heads[0][3].scaling
         # causal masks of the W queries: over all T tokens (reference) and over the tail only
         tail_causal = torch.ones(w, w, dtype=torch.bool, device=device).tril()  # [W, W]
         full_mask = torch.cat([torch.ones(w, prefix, dtype=torch.bool, device=device), tail_causal], dim=1)  # [W, T]
         sums = [MomentSums(len(heads), k0.shape[1], device=device) for _ in self.keep_ratios]
-        for h, (q, k, v, head, estimate) in enumerate(heads):
+        for h, (q, k, v, estimate) in enumerate(heads):
             tail_q = q[:, prefix:]  # [G, W, d]
             reference, _ = attention_with_lse(tail_q, k, v, scale, mask=full_mask)  # [G, W, d]
             for r in range(len(self.keep_ratios)):
-                kept = self.kept_rows(head, estimate, budgets[h][r], sums[r])
+                kept = self.kept_rows(h, k[:prefix], v[:prefix], scale, estimate, budgets[h][r], sums[r])
                 keys_R = torch.cat([k[:prefix][kept], k[prefix:]])  # [b + W, d]
                 values_R = torch.cat([v[:prefix][kept], v[prefix:]])
                 mask_R = torch.cat([torch.ones(w, kept.shape[0], dtype=torch.bool, device=device), tail_causal], 1)
@@ -317,16 +315,9 @@ def measure_correction_errors(
         raise ValueError(f"the global allocation ranks all heads' scores together; {selection!r} is not comparable")
     if allocation == "global" and moment_eviction:
         raise ValueError("the global allocation and moment_eviction cannot be combined")
-    if selection.learned:
-        if learned is None:
-            raise ValueError("the learned selection needs the artifact's learned_scorer weights and bias (learned=...)")
-        learned = tuple(torch.as_tensor(np.asarray(a), dtype=torch.float32) for a in learned)
-        if learned[0].shape[:2] != (num_layers, num_kv_heads) or learned[1].shape != (num_layers, num_kv_heads):
-            raise ValueError(
-                f"learned weights {tuple(learned[0].shape)} / bias {tuple(learned[1].shape)} do not fit the "
-                f"model's {num_layers} layers x {num_kv_heads} KV heads"
-            )
-    window = max(observation_window, selection.observation_window)
+    if LearnedWeights() in selection.needs and learned is None:
+        raise ValueError("the learned selection needs the artifact's learned_scorer weights and bias (learned=...)")
+    window = max(observation_window, recent_query_window(selection))
     if prefix < max(window, n_sink + recent_window + 1):
         raise ValueError(
             f"windows of {total} tokens leave a prefix of {prefix} after the {query_window}-token "
@@ -337,20 +328,19 @@ def measure_correction_errors(
     if not ratios or any(not 0.0 < r <= 1.0 for r in ratios):
         raise ValueError(f"keep_ratios must be in (0, 1], got {keep_ratios}")
 
+    inputs = ScorerInputs(selection, geometry, learned=learned if LearnedWeights() in selection.needs else None)
     measurer = _CorrectionErrorMeasurer(
         num_layers,
         num_kv_heads,
         ratios,
         query_window,
-        selection,
+        inputs,
         n_sink,
         recent_window,
         moment_eviction,
         eviction_rounds,
         tau,
         allocation=allocation,
-        learned=learned if selection.learned else None,
-        key_rope=lambda positions: rope_cos_sin(geometry, positions),
     )
 
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -10,8 +10,9 @@
 Modules: ``cache`` (the packed per-layer cache: every head's retained tokens in one buffer per
 layer, MomentKV moment sums and correction), ``paged_attention`` (attention over that buffer for
 all rows and heads at once), ``attention`` (the registered attention function and its scoped
-switch), ``scorers`` (EA, KeyDiff, SnapKV, KNorm,
-StreamingLLM, leverage, KVzip, learned), ``policy``, ``policy_spec`` (policies by name: the grammar
+switch), ``scorers`` (a package, one module per scorer: EA,
+prototype attention, KeyDiff, SnapKV, KNorm, StreamingLLM, leverage, KVzip, learned; each scores a
+whole layer, its inputs built by the package's providers), ``policy``, ``policy_spec`` (policies by name: the grammar
 ``inf/leverage``, ``global/learned+correction``..., the flagship), ``recommendation`` (the
 artifact's measured best policy per compression ratio), ``compress`` (prefill and per-prompt
 eviction), ``eviction`` (a layer's heads down to their budgets: layer-batched scores,
@@ -35,7 +36,7 @@ from .policy import CompressionPolicy
 from .policy_spec import FLAGSHIP, PolicySpec, parse_policy
 from .query_moments import QueryMoments
 from .recommendation import Recommendation
-from .scorers import SCORERS, HeadContext, Scorer, make_scorer
+from .scorers import SCORERS, LayerInputs, Scorer, ScorerInputs, make_scorer
 from .selection import select_rows
 from .transformers_compat import cache_argument
 
@@ -46,7 +47,7 @@ __all__ = [
     "CompressionReport",
     "FLAGSHIP",
     "GenerationResult",
-    "HeadContext",
+    "LayerInputs",
     "PolicySpec",
     "ModelGeometry",
     "QueryMoments",
@@ -55,6 +56,7 @@ __all__ = [
     "Recommendation",
     "SCORERS",
     "Scorer",
+    "ScorerInputs",
     "UnsupportedModelError",
     "answer",
     "build_inputs",

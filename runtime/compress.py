@@ -28,13 +28,14 @@ from .eviction import HeadEvictor
 from .geometry import ModelGeometry
 from .policy import CompressionPolicy
 from .query_moments import QueryMoments
+from .scorers import query_statistics, recent_query_window
 from .transformers_compat import cache_argument
 
 
 def _needs(policy: CompressionPolicy | None):
     scorer = policy.build_scorer() if policy is not None else None
-    prompt_stats = scorer is not None and scorer.query_statistics == "prompt"
-    window = scorer.observation_window if scorer is not None else 0
+    prompt_stats = scorer is not None and query_statistics(scorer) == "prompt"
+    window = recent_query_window(scorer) if scorer is not None else 0
     return prompt_stats, window
 
 
@@ -104,7 +105,7 @@ def prefill_for_policies(model, cache: RaggedCache, input_ids: torch.Tensor, pol
     compressed under one of ``policies``: records the prompt query statistics and the last
     queries that any of their scorers observes.  Returns the statistics to pass to ``compress``;
     ``cache.stop_observing()`` before decoding the uncompressed cache itself."""
-    window = max([0] + [policy.build_scorer().observation_window for policy in policies])
+    window = max([0] + [recent_query_window(policy.build_scorer()) for policy in policies])
     return prefill(model, cache, input_ids, record_prompt_stats=bool(policies), observe_queries=window, n_sink=4)
 
 
@@ -147,7 +148,7 @@ def compress(
         raise ValueError(f"cache has {len(cache.layers)} layers, the model {evictor.num_layers}")
     if first.num_heads != evictor.num_kv_heads:
         raise ValueError(f"cache has {first.num_heads} KV heads, the model {evictor.num_kv_heads}")
-    if evictor.scorer.observation_window and any(q is None for layer in cache.layers for q in layer.recent_queries):
+    if recent_query_window(evictor.scorer) and any(q is None for layer in cache.layers for q in layer.recent_queries):
         raise ValueError(f"{evictor.scorer!r} needs the last prompt queries: prefill with policy=... first")
     if context_lengths is not None and len(context_lengths) != first.batch_size:
         raise ValueError(f"context_lengths has {len(context_lengths)} entries for a batch of {first.batch_size}")
@@ -199,7 +200,7 @@ def compress(
                 )
                 budgets = policy.head_budgets(length, evictor.num_layers, evictor.num_kv_heads, inf_weights, curve)
                 cache.set_decode_plan(DecodePlan(evictor, budgets, int(policy.evict_every), b), row=b)
-        if policy.evict_every is None or not evictor.scorer.observation_window:
+        if policy.evict_every is None or not recent_query_window(evictor.scorer):
             cache.stop_observing()
     return CompressionReport(
         budgets=all_budgets,

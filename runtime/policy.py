@@ -48,7 +48,7 @@ import numpy as np
 
 from .budgets import allocate_budgets, curve_row
 from .checks import check_flag, check_integer, check_number
-from .scorers import SCORERS, Scorer, make_scorer
+from .scorers import SCORERS, LearnedWeights, QueryCentres, Scorer, make_scorer, query_statistics
 
 ALLOCATIONS = ("uniform", "inf", "global", "curve")
 STATISTICS = ("calibrated", "future", "prompt")
@@ -207,13 +207,13 @@ class CompressionPolicy:
             needs.append("INF budgets (section 'budgets' or 'behaviour')")
         if self.allocation == "curve":
             needs.append("budget curves (section 'budget_curves')")
-        if scorer.query_statistics == "calibrated":
+        if query_statistics(scorer) == "calibrated":
             needs.append("query statistics (section 'query_stats')")
-        if scorer.query_statistics == "future" or scorer.query_centres:
+        if query_statistics(scorer) == "future" or QueryCentres() in scorer.needs:
             needs.append("future-query statistics (section 'future_queries')")
         if self.correction == "calibrated":
             needs.append("per-head correction orders (section 'moments')")
-        if scorer.learned:
+        if LearnedWeights() in scorer.needs:
             needs.append("learned scorer weights (section 'learned_scorer')")
         return needs
 
@@ -239,17 +239,17 @@ class CompressionPolicy:
                 f"section (present: {', '.join(calibration.sections) or 'none'}); re-run profile-model with the "
                 "budget-curves stage, or use allocation='inf'"
             )
-        if scorer.query_statistics == "calibrated" and not calibration.has_query_stats:
+        if query_statistics(scorer) == "calibrated" and not calibration.has_query_stats:
             raise ValueError(
                 f"expected_attention with statistics='calibrated' needs query statistics, but "
                 f"{calibration.path} has no 'query_stats' section (present: "
                 f"{', '.join(calibration.sections) or 'none'}); use statistics='prompt' or "
                 "re-run profile-model with the query-stats stage"
             )
-        if (scorer.query_statistics == "future" or scorer.query_centres) and not getattr(
+        if (query_statistics(scorer) == "future" or QueryCentres() in scorer.needs) and not getattr(
             calibration, "has_future_queries", False
         ):
-            what = repr(scorer) if scorer.query_centres else "expected_attention with statistics='future'"
+            what = repr(scorer) if QueryCentres() in scorer.needs else "expected_attention with statistics='future'"
             raise ValueError(
                 f"{what} needs the statistics of the queries after a probe's context, but {calibration.path} has no "
                 f"'future_queries' section (present: {', '.join(calibration.sections) or 'none'}); re-run "
@@ -261,7 +261,7 @@ class CompressionPolicy:
                 f"no 'moments' section (present: {', '.join(calibration.sections) or 'none'}); use "
                 "correction='order1' or re-run profile-model with the moments stage"
             )
-        if scorer.learned and getattr(calibration, "scorer_weights", None) is None:
+        if LearnedWeights() in scorer.needs and getattr(calibration, "scorer_weights", None) is None:
             raise ValueError(
                 f"the learned scorer needs its weights, but {calibration.path} has no 'learned_scorer' section "
                 f"(present: {', '.join(calibration.sections) or 'none'}); re-run profile-model with the "

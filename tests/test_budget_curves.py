@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_random_artifact, make_random_identity, single_thread, tiny_profile_args, write_tiny_model_dir
+from scorer_oracles import oracle_score
 
 from artifacts import ArtifactError, open_artifact, write_artifact
 from profiler.budget_curves import (
@@ -259,7 +260,7 @@ def _reference_curves(model, windows, probes, grid, n_sink, window, query_window
             total = k.shape[1]
             prefix = total - query_window
             for h in range(heads):
-                scores = KeyDiffScorer().score(_head(layer, h, k, v, prefix, scale))
+                scores = oracle_score(KeyDiffScorer(), _head(layer, h, k, v, prefix, scale))
                 for g, budget in enumerate(budgets_for(prefix, grid)):
                     kept = select_rows(scores, budget, n_sink, window).tolist()
                     errs = []
@@ -277,7 +278,7 @@ def _reference_curves(model, windows, probes, grid, n_sink, window, query_window
         for layer, (q, k, v, scale) in passes(torch.tensor([probe.input_ids])).items():
             group = q.shape[0] // heads
             for h in range(heads):
-                scores = KeyDiffScorer().score(_head(layer, h, k, v, end, scale))
+                scores = oracle_score(KeyDiffScorer(), _head(layer, h, k, v, end, scale))
                 mass = torch.zeros(end, dtype=torch.float64)
                 count = 0
                 for qh in range(h * group, (h + 1) * group):
@@ -292,9 +293,9 @@ def _reference_curves(model, windows, probes, grid, n_sink, window, query_window
 
 
 def _head(layer, h, k, v, prefix, scale):
-    from runtime.scorers import HeadContext
+    from scorer_oracles import Head
 
-    return HeadContext(
+    return Head(
         layer=layer,
         kv_head=h,
         keys=k[h, :prefix].float(),
@@ -366,7 +367,7 @@ def _reference_answer_hits(model, probes, answers, grid, n_sink, window):
         for layer, (q, k, v, scale) in captured.items():
             group = q.shape[0] // heads
             for h in range(heads):
-                scores = KeyDiffScorer().score(_head(layer, h, k, v, end, scale))
+                scores = oracle_score(KeyDiffScorer(), _head(layer, h, k, v, end, scale))
                 tops = [
                     int(torch.argmax(scale * k[h, : t + 1] @ q[qh, t]))
                     for qh in range(h * group, (h + 1) * group)

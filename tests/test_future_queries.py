@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_tiny_llama
+from scorer_oracles import Head, head_from_cache, oracle_score, score_one
 from test_runtime_scorers import direct_expected_attention, explicit_rope
 
 from profiler.future_queries import kmeans_centres, probe_future_queries
@@ -18,7 +19,7 @@ from runtime.calibration import Calibration
 from runtime.geometry import ModelGeometry
 from runtime.policy_spec import parse_policy
 from runtime.rope import averaged_rope
-from runtime.scorers import ExpectedAttentionScorer, HeadContext, PrototypeAttentionScorer
+from runtime.scorers import ExpectedAttentionScorer, PrototypeAttentionScorer
 from runtime.transformers_compat import cache_argument
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
@@ -104,7 +105,7 @@ def test_prototype_attention_equals_direct_formula(reduce, group):
     weights = torch.softmax(torch.randn(groups, k, generator=generator), -1)
     start, horizon, scaling = 40, 16, 1 / math.sqrt(d)
     cos, sin = averaged_rope(model, start, horizon)
-    head = HeadContext(
+    head = Head(
         layer=0,
         kv_head=0,
         keys=keys,
@@ -119,7 +120,7 @@ def test_prototype_attention_equals_direct_formula(reduce, group):
     )
     scorer = PrototypeAttentionScorer(horizon=horizon, centres=reduce, group=group, epsilon=1e-2)
     expected = direct_prototypes(keys, values, centres, weights, start, horizon, theta, scaling, reduce, group, 1e-2)
-    torch.testing.assert_close(scorer.score(head).double(), expected, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(score_one(scorer, head).double(), expected, rtol=1e-4, atol=1e-6)
 
 
 def test_one_centre_with_mixture_reduction_is_expected_attention_without_covariance():
@@ -129,11 +130,11 @@ def test_one_centre_with_mixture_reduction_is_expected_attention_without_covaria
     keys, values = torch.randn(19, 16, generator=generator), torch.randn(19, 16, generator=generator)
     mean = torch.randn(2, 16, generator=generator)
     cos, sin = averaged_rope(model, 30, 8)
-    head = HeadContext(0, 0, keys, values, torch.arange(19), 0.25, 30, rope_cos=cos, rope_sin=sin)
+    head = Head(0, 0, keys, values, torch.arange(19), 0.25, 30, rope_cos=cos, rope_sin=sin)
     head.query_centres, head.centre_weights = mean[:, None], torch.ones(2, 1)
     expected = direct_expected_attention(keys, values, mean, torch.zeros(2, 16, 16), 30, 8, theta, 0.25, epsilon=0.0)
     torch.testing.assert_close(
-        PrototypeAttentionScorer(horizon=8, centres="mean", group="mean").score(head).double(),
+        score_one(PrototypeAttentionScorer(horizon=8, centres="mean", group="mean"), head).double(),
         expected,
         rtol=1e-4,
         atol=1e-6,
@@ -146,7 +147,7 @@ def test_prototype_attention_refuses_bad_options_and_missing_centres():
     with pytest.raises(ValueError, match="'max' or 'mean'"):
         PrototypeAttentionScorer(group="sum")
     with pytest.raises(ValueError, match="future_queries"):
-        PrototypeAttentionScorer().score(HeadContext(0, 0, torch.zeros(3, 4), torch.zeros(3, 4), torch.arange(3), 1, 3))
+        score_one(PrototypeAttentionScorer(), Head(0, 0, torch.zeros(3, 4), torch.zeros(3, 4), torch.arange(3), 1, 3))
     with pytest.raises(ValueError, match="'calibrated', 'future' or 'prompt'"):
         ExpectedAttentionScorer(statistics="question")
 
@@ -177,9 +178,9 @@ def _future_calibration(model, centres: int = 3, seed: int = 0) -> Calibration:
         ("expected_attention", {"statistics": "future"}),
     ],
 )
-def test_layer_scores_equal_the_per_head_scores(scorer, options):
+def test_layer_scores_equal_the_per_head_oracles(scorer, options):
     """As tests/test_runtime_scorers.py checks for the other scorers: two left-padded rows of
-    different lengths, heads made ragged by a first eviction, batched == head by head."""
+    different lengths, heads made ragged by a first eviction, batched == the per-head oracle."""
     from runtime.eviction import HeadEvictor
 
     model = make_tiny_llama(num_layers=2, num_heads=6, num_kv_heads=3)
@@ -199,7 +200,8 @@ def test_layer_scores_equal_the_per_head_scores(scorer, options):
         batched = evictor.layer_scores(layer, index, [0, 1], positions)
         for b in range(2):
             for h in range(3):
-                single = evictor.head_scores(layer, index, b, h, positions[b])
+                head = head_from_cache(evictor.scorer, model, layer, index, b, h, positions[b], calibration=calibration)
+                single = oracle_score(evictor.scorer, head)
                 n = single.shape[0]
                 torch.testing.assert_close(batched[b, h, :n], single.float(), atol=1e-5, rtol=1e-4)
                 assert bool(torch.isneginf(batched[b, h, n:]).all())
@@ -207,7 +209,7 @@ def test_layer_scores_equal_the_per_head_scores(scorer, options):
 
 def test_policies_spell_future_statistics_and_prototypes_and_refuse_without_the_section():
     spec = parse_policy("uniform/expected_attention:future")
-    assert spec.policy(0.5).build_scorer().query_statistics == "future"
+    assert spec.policy(0.5).build_scorer().statistics == "future"
     assert isinstance(parse_policy("inf/prototype_attention").policy(0.75).build_scorer(), PrototypeAttentionScorer)
     with pytest.raises(ValueError, match="statistics applies to the expected_attention scorer only"):
         parse_policy("uniform/prototype_attention:future")

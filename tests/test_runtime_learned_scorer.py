@@ -66,8 +66,9 @@ def test_learned_scores_are_the_linear_map_of_pre_rope_key_and_value():
 
     evictor = HeadEvictor(model, policy, calibration)
     for layer_idx, layer in enumerate(cache.layers):
+        scores = evictor.layer_scores(layer, layer_idx, [0], [40])  # [1, Hkv, 40]
         for h in range(2):
-            got = evictor.head_scores(layer, layer_idx, 0, h, 40).double()
+            got = scores[0, h].double()
             features = torch.cat([reference[layer_idx, "k_proj"][h], reference[layer_idx, "v_proj"][h]], -1).double()
             want = features @ torch.from_numpy(calibration.scorer_weights[layer_idx, h]) + float(
                 calibration.scorer_bias[layer_idx, h]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_tiny_llama
+from scorer_oracles import Head, head_from_cache, layer_inputs, oracle_score, score_one
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from runtime import CompressionPolicy, RaggedCache, compress, prefill, ragged_attention
@@ -25,10 +26,11 @@ from runtime.kvzip import (
 from runtime.rope import rope_cos_sin
 from runtime.scorers import (
     ALL_QUERIES,
-    HeadContext,
+    KeyRope,
     KVzipScorer,
     KVzipScores,
     LeverageScorer,
+    RecentQueries,
     chunked_attention_mass,
     leverage_scores,
     unrotate,
@@ -69,7 +71,7 @@ def naive_chunk_mass(queries, query_positions, keys, key_positions, chunk, scale
     return mass
 
 
-def naive_compactor(head: HeadContext, blend, chunk, scale, pool, first, last, value_norm=True):
+def naive_compactor(head: Head, blend, chunk, scale, pool, first, last, value_norm=True):
     """LeverageScorer's definition written out (exact leverage of pre-RoPE keys)."""
     n = head.keys.shape[0]
     rows = list(range(first, n - last))
@@ -122,16 +124,30 @@ def test_sketched_leverage_is_the_leverage_of_the_sketched_keys():
     keys = torch.randn(150, 32, generator=torch.Generator().manual_seed(1))
     sketch = 12
     phi = torch.randn(32, sketch, generator=torch.Generator().manual_seed(7), dtype=torch.float64) / math.sqrt(sketch)
-    scores = leverage_scores(keys, sketch, torch.Generator().manual_seed(7), ridge=1e-12)
+    scores = leverage_scores(keys, sketch=phi, ridge=1e-12)
     torch.testing.assert_close(scores, naive_leverage(keys, phi), rtol=1e-7, atol=1e-10)
     assert abs(float(scores.sum()) - sketch) < 1e-6
     # a sketch as wide as the keys spans the same column space: exact scores
+    wide = torch.randn(32, 40, generator=torch.Generator().manual_seed(3), dtype=torch.float64) / math.sqrt(40)
     torch.testing.assert_close(
-        leverage_scores(keys, 40, torch.Generator().manual_seed(3), ridge=1e-12),
-        leverage_scores(keys, ridge=1e-12),
-        rtol=1e-6,
-        atol=1e-9,
+        leverage_scores(keys, sketch=wide, ridge=1e-12), leverage_scores(keys, ridge=1e-12), rtol=1e-6, atol=1e-9
     )
+
+
+def test_masked_leverage_is_the_leverage_of_the_masked_rows():
+    """Per head, over a middle mask: the leverage of those rows alone (centred on their own mean)."""
+    generator = torch.Generator().manual_seed(9)
+    keys = torch.randn(2, 3, 30, 6, generator=generator) + 1.0
+    lengths = torch.tensor([[30, 17, 12], [25, 9, 30]])
+    first = torch.tensor([[2, 0, 3], [1, 1, 0]])
+    row = torch.arange(30)
+    mask = (row >= first.unsqueeze(-1)) & (row < lengths.unsqueeze(-1))
+    got = leverage_scores(keys, mask, ridge=1e-12)
+    for r in range(2):
+        for h in range(3):
+            rows = mask[r, h]
+            torch.testing.assert_close(got[r, h, rows], naive_leverage(keys[r, h, rows]), rtol=1e-6, atol=1e-9)
+            assert bool((got[r, h, ~rows] == 0).all())
 
 
 def test_unrotate_inverts_the_models_rope():
@@ -149,8 +165,13 @@ def test_chunked_attention_mass_equals_loop_reference():
     key_positions = torch.arange(10, 10 + n)
     queries = torch.randn(groups, n, d, generator=generator)
     for chunk, scale, origin in [(16, 1.0, 10), (7, 0.35, 12), (100, 1.0, 10)]:
-        got = chunked_attention_mass(queries, key_positions, keys, key_positions, chunk, scale, origin)
+        chunks = torch.div(key_positions - origin, chunk, rounding_mode="floor")  # [n]; -1: before the origin
+        got = chunked_attention_mass(
+            queries[None, None], chunks[None, None], keys[None, None], chunks[None, None], scale
+        )
         want = naive_chunk_mass(queries, key_positions, keys, key_positions, chunk, scale, origin)
+        want[key_positions < origin] = 0  # keys before the origin take no part
+        got = got[0, 0]
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
 
@@ -164,7 +185,7 @@ def test_leverage_scorer_equals_the_compactor_definition(blend, chunk, scale):
     values = torch.randn(n, d, generator=generator)
     queries = torch.randn(groups, n, d, generator=generator)
     cos, sin = rope_cos_sin(model, positions)
-    head = HeadContext(
+    head = Head(
         layer=3,
         kv_head=1,
         keys=keys,
@@ -177,7 +198,7 @@ def test_leverage_scorer_equals_the_compactor_definition(blend, chunk, scale):
         key_sin=sin,
     )
     scorer = LeverageScorer(blend=blend, sketch=None, chunk=chunk, attention_scale=scale, ridge=1e-12)
-    got = scorer.score(head)
+    got = score_one(scorer, head)
     want = naive_compactor(head, blend, chunk, d**-0.5 if scale is None else scale, 3, 8, 4)
     torch.testing.assert_close(got[8 : n - 4].double(), want, rtol=1e-4, atol=1e-4)
     assert torch.all(got[:8] == got[8 : n - 4].max()) and torch.all(got[n - 4 :] == got[8 : n - 4].max())
@@ -187,24 +208,25 @@ def test_leverage_scorer_modes_and_options():
     generator = torch.Generator().manual_seed(6)
     n, d = 40, 8
     keys, values = torch.randn(n, d, generator=generator), torch.randn(n, d, generator=generator)
-    head = HeadContext(
+    head = Head(
         0, 0, keys, values, torch.arange(n), d**-0.5, n, recent_queries=torch.randn(1, n, d, generator=generator)
     )
     alone = LeverageScorer(blend=None, sketch=None, pre_rope=False, exclude_first=0, exclude_last=0, ridge=1e-12)
-    assert alone.observation_window == 0 and not alone.key_rope
+    assert alone.needs == ()  # no queries, no RoPE to undo
     lev = naive_leverage(keys)
     torch.testing.assert_close(
-        alone.score(head).double(), (lev - lev.mean()) / lev.std(unbiased=False), rtol=1e-4, atol=1e-5
+        score_one(alone, head).double(), (lev - lev.mean()) / lev.std(unbiased=False), rtol=1e-4, atol=1e-5
     )
     attention = LeverageScorer(blend=0, exclude_first=0, exclude_last=0, pool=1)
-    assert attention.observation_window == ALL_QUERIES and not attention.key_rope
+    assert attention.needs == (RecentQueries(ALL_QUERIES),)  # every prompt query, no leverage
+    assert LeverageScorer().needs == (KeyRope(), RecentQueries(ALL_QUERIES))
     mass = naive_chunk_mass(head.recent_queries, torch.arange(n), keys, torch.arange(n), 256, 1.0, 0)
     mass = mass * values.double().norm(dim=-1)
     torch.testing.assert_close(
-        attention.score(head).double(), (mass - mass.mean()) / mass.std(unbiased=False), rtol=1e-4, atol=1e-4
+        score_one(attention, head).double(), (mass - mass.mean()) / mass.std(unbiased=False), rtol=1e-4, atol=1e-4
     )
     with pytest.raises(ValueError, match="key_cos"):
-        LeverageScorer().score(head)  # pre-RoPE needs the keys' RoPE
+        score_one(LeverageScorer(), head)  # pre-RoPE needs the keys' RoPE
     for bad in ({"blend": -1}, {"sketch": 0}, {"chunk": 0}, {"pool": 2}, {"exclude_first": -1}):
         with pytest.raises(ValueError):
             LeverageScorer(**bad)
@@ -235,7 +257,7 @@ def test_compress_with_leverage_keeps_sinks_window_and_top_reference_scores():
     for layer_idx, layer in enumerate(cache.layers):
         for h in range(2):
             keys, values, positions = before[layer_idx][h]
-            head = HeadContext(
+            head = Head(
                 layer_idx,
                 h,
                 keys,
@@ -341,19 +363,26 @@ def test_kvzip_scorer_reads_scores_by_position_and_refuses_another_prompt():
             top = (torch.topk(table[2:37], 10).indices + 2).tolist()
             assert layer.head(0, h)[2].tolist() == sorted([0, 1] + top + [37, 38, 39])
     # decoded tokens (past the scored context) are never evicted before a context token
-    keys, values, positions = cache.layers[0].head(0, 0)
-    head = HeadContext(0, 0, keys, values, positions, 0.25, 40)
-    assert torch.equal(KVzipScorer(scores).score(head), scores.scores[0, 0])
-    later = HeadContext(
-        0,
-        0,
-        torch.cat([keys, keys[:2]]),
-        torch.cat([values, values[:2]]),
-        torch.cat([positions, torch.tensor([40, 41], dtype=positions.dtype)]),
-        0.25,
-        42,
-    )
-    assert torch.isinf(KVzipScorer(scores).score(later)[-2:]).all()
+    evictor = HeadEvictor(model, with_kvzip_scores(policy, scores), None, None)
+    assert torch.equal(evictor.layer_scores(cache.layers[0], 0, [0], [40])[0], scores.scores[0])
+    later = []
+    for h in range(2):
+        keys, values, positions = cache.layers[0].head(0, h)
+        extra = torch.tensor([40, 41], dtype=positions.dtype)
+        later.append(
+            Head(
+                0,
+                h,
+                torch.cat([keys, keys[:2]]),
+                torch.cat([values, values[:2]]),
+                torch.cat([positions, extra]),
+                0.25,
+                42,
+            )
+        )
+    scorer = KVzipScorer(scores)
+    looked_up = scorer.score(layer_inputs(scorer, [later]))  # [1, 2, 42]
+    assert torch.equal(looked_up[0, :, :40], scores.scores[0]) and torch.isinf(looked_up[0, :, 40:]).all()
     other = RaggedCache.for_model(model)
     prefill(model, other, torch.randint(3, 120, (1, 40), generator=torch.Generator().manual_seed(11)))
     with pytest.raises(ValueError, match="another prompt"):
@@ -410,16 +439,16 @@ def test_kvzip_layer_scores_equal_the_per_head_lookup_with_rows_of_different_len
     layer.keep(0, 0, torch.arange(0, 40, 3))  # heads of different lengths
     scorer = KVzipScorer(scores)
     evictor = HeadEvictor(model, CompressionPolicy(budget=10, scorer=scorer), None, None)
-    context_of_layer = evictor.layer_context(layer, 1, [0], [40])
-    batched = scorer.score_layer(context_of_layer)
+    batched = evictor.layer_scores(layer, 1, [0], [40])
     for h in range(2):
-        n = int(context_of_layer.lengths[0, h])
-        torch.testing.assert_close(batched[0, h, :n], scorer.score(context_of_layer.head(0, h)))
+        single = oracle_score(scorer, head_from_cache(scorer, model, layer, 1, 0, h, 40))
+        n = single.shape[0]
+        torch.testing.assert_close(batched[0, h, :n], single)
         assert torch.isinf(batched[0, h, n:]).all() and (batched[0, h, n:] < 0).all()
     other = RaggedCache.for_model(model)
     prefill(model, other, torch.randint(3, 120, (1, 40), generator=torch.Generator().manual_seed(15)))
     with pytest.raises(ValueError, match="another prompt"):
-        scorer.score_layer(evictor.layer_context(other.layers[1], 1, [0], [40]))
+        evictor.layer_scores(other.layers[1], 1, [0], [40])
 
 
 # -- the real embedded model --------------------------------------------------------------------

@@ -14,7 +14,7 @@ from conftest import make_tiny_llama
 from runtime import CompressionPolicy, RaggedCache, compress, prefill
 from runtime.budgets import global_budgets
 from runtime.moments import MomentSums
-from runtime.scorers import HeadContext, Scorer
+from runtime.scorers import LayerInputs, Scorer, ScorerInputs
 from runtime.selection import global_counts, keep_mask, priority_ranks, protected_mask, select_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
@@ -212,12 +212,12 @@ class TiedScorer(Scorer):
     name = "tied"
     yields_attention = True
 
-    def score(self, head: HeadContext) -> torch.Tensor:
-        scores = torch.round(head.keys[:, 0].float() * 2).clamp(-1, 1)
-        return scores.masked_fill(head.positions % 5 == 4, -INF)
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
+        scores = torch.round(inputs.keys[..., 0].float() * 2).clamp(-1, 1)  # [R, Hkv, n]
+        return scores.masked_fill(inputs.positions % 5 == 4, -INF).masked_fill(~inputs.valid, -INF)
 
-    def attention(self, head: HeadContext) -> torch.Tensor:
-        return (torch.round(head.keys[:, 0].float() * 2).clamp(-1, 1) + 2) / 10
+    def attention(self, inputs: LayerInputs) -> torch.Tensor:
+        return (torch.round(inputs.keys[..., 0].float() * 2).clamp(-1, 1) + 2) / 10
 
 
 def _served(budget: int, n_sink: int, window: int, moment_eviction: bool = False):
@@ -248,22 +248,32 @@ def test_moments_and_budget_curves_stages_select_what_serving_selects_on_tied_sc
     model, before, served = _served(budget, n_sink, window)
     geometry = ModelGeometry.of(model)
     scorer = TiedScorer()
-    moments = _CorrectionErrorMeasurer(2, 2, [0.5], 4, scorer, n_sink, window, False, 4, 0.0)
+    moments = _CorrectionErrorMeasurer(2, 2, [0.5], 4, ScorerInputs(scorer, geometry), n_sink, window, False, 4, 0.0)
     curves = _CurveMeasurer(geometry, [0.5], scorer, n_sink, window)
     tied = False
     for layer in range(2):
         key = torch.stack([before[layer][h][0] for h in range(2)]).unsqueeze(0)  # [1, Hkv, T, d]
         value = torch.stack([before[layer][h][1] for h in range(2)]).unsqueeze(0)
         query = torch.zeros(1, 4, 30, 16)
+        scale = geometry.scalings[layer]
+        estimates = moments._heads(
+            layer,
+            torch.zeros(1, 4, 34, 16),
+            torch.cat([key, key[:, :, :4]], 2),
+            torch.cat([value, value[:, :, :4]], 2),
+            scale,
+        )  # the 30-token prefix's scores
+        ranks = curves.layer_ranks(layer, query, key, value, 30, scale)  # [Hkv, 30]
         for h in range(2):
-            keys, values, positions = before[layer][h]
-            head = HeadContext(layer, h, keys, values, positions.long(), geometry.scalings[layer], 30)
-            scores = scorer.score(head)
+            keys, values, _ = before[layer][h]
+            scores = estimates[h][3]  # [30]
             tied = tied or len(set(scores.tolist())) < len(scores)
             sums = MomentSums(2, 16)
-            assert moments.kept_rows(head, scores, budget, sums).tolist() == served[layer][h], (layer, h)
-            ranks = curves.head_ranks(layer, h, query, key, value, 30, geometry.scalings[layer])
-            assert torch.nonzero(ranks < budget).reshape(-1).tolist() == served[layer][h], (layer, h)
+            assert moments.kept_rows(h, keys, values, scale, scores, budget, sums).tolist() == served[layer][h], (
+                layer,
+                h,
+            )
+            assert torch.nonzero(ranks[h] < budget).reshape(-1).tolist() == served[layer][h], (layer, h)
     assert tied
 
 
@@ -278,11 +288,20 @@ def test_moment_eviction_in_calibration_protects_what_serving_protects(budget):
     model, before, served = _served(budget, n_sink, window, moment_eviction=True)
     geometry = ModelGeometry.of(model)
     scorer = TiedScorer()
-    moments = _CorrectionErrorMeasurer(2, 2, [0.5], 4, scorer, n_sink, window, True, 4, 0.0)
+    moments = _CorrectionErrorMeasurer(2, 2, [0.5], 4, ScorerInputs(scorer, geometry), n_sink, window, True, 4, 0.0)
     for layer in range(2):
+        key = torch.stack([before[layer][h][0] for h in range(2)]).unsqueeze(0)  # [1, Hkv, 30, d]
+        value = torch.stack([before[layer][h][1] for h in range(2)]).unsqueeze(0)
+        scale = geometry.scalings[layer]
+        estimates = moments._heads(
+            layer,
+            torch.zeros(1, 4, 34, 16),
+            torch.cat([key, key[:, :, :4]], 2),
+            torch.cat([value, value[:, :, :4]], 2),
+            scale,
+        )  # the prefix's attention
         for h in range(2):
-            keys, values, positions = before[layer][h]
-            head = HeadContext(layer, h, keys, values, positions.long(), geometry.scalings[layer], 30)
-            kept = moments.kept_rows(head, scorer.attention(head), budget, MomentSums(2, 16))
+            keys, values, _ = before[layer][h]
+            kept = moments.kept_rows(h, keys, values, scale, estimates[h][3], budget, MomentSums(2, 16))
             assert kept.tolist() == served[layer][h], (layer, h)
             assert len(served[layer][h]) == budget

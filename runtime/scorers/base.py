@@ -1,0 +1,47 @@
+"""The scorer protocol: one batched ``score`` over a layer, and what the scorer needs to compute it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from .inputs import LayerInputs, Need
+
+
+class Scorer(ABC):
+    """Scores the retained tokens of every KV head of a layer (higher = keep).
+
+    * :meth:`score` ``(inputs) -> [R, Hkv, n]`` float32, ``-inf`` on padding (``~inputs.valid``);
+      ``+inf`` means never evict, NaN is refused by the engine;
+    * :attr:`needs`: what the scorer reads beyond keys, values and positions (see
+      :mod:`runtime.scorers.inputs`); the providers fill exactly those in;
+    * :meth:`attention` (when ``yields_attention``): the estimate ``a_j [R, Hkv, n]`` of the
+      attention future queries pay each token, for moment-informed eviction;
+    * ``comparable``: True when scores of different heads are on one scale (log attention), so
+      the ``global`` allocation may rank all heads' tokens together.
+
+    Which rows the scores keep (sinks, recent window, then the best-scored, ties to the newer
+    token) is :mod:`runtime.selection`'s, not the scorer's.
+    """
+
+    name = "scorer"
+    comparable = False
+    yields_attention = False
+
+    @property
+    def needs(self) -> tuple[Need, ...]:
+        return ()
+
+    @abstractmethod
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
+        """Scores ``[R, Hkv, n]`` float32 for every head of the layer (padding: ``-inf``)."""
+
+    def attention(self, inputs: LayerInputs) -> torch.Tensor:
+        """The estimate ``a_j [R, Hkv, n]`` of the attention future queries pay each token."""
+        raise TypeError(
+            f"{self!r} gives no attention estimate (moment-informed eviction needs one: expected_attention or snapkv)"
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

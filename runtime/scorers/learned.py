@@ -1,0 +1,36 @@
+"""The artifact's learned scorer: a per-head linear map of a token's pre-RoPE key and value."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Scorer
+from .helpers import masked, unrotate
+from .inputs import KeyRope, LayerInputs, LearnedWeights
+
+
+class LearnedScorer(Scorer):
+    """The artifact's learned scorer: a per-head linear map from a token's pre-RoPE key and value
+    to the log of its KVzip reconstruction importance (fitted by ``profile-model``'s
+    ``learned-scorer`` stage; "KVzip: Query-Agnostic KV Cache Compression with Context
+    Reconstruction", arXiv 2505.23416, distilled as in "KVzap", arXiv 2601.07891).
+
+    ``score = [unrotate(k), v] . w + b``: one small matmul per head, no extra forward pass.
+    Scores predict log attention weights, so they are comparable across heads.
+    """
+
+    name = "learned"
+    comparable = True
+
+    @property
+    def needs(self):
+        return (KeyRope(), LearnedWeights())
+
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
+        keys = inputs.keys.float()  # [R, Hkv, n, d]
+        cos, sin = inputs[KeyRope()]  # [R, Hkv, n, d]
+        weights, bias = inputs[LearnedWeights()]  # [Hkv, 2d], [Hkv]
+        pre_rope = unrotate(keys, cos.float().to(keys.device), sin.float().to(keys.device))
+        features = torch.cat([pre_rope, inputs.values.float()], dim=-1)  # [R, Hkv, n, 2d]
+        scores = torch.einsum("rhnf,hf->rhn", features, weights.float().to(keys.device))
+        return masked(scores + bias.float().to(keys.device)[:, None], inputs.valid)

@@ -1,0 +1,234 @@
+"""Small providers: each supplies one kind of :class:`~runtime.scorers.inputs.Need`, for the runtime
+(:mod:`runtime.eviction`, from the cache, the calibration and the prompt's statistics) and the
+profiler's stages (from a captured forward pass) alike.
+
+:class:`ScorerInputs` is built once per scorer and source (it checks and loads what the needs
+read, e.g. the artifact's arrays); :meth:`ScorerInputs.layer` then builds each call's
+:class:`~runtime.scorers.inputs.LayerInputs`.  A new kind of input is a need class in
+:mod:`runtime.scorers.inputs`, a provider here, and its line in :data:`PROVIDERS`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..rope import averaged_rope, rope_cos_sin
+from .inputs import (
+    AveragedRope,
+    KeyRope,
+    LayerInputs,
+    LearnedWeights,
+    QueryCentres,
+    QueryStatistics,
+    RecentQueries,
+)
+
+
+def _artifact_array(calibration, field: str, what: str) -> torch.Tensor:
+    value = getattr(calibration, field, None) if calibration is not None else None
+    if value is None:
+        raise ValueError(f"{what}: no calibration artifact holds them (load one with runtime.load_calibration)")
+    return torch.from_numpy(np.asarray(value, dtype=np.float32))
+
+
+class QueryStatisticsProvider:
+    """``(mean [R, Hkv, G, d], cov [R, Hkv, G, d, d])``: the artifact's (``calibrated``: ``query_stats``,
+    ``future``: ``future_queries``) or the prompt's own, per statistics row (``stats_rows``)."""
+
+    def __init__(self, need: QueryStatistics, scorer, geometry, calibration=None, prompt_stats=None, **_):
+        self.geometry, self.prompt_stats, self.per_row, self.artifact = geometry, prompt_stats, {}, None
+        if need.kind == "prompt":
+            if prompt_stats is None:
+                raise ValueError(f"{scorer!r} needs the prompt's query statistics: prefill with policy=... first")
+            return
+        identity = calibration.identity
+        if (identity.num_layers, identity.num_q_heads) != (geometry.num_layers, geometry.num_q_heads):
+            raise ValueError("calibration statistics do not match the model's layers / query heads")
+        future = need.kind == "future"  # the future_queries section's, else query_stats'
+        self.artifact = (
+            torch.from_numpy(np.asarray(calibration.future_mean if future else calibration.query_mean)),
+            torch.from_numpy(np.asarray(calibration.future_cov if future else calibration.query_cov)),
+        )  # [L, Hq, d], [L, Hq, d, d]
+
+    def _of_row(self, row: int):
+        if self.artifact is not None:
+            return self.artifact
+        if row not in self.per_row:
+            self.per_row[row] = self.prompt_stats.mean_cov(row)
+        return self.per_row[row]
+
+    def __call__(self, inputs: LayerInputs, *, stats_rows, **_):
+        stats = [self._of_row(r) for r in stats_rows]
+        shape = (self.geometry.num_kv_heads, self.geometry.group_size)
+        mean = torch.stack([mean[inputs.layer].reshape(*shape, -1) for mean, _ in stats])
+        cov = torch.stack([cov[inputs.layer].reshape(*shape, *cov.shape[-2:]) for _, cov in stats])
+        return mean, cov
+
+
+class AveragedRopeProvider:
+    """``(cos [R, d], sin [R, d])``: RoPE averaged over the horizon from each row's next position
+    (the last call's positions are remembered: decoding asks for the same ones layer after layer)."""
+
+    def __init__(self, need: AveragedRope, scorer, geometry, **_):
+        self.horizon, self.geometry, self.memo = need.horizon, geometry, {}
+
+    def __call__(self, inputs: LayerInputs, **_):
+        memo = {p: self.memo.get(p) or averaged_rope(self.geometry, p, self.horizon) for p in inputs.next_positions}
+        self.memo = memo
+        pairs = [memo[p] for p in inputs.next_positions]
+        return torch.stack([cos for cos, _ in pairs]), torch.stack([sin for _, sin in pairs])
+
+
+class RecentQueriesProvider:
+    """``(queries [R, Hkv, G, w, d] float32, positions int64 [R, w])`` from each row's recorded
+    post-RoPE prompt queries ``queries[r] [Hq, w_r, d]`` (the last ``w_r`` before its next position),
+    the last ``window`` of them right-aligned to the longest (``-1``: no query there)."""
+
+    def __init__(self, need: RecentQueries, scorer, geometry, **_):
+        self.need, self.scorer = need, scorer
+
+    def __call__(self, inputs: LayerInputs, *, queries, **_):
+        rows, heads, _, dim = inputs.keys.shape
+        window = self.need.window
+        for recorded, position in zip(queries, inputs.next_positions, strict=True):
+            if recorded is None or recorded.shape[1] < min(window, int(position)):
+                have = 0 if recorded is None else recorded.shape[1]
+                raise ValueError(
+                    f"{self.scorer!r} needs {self.need.describe()}, only {have} were recorded: prefill with "
+                    "policy=... (or observe_queries=...) for this scorer"
+                )
+        kept = [recorded[:, -window:] for recorded in queries]  # [Hq, w_r, d]
+        device = inputs.keys.device
+        width = max(q.shape[1] for q in kept)
+        group = kept[0].shape[0] // heads
+        padded = torch.zeros(rows, heads, group, width, dim, device=device)
+        positions = torch.full((rows, width), -1, dtype=torch.int64, device=device)
+        for r, recorded in enumerate(kept):
+            w = recorded.shape[1]
+            padded[r, :, :, width - w :] = recorded.float().to(device).reshape(heads, group, w, dim)
+            positions[r, width - w :] = int(inputs.next_positions[r]) - w + torch.arange(w, device=device)
+        return padded, positions
+
+
+class KeyRopeProvider:
+    """``(cos, sin) [R, Hkv, n, d]`` at every key's position; the heads of a freshly prefilled prompt
+    share their positions, so the last result is reused while the positions are the same."""
+
+    def __init__(self, need: KeyRope, scorer, geometry, **_):
+        self.geometry, self.memo = geometry, None
+
+    def __call__(self, inputs: LayerInputs, **_):
+        positions = inputs.positions.reshape(-1)
+        memo = self.memo
+        if memo is None or memo[0].shape != positions.shape or not torch.equal(memo[0], positions):
+            memo = self.memo = (positions.clone(), *rope_cos_sin(self.geometry, positions))
+        shape = (*inputs.positions.shape, -1)
+        return memo[1].reshape(shape).to(inputs.keys.device), memo[2].reshape(shape).to(inputs.keys.device)
+
+
+class LearnedWeightsProvider:
+    """``(weights [Hkv, 2d], bias [Hkv])`` float32 of the layer: ``learned`` (``(weights [L, Hkv, 2d],
+    bias [L, Hkv])``, the profiler's) or the calibration's ``learned_scorer`` section."""
+
+    def __init__(self, need: LearnedWeights, scorer, geometry, calibration=None, learned=None, **_):
+        if learned is None:
+            what = f"{scorer!r} needs the artifact's learned_scorer weights"
+            learned = (
+                _artifact_array(calibration, "scorer_weights", what),
+                _artifact_array(calibration, "scorer_bias", what),
+            )
+        weights, bias = (torch.as_tensor(np.asarray(part), dtype=torch.float32) for part in learned)
+        shape = (geometry.num_layers, geometry.num_kv_heads)
+        if tuple(weights.shape) != (*shape, 2 * geometry.head_dim) or tuple(bias.shape) != shape:
+            raise ValueError(
+                f"learned scorer weights of shape {tuple(weights.shape)} (bias {tuple(bias.shape)}) do not fit the "
+                f"model ({shape[0]} layers, {shape[1]} KV heads, d={geometry.head_dim})"
+            )
+        self.weights, self.bias = weights, bias
+
+    def __call__(self, inputs: LayerInputs, **_):
+        return self.weights[inputs.layer], self.bias[inputs.layer]
+
+
+class QueryCentresProvider:
+    """``(centres [Hkv, G, K, d], weights [Hkv, G, K])``: the artifact's future-query centres of the layer."""
+
+    def __init__(self, need: QueryCentres, scorer, geometry, calibration=None, **_):
+        what = f"{scorer!r} needs {need.describe()}"
+        centres = _artifact_array(calibration, "future_centres", what)  # [L, Hq, K, d]
+        weights = _artifact_array(calibration, "future_centre_weights", what)  # [L, Hq, K]
+        layers, heads, group = geometry.num_layers, geometry.num_q_heads, geometry.group_size
+        if tuple(centres.shape[:2]) != (layers, heads) or centres.shape[-1] != geometry.head_dim:
+            raise ValueError(
+                f"future-query centres of shape {tuple(centres.shape)} do not fit the model ({layers} "
+                f"layers, {heads} query heads, d={geometry.head_dim})"
+            )
+        k = centres.shape[2]
+        self.centres = centres.reshape(layers, geometry.num_kv_heads, group, k, -1)
+        self.weights = weights.reshape(layers, geometry.num_kv_heads, group, k)
+
+    def __call__(self, inputs: LayerInputs, **_):
+        return self.centres[inputs.layer], self.weights[inputs.layer]
+
+
+PROVIDERS = {
+    QueryStatistics: QueryStatisticsProvider,
+    AveragedRope: AveragedRopeProvider,
+    RecentQueries: RecentQueriesProvider,
+    KeyRope: KeyRopeProvider,
+    LearnedWeights: LearnedWeightsProvider,
+    QueryCentres: QueryCentresProvider,
+}
+
+
+class ScorerInputs:
+    """Builds ``scorer``'s :class:`LayerInputs`: the base every scorer sees, plus what its needs ask,
+    each from its provider.  Sources: the model's ``geometry``, and, as the needs require, the
+    ``calibration`` artifact, the prompt's statistics ``prompt_stats``
+    (:class:`~runtime.query_moments.QueryMoments`) and ``learned`` weights (else the artifact's)."""
+
+    def __init__(self, scorer, geometry, *, calibration=None, prompt_stats=None, learned=None):
+        self.scorer, self.geometry = scorer, geometry
+        self.providers = [
+            (
+                need,
+                PROVIDERS[type(need)](
+                    need, scorer, geometry, calibration=calibration, prompt_stats=prompt_stats, learned=learned
+                ),
+            )
+            for need in scorer.needs
+        ]
+
+    def layer(
+        self,
+        layer: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        lengths: torch.Tensor,
+        next_positions,
+        *,
+        queries=None,
+        stats_rows=None,
+        scaling: float | None = None,
+    ) -> LayerInputs:
+        """The inputs of ``R`` rows of layer ``layer``: ``keys, values [R, Hkv, n, d]`` (post-RoPE,
+        padding zero), ``positions`` int64 / ``valid`` bool ``[R, Hkv, n]``, ``lengths [R, Hkv]``,
+        ``next_positions [R]``; ``queries [R]``: each row's recorded prompt queries ``[Hq, w, d]``
+        (for :class:`RecentQueries`); ``stats_rows [R]``: each row's row in the prompt statistics;
+        ``scaling``: the attention scale (default: the model's for the layer)."""
+        inputs = LayerInputs(
+            layer=layer,
+            keys=keys,
+            values=values,
+            positions=positions,
+            valid=valid,
+            lengths=lengths,
+            scaling=self.geometry.scalings[layer] if scaling is None else scaling,
+            next_positions=[int(p) for p in next_positions],
+        )
+        for need, provider in self.providers:
+            inputs.supplied[need] = provider(inputs, queries=queries, stats_rows=stats_rows)
+        return inputs
