@@ -25,10 +25,8 @@ class ExpectedAttentionScorer(Scorer):
     name = "expected_attention"
     yields_attention = True
     # kvpress's ExpectedAttentionPress adds 1e-2: a token whose expected attention is below it is then
-    # ranked by its value norm, instead of by an estimate of attention no query will pay.  Measured
-    # (benchmarks/runtime_quality.py, embedded model, 18 unseen retrieval + multi_key probes, seed
-    # 1000, uniform budgets, calibrated and prompt statistics alike): 0.39 [0.20, 0.61] / 0.06 / 0.00
-    # evicting 50 / 75 / 90% with 1e-2, against 0.00 [0.00, 0.18] at every ratio with 0.
+    # ranked by its value norm, instead of by an estimate of attention no query will pay.  With 0 it
+    # kept no probe at any ratio (docs/results.md R-ea-epsilon-2026-11-22).
     DEFAULT_EPSILON = 1e-2
 
     def __init__(

@@ -40,10 +40,8 @@ class LeverageScorer(Scorer):
     sketch is seeded (kvpress draws a new one per call), and a short last chunk attends over
     its real keys only (kvpress pads it with zero keys that stay in the softmax).
 
-    Measured on the embedded model (benchmarks/runtime_quality.py, 18 retrieval/multi_key
-    probes, uniform budgets, evicting 50/75/90%): undoing RoPE matters (post-RoPE leverage
-    0.72/0.50/0.39 vs 0.83/0.83/0.67), the sketch does not (exact: same accuracy), leverage
-    alone keeps 0.78/0.72/0.61 and the chunked attention alone 0.61/0.33/0.00.
+    Undoing RoPE matters, the sketch does not, and the blend beats either part alone
+    (docs/results.md R-leverage-ablations-2026-11-22).
     """
 
     name = "leverage"

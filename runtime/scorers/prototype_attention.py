@@ -29,13 +29,9 @@ class PrototypeAttentionScorer(Scorer):
     yields_attention = True
     REDUCTIONS = ("max", "mean")
 
-    # Defaults measured (benchmarks/runtime_quality.py, embedded model, 18 unseen retrieval + multi_key
-    # probes of seed 1000, uniform budgets, 4 centres; accuracy evicting 50 / 75 / 90%):
-    #   horizon 512, group mean 0.50 / 0.33 / 0.28;  group max 0.61 / 0.39 / 0.28;  centres mean 0.56 / 0.44 / 0.28
-    #   horizon 64 (the ~40 tokens a question and answer span), group max 0.72 / 0.39 / 0.28
-    #   epsilon 1e-2 (EA's default): 0.39 / 0.06 / 0.00, as EA itself: the value norm then decides
-    #   8 centres: 0.72 / 0.44 / 0.22 (the stage's --query-centres; 4 is its default)
-    # KeyDiff on the same probes: 0.67 / 0.50 / 0.28.
+    # Defaults (horizon 64: the ~40 tokens a question and answer span; max over the group and the
+    # centres; epsilon 0) chosen on the tuning probes: docs/results.md R-prototype-defaults-2026-11-22,
+    # and for the number of centres R-future-centres-2026-11-22.
     def __init__(
         self, horizon: int = 64, epsilon: float = 0.0, centres: str = "max", group: str = "max", pool: int = 1
     ):
