@@ -302,7 +302,7 @@ def _load_embedded(env: dict, count: int = 1) -> list[subprocess.CompletedProces
                     )
                 )
         results = []
-        for proc, (out, err) in zip(procs, logs):
+        for proc, (out, err) in zip(procs, logs, strict=True):
             proc.wait(timeout=600)
             results.append(
                 subprocess.CompletedProcess(
