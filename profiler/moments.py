@@ -56,6 +56,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from profiler.selections import MOMENTS_SELECTIONS as SELECTION_SCORERS
 from runtime.attention import attention_implementation
 from runtime.budgets import global_budgets
 from runtime.geometry import ModelGeometry
@@ -65,7 +66,6 @@ from runtime.scorers import HeadContext, KeyDiffScorer, LearnedScorer, Scorer, S
 from runtime.selection import protected_mask, select_rows
 
 CALIBRATION_ATTENTION = "kvcal_moments_calibration"
-SELECTION_SCORERS = ("snapkv", "keydiff", "learned")
 
 
 def selection_scorer(scorer: str | Scorer, observation_window: int) -> Scorer:
