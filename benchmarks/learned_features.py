@@ -14,7 +14,7 @@ needle-retrieval accuracy after question-agnostic compression.
    the quick profile's ``learned-scorer`` stage (the artifact's config: ``num_samples`` windows of
    ``sample_tokens`` tokens from the built-in calibration text, profiling seed; the last
    ``max(1, N // 5)`` windows held out; per head, the ridge strength of
-   :data:`profiler.scorer_fitting.RIDGE_GRID` with the best held-out rank correlation).  The
+   :data:`profiler.learned_scorer.RIDGE_GRID` with the best held-out rank correlation).  The
    ``kv`` weights come from the stage class itself (:class:`LearnedScorerStage` driven through
    a minimal job) and are compared with the artifact's ``learned_scorer`` section; the
    ``hidden`` weights from the same teacher passes (``record_window(..., hidden=True)``), with
@@ -52,7 +52,6 @@ import json
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -81,25 +80,33 @@ ROWS = {  # row -> (scorer kind, extra policy fields); allocation is "global" th
 # -- 1. fitting ---------------------------------------------------------------------------------------
 
 
-def _stage_job(model, tokenizer, windows):
-    """What :class:`profiler.stages.learned_scorer.LearnedScorerStage` reads of a ProfileJob
-    (one process, no probes)."""
-    job = SimpleNamespace(
+def _stage_context(model, tokenizer, num_samples: int, sample_tokens: int, seed: int):
+    """The :class:`profiler.stages.StageContext` a one-process ``--stages learned-scorer`` job with
+    these calibration settings gives the stage (no probes)."""
+    from profiler.distributed import ProcessInfo
+    from profiler.presets import PRESETS
+    from profiler.stages import StageContext, resolve_settings
+
+    given = {"calib_samples": num_samples, "calib_tokens": sample_tokens, "seed": seed}
+    return StageContext(
+        preset_name="quick",
+        preset=PRESETS["quick"],
+        settings=resolve_settings(given, PRESETS["quick"], ("learned-scorer",)),
+        stage_names=("learned-scorer",),
         model=model,
         tokenizer=tokenizer,
-        windows=windows,
-        calib_samples=int(windows.shape[0]),
         geometry=ModelGeometry.of(model),
-        info=SimpleNamespace(distributed=False, is_main=True, shard=lambda n: list(range(n))),
-        say=print,
+        identity=None,  # read only for probes
+        out=Path("not-written.h5"),
+        existing_sections=frozenset(),
+        info=ProcessInfo(rank=0, world_size=1, device=torch.device("cpu")),
+        progress=False,
     )
-    job.setting = lambda name, default=None: default
-    return job
 
 
 def _per_ridge(sums, held_features, teacher, kind):
     """Mean / min held-out (R^2, rank correlation) over heads for each ridge strength (scorer_fit.py's view)."""
-    from profiler.scorer_fitting import RIDGE_GRID, predict, r_squared, spearman
+    from profiler.learned_scorer import RIDGE_GRID, predict, r_squared, spearman
 
     layers, heads = teacher.shape[:2]
     out = {}
@@ -117,15 +124,13 @@ def _per_ridge(sums, held_features, teacher, kind):
 
 def fit_both(model, tokenizer, num_samples: int, sample_tokens: int, seed: int) -> dict:
     """Ridge weights of both feature sets on the learned-scorer stage's windows (see the module docstring)."""
-    from profiler.calibration_text import calibration_windows
-    from profiler.job import _digest
-    from profiler.scorer_fitting import RIDGE_GRID, RidgeSums, predict, r_squared, record_window, spearman
+    from profiler.learned_scorer import RIDGE_GRID, RidgeSums, predict, r_squared, record_window, spearman
     from profiler.stages.learned_scorer import LearnedScorerStage
 
     started = time.perf_counter()
-    windows = calibration_windows(tokenizer, None, num_samples, sample_tokens, seed=seed)
-    stage = LearnedScorerStage(_stage_job(model, tokenizer, windows))
-    stage.prepare()
+    context = _stage_context(model, tokenizer, num_samples, sample_tokens, seed)
+    windows = context.windows  # the built-in calibration text
+    stage = LearnedScorerStage(context)
     geometry = ModelGeometry.of(model)
     layers, heads, dim = geometry.num_layers, geometry.num_kv_heads, model.config.hidden_size
     hidden_sums = [RidgeSums(1, dim, heads) for _ in range(layers)]
@@ -141,7 +146,7 @@ def fit_both(model, tokenizer, num_samples: int, sample_tokens: int, seed: int) 
         else:
             held_out.append(records)
     stage.reduce()
-    kv_section = stage.build({})  # the stage's held-out ridge selection (it re-records the held-out windows)
+    kv_section = stage.build({}, {})  # the stage's held-out ridge selection (it re-records the held-out windows)
 
     # hidden: the stage's selection (per head, the best held-out rank correlation over RIDGE_GRID)
     teacher = np.stack(
@@ -166,7 +171,7 @@ def fit_both(model, tokenizer, num_samples: int, sample_tokens: int, seed: int) 
                     best["bias"][layer, h] = solution[0, -1, h]
     stage_sums = stage.sums
     fit = {
-        "windows_sha256": np.array(_digest(windows.numpy().tobytes())),
+        "windows_sha256": np.array(context.windows_digest()),
         "fit_tokens": np.array(int(round(stage.sums[0].zz[0, -1, -1]))),
         "held_out_tokens": np.array(int(teacher.shape[-1])),
         "kv_weights": kv_section.arrays["weights"],  # [L, Hkv, 2d]

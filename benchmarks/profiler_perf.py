@@ -31,7 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from profiler.behaviour_probe import run_probe  # noqa: E402
+from profiler.behaviour import run_probe  # noqa: E402
 from profiler.calibration_text import calibration_windows  # noqa: E402
 from profiler.greedy import greedy_generate  # noqa: E402
 from profiler.presets import PRESETS  # noqa: E402

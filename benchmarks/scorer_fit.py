@@ -3,7 +3,7 @@
     python benchmarks/scorer_fit.py [--windows 12] [--held-out 3] [--tokens 512] [--threads 1]
 
 On the embedded model and the profiler's built-in calibration text: the teacher
-(:func:`profiler.scorer_fitting.record_window`) on every window, ridge fits per (layer, KV
+(:func:`profiler.learned_scorer.record_window`) on every window, ridge fits per (layer, KV
 head) on the first windows for both feature sets (``kv``: pre-RoPE key and value; ``hidden``:
 the attention input), and on the held-out windows the R^2 and the rank correlation of
 prediction and teacher, for each ridge strength.  Also KeyDiff's rank correlation with the
@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from profiler.calibration_text import calibration_windows  # noqa: E402
-from profiler.scorer_fitting import (
+from profiler.learned_scorer import (
     RECONSTRUCTION_INSTRUCTION,
     RIDGE_GRID,
     RidgeSums,

@@ -1,30 +1,37 @@
 """profiler: the offline calibration job behind ``profile-model``.
 
 The job (:mod:`profiler.job`) loads the model once and runs the stages of
-:mod:`profiler.stages`, one module each, every one writing one artifact section; the stage
-modules hold the life cycle (settings, sharded work, reduction, the section) and call the
-method modules here:
+:mod:`profiler.stages`, one module each, every one writing one artifact section.  A stage
+module holds the life cycle (its options, the sections it reads, sharded work, reduction, the
+section) and reads its inputs from a frozen :class:`profiler.stages.StageContext`; its method
+is the module of the same name here (stage ``budget-curves``: ``profiler/stages/budget_curves.py``
+and ``profiler/budget_curves.py``):
 
-* ``behaviour`` (:mod:`profiler.stages.behaviour`) - REAL's attention-behaviour scores
-  ("REtrieval-reAsoning and Logic-constructed Attention Behaviors for Long-Context KV Cache
-  Compression", Eq. 1-3): :mod:`profiler.behaviour_probe` greedy-decodes one probe while
-  :mod:`profiler.attention_capture` records each (layer, query head)'s dominant context token;
-  :mod:`profiler.behaviour_scores` turns the records into ``W_R, W_B, W_D, W_W``, RAsc, LCsc,
-  INFsc; probes come from :mod:`profiler.probe_source`.
-* ``query-stats`` (:mod:`profiler.stages.query_stats`) - Expected Attention statistics
-  ("Expected Attention: KV Cache Compression by Estimating Attention from Future Queries
-  Distribution", arXiv 2510.00636): ``runtime.query_moments.QueryMoments`` sums pre-RoPE
-  queries of the windows of :mod:`profiler.calibration_text`.
-* ``budgets`` (:mod:`profiler.stages.budgets`) - per-KV-head budget tables,
-  :mod:`profiler.budget_tables`, through ``runtime.budgets`` (never re-implemented here).
-* ``moments`` (:mod:`profiler.stages.moments`) - the MomentKV correction order per KV head
-  ("MomentKV: Closing the Directional Gap in KV Cache Eviction for Long-Context Inference"):
-  :mod:`profiler.moments_calibration`.
-* ``learned-scorer`` (:mod:`profiler.stages.learned_scorer`) - a per-head token scorer
-  distilled from KVzip's reconstruction importance (arXiv 2505.23416):
-  :mod:`profiler.scorer_fitting`.
+* ``behaviour`` - REAL's attention-behaviour scores ("REtrieval-reAsoning and
+  Logic-constructed Attention Behaviors for Long-Context KV Cache Compression", Eq. 1-3):
+  :mod:`profiler.behaviour` greedy-decodes one probe while :mod:`profiler.attention_capture`
+  records each (layer, query head)'s dominant context token, and turns the records into
+  ``W_R, W_B, W_D, W_W``, RAsc, LCsc, INFsc; probes come from :mod:`profiler.probe_source`.
+* ``query-stats`` - Expected Attention statistics ("Expected Attention: KV Cache Compression by
+  Estimating Attention from Future Queries Distribution", arXiv 2510.00636): the method is the
+  runtime's (``runtime.query_moments.QueryMoments`` sums pre-RoPE queries of the windows of
+  :mod:`profiler.calibration_text`), so there is no ``profiler/query_stats.py``.
+* ``future-queries`` - the same statistics of the queries after a probe's context, and k-means
+  centres of them: :mod:`profiler.future_queries`.
+* ``budgets`` - per-KV-head budget tables, :mod:`profiler.budgets`, through ``runtime.budgets``
+  (never re-implemented here).
+* ``budget-curves`` - per-head loss curves and per-ratio budgets by marginal utility (LU-KV,
+  arXiv 2602.08585): :mod:`profiler.budget_curves`.
+* ``learned-scorer`` - a per-head token scorer distilled from KVzip's reconstruction importance
+  (arXiv 2505.23416): :mod:`profiler.learned_scorer`.
+* ``moments`` - the MomentKV correction order per KV head ("MomentKV: Closing the Directional
+  Gap in KV Cache Eviction for Long-Context Inference"): :mod:`profiler.moments`.
+* ``recommendation`` - the best candidate policy per compression ratio on held-out needle
+  tasks: :mod:`profiler.recommendation` (which candidates the sections serve, the section), over
+  :mod:`profiler.evaluation` (shared with ``evaluate-artifact``).
 
-Around them: :mod:`profiler.checkpoint` (atomic resume work file), :mod:`profiler.distributed`
+Around them: :mod:`profiler.options` (a setting declared once: its parser argument and its
+check), :mod:`profiler.checkpoint` (atomic resume work file), :mod:`profiler.distributed`
 (``accelerate`` / ``torchrun`` sharding and exact reduction), :mod:`profiler.presets`,
 :mod:`profiler.cli`; ``evaluate-artifact`` is :mod:`profiler.evaluate_cli` over
 :mod:`profiler.evaluation`.  What a model must provide is checked by

@@ -2,7 +2,7 @@
 
 The behaviour stage needs, at every generated token and for every (layer, query head), the
 attention distribution of that single query over the *context* (the prompt tokens), and in
-fact only its maximum and argmax (:mod:`profiler.behaviour_scores`).  Materialising prefill
+fact only its maximum and argmax (:mod:`profiler.behaviour`).  Materialising prefill
 attention matrices would cost ``O(prompt^2)`` memory; instead:
 
 * a custom attention function, built around one :class:`DecodeAttentionRecorder` (passed by

@@ -8,7 +8,7 @@ losses, under one token selection (``selection``: KeyDiff by default, the scorer
 ``inf/keydiff``; the serving engine's rule: the first ``n_sink`` and last ``window`` tokens,
 then the best-scored, ties to the newer token: :func:`runtime.selection.priority_ranks`):
 
-* ``output_error[f]`` on calibration text (as :mod:`profiler.moments_calibration` measures it):
+* ``output_error[f]`` on calibration text (as :mod:`profiler.moments` measures it):
   each window ``[T]`` is split into a prefix of ``P = T - W`` tokens, compressed per KV head to
   ``round(f P)`` tokens, and the last ``W = query_window`` tokens, whose queries (every query
   head of the group) attend to the kept prefix plus the tail (causally); the relative error

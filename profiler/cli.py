@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 from artifacts.version import add_version_argument
-from profiler.arguments import comma_separated, non_negative_int, positive_int
+from profiler.arguments import comma_separated, positive_int
 from profiler.presets import PRESETS
 
 DESCRIPTION_HEAD = """\
@@ -32,9 +32,6 @@ PRESET_HELP = "; ".join(
     for name, p in PRESETS.items()
 )
 
-# argparse names that are the job's own options; every other one goes to JobOptions.settings
-JOB_OPTIONS = ("model", "out", "force", "preset", "stages", "resume", "checkpoint_every", "device_map", "no_progress")
-
 
 def _description() -> str:
     from profiler.stages import STAGES
@@ -48,7 +45,9 @@ def _description() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from profiler.stages import STAGE_NAMES, STAGES
+    """The job's own options here; the settings (JobOptions.settings) from the stages' declarations
+    (``profiler.stages.option_groups``)."""
+    from profiler.stages import STAGE_NAMES, STAGES, option_groups
 
     parser = argparse.ArgumentParser(
         prog="profile-model", description=_description(), formatter_class=argparse.RawDescriptionHelpFormatter
@@ -89,23 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
         "the same model at --out are kept",
     )
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run from its work file")
-    group = parser.add_argument_group("calibration text (query-stats and moments stages)")
-    group.add_argument(
-        "--calib-dataset",
-        default=None,
-        help="calibration text: local .txt/.md/.jsonl/.json files or directories (comma-separated), "
-        "or a datasets name[:config] (default: needles' built-in prose haystack)",
-    )
-    group.add_argument("--calib-split", default=None, help="datasets split (default: train)")
-    group.add_argument("--calib-field", default=None, help="text field of JSON records / datasets rows (default: text)")
-    group.add_argument("--calib-samples", type=positive_int, default=None, help="number of calibration windows")
-    group.add_argument("--calib-tokens", type=positive_int, default=None, help="tokens per calibration window")
-    group.add_argument(
-        "--n-sink", type=non_negative_int, default=None, help="leading tokens of each window left out (default 4)"
-    )
-    group.add_argument("--seed", type=int, default=None, help="seed of the built-in calibration text (default 0)")
-    for stage in STAGES:
-        stage.add_arguments(parser)
+    for title, options in option_groups():
+        group = parser.add_argument_group(title)
+        for option in options:
+            option.add_to(group)
     group = parser.add_argument_group("execution")
     group.add_argument(
         "--device-map",
@@ -134,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     from profiler.checkpoint import WorkFileMismatch
     from profiler.distributed import relaunch_with_torchrun, requested_cpu_processes
     from profiler.job import JobInterrupted, JobOptions, run_job
+    from profiler.stages import settings_options
     from runtime.models import ModelError, use_progress_bars
 
     workers = requested_cpu_processes()
@@ -142,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
         # gloo workers ourselves (see profiler.distributed).
         print(f"profile-model: starting {workers} CPU worker processes (gloo)", file=sys.stderr)
         return relaunch_with_torchrun(workers, list(sys.argv[1:] if argv is None else argv))
-    arguments = vars(args)
     options = JobOptions(
         model=args.model,
         out=args.out,
@@ -153,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint_every=args.checkpoint_every,
         device_map=args.device_map,
         progress=use_progress_bars(args.no_progress),
-        settings={name: value for name, value in arguments.items() if name not in JOB_OPTIONS},
+        settings={option.dest: getattr(args, option.dest) for option in settings_options()},
     )
     previous_handler = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # `kill` stops like Ctrl-C
     try:

@@ -198,7 +198,7 @@ def write_recommendation(path, evaluation: dict, policies) -> None:
     from artifacts import Artifact, open_artifact, write_artifact
     from artifacts.atomic import output_lock
 
-    from .stages.recommendation import recommendation_section
+    from .recommendation import recommendation_section
 
     candidates = [spec.name for spec in policies if not spec.is_baseline and not spec.needs_reconstruction]
     tasks = evaluation["tasks"]

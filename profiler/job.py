@@ -11,11 +11,18 @@ each write one section.  The job does for all of them what none should do on its
   atomically, keeping the other sections of an existing artifact at the output path when it
   belongs to the same model (same weights, architecture and tokenizer fingerprints).
 
-What is at the output path is protected: every option is checked when the job is made (the
-stages' ``__init__``), the output path before the model loads (a directory, a device, an
-unwritable directory, or a file that is not a kvcal artifact, e.g. the weights, is refused),
-and, once the model is loaded and before any stage runs, an artifact of another model or one
-that does not validate is replaced only with ``force`` (``--force``).  The run holds an
+The stages never see the job: each gets one frozen :class:`profiler.stages.StageContext`
+(model, tokenizer, resolved settings, calibration text, probes, the kept sections, the process's
+place in the run) and is made only once it exists.
+
+What is at the output path is protected: every setting is checked when the job is made (each
+against its declared option, then the stages' ``check_settings``), the output path and the
+sections the stages read (``requires``: built earlier in the run, or in the artifact at the
+output path) before the model loads (a directory, a device, an unwritable directory, or a
+file that is not a kvcal artifact, e.g. the weights, is refused), and, once the model is
+loaded and before any stage runs, an artifact of another model or one that does not validate
+is replaced only with ``force`` (``--force``); the sections are checked again against what is
+then kept.  The run holds an
 exclusive lock on ``<out>.lock`` (each process of a multi-process run its own,
 ``artifacts.atomic.output_lock``), so a second run on the same output is refused instead of
 discarding the first one's work file.
@@ -31,10 +38,8 @@ of work, keeps its own work file, and at the end the sums are all-reduced
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +51,21 @@ from artifacts.atomic import OutputError, check_output_path, output_lock
 from artifacts.reader import is_artifact_file
 from artifacts.schema import canonical_json
 from profiler import distributed
-from profiler.calibration_text import calibration_windows
 from profiler.checkpoint import interrupts_deferred, load_work, remove_work, save_work, work_file_path
 from profiler.presets import PRESETS
-from profiler.stages import STAGE_NAMES, STAGES, Stage, default_stages
+from profiler.stages import (
+    STAGE_NAMES,
+    STAGES,
+    Stage,
+    StageContext,
+    check_requirements,
+    default_stages,
+    resolve_settings,
+)
 from profiler.stages.base import ShardedStage
+from profiler.stages.context import digest
 from runtime.calibration import default_artifact_path
 from runtime.geometry import ModelGeometry
-
-CALIBRATION_SOURCE_DEFAULT = "needles prose haystack"
 
 
 class JobInterrupted(Exception):
@@ -76,8 +87,9 @@ class JobOptions:
     checkpoint_every: int = 4  # units of work (probes, batches) between work-file writes
     device_map: str | None = None
     progress: bool = True
-    # The stages' and the calibration text's options by argparse name (e.g. "max_new_tokens",
-    # "calib_samples"); a missing or None value means the preset's / the stage's default.
+    # The settings of the stages and of their shared inputs by name (an Option's ``dest``, e.g.
+    # "max_new_tokens", "calib_samples"; profiler.stages.settings_options()); a missing or None
+    # value means the default (often the preset's).  An unknown name is refused.
     settings: dict[str, Any] = field(default_factory=dict)
     log: object = field(default=print, repr=False)
 
@@ -87,14 +99,6 @@ def default_output(model_source: str) -> Path:
     (``$XDG_CACHE_HOME/kvcal/artifacts/<org>--<name>/`` for a hub id), where ``load_calibration``
     looks for it too (``runtime.calibration.default_artifact_path``)."""
     return default_artifact_path(model_source)
-
-
-def _digest(*parts) -> str:
-    sha = hashlib.sha256()
-    for part in parts:
-        sha.update(part if isinstance(part, bytes) else str(part).encode())
-        sha.update(b"\0")
-    return sha.hexdigest()
 
 
 class ProfileJob:
@@ -112,22 +116,10 @@ class ProfileJob:
         self.options = options
         self.preset = PRESETS[options.preset]
         self.log = options.log
-        # None means the preset's; 0 is refused (it used to mean the preset's, silently)
-        self.calib_samples = self.setting("calib_samples", self.preset.calib_samples)
-        self.calib_tokens = self.setting("calib_tokens", self.preset.calib_tokens)
-        self.n_sink = self.setting("n_sink", self.preset.n_sink)
-        if self.calib_samples < 1 or self.calib_tokens < 1 or self.n_sink < 0:
-            raise ValueError("calibration samples and tokens must be >= 1 and n_sink >= 0")
-        if self.n_sink >= self.calib_tokens:
-            raise ValueError(f"n_sink ({self.n_sink}) must be smaller than the window ({self.calib_tokens} tokens)")
         self.stage_names = tuple(s for s in STAGE_NAMES if s in chosen)  # canonical order
-        self.stages: list[Stage] = [stage(self) for stage in STAGES if stage.name in self.stage_names]
-        self.sharded: list[ShardedStage] = [stage for stage in self.stages if isinstance(stage, ShardedStage)]
+        self.settings = resolve_settings(options.settings, self.preset, self.stage_names)
+        self.stage_classes: list[type[Stage]] = [stage for stage in STAGES if stage.name in self.stage_names]
         self.info = distributed.process_info()
-
-    def setting(self, name: str, default=None):
-        value = self.options.settings.get(name)
-        return default if value is None else value
 
     def say(self, message: str) -> None:
         if self.info.is_main:
@@ -153,43 +145,23 @@ class ProfileJob:
             f"d={self.geometry.head_dim}) loaded in {time.perf_counter() - started:.1f} s; output: {self.out}"
         )
 
-    @cached_property
-    def windows(self) -> torch.Tensor:
-        """Calibration text as token windows ``[N, T]`` int64 (loaded on first use)."""
-        return calibration_windows(
-            self.tokenizer,
-            self.setting("calib_dataset"),
-            self.calib_samples,
-            self.calib_tokens,
-            seed=self.setting("seed", 0),
-            split=self.setting("calib_split", "train"),
-            field=self.setting("calib_field", "text"),
+    def context(self, kept: set[str]) -> StageContext:
+        """What the stages read (the model loaded; ``kept``: the sections kept from the artifact at the output)."""
+        return StageContext(
+            preset_name=self.options.preset,
+            preset=self.preset,
+            settings=self.settings,
+            stage_names=self.stage_names,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            geometry=self.geometry,
+            identity=self.identity,
+            out=self.out,
+            existing_sections=frozenset(kept),
+            info=self.info,
+            progress=self.options.progress,
+            log=self.log,
         )
-
-    def windows_digest(self) -> str:
-        return _digest(self.windows.numpy().tobytes())
-
-    def probes(self):
-        """The needle probes the probe stages share (behaviour, future-queries, learned-scorer,
-        budget-curves): ``--probes`` (a JSON-lines file) or the preset's, built lazily
-        (:class:`profiler.probe_source.ProbeSet`)."""
-        from profiler.probe_source import file_probes, preset_probes
-
-        probes_file = self.setting("probes_file")
-        if probes_file:
-            return file_probes(probes_file)
-        return preset_probes(
-            self.preset.probes, self.tokenizer, self.identity.tokenizer_fingerprint, dict(self.preset.probe_overrides)
-        )
-
-    def calibration_config(self) -> dict:
-        dataset = self.setting("calib_dataset")
-        return {
-            "source": dataset or CALIBRATION_SOURCE_DEFAULT,
-            "split": self.setting("calib_split", "train") if dataset else None,
-            "num_samples": self.calib_samples,
-            "sample_tokens": self.calib_tokens,
-        }
 
     def config(self) -> dict:
         """The JSON-able job configuration recorded in the artifact (one entry per section)."""
@@ -198,7 +170,7 @@ class ProfileJob:
                 "preset": self.options.preset,
                 "stages": list(self.stage_names),
                 "processes": self.info.world_size,
-                "seed": self.setting("seed", 0),
+                "seed": self.settings["seed"],
             }
         }
         for stage in self.stages:
@@ -222,14 +194,15 @@ class ProfileJob:
             return self._run_locked()
 
     def _run_locked(self) -> Path:
+        check_requirements(self.stage_names, self.settings, self._sections_at_output(), self.out)
         self.load()
-        existing = self._replaceable_sections()
-        for stage in self.stages:
-            stage.prepare()
-        for stage in self.stages:
-            stage.check(existing)
+        kept = self._replaceable_sections()
+        check_requirements(self.stage_names, self.settings, kept, self.out)  # --force may have dropped some
+        context = self.context(kept)
+        self.stages: list[Stage] = [stage(context) for stage in self.stage_classes]
+        self.sharded: list[ShardedStage] = [stage for stage in self.stages if isinstance(stage, ShardedStage)]
         config = self.config()
-        self._fingerprint = _digest(  # the checkpointed work only: see the module docstring
+        self._fingerprint = digest(  # the checkpointed work only: see the module docstring
             canonical_json({stage.section: config[stage.section] for stage in self.sharded}),
             self.identity.weights_fingerprint,
             self.identity.arch_fingerprint,
@@ -316,6 +289,17 @@ class ProfileJob:
         stage.seconds = time.perf_counter() - started
 
     # -- the artifact ----------------------------------------------------------------------------
+    def _sections_at_output(self) -> set[str]:
+        """The sections of the artifact at the output path, whatever its model (before the model loads:
+        which are kept is known only once it is, :meth:`_replaceable_sections`)."""
+        if not self.out.exists():
+            return set()
+        try:
+            with open_artifact(self.out) as reader:
+                return set(reader.sections)
+        except ArtifactError:
+            return set()
+
     def _same_model(self, reader) -> bool:
         model, identity = reader.model, self.identity
         return (
@@ -367,7 +351,7 @@ class ProfileJob:
         existing, old_config = self._existing()
         available, built = dict(existing), {}
         for stage in self.stages:
-            built[stage.section] = available[stage.section] = stage.build(available)
+            built[stage.section] = available[stage.section] = stage.build(available, config)
         kept = {name: section for name, section in existing.items() if name not in built}
         if kept:
             self.log(f"keeping section(s) {', '.join(sorted(kept))} of the existing {self.out}")

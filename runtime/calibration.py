@@ -225,7 +225,7 @@ class Calibration:
 
 
 # the selections profile-model's moments stage calibrates orders under (--moments-selection;
-# profiler.moments_calibration.SELECTION_SCORERS, spelled out: the runtime does not import the profiler)
+# profiler.selections.MOMENTS_SELECTIONS, spelled out: the runtime does not import the profiler)
 MOMENT_SELECTIONS = ("snapkv", "keydiff", "learned")
 
 

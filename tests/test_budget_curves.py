@@ -17,7 +17,6 @@ from profiler.budget_curves import (
     CURVE_GRID,
     CURVE_RATIOS,
     RETENTION_WEIGHT,
-    SELECTIONS,
     allocate_fractions,
     budgets_for,
     combined_loss,
@@ -219,14 +218,6 @@ def test_writer_refuses_a_section_that_breaks_its_relations(tmp_path, change, me
     change(artifact.sections["budget_curves"].arrays)
     with pytest.raises(ArtifactError, match=message):
         write_artifact(tmp_path / "bad.h5", artifact)
-
-
-def test_stage_constants_match_the_method_module():
-    from profiler.stages import budget_curves as stage
-
-    assert stage.CURVE_GRID == CURVE_GRID and stage.CURVE_RATIOS == CURVE_RATIOS
-    assert stage.CURVE_FLOOR == CURVE_FLOOR and stage.RETENTION_WEIGHT == RETENTION_WEIGHT
-    assert stage.SELECTIONS == SELECTIONS
 
 
 # -- measuring --------------------------------------------------------------------------------

@@ -41,9 +41,9 @@ def test_parsing_and_help_import_no_torch(module):
 
 
 def test_torch_free_copies_of_runtime_names_agree_with_the_runtime():
-    """The parsers spell out a few runtime names so that they need no torch; they must not drift."""
-    from profiler import evaluate_cli, moments_calibration
-    from profiler.stages import moments
+    """evaluate-artifact's parser spells out a few runtime names so that it needs no torch, and the
+    runtime its copy of the moments selections (it does not import the profiler); they must not drift."""
+    from profiler import evaluate_cli
     from runtime import calibration
     from runtime.policy import ALLOCATIONS, STATISTICS
     from runtime.scorers import SCORERS
@@ -51,7 +51,24 @@ def test_torch_free_copies_of_runtime_names_agree_with_the_runtime():
     assert evaluate_cli.ALLOCATIONS == ALLOCATIONS
     assert evaluate_cli.STATISTICS == STATISTICS
     assert evaluate_cli.SCORERS == tuple(SCORERS)
-    assert moments.SELECTION_SCORERS == moments_calibration.SELECTION_SCORERS == calibration.MOMENT_SELECTIONS
+    from profiler.selections import MOMENTS_SELECTIONS
+
+    assert MOMENTS_SELECTIONS == calibration.MOMENT_SELECTIONS
+
+
+def test_stage_options_take_their_names_from_the_method_modules_not_copies():
+    """profile-model's choices and defaults are the method modules' own objects (imported
+    torch-free), so there is nothing to keep in step."""
+    from profiler import budget_curves, moments, selections
+    from profiler.stages import settings_options
+
+    options = {option.dest: option for option in settings_options()}
+    assert moments.SELECTION_SCORERS is selections.MOMENTS_SELECTIONS
+    assert options["moments_selection"].kind.values is selections.MOMENTS_SELECTIONS
+    assert options["curve_selection"].kind.values is budget_curves.SELECTIONS
+    assert options["curve_compression_ratios"].default is budget_curves.CURVE_RATIOS
+    assert options["curve_floor"].default is budget_curves.CURVE_FLOOR
+    assert options["curve_retention_weight"].default is budget_curves.RETENTION_WEIGHT
 
 
 COMMANDS = {

@@ -1,4 +1,4 @@
-"""profiler.moments_calibration: shapes, an independent masked-attention reference (tiny Llama),
+"""profiler.moments: shapes, an independent masked-attention reference (tiny Llama),
 and the correction on the embedded model at 75% compression."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 
-from profiler.moments_calibration import measure_correction_errors
+from profiler.moments import measure_correction_errors
 from runtime.scorers import ExpectedAttentionScorer, KeyDiffScorer, SnapKVScorer
 
 

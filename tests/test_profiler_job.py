@@ -226,9 +226,11 @@ def test_moment_orders_are_calibrated_under_the_learned_selector_when_there_are_
 
 def test_cli_errors_are_clear(model_dir, tmp_path, capsys):
     assert main(_args(model_dir, tmp_path / "x.h5", "--stages", "budgets")) == 2
-    assert "needs INFsc" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "the budgets stage needs INFsc, from the section(s) behaviour" in captured.err
+    assert "loaded in" not in captured.out  # refused before the model loads
     assert main(_args(model_dir, tmp_path / "x.h5", "--stages", "moments", "--moments-selection", "learned")) == 2
-    assert "needs the learned_scorer section" in capsys.readouterr().err
+    assert "the moments stage needs the learned scorer's weights" in capsys.readouterr().err
     assert not (tmp_path / "x.h5").exists()
     assert main([str(tmp_path), "--out", str(tmp_path / "y.h5")]) == 2
     assert "not a model directory" in capsys.readouterr().err

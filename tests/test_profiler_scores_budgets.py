@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from profiler.behaviour_scores import behaviour_scores, dominant_totals, dominant_totals_from_attention
-from profiler.budget_tables import budget_tables
+from profiler.behaviour import behaviour_scores, dominant_totals, dominant_totals_from_attention
+from profiler.budgets import budget_tables
 
 # Context of 6 tokens: W R R B D W
 LABELS = np.array([0, 1, 1, 2, 3, 0], dtype=np.uint8)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from profiler.scorer_fitting import RidgeSums, reconstruction_importance, spearman
+from profiler.learned_scorer import RidgeSums, reconstruction_importance, spearman
 
 
 def test_reconstruction_importance_equals_a_naive_loop():

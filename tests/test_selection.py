@@ -241,7 +241,7 @@ def _served(budget: int, n_sink: int, window: int, moment_eviction: bool = False
 @pytest.mark.parametrize("budget", [1, 3, 7, 12, 20, 29])
 def test_moments_and_budget_curves_stages_select_what_serving_selects_on_tied_scores(budget):
     from profiler.budget_curves import _CurveMeasurer
-    from profiler.moments_calibration import _CorrectionErrorMeasurer
+    from profiler.moments import _CorrectionErrorMeasurer
     from runtime.geometry import ModelGeometry
 
     n_sink, window = 2, 3
@@ -281,7 +281,7 @@ def test_moments_and_budget_curves_stages_select_what_serving_selects_on_tied_sc
 def test_moment_eviction_in_calibration_protects_what_serving_protects(budget):
     """Moment-informed eviction: the sinks and window it never evicts depend on the budget in
     serving (a budget below sinks + window keeps fewer of them); calibration must protect the same."""
-    from profiler.moments_calibration import _CorrectionErrorMeasurer
+    from profiler.moments import _CorrectionErrorMeasurer
     from runtime.geometry import ModelGeometry
 
     n_sink, window = 4, 5

@@ -13,22 +13,16 @@ process after the sharded stages, not checkpointed.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 
 from artifacts import Section
-from profiler.arguments import comma_separated, number_in
+from profiler.budget_curves import CURVE_FLOOR, CURVE_GRID, CURVE_RATIOS, RETENTION_WEIGHT, SELECTIONS
+from profiler.options import Choice, ListOf, Number, Option
 
 from .base import Stage
 
-# profiler.budget_curves' defaults, spelled out so that the parser needs no torch (tested equal)
-CURVE_GRID = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)
-CURVE_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
-CURVE_FLOOR = 0.25
-RETENTION_WEIGHT = 1.0
-SELECTIONS = ("keydiff", "leverage")
 RETENTION_QUERIES = ("question", "answer")  # whose attention the retention loss follows
 # The answer's retrieval hits: on the embedded model (54 held-out tasks, KeyDiff selection) curve/keydiff
 # kept 0.85 / 0.69 of them at 75 / 90% compression with it and 0.43 / 0.07 with the question's mass
@@ -46,74 +40,62 @@ class BudgetCurvesStage(Stage):
         "default); per compression ratio, budgets by marginal utility on those curves (LU-KV), served as "
         "allocation 'curve'."
     )
-
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        group = parser.add_argument_group("budget-curves stage")
-        group.add_argument(
+    options = (
+        Option(
             "--curve-selection",
-            choices=SELECTIONS,
-            default=None,
-            help="scorer that picks the kept tokens while the curves are measured (default keydiff)",
-        )
-        group.add_argument(
+            "curve_selection",
+            Choice(SELECTIONS),
+            "keydiff",
+            "scorer that picks the kept tokens while the curves are measured (default keydiff)",
+        ),
+        Option(
             "--curve-compression-ratios",
-            type=comma_separated(number_in(0.0, 1.0, low_open=True, high_open=True)),
-            default=None,
-            help="compression ratios (fractions evicted) to allocate; the runtime interpolates between them "
+            "curve_compression_ratios",
+            ListOf(Number(0.0, 1.0, low_open=True, high_open=True), distinct=True),
+            CURVE_RATIOS,
+            "compression ratios (fractions evicted) to allocate; the runtime interpolates between them "
             f"(default {','.join(f'{r:g}' for r in CURVE_RATIOS)})",
-        )
-        group.add_argument(
+        ),
+        Option(
             "--curve-floor",
-            type=number_in(0.0, 1.0),
-            default=None,
-            help=f"every head keeps at least this share of the average kept fraction (default {CURVE_FLOOR:g})",
-        )
-        group.add_argument(
+            "curve_floor",
+            Number(0.0, 1.0),
+            CURVE_FLOOR,
+            f"every head keeps at least this share of the average kept fraction (default {CURVE_FLOOR:g})",
+        ),
+        Option(
             "--curve-retention",
-            choices=RETENTION_QUERIES,
-            default=None,
-            help="retention loss: 'question' = the question tokens' attention mass on evicted R tokens; "
+            "curve_retention",
+            Choice(RETENTION_QUERIES),
+            DEFAULT_RETENTION,
+            "retention loss: 'question' = the question tokens' attention mass on evicted R tokens; "
             "'answer' = the probe's answer appended (teacher forcing) and REAL's retrieval hits of its steps "
             f"(most attended token an R token) whose token is evicted (default {DEFAULT_RETENTION})",
-        )
-        group.add_argument(
+        ),
+        Option(
             "--curve-retention-weight",
-            type=number_in(0.0),
-            default=None,
-            help="weight of the (normalised) R-span retention loss against the (normalised) attention-output "
+            "curve_retention_weight",
+            Number(0.0),
+            RETENTION_WEIGHT,
+            "weight of the (normalised) R-span retention loss against the (normalised) attention-output "
             f"error (default {RETENTION_WEIGHT:g})",
-        )
+        ),
+    )
 
-    def __init__(self, job):
-        super().__init__(job)
-        self.selection = job.setting("curve_selection", "keydiff")
-        self.ratios = tuple(sorted(float(r) for r in job.setting("curve_compression_ratios", CURVE_RATIOS)))
-        self.floor = float(job.setting("curve_floor", CURVE_FLOOR))
-        self.retention_weight = float(job.setting("curve_retention_weight", RETENTION_WEIGHT))
-        self.retention = job.setting("curve_retention", DEFAULT_RETENTION)
-        if self.retention not in RETENTION_QUERIES:
-            raise ValueError(
-                f"unknown curve retention {self.retention!r}; choose one of {', '.join(RETENTION_QUERIES)}"
-            )
-        if self.selection not in SELECTIONS:
-            raise ValueError(f"unknown curve selection {self.selection!r}; choose one of {', '.join(SELECTIONS)}")
-        if not self.ratios or any(not 0.0 < r < 1.0 for r in self.ratios) or len(set(self.ratios)) != len(self.ratios):
-            raise ValueError(f"curve compression ratios must be distinct and in (0, 1), got {self.ratios}")
-        if not 0.0 <= self.floor <= 1.0:
-            raise ValueError(f"the curve floor must lie in [0, 1], got {self.floor}")
-        if not self.retention_weight >= 0.0:
-            raise ValueError(f"the retention weight must be >= 0, got {self.retention_weight}")
+    def __init__(self, context):
+        super().__init__(context)
+        settings = context.settings
+        self.selection = settings["curve_selection"]
+        self.ratios = tuple(sorted(float(r) for r in settings["curve_compression_ratios"]))
+        self.floor = float(settings["curve_floor"])
+        self.retention_weight = float(settings["curve_retention_weight"])
+        self.retention = settings["curve_retention"]
         # the last tokens of each calibration window play the future queries (32, fewer in short windows)
-        self.query_window = max(4, min(32, job.calib_tokens // 4))
-
-    def prepare(self) -> None:
-
-        job = self.job
-        self.probes = job.probes()  # the behaviour stage's probes
+        self.query_window = max(4, min(32, settings["calib_tokens"] // 4))
+        self.probes = context.probes()  # the behaviour stage's probes
 
     def config(self) -> dict:
-        job = self.job
+        context = self.context
         return {
             "selection": self.selection,
             "grid": list(CURVE_GRID),
@@ -124,25 +106,25 @@ class BudgetCurvesStage(Stage):
             "query_window": self.query_window,
             "n_sink": N_SINK,
             "window": WINDOW,
-            "windows": job.calib_samples,
-            "window_tokens": job.calib_tokens,
+            "windows": self.settings["calib_samples"],
+            "window_tokens": self.settings["calib_tokens"],
             "probes": len(self.probes),
             "probes_sha256": self.probes.digest,
-            "source": job.calibration_config()["source"],
+            "source": context.calibration_config()["source"],
         }
 
-    def build(self, sections: dict[str, Section]) -> Section:
+    def build(self, sections, config) -> Section:
         from profiler.budget_curves import measure_curves  # torch: not for the parser
 
         started = time.perf_counter()
-        job = self.job
+        context = self.context
         probes = [self.probes[i] for i in range(len(self.probes))]
         answers = None
         if self.retention == "answer":
-            answers = [job.tokenizer.encode(probe.answer, add_special_tokens=False) for probe in probes]
+            answers = [context.tokenizer.encode(probe.answer, add_special_tokens=False) for probe in probes]
         measured = measure_curves(
-            job.model,
-            job.windows,
+            context.model,
+            context.windows,
             probes,
             grid=CURVE_GRID,
             selection=self.selection,
@@ -150,7 +132,7 @@ class BudgetCurvesStage(Stage):
             n_sink=N_SINK,
             window=WINDOW,
             answers=answers,
-            progress=job.options.progress,
+            progress=context.progress,
         )
         section = curve_section(measured, CURVE_GRID, self.ratios, self.floor, self.retention_weight)
         fractions = section["fractions"]
@@ -160,7 +142,8 @@ class BudgetCurvesStage(Stage):
             if r in (0.5, 0.75, 0.9)
         )
         self.say(
-            f"budget-curves: {job.windows.shape[0]} windows, {measured['probes']} probes, {self.selection} selection; "
+            f"budget-curves: {context.windows.shape[0]} windows, {measured['probes']} probes, "
+            f"{self.selection} selection; "
             f"mean output error at kept {CURVE_GRID[0]:g} / 0.1 / 0.5: "
             + " / ".join(
                 f"{measured['output_error'][CURVE_GRID.index(f)].mean():.3f}" for f in (CURVE_GRID[0], 0.1, 0.5)

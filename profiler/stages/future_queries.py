@@ -18,12 +18,10 @@ order until it holds that many, and the main process takes the first that many i
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
 from artifacts import Section
-from profiler.arguments import positive_int
+from profiler.options import Integer, Option
 
 from .base import ShardedStage
 
@@ -53,41 +51,33 @@ class FutureQueriesStage(ShardedStage):
         # "Future queries and prototypes").
         return False
 
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        group = parser.add_argument_group("future-queries stage (probes and --max-new-tokens as the behaviour stage)")
-        group.add_argument(
+    options_title = "future-queries stage (with --probes and --max-new-tokens)"
+    options = (
+        Option(
             "--query-centres",
-            type=positive_int,
-            default=None,
-            help=f"k-means centres of the future queries per query head (default {DEFAULT_CENTRES})",
-        )
-        group.add_argument(
+            "query_centres",
+            Integer(1),
+            DEFAULT_CENTRES,
+            f"k-means centres of the future queries per query head (default {DEFAULT_CENTRES})",
+        ),
+        Option(
             "--future-sample",
-            type=positive_int,
-            default=None,
-            help=f"future queries per head the centres are fitted on, at most (default {DEFAULT_SAMPLE})",
-        )
+            "future_sample",
+            Integer(1),
+            DEFAULT_SAMPLE,
+            f"future queries per head the centres are fitted on, at most (default {DEFAULT_SAMPLE})",
+        ),
+    )
 
-    def __init__(self, job):
-        super().__init__(job)
-        self.max_new_tokens = job.setting("max_new_tokens", job.preset.max_new_tokens)
-        self.centres = job.setting("query_centres", DEFAULT_CENTRES)
-        self.sample = job.setting("future_sample", DEFAULT_SAMPLE)
-        for name, value in (
-            ("max_new_tokens", self.max_new_tokens),
-            ("query_centres", self.centres),
-            ("future_sample", self.sample),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-    def prepare(self) -> None:
+    def __init__(self, context):
         from runtime.query_moments import QueryMoments  # torch: not for the parser
 
-        job = self.job
-        self.probes = job.probes()
-        geometry = job.geometry
+        super().__init__(context)
+        self.max_new_tokens = context.settings["max_new_tokens"]
+        self.centres = context.settings["query_centres"]
+        self.sample = context.settings["future_sample"]
+        self.probes = context.probes()
+        geometry = context.geometry
         self.totals = QueryMoments(geometry.num_layers, geometry.num_q_heads, geometry.head_dim)
         self.kept: dict[int, np.ndarray] = {}  # probe index -> [T, L, Hq, d] float32, in probe order
         self.kept_tokens = 0
@@ -106,13 +96,15 @@ class FutureQueriesStage(ShardedStage):
 
     # -- work: one probe per unit -----------------------------------------------------------------
     def work(self) -> list[int]:
-        return self.job.info.shard(len(self.probes))
+        return self.context.info.shard(len(self.probes))
 
     def compute(self, index: int):
         from profiler.future_queries import probe_future_queries
 
-        job = self.job
-        return probe_future_queries(job.model, job.tokenizer, job.geometry, self.probes[index], self.max_new_tokens)
+        context = self.context
+        return probe_future_queries(
+            context.model, context.tokenizer, context.geometry, self.probes[index], self.max_new_tokens
+        )
 
     def commit(self, index: int, queries: np.ndarray) -> None:
         for layer in range(queries.shape[1]):
@@ -149,14 +141,14 @@ class FutureQueriesStage(ShardedStage):
         from profiler import distributed
         from runtime.query_moments import QueryMoments
 
-        info = self.job.info
+        info = self.context.info
         self.totals = QueryMoments.from_state(distributed.all_reduce_sum(info, self.totals.state()))
         merged: dict[int, np.ndarray] = {}
         for kept in distributed.gather_objects(info, self.kept):
             merged.update(kept)
         self.kept = merged
 
-    def build(self, sections: dict[str, Section]) -> Section:
+    def build(self, sections, config) -> Section:
         from profiler.future_queries import kmeans_centres
 
         stats = self.totals.finalize()  # n, mean, cov; refuses heads without a query

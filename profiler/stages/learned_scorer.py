@@ -1,6 +1,6 @@
 """The ``learned-scorer`` stage: a per-head token scorer distilled from KVzip's reconstruction importance.
 
-:mod:`profiler.scorer_fitting` has the method (teacher, features, ridge regression).  Units
+:mod:`profiler.learned_scorer` has the method (teacher, features, ridge regression).  Units
 are calibration windows (and, with ``--scorer-probes N``, the contexts of needle probes whose
 retrieval-span tokens are raised to the top of the teacher's scores: REAL's labels as
 positives): each adds one reconstruction pass to float64 sums (sharded, resumable).  The
@@ -11,17 +11,15 @@ prediction and teacher, and writes that correlation and the R^2.
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
 from artifacts import Section
 from needles.probe import LABEL_CODE
-from profiler.arguments import non_negative_int
+from profiler.options import Integer, Option
 
 from .base import ShardedStage
 
-# torch and profiler.scorer_fitting (torch) are imported where they are used: building
+# torch and profiler.learned_scorer (torch) are imported where they are used: building
 # profile-model's parser imports this module, and --help must not wait for torch.
 
 
@@ -34,56 +32,51 @@ class LearnedScorerStage(ShardedStage):
         "reconstruction importance (how much attention the model pays it while repeating the "
         "context), on calibration text; the runtime's 'learned' scorer evaluates it."
     )
+    options = (
+        Option(
+            "--scorer-probes",
+            "scorer_probes",
+            Integer(0),
+            0,
+            "also fit on the contexts of the N shortest needle probes (the preset's, or --probes), with the "
+            "tokens of their retrieval (R) spans raised to the top of each head's teacher scores (REAL's labels "
+            "as positives); default 0: calibration text only",
+        ),
+    )
 
     @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        group = parser.add_argument_group("learned-scorer stage")
-        group.add_argument(
-            "--scorer-probes",
-            type=non_negative_int,
-            default=None,
-            help="also fit on the contexts of the N shortest needle probes (the preset's, or --probes), with the "
-            "tokens of "
-            "their retrieval (R) spans raised to the top of each head's teacher scores (REAL's labels as "
-            "positives); default 0: calibration text only",
-        )
-
-    def __init__(self, job):
-        super().__init__(job)
-        self.probe_count = int(job.setting("scorer_probes", 0))
-        if self.probe_count < 0:
-            raise ValueError(f"--scorer-probes must be >= 0, got {self.probe_count}")
-        if job.calib_samples < 2:
+    def check_settings(cls, settings) -> None:
+        if settings["calib_samples"] < 2:
             raise ValueError("the learned-scorer stage needs at least 2 calibration windows (one is held out)")
 
-    def prepare(self) -> None:
+    def __init__(self, context):
         import torch
 
-        from profiler.scorer_fitting import RECONSTRUCTION_INSTRUCTION, RidgeSums
+        from profiler.learned_scorer import RECONSTRUCTION_INSTRUCTION, RidgeSums
 
-        job = self.job
-        count = job.calib_samples
+        super().__init__(context)
+        count = context.settings["calib_samples"]
         self.held_out = max(1, count // 5)
         self.fit_windows = count - self.held_out
-        geometry = job.geometry
+        geometry = context.geometry
         features = 2 * geometry.head_dim
         self.sums = [RidgeSums(geometry.num_kv_heads, features, 1) for _ in range(geometry.num_layers)]
-        ids = job.tokenizer(RECONSTRUCTION_INSTRUCTION, add_special_tokens=False)["input_ids"]
+        ids = context.tokenizer(RECONSTRUCTION_INSTRUCTION, add_special_tokens=False)["input_ids"]
         self.instruction = torch.tensor(ids, dtype=torch.long)
         self.probes = []
-        count = self.probe_count
+        count = int(context.settings["scorer_probes"])
         if count:
-            probe_set = job.probes()  # the behaviour stage's probes
+            probe_set = context.probes()  # the behaviour stage's probes
             order = np.argsort(probe_set.table["probe_length"], kind="stable")[:count]
             self.probes = [probe_set[int(i)] for i in sorted(order)]
 
     def config(self) -> dict:
-        from profiler.scorer_fitting import RECONSTRUCTION_INSTRUCTION, RIDGE_GRID
+        from profiler.learned_scorer import RECONSTRUCTION_INSTRUCTION, RIDGE_GRID
 
-        job = self.job
+        context = self.context
         config = {
-            **job.calibration_config(),
-            "windows_sha256": job.windows_digest(),
+            **context.calibration_config(),
+            "windows_sha256": context.windows_digest(),
             "teacher": "kvzip",
             "instruction": RECONSTRUCTION_INSTRUCTION,
             "features": "kv",
@@ -92,7 +85,7 @@ class LearnedScorerStage(ShardedStage):
         }
         if self.probes:
             config["probes"] = {
-                "preset": job.preset.probes,
+                "preset": context.preset.probes,
                 "ids": [probe.id for probe in self.probes],
                 "positives": "R-span tokens raised to each head's maximum teacher score",
             }
@@ -102,17 +95,19 @@ class LearnedScorerStage(ShardedStage):
     def work(self) -> list[int]:
         """Units: fit windows ``0 .. fit_windows-1``, then probe ``j`` as ``-1 - j``."""
         units = list(range(self.fit_windows)) + [-1 - j for j in range(len(self.probes))]
-        return [units[i] for i in self.job.info.shard(len(units))]
+        return [units[i] for i in self.context.info.shard(len(units))]
 
     def compute(self, unit: int):
         import torch
 
-        from profiler.scorer_fitting import record_window
+        from profiler.learned_scorer import record_window
 
         if unit >= 0:
-            return record_window(self.job.model, self.job.windows[unit], self.instruction)
+            return record_window(self.context.model, self.context.windows[unit], self.instruction)
         probe = self.probes[-1 - unit]
-        records = record_window(self.job.model, torch.tensor(probe.context_ids(), dtype=torch.long), self.instruction)
+        records = record_window(
+            self.context.model, torch.tensor(probe.context_ids(), dtype=torch.long), self.instruction
+        )
         positive = torch.from_numpy(probe.labels()[: probe.context_end] == LABEL_CODE["R"])  # [C]
         for record in records:  # REAL's retrieval tokens must be kept: the top of every head
             top = record.teacher.max(dim=1, keepdim=True).values  # [Hkv, 1]
@@ -135,19 +130,19 @@ class LearnedScorerStage(ShardedStage):
     def reduce(self) -> None:
         from profiler import distributed
 
-        reduced = distributed.all_reduce_sum(self.job.info, self.state())
+        reduced = distributed.all_reduce_sum(self.context.info, self.state())
         self.restore(reduced)
 
-    def build(self, sections: dict[str, Section]) -> Section:
+    def build(self, sections, config) -> Section:
         import torch
 
-        from profiler.scorer_fitting import RIDGE_GRID, predict, r_squared, record_window, spearman
+        from profiler.learned_scorer import RIDGE_GRID, predict, r_squared, record_window, spearman
 
-        job, geometry = self.job, self.job.geometry
+        context, geometry = self.context, self.context.geometry
         layers, heads = geometry.num_layers, geometry.num_kv_heads
         held_out = [
-            record_window(job.model, job.windows[index], self.instruction)
-            for index in range(self.fit_windows, job.calib_samples)
+            record_window(context.model, context.windows[index], self.instruction)
+            for index in range(self.fit_windows, self.settings["calib_samples"])
         ]
         best = {name: np.zeros((layers, heads)) for name in ("ridge", "r2", "rank_correlation", "bias")}
         best["rank_correlation"][:] = -2.0

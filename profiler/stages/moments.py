@@ -3,7 +3,7 @@
 MomentKV ("MomentKV: Closing the Directional Gap in KV Cache Eviction for Long-Context
 Inference") corrects attention over a compressed cache with the moments of the evicted keys
 and values.  Whether the 0th- or 1st-order correction helps a head is measured on the first
-``MOMENT_WINDOWS`` calibration windows (:func:`profiler.moments_calibration.measure_correction_errors`:
+``MOMENT_WINDOWS`` calibration windows (:func:`profiler.moments.measure_correction_errors`:
 per KV head, the relative attention-output error of no / 0th / 1st-order correction at two
 reference compressions, tokens selected by ``--moments-selection``).  A few seconds per
 window, run by the main process alone after the sharded stages, not checkpointed.
@@ -16,19 +16,18 @@ The orders are calibrated under one selection, the one a serving policy should u
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 
 from artifacts import Section
+from profiler.options import Choice, Option
+from profiler.selections import MOMENTS_SELECTIONS
 
-from .base import Stage
+from .base import Requirement, Stage
 
 MOMENT_WINDOWS = 4  # calibration windows the stage measures on
 MOMENT_KEEP_RATIOS = (0.25, 0.5)  # reference budgets: 75% and 50% compression
-# profiler.moments_calibration.SELECTION_SCORERS, spelled out so that the parser needs no torch (tested equal)
-SELECTION_SCORERS = ("snapkv", "keydiff", "learned")
 # the selection when none is asked: the learned scorer if there are learned weights (the scorer of
 # the global/learned+correction recommendation candidate), else KeyDiff (inf/keydiff+correction's)
 DEFAULT_SELECTIONS = ("learned", "keydiff")
@@ -41,70 +40,65 @@ class MomentsStage(Stage):
         "per KV head, the MomentKV correction order (none, 0th, 1st) with the lowest attention-output "
         "error on calibration text at 75% and 50% compression."
     )
-
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        group = parser.add_argument_group("moments stage")
-        group.add_argument(
+    options = (
+        Option(
             "--moments-selection",
-            choices=SELECTION_SCORERS,
-            default=None,
-            help="scorer that selects the kept tokens while the correction errors are measured; "
+            "moments_selection",
+            Choice(MOMENTS_SELECTIONS),
+            None,
+            "scorer that selects the kept tokens while the correction errors are measured; "
             "serve corrections with the same scorer (the runtime warns otherwise); 'learned' shares each "
             "compression's total out globally, as global/learned+correction serves it, and needs the "
             "learned_scorer section (built in this run or in the artifact). Default: learned when that "
             "section is there, else keydiff (the scorer of inf/keydiff+correction)",
-        )
+        ),
+    )
 
-    def __init__(self, job):
-        super().__init__(job)
-        self.asked = job.setting("moments_selection")
-        self.selection = self.asked or (
-            DEFAULT_SELECTIONS[0] if "learned-scorer" in job.stage_names else DEFAULT_SELECTIONS[1]
+    @classmethod
+    def requires(cls, settings) -> tuple[Requirement, ...]:
+        if settings["moments_selection"] == "learned":
+            return (
+                Requirement.section("learned_scorer", "the learned scorer's weights (--moments-selection learned)"),
+            )
+        return ()
+
+    def __init__(self, context):
+        super().__init__(context)
+        has_weights = "learned-scorer" in context.stage_names or "learned_scorer" in context.existing_sections
+        self.selection = context.settings["moments_selection"] or (
+            DEFAULT_SELECTIONS[0] if has_weights else DEFAULT_SELECTIONS[1]
         )
-        tokens = job.calib_tokens
+        tokens = context.settings["calib_tokens"]
         query_window = max(4, min(32, tokens // 4))
-        self.settings = {
+        self.moment_settings = {
             "query_window": query_window,
             "observation_window": max(1, min(32, (tokens - query_window) // 2)),
             "selection": self.selection,
             "allocation": "global" if self.selection == "learned" else "uniform",
-            "n_sink": int(job.n_sink),
+            "n_sink": int(context.settings["n_sink"]),
             "recent_window": 8,
         }
 
-    def check(self, existing: set[str]) -> None:
-        has_weights = "learned-scorer" in self.job.stage_names or "learned_scorer" in existing
-        if self.asked is None and has_weights and self.selection != "learned":
-            self.selection = "learned"
-            self.settings.update(selection="learned", allocation="global")
-        if self.selection == "learned" and not has_weights:
-            raise ValueError(
-                "--moments-selection learned needs the learned_scorer section: add the learned-scorer stage "
-                "(--stages ...,learned-scorer,moments) or profile into an artifact that has it"
-            )
-
     def config(self) -> dict:
-        job = self.job
         return {
-            "windows": min(MOMENT_WINDOWS, job.calib_samples),
-            "window_tokens": job.calib_tokens,
-            **self.settings,
+            "windows": min(MOMENT_WINDOWS, self.settings["calib_samples"]),
+            "window_tokens": self.settings["calib_tokens"],
+            **self.moment_settings,
             "keep_ratios": list(MOMENT_KEEP_RATIOS),
-            "source": job.calibration_config()["source"],
+            "source": self.context.calibration_config()["source"],
         }
 
-    def build(self, sections: dict[str, Section]) -> Section:
-        from profiler.moments_calibration import measure_correction_errors  # torch: not for the parser
+    def build(self, sections, config) -> Section:
+        from profiler.moments import measure_correction_errors  # torch: not for the parser
 
         started = time.perf_counter()
-        settings = self.settings
-        windows = self.job.windows[:MOMENT_WINDOWS]
+        settings = self.moment_settings
+        windows = self.context.windows[:MOMENT_WINDOWS]
         learned = None
         if settings["selection"] == "learned":
             learned = (sections["learned_scorer"]["weights"], sections["learned_scorer"]["bias"])
         result = measure_correction_errors(
-            self.job.model,
+            self.context.model,
             windows,
             keep_ratios=MOMENT_KEEP_RATIOS,
             query_window=settings["query_window"],
@@ -114,7 +108,7 @@ class MomentsStage(Stage):
             observation_window=settings["observation_window"],
             n_sink=settings["n_sink"],
             recent_window=settings["recent_window"],
-            progress=self.job.options.progress,
+            progress=self.context.progress,
         )
         errors = result["errors"].mean(axis=(2, 3))  # [R, 3]
         chosen = np.take_along_axis(result["errors"], (result["order"].astype(np.int64) + 1)[None, None], axis=1)

@@ -9,12 +9,10 @@ forward hooks on the pre-RoPE query module, float64 sums ``n, sum q, sum q q^T``
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
 from artifacts import Section
-from profiler.arguments import positive_int
+from profiler.options import Integer, Option
 
 from .base import ShardedStage
 
@@ -27,27 +25,22 @@ class QueryStatsStage(ShardedStage):
         "run calibration text and accumulate the mean and covariance of the pre-RoPE queries of every "
         "(layer, query head) (Expected Attention statistics)."
     )
-
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        group = parser.add_argument_group("query-stats stage")
-        group.add_argument(
+    options = (
+        Option(
             "--batch-size",
-            type=positive_int,
-            default=None,
-            help="calibration windows per forward pass (default: the preset's)",
-        )
+            "batch_size",
+            Integer(1),
+            lambda preset: preset.batch_size,
+            "calibration windows per forward pass (default: the preset's)",
+        ),
+    )
 
-    def __init__(self, job):
-        super().__init__(job)
-        self.batch_size = job.setting("batch_size", job.preset.batch_size)
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-
-    def prepare(self) -> None:
+    def __init__(self, context):
         from runtime.query_moments import QueryMoments  # torch: not for the parser
 
-        geometry = self.job.geometry
+        super().__init__(context)
+        self.batch_size = context.settings["batch_size"]
+        geometry = context.geometry
         self.totals = QueryMoments(geometry.num_layers, geometry.num_q_heads, geometry.head_dim)
         # The hooks fill a per-batch accumulator, folded into the totals once the forward pass
         # is complete: an interruption mid-pass leaves the totals untouched.  Each layer sees
@@ -56,17 +49,17 @@ class QueryStatsStage(ShardedStage):
         self.done = 0
 
     def config(self) -> dict:
-        job = self.job
+        context = self.context
         return {
-            **job.calibration_config(),
+            **context.calibration_config(),
             "batch_size": self.batch_size,
-            "n_sink": job.n_sink,
-            "windows_sha256": job.windows_digest(),
+            "n_sink": context.settings["n_sink"],
+            "windows_sha256": context.windows_digest(),
         }
 
     # -- work: one batch of calibration windows per unit ---------------------------------------------
     def work(self) -> list[list[int]]:
-        shard = self.job.info.shard(self.job.windows.shape[0])
+        shard = self.context.info.shard(self.context.windows.shape[0])
         return [shard[i : i + self.batch_size] for i in range(0, len(shard), self.batch_size)]
 
     def running(self):
@@ -76,14 +69,14 @@ class QueryStatsStage(ShardedStage):
 
         stack = ExitStack()
         stack.enter_context(torch.no_grad())
-        stack.enter_context(self.batch_sums.collect(self.job.geometry, n_sink=self.job.n_sink))
+        stack.enter_context(self.batch_sums.collect(self.context.geometry, n_sink=self.settings["n_sink"]))
         return stack
 
     def compute(self, batch: list[int]) -> None:
-        job = self.job
-        device = job.model.get_input_embeddings().weight.device
+        context = self.context
+        device = context.model.get_input_embeddings().weight.device
         self.batch_sums.reset()
-        job.model.model(input_ids=job.windows[batch].to(device), use_cache=False)  # [b, T]
+        context.model.model(input_ids=context.windows[batch].to(device), use_cache=False)  # [b, T]
 
     def commit(self, batch: list[int], result) -> None:
         self.totals.merge(self.batch_sums)
@@ -105,15 +98,15 @@ class QueryStatsStage(ShardedStage):
         from profiler import distributed
         from runtime.query_moments import QueryMoments
 
-        self.totals = QueryMoments.from_state(distributed.all_reduce_sum(self.job.info, self.totals.state()))
+        self.totals = QueryMoments.from_state(distributed.all_reduce_sum(self.context.info, self.totals.state()))
 
-    def build(self, sections: dict[str, Section]) -> Section:
-        job = self.job
+    def build(self, sections, config) -> Section:
+        settings = self.settings
         stats = self.totals.finalize()
         trace = np.trace(stats["cov"].astype(np.float64), axis1=-2, axis2=-1)
         self.say(
-            f"query-stats: {job.calib_samples} windows x {job.calib_tokens} tokens, "
-            f"{int(stats['n'][0, 0])} queries per head (n_sink={job.n_sink}), "
+            f"query-stats: {settings['calib_samples']} windows x {settings['calib_tokens']} tokens, "
+            f"{int(stats['n'][0, 0])} queries per head (n_sink={settings['n_sink']}), "
             f"mean trace(cov) {trace.mean():.3g}; {self.seconds:.1f} s this run"
         )
-        return Section(arrays=stats, attrs={"n_sink": int(job.n_sink)})
+        return Section(arrays=stats, attrs={"n_sink": int(settings["n_sink"])})

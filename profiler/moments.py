@@ -57,6 +57,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from profiler.selections import MOMENTS_SELECTIONS as SELECTION_SCORERS
 from runtime.attention import attention_implementation
 from runtime.budgets import global_budgets
 from runtime.geometry import ModelGeometry
@@ -75,7 +76,6 @@ from runtime.scorers import (
 from runtime.selection import protected_mask, select_rows
 
 CALIBRATION_ATTENTION = "kvcal_moments_calibration"
-SELECTION_SCORERS = ("snapkv", "keydiff", "learned")
 CAPTURED_NEEDS = (RecentQueries, KeyRope, LearnedWeights)  # what a captured pass (and learned=...) supplies
 
 

@@ -1,0 +1,184 @@
+"""profile-model's settings, each declared once: its flag, its name in ``JobOptions.settings``,
+its kind (what values it takes), its default and its help.
+
+From one :class:`Option` come both the ``argparse`` argument (the text is parsed and checked
+where it is read, so a bad value is a usage error, exit 2, before torch is imported) and the
+check of a value given in code (``JobOptions.settings``: a ``ValueError`` naming the setting
+when the job is made, before the model loads).  The stages declare theirs
+(:attr:`profiler.stages.base.Stage.options`); the inputs every stage shares (calibration text,
+needle probes) are declared in :mod:`profiler.stages.context`.
+
+Imports no torch: ``profile-model --help`` builds its parser from these declarations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from profiler.arguments import RenamedOption, comma_separated, int_at_least, number_in
+
+
+class Kind:
+    """What values an option takes: ``parse`` reads (and checks) command-line text, ``accepts``
+    checks a value given in code, ``description`` says what is expected."""
+
+    choices: tuple | None = None
+    description: str = "a value"
+
+    def parse(self, text: str) -> Any:
+        return text
+
+    def accepts(self, value) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class Integer(Kind):
+    minimum: int | None = None
+
+    @property
+    def description(self) -> str:
+        return "an integer" if self.minimum is None else f"an integer >= {self.minimum}"
+
+    @property
+    def parse(self) -> Callable[[str], int]:
+        return int if self.minimum is None else int_at_least(self.minimum)
+
+    def accepts(self, value) -> bool:
+        integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        return integral and (self.minimum is None or value >= self.minimum)
+
+
+@dataclass(frozen=True)
+class Number(Kind):
+    """A finite number from ``low`` to ``high`` (the ends included unless ``low_open`` / ``high_open``)."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    @property
+    def description(self) -> str:
+        return f"a finite number in {self.parse.__name__.removeprefix('number in ')}"
+
+    @property
+    def parse(self) -> Callable[[str], float]:
+        return number_in(self.low, self.high, low_open=self.low_open, high_open=self.high_open)
+
+    def accepts(self, value) -> bool:
+        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+
+@dataclass(frozen=True)
+class Choice(Kind):
+    values: tuple[str, ...]
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return self.values
+
+    @property
+    def description(self) -> str:
+        return "one of " + ", ".join(self.values)
+
+    def accepts(self, value) -> bool:
+        return value in self.values
+
+
+@dataclass(frozen=True)
+class Text(Kind):
+    description: str = "a string"
+
+    def accepts(self, value) -> bool:
+        return isinstance(value, str)
+
+
+@dataclass(frozen=True)
+class ListOf(Kind):
+    """A non-empty list of ``item`` values, written comma-separated on the command line
+    (``distinct``: no value twice)."""
+
+    item: Kind
+    distinct: bool = False
+
+    @property
+    def description(self) -> str:
+        return f"a non-empty list of {'distinct ' if self.distinct else ''}values, each {self.item.description}"
+
+    def parse(self, text: str) -> tuple:
+        values = comma_separated(self.item.parse)(text)
+        if self.distinct and len(set(values)) != len(values):
+            raise argparse.ArgumentTypeError(f"expected distinct values, got {text!r}")
+        return values
+
+    def accepts(self, value) -> bool:
+        if isinstance(value, str | bytes) or not isinstance(value, Sequence) or not value:
+            return False
+        if self.distinct and len(set(value)) != len(value):
+            return False
+        return all(self.item.accepts(item) for item in value)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting: ``--flag`` on the command line, ``dest`` in ``JobOptions.settings``.
+
+    ``default``: the value when the setting is not given (None in the settings), or a function
+    of the preset (``profiler.presets.ProfilePreset``) for "the preset's".  ``check``: a
+    further check of a given value (raises ``ValueError``), run when the job is made.
+    """
+
+    flag: str
+    dest: str
+    kind: Kind
+    default: Any
+    help: str
+    check: Callable[[Any], None] | None = None
+
+    def add_to(self, group) -> None:
+        """Add the ``argparse`` argument (default None: "not given", resolved by :meth:`resolve`)."""
+        kind = self.kind
+        parse = None if isinstance(kind, Text | Choice) else kind.parse
+        group.add_argument(self.flag, dest=self.dest, type=parse, choices=kind.choices, default=None, help=self.help)
+
+    def resolve(self, value, preset):
+        """The setting's value: ``value`` checked, or the default when it is None."""
+        if value is None:
+            return self.default(preset) if callable(self.default) else self.default
+        if not self.kind.accepts(value):
+            raise ValueError(f"{self.dest} ({self.flag}) must be {self.kind.description}, got {value!r}")
+        if self.check is not None:
+            self.check(value)
+        return value
+
+
+@dataclass(frozen=True)
+class Renamed:
+    """An option that was renamed: using it is a usage error naming the new spelling."""
+
+    flag: str
+    message: str
+
+    def add_to(self, group) -> None:
+        group.add_argument(self.flag, action=RenamedOption, message=self.message)
+
+
+def resolve_settings(options: Sequence[Option], settings: Mapping[str, Any], preset) -> Mapping[str, Any]:
+    """Every option's value (read-only), from ``settings`` (by ``dest``; None or missing: the default).
+    A name that no option declares is refused: a misspelt setting must not be silently ignored."""
+    known = {option.dest for option in options}
+    unknown = sorted(name for name in settings if name not in known)
+    if unknown:
+        raise ValueError(f"unknown setting(s) {', '.join(unknown)}; the settings are {', '.join(sorted(known))}")
+    return MappingProxyType({option.dest: option.resolve(settings.get(option.dest), preset) for option in options})

@@ -1,0 +1,169 @@
+"""What a stage may read: :class:`StageContext`, and the options of the inputs the stages share.
+
+The job (:mod:`profiler.job`) loads the model, resolves every option and looks at the artifact
+already at the output path; it hands the result to each stage as one frozen
+:class:`StageContext`.  A stage reads its inputs there and nowhere else, and never imports the
+job.  The calibration text and the needle probes are built on first use (a stage that needs
+neither costs nothing); both are functions of the context's fields, so that a context stays
+what it was made as.
+
+Imports no torch (the parser reads :data:`CALIBRATION_TEXT_OPTIONS` and :data:`PROBE_OPTIONS`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from profiler.options import Integer, Option, Text
+
+CALIBRATION_SOURCE_DEFAULT = "needles prose haystack"
+
+CALIBRATION_TEXT_TITLE = "calibration text (query-stats, learned-scorer, budget-curves and moments stages)"
+CALIBRATION_TEXT_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "--calib-dataset",
+        "calib_dataset",
+        Text(),
+        None,
+        "calibration text: local .txt/.md/.jsonl/.json files or directories (comma-separated), "
+        "or a datasets name[:config] (default: needles' built-in prose haystack)",
+    ),
+    Option("--calib-split", "calib_split", Text(), "train", "datasets split (default: train)"),
+    Option(
+        "--calib-field", "calib_field", Text(), "text", "text field of JSON records / datasets rows (default: text)"
+    ),
+    Option(
+        "--calib-samples",
+        "calib_samples",
+        Integer(1),
+        lambda preset: preset.calib_samples,
+        "number of calibration windows (default: the preset's)",
+    ),
+    Option(
+        "--calib-tokens",
+        "calib_tokens",
+        Integer(1),
+        lambda preset: preset.calib_tokens,
+        "tokens per calibration window (default: the preset's)",
+    ),
+    Option(
+        "--n-sink",
+        "n_sink",
+        Integer(0),
+        lambda preset: preset.n_sink,
+        "leading tokens of each window left out (default: the preset's, 4)",
+    ),
+    Option("--seed", "seed", Integer(), 0, "seed of the built-in calibration text (default 0)"),
+)
+
+PROBE_TITLE = "needle probes (behaviour, future-queries, budget-curves and learned-scorer stages)"
+PROBE_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "--probes",
+        "probes_file",
+        Text(),
+        None,
+        "JSON-lines probe file (from generate-probes) instead of the preset's needles probes",
+    ),
+    Option(
+        "--max-new-tokens",
+        "max_new_tokens",
+        Integer(1),
+        lambda preset: preset.max_new_tokens,
+        "greedy decode steps per probe, behaviour and future-queries stages (default: the preset's)",
+    ),
+)
+
+
+def check_shared_settings(settings: Mapping[str, Any]) -> None:
+    """What the shared inputs' options must satisfy together (``ValueError``)."""
+    if settings["n_sink"] >= settings["calib_tokens"]:
+        raise ValueError(
+            f"n_sink ({settings['n_sink']}) must be smaller than the window ({settings['calib_tokens']} tokens)"
+        )
+
+
+def digest(*parts) -> str:
+    """SHA-256 of ``parts`` (bytes as they are, anything else as its ``str``), NUL-separated."""
+    sha = hashlib.sha256()
+    for part in parts:
+        sha.update(part if isinstance(part, bytes) else str(part).encode())
+        sha.update(b"\0")
+    return sha.hexdigest()
+
+
+@dataclass(frozen=True, eq=False)
+class StageContext:
+    """Everything a stage reads, fixed before the first stage is made.
+
+    ``settings``: every option's value, resolved (:func:`profiler.options.resolve_settings`:
+    given or the default), by ``dest``; ``stage_names``: the stages of this run, in canonical
+    order; ``existing_sections``: the sections of the artifact already at ``out`` that the run
+    keeps (same model).  ``info`` is this process's place in a multi-process run
+    (``profiler.distributed.ProcessInfo``), ``progress`` whether to draw progress bars.
+    """
+
+    preset_name: str
+    preset: Any  # profiler.presets.ProfilePreset
+    settings: Mapping[str, Any]
+    stage_names: tuple[str, ...]
+    model: Any  # a transformers causal LM
+    tokenizer: Any
+    geometry: Any  # runtime.geometry.ModelGeometry
+    identity: Any  # artifacts.ModelIdentity
+    out: Path
+    existing_sections: frozenset[str]
+    info: Any  # profiler.distributed.ProcessInfo
+    progress: bool
+    log: Callable[[str], None] = print
+
+    def say(self, message: str) -> None:
+        """Log ``message`` on the main process."""
+        if self.info.is_main:
+            self.log(message)
+
+    @cached_property
+    def windows(self):
+        """Calibration text as token windows ``[N, T]`` int64 (loaded on first use)."""
+        from profiler.calibration_text import calibration_windows  # torch: not for the parser
+
+        settings = self.settings
+        return calibration_windows(
+            self.tokenizer,
+            settings["calib_dataset"],
+            settings["calib_samples"],
+            settings["calib_tokens"],
+            seed=settings["seed"],
+            split=settings["calib_split"],
+            field=settings["calib_field"],
+        )
+
+    def windows_digest(self) -> str:
+        return digest(self.windows.numpy().tobytes())
+
+    def probes(self):
+        """The needle probes the probe stages share (behaviour, future-queries, learned-scorer,
+        budget-curves): ``--probes`` (a JSON-lines file) or the preset's, built lazily
+        (:class:`profiler.probe_source.ProbeSet`)."""
+        from profiler.probe_source import file_probes, preset_probes
+
+        probes_file = self.settings["probes_file"]
+        if probes_file:
+            return file_probes(probes_file)
+        return preset_probes(
+            self.preset.probes, self.tokenizer, self.identity.tokenizer_fingerprint, dict(self.preset.probe_overrides)
+        )
+
+    def calibration_config(self) -> dict:
+        dataset = self.settings["calib_dataset"]
+        return {
+            "source": dataset or CALIBRATION_SOURCE_DEFAULT,
+            "split": self.settings["calib_split"] if dataset else None,
+            "num_samples": self.settings["calib_samples"],
+            "sample_tokens": self.settings["calib_tokens"],
+        }
