@@ -41,31 +41,12 @@ greedy is optimal for the sum of the losses), the last level of equal utility sh
 proportion to the segments' lengths, so the total is conserved exactly and no head passes 1.
 Below ``f_0`` nothing was measured: a head's curve is flat there (no utility).
 
-Measured (embedded model, the quick artifact with this stage added, KeyDiff selection, floor
-0.25, retention weight 1; ``evaluate-artifact --preset quick --count 3 --compression-ratios
-0.75,0.9``: 54 held-out retrieval / multi_key tasks, question-agnostic, baseline 0.94 [0.85,
-0.98]), accuracy [95% Wilson] at 75% / 90% compression, inf and curve rows of one run each:
-
-    retention loss from                       question (first version)     answer (the default)
-    inf/keydiff               0.78 [0.65, 0.87] / 0.52 [0.39, 0.65]
-    curve/keydiff             0.43 [0.30, 0.56] / 0.07 [0.03, 0.18]     0.85 [0.73, 0.92] / 0.69 [0.55, 0.79]
-    inf/leverage              0.83 [0.71, 0.91] / 0.67 [0.53, 0.78]
-    curve/leverage            0.70 [0.57, 0.81] / 0.28 [0.18, 0.41]     0.89 [0.78, 0.95] / 0.67 [0.53, 0.78]
-    inf/keydiff+correction    0.87 [0.76, 0.94] / 0.56 [0.42, 0.68]
-    curve/keydiff+correction  0.52 [0.39, 0.65] / 0.07 [0.03, 0.18]     0.91 [0.80, 0.96] / 0.80 [0.67, 0.88]
-    inf/leverage+correction   0.94 [0.85, 0.98] / 0.83 [0.71, 0.91]
-    curve/leverage+correction                                        0.93 [0.82, 0.97] / 0.81 [0.69, 0.90]
-
-The question's attention mass on the needle is a weak signal (at most 0.6% of it lost in any
-head at ``f = 0.02``): those curves correlated weakly with INF's (Pearson 0.11 at 75%, 0.34 at
-90%), the output-error part put the most budget on layers 0 and 21-24, and a floor of 0.5 did
-not help (curve/keydiff 0.37 / 0.06).  The answer's retrieval hits reach 0.28 of a head's steps
-at ``f = 0.02`` (14 of 90 heads above 0.05); those curves correlate with INF at 0.48 / 0.66 and
-give the retrieval heads more than INF does at 90% (up to 0.7 of the context against 0.35).
-Curves measured under leverage selection (``--curve-selection leverage``, one more run) did worse
-for the leverage policies than these KeyDiff-selected ones: curve/leverage 0.80 / 0.63,
-curve/leverage+correction 0.93 / 0.78 (against inf/leverage+correction's 0.94 / 0.83 in the same
-run), so KeyDiff stays the default selection.
+Measured on 54 held-out tasks (docs/results.md): with the retention loss taken from the answer's
+retrieval hits, ``curve`` beats ``inf`` for keydiff, keydiff+correction and leverage and trails it
+by one task at each ratio for leverage+correction (R-budget-curves-2026-11-22); taken from the
+question's attention mass it was far below ``inf`` everywhere (R-budget-curves-question-2026-11-22);
+curves measured under leverage selection did worse for the leverage policies, so KeyDiff stays the
+default selection (R-budget-curves-leverage-selection-2026-11-22).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ order of 1e-16 relative).
 
 A work file records a fingerprint of the checkpointed work (model, the sharded stages'
 configuration and probe set, process count and rank; ``profiler.job``); ``--resume`` refuses a
-work file with a different fingerprint.  Options of the unsharded stages (budgets, moments,
-recommendation) are not part of it: their sections are rebuilt from the sums at the end.
+work file with a different fingerprint.  Options of the unsharded stages (budgets,
+budget-curves, moments, recommendation) are not part of it: their sections are rebuilt from the sums at the end.
 """
 
 from __future__ import annotations

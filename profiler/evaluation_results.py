@@ -18,17 +18,17 @@ EVALUATION_SCHEMA = "kvcal-evaluation/2"  # 2: "ratio" became "compression_ratio
 EVALUATION_SEED_OFFSET = 1_000_003  # held-out task seed = the profiled probes' seed + this, unless given
 
 # The policies the recommendation stage measures by default, cheapest to serve first (ties at
-# a ratio go to the earlier one).  Scoring cost per prompt, share of the prefill on the embedded
-# model (benchmarks/scorer_cost.py): KeyDiff ~0.7%, the learned scorer ~1.7%, leverage ~17%;
-# the MomentKV correction adds O(d^2) state per head and a correction term per decode step.
+# a ratio go to the earlier one).  Scoring cost per prompt, as a share of the prefill: KeyDiff and
+# the learned scorer under 2%, leverage about 17% (docs/results.md R-scorer-cost-2026-11-22); the
+# MomentKV correction adds O(d^2) state per head and a correction term per decode step.
 RECOMMENDATION_CANDIDATES = (
     "inf/keydiff+correction",
-    "curve/keydiff+correction",  # 0.91 / 0.80 at 75 / 90% on the embedded model (n = 54), at KeyDiff's cost
+    "curve/keydiff+correction",  # held out, near the leverage policies at KeyDiff's cost (R-budget-curves-2026-11-22)
     "global/learned",
     "global/learned+correction",
     "inf/leverage",
-    "inf/leverage+correction",  # the most accurate at 75 and 90% on the embedded model (0.94 / 0.83, n = 54)
-    "curve/leverage+correction",  # 0.93 / 0.81 there
+    "inf/leverage+correction",  # the most accurate held out (docs/results.md R-flagship-2026-11-22)
+    "curve/leverage+correction",
 )
 
 

@@ -29,7 +29,8 @@ discarding the first one's work file.
 
 The work file's fingerprint covers what its checkpointed sums depend on: the model, the
 process count and rank, and the configs of the sharded stages.  Options of the other stages
-(budgets, moments, recommendation: rebuilt from the sums at the end) can change on ``--resume``.
+(budgets, budget-curves, moments, recommendation: rebuilt from the sums at the end) can change on
+``--resume``.
 
 Under ``accelerate launch`` (or ``torchrun``) each process takes every ``world_size``-th unit
 of work, keeps its own work file, and at the end the sums are all-reduced

@@ -32,8 +32,8 @@ RECOMMENDATION_COUNT_QUICK = 2
 
 PRESETS: dict[str, ProfilePreset] = {
     "smoke": ProfilePreset("smoke", max_new_tokens=6, calib_samples=2, calib_tokens=64, batch_size=2),
-    # needles' quick grid (7 families x 1K/2K/4K x 3 depths) takes ~30 min on a busy 2-core CPU;
-    # this keeps every family at 1K and 2K tokens and two depths (28 probes, a few minutes).
+    # needles' quick grid (7 families x 1K/2K/4K x 3 depths) takes far longer (docs/results.md
+    # R-quick-grid-2026-11-21); this keeps every family at 1K and 2K tokens and two depths (28 probes, a few minutes).
     "quick": ProfilePreset(
         "quick",
         max_new_tokens=24,

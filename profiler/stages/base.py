@@ -79,7 +79,7 @@ class Requirement:
 
 
 class Stage(ABC):
-    """A stage without sharded work (budgets, moments); see the module docstring."""
+    """A stage without sharded work (budgets, budget-curves, moments, recommendation); see the module docstring."""
 
     name: ClassVar[str]
     section: ClassVar[str]

@@ -24,9 +24,8 @@ from profiler.options import Choice, ListOf, Number, Option
 from .base import Stage
 
 RETENTION_QUERIES = ("question", "answer")  # whose attention the retention loss follows
-# The answer's retrieval hits: on the embedded model (54 held-out tasks, KeyDiff selection) curve/keydiff
-# kept 0.85 / 0.69 of them at 75 / 90% compression with it and 0.43 / 0.07 with the question's mass
-# (profiler.budget_curves, "Measured").
+# The answer's retrieval hits: the question's attention mass gave curves far below INF's budgets
+# (docs/results.md R-budget-curves-2026-11-22, R-budget-curves-question-2026-11-22).
 DEFAULT_RETENTION = "answer"
 N_SINK, WINDOW = 4, 32  # CompressionPolicy's defaults: the tokens the engine always keeps
 

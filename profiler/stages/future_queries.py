@@ -25,10 +25,8 @@ from profiler.options import Integer, Option
 
 from .base import ShardedStage
 
-# Centres per head.  Measured with prototype_attention's defaults (benchmarks/future_centres.py +
-# runtime_quality.py, embedded model, 18 unseen retrieval + multi_key probes, uniform budgets; accuracy
-# evicting 50 / 75 / 90%): 1 centre 0.61 / 0.50 / 0.22, 4 centres 0.72 / 0.39 / 0.28, 8 centres
-# 0.72 / 0.44 / 0.22: 24, 25 and 25 of 54 cells, within the noise of 18 probes; 4 is the smaller of the best.
+# Centres per head: 1, 4 and 8 measured within the noise of 18 probes of each other; 4 is the
+# smaller of the best (docs/results.md R-future-centres-2026-11-22).
 DEFAULT_CENTRES = 4
 DEFAULT_SAMPLE = 4096
 
@@ -46,9 +44,9 @@ class FutureQueriesStage(ShardedStage):
 
     @classmethod
     def on_by_default(cls, preset) -> bool:
-        # Off unless --stages names it: it greedy-decodes every probe a second time (about 6 minutes on
-        # the quick preset, 2 CPU cores), and no policy it serves is the measured best (docs/design.md,
-        # "Future queries and prototypes").
+        # Off unless --stages names it: it greedy-decodes every probe a second time (docs/results.md
+        # R-quick-profile-2026-11-22), and no policy it serves is the measured best
+        # (R-prototypes-heldout-2026-11-22; docs/design.md section 1, "Query prototypes").
         return False
 
     options_title = "future-queries stage (with --probes and --max-new-tokens)"
