@@ -1,10 +1,12 @@
 """Evicting KV heads down to their budgets: scorer, sinks and window, moments.
 
-:class:`HeadEvictor` is built once per compression from the model, the policy, the
-calibration and the prompt's statistics.  ``compress()`` calls :meth:`HeadEvictor.evict_layer`
-for every layer after prefill (or after each prefill block), and the cache calls it while
-decoding when the policy has ``evict_every`` (heads that grew ``evict_every`` tokens past their
-budget are cut back to it).  One layer is one batched computation for all its rows and heads:
+:class:`HeadEvictor` is built once per compression from a :class:`~runtime.serving_plan.ServingPlan`
+(the policy with the calibration tensors it reads, loaded and checked by ``bind``) and the
+prompt's statistics.  ``compress()`` calls :meth:`HeadEvictor.evict_layer` for every layer
+after prefill (or after each prefill block), and the cache calls it back while decoding when
+the policy has ``evict_every`` (:meth:`HeadEvictor.evict_decoded`, installed by
+:meth:`ServingPlan.decode_plan`: heads that grew ``evict_every`` tokens past their budget are
+cut back to it).  One layer is one batched computation for all its rows and heads:
 the scorer's ``score_layer`` over a :class:`~runtime.scorers.LayerContext`, one ranking
 (:func:`~runtime.selection.keep_mask`), one gather that compacts the kept rows
 (:meth:`~runtime.cache.RaggedLayer.keep_rows`) and one batched fold of the evicted rows into the
@@ -22,11 +24,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .geometry import ModelGeometry
 from .moments import evict_in_rounds
 from .rope import averaged_rope, rope_cos_sin
 from .scorers import ALL_QUERIES, HeadContext, LayerContext
 from .selection import keep_mask, protected_mask
+from .serving_plan import ServingPlan
 
 # Elements of one row's keys (Hkv x n x d) a CPU scoring tile may hold in all: scorers make a few
 # intermediates of that size, and past the caches' size they run memory-bound (measured: Compactor's
@@ -43,13 +45,21 @@ def rows_per_tile(device: torch.device, row_elements: int) -> int:
 
 
 class HeadEvictor:
-    """Evicts single heads of a :class:`~runtime.cache.RaggedCache` under one policy."""
+    """Evicts the heads of a :class:`~runtime.cache.RaggedCache` under one :class:`ServingPlan`;
+    ``prompt_stats`` are the prompt's own query statistics (scorers with ``statistics='prompt'``).
+    It is also the cache's decode-time eviction hook (:meth:`evict_decoded`; the plan hands it
+    to the cache, :meth:`ServingPlan.decode_plan`)."""
 
-    def __init__(self, model, policy, calibration=None, prompt_stats=None):
-        policy.check_calibration(calibration)
-        self.policy = policy
-        self.scorer = policy.build_scorer()
-        self.geometry = geometry = ModelGeometry.of(model)
+    def __init__(self, plan: ServingPlan, prompt_stats=None):
+        if not isinstance(plan, ServingPlan):
+            raise TypeError(
+                f"HeadEvictor takes a ServingPlan (runtime.serving_plan.bind(policy, calibration, model)), "
+                f"got {type(plan).__name__}"
+            )
+        self.plan = plan
+        self.policy = plan.policy
+        self.scorer = plan.scorer
+        self.geometry = geometry = plan.geometry
         self.num_layers = geometry.num_layers
         self.num_q_heads = geometry.num_q_heads
         self.num_kv_heads = geometry.num_kv_heads
@@ -61,41 +71,9 @@ class HeadEvictor:
         self.prompt_stats = prompt_stats
         if self.scorer.query_statistics == "prompt" and prompt_stats is None:
             raise ValueError(f"{self.scorer!r} needs the prompt's query statistics: prefill with policy=... first")
-        self.calibrated = None
-        if self.scorer.query_statistics in ("calibrated", "future"):
-            identity = calibration.identity
-            if (identity.num_layers, identity.num_q_heads) != (self.num_layers, self.num_q_heads):
-                raise ValueError("calibration statistics do not match the model's layers / query heads")
-            future = self.scorer.query_statistics == "future"  # the future_queries section's, else query_stats'
-            self.calibrated = (
-                torch.from_numpy(np.asarray(calibration.future_mean if future else calibration.query_mean)),
-                torch.from_numpy(np.asarray(calibration.future_cov if future else calibration.query_cov)),
-            )
-        self.centres = None
-        if self.scorer.query_centres:
-            centres = torch.from_numpy(np.asarray(calibration.future_centres, dtype=np.float32))  # [L, Hq, K, d]
-            weights = torch.from_numpy(np.asarray(calibration.future_centre_weights, dtype=np.float32))  # [L, Hq, K]
-            if tuple(centres.shape[:2]) != (self.num_layers, self.num_q_heads) or centres.shape[-1] != (
-                geometry.head_dim
-            ):
-                raise ValueError(
-                    f"future-query centres of shape {tuple(centres.shape)} do not fit the model ({self.num_layers} "
-                    f"layers, {self.num_q_heads} query heads, d={geometry.head_dim})"
-                )
-            k = centres.shape[2]
-            self.centres = (
-                centres.reshape(self.num_layers, self.num_kv_heads, self.group, k, -1),
-                weights.reshape(self.num_layers, self.num_kv_heads, self.group, k),
-            )
-        self.learned = None
-        if self.scorer.learned:
-            weights = torch.from_numpy(np.asarray(calibration.scorer_weights, dtype=np.float32))  # [L, Hkv, 2d]
-            if tuple(weights.shape) != (self.num_layers, self.num_kv_heads, 2 * geometry.head_dim):
-                raise ValueError(
-                    f"learned scorer weights of shape {tuple(weights.shape)} do not fit the model "
-                    f"({self.num_layers} layers, {self.num_kv_heads} KV heads, d={geometry.head_dim})"
-                )
-            self.learned = (weights, np.asarray(calibration.scorer_bias, dtype=np.float64))
+        self.calibrated = plan.query_stats  # mean [L, Hq, d], cov [L, Hq, d, d] of calibrated / future queries
+        self.centres = plan.query_centres  # [L, Hkv, G, K, d], [L, Hkv, G, K]
+        self.learned = plan.learned  # [L, Hkv, 2d], [L, Hkv]
 
     def _rope_at(self, next_position: int):
         if self._rope is None or self._rope[0] != next_position:
@@ -272,6 +250,20 @@ class HeadEvictor:
         if bool(bad.any()):
             self._refuse_nan(layer_idx, int(bad.any(-1).nonzero()[0, 1]))
         return scores
+
+    def evict_decoded(
+        self,
+        layer,
+        layer_idx: int,
+        rows: list[int],
+        budgets: torch.Tensor,
+        next_positions: list[int],
+        stats_rows: list[int],
+    ) -> None:
+        """The decode-time eviction hook: the heads of batch rows ``rows`` that decoding grew past
+        their budgets cut back to ``budgets`` int64 ``[R, Hkv]``, the capacity kept for the tokens
+        that follow."""
+        self.evict_layer(layer, layer_idx, rows, budgets, next_positions, shrink=False, stats_rows=stats_rows)
 
     def evict_layer(
         self,

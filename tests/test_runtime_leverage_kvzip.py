@@ -33,6 +33,7 @@ from runtime.scorers import (
     leverage_scores,
     unrotate,
 )
+from runtime.serving_plan import bind
 from runtime.transformers_compat import cache_argument
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
@@ -409,7 +410,7 @@ def test_kvzip_layer_scores_equal_the_per_head_lookup_with_rows_of_different_len
     layer = cache.layers[1]
     layer.keep(0, 0, torch.arange(0, 40, 3))  # heads of different lengths
     scorer = KVzipScorer(scores)
-    evictor = HeadEvictor(model, CompressionPolicy(budget=10, scorer=scorer), None, None)
+    evictor = HeadEvictor(bind(CompressionPolicy(budget=10, scorer=scorer), None, model))
     context_of_layer = evictor.layer_context(layer, 1, [0], [40])
     batched = scorer.score_layer(context_of_layer)
     for h in range(2):

@@ -271,6 +271,7 @@ def test_layer_scores_equal_the_per_head_scores(scorer, options):
     """One batched call per layer scores every row and head as the head-by-head definition does:
     two left-padded rows of different lengths, after a first eviction left the heads ragged."""
     from runtime.eviction import HeadEvictor
+    from runtime.serving_plan import bind
 
     model = make_tiny_llama(num_layers=2, num_heads=6, num_kv_heads=3)
     generator = torch.Generator().manual_seed(11)
@@ -280,7 +281,7 @@ def test_layer_scores_equal_the_per_head_scores(scorer, options):
     policy = CompressionPolicy(keep_ratio=0.5, scorer=scorer, **options)
     cache = RaggedCache.for_model(model)
     stats = prefill(model, cache, ids, mask, policy=policy, record_prompt_stats=True, observe_queries=48)
-    evictor = HeadEvictor(model, policy, None, stats)
+    evictor = HeadEvictor(bind(policy, None, model), stats)
     positions = cache.layers[0].real_seen
     for index, layer in enumerate(cache.layers):  # ragged heads: cut each head to its own length
         cut = torch.tensor([[40, 31, 44], [35, 39, 22]])
