@@ -201,7 +201,6 @@ def test_compress_applies_expected_attention_with_sink_and_window_rules_per_row(
         query_mean=mean.numpy(),
         query_cov=cov.numpy(),
     )
-    calibration.identity = type("Identity", (), {"num_layers": layers, "num_q_heads": heads})()
     ids = torch.randint(0, 128, (2, 40), generator=generator)
     mask = torch.ones(2, 40, dtype=torch.long)
     mask[0, :9] = 0  # row 0 has 31 real tokens
