@@ -91,8 +91,8 @@ class Requirement:
 
 
 # What a policy can read from an artifact, in the order it is checked: the one statement of
-# which policy needs which section.  runtime.serving_plan.bind loads each of them (one loader
-# per section) and runtime.calibration reads them from the file.
+# which policy needs which section.  runtime.serving_plan.bind loads what a policy needs with one
+# loader per section (tests/test_serving_plan.py checks the two lists agree).
 REQUIREMENTS = (
     Requirement(
         "budgets",
