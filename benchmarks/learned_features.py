@@ -537,7 +537,8 @@ def main(argv=None) -> int:
         for ratio in args.compression:
             placeholder = TimedLearnedScorer() if kind == "learned" else PositionTableScorer(kind)
             policy = CompressionPolicy(compression_ratio=ratio, allocation="global", scorer=placeholder, **extra)
-            policy.check_calibration(calibration)
+            if missing := policy.missing(calibration):
+                raise ValueError(missing[0])
             cells.append(((row, ratio), policy))
 
     per_probe = []

@@ -571,7 +571,8 @@ def build_policies(args, model, tokenizer, results) -> dict:
             calibration,
         )
     for policy, with_calibration in policies.values():
-        policy.check_calibration(with_calibration)  # before anything long runs
+        if missing := policy.missing(with_calibration):  # before anything long runs
+            raise ValueError(missing[0])
     return policies
 
 

@@ -272,11 +272,10 @@ def main(argv=None) -> int:
                 allocation=allocation,
                 **{**fields, "scorer_options": options},
             )
-            try:
-                policy.check_calibration(calibration)
-            except ValueError as exc:
+            missing = policy.missing(calibration)
+            if missing:
                 if ratio == args.compression[0]:
-                    print(f"skipping {row}: {exc}", file=sys.stderr)
+                    print(f"skipping {row}: {missing[0]}", file=sys.stderr)
                 continue
             cells.append(((row, ratio), policy))
 

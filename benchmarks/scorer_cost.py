@@ -32,6 +32,7 @@ from runtime.kvzip import kvzip_scores, with_kvzip_scores  # noqa: E402
 from runtime.models import load_model, load_tokenizer  # noqa: E402
 from runtime.policy import CompressionPolicy  # noqa: E402
 from runtime.scorers import ALL_QUERIES  # noqa: E402
+from runtime.serving_plan import bind  # noqa: E402
 
 SCORERS = {
     "keydiff": {"scorer": "keydiff"},
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
             policy = CompressionPolicy(keep_ratio=0.25, **fields)
             if fields["scorer"] == "kvzip":
                 policy = with_kvzip_scores(policy, kvzip[0])
-            evictor = HeadEvictor(model, policy, calibration)
+            evictor = HeadEvictor(bind(policy, calibration, model))
             times = []
             for _ in range(args.repeat):
                 started = time.perf_counter()

@@ -180,14 +180,12 @@ def _servable(policies, calibration, ratio: float, explicit: bool):
     """``policies`` the calibration can serve; with the default list the others are left out (noted)."""
     kept = []
     for spec in policies:
-        if not spec.is_baseline:
-            try:
-                spec.policy(ratio).check_calibration(calibration)
-            except ValueError as exc:
-                if explicit:
-                    raise
-                print(f"evaluate-artifact: leaving out {spec.name}: {exc}", file=sys.stderr)
-                continue
+        missing = [] if spec.is_baseline else spec.policy(ratio).missing(calibration)
+        if missing:
+            if explicit:
+                raise ValueError(missing[0])
+            print(f"evaluate-artifact: leaving out {spec.name}: {missing[0]}", file=sys.stderr)
+            continue
         kept.append(spec)
     return kept
 

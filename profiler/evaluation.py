@@ -128,30 +128,31 @@ def decode_together(model, tokenizer, ids: torch.Tensor, caches, max_new_tokens:
 
 @torch.no_grad()
 def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_aware, max_new_tokens):
-    """The baseline and every ``(key, policy)`` cell on one probe: one prefill, one copy of it
-    compressed per cell, and one batched ``generate`` (row 0 the baseline).  Returns per-row records."""
-    from runtime import RaggedCache, compress
+    """The baseline and every ``(key, plan)`` cell (plans bound to ``calibration`` by
+    ``runtime.serving_plan.bind``) on one probe: one prefill, one copy of it compressed per cell,
+    and one batched ``generate`` (row 0 the baseline).  Returns per-row records."""
+    from runtime import RaggedCache, bind, compress
     from runtime.compress import prefill_for_policies
-    from runtime.generate import check_calibration_fits, check_inputs
+    from runtime.generate import check_inputs
     from runtime.kvzip import uses_kvzip, with_reconstruction_scores
 
     ids = torch.tensor([probe.input_ids], dtype=torch.long)
     check_inputs(model, ids, None)
     columns = ids.shape[1] - 1 if question_aware else probe.context_end
-    policies = [policy for _, policy in cells]
-    for policy in policies:
-        policy.check_calibration(calibration)
-    check_calibration_fits(model, calibration)
+    plans = [plan for _, plan in cells]
+    policies = [plan.policy for plan in plans]
     start = time.perf_counter()
     base = RaggedCache.for_model(model)
-    stats = prefill_for_policies(model, base, ids[:, :columns], policies)
+    stats = prefill_for_policies(model, base, ids[:, :columns], plans)
     prefill_seconds = time.perf_counter() - start
     # KVzip's policies share one reconstruction pass; its time counts in each of their cells
     scored, reconstruction = with_reconstruction_scores(model, tokenizer, base, ids[0, :columns], policies)
     caches, compress_seconds = [], []
-    for policy, original in zip(scored, policies, strict=True):
+    for policy, original, plan in zip(scored, policies, plans, strict=True):
         cache = base.copy()
-        report = compress(model, cache, policy, calibration, prompt_stats=stats)
+        if policy is not original:  # this probe's KVzip scores: a scorer of its own, bound again
+            plan = bind(policy, calibration, model)
+        report = compress(model, cache, plan, prompt_stats=stats)
         caches.append(cache)
         compress_seconds.append(report.seconds + (reconstruction.seconds if uses_kvzip(original) else 0.0))
     base.stop_observing()  # the baseline decodes without the recorded queries
@@ -201,10 +202,13 @@ def evaluate(
     """
     if is_correct is None:
         from needles import answer_is_correct as is_correct
+    from runtime import bind
+
     compressed = [spec for spec in policies if not spec.is_baseline]
-    for spec in compressed:  # fail before any model time is spent
-        spec.policy(ratios[0]).check_calibration(calibration)
-    cells = [((spec.name, ratio), spec.policy(ratio)) for spec in compressed for ratio in ratios]
+    # every cell bound once, before any model time is spent (a policy the calibration cannot serve fails here)
+    cells = [
+        ((spec.name, ratio), bind(spec.policy(ratio), calibration, model)) for spec in compressed for ratio in ratios
+    ]
     runs = defaultdict(list)  # (policy, ratio) -> per-probe records
     recorder = AttentionOutputRecorder(model)
     bar = tqdm(total=len(probes), desc="evaluate", unit="task", disable=not progress)

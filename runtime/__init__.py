@@ -4,6 +4,7 @@
     calibration = load_calibration(model, tokenizer)               # next to the weights, hub snapshot, kvcal cache
     policy = calibration.policy(compression_ratio=0.75)            # the artifact's measured best, 75% evicted
     policy = CompressionPolicy(compression_ratio=0.75)             # or any policy; this one needs no artifact
+    plan = bind(policy, calibration, model)                        # optional: check and load once, serve many
     result = generate(model, input_ids, policy, context_columns=n, calibration=calibration,
                       max_new_tokens=32)
 
@@ -12,7 +13,9 @@ layer, MomentKV moment sums and correction), ``paged_attention`` (attention over
 all rows and heads at once), ``attention`` (the registered attention function and its scoped
 switch), ``scorers`` (a package, one module per scorer: EA,
 prototype attention, KeyDiff, SnapKV, KNorm, StreamingLLM, leverage, KVzip, learned; each scores a
-whole layer, its inputs built by the package's providers), ``policy``, ``policy_spec`` (policies by name: the grammar
+whole layer, its inputs built by the package's providers), ``policy`` (the policy value and what it
+needs from an artifact), ``serving_plan`` (``bind``: a policy checked against, and loaded from, one
+calibration for one model), ``policy_spec`` (policies by name: the grammar
 ``inf/leverage``, ``global/learned+correction``..., the flagship), ``recommendation`` (the
 artifact's measured best policy per compression ratio), ``compress`` (prefill and per-prompt
 eviction), ``eviction`` (a layer's heads down to their budgets: layer-batched scores,
@@ -38,6 +41,7 @@ from .query_moments import QueryMoments
 from .recommendation import Recommendation
 from .scorers import SCORERS, LayerInputs, Scorer, ScorerInputs, make_scorer
 from .selection import select_rows
+from .serving_plan import ServingPlan, bind
 from .transformers_compat import cache_argument
 
 __all__ = [
@@ -57,8 +61,10 @@ __all__ = [
     "SCORERS",
     "Scorer",
     "ScorerInputs",
+    "ServingPlan",
     "UnsupportedModelError",
     "answer",
+    "bind",
     "build_inputs",
     "cache_argument",
     "compress",

@@ -60,7 +60,7 @@ from artifacts.fingerprint import (
 )
 
 from .budgets import kv_head_scores
-from .recommendation import Recommendation
+from .recommendation import Recommendation, recommended_policy
 
 _MEMO_ATTRIBUTE = "_kvcal_fingerprint_memo"
 FUTURE_DATASETS = ("mean", "cov", "centres", "centre_weights")  # section future_queries, read on first use
@@ -188,9 +188,7 @@ class Calibration:
     def policy(self, compression_ratio: float):
         """The policy to serve evicting ``compression_ratio`` of the context: the one this artifact
         measured best (its ``recommendation`` section), else the flagship (runtime.recommendation)."""
-        from .policy import CompressionPolicy
-
-        return CompressionPolicy.recommended(self, compression_ratio)
+        return recommended_policy(self, compression_ratio)
 
     def check_moment_selection(self, scorer_name: str) -> None:
         """Warn (once per scorer) when the correction orders were calibrated under another scorer's

@@ -3,12 +3,13 @@
     cache = RaggedCache.for_model(model)
     stats = prefill(model, cache, ids[:, :n], mask[:, :n], policy=policy)   # forward only
     report = compress(model, cache, policy, calibration, prompt_stats=stats)
+    report = compress(model, cache, plan, prompt_stats=stats)   # plan = bind(policy, calibration, model)
 
 ``prefill`` runs the model over a chunk with the ragged attention function, recording what
 the policy's scorer needs (pre-RoPE query statistics of the prompt, a per-row
 :class:`~runtime.query_moments.QueryMoments` filled through temporary forward hooks on
 ``q_proj`` / ``q_norm``, or the last queries for SnapKV).  ``compress`` then gives
-every (batch element, layer, KV head) its budget (``policy.head_budgets`` for that element's
+every (batch element, layer, KV head) its budget (the plan's ``head_budgets`` for that element's
 real token count) and keeps sinks + recent window + the best-scored tokens.
 """
 
@@ -23,17 +24,26 @@ import torch
 
 from .attention import ragged_attention
 from .budgets import global_budgets
-from .cache import DecodePlan, RaggedCache
+from .cache import RaggedCache
 from .eviction import HeadEvictor
 from .geometry import ModelGeometry
 from .policy import CompressionPolicy
 from .query_moments import QueryMoments
 from .scorers import query_statistics, recent_query_window
+from .serving_plan import ServingPlan, as_plan
 from .transformers_compat import cache_argument
 
 
-def _needs(policy: CompressionPolicy | None):
-    scorer = policy.build_scorer() if policy is not None else None
+def _scorer(policy: CompressionPolicy | ServingPlan):
+    return policy.scorer if isinstance(policy, ServingPlan) else policy.build_scorer()
+
+
+def _policy(policy: CompressionPolicy | ServingPlan) -> CompressionPolicy:
+    return policy.policy if isinstance(policy, ServingPlan) else policy
+
+
+def _needs(policy: CompressionPolicy | ServingPlan | None):
+    scorer = _scorer(policy) if policy is not None else None
     prompt_stats = scorer is not None and query_statistics(scorer) == "prompt"
     window = recent_query_window(scorer) if scorer is not None else 0
     return prompt_stats, window
@@ -46,7 +56,7 @@ def prefill(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     *,
-    policy: CompressionPolicy | None = None,
+    policy: CompressionPolicy | ServingPlan | None = None,
     prompt_stats: QueryMoments | None = None,
     record_prompt_stats: bool = False,
     observe_queries: int = 0,
@@ -56,9 +66,10 @@ def prefill(
 
     ``attention_mask [B, past + T]`` (1 real, 0 padding) covers the columns already in the
     cache plus this chunk; None means no padding.  Positions follow the real tokens.
-    What is recorded follows ``policy``'s scorer; ``record_prompt_stats`` / ``observe_queries``
-    record more (to compress copies of one prefilled cache under several policies), with the
-    first ``n_sink`` tokens (default: the policy's, else 0) left out of the statistics.
+    What is recorded follows ``policy``'s scorer (``policy``: a policy or a :class:`ServingPlan`);
+    ``record_prompt_stats`` / ``observe_queries`` record more (to compress copies of one prefilled
+    cache under several policies), with the first ``n_sink`` tokens (default: the policy's, else 0)
+    left out of the statistics.
     Pass the returned statistics back in (``prompt_stats=``) when prefilling in several chunks.
     """
     batch, length = input_ids.shape
@@ -86,7 +97,7 @@ def prefill(
         if prompt_stats is None:
             prompt_stats = QueryMoments.for_prompt(geometry, batch)
         # only real tokens count; the first n_sink (attention sinks, outlier queries) stay out
-        skip = n_sink if n_sink is not None else (policy.n_sink if policy is not None else 0)
+        skip = n_sink if n_sink is not None else (_policy(policy).n_sink if policy is not None else 0)
         collecting = prompt_stats.collect(geometry, real=chunk_mask & (position_ids >= skip))
     with collecting, ragged_attention(model):
         model(
@@ -102,10 +113,10 @@ def prefill(
 
 def prefill_for_policies(model, cache: RaggedCache, input_ids: torch.Tensor, policies) -> QueryMoments | None:
     """Prefill ``input_ids [1, T]`` once so that copies of ``cache`` (``cache.copy()``) can each be
-    compressed under one of ``policies``: records the prompt query statistics and the last
+    compressed under one of ``policies`` (policies or plans): records the prompt query statistics and the last
     queries that any of their scorers observes.  Returns the statistics to pass to ``compress``;
     ``cache.stop_observing()`` before decoding the uncompressed cache itself."""
-    window = max([0] + [recent_query_window(policy.build_scorer()) for policy in policies])
+    window = max([0] + [recent_query_window(_scorer(policy)) for policy in policies])
     return prefill(model, cache, input_ids, record_prompt_stats=bool(policies), observe_queries=window, n_sink=4)
 
 
@@ -123,7 +134,7 @@ class CompressionReport:
 def compress(
     model,
     cache: RaggedCache,
-    policy: CompressionPolicy,
+    policy: CompressionPolicy | ServingPlan,
     calibration=None,
     prompt_stats: QueryMoments | None = None,
     *,
@@ -132,41 +143,44 @@ def compress(
 ) -> CompressionReport:
     """Evict every KV head of ``cache`` down to its budget (see the module docstring).
 
-    Budgets are computed for each batch element's real token count, or for
-    ``context_lengths[b]`` when given (block-wise prefill: the whole context's budget applied
-    after every block).  ``final=False`` keeps recording the last queries for later blocks.
-    With ``final``, the policy's MomentKV correction and decode-time eviction are switched on
-    for the generation that follows; while decoding, a head is held to its budget for a
-    context of ``max(prompt length, policy.budget)`` tokens (a ratio policy: the prompt's).
+    ``policy``: a :class:`ServingPlan`, or a policy bound here to ``calibration``
+    (:func:`runtime.serving_plan.bind`).  Budgets are computed for each batch element's real
+    token count, or for ``context_lengths[b]`` when given (block-wise prefill: the whole
+    context's budget applied after every block).  ``final=False`` keeps recording the last
+    queries for later blocks.  With ``final``, the policy's MomentKV correction and decode-time
+    eviction are switched on for the generation that follows; while decoding, a head is held to
+    its budget for a context of ``max(prompt length, policy.budget)`` tokens (a ratio policy: the
+    prompt's).
     """
     started = time.perf_counter()
-    evictor = HeadEvictor(model, policy, calibration, prompt_stats)
+    if policy is None:
+        raise ValueError("compress() needs a policy or a ServingPlan (prefill alone keeps the full cache)")
+    plan = as_plan(policy, calibration, model)
+    policy = plan.policy
+    evictor = HeadEvictor(plan, prompt_stats)
     first = cache.layers[0]
     if not first.is_initialized:
         raise ValueError("the cache is empty: prefill it before compressing")
-    if len(cache.layers) != evictor.num_layers:
-        raise ValueError(f"cache has {len(cache.layers)} layers, the model {evictor.num_layers}")
-    if first.num_heads != evictor.num_kv_heads:
-        raise ValueError(f"cache has {first.num_heads} KV heads, the model {evictor.num_kv_heads}")
-    if recent_query_window(evictor.scorer) and any(q is None for layer in cache.layers for q in layer.recent_queries):
-        raise ValueError(f"{evictor.scorer!r} needs the last prompt queries: prefill with policy=... first")
+    if len(cache.layers) != plan.num_layers:
+        raise ValueError(f"cache has {len(cache.layers)} layers, the model {plan.num_layers}")
+    if first.num_heads != plan.num_kv_heads:
+        raise ValueError(f"cache has {first.num_heads} KV heads, the model {plan.num_kv_heads}")
+    if recent_query_window(plan.scorer) and any(q is None for layer in cache.layers for q in layer.recent_queries):
+        raise ValueError(f"{plan.scorer!r} needs the last prompt queries: prefill with policy=... first")
     if context_lengths is not None and len(context_lengths) != first.batch_size:
         raise ValueError(f"context_lengths has {len(context_lengths)} entries for a batch of {first.batch_size}")
-    corrections = policy.correction_orders(calibration, evictor.num_layers, evictor.num_kv_heads)
     if policy.tracks_moments:
         cache.track_moments()
-    inf_weights = calibration.inf_weights if (policy.allocation == "inf" and calibration is not None) else None
-    curve = getattr(calibration, "budget_curve", None) if policy.allocation == "curve" else None
 
     lengths_before = cache.head_lengths().numpy()
     bytes_before = cache.kv_bytes()
-    num_layers, num_kv_heads = evictor.num_layers, evictor.num_kv_heads
+    num_layers, num_kv_heads = plan.num_layers, plan.num_kv_heads
     all_budgets = np.zeros((first.batch_size, num_layers, num_kv_heads), dtype=np.int64)
     rows = [b for b in range(first.batch_size) if first.real_seen[b] > 0]  # an all-padding row holds nothing
     next_positions = [first.real_seen[b] for b in rows]  # each row's next absolute position
     for b in rows:
         budget_length = first.real_seen[b] if context_lengths is None else max(int(context_lengths[b]), 1)
-        all_budgets[b] = policy.head_budgets(budget_length, num_layers, num_kv_heads, inf_weights, curve)
+        all_budgets[b] = plan.head_budgets(budget_length)
     with torch.profiler.record_function("kvcal.eviction"):
         scores = None
         if policy.allocation == "global" and rows:  # one ranking of every head's tokens shares out the total
@@ -191,16 +205,14 @@ def compress(
     cache.compact()  # one repack per layer releases what eviction freed
     if final:
         for b in range(first.batch_size):
-            if corrections is not None:
-                cache.set_correction(*corrections, rows=[b])
-            if policy.evict_every is not None and first.real_seen[b] > 0:
-                # a token budget bounds each head while decoding even when the prompt was shorter
-                length = max(
-                    first.real_seen[b] if context_lengths is None else int(context_lengths[b]), policy.budget or 0
-                )
-                budgets = policy.head_budgets(length, evictor.num_layers, evictor.num_kv_heads, inf_weights, curve)
-                cache.set_decode_plan(DecodePlan(evictor, budgets, int(policy.evict_every), b), row=b)
-        if policy.evict_every is None or not recent_query_window(evictor.scorer):
+            if plan.corrections is not None:
+                cache.set_correction(*plan.corrections, rows=[b])
+            if first.real_seen[b] > 0:
+                length = first.real_seen[b] if context_lengths is None else int(context_lengths[b])
+                decode_plan = plan.decode_plan(evictor, length, b)
+                if decode_plan is not None:
+                    cache.set_decode_plan(decode_plan, row=b)
+        if policy.evict_every is None or not recent_query_window(plan.scorer):
             cache.stop_observing()
     return CompressionReport(
         budgets=all_budgets,

@@ -1,10 +1,12 @@
 """Evicting KV heads down to their budgets: scorer, sinks and window, moments.
 
-:class:`HeadEvictor` is built once per compression from the model, the policy, the
-calibration and the prompt's statistics.  ``compress()`` calls :meth:`HeadEvictor.evict_layer`
-for every layer after prefill (or after each prefill block), and the cache calls it while
-decoding when the policy has ``evict_every`` (heads that grew ``evict_every`` tokens past their
-budget are cut back to it).  One layer is one batched computation for all its rows and heads:
+:class:`HeadEvictor` is built once per compression from a :class:`~runtime.serving_plan.ServingPlan`
+(the policy with the calibration tensors it reads, loaded and checked by ``bind``) and the
+prompt's statistics.  ``compress()`` calls :meth:`HeadEvictor.evict_layer` for every layer
+after prefill (or after each prefill block), and the cache calls it back while decoding when
+the policy has ``evict_every`` (:meth:`HeadEvictor.evict_decoded`, installed by
+:meth:`ServingPlan.decode_plan`: heads that grew ``evict_every`` tokens past their budget are
+cut back to it).  One layer is one batched computation for all its rows and heads:
 the scorer's ``score`` over a :class:`~runtime.scorers.LayerInputs` (built by the scorer's input
 providers, :class:`~runtime.scorers.ScorerInputs`), one ranking
 (:func:`~runtime.selection.keep_mask`), one gather that compacts the kept rows
@@ -23,10 +25,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .geometry import ModelGeometry
 from .moments import evict_in_rounds
 from .scorers import LayerInputs, ScorerInputs
 from .selection import keep_mask, protected_mask
+from .serving_plan import ServingPlan
 
 # Elements of one row's keys (Hkv x n x d) a CPU scoring tile may hold in all: scorers make a few
 # intermediates of that size, and past the caches' size they run memory-bound (measured: Compactor's
@@ -43,21 +45,36 @@ def rows_per_tile(device: torch.device, row_elements: int) -> int:
 
 
 class HeadEvictor:
-    """Evicts single heads of a :class:`~runtime.cache.RaggedCache` under one policy."""
+    """Evicts the heads of a :class:`~runtime.cache.RaggedCache` under one :class:`ServingPlan`;
+    ``prompt_stats`` are the prompt's own query statistics (scorers with ``statistics='prompt'``).
+    It is also the cache's decode-time eviction hook (:meth:`evict_decoded`; the plan hands it
+    to the cache, :meth:`ServingPlan.decode_plan`)."""
 
-    def __init__(self, model, policy, calibration=None, prompt_stats=None):
-        policy.check_calibration(calibration)
-        self.policy = policy
-        self.scorer = policy.build_scorer()
-        self.geometry = geometry = ModelGeometry.of(model)
+    def __init__(self, plan: ServingPlan, prompt_stats=None):
+        if not isinstance(plan, ServingPlan):
+            raise TypeError(
+                f"HeadEvictor takes a ServingPlan (runtime.serving_plan.bind(policy, calibration, model)), "
+                f"got {type(plan).__name__}"
+            )
+        self.plan = plan
+        self.policy = plan.policy
+        self.scorer = plan.scorer
+        self.geometry = geometry = plan.geometry
         self.num_layers = geometry.num_layers
         self.num_q_heads = geometry.num_q_heads
         self.num_kv_heads = geometry.num_kv_heads
         self.group = geometry.group_size
         self.scalings = geometry.scalings
         self.prompt_stats = prompt_stats
-        # what the scorer needs, from the calibration, the prompt's statistics and the cache
-        self.inputs = ScorerInputs(self.scorer, geometry, calibration=calibration, prompt_stats=prompt_stats)
+        # what the scorer needs: the plan's loaded tensors, the prompt's statistics and the cache
+        self.inputs = ScorerInputs(
+            self.scorer,
+            geometry,
+            prompt_stats=prompt_stats,
+            query_stats=plan.query_stats,
+            query_centres=plan.query_centres,
+            learned=plan.learned,
+        )
 
     def _refuse_nan(self, layer_idx: int, h: int, what: str = "scores") -> None:
         raise ValueError(
@@ -86,7 +103,8 @@ class HeadEvictor:
             return
         if layer.moments[b] is None:
             raise ValueError(
-                "moment-informed eviction needs a cache that tracks moments (RaggedCache(..., track_moments=True))"
+                "moment-informed eviction needs a cache that tracks moments "
+                "(call cache.track_moments() before compressing)"
             )
         inputs = self.layer_inputs(layer, layer_idx, [b], [next_position], [b if stats_row is None else stats_row])
         attention = self.scorer.attention(inputs)  # [1, Hkv, n]
@@ -163,6 +181,20 @@ class HeadEvictor:
         if bool(bad.any()):
             self._refuse_nan(layer_idx, int(bad.any(-1).nonzero()[0, 1]))
         return scores
+
+    def evict_decoded(
+        self,
+        layer,
+        layer_idx: int,
+        rows: list[int],
+        budgets: torch.Tensor,
+        next_positions: list[int],
+        stats_rows: list[int],
+    ) -> None:
+        """The decode-time eviction hook: the heads of batch rows ``rows`` that decoding grew past
+        their budgets cut back to ``budgets`` int64 ``[R, Hkv]``, the capacity kept for the tokens
+        that follow."""
+        self.evict_layer(layer, layer_idx, rows, budgets, next_positions, shrink=False, stats_rows=stats_rows)
 
     def evict_layer(
         self,

@@ -33,10 +33,10 @@ from prompt_format import encode_prompt
 
 from .attention import ragged_attention
 from .cache import RaggedCache
-from .calibration import architecture_mismatch
 from .checks import check_integer
 from .compress import CompressionReport, compress, prefill
 from .policy import CompressionPolicy
+from .serving_plan import ServingPlan, as_plan
 from .transformers_compat import cache_argument
 
 
@@ -121,21 +121,11 @@ def check_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     return attention_mask
 
 
-def check_calibration_fits(model, calibration) -> None:
-    """Refuse a calibration loaded for a model of another architecture (cheap: no weights read)."""
-    identity = getattr(calibration, "identity", None)
-    if identity is None:
-        return
-    problem = architecture_mismatch(identity, model)
-    if problem:
-        raise ValueError(f"the calibration {getattr(calibration, 'path', '')} {problem}")
-
-
 @torch.no_grad()
 def compress_prompt(
     model,
     input_ids: torch.Tensor,
-    policy: CompressionPolicy | None,
+    policy: CompressionPolicy | ServingPlan | None,
     *,
     attention_mask: torch.Tensor | None = None,
     context_columns: int | None = None,
@@ -145,7 +135,9 @@ def compress_prompt(
     """A :class:`RaggedCache` holding the compressed prefix of ``input_ids [B, T]``.
 
     ``context_columns``: question-agnostic split (see the module docstring); None =
-    question-aware.  ``policy=None`` prefills without evicting (the full cache).
+    question-aware.  ``policy``: a policy (bound here to ``calibration``, once:
+    :func:`runtime.serving_plan.bind`) or a :class:`ServingPlan`; None prefills without evicting
+    (the full cache).
     ``block_size``: prefill in blocks of that many columns and evict after each (KeyDiff's
     block-wise prefill, KeyDiff arXiv 2504.15364 Eq. 6), so the cache never holds more than the budget plus
     one block; budgets are those of the whole prefix, and scorers see positions and RoPE at
@@ -164,24 +156,18 @@ def compress_prompt(
         )
     if block_size is not None:
         block_size = check_integer("block_size", block_size, minimum=1)
-    if policy is not None:
-        policy.check_calibration(calibration)
-    check_calibration_fits(model, calibration)
+    plan = as_plan(policy, calibration, model)  # every check of policy x calibration x model, before any forward
     cache = RaggedCache.for_model(model)
-    if block_size is None or policy is None:
-        stats = prefill(model, cache, input_ids[:, :columns], attention_mask[:, :columns], policy=policy)
-        report = compress(model, cache, policy, calibration, prompt_stats=stats) if policy is not None else None
+    if block_size is None or plan is None:
+        stats = prefill(model, cache, input_ids[:, :columns], attention_mask[:, :columns], policy=plan)
+        report = compress(model, cache, plan, prompt_stats=stats) if plan is not None else None
         return cache, report
     lengths = attention_mask[:, :columns].sum(-1).tolist()  # each row's real context length
     stats = None
     for start in range(0, columns, block_size):
         end = min(start + block_size, columns)
-        stats = prefill(
-            model, cache, input_ids[:, start:end], attention_mask[:, :end], policy=policy, prompt_stats=stats
-        )
-        report = compress(
-            model, cache, policy, calibration, prompt_stats=stats, context_lengths=lengths, final=end == columns
-        )
+        stats = prefill(model, cache, input_ids[:, start:end], attention_mask[:, :end], policy=plan, prompt_stats=stats)
+        report = compress(model, cache, plan, prompt_stats=stats, context_lengths=lengths, final=end == columns)
     return cache, report
 
 
@@ -197,7 +183,7 @@ class GenerationResult:
 def generate(
     model,
     input_ids: torch.Tensor,
-    policy: CompressionPolicy | None,
+    policy: CompressionPolicy | ServingPlan | None,
     *,
     attention_mask: torch.Tensor | None = None,
     context_columns: int | None = None,
@@ -243,7 +229,7 @@ def answer(
     tokenizer,
     context: str | list[str],
     question: str | list[str],
-    policy: CompressionPolicy | None,
+    policy: CompressionPolicy | ServingPlan | None,
     *,
     calibration=None,
     question_aware: bool = False,
@@ -251,7 +237,8 @@ def answer(
     max_new_tokens: int = 32,
     **generate_kwargs,
 ) -> str | list[str]:
-    """Answer ``question`` about ``context`` with a compressed cache (lists: one batch)."""
+    """Answer ``question`` about ``context`` with a compressed cache (lists: one batch); ``policy``
+    as :func:`compress_prompt` takes it."""
     single = isinstance(context, str)
     contexts = [context] if single else list(context)
     questions = [question] if isinstance(question, str) else list(question)

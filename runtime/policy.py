@@ -4,7 +4,7 @@
     CompressionPolicy(budget=512, allocation="inf", beta=2.0)        # REAL budgets from the artifact
     CompressionPolicy(keep_ratio=0.5, scorer="expected_attention", statistics="prompt")
     CompressionPolicy(compression_ratio=0.5, scorer="snapkv", scorer_options={"window": 64})
-    CompressionPolicy.recommended(calibration, compression_ratio=0.75)  # the artifact's measured best
+    CompressionPolicy(compression_ratio=0.75, allocation="inf").missing(calibration)  # [] when servable
 
 * size, exactly one of: ``compression_ratio`` (the fraction of the context's cache evicted, as
   kvpress and the literature use it: 0.75 keeps a quarter), ``keep_ratio`` (the fraction kept,
@@ -36,12 +36,16 @@
 * ``evict_every``: also evict while decoding, whenever a head has grown that many tokens past
   its budget (1 = every step); None = only the prompt is compressed.
 
-Every field is checked when the policy is built; :meth:`CompressionPolicy.check_calibration`
-says which artifact section a policy needs and fails clearly when it is missing.
+Every field is checked when the policy is built.  A policy is a plain value: it states what it
+reads from an artifact (:meth:`CompressionPolicy.requirements`, from the one table
+:data:`REQUIREMENTS`) and says what a calibration lacks to serve it
+(:meth:`CompressionPolicy.missing`); serving it with a calibration and a model is
+:func:`runtime.serving_plan.bind`'s job, which loads and checks what it needs once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
 
 import numpy as np
@@ -62,6 +66,100 @@ RATIO_RENAMED = (
     "CompressionPolicy(ratio=...) was the fraction of the context KEPT; it is now spelled "
     "keep_ratio=... (kept) or compression_ratio=... (evicted, as kvpress uses it): ratio=0.25 is "
     "keep_ratio=0.25, i.e. compression_ratio=0.75"
+)
+
+
+def _present(calibration) -> str:
+    return ", ".join(calibration.sections) or "none"
+
+
+def _future_reader(scorer: Scorer) -> str:
+    return repr(scorer) if QueryCentres() in scorer.needs else "expected_attention with statistics='future'"
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """One thing a policy reads from an artifact: its ``section``, whether a policy ``needed``
+    it (given its built scorer), whether a calibration ``held`` it, and the sentence saying
+    what is ``absent`` when it does not (naming the file, the sections present and a remedy)."""
+
+    section: str
+    need: str  # for people: what it is and where it lives
+    needed: Callable[[CompressionPolicy, Scorer], bool]
+    held: Callable[[object], bool]
+    absent: Callable[[CompressionPolicy, Scorer, object], str]
+
+
+# What a policy can read from an artifact, in the order it is checked: the one statement of
+# which policy needs which section.  runtime.serving_plan.bind loads what a policy needs with one
+# loader per section (tests/test_serving_plan.py checks the two lists agree).
+REQUIREMENTS = (
+    Requirement(
+        "budgets",
+        "INF budgets (section 'budgets' or 'behaviour')",
+        needed=lambda policy, scorer: policy.allocation == "inf",
+        held=lambda calibration: calibration.inf_weights is not None,
+        absent=lambda policy, scorer, calibration: (
+            f"allocation='inf' needs INF scores, but {calibration.path} has neither a 'budgets' "
+            f"nor a 'behaviour' section (present: {_present(calibration)})"
+        ),
+    ),
+    Requirement(
+        "budget_curves",
+        "budget curves (section 'budget_curves')",
+        needed=lambda policy, scorer: policy.allocation == "curve",
+        held=lambda calibration: getattr(calibration, "budget_curve", None) is not None,
+        absent=lambda policy, scorer, calibration: (
+            f"allocation='curve' needs per-head budget curves, but {calibration.path} has no 'budget_curves' "
+            f"section (present: {_present(calibration)}); re-run profile-model with the "
+            "budget-curves stage, or use allocation='inf'"
+        ),
+    ),
+    Requirement(
+        "query_stats",
+        "query statistics (section 'query_stats')",
+        needed=lambda policy, scorer: query_statistics(scorer) == "calibrated",
+        held=lambda calibration: calibration.has_query_stats,
+        absent=lambda policy, scorer, calibration: (
+            f"expected_attention with statistics='calibrated' needs query statistics, but "
+            f"{calibration.path} has no 'query_stats' section (present: "
+            f"{_present(calibration)}); use statistics='prompt' or "
+            "re-run profile-model with the query-stats stage"
+        ),
+    ),
+    Requirement(
+        "future_queries",
+        "future-query statistics (section 'future_queries')",
+        needed=lambda policy, scorer: query_statistics(scorer) == "future" or QueryCentres() in scorer.needs,
+        held=lambda calibration: getattr(calibration, "has_future_queries", False),
+        absent=lambda policy, scorer, calibration: (
+            f"{_future_reader(scorer)} needs the statistics of the queries after a probe's context, but "
+            f"{calibration.path} has no 'future_queries' section (present: {_present(calibration)}); re-run "
+            "profile-model with the future-queries stage"
+        ),
+    ),
+    Requirement(
+        "moments",
+        "per-head correction orders (section 'moments')",
+        needed=lambda policy, scorer: policy.correction == "calibrated",
+        held=lambda calibration: getattr(calibration, "moment_orders", None) is not None,
+        absent=lambda policy, scorer, calibration: (
+            f"correction='calibrated' needs per-head correction orders, but {calibration.path} has "
+            f"no 'moments' section (present: {_present(calibration)}); use "
+            "correction='order1' or re-run profile-model with the moments stage"
+        ),
+    ),
+    Requirement(
+        "learned_scorer",
+        "learned scorer weights (section 'learned_scorer')",
+        needed=lambda policy, scorer: LearnedWeights() in scorer.needs,
+        held=lambda calibration: getattr(calibration, "scorer_weights", None) is not None,
+        absent=lambda policy, scorer, calibration: (
+            f"the learned scorer needs its weights, but {calibration.path} has no 'learned_scorer' section "
+            f"(present: {_present(calibration)}); re-run profile-model with the "
+            "learned-scorer stage"
+        ),
+    ),
 )
 
 
@@ -156,36 +254,10 @@ class CompressionPolicy:
         kept = self.kept_fraction
         return None if kept is None else 1.0 - kept
 
-    @classmethod
-    def recommended(cls, calibration, compression_ratio: float) -> CompressionPolicy:
-        """The policy the artifact measured best at (the grid ratio nearest) ``compression_ratio``,
-        evicting ``compression_ratio``; the flagship when it recorded no recommendation (see
-        :func:`runtime.recommendation.recommended_spec`)."""
-        from .recommendation import recommended_spec
-
-        return recommended_spec(calibration, compression_ratio).policy(compression_ratio)
-
     @property
     def tracks_moments(self) -> bool:
         """Whether the cache must keep moment sums of the evicted tokens."""
         return self.correction != "none" or self.moment_eviction
-
-    def correction_orders(self, calibration, num_layers: int, num_kv_heads: int):
-        """Per-head correction codes int8 ``[L, Hkv]`` and ``tau`` float32 ``[L, Hkv]`` (None: no correction)."""
-        if self.correction == "none":
-            return None
-        shape = (num_layers, num_kv_heads)
-        if self.correction == "calibrated":
-            orders = np.asarray(calibration.moment_orders, dtype=np.int8)
-            tau = np.asarray(calibration.moment_tau, dtype=np.float32)
-            if orders.shape != shape or tau.shape != shape:
-                raise ValueError(f"the artifact's moments section has shape {orders.shape}, the model {shape}")
-        else:
-            orders = np.full(shape, 0 if self.correction == "order0" else 1, dtype=np.int8)
-            tau = np.zeros(shape, dtype=np.float32)
-        if self.tau is not None:
-            tau = np.full(shape, self.tau, dtype=np.float32)
-        return orders, tau
 
     def build_scorer(self) -> Scorer:
         if isinstance(self.scorer, Scorer):
@@ -199,76 +271,34 @@ class CompressionPolicy:
             options.setdefault("statistics", self.statistics or "calibrated")
         return make_scorer(self.scorer, **options)
 
+    def requirements(self) -> list[Requirement]:
+        """What this policy reads from an artifact, in :data:`REQUIREMENTS`' order."""
+        scorer = self.build_scorer()
+        return [requirement for requirement in REQUIREMENTS if requirement.needed(self, scorer)]
+
     def needs_calibration(self) -> list[str]:
         """What this policy reads from an artifact (human-readable)."""
-        needs = []
-        scorer = self.build_scorer()
-        if self.allocation == "inf":
-            needs.append("INF budgets (section 'budgets' or 'behaviour')")
-        if self.allocation == "curve":
-            needs.append("budget curves (section 'budget_curves')")
-        if query_statistics(scorer) == "calibrated":
-            needs.append("query statistics (section 'query_stats')")
-        if query_statistics(scorer) == "future" or QueryCentres() in scorer.needs:
-            needs.append("future-query statistics (section 'future_queries')")
-        if self.correction == "calibrated":
-            needs.append("per-head correction orders (section 'moments')")
-        if LearnedWeights() in scorer.needs:
-            needs.append("learned scorer weights (section 'learned_scorer')")
-        return needs
+        return [requirement.need for requirement in self.requirements()]
 
-    def check_calibration(self, calibration) -> None:
-        """Raise a clear error when ``calibration`` (or its absence) cannot serve this policy."""
-        needs = self.needs_calibration()
-        if not needs:
-            return
-        scorer = self.build_scorer()
+    def missing(self, calibration) -> list[str]:
+        """Why ``calibration`` (None: no artifact) cannot serve this policy: one sentence per
+        missing piece, each naming its section and the remedy; empty when it can.  Nothing is
+        read, nothing warns: :func:`runtime.serving_plan.bind` serves (and refuses with the first)."""
+        requirements = self.requirements()
+        if not requirements:
+            return []
         if calibration is None:
-            raise ValueError(
-                f"policy {self.describe()} needs a calibration artifact for: {'; '.join(needs)}. "
+            return [
+                f"policy {self.describe()} needs a calibration artifact for: "
+                f"{'; '.join(requirement.need for requirement in requirements)}. "
                 "Load one with runtime.load_calibration(model, tokenizer)."
-            )
-        if self.allocation == "inf" and calibration.inf_weights is None:
-            raise ValueError(
-                f"allocation='inf' needs INF scores, but {calibration.path} has neither a 'budgets' "
-                f"nor a 'behaviour' section (present: {', '.join(calibration.sections) or 'none'})"
-            )
-        if self.allocation == "curve" and getattr(calibration, "budget_curve", None) is None:
-            raise ValueError(
-                f"allocation='curve' needs per-head budget curves, but {calibration.path} has no 'budget_curves' "
-                f"section (present: {', '.join(calibration.sections) or 'none'}); re-run profile-model with the "
-                "budget-curves stage, or use allocation='inf'"
-            )
-        if query_statistics(scorer) == "calibrated" and not calibration.has_query_stats:
-            raise ValueError(
-                f"expected_attention with statistics='calibrated' needs query statistics, but "
-                f"{calibration.path} has no 'query_stats' section (present: "
-                f"{', '.join(calibration.sections) or 'none'}); use statistics='prompt' or "
-                "re-run profile-model with the query-stats stage"
-            )
-        if (query_statistics(scorer) == "future" or QueryCentres() in scorer.needs) and not getattr(
-            calibration, "has_future_queries", False
-        ):
-            what = repr(scorer) if QueryCentres() in scorer.needs else "expected_attention with statistics='future'"
-            raise ValueError(
-                f"{what} needs the statistics of the queries after a probe's context, but {calibration.path} has no "
-                f"'future_queries' section (present: {', '.join(calibration.sections) or 'none'}); re-run "
-                "profile-model with the future-queries stage"
-            )
-        if self.correction == "calibrated" and getattr(calibration, "moment_orders", None) is None:
-            raise ValueError(
-                f"correction='calibrated' needs per-head correction orders, but {calibration.path} has "
-                f"no 'moments' section (present: {', '.join(calibration.sections) or 'none'}); use "
-                "correction='order1' or re-run profile-model with the moments stage"
-            )
-        if LearnedWeights() in scorer.needs and getattr(calibration, "scorer_weights", None) is None:
-            raise ValueError(
-                f"the learned scorer needs its weights, but {calibration.path} has no 'learned_scorer' section "
-                f"(present: {', '.join(calibration.sections) or 'none'}); re-run profile-model with the "
-                "learned-scorer stage"
-            )
-        if self.correction == "calibrated" and hasattr(calibration, "check_moment_selection"):
-            calibration.check_moment_selection(scorer.name)  # warns once when calibrated under another scorer
+            ]
+        scorer = self.build_scorer()
+        return [
+            requirement.absent(self, scorer, calibration)
+            for requirement in requirements
+            if not requirement.held(calibration)
+        ]
 
     def head_budgets(
         self,

@@ -1,7 +1,7 @@
 """The artifact's measured recommendation: which policy to serve at which compression ratio.
 
     calibration.policy(compression_ratio=0.75)                 # the measured best, as a CompressionPolicy
-    CompressionPolicy.recommended(calibration, compression_ratio=0.75)   # the same
+    recommended_policy(calibration, compression_ratio=0.75)    # the same
 
 ``profile-model``'s recommendation stage (or ``evaluate-artifact --write-recommendation``) runs
 needle tasks the profiler never saw under candidate policies at a grid of compression ratios
@@ -15,6 +15,9 @@ and records, per ratio, the most accurate policy in the artifact's ``recommendat
   and the artifact-free default (uniform leverage) that the artifact can serve;
 * a recorded policy this calibration cannot serve (its section was removed since) falls back
   the same way, with a warning.
+
+"Can serve" is :meth:`runtime.policy.CompressionPolicy.missing` coming back empty (nothing read,
+nothing warned); serving the chosen policy is :func:`runtime.serving_plan.bind`'s.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .policy import CompressionPolicy
 from .policy_spec import ARTIFACT_FREE, FLAGSHIP, INF_LEVERAGE, PolicySpec, parse_policy
 
 
@@ -86,11 +90,8 @@ def fallback_spec(calibration) -> PolicySpec:
     if calibration is None:
         return ARTIFACT_FREE
     for spec in (FLAGSHIP, INF_LEVERAGE):
-        try:
-            spec.policy(0.5).check_calibration(calibration)
-        except ValueError:
-            continue
-        return spec
+        if not spec.policy(0.5).missing(calibration):
+            return spec
     return ARTIFACT_FREE
 
 
@@ -105,15 +106,28 @@ def recommended_spec(calibration, compression_ratio: float) -> PolicySpec:
         return fallback_spec(calibration)
     name = recommendation.policies[recommendation.nearest(float(compression_ratio))]
     try:
-        spec = parse_policy(name)
-        if spec.needs_reconstruction:
-            raise ValueError("it needs a reconstruction pass per prompt (runtime.kvzip)")
-        spec.policy(float(compression_ratio)).check_calibration(calibration)
+        spec = parse_policy(name)  # a recorded name this runtime cannot parse is one it cannot serve
     except ValueError as exc:
-        fallback = fallback_spec(calibration)
-        warnings.warn(
-            f"{calibration.path}: the recommended policy {name!r} cannot be served ({exc}); using {fallback.name}",
-            stacklevel=3,
-        )
-        return fallback
+        return _fall_back(calibration, name, str(exc))
+    if spec.needs_reconstruction:
+        return _fall_back(calibration, name, "it needs a reconstruction pass per prompt (runtime.kvzip)")
+    missing = spec.policy(float(compression_ratio)).missing(calibration)
+    if missing:
+        return _fall_back(calibration, name, missing[0])
     return spec
+
+
+def _fall_back(calibration, name: str, reason: str) -> PolicySpec:
+    fallback = fallback_spec(calibration)
+    warnings.warn(
+        f"{calibration.path}: the recommended policy {name!r} cannot be served ({reason}); using {fallback.name}",
+        stacklevel=4,
+    )
+    return fallback
+
+
+def recommended_policy(calibration, compression_ratio: float) -> CompressionPolicy:
+    """The policy the artifact measured best at (the grid ratio nearest) ``compression_ratio``,
+    evicting ``compression_ratio``; the flagship when it recorded no recommendation
+    (:func:`recommended_spec`).  ``Calibration.policy(compression_ratio)`` is this."""
+    return recommended_spec(calibration, compression_ratio).policy(compression_ratio)

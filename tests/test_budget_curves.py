@@ -4,6 +4,7 @@ compression ratio, the artifact section, and allocation="curve" in the runtime."
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -166,14 +167,14 @@ def test_curve_head_budgets_conserve_the_uniform_total_exactly(ratio):
 def test_curve_allocation_needs_the_section_and_says_so():
     policy = CompressionPolicy(compression_ratio=0.75, allocation="curve", scorer="keydiff")
     assert any("budget_curves" in need for need in policy.needs_calibration())
-    with pytest.raises(ValueError, match="needs a calibration artifact"):
-        policy.check_calibration(None)
+    (reason,) = policy.missing(None)
+    assert "needs a calibration artifact" in reason
     from runtime.calibration import Calibration
 
     artifact = make_random_artifact(make_random_identity(4, 4, 2, 8), sections=("budgets",))
     calibration = Calibration.from_sections("x.h5", artifact.model, {}, artifact.sections)
-    with pytest.raises(ValueError, match="no 'budget_curves' section.*budget-curves stage"):
-        policy.check_calibration(calibration)
+    (reason,) = policy.missing(calibration)
+    assert re.search("no 'budget_curves' section.*budget-curves stage", reason)
     with pytest.raises(ValueError, match="budget curve"):
         policy.head_budgets(100, 4, 2)
 
@@ -201,7 +202,7 @@ def test_section_round_trips_and_serves_as_calibration(tmp_path):
         assert dict(section.attrs) == {} and reader.config["budget_curves"]["selection"] == "keydiff"
     calibration = Calibration.from_sections(path, artifact.model, {}, artifact.sections)
     policy = CompressionPolicy(compression_ratio=0.8, allocation="curve", scorer="keydiff")
-    policy.check_calibration(calibration)
+    assert policy.missing(calibration) == []
     assert policy.head_budgets(500, 4, 2, curve=calibration.budget_curve).sum() == 100 * 8
 
 

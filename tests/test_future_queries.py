@@ -4,6 +4,7 @@ against direct float64 references, through the artifact, the policy grammar and 
 from __future__ import annotations
 
 import math
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -165,8 +166,7 @@ def _future_calibration(model, centres: int = 3, seed: int = 0) -> Calibration:
         "centres": (2 * rng.standard_normal((L, H, centres, d))).astype(np.float32),
         "centre_weights": weights / weights.sum(-1, keepdims=True),
     }
-    identity = SimpleNamespace(num_layers=L, num_q_heads=H, name="tiny")
-    return Calibration("memory.h5", identity, {}, ("future_queries",), future=future)
+    return Calibration("memory.h5", None, {}, ("future_queries",), future=future)  # no identity: arrays only
 
 
 @torch.no_grad()
@@ -182,6 +182,7 @@ def test_layer_scores_equal_the_per_head_oracles(scorer, options):
     """As tests/test_runtime_scorers.py checks for the other scorers: two left-padded rows of
     different lengths, heads made ragged by a first eviction, batched == the per-head oracle."""
     from runtime.eviction import HeadEvictor
+    from runtime.serving_plan import bind
 
     model = make_tiny_llama(num_layers=2, num_heads=6, num_kv_heads=3)
     calibration = _future_calibration(model)
@@ -192,7 +193,7 @@ def test_layer_scores_equal_the_per_head_oracles(scorer, options):
     policy = CompressionPolicy(keep_ratio=0.5, scorer=scorer, **options)
     cache = RaggedCache.for_model(model)
     prefill(model, cache, ids, mask, policy=policy)
-    evictor = HeadEvictor(model, policy, calibration)
+    evictor = HeadEvictor(bind(policy, calibration, model))
     positions = cache.layers[0].real_seen
     for index, layer in enumerate(cache.layers):
         evictor.evict_layer(layer, index, [0, 1], torch.tensor([[40, 31, 44], [35, 39, 22]]), positions)
@@ -218,10 +219,10 @@ def test_policies_spell_future_statistics_and_prototypes_and_refuse_without_the_
     for text in ("uniform/expected_attention:future", "uniform/prototype_attention"):
         policy = parse_policy(text).policy(0.5)
         assert any("future_queries" in need for need in policy.needs_calibration())
-        with pytest.raises(ValueError, match="no 'future_queries' section.*future-queries stage"):
-            policy.check_calibration(other)
-        with pytest.raises(ValueError, match="needs a calibration artifact"):
-            policy.check_calibration(None)
+        (reason,) = policy.missing(other)
+        assert re.search("no 'future_queries' section.*future-queries stage", reason)
+        (reason,) = policy.missing(None)
+        assert "needs a calibration artifact" in reason
 
 
 # -- recording the future queries -------------------------------------------------------------------
@@ -325,7 +326,7 @@ def test_embedded_model_keeps_the_needle_under_prototype_attention(embedded_mode
     stats = moments.finalize()
     centres, weights = kmeans_centres(queries.reshape(-1, L * H, d).transpose(1, 0, 2), 4)
     future = {**stats, "centres": centres.reshape(L, H, 4, d), "centre_weights": weights.reshape(L, H, 4)}
-    calibration = Calibration("memory.h5", SimpleNamespace(num_layers=L, num_q_heads=H), {}, ("future_queries",))
+    calibration = Calibration("memory.h5", None, {}, ("future_queries",))
     calibration._future = {key: future[key] for key in ("mean", "cov", "centres", "centre_weights")}
 
     spec = PRESETS["quick"].replace(families=("retrieval",), seed=1000)

@@ -20,9 +20,9 @@ from test_runtime_policy import write_tiny_artifact
 from artifacts import open_artifact
 from artifacts.report import render_report
 from artifacts.summary import format_summary, summarize
-from runtime import CompressionPolicy, load_calibration
+from runtime import load_calibration
 from runtime.policy_spec import ARTIFACT_FREE, FLAGSHIP, INF_LEVERAGE, parse_policy
-from runtime.recommendation import Recommendation, recommended_spec
+from runtime.recommendation import Recommendation, recommended_policy, recommended_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 README = Path(__file__).parent.parent / "README.md"
@@ -64,7 +64,7 @@ def test_without_a_recommendation_the_first_servable_of_flagship_inf_leverage_ar
     assert full.policy(compression_ratio=0.75) == FLAGSHIP.policy(0.75)
     policy = with_budgets.policy(compression_ratio=0.75)
     assert policy == INF_LEVERAGE.policy(0.75) and policy.kept_fraction == pytest.approx(0.25)
-    assert CompressionPolicy.recommended(with_budgets, compression_ratio=0.75) == policy
+    assert recommended_policy(with_budgets, compression_ratio=0.75) == policy
     for bad in (1.0, -0.1, "0.75", True):
         with pytest.raises(ValueError, match="compression_ratio"):
             with_budgets.policy(compression_ratio=bad)

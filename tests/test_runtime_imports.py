@@ -61,3 +61,100 @@ def test_runtime_sources_import_only_allowed_packages():
                 if top not in allowed and top not in stdlib:
                     offenders.append(f"{source.relative_to(RUNTIME_DIR)}: {name}")
     assert not offenders, offenders
+
+
+def runtime_import_graph(root: Path = RUNTIME_DIR) -> dict[str, set[str]]:
+    """Every ``import`` / ``from ... import`` of every module under ``root`` (the ``runtime``
+    package; function-local and ``TYPE_CHECKING`` imports included) as edges between its modules:
+    ``from .x import y`` is an edge to ``runtime.x.y`` when that is a module, else to ``runtime.x``."""
+    import ast
+
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                targets = [
+                    f"{module}.{alias.name}" if f"{module}.{alias.name}" in modules else module for alias in node.names
+                ]
+            for target in targets:
+                while target and target not in modules:  # import runtime.x.y: the deepest runtime module named
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_scan_finds_a_cycle_closed_by_a_function_local_import(tmp_path):
+    package = tmp_path / "runtime"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("from .a import f\n")
+    (package / "a.py").write_text("def f():\n    from .sub.c import g\n    return g\n")
+    (package / "b.py").write_text("import runtime.a\n")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "c.py").write_text("from .. import b\n\ng = 1\n")
+    graph = runtime_import_graph(package)
+    assert graph == {
+        "runtime": {"runtime.a"},
+        "runtime.a": {"runtime.sub.c"},
+        "runtime.b": {"runtime.a"},
+        "runtime.sub": set(),
+        "runtime.sub.c": {"runtime.b"},
+    }
+    assert import_cycles(graph) == [["runtime.a", "runtime.b", "runtime.sub.c"]]
+    (package / "a.py").write_text("def f():\n    return 1\n")
+    assert import_cycles(runtime_import_graph(package)) == []
+
+
+def test_runtime_modules_import_each_other_without_a_cycle():
+    """No runtime module imports, even inside a function, one that imports it back (the
+    ``runtime/__init__.py`` re-exports included); the policy value (runtime.policy) imports
+    neither the recommendation, the policy grammar nor the serving plan."""
+    graph = runtime_import_graph()
+    assert "runtime.policy" in graph["runtime.policy_spec"] and "runtime.serving_plan" in graph["runtime.compress"]
+    assert not graph["runtime.policy"] & {"runtime.recommendation", "runtime.policy_spec", "runtime.serving_plan"}
+    assert import_cycles(graph) == []

@@ -63,8 +63,9 @@ def test_learned_scores_are_the_linear_map_of_pre_rope_key_and_value():
     cache = RaggedCache.for_model(model)
     prefill(model, cache, ids, policy=policy)
     from runtime.eviction import HeadEvictor
+    from runtime.serving_plan import bind
 
-    evictor = HeadEvictor(model, policy, calibration)
+    evictor = HeadEvictor(bind(policy, calibration, model))
     for layer_idx, layer in enumerate(cache.layers):
         scores = evictor.layer_scores(layer, layer_idx, [0], [40])  # [1, Hkv, 40]
         for h in range(2):
@@ -115,10 +116,10 @@ def test_policy_refusals_are_clear():
         CompressionPolicy(keep_ratio=0.5, allocation="global", scorer="keydiff")
     policy = CompressionPolicy(keep_ratio=0.5, scorer="learned")
     empty = Calibration(path="x.h5", identity=None, config={}, sections=("budgets",))
-    with pytest.raises(ValueError, match="learned-scorer stage"):
-        policy.check_calibration(empty)
-    with pytest.raises(ValueError, match="needs a calibration artifact"):
-        policy.check_calibration(None)
+    (reason,) = policy.missing(empty)
+    assert "learned-scorer stage" in reason
+    (reason,) = policy.missing(None)
+    assert "needs a calibration artifact" in reason
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ from runtime.scorers import (
     leverage_scores,
     unrotate,
 )
+from runtime.serving_plan import bind
 from runtime.transformers_compat import cache_argument
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
@@ -363,7 +364,7 @@ def test_kvzip_scorer_reads_scores_by_position_and_refuses_another_prompt():
             top = (torch.topk(table[2:37], 10).indices + 2).tolist()
             assert layer.head(0, h)[2].tolist() == sorted([0, 1] + top + [37, 38, 39])
     # decoded tokens (past the scored context) are never evicted before a context token
-    evictor = HeadEvictor(model, with_kvzip_scores(policy, scores), None, None)
+    evictor = HeadEvictor(bind(with_kvzip_scores(policy, scores), None, model))
     assert torch.equal(evictor.layer_scores(cache.layers[0], 0, [0], [40])[0], scores.scores[0])
     later = []
     for h in range(2):
@@ -438,7 +439,7 @@ def test_kvzip_layer_scores_equal_the_per_head_lookup_with_rows_of_different_len
     layer = cache.layers[1]
     layer.keep(0, 0, torch.arange(0, 40, 3))  # heads of different lengths
     scorer = KVzipScorer(scores)
-    evictor = HeadEvictor(model, CompressionPolicy(budget=10, scorer=scorer), None, None)
+    evictor = HeadEvictor(bind(CompressionPolicy(budget=10, scorer=scorer), None, model))
     batched = evictor.layer_scores(layer, 1, [0], [40])
     for h in range(2):
         single = oracle_score(scorer, head_from_cache(scorer, model, layer, 1, 0, h, 40))

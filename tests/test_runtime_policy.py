@@ -16,6 +16,7 @@ from artifacts.fingerprint import architecture_fingerprint, architecture_numbers
 from runtime import CompressionPolicy, QueryMoments, RaggedCache, answer, generate, load_calibration, prefill
 from runtime.budgets import allocate_budgets
 from runtime.calibration import Calibration, model_weights_fingerprint
+from runtime.serving_plan import bind
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -138,17 +139,16 @@ def test_policy_needing_a_missing_section_is_refused(tmp_path):
     stats_only = load_calibration(model, path=write_tiny_artifact(tmp_path / "q.h5", model, ("query_stats",)))
     calibrated = CompressionPolicy(scorer="expected_attention", keep_ratio=0.5, statistics="calibrated")
     with pytest.raises(ValueError, match="needs a calibration artifact"):
-        calibrated.check_calibration(None)
+        bind(calibrated, None, model)
     with pytest.raises(ValueError, match="has no 'query_stats' section"):
-        calibrated.check_calibration(budgets_only)
-    calibrated.check_calibration(stats_only)
+        bind(calibrated, budgets_only, model)
+    assert bind(calibrated, stats_only, model).query_stats is not None
     inf = CompressionPolicy(keep_ratio=0.5, allocation="inf", scorer="keydiff")
     with pytest.raises(ValueError, match="neither a 'budgets' nor a 'behaviour' section"):
-        inf.check_calibration(stats_only)
-    inf.check_calibration(budgets_only)
-    CompressionPolicy(scorer="expected_attention", keep_ratio=0.5, statistics="prompt").check_calibration(
-        None
-    )  # needs nothing
+        bind(inf, stats_only, model)
+    assert bind(inf, budgets_only, model).inf_weights is not None
+    prompt = CompressionPolicy(scorer="expected_attention", keep_ratio=0.5, statistics="prompt")
+    assert prompt.missing(None) == [] and bind(prompt, None, model).query_stats is None  # needs nothing
 
 
 def test_uniform_and_inf_budgets():
@@ -254,7 +254,7 @@ def test_calibrated_correction_with_another_selection_scorer_warns_once(tmp_path
     assert unknown.moment_selection is None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        CompressionPolicy(keep_ratio=0.5, scorer="keydiff", correction="calibrated").check_calibration(unknown)
+        bind(CompressionPolicy(keep_ratio=0.5, scorer="keydiff", correction="calibrated"), unknown, model)
     assert not caught
     given = Calibration(
         path="x.h5",
@@ -266,9 +266,10 @@ def test_calibrated_correction_with_another_selection_scorer_warns_once(tmp_path
         moment_tau=np.zeros((2, 2)),
     )
     with pytest.warns(UserWarning, match="evicts with 'expected_attention'"):
-        CompressionPolicy(
+        policy = CompressionPolicy(
             scorer="expected_attention", keep_ratio=0.5, correction="calibrated", statistics="prompt"
-        ).check_calibration(given)
+        )
+        bind(policy, given, model)
 
 
 def test_compress_with_inf_calibration_needs_artifact_inf_weights():
@@ -448,7 +449,7 @@ def test_compression_ratio_and_keep_ratio_are_complements():
 def test_the_default_policy_needs_no_artifact_and_blends_leverage_by_the_compression_ratio():
     policy = CompressionPolicy(compression_ratio=0.75)
     assert policy.scorer == "leverage" and policy.allocation == "uniform" and policy.needs_calibration() == []
-    policy.check_calibration(None)
+    assert policy.missing(None) == []
     assert policy.build_scorer().blend == pytest.approx(0.75)  # kvpress CompactorPress's choice
     assert CompressionPolicy(budget=64).build_scorer().blend == pytest.approx(0.5)  # no ratio: the paper's 0.5
     explicit = CompressionPolicy(compression_ratio=0.75, scorer_options={"blend": 0.2})

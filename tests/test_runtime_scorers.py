@@ -202,7 +202,6 @@ def test_compress_applies_expected_attention_with_sink_and_window_rules_per_row(
         query_mean=mean.numpy(),
         query_cov=cov.numpy(),
     )
-    calibration.identity = type("Identity", (), {"num_layers": layers, "num_q_heads": heads})()
     ids = torch.randint(0, 128, (2, 40), generator=generator)
     mask = torch.ones(2, 40, dtype=torch.long)
     mask[0, :9] = 0  # row 0 has 31 real tokens
@@ -301,6 +300,7 @@ def test_layer_scores_equal_the_per_head_oracles(scorer, options):
     (tests/scorer_oracles.py, its inputs taken from their sources directly) does: two left-padded
     rows of different lengths, after a first eviction left the heads ragged."""
     from runtime.eviction import HeadEvictor
+    from runtime.serving_plan import bind
 
     model = make_tiny_llama(num_layers=2, num_heads=6, num_kv_heads=3)
     generator = torch.Generator().manual_seed(11)
@@ -310,7 +310,7 @@ def test_layer_scores_equal_the_per_head_oracles(scorer, options):
     policy = CompressionPolicy(keep_ratio=0.5, scorer=scorer, **options)
     cache = RaggedCache.for_model(model)
     stats = prefill(model, cache, ids, mask, policy=policy, record_prompt_stats=True, observe_queries=48)
-    evictor = HeadEvictor(model, policy, None, stats)
+    evictor = HeadEvictor(bind(policy, None, model), stats)
     positions = cache.layers[0].real_seen
     for index, layer in enumerate(cache.layers):  # ragged heads: cut each head to its own length
         cut = torch.tensor([[40, 31, 44], [35, 39, 22]])

@@ -124,10 +124,9 @@ class RecommendationStage(Stage):
         calibration = Calibration.from_sections(context.out, context.identity, dict(config), dict(sections))
         candidates = []
         for spec in self.candidates:
-            try:
-                spec.policy(self.ratios[0]).check_calibration(calibration)
-            except ValueError as exc:
-                self.say(f"recommendation: leaving out {spec.name}: {exc}")
+            missing = spec.policy(self.ratios[0]).missing(calibration)
+            if missing:
+                self.say(f"recommendation: leaving out {spec.name}: {missing[0]}")
                 continue
             candidates.append(spec)
         if not candidates:

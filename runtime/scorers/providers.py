@@ -25,31 +25,24 @@ from .inputs import (
 )
 
 
-def _artifact_array(calibration, field: str, what: str) -> torch.Tensor:
-    value = getattr(calibration, field, None) if calibration is not None else None
+def _given(value, what: str):
     if value is None:
         raise ValueError(f"{what}: no calibration artifact holds them (load one with runtime.load_calibration)")
-    return torch.from_numpy(np.asarray(value, dtype=np.float32))
+    return value
 
 
 class QueryStatisticsProvider:
     """``(mean [R, Hkv, G, d], cov [R, Hkv, G, d, d])``: the artifact's (``calibrated``: ``query_stats``,
-    ``future``: ``future_queries``) or the prompt's own, per statistics row (``stats_rows``)."""
+    ``future``: ``future_queries``; loaded and checked by :func:`runtime.serving_plan.bind`, given as
+    ``query_stats``) or the prompt's own, per statistics row (``stats_rows``)."""
 
-    def __init__(self, need: QueryStatistics, scorer, geometry, calibration=None, prompt_stats=None, **_):
+    def __init__(self, need: QueryStatistics, scorer, geometry, prompt_stats=None, query_stats=None, **_):
         self.geometry, self.prompt_stats, self.per_row, self.artifact = geometry, prompt_stats, {}, None
         if need.kind == "prompt":
             if prompt_stats is None:
                 raise ValueError(f"{scorer!r} needs the prompt's query statistics: prefill with policy=... first")
             return
-        identity = calibration.identity
-        if (identity.num_layers, identity.num_q_heads) != (geometry.num_layers, geometry.num_q_heads):
-            raise ValueError("calibration statistics do not match the model's layers / query heads")
-        future = need.kind == "future"  # the future_queries section's, else query_stats'
-        self.artifact = (
-            torch.from_numpy(np.asarray(calibration.future_mean if future else calibration.query_mean)),
-            torch.from_numpy(np.asarray(calibration.future_cov if future else calibration.query_cov)),
-        )  # [L, Hq, d], [L, Hq, d, d]
+        self.artifact = _given(query_stats, f"{scorer!r} needs {need.describe()}")  # [L, Hq, d], [L, Hq, d, d]
 
     def _of_row(self, row: int):
         if self.artifact is not None:
@@ -128,16 +121,12 @@ class KeyRopeProvider:
 
 
 class LearnedWeightsProvider:
-    """``(weights [Hkv, 2d], bias [Hkv])`` float32 of the layer: ``learned`` (``(weights [L, Hkv, 2d],
-    bias [L, Hkv])``, the profiler's) or the calibration's ``learned_scorer`` section."""
+    """``(weights [Hkv, 2d], bias [Hkv])`` float32 of the layer, from ``learned`` (``(weights [L, Hkv,
+    2d], bias [L, Hkv])``: the artifact's ``learned_scorer`` section as ``bind`` loaded it, or the
+    profiler's fit)."""
 
-    def __init__(self, need: LearnedWeights, scorer, geometry, calibration=None, learned=None, **_):
-        if learned is None:
-            what = f"{scorer!r} needs the artifact's learned_scorer weights"
-            learned = (
-                _artifact_array(calibration, "scorer_weights", what),
-                _artifact_array(calibration, "scorer_bias", what),
-            )
+    def __init__(self, need: LearnedWeights, scorer, geometry, learned=None, **_):
+        learned = _given(learned, f"{scorer!r} needs the artifact's learned_scorer weights")
         weights, bias = (torch.as_tensor(np.asarray(part), dtype=torch.float32) for part in learned)
         shape = (geometry.num_layers, geometry.num_kv_heads)
         if tuple(weights.shape) != (*shape, 2 * geometry.head_dim) or tuple(bias.shape) != shape:
@@ -152,21 +141,11 @@ class LearnedWeightsProvider:
 
 
 class QueryCentresProvider:
-    """``(centres [Hkv, G, K, d], weights [Hkv, G, K])``: the artifact's future-query centres of the layer."""
+    """``(centres [Hkv, G, K, d], weights [Hkv, G, K])``: the artifact's future-query centres of the layer
+    (``query_centres``: ``[L, Hkv, G, K, d]``, ``[L, Hkv, G, K]``, as ``bind`` loaded and checked them)."""
 
-    def __init__(self, need: QueryCentres, scorer, geometry, calibration=None, **_):
-        what = f"{scorer!r} needs {need.describe()}"
-        centres = _artifact_array(calibration, "future_centres", what)  # [L, Hq, K, d]
-        weights = _artifact_array(calibration, "future_centre_weights", what)  # [L, Hq, K]
-        layers, heads, group = geometry.num_layers, geometry.num_q_heads, geometry.group_size
-        if tuple(centres.shape[:2]) != (layers, heads) or centres.shape[-1] != geometry.head_dim:
-            raise ValueError(
-                f"future-query centres of shape {tuple(centres.shape)} do not fit the model ({layers} "
-                f"layers, {heads} query heads, d={geometry.head_dim})"
-            )
-        k = centres.shape[2]
-        self.centres = centres.reshape(layers, geometry.num_kv_heads, group, k, -1)
-        self.weights = weights.reshape(layers, geometry.num_kv_heads, group, k)
+    def __init__(self, need: QueryCentres, scorer, geometry, query_centres=None, **_):
+        self.centres, self.weights = _given(query_centres, f"{scorer!r} needs {need.describe()}")
 
     def __call__(self, inputs: LayerInputs, **_):
         return self.centres[inputs.layer], self.weights[inputs.layer]
@@ -185,20 +164,20 @@ PROVIDERS = {
 class ScorerInputs:
     """Builds ``scorer``'s :class:`LayerInputs`: the base every scorer sees, plus what its needs ask,
     each from its provider.  Sources: the model's ``geometry``, and, as the needs require, the
-    ``calibration`` artifact, the prompt's statistics ``prompt_stats``
-    (:class:`~runtime.query_moments.QueryMoments`) and ``learned`` weights (else the artifact's)."""
+    prompt's statistics ``prompt_stats`` (:class:`~runtime.query_moments.QueryMoments`) and the
+    artifact's tensors as :func:`runtime.serving_plan.bind` loaded them (``query_stats``,
+    ``query_centres``, ``learned``: the :class:`~runtime.serving_plan.ServingPlan`'s fields of
+    those names) or the profiler computed them."""
 
-    def __init__(self, scorer, geometry, *, calibration=None, prompt_stats=None, learned=None):
+    def __init__(self, scorer, geometry, *, prompt_stats=None, query_stats=None, query_centres=None, learned=None):
         self.scorer, self.geometry = scorer, geometry
-        self.providers = [
-            (
-                need,
-                PROVIDERS[type(need)](
-                    need, scorer, geometry, calibration=calibration, prompt_stats=prompt_stats, learned=learned
-                ),
-            )
-            for need in scorer.needs
-        ]
+        sources = {
+            "prompt_stats": prompt_stats,
+            "query_stats": query_stats,
+            "query_centres": query_centres,
+            "learned": learned,
+        }
+        self.providers = [(need, PROVIDERS[type(need)](need, scorer, geometry, **sources)) for need in scorer.needs]
 
     def layer(
         self,

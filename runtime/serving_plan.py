@@ -1,0 +1,244 @@
+"""A policy bound to one calibration and one model: what ``compress``, eviction and ``generate`` serve.
+
+    plan = bind(policy, calibration, model)      # checks, loads, shape-checks and warns, once
+    plan.head_budgets(seq_len)                   # int64 [L, Hkv]
+    compress_prompt(model, ids, plan, context_columns=n)   # or the policy and calibration: bound there
+
+:func:`bind` is the one place where a :class:`~runtime.policy.CompressionPolicy` meets an
+artifact.  In this order, before any forward pass:
+
+1. the policy's requirements (:meth:`CompressionPolicy.missing`): the first missing piece is
+   raised as a ``ValueError`` naming its section and the remedy;
+2. the calibration's architecture against the model's (:func:`check_calibration_fits`: a
+   calibration of another architecture is refused, no weights read);
+3. every tensor the policy reads (one loader per section of :data:`runtime.policy.REQUIREMENTS`),
+   loaded once and shape-checked against the model's geometry (``L`` layers, ``Hq`` query heads,
+   ``Hkv`` KV heads, head dim ``d``, ``G = Hq / Hkv``);
+4. the warning a calibrated MomentKV correction served under another selection scorer than the
+   one it was measured with deserves (once per calibration and scorer:
+   :meth:`runtime.calibration.Calibration.check_moment_selection`).
+
+The plan then gives the per-head budgets, the correction orders, the loaded tensors the
+scorer's context needs (:class:`runtime.eviction.HeadEvictor` reads them) and decode-time
+eviction (:meth:`ServingPlan.decode_plan`).  Which policy to serve from an artifact's measured
+recommendation (and the fallback) is :mod:`runtime.recommendation`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .cache import DecodePlan
+from .calibration import architecture_mismatch
+from .geometry import ModelGeometry
+from .policy import CompressionPolicy
+from .scorers import QueryCentres, Scorer, query_statistics
+
+
+def check_calibration_fits(model, calibration) -> None:
+    """Refuse a calibration loaded for a model of another architecture (cheap: no weights read)."""
+    identity = getattr(calibration, "identity", None)
+    if identity is None:
+        return
+    problem = architecture_mismatch(identity, model)
+    if problem:
+        raise ValueError(f"the calibration {getattr(calibration, 'path', '')} {problem}")
+
+
+@dataclass(frozen=True, eq=False)
+class ServingPlan:
+    """One policy served with one calibration (None: an artifact-free policy) on one model's geometry.
+
+    Every tensor is the one loaded and checked by :func:`bind`; a field a policy does not read is None.
+    """
+
+    policy: CompressionPolicy
+    calibration: object | None
+    geometry: ModelGeometry
+    scorer: Scorer  # built once from the policy
+    inf_weights: np.ndarray | None = None  # float64 [L, Hkv] (allocation 'inf')
+    budget_curve: tuple[np.ndarray, np.ndarray] | None = None  # ratios [NR], fractions [NR, L, Hkv] ('curve')
+    corrections: tuple[np.ndarray, np.ndarray] | None = None  # orders int8 [L, Hkv], tau float32 [L, Hkv]
+    query_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # mean [L, Hq, d], cov [L, Hq, d, d] (pre-RoPE)
+    query_centres: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, Hkv, G, K, d], weights [L, Hkv, G, K]
+    learned: tuple[torch.Tensor, np.ndarray] | None = None  # weights float32 [L, Hkv, 2d], bias float64 [L, Hkv]
+
+    @property
+    def num_layers(self) -> int:
+        return self.geometry.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.geometry.num_kv_heads
+
+    def head_budgets(self, seq_len: int) -> np.ndarray:
+        """Integer tokens to keep per KV head, int64 ``[L, Hkv]``, for a context of ``seq_len`` tokens."""
+        return self.policy.head_budgets(
+            seq_len, self.num_layers, self.num_kv_heads, self.inf_weights, self.budget_curve
+        )
+
+    def decode_plan(self, evictor, context_length: int, row: int) -> DecodePlan | None:
+        """Decode-time eviction of batch row ``row`` by ``evictor`` (the compression's
+        :class:`runtime.eviction.HeadEvictor`, the cache's hook): each head held to its budget for
+        a context of ``max(context_length, policy.budget)`` tokens, cut back once it holds
+        ``policy.evict_every`` more.  None when the policy evicts only the prompt."""
+        if self.policy.evict_every is None:
+            return None
+        # a token budget bounds each head while decoding even when the prompt was shorter
+        budgets = self.head_budgets(max(int(context_length), self.policy.budget or 0))
+        return DecodePlan(evictor, budgets, int(self.policy.evict_every), row)
+
+    def check_model(self, model) -> None:
+        """Refuse serving this plan on a model of another attention shape than it was bound to."""
+        theirs = ModelGeometry.of(model)
+        mine = self.geometry
+        if _shape(theirs) != _shape(mine):
+            raise ValueError(
+                f"this serving plan was bound to a model with (layers, query heads, KV heads, head dim) "
+                f"{_shape(mine)}, not {_shape(theirs)}: bind the policy to this model"
+            )
+
+
+def _shape(geometry: ModelGeometry) -> tuple[int, int, int, int]:
+    return (geometry.num_layers, geometry.num_q_heads, geometry.num_kv_heads, geometry.head_dim)
+
+
+def bind(policy: CompressionPolicy, calibration, model) -> ServingPlan:
+    """Serve ``policy`` with ``calibration`` (None: none) on ``model`` (see the module docstring)."""
+    if isinstance(policy, ServingPlan):
+        raise TypeError("bind() takes a CompressionPolicy; this is already a ServingPlan")
+    if not isinstance(policy, CompressionPolicy):
+        raise TypeError(f"bind() takes a CompressionPolicy, got {type(policy).__name__}")
+    missing = policy.missing(calibration)
+    if missing:
+        raise ValueError(missing[0])
+    check_calibration_fits(model, calibration)
+    geometry = ModelGeometry.of(model)
+    scorer = policy.build_scorer()
+    loaded = {}
+    for requirement in policy.requirements():
+        loaded.update(_LOADERS[requirement.section](policy, scorer, calibration, geometry))
+    if policy.correction in ("order0", "order1"):
+        loaded["corrections"] = _uniform_corrections(policy, geometry)
+    if loaded.get("corrections") is not None and policy.tau is not None:
+        orders, _ = loaded["corrections"]
+        loaded["corrections"] = (orders, np.full(orders.shape, policy.tau, dtype=np.float32))
+    if policy.correction == "calibrated" and hasattr(calibration, "check_moment_selection"):
+        calibration.check_moment_selection(scorer.name)  # warns once when calibrated under another scorer
+    return ServingPlan(policy, calibration, geometry, scorer, **loaded)
+
+
+def as_plan(policy: CompressionPolicy | ServingPlan | None, calibration, model) -> ServingPlan | None:
+    """What an entry point taking ``policy`` (a policy, a plan or None) and ``calibration`` serves:
+    a plan as it is (its calibration is the one it was bound to), a policy bound here, None as None
+    (a given calibration still has to fit the model)."""
+    if policy is None:
+        check_calibration_fits(model, calibration)
+        return None
+    if isinstance(policy, ServingPlan):
+        if calibration is not None and calibration is not policy.calibration:
+            raise ValueError(
+                "a ServingPlan is served with the calibration it was bound to: pass calibration=None "
+                "(or bind the policy to this calibration)"
+            )
+        policy.check_model(model)
+        return policy
+    return bind(policy, calibration, model)
+
+
+# -- one loader per section of runtime.policy.REQUIREMENTS: read it once, check it against the model --
+
+
+def _load_inf(policy, scorer, calibration, geometry) -> dict:
+    weights = np.asarray(calibration.inf_weights, dtype=np.float64)  # [L, Hkv]
+    L, Hkv = geometry.num_layers, geometry.num_kv_heads
+    if weights.shape != (L, Hkv):
+        raise ValueError(f"INF weights have shape {weights.shape}, the model has [{L}, {Hkv}] KV heads")
+    return {"inf_weights": weights}
+
+
+def _load_curve(policy, scorer, calibration, geometry) -> dict:
+    ratios, fractions = calibration.budget_curve  # [NR], [NR, L, Hkv]
+    L, Hkv = geometry.num_layers, geometry.num_kv_heads
+    if np.asarray(fractions).shape[1:] != (L, Hkv):
+        raise ValueError(
+            f"the budget curve has shape {np.asarray(fractions).shape[1:]}, the model [{L}, {Hkv}] KV heads"
+        )
+    return {"budget_curve": (ratios, fractions)}
+
+
+def _load_statistics(mean, cov, geometry, section: str) -> tuple[torch.Tensor, torch.Tensor]:
+    mean, cov = torch.from_numpy(np.asarray(mean)), torch.from_numpy(np.asarray(cov))  # [L, Hq, d], [L, Hq, d, d]
+    L, Hq, d = geometry.num_layers, geometry.num_q_heads, geometry.head_dim
+    if tuple(mean.shape) != (L, Hq, d) or tuple(cov.shape) != (L, Hq, d, d):
+        raise ValueError(
+            f"calibration statistics do not match the model's layers / query heads: section '{section}' holds "
+            f"means {tuple(mean.shape)} and covariances {tuple(cov.shape)}, the model needs [{L}, {Hq}, {d}] "
+            f"and [{L}, {Hq}, {d}, {d}]"
+        )
+    return mean, cov
+
+
+def _load_query_stats(policy, scorer, calibration, geometry) -> dict:
+    return {"query_stats": _load_statistics(calibration.query_mean, calibration.query_cov, geometry, "query_stats")}
+
+
+def _load_future(policy, scorer, calibration, geometry) -> dict:
+    loaded = {}
+    if query_statistics(scorer) == "future":
+        stats = _load_statistics(calibration.future_mean, calibration.future_cov, geometry, "future_queries")
+        loaded["query_stats"] = stats
+    if QueryCentres() in scorer.needs:
+        centres = torch.from_numpy(np.asarray(calibration.future_centres, dtype=np.float32))  # [L, Hq, K, d]
+        weights = torch.from_numpy(np.asarray(calibration.future_centre_weights, dtype=np.float32))  # [L, Hq, K]
+        L, Hq, Hkv, d = geometry.num_layers, geometry.num_q_heads, geometry.num_kv_heads, geometry.head_dim
+        if tuple(centres.shape[:2]) != (L, Hq) or centres.shape[-1] != d or tuple(weights.shape) != centres.shape[:3]:
+            raise ValueError(
+                f"future-query centres of shape {tuple(centres.shape)} do not fit the model ({L} "
+                f"layers, {Hq} query heads, d={d})"
+            )
+        k = centres.shape[2]
+        loaded["query_centres"] = (
+            centres.reshape(L, Hkv, geometry.group_size, k, d),
+            weights.reshape(L, Hkv, geometry.group_size, k),
+        )
+    return loaded
+
+
+def _load_moments(policy, scorer, calibration, geometry) -> dict:
+    orders = np.asarray(calibration.moment_orders, dtype=np.int8)  # [L, Hkv]
+    tau = np.asarray(calibration.moment_tau, dtype=np.float32)  # [L, Hkv]
+    shape = (geometry.num_layers, geometry.num_kv_heads)
+    if orders.shape != shape or tau.shape != shape:
+        raise ValueError(f"the artifact's moments section has shape {orders.shape}, the model {shape}")
+    return {"corrections": (orders, tau)}
+
+
+def _uniform_corrections(policy, geometry) -> tuple[np.ndarray, np.ndarray]:
+    shape = (geometry.num_layers, geometry.num_kv_heads)
+    return np.full(shape, 0 if policy.correction == "order0" else 1, dtype=np.int8), np.zeros(shape, dtype=np.float32)
+
+
+def _load_learned(policy, scorer, calibration, geometry) -> dict:
+    weights = torch.from_numpy(np.asarray(calibration.scorer_weights, dtype=np.float32))  # [L, Hkv, 2d]
+    L, Hkv, d = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
+    bias = np.asarray(calibration.scorer_bias, dtype=np.float64)  # [L, Hkv]
+    if tuple(weights.shape) != (L, Hkv, 2 * d) or bias.shape != (L, Hkv):
+        raise ValueError(
+            f"learned scorer weights of shape {tuple(weights.shape)} (bias {bias.shape}) do not fit the model "
+            f"({L} layers, {Hkv} KV heads, d={d})"
+        )
+    return {"learned": (weights, bias)}
+
+
+_LOADERS = {
+    "budgets": _load_inf,
+    "budget_curves": _load_curve,
+    "query_stats": _load_query_stats,
+    "future_queries": _load_future,
+    "moments": _load_moments,
+    "learned_scorer": _load_learned,
+}
