@@ -31,7 +31,7 @@ else derived from ``behaviour/INFsc``), the correction orders (``moments/order``
 per-head budget curves (``budget_curves/compression_ratios``, ``/fractions``) and the
 measured recommendation (section ``recommendation``, served by :meth:`Calibration.policy`);
 the ``query_stats`` mean/cov and the ``future_queries`` mean/cov/centres on first use (the
-covariance is the bulk of the file; decompressing and checksumming it takes ~50 ms).
+covariance is the bulk of the file and the slowest to read: docs/results.md R-artifact-load-2026-11-21).
 
 The correction orders are the best per head for the tokens one scorer keeps; the scorer
 they were calibrated under (``Calibration.moment_selection``, the job configuration's
@@ -381,7 +381,7 @@ def weights_match(identity: ModelIdentity, model) -> tuple[bool, str]:
 
 def model_tokenizer_fingerprint(tokenizer) -> str:
     """``tokenizer_fingerprint(tokenizer)``, remembered while its vocabulary size and chat
-    template stay the same (reading the whole vocabulary takes ~0.2 s)."""
+    template stay the same (reading the whole vocabulary is slow: docs/results.md R-artifact-load-2026-11-21)."""
     memo = getattr(tokenizer, _MEMO_ATTRIBUTE, None)
     key = (len(tokenizer) if hasattr(tokenizer, "__len__") else None, str(getattr(tokenizer, "chat_template", None)))
     if memo is None or memo[0] != key:

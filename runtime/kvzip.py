@@ -137,9 +137,6 @@ class ReconstructionLayer(DynamicLayer):
     def get_mask_sizes(self, query: int | torch.Tensor) -> tuple[int, int]:
         return query_length(query), self.base.tokens_seen  # the chunk's own causal mask (see runtime.cache)
 
-    def get_max_length(self) -> int:
-        return -1
-
     def attend(self, query: torch.Tensor, real, positions, scaling: float) -> torch.Tensor:
         if self._pending is None:
             raise RuntimeError("ReconstructionLayer.attend called without a parked chunk")

@@ -58,9 +58,8 @@ ALLOCATIONS = ("uniform", "inf", "global", "curve")
 STATISTICS = ("calibrated", "future", "prompt")
 CORRECTIONS = ("none", "calibrated", "order0", "order1")
 # The scorer of a policy that names none: Compactor's leverage + chunked attention needs no
-# artifact and kept the most of the artifact-free scorers on needle probes (benchmarks/
-# runtime_quality.py, embedded model, 36 probes, evicting 50/75/90%: 0.83 / 0.86 / 0.61 against
-# the uncompressed 0.78; calibrated Expected Attention, the old default, scored 0.00 from 75% on).
+# artifact and kept the most of the artifact-free scorers on needle probes; calibrated Expected
+# Attention, the old default, kept none from 75% on (docs/results.md R-leverage-36-probes-2026-11-22).
 DEFAULT_SCORER = "leverage"
 RATIO_RENAMED = (
     "CompressionPolicy(ratio=...) was the fraction of the context KEPT; it is now spelled "

@@ -106,17 +106,14 @@ def parse_policy(text: str) -> PolicySpec:
 
 # The policy served when an artifact recorded no measured recommendation (see
 # runtime.recommendation): REAL's INF budgets from the artifact, Compactor's leverage scores and
-# MomentKV correction with the artifact's per-head orders.  Measured with evaluate-artifact
-# (embedded model, 54 unseen retrieval + multi-key tasks, question-agnostic, uncompressed 0.94):
-# 0.94 / 0.94 / 0.83 evicting 50 / 75 / 90%, the most accurate of every policy measured there:
-# inf/leverage 0.91 / 0.83 / 0.67, global/learned+correction (KVzip distilled) 0.94 / 0.91 / 0.69,
-# inf/keydiff+correction 0.93 / 0.87 / 0.56.  Its scoring costs ~17% of the prefill on a CPU
-# (the learned scorer's ~1.5%).  An artifact without the moments section falls back to
+# MomentKV correction with the artifact's per-head orders: the most accurate policy on held-out
+# tasks (docs/results.md R-flagship-2026-11-22).  Its scoring costs about a sixth of the prefill
+# on a CPU (R-scorer-cost-2026-11-22).  An artifact without the moments section falls back to
 # INF_LEVERAGE, one without budgets to the artifact-free policy.
 FLAGSHIP = PolicySpec("flagship", "inf", "leverage", options={"correction": "calibrated"})
 register_named_policy(FLAGSHIP)
 # REAL's INF budgets with Compactor's leverage scores: the flagship's fallback for an artifact
-# with budgets but no moments section (0.91 / 0.83 / 0.67 in the same evaluation).
+# with budgets but no moments section (R-flagship-2026-11-22 measured it too).
 INF_LEVERAGE = PolicySpec("inf/leverage", "inf", "leverage")
 # The policy that needs no artifact (CompressionPolicy's defaults).
 ARTIFACT_FREE = PolicySpec("uniform/leverage", "uniform", "leverage")

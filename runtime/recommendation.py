@@ -67,22 +67,6 @@ class Recommendation:
         best = min(distances)
         return max(i for i, d in enumerate(distances) if d <= best + 1e-12)
 
-    def rows(self) -> list[dict]:
-        return [
-            {
-                "compression_ratio": r,
-                "policy": p,
-                "accuracy": a,
-                "ci_low": lo,
-                "ci_high": hi,
-                "tasks": self.tasks,
-                "baseline_accuracy": self.baseline_accuracy,
-            }
-            for r, p, a, lo, hi in zip(
-                self.compression_ratios, self.policies, self.accuracy, self.ci_low, self.ci_high, strict=True
-            )
-        ]
-
 
 def fallback_spec(calibration) -> PolicySpec:
     """The first of the flagship, ``inf/leverage`` and the artifact-free default that ``calibration``
