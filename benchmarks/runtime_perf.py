@@ -37,7 +37,7 @@ in every row):
 
    where K is ``--keep-ratio`` (default 0.25).  Bars: nothing evicted <= 1.05x plain at every
    batch; K = 25% kept <= 0.75x plain at B=8, 4K and never above 1.0x.
-2. **compression time** (``runtime.compress``: scoring + eviction of every head of the batch)
+2. **compression time** (``runtime.compression``: scoring + eviction of every head of the batch)
    as a percentage of the ragged prefill (``runtime.prefill`` into a RaggedCache, nothing
    recorded) of the same batch and context.  The ragged prefill is measured at batch B when
    B x context <= ``--max-prefill-tokens``, else estimated as B x the batch-1 time (marked
@@ -61,7 +61,7 @@ The bars are checked on the cells run and printed as PASS / FAIL lines after the
 
 Prefill and compression timings are the fastest of ``--repeats`` runs (batch-1 plain and
 ragged prefills alternate).  Caches of one batch size are built, untimed, by prefilling the
-context once at batch 1 (``runtime.compress.prefill_for_policies``: recording what every
+context once at batch 1 (``runtime.compression.prefill_for_policies``: recording what every
 policy's scorer needs) and repeating its row (``batch_repeat_interleave``); the compressed
 caches are compressed (timed) at batch B.  Peak memory is about two full caches at the
 largest batch and context (fp32 B=32 x 4K: ~6 GB each) plus the compressed ones and the
@@ -98,7 +98,7 @@ from runtime import (  # noqa: E402
     parse_policy,
     prefill,
 )
-from runtime.compress import prefill_for_policies  # noqa: E402
+from runtime.compression import prefill_for_policies  # noqa: E402
 from runtime.models import load_model, load_tokenizer, use_progress_bars  # noqa: E402
 from runtime.transformers_compat import cache_argument  # noqa: E402
 
@@ -432,7 +432,7 @@ def report(results: dict) -> str:
             ],
         ),
         "",
-        "Compression (runtime.compress: scoring + eviction) as % of the ragged prefill of the same batch "
+        "Compression (runtime.compression: scoring + eviction) as % of the ragged prefill of the same batch "
         "(seconds; ~ = prefill estimated as B x batch-1):",
         "",
         table(

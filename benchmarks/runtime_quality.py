@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 from profiler.evaluation import decode_together  # noqa: E402
 from profiler.evaluation_results import wilson_interval  # noqa: E402
 from runtime import CompressionPolicy, RaggedCache, compress, enable, load_calibration  # noqa: E402
-from runtime.compress import prefill_for_policies  # noqa: E402
+from runtime.compression import prefill_for_policies  # noqa: E402
 from runtime.kvzip import with_reconstruction_scores  # noqa: E402
 from runtime.models import load_model, load_tokenizer  # noqa: E402
 

@@ -13,29 +13,13 @@ import json
 import sys
 
 from artifacts.version import add_version_argument
+from runtime.names import ALLOCATIONS, NAMED_POLICIES, SCORER_NAMES, STATISTICS
 
 from .arguments import RenamedOption, comma_separated, number_in, positive_int
 from .evaluation_results import EVALUATION_SEED_OFFSET, RECOMMENDATION_CANDIDATES, markdown_table
 
-# runtime.policy_spec.NAMED_POLICIES, spelled out for the help text (tested equal)
-NAMED_POLICIES = {"flagship": "inf/leverage+correction"}
-
-# The names of runtime.policy.ALLOCATIONS, runtime.policy.STATISTICS and runtime.scorers.SCORERS for the
-# help text, spelled out because importing runtime takes torch and --help must not wait for it (tests
-# check they agree).
-ALLOCATIONS = ("uniform", "inf", "global", "curve")
-STATISTICS = ("calibrated", "future", "prompt")
-SCORERS = (
-    "expected_attention",
-    "prototype_attention",
-    "keydiff",
-    "snapkv",
-    "knorm",
-    "streaming",
-    "leverage",
-    "kvzip",
-    "learned",
-)
+# The runtime's vocabulary, torch-free (runtime.names): --help lists it without loading torch.
+SCORERS = SCORER_NAMES
 
 # The recommendation stage's candidates and two artifact-free references; those the artifact
 # cannot serve (a missing section) are left out with a note.  Policies given with --policies

@@ -132,8 +132,8 @@ def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_a
     ``runtime.serving_plan.bind``) on one probe: one prefill, one copy of it compressed per cell,
     and one batched ``generate`` (row 0 the baseline).  Returns per-row records."""
     from runtime import RaggedCache, bind, compress
-    from runtime.compress import prefill_for_policies
-    from runtime.generate import check_inputs
+    from runtime.compression import prefill_for_policies
+    from runtime.generation import check_inputs
     from runtime.kvzip import uses_kvzip, with_reconstruction_scores
 
     ids = torch.tensor([probe.input_ids], dtype=torch.long)

@@ -8,76 +8,82 @@
     result = generate(model, input_ids, policy, context_columns=n, calibration=calibration,
                       max_new_tokens=32)
 
-Modules: ``cache`` (the packed per-layer cache: every head's retained tokens in one buffer per
-layer, MomentKV moment sums and correction), ``paged_attention`` (attention over that buffer for
-all rows and heads at once), ``attention`` (the registered attention function and its scoped
-switch), ``scorers`` (a package, one module per scorer: EA,
-prototype attention, KeyDiff, SnapKV, KNorm, StreamingLLM, leverage, KVzip, learned; each scores a
-whole layer, its inputs built by the package's providers), ``policy`` (the policy value and what it
-needs from an artifact), ``serving_plan`` (``bind``: a policy checked against, and loaded from, one
-calibration for one model), ``policy_spec`` (policies by name: the grammar
-``inf/leverage``, ``global/learned+correction``..., the flagship), ``recommendation`` (the
-artifact's measured best policy per compression ratio), ``compress`` (prefill and per-prompt
-eviction), ``eviction`` (a layer's heads down to their budgets: layer-batched scores,
-sinks/window, compaction; moment-informed rounds head by head; also used while decoding),
-``moments`` (MomentKV math), ``generate`` (entry points), ``calibration`` (artifact loading and
-identity checks), ``rope``; ``geometry`` (the model's checked attention geometry),
-``query_moments`` (pre-RoPE query sums: a prompt's, or the calibration's), ``attention``'s
-scoped swap, ``budgets`` and ``models`` are shared with the profiler.
+Where a served decision is made, following one import chain from ``generate``:
+
+* ``generation``: the entry points (``generate``, ``answer``, ``compress_prompt``, ``build_inputs``);
+* ``serving_plan``: ``bind(policy, calibration, model)``, the one place a policy meets an artifact;
+* ``policy``: the policy value and what it needs from an artifact; ``names``: its vocabulary
+  (torch-free); ``policy_spec``: policies by name (``inf/leverage``, the flagship...);
+  ``recommendation``: which policy an artifact's measurements serve;
+* ``compression``: prefill and per-prompt eviction; ``eviction``: a layer's heads down to their
+  budgets (also called back while decoding); ``selection``: the one keep rule (priority ranks:
+  sinks, window, scores, ties); ``budgets``: per-head budgets;
+* ``scorers``: a package, one module per scorer, each scoring a whole layer, its inputs built by
+  the package's providers;
+* ``cache``: the packed per-layer cache; ``paged_attention``: attention over it for all rows and
+  heads at once; ``attention``: the registered attention function and its scoped switch;
+  ``moments``: MomentKV math; ``kvzip``: KVzip's reconstruction pass;
+* ``calibration``: artifact loading and identity checks; ``geometry``: the model's checked
+  attention geometry; ``rope``; ``query_moments``: pre-RoPE query sums; ``models``: the embedded
+  model; ``checks``: argument checks; ``transformers_compat``: what differs between the supported
+  transformers versions.
 
 Depends on ``artifacts``, ``prompt_format``, torch, transformers, numpy and h5py only (never on
 the profiler or the probe generator).
 """
 
-from .attention import enable, ragged_attention, register
-from .cache import ATTENTION_NAME, RaggedCache, RaggedLayer
-from .calibration import Calibration, find_artifact, load_calibration
-from .compress import CompressionReport, compress, prefill
-from .generate import GenerationResult, answer, build_inputs, compress_prompt, generate, split_prompt
-from .geometry import ModelGeometry, UnsupportedModelError
-from .policy import CompressionPolicy
-from .policy_spec import FLAGSHIP, PolicySpec, parse_policy
-from .query_moments import QueryMoments
-from .recommendation import Recommendation
-from .scorers import SCORERS, LayerInputs, Scorer, ScorerInputs, make_scorer
-from .selection import select_rows
-from .serving_plan import ServingPlan, bind
-from .transformers_compat import cache_argument
+from importlib import import_module
 
-__all__ = [
-    "ATTENTION_NAME",
-    "Calibration",
-    "CompressionPolicy",
-    "CompressionReport",
-    "FLAGSHIP",
-    "GenerationResult",
-    "LayerInputs",
-    "PolicySpec",
-    "ModelGeometry",
-    "QueryMoments",
-    "RaggedCache",
-    "RaggedLayer",
-    "Recommendation",
-    "SCORERS",
-    "Scorer",
-    "ScorerInputs",
-    "ServingPlan",
-    "UnsupportedModelError",
-    "answer",
-    "bind",
-    "build_inputs",
-    "cache_argument",
-    "compress",
-    "compress_prompt",
-    "enable",
-    "find_artifact",
-    "generate",
-    "load_calibration",
-    "make_scorer",
-    "parse_policy",
-    "prefill",
-    "ragged_attention",
-    "register",
-    "select_rows",
-    "split_prompt",
-]
+# Exports load their module on first use (PEP 562), so that ``runtime.names`` and the other
+# torch-free modules import without torch.
+_EXPORTS = {
+    "answer": "generation",
+    "ATTENTION_NAME": "cache",
+    "bind": "serving_plan",
+    "build_inputs": "generation",
+    "cache_argument": "transformers_compat",
+    "Calibration": "calibration",
+    "compress": "compression",
+    "compress_prompt": "generation",
+    "CompressionPolicy": "policy",
+    "CompressionReport": "compression",
+    "enable": "attention",
+    "find_artifact": "calibration",
+    "FLAGSHIP": "policy_spec",
+    "generate": "generation",
+    "GenerationResult": "generation",
+    "LayerInputs": "scorers",
+    "load_calibration": "calibration",
+    "make_scorer": "scorers",
+    "ModelGeometry": "geometry",
+    "parse_policy": "policy_spec",
+    "PolicySpec": "policy_spec",
+    "prefill": "compression",
+    "QueryMoments": "query_moments",
+    "ragged_attention": "attention",
+    "RaggedCache": "cache",
+    "RaggedLayer": "cache",
+    "Recommendation": "recommendation",
+    "register": "attention",
+    "Scorer": "scorers",
+    "ScorerInputs": "scorers",
+    "SCORERS": "scorers",
+    "select_rows": "selection",
+    "ServingPlan": "serving_plan",
+    "split_prompt": "generation",
+    "UnsupportedModelError": "geometry",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

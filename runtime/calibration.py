@@ -60,6 +60,7 @@ from artifacts.fingerprint import (
 )
 
 from .budgets import kv_head_scores
+from .names import MOMENT_SELECTIONS
 from .recommendation import Recommendation, recommended_policy
 
 _MEMO_ATTRIBUTE = "_kvcal_fingerprint_memo"
@@ -220,11 +221,6 @@ class Calibration:
 
     def __repr__(self) -> str:
         return f"Calibration({self.path}, model={getattr(self.identity, 'name', None)!r}, sections={self.sections})"
-
-
-# the selections profile-model's moments stage calibrates orders under (--moments-selection;
-# profiler.selections.MOMENTS_SELECTIONS, spelled out: the runtime does not import the profiler)
-MOMENT_SELECTIONS = ("snapkv", "keydiff", "learned")
 
 
 def _configured_selection(config) -> str | None:

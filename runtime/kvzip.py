@@ -312,7 +312,7 @@ def kvzip_compress(
 ):
     """Score a prefilled single-prompt ``cache`` by reconstruction and compress it under ``policy``
     (its scorer must be ``"kvzip"``); returns ``(report, scores)``."""
-    from .compress import compress
+    from .compression import compress
 
     if cache.layers[0].batch_size != 1:
         raise ValueError("kvzip_compress handles one prompt; call kvzip_scores per row and compress rows apart")

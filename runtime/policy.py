@@ -52,11 +52,9 @@ import numpy as np
 
 from .budgets import allocate_budgets, curve_row
 from .checks import check_flag, check_integer, check_number
+from .names import ALLOCATIONS, CORRECTIONS, STATISTICS
 from .scorers import SCORERS, LearnedWeights, QueryCentres, Scorer, make_scorer, query_statistics
 
-ALLOCATIONS = ("uniform", "inf", "global", "curve")
-STATISTICS = ("calibrated", "future", "prompt")
-CORRECTIONS = ("none", "calibrated", "order0", "order1")
 # The scorer of a policy that names none: Compactor's leverage + chunked attention needs no
 # artifact and kept the most of the artifact-free scorers on needle probes; calibrated Expected
 # Attention, the old default, kept none from 75% on (docs/results.md R-leverage-36-probes-2026-11-22).

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .names import NAMED_POLICIES as NAMED_POLICY_TEXTS
 from .policy import CompressionPolicy
 
 BASELINE = "baseline"
@@ -110,7 +111,8 @@ def parse_policy(text: str) -> PolicySpec:
 # tasks (docs/results.md R-flagship-2026-11-22).  Its scoring costs about a sixth of the prefill
 # on a CPU (R-scorer-cost-2026-11-22).  An artifact without the moments section falls back to
 # INF_LEVERAGE, one without budgets to the artifact-free policy.
-FLAGSHIP = PolicySpec("flagship", "inf", "leverage", options={"correction": "calibrated"})
+_FLAGSHIP = parse_policy(NAMED_POLICY_TEXTS["flagship"])  # inf/leverage+correction
+FLAGSHIP = PolicySpec("flagship", _FLAGSHIP.allocation, _FLAGSHIP.scorer, _FLAGSHIP.statistics, _FLAGSHIP.options)
 register_named_policy(FLAGSHIP)
 # REAL's INF budgets with Compactor's leverage scores: the flagship's fallback for an artifact
 # with budgets but no moments section (R-flagship-2026-11-22 measured it too).

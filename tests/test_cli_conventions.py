@@ -40,31 +40,50 @@ def test_parsing_and_help_import_no_torch(module):
     assert done.stdout.strip() == "", f"{module}'s parser or --help imported {done.stdout.strip()}"
 
 
-def test_torch_free_copies_of_runtime_names_agree_with_the_runtime():
-    """evaluate-artifact's parser spells out a few runtime names so that it needs no torch, and the
-    runtime its copy of the moments selections (it does not import the profiler); they must not drift."""
-    from profiler import evaluate_cli
-    from runtime import calibration
-    from runtime.policy import ALLOCATIONS, STATISTICS
-    from runtime.scorers import SCORERS
+def test_the_command_lines_take_the_runtime_vocabulary_from_runtime_names_not_copies():
+    """evaluate-artifact's parser, the runtime's validation and the profiler's moments stage use the
+    very same torch-free objects of ``runtime.names``: nothing to keep in step."""
+    from profiler import evaluate_cli, moments
+    from runtime import calibration, names, policy, policy_spec
+    from runtime.scorers import SCORERS, registry
 
-    assert evaluate_cli.ALLOCATIONS == ALLOCATIONS
-    assert evaluate_cli.STATISTICS == STATISTICS
-    assert evaluate_cli.SCORERS == tuple(SCORERS)
-    from profiler.selections import MOMENTS_SELECTIONS
+    assert evaluate_cli.ALLOCATIONS is names.ALLOCATIONS is policy.ALLOCATIONS
+    assert evaluate_cli.STATISTICS is names.STATISTICS is policy.STATISTICS
+    assert evaluate_cli.SCORERS is names.SCORER_NAMES and tuple(SCORERS) == names.SCORER_NAMES
+    assert registry.REGISTERED is names.SCORER_CLASSES
+    assert evaluate_cli.NAMED_POLICIES is names.NAMED_POLICIES
+    assert set(policy_spec.NAMED_POLICIES) == set(names.NAMED_POLICIES)
+    for name, text in names.NAMED_POLICIES.items():
+        spelled = policy_spec.parse_policy(text)
+        named = policy_spec.NAMED_POLICIES[name]
+        assert (named.allocation, named.scorer, named.statistics, named.options) == (
+            spelled.allocation,
+            spelled.scorer,
+            spelled.statistics,
+            spelled.options,
+        )
+    assert moments.SELECTION_SCORERS is calibration.MOMENT_SELECTIONS is names.MOMENT_SELECTIONS
 
-    assert MOMENTS_SELECTIONS == calibration.MOMENT_SELECTIONS
+
+def test_runtime_names_imports_without_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, runtime.names; print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_stage_options_take_their_names_from_the_method_modules_not_copies():
     """profile-model's choices and defaults are the method modules' own objects (imported
     torch-free), so there is nothing to keep in step."""
-    from profiler import budget_curves, moments, selections
+    from profiler import budget_curves, moments
     from profiler.stages import settings_options
+    from runtime import names
 
     options = {option.dest: option for option in settings_options()}
-    assert moments.SELECTION_SCORERS is selections.MOMENTS_SELECTIONS
-    assert options["moments_selection"].kind.values is selections.MOMENTS_SELECTIONS
+    assert moments.SELECTION_SCORERS is names.MOMENT_SELECTIONS
+    assert options["moments_selection"].kind.values is names.MOMENT_SELECTIONS
     assert options["curve_selection"].kind.values is budget_curves.SELECTIONS
     assert options["curve_compression_ratios"].default is budget_curves.CURVE_RATIOS
     assert options["curve_floor"].default is budget_curves.CURVE_FLOOR

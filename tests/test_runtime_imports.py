@@ -155,6 +155,6 @@ def test_runtime_modules_import_each_other_without_a_cycle():
     ``runtime/__init__.py`` re-exports included); the policy value (runtime.policy) imports
     neither the recommendation, the policy grammar nor the serving plan."""
     graph = runtime_import_graph()
-    assert "runtime.policy" in graph["runtime.policy_spec"] and "runtime.serving_plan" in graph["runtime.compress"]
+    assert "runtime.policy" in graph["runtime.policy_spec"] and "runtime.serving_plan" in graph["runtime.compression"]
     assert not graph["runtime.policy"] & {"runtime.recommendation", "runtime.policy_spec", "runtime.serving_plan"}
     assert import_cycles(graph) == []

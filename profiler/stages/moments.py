@@ -22,7 +22,7 @@ import numpy as np
 
 from artifacts import Section
 from profiler.options import Choice, Option
-from profiler.selections import MOMENTS_SELECTIONS
+from runtime.names import MOMENT_SELECTIONS as MOMENTS_SELECTIONS
 
 from .base import Requirement, Stage
 

@@ -1,27 +1,23 @@
-"""The scorers by name: one registration line per scorer (its module under ``runtime/scorers/``
-and the class that module defines)."""
+"""The scorers by name: the registration lines are :data:`runtime.names.SCORER_CLASSES` (a
+scorer's module under ``runtime/scorers/`` and the class it defines; torch-free, so that
+command-line parsers list the names without importing a scorer)."""
 
 from __future__ import annotations
 
 from importlib import import_module
 
+from ..names import SCORER_CLASSES
 from .base import Scorer
 
-REGISTERED = (
-    ("expected_attention", "ExpectedAttentionScorer"),
-    ("prototype_attention", "PrototypeAttentionScorer"),
-    ("keydiff", "KeyDiffScorer"),
-    ("snapkv", "SnapKVScorer"),
-    ("knorm", "KNormScorer"),
-    ("streaming", "StreamingScorer"),
-    ("leverage", "LeverageScorer"),
-    ("kvzip", "KVzipScorer"),
-    ("learned", "LearnedScorer"),
-)
+REGISTERED = SCORER_CLASSES
 
 SCORERS: dict[str, type[Scorer]] = {}
 for _module, _class in REGISTERED:
     _scorer = getattr(import_module(f".{_module}", __package__), _class)
+    if _scorer.name != _module:
+        raise ImportError(
+            f"runtime.scorers.{_module}.{_class} is named {_scorer.name!r}: a scorer's name is its module's"
+        )
     SCORERS[_scorer.name] = _scorer
 
 

@@ -34,7 +34,7 @@ from prompt_format import encode_prompt
 from .attention import ragged_attention
 from .cache import RaggedCache
 from .checks import check_integer
-from .compress import CompressionReport, compress, prefill
+from .compression import CompressionReport, compress, prefill
 from .policy import CompressionPolicy
 from .serving_plan import ServingPlan, as_plan
 from .transformers_compat import cache_argument
