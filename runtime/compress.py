@@ -23,11 +23,12 @@ import torch
 
 from .attention import ragged_attention
 from .budgets import global_budgets
-from .cache import DecodePlan, RaggedCache
+from .cache import RaggedCache
 from .eviction import HeadEvictor
 from .geometry import ModelGeometry
 from .policy import CompressionPolicy
 from .query_moments import QueryMoments
+from .row_state import DecodePlan
 from .transformers_compat import cache_argument
 
 
@@ -198,7 +199,8 @@ def compress(
                     first.real_seen[b] if context_lengths is None else int(context_lengths[b]), policy.budget or 0
                 )
                 budgets = policy.head_budgets(length, evictor.num_layers, evictor.num_kv_heads, inf_weights, curve)
-                cache.set_decode_plan(DecodePlan(evictor, budgets, int(policy.evict_every), b), row=b)
+                plan = DecodePlan(hook=evictor, budgets=budgets, every=int(policy.evict_every), stats_row=b)
+                cache.set_decode_plan(plan, row=b)
         if policy.evict_every is None or not evictor.scorer.observation_window:
             cache.stop_observing()
     return CompressionReport(

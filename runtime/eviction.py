@@ -273,6 +273,20 @@ class HeadEvictor:
             self._refuse_nan(layer_idx, int(bad.any(-1).nonzero()[0, 1]))
         return scores
 
+    def evict_decoded(
+        self,
+        layer,
+        layer_idx: int,
+        rows: list[int],
+        budgets: torch.Tensor,
+        next_positions: list[int],
+        stats_rows: list[int],
+    ) -> None:
+        """The decode-time eviction hook (:class:`runtime.row_state.DecodeEvictionHook`): the heads of
+        batch rows ``rows`` that decoding grew past their budgets cut back to ``budgets`` int64
+        ``[R, Hkv]``, the capacity kept for the tokens that follow."""
+        self.evict_layer(layer, layer_idx, rows, budgets, next_positions, shrink=False, stats_rows=stats_rows)
+
     def evict_layer(
         self,
         layer,
