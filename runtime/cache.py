@@ -208,9 +208,10 @@ class RaggedLayer(DynamicLayer):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if key_states.shape[0] != self.batch_size or key_states.shape[1] != self.num_heads:
+        store = self.store
+        if key_states.shape[0] != store.batch_size or key_states.shape[1] != store.num_heads:
             raise ValueError(
-                f"RaggedCache holds batch {self.batch_size} x {self.num_heads} KV heads, "
+                f"RaggedCache holds batch {store.batch_size} x {store.num_heads} KV heads, "
                 f"got keys of shape {tuple(key_states.shape)}"
             )
         self._pending = (key_states, value_states)
@@ -356,11 +357,13 @@ class RaggedLayer(DynamicLayer):
             with torch.profiler.record_function("kvcal.attention"):
                 output = chunk_only_attention(query, new_keys, new_values, real, scaling)
         else:
-            output = segment_layer_attention(query, store, self.layout, real, scaling, prepared)
+            # the layout of this storage generation (the property rebuilds it after a repack)
+            layout = self._layout if self._layout_generation == store.generation else self.layout
+            output = segment_layer_attention(query, store, layout, real, scaling, prepared)
         for b in range(batch):
             self.rows[b].real_seen += q_len if counts is None else int(counts[b])
         self.tokens_seen += q_len
-        if any(row.decode_plan is not None for row in self.rows):
+        if any([row.decode_plan is not None for row in self.rows]):  # a list: one frame, not one per row
             with torch.profiler.record_function("kvcal.eviction"):
                 for due in due_evictions(self.rows, store.length, self.layer_idx):
                     hook, rows, budgets, next_positions, stats_rows = due

@@ -54,14 +54,6 @@ class SegmentStore:
             1,
         )
 
-    @property
-    def batch_size(self) -> int:
-        return self.length.shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        return self.key_buffer.device
-
     # -- buffers and tables ----------------------------------------------------------------
 
     def install(self, keys, values, positions, offset, capacity, length, page_size) -> None:
@@ -69,6 +61,8 @@ class SegmentStore:
         capacity / length`` int64 ``[B, Hkv]`` (host; capacities multiples of ``page_size``)."""
         self.key_buffer, self.value_buffer, self.position_buffer = keys, values, positions  # [C, d], [C, d], [C]
         self.offset, self.capacity, self.length = offset, capacity, length  # int64 [B, Hkv] host
+        # plain attributes, not properties: read on every decode step of every layer
+        self.batch_size, self.device = int(length.shape[0]), keys.device
         self.page_size = int(page_size)
         self.generation = next(_GENERATIONS)  # what was derived from offsets / capacities is stale
         self.loose = False  # segments shrank in place: compact() releases the memory

@@ -407,3 +407,39 @@ def test_decode_eviction_goes_through_the_typed_hook():
     assert [(call[0], call[1], call[2].tolist(), call[3]) for call in hook.calls] == [
         (index, [0], [[3, 3]], [13]) for index in range(2)
     ]
+
+
+@torch.no_grad()
+def test_decode_steps_derive_the_page_layout_once_per_storage_generation(monkeypatch):
+    """The page tables are derived from the storage when it is repacked, not on every decode step:
+    over steps that fit in the segments' slack every layer reads the layout it already built."""
+    import runtime.cache
+    from runtime.layout import PageLayout
+
+    built = []  # (layer_idx, store generation) of every PageLayout.build
+    real_build = PageLayout.build
+
+    def counting_build(offset, capacity, page_size, buffer_rows, device):
+        layer = next(layer for layer in cache.layers if layer.store is not None and layer.store.offset is offset)
+        built.append((layer.layer_idx, layer.store.generation))
+        return real_build(offset, capacity, page_size, buffer_rows, device)
+
+    model = make_tiny_llama(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16)
+    ids = torch.randint(0, 128, (2, 200), generator=torch.Generator().manual_seed(4))
+    policy = CompressionPolicy(keep_ratio=0.25, allocation="inf", scorer="keydiff")
+    with ragged_attention(model):
+        cache = RaggedCache.for_model(model)
+        prefill(model, cache, ids)
+        compress(model, cache, policy, inf_calibration(3, 2))
+        monkeypatch.setattr(runtime.cache.PageLayout, "build", staticmethod(counting_build))
+        token = torch.tensor([[5], [7]])
+        generations = []  # [step][layer]
+        for _ in range(12):
+            token = model(token, **cache_argument(model, cache)).logits[:, -1].argmax(-1, keepdim=True)
+            generations.append([layer.store.generation for layer in cache.layers])
+    assert len(built) == len(set(built))  # no generation's layout built twice
+    repacked = {(index, g) for step in generations for index, g in enumerate(step)}
+    assert set(built) == repacked  # every generation decoded from was built once, nothing else
+    # the first step repacks every layer (compress compacted to the budgets, no slack left); the
+    # slack then carries the next steps without a repack: those steps build nothing
+    assert all(generations[step] == generations[1] for step in range(2, 12))
