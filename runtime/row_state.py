@@ -20,12 +20,15 @@ scored: :class:`runtime.eviction.HeadEvictor` is the hook the runtime installs).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from .moments import MomentSums, PreparedMoments
+
+if TYPE_CHECKING:  # the cache imports this module
+    from .cache import RaggedLayer
 
 
 @runtime_checkable
@@ -34,7 +37,7 @@ class DecodeEvictionHook(Protocol):
 
     def evict_decoded(
         self,
-        layer: Any,
+        layer: RaggedLayer,
         layer_idx: int,
         rows: list[int],
         budgets: torch.Tensor,
