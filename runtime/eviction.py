@@ -191,9 +191,9 @@ class HeadEvictor:
         next_positions: list[int],
         stats_rows: list[int],
     ) -> None:
-        """The decode-time eviction hook: the heads of batch rows ``rows`` that decoding grew past
-        their budgets cut back to ``budgets`` int64 ``[R, Hkv]``, the capacity kept for the tokens
-        that follow."""
+        """The decode-time eviction hook (:class:`runtime.row_state.DecodeEvictionHook`): the heads of
+        batch rows ``rows`` that decoding grew past their budgets cut back to ``budgets`` int64
+        ``[R, Hkv]``, the capacity kept for the tokens that follow."""
         self.evict_layer(layer, layer_idx, rows, budgets, next_positions, shrink=False, stats_rows=stats_rows)
 
     def evict_layer(

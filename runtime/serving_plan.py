@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .cache import DecodePlan
 from .calibration import architecture_mismatch
 from .geometry import ModelGeometry
 from .policy import CompressionPolicy
+from .row_state import DecodePlan
 from .scorers import QueryCentres, Scorer, query_statistics
 
 
@@ -89,7 +89,7 @@ class ServingPlan:
             return None
         # a token budget bounds each head while decoding even when the prompt was shorter
         budgets = self.head_budgets(max(int(context_length), self.policy.budget or 0))
-        return DecodePlan(evictor, budgets, int(self.policy.evict_every), row)
+        return DecodePlan(hook=evictor, budgets=budgets, every=int(self.policy.evict_every), stats_row=row)
 
     def check_model(self, model) -> None:
         """Refuse serving this plan on a model of another attention shape than it was bound to."""

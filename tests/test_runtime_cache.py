@@ -361,3 +361,85 @@ def test_blockwise_prefill_never_holds_more_than_budget_plus_block():
         assert positions[:2] == [0, 1] and positions[7:10] == [real - 3, real - 2, real - 1]  # sinks, window
         assert positions[10:] == list(range(real, real + 7))  # question (5) + generated (2) follow
         assert positions == sorted(set(positions))
+
+
+class _RecordingHook:
+    """A decode-eviction hook that records its calls and cuts nothing."""
+
+    def __init__(self):
+        self.calls = []
+
+    def evict_decoded(self, layer, layer_idx, rows, budgets, next_positions, stats_rows):
+        self.calls.append((layer_idx, list(rows), budgets.clone(), list(next_positions), list(stats_rows)))
+
+
+def test_decode_eviction_goes_through_the_typed_hook():
+    """The cache calls DecodeEvictionHook.evict_decoded once per hook, for the rows holding a head
+    `every` tokens past its budget, with the budget where due and the head's length elsewhere."""
+    from runtime.cache import DecodePlan, RowState
+    from runtime.row_state import due_evictions
+
+    with pytest.raises(TypeError, match="evict_decoded"):
+        DecodePlan(object(), np.zeros((1, 2), dtype=np.int64), 2, 0)
+    first, second = _RecordingHook(), _RecordingHook()
+    budgets = np.array([[4, 6], [5, 5]], dtype=np.int64)  # [L, Hkv]
+    states = [
+        RowState(real_seen=30, decode_plan=DecodePlan(first, budgets, 2, 7)),
+        RowState(real_seen=31),
+        RowState(real_seen=32, decode_plan=DecodePlan(first, budgets, 2, 8)),
+        RowState(real_seen=33, decode_plan=DecodePlan(second, budgets, 2, 9)),
+    ]
+    lengths = torch.tensor([[6, 7], [9, 9], [5, 8], [5, 7]])  # [B, Hkv]
+    due = due_evictions(states, lengths, 0)
+    assert [(d.hook, d.rows, d.budgets.tolist(), d.next_positions, d.stats_rows) for d in due] == [
+        (first, [0, 2], [[4, 7], [5, 6]], [30, 32], [7, 8])
+    ]
+    assert due_evictions(states, lengths, 1)[0].rows == [0, 2]  # layer 1: budgets 5, 5
+    # through a model: every layer calls the hook after the step
+    model = make_tiny_llama(num_layers=2)
+    hook = _RecordingHook()
+    ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with ragged_attention(model):
+        cache = RaggedCache.for_model(model)
+        prefill(model, cache, ids)
+        cache.set_decode_plan(DecodePlan(hook, np.full((2, 2), 3, dtype=np.int64), 1, 0), row=0)
+        model(torch.tensor([[5]]), **cache_argument(model, cache))
+    assert [(call[0], call[1], call[2].tolist(), call[3]) for call in hook.calls] == [
+        (index, [0], [[3, 3]], [13]) for index in range(2)
+    ]
+
+
+@torch.no_grad()
+def test_decode_steps_derive_the_page_layout_once_per_storage_generation(monkeypatch):
+    """The page tables are derived from the storage when it is repacked, not on every decode step:
+    over steps that fit in the segments' slack every layer reads the layout it already built."""
+    import runtime.cache
+    from runtime.layout import PageLayout
+
+    built = []  # (layer_idx, store generation) of every PageLayout.build
+    real_build = PageLayout.build
+
+    def counting_build(offset, capacity, page_size, buffer_rows, device):
+        layer = next(layer for layer in cache.layers if layer.store is not None and layer.store.offset is offset)
+        built.append((layer.layer_idx, layer.store.generation))
+        return real_build(offset, capacity, page_size, buffer_rows, device)
+
+    model = make_tiny_llama(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16)
+    ids = torch.randint(0, 128, (2, 200), generator=torch.Generator().manual_seed(4))
+    policy = CompressionPolicy(keep_ratio=0.25, allocation="inf", scorer="keydiff")
+    with ragged_attention(model):
+        cache = RaggedCache.for_model(model)
+        prefill(model, cache, ids)
+        compress(model, cache, policy, inf_calibration(3, 2))
+        monkeypatch.setattr(runtime.cache.PageLayout, "build", staticmethod(counting_build))
+        token = torch.tensor([[5], [7]])
+        generations = []  # [step][layer]
+        for _ in range(12):
+            token = model(token, **cache_argument(model, cache)).logits[:, -1].argmax(-1, keepdim=True)
+            generations.append([layer.store.generation for layer in cache.layers])
+    assert len(built) == len(set(built))  # no generation's layout built twice
+    repacked = {(index, g) for step in generations for index, g in enumerate(step)}
+    assert set(built) == repacked  # every generation decoded from was built once, nothing else
+    # the first step repacks every layer (compress compacted to the budgets, no slack left); the
+    # slack then carries the next steps without a repack: those steps build nothing
+    assert all(generations[step] == generations[1] for step in range(2, 12))

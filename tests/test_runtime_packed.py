@@ -115,10 +115,10 @@ def test_batch_with_inf_budgets_correction_and_decode_eviction_equals_one_by_one
     """Heads of different lengths in every row, the MomentKV correction and decode-time eviction,
     all through one attention call per layer (small layers' heads gathered into one page each, or
     attended page by page): each row generates what it generates alone."""
-    import runtime.cache
+    import runtime.layout
 
     if not small_layers_gathered:
-        monkeypatch.setattr(runtime.cache, "_GATHER_ROWS", 0)
+        monkeypatch.setattr(runtime.layout, "_GATHER_ROWS", 0)
     model = make_tiny_llama(num_layers=3, num_heads=6, num_kv_heads=3)
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (60, 41, 52)]

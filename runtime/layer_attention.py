@@ -1,0 +1,108 @@
+"""One layer's attention over its packed segments: every batch row and query head in one computation.
+
+The cache layer (:class:`runtime.cache.RaggedLayer`) calls these after storing the new chunk; the
+kernels themselves are in :mod:`runtime.paged_attention`.  Shapes: ``B`` batch rows, ``Hq`` query
+heads, ``Hkv`` KV heads, ``G = Hq / Hkv``, ``q`` chunk tokens, ``d`` head dim, segments
+``S = B * Hkv``; a segment's query rows are its ``G`` heads times the chunk's tokens (``M = G q``).
+
+* :func:`chunk_only_attention`: nothing was retained before the chunk (a first prefill): causal
+  SDPA of the chunk over itself;
+* :func:`segment_layer_attention`: every query over its head's retained rows, the chunk's own
+  rows causally (a chunk: :func:`~runtime.paged_attention.segment_attention` over the layer's
+  pages; a decode step: :func:`~runtime.paged_attention.decode_attention` over the
+  :class:`~runtime.layout.PageLayout`'s decode pages), then, with a correction set, the MomentKV
+  merge with the evicted set's estimate (:func:`corrected_merge`, docs/design.md section 4).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import PageLayout
+from .moments import PreparedMoments
+from .paged_attention import decode_attention, segment_attention
+from .segments import SegmentStore
+
+
+def chunk_only_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """Causal attention of the chunk over itself, padding keys hidden: ``query [B, Hq, q, d]``,
+    ``keys / values [B, Hkv, q, d]``, ``real`` bool ``[B, q]`` (None: all real).  Returns
+    ``[B, q, Hq, d]``; rows of padding queries are zero."""
+    q_len = query.shape[2]
+    if real is None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, keys, values, is_causal=True, scale=scaling, enable_gqa=True
+        )
+        return out.transpose(1, 2)
+    causal = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+    eye = torch.eye(q_len, dtype=torch.bool, device=query.device)
+    mask = (causal & real[:, None, None, :]) | eye  # padding queries see themselves (zeroed below)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True
+    ).transpose(1, 2)  # [B, q, Hq, d]
+    return out * real[:, :, None, None].to(out.dtype)
+
+
+def segment_layer_attention(
+    query: torch.Tensor,
+    store: SegmentStore,
+    layout: PageLayout,
+    real: torch.Tensor | None,
+    scaling: float,
+    prepared: PreparedMoments | None,
+) -> torch.Tensor:
+    """Every query of ``query [B, Hq, q, d]`` (post-RoPE) over its KV head's rows in ``store`` (the
+    chunk already appended: its token ``t`` sees everything before the chunk and the chunk's real
+    tokens up to ``t``), merged with the evicted set's estimate when ``prepared``.  ``real`` bool
+    ``[B, q]`` (None: all real).  Returns ``[B, q, Hq, d]`` in the query's dtype; rows of padding
+    queries are zero."""
+    batch, num_q_heads, q_len, dim = query.shape
+    heads = store.num_heads
+    group = num_q_heads // heads
+    segments = batch * heads
+    grouped = query.reshape(segments, group * q_len, dim)  # [S, G*q, d]
+    if q_len == 1 and real is None:  # decoding: every query of a head sees all its stored rows
+        with torch.profiler.record_function("kvcal.attention"):
+            pages = layout.decode_pages(store.key_buffer, store.value_buffer, store.row_bias)
+            out, lse = decode_attention(grouped, pages.key_pages, pages.value_pages, pages.owner, pages.bias, scaling)
+    else:  # a chunk: rows visible to its token t = everything before the chunk + t's rank + 1
+        device = query.device
+        length = store.length.to(device)  # [B, Hkv], the chunk already appended
+        if real is None:
+            visible = length.unsqueeze(2) - q_len + 1 + torch.arange(q_len, device=device)  # [B, Hkv, q]
+        else:
+            counts = real.long().sum(1, keepdim=True)  # [B, 1]
+            rank = real.long().cumsum(1) - 1  # [B, q]
+            visible = length.unsqueeze(2) - counts.unsqueeze(1) + 1 + rank.unsqueeze(1)
+            visible = torch.where(real.unsqueeze(1), visible, torch.zeros_like(visible))
+        limit = visible.unsqueeze(2).expand(batch, heads, group, q_len).reshape(segments, group * q_len)  # [S, G*q]
+        page = layout.page_size
+        key_pages, value_pages = store.key_buffer.view(-1, page, dim), store.value_buffer.view(-1, page, dim)
+        owner, page_start = layout.owner, layout.page_start
+        with torch.profiler.record_function("kvcal.attention"):
+            out, lse = segment_attention(grouped, key_pages, value_pages, owner, page_start, limit, scaling)
+    if prepared is not None:
+        with torch.profiler.record_function("kvcal.correction"):
+            out = corrected_merge(grouped.view(segments, group, q_len, dim), out, lse, prepared, scaling)
+    output = out.view(batch, heads, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(batch, q_len, num_q_heads, dim)
+    output = output.to(query.dtype)
+    if real is not None:
+        output = output * real[:, :, None, None].to(output.dtype)
+    return output
+
+
+def corrected_merge(
+    query: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, prepared: PreparedMoments, scaling: float
+) -> torch.Tensor:
+    """MomentKV's merge of the retained attention ``out [S, G*q, d]``, ``lse [S, G*q]`` (float32) with
+    the evicted set's estimate for ``query [S, G, q, d]``: ``o = w o_R + (1 - w) o_E``,
+    ``w = sigmoid(lse_R - lse_E)``.  Returns ``[S, G*q, d]`` float32."""
+    segments, group, q_len, dim = query.shape
+    shape = (segments, group, q_len)
+    out_E, lse_E = prepared.estimates(query, scaling)  # [S, G, q, d], [S, G, q]
+    # w = Z_R / (Z_R + Z_E): exactly 1 where nothing was evicted (lse_E = -inf), and where
+    # neither set holds anything (-inf - -inf = NaN) the retained output (0) stands
+    weight = torch.sigmoid(lse.view(shape) - lse_E).nan_to_num_(nan=1.0)
+    return torch.lerp(out_E, out.view(*shape, dim), weight.unsqueeze(-1)).view(segments, -1, dim)

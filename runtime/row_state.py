@@ -1,0 +1,179 @@
+"""What one cache layer keeps about one batch row besides its tokens, and the decode-eviction hook.
+
+Per (layer, batch row), one :class:`RowState`:
+
+* ``real_seen``: real tokens fed so far (the next token's RoPE position);
+* ``recent_queries [Hq, <=N, d]``: the last ``N`` post-RoPE prompt queries (SnapKV's observation
+  window, :meth:`RowState.observe`);
+* ``moments``: :class:`~runtime.moments.MomentSums` of every token evicted from each KV head of
+  the layer (None: not tracked), grown by :func:`fold_evicted`;
+* ``correction``: the MomentKV :class:`Correction` (None: plain attention), turned into the
+  layer's batched :class:`~runtime.moments.PreparedMoments` by :class:`PreparedCorrection`;
+* ``decode_plan``: a :class:`DecodePlan` (None: no eviction while decoding).
+
+Decode-time eviction.  After every step the layer asks :func:`due_evictions` which rows hold a
+head grown ``every`` tokens past its budget, and hands each group of rows sharing one hook to
+that hook's :meth:`DecodeEvictionHook.evict_decoded` (the cache never knows how tokens are
+scored: :class:`runtime.eviction.HeadEvictor` is the hook the runtime installs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from .moments import MomentSums, PreparedMoments
+
+
+@runtime_checkable
+class DecodeEvictionHook(Protocol):
+    """Cuts heads back to their budgets while decoding (called by the cache after a step)."""
+
+    def evict_decoded(
+        self,
+        layer,  # runtime.cache.RaggedLayer (not imported: the cache imports this module)
+        layer_idx: int,
+        rows: list[int],
+        budgets: torch.Tensor,
+        next_positions: list[int],
+        stats_rows: list[int],
+    ) -> None:
+        """Cut every KV head of batch rows ``rows`` of ``layer`` (a :class:`runtime.cache.RaggedLayer`,
+        index ``layer_idx``) down to ``budgets`` int64 ``[R, Hkv]`` tokens (a head's own length: leave
+        it), keeping the capacity for the tokens that follow (``layer.keep_rows(..., shrink=False)``).
+        ``next_positions[i]``: the RoPE position of row ``rows[i]``'s next token; ``stats_rows[i]``: its
+        row in the hook's prompt statistics."""
+
+
+@dataclass
+class DecodePlan:
+    """Decode-time eviction of one batch element: ``hook`` cuts a head back to ``budgets[layer, head]``
+    once it holds ``every`` tokens more; ``stats_row`` is the element's row in the hook's prompt
+    statistics.  Rows whose plans share one hook are evicted in one call."""
+
+    hook: DecodeEvictionHook
+    budgets: np.ndarray  # int64 [L, Hkv]
+    every: int
+    stats_row: int
+
+    def __post_init__(self):
+        if not isinstance(self.hook, DecodeEvictionHook):
+            raise TypeError(f"a decode plan's hook needs an evict_decoded method, got {type(self.hook).__name__}")
+
+
+class Correction(NamedTuple):
+    """The MomentKV correction of one row of one layer."""
+
+    orders: torch.Tensor  # int64 [Hkv] in {-1, 0, 1} (-1: none)
+    tau: torch.Tensor  # float32 [Hkv]
+
+
+@dataclass
+class RowState:
+    """What one layer keeps about one batch row besides its tokens (see the module docstring)."""
+
+    real_seen: int = 0  # real tokens fed: the next token's RoPE position
+    recent_queries: torch.Tensor | None = None  # [Hq, <=N, d] the last N post-RoPE prompt queries
+    moments: MomentSums | None = None  # sums of the tokens evicted from each KV head (None: not tracked)
+    correction: Correction | None = None  # a plain (orders, tau) pair is read the same way
+    decode_plan: DecodePlan | None = None
+
+    def copy(self) -> RowState:
+        return replace(self, moments=None if self.moments is None else self.moments.copy())
+
+    def observe(self, chunk_queries: torch.Tensor, window: int) -> None:
+        """Record ``chunk_queries [Hq, q, d]`` (post-RoPE), keeping the last ``window`` queries."""
+        previous = self.recent_queries
+        joined = chunk_queries if previous is None else torch.cat([previous, chunk_queries], dim=1)
+        self.recent_queries = joined[:, -window:].clone()
+
+
+def fold_evicted(states: list[RowState], keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor) -> None:
+    """Add evicted rows to the rows' moment sums in one batched computation: ``keys / values``
+    float32 ``[R, Hkv, n, d]`` (zero where not evicted), ``evicted`` bool ``[R, Hkv, n]``;
+    ``states[i]`` is batch row ``i``'s (rows without sums are skipped)."""
+    counts = evicted.sum(-1)  # [R, Hkv]
+    sum_k, sum_v = keys.sum(2), values.sum(2)  # [R, Hkv, d]
+    sum_vk = torch.einsum("rhnd,rhne->rhde", values, keys)  # [R, Hkv, d, d]
+    for i, state in enumerate(states):
+        sums = state.moments
+        if sums is None or not bool(counts[i].any()):
+            continue
+        sums.version += 1
+        sums.n += counts[i].to(sums.n.device)
+        sums.s_k += sum_k[i].to(sums.s_k.device)
+        sums.s_v += sum_v[i].to(sums.s_v.device)
+        sums.S_vk += sum_vk[i].to(sums.S_vk.device)
+
+
+class PreparedCorrection:
+    """The layer's correction quantities for every row and head, ``[B * Hkv]``, rebuilt only when a
+    row's sums or correction changed."""
+
+    def __init__(self) -> None:
+        self._memo: tuple[tuple, PreparedMoments | None] | None = None
+
+    def clear(self) -> None:
+        self._memo = None
+
+    def get(self, states: list[RowState], heads: int, head_dim: int, device) -> PreparedMoments | None:
+        """:class:`PreparedMoments` over ``states`` (None: nothing to correct)."""
+        active = [state.correction is not None and state.moments is not None for state in states]
+        if not any(active):
+            return None
+        key = tuple(
+            (id(state.moments), state.moments.version, id(state.correction)) if on else None
+            for state, on in zip(states, active, strict=True)
+        )
+        if self._memo is not None and self._memo[0] == key:
+            return self._memo[1]
+        pairs = list(zip(states, active, strict=True))
+        sums = MomentSums.concatenate([state.moments if on else None for state, on in pairs], heads, head_dim, device)
+        no_order = torch.full((heads,), -1, dtype=torch.int64, device=device)
+        no_tau = torch.zeros(heads, device=device)
+        orders = torch.cat([state.correction[0].to(device) if on else no_order for state, on in pairs])  # [S]
+        tau = torch.cat([state.correction[1].to(device) if on else no_tau for state, on in pairs])  # [S]
+        prepared = PreparedMoments(sums, orders, tau)
+        prepared = prepared if prepared.any_active else None
+        self._memo = (key, prepared)
+        return prepared
+
+
+class DueEviction(NamedTuple):
+    """One :meth:`DecodeEvictionHook.evict_decoded` call."""
+
+    hook: DecodeEvictionHook
+    rows: list[int]
+    budgets: torch.Tensor  # int64 [R, Hkv]: the budget where a head is due, else its length
+    next_positions: list[int]
+    stats_rows: list[int]
+
+
+def due_evictions(states: list[RowState], lengths: torch.Tensor, layer_idx: int) -> list[DueEviction]:
+    """The hook calls decoding owes layer ``layer_idx`` whose live tokens are ``lengths`` int64
+    ``[B, Hkv]``: one per hook whose rows hold a head ``every`` tokens past its budget."""
+    groups: dict[int, list[int]] = {}
+    for b, state in enumerate(states):
+        if state.decode_plan is not None:
+            groups.setdefault(id(state.decode_plan.hook), []).append(b)
+    due = []
+    for rows in groups.values():
+        plans = [states[b].decode_plan for b in rows]
+        budgets = torch.as_tensor(np.stack([plan.budgets[layer_idx] for plan in plans]))
+        held = lengths[rows]
+        over = held - budgets >= torch.tensor([plan.every for plan in plans]).unsqueeze(1)
+        if not bool(over.any()):
+            continue
+        due.append(
+            DueEviction(
+                plans[0].hook,
+                rows,
+                torch.where(over, budgets, held),
+                [states[b].real_seen for b in rows],
+                [plan.stats_row for plan in plans],
+            )
+        )
+    return due

@@ -1,0 +1,198 @@
+"""The packed segment storage on its own (runtime.segments, runtime.layout) against a naive
+reference: one list of (key, value, position) rows per (batch row, KV head)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import runtime.layout
+from runtime.layout import PageLayout, page_size_for
+from runtime.paged_attention import decode_attention
+from runtime.segments import SegmentStore
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
+
+HEADS, DIM = 3, 4
+
+
+class Reference:
+    """Per-head tensors ``keys / values [n, d]``, ``positions int64 [n]``, indexed ``[b][h]``."""
+
+    def __init__(self, batch: int, dtype: torch.dtype = torch.float32):
+        empty = (torch.zeros(0, DIM, dtype=dtype), torch.zeros(0, DIM, dtype=dtype), torch.zeros(0, dtype=torch.int64))
+        self.heads = [[empty for _ in range(HEADS)] for _ in range(batch)]
+
+    def append(self, keys, values, positions, real):
+        for b, row in enumerate(self.heads):
+            take = torch.ones(keys.shape[2], dtype=torch.bool) if real is None else real[b]
+            for h, (k, v, p) in enumerate(row):
+                row[h] = (
+                    torch.cat([k, keys[b, h, take]]),
+                    torch.cat([v, values[b, h, take]]),
+                    torch.cat([p, positions[b, take].long()]),
+                )
+
+    def keep(self, b, h, rows):
+        self.heads[b][h] = tuple(t[rows] for t in self.heads[b][h])
+
+
+def _chunk(generator, batch, q_len, start):
+    keys = torch.randn(batch, HEADS, q_len, DIM, generator=generator)
+    values = torch.randn(batch, HEADS, q_len, DIM, generator=generator)
+    positions = start + torch.arange(q_len).expand(batch, q_len)
+    return keys, values, positions
+
+
+def _check(store: SegmentStore, reference: Reference):
+    assert store.batch_size == len(reference.heads)
+    page = store.page_size
+    assert bool((store.offset % page == 0).all()) and bool((store.capacity % page == 0).all())
+    assert bool((store.capacity >= store.length).all())
+    live = torch.zeros(store.key_buffer.shape[0] + 1, dtype=torch.bool)
+    for b, row in enumerate(reference.heads):
+        for h, (keys, values, positions) in enumerate(row):
+            got_k, got_v, got_p = store.head(b, h)
+            assert torch.equal(got_k, keys) and torch.equal(got_v, values)
+            assert torch.equal(got_p.long(), positions)
+            start = int(store.offset[b, h])
+            live[start : start + keys.shape[0]] = True
+    # row_bias: 0 exactly on the live rows, -inf on free capacity and the trailing entry
+    assert torch.equal(store.row_bias == 0, live)
+    assert bool(torch.isneginf(store.row_bias[~live]).all())
+    assert torch.equal(store.ends, (store.offset + store.length).reshape(-1))
+    assert store.free <= int((store.capacity - store.length).min())  # a bound: no repack when q <= free
+
+
+def _filled(lengths_scale: int, seed: int = 0) -> tuple[SegmentStore, Reference, torch.Generator]:
+    """Three batch rows of ragged real tokens (left padding), fed in three chunks."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = 3
+    store, reference = SegmentStore(batch, HEADS, DIM, torch.float32, "cpu"), Reference(batch)
+    seen = 0
+    for q_len in (lengths_scale, lengths_scale // 2 + 1, 1):
+        keys, values, positions = _chunk(generator, batch, q_len, seen)
+        real = torch.rand(batch, q_len, generator=generator) < 0.7
+        real[0] = True  # one row without padding, one with a token-free chunk
+        real[2, : q_len // 2 + 1] = False
+        store.append(keys, values, positions, real)
+        reference.append(keys, values, positions, real)
+        _check(store, reference)
+        seen += q_len
+    keys, values, positions = _chunk(generator, batch, 5, seen)  # no padding at all
+    store.append(keys, values, positions, None)
+    reference.append(keys, values, positions, None)
+    _check(store, reference)
+    return store, reference, generator
+
+
+@pytest.mark.parametrize("scale,paged", [(8, False), (300, True)], ids=["page1", "pages"])
+def test_append_and_repack_keep_every_head_in_order(scale, paged):
+    store, reference, _ = _filled(scale)
+    store.repack(store.length.clone())  # capacities = lengths, page chosen from the mean
+    _check(store, reference)
+    page = store.page_size
+    assert page == page_size_for(float(store.length.float().mean())) and (page > 1) == paged
+    assert torch.equal(store.capacity, (store.length + page - 1) // page * page)
+
+
+def test_uniform_appends_use_the_strided_view_and_stay_correct():
+    generator = torch.Generator().manual_seed(1)
+    store, reference = SegmentStore(2, HEADS, DIM, torch.bfloat16, "cpu"), Reference(2, torch.bfloat16)
+    for step in range(40):  # prefill-sized then decode-sized chunks, growing past capacity
+        keys, values, positions = _chunk(generator, 2, 7 if step == 0 else 1, step)
+        keys, values = keys.bfloat16(), values.bfloat16()
+        store.append(keys, values, positions, None)
+        reference.append(keys, values, positions, None)
+        assert store.uniform
+        _check(store, reference)
+    assert store.capacity.min() > 40  # it grew, with slack
+
+
+@pytest.mark.parametrize("scale", [8, 300], ids=["page1", "pages"])
+def test_keep_and_keep_rows_then_compact_match_the_reference(scale):
+    store, reference, generator = _filled(scale)
+    store.repack(store.length.clone())
+    assert (store.page_size > 1) == (scale > 100)
+    store.keep(1, 2, torch.tensor([0, 2, 3]), shrink=False)
+    reference.keep(1, 2, torch.tensor([0, 2, 3]))
+    _check(store, reference)
+    assert not store.loose
+    rows = [0, 2]
+    n = int(store.length[rows].max()) + 3  # wider than the longest head: the excess is ignored
+    keep = torch.rand(len(rows), HEADS, n, generator=generator) < 0.5
+    store.keep_rows(rows, keep)
+    for i, b in enumerate(rows):
+        for h in range(HEADS):
+            length = reference.heads[b][h][0].shape[0]
+            reference.keep(b, h, keep[i, h, :length].nonzero().squeeze(1))
+    _check(store, reference)
+    assert store.loose
+    before = store.capacity.clone()
+    store.compact()
+    _check(store, reference)
+    assert not store.loose
+    assert torch.equal(store.capacity, (store.length + store.page_size - 1) // store.page_size * store.page_size)
+    assert int(store.capacity.sum()) < int(before.sum())
+
+
+@pytest.mark.parametrize("scale", [8, 300], ids=["page1", "pages"])
+def test_select_batch_and_stack_copy_rows(scale):
+    store, reference, generator = _filled(scale)
+    other, other_reference, _ = _filled(scale // 2 + 2, seed=5)
+    order = [2, 0, 0]
+    expected = Reference(0)
+    expected.heads = [list(reference.heads[b]) for b in order]
+    stacked = SegmentStore.stacked(
+        store,
+        [(store, 1), (other, 0), (store, 2)],
+        torch.cat([store.capacity[1:2], other.capacity[:1], store.capacity[2:]]),
+    )
+    stacked_reference = Reference(0)
+    stacked_reference.heads = [list(reference.heads[1]), list(other_reference.heads[0]), list(reference.heads[2])]
+    _check(stacked, stacked_reference)
+    # the stacked store owns its buffers: appending to it leaves the sources as they were
+    keys, values, positions = _chunk(generator, 3, 2, 1000)
+    stacked.append(keys, values, positions, None)
+    stacked_reference.append(keys, values, positions, None)
+    _check(stacked, stacked_reference)
+    _check(store, reference)
+    _check(other, other_reference)
+    store.select_batch(order)
+    _check(store, expected)
+    store.select_batch([])
+    assert store.batch_size == 0 and store.key_buffer.shape[0] == 0
+
+
+def test_padded_and_masked_rows():
+    store, reference, generator = _filled(40)
+    rows = [2, 0]
+    keys, values, positions, valid = store.padded_rows(rows)
+    for i, b in enumerate(rows):
+        for h, (k, v, p) in enumerate(reference.heads[b]):
+            n = k.shape[0]
+            assert torch.equal(keys[i, h, :n], k) and torch.equal(values[i, h, :n], v)
+            assert torch.equal(positions[i, h, :n], p) and bool(valid[i, h, :n].all())
+            assert not bool(valid[i, h, n:].any()) and not bool(keys[i, h, n:].any())
+    mask = store.live_mask(rows, valid.shape[-1]) & (torch.rand(valid.shape, generator=generator) < 0.5)
+    assert torch.equal(store.live_mask(rows, valid.shape[-1]), valid)
+    got_k, got_v = store.masked_rows(rows, mask)
+    assert torch.equal(got_k, keys * mask.unsqueeze(-1)) and torch.equal(got_v, values * mask.unsqueeze(-1))
+
+
+@pytest.mark.parametrize("gathered", [True, False], ids=["gathered", "pages"])
+def test_decode_pages_attend_every_head_over_its_live_rows(monkeypatch, gathered):
+    monkeypatch.setattr(runtime.layout, "_GATHER_ROWS", 1 << 30 if gathered else 0)
+    store, reference, generator = _filled(150)
+    store.repack(store.length + torch.tensor([[0, 9, 3]]))  # unequal capacities, free rows in some heads
+    layout = PageLayout.build(store.offset, store.capacity, store.page_size, store.key_buffer.shape[0], "cpu")
+    assert (layout.gather is not None) == gathered and layout.segment_pages is None
+    assert int(layout.owner.numel()) * store.page_size == store.key_buffer.shape[0]
+    pages = layout.decode_pages(store.key_buffer, store.value_buffer, store.row_bias)
+    query = torch.randn(store.batch_size * HEADS, 2, DIM, generator=generator)
+    out, lse = decode_attention(query, pages.key_pages, pages.value_pages, pages.owner, pages.bias, 0.5)
+    for b, row in enumerate(reference.heads):
+        for h, (k, v, _) in enumerate(row):
+            logits = 0.5 * query[b * HEADS + h] @ k.T  # [2, n]
+            torch.testing.assert_close(out[b * HEADS + h], torch.softmax(logits, -1) @ v, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lse[b * HEADS + h], torch.logsumexp(logits, -1), atol=1e-5, rtol=1e-5)
