@@ -20,8 +20,11 @@ Where a served decision is made, following one import chain from ``generate``:
   sinks, window, scores, ties); ``budgets``: per-head budgets;
 * ``scorers``: a package, one module per scorer, each scoring a whole layer, its inputs built by
   the package's providers;
-* ``cache``: the packed per-layer cache; ``paged_attention``: attention over it for all rows and
-  heads at once; ``attention``: the registered attention function and its scoped switch;
+* ``cache``: ``RaggedCache`` / ``RaggedLayer``, the adapter transformers sees, over
+  ``segments`` (each layer's one packed buffer of every head's kept rows), ``layout`` (the decode
+  pages derived from it), ``layer_attention`` (the attention computation), ``row_state`` (per-row
+  MomentKV state and the decode-time eviction hook); ``paged_attention``: the kernel over pages;
+  ``attention``: the registered attention function and its scoped switch;
   ``moments``: MomentKV math; ``kvzip``: KVzip's reconstruction pass;
 * ``calibration``: artifact loading and identity checks; ``geometry``: the model's checked
   attention geometry; ``rope``; ``query_moments``: pre-RoPE query sums; ``models``: the embedded

@@ -173,10 +173,6 @@ class RaggedLayer(DynamicLayer):
         return [row.moments for row in self.rows]
 
     @property
-    def corrections(self) -> list[Correction | None]:
-        return [row.correction for row in self.rows]
-
-    @property
     def decode_plans(self) -> list[DecodePlan | None]:
         return [row.decode_plan for row in self.rows]
 
@@ -224,9 +220,6 @@ class RaggedLayer(DynamicLayer):
     def get_mask_sizes(self, query: int | torch.Tensor) -> tuple[int, int]:
         # The mask covers only the chunk being fed: kv columns [tokens_seen, tokens_seen + q).
         return query_length(query), self.tokens_seen
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reset(self) -> None:
         config = self.model_config

@@ -31,8 +31,8 @@ from .selection import keep_mask, protected_mask
 from .serving_plan import ServingPlan
 
 # Elements of one row's keys (Hkv x n x d) a CPU scoring tile may hold in all: scorers make a few
-# intermediates of that size, and past the caches' size they run memory-bound (measured: Compactor's
-# scores for 8 rows of 1K tokens took 6.0 s in one tile vs 3.7 s head by head).
+# intermediates of that size, and past the caches' size they run memory-bound (docs/results.md
+# R-leverage-tiles-2026-11-22).
 _CPU_TILE_ELEMENTS = 1 << 18
 
 

@@ -27,16 +27,16 @@ from dataclasses import dataclass
 import torch
 
 # Decoding a layer whose heads hold at most this many rows in all (padded to the widest) copies
-# them into one page per head rather than attending page by page: measured on CPU (3 heads of
-# ~300 rows: 104 us vs 177 us; 24 heads of 100: 293 vs 583), not past ~2,500 rows (24 x 300: 780 vs 639).
+# them into one page per head rather than attending page by page: faster on CPU below ~2,500 rows,
+# slower past them (docs/results.md R-page-kernels-2026-11-22).
 _GATHER_ROWS = 2048
 _MAX_PAGE = 64
 
 
 def page_size_for(mean_length: float) -> int:
     """The largest power of two <= ``mean_length / 16`` (1 .. 64): rounding capacities up to whole
-    pages wastes (P - 1) / 2 rows per head on average, <= ~3% of the memory.  (Pages of 8 rows make
-    the decode kernel ~2x slower than pages of 32-64, measured on CPU: the size is a trade.)"""
+    pages wastes (P - 1) / 2 rows per head on average, <= ~3% of the memory.  (Small pages make the
+    decode kernel slower, docs/results.md R-page-kernels-2026-11-22: the size is a trade.)"""
     page = 1
     while page * 2 <= min(_MAX_PAGE, mean_length / 16):
         page *= 2

@@ -228,7 +228,7 @@ class SegmentStore:
         index = torch.where(valid, self.offset[rows].unsqueeze(-1) + row, 0).to(self.device)
         padded = not bool(valid.all())
         valid = valid.to(self.device)
-        flat = index.reshape(-1)  # index_select: ~5x faster than advanced indexing on CPU
+        flat = index.reshape(-1)  # index_select: faster than advanced indexing on CPU (R-page-kernels-2026-11-22)
         keys = self.key_buffer.index_select(0, flat).view(*index.shape, -1)
         values = self.value_buffer.index_select(0, flat).view(*index.shape, -1)
         positions = self.position_buffer.index_select(0, flat).view(index.shape).long()
