@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from import_graph import import_cycles, import_graph
+
 FORBIDDEN = ("profiler", "needles", "datasets", "accelerate", "jinja2", "tqdm")
 
 RUNTIME_DIR = Path(__file__).resolve().parent.parent / "runtime"
@@ -64,69 +66,9 @@ def test_runtime_sources_import_only_allowed_packages():
 
 
 def runtime_import_graph(root: Path = RUNTIME_DIR) -> dict[str, set[str]]:
-    """Every ``import`` / ``from ... import`` of every module under ``root`` (the ``runtime``
-    package; function-local and ``TYPE_CHECKING`` imports included) as edges between its modules:
-    ``from .x import y`` is an edge to ``runtime.x.y`` when that is a module, else to ``runtime.x``."""
-    import ast
-
-    modules = {}
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root.parent).with_suffix("").parts
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    graph = {}
-    for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        edges = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                module = node.module or ""
-                if node.level:
-                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                    module = ".".join(base + ([node.module] if node.module else []))
-                targets = [
-                    f"{module}.{alias.name}" if f"{module}.{alias.name}" in modules else module for alias in node.names
-                ]
-            for target in targets:
-                while target and target not in modules:  # import runtime.x.y: the deepest runtime module named
-                    target = target.rpartition(".")[0]
-                if target and target != name:
-                    edges.add(target)
-        graph[name] = edges
-    return graph
-
-
-def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
-    index, low, stack, on_stack, found = {}, {}, [], set(), []
-
-    def visit(node):
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for other in sorted(graph[node]):
-            if other not in index:
-                visit(other)
-                low[node] = min(low[node], low[other])
-            elif other in on_stack:
-                low[node] = min(low[node], index[other])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                member = stack.pop()
-                on_stack.discard(member)
-                component.append(member)
-                if member == node:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-    return found
+    """Every import of every module of the ``runtime`` package at ``root`` (function-local and
+    ``TYPE_CHECKING`` imports included) as edges between its modules (``tests/import_graph.py``)."""
+    return import_graph(root)
 
 
 def test_the_scan_finds_a_cycle_closed_by_a_function_local_import(tmp_path):
