@@ -269,7 +269,8 @@ class ArtifactReader:
         with the small siblings they relate to, the section's relations (``validation.RELATED``:
         sums, symmetry, membership)."""
         array = self._read_one(section, name)
-        related = {key: self._read_one(section, key) for key in RELATED.get((section, name), ())}
+        present = self.datasets(section)
+        related = {key: self._read_one(section, key) for key in RELATED.get((section, name), ()) if key in present}
         try:
             check_section_values(section, {name: array, **related}, self._section_attrs[section])
         except ArtifactError as exc:
@@ -281,6 +282,11 @@ class ArtifactReader:
         self.require(section)
         if name not in SECTIONS[section].datasets:
             raise ArtifactError(f"/{section} has no dataset {name!r} in schema {SCHEMA_VERSION}")
+        if name not in self._h5[section]:
+            raise ArtifactError(
+                f"{self.path}: /{section} has no {name!r}: an optional dataset a file of schema "
+                f"{self.schema_version} does not hold"
+            )
         dset = self._h5[section][name]
         expected_chunks = int(np.prod([-(-size // chunk) for size, chunk in zip(dset.shape, dset.chunks, strict=True)]))
         try:
@@ -306,9 +312,16 @@ class ArtifactReader:
         """
         self.require(section)
         if section not in self._read_sections:
-            arrays = {name: self.read(section, name) for name in SECTIONS[section].datasets}
+            arrays = {name: self.read(section, name) for name in self.datasets(section)}
             self._read_sections[section] = Section(arrays=arrays, attrs=dict(self._section_attrs[section]))
         return self._read_sections[section]
+
+    def datasets(self, section: str) -> tuple[str, ...]:
+        """The schema datasets of ``section`` the file holds: all, but optional ones (added by a later
+        minor version) a file of an older one lacks."""
+        self.require(section)
+        group = self._h5[section]
+        return tuple(name for name in SECTIONS[section].datasets if name in group)
 
     def dims(self, section: str) -> dict[str, int]:
         """Architecture and free dimensions of a section (``P``, ``NT``...)."""
@@ -319,7 +332,7 @@ class ArtifactReader:
         """Read and check every dataset of every section (without keeping them)."""
         for section in self.sections:
             if section not in self._read_sections:
-                for name in SECTIONS[section].datasets:
+                for name in self.datasets(section):
                     self.read(section, name)
 
     # -- lifetime ------------------------------------------------------------------------

@@ -9,11 +9,12 @@ datasets has an exact dtype and a shape written in symbols:
 * section symbols, free but equal across a section's datasets and capped: ``P`` probes,
   ``NT`` token budgets, ``NR`` ratio budgets, ``R`` reference ratios, ``F`` scorer features,
   ``NC`` recommended compression ratios, ``NP`` candidate policies, ``K`` query centres, ``NG``
-  budget-curve grid points.
+  budget-curve grid points, ``T`` held-out tasks; a literal digit is a fixed size (``1``: one value).
 
 Every section is optional (``profile-model --stages`` may write a subset); a section that is
-present must hold all of its datasets.  A consumer that needs a section asks the reader for it
-and gets a clear error when it is missing.
+present must hold all of its datasets but its ``optional`` ones, datasets a later minor version
+added, which are present all together or not at all (files of the older minor lack them).  A
+consumer that needs a section asks the reader for it and gets a clear error when it is missing.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import numpy as np
 
 FORMAT_NAME = "kvcal-calibration"
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 3  # 1.1: the learned_scorer section; 1.2: the recommendation section, /model weights_fingerprints;
-# 1.3: the future_queries and budget_curves sections
+SCHEMA_MINOR = 4  # 1.1: the learned_scorer section; 1.2: the recommendation section, /model weights_fingerprints;
+# 1.3: the future_queries and budget_curves sections; 1.4: the recommendation's paired evidence (optional datasets)
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 # Upper bounds on the architecture numbers and free dimensions a file may declare.  They keep
@@ -46,6 +47,7 @@ FREE_DIM_LIMITS = {
     "NP": 256,
     "K": 256,
     "NG": 256,
+    "T": 1_000_000,
 }
 MAX_STRING_ATTR_CHARS = 1 << 20  # config JSON and friends: at most a million characters
 MAX_CONFIG_DEPTH = 64  # config_json / rope_parameters: objects and lists nested at most this deep
@@ -70,6 +72,8 @@ class SectionSpec:
     attrs: dict[str, type] = field(default_factory=dict)  # required section attributes
     # (minimum, maximum) of numeric attributes, None = unbounded on that side
     attr_bounds: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+    # datasets a later minor version added: present all together or not at all
+    optional: tuple[str, ...] = ()
 
 
 SECTIONS: dict[str, SectionSpec] = {
@@ -192,23 +196,51 @@ SECTIONS: dict[str, SectionSpec] = {
     ),
     "recommendation": SectionSpec(
         "Which eviction policy to serve at which compression ratio, measured on held-out needle tasks "
-        "(never the profiled probes): per ratio the most accurate candidate policy (runtime.policy_spec "
-        "grammar), and every candidate's accuracy.",
+        "(never the profiled probes): per ratio the policy served (runtime.policy_spec grammar), every "
+        "candidate's accuracy and (1.4) the paired evidence that decided it.",
         {
             "compression_ratios": DatasetSpec("<f8", ("NC",), "fraction of the context's cache evicted", 0.0, 1.0),
-            "policy": DatasetSpec("|S128", ("NC",), "the policy measured best at that ratio, ASCII, NUL-padded"),
+            "policy": DatasetSpec("|S128", ("NC",), "the policy served at that ratio, ASCII, NUL-padded"),
             "accuracy": DatasetSpec("<f8", ("NC",), "its accuracy: fraction of tasks answered correctly", 0.0, 1.0),
             "ci_low": DatasetSpec("<f8", ("NC",), "lower end of its 95% Wilson interval", 0.0, 1.0),
             "ci_high": DatasetSpec("<f8", ("NC",), "upper end of its 95% Wilson interval", 0.0, 1.0),
-            "candidates": DatasetSpec(
-                "|S128", ("NP",), "every candidate policy measured, in preference order (ties go to the first)"
-            ),
+            "candidates": DatasetSpec("|S128", ("NP",), "every candidate policy measured, cheapest to serve first"),
             "candidate_accuracy": DatasetSpec(
                 "<f8", ("NP", "NC"), "accuracy of each candidate at each ratio", 0.0, 1.0
+            ),
+            "rule": DatasetSpec("|S128", ("1",), "1.4: the decision rule's name, ASCII, NUL-padded"),
+            "tolerance": DatasetSpec("<f8", ("1",), "1.4: accuracy a cheaper candidate may give up", 0.0, 1.0),
+            "confidence": DatasetSpec("<f8", ("1",), "1.4: one-sided confidence of the rule's bound", 0.0, 1.0),
+            "reference": DatasetSpec(
+                "<i8", ("NC",), "1.4: index in candidates of the reference at that ratio, -1 for none", -1
+            ),
+            "task_ids": DatasetSpec("|S128", ("T",), "1.4: needles probe id of every held-out task, ASCII"),
+            "baseline_outcomes": DatasetSpec(
+                "|u1", ("T",), "1.4: 1 when the uncompressed model answered the task correctly", 0, 1
+            ),
+            "outcomes": DatasetSpec(
+                "|u1", ("NC", "NP", "T"), "1.4: 1 when the candidate answered the task correctly at that ratio", 0, 1
+            ),
+            "wins": DatasetSpec("<i8", ("NC", "NP"), "1.4: tasks only the candidate answered (vs the reference)", 0),
+            "losses": DatasetSpec("<i8", ("NC", "NP"), "1.4: tasks only the reference answered", 0),
+            "bound": DatasetSpec(
+                "<f8", ("NC", "NP"), "1.4: upper confidence bound on the accuracy the candidate gives up", -1.0, 1.0
             ),
         },
         {"tasks": int, "baseline_accuracy": float, "task_seed": int, "families": str},
         {"tasks": (1, None), "baseline_accuracy": (0.0, 1.0)},
+        optional=(
+            "rule",
+            "tolerance",
+            "confidence",
+            "reference",
+            "task_ids",
+            "baseline_outcomes",
+            "outcomes",
+            "wins",
+            "losses",
+            "bound",
+        ),
     ),
     "budget_curves": SectionSpec(
         "Per-KV-head budget curves (LU-KV, arXiv 2602.08585): each head's measured loss at a grid of kept "

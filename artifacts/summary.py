@@ -8,6 +8,27 @@ from .reader import ArtifactReader
 from .schema import OPTIONAL_MODEL_ATTRS
 
 
+def _paired_evidence(rec, candidates: list[str]) -> dict | None:
+    """The rule the recommendation was decided by and, per ratio and candidate, the paired wins,
+    losses and bound against the reference (schema 1.4; None for older files)."""
+    if "rule" not in rec.arrays:
+        return None
+    references = [int(i) for i in rec["reference"]]
+    return {
+        "rule": rec["rule"][0].decode("ascii"),
+        "tolerance": float(rec["tolerance"][0]),
+        "confidence": float(rec["confidence"][0]),
+        "reference": [candidates[i] if i >= 0 else None for i in references],
+        "evidence": [
+            {
+                name: {"wins": int(w), "losses": int(lo), "bound": float(b)}
+                for name, w, lo, b in zip(candidates, wins, losses, bounds, strict=True)
+            }
+            for wins, losses, bounds in zip(rec["wins"], rec["losses"], rec["bound"], strict=True)
+        ],
+    }
+
+
 def _range(array: np.ndarray) -> dict:
     array = np.asarray(array, dtype=np.float64)
     return {"min": float(array.min()), "mean": float(array.mean()), "max": float(array.max())}
@@ -132,6 +153,7 @@ def summarize(reader: ArtifactReader) -> dict:
             "candidates": {
                 name: [float(a) for a in row] for name, row in zip(candidates, rec["candidate_accuracy"], strict=True)
             },
+            "decision": _paired_evidence(rec, candidates),
         }
     if reader.has("budget_curves"):
         bc = reader.section("budget_curves")
@@ -255,6 +277,13 @@ def format_summary(summary: dict) -> str:
             f"{row['accuracy']:.2f} [{row['ci_low']:.2f}, {row['ci_high']:.2f}], n={rec['tasks']})"
             for row in rec["best"]
         ]
+        decision = rec.get("decision")
+        if decision:
+            lines.append(
+                f"            decided by {decision['rule']} (tolerance {decision['tolerance']:g}, confidence "
+                f"{decision['confidence']:g}; reference {decision['reference'][0] or 'none'}): a candidate "
+                "replaces the reference only when its bound on the accuracy given up is within the tolerance"
+            )
     if _described(sections, "budget_curves"):
         bc = sections["budget_curves"]
         spread = "; ".join(f"{k}: {v['min']:.3f}-{v['max']:.3f}" for k, v in bc["fractions"].items())

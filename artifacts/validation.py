@@ -176,12 +176,19 @@ def section_dims(section: str, shapes: dict[str, tuple[int, ...]], arch: dict[st
     """Architecture dims plus the section's free dims, inferred from dataset shapes and checked.
 
     ``shapes`` maps each of the section's dataset names to its shape.  Every dataset must be
-    present, have the right rank, agree on free dims, and match the architecture exactly.
+    present (the section's ``optional`` ones all together or none), have the right rank, agree
+    on free dims, and match the architecture exactly.
     """
     spec = SECTIONS[section]
     dims = dict(arch)
+    optional_present = [name for name in spec.optional if name in shapes]
+    if optional_present and len(optional_present) != len(spec.optional):
+        absent = [name for name in spec.optional if name not in shapes]
+        raise ArtifactError(f"/{section}: dataset(s) {absent} missing (the optional ones come all together)")
     for name, dspec in spec.datasets.items():
         if name not in shapes:
+            if name in spec.optional:
+                continue
             raise ArtifactError(f"/{section}: required dataset {name!r} is missing")
         shape = tuple(shapes[name])
         if len(shape) != len(dspec.shape):
@@ -277,6 +284,11 @@ RELATED: dict[tuple[str, str], tuple[str, ...]] = {
     ("budgets", "token_tables"): ("token_budgets",),
     ("budgets", "ratio_tables"): ("ratios",),
     ("recommendation", "policy"): ("candidates",),
+    ("recommendation", "candidate_accuracy"): ("outcomes",),
+    ("recommendation", "wins"): ("outcomes", "reference", "losses"),
+    ("recommendation", "losses"): ("outcomes", "reference", "wins"),
+    ("recommendation", "reference"): ("candidates",),
+    ("recommendation", "outcomes"): ("task_ids",),
     ("budget_curves", "fractions"): ("compression_ratios",),
 }
 SUM_TOLERANCE = 1e-6  # relative: inf_kv sums to 1, ratio_tables rows to ratio x L x Hkv
@@ -378,6 +390,31 @@ def _check_recommendation(arrays: dict, attrs: dict) -> None:
             if policy not in known:
                 name = policy.decode("ascii", "replace")
                 raise ArtifactError(f"/recommendation/policy: {name!r} is not one of the candidates measured")
+    # 1.4: the per-task outcomes are what every count and accuracy of the section was computed from
+    outcomes = arrays.get("outcomes")  # [NC, NP, T] 0/1
+    reference = arrays.get("reference")  # [NC]
+    if reference is not None and candidates is not None and np.any(reference >= len(candidates)):
+        raise ArtifactError("/recommendation/reference: an index beyond the candidates")
+    if outcomes is None:
+        return
+    if "tasks" in attrs and outcomes.shape[2] != attrs["tasks"]:
+        raise ArtifactError(f"/recommendation: {outcomes.shape[2]} task outcomes, attribute tasks = {attrs['tasks']}")
+    ids = arrays.get("task_ids")
+    if ids is not None and len(set(ids.tolist())) != len(ids):
+        raise ArtifactError("/recommendation/task_ids: a task is listed twice")
+    accuracy = arrays.get("candidate_accuracy")  # [NP, NC]
+    if accuracy is not None and np.any(np.abs(outcomes.mean(axis=2).T - accuracy) > 1e-9):
+        raise ArtifactError("/recommendation/candidate_accuracy: not the share of the outcomes answered correctly")
+    wins, losses = arrays.get("wins"), arrays.get("losses")
+    if reference is not None and wins is not None and losses is not None:
+        for ratio, index in enumerate(reference.tolist()):
+            if index < 0:
+                continue
+            mine, theirs = outcomes[ratio].astype(bool), outcomes[ratio, index].astype(bool)  # [NP, T], [T]
+            if np.any((mine & ~theirs).sum(axis=1) != wins[ratio]) or np.any(
+                (theirs & ~mine).sum(axis=1) != losses[ratio]
+            ):
+                raise ArtifactError(f"/recommendation: wins or losses at ratio {ratio} do not count the outcomes")
 
 
 def _check_budget_curves(arrays: dict, attrs: dict) -> None:

@@ -122,9 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--write-recommendation",
         action="store_true",
-        help="record the most accurate policy per compression ratio (of the policies run, ties to the first "
-        "given) in the artifact's recommendation section, which calibration.policy(compression_ratio=...) "
-        "serves; the artifact is rewritten atomically, its other sections kept",
+        help="record per compression ratio the policy to serve in the artifact's recommendation section, "
+        "which calibration.policy(compression_ratio=...) serves: the flagship unless a cheaper candidate is "
+        "shown on the same tasks not to be worse by more than 3 points with 95%% confidence (or a dearer one "
+        "better), docs/artifact-format.md; when the section already holds per-task outcomes of the same "
+        "policies and ratios the new tasks are added to them (use another --seed) and the rule decides on "
+        "all; the artifact is rewritten atomically, its other sections kept",
+    )
+    parser.add_argument(
+        "--replace-recommendation",
+        action="store_true",
+        help="with --write-recommendation: decide on this run's tasks alone, dropping the recorded ones",
     )
     parser.add_argument("--html", dest="html_out", metavar="OUT", help="write the HTML report to OUT")
     parser.add_argument(
@@ -174,30 +182,51 @@ def _servable(policies, calibration, ratio: float, explicit: bool):
     return kept
 
 
-def write_recommendation(path, evaluation: dict, policies) -> None:
+def write_recommendation(path, evaluation: dict, policies, *, extend: bool = True) -> str:
     """Rewrite the artifact at ``path`` with a ``recommendation`` section from ``evaluation`` (under
-    the output's lock: a profile-model run writing it at the same time is refused, not overwritten)."""
+    the output's lock: a profile-model run writing it at the same time is refused, not overwritten).
+
+    When the artifact's section recorded per-task outcomes of the same candidates and compression
+    ratios (schema 1.4) and ``extend``, the new tasks are added to them and the paired rule decides
+    again on all of them.  Returns a line saying what was done."""
     from artifacts import Artifact, open_artifact, write_artifact
     from artifacts.atomic import output_lock
 
-    from .recommendation import recommendation_section
+    from .recommendation import can_extend, recommendation_section
 
     candidates = [spec.name for spec in policies if not spec.is_baseline and not spec.needs_reconstruction]
     tasks = evaluation["tasks"]
-    section = recommendation_section(evaluation, candidates, tasks["seed"], ",".join(tasks["spec"]["families"]))
+    ratios = sorted({float(r["compression_ratio"]) for r in evaluation["results"]})
     with output_lock(path, "evaluate-artifact"):
         with open_artifact(path) as reader:
             sections = {name: reader.section(name) for name in reader.sections}
             config, identity = dict(reader.config), reader.model
-        config["recommendation"] = {
+        previous = sections.get("recommendation")
+        if not (extend and previous is not None and can_extend(previous, candidates, ratios)):
+            previous = None
+        section = recommendation_section(
+            evaluation, candidates, tasks["seed"], ",".join(tasks["spec"]["families"]), previous=previous
+        )
+        entry = {
             "candidates": candidates,
-            "compression_ratios": sorted({r["compression_ratio"] for r in evaluation["results"]}),
+            "compression_ratios": ratios,
             "tasks": tasks["spec"],
             "question_aware": evaluation["question_aware"],
             "source": "evaluate-artifact",
         }
+        recorded = config.get("recommendation")
+        if previous is not None and isinstance(recorded, dict):  # the task specs of every run decided on
+            earlier = recorded.get("earlier_tasks") if isinstance(recorded.get("earlier_tasks"), list) else []
+            entry["earlier_tasks"] = [*earlier, recorded.get("tasks")]
+        config["recommendation"] = entry
         sections = {**sections, "recommendation": section}
         write_artifact(path, Artifact(model=identity, config=config, sections=sections))
+    served = ", ".join(
+        f"{ratio:g}: {name.decode()}"
+        for ratio, name in zip(section["compression_ratios"], section["policy"], strict=True)
+    )
+    how = "added to the recorded tasks" if previous is not None else "recorded"
+    return f"{section.attrs['tasks']} tasks {how}, rule {section['rule'][0].decode()}; serving {served}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,13 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_recommendation:
         calibration.close()
         try:
-            write_recommendation(calibration.path, evaluation, policies)
+            done = write_recommendation(calibration.path, evaluation, policies, extend=not args.replace_recommendation)
         except (ValueError, OSError, ArtifactError) as exc:
             print(
                 f"evaluate-artifact: could not write the recommendation into {calibration.path}: {exc}", file=sys.stderr
             )
             return 2
-        print(f"\nwrote the recommendation section into {calibration.path}")
+        print(f"\nwrote the recommendation section into {calibration.path}: {done}")
     if args.html_out:
         from artifacts.report import write_report
 

@@ -238,6 +238,7 @@ def evaluate(
     return {
         "schema": EVALUATION_SCHEMA,
         "question_aware": question_aware,
+        "task_ids": [probe.id for probe in probes],  # the order of every record's "outcomes"
         "baseline": baseline,
         "results": results,
         "recommendation": recommend(baseline["accuracy"], candidates, tolerance),
@@ -270,4 +271,5 @@ def _aggregate(key, items: list[dict]) -> dict:
         "prefill_seconds": sum(item["prefill_seconds"] for item in items) / len(items),
         "decode_seconds": sum(item["decode_seconds"] for item in items) / len(items),
         "per_family": {name: {"correct": c, "n": n, "accuracy": c / n} for name, (c, n) in sorted(families.items())},
+        "outcomes": [bool(item["correct"]) for item in items],  # per task, in the order of "task_ids"
     }

@@ -5,8 +5,10 @@
 
 ``profile-model``'s recommendation stage (or ``evaluate-artifact --write-recommendation``) runs
 needle tasks the profiler never saw under candidate policies at a grid of compression ratios
-and records, per ratio, the most accurate policy in the artifact's ``recommendation`` section
-(docs/artifact-format.md).  :func:`recommended_spec` serves it:
+and records, per ratio, the policy to serve in the artifact's ``recommendation`` section
+(docs/artifact-format.md): the flagship unless paired evidence on the same tasks shows a
+cheaper candidate not worse (``profiler.paired_decision``; the section also holds that evidence,
+which serving does not read).  :func:`recommended_spec` serves it:
 
 * the grid ratio nearest the asked one decides the policy (ties: the larger ratio, whose
   measurement is the stricter one); the policy then evicts exactly the asked fraction;
@@ -33,7 +35,7 @@ from .policy_spec import ARTIFACT_FREE, FLAGSHIP, INF_LEVERAGE, PolicySpec, pars
 
 @dataclass(frozen=True)
 class Recommendation:
-    """The ``recommendation`` section: per grid compression ratio, the policy measured best."""
+    """The ``recommendation`` section: per grid compression ratio, the policy to serve."""
 
     compression_ratios: tuple[float, ...]  # ascending, fractions evicted
     policies: tuple[str, ...]  # policy grammar (runtime.policy_spec), one per ratio

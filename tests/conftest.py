@@ -286,9 +286,15 @@ def make_random_artifact(
             {"features": "kv", "teacher": "kvzip", "fit_tokens": 4096, "held_out_tokens": 1024},
         )
     if "recommendation" in sections:
+        from profiler.paired_decision import loss_bound
+
         candidates = np.array([b"inf/leverage", b"uniform/keydiff", b"inf/keydiff+correction"], dtype="S128")
-        accuracy = rng.integers(0, 13, (3, 3)) / 12.0
+        outcomes = rng.integers(0, 2, (3, 3, 12)).astype(np.uint8)  # [ratio, candidate, task]
+        accuracy = outcomes.mean(axis=2).T  # [candidate, ratio]
         best = accuracy.argmax(axis=0)
+        reference = np.zeros(3, dtype=np.int64)  # inf/leverage at every ratio
+        mine, theirs = outcomes.astype(bool), outcomes[:, :1].astype(bool)
+        wins, losses = (mine & ~theirs).sum(axis=2), (theirs & ~mine).sum(axis=2)  # [ratio, candidate]
         built["recommendation"] = Section(
             {
                 "compression_ratios": np.array([0.5, 0.75, 0.9]),
@@ -298,6 +304,16 @@ def make_random_artifact(
                 "ci_high": np.minimum(1.0, accuracy.max(axis=0) * 1.1 + 0.05),
                 "candidates": candidates,
                 "candidate_accuracy": accuracy,
+                "rule": np.array([b"paired-exact-noninferiority/1"], dtype="S128"),
+                "tolerance": np.array([0.03]),
+                "confidence": np.array([0.95]),
+                "reference": reference,
+                "task_ids": np.array([f"retrieval-L1024-D50-S7-R{i}".encode() for i in range(12)], dtype="S128"),
+                "baseline_outcomes": rng.integers(0, 2, 12).astype(np.uint8),
+                "outcomes": outcomes,
+                "wins": wins,
+                "losses": losses,
+                "bound": np.vectorize(lambda w, lo: loss_bound(int(w), int(lo), 12))(wins, losses),
             },
             {"tasks": 12, "baseline_accuracy": 0.75, "task_seed": 1_000_003, "families": "retrieval,multi_key"},
         )

@@ -114,7 +114,12 @@ def test_profile_model_records_the_recommendation_and_the_runtime_serves_the_sam
     recommended_artifact, embedded_model, embedded_tokenizer
 ):
     path, printed = recommended_artifact
-    assert re.search(r"recommendation: 6 held-out tasks, baseline \d\.\d\d; 0\.5: \S+ \d\.\d\d; 0\.75: ", printed)
+    # no flagship among these candidates: the most accurate is served, and the stage says so
+    assert "the flagship is not among the candidates served; rule most-accurate/1" in printed
+    assert re.search(
+        r"recommendation: 6 held-out tasks, baseline \d\.\d\d, rule most-accurate/1; 0\.5: \S+ \d\.\d\d; 0\.75: ",
+        printed,
+    )
     with open_artifact(path) as reader:
         assert {"behaviour", "budgets", "moments", "recommendation"} <= set(reader.sections)  # others kept
         section = reader.section("recommendation")
@@ -128,6 +133,8 @@ def test_profile_model_records_the_recommendation_and_the_runtime_serves_the_sam
     assert list(section["compression_ratios"]) == [0.5, 0.75] and set(recorded) <= set(candidates)
     assert section.attrs["tasks"] == 6 and section.attrs["families"] == "retrieval,multi_key"
     assert section.attrs["task_seed"] != 0 and config["tasks"]["seed"] == section.attrs["task_seed"]
+    assert section["rule"][0].decode() == "most-accurate/1" and list(section["reference"]) == [-1, -1]
+    assert section["outcomes"].shape == (2, 2, 6) and len(set(section["task_ids"].tolist())) == 6
     for column, name in enumerate(recorded):  # the recorded policy is the most accurate, ties to the first
         accuracy = section["candidate_accuracy"][:, column]
         assert name == candidates[int(np.argmax(accuracy))] and section["accuracy"][column] == accuracy.max()

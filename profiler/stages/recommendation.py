@@ -4,11 +4,15 @@ Needle tasks generated with a seed disjoint from the profiled probes' (the behav
 seed + ``EVALUATION_SEED_OFFSET``) run through the model uncompressed and under every
 candidate policy at every compression ratio, question-agnostic (the context is compressed
 before the question is seen), with the sections this job has just built (or the existing
-artifact's) as the calibration (:func:`profiler.evaluation.evaluate`).  Per ratio the most
-accurate candidate is recorded; ties go to the earlier candidate, and the default candidates
-are listed cheapest to serve first (:data:`profiler.evaluation_results.RECOMMENDATION_CANDIDATES`).
-A candidate the calibration cannot serve (a section it needs is neither built nor present)
-is left out, with a note.  The runtime serves the result with ``calibration.policy(compression_ratio=...)``.
+artifact's) as the calibration (:func:`profiler.evaluation.evaluate`).  Per ratio the flagship
+(inf/leverage+correction) is served unless a candidate, on the same tasks, is shown not to be
+worse by more than a tolerance with a confidence (a dearer one: better), the cheapest such one
+(:func:`profiler.paired_decision.decide`; the candidates are listed cheapest to serve first,
+:data:`profiler.evaluation_results.RECOMMENDATION_CANDIDATES`).  The section records the rule and
+every task's outcome, so that ``evaluate-artifact --write-recommendation`` can add tasks and decide
+again.  A candidate the calibration cannot serve (a section it needs is neither built nor present)
+is left out, with a note; without the flagship the most accurate candidate is served, and the
+section's ``rule`` says so.  The runtime serves the result with ``calibration.policy(compression_ratio=...)``.
 
 The work runs on the main process after the other stages' sections are built (it needs them);
 an interrupted run redoes it.
@@ -40,8 +44,9 @@ class RecommendationStage(Stage):
     section = "recommendation"
     summary = (
         "run held-out needle tasks (never the profiled probes) uncompressed and under candidate eviction "
-        "policies at a grid of compression ratios; record per ratio the most accurate policy, which "
-        "calibration.policy(compression_ratio=...) serves. On by default from the quick preset up."
+        "policies at a grid of compression ratios; record per ratio the policy to serve (the flagship unless "
+        "paired evidence on the same tasks shows a cheaper one not worse) and every task's outcome; "
+        "calibration.policy(compression_ratio=...) serves it. On by default from the quick preset up."
     )
     options = (
         Option(
@@ -49,8 +54,8 @@ class RecommendationStage(Stage):
             "recommend_policies",
             ListOf(Text("a policy name")),
             RECOMMENDATION_CANDIDATES,
-            "candidate policies, cheapest to serve first (ties go to the first); default: "
-            + ", ".join(RECOMMENDATION_CANDIDATES),
+            "candidate policies, cheapest to serve first (among those that pass the paired rule, the first is "
+            "served); default: " + ", ".join(RECOMMENDATION_CANDIDATES),
             check=_check_candidates,
         ),
         Option(
@@ -145,9 +150,13 @@ class RecommendationStage(Stage):
         section = recommendation_section(
             evaluation, [spec.name for spec in candidates], self.spec.seed, ",".join(self.spec.families)
         )
+        rule = section["rule"][0].decode()
+        if section["reference"][0] < 0:
+            self.say(f"recommendation: the flagship is not among the candidates served; rule {rule}")
         served = zip(section["compression_ratios"], section["policy"], section["accuracy"], strict=True)
         self.say(
-            f"recommendation: {len(probes)} held-out tasks, baseline {evaluation['baseline']['accuracy']:.2f}; "
+            f"recommendation: {len(probes)} held-out tasks, baseline {evaluation['baseline']['accuracy']:.2f}, "
+            f"rule {rule}; "
             + "; ".join(f"{ratio:g}: {policy.decode()} {accuracy:.2f}" for ratio, policy, accuracy in served)
             + f"; {time.perf_counter() - started:.1f} s"
         )
