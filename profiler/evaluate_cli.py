@@ -17,6 +17,7 @@ from runtime.names import ALLOCATIONS, NAMED_POLICIES, SCORER_NAMES, STATISTICS
 
 from .arguments import RenamedOption, comma_separated, number_in, positive_int
 from .evaluation_results import EVALUATION_SEED_OFFSET, RECOMMENDATION_CANDIDATES, markdown_table
+from .paired_decision import DEFAULT_CONFIDENCE, DEFAULT_TOLERANCE
 
 # The runtime's vocabulary, torch-free (runtime.names): --help lists it without loading torch.
 SCORERS = SCORER_NAMES
@@ -124,10 +125,24 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="record per compression ratio the policy to serve in the artifact's recommendation section, "
         "which calibration.policy(compression_ratio=...) serves: the flagship unless a cheaper candidate is "
-        "shown on the same tasks not to be worse by more than 3 points with 95%% confidence (or a dearer one "
-        "better), docs/artifact-format.md; when the section already holds per-task outcomes of the same "
+        "shown on the same tasks not to be worse by more than --paired-tolerance with --paired-confidence (a "
+        "dearer one: better), docs/artifact-format.md; when the section already holds per-task outcomes of the same "
         "policies and ratios the new tasks are added to them (use another --seed) and the rule decides on "
         "all; the artifact is rewritten atomically, its other sections kept",
+    )
+    parser.add_argument(
+        "--paired-tolerance",
+        type=number_in(0.0, 100.0),
+        default=DEFAULT_TOLERANCE * 100,
+        help=f"with --write-recommendation: accuracy points a cheaper policy may give up against the flagship "
+        f"on the same tasks (default {DEFAULT_TOLERANCE * 100:g})",
+    )
+    parser.add_argument(
+        "--paired-confidence",
+        type=number_in(0.0, 1.0, low_open=True, high_open=True),
+        default=DEFAULT_CONFIDENCE,
+        help=f"with --write-recommendation: one-sided confidence that it gives up no more (default "
+        f"{DEFAULT_CONFIDENCE:g})",
     )
     parser.add_argument(
         "--replace-recommendation",
@@ -182,7 +197,15 @@ def _servable(policies, calibration, ratio: float, explicit: bool):
     return kept
 
 
-def write_recommendation(path, evaluation: dict, policies, *, extend: bool = True) -> str:
+def write_recommendation(
+    path,
+    evaluation: dict,
+    policies,
+    *,
+    extend: bool = True,
+    tolerance: float = DEFAULT_TOLERANCE,
+    confidence: float = DEFAULT_CONFIDENCE,
+) -> str:
     """Rewrite the artifact at ``path`` with a ``recommendation`` section from ``evaluation`` (under
     the output's lock: a profile-model run writing it at the same time is refused, not overwritten).
 
@@ -205,7 +228,13 @@ def write_recommendation(path, evaluation: dict, policies, *, extend: bool = Tru
         if not (extend and previous is not None and can_extend(previous, candidates, ratios)):
             previous = None
         section = recommendation_section(
-            evaluation, candidates, tasks["seed"], ",".join(tasks["spec"]["families"]), previous=previous
+            evaluation,
+            candidates,
+            tasks["seed"],
+            ",".join(tasks["spec"]["families"]),
+            tolerance=tolerance,
+            confidence=confidence,
+            previous=previous,
         )
         entry = {
             "candidates": candidates,

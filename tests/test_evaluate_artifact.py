@@ -22,6 +22,7 @@ RESULT_KEYS = {
     "prefill_seconds",
     "decode_seconds",
     "per_family",
+    "outcomes",
 }
 TOP_KEYS = {
     "schema",
@@ -31,6 +32,7 @@ TOP_KEYS = {
     "question_aware",
     "tasks",
     "task_summary",
+    "task_ids",
     "baseline",
     "results",
     "recommendation",
@@ -76,6 +78,9 @@ def test_smoke_run_on_the_embedded_model(smoke_artifact, tmp_path, capsys, one_t
     baseline = evaluation["baseline"]
     assert set(baseline) == RESULT_KEYS and baseline["n"] == 2 and baseline["attention_error"] is None
     assert baseline["accuracy"] == 1.0  # the embedded model answers 512-token retrieval uncompressed
+    assert len(set(evaluation["task_ids"])) == 2  # the tasks every result's outcomes are listed in
+    for result in [baseline, *evaluation["results"]]:
+        assert len(result["outcomes"]) == 2 and sum(result["outcomes"]) == result["correct"]
     for result in evaluation["results"]:
         assert set(result) == RESULT_KEYS and result["n"] == 2
         assert 0 < result["attention_error"] < 2

@@ -25,6 +25,7 @@ import time
 from artifacts import Section
 from profiler.evaluation_results import RECOMMENDATION_CANDIDATES
 from profiler.options import Integer, ListOf, Number, Option, Text
+from profiler.paired_decision import DEFAULT_CONFIDENCE, DEFAULT_TOLERANCE
 
 from .base import Requirement, Stage
 
@@ -74,6 +75,21 @@ class RecommendationStage(Stage):
             "held-out tasks per (family, length, depth) cell (default: the preset's; 2 x 2 lengths x 3 "
             "depths x this many tasks)",
         ),
+        Option(
+            "--recommend-tolerance",
+            "recommend_tolerance",
+            Number(0.0, 1.0),
+            DEFAULT_TOLERANCE,
+            f"accuracy (a fraction) a cheaper candidate may give up against the flagship, on the same tasks, "
+            f"to replace it (default {DEFAULT_TOLERANCE:g})",
+        ),
+        Option(
+            "--recommend-confidence",
+            "recommend_confidence",
+            Number(0.0, 1.0, low_open=True, high_open=True),
+            DEFAULT_CONFIDENCE,
+            f"one-sided confidence that it gives up no more (default {DEFAULT_CONFIDENCE:g})",
+        ),
     )
 
     @classmethod
@@ -99,6 +115,8 @@ class RecommendationStage(Stage):
         self.candidates = candidate_specs(settings["recommend_policies"])
         self.ratios = tuple(float(r) for r in settings["recommend_compression_ratios"])
         self.count = settings["recommend_count"]
+        self.tolerance = float(settings["recommend_tolerance"])
+        self.confidence = float(settings["recommend_confidence"])
         base = PROBE_PRESETS[context.preset.probes].replace(**dict(context.preset.probe_overrides))
         self.spec = held_out_spec(
             base,
@@ -116,6 +134,8 @@ class RecommendationStage(Stage):
             "tasks": self.spec.to_dict(),
             "question_aware": False,
             "max_new_tokens": self.context.preset.max_new_tokens,
+            "tolerance": self.tolerance,
+            "confidence": self.confidence,
         }
 
     def build(self, sections, config) -> Section:
@@ -148,7 +168,12 @@ class RecommendationStage(Stage):
             progress=context.progress and context.info.is_main,
         )
         section = recommendation_section(
-            evaluation, [spec.name for spec in candidates], self.spec.seed, ",".join(self.spec.families)
+            evaluation,
+            [spec.name for spec in candidates],
+            self.spec.seed,
+            ",".join(self.spec.families),
+            tolerance=self.tolerance,
+            confidence=self.confidence,
         )
         rule = section["rule"][0].decode()
         if section["reference"][0] < 0:
