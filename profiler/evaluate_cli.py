@@ -126,9 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="record per compression ratio the policy to serve in the artifact's recommendation section, "
         "which calibration.policy(compression_ratio=...) serves: the flagship unless a cheaper candidate is "
         "shown on the same tasks not to be worse by more than --paired-tolerance with --paired-confidence (a "
-        "dearer one: better), docs/artifact-format.md; when the section already holds per-task outcomes of the same "
-        "policies and ratios the new tasks are added to them (use another --seed) and the rule decides on "
-        "all; the artifact is rewritten atomically, its other sections kept",
+        "dearer one: better), docs/artifact-format.md; when the section already holds per-task outcomes at the same "
+        "ratios of policies this run measured too, the new tasks are added to them (use another --seed; a task "
+        "run again counts once) and the rule decides on all, among the recorded policies; the artifact is rewritten atomically, its other sections kept",
     )
     parser.add_argument(
         "--paired-tolerance",
@@ -209,13 +209,14 @@ def write_recommendation(
     """Rewrite the artifact at ``path`` with a ``recommendation`` section from ``evaluation`` (under
     the output's lock: a profile-model run writing it at the same time is refused, not overwritten).
 
-    When the artifact's section recorded per-task outcomes of the same candidates and compression
-    ratios (schema 1.4) and ``extend``, the new tasks are added to them and the paired rule decides
-    again on all of them.  Returns a line saying what was done."""
+    When the artifact's section recorded per-task outcomes (schema 1.4) at the same compression
+    ratios of candidates this run measured too, and ``extend``, the new tasks are added to them and
+    the paired rule decides again on all of them, among the recorded candidates.  Returns a line
+    saying what was done."""
     from artifacts import Artifact, open_artifact, write_artifact
     from artifacts.atomic import output_lock
 
-    from .recommendation import can_extend, recommendation_section
+    from .recommendation import can_extend, recommendation_section, recorded_candidates
 
     candidates = [spec.name for spec in policies if not spec.is_baseline and not spec.needs_reconstruction]
     tasks = evaluation["tasks"]
@@ -225,7 +226,9 @@ def write_recommendation(
             sections = {name: reader.section(name) for name in reader.sections}
             config, identity = dict(reader.config), reader.model
         previous = sections.get("recommendation")
-        if not (extend and previous is not None and can_extend(previous, candidates, ratios)):
+        if extend and previous is not None and can_extend(previous, candidates, ratios):
+            candidates = recorded_candidates(previous)  # the recorded ones, in their order; the others stay out
+        else:
             previous = None
         section = recommendation_section(
             evaluation,

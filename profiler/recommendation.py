@@ -106,24 +106,28 @@ def recommendation_section(
     )
 
 
+def recorded_candidates(previous: Section) -> list[str]:
+    return [name.decode("ascii") for name in previous["candidates"]]
+
+
 def can_extend(previous: Section, candidates, ratios) -> bool:
-    """Whether ``previous`` (a ``recommendation`` section) recorded per-task outcomes (schema 1.4) of
-    exactly ``candidates`` at ``ratios``, so that new tasks can be added to them."""
+    """Whether ``previous`` (a ``recommendation`` section) recorded per-task outcomes (schema 1.4) at
+    exactly ``ratios`` of candidates all among ``candidates``, so that new tasks can be added to them
+    (the new run's other policies are then left out of the section)."""
     if "outcomes" not in previous.arrays:
         return False
-    recorded = [name.decode("ascii") for name in previous["candidates"]]
     recorded_ratios = sorted(float(r) for r in previous["compression_ratios"])
     return (
-        recorded == list(candidates)
+        set(recorded_candidates(previous)) <= set(candidates)
         and len(recorded_ratios) == len(ratios)
-        and np.allclose(recorded_ratios, ratios, rtol=0, atol=1e-12)
+        and np.allclose(recorded_ratios, sorted(ratios), rtol=0, atol=1e-12)
     )
 
 
 def _extend(previous: Section, candidates, ratios, task_ids, outcomes, baseline, families):
     """The recorded tasks of ``previous`` followed by the new ones; a task measured again keeps only
     its new outcomes (ValueError when the grids differ: :func:`can_extend`)."""
-    if not can_extend(previous, candidates, ratios):
+    if recorded_candidates(previous) != list(candidates) or not can_extend(previous, candidates, ratios):
         raise ValueError(
             "the recorded recommendation holds no per-task outcomes of these candidates at these compression "
             "ratios: nothing to extend"

@@ -203,3 +203,25 @@ def test_the_summary_and_the_report_show_the_rule_and_the_evidence(artifact):
     assert decision["evidence"][0][CHEAP] == {"wins": 0, "losses": 0, "bound": pytest.approx(loss_bound(0, 0, 24))}
     assert f"decided by {RULE} (tolerance 0.03, confidence 0.95; reference {FLAGSHIP})" in format_summary(summary)
     assert 'id="paired-rule"' in page and "+0/-0" in page
+
+
+def test_a_run_of_more_policies_extends_the_recorded_candidates_and_leaves_the_others_out(artifact):
+    """evaluate-artifact's default policies include artifact-free references the stage never measured."""
+    run = same_everywhere(100, seed=8)
+    run["results"] += [{**r, "policy": "uniform/keydiff"} for r in run["results"] if r["policy"] == CHEAP]
+    line = write_recommendation(artifact, run, [*POLICIES, parse_policy("uniform/keydiff")])
+    assert "124 tasks added" in line
+    with open_artifact(artifact) as opened:
+        section = opened.section("recommendation")
+        assert [name.decode() for name in section["candidates"]] == [CHEAP, FLAGSHIP]
+        assert opened.config["recommendation"]["candidates"] == [CHEAP, FLAGSHIP]
+
+
+def test_the_tolerance_and_confidence_given_are_applied_and_recorded(artifact):
+    # 124 identical tasks bound the accuracy given up by 0.029 at 95%, 0.024 at 90%: not within 2 points
+    write_recommendation(artifact, same_everywhere(100, seed=8), POLICIES, tolerance=0.02, confidence=0.9)
+    with open_artifact(artifact) as opened:
+        section = opened.section("recommendation")
+        assert section["tolerance"][0] == 0.02 and section["confidence"][0] == 0.9
+        assert section["bound"][0, 0] == pytest.approx(loss_bound(0, 0, 124, 0.9))
+        assert [name.decode() for name in section["policy"]] == [FLAGSHIP, FLAGSHIP]
