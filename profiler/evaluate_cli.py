@@ -125,10 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="record per compression ratio the policy to serve in the artifact's recommendation section, "
         "which calibration.policy(compression_ratio=...) serves: the flagship unless a cheaper candidate is "
-        "shown on the same tasks not to be worse by more than --paired-tolerance with --paired-confidence (a "
-        "dearer one: better), docs/artifact-format.md; when the section already holds per-task outcomes at the same "
-        "ratios of policies this run measured too, the new tasks are added to them (use another --seed; a task "
-        "run again counts once) and the rule decides on all, among the recorded policies; the artifact is rewritten atomically, its other sections kept",
+        "shown on the same tasks not to be worse by more than --paired-tolerance with --paired-confidence "
+        "(a dearer one: better), docs/artifact-format.md; when the section already holds per-task outcomes "
+        "at the same ratios of policies this run measured too, the new tasks are added to them (use another "
+        "--seed; a task run again counts once) and the rule decides on all, among the recorded policies; "
+        "the artifact is rewritten atomically, its other sections kept",
     )
     parser.add_argument(
         "--paired-tolerance",
