@@ -40,16 +40,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SENTENCES = (
-    "The grass is green.",
-    "The sky is blue.",
-    "The sun is yellow.",
-    "Here we go.",
-    "There and back again.",
-    "A bird sings in the tree.",
-    "The river runs to the sea.",
-)
-
 
 def unpack_base_runtime(revision: str, directory: Path) -> None:
     """``REV:runtime/`` as the package ``runtime_base`` under ``directory`` (refused when it imports
@@ -68,16 +58,6 @@ def unpack_base_runtime(revision: str, directory: Path) -> None:
             if any(name == "runtime" or name.startswith("runtime.") for name in names):
                 raise SystemExit(f"revision_ab: {revision}'s {path.name} imports runtime absolutely; cannot load both")
     sys.path.insert(0, str(directory))
-
-
-def context_ids(tokenizer, length: int):
-    import torch
-
-    text, index = [], 0
-    while len(tokenizer(" ".join(text))["input_ids"]) < length:
-        text.extend(SENTENCES[(index + k) % len(SENTENCES)] for k in range(50))
-        index += 3
-    return torch.tensor([tokenizer(" ".join(text))["input_ids"][:length]])
 
 
 def prefill_module(runtime):
@@ -188,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = tempfile.TemporaryDirectory()
     unpack_base_runtime(args.base, Path(scratch.name))
     import runtime_base
+    from runtime_perf import context_ids  # the same filler context as runtime_perf's
 
     import runtime
     from runtime.models import load_model, load_tokenizer, use_progress_bars

@@ -268,20 +268,23 @@ class CompressionPolicy:
             options.setdefault("statistics", self.statistics or "calibrated")
         return make_scorer(self.scorer, **options)
 
-    def requirements(self) -> list[Requirement]:
-        """What this policy reads from an artifact, in :data:`REQUIREMENTS`' order."""
-        scorer = self.build_scorer()
+    def requirements(self, scorer: Scorer | None = None) -> list[Requirement]:
+        """What this policy reads from an artifact, in :data:`REQUIREMENTS`' order (``scorer``: this
+        policy's, when already built)."""
+        scorer = self.build_scorer() if scorer is None else scorer
         return [requirement for requirement in REQUIREMENTS if requirement.needed(self, scorer)]
 
     def needs_calibration(self) -> list[str]:
         """What this policy reads from an artifact (human-readable)."""
         return [requirement.need for requirement in self.requirements()]
 
-    def missing(self, calibration) -> list[str]:
+    def missing(self, calibration, scorer: Scorer | None = None) -> list[str]:
         """Why ``calibration`` (None: no artifact) cannot serve this policy: one sentence per
         missing piece, each naming its section and the remedy; empty when it can.  Nothing is
-        read, nothing warns: :func:`runtime.serving_plan.bind` serves (and refuses with the first)."""
-        requirements = self.requirements()
+        read, nothing warns: :func:`runtime.serving_plan.bind` serves (and refuses with the first).
+        ``scorer``: this policy's, when already built."""
+        scorer = self.build_scorer() if scorer is None else scorer
+        requirements = self.requirements(scorer)
         if not requirements:
             return []
         if calibration is None:
@@ -290,7 +293,6 @@ class CompressionPolicy:
                 f"{'; '.join(requirement.need for requirement in requirements)}. "
                 "Load one with runtime.load_calibration(model, tokenizer)."
             ]
-        scorer = self.build_scorer()
         return [
             requirement.absent(self, scorer, calibration)
             for requirement in requirements

@@ -112,14 +112,14 @@ def bind(policy: CompressionPolicy, calibration, model) -> ServingPlan:
         raise TypeError("bind() takes a CompressionPolicy; this is already a ServingPlan")
     if not isinstance(policy, CompressionPolicy):
         raise TypeError(f"bind() takes a CompressionPolicy, got {type(policy).__name__}")
-    missing = policy.missing(calibration)
+    scorer = policy.build_scorer()
+    missing = policy.missing(calibration, scorer)
     if missing:
         raise ValueError(missing[0])
     check_calibration_fits(model, calibration)
     geometry = ModelGeometry.of(model)
-    scorer = policy.build_scorer()
     loaded = {}
-    for requirement in policy.requirements():
+    for requirement in policy.requirements(scorer):
         loaded.update(_LOADERS[requirement.section](policy, scorer, calibration, geometry))
     if policy.correction in ("order0", "order1"):
         loaded["corrections"] = _uniform_corrections(policy, geometry)

@@ -6,7 +6,7 @@ import torch
 
 from ..checks import check_integer, check_number
 from .base import Scorer
-from .helpers import averaged_rope_matrices, empty_heads_to_zero, masked, max_pooled
+from .helpers import averaged_rope_matrices, empty_heads_to_zero, max_pooled, value_weighted
 from .inputs import AveragedRope, LayerInputs, QueryStatistics
 
 
@@ -60,8 +60,7 @@ class ExpectedAttentionScorer(Scorer):
         return max_pooled(empty_heads_to_zero(attention, inputs.valid), self.pool)
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
-        scores = (self.attention(inputs) + self.epsilon) * inputs.values.float().norm(dim=-1)
-        return masked(scores, inputs.valid)
+        return value_weighted(self.attention(inputs), inputs, self.epsilon)
 
     def __repr__(self) -> str:
         return (

@@ -42,6 +42,12 @@ def max_pooled(attention: torch.Tensor, pool: int) -> torch.Tensor:
     return pooled.reshape(shape)
 
 
+def value_weighted(attention: torch.Tensor, inputs, epsilon: float) -> torch.Tensor:
+    """Expected Attention's score ``(a_i + epsilon) * ||v_i||`` (arXiv 2510.00636, Eq. 9) of
+    ``attention [R, Hkv, n]``, padding ``-inf``; shared by the scorers that estimate attention."""
+    return masked((attention + epsilon) * inputs.values.float().norm(dim=-1), inputs.valid)
+
+
 def empty_heads_to_zero(attention: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``attention [..., n]`` of a softmax over each head's valid rows, 0 for a head with none
     (softmax over nothing); NaN from overflow elsewhere stays NaN (the engine refuses it)."""
