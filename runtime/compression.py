@@ -120,6 +120,40 @@ def prefill_for_policies(model, cache: RaggedCache, input_ids: torch.Tensor, pol
     return prefill(model, cache, input_ids, record_prompt_stats=bool(policies), observe_queries=window, n_sink=4)
 
 
+def score_layers(cache: RaggedCache, evictor: HeadEvictor, rows: list[int], next_positions: list[int]):
+    """Every layer's scores ``[R, Hkv, n]`` of batch rows ``rows`` (padding ``-inf``) under
+    ``evictor``'s scorer: what :func:`compress` ranks, computed before any head is cut."""
+    return [evictor.layer_scores(layer, index, rows, next_positions) for index, layer in enumerate(cache.layers)]
+
+
+def shared_scores(cache: RaggedCache, plan: ServingPlan, prompt_stats: QueryMoments | None = None):
+    """:func:`score_layers` of every row of a prefilled ``cache`` under ``plan``'s scorer, to hand to
+    :func:`compress` (``scores=``) for each of several copies of ``cache`` compressed under plans
+    with the same :meth:`~runtime.policy.CompressionPolicy.scores_key` (one scoring, not one per
+    plan).  Returns ``(scores, seconds)``."""
+    started = time.perf_counter()
+    first = cache.layers[0]
+    rows = [b for b in range(first.batch_size) if first.real_seen[b] > 0]
+    with torch.no_grad():
+        scores = score_layers(cache, HeadEvictor(plan, prompt_stats), rows, [first.real_seen[b] for b in rows])
+    return scores, time.perf_counter() - started
+
+
+def _check_shared_scores(scores, cache: RaggedCache, rows: list[int]) -> None:
+    """``scores`` must be one ``[R, Hkv, n]`` tensor per layer for the cache's real rows, as
+    :func:`shared_scores` computes them (the longest row's length ``n``)."""
+    if len(scores) != len(cache.layers):
+        raise ValueError(f"shared scores for {len(scores)} layers, the cache has {len(cache.layers)}")
+    for index, (layer, layer_scores) in enumerate(zip(cache.layers, scores, strict=True)):
+        longest = int(layer.length[rows].max()) if rows else 0
+        expected = (len(rows), layer.num_heads, longest)
+        if tuple(layer_scores.shape) != expected:
+            raise ValueError(
+                f"shared scores of layer {index} have shape {tuple(layer_scores.shape)}, the cache's rows "
+                f"{expected}: were they computed on another cache?"
+            )
+
+
 @dataclass
 class CompressionReport:
     budgets: np.ndarray  # int64 [B, L, Hkv] budget given to each head
@@ -140,6 +174,7 @@ def compress(
     *,
     context_lengths: list[int] | None = None,
     final: bool = True,
+    scores: list[torch.Tensor] | None = None,
 ) -> CompressionReport:
     """Evict every KV head of ``cache`` down to its budget (see the module docstring).
 
@@ -151,6 +186,10 @@ def compress(
     eviction are switched on for the generation that follows; while decoding, a head is held to
     its budget for a context of ``max(prompt length, policy.budget)`` tokens (a ratio policy: the
     prompt's).
+
+    ``scores``: :func:`score_layers` of an identical cache (a copy of the same prefill) under a plan
+    with the same :meth:`~runtime.policy.CompressionPolicy.scores_key`, computed once for several
+    policies instead of once each (the evaluation does this); the result is the same.
     """
     started = time.perf_counter()
     if policy is None:
@@ -181,12 +220,12 @@ def compress(
     for b in rows:
         budget_length = first.real_seen[b] if context_lengths is None else max(int(context_lengths[b]), 1)
         all_budgets[b] = plan.head_budgets(budget_length)
+    if scores is not None:
+        _check_shared_scores(scores, cache, rows)
     with torch.profiler.record_function("kvcal.eviction"):
-        scores = None
         if policy.allocation == "global" and rows:  # one ranking of every head's tokens shares out the total
-            scores = [
-                evictor.layer_scores(layer, index, rows, next_positions) for index, layer in enumerate(cache.layers)
-            ]
+            if scores is None:
+                scores = score_layers(cache, evictor, rows, next_positions)
             for i, b in enumerate(rows):
                 per_head = [
                     [layer_scores[i, h, : int(cache.layers[index].length[b, h])] for h in range(num_kv_heads)]

@@ -259,6 +259,11 @@ class CompressionPolicy:
     def build_scorer(self) -> Scorer:
         if isinstance(self.scorer, Scorer):
             return self.scorer
+        return make_scorer(self.scorer, **self.scorer_arguments())
+
+    def scorer_arguments(self) -> dict:
+        """The options the registered scorer ``self.scorer`` (a name) is built with: the policy's
+        ``scorer_options`` and what the policy adds to them."""
         options = dict(self.scorer_options)
         if self.scorer == "leverage" and self.evicted_fraction is not None:
             options.setdefault("blend", round(self.evicted_fraction, 6))  # kvpress CompactorPress's choice
@@ -266,7 +271,16 @@ class CompressionPolicy:
             if "statistics" in options and self.statistics is not None:
                 raise ValueError("give statistics either as a policy field or in scorer_options, not both")
             options.setdefault("statistics", self.statistics or "calibrated")
-        return make_scorer(self.scorer, **options)
+        return options
+
+    def scores_key(self) -> tuple | None:
+        """Equal for two policies whose scorers score the same cache identically under one calibration
+        (the same registered scorer, built with the same options), so that scores computed once
+        serve both (``runtime.compression.score_layers``); None when that cannot be told (a
+        ``Scorer`` instance) or the scores depend on the eviction (``moment_eviction``)."""
+        if isinstance(self.scorer, Scorer) or self.moment_eviction:
+            return None
+        return (self.scorer, repr(sorted(self.scorer_arguments().items())))
 
     def requirements(self, scorer: Scorer | None = None) -> list[Requirement]:
         """What this policy reads from an artifact, in :data:`REQUIREMENTS`' order (``scorer``: this
