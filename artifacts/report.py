@@ -5,7 +5,7 @@
 * heatmaps layer x head of RAsc, LCsc, INFsc and of the per-KV-head budgets at an average
   budget (the ``budgets`` section's table for that budget, or the nearest one it has);
 * heatmaps of the ``budget_curves`` section's per-KV-head kept fractions at compression ratios
-  0.5, 0.75 and 0.9 (those of its grid);
+  0.5, 0.75, 0.9, 0.95 and 0.975 (those of its grid);
 * the query-statistics summary: per-head mean-query norm and covariance trace;
 * the moments table: per-KV-head correction order and error reduction;
 * with ``evaluation`` (the JSON ``evaluate-artifact`` writes): accuracy-vs-compression curves
@@ -154,7 +154,7 @@ def build_view(reader: ArtifactReader, evaluation: dict | None = None, budget: i
         curves = reader.section("budget_curves")
         selection = (reader.config.get("budget_curves") or {}).get("selection", "unrecorded")
         for ratio, row in zip(curves["compression_ratios"], curves["fractions"], strict=True):
-            if round(float(ratio), 6) in (0.5, 0.75, 0.9):
+            if round(float(ratio), 6) in (0.5, 0.75, 0.9, 0.95, 0.975):
                 heatmaps.append(
                     heatmap(
                         f"Budget curve: kept fraction per KV head at compression ratio {float(ratio):g} "

@@ -56,7 +56,7 @@ import numpy as np
 # kept fractions of the context at which the losses are measured (1.0: nothing evicted, loss 0)
 CURVE_GRID = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)
 # compression ratios (fractions evicted) the section allocates; the runtime interpolates between them
-CURVE_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
+CURVE_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.975)
 CURVE_FLOOR = 0.25  # every head keeps at least this share of the average kept fraction
 RETENTION_WEIGHT = 1.0
 SELECTIONS = ("keydiff", "leverage")

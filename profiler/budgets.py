@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 DEFAULT_TOKEN_BUDGETS = (64, 128, 256, 512, 1024, 2048)
-DEFAULT_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+DEFAULT_RATIOS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # kept: 40x and 20x included
 DEFAULT_BETA = 2.0
 DEFAULT_MIN_BUDGET = 1
 

@@ -16,7 +16,7 @@ from artifacts.version import add_version_argument
 from runtime.names import ALLOCATIONS, NAMED_POLICIES, SCORER_NAMES, STATISTICS
 
 from .arguments import RenamedOption, comma_separated, number_in, positive_int
-from .evaluation_results import EVALUATION_SEED_OFFSET, RECOMMENDATION_CANDIDATES, markdown_table
+from .evaluation_results import COMPRESSION_GRID, EVALUATION_SEED_OFFSET, RECOMMENDATION_CANDIDATES, markdown_table
 from .paired_decision import DEFAULT_CONFIDENCE, DEFAULT_TOLERANCE
 
 # The runtime's vocabulary, torch-free (runtime.names): --help lists it without loading torch.
@@ -65,8 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--compression-ratios",
         dest="ratios",
         type=comma_separated(float),
-        default=(0.5, 0.75, 0.9),
-        help="compression ratios, fractions of the context cache evicted (default 0.5,0.75,0.9)",
+        default=COMPRESSION_GRID,
+        help="compression ratios, fractions of the context cache evicted (default "
+        + ",".join(f"{r:g}" for r in COMPRESSION_GRID)
+        + ")",
     )
     parser.add_argument(
         "--ratios",

@@ -132,7 +132,7 @@ def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_a
     ``runtime.serving_plan.bind``) on one probe: one prefill, one copy of it compressed per cell,
     and one batched ``generate`` (row 0 the baseline).  Returns per-row records."""
     from runtime import RaggedCache, bind, compress
-    from runtime.compression import prefill_for_policies
+    from runtime.compression import prefill_for_policies, shared_scores
     from runtime.generation import check_inputs
     from runtime.kvzip import uses_kvzip, with_reconstruction_scores
 
@@ -148,13 +148,21 @@ def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_a
     # KVzip's policies share one reconstruction pass; its time counts in each of their cells
     scored, reconstruction = with_reconstruction_scores(model, tokenizer, base, ids[0, :columns], policies)
     caches, compress_seconds = [], []
+    scored_once = {}  # scores_key -> (every layer's scores of the prefill, seconds): one scoring per scorer
     for policy, original, plan in zip(scored, policies, plans, strict=True):
         cache = base.copy()
         if policy is not original:  # this probe's KVzip scores: a scorer of its own, bound again
             plan = bind(policy, calibration, model)
-        report = compress(model, cache, plan, prompt_stats=stats)
+        key = policy.scores_key()
+        if key is not None and key not in scored_once:
+            scored_once[key] = shared_scores(base, plan, stats)
+        scores, scoring_seconds = scored_once.get(key, (None, 0.0))
+        report = compress(model, cache, plan, prompt_stats=stats, scores=scores)
         caches.append(cache)
-        compress_seconds.append(report.seconds + (reconstruction.seconds if uses_kvzip(original) else 0.0))
+        # each cell's time counts the scoring it shares (what serving that policy alone costs)
+        compress_seconds.append(
+            report.seconds + scoring_seconds + (reconstruction.seconds if uses_kvzip(original) else 0.0)
+        )
     base.stop_observing()  # the baseline decodes without the recorded queries
     caches.insert(0, base)
     compress_seconds.insert(0, 0.0)

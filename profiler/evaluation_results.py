@@ -21,6 +21,10 @@ EVALUATION_SEED_OFFSET = 1_000_003  # held-out task seed = the profiled probes' 
 # a ratio go to the earlier one).  Scoring cost per prompt, as a share of the prefill: KeyDiff and
 # the learned scorer under 2%, leverage about 17% (docs/results.md R-scorer-cost-2026-11-22); the
 # MomentKV correction adds O(d^2) state per head and a correction term per decode step.
+# the compression ratios (fractions evicted) the recommendation decides at and evaluate-artifact measures
+# by default: 20x and 40x included, where the calibration pays most (issue 26; docs/results.md)
+COMPRESSION_GRID = (0.5, 0.75, 0.9, 0.95, 0.975)
+
 RECOMMENDATION_CANDIDATES = (
     "inf/keydiff+correction",
     "curve/keydiff+correction",  # held out, near the leverage policies at KeyDiff's cost (R-budget-curves-2026-11-22)

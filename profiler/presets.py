@@ -19,7 +19,7 @@ class ProfilePreset:
     calib_tokens: int  # tokens per window
     batch_size: int  # windows per forward pass
     n_sink: int = 4  # leading positions of each window left out of the statistics
-    # held-out tasks per (family, length, depth) cell of the recommendation stage; 0: the stage
+    # held-out tasks per (family, haystack, length, depth) cell of the recommendation stage; 0: the stage
     # is off unless --stages names it (then 1)
     recommendation_count: int = 0
     probe_overrides: tuple[tuple[str, object], ...] = ()  # ProbeSpec fields replaced in the needles preset
@@ -28,7 +28,7 @@ class ProfilePreset:
         return asdict(self)
 
 
-RECOMMENDATION_COUNT_QUICK = 2
+RECOMMENDATION_COUNT_QUICK = 1  # 7 families x 2 haystacks x 2 lengths x 3 depths: 84 tasks
 
 PRESETS: dict[str, ProfilePreset] = {
     "smoke": ProfilePreset("smoke", max_new_tokens=6, calib_samples=2, calib_tokens=64, batch_size=2),
@@ -44,9 +44,9 @@ PRESETS: dict[str, ProfilePreset] = {
         recommendation_count=RECOMMENDATION_COUNT_QUICK,
     ),
     "standard": ProfilePreset(
-        "standard", max_new_tokens=32, calib_samples=128, calib_tokens=1024, batch_size=4, recommendation_count=4
+        "standard", max_new_tokens=32, calib_samples=128, calib_tokens=1024, batch_size=4, recommendation_count=1
     ),
     "paper": ProfilePreset(
-        "paper", max_new_tokens=48, calib_samples=512, calib_tokens=2048, batch_size=2, recommendation_count=4
+        "paper", max_new_tokens=48, calib_samples=512, calib_tokens=2048, batch_size=2, recommendation_count=1
     ),
 }

@@ -10,8 +10,11 @@ and records, per ratio, the policy to serve in the artifact's ``recommendation``
 cheaper candidate not worse (``profiler.paired_decision``; the section also holds that evidence,
 which serving does not read).  :func:`recommended_spec` serves it:
 
-* the grid ratio nearest the asked one decides the policy (ties: the larger ratio, whose
-  measurement is the stricter one); the policy then evicts exactly the asked fraction;
+* the nearest grid ratio at or above the asked one decides the policy (a decision measured at
+  least as strictly as the request); the policy then evicts exactly the asked fraction;
+* a request beyond the grid's largest ratio is never served a smaller ratio's decision (a
+  candidate shown not worse at 90% evicted says nothing about 97.5%): it gets the rule's
+  reference, the flagship (as without a recommendation, below);
 * with no recommendation recorded, the first of the flagship (``runtime.policy_spec.FLAGSHIP``:
   inf/leverage+correction, needs the budgets and moments sections), ``inf/leverage`` (budgets)
   and the artifact-free default (uniform leverage) that the artifact can serve;
@@ -63,11 +66,11 @@ class Recommendation:
             baseline_accuracy=float(attrs["baseline_accuracy"]),
         )
 
-    def nearest(self, compression_ratio: float) -> int:
-        """Index of the grid ratio nearest ``compression_ratio`` (ties: the larger one)."""
-        distances = [abs(r - compression_ratio) for r in self.compression_ratios]
-        best = min(distances)
-        return max(i for i, d in enumerate(distances) if d <= best + 1e-12)
+    def deciding_index(self, compression_ratio: float) -> int | None:
+        """Index of the grid ratio whose decision serves ``compression_ratio``: the smallest grid ratio
+        at or above it (1e-9 absolute slack for a ratio typed as a decimal); None beyond the grid."""
+        at_or_above = [i for i, r in enumerate(self.compression_ratios) if r >= compression_ratio - 1e-9]
+        return at_or_above[0] if at_or_above else None
 
 
 def fallback_spec(calibration) -> PolicySpec:
@@ -90,7 +93,10 @@ def recommended_spec(calibration, compression_ratio: float) -> PolicySpec:
     recommendation = getattr(calibration, "recommendation", None)
     if recommendation is None:
         return fallback_spec(calibration)
-    name = recommendation.policies[recommendation.nearest(float(compression_ratio))]
+    index = recommendation.deciding_index(float(compression_ratio))
+    if index is None:  # beyond the measured grid: no evidence against the reference
+        return fallback_spec(calibration)
+    name = recommendation.policies[index]
     try:
         spec = parse_policy(name)  # a recorded name this runtime cannot parse is one it cannot serve
     except ValueError as exc:
@@ -113,7 +119,8 @@ def _fall_back(calibration, name: str, reason: str) -> PolicySpec:
 
 
 def recommended_policy(calibration, compression_ratio: float) -> CompressionPolicy:
-    """The policy the artifact measured best at (the grid ratio nearest) ``compression_ratio``,
-    evicting ``compression_ratio``; the flagship when it recorded no recommendation
-    (:func:`recommended_spec`).  ``Calibration.policy(compression_ratio)`` is this."""
+    """The policy the artifact's recommendation serves at ``compression_ratio`` (decided at the nearest
+    grid ratio at or above it), evicting ``compression_ratio``; the flagship when it recorded no
+    recommendation or the request lies beyond its grid (:func:`recommended_spec`).
+    ``Calibration.policy(compression_ratio)`` is this."""
     return recommended_spec(calibration, compression_ratio).policy(compression_ratio)

@@ -1099,9 +1099,9 @@ def test_evaluation_tasks_longer_than_the_models_context_are_refused_before_any_
     """A model whose context is shorter than every task length: a clear error while the tasks are
     chosen (inside evaluate-artifact's input checks), not a traceback from the runtime later."""
     from needles import PRESETS
-    from profiler.evaluation import held_out_spec
+    from profiler.held_out_tasks import held_out_tasks
 
     with pytest.raises(ValueError, match=r"context of 600 tokens.*shortest task length 1024"):
-        held_out_spec(PRESETS["quick"], families=("retrieval",), count=1, profiler_seed=0, model_context=600)
-    spec = held_out_spec(PRESETS["quick"], families=("retrieval",), count=1, profiler_seed=0, model_context=2400)
-    assert spec.lengths == (1024, 2048)  # lengths beyond 90% of the context are dropped
+        held_out_tasks(PRESETS["quick"], families=("retrieval",), count=1, profiler_seed=0, model_context=600)
+    tasks = held_out_tasks(PRESETS["quick"], families=("retrieval",), count=1, profiler_seed=0, model_context=2400)
+    assert all(spec.lengths == (1024, 2048) for spec in tasks.specs)  # beyond 90% of the context: dropped

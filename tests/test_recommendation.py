@@ -42,11 +42,29 @@ def _recommendation(ratios=(0.5, 0.75, 0.9), policies=("uniform/keydiff", "inf/l
     )
 
 
-def test_the_nearest_grid_ratio_decides_and_ties_go_to_the_larger():
+def test_the_nearest_grid_ratio_at_or_above_decides_and_none_beyond_the_grid():
     recommendation = _recommendation()
-    assert [recommendation.nearest(r) for r in (0.0, 0.5, 0.6, 0.625, 0.7, 0.85, 0.99)] == [0, 0, 0, 1, 1, 2, 2]
+    asked = (0.0, 0.5, 0.5 + 1e-12, 0.6, 0.75, 0.76, 0.9, 0.9 + 1e-12, 0.9001, 0.95, 0.975)
+    assert [recommendation.deciding_index(r) for r in asked] == [0, 0, 0, 1, 1, 2, 2, 2, None, None, None]
     shuffled = _recommendation(ratios=(0.9, 0.5, 0.75), policies=("c", "a", "b"))
     assert shuffled.compression_ratios == (0.5, 0.75, 0.9) and shuffled.policies == ("a", "b", "c")
+
+
+def test_a_request_beyond_the_grid_is_never_served_a_smaller_ratios_decision(tmp_path):
+    """A 97.5% request from an artifact whose grid ends at 90% gets the flagship (the rule's reference,
+    served without evidence against it), not the 90% decision; within the grid the decision of the
+    nearest grid ratio at or above the request is served (measured at least as strictly)."""
+    model = make_tiny_llama()
+    calibration = load_calibration(model, path=write_tiny_artifact(tmp_path / "f.h5", model, ("budgets", "moments")))
+    calibration.recommendation = _recommendation(policies=("uniform/keydiff", "inf/keydiff", "uniform/knorm"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert recommended_spec(calibration, 0.9).name == "uniform/knorm"
+        assert recommended_spec(calibration, 0.8).name == "uniform/knorm"  # 0.9 decides, not the nearer 0.75
+        assert recommended_spec(calibration, 0.3).name == "uniform/keydiff"
+        for beyond in (0.95, 0.975):
+            assert recommended_spec(calibration, beyond) is FLAGSHIP
+            assert calibration.policy(compression_ratio=beyond) == FLAGSHIP.policy(beyond)
 
 
 def test_without_a_recommendation_the_first_servable_of_flagship_inf_leverage_artifact_free_is_served(tmp_path):
@@ -76,7 +94,7 @@ def test_a_recorded_policy_the_artifact_cannot_serve_falls_back_with_a_warning(t
     calibration.recommendation = _recommendation(policies=("uniform/keydiff", "global/learned", "inf/leverage"))
     assert calibration.policy(compression_ratio=0.5) == parse_policy("uniform/keydiff").policy(0.5)
     with pytest.warns(UserWarning, match="'global/learned' cannot be served.*using inf/leverage"):
-        assert calibration.policy(compression_ratio=0.8) == INF_LEVERAGE.policy(0.8)
+        assert calibration.policy(compression_ratio=0.7) == INF_LEVERAGE.policy(0.7)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert calibration.policy(compression_ratio=0.9) == parse_policy("inf/leverage").policy(0.9)
@@ -101,6 +119,10 @@ def recommended_artifact(smoke_artifact, tmp_path_factory):
         "inf/keydiff+correction,inf/leverage",
         "--recommend-compression-ratios",
         "0.5,0.75",
+        "--recommend-families",  # the defaults (every family on two haystacks: 42 tasks on smoke) take minutes
+        "retrieval,multi_key",
+        "--recommend-haystacks",
+        "simple",
         "--out",
         str(out),
         "--no-progress",
@@ -132,7 +154,7 @@ def test_profile_model_records_the_recommendation_and_the_runtime_serves_the_sam
     assert candidates == ["inf/keydiff+correction", "inf/leverage"] == config["candidates"]
     assert list(section["compression_ratios"]) == [0.5, 0.75] and set(recorded) <= set(candidates)
     assert section.attrs["tasks"] == 6 and section.attrs["families"] == "retrieval,multi_key"
-    assert section.attrs["task_seed"] != 0 and config["tasks"]["seed"] == section.attrs["task_seed"]
+    assert section.attrs["task_seed"] != 0 and config["tasks"]["specs"][0]["seed"] == section.attrs["task_seed"]
     assert section["rule"][0].decode() == "most-accurate/1" and list(section["reference"]) == [-1, -1]
     assert section["outcomes"].shape == (2, 2, 6) and len(set(section["task_ids"].tolist())) == 6
     for column, name in enumerate(recorded):  # the recorded policy is the most accurate, ties to the first

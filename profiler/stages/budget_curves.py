@@ -138,7 +138,7 @@ class BudgetCurvesStage(Stage):
         detail = "; ".join(
             f"{r:g}: {row.min():.3f}..{row.max():.3f}"
             for r, row in zip(section["compression_ratios"], fractions, strict=True)
-            if r in (0.5, 0.75, 0.9)
+            if r in (0.5, 0.75, 0.9, 0.95, 0.975)
         )
         self.say(
             f"budget-curves: {context.windows.shape[0]} windows, {measured['probes']} probes, "

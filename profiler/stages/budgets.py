@@ -40,7 +40,7 @@ class BudgetsStage(Stage):
             "keep_ratios",
             ListOf(Number(0.0, 1.0, low_open=True)),
             DEFAULT_RATIOS,
-            "average budgets as fractions of the sequence length KEPT (default: 0.1,...,0.9)",
+            "average budgets as fractions of the sequence length KEPT (default: 0.025,0.05,0.1,0.2,...,0.9)",
         ),
         Renamed("--ratios", "was renamed --keep-ratios (average budgets as fractions of the sequence length kept)"),
         Option("--beta", "beta", Number(1.0), DEFAULT_BETA, f"REAL's beta >= 1 (default {DEFAULT_BETA:g})"),

@@ -1,7 +1,8 @@
 """The ``recommendation`` stage: which policy to serve at which compression ratio, measured.
 
-Needle tasks generated with a seed disjoint from the profiled probes' (the behaviour stage's
-seed + ``EVALUATION_SEED_OFFSET``) run through the model uncompressed and under every
+Needle tasks of every family on both haystacks, at the preset's lengths and other depths than
+the profiled probes', with seeds disjoint from theirs (:mod:`profiler.held_out_tasks`), run
+through the model uncompressed and under every
 candidate policy at every compression ratio, question-agnostic (the context is compressed
 before the question is seen), with the sections this job has just built (or the existing
 artifact's) as the calibration (:func:`profiler.evaluation.evaluate`).  Per ratio the flagship
@@ -23,15 +24,18 @@ from __future__ import annotations
 import time
 
 from artifacts import Section
-from profiler.evaluation_results import RECOMMENDATION_CANDIDATES
-from profiler.options import Integer, ListOf, Number, Option, Text
+from needles.families import FAMILIES
+from profiler.evaluation_results import COMPRESSION_GRID, RECOMMENDATION_CANDIDATES
+from profiler.held_out_tasks import HAYSTACKS
+from profiler.options import Choice, Integer, ListOf, Number, Option, Text
 from profiler.paired_decision import DEFAULT_CONFIDENCE, DEFAULT_TOLERANCE
 
 from .base import Requirement, Stage
 
-DEFAULT_COMPRESSION_RATIOS = (0.5, 0.75, 0.9)
-TASK_FAMILIES = ("retrieval", "multi_key")  # the families the embedded model answers uncompressed
-TASK_DEPTHS = (10.0, 50.0, 90.0)
+TASK_FAMILIES = tuple(FAMILIES)  # every needle family, those the model fails uncompressed included
+
+DEFAULT_COMPRESSION_RATIOS = COMPRESSION_GRID
+TASK_DEPTHS = (10.0, 50.0, 90.0)  # the profiled probes of the quick preset sit at 25 and 75
 
 
 def _check_candidates(names) -> None:
@@ -65,15 +69,30 @@ class RecommendationStage(Stage):
             ListOf(Number(0.0, 1.0, low_open=True, high_open=True), distinct=True),
             DEFAULT_COMPRESSION_RATIOS,
             "compression ratios (fractions of the context cache evicted) to recommend a policy for "
-            "(default 0.5,0.75,0.9)",
+            f"(default {','.join(f'{r:g}' for r in DEFAULT_COMPRESSION_RATIOS)}); a request beyond the largest is "
+            "served the flagship, never a smaller ratio's decision",
+        ),
+        Option(
+            "--recommend-families",
+            "recommend_families",
+            ListOf(Choice(TASK_FAMILIES), distinct=True),
+            TASK_FAMILIES,
+            "needle families of the held-out tasks (default: all, " + ",".join(TASK_FAMILIES) + ")",
+        ),
+        Option(
+            "--recommend-haystacks",
+            "recommend_haystacks",
+            ListOf(Choice(HAYSTACKS), distinct=True),
+            HAYSTACKS,
+            "haystacks of the held-out tasks, each with its own seed (default: " + ",".join(HAYSTACKS) + ")",
         ),
         Option(
             "--recommend-count",
             "recommend_count",
             Integer(1),
             lambda preset: max(1, preset.recommendation_count),
-            "held-out tasks per (family, length, depth) cell (default: the preset's; 2 x 2 lengths x 3 "
-            "depths x this many tasks)",
+            "held-out tasks per (family, haystack, length, depth) cell (default: the preset's; families x "
+            "haystacks x the preset's lengths x 3 depths x this many tasks: 84 on quick)",
         ),
         Option(
             "--recommend-tolerance",
@@ -107,7 +126,7 @@ class RecommendationStage(Stage):
 
     def __init__(self, context):
         from needles import PRESETS as PROBE_PRESETS
-        from profiler.evaluation import held_out_spec
+        from profiler.held_out_tasks import held_out_tasks
         from profiler.recommendation import candidate_specs
 
         super().__init__(context)
@@ -118,9 +137,10 @@ class RecommendationStage(Stage):
         self.tolerance = float(settings["recommend_tolerance"])
         self.confidence = float(settings["recommend_confidence"])
         base = PROBE_PRESETS[context.preset.probes].replace(**dict(context.preset.probe_overrides))
-        self.spec = held_out_spec(
+        self.tasks = held_out_tasks(
             base,
-            families=TASK_FAMILIES,
+            families=tuple(settings["recommend_families"]),
+            haystacks=tuple(settings["recommend_haystacks"]),
             depths=TASK_DEPTHS,
             count=self.count,
             profiler_seed=base.seed,
@@ -131,7 +151,7 @@ class RecommendationStage(Stage):
         return {
             "candidates": [spec.name for spec in self.candidates],
             "compression_ratios": list(self.ratios),
-            "tasks": self.spec.to_dict(),
+            "tasks": self.tasks.to_dict(),
             "question_aware": False,
             "max_new_tokens": self.context.preset.max_new_tokens,
             "tolerance": self.tolerance,
@@ -139,7 +159,6 @@ class RecommendationStage(Stage):
         }
 
     def build(self, sections, config) -> Section:
-        from needles import generate_probes
         from profiler.evaluation import evaluate
         from profiler.recommendation import recommendation_section
         from runtime.calibration import Calibration
@@ -156,7 +175,7 @@ class RecommendationStage(Stage):
             candidates.append(spec)
         if not candidates:
             raise ValueError("recommendation: no candidate policy can be served by the sections of this artifact")
-        probes = list(generate_probes(self.spec, context.tokenizer))
+        probes = self.tasks.probes(context.tokenizer)
         evaluation = evaluate(
             context.model,
             context.tokenizer,
@@ -170,8 +189,8 @@ class RecommendationStage(Stage):
         section = recommendation_section(
             evaluation,
             [spec.name for spec in candidates],
-            self.spec.seed,
-            ",".join(self.spec.families),
+            self.tasks.seed,
+            ",".join(self.tasks.families),
             tolerance=self.tolerance,
             confidence=self.confidence,
         )
