@@ -366,11 +366,12 @@ def _check_journal(args):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from artifacts.atomic import output_lock
+    from artifacts.atomic import check_output_path, output_lock
 
     with contextlib.ExitStack() as held:
         if args.json_out:  # one run at a time per output: two would append to one journal
             try:
+                check_output_path(args.json_out, "JSON results")
                 held.enter_context(output_lock(args.json_out, "evaluate-artifact"))
             except OSError as exc:
                 print(f"evaluate-artifact: {exc}", file=sys.stderr)

@@ -138,8 +138,9 @@ class JournalWriter:
         from .checkpoint import interrupts_deferred
 
         line = (json.dumps({"task": probe.id, "rows": rows}, sort_keys=True) + "\n").encode("utf-8")
-        with interrupts_deferred(), open(self.path, "ab") as fh:
-            fh.write(line)
-            fh.flush()
-            os.fsync(fh.fileno())
-        self.tasks += 1
+        with interrupts_deferred():  # a Ctrl-C held here is raised once the line is whole and counted
+            with open(self.path, "ab") as fh:
+                fh.write(line)
+                fh.flush()
+                os.fsync(fh.fileno())
+            self.tasks += 1

@@ -191,7 +191,7 @@ def _decision_sentences(recommendation: dict) -> list[str]:
             )
         if entry.get("too_few_tasks"):
             text += (
-                f" {n} tasks are too few for any candidate to replace the flagship: one right on every task "
+                f" {n} tasks are too few for any candidate to replace the flagship: a candidate right on every task "
                 f"would still be bounded at {entry['best_possible_bound']:+.3f}"
                 + (f"; with answers identical to the flagship's it takes {needed} tasks." if needed else ".")
             )
@@ -266,4 +266,4 @@ def decision_table(recommendation: dict) -> list[str]:
                 f"[{row['ci_low']:.2f}, {row['ci_high']:.2f}] | {entry['n']} | {paired} | {bound} | "
                 f"{'**served**' if row['policy'] == entry['served'] else ''} |"
             )
-    return lines + ["", *_decision_sentences(recommendation)]
+    return lines + ["", *(f"- {sentence}" for sentence in _decision_sentences(recommendation))]
