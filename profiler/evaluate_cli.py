@@ -1,22 +1,41 @@
 """``evaluate-artifact``: does this artifact help this model, and which policy should I serve?
 
 Runs needle tasks (generated with seeds disjoint from the profiler's) through the model
-uncompressed and under every (policy, compression ratio); prints a Markdown table and a
-recommendation, and writes JSON (``docs/evaluation-format.md``) and an HTML report on request.
+uncompressed and under every (policy, compression ratio); prints a Markdown table and, per
+compression ratio, the policy the artifact's paired rule serves (``profiler.paired_decision``,
+the flagship the reference: what ``--write-recommendation`` records), and writes JSON
+(``docs/evaluation-format.md``, every task's answers included) and an HTML report on request.
+
+With ``--json OUT`` every finished task is appended to a journal ``OUT.partial.jsonl``
+(``profiler.evaluation_journal``): a run killed at any moment loses at most the task in flight,
+and ``--resume`` continues it (same settings, checked) to the JSON an uninterrupted run writes.
+An existing journal or ``OUT`` is never replaced without ``--resume`` or ``--force``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
+import hashlib
 import json
 import sys
+from pathlib import Path
 
 from artifacts.version import add_version_argument
 from runtime.names import ALLOCATIONS, NAMED_POLICIES, SCORER_NAMES, STATISTICS
 
 from .arguments import RenamedOption, comma_separated, number_in, positive_int
-from .evaluation_results import COMPRESSION_GRID, EVALUATION_SEED_OFFSET, RECOMMENDATION_CANDIDATES, markdown_table
+from .evaluation_journal import JournalError, JournalWriter, configuration_differences, journal_path, read_journal
+from .evaluation_results import (
+    COMPRESSION_GRID,
+    EVALUATION_SCHEMA,
+    EVALUATION_SEED_OFFSET,
+    RECOMMENDATION_CANDIDATES,
+    markdown_table,
+    paired_recommendation,
+)
+from .held_out_tasks import HAYSTACKS
 from .paired_decision import DEFAULT_CONFIDENCE, DEFAULT_TOLERANCE
 
 # The runtime's vocabulary, torch-free (runtime.names): --help lists it without loading torch.
@@ -26,7 +45,7 @@ SCORERS = SCORER_NAMES
 # cannot serve (a missing section) are left out with a note.  Policies given with --policies
 # must all be servable.
 DEFAULT_POLICIES = ("baseline", *RECOMMENDATION_CANDIDATES, "uniform/keydiff", "uniform/expected_attention:prompt")
-DEFAULT_TASKS = ("retrieval", "multi_key")
+DEFAULT_TASKS = ("all",)
 TASK_PRESETS = ("smoke", "quick", "standard")
 
 
@@ -35,9 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="evaluate-artifact",
         description="Measure how much of the KV cache a model can drop with a calibration artifact, per "
         "eviction policy and compression ratio, on needle tasks it was not calibrated on. Prints "
-        "a Markdown table (accuracy with 95% Wilson interval, attention-output error, KV bytes, "
-        "prefill and decode time) and recommends the cheapest policy within a tolerance of the "
-        "uncompressed accuracy.",
+        "a Markdown table (accuracy with 95% Wilson interval and n, attention-output error, KV bytes, "
+        "prefill and decode time) and, per compression ratio, the policy the artifact's paired rule serves: "
+        "the flagship unless a cheaper candidate is shown, on the same tasks, not to be worse by more than "
+        "--paired-tolerance with --paired-confidence (a dearer one: better), with every candidate's paired "
+        "wins, losses and bound, and a note where the tasks are too few for any candidate to replace the "
+        "flagship or the intervals do not separate the policies. With --json OUT every finished task is "
+        "kept in OUT.partial.jsonl; --resume continues an interrupted run.",
         epilog="Policies: 'baseline' (uncompressed), or ALLOCATION/SCORER[:STATISTICS][+SUFFIX...] with "
         f"ALLOCATION in {'|'.join(ALLOCATIONS)} (global: learned or kvzip, whose scores compare across "
         "heads; curve: the artifact's budget_curves section) "
@@ -79,14 +102,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--policies",
         type=comma_separated(str),
         default=DEFAULT_POLICIES,
-        help="comma-separated policies, cheapest to serve first (ties in the per-ratio table go to the "
-        f"first). Default: {','.join(DEFAULT_POLICIES)} (those the artifact cannot serve are left out)",
+        help="comma-separated policies, cheapest to serve first (the paired rule's cost order: one listed before "
+        f"the flagship is cheaper than it, one after dearer). Default: {','.join(DEFAULT_POLICIES)} (those the "
+        "artifact cannot serve are left out)",
     )
     parser.add_argument(
         "--tasks",
         type=comma_separated(str),
         default=DEFAULT_TASKS,
-        help="needle families, or 'all' (default retrieval,multi_key)",
+        help="needle families, or 'all' (default: all, those the model fails uncompressed included: a task both "
+        "policies fail is a tie in the paired rule)",
+    )
+    parser.add_argument(
+        "--haystacks",
+        type=comma_separated(str),
+        default=HAYSTACKS,
+        help=f"haystacks of the tasks, each with its own seed (default {','.join(HAYSTACKS)})",
     )
     parser.add_argument(
         "--preset",
@@ -96,13 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
         "1K/2K/4K tokens x depths 10/50/90); lengths beyond the model's context are dropped",
     )
     parser.add_argument(
-        "--count", type=positive_int, default=1, help="tasks per (family, length, depth) cell (default 1)"
+        "--count", type=positive_int, default=1, help="tasks per (family, haystack, length, depth) cell (default 1)"
     )
     parser.add_argument(
         "--seed",
         type=int,
         default=None,
-        help=f"task seed (default: the profiler's probe seed + {EVALUATION_SEED_OFFSET})",
+        help=f"task seed of the first haystack, the next haystack's + 1 and so on (default: the profiler's probe "
+        f"seed + {EVALUATION_SEED_OFFSET})",
     )
     parser.add_argument(
         "--question-aware",
@@ -112,16 +144,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=positive_int, default=24, help="greedy answer length (default 24)")
     parser.add_argument(
         "--tolerance",
-        type=number_in(0.0, 100.0),
-        default=2.0,
-        help="accuracy points below the baseline a recommendation may lose (default 2)",
+        action=RenamedOption,
+        message="was replaced by --paired-tolerance: the policy printed per compression ratio is now the paired "
+        "rule's against the flagship on the same tasks (what --write-recommendation records)",
     )
     parser.add_argument(
         "--allow-mismatch",
         action="store_true",
         help="use an artifact made for other weights/tokenizer of the same architecture (warns)",
     )
-    parser.add_argument("--json", dest="json_out", metavar="OUT", help="write the results as JSON to OUT")
+    parser.add_argument(
+        "--json",
+        dest="json_out",
+        metavar="OUT",
+        help="write the results as JSON to OUT (docs/evaluation-format.md: aggregates and every task's answers); "
+        "while the run goes on, every finished task is kept in OUT.partial.jsonl, removed once OUT is written",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted run whose journal is OUT.partial.jsonl (--json OUT): its tasks are not run "
+        "again, and every setting the results depend on must be the same (refused, naming what differs)",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="start over even when OUT or its journal OUT.partial.jsonl exists (without --resume or --force "
+        "either is refused)",
+    )
     parser.add_argument(
         "--write-recommendation",
         action="store_true",
@@ -137,15 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--paired-tolerance",
         type=number_in(0.0, 100.0),
         default=DEFAULT_TOLERANCE * 100,
-        help=f"with --write-recommendation: accuracy points a cheaper policy may give up against the flagship "
-        f"on the same tasks (default {DEFAULT_TOLERANCE * 100:g})",
+        help=f"accuracy points a cheaper policy may give up against the flagship on the same tasks, for the "
+        f"printed decision and --write-recommendation (default {DEFAULT_TOLERANCE * 100:g})",
     )
     parser.add_argument(
         "--paired-confidence",
         type=number_in(0.0, 1.0, low_open=True, high_open=True),
         default=DEFAULT_CONFIDENCE,
-        help=f"with --write-recommendation: one-sided confidence that it gives up no more (default "
-        f"{DEFAULT_CONFIDENCE:g})",
+        help=f"one-sided confidence that it gives up no more, for the printed decision and "
+        f"--write-recommendation (default {DEFAULT_CONFIDENCE:g})",
     )
     parser.add_argument(
         "--replace-recommendation",
@@ -162,12 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _task_spec(args, config: dict, model_context: int):
     from needles import FAMILIES, PRESETS
 
-    from .evaluation import held_out_spec
+    from .held_out_tasks import held_out_tasks
 
     families = tuple(FAMILIES) if args.tasks == ("all",) else args.tasks
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         raise ValueError(f"unknown task families {unknown}; known: {', '.join(FAMILIES)} (or 'all')")
+    unknown = [h for h in args.haystacks if h not in HAYSTACKS]
+    if unknown:
+        raise ValueError(f"unknown haystacks {unknown}; known: {', '.join(HAYSTACKS)}")
     # the configuration's entries are free-form (docs/artifact-format.md section 2): one that is
     # not the object (or seed) expected is ignored
     behaviour = config.get("behaviour") if isinstance(config, dict) else None
@@ -175,15 +228,16 @@ def _task_spec(args, config: dict, model_context: int):
     profiler_seed = profiler_spec.get("seed") if isinstance(profiler_spec, dict) else None
     if isinstance(profiler_seed, bool) or not isinstance(profiler_seed, int):
         profiler_seed = None
-    spec = held_out_spec(
+    tasks = held_out_tasks(
         PRESETS[args.preset],
         families=families,
+        haystacks=args.haystacks,
         count=args.count,
         profiler_seed=profiler_seed,
         model_context=model_context,
         seed=args.seed,
     )
-    return spec, profiler_seed
+    return tasks, profiler_seed
 
 
 def _servable(policies, calibration, ratio: float, explicit: bool):
@@ -237,7 +291,7 @@ def write_recommendation(
             evaluation,
             candidates,
             tasks["seed"],
-            ",".join(tasks["spec"]["families"]),
+            ",".join(tasks["families"]),
             tolerance=tolerance,
             confidence=confidence,
             previous=previous,
@@ -245,7 +299,7 @@ def write_recommendation(
         entry = {
             "candidates": candidates,
             "compression_ratios": ratios,
-            "tasks": tasks["spec"],
+            "tasks": {key: tasks[key] for key in ("specs", "families", "haystacks", "seed")},
             "question_aware": evaluation["question_aware"],
             "source": "evaluate-artifact",
         }
@@ -264,11 +318,86 @@ def write_recommendation(
     return f"{section.attrs['tasks']} tasks {how}, rule {section['rule'][0].decode()}; serving {served}"
 
 
+def _file_digest(path) -> str:
+    """SHA-256 of the file's bytes (the artifact a journal's results were measured with)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def run_configuration(args, calibration, policies, tasks, probes) -> dict:
+    """Everything the results depend on, as the journal records it: ``--resume`` needs it unchanged."""
+    return {
+        "schema": EVALUATION_SCHEMA,
+        "model": {
+            "argument": args.model,
+            "name": calibration.identity.name,
+            "weights_fingerprint": calibration.identity.weights_fingerprint,
+            "tokenizer_fingerprint": calibration.identity.tokenizer_fingerprint,
+        },
+        "artifact": {"path": str(calibration.path), "sha256": _file_digest(calibration.path)},
+        "policies": [p.name for p in policies],
+        "compression_ratios": list(args.ratios),
+        "tasks": tasks.to_dict(),
+        "task_ids": [probe.id for probe in probes],
+        "max_new_tokens": args.max_new_tokens,
+        "question_aware": args.question_aware,
+    }
+
+
+def _check_journal(args):
+    """Before any model work: the journal ``--resume`` continues (None to start afresh), or
+    ValueError when an existing journal or output would be replaced without --resume / --force."""
+    if args.resume and args.force:
+        raise ValueError("--resume continues the journal and --force discards it: give one")
+    if not args.json_out:
+        if args.resume:
+            raise ValueError("--resume continues the journal kept beside --json OUT: give the interrupted run's --json")
+        return None
+    from artifacts.atomic import check_output_path
+
+    journal, out = journal_path(args.json_out), Path(args.json_out)
+    check_output_path(journal, "evaluation journal")
+    if args.force:
+        return None
+    if journal.exists():
+        if not args.resume:
+            raise ValueError(
+                f"{journal} holds the tasks of an interrupted run writing {out}: --resume continues it, --force "
+                "discards it and starts over"
+            )
+        return read_journal(journal)
+    if out.exists():
+        raise ValueError(
+            f"{out} exists"
+            + (f" and there is no journal {journal} to resume (the run finished)" if args.resume else "")
+            + ": --force replaces it, or choose another --json"
+        )
+    if args.resume:
+        print(f"evaluate-artifact: --resume: no journal at {journal}; starting from the beginning", file=sys.stderr)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from artifacts.atomic import check_output_path, output_lock
+
+    with contextlib.ExitStack() as held:
+        if args.json_out:  # one run at a time per output: two would append to one journal
+            try:
+                check_output_path(args.json_out, "JSON results")
+                held.enter_context(output_lock(args.json_out, "evaluate-artifact"))
+            except OSError as exc:
+                print(f"evaluate-artifact: {exc}", file=sys.stderr)
+                return 2
+        return _run(args)
+
+
+def _run(args) -> int:
     from artifacts import ArtifactError, open_artifact
     from artifacts.atomic import check_output_path
-    from needles import generate_probes
     from runtime import load_calibration
     from runtime.models import ModelError, load_model, load_tokenizer, use_progress_bars
     from runtime.policy_spec import parse_policy
@@ -291,13 +420,14 @@ def main(argv: list[str] | None = None) -> int:
         for path, what in ((args.json_out, "JSON results"), (args.html_out, "HTML report")):
             if path:
                 check_output_path(path, what)
+        previous = _check_journal(args)
         if args.write_recommendation and args.artifact:
             check_output_path(args.artifact, "artifact")
         model = load_model(args.model)
         tokenizer = load_tokenizer(args.model)
         calibration = load_calibration(model, tokenizer, path=args.artifact, allow_mismatch=args.allow_mismatch)
         context = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
-        spec, profiler_seed = _task_spec(args, calibration.config, context)
+        tasks, profiler_seed = _task_spec(args, calibration.config, context)
         policies = _servable(policies, calibration, args.ratios[0], explicit=args.policies != DEFAULT_POLICIES)
         if args.write_recommendation and not any(not p.is_baseline and not p.needs_reconstruction for p in policies):
             raise ValueError(
@@ -310,30 +440,81 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluate-artifact: {exc}", file=sys.stderr)
         return 2
 
-    probes = list(generate_probes(spec, tokenizer, progress=progress))
-    evaluation = evaluate(
-        model,
-        tokenizer,
-        probes,
-        policies,
-        list(args.ratios),
-        calibration=calibration,
-        question_aware=args.question_aware,
-        max_new_tokens=args.max_new_tokens,
-        tolerance=args.tolerance / 100.0,
-        progress=progress,
-    )
+    probes = tasks.probes(tokenizer)
+    created = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
+    writer, recorded = None, {}
+    if args.json_out:
+        configuration = run_configuration(args, calibration, policies, tasks, probes)
+        try:
+            if previous is not None:
+                differences = configuration_differences(previous.configuration, configuration)
+                if differences:
+                    raise JournalError(
+                        f"--resume: the journal {previous.path} was written with other settings; "
+                        + "; ".join(differences)
+                        + ". Rerun with the interrupted run's settings, or --force to start over"
+                    )
+                unknown = sorted(set(previous.rows) - {probe.id for probe in probes})
+                if unknown:
+                    raise JournalError(f"--resume: the journal {previous.path} holds tasks not run now: {unknown[:3]}")
+                created, recorded = previous.created or created, previous.rows
+                writer = JournalWriter.resume(previous)
+                print(
+                    f"evaluate-artifact: resuming {previous.path}: {len(recorded)} of {len(probes)} tasks recorded",
+                    file=sys.stderr,
+                )
+            else:
+                writer = JournalWriter.start(journal_path(args.json_out), configuration, created)
+        except (ValueError, OSError) as exc:
+            print(f"evaluate-artifact: {exc}", file=sys.stderr)
+            return 2
+    try:
+        evaluation = evaluate(
+            model,
+            tokenizer,
+            probes,
+            policies,
+            list(args.ratios),
+            calibration=calibration,
+            question_aware=args.question_aware,
+            max_new_tokens=args.max_new_tokens,
+            progress=progress,
+            on_task=writer.append if writer is not None else None,
+            recorded=recorded,
+        )
+    except KeyboardInterrupt:
+        if writer is None:
+            raise
+        done = len(recorded) + writer.tasks
+        print(
+            f"\nevaluate-artifact: interrupted; {done} of {len(probes)} tasks are kept in {writer.path}: rerun with "
+            "--resume to continue",
+            file=sys.stderr,
+        )
+        return 130
+    candidates = [spec.name for spec in policies if not spec.is_baseline and not spec.needs_reconstruction]
     evaluation.update(
         {
-            "created": _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat(),
+            "created": created,
             "model": {
                 "name": calibration.identity.name,
                 "weights_fingerprint": calibration.identity.weights_fingerprint,
             },
             "artifact": str(calibration.path),
-            "tasks": {"spec": spec.to_dict(), "count": len(probes), "seed": spec.seed, "profiler_seed": profiler_seed},
-            "task_summary": f"{len(probes)} tasks: {', '.join(spec.families)}; "
-            f"{'question-aware' if args.question_aware else 'question-agnostic'}; seed {spec.seed}",
+            "tasks": {
+                **tasks.to_dict(),
+                "families": list(tasks.families),
+                "haystacks": list(tasks.haystacks),
+                "count": len(probes),
+                "seed": tasks.seed,
+                "profiler_seed": profiler_seed,
+            },
+            "task_summary": f"{tasks.describe()}; {'question-aware' if args.question_aware else 'question-agnostic'}",
+            "recommendation": paired_recommendation(
+                evaluation, candidates, tolerance=args.paired_tolerance / 100.0, confidence=args.paired_confidence
+            )
+            if candidates
+            else None,
         }
     )
     print(markdown_table(evaluation))
@@ -343,12 +524,20 @@ def main(argv: list[str] | None = None) -> int:
         try:
             write_atomic(args.json_out, json.dumps(evaluation, indent=2, sort_keys=True) + "\n", what="JSON results")
         except OSError as exc:
-            print(f"evaluate-artifact: {exc}", file=sys.stderr)
+            print(f"evaluate-artifact: {exc} (the measured tasks are kept in {writer.path})", file=sys.stderr)
             return 2
+        writer.path.unlink(missing_ok=True)  # everything it held is in the JSON now
     if args.write_recommendation:
         calibration.close()
         try:
-            done = write_recommendation(calibration.path, evaluation, policies, extend=not args.replace_recommendation)
+            done = write_recommendation(
+                calibration.path,
+                evaluation,
+                policies,
+                extend=not args.replace_recommendation,
+                tolerance=args.paired_tolerance / 100.0,
+                confidence=args.paired_confidence,
+            )
         except (ValueError, OSError, ArtifactError) as exc:
             print(
                 f"evaluate-artifact: could not write the recommendation into {calibration.path}: {exc}", file=sys.stderr

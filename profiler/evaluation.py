@@ -18,10 +18,13 @@ the prefix for every row.  Each cell is scored:
   tokens) divided by its rows.
 
 Policies that need a forward pass of their own at serving (``kvzip``) are measured like the
-others but never chosen by ``recommend``/``best_per_ratio``: an artifact's recommendation must
-be servable by ``calibration.policy()`` alone.
+others; the policy to serve is decided elsewhere (``profiler.recommendation``,
+``evaluation_results.paired_recommendation``), among those ``calibration.policy()`` can serve.
 
-Results are aggregated per (policy, ratio) into the records of ``evaluation_results``.
+Results are kept per task (``evaluation_results.task_record``) and aggregated per (policy,
+ratio) into the records of ``evaluation_results``.  ``evaluate(on_task=...)`` hands every
+task's records over as soon as they are measured, and ``evaluate(recorded=...)`` takes those of
+an earlier, interrupted run instead of running their tasks again (``evaluate-artifact --resume``).
 """
 
 from __future__ import annotations
@@ -36,13 +39,7 @@ from profiler.greedy import greedy_generate
 from runtime.geometry import ModelGeometry
 from runtime.policy_spec import PolicySpec
 
-from .evaluation_results import (
-    EVALUATION_SCHEMA,
-    EVALUATION_SEED_OFFSET,
-    best_per_ratio,
-    recommend,
-    wilson_interval,
-)
+from .evaluation_results import EVALUATION_SCHEMA, EVALUATION_SEED_OFFSET, task_record, wilson_interval
 
 
 def held_out_spec(
@@ -197,60 +194,84 @@ def evaluate(
     calibration=None,
     question_aware: bool = False,
     max_new_tokens: int = 24,
-    tolerance: float = 0.02,
     progress: bool = True,
     is_correct=None,
+    on_task=None,
+    recorded=None,
 ) -> dict:
-    """Run every probe through the baseline and every (policy, ratio); aggregated results.
+    """Run every probe through the baseline and every (policy, ratio); per-task and aggregated results.
 
     Per probe the prefix is prefilled once; each (policy, ratio) compresses its own copy, and
     the baseline and all cells decode together as one batch (equal to one by one: the
     runtime's batch equivalence tests), so a cell costs its compression and a batch row of
     decoding, not a prefill.  ``decode_seconds`` is the batch's time divided by its rows.
+
+    ``on_task(probe, rows)``: called after each probe is measured, with its rows (row 0 the
+    baseline, then the policies in order, each at every ratio in order): JSON-able dicts
+    ``{policy, compression_ratio, text, correct, kv_bytes, prefill_seconds, decode_seconds,
+    error}``.  ``recorded``: probe id -> such rows of an earlier run; those probes are not run
+    again and their rows are used as they are (they must be of the same cells, ValueError).
     """
     if is_correct is None:
         from needles import answer_is_correct as is_correct
     from runtime import bind
 
+    recorded = recorded or {}
     compressed = [spec for spec in policies if not spec.is_baseline]
     # every cell bound once, before any model time is spent (a policy the calibration cannot serve fails here)
     cells = [
         ((spec.name, ratio), bind(spec.policy(ratio), calibration, model)) for spec in compressed for ratio in ratios
     ]
+    keys = [("baseline", None)] + [key for key, _ in cells]
     runs = defaultdict(list)  # (policy, ratio) -> per-probe records
+    per_task = []
     recorder = AttentionOutputRecorder(model)
-    bar = tqdm(total=len(probes), desc="evaluate", unit="task", disable=not progress)
+    resumed = sum(probe.id in recorded for probe in probes)
+    bar = tqdm(
+        total=len(probes),
+        initial=resumed,
+        desc=f"evaluate ({resumed} resumed)" if resumed else "evaluate",
+        unit="task",
+        disable=not progress,
+    )
     try:
         for probe in probes:
-            records = _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_aware, max_new_tokens)
-            full_bytes = records[0]["kv_bytes"]
-            for key, record in zip([("baseline", None)] + [key for key, _ in cells], records, strict=True):
-                runs[key].append(
+            rows = recorded.get(probe.id)
+            if rows is None:
+                records = _run_probe(
+                    model, tokenizer, probe, cells, calibration, recorder, question_aware, max_new_tokens
+                )
+                rows = [
                     {
+                        "policy": policy,
+                        "compression_ratio": ratio,
                         **record,
                         "correct": bool(is_correct(record["text"], probe)),
-                        "family": probe.family,
-                        "full_bytes": full_bytes,
                     }
-                )
-            bar.update()
+                    for (policy, ratio), record in zip(keys, records, strict=True)
+                ]
+                if on_task is not None:
+                    on_task(probe, rows)
+                bar.update()
+            elif [(row["policy"], row["compression_ratio"]) for row in rows] != keys:
+                raise ValueError(f"the recorded rows of task {probe.id} are not of the cells evaluated now")
+            full_bytes = rows[0]["kv_bytes"]
+            for key, row in zip(keys, rows, strict=True):
+                runs[key].append({**row, "family": probe.family, "full_bytes": full_bytes})
+            per_task.append(task_record(probe, rows))
     finally:
         bar.close()
         recorder.remove()
 
     records = {key: _aggregate(key, items) for key, items in runs.items()}
     baseline = records.pop(("baseline", None))
-    results = [records[(spec.name, ratio)] for spec in compressed for ratio in ratios]
-    servable = [spec.name for spec in compressed if not spec.needs_reconstruction]
-    candidates = [record for record in results if record["policy"] in servable]
     return {
         "schema": EVALUATION_SCHEMA,
         "question_aware": question_aware,
-        "task_ids": [probe.id for probe in probes],  # the order of every record's "outcomes"
+        "task_ids": [probe.id for probe in probes],  # the order of every record's "outcomes" and of "per_task"
         "baseline": baseline,
-        "results": results,
-        "recommendation": recommend(baseline["accuracy"], candidates, tolerance),
-        "best_per_ratio": best_per_ratio(candidates, servable),
+        "results": [records[(spec.name, ratio)] for spec in compressed for ratio in ratios],
+        "per_task": per_task,
     }
 
 

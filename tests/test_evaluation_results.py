@@ -1,15 +1,16 @@
-"""evaluate-artifact's pure logic: policy grammar, intervals, the recommendation."""
+"""evaluate-artifact's pure logic: policy grammar, intervals, the paired decision it prints."""
 
 from __future__ import annotations
 
 import pytest
 
 from profiler.evaluation_results import (
-    best_per_ratio,
     markdown_table,
-    recommend,
+    paired_recommendation,
+    tasks_for_identical_answers,
     wilson_interval,
 )
+from profiler.paired_decision import loss_bound
 from runtime.policy_spec import parse_policy
 
 
@@ -18,6 +19,7 @@ def _row(policy, ratio, accuracy, kv_bytes=1000):
         "policy": policy,
         "compression_ratio": ratio,
         "n": 12,
+        "correct": round(accuracy * 12),
         "accuracy": accuracy,
         "kv_bytes": kv_bytes,
         "kv_fraction": 1 - (ratio or 0),
@@ -34,33 +36,6 @@ def test_wilson_interval_matches_reference_values():
     assert low == pytest.approx(0.4902, abs=1e-4) and high == pytest.approx(0.9433, abs=1e-4)
     assert wilson_interval(0, 20)[0] == 0.0 and wilson_interval(20, 20)[1] == 1.0
     assert wilson_interval(0, 0) == (0.0, 1.0)
-
-
-def test_recommendation_picks_the_highest_ratio_within_tolerance():
-    results = [
-        _row("uniform/keydiff", 0.5, 0.80),
-        _row("uniform/keydiff", 0.75, 0.70),
-        _row("inf/expected_attention:calibrated", 0.5, 0.81),
-        _row("inf/expected_attention:calibrated", 0.75, 0.79),
-        _row("inf/expected_attention:calibrated", 0.9, 0.60),
-    ]
-    chosen = recommend(0.80, results, tolerance=0.02)
-    assert (chosen["policy"], chosen["compression_ratio"]) == ("inf/expected_attention:calibrated", 0.75)
-    assert "0.75" in chosen["text"]
-    # A looser tolerance admits the 0.9 row.
-    assert recommend(0.80, results, tolerance=0.25)["compression_ratio"] == 0.9
-
-
-def test_recommendation_ties_go_to_accuracy_then_bytes_then_name():
-    results = [_row("b", 0.75, 0.79, 900), _row("a", 0.75, 0.80, 1000), _row("c", 0.75, 0.80, 800)]
-    assert recommend(0.80, results)["policy"] == "c"
-    results = [_row("b", 0.75, 0.80, 800), _row("a", 0.75, 0.80, 800)]
-    assert recommend(0.80, results)["policy"] == "a"
-
-
-def test_recommendation_when_nothing_is_good_enough():
-    chosen = recommend(0.80, [_row("uniform/streaming", 0.5, 0.3), _row("uniform/keydiff", 0.5, 0.6)])
-    assert chosen["policy"] is None and "uniform/keydiff" in chosen["text"]
 
 
 def test_policy_grammar_and_errors():
@@ -85,30 +60,118 @@ def test_policy_grammar_and_errors():
         parse_policy("inf/keydiff+moments")
 
 
-def test_markdown_table_lists_baseline_first():
-    evaluation = {
-        "baseline": _row("baseline", None, 0.8),
-        "results": [_row("uniform/keydiff", 0.5, 0.7)],
-        "recommendation": recommend(0.8, [_row("uniform/keydiff", 0.5, 0.7)]),
+CHEAP, FLAGSHIP, DEAR = "inf/keydiff+correction", "inf/leverage+correction", "curve/leverage+correction"
+
+
+def _evaluation(outcomes: dict, n: int) -> dict:
+    """An evaluation as profiler.evaluation.evaluate returns it (the fields the decision reads):
+    ``outcomes`` maps (policy, ratio) to per-task booleans."""
+    results = []
+    for (policy, ratio), row in outcomes.items():
+        low, high = wilson_interval(sum(row), n)
+        results.append({**_row(policy, ratio, sum(row) / n), "n": n, "outcomes": list(row), "ci_low": low})
+        results[-1]["ci_high"] = high
+    return {
+        "task_ids": [f"retrieval-L1024-D50-S7-R{i}" for i in range(n)],
+        "baseline": {**_row("baseline", None, 1.0), "n": n, "outcomes": [True] * n},
+        "results": results,
+        "tasks": {
+            "seed": 7,
+            "families": ["retrieval"],
+            "haystacks": ["simple"],
+            "specs": [{"families": ["retrieval"], "seed": 7}],
+        },
+        "question_aware": False,
     }
+
+
+def _pattern(n: int, wrong: set[int]) -> list[bool]:
+    return [i not in wrong for i in range(n)]
+
+
+def test_the_printed_decision_is_the_one_the_artifact_records():
+    """paired_recommendation decides exactly as recommendation_section (what --write-recommendation
+    records): the same policy served, wins, losses and bounds, on a case where a cheaper candidate
+    passes (0.5), one where none does (0.75), and ties between equal candidates (0.9)."""
+    from profiler.recommendation import recommendation_section
+
+    n = 200
+    flagship = _pattern(n, set(range(0, n, 10)))  # 180 of 200
+    outcomes = {
+        (CHEAP, 0.5): _pattern(n, set(range(0, n, 10)) - {0, 10, 20, 30, 40, 50}),  # 6 wins, no loss
+        (FLAGSHIP, 0.5): flagship,
+        (DEAR, 0.5): flagship,
+        (CHEAP, 0.75): _pattern(n, set(range(0, n, 5))),  # 20 losses
+        (FLAGSHIP, 0.75): flagship,
+        (DEAR, 0.75): _pattern(n, set(range(0, n, 20))),  # 10 wins: better
+        (CHEAP, 0.9): flagship,
+        (FLAGSHIP, 0.9): flagship,
+        (DEAR, 0.9): flagship,
+    }
+    evaluation = _evaluation(outcomes, n)
+    candidates = [CHEAP, FLAGSHIP, DEAR]
+    decision = paired_recommendation(evaluation, candidates, tolerance=0.03, confidence=0.95)
+    section = recommendation_section(evaluation, candidates, 7, "retrieval", tolerance=0.03, confidence=0.95)
+    assert [entry["served"] for entry in decision["per_ratio"]] == [name.decode() for name in section["policy"]]
+    assert [entry["served"] for entry in decision["per_ratio"]] == [CHEAP, DEAR, CHEAP]
+    for index, entry in enumerate(decision["per_ratio"]):
+        assert [row["wins"] for row in entry["candidates"]] == section["wins"][index].tolist()
+        assert [row["losses"] for row in entry["candidates"]] == section["losses"][index].tolist()
+        assert [row["bound"] for row in entry["candidates"]] == section["bound"][index].tolist()
+        assert entry["n"] == n and entry["too_few_tasks"] is False
+    assert decision["rule"] == section["rule"][0].decode() and decision["reference"] == FLAGSHIP
+    rows = {row["policy"]: row for row in decision["per_ratio"][1]["candidates"]}
+    assert (rows[DEAR]["wins"], rows[DEAR]["losses"], rows[DEAR]["ties"]) == (10, 0, 190)
+    assert rows[DEAR]["passes"] and not rows[CHEAP]["passes"]
+    assert (rows[CHEAP]["accuracy"], rows[CHEAP]["ci_low"]) == (0.8, wilson_interval(160, n)[0])
+    # without the flagship among the candidates: the most accurate, ties to the cheaper, as the section
+    fallback = paired_recommendation(evaluation, [CHEAP, DEAR])
+    section = recommendation_section(evaluation, [CHEAP, DEAR], 7, "retrieval")
+    assert fallback["rule"] == section["rule"][0].decode() and fallback["reference"] is None
+    assert [entry["served"] for entry in fallback["per_ratio"]] == [name.decode() for name in section["policy"]]
+    assert [entry["served"] for entry in fallback["per_ratio"]] == [CHEAP, DEAR, CHEAP]
+
+
+def test_too_few_tasks_and_overlapping_intervals_are_said():
+    n = 4
+    outcomes = {
+        (CHEAP, 0.5): _pattern(n, {0}),
+        (FLAGSHIP, 0.5): _pattern(n, {1, 2}),
+    }
+    decision = paired_recommendation(_evaluation(outcomes, n), [CHEAP, FLAGSHIP])
+    (entry,) = decision["per_ratio"]
+    # the cheap one answered 3 of 4 and the flagship 2: still the flagship, and no answers could change that
+    assert entry["served"] == FLAGSHIP and entry["too_few_tasks"] is True
+    assert entry["best_possible_bound"] == loss_bound(2, 0, n) > 0.03
+    assert entry["overlapping"] == [CHEAP]
+    assert decision["tasks_for_identical_answers"] == 122
+    assert "4 tasks are too few for any candidate to replace the flagship" in decision["text"]
+    assert "it takes 122 tasks" in decision["text"] and "overlap" in decision["text"]
+
+
+def test_tasks_for_identical_answers_is_the_first_n_whose_bound_is_within_the_tolerance():
+    for tolerance, confidence in ((0.03, 0.95), (0.05, 0.9), (0.1, 0.99), (0.2, 0.5)):
+        n = tasks_for_identical_answers(tolerance, confidence)
+        assert loss_bound(0, 0, n, confidence) <= tolerance + 1e-12 < loss_bound(0, 0, n - 1, confidence)
+    assert tasks_for_identical_answers(0.0, 0.95) is None
+
+
+def test_markdown_table_lists_baseline_first_with_n_then_the_decision():
+    n = 4
+    evaluation = _evaluation({(CHEAP, 0.5): _pattern(n, {0}), (FLAGSHIP, 0.5): _pattern(n, {1, 2})}, n)
+    evaluation["recommendation"] = paired_recommendation(evaluation, [CHEAP, FLAGSHIP])
     table = markdown_table(evaluation).splitlines()
-    assert table[2].startswith("| baseline | - | 0.80") and table[3].startswith("| uniform/keydiff | 0.5 | 0.70")
-
-
-def test_best_per_ratio_takes_the_most_accurate_and_breaks_ties_by_preference():
-    results = [
-        _row("inf/keydiff+correction", 0.5, 0.80),
-        _row("inf/keydiff+correction", 0.9, 0.40),
-        _row("inf/leverage", 0.5, 0.80),
-        _row("inf/leverage", 0.9, 0.60),
-    ]
-    best = best_per_ratio(results, ["inf/keydiff+correction", "inf/leverage"])
-    assert [(row["compression_ratio"], row["policy"], row["accuracy"]) for row in best] == [
-        (0.5, "inf/keydiff+correction", 0.80),  # a tie: the first in preference order
-        (0.9, "inf/leverage", 0.60),
-    ]
-    assert best_per_ratio(results, ["inf/leverage", "inf/keydiff+correction"])[0]["policy"] == "inf/leverage"
-    assert set(best[0]) == {"policy", "compression_ratio", "accuracy", "ci_low", "ci_high", "n"}
+    assert table[0].startswith("| policy | compression ratio | accuracy [95% CI] | n |")
+    assert table[2].startswith("| baseline | - | 1.00 [") and table[2].split(" | ")[3] == "4"
+    assert table[3].startswith(f"| {CHEAP} | 0.5 | 0.75 [")
+    low, high = wilson_interval(3, 4)
+    cheap = next(line for line in table if line.startswith(f"| 0.5 | {CHEAP} |"))
+    assert f"0.75 [{low:.2f}, {high:.2f}] | 4 | 2 / 1 | +" in cheap and cheap.endswith("|  |")
+    assert next(line for line in table if line.startswith(f"| 0.5 | {FLAGSHIP} |")).endswith(
+        "| reference | - | **served** |"
+    )
+    assert any("too few for any candidate to replace the flagship" in line for line in table)
+    assert any("overlap" in line for line in table)
 
 
 def test_the_grammar_lives_in_the_runtime_and_evaluate_artifacts_help_names_its_policies():

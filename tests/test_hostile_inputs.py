@@ -1083,7 +1083,7 @@ def test_profile_model_zero_or_negative_counts_are_refused_by_the_parser(capsys,
 
 @pytest.mark.parametrize(
     "option",
-    [("--policies", ","), ("--tasks", ","), ("--count", "0"), ("--max-new-tokens", "0"), ("--tolerance", "nan")],
+    [("--policies", ","), ("--tasks", ","), ("--count", "0"), ("--max-new-tokens", "0"), ("--paired-tolerance", "nan")],
     ids=" ".join,
 )
 def test_evaluate_artifact_empty_lists_and_zero_counts_are_refused_by_the_parser(capsys, option):

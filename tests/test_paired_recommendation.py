@@ -34,7 +34,12 @@ def evaluation(outcomes: dict, baseline: list[bool], seed: int) -> dict:
         "task_ids": [f"retrieval-L1024-D50-S{seed}-R{i}" for i in range(n)],
         "baseline": {"policy": "baseline", "n": n, "accuracy": sum(baseline) / n, "outcomes": list(baseline)},
         "results": results,
-        "tasks": {"seed": seed, "spec": {"families": ["retrieval"], "seed": seed}},
+        "tasks": {
+            "seed": seed,
+            "families": ["retrieval"],
+            "haystacks": ["simple"],
+            "specs": [{"families": ["retrieval"], "seed": seed}],
+        },
     }
 
 

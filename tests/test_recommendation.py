@@ -184,18 +184,33 @@ def test_evaluate_artifact_writes_its_recommendation_into_the_artifact(smoke_art
 
     path = tmp_path / "kv_calibration.h5"
     shutil.copyfile(smoke_artifact, path)
-    arguments = ["--artifact", str(path), "--preset", "smoke", "--tasks", "retrieval", "--no-progress"]
+    arguments = [
+        "--artifact",
+        str(path),
+        "--preset",
+        "smoke",
+        "--tasks",
+        "retrieval",
+        "--haystacks",
+        "simple",
+        "--no-progress",
+    ]
     arguments += ["--compression-ratios", "0.75", "--policies", "uniform/keydiff,inf/leverage", "--json"]
     arguments += [str(tmp_path / "ev.json"), "--write-recommendation", "--max-new-tokens", "12"]
+    arguments += ["--paired-tolerance", "5", "--paired-confidence", "0.9"]
     assert main(arguments) == 0
     out = capsys.readouterr().out
-    assert "Most accurate policy per compression ratio" in out and "wrote the recommendation section" in out
+    assert "Policy to serve per compression ratio" in out and "wrote the recommendation section" in out
     evaluation = json.loads((tmp_path / "ev.json").read_text())
-    (best,) = evaluation["best_per_ratio"]
+    (decided,) = evaluation["recommendation"]["per_ratio"]  # what the table printed
+    served = next(row for row in decided["candidates"] if row["policy"] == decided["served"])
     with open_artifact(path) as reader:
         section = reader.section("recommendation")
-        assert [n.decode() for n in section["policy"]] == [best["policy"]]
-        assert section["accuracy"][0] == best["accuracy"] and section.attrs["tasks"] == best["n"] == 2
+        assert [n.decode() for n in section["policy"]] == [decided["served"]]
+        assert section["accuracy"][0] == served["accuracy"] and section.attrs["tasks"] == decided["n"] == 2
+        # the paired rule's parameters given reach the section (they were parsed and dropped)
+        assert (section["tolerance"][0], section["confidence"][0]) == (0.05, 0.9)
+        assert (evaluation["recommendation"]["tolerance"], evaluation["recommendation"]["confidence"]) == (0.05, 0.9)
         assert reader.config["recommendation"]["source"] == "evaluate-artifact"
         assert set(reader.sections) >= {"behaviour", "budgets", "query_stats", "moments"}
 
@@ -208,7 +223,17 @@ def test_evaluate_artifact_measures_kvzip_but_never_records_it(smoke_artifact, t
 
     path = tmp_path / "kv_calibration.h5"
     shutil.copyfile(smoke_artifact, path)
-    arguments = ["--artifact", str(path), "--preset", "smoke", "--tasks", "retrieval", "--no-progress"]
+    arguments = [
+        "--artifact",
+        str(path),
+        "--preset",
+        "smoke",
+        "--tasks",
+        "retrieval",
+        "--haystacks",
+        "simple",
+        "--no-progress",
+    ]
     arguments += ["--compression-ratios", "0.5", "--policies", "global/kvzip,uniform/kvzip,uniform/knorm"]
     arguments += ["--json", str(tmp_path / "ev.json"), "--write-recommendation", "--max-new-tokens", "12"]
     assert main(arguments) == 0
@@ -220,8 +245,8 @@ def test_evaluate_artifact_measures_kvzip_but_never_records_it(smoke_artifact, t
     assert min(rows["global/kvzip"]["prefill_seconds"], rows["uniform/kvzip"]["prefill_seconds"]) > (
         1.3 * rows["uniform/knorm"]["prefill_seconds"]
     )
-    assert [row["policy"] for row in evaluation["best_per_ratio"]] == ["uniform/knorm"]
-    assert evaluation["recommendation"]["policy"] in (None, "uniform/knorm")
+    assert evaluation["recommendation"]["candidates"] == ["uniform/knorm"]
+    assert [entry["served"] for entry in evaluation["recommendation"]["per_ratio"]] == ["uniform/knorm"]
     with open_artifact(path) as reader:
         section = reader.section("recommendation")
         assert [n.decode() for n in section["policy"]] == ["uniform/knorm"]

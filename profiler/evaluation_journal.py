@@ -1,0 +1,146 @@
+"""``evaluate-artifact``'s journal: every finished task's results, kept as they come.
+
+``OUT.partial.jsonl`` beside the JSON output ``OUT``, one JSON object per line:
+
+* line 1, the header: ``{"format": JOURNAL_FORMAT, "created": ISO time the run started,
+  "configuration": {...}}``, the configuration being everything the results depend on (model,
+  artifact digest, policies, compression ratios, task spec and ids, answer length, question
+  awareness: ``profiler.evaluate_cli``).  It is written atomically (``artifacts.atomic``);
+* every further line one task: ``{"task": probe id, "rows": [...]}``, the rows
+  ``profiler.evaluation.evaluate`` hands to ``on_task`` (row 0 the baseline, then every cell).
+
+A task's line is appended in one write, flushed and fsynced before the next task starts, with
+Ctrl-C / SIGTERM held until it is whole (``profiler.checkpoint.interrupts_deferred``).  A
+process killed while appending leaves at most an incomplete (or, after a crash of the machine,
+garbled) last line: :func:`read_journal` drops an unreadable *last* line (that task runs again)
+and refuses a journal with an unreadable line before a readable one.  Appending after a resume
+first cuts the file back to its last whole line.  So a run killed at any moment loses at most
+the task in flight; the final JSON is written atomically from all the rows, and only then is
+the journal removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+JOURNAL_FORMAT = "kvcal-evaluation-journal/1"
+
+
+class JournalError(ValueError):
+    """A journal that cannot be continued; the message says why and what to do."""
+
+
+def journal_path(out: str | os.PathLike) -> Path:
+    """``OUT.partial.jsonl`` beside the JSON output ``OUT``."""
+    out = Path(out)
+    return out.with_name(out.name + ".partial.jsonl")
+
+
+def canonical(configuration: dict) -> dict:
+    """``configuration`` as it reads back from JSON (tuples become lists...): what is compared."""
+    return json.loads(json.dumps(configuration, sort_keys=True))
+
+
+@dataclass
+class Journal:
+    path: Path
+    created: str
+    configuration: dict
+    rows: dict[str, list[dict]] = field(default_factory=dict)  # probe id -> its rows, in file order
+    whole_bytes: int = 0  # the file's length up to its last readable line
+
+
+def read_journal(path: str | os.PathLike) -> Journal:
+    """The header and the recorded tasks of the journal at ``path`` (see the module docstring)."""
+    path = Path(path)
+    data = path.read_bytes()
+    lines, offset, parsed = [], 0, []
+    while offset < len(data):
+        end = data.find(b"\n", offset)
+        end = len(data) if end < 0 else end + 1
+        lines.append((offset, end))
+        offset = end
+    for index, (start, end) in enumerate(lines):
+        try:
+            record = json.loads(data[start:end].decode("utf-8")) if data[end - 1 : end] == b"\n" else None
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            record = None
+        if not isinstance(record, dict):
+            if index == 0 or index == len(lines) - 1:  # no header (refused below), or the task in flight
+                break
+            raise JournalError(
+                f"the journal {path} is damaged at line {index + 1}; delete it (or run with --force) to start over"
+            )
+        parsed.append((record, end))
+    header = parsed[0][0] if parsed else {}
+    if header.get("format") != JOURNAL_FORMAT or not isinstance(header.get("configuration"), dict):
+        raise JournalError(
+            f"{path} is not an evaluate-artifact journal of this version ({JOURNAL_FORMAT}); delete it (or run "
+            "with --force) to start over"
+        )
+    journal = Journal(path, str(header.get("created", "")), header["configuration"], whole_bytes=parsed[0][1])
+    for number, (record, end) in enumerate(parsed[1:], start=2):
+        task, rows = record.get("task"), record.get("rows")
+        if not isinstance(task, str) or not isinstance(rows, list) or task in journal.rows:
+            raise JournalError(
+                f"the journal {path} is damaged at line {number} (not one new task's rows); delete it (or run with "
+                "--force) to start over"
+            )
+        journal.rows[task] = rows
+        journal.whole_bytes = end
+    return journal
+
+
+def configuration_differences(recorded: dict, current: dict) -> list[str]:
+    """What differs between a journal's configuration and this run's, one phrase per key."""
+
+    def shown(value) -> str:
+        text = json.dumps(value, sort_keys=True)
+        return text if len(text) <= 160 else text[:157] + "..."
+
+    current = canonical(current)
+    return [
+        f"{key}: {shown(recorded.get(key))} in the journal, {shown(current.get(key))} now"
+        for key in sorted(set(recorded) | set(current))
+        if recorded.get(key) != current.get(key)
+    ]
+
+
+class JournalWriter:
+    """Appends one line per finished task (``on_task`` of ``profiler.evaluation.evaluate``)."""
+
+    def __init__(self, path: Path, whole_bytes: int):
+        self.path = path
+        with open(path, "r+b") as fh:  # drop an incomplete last line before appending after it
+            fh.truncate(whole_bytes)
+            os.fsync(fh.fileno())
+        self.tasks = 0
+
+    @classmethod
+    def start(cls, path: str | os.PathLike, configuration: dict, created: str) -> JournalWriter:
+        """A new journal holding only the header (replacing any file at ``path``, atomically)."""
+        from artifacts.atomic import write_atomic
+
+        header = {"format": JOURNAL_FORMAT, "created": created, "configuration": canonical(configuration)}
+        text = json.dumps(header, sort_keys=True) + "\n"
+        write_atomic(path, text, what="evaluation journal")
+        return cls(Path(path), len(text.encode("utf-8")))
+
+    @classmethod
+    def resume(cls, journal: Journal) -> JournalWriter:
+        return cls(journal.path, journal.whole_bytes)
+
+    def append(self, probe, rows: list[dict]) -> None:
+        """Persist one task's rows (flushed and fsynced; interrupts held until the line is whole)."""
+        from .checkpoint import interrupts_deferred
+
+        line = (json.dumps({"task": probe.id, "rows": rows}, sort_keys=True) + "\n").encode("utf-8")
+        with interrupts_deferred():  # a Ctrl-C held here is raised once the line is whole and counted
+            with open(self.path, "ab") as fh:
+                fh.write(line)
+                fh.flush()
+                os.fsync(fh.fileno())
+            self.tasks += 1
