@@ -39,31 +39,7 @@ from profiler.greedy import greedy_generate
 from runtime.geometry import ModelGeometry
 from runtime.policy_spec import PolicySpec
 
-from .evaluation_results import EVALUATION_SCHEMA, EVALUATION_SEED_OFFSET, task_record, wilson_interval
-
-
-def held_out_spec(
-    base, *, families, count: int, profiler_seed: int | None, model_context: int, depths=None, seed: int | None = None
-):
-    """Needle tasks the profiler never saw: ``base`` (a ``needles.ProbeSpec``) with ``families``,
-        ``count`` tasks per cell, lengths beyond 90% of the model's context dropped (ValueError when
-    none is left), and the seed
-        ``profiler_seed + EVALUATION_SEED_OFFSET`` (or ``seed``; refused when it is the profiler's)."""
-    lengths = tuple(n for n in base.lengths if n <= 0.9 * model_context)
-    if not lengths:
-        raise ValueError(
-            f"the model's context of {model_context} tokens is too short for these tasks: the shortest task "
-            f"length {min(base.lengths)} needs at least {min(base.lengths) / 0.9:.0f} (90% rule); use a preset "
-            "with shorter tasks (e.g. --preset smoke)"
-        )
-    if seed is None:
-        seed = (profiler_seed or 0) + EVALUATION_SEED_OFFSET
-    if profiler_seed is not None and seed == profiler_seed:
-        raise ValueError(f"task seed {seed} is the profiler's probe seed; evaluation tasks must be unseen")
-    changes = {"families": tuple(families), "lengths": lengths, "count": count, "seed": seed}
-    if depths is not None:
-        changes["depths"] = tuple(depths)
-    return base.replace(**changes)
+from .evaluation_results import EVALUATION_SCHEMA, task_record, wilson_interval
 
 
 class AttentionOutputRecorder:
