@@ -282,8 +282,14 @@ def test_leverage_selection_measures_on_the_tokens_serving_keeps(one_thread):
     windows = torch.randint(0, 128, (2, 96), generator=torch.Generator().manual_seed(8))
     w, n_sink, recent, ratios = 16, 2, 4, (0.25, 0.5)
     result = measure_correction_errors(
-        model, windows, keep_ratios=ratios, query_window=w, scorer="leverage", n_sink=n_sink,
-        recent_window=recent, progress=False,
+        model,
+        windows,
+        keep_ratios=ratios,
+        query_window=w,
+        scorer="leverage",
+        n_sink=n_sink,
+        recent_window=recent,
+        progress=False,
     )
     assert result.selection == "leverage" and "blend=0.75" in result.scorer and "blend=0.5" in result.scorer
     prefix = 96 - w
@@ -314,4 +320,31 @@ def test_a_scorer_reading_every_prompt_query_needs_no_longer_prefix(one_thread):
     result = measure_correction_errors(model, windows, scorer=LeverageScorer(blend=0.5), **options)
     assert result.selection == "leverage" and result["errors"].shape == (1, 3, 2, 2)
     with pytest.raises(ValueError, match="too short"):
-        measure_correction_errors(model, windows[:, :20], scorer=LeverageScorer(), **options)
+        measure_correction_errors(model, windows[:, :15], scorer=LeverageScorer(), **options)  # prefix 7 < 8
+
+
+def test_selections_sharing_one_forward_pass_measure_what_each_measures_alone(one_thread):
+    """The moments stage measures every served selector over one captured pass per window: each
+    selection's errors are bit for bit those of a run of its own; a selection given twice is refused."""
+    from profiler.moments import measure_correction_errors_by_selection
+
+    model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=3)
+    windows = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(4))
+    generator = torch.Generator().manual_seed(5)
+    learned = (torch.randn(2, 2, 32, generator=generator).numpy(), torch.randn(2, 2, generator=generator).numpy())
+    options = dict(keep_ratios=(0.25, 0.5), query_window=16, n_sink=2, recent_window=4, progress=False)
+    selections = [("leverage", "uniform"), ("keydiff", "uniform"), ("learned", "global")]
+    together = measure_correction_errors_by_selection(model, windows, selections, learned=learned, **options)
+    assert [(r.selection, r.allocation) for r in together] == selections
+    for (scorer, allocation), shared in zip(selections, together, strict=True):
+        alone = measure_correction_errors(
+            model, windows, scorer=scorer, allocation=allocation, learned=learned, **options
+        )
+        assert shared.scorer == alone.scorer and shared.seconds > 0
+        for key in alone:
+            np.testing.assert_array_equal(shared[key], alone[key])
+    assert not np.array_equal(together[0]["errors"], together[1]["errors"])
+    with pytest.raises(ValueError, match="given twice"):
+        measure_correction_errors_by_selection(model, windows, [("keydiff", "uniform")] * 2, **options)
+    with pytest.raises(ValueError, match="unknown selection scorer 'h2o'"):
+        measure_correction_errors_by_selection(model, windows, [("keydiff", "uniform"), ("h2o", "uniform")], **options)
