@@ -9,7 +9,8 @@ datasets has an exact dtype and a shape written in symbols:
 * section symbols, free but equal across a section's datasets and capped: ``P`` probes,
   ``NT`` token budgets, ``NR`` ratio budgets, ``R`` reference ratios, ``F`` scorer features,
   ``NC`` recommended compression ratios, ``NP`` candidate policies, ``K`` query centres, ``NG``
-  budget-curve grid points, ``T`` held-out tasks; a literal digit is a fixed size (``1``: one value).
+  budget-curve grid points, ``T`` held-out tasks, ``S`` selection scorers; a literal digit is a fixed
+  size (``1``: one value).
 
 Every section is optional (``profile-model --stages`` may write a subset); a section that is
 present must hold all of its datasets but its ``optional`` ones, datasets a later minor version
@@ -27,8 +28,9 @@ import numpy as np
 
 FORMAT_NAME = "kvcal-calibration"
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 4  # 1.1: the learned_scorer section; 1.2: the recommendation section, /model weights_fingerprints;
-# 1.3: the future_queries and budget_curves sections; 1.4: the recommendation's paired evidence (optional datasets)
+SCHEMA_MINOR = 5  # 1.1: the learned_scorer section; 1.2: the recommendation section, /model weights_fingerprints;
+# 1.3: the future_queries and budget_curves sections; 1.4: the recommendation's paired evidence (optional datasets);
+# 1.5: the moments' orders and errors per selection scorer (optional datasets)
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 # Upper bounds on the architecture numbers and free dimensions a file may declare.  They keep
@@ -48,6 +50,7 @@ FREE_DIM_LIMITS = {
     "K": 256,
     "NG": 256,
     "T": 1_000_000,
+    "S": 64,
 }
 MAX_STRING_ATTR_CHARS = 1 << 20  # config JSON and friends: at most a million characters
 MAX_CONFIG_DEPTH = 64  # config_json / rope_parameters: objects and lists nested at most this deep
@@ -158,7 +161,8 @@ SECTIONS: dict[str, SectionSpec] = {
         {"beta": (1.0, None), "min_budget": (0, MAX_TOKENS)},
     ),
     "moments": SectionSpec(
-        "MomentKV calibration: per-KV-head choice of correction order and the measured errors.",
+        "MomentKV calibration: per-KV-head choice of correction order and the measured errors (1.5: under "
+        "each selection scorer a policy serves the correction with).",
         {
             "order": DatasetSpec("|i1", ("L", "Hkv"), "correction order: -1 none, 0 zeroth, 1 first", -1, 1),
             "errors": DatasetSpec(
@@ -171,7 +175,24 @@ SECTIONS: dict[str, SectionSpec] = {
                 "<f8", ("R",), "kept fraction of the cache at which errors were measured", 0.0, 1.0
             ),
             "tau": DatasetSpec("<f8", ("L", "Hkv"), "threshold below which C_vk entries are zeroed; 0 = none", 0.0),
+            "selections": DatasetSpec(
+                "|S128", ("S",), "1.5: name of each selection scorer calibrated under, the first = order's, ASCII"
+            ),
+            "selection_allocations": DatasetSpec(
+                "|S128", ("S",), "1.5: how each selection's budget was shared out: uniform or global, ASCII"
+            ),
+            "selection_orders": DatasetSpec(
+                "|i1",
+                ("S", "L", "Hkv"),
+                "1.5: correction order under each selection: -1 none, 0 zeroth, 1 first",
+                -1,
+                1,
+            ),
+            "selection_errors": DatasetSpec(
+                "<f8", ("S", "R", "3", "L", "Hkv"), "1.5: the relative errors under each selection", 0.0
+            ),
         },
+        optional=("selections", "selection_allocations", "selection_orders", "selection_errors"),
     ),
     "learned_scorer": SectionSpec(
         "A learned token scorer per (layer, KV head): ridge regression from the head's pre-RoPE key "

@@ -114,6 +114,8 @@ def summarize(reader: ArtifactReader) -> dict:
             "order_counts": {names[int(o)]: int(c) for o, c in zip(orders, counts, strict=True)},
             "reference_ratios": [float(r) for r in m["reference_ratios"]],
             "mean_error": {names[k - 1]: [float(e) for e in m["errors"][:, k].mean(axis=(1, 2))] for k in range(3)},
+            # 1.5: the selection scorers the orders were calibrated under (the first is order's); None before
+            "selections": [n.decode("ascii") for n in m["selections"]] if "selections" in m.arrays else None,
         }
     if reader.has("learned_scorer"):
         ls = reader.section("learned_scorer")
@@ -257,6 +259,7 @@ def format_summary(summary: dict) -> str:
         lines.append(
             f"moments     correction order per KV head: {counts}; reference keep ratios "
             f"{', '.join(f'{r:g}' for r in mo['reference_ratios'])}"
+            + (f"; calibrated under {', '.join(mo['selections'])}" if mo.get("selections") else "")
         )
     if _described(sections, "learned_scorer"):
         ls = sections["learned_scorer"]

@@ -290,6 +290,10 @@ RELATED: dict[tuple[str, str], tuple[str, ...]] = {
     ("recommendation", "reference"): ("candidates",),
     ("recommendation", "outcomes"): ("task_ids",),
     ("budget_curves", "fractions"): ("compression_ratios",),
+    ("moments", "order"): ("selection_orders",),
+    ("moments", "errors"): ("selection_errors",),
+    ("moments", "selection_orders"): ("order",),
+    ("moments", "selection_errors"): ("errors",),
 }
 SUM_TOLERANCE = 1e-6  # relative: inf_kv sums to 1, ratio_tables rows to ratio x L x Hkv
 # a covariance entry may miss symmetry / Cauchy-Schwarz by this much, relative to the head's
@@ -434,7 +438,27 @@ def _check_budget_curves(arrays: dict, attrs: dict) -> None:
                 )
 
 
+MOMENT_ALLOCATIONS = (b"uniform", b"global")  # /moments/selection_allocations
+
+
+def _check_moments(arrays: dict, attrs: dict) -> None:
+    """1.5: the first selection's orders and errors are the section's ``order`` and ``errors``; the
+    selections are distinct names, each with a known allocation."""
+    names = arrays.get("selections")
+    if names is not None:
+        if len(set(names.tolist())) != len(names) or any(not name for name in names.tolist()):
+            raise ArtifactError("/moments/selections: an empty or repeated selection name")
+    allocations = arrays.get("selection_allocations")
+    if allocations is not None and any(a not in MOMENT_ALLOCATIONS for a in allocations.tolist()):
+        raise ArtifactError("/moments/selection_allocations: an allocation other than uniform or global")
+    for first, every in (("order", "selection_orders"), ("errors", "selection_errors")):
+        if arrays.get(first) is not None and arrays.get(every) is not None:
+            if not np.array_equal(arrays[every][0], arrays[first]):
+                raise ArtifactError(f"/moments/{every}: the first selection's is not /moments/{first}")
+
+
 _SECTION_CHECKS = {
+    "moments": _check_moments,
     "query_stats": _check_query_stats,
     "future_queries": _check_future_queries,
     "budgets": _check_budgets,

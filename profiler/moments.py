@@ -28,6 +28,12 @@ empirical property of the head, so it is measured on calibration text.  For ever
   - ``"keydiff"``: :class:`~runtime.scorers.KeyDiffScorer`, ``-cos(k_i, mean_j k_j/||k_j||)``
     (KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in
     Resource-Constrained Environments, arXiv 2504.15364), attention-free;
+  - ``"learned"``: :class:`~runtime.scorers.LearnedScorer` on the artifact's learned_scorer weights,
+    usually with the global allocation (below), as ``global/learned+correction`` serves it;
+  - ``"leverage"``: :class:`~runtime.scorers.LeverageScorer` (Compactor: Calibrated Query-Agnostic KV
+    Cache Compression with Approximate Leverage Scores, arXiv 2507.08143), the flagship's: every prefix
+    query and the keys' RoPE from the captured pass, and at each reference ratio the blend
+    :class:`runtime.policy.CompressionPolicy` serves, the evicted fraction ``1 - keep_ratio``;
   - or a :class:`~runtime.scorers.Scorer` instance that needs neither query statistics,
     RoPE averages nor query centres (e.g. ``SnapKVScorer(window=32, kernel=5)``, the serving default);
 
@@ -48,10 +54,15 @@ errors, mapped to -1 / 0 / 1 (ties go to none, so ``-1`` when correction does no
 ``reference_ratios float64 [R]`` (the keep ratios), ``tau float64 [L, Hkv]`` (the uniform
 clamp used for order 1; 0 = no clamp, the default; not tuned per head).  The result is a
 :class:`CorrectionErrors` dict whose ``selection`` names the scorer the orders were
-calibrated under (the runtime warns when a policy serves the orders with another scorer).
+calibrated under (the runtime serves a policy the orders of its own scorer, and warns when it
+has only another's).  :func:`measure_correction_errors_by_selection` measures several selections
+over one captured forward pass per window (one measurer each), as the ``moments`` stage does for
+every scorer the flagship and the recommendation candidates serve with ``+correction``.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -63,10 +74,12 @@ from runtime.geometry import ModelGeometry
 from runtime.moments import ORDERS, MomentSums, attention_with_lse, corrected_attention, evict_in_rounds
 from runtime.names import MOMENT_SELECTIONS as SELECTION_SCORERS
 from runtime.scorers import (
+    ALL_QUERIES,
     KeyDiffScorer,
     KeyRope,
     LearnedScorer,
     LearnedWeights,
+    LeverageScorer,
     RecentQueries,
     Scorer,
     ScorerInputs,
@@ -79,8 +92,9 @@ CALIBRATION_ATTENTION = "kvcal_moments_calibration"
 CAPTURED_NEEDS = (RecentQueries, KeyRope, LearnedWeights)  # what a captured pass (and learned=...) supplies
 
 
-def selection_scorer(scorer: str | Scorer, observation_window: int) -> Scorer:
-    """The ``runtime.scorers`` scorer behind a selection name (see the module docstring)."""
+def selection_scorer(scorer: str | Scorer, observation_window: int, keep_ratio: float | None = None) -> Scorer:
+    """The ``runtime.scorers`` scorer behind a selection name (see the module docstring), at reference
+    keep ratio ``keep_ratio`` where the served scorer depends on it (leverage's blend)."""
     if isinstance(scorer, Scorer):
         if any(not isinstance(need, CAPTURED_NEEDS) for need in scorer.needs):
             raise ValueError(
@@ -94,17 +108,28 @@ def selection_scorer(scorer: str | Scorer, observation_window: int) -> Scorer:
         return KeyDiffScorer()
     if scorer == "learned":
         return LearnedScorer()
+    if scorer == "leverage":
+        if keep_ratio is None:
+            return LeverageScorer()
+        # as runtime.policy.CompressionPolicy.build_scorer serves it: blend = the evicted fraction
+        return LeverageScorer(blend=round(1.0 - float(keep_ratio), 6))
     raise ValueError(f"unknown selection scorer {scorer!r}; choose one of {SELECTION_SCORERS} or pass a Scorer")
 
 
 class CorrectionErrors(dict):
     """The ``moments`` section's arrays (a plain dict of them), plus what they were measured under:
-    ``selection``, the scorer's name (``runtime.scorers``), and ``scorer``, its full repr."""
+    ``selection``, the scorer's name (``runtime.scorers``), ``scorer``, its full repr, ``allocation``
+    (``"uniform"`` or ``"global"``), and ``seconds``, the time spent on this selection (its scoring
+    and error measurement; the shared forward passes not included)."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], selection: str, scorer: str):
+    def __init__(
+        self, arrays: dict[str, np.ndarray], selection: str, scorer: str, allocation: str = "uniform", seconds=0.0
+    ):
         super().__init__(arrays)
         self.selection = selection
         self.scorer = scorer
+        self.allocation = allocation
+        self.seconds = float(seconds)
 
 
 def relative_error(estimate: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
@@ -114,7 +139,7 @@ def relative_error(estimate: torch.Tensor, reference: torch.Tensor) -> torch.Ten
 
 
 class _CorrectionErrorMeasurer:
-    """Accumulates the relative errors ``[R, 3, L, Hkv]`` of one or more forward passes."""
+    """Accumulates the relative errors ``[R, 3, L, Hkv]`` of one selection over one or more forward passes."""
 
     def __init__(
         self,
@@ -122,7 +147,7 @@ class _CorrectionErrorMeasurer:
         num_kv_heads,
         keep_ratios,
         query_window,
-        inputs: ScorerInputs,
+        inputs: list[ScorerInputs],
         n_sink,
         recent_window,
         moment_eviction,
@@ -132,8 +157,9 @@ class _CorrectionErrorMeasurer:
     ):
         self.keep_ratios = keep_ratios
         self.query_window = query_window
-        self.inputs = inputs  # the selection scorer's inputs, built from each captured layer
-        self.scorer = inputs.scorer
+        # per keep ratio, the selection scorer's inputs (built from each captured layer); ratios whose
+        # scorer is the same share one object, so its scores are computed once
+        self.inputs = inputs
         self.n_sink = n_sink
         self.recent_window = recent_window
         self.moment_eviction = moment_eviction
@@ -143,6 +169,7 @@ class _CorrectionErrorMeasurer:
         self.pending: dict[int, tuple] = {}  # layer -> captured (query, key, value, scaling): global allocation
         self.error_sums = np.zeros((len(keep_ratios), len(ORDERS), num_layers, num_kv_heads))
         self.calls = np.zeros(num_layers, dtype=np.int64)
+        self.seconds = 0.0  # time spent scoring and measuring (not in the shared forward pass)
 
     def budget(self, prefix: int, ratio: float) -> int:
         return min(prefix, max(int(round(ratio * prefix)), 1))
@@ -176,43 +203,52 @@ class _CorrectionErrorMeasurer:
         return kept
 
     def _heads(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float):
-        """Per KV head: ``(q [G, T, d], k, v [T, d], estimate [P])``, the estimates of every head of the
-        prefix from one scorer call."""
+        """Per KV head ``(q [G, T, d], k, v [T, d])``, and per keep ratio the estimates ``[Hkv, P]`` of
+        every head of the prefix (one scorer call per distinct scorer)."""
         _, num_q_heads, total, dim = query.shape
         num_kv_heads = key.shape[1]
         group = num_q_heads // num_kv_heads
         prefix = total - self.query_window
         device = query.device
-        inputs = self.inputs.layer(
-            layer,
-            key[:, :, :prefix].float(),
-            value[:, :, :prefix].float(),
-            torch.arange(prefix, device=device).expand(1, num_kv_heads, prefix),
-            torch.ones(1, num_kv_heads, prefix, dtype=torch.bool, device=device),
-            torch.full((1, num_kv_heads), prefix, dtype=torch.int64),
-            [prefix],
-            queries=[query[0, :, :prefix].float()],  # the prefix queries [Hq, P, d]; the scorer's window of them
-            scaling=scale,
-        )
-        estimates = self.scorer.attention(inputs) if self.moment_eviction else self.scorer.score(inputs)  # [1, Hkv, P]
+        computed: dict[int, torch.Tensor] = {}  # id(ScorerInputs) -> [Hkv, P]
+        for inputs in self.inputs:
+            if id(inputs) in computed:
+                continue
+            layer_inputs = inputs.layer(
+                layer,
+                key[:, :, :prefix].float(),
+                value[:, :, :prefix].float(),
+                torch.arange(prefix, device=device).expand(1, num_kv_heads, prefix),
+                torch.ones(1, num_kv_heads, prefix, dtype=torch.bool, device=device),
+                torch.full((1, num_kv_heads), prefix, dtype=torch.int64),
+                [prefix],
+                queries=[query[0, :, :prefix].float()],  # the prefix queries [Hq, P, d]; the scorer's window of them
+                scaling=scale,
+            )
+            scorer = inputs.scorer
+            estimate = scorer.attention(layer_inputs) if self.moment_eviction else scorer.score(layer_inputs)
+            computed[id(inputs)] = estimate[0]  # [Hkv, P]
+        estimates = [computed[id(inputs)] for inputs in self.inputs]  # [R] x [Hkv, P]
         heads = []
         for h in range(num_kv_heads):
             q = query[0, h * group : (h + 1) * group].float()  # [G, T, d]
-            heads.append((q, key[0, h].float(), value[0, h].float(), estimates[0, h]))
-        return heads
+            heads.append((q, key[0, h].float(), value[0, h].float()))
+        return heads, estimates
 
     @torch.no_grad()
     def measure(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> None:
         """One layer of one window: ``query [1, Hq, T, d]``, ``key/value [1, Hkv, T, d]`` (post-RoPE).
         Under the global allocation the layer is kept until :meth:`finish_window` has seen every layer."""
+        started = time.perf_counter()
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         if self.allocation == "global":
             self.pending[layer] = (query.detach(), key.detach(), value.detach(), scale)
             return
-        heads = self._heads(layer, query, key, value, scale)
+        heads, estimates = self._heads(layer, query, key, value, scale)
         prefix = query.shape[2] - self.query_window
         budgets = [[self.budget(prefix, ratio) for ratio in self.keep_ratios] for _ in heads]
-        self._measure_layer(layer, heads, budgets, scale)
+        self._measure_layer(layer, heads, estimates, budgets, scale)
+        self.seconds += time.perf_counter() - started
 
     @torch.no_grad()
     def finish_window(self) -> None:
@@ -220,22 +256,26 @@ class _CorrectionErrorMeasurer:
         total (the uniform budgets' sum), then every captured layer is measured."""
         if self.allocation != "global":
             return
+        started = time.perf_counter()
         layers = sorted(self.pending)
         captured = {layer: self.pending.pop(layer) for layer in layers}
-        heads = {layer: self._heads(layer, *captured[layer]) for layer in layers}
-        scores = [[estimate for *_, estimate in heads[layer]] for layer in layers]
-        budgets = {layer: [[0] * len(self.keep_ratios) for _ in heads[layer]] for layer in layers}
+        measured = {layer: self._heads(layer, *captured[layer]) for layer in layers}
+        budgets = {layer: [[0] * len(self.keep_ratios) for _ in measured[layer][0]] for layer in layers}
         for r, ratio in enumerate(self.keep_ratios):
+            scores = [list(measured[layer][1][r]) for layer in layers]  # [L] x [Hkv] x [P]
             total = sum(self.budget(int(estimate.shape[0]), ratio) for row in scores for estimate in row)
             table = global_budgets(scores, total, self.n_sink, self.recent_window)  # [L, Hkv]
             for i, layer in enumerate(layers):
-                for h in range(len(heads[layer])):
+                for h in range(len(measured[layer][0])):
                     budgets[layer][h][r] = int(table[i, h])
         for layer in layers:
-            self._measure_layer(layer, heads[layer], budgets[layer], captured[layer][3])
+            heads, estimates = measured[layer]
+            self._measure_layer(layer, heads, estimates, budgets[layer], captured[layer][3])
+        self.seconds += time.perf_counter() - started
 
-    def _measure_layer(self, layer: int, heads, budgets: list[list[int]], scale: float) -> None:
-        """The errors of one layer; ``budgets[h][r]``: head ``h``'s kept prefix rows at keep ratio ``r``."""
+    def _measure_layer(self, layer: int, heads, estimates, budgets: list[list[int]], scale: float) -> None:
+        """The errors of one layer; ``estimates[r] [Hkv, P]``: the scores at keep ratio ``r``;
+        ``budgets[h][r]``: head ``h``'s kept prefix rows at keep ratio ``r``."""
         w = self.query_window
         k0 = heads[0][1]
         total = k0.shape[0]
@@ -245,11 +285,11 @@ class _CorrectionErrorMeasurer:
         tail_causal = torch.ones(w, w, dtype=torch.bool, device=device).tril()  # [W, W]
         full_mask = torch.cat([torch.ones(w, prefix, dtype=torch.bool, device=device), tail_causal], dim=1)  # [W, T]
         sums = [MomentSums(len(heads), k0.shape[1], device=device) for _ in self.keep_ratios]
-        for h, (q, k, v, estimate) in enumerate(heads):
+        for h, (q, k, v) in enumerate(heads):
             tail_q = q[:, prefix:]  # [G, W, d]
             reference, _ = attention_with_lse(tail_q, k, v, scale, mask=full_mask)  # [G, W, d]
             for r in range(len(self.keep_ratios)):
-                kept = self.kept_rows(h, k[:prefix], v[:prefix], scale, estimate, budgets[h][r], sums[r])
+                kept = self.kept_rows(h, k[:prefix], v[:prefix], scale, estimates[r][h], budgets[h][r], sums[r])
                 keys_R = torch.cat([k[:prefix][kept], k[prefix:]])  # [b + W, d]
                 values_R = torch.cat([v[:prefix][kept], v[prefix:]])
                 mask_R = torch.cat([torch.ones(w, kept.shape[0], dtype=torch.bool, device=device), tail_causal], 1)
@@ -291,24 +331,35 @@ def measure_correction_errors(
     (that total shared out by one ranking of every layer's and head's scores, as the runtime's
     ``allocation="global"``; for scorers whose scores compare across heads).  ``learned``: the
     artifact's ``learned_scorer`` weights ``[L, Hkv, 2d]`` and bias ``[L, Hkv]`` (arrays), needed by
-    the ``"learned"`` selection.
+    the ``"learned"`` selection.  Several selections at once, over shared forward passes:
+    :func:`measure_correction_errors_by_selection`.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    (result,) = measure_correction_errors_by_selection(
+        model,
+        windows,
+        [(scorer, allocation)],
+        keep_ratios=keep_ratios,
+        query_window=query_window,
+        observation_window=observation_window,
+        n_sink=n_sink,
+        recent_window=recent_window,
+        moment_eviction=moment_eviction,
+        eviction_rounds=eviction_rounds,
+        tau=tau,
+        progress=progress,
+        learned=learned,
+    )
+    return result
 
-    geometry = ModelGeometry.of(model)
-    num_layers, num_kv_heads = geometry.num_layers, geometry.num_kv_heads
-    ids = torch.as_tensor(np.asarray(windows), dtype=torch.long)
-    if ids.dim() != 2 or ids.shape[0] == 0:
-        raise ValueError(f"windows must be token ids [N, T] with N >= 1, got shape {tuple(ids.shape)}")
-    total = ids.shape[1]
-    prefix = total - query_window
-    selection = selection_scorer(scorer, observation_window)
+
+def _selection_scorers(scorer, allocation, ratios, observation_window, moment_eviction, learned) -> list[Scorer]:
+    """The scorer of one selection at each keep ratio, checked against the calibration's options."""
+    scorers = [selection_scorer(scorer, observation_window, ratio) for ratio in ratios]
+    selection = scorers[0]
     if moment_eviction and not selection.yields_attention:
         raise ValueError(
             f"moment_eviction needs a selection scorer that estimates attention (snapkv), not {selection!r}"
         )
-    if query_window <= 0 or observation_window <= 0 or n_sink < 0 or recent_window < 0 or tau < 0:
-        raise ValueError("query_window and observation_window must be positive; n_sink, recent_window, tau >= 0")
     if allocation not in ("uniform", "global"):
         raise ValueError(f"allocation must be 'uniform' or 'global', got {allocation!r}")
     if allocation == "global" and not selection.comparable:
@@ -317,58 +368,130 @@ def measure_correction_errors(
         raise ValueError("the global allocation and moment_eviction cannot be combined")
     if LearnedWeights() in selection.needs and learned is None:
         raise ValueError("the learned selection needs the artifact's learned_scorer weights and bias (learned=...)")
-    window = max(observation_window, recent_query_window(selection))
+    return scorers
+
+
+def measure_correction_errors_by_selection(
+    model,
+    windows,
+    selections,
+    keep_ratios=(0.25, 0.5),
+    query_window: int = 32,
+    observation_window: int = 32,
+    n_sink: int = 4,
+    recent_window: int = 8,
+    moment_eviction: bool = False,
+    eviction_rounds: int = 4,
+    tau: float = 0.0,
+    progress: bool = True,
+    learned=None,
+) -> list[CorrectionErrors]:
+    """:func:`measure_correction_errors` under each of ``selections``, a sequence of ``(scorer,
+    allocation)`` pairs (a name in ``SELECTION_SCORERS`` or a Scorer; ``"uniform"`` or ``"global"``),
+    from one captured forward pass per window shared by all of them (one measurer each).  Returns one
+    :class:`CorrectionErrors` per selection, in order; each is exactly what
+    :func:`measure_correction_errors` returns for that selection alone."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    geometry = ModelGeometry.of(model)
+    num_layers, num_kv_heads = geometry.num_layers, geometry.num_kv_heads
+    ids = torch.as_tensor(np.asarray(windows), dtype=torch.long)
+    if ids.dim() != 2 or ids.shape[0] == 0:
+        raise ValueError(f"windows must be token ids [N, T] with N >= 1, got shape {tuple(ids.shape)}")
+    selections = [tuple(selection) for selection in selections]
+    if not selections:
+        raise ValueError("no selection to calibrate the correction orders under")
+    total = ids.shape[1]
+    prefix = total - query_window
+    ratios = tuple(float(r) for r in keep_ratios)
+    if not ratios or any(not 0.0 < r <= 1.0 for r in ratios):
+        raise ValueError(f"keep_ratios must be in (0, 1], got {keep_ratios}")
+    scorers = [
+        _selection_scorers(scorer, allocation, ratios, observation_window, moment_eviction, learned)
+        for scorer, allocation in selections
+    ]
+    names = [(per_ratio[0].name, allocation) for per_ratio, (_, allocation) in zip(scorers, selections, strict=True)]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a selection is given twice: {names}")
+    if query_window <= 0 or observation_window <= 0 or n_sink < 0 or recent_window < 0 or tau < 0:
+        raise ValueError("query_window and observation_window must be positive; n_sink, recent_window, tau >= 0")
+    # the prefix holds the scorers' windows of prefix queries; one reading every query (ALL_QUERIES)
+    # reads what there is
+    windows_read = [recent_query_window(scorer) for per_ratio in scorers for scorer in per_ratio]
+    window = max([observation_window] + [w for w in windows_read if w < ALL_QUERIES])
     if prefix < max(window, n_sink + recent_window + 1):
         raise ValueError(
             f"windows of {total} tokens leave a prefix of {prefix} after the {query_window}-token "
             f"query window: too short for observation_window={window}, "
             f"n_sink={n_sink} + recent_window={recent_window}"
         )
-    ratios = tuple(float(r) for r in keep_ratios)
-    if not ratios or any(not 0.0 < r <= 1.0 for r in ratios):
-        raise ValueError(f"keep_ratios must be in (0, 1], got {keep_ratios}")
 
-    inputs = ScorerInputs(selection, geometry, learned=learned if LearnedWeights() in selection.needs else None)
-    measurer = _CorrectionErrorMeasurer(
-        num_layers,
-        num_kv_heads,
-        ratios,
-        query_window,
-        inputs,
-        n_sink,
-        recent_window,
-        moment_eviction,
-        eviction_rounds,
-        tau,
-        allocation=allocation,
-    )
+    measurers = []
+    for per_ratio, (_, allocation) in zip(scorers, selections, strict=True):
+        shared: dict[str, ScorerInputs] = {}  # repr -> inputs: ratios with the same scorer share them
+        inputs = []
+        for scorer in per_ratio:
+            if repr(scorer) not in shared:
+                weights = learned if LearnedWeights() in scorer.needs else None
+                shared[repr(scorer)] = ScorerInputs(scorer, geometry, learned=weights)
+            inputs.append(shared[repr(scorer)])
+        measurers.append(
+            _CorrectionErrorMeasurer(
+                num_layers,
+                num_kv_heads,
+                ratios,
+                query_window,
+                inputs,
+                n_sink,
+                recent_window,
+                moment_eviction,
+                eviction_rounds,
+                tau,
+                allocation=allocation,
+            )
+        )
 
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         output = sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-        measurer.measure(module.layer_idx, query, key, value, scaling)
+        for measurer in measurers:
+            measurer.measure(module.layer_idx, query, key, value, scaling)
         return output
 
     device = next(model.parameters()).device
     with torch.no_grad(), attention_implementation(model, CALIBRATION_ATTENTION, attention_forward):
         for index in tqdm(range(ids.shape[0]), desc="moments calibration", unit="window", disable=not progress):
             model(input_ids=ids[index : index + 1].to(device), use_cache=False)
-            measurer.finish_window()
-    if not np.all(measurer.calls == ids.shape[0]):
-        raise RuntimeError(
-            f"the calibration attention saw layers {measurer.calls.tolist()} times, expected "
-            f"{ids.shape[0]} each (does the model route attention through AttentionInterface?)"
+            for measurer in measurers:
+                measurer.finish_window()
+    results = []
+    for measurer, per_ratio in zip(measurers, scorers, strict=True):
+        if not np.all(measurer.calls == ids.shape[0]):
+            raise RuntimeError(
+                f"the calibration attention saw layers {measurer.calls.tolist()} times, expected "
+                f"{ids.shape[0]} each (does the model route attention through AttentionInterface?)"
+            )
+        errors = measurer.error_sums / ids.shape[0]  # [R, 3, L, Hkv]
+        order = (np.argmin(errors.mean(axis=0), axis=0) - 1).astype(np.int8)  # [L, Hkv]; ties -> none
+        described = {repr(scorer) for scorer in per_ratio}
+        if len(described) == 1:
+            scorer_text = repr(per_ratio[0])
+        else:
+            scorer_text = "; ".join(f"keep {r:g}: {s!r}" for r, s in zip(ratios, per_ratio, strict=True))
+        global_allocation = measurer.allocation == "global"
+        results.append(
+            CorrectionErrors(
+                {
+                    "errors": errors.astype(np.float64),
+                    "order": order,
+                    "reference_ratios": np.asarray(ratios, dtype=np.float64),
+                    "tau": np.full((num_layers, num_kv_heads), float(tau), dtype=np.float64),
+                },
+                selection=per_ratio[0].name,
+                scorer=scorer_text + (" with the global allocation" if global_allocation else ""),
+                allocation=measurer.allocation,
+                seconds=measurer.seconds,
+            )
         )
-    errors = measurer.error_sums / ids.shape[0]  # [R, 3, L, Hkv]
-    order = (np.argmin(errors.mean(axis=0), axis=0) - 1).astype(np.int8)  # [L, Hkv]; ties -> none
-    return CorrectionErrors(
-        {
-            "errors": errors.astype(np.float64),
-            "order": order,
-            "reference_ratios": np.asarray(ratios, dtype=np.float64),
-            "tau": np.full((num_layers, num_kv_heads), float(tau), dtype=np.float64),
-        },
-        selection=selection.name,
-        scorer=repr(selection) + (" with the global allocation" if allocation == "global" else ""),
-    )
+    return results

@@ -92,6 +92,12 @@ class Choice(Kind):
     def description(self) -> str:
         return "one of " + ", ".join(self.values)
 
+    def parse(self, text: str) -> str:
+        # argparse checks a plain Choice through ``choices``; this check serves a ListOf(Choice)
+        if text not in self.values:
+            raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(self.values)})")
+        return text
+
     def accepts(self, value) -> bool:
         return value in self.values
 

@@ -33,10 +33,13 @@ measured recommendation (section ``recommendation``, served by :meth:`Calibratio
 the ``query_stats`` mean/cov and the ``future_queries`` mean/cov/centres on first use (the
 covariance is the bulk of the file and the slowest to read: docs/results.md R-artifact-load-2026-11-21).
 
-The correction orders are the best per head for the tokens one scorer keeps; the scorer
-they were calibrated under (``Calibration.moment_selection``, the job configuration's
-``moments.selection`` recorded by profile-model) is compared with the serving policy's, and
-a mismatch is warned about once per scorer.
+The correction orders are the best per head for the tokens one scorer keeps.  An artifact of
+schema 1.5 holds orders per selection scorer (``moments/selections``, ``/selection_orders``:
+by default those of the flagship and of the recommendation candidates with ``+correction``); an
+older one the orders of one scorer (the job configuration's ``moments.selection``).
+:meth:`Calibration.correction_orders` gives a policy the orders of its own scorer; only when the
+artifact has none for it does it give the default ones (``moments/order``) and warn, once per
+scorer.
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class Calibration:
         moment_orders: np.ndarray | None = None,
         moment_tau: np.ndarray | None = None,
         moment_selection: str | None = None,
+        moment_selection_orders: dict[str, np.ndarray] | None = None,
         scorer_weights: np.ndarray | None = None,
         scorer_bias: np.ndarray | None = None,
         recommendation=None,
@@ -106,8 +110,14 @@ class Calibration:
         self.inf_weights = inf_weights
         self.moment_orders = moment_orders  # int8 [L, Hkv]: -1 none, 0, 1 (section 'moments')
         self.moment_tau = moment_tau  # float64 [L, Hkv]
-        # name of the scorer (runtime.scorers) whose selection the orders were calibrated under
+        # name of the scorer (runtime.scorers) whose selection the default orders were calibrated under
         self.moment_selection = moment_selection if moment_selection is not None else _configured_selection(config)
+        # scorer name -> int8 [L, Hkv]: the orders calibrated under each selection (1.5: every one the
+        # artifact holds; older files: the one their configuration names, when it names one)
+        orders = dict(moment_selection_orders or {})
+        if not orders and moment_orders is not None and self.moment_selection is not None:
+            orders = {self.moment_selection: moment_orders}
+        self.moment_selection_orders = orders
         self._warned_selections: set[str] = set()
         # the learned scorer (section 'learned_scorer'): float64 [L, Hkv, 2d] and [L, Hkv]
         self.scorer_weights, self.scorer_bias = scorer_weights, scorer_bias
@@ -124,7 +134,8 @@ class Calibration:
         """A calibration from in-memory sections (``artifacts.Section`` by name), e.g. those a
         profiling job has just built and not yet written; read exactly as :func:`load_calibration`
         reads a file's."""
-        fields = _serving_fields(identity, {name: (lambda key, name=name: sections[name][key]) for name in sections})
+        readers = {name: (lambda key, name=name: sections[name][key]) for name in sections}
+        fields = _serving_fields(identity, readers, {name: tuple(sections[name].arrays) for name in sections})
         if "query_stats" in sections:
             fields.update(query_mean=sections["query_stats"]["mean"], query_cov=sections["query_stats"]["cov"])
         if "future_queries" in sections:
@@ -191,24 +202,39 @@ class Calibration:
         measured best (its ``recommendation`` section), else the flagship (runtime.recommendation)."""
         return recommended_policy(self, compression_ratio)
 
-    def check_moment_selection(self, scorer_name: str) -> None:
-        """Warn (once per scorer) when the correction orders were calibrated under another scorer's
-        selection than ``scorer_name``, the one the serving policy evicts with."""
-        if self.moment_selection is None or scorer_name == self.moment_selection:
+    def correction_orders(self, scorer_name: str) -> np.ndarray | None:
+        """The per-head correction orders (int8 ``[L, Hkv]``) to serve ``correction='calibrated'`` with a
+        policy evicting with ``scorer_name``: those calibrated under that scorer when the artifact has
+        them, else the default ones (``moment_orders``), warned about once per scorer
+        (:meth:`check_moment_selection`)."""
+        own = self.moment_selection_orders.get(scorer_name)
+        if own is not None:
+            return own
+        self.check_moment_selection(scorer_name, stacklevel=5)  # via bind(): points at its caller
+        return self.moment_orders
+
+    def check_moment_selection(self, scorer_name: str, stacklevel: int = 2) -> None:
+        """Warn (once per scorer) when the artifact holds no correction orders calibrated under
+        ``scorer_name``'s selection, the scorer the serving policy evicts with (nothing to say when it
+        does not record which selection its orders came from)."""
+        if self.moment_selection is None or scorer_name in self.moment_selection_orders:
             return
         if scorer_name in self._warned_selections:
             return
         self._warned_selections.add(scorer_name)
+        calibrated = list(self.moment_selection_orders) or [self.moment_selection]
         if scorer_name in MOMENT_SELECTIONS:
-            remedy = f"profile-model --stages moments --moments-selection {scorer_name} calibrates them for it"
+            selections = ",".join(calibrated + [scorer_name])
+            remedy = f"profile-model --stages moments --moments-selection {selections} calibrates them for it"
         else:
             remedy = "the moments stage can calibrate them under " + ", ".join(MOMENT_SELECTIONS[:-1])
             remedy += f" or {MOMENT_SELECTIONS[-1]} only"
+        others = f" (it holds orders for {', '.join(calibrated)})" if len(calibrated) > 1 else ""
         warnings.warn(
             f"{self.path}: correction='calibrated' serves per-head MomentKV orders measured on the tokens "
-            f"{self.moment_selection!r} keeps, but the policy evicts with {scorer_name!r}; the best order "
-            f"per head may differ ({remedy})",
-            stacklevel=4,
+            f"{self.moment_selection!r} keeps{others}, but the policy evicts with {scorer_name!r}; the best "
+            f"order per head may differ ({remedy})",
+            stacklevel=stacklevel,
         )
 
     def close(self) -> None:
@@ -450,7 +476,7 @@ def load_calibration(
     try:
         check_identity(reader.model, model, tokenizer, allow_mismatch=allow_mismatch, source=str(artifact_path))
         readers = {name: (lambda key, name=name: reader.read(name, key)) for name in reader.sections}
-        fields = _serving_fields(reader.model, readers)
+        fields = _serving_fields(reader.model, readers, {name: reader.datasets(name) for name in reader.sections})
         if reader.has("recommendation"):
             section = reader.section("recommendation")
             fields["recommendation"] = Recommendation.from_section(section.arrays, section.attrs)
@@ -467,8 +493,9 @@ def load_calibration(
     )
 
 
-def _serving_fields(identity, read: dict) -> dict:
-    """What a serving process reads at load time, given ``read[section](dataset)`` per present section."""
+def _serving_fields(identity, read: dict, present: dict) -> dict:
+    """What a serving process reads at load time, given ``read[section](dataset)`` per present section
+    and ``present[section]``, the datasets it holds (optional ones of a later minor may be absent)."""
     fields = {}
     if "budgets" in read:
         fields["inf_weights"] = read["budgets"]("inf_kv")
@@ -476,6 +503,10 @@ def _serving_fields(identity, read: dict) -> dict:
         fields["inf_weights"] = kv_head_scores(read["behaviour"]("INFsc"), identity.num_kv_heads)
     if "moments" in read:
         fields.update(moment_orders=read["moments"]("order"), moment_tau=read["moments"]("tau"))
+        if "selections" in present["moments"]:  # 1.5: the orders under every selection calibrated
+            names = [name.decode("ascii") for name in read["moments"]("selections")]
+            orders = read["moments"]("selection_orders")  # [S, L, Hkv]
+            fields.update(moment_selection=names[0], moment_selection_orders=dict(zip(names, orders, strict=True)))
     if "learned_scorer" in read:
         fields.update(scorer_weights=read["learned_scorer"]("weights"), scorer_bias=read["learned_scorer"]("bias"))
     if "budget_curves" in read:

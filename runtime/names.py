@@ -32,4 +32,4 @@ NAMED_POLICIES = {"flagship": "inf/leverage+correction"}
 
 # The selections profile-model's moments stage calibrates correction orders under
 # (--moments-selection): the scorers whose kept tokens a captured forward pass can reproduce.
-MOMENT_SELECTIONS = ("snapkv", "keydiff", "learned")
+MOMENT_SELECTIONS = ("snapkv", "keydiff", "learned", "leverage")

@@ -14,9 +14,9 @@ artifact.  In this order, before any forward pass:
 3. every tensor the policy reads (one loader per section of :data:`runtime.policy.REQUIREMENTS`),
    loaded once and shape-checked against the model's geometry (``L`` layers, ``Hq`` query heads,
    ``Hkv`` KV heads, head dim ``d``, ``G = Hq / Hkv``);
-4. the warning a calibrated MomentKV correction served under another selection scorer than the
-   one it was measured with deserves (once per calibration and scorer:
-   :meth:`runtime.calibration.Calibration.check_moment_selection`).
+   a calibrated MomentKV correction takes the orders calibrated under the policy's own scorer
+   (:meth:`runtime.calibration.Calibration.correction_orders`), and only when the artifact has
+   none for it the default ones, with a warning (once per calibration and scorer).
 
 The plan then gives the per-head budgets, the correction orders, the loaded tensors the
 scorer's context needs (:class:`runtime.eviction.HeadEvictor` reads them) and decode-time
@@ -126,8 +126,6 @@ def bind(policy: CompressionPolicy, calibration, model) -> ServingPlan:
     if loaded.get("corrections") is not None and policy.tau is not None:
         orders, _ = loaded["corrections"]
         loaded["corrections"] = (orders, np.full(orders.shape, policy.tau, dtype=np.float32))
-    if policy.correction == "calibrated" and hasattr(calibration, "check_moment_selection"):
-        calibration.check_moment_selection(scorer.name)  # warns once when calibrated under another scorer
     return ServingPlan(policy, calibration, geometry, scorer, **loaded)
 
 
@@ -209,7 +207,10 @@ def _load_future(policy, scorer, calibration, geometry) -> dict:
 
 
 def _load_moments(policy, scorer, calibration, geometry) -> dict:
-    orders = np.asarray(calibration.moment_orders, dtype=np.int8)  # [L, Hkv]
+    # the orders calibrated under the policy's own scorer; without them the default ones (and a warning)
+    by_scorer = getattr(calibration, "correction_orders", None)
+    orders = by_scorer(scorer.name) if by_scorer is not None else calibration.moment_orders
+    orders = np.asarray(orders, dtype=np.int8)  # [L, Hkv]
     tau = np.asarray(calibration.moment_tau, dtype=np.float32)  # [L, Hkv]
     shape = (geometry.num_layers, geometry.num_kv_heads)
     if orders.shape != shape or tau.shape != shape:

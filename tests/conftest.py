@@ -266,12 +266,18 @@ def make_random_artifact(
             {"beta": 2.0, "min_budget": 1},
         )
     if "moments" in sections:
+        orders = rng.integers(-1, 2, (2, L, Hkv)).astype(np.int8)  # [S, L, Hkv]: leverage, keydiff
+        errors = rng.random((2, 2, 3, L, Hkv))  # [S, R, 3, L, Hkv]
         built["moments"] = Section(
             {
-                "order": rng.integers(-1, 2, (L, Hkv)).astype(np.int8),
-                "errors": rng.random((2, 3, L, Hkv)),
+                "order": orders[0].copy(),
+                "errors": errors[0].copy(),
                 "reference_ratios": np.array([0.25, 0.5]),
                 "tau": rng.random((L, Hkv)) * 1e-3,
+                "selections": np.array([b"leverage", b"keydiff"], dtype="S128"),
+                "selection_allocations": np.array([b"uniform", b"uniform"], dtype="S128"),
+                "selection_orders": orders,
+                "selection_errors": errors,
             }
         )
     if "learned_scorer" in sections:

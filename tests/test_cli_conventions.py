@@ -83,7 +83,7 @@ def test_stage_options_take_their_names_from_the_method_modules_not_copies():
 
     options = {option.dest: option for option in settings_options()}
     assert moments.SELECTION_SCORERS is names.MOMENT_SELECTIONS
-    assert options["moments_selection"].kind.values is names.MOMENT_SELECTIONS
+    assert options["moments_selection"].kind.item.values is names.MOMENT_SELECTIONS
     assert options["curve_selection"].kind.values is budget_curves.SELECTIONS
     assert options["curve_compression_ratios"].default is budget_curves.CURVE_RATIOS
     assert options["curve_floor"].default is budget_curves.CURVE_FLOOR

@@ -255,3 +255,127 @@ def test_embedded_model_correction_beats_no_correction_at_75_percent_compression
     )
     assert corrected < uncorrected
     assert errors[0, 2].mean() < errors[0, 0].mean()  # 1st order alone helps on average too
+
+
+def _kept_by_serving(model, window, policy, prefix: int) -> list[list[torch.Tensor]]:
+    """Per layer and KV head, the prefix positions the runtime's compress_prompt keeps under
+    ``policy`` (the first ``prefix`` columns compressed question-agnostically), sorted."""
+    from runtime import compress_prompt
+
+    cache, _ = compress_prompt(model, window.unsqueeze(0), policy, context_columns=prefix)
+    kept = []
+    for layer in cache.layers:
+        _, _, positions, valid = layer.padded_rows([0])  # [1, Hkv, n]
+        kept.append([positions[0, h][valid[0, h] & (positions[0, h] < prefix)].sort().values for h in range(2)])
+    return kept
+
+
+def test_leverage_selection_measures_on_the_tokens_serving_keeps(one_thread):
+    """inf/leverage+correction's orders are calibrated under leverage: every prefix query and the keys'
+    RoPE come from the captured pass, and the blend is the evicted fraction of each reference ratio, as
+    CompressionPolicy serves it.  The errors equal the independent masked reference over the tokens the
+    runtime's own compress_prompt keeps (ties: Compactor scores its first 8 and last 4 rows the middle's
+    maximum, more rows than the sinks and the recent window protect)."""
+    from runtime import CompressionPolicy
+
+    model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=7)
+    windows = torch.randint(0, 128, (2, 96), generator=torch.Generator().manual_seed(8))
+    w, n_sink, recent, ratios = 16, 2, 4, (0.25, 0.5)
+    result = measure_correction_errors(
+        model,
+        windows,
+        keep_ratios=ratios,
+        query_window=w,
+        scorer="leverage",
+        n_sink=n_sink,
+        recent_window=recent,
+        progress=False,
+    )
+    assert result.selection == "leverage" and "blend=0.75" in result.scorer and "blend=0.5" in result.scorer
+    prefix = 96 - w
+    expected = np.zeros((2, 3, 2, 2))  # [R, 3, L, Hkv]
+    for window in windows:
+        q, k, v = _projections(model, window.unsqueeze(0))
+        for r, ratio in enumerate(ratios):
+            policy = CompressionPolicy(keep_ratio=ratio, scorer="leverage", n_sink=n_sink, window=recent)
+            kept = _kept_by_serving(model, window, policy, prefix)
+            for layer in range(2):
+                for head in range(2):
+                    assert kept[layer][head].numel() == round(ratio * prefix)
+                    errors = _reference_errors(
+                        q[layer, 2 * head : 2 * head + 2], k[layer, head], v[layer, head], kept[layer][head], w
+                    )
+                    expected[r, :, layer, head] += np.array(errors) / 2
+    np.testing.assert_allclose(result["errors"], expected, rtol=1e-4, atol=1e-6)
+
+
+def test_a_scorer_reading_every_prompt_query_needs_no_longer_prefix(one_thread):
+    """LeverageScorer reads every prompt query (RecentQueries(ALL_QUERIES)): the prefix only has to
+    hold the observation window and the protected rows, not 2**62 queries."""
+    from runtime.scorers import LeverageScorer
+
+    model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=2)
+    windows = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(9))
+    options = dict(keep_ratios=(0.5,), query_window=8, observation_window=8, n_sink=2, recent_window=4, progress=False)
+    result = measure_correction_errors(model, windows, scorer=LeverageScorer(blend=0.5), **options)
+    assert result.selection == "leverage" and result["errors"].shape == (1, 3, 2, 2)
+    with pytest.raises(ValueError, match="too short"):
+        measure_correction_errors(model, windows[:, :15], scorer=LeverageScorer(), **options)  # prefix 7 < 8
+
+
+def test_selections_sharing_one_forward_pass_measure_what_each_measures_alone(one_thread):
+    """The moments stage measures every served selector over one captured pass per window: each
+    selection's errors are bit for bit those of a run of its own; a selection given twice is refused."""
+    from profiler.moments import measure_correction_errors_by_selection
+
+    model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=3)
+    windows = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(4))
+    generator = torch.Generator().manual_seed(5)
+    learned = (torch.randn(2, 2, 32, generator=generator).numpy(), torch.randn(2, 2, generator=generator).numpy())
+    options = dict(keep_ratios=(0.25, 0.5), query_window=16, n_sink=2, recent_window=4, progress=False)
+    selections = [("leverage", "uniform"), ("keydiff", "uniform"), ("learned", "global")]
+    together = measure_correction_errors_by_selection(model, windows, selections, learned=learned, **options)
+    assert [(r.selection, r.allocation) for r in together] == selections
+    for (scorer, allocation), shared in zip(selections, together, strict=True):
+        alone = measure_correction_errors(
+            model, windows, scorer=scorer, allocation=allocation, learned=learned, **options
+        )
+        assert shared.scorer == alone.scorer and shared.seconds > 0
+        for key in alone:
+            np.testing.assert_array_equal(shared[key], alone[key])
+    assert not np.array_equal(together[0]["errors"], together[1]["errors"])
+    with pytest.raises(ValueError, match="given twice"):
+        measure_correction_errors_by_selection(model, windows, [("keydiff", "uniform")] * 2, **options)
+    with pytest.raises(ValueError, match="unknown selection scorer 'h2o'"):
+        measure_correction_errors_by_selection(model, windows, [("keydiff", "uniform"), ("h2o", "uniform")], **options)
+
+
+def test_embedded_model_orders_under_the_flagships_selector(embedded_model, embedded_tokenizer, one_thread):
+    """On the real model, the flagship's selector (leverage, blend = the evicted fraction) and KeyDiff
+    measured over shared forward passes: they keep different tokens, so their errors differ, and under
+    leverage the calibrated orders still beat no correction at 75% compression."""
+    from needles import prose_haystack
+    from profiler.moments import measure_correction_errors_by_selection
+
+    windows, total = 2, 256
+    text = prose_haystack(embedded_tokenizer, windows * total + 16, seed=2)
+    ids = np.asarray(embedded_tokenizer(text, add_special_tokens=False)["input_ids"][: windows * total])
+    leverage, keydiff = measure_correction_errors_by_selection(
+        embedded_model,
+        ids.reshape(windows, total),
+        [("leverage", "uniform"), ("keydiff", "uniform")],
+        keep_ratios=(0.25, 0.5),
+        query_window=32,
+        progress=False,
+    )
+    assert leverage.selection == "leverage" and "blend=0.75" in leverage.scorer
+    assert leverage["errors"].shape == keydiff["errors"].shape == (2, 3, 30, 3)
+    assert np.all(np.isfinite(leverage["errors"])) and not np.allclose(leverage["errors"], keydiff["errors"])
+    errors = leverage["errors"][0]  # keep 0.25: [3, L, Hkv]
+    chosen = np.take_along_axis(errors, (leverage["order"].astype(np.int64) + 1)[None], axis=0)[0]
+    print(
+        f"leverage, keep 0.25: uncorrected {errors[0].mean():.4f}, calibrated orders {chosen.mean():.4f}; "
+        f"keydiff: uncorrected {keydiff['errors'][0, 0].mean():.4f}; orders differ in "
+        f"{int((leverage['order'] != keydiff['order']).sum())} of 90 heads"
+    )
+    assert chosen.mean() < errors[0].mean()

@@ -56,7 +56,10 @@ def test_smoke_preset_on_embedded_model_writes_a_valid_artifact(smoke_run):
             assert table.sum() == b * 30 * 3
         assert reader.config["query_stats"]["source"] == "needles prose haystack"
         moments = reader.section("moments")
-        assert reader.config["moments"]["selection"] == "learned"  # the learned scorer, global allocation
+        # the flagship's scorer first (order, errors), then the candidates' with +correction
+        assert reader.config["moments"]["selection"] == "leverage"
+        assert moments["selections"].tolist() == [b"leverage", b"keydiff", b"learned"]  # learned: global allocation
+        assert moments["selection_allocations"].tolist() == [b"uniform", b"uniform", b"global"]
         assert moments["errors"].shape == (2, 3, 30, 3) and set(np.unique(moments["order"])) <= {-1, 0, 1}
         chosen = np.take_along_axis(moments["errors"], (moments["order"].astype(int) + 1)[None, None], axis=1)
         assert chosen.mean() < moments["errors"][:, 0].mean()  # correction helps on average

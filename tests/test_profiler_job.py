@@ -191,16 +191,22 @@ def test_subset_of_stages_keeps_other_sections(model_dir, reference, tmp_path):
         assert reader.config["budgets"]["beta"] == 3.0 and "behaviour" in reader.config
 
 
-def test_moment_orders_are_calibrated_under_the_learned_selector_when_there_are_learned_weights(
-    model_dir, reference, tmp_path
-):
-    """By default the moments stage measures the correction under the learned scorer with the global
-    allocation (global/learned+correction) when the learned_scorer section is built or kept, and
-    the runtime then serves those orders to that policy without a mismatch warning."""
-    from runtime import load_calibration
+def test_moment_orders_are_calibrated_under_every_served_selector(model_dir, reference, tmp_path):
+    """By default the moments stage measures the correction under the scorers of the flagship and of the
+    recommendation candidates with +correction: leverage (first: order and errors), keydiff, and the
+    learned scorer with the global allocation when the learned_scorer section is built or kept; the
+    runtime then serves each of those policies its own orders without a warning."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime import bind, load_calibration
+    from runtime.policy_spec import FLAGSHIP, parse_policy
 
     arrays, config = _read(reference)
-    assert config["moments"]["selection"] == "learned" and config["moments"]["allocation"] == "global"
+    moments = config["moments"]
+    assert moments["selections"] == ["leverage", "keydiff", "learned"] and moments["selection"] == "leverage"
+    assert moments["allocations"] == ["uniform", "uniform", "global"] and moments["allocation"] == "uniform"
+    assert arrays["moments/selections"].tolist() == [b"leverage", b"keydiff", b"learned"]
+    assert arrays["moments/selection_allocations"].tolist() == [b"uniform", b"uniform", b"global"]
     keydiff = tmp_path / "kv_calibration.h5"
     keydiff.write_bytes(reference.read_bytes())
     assert main(_args(model_dir, keydiff, "--stages", "moments", "--moments-selection", "keydiff")) == 0
@@ -209,19 +215,26 @@ def test_moment_orders_are_calibrated_under_the_learned_selector_when_there_are_
     assert main(_args(model_dir, again, "--stages", "moments")) == 0  # the kept learned_scorer section decides
     got_keydiff, config_keydiff = _read(keydiff)
     got_again, config_again = _read(again)
-    assert config_keydiff["moments"]["selection"] == "keydiff" and config_keydiff["moments"]["allocation"] == "uniform"
-    assert config_again["moments"]["selection"] == "learned"
-    np.testing.assert_array_equal(got_again["moments/errors"], arrays["moments/errors"])
-    assert not np.array_equal(got_keydiff["moments/errors"], arrays["moments/errors"])
-    from transformers import AutoModelForCausalLM
-
+    assert (
+        config_keydiff["moments"]["selections"] == ["keydiff"] and config_keydiff["moments"]["selection"] == "keydiff"
+    )
+    assert config_again["moments"]["selections"] == ["leverage", "keydiff", "learned"]
+    # keydiff alone measures what keydiff measured beside the others over the shared forward passes
+    np.testing.assert_array_equal(got_keydiff["moments/errors"], arrays["moments/selection_errors"][1])
+    for name in ("errors", "order", "selection_orders", "selection_errors"):
+        np.testing.assert_array_equal(got_again[f"moments/{name}"], arrays[f"moments/{name}"])
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     calibration = load_calibration(model, path=again)
+    served = {}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        calibration.check_moment_selection("learned")
-    with pytest.warns(UserWarning, match="keydiff"):
-        calibration.check_moment_selection("keydiff")
+        for text in ("inf/keydiff+correction", "global/learned+correction"):
+            served[text] = bind(parse_policy(text).policy(0.75), calibration, model).corrections[0]
+        served["flagship"] = bind(FLAGSHIP.policy(0.75), calibration, model).corrections[0]
+    for index, text in enumerate(("flagship", "inf/keydiff+correction", "global/learned+correction")):
+        np.testing.assert_array_equal(served[text], arrays["moments/selection_orders"][index])
+    with pytest.warns(UserWarning, match="snapkv"):
+        calibration.check_moment_selection("snapkv")
 
 
 def test_cli_errors_are_clear(model_dir, tmp_path, capsys):

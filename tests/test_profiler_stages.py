@@ -119,7 +119,7 @@ def test_a_section_built_earlier_in_the_run_counts_a_later_one_does_not(tmp_path
     from profiler.stages import check_requirements, resolve_settings
 
     preset = PRESETS["smoke"]
-    learned = resolve_settings({"moments_selection": "learned"}, preset, ("moments",))
+    learned = resolve_settings({"moments_selection": ("keydiff", "learned")}, preset, ("moments",))
     check_requirements(("learned-scorer", "moments"), learned, set(), "out.h5")
     check_requirements(("moments",), learned, {"learned_scorer"}, "out.h5")
     with pytest.raises(ValueError, match=r"^the moments stage needs the learned scorer's weights .* learned_scorer"):

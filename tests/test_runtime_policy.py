@@ -240,10 +240,11 @@ def test_calibrated_correction_with_another_selection_scorer_warns_once(tmp_path
     keydiff = warnings_from(CompressionPolicy(keep_ratio=0.5, scorer="keydiff", correction="calibrated"))
     assert len(keydiff) == 1
     assert "measured on the tokens 'snapkv' keeps, but the policy evicts with 'keydiff'" in keydiff[0]
-    assert "profile-model --stages moments --moments-selection keydiff" in keydiff[0]
+    # the remedy keeps the orders there are and adds the policy's scorer
+    assert "profile-model --stages moments --moments-selection snapkv,keydiff calibrates them" in keydiff[0]
     # a scorer the moments stage cannot select with: the warning names the ones it can, no call that fails
-    (leverage,) = warnings_from(CompressionPolicy(keep_ratio=0.5, scorer="leverage", correction="calibrated"), runs=1)
-    assert "--moments-selection" not in leverage and "snapkv, keydiff or learned" in leverage
+    (knorm,) = warnings_from(CompressionPolicy(keep_ratio=0.5, scorer="knorm", correction="calibrated"), runs=1)
+    assert "--moments-selection" not in knorm and "snapkv, keydiff, learned or leverage" in knorm
     assert warnings_from(CompressionPolicy(keep_ratio=0.5, scorer="keydiff", correction="calibrated")) == []  # once
     assert warnings_from(CompressionPolicy(keep_ratio=0.5, scorer="snapkv", correction="calibrated")) == []  # matching
     assert (

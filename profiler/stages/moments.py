@@ -8,10 +8,13 @@ per KV head, the relative attention-output error of no / 0th / 1st-order correct
 reference compressions, tokens selected by ``--moments-selection``).  A few seconds per
 window, run by the main process alone after the sharded stages, not checkpointed.
 
-The orders are calibrated under one selection, the one a serving policy should use them with
-(the runtime warns otherwise): by default the learned scorer with the global allocation (the
-``global/learned+correction`` candidate) when the job builds or the artifact has a
-``learned_scorer`` section, else KeyDiff with per-head budgets (``inf/keydiff+correction``).
+The orders are calibrated under every selection a serving policy uses them with, over one captured
+forward pass per window (:func:`profiler.moments.measure_correction_errors_by_selection`), and the
+runtime serves each policy the orders of its own scorer.  By default (:func:`default_selections`)
+these are the scorers of the flagship (``inf/leverage+correction``: leverage, first, the orders a 1.4
+reader serves) and of the recommendation candidates with ``+correction`` (KeyDiff, and the learned
+scorer with the global allocation when the job builds or the artifact has a ``learned_scorer``
+section).
 """
 
 from __future__ import annotations
@@ -21,16 +24,37 @@ import time
 import numpy as np
 
 from artifacts import Section
-from profiler.options import Choice, Option
+from profiler.options import Choice, ListOf, Option
 from runtime.names import MOMENT_SELECTIONS as MOMENTS_SELECTIONS
 
 from .base import Requirement, Stage
 
 MOMENT_WINDOWS = 4  # calibration windows the stage measures on
 MOMENT_KEEP_RATIOS = (0.25, 0.5)  # reference budgets: 75% and 50% compression
-# the selection when none is asked: the learned scorer if there are learned weights (the scorer of
-# the global/learned+correction recommendation candidate), else KeyDiff (inf/keydiff+correction's)
-DEFAULT_SELECTIONS = ("learned", "keydiff")
+
+
+def selection_allocation(selection: str) -> str:
+    """How a selection's reference budgets are shared out: the learned scorer's globally, as
+    ``global/learned+correction`` serves it; every other per head (uniform)."""
+    return "global" if selection == "learned" else "uniform"
+
+
+def default_selections(has_learned_weights: bool) -> tuple[str, ...]:
+    """The scorers of the flagship and of the recommendation candidates that serve ``+correction``
+    (``correction='calibrated'``), the flagship's first, each once; the learned scorer only with its
+    weights, and only scorers the calibration can select with (``MOMENT_SELECTIONS``)."""
+    from profiler.evaluation_results import RECOMMENDATION_CANDIDATES  # torch: not for the parser
+    from runtime.policy_spec import FLAGSHIP, parse_policy
+
+    selections = []
+    for spec in (FLAGSHIP, *(parse_policy(text) for text in RECOMMENDATION_CANDIDATES)):
+        scorer = spec.scorer
+        if spec.options.get("correction") != "calibrated" or scorer not in MOMENTS_SELECTIONS or scorer in selections:
+            continue
+        if scorer == "learned" and not has_learned_weights:
+            continue
+        selections.append(scorer)
+    return tuple(selections)
 
 
 class MomentsStage(Stage):
@@ -44,19 +68,21 @@ class MomentsStage(Stage):
         Option(
             "--moments-selection",
             "moments_selection",
-            Choice(MOMENTS_SELECTIONS),
+            ListOf(Choice(MOMENTS_SELECTIONS), distinct=True),
             None,
-            "scorer that selects the kept tokens while the correction errors are measured; "
-            "serve corrections with the same scorer (the runtime warns otherwise); 'learned' shares each "
+            "comma-separated scorers that select the kept tokens while the correction errors are measured, "
+            "each stored with its orders (one forward pass per window serves them all); the runtime serves a "
+            "policy its own scorer's orders and warns when there are none. 'learned' shares each "
             "compression's total out globally, as global/learned+correction serves it, and needs the "
-            "learned_scorer section (built in this run or in the artifact). Default: learned when that "
-            "section is there, else keydiff (the scorer of inf/keydiff+correction)",
+            "learned_scorer section (built in this run or in the artifact). The first is the default a 1.4 "
+            "reader serves. Default: the scorers of the flagship (first) and of the recommendation candidates "
+            "that serve +correction, learned only when that section is there",
         ),
     )
 
     @classmethod
     def requires(cls, settings) -> tuple[Requirement, ...]:
-        if settings["moments_selection"] == "learned":
+        if "learned" in (settings["moments_selection"] or ()):
             return (
                 Requirement.section("learned_scorer", "the learned scorer's weights (--moments-selection learned)"),
             )
@@ -65,16 +91,17 @@ class MomentsStage(Stage):
     def __init__(self, context):
         super().__init__(context)
         has_weights = "learned-scorer" in context.stage_names or "learned_scorer" in context.existing_sections
-        self.selection = context.settings["moments_selection"] or (
-            DEFAULT_SELECTIONS[0] if has_weights else DEFAULT_SELECTIONS[1]
-        )
+        given = context.settings["moments_selection"]
+        self.selections = tuple(given) if given else default_selections(has_weights)
         tokens = context.settings["calib_tokens"]
         query_window = max(4, min(32, tokens // 4))
         self.moment_settings = {
             "query_window": query_window,
             "observation_window": max(1, min(32, (tokens - query_window) // 2)),
-            "selection": self.selection,
-            "allocation": "global" if self.selection == "learned" else "uniform",
+            "selection": self.selections[0],  # the default orders' (order, errors), as files of 1.4 record it
+            "allocation": selection_allocation(self.selections[0]),
+            "selections": list(self.selections),
+            "allocations": [selection_allocation(selection) for selection in self.selections],
             "n_sink": int(context.settings["n_sink"]),
             "recent_window": 8,
         }
@@ -89,36 +116,55 @@ class MomentsStage(Stage):
         }
 
     def build(self, sections, config) -> Section:
-        from profiler.moments import measure_correction_errors  # torch: not for the parser
+        from profiler.moments import measure_correction_errors_by_selection  # torch: not for the parser
 
         started = time.perf_counter()
         settings = self.moment_settings
         windows = self.context.windows[:MOMENT_WINDOWS]
         learned = None
-        if settings["selection"] == "learned":
+        if "learned" in self.selections:
             learned = (sections["learned_scorer"]["weights"], sections["learned_scorer"]["bias"])
-        result = measure_correction_errors(
+        results = measure_correction_errors_by_selection(
             self.context.model,
             windows,
+            list(zip(settings["selections"], settings["allocations"], strict=True)),
             keep_ratios=MOMENT_KEEP_RATIOS,
             query_window=settings["query_window"],
-            scorer=settings["selection"],
-            allocation=settings["allocation"],
             learned=learned,
             observation_window=settings["observation_window"],
             n_sink=settings["n_sink"],
             recent_window=settings["recent_window"],
             progress=self.context.progress,
         )
-        errors = result["errors"].mean(axis=(2, 3))  # [R, 3]
-        chosen = np.take_along_axis(result["errors"], (result["order"].astype(np.int64) + 1)[None, None], axis=1)
-        parts = ", ".join(
-            f"keep {r:g}: none {e[0]:.3f} / 0th {e[1]:.3f} / 1st {e[2]:.3f} / chosen {c:.3f}"
-            for r, e, c in zip(result["reference_ratios"], errors, chosen.mean(axis=(1, 2, 3)), strict=True)
-        )
-        counts = {name: int((result["order"] == value).sum()) for name, value in (("none", -1), ("0th", 0), ("1st", 1))}
+        measured = sum(result.seconds for result in results)
+        elapsed = time.perf_counter() - started
+        for result in results:
+            self.say(
+                f"moments under {result.selection} ({result.allocation}): {_describe(result)}; {result.seconds:.1f} s"
+            )
         self.say(
-            f"moments: {windows.shape[0]} windows x {windows.shape[1]} tokens, mean relative attention-output "
-            f"error {parts}; orders {counts}; {time.perf_counter() - started:.1f} s"
+            f"moments: {windows.shape[0]} windows x {windows.shape[1]} tokens, {len(results)} selection(s); "
+            f"{elapsed:.1f} s ({elapsed - measured:.1f} s in the shared forward passes)"
         )
-        return Section(arrays=result)
+        first = results[0]
+        return Section(
+            arrays={
+                **first,  # order, errors, reference_ratios, tau: the default (first) selection's
+                "selections": np.array([r.selection.encode("ascii") for r in results], dtype="S128"),
+                "selection_allocations": np.array([r.allocation.encode("ascii") for r in results], dtype="S128"),
+                "selection_orders": np.stack([r["order"] for r in results]),  # [S, L, Hkv]
+                "selection_errors": np.stack([r["errors"] for r in results]),  # [S, R, 3, L, Hkv]
+            }
+        )
+
+
+def _describe(result) -> str:
+    """The mean relative attention-output errors of one selection, and how many heads chose each order."""
+    errors = result["errors"].mean(axis=(2, 3))  # [R, 3]
+    chosen = np.take_along_axis(result["errors"], (result["order"].astype(np.int64) + 1)[None, None], axis=1)
+    parts = ", ".join(
+        f"keep {r:g}: none {e[0]:.3f} / 0th {e[1]:.3f} / 1st {e[2]:.3f} / chosen {c:.3f}"
+        for r, e, c in zip(result["reference_ratios"], errors, chosen.mean(axis=(1, 2, 3)), strict=True)
+    )
+    counts = {name: int((result["order"] == value).sum()) for name, value in (("none", -1), ("0th", 0), ("1st", 1))}
+    return f"mean relative attention-output error {parts}; orders {counts}"
