@@ -120,16 +120,22 @@ def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_a
     prefill_seconds = time.perf_counter() - start
     # KVzip's policies share one reconstruction pass; its time counts in each of their cells
     scored, reconstruction = with_reconstruction_scores(model, tokenizer, base, ids[0, :columns], policies)
+    plans = [
+        plan if policy is original else bind(policy, calibration, model)  # this probe's KVzip scores, bound again
+        for policy, original, plan in zip(scored, policies, plans, strict=True)
+    ]
+    # the policies that share score parts (one scorer, e.g. leverage at every ratio) are scored once
+    sharing = defaultdict(list)  # scores_key -> indices of the plans
+    for index, plan in enumerate(plans):
+        if plan.policy.scores_key() is not None:
+            sharing[plan.policy.scores_key()].append(index)
+    shared = {}  # plan index -> (every layer's scores of the prefill, seconds its scoring takes alone)
+    for indices in sharing.values():
+        shared.update(zip(indices, shared_scores(base, [plans[i] for i in indices], stats), strict=True))
     caches, compress_seconds = [], []
-    scored_once = {}  # scores_key -> (every layer's scores of the prefill, seconds): one scoring per scorer
-    for policy, original, plan in zip(scored, policies, plans, strict=True):
+    for index, (original, plan) in enumerate(zip(policies, plans, strict=True)):
         cache = base.copy()
-        if policy is not original:  # this probe's KVzip scores: a scorer of its own, bound again
-            plan = bind(policy, calibration, model)
-        key = policy.scores_key()
-        if key is not None and key not in scored_once:
-            scored_once[key] = shared_scores(base, plan, stats)
-        scores, scoring_seconds = scored_once.get(key, (None, 0.0))
+        scores, scoring_seconds = shared.get(index, (None, 0.0))
         report = compress(model, cache, plan, prompt_stats=stats, scores=scores)
         caches.append(cache)
         # each cell's time counts the scoring it shares (what serving that policy alone costs)

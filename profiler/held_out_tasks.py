@@ -23,7 +23,8 @@ CONTEXT_SHARE = 0.9  # task lengths beyond this share of the model's context are
 
 @dataclass(frozen=True)
 class HeldOutTasks:
-    """One ``needles.ProbeSpec`` per haystack, each with its own seed; the tasks are all of theirs."""
+    """``needles.ProbeSpec`` s, each haystack's with its own seed (one per length when the depths
+    differ by length); the tasks are all of theirs."""
 
     specs: tuple  # of needles.ProbeSpec
 
@@ -38,7 +39,11 @@ class HeldOutTasks:
 
     @property
     def haystacks(self) -> tuple[str, ...]:
-        return tuple(spec.haystack for spec in self.specs)
+        return tuple(dict.fromkeys(spec.haystack for spec in self.specs))
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(sorted({n for spec in self.specs for n in spec.lengths}))
 
     @property
     def size(self) -> int:
@@ -48,12 +53,16 @@ class HeldOutTasks:
         return {"specs": [spec.to_dict() for spec in self.specs]}
 
     def describe(self) -> str:
-        first = self.specs[0]
+        cells = "; ".join(
+            dict.fromkeys(
+                f"{','.join(str(n) for n in spec.lengths)} tokens at depths {','.join(f'{d:g}' for d in spec.depths)}"
+                for spec in self.specs
+            )
+        )
         return (
-            f"{self.size} tasks: {len(self.families)} families x {len(self.specs)} haystacks "
-            f"({', '.join(self.haystacks)}) x {len(first.lengths)} lengths "
-            f"({', '.join(str(n) for n in first.lengths)}) x {len(first.depths)} depths x {first.count}; "
-            f"seeds {', '.join(str(spec.seed) for spec in self.specs)}"
+            f"{self.size} tasks: {len(self.families)} families x {len(self.haystacks)} haystacks "
+            f"({', '.join(self.haystacks)}) x ({cells}) x {self.specs[0].count}; "
+            f"seeds {', '.join(str(seed) for seed in dict.fromkeys(spec.seed for spec in self.specs))}"
         )
 
     def probes(self, tokenizer) -> list:
@@ -76,8 +85,9 @@ def held_out_tasks(
 ) -> HeldOutTasks:
     """Needle tasks the profiler never saw: ``base`` (a ``needles.ProbeSpec``: lengths, depths,
     tolerance) with ``families``, ``count`` tasks per (family, length, depth) cell, ``depths`` when
-    given, lengths beyond 90% of the model's context dropped (ValueError when none is left), one spec
-    per haystack in ``haystacks``, seeded ``seed``, ``seed + 1``, ... where ``seed`` defaults to
+    given (a mapping: the depths of each length, lengths it does not name left out), lengths beyond 90%
+    of the model's context dropped (ValueError when none is left), the specs of each haystack in
+    ``haystacks`` seeded ``seed``, ``seed + 1``, ... where ``seed`` defaults to
     ``profiler_seed + EVALUATION_SEED_OFFSET`` (ValueError when any of them is the profiler's)."""
     lengths = tuple(n for n in base.lengths if n <= CONTEXT_SHARE * model_context)
     if not lengths:
@@ -96,12 +106,17 @@ def held_out_tasks(
         raise ValueError(
             f"task seeds {seeds} include the profiler's probe seed {profiler_seed}; evaluation tasks must be unseen"
         )
-    changes = {"families": tuple(families), "lengths": lengths, "count": count}
-    if depths is not None:
-        changes["depths"] = tuple(depths)
-    return HeldOutTasks(
-        tuple(
-            base.replace(**changes, haystack=haystack, seed=task_seed)
-            for haystack, task_seed in zip(haystacks, seeds, strict=True)
-        )
-    )
+    if isinstance(depths, dict):  # depths per length: one spec per (haystack, length)
+        groups = [((n,), tuple(depths[n])) for n in lengths if n in depths]
+        if not groups:
+            raise ValueError(f"no task depths given for the lengths {lengths}")
+    else:
+        groups = [(lengths, None if depths is None else tuple(depths))]
+    specs = []
+    for haystack, task_seed in zip(haystacks, seeds, strict=True):
+        for group_lengths, group_depths in groups:
+            changes = {"families": tuple(families), "lengths": group_lengths, "count": count}
+            if group_depths is not None:
+                changes["depths"] = group_depths
+            specs.append(base.replace(**changes, haystack=haystack, seed=task_seed))
+    return HeldOutTasks(tuple(specs))

@@ -22,13 +22,22 @@ class ProfilePreset:
     # held-out tasks per (family, haystack, length, depth) cell of the recommendation stage; 0: the stage
     # is off unless --stages names it (then 1)
     recommendation_count: int = 0
+    # the recommendation stage's held-out task depths per length (empty: the probes' lengths x 10/50/90)
+    recommendation_depths: tuple[tuple[int, tuple[float, ...]], ...] = ()
+    # its candidate policies (empty: profiler.evaluation_results.RECOMMENDATION_CANDIDATES)
+    recommendation_candidates: tuple[str, ...] = ()
     probe_overrides: tuple[tuple[str, object], ...] = ()  # ProbeSpec fields replaced in the needles preset
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-RECOMMENDATION_COUNT_QUICK = 1  # 7 families x 2 haystacks x 2 lengths x 3 depths: 84 tasks
+RECOMMENDATION_COUNT_QUICK = 1
+# 7 families x 2 haystacks x (1K at 3 depths + 2K at 2): 70 tasks, the flagship alone under them. Each
+# candidate costs 5 more decoded rows per task (a task with every candidate: ~29 s on two cores, with
+# the flagship alone 8-13 s); at n = 70 a cheaper candidate replaces the flagship only by winning 4+
+# tasks without a loss (docs/results.md R-recommendation-cost-2026-11-25).
+RECOMMENDATION_DEPTHS_QUICK = ((1024, (10.0, 50.0, 90.0)), (2048, (30.0, 70.0)))
 
 PRESETS: dict[str, ProfilePreset] = {
     "smoke": ProfilePreset("smoke", max_new_tokens=6, calib_samples=2, calib_tokens=64, batch_size=2),
@@ -42,6 +51,8 @@ PRESETS: dict[str, ProfilePreset] = {
         batch_size=4,
         probe_overrides=(("lengths", (1024, 2048)), ("depths", (25.0, 75.0))),
         recommendation_count=RECOMMENDATION_COUNT_QUICK,
+        recommendation_depths=RECOMMENDATION_DEPTHS_QUICK,
+        recommendation_candidates=("flagship",),
     ),
     "standard": ProfilePreset(
         "standard", max_new_tokens=32, calib_samples=128, calib_tokens=1024, batch_size=4, recommendation_count=1

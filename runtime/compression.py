@@ -126,17 +126,34 @@ def score_layers(cache: RaggedCache, evictor: HeadEvictor, rows: list[int], next
     return [evictor.layer_scores(layer, index, rows, next_positions) for index, layer in enumerate(cache.layers)]
 
 
-def shared_scores(cache: RaggedCache, plan: ServingPlan, prompt_stats: QueryMoments | None = None):
-    """:func:`score_layers` of every row of a prefilled ``cache`` under ``plan``'s scorer, to hand to
-    :func:`compress` (``scores=``) for each of several copies of ``cache`` compressed under plans
-    with the same :meth:`~runtime.policy.CompressionPolicy.scores_key` (one scoring, not one per
-    plan).  Returns ``(scores, seconds)``."""
-    started = time.perf_counter()
+def shared_scores(cache: RaggedCache, plans: list[ServingPlan], prompt_stats: QueryMoments | None = None):
+    """:func:`score_layers` of every row of a prefilled ``cache`` under each of ``plans``, whose
+    policies share one :meth:`~runtime.policy.CompressionPolicy.scores_key` (their scorers' score
+    parts are computed once, then each combines its own: leverage scorers that differ in their
+    blend), to hand to :func:`compress` (``scores=``) for copies of ``cache``.  Returns the scores
+    per plan and the seconds each plan's scoring would have taken alone (the shared parts' time
+    plus its own combination)."""
+    keys = {plan.policy.scores_key() for plan in plans}
+    if len(keys) != 1 or None in keys:
+        raise ValueError(f"shared scores need plans with one scores_key, got {sorted(map(repr, keys))}")
     first = cache.layers[0]
     rows = [b for b in range(first.batch_size) if first.real_seen[b] > 0]
+    positions = [first.real_seen[b] for b in rows]
     with torch.no_grad():
-        scores = score_layers(cache, HeadEvictor(plan, prompt_stats), rows, [first.real_seen[b] for b in rows])
-    return scores, time.perf_counter() - started
+        started = time.perf_counter()
+        evictor = HeadEvictor(plans[0], prompt_stats)
+        parts = [evictor.layer_score_parts(layer, index, rows, positions) for index, layer in enumerate(cache.layers)]
+        shared = time.perf_counter() - started
+        results = []
+        for plan in plans:
+            started = time.perf_counter()
+            evictor = HeadEvictor(plan, prompt_stats)
+            scores = [
+                evictor.layer_scores(layer, index, rows, positions, parts=parts[index])
+                for index, layer in enumerate(cache.layers)
+            ]
+            results.append((scores, shared + time.perf_counter() - started))
+    return results
 
 
 def _check_shared_scores(scores, cache: RaggedCache, rows: list[int]) -> None:

@@ -149,29 +149,59 @@ class HeadEvictor:
         )
 
     def layer_scores(
-        self, layer, layer_idx: int, rows: list[int], next_positions: list[int], stats_rows: list[int] | None = None
+        self,
+        layer,
+        layer_idx: int,
+        rows: list[int],
+        next_positions: list[int],
+        stats_rows: list[int] | None = None,
+        parts: list | None = None,
     ) -> torch.Tensor:
         """The scorer's scores ``[R, Hkv, n]`` of rows ``rows`` of the layer (padding: ``-inf``).
 
         Rows are scored in tiles of :func:`rows_per_tile` rows (all rows at once on a GPU; on a
         CPU a few, so the scorer's intermediates stay in cache), every head of a tile in one call.
+        ``parts``: :meth:`layer_score_parts` of these rows under a scorer with the same parts
+        (shared with other policies); the scores are then only combined from them.
         """
         stats_rows = rows if stats_rows is None else stats_rows
         longest = int(layer.length[rows].max()) if rows else 0
-        step = rows_per_tile(layer.key_buffer.device, layer.num_heads * max(longest, 1) * layer.head_dim)
-        parts = []
-        for lo in range(0, len(rows), step):
-            tile = slice(lo, lo + step)
+        tiles = self._tiles(layer, rows)
+        if parts is not None and len(parts) != len(tiles):
+            raise ValueError(f"shared score parts for {len(parts)} tiles of rows, these rows make {len(tiles)}")
+        pieces = []
+        for index, tile in enumerate(tiles):
             inputs = self.layer_inputs(layer, layer_idx, rows[tile], next_positions[tile], stats_rows[tile])
-            scores = self.scorer.score(inputs)
+            if parts is None:
+                scores = self.scorer.score(inputs)
+            else:
+                scores = self.scorer.combine(parts[index], inputs)
             if tuple(scores.shape) != tuple(inputs.valid.shape):
                 raise ValueError(
                     f"{self.scorer!r} returned layer scores of shape {tuple(scores.shape)} for "
                     f"{tuple(inputs.valid.shape)}"
                 )
             scores = self._checked_layer(scores, inputs.valid, layer_idx)
-            parts.append(torch.nn.functional.pad(scores, (0, longest - scores.shape[-1]), value=float("-inf")))
-        return torch.cat(parts) if parts else torch.zeros(0, layer.num_heads, 0)
+            pieces.append(torch.nn.functional.pad(scores, (0, longest - scores.shape[-1]), value=float("-inf")))
+        return torch.cat(pieces) if pieces else torch.zeros(0, layer.num_heads, 0)
+
+    def _tiles(self, layer, rows: list[int]) -> list[slice]:
+        longest = int(layer.length[rows].max()) if rows else 0
+        step = rows_per_tile(layer.key_buffer.device, layer.num_heads * max(longest, 1) * layer.head_dim)
+        return [slice(lo, lo + step) for lo in range(0, len(rows), step)]
+
+    def layer_score_parts(
+        self, layer, layer_idx: int, rows: list[int], next_positions: list[int], stats_rows: list[int] | None = None
+    ) -> list:
+        """The scorer's ``score_parts`` of rows ``rows`` of the layer, one per tile of rows (as
+        :meth:`layer_scores` tiles them)."""
+        stats_rows = rows if stats_rows is None else stats_rows
+        return [
+            self.scorer.score_parts(
+                self.layer_inputs(layer, layer_idx, rows[tile], next_positions[tile], stats_rows[tile])
+            )
+            for tile in self._tiles(layer, rows)
+        ]
 
     def _checked_layer(self, scores: torch.Tensor, valid: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """``scores``, refused when any is NaN: ranking NaN keeps arbitrary tokens, silently (a

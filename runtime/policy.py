@@ -274,13 +274,15 @@ class CompressionPolicy:
         return options
 
     def scores_key(self) -> tuple | None:
-        """Equal for two policies whose scorers score the same cache identically under one calibration
-        (the same registered scorer, built with the same options), so that scores computed once
-        serve both (``runtime.compression.score_layers``); None when that cannot be told (a
-        ``Scorer`` instance) or the scores depend on the eviction (``moment_eviction``)."""
+        """Equal for two policies whose scorers compute the same score parts of a cache under one
+        calibration (the same registered scorer, built with the same ``parts_options``: leverage
+        scorers that differ only in their blend share them), so that the parts computed once serve
+        both (``runtime.compression.shared_scores``); None when that cannot be told (a ``Scorer``
+        instance) or the scores depend on the eviction (``moment_eviction``)."""
         if isinstance(self.scorer, Scorer) or self.moment_eviction:
             return None
-        return (self.scorer, repr(sorted(self.scorer_arguments().items())))
+        parts = SCORERS[self.scorer].parts_options(self.scorer_arguments())
+        return (self.scorer, repr(sorted(parts.items())))
 
     def requirements(self, scorer: Scorer | None = None) -> list[Requirement]:
         """What this policy reads from an artifact, in :data:`REQUIREMENTS`' order (``scorer``: this

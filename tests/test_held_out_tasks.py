@@ -15,26 +15,32 @@ def _quick_base():
     return PRESETS[preset.probes].replace(**dict(preset.probe_overrides))
 
 
-def test_the_quick_recommendation_measures_84_tasks_of_every_family_on_both_haystacks():
-    """Issue 26: at least 60 tasks on quick, from every family and both haystacks, at the preset's lengths."""
-    from profiler.stages.recommendation import TASK_DEPTHS, TASK_FAMILIES
+def test_the_quick_recommendation_measures_70_tasks_of_every_family_on_both_haystacks():
+    """Issue 26: at least 60 tasks on quick, from every family and both haystacks, at the preset's lengths,
+    at other depths than the profiled probes'."""
+    from profiler.stages.recommendation import TASK_FAMILIES
 
+    preset = PROFILE_PRESETS["quick"]
     base = _quick_base()
     tasks = held_out_tasks(
         base,
         families=TASK_FAMILIES,
-        count=PROFILE_PRESETS["quick"].recommendation_count,
+        count=preset.recommendation_count,
         profiler_seed=base.seed,
         model_context=8192,
-        depths=TASK_DEPTHS,
+        depths=dict(preset.recommendation_depths),
     )
     assert TASK_FAMILIES == tuple(FAMILIES) and tasks.haystacks == HAYSTACKS == ("simple", "prose")
-    assert tasks.size == len(FAMILIES) * 2 * 2 * 3 == 84
-    assert [spec.seed for spec in tasks.specs] == [base.seed + EVALUATION_SEED_OFFSET + i for i in range(2)]
-    assert all(spec.lengths == base.lengths == (1024, 2048) for spec in tasks.specs)
-    assert not set(TASK_DEPTHS) & set(base.depths)  # other depths than the profiled probes'
-    assert "84 tasks: 7 families x 2 haystacks (simple, prose)" in tasks.describe()
-    assert tasks.to_dict()["specs"][1]["haystack"] == "prose"
+    assert tasks.size == len(FAMILIES) * 2 * (3 + 2) == 70
+    assert tasks.lengths == base.lengths == (1024, 2048)
+    assert not {d for spec in tasks.specs for d in spec.depths} & set(base.depths)
+    seeds = [base.seed + EVALUATION_SEED_OFFSET + i for i in range(2)]
+    assert [spec.seed for spec in tasks.specs] == [seeds[0], seeds[0], seeds[1], seeds[1]]
+    assert tasks.describe().startswith(
+        "70 tasks: 7 families x 2 haystacks (simple, prose) x (1024 tokens at depths 10,50,90; "
+        "2048 tokens at depths 30,70) x 1; seeds"
+    )
+    assert [spec["haystack"] for spec in tasks.to_dict()["specs"]] == ["simple", "simple", "prose", "prose"]
 
 
 def test_task_ids_are_unique_across_haystacks_and_the_probes_say_their_haystack(embedded_tokenizer):

@@ -306,6 +306,9 @@ def test_profile_model_help_lists_the_default_candidates():
     """The --recommend-policies help names exactly the candidates the stage measures by default."""
     from profiler.cli import build_parser
     from profiler.evaluation_results import RECOMMENDATION_CANDIDATES
+    from profiler.presets import PRESETS
 
-    text = " ".join(build_parser().format_help().split())
-    assert "default: " + ", ".join(RECOMMENDATION_CANDIDATES) in text.replace("- ", "-")
+    text = " ".join(build_parser().format_help().split()).replace("- ", "-")
+    assert "quick: the flagship alone" in text and PRESETS["quick"].recommendation_candidates == ("flagship",)
+    assert "else " + ", ".join(RECOMMENDATION_CANDIDATES) in text
+    assert all(not PRESETS[name].recommendation_candidates for name in ("standard", "paper"))

@@ -41,7 +41,13 @@ def _assert_same(a, b) -> None:
 def test_scores_key_says_when_two_policies_score_alike():
     leverage = parse_policy("inf/leverage")
     assert leverage.policy(0.75).scores_key() == parse_policy("curve/leverage+correction").policy(0.75).scores_key()
-    assert leverage.policy(0.75).scores_key() != leverage.policy(0.9).scores_key()  # blend = compression ratio
+    # the blend (the compression ratio) only combines the parts: shared across ratios, not with 0 or None
+    assert leverage.policy(0.75).scores_key() == leverage.policy(0.9).scores_key()
+    for blend in (0.0, None):
+        other = CompressionPolicy(compression_ratio=0.75, scorer="leverage", scorer_options={"blend": blend})
+        assert other.scores_key() != leverage.policy(0.75).scores_key()
+    sketched = CompressionPolicy(compression_ratio=0.75, scorer="leverage", scorer_options={"sketch": 16})
+    assert sketched.scores_key() != leverage.policy(0.75).scores_key()
     keydiff = parse_policy("inf/keydiff+correction")
     assert keydiff.policy(0.5).scores_key() == parse_policy("curve/keydiff").policy(0.975).scores_key()
     assert keydiff.policy(0.5).scores_key() != leverage.policy(0.5).scores_key()
@@ -65,20 +71,18 @@ def test_shared_scores_compress_exactly_as_each_policy_alone(tmp_path, names):
     ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :9] = 0  # the second row is shorter: ragged rows, left padding
-    for ratio in (0.5, 0.9):
-        plans = [bind(parse_policy(name).policy(ratio), calibration, model) for name in names]
-        base = RaggedCache.for_model(model)
-        stats = prefill(model, base, ids, mask, record_prompt_stats=True, observe_queries=ALL_QUERIES, n_sink=4)
-        scores, seconds = shared_scores(base, plans[0], stats)
+    plans = [bind(parse_policy(name).policy(ratio), calibration, model) for name in names for ratio in (0.5, 0.9)]
+    base = RaggedCache.for_model(model)
+    stats = prefill(model, base, ids, mask, record_prompt_stats=True, observe_queries=ALL_QUERIES, n_sink=4)
+    # one scorer's plans at two ratios (leverage: two blends) share one computation of the parts
+    for plan, (scores, seconds) in zip(plans, shared_scores(base, plans, stats), strict=True):
         assert seconds >= 0 and len(scores) == len(base.layers)
-        for plan in plans:
-            assert plan.policy.scores_key() == plans[0].policy.scores_key()
-            alone, shared = base.copy(), base.copy()
-            expected = compress(model, alone, plan, prompt_stats=stats)
-            report = compress(model, shared, plan, prompt_stats=stats, scores=scores)
-            assert (report.budgets == expected.budgets).all()
-            assert (report.lengths_after == expected.lengths_after).all() and (expected.lengths_after > 0).all()
-            _assert_same(_state(shared), _state(alone))
+        alone, shared = base.copy(), base.copy()
+        expected = compress(model, alone, plan, prompt_stats=stats)
+        report = compress(model, shared, plan, prompt_stats=stats, scores=scores)
+        assert (report.budgets == expected.budgets).all()
+        assert (report.lengths_after == expected.lengths_after).all() and (expected.lengths_after > 0).all()
+        _assert_same(_state(shared), _state(alone))
 
 
 def test_shared_scores_of_another_cache_are_refused(tmp_path):
@@ -87,8 +91,11 @@ def test_shared_scores_of_another_cache_are_refused(tmp_path):
     short, long = RaggedCache.for_model(model), RaggedCache.for_model(model)
     prefill_for_policies(model, short, torch.arange(20).unsqueeze(0), [plan])
     prefill_for_policies(model, long, torch.arange(30).unsqueeze(0), [plan])
-    scores, _ = shared_scores(short, plan)
+    ((scores, _),) = shared_scores(short, [plan])
     with pytest.raises(ValueError, match="computed on another cache"):
         compress(model, long, plan, scores=scores)
     with pytest.raises(ValueError, match="for 1 layers"):
         compress(model, long, plan, scores=scores[:1])
+    other = bind(parse_policy("uniform/knorm").policy(0.5), None, model)
+    with pytest.raises(ValueError, match="one scores_key"):
+        shared_scores(short, [plan, other])

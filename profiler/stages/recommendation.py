@@ -58,9 +58,10 @@ class RecommendationStage(Stage):
             "--recommend-policies",
             "recommend_policies",
             ListOf(Text("a policy name")),
-            RECOMMENDATION_CANDIDATES,
+            lambda preset: preset.recommendation_candidates or RECOMMENDATION_CANDIDATES,
             "candidate policies, cheapest to serve first (among those that pass the paired rule, the first is "
-            "served); default: " + ", ".join(RECOMMENDATION_CANDIDATES),
+            "served); default: the preset's (quick: the flagship alone, whose outcomes a later evaluate-artifact "
+            "--write-recommendation can extend), else " + ", ".join(RECOMMENDATION_CANDIDATES),
             check=_check_candidates,
         ),
         Option(
@@ -92,7 +93,7 @@ class RecommendationStage(Stage):
             Integer(1),
             lambda preset: max(1, preset.recommendation_count),
             "held-out tasks per (family, haystack, length, depth) cell (default: the preset's; families x "
-            "haystacks x the preset's lengths x 3 depths x this many tasks: 84 on quick)",
+            "haystacks x the preset's lengths and depths x this many tasks: 70 on quick)",
         ),
         Option(
             "--recommend-tolerance",
@@ -141,7 +142,7 @@ class RecommendationStage(Stage):
             base,
             families=tuple(settings["recommend_families"]),
             haystacks=tuple(settings["recommend_haystacks"]),
-            depths=TASK_DEPTHS,
+            depths=dict(context.preset.recommendation_depths) or TASK_DEPTHS,
             count=self.count,
             profiler_seed=base.seed,
             model_context=context.identity.max_position_embeddings or 4096,

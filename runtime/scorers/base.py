@@ -37,6 +37,22 @@ class Scorer(ABC):
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         """Scores ``[R, Hkv, n]`` float32 for every head of the layer (padding: ``-inf``)."""
 
+    def score_parts(self, inputs: LayerInputs):
+        """What :meth:`combine` turns into the scores: the part that scorers built with the same
+        :meth:`parts_options` share (``runtime.compression.shared_scores`` computes it once for
+        several policies).  By default the scores themselves."""
+        return self.score(inputs)
+
+    def combine(self, parts, inputs: LayerInputs) -> torch.Tensor:
+        """The scores ``[R, Hkv, n]`` from :meth:`score_parts` (equal to :meth:`score`)."""
+        return parts
+
+    @classmethod
+    def parts_options(cls, options: dict) -> dict:
+        """Of the options a scorer of this class is built with, what its :meth:`score_parts` depend
+        on (two scorers with equal ones share them); by default every option."""
+        return dict(options)
+
     def attention(self, inputs: LayerInputs) -> torch.Tensor:
         """The estimate ``a_j [R, Hkv, n]`` of the attention future queries pay each token."""
         raise TypeError(

@@ -90,20 +90,41 @@ class LeverageScorer(Scorer):
         return torch.randn(dim, self.sketch, generator=generator, dtype=torch.float64) / math.sqrt(self.sketch)
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
+        return self.combine(self.score_parts(inputs), inputs)
+
+    def score_parts(self, inputs: LayerInputs):
+        """``(z(leverage), z(attention), middle)``: the standardised parts ``[R, Hkv, n]`` float64 (None
+        where the blend leaves one out) and the middle rows; the blend only enters :meth:`combine`."""
         keys = inputs.keys
-        rows, heads, n, dim = keys.shape
+        n = keys.shape[2]
         device = keys.device
         lengths = inputs.lengths.to(device)
         first = lengths.clamp(max=self.exclude_first)  # [R, Hkv]
         last = (lengths - first).clamp(max=self.exclude_last)
         index = torch.arange(n, device=device)
         middle = (index >= first.unsqueeze(-1)) & (index < (lengths - last).unsqueeze(-1))  # [R, Hkv, n]
-        count = middle.sum(-1)  # [R, Hkv]
-        score = torch.zeros(rows, heads, n, dtype=torch.float64, device=device)
-        if self.blend != 0:
-            score = masked_zscore(self.leverage(inputs, middle), middle) * (1.0 if self.blend is None else self.blend)
+        leverage = masked_zscore(self.leverage(inputs, middle), middle) if self.blend != 0 else None
+        attention = None
         if self.blend is not None:
-            score = score + masked_zscore(self.attention_mass(inputs, middle, first, lengths - last), middle)
+            attention = masked_zscore(self.attention_mass(inputs, middle, first, lengths - last), middle)
+        return leverage, attention, middle
+
+    @classmethod
+    def parts_options(cls, options: dict) -> dict:
+        parts = dict(options)
+        blend = parts.pop("blend", 0.5)  # which parts there are: leverage alone (None), attention alone (0), both
+        parts["blend"] = blend if blend is None or blend == 0 else "positive"
+        return parts
+
+    def combine(self, parts, inputs: LayerInputs) -> torch.Tensor:
+        leverage, attention, middle = parts
+        rows, heads, n = middle.shape
+        count = middle.sum(-1)  # [R, Hkv]
+        score = torch.zeros(rows, heads, n, dtype=torch.float64, device=middle.device)
+        if self.blend != 0:
+            score = leverage * (1.0 if self.blend is None else self.blend)
+        if self.blend is not None:
+            score = score + attention
         score = score.float().masked_fill(~middle, float("-inf"))
         top = score.amax(-1, keepdim=True).expand_as(score)  # the middle's maximum: ends are kept
         score = torch.where(middle, score, top)
