@@ -26,6 +26,8 @@ class ProfilePreset:
     recommendation_depths: tuple[tuple[int, tuple[float, ...]], ...] = ()
     # its candidate policies (empty: profiler.evaluation_results.RECOMMENDATION_CANDIDATES)
     recommendation_candidates: tuple[str, ...] = ()
+    # stages a job with this preset and no --stages leaves out (--stages names them to run them)
+    stages_off: tuple[str, ...] = ()
     probe_overrides: tuple[tuple[str, object], ...] = ()  # ProbeSpec fields replaced in the needles preset
 
     def to_dict(self) -> dict:
@@ -33,11 +35,12 @@ class ProfilePreset:
 
 
 RECOMMENDATION_COUNT_QUICK = 1
-# 7 families x 2 haystacks x (1K at 3 depths + 2K at 2): 70 tasks, the flagship alone under them. Each
-# candidate costs 5 more decoded rows per task (a task with every candidate: ~29 s on two cores, with
-# the flagship alone 8-13 s); at n = 70 a cheaper candidate replaces the flagship only by winning 4+
-# tasks without a loss (docs/results.md R-recommendation-cost-2026-11-25).
-RECOMMENDATION_DEPTHS_QUICK = ((1024, (10.0, 50.0, 90.0)), (2048, (30.0, 70.0)))
+# 7 families x 2 haystacks x (1K at 4 depths + 2K at 1): 70 tasks, the flagship alone under them, at
+# other depths than the profiled probes' 25/75. Each candidate costs 5 more decoded rows per task (a
+# task with every candidate: 24-37 s on two cores; the flagship alone: 8-13 s, a 2K task 1.6x a 1K
+# one); at n = 70 a cheaper candidate replaces the flagship only by winning 4+ tasks without a loss
+# (docs/results.md R-recommendation-cost-2026-11-25, R-quick-profile-2026-11-25).
+RECOMMENDATION_DEPTHS_QUICK = ((1024, (10.0, 40.0, 60.0, 90.0)), (2048, (50.0,)))
 
 PRESETS: dict[str, ProfilePreset] = {
     "smoke": ProfilePreset("smoke", max_new_tokens=6, calib_samples=2, calib_tokens=64, batch_size=2),
@@ -53,6 +56,9 @@ PRESETS: dict[str, ProfilePreset] = {
         recommendation_count=RECOMMENDATION_COUNT_QUICK,
         recommendation_depths=RECOMMENDATION_DEPTHS_QUICK,
         recommendation_candidates=("flagship",),
+        # what serves no policy the quick recommendation measures, left out for make profile's time
+        # (docs/results.md R-quick-profile-2026-11-25): curve and learned policies need --stages
+        stages_off=("budget-curves", "learned-scorer"),
     ),
     "standard": ProfilePreset(
         "standard", max_new_tokens=32, calib_samples=128, calib_tokens=1024, batch_size=4, recommendation_count=1

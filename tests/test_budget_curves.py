@@ -473,5 +473,6 @@ def test_profile_model_runs_the_stage_into_an_existing_artifact(tmp_path, embedd
         for ratio, row in zip(section["compression_ratios"], section["fractions"], strict=True):
             assert row.sum() == pytest.approx((1 - ratio) * row.size, rel=1e-9)
             assert row.min() >= 0.5 * (1 - ratio) - 1e-9
-    assert all(BudgetCurvesStage.on_by_default(preset) for preset in PRESETS.values())
-    assert "budget-curves" in default_stages(PRESETS["standard"])
+    on = {name for name, preset in PRESETS.items() if BudgetCurvesStage.on_by_default(preset)}
+    assert on == {"smoke", "standard", "paper"} and "budget-curves" in default_stages(PRESETS["standard"])
+    assert "budget-curves" not in default_stages(PRESETS["quick"])  # make profile's time; --stages runs it

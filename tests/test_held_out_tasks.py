@@ -31,14 +31,14 @@ def test_the_quick_recommendation_measures_70_tasks_of_every_family_on_both_hays
         depths=dict(preset.recommendation_depths),
     )
     assert TASK_FAMILIES == tuple(FAMILIES) and tasks.haystacks == HAYSTACKS == ("simple", "prose")
-    assert tasks.size == len(FAMILIES) * 2 * (3 + 2) == 70
+    assert tasks.size == len(FAMILIES) * 2 * (4 + 1) == 70
     assert tasks.lengths == base.lengths == (1024, 2048)
     assert not {d for spec in tasks.specs for d in spec.depths} & set(base.depths)
     seeds = [base.seed + EVALUATION_SEED_OFFSET + i for i in range(2)]
     assert [spec.seed for spec in tasks.specs] == [seeds[0], seeds[0], seeds[1], seeds[1]]
     assert tasks.describe().startswith(
-        "70 tasks: 7 families x 2 haystacks (simple, prose) x (1024 tokens at depths 10,50,90; "
-        "2048 tokens at depths 30,70) x 1; seeds"
+        "70 tasks: 7 families x 2 haystacks (simple, prose) x (1024 tokens at depths 10,40,60,90; "
+        "2048 tokens at depths 50) x 1; seeds"
     )
     assert [spec["haystack"] for spec in tasks.to_dict()["specs"]] == ["simple", "simple", "prose", "prose"]
 

@@ -95,8 +95,9 @@ class Stage(ABC):
 
     @classmethod
     def on_by_default(cls, preset) -> bool:
-        """Whether a job with this preset (``profiler.presets.ProfilePreset``) and no ``--stages`` runs it."""
-        return True
+        """Whether a job with this preset (``profiler.presets.ProfilePreset``) and no ``--stages`` runs it:
+        unless the preset leaves it out (``stages_off``)."""
+        return cls.name not in preset.stages_off
 
     @classmethod  # noqa: B027 - an optional hook
     def check_settings(cls, settings: Mapping[str, Any]) -> None:

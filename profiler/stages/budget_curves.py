@@ -37,7 +37,7 @@ class BudgetCurvesStage(Stage):
         "per KV head, how attention-output error on calibration text and the needle's lost retrieval hits "
         "(REAL's, at the probes' answer steps) fall as the head's kept fraction grows (KeyDiff selection by "
         "default); per compression ratio, budgets by marginal utility on those curves (LU-KV), served as "
-        "allocation 'curve'."
+        "allocation 'curve'. Off by default on the quick preset (make profile's time; --stages runs it)."
     )
     options = (
         Option(

@@ -30,7 +30,8 @@ class LearnedScorerStage(ShardedStage):
     summary = (
         "fit, per KV head, a linear map from a token's pre-RoPE key and value to the log of its KVzip "
         "reconstruction importance (how much attention the model pays it while repeating the "
-        "context), on calibration text; the runtime's 'learned' scorer evaluates it."
+        "context), on calibration text; the runtime's 'learned' scorer evaluates it. Off by default on the "
+        "quick preset (make profile's time; --stages runs it)."
     )
     options = (
         Option(
