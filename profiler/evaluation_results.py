@@ -111,8 +111,7 @@ def paired_recommendation(
     :func:`profiler.paired_decision.decide`; without the flagship among the candidates the most
     accurate, ties to the cheaper), with every candidate's accuracy, interval and paired counts.
     None without candidates.  The layout is the JSON's ``recommendation`` (docs/evaluation-format.md)."""
-    from .paired_decision import RULE, decide, loss_bound
-    from .recommendation import FALLBACK_RULE, REFERENCE_NAMES
+    from .paired_decision import FALLBACK_RULE, REFERENCE_NAMES, RULE, decide, loss_bound
 
     cells = {(r["policy"], float(r["compression_ratio"])): r for r in evaluation["results"]}
     ratios = sorted({ratio for name, ratio in cells if name in candidates})

@@ -39,7 +39,11 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from runtime.names import NAMED_POLICIES
+
 RULE = "paired-exact-noninferiority/1"  # the rule's name, recorded in the artifact with its parameters
+REFERENCE_NAMES = ("flagship", NAMED_POLICIES["flagship"])  # the reference: the flagship, by name or by its policy
+FALLBACK_RULE = "most-accurate/1"  # no flagship among the candidates: the most accurate, ties to the cheaper
 # The accuracy a cheaper policy may give up against the flagship, as a fraction: 3 points
 # (issue #26's example); below one task in 24, so a single lost task cannot hide in it.
 DEFAULT_TOLERANCE = 0.03

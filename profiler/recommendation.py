@@ -17,12 +17,8 @@ import numpy as np
 
 from artifacts import Section
 from artifacts.schema import SECTIONS
-from runtime.names import NAMED_POLICIES
 
-from .paired_decision import DEFAULT_CONFIDENCE, DEFAULT_TOLERANCE, RULE, decide
-
-REFERENCE_NAMES = ("flagship", NAMED_POLICIES["flagship"])  # the flagship, by name or by its policy
-FALLBACK_RULE = "most-accurate/1"  # no flagship among the candidates: the most accurate, ties to the cheaper
+from .paired_decision import DEFAULT_CONFIDENCE, DEFAULT_TOLERANCE, FALLBACK_RULE, REFERENCE_NAMES, RULE, decide
 
 
 def candidate_specs(names) -> list:

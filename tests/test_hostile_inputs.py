@@ -461,7 +461,7 @@ def test_config_entries_that_are_not_objects_are_ignored_by_every_consumer(tmp_p
     from profiler.evaluate_cli import _task_spec
     from runtime.calibration import _configured_selection
 
-    args = argparse.Namespace(tasks=("retrieval",), preset="smoke", count=1, seed=None)
+    args = argparse.Namespace(tasks=("retrieval",), haystacks=("simple",), preset="smoke", count=1, seed=None)
     spec, profiler_seed = _task_spec(args, artifact.config, 4096)
     assert profiler_seed is None and spec is not None
     assert _configured_selection(artifact.config) is None

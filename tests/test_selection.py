@@ -248,7 +248,7 @@ def test_moments_and_budget_curves_stages_select_what_serving_selects_on_tied_sc
     model, before, served = _served(budget, n_sink, window)
     geometry = ModelGeometry.of(model)
     scorer = TiedScorer()
-    moments = _CorrectionErrorMeasurer(2, 2, [0.5], 4, ScorerInputs(scorer, geometry), n_sink, window, False, 4, 0.0)
+    moments = _CorrectionErrorMeasurer(2, 2, [0.5], 4, [ScorerInputs(scorer, geometry)], n_sink, window, False, 4, 0.0)
     curves = _CurveMeasurer(geometry, [0.5], scorer, n_sink, window)
     tied = False
     for layer in range(2):
@@ -256,7 +256,7 @@ def test_moments_and_budget_curves_stages_select_what_serving_selects_on_tied_sc
         value = torch.stack([before[layer][h][1] for h in range(2)]).unsqueeze(0)
         query = torch.zeros(1, 4, 30, 16)
         scale = geometry.scalings[layer]
-        estimates = moments._heads(
+        _, estimates = moments._heads(
             layer,
             torch.zeros(1, 4, 34, 16),
             torch.cat([key, key[:, :, :4]], 2),
@@ -266,7 +266,7 @@ def test_moments_and_budget_curves_stages_select_what_serving_selects_on_tied_sc
         ranks = curves.layer_ranks(layer, query, key, value, 30, scale)  # [Hkv, 30]
         for h in range(2):
             keys, values, _ = before[layer][h]
-            scores = estimates[h][3]  # [30]
+            scores = estimates[0][h]  # the one keep ratio's scores [30]
             tied = tied or len(set(scores.tolist())) < len(scores)
             sums = MomentSums(2, 16)
             assert moments.kept_rows(h, keys, values, scale, scores, budget, sums).tolist() == served[layer][h], (
@@ -288,12 +288,12 @@ def test_moment_eviction_in_calibration_protects_what_serving_protects(budget):
     model, before, served = _served(budget, n_sink, window, moment_eviction=True)
     geometry = ModelGeometry.of(model)
     scorer = TiedScorer()
-    moments = _CorrectionErrorMeasurer(2, 2, [0.5], 4, ScorerInputs(scorer, geometry), n_sink, window, True, 4, 0.0)
+    moments = _CorrectionErrorMeasurer(2, 2, [0.5], 4, [ScorerInputs(scorer, geometry)], n_sink, window, True, 4, 0.0)
     for layer in range(2):
         key = torch.stack([before[layer][h][0] for h in range(2)]).unsqueeze(0)  # [1, Hkv, 30, d]
         value = torch.stack([before[layer][h][1] for h in range(2)]).unsqueeze(0)
         scale = geometry.scalings[layer]
-        estimates = moments._heads(
+        _, estimates = moments._heads(
             layer,
             torch.zeros(1, 4, 34, 16),
             torch.cat([key, key[:, :, :4]], 2),
@@ -302,6 +302,6 @@ def test_moment_eviction_in_calibration_protects_what_serving_protects(budget):
         )  # the prefix's attention
         for h in range(2):
             keys, values, _ = before[layer][h]
-            kept = moments.kept_rows(h, keys, values, scale, estimates[h][3], budget, MomentSums(2, 16))
+            kept = moments.kept_rows(h, keys, values, scale, estimates[0][h], budget, MomentSums(2, 16))
             assert kept.tolist() == served[layer][h], (layer, h)
             assert len(served[layer][h]) == budget
