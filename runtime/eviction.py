@@ -171,17 +171,19 @@ class HeadEvictor:
             raise ValueError(f"shared score parts for {len(parts)} tiles of rows, these rows make {len(tiles)}")
         pieces = []
         for index, tile in enumerate(tiles):
-            inputs = self.layer_inputs(layer, layer_idx, rows[tile], next_positions[tile], stats_rows[tile])
             if parts is None:
-                scores = self.scorer.score(inputs)
-            else:
-                scores = self.scorer.combine(parts[index], inputs)
-            if tuple(scores.shape) != tuple(inputs.valid.shape):
+                inputs = self.layer_inputs(layer, layer_idx, rows[tile], next_positions[tile], stats_rows[tile])
+                valid, scores = inputs.valid, self.scorer.score(inputs)
+            else:  # combined from the shared parts: the inputs are not gathered again, only their mask
+                lengths = layer.length[rows[tile]]  # [r, Hkv]
+                valid = torch.arange(int(lengths.max()) if lengths.numel() else 0) < lengths.unsqueeze(-1)
+                valid = valid.to(layer.key_buffer.device)  # as padded_rows masks the live tokens
+                scores = self.scorer.combine(parts[index], valid)
+            if tuple(scores.shape) != tuple(valid.shape):
                 raise ValueError(
-                    f"{self.scorer!r} returned layer scores of shape {tuple(scores.shape)} for "
-                    f"{tuple(inputs.valid.shape)}"
+                    f"{self.scorer!r} returned layer scores of shape {tuple(scores.shape)} for {tuple(valid.shape)}"
                 )
-            scores = self._checked_layer(scores, inputs.valid, layer_idx)
+            scores = self._checked_layer(scores, valid, layer_idx)
             pieces.append(torch.nn.functional.pad(scores, (0, longest - scores.shape[-1]), value=float("-inf")))
         return torch.cat(pieces) if pieces else torch.zeros(0, layer.num_heads, 0)
 

@@ -43,8 +43,9 @@ class Scorer(ABC):
         several policies).  By default the scores themselves."""
         return self.score(inputs)
 
-    def combine(self, parts, inputs: LayerInputs) -> torch.Tensor:
-        """The scores ``[R, Hkv, n]`` from :meth:`score_parts` (equal to :meth:`score`)."""
+    def combine(self, parts, valid: torch.Tensor) -> torch.Tensor:
+        """The scores ``[R, Hkv, n]`` from :meth:`score_parts` of inputs whose live tokens are ``valid``
+        bool ``[R, Hkv, n]`` (equal to :meth:`score` of them): nothing of the inputs is read again."""
         return parts
 
     @classmethod

@@ -90,7 +90,7 @@ class LeverageScorer(Scorer):
         return torch.randn(dim, self.sketch, generator=generator, dtype=torch.float64) / math.sqrt(self.sketch)
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
-        return self.combine(self.score_parts(inputs), inputs)
+        return self.combine(self.score_parts(inputs), inputs.valid)
 
     def score_parts(self, inputs: LayerInputs):
         """``(z(leverage), z(attention), middle)``: the standardised parts ``[R, Hkv, n]`` float64 (None
@@ -116,7 +116,7 @@ class LeverageScorer(Scorer):
         parts["blend"] = blend if blend is None or blend == 0 else "positive"
         return parts
 
-    def combine(self, parts, inputs: LayerInputs) -> torch.Tensor:
+    def combine(self, parts, valid: torch.Tensor) -> torch.Tensor:
         leverage, attention, middle = parts
         rows, heads, n = middle.shape
         count = middle.sum(-1)  # [R, Hkv]
@@ -129,7 +129,7 @@ class LeverageScorer(Scorer):
         top = score.amax(-1, keepdim=True).expand_as(score)  # the middle's maximum: ends are kept
         score = torch.where(middle, score, top)
         score = torch.where((count <= 1).unsqueeze(-1), torch.zeros_like(score), score)  # nothing to rank
-        return masked(score, inputs.valid)
+        return masked(score, valid)
 
     def leverage(self, inputs: LayerInputs, middle: torch.Tensor) -> torch.Tensor:
         """Leverage ``[R, Hkv, n]`` float64 of every head's ``middle`` rows (0 elsewhere)."""
