@@ -52,12 +52,21 @@ def _real_tokens(attention_mask: torch.Tensor | None, batch: int, q_len: int) ->
     return real.expand(batch, q_len)
 
 
-def ragged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """AttentionInterface function: ``(out [B, q, Hq, d], None)``."""
+def ragged_attention_forward(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None, **kwargs
+):
+    """AttentionInterface function: ``(out [B, q, Hq, d], None)``.  ``sliding_window`` and
+    ``softcap`` are what transformers' models pass for a sliding-window layer (Mistral, Qwen2,
+    Gemma 2 / 3, Phi-3) and for Gemma 2's logit soft-capping."""
     layer = getattr(key, LAYER_TAG, None)
     if layer is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if softcap is not None:
+            raise ValueError(
+                "ragged attention over an ordinary cache cannot soft-cap attention logits: serve this model "
+                "with a RaggedCache (runtime.generate / compress_prompt), or with its own eager attention"
+            )
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
@@ -71,7 +80,7 @@ def ragged_attention_forward(module, query, key, value, attention_mask, scaling=
         positions = base + torch.arange(q_len, device=query.device)
     positions = positions.expand(batch, q_len)
     scale = float(scaling) if scaling is not None else dim**-0.5
-    return layer.attend(query, real, positions, scale), None
+    return layer.attend(query, real, positions, scale, window=sliding_window, softcap=softcap), None
 
 
 def register_attention(name: str, forward) -> None:

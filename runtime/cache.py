@@ -95,6 +95,8 @@ class RaggedLayer(DynamicLayer):
         self._layout_generation = 0
         self._correction = PreparedCorrection()
         self.model_config = None  # the model's config (RaggedCache.for_model): its attention is checked
+        self.window: int | None = None  # a sliding-window layer's W (from the attention call), else None
+        self.softcap: float | None = None  # the layer's attention logit soft-capping, else None
 
     # -- the storage's tables and buffers (read-only views for callers) ---------------------
 
@@ -304,9 +306,12 @@ class RaggedLayer(DynamicLayer):
         self.store.keep_rows(rows, keep, shrink=shrink)
 
     def track_moments(self) -> None:
-        """Start moment sums for every batch element (refused once something was evicted)."""
+        """Start moment sums for every batch element (refused once something was evicted).  A
+        sliding-window layer keeps none (see :mod:`runtime.layer_attention`): it is never corrected."""
         if not self.is_initialized:
             raise ValueError("the cache is empty: prefill it before tracking moments")
+        if self.window is not None:
+            return
         for b, row in enumerate(self.rows):
             if row.moments is not None:
                 continue
@@ -320,19 +325,34 @@ class RaggedLayer(DynamicLayer):
     # -- attention ---------------------------------------------------------------------------
 
     def attend(
-        self, query: torch.Tensor, real: torch.Tensor | None, positions: torch.Tensor, scaling: float
+        self,
+        query: torch.Tensor,
+        real: torch.Tensor | None,
+        positions: torch.Tensor,
+        scaling: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Store the parked chunk's real tokens and attend every query head over its KV head's
         retained tokens plus the chunk (causally), all rows and heads in one computation.
 
         ``query [B, Hq, q, d]`` post-RoPE; ``real`` bool ``[B, q]`` (None: all real);
-        ``positions`` int ``[B, q]`` RoPE positions of the chunk.  Returns ``[B, q, Hq, d]``;
-        rows of padding queries are zero.
+        ``positions`` int ``[B, q]`` RoPE positions of the chunk; ``window``: the layer's sliding
+        window W (None: full attention), ``softcap``: its logit soft-capping (None: none), as the
+        model passes them (:mod:`runtime.layer_attention`).  Returns ``[B, q, Hq, d]``; rows of
+        padding queries are zero.
+
+        A sliding-window layer then drops every token the next query cannot see (those at or
+        before its newest position + 1 - W), so it never holds more than ``W - 1`` tokens between
+        forward passes (as transformers' own sliding-window cache layer), and decode steps need
+        no window mask.
         """
         if self._pending is None:
             raise RuntimeError("RaggedLayer.attend called without a parked chunk (update() first)")
         new_keys, new_values = self._pending
         self._pending = None
+        self._set_variant(window, softcap)
         if real is not None and bool(real.all()):
             real = None
         batch, _, q_len, _ = query.shape
@@ -348,11 +368,15 @@ class RaggedLayer(DynamicLayer):
         prepared = self._correction.get(self.rows, store.num_heads, store.head_dim, store.device)
         if fresh and prepared is None:  # nothing retained before this chunk: ordinary causal attention
             with torch.profiler.record_function("kvcal.attention"):
-                output = chunk_only_attention(query, new_keys, new_values, real, scaling)
+                output = chunk_only_attention(
+                    query, new_keys, new_values, real, scaling, positions=positions, window=window, softcap=softcap
+                )
         else:
             # the layout of this storage generation (the property rebuilds it after a repack)
             layout = self._layout if self._layout_generation == store.generation else self.layout
-            output = segment_layer_attention(query, store, layout, real, scaling, prepared)
+            output = segment_layer_attention(
+                query, store, layout, real, scaling, prepared, positions=positions, window=window, softcap=softcap
+            )
         for b in range(batch):
             self.rows[b].real_seen += q_len if counts is None else int(counts[b])
         self.tokens_seen += q_len
@@ -361,8 +385,24 @@ class RaggedLayer(DynamicLayer):
                 for due in due_evictions(self.rows, store.length, self.layer_idx):
                     hook, rows, budgets, next_positions, stats_rows = due
                     hook.evict_decoded(self, self.layer_idx, rows, budgets, next_positions, stats_rows)
+        if window is not None:
+            store.drop_outside_window(window)
         return output
 
+    def _set_variant(self, window: int | None, softcap: float | None) -> None:
+        """Record the layer's window and soft-capping at its first chunk; refuse a change later
+        (a cache belongs to one model)."""
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"the sliding window must be a positive integer, got {window!r}")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"the attention soft-capping must be positive, got {softcap!r}")
+        if self.tokens_seen == 0:
+            self.window, self.softcap = window, None if softcap is None else float(softcap)
+        elif (window, softcap) != (self.window, self.softcap):
+            raise ValueError(
+                f"layer {self.layer_idx} was filled with sliding window {self.window} and soft-capping "
+                f"{self.softcap}, now attended with {window} and {softcap}: a cache serves one model"
+            )
     # -- accounting ----------------------------------------------------------------------------
 
     def kv_bytes(self) -> int:
@@ -420,7 +460,7 @@ class RaggedCache(Cache):
         for index, layer in enumerate(self.layers):
             for b in range(layer.batch_size) if rows is None else rows:
                 row = layer.rows[b]
-                if orders is None:
+                if orders is None or layer.window is not None:  # sliding-window layers are never corrected
                     row.correction = None
                     continue
                 if row.moments is None:
@@ -483,6 +523,7 @@ class RaggedCache(Cache):
             target.dtype, target.device = base.dtype, base.device
             target.keys, target.values = base.keys, base.values
             target.tokens_seen, target.observe_queries = base.tokens_seen, base.observe_queries
+            target.window, target.softcap = base.window, base.softcap
             target.model_config = base.model_config
             rows = [(source, b) for source in sources for b in range(source.batch_size)]
             capacity = torch.cat([source.capacity for source in sources])  # [B', Hkv]

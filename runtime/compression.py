@@ -234,9 +234,10 @@ def compress(
     all_budgets = np.zeros((first.batch_size, num_layers, num_kv_heads), dtype=np.int64)
     rows = [b for b in range(first.batch_size) if first.real_seen[b] > 0]  # an all-padding row holds nothing
     next_positions = [first.real_seen[b] for b in rows]  # each row's next absolute position
+    windows = [layer.window for layer in cache.layers]  # sliding-window layers: budgets of what they hold
     for b in rows:
         budget_length = first.real_seen[b] if context_lengths is None else max(int(context_lengths[b]), 1)
-        all_budgets[b] = plan.head_budgets(budget_length)
+        all_budgets[b] = plan.head_budgets(budget_length, windows)
     if scores is not None:
         _check_shared_scores(scores, cache, rows)
     with torch.profiler.record_function("kvcal.eviction"):
@@ -265,7 +266,7 @@ def compress(
                 cache.set_correction(*plan.corrections, rows=[b])
             if first.real_seen[b] > 0:
                 length = first.real_seen[b] if context_lengths is None else int(context_lengths[b])
-                decode_plan = plan.decode_plan(evictor, length, b)
+                decode_plan = plan.decode_plan(evictor, length, b, windows)
                 if decode_plan is not None:
                     cache.set_decode_plan(decode_plan, row=b)
         if policy.evict_every is None or not recent_query_window(plan.scorer):

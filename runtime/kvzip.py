@@ -42,6 +42,7 @@ from .attention import ragged_attention
 from .budgets import global_budgets
 from .cache import LAYER_TAG, RaggedCache, RaggedLayer
 from .geometry import ModelGeometry
+from .paged_attention import soft_cap_
 from .policy import CompressionPolicy
 from .scorers import KVzipScorer, KVzipScores
 from .transformers_compat import cache_argument, query_length
@@ -137,7 +138,11 @@ class ReconstructionLayer(DynamicLayer):
     def get_mask_sizes(self, query: int | torch.Tensor) -> tuple[int, int]:
         return query_length(query), self.base.tokens_seen  # the chunk's own causal mask (see runtime.cache)
 
-    def attend(self, query: torch.Tensor, real, positions, scaling: float) -> torch.Tensor:
+    def attend(
+        self, query: torch.Tensor, real, positions, scaling: float, *, window=None, softcap=None
+    ) -> torch.Tensor:
+        """The model's own attention of the chunk (its sliding ``window`` and ``softcap`` as
+        :meth:`RaggedLayer.attend` takes them), and the chunk's KVzip scores (soft-capped logits)."""
         if self._pending is None:
             raise RuntimeError("ReconstructionLayer.attend called without a parked chunk")
         if real is not None and not bool(real.all()):
@@ -158,15 +163,23 @@ class ReconstructionLayer(DynamicLayer):
             all_values = torch.cat([values, new_values[0, h]])
             mask = torch.ones(q_len, old + q_len, dtype=torch.bool, device=query.device)
             mask[:, old:] = causal
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q.unsqueeze(0),
-                all_keys[None, None],
-                all_values[None, None],
-                attn_mask=mask,
-                scale=scaling,
-                enable_gqa=True,
-            )  # [1, G, q, d]: the model's own attention, nothing dropped
-            output[0, :, h * group : (h + 1) * group] = out[0].transpose(0, 1)
+            if window is not None:  # a query at p sees keys at k > p - W
+                key_positions = torch.cat([kept_positions.long(), positions[0].long().to(kept_positions.device)])
+                mask &= positions[0].long().unsqueeze(1) - key_positions.unsqueeze(0) < window
+            if softcap is None:
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q.unsqueeze(0),
+                    all_keys[None, None],
+                    all_values[None, None],
+                    attn_mask=mask,
+                    scale=scaling,
+                    enable_gqa=True,
+                )[0]  # [G, q, d]: the model's own attention, nothing dropped
+            else:
+                logits = soft_cap_((q.float() @ all_keys.float().T).mul_(scaling), softcap)  # [G, q, old + q]
+                weights = torch.softmax(logits.masked_fill_(~mask, float("-inf")), dim=-1)
+                out = (weights @ all_values.float()).to(output.dtype)
+            output[0, :, h * group : (h + 1) * group] = out.transpose(0, 1)
             # the score: softmax over the prefix, this chunk's context span and the chunk itself
             kept_positions = kept_positions.long()
             rows = ((kept_positions < self.sink) | ((kept_positions >= start) & (kept_positions < end))).nonzero()
@@ -177,7 +190,7 @@ class ReconstructionLayer(DynamicLayer):
             for lo in range(0, q_len, self.query_block):
                 hi = min(lo + self.query_block, q_len)
                 block = q[:, lo:hi].float()  # [G, b, d]
-                logits = torch.cat([block @ scored.T, block @ own.T], dim=-1) * scaling  # [G, b, m + q]
+                logits = soft_cap_(torch.cat([block @ scored.T, block @ own.T], dim=-1) * scaling, softcap)
                 logits[..., rows.shape[0] :].masked_fill_(~causal[lo:hi], float("-inf"))
                 weights = torch.softmax(logits, dim=-1)[..., : rows.shape[0]]
                 best = torch.maximum(best, weights.amax(dim=(0, 1)))

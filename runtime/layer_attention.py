@@ -12,6 +12,16 @@ heads, ``Hkv`` KV heads, ``G = Hq / Hkv``, ``q`` chunk tokens, ``d`` head dim, s
   pages; a decode step: :func:`~runtime.paged_attention.decode_attention` over the
   :class:`~runtime.layout.PageLayout`'s decode pages), then, with a correction set, the MomentKV
   merge with the evicted set's estimate (:func:`corrected_merge`, docs/design.md section 4).
+
+Both take the layer's ``window`` (a sliding-window layer's W: a query at RoPE position ``p`` sees a
+token at ``k`` only when ``p - k < W``, transformers' ``sliding_window_overlay``) and ``softcap``
+(Gemma 2's ``c tanh(logits / c)``), as transformers passes them to the attention function.  A
+decode step needs no window mask: the cache layer drops, after every step, the tokens the next
+query cannot see (:meth:`runtime.cache.RaggedLayer.attend`), so every stored row is visible.  The
+MomentKV estimate of the evicted set (:func:`corrected_merge`) uses uncapped logits: it estimates
+``sum exp(s q.k)``, and with Gemma 2's cap (50) the capped logit differs from ``s q.k`` by under
+1% while ``|s q.k| < 5``; sliding-window layers keep no moment sums (a token leaving the window
+would have to leave the sums), so they are never corrected.
 """
 
 from __future__ import annotations
@@ -20,17 +30,27 @@ import torch
 
 from .layout import PageLayout
 from .moments import PreparedMoments
-from .paged_attention import decode_attention, segment_attention
+from .paged_attention import Window, decode_attention, segment_attention, soft_cap_
 from .segments import SegmentStore
 
 
 def chunk_only_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None, scaling: float
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    real: torch.Tensor | None,
+    scaling: float,
+    *,
+    positions: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the chunk over itself, padding keys hidden: ``query [B, Hq, q, d]``,
-    ``keys / values [B, Hkv, q, d]``, ``real`` bool ``[B, q]`` (None: all real).  Returns
-    ``[B, q, Hq, d]``; rows of padding queries are zero."""
+    ``keys / values [B, Hkv, q, d]``, ``real`` bool ``[B, q]`` (None: all real); ``positions`` int
+    ``[B, q]`` (needed with a ``window``).  Returns ``[B, q, Hq, d]``; rows of padding queries are zero."""
     q_len = query.shape[2]
+    if window is not None or softcap is not None:
+        return _masked_chunk_attention(query, keys, values, real, scaling, positions, window, softcap)
     if real is None:
         out = torch.nn.functional.scaled_dot_product_attention(
             query, keys, values, is_causal=True, scale=scaling, enable_gqa=True
@@ -45,6 +65,32 @@ def chunk_only_attention(
     return out * real[:, :, None, None].to(out.dtype)
 
 
+def _masked_chunk_attention(query, keys, values, real, scaling, positions, window, softcap) -> torch.Tensor:
+    """:func:`chunk_only_attention` with a sliding window and / or soft-capping: the eager
+    computation (scores in float32, as transformers' eager attention)."""
+    batch, num_q_heads, q_len, dim = query.shape
+    group = num_q_heads // keys.shape[1]
+    device = query.device
+    visible = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril().expand(batch, q_len, q_len)
+    if real is not None:
+        visible = visible & real[:, None, :]
+    if window is not None:
+        if positions is None:
+            raise ValueError("a sliding window needs the chunk's positions")
+        distance = positions[:, :, None].long() - positions[:, None, :].long()  # [B, q, q]
+        visible = visible & (distance < window)
+    visible = visible | torch.eye(q_len, dtype=torch.bool, device=device)  # padding queries see themselves
+    keys = keys.repeat_interleave(group, dim=1)  # [B, Hq, q, d]
+    values = values.repeat_interleave(group, dim=1)
+    logits = soft_cap_(torch.matmul(query.float(), keys.float().transpose(-1, -2)).mul_(scaling), softcap)
+    logits.masked_fill_(~visible[:, None], float("-inf"))
+    weights = torch.softmax(logits, dim=-1)  # [B, Hq, q, q]
+    out = torch.matmul(weights, values.float()).to(query.dtype).transpose(1, 2)  # [B, q, Hq, d]
+    if real is not None:
+        out = out * real[:, :, None, None].to(out.dtype)
+    return out
+
+
 def segment_layer_attention(
     query: torch.Tensor,
     store: SegmentStore,
@@ -52,12 +98,17 @@ def segment_layer_attention(
     real: torch.Tensor | None,
     scaling: float,
     prepared: PreparedMoments | None,
+    *,
+    positions: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Every query of ``query [B, Hq, q, d]`` (post-RoPE) over its KV head's rows in ``store`` (the
     chunk already appended: its token ``t`` sees everything before the chunk and the chunk's real
-    tokens up to ``t``), merged with the evicted set's estimate when ``prepared``.  ``real`` bool
-    ``[B, q]`` (None: all real).  Returns ``[B, q, Hq, d]`` in the query's dtype; rows of padding
-    queries are zero."""
+    tokens up to ``t``, inside the ``window`` from its position ``positions [B, q]`` when there is
+    one), merged with the evicted set's estimate when ``prepared``.  ``real`` bool ``[B, q]``
+    (None: all real).  Returns ``[B, q, Hq, d]`` in the query's dtype; rows of padding queries are
+    zero."""
     batch, num_q_heads, q_len, dim = query.shape
     heads = store.num_heads
     group = num_q_heads // heads
@@ -66,7 +117,9 @@ def segment_layer_attention(
     if q_len == 1 and real is None:  # decoding: every query of a head sees all its stored rows
         with torch.profiler.record_function("kvcal.attention"):
             pages = layout.decode_pages(store.key_buffer, store.value_buffer, store.row_bias)
-            out, lse = decode_attention(grouped, pages.key_pages, pages.value_pages, pages.owner, pages.bias, scaling)
+            out, lse = decode_attention(
+                grouped, pages.key_pages, pages.value_pages, pages.owner, pages.bias, scaling, softcap=softcap
+            )
     else:  # a chunk: rows visible to its token t = everything before the chunk + t's rank + 1
         device = query.device
         length = store.length.to(device)  # [B, Hkv], the chunk already appended
@@ -81,8 +134,16 @@ def segment_layer_attention(
         page = layout.page_size
         key_pages, value_pages = store.key_buffer.view(-1, page, dim), store.value_buffer.view(-1, page, dim)
         owner, page_start = layout.owner, layout.page_start
+        span = None
+        if window is not None:
+            if positions is None:
+                raise ValueError("a sliding window needs the chunk's positions")
+            query_positions = positions.to(device).long()[:, None, None, :].expand(batch, heads, group, q_len)
+            span = Window(store.position_buffer.view(-1, page), query_positions.reshape(segments, group * q_len), window)
         with torch.profiler.record_function("kvcal.attention"):
-            out, lse = segment_attention(grouped, key_pages, value_pages, owner, page_start, limit, scaling)
+            out, lse = segment_attention(
+                grouped, key_pages, value_pages, owner, page_start, limit, scaling, softcap=softcap, window=span
+            )
     if prepared is not None:
         with torch.profiler.record_function("kvcal.correction"):
             out = corrected_merge(grouped.view(segments, group, q_len, dim), out, lse, prepared, scaling)

@@ -17,17 +17,51 @@ ordinary softmax attention and its log-sum-exp, split over pages and combined ex
     lse_s           = max_s + log sum_p sum_j exp(logits - max_s)
 
 Two batched matmuls (``bmm``) and a few scatter reductions per call, whatever the number of
-segments or their lengths: no Python loop over batch rows or heads.  Pure torch, so it runs on
+segments or their lengths: no Python loop over batch rows or heads.
+
+Two variants transformers' models pass to their attention function are honoured as they compute
+them: ``softcap`` (Gemma 2's logit soft-capping, ``logits = c tanh(logits / c)`` after scaling and
+before the mask) and, in :func:`segment_attention`, a sliding window (:class:`Window`: a query at
+RoPE position ``p`` sees a row at position ``k`` only when ``p - k < W``, transformers'
+``sliding_window_overlay``).  Pure torch, so it runs on
 any device (on CUDA the matmuls are cuBLAS batched GEMMs).  A query with no visible row gets
 ``out = 0`` and ``lse = -inf``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # Bound on the logits materialised at once (pages x P x query rows); larger query sets are tiled.
 _MAX_LOGITS = 1 << 24
+
+
+@dataclass(frozen=True)
+class Window:
+    """A sliding window over the pages: ``positions [num_pages, P]`` int (RoPE position of every
+    stored row), ``query_positions [S, M]`` int64 (of every query row), ``size`` W."""
+
+    positions: torch.Tensor
+    query_positions: torch.Tensor
+    size: int
+
+    def rows(self, lo: int, hi: int) -> Window:
+        """The window of query rows ``lo .. hi - 1`` only (a tile)."""
+        return Window(self.positions, self.query_positions[:, lo:hi], self.size)
+
+    def visible(self, owner: torch.Tensor) -> torch.Tensor:
+        """bool ``[num_pages, P, M]``: the row lies inside the query's window."""
+        oldest = self.query_positions.index_select(0, owner) - self.size  # [np, M]: rows at or before are out
+        return self.positions.unsqueeze(2).long() > oldest.unsqueeze(1)
+
+
+def soft_cap_(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(logits / softcap)`` in place (Gemma 2's attention logit soft-capping); None: as is."""
+    if softcap is None:
+        return logits
+    return logits.div_(softcap).tanh_().mul_(softcap)
 
 
 def segment_attention(
@@ -38,12 +72,16 @@ def segment_attention(
     page_start: torch.Tensor,
     limit: torch.Tensor,
     scaling: float,
+    *,
+    softcap: float | None = None,
+    window: Window | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [S, M, d] float32, lse [S, M] float32)``; see the module docstring.
 
     ``query [S, M, d]``; ``key_pages / value_pages [num_pages, P, d]``; ``owner`` int64
     ``[num_pages]`` (segment of each page); ``page_start`` int64 ``[num_pages]`` (the segment row
-    of each page's first row); ``limit`` int64 ``[S, M]``.
+    of each page's first row); ``limit`` int64 ``[S, M]``; ``softcap`` and ``window``: see the
+    module docstring.
     """
     num_pages, page, _ = key_pages.shape
     rows = query.shape[1]
@@ -51,15 +89,25 @@ def segment_attention(
     if rows > tile:
         parts = [
             segment_attention(
-                query[:, lo : lo + tile], key_pages, value_pages, owner, page_start, limit[:, lo : lo + tile], scaling
+                query[:, lo : lo + tile],
+                key_pages,
+                value_pages,
+                owner,
+                page_start,
+                limit[:, lo : lo + tile],
+                scaling,
+                softcap=softcap,
+                window=None if window is None else window.rows(lo, lo + tile),
             )
             for lo in range(0, rows, tile)
         ]
         return torch.cat([out for out, _ in parts], dim=1), torch.cat([lse for _, lse in parts], dim=1)
     row = page_start.unsqueeze(1) + torch.arange(page, device=owner.device)  # [np, P] segment row
     visible = row.unsqueeze(2) < limit.index_select(0, owner).unsqueeze(1)  # [np, P, M]
+    if window is not None:
+        visible &= window.visible(owner)
     bias = torch.zeros(visible.shape, dtype=torch.float32, device=owner.device).masked_fill_(~visible, float("-inf"))
-    return paged_attention(query, key_pages, value_pages, owner, bias, scaling)
+    return paged_attention(query, key_pages, value_pages, owner, bias, scaling, softcap=softcap)
 
 
 def paged_attention(
@@ -69,10 +117,12 @@ def paged_attention(
     owner: torch.Tensor,
     bias: torch.Tensor,
     scaling: float,
+    *,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The split-K computation with an additive ``bias`` (0 visible, ``-inf`` hidden) broadcastable
-    to ``[num_pages, P, M]``: e.g. ``[num_pages, P, 1]``, one bias per stored row, while decoding.
-    Returns ``(out [S, M, d], lse [S, M])`` float32."""
+    to ``[num_pages, P, M]``: e.g. ``[num_pages, P, 1]``, one bias per stored row, while decoding;
+    logits soft-capped first when ``softcap``.  Returns ``(out [S, M, d], lse [S, M])`` float32."""
     segments, rows, dim = query.shape
     num_pages = key_pages.shape[0]
     device = query.device
@@ -83,7 +133,7 @@ def paged_attention(
         )
     page_query = (query * scaling).to(key_pages.dtype).index_select(0, owner)  # [np, M, d]
     # [np, P, M]: keys as the left operand (contiguous rows) is the fast layout for bmm
-    logits = torch.bmm(key_pages, page_query.transpose(1, 2)).float().add_(bias)
+    logits = soft_cap_(torch.bmm(key_pages, page_query.transpose(1, 2)).float(), softcap).add_(bias)
     seg_max = torch.full((segments, rows), float("-inf"), dtype=torch.float32, device=device)
     seg_max.scatter_reduce_(0, owner.unsqueeze(1).expand(-1, rows), logits.amax(dim=1), "amax")
     seg_max.clamp_min_(torch.finfo(torch.float32).min)  # a segment with no visible row: exp(-inf) = 0 below
@@ -122,6 +172,8 @@ def decode_attention(
     owner: torch.Tensor,
     row_bias: torch.Tensor,
     scaling: float,
+    *,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every query of a segment sees the same rows (decoding): ``row_bias [num_pages, P]`` in the
     keys' dtype is 0 for a stored row and ``-inf`` for free capacity, and a segment's rows fill its
@@ -130,13 +182,15 @@ def decode_attention(
 
     On CPU each page runs through PyTorch's fused flash-attention kernel (as one batch of
     pages, returning each page's log-sum-exp) and the pages are merged; elsewhere, or for dtypes
-    that kernel does not take, the two-``bmm`` path of :func:`paged_attention`.  Returns
-    ``(out [S, M, d], lse [S, M])`` float32.
+    that kernel does not take, or with ``softcap`` (the kernel cannot soft-cap), the two-``bmm``
+    path of :func:`paged_attention`.  Returns ``(out [S, M, d], lse [S, M])`` float32.
     """
     segments, rows, dim = query.shape
     num_pages, page, _ = key_pages.shape
-    if num_pages == 0 or query.device.type != "cpu" or key_pages.dtype not in _FLASH_CPU_DTYPES:
-        return paged_attention(query, key_pages, value_pages, owner, row_bias.float().unsqueeze(2), scaling)
+    fused = query.device.type == "cpu" and key_pages.dtype in _FLASH_CPU_DTYPES and softcap is None
+    if num_pages == 0 or not fused:
+        bias = row_bias.float().unsqueeze(2)
+        return paged_attention(query, key_pages, value_pages, owner, bias, scaling, softcap=softcap)
     live = (row_bias[:, 0] == 0).unsqueeze(1)  # [np, 1]; a page with no visible row reports lse 0
     if num_pages == segments:  # one page per segment (equal capacities): nothing to merge
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

@@ -287,6 +287,27 @@ class SegmentStore:
         self.refresh_lengths()
         self.loose = self.loose or shrink
 
+    def drop_outside_window(self, window: int) -> None:
+        """Drop every row the next query of its batch row cannot see through a sliding window of
+        ``window`` tokens: those at positions ``<= newest + 1 - window``, ``newest`` the batch row's
+        latest stored position.  The memory is released (at the next :meth:`compact`) only when
+        the segments are far larger than the window, e.g. after a long prefill: decode steps
+        reuse their capacity."""
+        n = int(self.length.max()) if self.length.numel() else 0
+        if n == 0:
+            return
+        batch, heads = self.length.shape
+        row = torch.arange(n)
+        valid = row < self.length.unsqueeze(-1)  # [B, Hkv, n] host
+        index = torch.where(valid, self.offset.unsqueeze(-1) + row, 0).to(self.device)
+        valid = valid.to(self.device)
+        positions = self.position_buffer.index_select(0, index.reshape(-1)).view(batch, heads, n).long()
+        newest = torch.where(valid, positions, -1).amax(dim=(1, 2))  # [B]
+        keep = valid & (positions > (newest + 1 - window).view(batch, 1, 1))
+        if bool((keep == valid).all()):
+            return
+        self.keep_rows(list(range(batch)), keep, shrink=int(self.capacity.max()) > 2 * window)
+
     # -- accounting ------------------------------------------------------------------------
 
     def kv_bytes(self) -> int:

@@ -74,13 +74,29 @@ class ServingPlan:
     def num_kv_heads(self) -> int:
         return self.geometry.num_kv_heads
 
-    def head_budgets(self, seq_len: int) -> np.ndarray:
-        """Integer tokens to keep per KV head, int64 ``[L, Hkv]``, for a context of ``seq_len`` tokens."""
+    def head_budgets(self, seq_len: int, windows: list[int | None] | None = None) -> np.ndarray:
+        """Integer tokens to keep per KV head, int64 ``[L, Hkv]``, for a context of ``seq_len`` tokens.
+
+        ``windows``: each layer's sliding window (None: full attention; ``RaggedLayer.window``).  A
+        sliding-window layer holds at most ``W - 1`` tokens, so its heads get the budgets of a
+        context of ``min(seq_len, W - 1)`` tokens: a ratio is a ratio of what the layer holds.
+        """
+        budgets = self._budgets(seq_len)
+        for window in sorted({w for w in windows or () if w is not None}):
+            held = min(int(seq_len), window - 1)
+            if held < seq_len:
+                sliding = [index for index, w in enumerate(windows) if w == window]
+                budgets[sliding] = self._budgets(max(held, 1))[sliding]
+        return budgets
+
+    def _budgets(self, seq_len: int) -> np.ndarray:
         return self.policy.head_budgets(
             seq_len, self.num_layers, self.num_kv_heads, self.inf_weights, self.budget_curve
         )
 
-    def decode_plan(self, evictor, context_length: int, row: int) -> DecodePlan | None:
+    def decode_plan(
+        self, evictor, context_length: int, row: int, windows: list[int | None] | None = None
+    ) -> DecodePlan | None:
         """Decode-time eviction of batch row ``row`` by ``evictor`` (the compression's
         :class:`runtime.eviction.HeadEvictor`, the cache's hook): each head held to its budget for
         a context of ``max(context_length, policy.budget)`` tokens, cut back once it holds
@@ -88,7 +104,7 @@ class ServingPlan:
         if self.policy.evict_every is None:
             return None
         # a token budget bounds each head while decoding even when the prompt was shorter
-        budgets = self.head_budgets(max(int(context_length), self.policy.budget or 0))
+        budgets = self.head_budgets(max(int(context_length), self.policy.budget or 0), windows)
         return DecodePlan(hook=evictor, budgets=budgets, every=int(self.policy.evict_every), stats_row=row)
 
     def check_model(self, model) -> None:

@@ -1,0 +1,120 @@
+"""Issue 27's architecture matrix on tiny random-weight models (tests/tiny_architectures.py).
+
+For every architecture the toolkit accepts: the runtime's cache with nothing evicted computes
+what the unmodified model computes (its own eager attention, each batch row on its own), through
+a first prefill, a chunk over a filled cache and single decode steps, within 1e-4; a
+sliding-window layer never holds more than ``W - 1`` tokens between forward passes; eviction runs
+(one-shot, block-wise, with MomentKV correction and decode-time eviction).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_architectures import ARCHITECTURES, SLIDING, VOCAB, WINDOW, make_tiny
+
+from runtime import CompressionPolicy, RaggedCache, cache_argument, generate, prefill, ragged_attention
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOLERANCE = 1e-4
+PROMPTS = (150, 117)  # real prompt tokens of the two batch rows (left-padded to the longest)
+CHUNK, STEPS = 12, 6  # then a chunk of 12 columns over the filled cache, then 6 decode steps
+
+
+def _windows(model) -> list[int | None]:
+    """Each layer's sliding window as the model passes it to its attention function."""
+    config = model.config
+    windows = []
+    for layer in model.model.layers:
+        window = getattr(layer.self_attn, "sliding_window", None)
+        if window is None and type(model).__name__.startswith("Mistral"):
+            window = getattr(config, "sliding_window", None)  # Mistral passes the config's to every layer
+        windows.append(window)
+    return windows
+
+
+def _forward(model, cache, ids, mask):
+    """Logits ``[B, q, V]`` of feeding ``ids [B, q]`` through ``cache``, positions following the
+    real tokens (as runtime.prefill and generate() number them)."""
+    seen = torch.tensor(cache.layers[0].real_seen)
+    chunk = mask[:, -ids.shape[1] :]
+    positions = (seen.unsqueeze(1) + chunk.cumsum(-1) - 1).clamp(min=0)
+    with ragged_attention(model):
+        return model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache_argument(model, cache)
+        ).logits
+
+
+def _check_window(model, cache):
+    for index, window in enumerate(_windows(model)):
+        layer = cache.layers[index]
+        assert layer.window == window, f"layer {index}"
+        if window is not None:
+            assert int(layer.length.max()) <= window - 1, f"layer {index} holds more than its window"
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+@torch.no_grad()
+def test_nothing_evicted_equals_the_unmodified_model(name):
+    model = make_tiny(name)
+    generator = torch.Generator().manual_seed(3)
+    width = max(PROMPTS)
+    rows = [torch.randint(3, VOCAB, (length + CHUNK + STEPS,), generator=generator) for length in PROMPTS]
+    # the reference: each row alone, unpadded, through the model's own (eager) attention
+    reference = [model(row.unsqueeze(0)).logits[0] for row in rows]  # [T_b, V]
+
+    pad = [width - length for length in PROMPTS]
+    ids = torch.stack([torch.cat([torch.zeros(p, dtype=torch.long), row]) for p, row in zip(pad, rows, strict=True)])
+    mask = torch.stack([torch.cat([torch.zeros(p), torch.ones(row.shape[0])]).long() for p, row in zip(pad, rows, strict=True)])
+    cache = RaggedCache.for_model(model)
+    prefill(model, cache, ids[:, : width - 1], mask[:, : width - 1])  # the runtime's own prefill
+    _check_window(model, cache)
+    fed = width - 1
+    for step in [CHUNK + 1] + [1] * STEPS:  # a chunk over the filled cache, then decode steps
+        logits = _forward(model, cache, ids[:, fed : fed + step], mask[:, : fed + step])
+        _check_window(model, cache)
+        for b, p in enumerate(pad):
+            expected = reference[b][fed - p : fed - p + step]
+            difference = (logits[b] - expected).abs().max().item()
+            assert difference < TOLERANCE, f"{name} row {b}, columns {fed}..{fed + step}: {difference:.2e}"
+        fed += step
+    assert fed == ids.shape[1]
+
+
+POLICIES = {
+    "leverage": dict(policy=CompressionPolicy(compression_ratio=0.75)),
+    "leverage-blocks": dict(policy=CompressionPolicy(compression_ratio=0.75), block_size=48),
+    "keydiff-order1-decode": dict(
+        policy=CompressionPolicy(compression_ratio=0.75, scorer="keydiff", correction="order1", evict_every=2)
+    ),
+}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("name", ARCHITECTURES)
+@torch.no_grad()
+def test_eviction_runs_and_sliding_layers_keep_a_ratio_of_their_window(name, policy):
+    model = make_tiny(name)
+    generator = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, VOCAB, (2, 200), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :30] = 0
+    arguments = POLICIES[policy]
+    result = generate(
+        model, ids, arguments["policy"], attention_mask=mask, context_columns=190, max_new_tokens=5,
+        block_size=arguments.get("block_size"),
+    )
+    assert result.new_tokens.shape == (2, 5)
+    report = result.report
+    windows = _windows(model)
+    for index, window in enumerate(windows):
+        held = report.lengths_after[index]  # [B, Hkv] after the prompt's compression
+        assert (held <= report.budgets[:, index]).all()
+        if window is not None:
+            # a quarter of what the layer held (W - 1 tokens), not a quarter of the context
+            assert (held <= (window - 1) // 4 + 1).all(), (index, held)
+            assert int(result.cache.layers[index].length.max()) <= window - 1
+    if any(window is not None for window in windows):
+        assert name in SLIDING
+    assert WINDOW > 4
