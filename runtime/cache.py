@@ -403,6 +403,7 @@ class RaggedLayer(DynamicLayer):
                 f"layer {self.layer_idx} was filled with sliding window {self.window} and soft-capping "
                 f"{self.softcap}, now attended with {window} and {softcap}: a cache serves one model"
             )
+
     # -- accounting ----------------------------------------------------------------------------
 
     def kv_bytes(self) -> int:

@@ -139,7 +139,9 @@ def segment_layer_attention(
             if positions is None:
                 raise ValueError("a sliding window needs the chunk's positions")
             query_positions = positions.to(device).long()[:, None, None, :].expand(batch, heads, group, q_len)
-            span = Window(store.position_buffer.view(-1, page), query_positions.reshape(segments, group * q_len), window)
+            span = Window(
+                store.position_buffer.view(-1, page), query_positions.reshape(segments, group * q_len), window
+            )
         with torch.profiler.record_function("kvcal.attention"):
             out, lse = segment_attention(
                 grouped, key_pages, value_pages, owner, page_start, limit, scaling, softcap=softcap, window=span
