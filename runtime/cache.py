@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .geometry import ModelGeometry
+from .geometry import ModelGeometry, UnsupportedModelError
 from .layer_attention import chunk_only_attention, segment_layer_attention
 from .layout import PageLayout
 from .moments import MomentSums
@@ -430,8 +430,15 @@ class RaggedCache(Cache):
 
     @classmethod
     def for_model(cls, model) -> RaggedCache:
-        """A cache for ``model``; it refuses a forward pass that does not run the ragged attention."""
-        cache = cls(ModelGeometry.of(model).num_layers)
+        """A cache for ``model``; it refuses a forward pass that does not run the ragged attention,
+        and a model whose attention it cannot compute (:func:`runtime.attention.unsupported_attention`)."""
+        from .attention import unsupported_attention  # attention imports this module
+
+        geometry = ModelGeometry.of(model)
+        problem = unsupported_attention(model.config)
+        if problem is not None:
+            raise UnsupportedModelError(f"{type(model).__name__} cannot be served with a RaggedCache: {problem}")
+        cache = cls(geometry.num_layers)
         for layer in cache.layers:
             layer.model_config = model.config
         return cache

@@ -135,3 +135,22 @@ def test_eviction_runs_and_sliding_layers_keep_a_ratio_of_their_window(name, pol
     if any(window is not None for window in windows):
         assert name in SLIDING
     assert WINDOW > 4
+
+
+def test_attention_the_ragged_cache_cannot_compute_is_refused_by_name():
+    """Hybrid layer types (linear attention) and Llama 4's chunked attention are refused when the
+    cache is made, before any forward pass; learned sinks when a model passes them."""
+    from runtime import UnsupportedModelError
+    from runtime.attention import ragged_attention_forward
+
+    model = make_tiny("qwen2")
+    model.config.layer_types = ["full_attention", "linear_attention"] * 2
+    with pytest.raises(UnsupportedModelError, match="linear_attention"):
+        RaggedCache.for_model(model)
+    model = make_tiny("llama")
+    model.config.attention_chunk_size = 32
+    with pytest.raises(UnsupportedModelError, match="chunked attention"):
+        RaggedCache.for_model(model)
+    query = torch.zeros(1, 4, 1, 16)
+    with pytest.raises(ValueError, match="attention sinks"):
+        ragged_attention_forward(None, query, query[:, :2], query[:, :2], None, s_aux=torch.zeros(4))
