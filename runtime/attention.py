@@ -33,7 +33,6 @@ import torch
 
 from .cache import ATTENTION_NAME, LAYER_TAG
 
-
 # What a model passes its attention function that the ragged attention cannot compute: learned
 # attention sinks (gpt-oss's ``s_aux``, ``sinks``) and additive position biases (T5-style).
 UNSUPPORTED_ARGUMENTS = {
