@@ -56,6 +56,7 @@ from .row_state import (
     fold_evicted,
 )
 from .segments import SegmentStore
+from .supported_attention import unsupported_attention
 from .transformers_compat import query_length
 
 __all__ = [
@@ -431,9 +432,7 @@ class RaggedCache(Cache):
     @classmethod
     def for_model(cls, model) -> RaggedCache:
         """A cache for ``model``; it refuses a forward pass that does not run the ragged attention,
-        and a model whose attention it cannot compute (:func:`runtime.attention.unsupported_attention`)."""
-        from .attention import unsupported_attention  # attention imports this module
-
+        and a model whose attention it cannot compute (:func:`runtime.supported_attention.unsupported_attention`)."""
         geometry = ModelGeometry.of(model)
         problem = unsupported_attention(model.config)
         if problem is not None:

@@ -154,3 +154,32 @@ def test_attention_the_ragged_cache_cannot_compute_is_refused_by_name():
     query = torch.zeros(1, 4, 1, 16)
     with pytest.raises(ValueError, match="attention sinks"):
         ragged_attention_forward(None, query, query[:, :2], query[:, :2], None, s_aux=torch.zeros(4))
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_the_embedded_model_with_a_sliding_window_is_served_exactly(embedded_model, embedded_tokenizer):
+    """The real embedded weights in Mistral's architecture with a 128-token window (Llama and
+    Mistral share their weight names): with nothing evicted the runtime's logits over the last ten
+    columns of a 600-token prompt, and its greedy answer, are the unmodified model's own;
+    compressed, each layer holds a quarter of its window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(**{**embedded_model.config.to_dict(), "sliding_window": 128})
+    config._attn_implementation = "eager"
+    model = MistralForCausalLM(config).eval()
+    model.load_state_dict(embedded_model.state_dict())
+    text = "The barge passed the mill at dawn. " * 70 + "The passcode is 4817. What is the passcode?"
+    ids = embedded_tokenizer(text, return_tensors="pt").input_ids[:, -600:]
+    reference = model(ids).logits[0]  # [600, V]
+    cache = RaggedCache.for_model(model)
+    prefill(model, cache, ids[:, :590])
+    mask = torch.ones_like(ids)
+    for column in range(590, 600):
+        logits = _forward(model, cache, ids[:, column : column + 1], mask[:, : column + 1])[0, -1]
+        assert (logits - reference[column]).abs().max().item() < TOLERANCE
+        _check_window(model, cache)
+    expected = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(generate(model, ids, None, max_new_tokens=6).sequences, expected)
+    compressed = generate(model, ids, CompressionPolicy(compression_ratio=0.75), context_columns=590, max_new_tokens=4)
+    assert int(compressed.report.lengths_after.max()) <= 127 // 4 + 1
