@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.utils import ModelOutput
 
 from prompt_format import encode_prompt
 
@@ -173,10 +174,78 @@ def compress_prompt(
 
 @dataclass
 class GenerationResult:
-    sequences: torch.Tensor  # [B, T + new] as returned by model.generate
-    new_tokens: torch.Tensor  # [B, new]
+    """What :func:`generate` returns.
+
+    ``sequences`` / ``new_tokens`` are ``model.generate``'s rows: ``B x num_return_sequences`` of
+    them, each prompt row's together (transformers' order).  ``output`` is transformers' own
+    ``GenerateOutput`` when ``return_dict_in_generate=True`` (None otherwise): ``scores`` and
+    ``logits`` read it (tuples of ``[rows, vocab]``, one per step, when asked for with
+    ``output_scores`` / ``output_logits``), as do ``sequences_scores`` and ``beam_indices``.
+    ``report`` is the compression of the ``B`` prompt rows; ``cache`` holds generate()'s working
+    rows after the last step (``B x max(num_beams, num_return_sequences)``: under beam search the
+    running beams, not aligned with ``sequences``).
+    """
+
+    sequences: torch.Tensor  # [B * num_return_sequences, T + new] as returned by model.generate
+    new_tokens: torch.Tensor  # [B * num_return_sequences, new]
     cache: RaggedCache
     report: CompressionReport | None
+    output: ModelOutput | None = None  # transformers' GenerateOutput (return_dict_in_generate=True)
+
+    @property
+    def scores(self) -> tuple[torch.Tensor, ...] | None:
+        """The generate output's processed ``scores`` (``output_scores=True``), else None."""
+        return None if self.output is None else self.output.get("scores")
+
+    @property
+    def logits(self) -> tuple[torch.Tensor, ...] | None:
+        """The generate output's raw ``logits`` (``output_logits=True``), else None."""
+        return None if self.output is None else self.output.get("logits")
+
+
+def rows_per_prompt(model, generate_kwargs: dict) -> int:
+    """How many rows ``model.generate(**generate_kwargs)`` makes of each prompt row:
+    ``max(num_beams, num_return_sequences)`` of the generation config it resolves (its arguments,
+    or ``generation_config``, over ``model.generation_config`` over the library defaults).
+
+    generate() expands its inputs to that many rows before the first forward pass but never the
+    cache it is given (transformers 5.2 to 5.24), so a cache prefilled at the prompt's batch must
+    be expanded first.  The resolution is transformers' own (``_prepare_generation_config``, the
+    same in every supported version), so a default set in the model's ``generation_config``
+    counts as it does in generate().
+    """
+    kwargs = dict(generate_kwargs)
+    config, _ = model._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
+    return max(int(config.num_beams or 1), int(config.num_return_sequences or 1))
+
+
+def generate_from_cache(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    cache: RaggedCache,
+    report: CompressionReport | None,
+    **generate_kwargs,
+) -> GenerationResult:
+    """``model.generate`` of ``input_ids [B, T]`` through ``cache``, which holds the compressed
+    prefix of these ``B`` rows: expanded here to generate()'s rows (beams, several sequences per
+    prompt: :func:`rows_per_prompt`), reordered by generate() itself with the beams."""
+    generate_kwargs.setdefault("do_sample", False)
+    expand = rows_per_prompt(model, generate_kwargs)
+    if expand > 1:
+        cache.batch_repeat_interleave(expand)  # rows [b0, b0, ..., b1, b1, ...] as generate() expands its inputs
+    with ragged_attention(model):  # for this call only: the model keeps its own implementation
+        output = model.generate(
+            input_ids, attention_mask=attention_mask, **cache_argument(model, cache), **generate_kwargs
+        )
+    sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    return GenerationResult(
+        sequences=sequences,
+        new_tokens=sequences[:, input_ids.shape[1] :],
+        cache=cache,
+        report=report,
+        output=None if isinstance(output, torch.Tensor) else output,
+    )
 
 
 @torch.no_grad()
@@ -191,7 +260,13 @@ def generate(
     block_size: int | None = None,
     **generate_kwargs,
 ) -> GenerationResult:
-    """:func:`compress_prompt` then ``model.generate`` (greedy unless ``do_sample=True``)."""
+    """:func:`compress_prompt` then ``model.generate`` (greedy unless ``do_sample=True``).
+
+    ``generate_kwargs`` are generate()'s own: beam search (``num_beams``), several sequences per
+    prompt (``num_return_sequences``, sampled or beams) and ``return_dict_in_generate`` (with
+    ``output_scores`` / ``output_logits``: :class:`GenerationResult` ``output``) work as with an
+    uncompressed model; the prompt is compressed once per row, before generate() expands it.
+    """
     cache, report = compress_prompt(
         model,
         input_ids,
@@ -202,14 +277,7 @@ def generate(
         block_size=block_size,
     )
     attention_mask = check_inputs(model, input_ids, attention_mask)
-    generate_kwargs.setdefault("do_sample", False)
-    with ragged_attention(model):  # for this call only: the model keeps its own implementation
-        sequences = model.generate(
-            input_ids, attention_mask=attention_mask, **cache_argument(model, cache), **generate_kwargs
-        )
-    return GenerationResult(
-        sequences=sequences, new_tokens=sequences[:, input_ids.shape[1] :], cache=cache, report=report
-    )
+    return generate_from_cache(model, input_ids, attention_mask, cache, report, **generate_kwargs)
 
 
 def split_prompt(tokenizer, context: str, question: str, chat: bool = True) -> tuple[list[int], list[int]]:
