@@ -292,6 +292,20 @@ def split_prompt(tokenizer, context: str, question: str, chat: bool = True) -> t
     return ids[:context_end], ids[context_end:]
 
 
+def _strings(name: str, value) -> tuple[list[str], bool]:
+    """``value`` (a str, or a list or tuple of them) as a list, and whether it was one str."""
+    if isinstance(value, str):
+        return [value], True
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a str or a list of str, got {type(value).__name__}")
+    for index, item in enumerate(value):
+        if not isinstance(item, str):
+            raise TypeError(f"{name} {index} is {type(item).__name__}, not str")
+    if not value:
+        raise ValueError(f"need at least one {name}, got an empty list")
+    return list(value), False
+
+
 def answer(
     model,
     tokenizer,
@@ -304,27 +318,72 @@ def answer(
     chat: bool = True,
     max_new_tokens: int = 32,
     **generate_kwargs,
-) -> str | list[str]:
-    """Answer ``question`` about ``context`` with a compressed cache (lists: one batch); ``policy``
-    as :func:`compress_prompt` takes it."""
-    single = isinstance(context, str)
-    contexts = [context] if single else list(context)
-    questions = [question] if isinstance(question, str) else list(question)
-    if len(contexts) != len(questions):
-        raise ValueError(f"got {len(contexts)} contexts and {len(questions)} questions")
+) -> str | list:
+    """Answer questions about contexts with a compressed cache; ``policy`` as :func:`compress_prompt`
+    takes it, ``generate_kwargs`` as ``model.generate`` does (greedy unless ``do_sample=True``).
+
+    * ``answer(model, tok, context, question, policy)``: one answer (a str);
+    * ``answer(model, tok, context, [q1, q2, ...], policy)``: one context, many questions (kvpress's
+      ``questions=[...]``): a list of answers.  Question-agnostic compression serves one
+      compressed context to every question: the context is prefilled and compressed **once**,
+      each question answered from its own copy of the cache, all in one batch (the answers are
+      those of asking each question on its own).  With ``question_aware=True`` each prompt is
+      compressed with its own question (the context is prefilled once per question);
+    * ``answer(model, tok, [c1, c2, ...], [q1, q2, ...], policy)``: one question per context, a
+      list of answers (one batch, left-padded).
+
+    With ``num_return_sequences=n > 1`` each answer is a list of its ``n`` texts (beams: the
+    best first).  Arguments are checked before any forward pass.
+    """
+    contexts, one_context = _strings("context", context)
+    questions, one_question = _strings("question", question)
+    if not one_context and one_question:
+        raise ValueError(
+            f"got {len(contexts)} contexts and one question: give one question per context (a list of "
+            f"{len(contexts)}); to ask several questions about one context, pass the context as a str"
+        )
+    if not one_context and len(contexts) != len(questions):
+        raise ValueError(f"got {len(contexts)} contexts and {len(questions)} questions: give one question per context")
+    if one_context:
+        contexts = contexts * len(questions)
     pairs = [split_prompt(tokenizer, c, q, chat=chat) for c, q in zip(contexts, questions, strict=True)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids, mask, context_columns = build_inputs([p[0] for p in pairs], [p[1] for p in pairs], pad)
     generate_kwargs.setdefault("pad_token_id", pad)
-    result = generate(
-        model,
-        ids,
-        policy,
-        attention_mask=mask,
-        context_columns=None if question_aware else context_columns,
-        calibration=calibration,
-        max_new_tokens=max_new_tokens,
-        **generate_kwargs,
-    )
+    generate_kwargs["max_new_tokens"] = max_new_tokens
+    if one_context and len(questions) > 1 and not question_aware:
+        result = _answer_from_one_context(model, ids, mask, pairs, policy, calibration, generate_kwargs)
+    else:
+        result = generate(
+            model,
+            ids,
+            policy,
+            attention_mask=mask,
+            context_columns=None if question_aware else context_columns,
+            calibration=calibration,
+            **generate_kwargs,
+        )
     texts = [tokenizer.decode(row, skip_special_tokens=True).strip() for row in result.new_tokens]
-    return texts[0] if single else texts
+    per_question = len(texts) // len(pairs)  # num_return_sequences
+    if per_question > 1:
+        texts = [texts[i : i + per_question] for i in range(0, len(texts), per_question)]
+    return texts[0] if one_context and one_question else texts
+
+
+@torch.no_grad()
+def _answer_from_one_context(model, ids, mask, pairs, policy, calibration, generate_kwargs) -> GenerationResult:
+    """Prompts ``ids [Q, Lc + Lq]`` (rows ``[context, pad, question]``) of one context: the context
+    (the same ``Lc`` tokens in every row) compressed once, in row 0, then copied to every row."""
+    context_ids = pairs[0][0]
+    for index, (other, _) in enumerate(pairs):
+        if other != context_ids:  # the tokenizer merged the context's end with this question's start
+            raise ValueError(
+                f"question {index} splits the prompt at another token than question 0, so its context "
+                "tokens differ and one compressed context cannot serve both; pass question_aware=True"
+            )
+    mask = check_inputs(model, ids, mask)  # every prompt, before the context's forward pass
+    cache, report = compress_prompt(
+        model, ids[:1], policy, attention_mask=mask[:1], context_columns=len(context_ids), calibration=calibration
+    )
+    cache.batch_repeat_interleave(ids.shape[0])  # one copy of the compressed context per question
+    return generate_from_cache(model, ids, mask, cache, report, **generate_kwargs)

@@ -198,3 +198,103 @@ def test_reordering_carries_every_row_state():
                 first, second = ours.layers[0].rows[0].moments, ours.layers[0].rows[1].moments
                 assert first is not second
         assert (both.head_lengths() == singles[0].head_lengths()[:, :1].expand(-1, 2, -1)).any()  # source untouched
+
+
+# -- one context, many questions -----------------------------------------------------------------
+
+CONTEXT = "The grass is green. The sky is blue. The passcode is 4821. Here we go. There and back again. " * 3
+QUESTIONS = ["What is the passcode?", "What colour is the sky?", "Which colour does the grass have, and why is it so?"]
+
+
+class ContextPasses:
+    """Records the batch size of every forward pass of ``model`` that feeds at least ``columns``
+    token columns (a pass over the context: questions and decode steps are shorter)."""
+
+    def __init__(self, model, columns: int):
+        self.model, self.columns, self.rows = model, columns, []
+
+    def _record(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.shape[1] >= self.columns:
+            self.rows.append(int(ids.shape[0]))
+
+    def __enter__(self):
+        self.handle = self.model.register_forward_pre_hook(self._record, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(embedded_tokenizer):
+    """A tiny random Llama over the embedded tokenizer's vocabulary (answer() builds chat prompts)."""
+    return make_tiny_llama(num_layers=2, vocab_size=len(embedded_tokenizer), seed=1)
+
+
+@pytest.mark.parametrize("name", ["half keydiff", "decode-time eviction with moments"])
+@torch.no_grad()
+def test_one_context_many_questions_compresses_once_and_answers_as_one_by_one(
+    name, tiny_chat_model, embedded_tokenizer
+):
+    """``answer(model, tokenizer, context, [q1, q2, q3], policy)``: the context is prefilled and
+    compressed once (one forward pass over it, batch 1), each question answered from its own copy
+    in one batch, and the answers are those of asking each question on its own."""
+    from runtime.generation import split_prompt
+
+    model, tokenizer = tiny_chat_model, embedded_tokenizer
+    policy = {
+        "half keydiff": CompressionPolicy(compression_ratio=0.5, scorer="keydiff"),
+        "decode-time eviction with moments": EVICTING["decode-time eviction with moments"],
+    }[name]
+    columns = len(split_prompt(tokenizer, CONTEXT, QUESTIONS[0])[0])
+    with ContextPasses(model, columns) as batched:
+        texts = answer(model, tokenizer, CONTEXT, QUESTIONS, policy, max_new_tokens=6)
+    with ContextPasses(model, columns) as separate:
+        singles = [answer(model, tokenizer, CONTEXT, question, policy, max_new_tokens=6) for question in QUESTIONS]
+    assert batched.rows == [1] and separate.rows == [1, 1, 1]
+    assert isinstance(texts, list) and texts == singles
+    assert len(set(texts)) > 1  # the questions get different answers: rows mixed up would show
+    # question-aware: each prompt is compressed with its own question (one pass, one row each)
+    with ContextPasses(model, columns) as aware:
+        texts = answer(model, tokenizer, CONTEXT, QUESTIONS, policy, question_aware=True, max_new_tokens=6)
+    singles = [
+        answer(model, tokenizer, CONTEXT, question, policy, question_aware=True, max_new_tokens=6)
+        for question in QUESTIONS
+    ]
+    assert aware.rows == [3] and texts == singles
+
+
+@torch.no_grad()
+def test_answer_groups_several_sequences_per_question(tiny_chat_model, embedded_tokenizer):
+    """``num_return_sequences=n``: each question's answer is a list of its n texts (beams: the best first)."""
+    model, tokenizer = tiny_chat_model, embedded_tokenizer
+    policy = CompressionPolicy(compression_ratio=0.5, scorer="keydiff")
+    options = dict(num_beams=3, num_return_sequences=2, max_new_tokens=5)
+    many = answer(model, tokenizer, CONTEXT, QUESTIONS[:2], policy, **options)
+    one = answer(model, tokenizer, CONTEXT, QUESTIONS[1], policy, **options)
+    assert [len(texts) for texts in many] == [2, 2] and isinstance(one, list) and len(one) == 2
+    assert many[1] == one
+    pairs = answer(model, tokenizer, [CONTEXT, CONTEXT[:150]], QUESTIONS[:2], policy, **options)
+    assert [len(texts) for texts in pairs] == [2, 2] and pairs[0] == many[0]
+
+
+@pytest.mark.parametrize(
+    ("context", "question", "error", "match"),
+    [
+        ([CONTEXT, CONTEXT], QUESTIONS[0], ValueError, "one question per context"),
+        ([CONTEXT, CONTEXT], QUESTIONS, ValueError, "got 2 contexts and 3 questions"),
+        (CONTEXT, [], ValueError, "at least one question"),
+        ([], [], ValueError, "at least one context"),
+        (CONTEXT, [QUESTIONS[0], 7], TypeError, "question 1 is int"),
+        ([CONTEXT, b"bytes"], QUESTIONS[:2], TypeError, "context 1 is bytes"),
+        (None, QUESTIONS[0], TypeError, "context must be a str or a list of str"),
+        (CONTEXT, {"a", "b"}, TypeError, "question must be a str or a list of str"),
+    ],
+)
+def test_answer_refuses_mismatched_contexts_and_questions_before_any_pass(
+    context, question, error, match, tiny_chat_model, embedded_tokenizer
+):
+    with ContextPasses(tiny_chat_model, 1) as passes, pytest.raises(error, match=match):
+        answer(tiny_chat_model, embedded_tokenizer, context, question, CompressionPolicy(compression_ratio=0.5))
+    assert passes.rows == []
