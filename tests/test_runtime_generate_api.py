@@ -298,3 +298,37 @@ def test_answer_refuses_mismatched_contexts_and_questions_before_any_pass(
     with ContextPasses(tiny_chat_model, 1) as passes, pytest.raises(error, match=match):
         answer(tiny_chat_model, embedded_tokenizer, context, question, CompressionPolicy(compression_ratio=0.5))
     assert passes.rows == []
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_embedded_model_beams_and_many_questions(embedded_model, embedded_tokenizer):
+    """The real model: beams with several sequences at full budget are transformers' own (sequences,
+    scores within 1e-4); under eviction they run; one context answers three questions compressed
+    once, as asking each on its own does."""
+    from runtime.generation import split_prompt
+
+    model, tokenizer = embedded_model, embedded_tokenizer
+    context_ids, question_ids = split_prompt(tokenizer, CONTEXT, QUESTIONS[0])
+    ids = torch.tensor([context_ids + question_ids])
+    options = dict(
+        num_beams=2,
+        num_return_sequences=2,
+        max_new_tokens=8,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    reference = model.generate(ids, **options)
+    result = generate(model, ids, None, context_columns=len(context_ids), **options)
+    assert torch.equal(result.sequences, reference.sequences)
+    assert_scores_close(result.scores, reference.scores)
+    evicted = generate(
+        model, ids, EVICTING["decode-time eviction with moments"], context_columns=len(context_ids), **options
+    )
+    assert evicted.sequences.shape[0] == 2 and len(evicted.scores) == evicted.new_tokens.shape[1]
+    policy = CompressionPolicy(compression_ratio=0.5, scorer="keydiff")
+    with ContextPasses(model, len(context_ids)) as passes:
+        texts = answer(model, tokenizer, CONTEXT, QUESTIONS, policy, max_new_tokens=12)
+    assert passes.rows == [1]
+    assert texts == [answer(model, tokenizer, CONTEXT, question, policy, max_new_tokens=12) for question in QUESTIONS]
