@@ -15,8 +15,11 @@ Token level::
                                     calibration=calibration)
     out = model.generate(ids, attention_mask=mask, **cache_argument(model, cache), max_new_tokens=32)
 
-or ``generate(model, ids, policy, ...)`` which does both.  Text level: ``answer(model,
-tokenizer, context, question, policy)`` (one pair or lists of them, batched with padding).
+or ``generate(model, ids, policy, ...)`` which does both, taking generate()'s own arguments (beams
+and ``num_return_sequences``: the cache is expanded to generate()'s rows, :func:`rows_per_prompt`;
+``return_dict_in_generate``).  Text level: ``answer(model, tokenizer, context, question, policy)``
+(one pair, one context with a list of questions compressed once, or lists of pairs batched with
+padding).
 
 Batches: rows are laid out ``[pad, context, pad, question]`` (:func:`build_inputs`), so every
 row's context ends at the same column and every question ends at the last column; padding
