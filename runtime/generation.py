@@ -233,7 +233,8 @@ def generate_from_cache(
     """``model.generate`` of ``input_ids [B, T]`` through ``cache``, which holds the compressed
     prefix of these ``B`` rows: expanded here to generate()'s rows (beams, several sequences per
     prompt: :func:`rows_per_prompt`), reordered by generate() itself with the beams."""
-    generate_kwargs.setdefault("do_sample", False)
+    if generate_kwargs.get("generation_config") is None:  # greedy unless asked: not the model's sampling default
+        generate_kwargs.setdefault("do_sample", False)
     expand = rows_per_prompt(model, generate_kwargs)
     if expand > 1:
         cache.batch_repeat_interleave(expand)  # rows [b0, b0, ..., b1, b1, ...] as generate() expands its inputs
@@ -263,7 +264,8 @@ def generate(
     block_size: int | None = None,
     **generate_kwargs,
 ) -> GenerationResult:
-    """:func:`compress_prompt` then ``model.generate`` (greedy unless ``do_sample=True``).
+    """:func:`compress_prompt` then ``model.generate`` (greedy unless ``do_sample=True``, or a
+    ``generation_config`` that samples).
 
     ``generate_kwargs`` are generate()'s own: beam search (``num_beams``), several sequences per
     prompt (``num_return_sequences``, sampled or beams) and ``return_dict_in_generate`` (with

@@ -85,6 +85,38 @@ def test_sampling_several_sequences_at_full_budget_is_transformers_own(kind):
 
 
 @torch.no_grad()
+def test_rows_per_prompt_follow_the_generation_config_generate_resolves():
+    """The expansion is generate()'s own: from its arguments, an explicit ``generation_config``, or
+    defaults set in the model's ``generation_config``."""
+    from transformers import GenerationConfig
+
+    from runtime.generation import rows_per_prompt
+
+    model = make_tiny_llama(num_layers=2)
+    ids, mask, columns = prompts("one row")
+    assert rows_per_prompt(model, {}) == 1
+    assert rows_per_prompt(model, {"num_beams": 3, "num_return_sequences": 2}) == 3
+    assert rows_per_prompt(model, {"do_sample": True, "num_return_sequences": 4}) == 4
+    config = GenerationConfig(num_beams=2, num_return_sequences=2, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert rows_per_prompt(model, {"generation_config": config}) == 2
+    reference = model.generate(ids, generation_config=config)
+    assert torch.equal(
+        generate(model, ids, None, context_columns=columns, generation_config=config).sequences, reference
+    )
+    sampling = GenerationConfig(do_sample=True, num_return_sequences=2, max_new_tokens=5, top_k=0, pad_token_id=0)
+    torch.manual_seed(2)
+    reference = model.generate(ids, generation_config=sampling)
+    torch.manual_seed(2)
+    result = generate(model, ids, None, context_columns=columns, generation_config=sampling)  # sampled, as asked
+    assert torch.equal(result.sequences, reference)
+    model.generation_config.num_beams = 2  # a model default, as a checkpoint's generation_config.json sets it
+    model.generation_config.num_return_sequences = 2
+    reference = model.generate(ids, max_new_tokens=5, pad_token_id=0)
+    result = generate(model, ids, None, context_columns=columns, max_new_tokens=5, pad_token_id=0)
+    assert result.sequences.shape[0] == 2 and torch.equal(result.sequences, reference)
+
+
+@torch.no_grad()
 def test_return_dict_in_generate_keeps_transformers_output():
     """``return_dict_in_generate`` with scores and logits: the result carries transformers' output
     (``output``, ``scores``, ``logits``) besides ``sequences`` / ``new_tokens``."""
