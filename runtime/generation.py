@@ -15,8 +15,11 @@ Token level::
                                     calibration=calibration)
     out = model.generate(ids, attention_mask=mask, **cache_argument(model, cache), max_new_tokens=32)
 
-or ``generate(model, ids, policy, ...)`` which does both.  Text level: ``answer(model,
-tokenizer, context, question, policy)`` (one pair or lists of them, batched with padding).
+or ``generate(model, ids, policy, ...)`` which does both, taking generate()'s own arguments (beams
+and ``num_return_sequences``: the cache is expanded to generate()'s rows, :func:`rows_per_prompt`;
+``return_dict_in_generate``).  Text level: ``answer(model, tokenizer, context, question, policy)``
+(one pair, one context with a list of questions compressed once, or lists of pairs batched with
+padding).
 
 Batches: rows are laid out ``[pad, context, pad, question]`` (:func:`build_inputs`), so every
 row's context ends at the same column and every question ends at the last column; padding
@@ -28,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.utils import ModelOutput
 
 from prompt_format import encode_prompt
 
@@ -173,10 +177,79 @@ def compress_prompt(
 
 @dataclass
 class GenerationResult:
-    sequences: torch.Tensor  # [B, T + new] as returned by model.generate
-    new_tokens: torch.Tensor  # [B, new]
+    """What :func:`generate` returns.
+
+    ``sequences`` / ``new_tokens`` are ``model.generate``'s rows: ``B x num_return_sequences`` of
+    them, each prompt row's together (transformers' order).  ``output`` is transformers' own
+    ``GenerateOutput`` when ``return_dict_in_generate=True`` (None otherwise): ``scores`` and
+    ``logits`` read it (tuples of ``[rows, vocab]``, one per step, when asked for with
+    ``output_scores`` / ``output_logits``), as do ``sequences_scores`` and ``beam_indices``.
+    ``report`` is the compression of the ``B`` prompt rows; ``cache`` holds generate()'s working
+    rows after the last step (``B x max(num_beams, num_return_sequences)``: under beam search the
+    running beams, not aligned with ``sequences``).
+    """
+
+    sequences: torch.Tensor  # [B * num_return_sequences, T + new] as returned by model.generate
+    new_tokens: torch.Tensor  # [B * num_return_sequences, new]
     cache: RaggedCache
     report: CompressionReport | None
+    output: ModelOutput | None = None  # transformers' GenerateOutput (return_dict_in_generate=True)
+
+    @property
+    def scores(self) -> tuple[torch.Tensor, ...] | None:
+        """The generate output's processed ``scores`` (``output_scores=True``), else None."""
+        return None if self.output is None else self.output.get("scores")
+
+    @property
+    def logits(self) -> tuple[torch.Tensor, ...] | None:
+        """The generate output's raw ``logits`` (``output_logits=True``), else None."""
+        return None if self.output is None else self.output.get("logits")
+
+
+def rows_per_prompt(model, generate_kwargs: dict) -> int:
+    """How many rows ``model.generate(**generate_kwargs)`` makes of each prompt row:
+    ``max(num_beams, num_return_sequences)`` of the generation config it resolves (its arguments,
+    or ``generation_config``, over ``model.generation_config`` over the library defaults).
+
+    generate() expands its inputs to that many rows before the first forward pass but never the
+    cache it is given (transformers 5.2 to 5.24), so a cache prefilled at the prompt's batch must
+    be expanded first.  The resolution is transformers' own (``_prepare_generation_config``, the
+    same in every supported version), so a default set in the model's ``generation_config``
+    counts as it does in generate().
+    """
+    kwargs = dict(generate_kwargs)
+    config, _ = model._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
+    return max(int(config.num_beams or 1), int(config.num_return_sequences or 1))
+
+
+def generate_from_cache(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    cache: RaggedCache,
+    report: CompressionReport | None,
+    **generate_kwargs,
+) -> GenerationResult:
+    """``model.generate`` of ``input_ids [B, T]`` through ``cache``, which holds the compressed
+    prefix of these ``B`` rows: expanded here to generate()'s rows (beams, several sequences per
+    prompt: :func:`rows_per_prompt`), reordered by generate() itself with the beams."""
+    if generate_kwargs.get("generation_config") is None:  # greedy unless asked: not the model's sampling default
+        generate_kwargs.setdefault("do_sample", False)
+    expand = rows_per_prompt(model, generate_kwargs)
+    if expand > 1:
+        cache.batch_repeat_interleave(expand)  # rows [b0, b0, ..., b1, b1, ...] as generate() expands its inputs
+    with ragged_attention(model):  # for this call only: the model keeps its own implementation
+        output = model.generate(
+            input_ids, attention_mask=attention_mask, **cache_argument(model, cache), **generate_kwargs
+        )
+    sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    return GenerationResult(
+        sequences=sequences,
+        new_tokens=sequences[:, input_ids.shape[1] :],
+        cache=cache,
+        report=report,
+        output=None if isinstance(output, torch.Tensor) else output,
+    )
 
 
 @torch.no_grad()
@@ -191,7 +264,14 @@ def generate(
     block_size: int | None = None,
     **generate_kwargs,
 ) -> GenerationResult:
-    """:func:`compress_prompt` then ``model.generate`` (greedy unless ``do_sample=True``)."""
+    """:func:`compress_prompt` then ``model.generate`` (greedy unless ``do_sample=True``, or a
+    ``generation_config`` that samples).
+
+    ``generate_kwargs`` are generate()'s own: beam search (``num_beams``), several sequences per
+    prompt (``num_return_sequences``, sampled or beams) and ``return_dict_in_generate`` (with
+    ``output_scores`` / ``output_logits``: :class:`GenerationResult` ``output``) work as with an
+    uncompressed model; the prompt is compressed once per row, before generate() expands it.
+    """
     cache, report = compress_prompt(
         model,
         input_ids,
@@ -202,14 +282,7 @@ def generate(
         block_size=block_size,
     )
     attention_mask = check_inputs(model, input_ids, attention_mask)
-    generate_kwargs.setdefault("do_sample", False)
-    with ragged_attention(model):  # for this call only: the model keeps its own implementation
-        sequences = model.generate(
-            input_ids, attention_mask=attention_mask, **cache_argument(model, cache), **generate_kwargs
-        )
-    return GenerationResult(
-        sequences=sequences, new_tokens=sequences[:, input_ids.shape[1] :], cache=cache, report=report
-    )
+    return generate_from_cache(model, input_ids, attention_mask, cache, report, **generate_kwargs)
 
 
 def split_prompt(tokenizer, context: str, question: str, chat: bool = True) -> tuple[list[int], list[int]]:
@@ -224,6 +297,20 @@ def split_prompt(tokenizer, context: str, question: str, chat: bool = True) -> t
     return ids[:context_end], ids[context_end:]
 
 
+def _strings(name: str, value) -> tuple[list[str], bool]:
+    """``value`` (a str, or a list or tuple of them) as a list, and whether it was one str."""
+    if isinstance(value, str):
+        return [value], True
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a str or a list of str, got {type(value).__name__}")
+    for index, item in enumerate(value):
+        if not isinstance(item, str):
+            raise TypeError(f"{name} {index} is {type(item).__name__}, not str")
+    if not value:
+        raise ValueError(f"need at least one {name}, got an empty list")
+    return list(value), False
+
+
 def answer(
     model,
     tokenizer,
@@ -236,27 +323,72 @@ def answer(
     chat: bool = True,
     max_new_tokens: int = 32,
     **generate_kwargs,
-) -> str | list[str]:
-    """Answer ``question`` about ``context`` with a compressed cache (lists: one batch); ``policy``
-    as :func:`compress_prompt` takes it."""
-    single = isinstance(context, str)
-    contexts = [context] if single else list(context)
-    questions = [question] if isinstance(question, str) else list(question)
-    if len(contexts) != len(questions):
-        raise ValueError(f"got {len(contexts)} contexts and {len(questions)} questions")
+) -> str | list:
+    """Answer questions about contexts with a compressed cache; ``policy`` as :func:`compress_prompt`
+    takes it, ``generate_kwargs`` as ``model.generate`` does (greedy unless ``do_sample=True``).
+
+    * ``answer(model, tok, context, question, policy)``: one answer (a str);
+    * ``answer(model, tok, context, [q1, q2, ...], policy)``: one context, many questions (kvpress's
+      ``questions=[...]``): a list of answers.  Question-agnostic compression serves one
+      compressed context to every question: the context is prefilled and compressed **once**,
+      each question answered from its own copy of the cache, all in one batch (the answers are
+      those of asking each question on its own).  With ``question_aware=True`` each prompt is
+      compressed with its own question (the context is prefilled once per question);
+    * ``answer(model, tok, [c1, c2, ...], [q1, q2, ...], policy)``: one question per context, a
+      list of answers (one batch, left-padded).
+
+    With ``num_return_sequences=n > 1`` each answer is a list of its ``n`` texts (beams: the
+    best first).  Arguments are checked before any forward pass.
+    """
+    contexts, one_context = _strings("context", context)
+    questions, one_question = _strings("question", question)
+    if not one_context and one_question:
+        raise ValueError(
+            f"got {len(contexts)} contexts and one question: give one question per context (a list of "
+            f"{len(contexts)}); to ask several questions about one context, pass the context as a str"
+        )
+    if not one_context and len(contexts) != len(questions):
+        raise ValueError(f"got {len(contexts)} contexts and {len(questions)} questions: give one question per context")
+    if one_context:
+        contexts = contexts * len(questions)
     pairs = [split_prompt(tokenizer, c, q, chat=chat) for c, q in zip(contexts, questions, strict=True)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids, mask, context_columns = build_inputs([p[0] for p in pairs], [p[1] for p in pairs], pad)
     generate_kwargs.setdefault("pad_token_id", pad)
-    result = generate(
-        model,
-        ids,
-        policy,
-        attention_mask=mask,
-        context_columns=None if question_aware else context_columns,
-        calibration=calibration,
-        max_new_tokens=max_new_tokens,
-        **generate_kwargs,
-    )
+    generate_kwargs["max_new_tokens"] = max_new_tokens
+    if one_context and len(questions) > 1 and not question_aware:
+        result = _answer_from_one_context(model, ids, mask, pairs, policy, calibration, generate_kwargs)
+    else:
+        result = generate(
+            model,
+            ids,
+            policy,
+            attention_mask=mask,
+            context_columns=None if question_aware else context_columns,
+            calibration=calibration,
+            **generate_kwargs,
+        )
     texts = [tokenizer.decode(row, skip_special_tokens=True).strip() for row in result.new_tokens]
-    return texts[0] if single else texts
+    per_question = len(texts) // len(pairs)  # num_return_sequences
+    if per_question > 1:
+        texts = [texts[i : i + per_question] for i in range(0, len(texts), per_question)]
+    return texts[0] if one_context and one_question else texts
+
+
+@torch.no_grad()
+def _answer_from_one_context(model, ids, mask, pairs, policy, calibration, generate_kwargs) -> GenerationResult:
+    """Prompts ``ids [Q, Lc + Lq]`` (rows ``[context, pad, question]``) of one context: the context
+    (the same ``Lc`` tokens in every row) compressed once, in row 0, then copied to every row."""
+    context_ids = pairs[0][0]
+    for index, (other, _) in enumerate(pairs):
+        if other != context_ids:  # the tokenizer merged the context's end with this question's start
+            raise ValueError(
+                f"question {index} splits the prompt at another token than question 0, so its context "
+                "tokens differ and one compressed context cannot serve both; pass question_aware=True"
+            )
+    mask = check_inputs(model, ids, mask)  # every prompt, before the context's forward pass
+    cache, report = compress_prompt(
+        model, ids[:1], policy, attention_mask=mask[:1], context_columns=len(context_ids), calibration=calibration
+    )
+    cache.batch_repeat_interleave(ids.shape[0])  # one copy of the compressed context per question
+    return generate_from_cache(model, ids, mask, cache, report, **generate_kwargs)
