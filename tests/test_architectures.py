@@ -137,6 +137,23 @@ def test_eviction_runs_and_sliding_layers_keep_a_ratio_of_their_window(name, pol
     assert WINDOW > 4
 
 
+@pytest.mark.parametrize("name", [_marked(name) for name in ARCHITECTURES])
+@torch.no_grad()
+def test_beams_run_and_at_full_budget_are_transformers_own(name):
+    """``num_beams=2, num_return_sequences=2`` through runtime.generate: with nothing evicted the
+    sequences are transformers' own beam search on the unmodified model (unpadded rows: with
+    padding, transformers counts padding columns inside a sliding window), and under eviction
+    (decode-time too) they run."""
+    model = make_tiny(name)
+    ids = torch.randint(3, VOCAB, (2, 160), generator=torch.Generator().manual_seed(5))
+    beams = dict(num_beams=2, num_return_sequences=2, max_new_tokens=5, do_sample=False)
+    expected = model.generate(ids, **beams)
+    assert torch.equal(generate(model, ids, None, **beams).sequences, expected)
+    policy = CompressionPolicy(compression_ratio=0.75, scorer="keydiff", evict_every=2)
+    result = generate(model, ids, policy, context_columns=150, **beams)
+    assert result.sequences.shape == (4, 165)
+
+
 def test_attention_the_ragged_cache_cannot_compute_is_refused_by_name():
     """Hybrid layer types (linear attention) and Llama 4's chunked attention are refused when the
     cache is made, before any forward pass; learned sinks when a model passes them."""
