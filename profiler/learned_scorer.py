@@ -158,9 +158,8 @@ def record_window(model, context: torch.Tensor, instruction: torch.Tensor, hidde
     of the context tokens ``c [C]`` (see the module docstring), read from the pass itself: the
     key module's output (``k_norm`` where the model has one, else ``k_proj``: pre-RoPE keys),
     ``v_proj``'s, and with ``hidden`` the attention input too."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     from runtime.attention import attention_implementation
+    from runtime.eager_attention import attention_forward as model_attention
     from runtime.geometry import ModelGeometry
 
     geometry = ModelGeometry.of(model)
@@ -172,9 +171,7 @@ def record_window(model, context: torch.Tensor, instruction: torch.Tensor, hidde
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         teacher[module.layer_idx] = reconstruction_importance(query[0], key[0], context_len, scale).cpu()
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
+        return model_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
     def keep(layer: int, name: str):
         def hook(_module, args, output):

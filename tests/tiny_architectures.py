@@ -61,9 +61,11 @@ def model_class(name: str):
     }[name]
 
 
-def build(name: str, *, seed: int = 0, attn_implementation: str = "sdpa", **options):
-    """The tiny ``name`` model, random weights from ``seed``, float32, eval mode."""
+def build(name: str, *, seed: int = 0, attn_implementation: str | None = None, **options):
+    """The tiny ``name`` model, random weights from ``seed``, float32, eval mode; its attention
+    ``attn_implementation`` (None: transformers' default, sdpa where the model supports it)."""
     made = config(name, **options)
-    made._attn_implementation = attn_implementation
+    if attn_implementation is not None:
+        made._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     return model_class(name)(made).eval()
