@@ -5,7 +5,9 @@ devices and library versions.
 
 * **architecture** (:func:`architecture_fingerprint`): the attention-relevant config numbers
   (model type, layers, query/KV heads, head dim, hidden size, vocab size, max positions, RoPE
-  theta and parameters, query norm).
+  theta and parameters, query norm), and, only for a model that has any, what its attention
+  does beyond them (:func:`attention_variant`: sliding windows, logit soft-capping, per-layer
+  RoPE), so a model of the same shapes without them does not match.
 * **weights** (:func:`weights_fingerprint`): for every parameter and buffer of the state dict,
   in name order: its name, shape, and
     - ``bitsum``: the wrap-around (mod 2^64) sum of the float32 bit patterns of all its values,
@@ -133,7 +135,8 @@ def attention_variant(config) -> dict:
 
 
 def architecture_numbers(config) -> dict:
-    """The attention-relevant numbers of a transformers config (text config for multimodal)."""
+    """The attention-relevant numbers of a transformers config (text config for multimodal), with
+    ``attention_variant`` (canonical JSON of :func:`attention_variant`) only when it is not empty."""
     config = text_config(config)
     missing = [
         name
@@ -149,7 +152,7 @@ def architecture_numbers(config) -> dict:
     theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
     if theta is None:
         raise ValueError(f"config of model type {config.model_type!r} has no RoPE theta")
-    return {
+    numbers = {
         "model_type": str(config.model_type),
         **attention_numbers(config),
         "hidden_size": int(config.hidden_size),
@@ -158,6 +161,10 @@ def architecture_numbers(config) -> dict:
         "rope_theta": float(theta),
         "rope_parameters": canonical_json(_jsonable(rope)),
     }
+    variant = attention_variant(config)
+    if variant:  # only then: a model without a window, a soft-cap or per-layer RoPE keeps its fingerprint
+        numbers["attention_variant"] = canonical_json(variant)
+    return numbers
 
 
 def _jsonable(value):

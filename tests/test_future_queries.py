@@ -273,7 +273,7 @@ def test_future_queries_section_round_trips_and_a_1_2_reader_skips_it(tmp_path, 
     artifact = make_random_artifact()
     path = write_artifact(tmp_path / "f.h5", artifact)
     with open_artifact(path) as opened:
-        assert opened.schema_version == "1.5" and "future_queries" in opened.sections  # the newest; 1.3 added it
+        assert opened.schema_version == "1.6" and "future_queries" in opened.sections  # the newest; 1.3 added it
         for name, array in artifact.sections["future_queries"].arrays.items():
             np.testing.assert_array_equal(opened.read("future_queries", name), array)
     with h5py.File(path, "r") as h5:
