@@ -205,3 +205,35 @@ def test_sliding_windows_and_soft_capping_per_layer():
     for name, (windows, caps) in expected.items():
         geometry = ModelGeometry.of(build(name))
         assert (geometry.sliding_windows, geometry.softcaps) == (windows, caps), name
+
+
+def test_scorer_rope_inputs_are_each_layers_own_rope():
+    """The providers hand a scorer its layer's RoPE (the leverage scorer raised TypeError on Gemma 3:
+    the rotary module takes the layer type), cached per RoPE so Gemma 3's two never mix."""
+    from tiny_architectures import build
+
+    from runtime.rope import averaged_rope, rope_cos_sin
+    from runtime.scorers import AveragedRope, KeyRope, ScorerInputs
+
+    class Needs:  # a scorer as ScorerInputs reads one: its needs
+        needs = (KeyRope(), AveragedRope(16))
+
+    geometry = ModelGeometry.of(build("gemma3"))
+    inputs = ScorerInputs(Needs(), geometry)
+    n, heads, dim = 5, geometry.num_kv_heads, geometry.head_dim
+    positions = torch.arange(n).expand(1, heads, n)
+    for layer in (0, 1, 2, 0, 3):  # sliding, full, sliding, sliding again (cached), full
+        got = inputs.layer(
+            layer,
+            torch.zeros(1, heads, n, dim),
+            torch.zeros(1, heads, n, dim),
+            positions,
+            torch.ones(1, heads, n, dtype=torch.bool),
+            torch.full((1, heads), n),
+            [n],
+        )
+        cos, sin = rope_cos_sin(geometry, torch.arange(n), layer=layer)
+        key_cos, key_sin = got[KeyRope()]  # [R, Hkv, n, d]
+        assert torch.equal(key_cos[0, 1], cos) and torch.equal(key_sin[0, 1], sin)
+        mean_cos, _ = got[AveragedRope(16)]  # [R, d]
+        assert torch.equal(mean_cos[0], averaged_rope(geometry, n, 16, layer=layer)[0])
