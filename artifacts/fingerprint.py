@@ -5,7 +5,9 @@ devices and library versions.
 
 * **architecture** (:func:`architecture_fingerprint`): the attention-relevant config numbers
   (model type, layers, query/KV heads, head dim, hidden size, vocab size, max positions, RoPE
-  theta and parameters, query norm).
+  theta and parameters, query norm), and, only for a model that has any, what its attention
+  does beyond them (:func:`attention_variant`: sliding windows, logit soft-capping, per-layer
+  RoPE), so a model of the same shapes without them does not match.
 * **weights** (:func:`weights_fingerprint`): for every parameter and buffer of the state dict,
   in name order: its name, shape, and
     - ``bitsum``: the wrap-around (mod 2^64) sum of the float32 bit patterns of all its values,
@@ -79,8 +81,62 @@ def attention_numbers(config) -> dict:
     }
 
 
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # config.layer_types the toolkit knows
+
+
+def layer_attention(config) -> tuple[tuple[int | None, ...], tuple[float | None, ...]]:
+    """Per layer, the sliding window (None: the layer attends to every earlier token) and the
+    attention-logit soft-cap (None: none) of a transformers config, as the models' attention
+    modules apply them: with ``config.layer_types`` the ``"sliding_attention"`` layers slide
+    (Qwen2, Gemma 2/3), without it every layer slides when ``config.sliding_window`` is set
+    (Mistral, Phi-3); ``config.attn_logit_softcapping`` caps every layer (Gemma 2).
+
+    The one place these are read: the architecture fingerprint records them
+    (:func:`attention_variant`) and ``runtime.geometry.ModelGeometry`` carries them.  Raises
+    ``ValueError`` for a layer type other than full or sliding attention.
+    """
+    config = text_config(config)
+    layers = attention_numbers(config)["num_layers"]
+    window = getattr(config, "sliding_window", None)
+    window = int(window) if window else None
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        windows = (window,) * layers
+    else:
+        unknown = sorted({str(kind) for kind in types} - set(ATTENTION_LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer type(s) {', '.join(unknown)} are not supported (only full and sliding attention)")
+        if len(types) != layers:
+            raise ValueError(f"config has {len(types)} layer types for {layers} layers")
+        windows = tuple(window if kind == "sliding_attention" else None for kind in types)
+    cap = getattr(config, "attn_logit_softcapping", None)
+    return windows, (float(cap) if cap else None,) * layers
+
+
+def attention_variant(config) -> dict:
+    """What a model's attention does beyond the architecture numbers, for the fingerprint: the
+    sliding window and which layers slide (``sliding_window``, ``sliding_layers``), the logit
+    soft-cap (``attn_logit_softcapping``) and per-layer-type RoPE parameters
+    (``rope_parameters_by_layer_type``, Gemma 3), each only when the model has it: empty for a
+    model that has none of them, whose fingerprint is then what it always was."""
+    config = text_config(config)
+    windows, caps = layer_attention(config)
+    variant = {}
+    sliding = [layer for layer, window in enumerate(windows) if window is not None]
+    if sliding:
+        variant["sliding_window"] = windows[sliding[0]]
+        variant["sliding_layers"] = sliding
+    if caps and caps[0] is not None:
+        variant["attn_logit_softcapping"] = caps[0]
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and rope and all(isinstance(value, dict) for value in rope.values()):
+        variant["rope_parameters_by_layer_type"] = _jsonable(rope)
+    return variant
+
+
 def architecture_numbers(config) -> dict:
-    """The attention-relevant numbers of a transformers config (text config for multimodal)."""
+    """The attention-relevant numbers of a transformers config (text config for multimodal), with
+    ``attention_variant`` (canonical JSON of :func:`attention_variant`) only when it is not empty."""
     config = text_config(config)
     missing = [
         name
@@ -96,7 +152,7 @@ def architecture_numbers(config) -> dict:
     theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
     if theta is None:
         raise ValueError(f"config of model type {config.model_type!r} has no RoPE theta")
-    return {
+    numbers = {
         "model_type": str(config.model_type),
         **attention_numbers(config),
         "hidden_size": int(config.hidden_size),
@@ -105,6 +161,10 @@ def architecture_numbers(config) -> dict:
         "rope_theta": float(theta),
         "rope_parameters": canonical_json(_jsonable(rope)),
     }
+    variant = attention_variant(config)
+    if variant:  # only then: a model without a window, a soft-cap or per-layer RoPE keeps its fingerprint
+        numbers["attention_variant"] = canonical_json(variant)
+    return numbers
 
 
 def _jsonable(value):

@@ -28,9 +28,9 @@ import numpy as np
 
 FORMAT_NAME = "kvcal-calibration"
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 5  # 1.1: the learned_scorer section; 1.2: the recommendation section, /model weights_fingerprints;
+SCHEMA_MINOR = 6  # 1.1: the learned_scorer section; 1.2: the recommendation section, /model weights_fingerprints;
 # 1.3: the future_queries and budget_curves sections; 1.4: the recommendation's paired evidence (optional datasets);
-# 1.5: the moments' orders and errors per selection scorer (optional datasets)
+# 1.5: the moments' orders and errors per selection scorer (optional datasets); 1.6: /model attention_variant
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 # Upper bounds on the architecture numbers and free dimensions a file may declare.  They keep
@@ -331,6 +331,10 @@ class ModelIdentity:
     # dtype} for float32, bfloat16, float16 (artifacts.fingerprint.weights_fingerprints); "" when
     # absent (files of 1.0 / 1.1), then only weights_fingerprint can be compared.
     weights_fingerprints: str = ""
+    # 1.6, optional: canonical JSON of what the model's attention does beyond the numbers above
+    # (artifacts.fingerprint.attention_variant: sliding windows, logit soft-capping, per-layer-type
+    # RoPE); "" when the model has none of them (and in older files), then not part of the fingerprint.
+    attention_variant: str = ""
 
     def dims(self) -> dict[str, int]:
         return {"L": self.num_layers, "Hq": self.num_q_heads, "Hkv": self.num_kv_heads, "d": self.head_dim}
@@ -344,7 +348,7 @@ MODEL_ATTR_TYPES: dict[str, type] = typing.get_type_hints(ModelIdentity)
 # /model attributes added after 1.1, absent from older files (the field's default then).  They
 # are not part of metadata_sha256, which a 1.1 reader must still be able to verify; the root
 # attribute extended_metadata_sha256 covers them (docs/artifact-format.md section 5).
-OPTIONAL_MODEL_ATTRS: tuple[str, ...] = ("weights_fingerprints",)
+OPTIONAL_MODEL_ATTRS: tuple[str, ...] = ("weights_fingerprints", "attention_variant")
 
 
 @dataclass

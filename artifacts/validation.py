@@ -88,6 +88,9 @@ def check_model_identity(identity: ModelIdentity) -> None:
     # The fingerprint is a digest of the numbers above: recomputed, not trusted, so that an edited
     # number (a head_dim changed to fit a model) cannot pass the identity check with the old digest.
     numbers = {name: getattr(identity, name) for name in ARCH_NUMBERS}
+    if identity.attention_variant:  # 1.6: part of the fingerprint only when present
+        parse_json_object("/model: attention_variant", identity.attention_variant)
+        numbers["attention_variant"] = identity.attention_variant
     if architecture_fingerprint(numbers, identity.query_norm) != identity.arch_fingerprint:
         raise ArtifactError(
             "/model: arch_fingerprint does not match the recorded architecture numbers (they were edited, "

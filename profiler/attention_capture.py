@@ -25,6 +25,13 @@ one per generated token.  Cost per step and layer: one ``[Hq, T]`` GEMV-sized ma
 log-sum-exp and a max.  Records stay on the layer's device until the probe ends (no per-step
 host synchronisation).
 
+Soft-capping (Gemma 2) is applied to the logits before the mask, as the model's own attention
+does, and a soft-capping layer's prefill runs :func:`runtime.eager_attention.attention_forward`
+(``sdpa`` cannot soft-cap).  A sliding-window layer's cache hands over only the window's keys
+at a decode step: the keys of a call are the last ``T`` positions up to the query's (the
+prompt's last token at the prefill, one more each step), so the record maps them back to
+context positions; when the window has moved past the whole context, the step's weight is 0.
+
 Batch size must be 1 (probes have different lengths and are run one at a time).
 """
 
@@ -33,9 +40,9 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from runtime.attention import attention_implementation
+from runtime.eager_attention import attention_forward, masked, soft_cap
 
 CAPTURE_IMPLEMENTATION = "kvcal_decode_capture"
 
@@ -70,8 +77,11 @@ class DecodeAttentionRecorder:
         attention_mask: torch.Tensor | None,
         scaling: float | None,
         value: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor | None:
-        """Record the last query of a call.  query ``[1, Hq, q, d]``, key/value ``[1, Hkv, T, d]``.
+        """Record the last query of a call.  query ``[1, Hq, q, d]``, key/value ``[1, Hkv, T, d]``
+        (the keys of positions ``p - T + 1 .. p``, ``p`` the last query's position: all of them
+        but on a sliding-window layer); ``softcap``: the layer's logit soft-cap, if any.
 
         With ``value`` given (single-query calls), also return that query's attention output
         ``[1, 1, Hq, d]`` computed from the same float32 logits (matmul-softmax-matmul), so
@@ -86,11 +96,16 @@ class DecodeAttentionRecorder:
                 f"layer {layer}: {num_q_heads} query heads / {num_kv_heads} KV heads do not match "
                 f"the recorder's {self.num_q_heads} query heads"
             )
-        if total < self.context_len:
-            raise ValueError(f"layer {layer} sees {total} keys, fewer than the {self.context_len}-token context")
         step = self._steps[layer]
         if step >= self.max_steps:
             raise RuntimeError(f"more than max_steps={self.max_steps} generation steps recorded")
+        first_key = self.context_len + step - total  # position of key 0: the prefill's last query is at C - 1
+        if first_key < 0:
+            raise ValueError(
+                f"layer {layer} sees {total} keys at step {step}, more than the {self.context_len + step} "
+                "positions so far (the capture starts with the probe's prefill)"
+            )
+        visible = max(0, self.context_len - first_key)  # context positions among the keys: first_key .. C - 1
         self._steps[layer] = step + 1
         scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
         group = num_q_heads // num_kv_heads
@@ -98,23 +113,28 @@ class DecodeAttentionRecorder:
         last_query = query[0, :, -1, :].float().reshape(num_kv_heads, group, head_dim)  # [Hkv, G, d]
         keys = key[0].float()  # [Hkv, T, d]
         logits = torch.matmul(last_query, keys.transpose(1, 2)).reshape(num_q_heads, total) * scale  # [Hq, T]
+        logits = soft_cap(logits, softcap)
         if attention_mask is not None:
-            mask_row = attention_mask[0, :, -1, :total]  # [1 or Hq, T]
-            if mask_row.dtype == torch.bool:
-                logits = logits.masked_fill(~mask_row, float("-inf"))
-            else:
-                logits = logits + mask_row.float()
+            logits = masked(logits, attention_mask[0, :, -1, :total])  # mask row [1 or Hq, T]
         log_norm = torch.logsumexp(logits, dim=-1)  # [Hq]
-        context_max, context_argmax = logits[:, : self.context_len].max(dim=-1)  # [Hq], [Hq]
+        if visible:
+            context_max, context_argmax = logits[:, :visible].max(dim=-1)  # [Hq], [Hq]
+            context_weight = torch.exp(context_max - log_norm)
+            context_argmax = context_argmax + first_key  # key index -> context position
+        else:  # the window has moved past the context: no context token is attended
+            context_weight = torch.zeros(num_q_heads, device=query.device)
+            context_argmax = torch.zeros(num_q_heads, dtype=torch.long, device=query.device)
 
         if layer not in self._max_weight:
             self._max_weight[layer] = torch.zeros(self.max_steps, num_q_heads, device=query.device)
             self._argmax[layer] = torch.zeros(self.max_steps, num_q_heads, dtype=torch.long, device=query.device)
             self._rows[layer] = []
-        self._max_weight[layer][step] = torch.exp(context_max - log_norm)
+        self._max_weight[layer][step] = context_weight
         self._argmax[layer][step] = context_argmax
         if self.keep_rows:
-            self._rows[layer].append(torch.exp(logits[:, : self.context_len] - log_norm[:, None]).cpu())
+            row = torch.zeros(num_q_heads, self.context_len)  # [Hq, C]: 0 outside the keys
+            row[:, first_key : first_key + visible] = torch.exp(logits[:, :visible] - log_norm[:, None]).cpu()
+            self._rows[layer].append(row)
         if value is None:
             return None
         weights = torch.exp(logits - log_norm[:, None]).reshape(num_kv_heads, group, total)  # [Hkv, G, T]
@@ -151,19 +171,22 @@ class DecodeAttentionRecorder:
 def capture_attention_forward(recorder: DecodeAttentionRecorder):
     """The ``AttentionInterface`` function that records into ``recorder``.
 
-    Prefill (several queries) and non-float32 models: the fused ``sdpa`` kernel, plus the
-    record.  Float32 decode steps: one matmul-softmax-matmul that yields the record and the
-    output together (the same attention up to float rounding).
+    Prefill (several queries) and non-float32 models: the fused ``sdpa`` kernel (the reference
+    attention on a soft-capping layer), plus the record.  Float32 decode steps: one
+    matmul-softmax-matmul that yields the record and the output together (the same attention up
+    to float rounding).
     """
 
     def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        softcap = kwargs.get("softcap")
         with torch.no_grad():
             if query.shape[2] == 1 and query.dtype == torch.float32 and not dropout:
-                return recorder.record(module.layer_idx, query, key, attention_mask, scaling, value=value), None
-            output, _ = sdpa_attention_forward(
+                output = recorder.record(module.layer_idx, query, key, attention_mask, scaling, value, softcap)
+                return output, None
+            output, _ = attention_forward(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
-            recorder.record(module.layer_idx, query, key, attention_mask, scaling)
+            recorder.record(module.layer_idx, query, key, attention_mask, scaling, softcap=softcap)
         return output, None
 
     return forward
@@ -173,8 +196,9 @@ def capture_attention_implementation(model, recorder: DecodeAttentionRecorder | 
     """``with capture_attention_implementation(model, recorder):`` record every forward pass of
     ``model`` into ``recorder`` inside the block, restore the previous attention after.
 
-    Without a recorder the capture implementation is plain ``sdpa`` (a scope around several
-    probes, each of which records in a nested scope of its own).
+    Without a recorder the capture implementation is plain ``sdpa`` (the reference attention on a
+    soft-capping layer; a scope around several probes, each of which records in a nested scope of
+    its own).
     """
-    forward = sdpa_attention_forward if recorder is None else capture_attention_forward(recorder)
+    forward = attention_forward if recorder is None else capture_attention_forward(recorder)
     return attention_implementation(model, CAPTURE_IMPLEMENTATION, forward)

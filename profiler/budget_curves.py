@@ -283,9 +283,9 @@ def measure_curves(
     """
     import torch
     from tqdm.auto import tqdm
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from runtime.attention import attention_implementation
+    from runtime.eager_attention import attention_forward as model_attention
     from runtime.geometry import ModelGeometry
 
     grid = tuple(float(f) for f in grid)
@@ -319,9 +319,7 @@ def measure_curves(
     current = [text]
 
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        output = sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
+        output = model_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         current[0].measure(module.layer_idx, query, key, value, scaling)
         return output
 

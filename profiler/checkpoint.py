@@ -70,8 +70,9 @@ def load_work(path: Path, fingerprint: str) -> tuple[dict, dict[str, np.ndarray]
         raise WorkFileMismatch(f"{path} is not a profiler work file of this version; delete it to start over")
     if meta.get("fingerprint") != fingerprint:
         raise WorkFileMismatch(
-            f"{path} belongs to a different job (model, configuration, probe set or number of processes "
-            "changed); rerun with the original arguments, or delete it / drop --resume to start over"
+            f"{path} belongs to a different job (model, its dtype or attention implementation, configuration, "
+            "probe set or number of processes changed); rerun with the original arguments, or delete it / drop "
+            "--resume to start over"
         )
     return meta["progress"], arrays
 

@@ -11,6 +11,7 @@ import textwrap
 from artifacts.version import add_version_argument
 from profiler.arguments import comma_separated, positive_int
 from profiler.presets import PRESETS
+from runtime.models import ATTENTION_HELP, AUTO_ATTENTION, DTYPE_CHOICES, DTYPE_HELP
 
 DESCRIPTION_HEAD = """\
 Profile a model's attention heads once and write the calibration artifact that the KV-cache
@@ -19,10 +20,11 @@ eviction runtime loads (kv_calibration.h5). Stages, each writing one section of 
 
 DESCRIPTION_TAIL = """
 Long runs checkpoint into <out>.work.npz; after Ctrl-C or a crash rerun the same command with
---resume. Multi-process: `accelerate launch [--cpu | --multi_gpu] --num_processes N -m
-profiler.cli ...` (or torchrun) shards probes and calibration text over N processes and
-reduces the sums exactly; the main process alone writes the file. Big models: one process
-with --device-map auto spreads the layers over the visible GPUs.
+--resume (a resume with another --dtype or --attn-implementation is refused). Multi-process:
+`accelerate launch [--cpu | --multi_gpu] --num_processes N -m profiler.cli ...` (or torchrun)
+shards probes and calibration text over N processes and reduces the sums exactly; the main
+process alone writes the file. Big models: one process with --device-map auto spreads the
+layers over the visible GPUs.
 """
 
 PRESET_HELP = "; ".join(
@@ -98,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help='transformers device_map for loading (default: "auto" on a single GPU process, CPU otherwise)',
     )
+    group.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP + "; recorded in the artifact")
+    group.add_argument(
+        "--attn-implementation",
+        default=AUTO_ATTENTION,
+        metavar="NAME",
+        help=ATTENTION_HELP + "; recorded in the artifact",
+    )
     group.add_argument(
         "--checkpoint-every",
         type=positive_int,
@@ -138,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         force=args.force,
         checkpoint_every=args.checkpoint_every,
         device_map=args.device_map,
+        dtype=args.dtype,
+        attn_implementation=args.attn_implementation,
         progress=use_progress_bars(args.no_progress),
         settings={option.dest: getattr(args, option.dest) for option in settings_options()},
     )

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from artifacts.version import add_version_argument
+from runtime.models import ATTENTION_HELP, AUTO_ATTENTION, DTYPE_CHOICES, DTYPE_HELP
 from runtime.names import ALLOCATIONS, NAMED_POLICIES, SCORER_NAMES, STATISTICS
 
 from .arguments import RenamedOption, comma_separated, number_in, positive_int
@@ -142,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="compress the whole prompt, question included (default: compress the context before the question is seen)",
     )
     parser.add_argument("--max-new-tokens", type=positive_int, default=24, help="greedy answer length (default 24)")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
+    parser.add_argument("--attn-implementation", default=AUTO_ATTENTION, metavar="NAME", help=ATTENTION_HELP)
     parser.add_argument(
         "--tolerance",
         action=RenamedOption,
@@ -327,16 +330,23 @@ def _file_digest(path) -> str:
     return digest.hexdigest()
 
 
-def run_configuration(args, calibration, policies, tasks, probes) -> dict:
-    """Everything the results depend on, as the journal records it: ``--resume`` needs it unchanged."""
+def run_configuration(args, calibration, policies, tasks, probes, loaded=None) -> dict:
+    """Everything the results depend on, as the journal records it: ``--resume`` needs it unchanged.
+    ``loaded``: what the model was loaded as (``runtime.models.loaded_as``), recorded when it is not
+    the CPU default (float32, sdpa), whose journals keep their form."""
+    from runtime.models import CPU_DEFAULT_LOAD
+
+    model = {
+        "argument": args.model,
+        "name": calibration.identity.name,
+        "weights_fingerprint": calibration.identity.weights_fingerprint,
+        "tokenizer_fingerprint": calibration.identity.tokenizer_fingerprint,
+    }
+    if loaded is not None and loaded != CPU_DEFAULT_LOAD:
+        model["loaded"] = dict(loaded)
     return {
         "schema": EVALUATION_SCHEMA,
-        "model": {
-            "argument": args.model,
-            "name": calibration.identity.name,
-            "weights_fingerprint": calibration.identity.weights_fingerprint,
-            "tokenizer_fingerprint": calibration.identity.tokenizer_fingerprint,
-        },
+        "model": model,
         "artifact": {"path": str(calibration.path), "sha256": _file_digest(calibration.path)},
         "policies": [p.name for p in policies],
         "compression_ratios": list(args.ratios),
@@ -399,7 +409,7 @@ def _run(args) -> int:
     from artifacts import ArtifactError, open_artifact
     from artifacts.atomic import check_output_path
     from runtime import load_calibration
-    from runtime.models import ModelError, load_model, load_tokenizer, use_progress_bars
+    from runtime.models import ModelError, load_model, load_tokenizer, loaded_as, use_progress_bars
     from runtime.policy_spec import parse_policy
 
     from .evaluation import evaluate
@@ -423,7 +433,7 @@ def _run(args) -> int:
         previous = _check_journal(args)
         if args.write_recommendation and args.artifact:
             check_output_path(args.artifact, "artifact")
-        model = load_model(args.model)
+        model = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
         tokenizer = load_tokenizer(args.model)
         calibration = load_calibration(model, tokenizer, path=args.artifact, allow_mismatch=args.allow_mismatch)
         context = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
@@ -444,7 +454,7 @@ def _run(args) -> int:
     created = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
     writer, recorded = None, {}
     if args.json_out:
-        configuration = run_configuration(args, calibration, policies, tasks, probes)
+        configuration = run_configuration(args, calibration, policies, tasks, probes, loaded_as(model))
         try:
             if previous is not None:
                 differences = configuration_differences(previous.configuration, configuration)

@@ -48,7 +48,7 @@ def probe_future_queries(model, tokenizer, geometry: ModelGeometry, probe, max_n
         def hook(_module, _inputs, output):
             if output.shape[0] != 1:
                 raise ValueError("future queries are recorded one probe at a time (batch 1)")
-            queries = output.detach().reshape(output.shape[1], heads, dim)  # [T, Hq, d]
+            queries = geometry.pre_rope_queries(layer, output)[0]  # [T, Hq, d]
             first = seen[layer]
             seen[layer] += queries.shape[0]
             keep = max(start - first, 0)

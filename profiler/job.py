@@ -27,8 +27,10 @@ exclusive lock on ``<out>.lock`` (each process of a multi-process run its own,
 ``artifacts.atomic.output_lock``), so a second run on the same output is refused instead of
 discarding the first one's work file.
 
-The work file's fingerprint covers what its checkpointed sums depend on: the model, the
-process count and rank, and the configs of the sharded stages.  Options of the other stages
+The work file's fingerprint covers what its checkpointed sums depend on: the model, the dtype
+and attention implementation it was loaded with (``--dtype``, ``--attn-implementation``; also
+recorded in the artifact's ``config["profiler"]``), the process count and rank, and the configs
+of the sharded stages.  Options of the other stages
 (budgets, budget-curves, moments, recommendation: rebuilt from the sums at the end) can change on
 ``--resume``.
 
@@ -67,6 +69,7 @@ from profiler.stages.base import ShardedStage
 from profiler.stages.context import digest
 from runtime.calibration import default_artifact_path
 from runtime.geometry import ModelGeometry
+from runtime.models import CPU_DEFAULT_LOAD, DTYPE_CHOICES, loaded_as
 
 
 class JobInterrupted(Exception):
@@ -87,6 +90,8 @@ class JobOptions:
     force: bool = False  # replace an artifact of another model, or one that does not validate, at ``out``
     checkpoint_every: int = 4  # units of work (probes, batches) between work-file writes
     device_map: str | None = None
+    dtype: str | None = None  # runtime.models.DTYPE_CHOICES; None: float32 on a CPU, the checkpoint's on a GPU
+    attn_implementation: str | None = "auto"  # runtime.models.load_model's: sdpa, eager where the model soft-caps
     progress: bool = True
     # The settings of the stages and of their shared inputs by name (an Option's ``dest``, e.g.
     # "max_new_tokens", "calib_samples"; profiler.stages.settings_options()); a missing or None
@@ -114,6 +119,8 @@ class ProfileJob:
             raise ValueError(f"unknown stage(s) {unknown}; choose from {', '.join(STAGE_NAMES)}")
         if options.checkpoint_every < 1:
             raise ValueError("checkpoint_every must be >= 1")
+        if options.dtype is not None and options.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"unknown dtype {options.dtype!r}; choose from {', '.join(DTYPE_CHOICES)}")
         self.options = options
         self.preset = PRESETS[options.preset]
         self.log = options.log
@@ -137,13 +144,18 @@ class ProfileJob:
             device_map = "auto" if not self.info.distributed else {"": str(self.info.device)}
         started = time.perf_counter()
         self.tokenizer = load_tokenizer(options.model)
-        self.model = load_model(options.model, device_map=device_map)
+        self.model = load_model(
+            options.model, device_map=device_map, dtype=options.dtype, attn_implementation=options.attn_implementation
+        )
         self.geometry = ModelGeometry.of(self.model)
+        # what the model was loaded as: recorded in the artifact, and part of the work file's fingerprint
+        self.loaded = loaded_as(self.model)
         self.identity = model_identity(self.model, self.tokenizer, options.model or "embedded")
         self.say(
             f"model {self.identity.name} ({self.identity.model_type}, {self.geometry.num_layers} layers, "
             f"{self.geometry.num_q_heads} query / {self.geometry.num_kv_heads} KV heads, "
-            f"d={self.geometry.head_dim}) loaded in {time.perf_counter() - started:.1f} s; output: {self.out}"
+            f"d={self.geometry.head_dim}; {self.loaded['dtype']}, {self.loaded['attn_implementation']} attention) "
+            f"loaded in {time.perf_counter() - started:.1f} s; output: {self.out}"
         )
 
     def context(self, kept: set[str]) -> StageContext:
@@ -172,6 +184,7 @@ class ProfileJob:
                 "stages": list(self.stage_names),
                 "processes": self.info.world_size,
                 "seed": self.settings["seed"],
+                **self.loaded,
             }
         }
         for stage in self.stages:
@@ -210,6 +223,8 @@ class ProfileJob:
             self.identity.tokenizer_fingerprint,
             self.info.world_size,
             self.info.rank,
+            # a load other than the CPU default's (a work file of which keeps the fingerprint it had)
+            *((canonical_json(self.loaded),) if self.loaded != CPU_DEFAULT_LOAD else ()),
         )
         self.work_path = work_file_path(self.out, self.info.rank, self.info.world_size)
         self.progress = {stage.name: 0 for stage in self.sharded}

@@ -156,11 +156,11 @@ TEACHER_ATTENTION = "kvcal_reconstruction_teacher"
 def record_window(model, context: torch.Tensor, instruction: torch.Tensor, hidden: bool = False) -> list[WindowRecord]:
     """Run ``[c; instruction; c]`` through ``model`` once; per layer, the teacher and the features
     of the context tokens ``c [C]`` (see the module docstring), read from the pass itself: the
-    key module's output (``k_norm`` where the model has one, else ``k_proj``: pre-RoPE keys),
-    ``v_proj``'s, and with ``hidden`` the attention input too."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    pre-RoPE keys and the values (``runtime.geometry``'s key and value projections: ``k_proj``
+    after ``k_norm`` where the model has one, ``v_proj``, or the slices of a fused ``qkv_proj``),
+    and with ``hidden`` the attention input too (the input of the value projection)."""
     from runtime.attention import attention_implementation
+    from runtime.eager_attention import attention_forward as model_attention
     from runtime.geometry import ModelGeometry
 
     geometry = ModelGeometry.of(model)
@@ -172,24 +172,22 @@ def record_window(model, context: torch.Tensor, instruction: torch.Tensor, hidde
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         teacher[module.layer_idx] = reconstruction_importance(query[0], key[0], context_len, scale).cpu()
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
+        return model_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
-    def keep(layer: int, name: str):
+    def keep(layer: int, name: str, projection=None):
         def hook(_module, args, output):
-            tensor = args[0] if name == "hidden" else output
+            tensor = args[0] if projection is None else projection.take(output)  # [B, T, hidden] / [B, T, Hkv, d]
             captured[layer, name] = tensor[0, :context_len].detach()
 
         return hook
 
     handles = []
-    for layer, module in enumerate(geometry.attention_modules):
-        key_module = module.k_norm if getattr(module, "k_norm", None) is not None else module.k_proj
-        handles.append(key_module.register_forward_hook(keep(layer, "keys")))
-        handles.append(module.v_proj.register_forward_hook(keep(layer, "values")))
-        if hidden:
-            handles.append(module.k_proj.register_forward_hook(keep(layer, "hidden")))  # its input: the normed state
+    for layer in range(geometry.num_layers):
+        keys, values = geometry.key_projections[layer], geometry.value_projections[layer]
+        handles.append(keys.module.register_forward_hook(keep(layer, "keys", keys)))
+        handles.append(values.module.register_forward_hook(keep(layer, "values", values)))
+        if hidden:  # the value projection's input: the normed state
+            handles.append(values.module.register_forward_hook(keep(layer, "hidden")))
     try:
         with attention_implementation(model, TEACHER_ATTENTION, attention_forward):
             model.model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)

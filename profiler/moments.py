@@ -7,7 +7,8 @@ empirical property of the head, so it is measured on calibration text.  For ever
 
 * one forward pass of the model with a capture attention function (switched in with
   ``runtime.attention.attention_implementation``); the function computes the ordinary
-  ``sdpa`` output and hands post-RoPE ``query [1, Hq, T, d]`` and un-repeated
+  attention output (``sdpa``; :mod:`runtime.eager_attention` on a soft-capping layer) and hands
+  post-RoPE ``query [1, Hq, T, d]`` and un-repeated
   ``key/value [1, Hkv, T, d]`` to a per-call measurer (passed by closure, no module globals);
 * the window is split into a *prefix* of ``P = T - W`` tokens (the prompt that gets
   compressed) and the last ``W = query_window`` tokens, whose queries play the role of
@@ -391,7 +392,7 @@ def measure_correction_errors_by_selection(
     from one captured forward pass per window shared by all of them (one measurer each).  Returns one
     :class:`CorrectionErrors` per selection, in order; each is exactly what
     :func:`measure_correction_errors` returns for that selection alone."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from runtime.eager_attention import attention_forward as model_attention
 
     geometry = ModelGeometry.of(model)
     num_layers, num_kv_heads = geometry.num_layers, geometry.num_kv_heads
@@ -452,9 +453,7 @@ def measure_correction_errors_by_selection(
         )
 
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        output = sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
+        output = model_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         for measurer in measurers:
             measurer.measure(module.layer_idx, query, key, value, scaling)
         return output

@@ -2,13 +2,20 @@
 
     geometry = ModelGeometry.of(model)      # raises UnsupportedModelError with the reason
     geometry.num_layers, geometry.num_q_heads, geometry.num_kv_heads, geometry.head_dim
-    geometry.query_modules[layer]           # hook it: its output is the pre-RoPE query [B, T, Hq * d]
-    geometry.rotary(x, position_ids)        # the model's own RoPE cos/sin
+    geometry.query_modules[layer]           # hook it; geometry.pre_rope_queries(layer, output): [B, T, Hq, d]
+                                            # (the query norm applied, if any; Phi-3: a slice of qkv_proj)
+    geometry.key_projections[layer]         # hook target and output slice of the pre-RoPE keys (values alike)
+    geometry.rope_layer_types[layer]        # what the rotary module takes for the layer (runtime.rope)
+    geometry.sliding_windows[layer], geometry.softcaps[layer]
 
 Supported: decoder-only transformers in the Llama family as transformers 5.x writes them
-(Llama, Mistral, Qwen2, Qwen3, SmolLM, ...): ``model.model.layers[i].self_attn`` with a
-``q_proj`` linear (and optionally a per-head ``q_norm``, as in Qwen3), RoPE applied by
-``model.model.rotary_emb``, and attention dispatched through ``AttentionInterface``.
+(Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, OLMo2, Phi-3, SmolLM, ...):
+``model.model.layers[i].self_attn`` with a ``q_proj`` linear (and optionally a query norm,
+``q_norm``, as in Qwen3, Gemma 3 and OLMo2) or a fused ``qkv_proj`` whose output is
+``[.., (Hq + 2 Hkv) d]``, query first, then keys, then values (Phi-3, Phi-4), RoPE on the whole
+head dimension applied by ``model.model.rotary_emb`` (one module for every layer, or one that
+takes the layer's type, as Gemma 3's, whose sliding layers use another base), attention
+dispatched through ``AttentionInterface``, and layers of full or sliding-window attention.
 
 The config numbers (``L``, ``Hq``, ``Hkv``, ``d``) and the query-norm flag are read by
 ``artifacts.fingerprint`` (:func:`~artifacts.fingerprint.attention_numbers`,
@@ -19,15 +26,49 @@ disagree; this module checks the modules against them.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
 
-from artifacts.fingerprint import attention_numbers, has_query_norm, text_config
+from artifacts.fingerprint import attention_numbers, has_query_norm, layer_attention, text_config
 
 
 class UnsupportedModelError(ValueError):
     """The model lacks a piece the toolkit relies on (the message says which)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Projection:
+    """Where one projection is read: a forward hook on the linear ``module``, whose output
+    ``[B, T, F]`` holds it (all of it, or the ``features`` slice of the last axis: a fused
+    ``qkv_proj``), then :meth:`take`.  ``norm``: the norm the model applies next (``q_norm`` /
+    ``k_norm``), over each head's ``d`` features (Qwen3, Gemma 3) or over all ``H d`` (OLMo2);
+    :meth:`take` applies it, the same module to the same values, so the result is the model's
+    whatever layout the model normalises in (Gemma 3 does it on ``[B, H, T, d]``)."""
+
+    module: torch.nn.Module
+    heads: int  # H
+    head_dim: int  # d
+    features: slice | None = None
+    norm: torch.nn.Module | None = None
+    norm_per_head: bool = True
+
+    def take(self, output: torch.Tensor) -> torch.Tensor:
+        """The projection ``[B, T, H, d]`` in the hooked module's output ``[B, T, F]``."""
+        values = output.detach() if self.features is None else output.detach()[..., self.features]
+        batch, tokens = values.shape[0], values.shape[1]
+        if self.norm is None:
+            return values.reshape(batch, tokens, self.heads, self.head_dim)
+        with torch.no_grad():
+            if self.norm_per_head:
+                return self.norm(values.reshape(batch, tokens, self.heads, self.head_dim))
+            return self.norm(values).reshape(batch, tokens, self.heads, self.head_dim)
+
+
+def _rope_takes_layer_type(rotary) -> bool:
+    """Whether the rotary module's forward takes the layer's type (Gemma 3: one RoPE per type)."""
+    return "layer_type" in inspect.signature(rotary.forward).parameters
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,8 +81,14 @@ class ModelGeometry:
     head_dim: int  # d
     scalings: tuple[float, ...]  # per layer: the attention scale s (module.scaling, else 1/sqrt(d))
     attention_modules: tuple[torch.nn.Module, ...]  # per layer: model.model.layers[i].self_attn
-    query_modules: tuple[torch.nn.Module, ...]  # per layer: the module whose output is the pre-RoPE query
-    query_norm: bool  # True when query_modules are per-head norms (Qwen3 style q_norm)
+    query_projections: tuple[Projection, ...]  # per layer: the pre-RoPE query (q_proj [+ q_norm] or qkv_proj[:Hq d])
+    key_projections: tuple[Projection, ...]  # per layer: the pre-RoPE keys (k_proj [+ k_norm] or a qkv_proj slice)
+    value_projections: tuple[Projection, ...]  # per layer: the values (v_proj or a qkv_proj slice)
+    query_norm: bool  # True when the queries pass through a norm before RoPE (q_norm: Qwen3, Gemma 3, OLMo2)
+    fused_qkv: bool  # True when one qkv_proj computes queries, keys and values (Phi-3)
+    rope_layer_types: tuple[str | None, ...]  # per layer: the type the rotary module takes (None: it takes none)
+    sliding_windows: tuple[int | None, ...]  # per layer: the sliding window (None: full attention)
+    softcaps: tuple[float | None, ...]  # per layer: the attention-logit soft-cap (None: none)
     rotary: torch.nn.Module = field(repr=False)  # model.model.rotary_emb
     text_config: object = field(repr=False)  # the (text) transformers config
 
@@ -49,6 +96,27 @@ class ModelGeometry:
     def group_size(self) -> int:
         """Query heads per KV head (GQA group), ``G = Hq / Hkv``."""
         return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def query_modules(self) -> tuple[torch.nn.Module, ...]:
+        """Per layer: the module to hook for the pre-RoPE query (see :meth:`pre_rope_queries`)."""
+        return tuple(projection.module for projection in self.query_projections)
+
+    def pre_rope_queries(self, layer: int, output: torch.Tensor) -> torch.Tensor:
+        """The pre-RoPE queries ``[B, T, Hq, d]`` in the output of ``query_modules[layer]``."""
+        return self.query_projections[layer].take(output)
+
+    def rope_layer_type(self, layer: int | None):
+        """What the rotary module takes for ``layer`` (None: nothing); ``layer=None`` serves only a
+        model whose layers all share one RoPE, else ``ValueError``."""
+        if layer is not None:
+            return self.rope_layer_types[layer]
+        if len(set(self.rope_layer_types)) > 1:
+            raise ValueError(
+                "the layers of this model use different RoPE (per layer type: "
+                f"{', '.join(sorted(set(self.rope_layer_types)))}): give the layer"
+            )
+        return self.rope_layer_types[0]
 
     @classmethod
     def of(cls, model) -> ModelGeometry:
@@ -84,22 +152,20 @@ class ModelGeometry:
         if len(layers) != numbers["num_layers"]:
             raise UnsupportedModelError(f"{name}: config says {numbers['num_layers']} layers, model has {len(layers)}")
 
+        try:
+            sliding_windows, softcaps = layer_attention(config)
+        except ValueError as exc:
+            raise UnsupportedModelError(f"{name}: {exc}") from None
+
         query_norm = has_query_norm(model)
-        attention_modules, query_modules, scalings = [], [], []
+        first = getattr(layers[0], "self_attn", None) if len(layers) else None
+        fused = getattr(first, "q_proj", None) is None and getattr(first, "qkv_proj", None) is not None
+        attention_modules, scalings = [], []
+        projections: dict[str, list[Projection]] = {"query": [], "key": [], "value": []}
         for index, layer in enumerate(layers):
             attention = getattr(layer, "self_attn", None)
             if attention is None:
                 raise UnsupportedModelError(f"{name}: layer {index} has no self_attn module")
-            q_proj = getattr(attention, "q_proj", None)
-            if not isinstance(q_proj, torch.nn.Linear):
-                raise UnsupportedModelError(
-                    f"{name}: layer {index} attention has no q_proj linear (fused QKV projections are not supported)"
-                )
-            if q_proj.out_features != num_q_heads * head_dim:
-                raise UnsupportedModelError(
-                    f"{name}: layer {index} q_proj gives {q_proj.out_features} features, "
-                    f"expected {num_q_heads} heads x {head_dim}"
-                )
             if getattr(attention, "layer_idx", None) != index:
                 raise UnsupportedModelError(f"{name}: layer {index} attention has no matching layer_idx")
             q_norm = getattr(attention, "q_norm", None)
@@ -108,9 +174,17 @@ class ModelGeometry:
                     f"{name}: only some layers have a query norm "
                     f"(layer {index} {'has' if q_norm is not None else 'has no'} q_norm)"
                 )
+            found = (
+                _fused_projections(name, index, attention, numbers)
+                if fused
+                else _projections(name, index, attention, numbers)
+            )
+            for kind, projection in found.items():
+                projections[kind].append(projection)
             attention_modules.append(attention)
-            query_modules.append(q_norm if query_norm else q_proj)
             scalings.append(float(getattr(attention, "scaling", head_dim**-0.5)))
+        rope_layer_types = _rope_layer_types(name, rotary, config, len(layers))
+        _check_full_rotary(name, rotary, rope_layer_types, head_dim)
         return cls(
             num_layers=len(layers),
             num_q_heads=num_q_heads,
@@ -118,8 +192,102 @@ class ModelGeometry:
             head_dim=head_dim,
             scalings=tuple(scalings),
             attention_modules=tuple(attention_modules),
-            query_modules=tuple(query_modules),
+            query_projections=tuple(projections["query"]),
+            key_projections=tuple(projections["key"]),
+            value_projections=tuple(projections["value"]),
             query_norm=query_norm,
+            fused_qkv=fused,
+            rope_layer_types=rope_layer_types,
+            sliding_windows=sliding_windows,
+            softcaps=softcaps,
             rotary=rotary,
             text_config=config,
         )
+
+
+def _linear(name: str, index: int, attention, attribute: str, features: int, expected: str) -> torch.nn.Linear:
+    module = getattr(attention, attribute, None)
+    if not isinstance(module, torch.nn.Linear):
+        detail = " nor a fused qkv_proj" if attribute == "q_proj" else ""
+        raise UnsupportedModelError(f"{name}: layer {index} attention has no {attribute} linear{detail}")
+    if module.out_features != features:
+        raise UnsupportedModelError(
+            f"{name}: layer {index} {attribute} gives {module.out_features} features, expected {expected}"
+        )
+    return module
+
+
+def _projections(name: str, index: int, attention, numbers: dict) -> dict[str, Projection]:
+    """Separate ``q_proj``, ``k_proj``, ``v_proj`` (the query and keys after their norms, if any)."""
+    heads, kv_heads, dim = numbers["num_q_heads"], numbers["num_kv_heads"], numbers["head_dim"]
+    q_proj = _linear(name, index, attention, "q_proj", heads * dim, f"{heads} heads x {dim}")
+    k_proj = _linear(name, index, attention, "k_proj", kv_heads * dim, f"{kv_heads} KV heads x {dim}")
+    v_proj = _linear(name, index, attention, "v_proj", kv_heads * dim, f"{kv_heads} KV heads x {dim}")
+    return {
+        "query": _normed(name, index, q_proj, heads, dim, getattr(attention, "q_norm", None)),
+        "key": _normed(name, index, k_proj, kv_heads, dim, getattr(attention, "k_norm", None)),
+        "value": Projection(v_proj, kv_heads, dim),
+    }
+
+
+def _normed(name: str, index: int, linear, heads: int, dim: int, norm) -> Projection:
+    """``linear``'s output, through ``norm`` when there is one: a norm with a weight of ``d`` (per
+    head) or ``H d`` (over all heads) features."""
+    if norm is None:
+        return Projection(linear, heads, dim)
+    weight = getattr(norm, "weight", None)
+    size = None if weight is None else weight.numel()
+    if size not in (dim, heads * dim):
+        raise UnsupportedModelError(
+            f"{name}: layer {index} has a projection norm of {size} features, expected {dim} or {heads} x {dim}"
+        )
+    return Projection(linear, heads, dim, norm=norm, norm_per_head=size == dim)
+
+
+def _fused_projections(name: str, index: int, attention, numbers: dict) -> dict[str, Projection]:
+    """One ``qkv_proj`` whose output is ``[.., (Hq + 2 Hkv) d]``: queries, keys, values in that order
+    (as Phi-3 splits it); a query or key norm after a fused projection is not supported."""
+    heads, kv_heads, dim = numbers["num_q_heads"], numbers["num_kv_heads"], numbers["head_dim"]
+    qkv = _linear(
+        name,
+        index,
+        attention,
+        "qkv_proj",
+        (heads + 2 * kv_heads) * dim,
+        f"({heads} + 2 x {kv_heads}) heads x {dim}",
+    )
+    if getattr(attention, "q_norm", None) is not None or getattr(attention, "k_norm", None) is not None:
+        raise UnsupportedModelError(f"{name}: layer {index} has a fused qkv_proj and a query or key norm")
+    queries, keys = heads * dim, (heads + kv_heads) * dim
+    return {
+        "query": Projection(qkv, heads, dim, slice(0, queries)),
+        "key": Projection(qkv, kv_heads, dim, slice(queries, keys)),
+        "value": Projection(qkv, kv_heads, dim, slice(keys, None)),
+    }
+
+
+def _rope_layer_types(name: str, rotary, config, layers: int) -> tuple[str | None, ...]:
+    """Per layer, what the rotary module takes (Gemma 3: the layer's type; None for one shared RoPE)."""
+    if not _rope_takes_layer_type(rotary):
+        return (None,) * layers
+    types = getattr(config, "layer_types", None)
+    if types is None or len(types) != layers:
+        raise UnsupportedModelError(
+            f"{name}: the rotary embedding takes a layer type, but the config has none per layer"
+        )
+    return tuple(str(kind) for kind in types)
+
+
+def _check_full_rotary(name: str, rotary, rope_layer_types, head_dim: int) -> None:
+    """RoPE must turn the whole head dimension (runtime.rope's matrices are ``[d, d]``)."""
+    device = next(rotary.buffers(), torch.empty(0)).device
+    probe = torch.zeros(1, 1, 1, device=device)
+    for layer_type in sorted(set(rope_layer_types), key=str):
+        extra = () if layer_type is None else (layer_type,)
+        with torch.no_grad():
+            cos, _ = rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=device), *extra)
+        if cos.shape[-1] != head_dim:
+            raise UnsupportedModelError(
+                f"{name}: partial rotary embeddings (RoPE on {cos.shape[-1]} of {head_dim} dimensions) "
+                "are not supported"
+            )

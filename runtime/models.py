@@ -367,15 +367,76 @@ def load_tokenizer(model: str | os.PathLike | None = None):
     return _from_pretrained(AutoTokenizer, model)
 
 
+# --dtype of the commands that load a model: "auto" is the checkpoint's own dtype
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_HELP = (
+    "dtype the model is loaded in: auto (the checkpoint's own), float32, bfloat16 or float16 "
+    "(default: float32 on a CPU, the checkpoint's own on a GPU)"
+)
+# "auto" for --attn-implementation: sdpa, or eager for a model that soft-caps its attention logits
+AUTO_ATTENTION = "auto"
+ATTENTION_HELP = (
+    "transformers attention implementation the model is loaded with, for the passes that run the "
+    "model's own attention (the profiler's captures switch in their own functions): auto (default) is "
+    "sdpa, or eager for a model that soft-caps its attention logits (Gemma 2), which sdpa cannot; or "
+    "eager, sdpa, flash_attention_2, ... as transformers accepts them"
+)
+
+
+# How a model loads on a CPU without options (loaded_as): the records of runs loaded so (the profiler's
+# work file, evaluate-artifact's journal) keep the form they had before the load was recorded.
+CPU_DEFAULT_LOAD = {"dtype": "float32", "attn_implementation": "sdpa"}
+
+
+def loaded_as(model) -> dict[str, str]:
+    """``{"dtype": ..., "attn_implementation": ...}``: what ``model`` was loaded as (its parameters'
+    dtype, e.g. ``"bfloat16"``, and its config's attention implementation, e.g. ``"sdpa"``)."""
+    return {
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "attn_implementation": str(model.config._attn_implementation),
+    }
+
+
+def attention_softcap(model: str | os.PathLike | None) -> float | None:
+    """The attention-logit soft-cap of ``model``'s config (Gemma 2), read before the weights load."""
+    from transformers import AutoConfig
+
+    config = _from_pretrained(AutoConfig, model)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "attn_logit_softcapping", None) or None
+
+
 def load_model(
-    model: str | os.PathLike | None = None, *, dtype=None, device_map=None, attn_implementation: str | None = "sdpa"
+    model: str | os.PathLike | None = None,
+    *,
+    dtype=None,
+    device_map=None,
+    attn_implementation: str | None = AUTO_ATTENTION,
 ):
-    """A causal LM in eval mode (see :func:`resolve_model`); float32 by default on CPU."""
+    """A causal LM in eval mode (see :func:`resolve_model`).
+
+    ``dtype``: a torch dtype, its name, or ``"auto"`` (the checkpoint's); None: float32 on a CPU,
+    the checkpoint's on a GPU.  ``attn_implementation``: ``"auto"`` (default) is ``"sdpa"``, or
+    ``"eager"`` when the model soft-caps its attention logits (sdpa cannot: transformers 5.24
+    refuses to load Gemma 2 with it, 5.2 silently drops the cap); asking for ``"sdpa"`` on such a
+    model is refused; None leaves the choice to transformers."""
     import torch
     from transformers import AutoModelForCausalLM
 
     if dtype is None:
         dtype = torch.float32 if device_map in (None, "cpu") and not torch.cuda.is_available() else "auto"
+    elif isinstance(dtype, str) and dtype != "auto":
+        if dtype not in DTYPE_CHOICES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPE_CHOICES)}")
+        dtype = getattr(torch, dtype)
+    if attn_implementation in (AUTO_ATTENTION, "sdpa"):
+        softcap = attention_softcap(model)
+        if softcap is not None and attn_implementation == "sdpa":
+            raise ValueError(
+                f"the model soft-caps its attention logits (attn_logit_softcapping={softcap:g}), which sdpa "
+                "cannot do: use the eager attention implementation (or auto)"
+            )
+        attn_implementation = "eager" if softcap is not None else "sdpa"
     kwargs = {"dtype": dtype}
     if device_map is not None:
         kwargs["device_map"] = device_map

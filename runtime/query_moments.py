@@ -3,8 +3,9 @@
 Expected Attention (Expected Attention: KV Cache Compression by Estimating Attention from
 Future Queries Distribution, arXiv 2510.00636) scores keys with the mean and covariance of the
 queries *before* RoPE (after the query norm where the model has one, e.g. Qwen3).  They are
-collected with forward hooks on each layer's query module (``ModelGeometry.query_modules``:
-``q_norm`` or ``q_proj``) and kept as sums
+collected with forward hooks on each layer's query module (``ModelGeometry.query_modules``,
+read through ``ModelGeometry.pre_rope_queries``: ``q_proj``'s output after the query norm, or
+the query slice of a fused ``qkv_proj``) and kept as sums
 
     n,    s = sum q  [d],    S = sum q q^T  [d, d]          (float64)
 
@@ -135,7 +136,7 @@ class QueryMoments:
 
         def make_hook(layer: int):
             def hook(_module, _inputs, output):
-                queries = output.detach().reshape(output.shape[0], output.shape[1], heads, dim)  # [B, T, Hq, d]
+                queries = geometry.pre_rope_queries(layer, output)  # [B, T, Hq, d]
                 if self.rows is None:
                     queries = queries[:, n_sink:]  # [B, T - n_sink, Hq, d]
                     if queries.shape[1]:

@@ -31,27 +31,32 @@ def rope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.diag(cos) + sin.unsqueeze(1) * rotate_half_matrix(cos.shape[0], cos.dtype, cos.device)
 
 
-def rope_cos_sin(model, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's ``cos, sin [len(positions), d]`` (float32) at absolute ``positions``.
+def rope_cos_sin(model, positions: torch.Tensor, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer``'s ``cos, sin [len(positions), d]`` (float32) at absolute ``positions``.
 
     ``model``: a loaded model or its :class:`~runtime.geometry.ModelGeometry` (whose ``rotary``
-    module is used).
+    module is used, given the layer's type where it takes one: Gemma 3's sliding layers use
+    another RoPE base than its full ones).  ``layer=None`` serves a model whose layers share one
+    RoPE; for one whose layers differ it raises ``ValueError``.
     """
-    rotary = ModelGeometry.of(model).rotary
+    geometry = ModelGeometry.of(model)
+    layer_type = geometry.rope_layer_type(layer)
+    rotary = geometry.rotary
     device = next(rotary.buffers(), torch.empty(0)).device
     positions = positions.to(device=device, dtype=torch.long).reshape(1, -1)
     probe = torch.zeros(1, positions.shape[1], 1, dtype=torch.float32, device=device)
     with torch.no_grad():
-        cos, sin = rotary(probe, positions)
+        cos, sin = rotary(probe, positions) if layer_type is None else rotary(probe, positions, layer_type)
     return cos[0].float(), sin[0].float()
 
 
-def averaged_rope(model, start: int, horizon: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean ``cos, sin [d]`` over absolute positions ``start .. start + horizon - 1`` (``model``: a
-    model or its :class:`~runtime.geometry.ModelGeometry`)."""
+def averaged_rope(model, start: int, horizon: int, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean ``cos, sin [d]`` of layer ``layer`` over absolute positions ``start .. start + horizon - 1``
+    (``model``: a model or its :class:`~runtime.geometry.ModelGeometry`; ``layer`` as in
+    :func:`rope_cos_sin`)."""
     if horizon <= 0:
         raise ValueError(f"the RoPE averaging horizon must be positive, got {horizon}")
     if start < 0:
         raise ValueError(f"the start position must be >= 0, got {start}")
-    cos, sin = rope_cos_sin(model, torch.arange(start, start + horizon))
+    cos, sin = rope_cos_sin(model, torch.arange(start, start + horizon), layer)
     return cos.mean(0), sin.mean(0)

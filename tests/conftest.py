@@ -67,22 +67,24 @@ def make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, voca
     return model
 
 
-def write_tiny_model_dir(directory, tokenizer, *, probes: int = 12, seed: int = 7):
-    """A profile-able model directory in seconds: a tiny random Llama with ``tokenizer`` (saved
-    beside it), ``probes`` hand-built probes (``probes.jsonl``) and a calibration text (``calib.txt``)."""
+def write_tiny_model_dir(directory, tokenizer, *, probes: int = 12, seed: int = 7, model=None, probe_length=48):
+    """A profile-able model directory in seconds: a tiny random Llama (or ``model``) with ``tokenizer``
+    (saved beside it), ``probes`` hand-built probes (``probes.jsonl``, ``probe_length``, + 4 each)
+    and a calibration text (``calib.txt``)."""
     import random
 
     from needles.probe import Probe, Span
 
-    model = make_tiny_llama(
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=len(tokenizer), seed=seed
-    )
+    if model is None:
+        model = make_tiny_llama(
+            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=len(tokenizer), seed=seed
+        )
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     rng = random.Random(0)
     with open(directory / "probes.jsonl", "w") as fh:
         for i in range(probes):
-            n = 48 + 4 * i
+            n = probe_length + 4 * i
             ids = [rng.randrange(100, 40000) for _ in range(n)]
             spans = [Span("R", 10, 13), Span("B", 20, 22), Span("D", 30, 34)]
             probe = Probe(f"p{i}", "hand", n, 25.0 + i, i, "q?", "zebra", ids, spans, context_end=n - 6)

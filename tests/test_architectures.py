@@ -17,14 +17,6 @@ from runtime import CompressionPolicy, RaggedCache, cache_argument, generate, pr
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# Not yet: Phi-3's fused QKV projection and Gemma 3's per-layer-type RoPE in the scorers (in progress).
-_PENDING = pytest.mark.xfail(strict=True, reason="fused QKV / per-layer RoPE not supported yet")
-
-
-def _marked(name: str):
-    return pytest.param(name, marks=_PENDING) if name == "phi3" else name
-
-
 TOLERANCE = 1e-4
 PROMPTS = (150, 117)  # real prompt tokens of the two batch rows (left-padded to the longest)
 CHUNK, STEPS = 12, 6  # then a chunk of 12 columns over the filled cache, then 6 decode steps
@@ -62,7 +54,7 @@ def _check_window(model, cache):
             assert int(layer.length.max()) <= window - 1, f"layer {index} holds more than its window"
 
 
-@pytest.mark.parametrize("name", [_marked(name) for name in ARCHITECTURES])
+@pytest.mark.parametrize("name", ARCHITECTURES)
 @torch.no_grad()
 def test_nothing_evicted_equals_the_unmodified_model(name):
     model = make_tiny(name)
@@ -102,11 +94,9 @@ POLICIES = {
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("name", [_marked(name) for name in ARCHITECTURES])
+@pytest.mark.parametrize("name", ARCHITECTURES)
 @torch.no_grad()
-def test_eviction_runs_and_sliding_layers_keep_a_ratio_of_their_window(name, policy, request):
-    if name == "gemma3" and policy.startswith("leverage"):
-        request.applymarker(_PENDING)
+def test_eviction_runs_and_sliding_layers_keep_a_ratio_of_their_window(name, policy):
     model = make_tiny(name)
     generator = torch.Generator().manual_seed(4)
     ids = torch.randint(3, VOCAB, (2, 200), generator=generator)
@@ -137,7 +127,7 @@ def test_eviction_runs_and_sliding_layers_keep_a_ratio_of_their_window(name, pol
     assert WINDOW > 4
 
 
-@pytest.mark.parametrize("name", [_marked(name) for name in ARCHITECTURES])
+@pytest.mark.parametrize("name", ARCHITECTURES)
 @torch.no_grad()
 def test_beams_run_and_at_full_budget_are_transformers_own(name):
     """``num_beams=2, num_return_sequences=2`` through runtime.generate: with nothing evicted the

@@ -343,3 +343,77 @@ def test_a_1_1_reader_can_verify_the_digest_of_a_file_with_a_recommendation(tmp_
     with h5py.File(path, "r+") as h5:
         h5["recommendation"].attrs["tasks"] = 13
     _assert_invalid(path, r"metadata checksum mismatch.*\(extended digest\)")
+
+
+def _identity_of(model, name: str):
+    """The /model identity of ``model`` as the profiler records it (weights and tokenizer made up)."""
+    from artifacts import ModelIdentity
+    from artifacts.fingerprint import architecture_fingerprint, architecture_numbers, has_query_norm
+
+    numbers = architecture_numbers(model.config)
+    query_norm = has_query_norm(model)
+    return ModelIdentity(
+        name=name,
+        **numbers,
+        query_norm=query_norm,
+        arch_fingerprint=architecture_fingerprint(numbers, query_norm),
+        weights_fingerprint="b" * 64,
+        tokenizer_fingerprint="c" * 64,
+    )
+
+
+def test_windows_soft_capping_and_per_layer_rope_are_part_of_the_architecture():
+    """Same shapes, another attention: a sliding window, soft-capping or Gemma 3's per-layer-type
+    RoPE changes the fingerprint; a model without any keeps the fingerprint it always had."""
+    import hashlib
+
+    from tiny_architectures import build
+
+    from artifacts.fingerprint import architecture_numbers
+    from artifacts.schema import canonical_json
+
+    plain = _identity_of(build("mistral"), "mistral")
+    assert plain.attention_variant == ""
+    numbers = architecture_numbers(build("mistral").config)
+    old_formula = hashlib.sha256(canonical_json({**numbers, "query_norm": False}).encode("ascii")).hexdigest()
+    assert "attention_variant" not in numbers and plain.arch_fingerprint == old_formula
+
+    windowed = _identity_of(build("mistral-sw"), "mistral-sw")
+    assert json.loads(windowed.attention_variant) == {"sliding_window": 64, "sliding_layers": [0, 1, 2, 3]}
+    assert windowed.arch_fingerprint != plain.arch_fingerprint
+
+    gemma2 = build("gemma2")
+    capped = _identity_of(gemma2, "gemma2")
+    assert json.loads(capped.attention_variant)["attn_logit_softcapping"] == 50.0
+    gemma2.config.attn_logit_softcapping = None
+    assert _identity_of(gemma2, "gemma2").arch_fingerprint != capped.arch_fingerprint
+
+    gemma3 = json.loads(_identity_of(build("gemma3"), "gemma3").attention_variant)
+    assert gemma3["sliding_layers"] == [0, 2] and set(gemma3["rope_parameters_by_layer_type"]) == {
+        "full_attention",
+        "sliding_attention",
+    }
+
+
+def test_an_attention_variant_round_trips_and_an_edit_is_refused(tmp_path):
+    from tiny_architectures import build
+
+    identity = _identity_of(build("gemma2"), "gemma2")
+    path = write_artifact(tmp_path / "a.h5", make_random_artifact(identity, sections=("query_stats",)))
+    with open_artifact(path) as reader:
+        assert reader.model == identity
+        reader.validate()
+    with h5py.File(path, "r+") as h5:
+        h5["model"].attrs["attention_variant"] = identity.attention_variant.replace("50.0", "30.0")
+    _assert_invalid(path, "arch_fingerprint does not match the recorded architecture")
+
+
+def test_an_artifact_of_the_same_shapes_without_the_window_is_refused():
+    from tiny_architectures import build
+
+    from runtime.calibration import architecture_mismatch
+
+    identity = _identity_of(build("mistral"), "mistral")
+    problem = architecture_mismatch(identity, build("mistral-sw"))
+    assert problem is not None and "attention_variant: artifact '' vs model" in problem
+    assert architecture_mismatch(identity, build("mistral")) is None

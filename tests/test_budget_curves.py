@@ -196,7 +196,7 @@ def test_section_round_trips_and_serves_as_calibration(tmp_path):
     artifact = make_random_artifact(make_random_identity(4, 4, 2, 8), sections=("budget_curves",))
     path = write_artifact(tmp_path / "c.h5", artifact)
     with open_artifact(path) as reader:
-        assert reader.schema_version == "1.5"  # written as the newest; the section came in 1.3
+        assert reader.schema_version == "1.6"  # written as the newest; the section came in 1.3
         section = reader.section("budget_curves")
         assert np.array_equal(section["fractions"], artifact.sections["budget_curves"]["fractions"])
         assert dict(section.attrs) == {} and reader.config["budget_curves"]["selection"] == "keydiff"

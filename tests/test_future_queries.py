@@ -244,7 +244,9 @@ def test_probe_future_queries_are_the_queries_after_the_context_and_of_the_answe
         )[0]
     fed = answer[:-1]  # the last generated token is never fed back
     seen = []
-    handles = [m.register_forward_hook(lambda _m, _i, out: seen.append(out.detach())) for m in geometry.query_modules]
+    handles = [
+        m.register_forward_hook(lambda _m, _i, out: seen.append(out.detach())) for m in _model_query_modules(model)
+    ]
     try:
         with torch.no_grad():
             model(fed[None])
@@ -271,7 +273,7 @@ def test_future_queries_section_round_trips_and_a_1_2_reader_skips_it(tmp_path, 
     artifact = make_random_artifact()
     path = write_artifact(tmp_path / "f.h5", artifact)
     with open_artifact(path) as opened:
-        assert opened.schema_version == "1.5" and "future_queries" in opened.sections  # the newest; 1.3 added it
+        assert opened.schema_version == "1.6" and "future_queries" in opened.sections  # the newest; 1.3 added it
         for name, array in artifact.sections["future_queries"].arrays.items():
             np.testing.assert_array_equal(opened.read("future_queries", name), array)
     with h5py.File(path, "r") as h5:
@@ -348,3 +350,12 @@ def test_embedded_model_keeps_the_needle_under_prototype_attention(embedded_mode
         )
     text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert answer_is_correct(text, probe), (probe.answer, text)
+
+
+def _model_query_modules(model):
+    """Each layer's module whose output is the pre-RoPE query in [B, T, ...] order, read off the model
+    itself (q_norm where there is one, Llama / Qwen3), independently of runtime.geometry."""
+    return [
+        layer.self_attn.q_norm if hasattr(layer.self_attn, "q_norm") else layer.self_attn.q_proj
+        for layer in model.model.layers
+    ]

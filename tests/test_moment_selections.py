@@ -27,7 +27,7 @@ def artifact(tmp_path):
 def test_the_orders_of_every_selection_round_trip(artifact):
     written = make_random_artifact(sections=("budgets", "moments")).sections["moments"]
     with open_artifact(artifact) as opened:
-        assert opened.schema_version == "1.5" and set(opened.datasets("moments")) == set(SECTIONS["moments"].datasets)
+        assert opened.schema_version == "1.6" and set(opened.datasets("moments")) == set(SECTIONS["moments"].datasets)
         section = opened.section("moments")
         for name, array in written.arrays.items():
             np.testing.assert_array_equal(section[name], array)

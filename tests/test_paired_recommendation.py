@@ -193,7 +193,7 @@ def test_a_1_3_reader_skips_the_evidence_and_verifies_both_digests(artifact, mon
     monkeypatch.setattr(reader, "SCHEMA_MINOR", 3)
     monkeypatch.setattr(reader, "SECTIONS", {**SECTIONS, "recommendation": old})
     with reader.open_artifact(artifact) as opened:
-        assert opened.schema_version == "1.5" and "recommendation" in opened.sections
+        assert opened.schema_version == "1.6" and "recommendation" in opened.sections
         assert [name.decode() for name in opened.read("recommendation", "policy")] == [FLAGSHIP, FLAGSHIP]
 
 

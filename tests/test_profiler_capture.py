@@ -92,6 +92,23 @@ def test_capture_matches_eager_on_other_llama_family_models(kind):
     _check_against_eager(model, prompt, steps=4, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["mistral-sw", "qwen2-sw", "gemma2", "gemma3"])
+def test_capture_matches_eager_with_sliding_windows_and_soft_capping(name):
+    """A prompt past the 64-token window: a sliding layer's decode step sees the window's keys only,
+    which the record maps back to context positions (0 before the window); Gemma 2 soft-caps (a
+    cap the scaled-up logits reach)."""
+    from tiny_architectures import WINDOW, build
+
+    model = build(name, seed=1)
+    if name == "gemma2":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(40)
+                layer.self_attn.attn_logit_softcapping = 2.0
+    prompt = torch.randint(1, 512, (1, WINDOW + 36), generator=torch.Generator().manual_seed(5))
+    _check_against_eager(model, prompt, steps=5, atol=1e-5)
+
+
 def test_capture_leaves_generation_unchanged():
     model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=1, head_dim=16, seed=5)
     prompt = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(1))

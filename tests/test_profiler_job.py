@@ -96,6 +96,8 @@ def test_interrupt_and_kill_then_resume_gives_the_same_artifact(model_dir, refer
     # Resuming with other settings is refused (the work file is left alone).
     assert main([*_args(model_dir, out, "--max-new-tokens", "3"), "--resume"]) == 2
     assert "different job" in capsys.readouterr().err and work.exists()
+    assert main([*args, "--dtype", "bfloat16", "--resume"]) == 2  # and with the model in another dtype
+    assert "different job (model, its dtype" in capsys.readouterr().err and work.exists()
 
     # SIGKILL during the resumed run: again no artifact, the work file stays readable.
     killed = _start_and_signal([*args, "--resume"], work, signal.SIGKILL)
@@ -115,6 +117,7 @@ def test_interrupt_and_kill_then_resume_gives_the_same_artifact(model_dir, refer
     for name in want:  # same order of float64 additions: bit-identical
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     assert got_config == want_config
+    assert (want_config["profiler"]["dtype"], want_config["profiler"]["attn_implementation"]) == ("float32", "sdpa")
 
 
 def test_interrupt_inside_a_forward_pass_resumes_exactly(model_dir, reference, tmp_path, monkeypatch, capsys):

@@ -15,7 +15,8 @@ def _raw_queries(model, geometry, ids):
     """Independent capture: outputs of each layer's query module, [L, B, T, Hq, d] numpy."""
     seen = []
     handles = [
-        m.register_forward_hook(lambda _m, _i, out: seen.append(out.detach().clone())) for m in geometry.query_modules
+        m.register_forward_hook(lambda _m, _i, out: seen.append(out.detach().clone()))
+        for m in _model_query_modules(model)
     ]
     try:
         with torch.no_grad():
@@ -94,7 +95,7 @@ def test_qwen3_statistics_are_taken_after_the_query_norm():
         for layer in model.model.layers:  # non-trivial norm weights so pre/post norm differ
             layer.self_attn.q_norm.weight.uniform_(0.5, 2.0)
     geometry = ModelGeometry.of(model)
-    assert geometry.query_norm and geometry.query_modules[0] is model.model.layers[0].self_attn.q_norm
+    assert geometry.query_norm and geometry.query_projections[0].norm is model.model.layers[0].self_attn.q_norm
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
     acc = QueryMoments(2, 4, 8)
     with torch.no_grad(), acc.collect(geometry, n_sink=0):
@@ -130,3 +131,12 @@ def test_embedded_model_query_stats(embedded_model, embedded_tokenizer, one_thre
     mean, cov = _naive(raw[[0, 29]])
     np.testing.assert_allclose(stats["mean"][[0, 29]], mean, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(stats["cov"][[0, 29]], cov, rtol=1e-3, atol=1e-4)
+
+
+def _model_query_modules(model):
+    """Each layer's module whose output is the pre-RoPE query in [B, T, ...] order, read off the model
+    itself (q_norm where there is one, Llama / Qwen3), independently of runtime.geometry."""
+    return [
+        layer.self_attn.q_norm if hasattr(layer.self_attn, "q_norm") else layer.self_attn.q_proj
+        for layer in model.model.layers
+    ]

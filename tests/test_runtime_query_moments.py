@@ -17,7 +17,8 @@ def _query_outputs(model, ids, attention_mask=None):
     geometry = ModelGeometry.of(model)
     seen = []
     handles = [
-        m.register_forward_hook(lambda _m, _i, out: seen.append(out.detach().clone())) for m in geometry.query_modules
+        m.register_forward_hook(lambda _m, _i, out: seen.append(out.detach().clone()))
+        for m in _model_query_modules(model)
     ]
     try:
         with torch.no_grad():
@@ -96,3 +97,12 @@ def test_state_round_trip_merge_and_misuse():
         summed.add(0, torch.randn(2, 3, 5))
     with pytest.raises(ValueError, match="no queries were accumulated"):
         summed.finalize()
+
+
+def _model_query_modules(model):
+    """Each layer's module whose output is the pre-RoPE query in [B, T, ...] order, read off the model
+    itself (q_norm where there is one, Llama / Qwen3), independently of runtime.geometry."""
+    return [
+        layer.self_attn.q_norm if hasattr(layer.self_attn, "q_norm") else layer.self_attn.q_proj
+        for layer in model.model.layers
+    ]

@@ -1,73 +1,88 @@
-"""Tiny random-weight models of every architecture the toolkit accepts (issue 27's matrix).
+"""Tiny random-weight models of every architecture the toolkit accepts (built in-process, seconds).
 
-Each is built by transformers from a config (no download), float32, eager attention (the
-reference transformers itself uses for soft-capping), 4 layers, 4 query heads over 2 KV heads of
-16 dims, a 512-token vocabulary; the sliding-window ones use a window of 64 tokens so that a
-prompt of a few hundred tokens crosses it.
+The same shapes as the architecture check of issue 27: 64-wide, 4 query / 2 KV heads, a
+64-token sliding window where the architecture has one.  ``build(name)`` makes the model in
+eval mode with a fixed seed; ``vocab_size`` lets it share a real tokenizer's vocabulary.
 """
 
 from __future__ import annotations
 
 import torch
-import transformers
 
-VOCAB = 512
-WINDOW = 64
-_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=2048,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+NAMES = ("llama", "mistral", "mistral-sw", "qwen2", "qwen2-sw", "qwen3", "gemma2", "gemma3", "olmo2", "phi3")
+WINDOW = 64  # the sliding window of the -sw, Gemma models
 
 
-def _configs() -> dict:
-    t = transformers
-    return {
-        "llama": (t.LlamaConfig, t.LlamaForCausalLM, {}),
-        "mistral": (t.MistralConfig, t.MistralForCausalLM, {"sliding_window": None}),
-        "mistral-sw": (t.MistralConfig, t.MistralForCausalLM, {"sliding_window": WINDOW}),
-        "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM, {}),
-        # layers from max_window_layers on slide: two full layers, two sliding ones
-        "qwen2-sw": (
-            t.Qwen2Config,
-            t.Qwen2ForCausalLM,
-            {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2},
+def config(name: str, *, vocab_size: int = 512, num_layers: int = 4):
+    """The transformers config of the tiny ``name`` model."""
+    import transformers as T
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    half = max(1, num_layers // 2)
+    made = {
+        "llama": lambda: T.LlamaConfig(**common),
+        "mistral": lambda: T.MistralConfig(**common, sliding_window=None),
+        "mistral-sw": lambda: T.MistralConfig(**common, sliding_window=WINDOW),
+        "qwen2": lambda: T.Qwen2Config(**common),
+        "qwen2-sw": lambda: T.Qwen2Config(
+            **common, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=half
         ),
-        "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM, {}),
-        # Gemma 2: every other layer slides, attention logits soft-capped at 50
-        "gemma2": (t.Gemma2Config, t.Gemma2ForCausalLM, {"sliding_window": WINDOW}),
-        # Gemma 3: sliding layers with their own RoPE base, one full layer in two here
-        "gemma3": (
-            t.Gemma3TextConfig,
-            t.Gemma3ForCausalLM,
-            {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"] * 2},
-        ),
-        "olmo2": (t.Olmo2Config, t.Olmo2ForCausalLM, {}),
-        "phi3": (t.Phi3Config, t.Phi3ForCausalLM, {"sliding_window": None}),
+        "qwen3": lambda: T.Qwen3Config(**common, head_dim=16),
+        "gemma2": lambda: T.Gemma2Config(**common, head_dim=16, sliding_window=WINDOW),
+        "gemma3": lambda: T.Gemma3TextConfig(**common, head_dim=16, sliding_window=WINDOW, sliding_window_pattern=2),
+        "olmo2": lambda: T.Olmo2Config(**common),
+        "phi3": lambda: T.Phi3Config(**common, pad_token_id=0),
     }
+    return made[name]()
 
 
-ARCHITECTURES = tuple(_configs())
-SLIDING = ("mistral-sw", "qwen2-sw", "gemma2", "gemma3")
+def model_class(name: str):
+    import transformers as T
+
+    return {
+        "llama": T.LlamaForCausalLM,
+        "mistral": T.MistralForCausalLM,
+        "mistral-sw": T.MistralForCausalLM,
+        "qwen2": T.Qwen2ForCausalLM,
+        "qwen2-sw": T.Qwen2ForCausalLM,
+        "qwen3": T.Qwen3ForCausalLM,
+        "gemma2": T.Gemma2ForCausalLM,
+        "gemma3": T.Gemma3ForCausalLM,
+        "olmo2": T.Olmo2ForCausalLM,
+        "phi3": T.Phi3ForCausalLM,
+    }[name]
 
 
-def tiny_config(name: str):
-    config_class, _, extra = _configs()[name]
-    config = config_class(**_COMMON, **extra)
-    config._attn_implementation = "eager"
-    return config
+def build(name: str, *, seed: int = 0, attn_implementation: str | None = None, **options):
+    """The tiny ``name`` model, random weights from ``seed``, float32, eval mode; its attention
+    ``attn_implementation`` (None: transformers' default, sdpa where the model supports it)."""
+    made = config(name, **options)
+    if attn_implementation is not None:
+        made._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    return model_class(name)(made).eval()
+
+
+# issue 27's architecture matrix (tests/test_architectures.py) runs every one of them
+ARCHITECTURES = NAMES
+SLIDING = ("mistral-sw", "qwen2-sw", "gemma2", "gemma3")  # those with sliding-window layers
+VOCAB = 512
 
 
 def make_tiny(name: str, seed: int = 0):
-    """A tiny random ``name`` model (see the module docstring), in eval mode."""
-    _, model_class, _ = _configs()[name]
-    torch.manual_seed(seed)
-    return model_class(tiny_config(name)).eval()
+    """The tiny ``name`` model with its own eager attention (transformers' reference, and the only
+    implementation that soft-caps) and special tokens inside the vocabulary (generate() pads with
+    them)."""
+    model = build(name, seed=seed, attn_implementation="eager")
+    model.config.pad_token_id, model.config.bos_token_id, model.config.eos_token_id = 0, 1, 2
+    model.generation_config.pad_token_id = 0
+    model.generation_config.bos_token_id, model.generation_config.eos_token_id = 1, 2
+    return model

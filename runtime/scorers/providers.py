@@ -60,15 +60,21 @@ class QueryStatisticsProvider:
 
 
 class AveragedRopeProvider:
-    """``(cos [R, d], sin [R, d])``: RoPE averaged over the horizon from each row's next position
-    (the last call's positions are remembered: decoding asks for the same ones layer after layer)."""
+    """``(cos [R, d], sin [R, d])``: the layer's RoPE averaged over the horizon from each row's next
+    position (the last call's positions are remembered per RoPE of the model, one per layer type
+    for Gemma 3: decoding asks for the same ones layer after layer)."""
 
     def __init__(self, need: AveragedRope, scorer, geometry, **_):
         self.horizon, self.geometry, self.memo = need.horizon, geometry, {}
 
     def __call__(self, inputs: LayerInputs, **_):
-        memo = {p: self.memo.get(p) or averaged_rope(self.geometry, p, self.horizon) for p in inputs.next_positions}
-        self.memo = memo
+        rope = self.geometry.rope_layer_types[inputs.layer]
+        known = self.memo.get(rope, {})
+        memo = {
+            p: known.get(p) or averaged_rope(self.geometry, p, self.horizon, inputs.layer)
+            for p in inputs.next_positions
+        }
+        self.memo[rope] = memo
         pairs = [memo[p] for p in inputs.next_positions]
         return torch.stack([cos for cos, _ in pairs]), torch.stack([sin for _, sin in pairs])
 
@@ -105,17 +111,19 @@ class RecentQueriesProvider:
 
 
 class KeyRopeProvider:
-    """``(cos, sin) [R, Hkv, n, d]`` at every key's position; the heads of a freshly prefilled prompt
-    share their positions, so the last result is reused while the positions are the same."""
+    """``(cos, sin) [R, Hkv, n, d]`` of the layer's RoPE at every key's position; the heads of a freshly
+    prefilled prompt share their positions, so the last result is reused while the positions (and
+    the layer's RoPE: Gemma 3 has one per layer type) are the same."""
 
     def __init__(self, need: KeyRope, scorer, geometry, **_):
-        self.geometry, self.memo = geometry, None
+        self.geometry, self.memo = geometry, {}
 
     def __call__(self, inputs: LayerInputs, **_):
         positions = inputs.positions.reshape(-1)
-        memo = self.memo
+        rope = self.geometry.rope_layer_types[inputs.layer]
+        memo = self.memo.get(rope)
         if memo is None or memo[0].shape != positions.shape or not torch.equal(memo[0], positions):
-            memo = self.memo = (positions.clone(), *rope_cos_sin(self.geometry, positions))
+            memo = self.memo[rope] = (positions.clone(), *rope_cos_sin(self.geometry, positions, inputs.layer))
         shape = (*inputs.positions.shape, -1)
         return memo[1].reshape(shape).to(inputs.keys.device), memo[2].reshape(shape).to(inputs.keys.device)
 
