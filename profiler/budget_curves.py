@@ -28,6 +28,10 @@ then the best-scored, ties to the newer token: :func:`runtime.selection.priority
   step's most attended token; the loss is the share of those that are R tokens of the context
   the budget evicts.
 
+Attention here is the layer's own: soft-capped logits (Gemma 2) and, on a sliding-window layer,
+only the keys within the window of each query (``runtime.geometry``'s ``softcaps`` and
+``sliding_windows``); evicting a token the window has left changes nothing.
+
 Both are 0 at ``f = 1`` (nothing evicted).  The curve the allocation uses is
 ``loss = output_error / mean_h output_error[f_0] + retention_weight * retention_loss /
 mean_h retention_loss[f_0]`` (each part normalised by its mean over heads at the smallest
@@ -189,6 +193,7 @@ class _CurveMeasurer:
         self.grid = tuple(float(f) for f in grid)
         self.scorer = scorer
         self.inputs = ScorerInputs(scorer, geometry)  # what the scorer needs, from the captured pass
+        self.softcaps, self.sliding_windows = geometry.softcaps, geometry.sliding_windows
         self.n_sink, self.window = n_sink, window
         shape = (len(self.grid), geometry.num_layers, geometry.num_kv_heads)
         self.sums = np.zeros(shape)
@@ -219,6 +224,8 @@ class _CurveMeasurer:
     def measure(self, layer, query, key, value, scaling):
         import torch
 
+        from runtime.eager_attention import soft_cap
+
         kind, prefix, extra = self.target
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         num_kv = key.shape[1]
@@ -227,13 +234,19 @@ class _CurveMeasurer:
         budgets = torch.tensor(budgets_for(prefix, self.grid), device=key.device)  # [NG]
         tail = total - prefix
         tail_causal = torch.ones(tail, tail, dtype=torch.bool, device=key.device).tril()
+        sliding = self.sliding_windows[layer]
+        if sliding is not None:  # key t is within query p's window when p - t < sliding
+            distance = torch.arange(prefix, total, device=key.device)[:, None] - torch.arange(total, device=key.device)
+            outside = distance >= sliding  # [W, T]
         layer_ranks = self.layer_ranks(layer, query, key, value, prefix, scale)  # [Hkv, prefix]
         for h in range(num_kv):
             ranks = layer_ranks[h]
             q = query[0, h * group : (h + 1) * group, prefix:].float()  # [G, W, d]
             k, v = key[0, h].float(), value[0, h].float()  # [T, d]
-            logits = torch.einsum("gwd,td->gwt", q, k) * scale  # [G, W, T]
+            logits = soft_cap(torch.einsum("gwd,td->gwt", q, k) * scale, self.softcaps[layer])  # [G, W, T]
             logits[..., prefix:] = logits[..., prefix:].masked_fill(~tail_causal, float("-inf"))
+            if sliding is not None:
+                logits = logits.masked_fill(outside, float("-inf"))
             if kind == "text":
                 reference = torch.softmax(logits, dim=-1) @ v  # [G, W, d]
                 kept = ranks[None, :] < budgets[:, None]  # [NG, prefix]

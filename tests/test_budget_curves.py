@@ -224,18 +224,33 @@ def test_writer_refuses_a_section_that_breaks_its_relations(tmp_path, change, me
 # -- measuring --------------------------------------------------------------------------------
 
 
-def _reference_curves(model, windows, probes, grid, n_sink, window, query_window):
+def _reference_curves(model, windows, probes, grid, n_sink, window, query_window, layer_attention=True):
     """The losses computed directly: q/k/v from a plain capture, select_rows per budget, explicit
-    masked attention in float64."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    masked attention in float64 (with the layer's soft-cap and sliding window as the model's eager
+    attention has them; ``layer_attention=False``: plain causal attention, for contrast)."""
     from runtime.attention import attention_implementation
+    from runtime.eager_attention import attention_forward
 
     captured = {}
 
     def capture(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         captured[module.layer_idx] = (query[0].double(), key[0].double(), value[0].double(), float(scaling))
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        cap, sliding = kwargs.get("softcap"), kwargs.get("sliding_window")
+        attend[module.layer_idx] = (cap, sliding) if layer_attention else (None, None)
+        return attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    attend = {}
+
+    def weights(layer, keys, query, scale, t):
+        """Softmax of one query (position t) over ``keys [n, d]`` of positions ``0..n-1`` (those within
+        the layer's window), as the layer computes it: ``[n]``."""
+        cap, sliding = attend[layer]
+        logits = scale * keys @ query
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        if sliding is not None:
+            logits[: max(0, t - sliding + 1)] = float("-inf")
+        return torch.softmax(logits, 0)
 
     def passes(ids):
         captured.clear()
@@ -260,8 +275,10 @@ def _reference_curves(model, windows, probes, grid, n_sink, window, query_window
                         for t in range(prefix, total):
                             full = list(range(t + 1))
                             part = kept + list(range(prefix, t + 1))
-                            o = torch.softmax(scale * k[h, full] @ q[qh, t], 0) @ v[h, full]
-                            o_hat = torch.softmax(scale * k[h, part] @ q[qh, t], 0) @ v[h, part]
+                            o = weights(layer, k[h, full], q[qh, t], scale, t) @ v[h, full]
+                            w_hat = weights(layer, k[h, full], q[qh, t], scale, t)  # then renormalised on part
+                            w_hat = w_hat[part] / w_hat[part].sum()
+                            o_hat = w_hat @ v[h, part]
                             errs.append(float((o_hat - o).norm() / o.norm()))
                     error[g, layer, h] += np.mean(errs) / len(windows)
     for probe in probes:
@@ -275,7 +292,7 @@ def _reference_curves(model, windows, probes, grid, n_sink, window, query_window
                 count = 0
                 for qh in range(h * group, (h + 1) * group):
                     for t in range(end, len(probe.input_ids)):
-                        mass += torch.softmax(scale * k[h, : t + 1] @ q[qh, t], 0)[:end]
+                        mass += weights(layer, k[h, : t + 1], q[qh, t], scale, t)[:end]
                         count += 1
                 mass /= count
                 for g, budget in enumerate(budgets_for(end, grid)):
@@ -370,6 +387,31 @@ def _reference_answer_hits(model, probes, answers, grid, n_sink, window):
                     misses = sum(1 for top in tops if top in needle and top not in kept)
                     lost[g, layer, h] += misses / len(tops) / len(probes)
     return lost
+
+
+def test_measured_curves_follow_soft_capping_and_sliding_windows(one_thread):
+    """Gemma 2 (soft-capped logits; layer 0 slides over 64 tokens): windows and probes longer than
+    the window, so the tail's queries cannot see the first keys; the direct reference applies the
+    cap and the window, and differs from plain attention's."""
+    from tiny_architectures import build
+
+    model = build("gemma2", num_layers=2, seed=3)
+    with torch.no_grad():
+        for layer in model.model.layers:  # logits of several units, and a cap they reach
+            layer.self_attn.q_proj.weight.mul_(5)
+            layer.self_attn.attn_logit_softcapping = 1.0
+    grid = (0.1, 0.5, 1.0)
+    windows = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(1))
+    probes = [_tiny_probe(3, length=80)]
+    options = dict(grid=grid, n_sink=2, window=4)
+    measured = measure_curves(model, windows, probes, selection="keydiff", query_window=6, progress=False, **options)
+    error, retention = _reference_curves(model, windows, probes, query_window=6, **options)
+    plain, _ = _reference_curves(model, windows, probes, query_window=6, layer_attention=False, **options)
+    assert np.allclose(measured["output_error"], error, rtol=1e-4, atol=1e-6)  # float32 against float64
+    assert np.allclose(measured["retention_loss"], retention, rtol=1e-4, atol=1e-5)
+    assert retention[0].max() > 0 and not np.allclose(
+        plain, error, rtol=1e-2, atol=1e-4
+    )  # the cap and window matter  # the cap and the window matter here
 
 
 def test_answer_retention_counts_lost_retrieval_hits_like_a_direct_reference(tiny_llama, one_thread):
