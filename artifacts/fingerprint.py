@@ -93,10 +93,12 @@ def layer_attention(config) -> tuple[tuple[int | None, ...], tuple[float | None,
 
     The one place these are read: the architecture fingerprint records them
     (:func:`attention_variant`) and ``runtime.geometry.ModelGeometry`` carries them.  Raises
-    ``ValueError`` for a layer type other than full or sliding attention.
+    ``ValueError`` for a layer type other than full or sliding attention, and for chunked attention.
     """
     config = text_config(config)
     layers = attention_numbers(config)["num_layers"]
+    if getattr(config, "attention_chunk_size", None):
+        raise ValueError("chunked attention (attention_chunk_size, Llama 4) is not supported")
     window = getattr(config, "sliding_window", None)
     window = int(window) if window else None
     types = getattr(config, "layer_types", None)

@@ -24,8 +24,7 @@ Where a served decision is made, following one import chain from ``generate``:
   ``segments`` (each layer's one packed buffer of every head's kept rows), ``layout`` (the decode
   pages derived from it), ``layer_attention`` (the attention computation), ``row_state`` (per-row
   MomentKV state and the decode-time eviction hook); ``paged_attention``: the kernel over pages;
-  ``attention``: the registered attention function and its scoped switch; ``supported_attention``:
-  which attention the cache computes (full, sliding-window, soft-capped) and what it refuses;
+  ``attention``: the registered attention function and its scoped switch;
   ``moments``: MomentKV math; ``kvzip``: KVzip's reconstruction pass;
 * ``calibration``: artifact loading and identity checks; ``geometry``: the model's checked
   attention geometry; ``rope``; ``query_moments``: pre-RoPE query sums; ``models``: the embedded

@@ -32,7 +32,14 @@ from contextlib import contextmanager
 import torch
 
 from .cache import ATTENTION_NAME, LAYER_TAG
-from .supported_attention import UNSUPPORTED_ARGUMENTS
+
+# What a model passes its attention function that the ragged attention cannot compute: learned
+# attention sinks (gpt-oss's ``s_aux``, ``sinks``) and additive position biases (T5-style).
+UNSUPPORTED_ARGUMENTS = {
+    "s_aux": "learned attention sinks (s_aux)",
+    "sinks": "learned attention sinks",
+    "position_bias": "an additive position bias",
+}
 
 
 def _real_tokens(attention_mask: torch.Tensor | None, batch: int, q_len: int) -> torch.Tensor | None:

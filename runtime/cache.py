@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .geometry import ModelGeometry, UnsupportedModelError
+from .geometry import ModelGeometry
 from .layer_attention import chunk_only_attention, segment_layer_attention
 from .layout import PageLayout
 from .moments import MomentSums
@@ -56,7 +56,6 @@ from .row_state import (
     fold_evicted,
 )
 from .segments import SegmentStore
-from .supported_attention import unsupported_attention
 from .transformers_compat import query_length
 
 __all__ = [
@@ -431,12 +430,9 @@ class RaggedCache(Cache):
 
     @classmethod
     def for_model(cls, model) -> RaggedCache:
-        """A cache for ``model``; it refuses a forward pass that does not run the ragged attention,
-        and a model whose attention it cannot compute (:func:`runtime.supported_attention.unsupported_attention`)."""
+        """A cache for ``model`` (whose geometry refuses attention the cache cannot compute); it
+        refuses a forward pass that does not run the ragged attention."""
         geometry = ModelGeometry.of(model)
-        problem = unsupported_attention(model.config)
-        if problem is not None:
-            raise UnsupportedModelError(f"{type(model).__name__} cannot be served with a RaggedCache: {problem}")
         cache = cls(geometry.num_layers)
         for layer in cache.layers:
             layer.model_config = model.config

@@ -41,8 +41,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from .attention import ragged_attention
 from .budgets import global_budgets
 from .cache import LAYER_TAG, RaggedCache, RaggedLayer
+from .eager_attention import eager_attention_forward, soft_cap
 from .geometry import ModelGeometry
-from .paged_attention import soft_cap_
 from .policy import CompressionPolicy
 from .scorers import KVzipScorer, KVzipScores
 from .transformers_compat import cache_argument, query_length
@@ -175,10 +175,16 @@ class ReconstructionLayer(DynamicLayer):
                     scale=scaling,
                     enable_gqa=True,
                 )[0]  # [G, q, d]: the model's own attention, nothing dropped
-            else:
-                logits = soft_cap_((q.float() @ all_keys.float().T).mul_(scaling), softcap)  # [G, q, old + q]
-                weights = torch.softmax(logits.masked_fill_(~mask, float("-inf")), dim=-1)
-                out = (weights @ all_values.float()).to(output.dtype)
+            else:  # sdpa cannot soft-cap
+                out = eager_attention_forward(
+                    None,
+                    q.unsqueeze(0),
+                    all_keys[None, None],
+                    all_values[None, None],
+                    mask[None, None],
+                    scaling=scaling,
+                    softcap=softcap,
+                )[0][0].transpose(0, 1)  # [G, q, d]
             output[0, :, h * group : (h + 1) * group] = out.transpose(0, 1)
             # the score: softmax over the prefix, this chunk's context span and the chunk itself
             kept_positions = kept_positions.long()
@@ -190,7 +196,7 @@ class ReconstructionLayer(DynamicLayer):
             for lo in range(0, q_len, self.query_block):
                 hi = min(lo + self.query_block, q_len)
                 block = q[:, lo:hi].float()  # [G, b, d]
-                logits = soft_cap_(torch.cat([block @ scored.T, block @ own.T], dim=-1) * scaling, softcap)
+                logits = soft_cap(torch.cat([block @ scored.T, block @ own.T], dim=-1) * scaling, softcap)
                 logits[..., rows.shape[0] :].masked_fill_(~causal[lo:hi], float("-inf"))
                 weights = torch.softmax(logits, dim=-1)[..., : rows.shape[0]]
                 best = torch.maximum(best, weights.amax(dim=(0, 1)))

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import torch
 
+from .eager_attention import eager_attention_forward
 from .layout import PageLayout
 from .moments import PreparedMoments
-from .paged_attention import Window, decode_attention, segment_attention, soft_cap_
+from .paged_attention import Window, decode_attention, segment_attention
 from .segments import SegmentStore
 
 
@@ -66,10 +67,10 @@ def chunk_only_attention(
 
 
 def _masked_chunk_attention(query, keys, values, real, scaling, positions, window, softcap) -> torch.Tensor:
-    """:func:`chunk_only_attention` with a sliding window and / or soft-capping: the eager
-    computation (scores in float32, as transformers' eager attention)."""
-    batch, num_q_heads, q_len, dim = query.shape
-    group = num_q_heads // keys.shape[1]
+    """:func:`chunk_only_attention` with a sliding window and / or soft-capping: the causal, padding
+    and window mask ``[B, 1, q, q]`` through the reference eager attention (float32 scores, as
+    transformers' eager attention)."""
+    batch, _, q_len, _ = query.shape
     device = query.device
     visible = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril().expand(batch, q_len, q_len)
     if real is not None:
@@ -80,15 +81,10 @@ def _masked_chunk_attention(query, keys, values, real, scaling, positions, windo
         distance = positions[:, :, None].long() - positions[:, None, :].long()  # [B, q, q]
         visible = visible & (distance < window)
     visible = visible | torch.eye(q_len, dtype=torch.bool, device=device)  # padding queries see themselves
-    keys = keys.repeat_interleave(group, dim=1)  # [B, Hq, q, d]
-    values = values.repeat_interleave(group, dim=1)
-    logits = soft_cap_(torch.matmul(query.float(), keys.float().transpose(-1, -2)).mul_(scaling), softcap)
-    logits.masked_fill_(~visible[:, None], float("-inf"))
-    weights = torch.softmax(logits, dim=-1)  # [B, Hq, q, q]
-    out = torch.matmul(weights, values.float()).to(query.dtype).transpose(1, 2)  # [B, q, Hq, d]
+    out, _ = eager_attention_forward(None, query, keys, values, visible[:, None], scaling=scaling, softcap=softcap)
     if real is not None:
         out = out * real[:, :, None, None].to(out.dtype)
-    return out
+    return out  # [B, q, Hq, d]
 
 
 def segment_layer_attention(

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .eager_attention import soft_cap
+
 # Bound on the logits materialised at once (pages x P x query rows); larger query sets are tiled.
 _MAX_LOGITS = 1 << 24
 
@@ -55,13 +57,6 @@ class Window:
         """bool ``[num_pages, P, M]``: the row lies inside the query's window."""
         oldest = self.query_positions.index_select(0, owner) - self.size  # [np, M]: rows at or before are out
         return self.positions.unsqueeze(2).long() > oldest.unsqueeze(1)
-
-
-def soft_cap_(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """``softcap * tanh(logits / softcap)`` in place (Gemma 2's attention logit soft-capping); None: as is."""
-    if softcap is None:
-        return logits
-    return logits.div_(softcap).tanh_().mul_(softcap)
 
 
 def segment_attention(
@@ -133,7 +128,7 @@ def paged_attention(
         )
     page_query = (query * scaling).to(key_pages.dtype).index_select(0, owner)  # [np, M, d]
     # [np, P, M]: keys as the left operand (contiguous rows) is the fast layout for bmm
-    logits = soft_cap_(torch.bmm(key_pages, page_query.transpose(1, 2)).float(), softcap).add_(bias)
+    logits = soft_cap(torch.bmm(key_pages, page_query.transpose(1, 2)).float(), softcap).add_(bias)
     seg_max = torch.full((segments, rows), float("-inf"), dtype=torch.float32, device=device)
     seg_max.scatter_reduce_(0, owner.unsqueeze(1).expand(-1, rows), logits.amax(dim=1), "amax")
     seg_max.clamp_min_(torch.finfo(torch.float32).min)  # a segment with no visible row: exp(-inf) = 0 below
