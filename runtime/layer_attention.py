@@ -31,7 +31,14 @@ import torch
 from .eager_attention import eager_attention_forward
 from .layout import PageLayout
 from .moments import PreparedMoments
-from .paged_attention import Window, decode_attention, segment_attention
+from .paged_attention import (
+    SLICED_SEGMENTS,
+    Window,
+    decode_attention,
+    fused_kernel_serves,
+    live_rows_attention,
+    segment_attention,
+)
 from .segments import SegmentStore
 
 
@@ -112,10 +119,7 @@ def segment_layer_attention(
     grouped = query.reshape(segments, group * q_len, dim)  # [S, G*q, d]
     if q_len == 1 and real is None:  # decoding: every query of a head sees all its stored rows
         with torch.profiler.record_function("kvcal.attention"):
-            pages = layout.decode_pages(store.key_buffer, store.value_buffer, store.row_bias)
-            out, lse = decode_attention(
-                grouped, pages.key_pages, pages.value_pages, pages.owner, pages.bias, scaling, softcap=softcap
-            )
+            out, lse = _decode_step_attention(grouped, store, layout, scaling, softcap)
     else:  # a chunk: rows visible to its token t = everything before the chunk + t's rank + 1
         device = query.device
         length = store.length.to(device)  # [B, Hkv], the chunk already appended
@@ -150,6 +154,31 @@ def segment_layer_attention(
     if real is not None:
         output = output * real[:, :, None, None].to(output.dtype)
     return output
+
+
+def _decode_step_attention(
+    query: torch.Tensor, store: SegmentStore, layout: PageLayout, scaling: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step, ``query [S, G, d]`` over every segment's live rows: ``(out [S, G, d], lse [S, G])``.
+
+    Where the fused CPU kernel serves, the live rows are read in place without a mask when every
+    segment holds the same number (one call) or the segments are few (one call each); otherwise the
+    layout's pages (:meth:`~runtime.layout.PageLayout.decode_pages`), one batched call and a merge.
+    Which is faster where: docs/results.md R-decode-kernels-2026-11-25."""
+    segments = query.shape[0]
+    if fused_kernel_serves(query, store.key_buffer, softcap) and (store.uniform or segments <= SLICED_SEGMENTS):
+        length = store.length.reshape(-1).tolist()
+        if store.uniform and length[0] > 0:
+            return live_rows_attention(
+                query, store.key_buffer, store.value_buffer, [], length, scaling, capacity=int(store.capacity[0, 0])
+            )
+        if segments <= SLICED_SEGMENTS:
+            offset = store.offset.reshape(-1).tolist()
+            return live_rows_attention(query, store.key_buffer, store.value_buffer, offset, length, scaling)
+    pages = layout.decode_pages(store.key_buffer, store.value_buffer, store.row_bias)
+    return decode_attention(
+        query, pages.key_pages, pages.value_pages, pages.owner, pages.bias, scaling, softcap=softcap
+    )
 
 
 def corrected_merge(

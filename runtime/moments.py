@@ -269,6 +269,8 @@ class PreparedMoments:
         # one matmul gives both C q (first d columns) and q.kbar (last column)
         self.projection = torch.cat([cov, kbar[:, None, :]], dim=1).transpose(1, 2).contiguous()  # [Hkv, d, d+1]
         self.log_n = torch.where(self.active, torch.log(safe), torch.full_like(safe, float("-inf")))  # [Hkv]
+        # what the matmul's result is added to: vbar (first d columns) and log n (last column)
+        self.offset = torch.cat([self.vbar, self.log_n[:, None]], dim=1).unsqueeze(1)  # [Hkv, 1, d+1]
 
     def estimates(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``o_E [Hkv, G, q, d]`` and ``lse_E [Hkv, G, q]`` (float32) for ``query [Hkv, G, q, d]``.
@@ -282,10 +284,9 @@ class PreparedMoments:
                 f"{self.num_kv_heads} heads of dim {self.head_dim}"
             )
         q = query.float().to(self.projection.device).reshape(heads, groups * q_len, dim)  # [Hkv, G*q, d]
-        projected = float(scaling) * torch.bmm(q, self.projection)  # [Hkv, G*q, d+1]
-        out = self.vbar[:, None, :] + projected[..., :dim]
-        lse = self.log_n[:, None] + projected[..., dim]
-        return out.reshape(heads, groups, q_len, dim), lse.reshape(heads, groups, q_len)
+        # [vbar, log n] + s q [C, kbar]: o_E in the first d columns, lse_E in the last  [Hkv, G*q, d+1]
+        estimate = torch.baddbmm(self.offset, q, self.projection, alpha=float(scaling))
+        return estimate[..., :dim].view(heads, groups, q_len, dim), estimate[..., dim].view(heads, groups, q_len)
 
     def corrected(self, query: torch.Tensor, out_R: torch.Tensor, lse_R: torch.Tensor, scaling: float) -> torch.Tensor:
         """Merged output ``[Hkv, G, q, d]`` float32 from the retained ``out_R [Hkv, G, q, d]`` and

@@ -36,6 +36,10 @@ import torch
 
 from .eager_attention import soft_cap
 
+# Decoding reads each segment's live rows with one fused kernel call per segment (no mask, no page
+# merge) up to this many segments (batch rows x KV heads) per layer; past it one batched call over
+# the pages and their merge is faster (docs/results.md R-decode-kernels-2026-11-25).
+SLICED_SEGMENTS = 8
 # Bound on the logits materialised at once (pages x P x query rows); larger query sets are tiled.
 _MAX_LOGITS = 1 << 24
 
@@ -209,3 +213,53 @@ def decode_attention(
 
 
 _FLASH_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fused_kernel_serves(query: torch.Tensor, key_buffer: torch.Tensor, softcap: float | None) -> bool:
+    """Whether :func:`live_rows_attention` can run: PyTorch's fused CPU flash-attention kernel takes
+    the keys' dtype on this device and nothing is soft-capped (the kernel cannot cap)."""
+    return query.device.type == "cpu" and key_buffer.dtype in _FLASH_CPU_DTYPES and softcap is None
+
+
+def live_rows_attention(
+    query: torch.Tensor,
+    key_buffer: torch.Tensor,
+    value_buffer: torch.Tensor,
+    offset: list[int],
+    length: list[int],
+    scaling: float,
+    *,
+    capacity: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoding over each segment's live rows read in place, with no mask and no page merge.
+
+    Segment ``s``'s live rows are buffer rows ``offset[s] .. offset[s] + length[s] - 1`` of
+    ``key_buffer / value_buffer [C, d]`` (:mod:`runtime.segments`); ``query [S, M, d]``.  With
+    ``capacity`` (every segment holds the same ``length`` in the same capacity, ``offset[s] = s *
+    capacity``) the buffer is viewed as ``[S, capacity, d]`` and cut to the live rows: one kernel
+    call.  Otherwise one call per segment over its contiguous slice: faster than one batched call
+    over masked pages and their merge while the segments are few (docs/results.md
+    R-decode-kernels-2026-11-25).  Only where :func:`fused_kernel_serves`.  Returns ``(out [S, M,
+    d], lse [S, M])`` float32; a segment with no live row gets ``out = 0``, ``lse = -inf``.
+    """
+    segments, rows, dim = query.shape
+    query = query.to(key_buffer.dtype).unsqueeze(1)  # [S, 1, M, d]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if capacity is not None and length[0] > 0:
+        live = length[0]
+        keys = key_buffer.view(segments, capacity, dim)[:, None, :live]  # [S, 1, n, d], strided
+        values = value_buffer.view(segments, capacity, dim)[:, None, :live]
+        out, lse = flash(query, keys, values, scale=float(scaling))  # [S, 1, M, d], [S, 1, M]
+        return out[:, 0].float(), lse[:, 0].float()
+    outs, lses = [], []
+    for s, (start, count) in enumerate(zip(offset, length, strict=True)):
+        if count == 0:  # nothing to attend: out 0, lse -inf
+            outs.append(query.new_zeros(1, 1, rows, dim))
+            lses.append(torch.full((1, 1, rows), float("-inf"), dtype=torch.float32, device=query.device))
+            continue
+        keys = key_buffer[start : start + count].view(1, 1, count, dim)
+        values = value_buffer[start : start + count].view(1, 1, count, dim)
+        segment_out, segment_lse = flash(query[s : s + 1], keys, values, scale=float(scaling))
+        outs.append(segment_out)
+        lses.append(segment_lse)
+    return torch.cat(outs)[:, 0].float(), torch.cat(lses)[:, 0].float()
