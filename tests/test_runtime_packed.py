@@ -88,6 +88,29 @@ def test_decode_attention_equals_direct_computation(monkeypatch, dtype, toleranc
     torch.testing.assert_close(lse.double(), expected_lse, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("uniform", [True, False], ids=["one-call", "per-segment"])
+def test_live_rows_attention_equals_direct_computation(dtype, tolerance, uniform):
+    """Decoding over each segment's live rows read in place (free capacity after them, a segment with
+    none): as one softmax per head over exactly its live rows."""
+    from runtime.paged_attention import live_rows_attention
+
+    generator = torch.Generator().manual_seed(3)
+    dim, rows = 8, 3
+    capacities = [12, 12, 12] if uniform else [8, 12, 4, 16]
+    lengths = [9, 9, 9] if uniform else [5, 12, 0, 9]
+    offsets = np.cumsum([0] + capacities)[:-1].tolist()
+    keys = torch.randn(sum(capacities), dim, generator=generator).to(dtype)
+    values = torch.randn(sum(capacities), dim, generator=generator).to(dtype)
+    query = torch.randn(len(capacities), rows, dim, generator=generator)
+    capacity = capacities[0] if uniform else None
+    out, lse = live_rows_attention(query, keys, values, offsets, lengths, 0.5, capacity=capacity)
+    limit = torch.tensor(lengths).unsqueeze(1).expand(-1, rows)
+    expected_out, expected_lse = _naive(query.to(dtype).float(), keys.float(), values.float(), offsets, limit, 0.5)
+    torch.testing.assert_close(out.double(), expected_out, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=tolerance, rtol=tolerance)
+
+
 @torch.no_grad()
 def test_a_stacked_cache_and_its_sources_decode_without_overwriting_each_other():
     """``RaggedCache.stack`` used to put the sources' buffers in the batch as they were: a source
