@@ -76,6 +76,7 @@ from runtime.moments import ORDERS, MomentSums, attention_with_lse, corrected_at
 from runtime.names import MOMENT_SELECTIONS as SELECTION_SCORERS
 from runtime.scorers import (
     ALL_QUERIES,
+    ChunkAttentionMass,
     KeyDiffScorer,
     KeyRope,
     LearnedScorer,
@@ -90,7 +91,8 @@ from runtime.scorers import (
 from runtime.selection import protected_mask, select_rows
 
 CALIBRATION_ATTENTION = "kvcal_moments_calibration"
-CAPTURED_NEEDS = (RecentQueries, KeyRope, LearnedWeights)  # what a captured pass (and learned=...) supplies
+# what a captured pass (its queries: recent ones, chunked attention from them) and learned=... supply
+CAPTURED_NEEDS = (RecentQueries, ChunkAttentionMass, KeyRope, LearnedWeights)
 
 
 def selection_scorer(scorer: str | Scorer, observation_window: int, keep_ratio: float | None = None) -> Scorer:

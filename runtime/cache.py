@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .chunk_attention import ChunkSpec
 from .geometry import ModelGeometry
 from .layer_attention import chunk_only_attention, segment_layer_attention
 from .layout import PageLayout
@@ -90,6 +91,7 @@ class RaggedLayer(DynamicLayer):
         self.rows: list[RowState] = []  # [B]
         self.tokens_seen = 0  # logical columns fed (padding included)
         self.observe_queries = 0  # keep the last N post-RoPE queries (SnapKV's observation window)
+        self.chunk_specs: tuple[ChunkSpec, ...] = ()  # chunked attentions to accumulate (Compactor's)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the parked chunk [B, Hkv, q, d] x 2
         self._layout: PageLayout | None = None  # built for the store generation self._layout_generation
         self._layout_generation = 0
@@ -363,6 +365,12 @@ class RaggedLayer(DynamicLayer):
                 chunk = query[b] if real is None else query[b][:, real[b]]  # [Hq, q_real, d]
                 if chunk.shape[1]:
                     self.rows[b].observe(chunk, self.observe_queries)
+        if self.chunk_specs:
+            for b in range(batch):
+                chunk = query[b] if real is None else query[b][:, real[b]]  # [Hq, q_real, d]
+                keys = new_keys[b] if real is None else new_keys[b][:, real[b]]  # [Hkv, q_real, d]
+                if chunk.shape[1]:
+                    self.rows[b].accumulate_chunk_attention(self.chunk_specs, chunk, keys, scaling)
         fresh = not bool(store.length.any())
         counts = store.append(new_keys, new_values, positions, real)  # None: q_len for every row
         prepared = self._correction.get(self.rows, store.num_heads, store.head_dim, store.device)
@@ -526,6 +534,7 @@ class RaggedCache(Cache):
             target.dtype, target.device = base.dtype, base.device
             target.keys, target.values = base.keys, base.values
             target.tokens_seen, target.observe_queries = base.tokens_seen, base.observe_queries
+            target.chunk_specs = base.chunk_specs
             target.window, target.softcap = base.window, base.softcap
             target.model_config = base.model_config
             rows = [(source, b) for source in sources for b in range(source.batch_size)]
@@ -535,11 +544,20 @@ class RaggedCache(Cache):
         return stacked
 
     def stop_observing(self) -> None:
-        """Drop the recorded prompt queries and record no more (what decoding needs no longer)."""
+        """Drop the recorded prompt queries and chunked attention, and record no more (what decoding
+        needs no longer)."""
         for layer in self.layers:
             for row in layer.rows:
                 row.recent_queries = None
+                row.chunk_attention = None
             layer.observe_queries = 0
+            layer.chunk_specs = ()
+
+    def accumulate_chunk_attention(self, specs) -> None:
+        """Accumulate, in every layer, the chunked attention of each :class:`~runtime.chunk_attention.ChunkSpec`
+        of ``specs`` over the tokens that follow (Compactor's, :mod:`runtime.chunk_attention`)."""
+        for layer in self.layers:
+            layer.chunk_specs = tuple(dict.fromkeys((*layer.chunk_specs, *specs)))
 
     def observe_queries(self, count: int) -> None:
         """Keep the last ``count`` post-RoPE queries of each layer (SnapKV's observation window)."""

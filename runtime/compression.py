@@ -25,11 +25,12 @@ import torch
 from .attention import ragged_attention
 from .budgets import global_budgets
 from .cache import RaggedCache
+from .chunk_attention import ChunkSpec
 from .eviction import HeadEvictor
 from .geometry import ModelGeometry
 from .policy import CompressionPolicy
 from .query_moments import QueryMoments
-from .scorers import query_statistics, recent_query_window
+from .scorers import chunk_specs, query_statistics, recent_query_window
 from .serving_plan import ServingPlan, as_plan
 from .transformers_compat import cache_argument
 
@@ -43,10 +44,11 @@ def _policy(policy: CompressionPolicy | ServingPlan) -> CompressionPolicy:
 
 
 def _needs(policy: CompressionPolicy | ServingPlan | None):
-    scorer = _scorer(policy) if policy is not None else None
-    prompt_stats = scorer is not None and query_statistics(scorer) == "prompt"
-    window = recent_query_window(scorer) if scorer is not None else 0
-    return prompt_stats, window
+    """What a prefill records for ``policy``'s scorer: ``(prompt statistics?, query window, chunk specs)``."""
+    if policy is None:
+        return False, 0, ()
+    scorer = _scorer(policy)
+    return query_statistics(scorer) == "prompt", recent_query_window(scorer), chunk_specs(scorer)
 
 
 @torch.no_grad()
@@ -60,6 +62,7 @@ def prefill(
     prompt_stats: QueryMoments | None = None,
     record_prompt_stats: bool = False,
     observe_queries: int = 0,
+    accumulate: tuple[ChunkSpec, ...] = (),
     n_sink: int | None = None,
 ):
     """Run ``input_ids [B, T]`` into ``cache`` and return the prompt query statistics (or None).
@@ -67,9 +70,10 @@ def prefill(
     ``attention_mask [B, past + T]`` (1 real, 0 padding) covers the columns already in the
     cache plus this chunk; None means no padding.  Positions follow the real tokens.
     What is recorded follows ``policy``'s scorer (``policy``: a policy or a :class:`ServingPlan`);
-    ``record_prompt_stats`` / ``observe_queries`` record more (to compress copies of one prefilled
-    cache under several policies), with the first ``n_sink`` tokens (default: the policy's, else 0)
-    left out of the statistics.
+    ``record_prompt_stats`` / ``observe_queries`` / ``accumulate`` (chunked attentions,
+    :mod:`runtime.chunk_attention`) record more (to compress copies of one prefilled cache under
+    several policies), with the first ``n_sink`` tokens (default: the policy's, else 0) left out of
+    the statistics.
     Pass the returned statistics back in (``prompt_stats=``) when prefilling in several chunks.
     """
     batch, length = input_ids.shape
@@ -86,11 +90,13 @@ def prefill(
         cache.layers[0].real_seen if cache.layers[0].is_initialized else [0] * batch, device=input_ids.device
     )
     position_ids = (seen.unsqueeze(1) + chunk_mask.long().cumsum(-1) - 1).clamp(min=0)
-    wants_stats, window = _needs(policy)
+    wants_stats, window, specs = _needs(policy)
     wants_stats = wants_stats or record_prompt_stats
     window = max(window, int(observe_queries))
     if window:
         cache.observe_queries(window)
+    if specs or accumulate:
+        cache.accumulate_chunk_attention((*specs, *accumulate))
     collecting = contextlib.nullcontext()
     if wants_stats or prompt_stats is not None:
         geometry = ModelGeometry.of(model)
@@ -113,11 +119,21 @@ def prefill(
 
 def prefill_for_policies(model, cache: RaggedCache, input_ids: torch.Tensor, policies) -> QueryMoments | None:
     """Prefill ``input_ids [1, T]`` once so that copies of ``cache`` (``cache.copy()``) can each be
-    compressed under one of ``policies`` (policies or plans): records the prompt query statistics and the last
-    queries that any of their scorers observes.  Returns the statistics to pass to ``compress``;
+    compressed under one of ``policies`` (policies or plans): records the prompt query statistics, the
+    last queries that any of their scorers observes and the chunked attentions they read.  Returns the
+    statistics to pass to ``compress``;
     ``cache.stop_observing()`` before decoding the uncompressed cache itself."""
     window = max([0] + [recent_query_window(_scorer(policy)) for policy in policies])
-    return prefill(model, cache, input_ids, record_prompt_stats=bool(policies), observe_queries=window, n_sink=4)
+    specs = tuple(spec for policy in policies for spec in chunk_specs(_scorer(policy)))
+    return prefill(
+        model,
+        cache,
+        input_ids,
+        record_prompt_stats=bool(policies),
+        observe_queries=window,
+        accumulate=specs,
+        n_sink=4,
+    )
 
 
 def score_layers(cache: RaggedCache, evictor: HeadEvictor, rows: list[int], next_positions: list[int]):
@@ -223,6 +239,13 @@ def compress(
         raise ValueError(f"cache has {first.num_heads} KV heads, the model {plan.num_kv_heads}")
     if recent_query_window(plan.scorer) and any(q is None for layer in cache.layers for q in layer.recent_queries):
         raise ValueError(f"{plan.scorer!r} needs the last prompt queries: prefill with policy=... first")
+    for spec in chunk_specs(plan.scorer):
+        if any(
+            row.real_seen and (row.chunk_attention is None or spec not in row.chunk_attention)
+            for layer in cache.layers
+            for row in layer.rows
+        ):
+            raise ValueError(f"{plan.scorer!r} needs the prompt's chunked attention: prefill with policy=... first")
     if context_lengths is not None and len(context_lengths) != first.batch_size:
         raise ValueError(f"context_lengths has {len(context_lengths)} entries for a batch of {first.batch_size}")
     if policy.tracks_moments:
@@ -269,7 +292,7 @@ def compress(
                 decode_plan = plan.decode_plan(evictor, length, b, windows)
                 if decode_plan is not None:
                     cache.set_decode_plan(decode_plan, row=b)
-        if policy.evict_every is None or not recent_query_window(plan.scorer):
+        if policy.evict_every is None or not (recent_query_window(plan.scorer) or chunk_specs(plan.scorer)):
             cache.stop_observing()
     return CompressionReport(
         budgets=all_budgets,

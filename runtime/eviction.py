@@ -145,6 +145,7 @@ class HeadEvictor:
             layer.length[rows],
             next_positions,
             queries=[layer.rows[r].recent_queries for r in rows],  # [Hq, w, d] each, or None
+            chunk_attention=[layer.rows[r].chunk_attention for r in rows],  # {ChunkSpec: ChunkAttention}, or None
             stats_rows=rows if stats_rows is None else stats_rows,
         )
 

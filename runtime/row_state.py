@@ -5,6 +5,8 @@ Per (layer, batch row), one :class:`RowState`:
 * ``real_seen``: real tokens fed so far (the next token's RoPE position);
 * ``recent_queries [Hq, <=N, d]``: the last ``N`` post-RoPE prompt queries (SnapKV's observation
   window, :meth:`RowState.observe`);
+* ``chunk_attention``: Compactor's chunked attention accumulated over the prompt, one
+  :class:`~runtime.chunk_attention.ChunkAttention` per :class:`~runtime.chunk_attention.ChunkSpec`;
 * ``moments``: :class:`~runtime.moments.MomentSums` of every token evicted from each KV head of
   the layer (None: not tracked), grown by :func:`fold_evicted`;
 * ``correction``: the MomentKV :class:`Correction` (None: plain attention), turned into the
@@ -25,6 +27,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from .chunk_attention import ChunkAttention, ChunkSpec
 from .moments import MomentSums, PreparedMoments
 
 
@@ -77,12 +80,34 @@ class RowState:
 
     real_seen: int = 0  # real tokens fed: the next token's RoPE position
     recent_queries: torch.Tensor | None = None  # [Hq, <=N, d] the last N post-RoPE prompt queries
+    chunk_attention: dict[ChunkSpec, ChunkAttention] | None = None
     moments: MomentSums | None = None  # sums of the tokens evicted from each KV head (None: not tracked)
     correction: Correction | None = None  # a plain (orders, tau) pair is read the same way
     decode_plan: DecodePlan | None = None
 
     def copy(self) -> RowState:
-        return replace(self, moments=None if self.moments is None else self.moments.copy())
+        return replace(
+            self,
+            moments=None if self.moments is None else self.moments.copy(),
+            chunk_attention=None
+            if self.chunk_attention is None
+            else {spec: attention.copy() for spec, attention in self.chunk_attention.items()},
+        )
+
+    def accumulate_chunk_attention(self, specs, queries: torch.Tensor, keys: torch.Tensor, scale: float) -> None:
+        """Add the row's next real tokens, post-RoPE ``queries [Hq, t, d]`` and ``keys [Hkv, t, d]``, to
+        the chunked attention of every spec in ``specs`` (``scale``: the layer's attention scale)."""
+        if self.chunk_attention is None:
+            self.chunk_attention = {}
+        for spec in specs:
+            if spec not in self.chunk_attention:
+                if self.real_seen:
+                    raise ValueError(
+                        "the chunked attention must be accumulated from the prompt's first token: prefill "
+                        "with the policy (or its ChunkSpec) from the start"
+                    )
+                self.chunk_attention[spec] = ChunkAttention(spec)
+            self.chunk_attention[spec].add(queries, keys, scale)
 
     def observe(self, chunk_queries: torch.Tensor, window: int) -> None:
         """Record ``chunk_queries [Hq, q, d]`` (post-RoPE), keeping the last ``window`` queries."""

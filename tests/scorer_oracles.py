@@ -19,6 +19,7 @@ from runtime.geometry import ModelGeometry
 from runtime.rope import averaged_rope, rope_cos_sin, rope_matrix
 from runtime.scorers import (
     AveragedRope,
+    ChunkAttentionMass,
     ExpectedAttentionScorer,
     KeyDiffScorer,
     KeyRope,
@@ -37,6 +38,7 @@ from runtime.scorers import (
     max_pooled,
     unrotate,
 )
+from runtime.scorers.providers import ChunkAttentionMassProvider
 
 
 @dataclass
@@ -61,14 +63,18 @@ class Head:
     learned_bias: float | None = None
     query_centres: torch.Tensor | None = None  # [G, K, d]
     centre_weights: torch.Tensor | None = None  # [G, K]
+    chunk_mass: torch.Tensor | None = None  # [n] each key's chunked attention over the whole prompt
 
 
 # -- heads <-> layer inputs ----------------------------------------------------------------------
 
 
-def head_from_cache(scorer, model, layer, layer_idx, b, h, next_position, *, calibration=None, prompt_stats=None):
+def head_from_cache(
+    scorer, model, layer, layer_idx, b, h, next_position, *, calibration=None, prompt_stats=None, prompt_layer=None
+):
     """Head ``(b, layer_idx, h)`` of a :class:`~runtime.cache.RaggedLayer` with what ``scorer`` needs,
-    each from its source directly."""
+    each from its source directly.  ``prompt_layer``: the layer as prefilled, before any eviction (the
+    chunked attention is that of the whole prompt; default ``layer``), its rows holding every prompt query."""
     geometry = ModelGeometry.of(model)
     keys, values, positions = layer.head(b, h)
     g = slice(h * geometry.group_size, (h + 1) * geometry.group_size)
@@ -86,6 +92,9 @@ def head_from_cache(scorer, model, layer, layer_idx, b, h, next_position, *, cal
             head.rope_cos, head.rope_sin = averaged_rope(model, int(next_position), need.horizon)
         elif isinstance(need, RecentQueries):
             head.recent_queries = layer.rows[b].recent_queries[g, -need.window :]
+        elif isinstance(need, ChunkAttentionMass):
+            head.chunk_mass = prompt_chunk_mass(need.spec, layer if prompt_layer is None else prompt_layer, b, h, g)
+            head.chunk_mass = head.chunk_mass[positions.long()]
         elif isinstance(need, KeyRope):
             head.key_cos, head.key_sin = rope_cos_sin(model, positions)
         elif isinstance(need, LearnedWeights):
@@ -97,6 +106,26 @@ def head_from_cache(scorer, model, layer, layer_idx, b, h, next_position, *, cal
                 np.asarray(calibration.future_centre_weights[layer_idx, g], np.float32)
             )
     return head
+
+
+def prompt_chunk_mass(spec, layer, b: int, h: int, group: slice) -> torch.Tensor:
+    """Compactor's chunked attention of head ``(b, h)`` of a prefilled ``layer`` (nothing evicted, every
+    prompt query recorded) by position, float32 ``[n]``: chunks of ``spec.chunk`` from position
+    ``spec.first``, the last ``spec.last`` positions out, keys and queries alike (0 outside)."""
+    keys, _, positions = layer.head(b, h)
+    queries = layer.rows[b].recent_queries[group]  # [G, n, d], every prompt query
+    n = keys.shape[0]
+    assert queries.shape[1] == n and positions.tolist() == list(range(n)), "a prefilled head and every query"
+    first = min(spec.first, n)
+    end = n - min(spec.last, n - first)
+    mass = torch.zeros(n, dtype=torch.float32)
+    if end > first:
+        inside = torch.arange(first, end)
+        assert spec.scale is not None, "these tests give the chunked attention its scale"
+        mass[inside] = chunked_attention_mass(
+            queries[:, inside], inside, keys[inside], inside, spec.chunk, spec.scale, origin=first
+        )
+    return mass
 
 
 def layer_inputs(scorer, heads: list[list[Head]]) -> LayerInputs:
@@ -152,6 +181,16 @@ def layer_inputs(scorer, heads: list[list[Head]]) -> LayerInputs:
                     queries[r, h, :, width - w :] = recorded
                     query_positions[r, width - w :] = torch.arange(head.next_position - w, head.next_position)
             value = queries, query_positions
+        elif isinstance(need, ChunkAttentionMass) and first.chunk_mass is not None:
+            value = torch.zeros(rows, count, n)
+            for r, row in enumerate(heads):
+                for h, head in enumerate(row):
+                    value[r, h, : head.chunk_mass.shape[0]] = head.chunk_mass
+        elif isinstance(need, ChunkAttentionMass) and first.recent_queries is not None:
+            # the mass from the recorded queries (the profiler's way; the prefill's accumulation is checked
+            # against it in test_chunk_attention.py)
+            recorded = [torch.cat([head.recent_queries for head in row]) for row in heads]  # [Hq, w, d]
+            value = ChunkAttentionMassProvider(need, scorer, None)(inputs, queries=recorded)
         elif isinstance(need, KeyRope) and first.key_cos is not None:
             value = stack("key_cos", n, fill=1.0), stack("key_sin", n)  # padding: the RoPE of position 0
         elif isinstance(need, LearnedWeights) and first.learned_weights is not None:
@@ -292,14 +331,17 @@ def leverage(scorer: LeverageScorer, head: Head) -> torch.Tensor:
         score = zscore(lev) * (1.0 if scorer.blend is None else scorer.blend)
     if scorer.blend is not None:
         keys, positions = head.keys[middle], head.positions[middle].long()
-        queries = head.recent_queries  # [G, w, d], the last w prompt tokens
-        w = queries.shape[1]
-        query_positions = head.next_position - w + torch.arange(w)
-        inside = (query_positions >= positions[0]) & (query_positions <= positions[-1])  # the middle's queries
-        scale = head.scaling if scorer.attention_scale is None else scorer.attention_scale
-        mass = chunked_attention_mass(
-            queries[:, inside], query_positions[inside], keys, positions, scorer.chunk, scale, int(positions[0])
-        )
+        if head.chunk_mass is not None:  # the prompt's chunked attention, read at the middle's positions
+            mass = head.chunk_mass[middle].float()
+        else:
+            queries = head.recent_queries  # [G, w, d], the last w prompt tokens
+            w = queries.shape[1]
+            query_positions = head.next_position - w + torch.arange(w)
+            inside = (query_positions >= positions[0]) & (query_positions <= positions[-1])  # the middle's queries
+            scale = head.scaling if scorer.attention_scale is None else scorer.attention_scale
+            mass = chunked_attention_mass(
+                queries[:, inside], query_positions[inside], keys, positions, scorer.chunk, scale, int(positions[0])
+            )
         if scorer.value_norm:
             mass = mass * head.values[middle].float().norm(dim=-1)
         if scorer.pool > 1:

@@ -310,8 +310,8 @@ def test_leverage_selection_measures_on_the_tokens_serving_keeps(one_thread):
 
 
 def test_a_scorer_reading_every_prompt_query_needs_no_longer_prefix(one_thread):
-    """LeverageScorer reads every prompt query (RecentQueries(ALL_QUERIES)): the prefix only has to
-    hold the observation window and the protected rows, not 2**62 queries."""
+    """LeverageScorer reads the chunked attention of every prompt query (computed from the captured
+    queries here): the prefix only has to hold the observation window and the protected rows."""
     from runtime.scorers import LeverageScorer
 
     model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=2)

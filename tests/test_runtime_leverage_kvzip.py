@@ -15,6 +15,7 @@ from scorer_oracles import Head, head_from_cache, layer_inputs, oracle_score, sc
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from runtime import CompressionPolicy, RaggedCache, compress, prefill, ragged_attention
+from runtime.chunk_attention import ChunkSpec
 from runtime.eviction import HeadEvictor
 from runtime.kvzip import (
     kvzip_budgets,
@@ -26,11 +27,11 @@ from runtime.kvzip import (
 from runtime.rope import rope_cos_sin
 from runtime.scorers import (
     ALL_QUERIES,
+    ChunkAttentionMass,
     KeyRope,
     KVzipScorer,
     KVzipScores,
     LeverageScorer,
-    RecentQueries,
     chunked_attention_mass,
     leverage_scores,
     unrotate,
@@ -219,8 +220,9 @@ def test_leverage_scorer_modes_and_options():
         score_one(alone, head).double(), (lev - lev.mean()) / lev.std(unbiased=False), rtol=1e-4, atol=1e-5
     )
     attention = LeverageScorer(blend=0, exclude_first=0, exclude_last=0, pool=1)
-    assert attention.needs == (RecentQueries(ALL_QUERIES),)  # every prompt query, no leverage
-    assert LeverageScorer().needs == (KeyRope(), RecentQueries(ALL_QUERIES))
+    # the prompt's chunked attention, no leverage; both
+    assert attention.needs == (ChunkAttentionMass(ChunkSpec(256, 0, 0, 1.0)),)
+    assert LeverageScorer().needs == (KeyRope(), ChunkAttentionMass(ChunkSpec(256, 8, 4, 1.0)))
     mass = naive_chunk_mass(head.recent_queries, torch.arange(n), keys, torch.arange(n), 256, 1.0, 0)
     mass = mass * values.double().norm(dim=-1)
     torch.testing.assert_close(
@@ -236,7 +238,8 @@ def test_leverage_scorer_modes_and_options():
 
 
 def test_compress_with_leverage_keeps_sinks_window_and_top_reference_scores():
-    """Through the engine: all prompt queries recorded, the keys' RoPE passed, kept rows as the reference."""
+    """Through the engine: the chunked attention accumulated during the prefill, the keys' RoPE passed,
+    kept rows as the reference computed from every prompt query (recorded here for it only)."""
     model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
     ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(8))
     budget, n_sink, window = 30, 2, 5
@@ -248,8 +251,10 @@ def test_compress_with_leverage_keeps_sinks_window_and_top_reference_scores():
         scorer_options={"blend": 0.6, "sketch": None, "chunk": 32, "ridge": 1e-12},
     )
     cache = RaggedCache.for_model(model)
-    prefill(model, cache, ids, policy=policy)
-    assert cache.layers[0].recent_queries[0].shape[1] == 90  # every prompt query
+    prefill(model, cache, ids, policy=policy, observe_queries=ALL_QUERIES)
+    assert cache.layers[0].recent_queries[0].shape[1] == 90  # every prompt query, for the reference
+    attention = cache.layers[0].rows[0].chunk_attention[LeverageScorer(chunk=32).chunk_spec]
+    assert attention.queries.shape[1] <= 32 + 4  # the open chunk only is held back
     before = [[layer.head(0, h) for h in range(2)] for layer in cache.layers]
     queries = [layer.recent_queries[0].clone() for layer in cache.layers]
     before = [[tuple(t.clone() for t in head) for head in layer] for layer in before]
@@ -277,6 +282,7 @@ def test_compress_with_leverage_keeps_sinks_window_and_top_reference_scores():
             wanted = sorted(list(range(n_sink)) + top + list(range(90 - window, 90)))
             assert layer.head(0, h)[2].tolist() == wanted
             assert layer.recent_queries[0] is None  # dropped after the prompt is compressed
+            assert layer.rows[0].chunk_attention is None
 
 
 # -- KVzip ----------------------------------------------------------------------------------------
@@ -488,14 +494,17 @@ def test_embedded_model_keeps_the_needle_under_leverage_and_kvzip(embedded_model
             assert answer_is_correct(text, probe), (scorer, probe.answer, text)
 
 
-def test_too_few_recorded_queries_are_reported_in_words():
-    """A scorer that needs every prompt query, on a cache that kept only 4, names what is missing
-    (it used to print 'needs the last 4611686018427387904 queries')."""
+def test_missing_prompt_records_are_reported_in_words():
+    """Leverage on a cache prefilled without its chunked attention names what is missing; so does a
+    scorer that needs more recorded queries than were kept (it used to print 'needs the last
+    4611686018427387904 queries')."""
     model = make_tiny_llama(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, seed=2)
     ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(0))
     cache = RaggedCache.for_model(model)
     prefill(model, cache, ids, observe_queries=4)
+    with pytest.raises(ValueError, match="needs the prompt's chunked attention: prefill with policy"):
+        compress(model, cache.copy(), CompressionPolicy(keep_ratio=0.5, scorer="leverage"))
     with pytest.raises(ValueError) as caught:
-        compress(model, cache, CompressionPolicy(keep_ratio=0.5, scorer="leverage"))
-    assert "every prompt query" in str(caught.value) and "only 4 were recorded" in str(caught.value)
+        compress(model, cache, CompressionPolicy(keep_ratio=0.5, scorer="snapkv", scorer_options={"window": 8}))
+    assert "the last 8 prompt queries" in str(caught.value) and "only 4 were recorded" in str(caught.value)
     assert str(ALL_QUERIES) not in str(caught.value)

@@ -312,6 +312,7 @@ def test_layer_scores_equal_the_per_head_oracles(scorer, options):
     stats = prefill(model, cache, ids, mask, policy=policy, record_prompt_stats=True, observe_queries=48)
     evictor = HeadEvictor(bind(policy, None, model), stats)
     positions = cache.layers[0].real_seen
+    prompt = cache.copy()  # as prefilled: leverage's chunked attention is the whole prompt's
     for index, layer in enumerate(cache.layers):  # ragged heads: cut each head to its own length
         cut = torch.tensor([[40, 31, 44], [35, 39, 22]])
         evictor.evict_layer(layer, index, [0, 1], cut, positions)
@@ -320,7 +321,17 @@ def test_layer_scores_equal_the_per_head_oracles(scorer, options):
         batched = evictor.layer_scores(layer, index, [0, 1], positions)
         for b in range(2):
             for h in range(3):
-                head = head_from_cache(evictor.scorer, model, layer, index, b, h, positions[b], prompt_stats=stats)
+                head = head_from_cache(
+                    evictor.scorer,
+                    model,
+                    layer,
+                    index,
+                    b,
+                    h,
+                    positions[b],
+                    prompt_stats=stats,
+                    prompt_layer=prompt.layers[index],
+                )
                 single = oracle_score(evictor.scorer, head)
                 n = single.shape[0]
                 torch.testing.assert_close(batched[b, h, :n], single.float(), atol=1e-5, rtol=1e-4)

@@ -11,7 +11,7 @@ from test_runtime_policy import write_tiny_artifact
 from runtime import CompressionPolicy, RaggedCache, bind, compress, load_calibration
 from runtime.compression import prefill, prefill_for_policies, shared_scores
 from runtime.policy_spec import parse_policy
-from runtime.scorers import ALL_QUERIES, KeyDiffScorer
+from runtime.scorers import ALL_QUERIES, KeyDiffScorer, chunk_specs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -73,7 +73,10 @@ def test_shared_scores_compress_exactly_as_each_policy_alone(tmp_path, names):
     mask[1, :9] = 0  # the second row is shorter: ragged rows, left padding
     plans = [bind(parse_policy(name).policy(ratio), calibration, model) for name in names for ratio in (0.5, 0.9)]
     base = RaggedCache.for_model(model)
-    stats = prefill(model, base, ids, mask, record_prompt_stats=True, observe_queries=ALL_QUERIES, n_sink=4)
+    specs = tuple(spec for plan in plans for spec in chunk_specs(plan.scorer))  # what leverage reads
+    stats = prefill(
+        model, base, ids, mask, record_prompt_stats=True, observe_queries=ALL_QUERIES, accumulate=specs, n_sink=4
+    )
     # one scorer's plans at two ratios (leverage: two blends) share one computation of the parts
     for plan, (scores, seconds) in zip(plans, shared_scores(base, plans, stats), strict=True):
         assert seconds >= 0 and len(scores) == len(base.layers)

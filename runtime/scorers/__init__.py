@@ -4,7 +4,7 @@ A scorer is one module here, a :class:`~runtime.scorers.base.Scorer` subclass wi
 ``score(inputs) -> [R, Hkv, n]`` over a layer's :class:`~runtime.scorers.inputs.LayerInputs`
 (``R`` batch rows x every KV head, each head's live tokens padded to the longest), and a
 ``needs`` declaration of what else it reads (query statistics of a kind, recent queries,
-averaged RoPE, the keys' RoPE, the artifact's learned weights or future-query centres:
+averaged RoPE, the prompt's chunked attention, the keys' RoPE, the artifact's learned weights or future-query centres:
 :mod:`runtime.scorers.inputs`).  The providers (:mod:`runtime.scorers.providers`) supply those,
 for the serving engine (:mod:`runtime.eviction`) and the profiler's stages alike.
 
@@ -25,6 +25,7 @@ from .helpers import chunked_attention_mass, leverage_scores, max_pooled, unrota
 from .inputs import (
     ALL_QUERIES,
     AveragedRope,
+    ChunkAttentionMass,
     KeyRope,
     LayerInputs,
     LearnedWeights,
@@ -32,6 +33,7 @@ from .inputs import (
     QueryCentres,
     QueryStatistics,
     RecentQueries,
+    chunk_specs,
     query_statistics,
     recent_query_window,
 )
@@ -49,6 +51,7 @@ from .streaming import StreamingScorer
 __all__ = [
     "ALL_QUERIES",
     "AveragedRope",
+    "ChunkAttentionMass",
     "ExpectedAttentionScorer",
     "KNormScorer",
     "KVzipScorer",
@@ -69,6 +72,7 @@ __all__ = [
     "ScorerInputs",
     "SnapKVScorer",
     "StreamingScorer",
+    "chunk_specs",
     "chunked_attention_mass",
     "leverage_scores",
     "make_scorer",

@@ -133,3 +133,30 @@ def chunked_attention_mass(
             weights = weights * chunk_queries[:, :, None, :, None]
         mass[:, :, lo_k:hi_k] += weights.sum(3).mean(2)
     return mass
+
+
+def middle_chunk_attention(inputs, queries: torch.Tensor, query_positions: torch.Tensor, spec) -> torch.Tensor:
+    """:func:`chunked_attention_mass` of every head's middle rows (all but its first ``spec.first`` and
+    last ``spec.last``), the chunks starting at its first middle row and only the queries of positions
+    from its first to its last middle row taking part: float32 ``[R, Hkv, n]``.
+
+    ``inputs``: the layer's :class:`~runtime.scorers.inputs.LayerInputs`; ``queries [R, Hkv, G, W, d]``
+    post-RoPE at ``query_positions [R, W]`` (``-1``: none); ``spec`` a
+    :class:`~runtime.chunk_attention.ChunkSpec` (logits ``spec.scale * q.k``, None: the layer's scale).
+    """
+    keys, positions, lengths = inputs.keys.float(), inputs.positions, inputs.lengths.to(inputs.keys.device)
+    n = keys.shape[2]
+    first = lengths.clamp(max=spec.first)  # [R, Hkv]
+    end = lengths - (lengths - first).clamp(max=spec.last)
+    index = torch.arange(n, device=keys.device)
+    middle = (index >= first.unsqueeze(-1)) & (index < end.unsqueeze(-1))  # [R, Hkv, n]
+    origin = positions.gather(-1, first.clamp(max=n - 1).unsqueeze(-1)).squeeze(-1)  # [R, Hkv]
+    stop = positions.gather(-1, (end - 1).clamp(min=0, max=n - 1).unsqueeze(-1)).squeeze(-1)
+    query_positions = query_positions.unsqueeze(1)  # [R, 1, W]
+    inside = (query_positions >= origin.unsqueeze(-1)) & (query_positions <= stop.unsqueeze(-1))  # [R, Hkv, W]
+    key_chunk = torch.div(positions - origin.unsqueeze(-1), spec.chunk, rounding_mode="floor")
+    query_chunk = torch.div(query_positions - origin.unsqueeze(-1), spec.chunk, rounding_mode="floor")
+    scale = inputs.scaling if spec.scale is None else spec.scale
+    return chunked_attention_mass(
+        queries, query_chunk.masked_fill(~inside, -1), keys, key_chunk.masked_fill(~middle, -1), scale
+    )

@@ -19,6 +19,10 @@ AveragedRope(horizon)     ``(cos [R, d], sin [R, d])``: RoPE averaged over ``hor
 RecentQueries(window)     ``(queries [R, Hkv, G, w, d], positions int64 [R, w])``: the last
                           ``window`` post-RoPE prompt queries (:data:`ALL_QUERIES`: every one),
                           right-aligned to the longest row's record (``-1``: no query there)
+ChunkAttentionMass(spec)  float32 ``[R, Hkv, n]``: the mass every key received from the queries of
+                          its own chunk, softmax over that chunk's keys only (Compactor's
+                          non-causal chunked attention, :mod:`runtime.chunk_attention`; 0 for a
+                          key outside every chunk)
 KeyRope()                 ``(cos [R, Hkv, n, d], sin [R, Hkv, n, d])``: the RoPE of every key's
                           own position (to undo it)
 LearnedWeights()          ``(weights [Hkv, 2d], bias [Hkv])`` float32: the artifact's learned
@@ -33,6 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from ..chunk_attention import ChunkSpec
 
 # An observation window that covers every prompt query (the cache keeps them all; 2^62 is
 # never reached, and slicing ``[-ALL_QUERIES:]`` clamps to what was recorded).
@@ -80,6 +86,14 @@ class RecentQueries(Need):
 
 
 @dataclass(frozen=True)
+class ChunkAttentionMass(Need):
+    spec: ChunkSpec
+
+    def describe(self) -> str:
+        return f"the prompt's chunked attention ({self.spec.chunk}-token chunks)"
+
+
+@dataclass(frozen=True)
 class KeyRope(Need):
     what = "the keys' RoPE (key_cos/key_sin at each key's position)"
 
@@ -121,6 +135,11 @@ class LayerInputs:
 def recent_query_window(scorer) -> int:
     """How many of the last prompt queries ``scorer`` observes (0: none; :data:`ALL_QUERIES`: every one)."""
     return max([0] + [need.window for need in scorer.needs if isinstance(need, RecentQueries)])
+
+
+def chunk_specs(scorer) -> tuple[ChunkSpec, ...]:
+    """The chunked attentions ``scorer`` reads (:class:`ChunkAttentionMass`), accumulated during the prefill."""
+    return tuple(need.spec for need in scorer.needs if isinstance(need, ChunkAttentionMass))
 
 
 def query_statistics(scorer) -> str | None:

@@ -7,9 +7,10 @@ import math
 import torch
 
 from ..checks import check_flag, check_integer, check_number
+from ..chunk_attention import ChunkSpec
 from .base import Scorer
-from .helpers import chunked_attention_mass, leverage_scores, masked, masked_zscore, unrotate
-from .inputs import ALL_QUERIES, KeyRope, LayerInputs, RecentQueries
+from .helpers import leverage_scores, masked, masked_zscore, unrotate
+from .inputs import ChunkAttentionMass, KeyRope, LayerInputs
 
 
 class LeverageScorer(Scorer):
@@ -23,9 +24,9 @@ class LeverageScorer(Scorer):
     * leverage (:func:`~runtime.scorers.helpers.leverage_scores`): of the head's **pre-RoPE** keys
       (``pre_rope``; RoPE is undone from each key's position), centred over the middle rows, exact
       or through a Gaussian sketch of ``sketch`` columns (``seed`` fixes it per (layer, KV head));
-    * attention (:func:`~runtime.scorers.helpers.chunked_attention_mass`): every prompt query
-      (post-RoPE) attends non-causally to the keys of its own ``chunk``-token chunk (chunks start
-      at the first middle row; only the queries from the first to the last middle row take part),
+    * attention (:mod:`runtime.chunk_attention`, accumulated during the prefill): every prompt
+      query (post-RoPE) attends non-causally to the keys of its own ``chunk``-token chunk (chunks
+      start at the first middle row; only the queries from the first to the last middle row take part),
       logits ``attention_scale * q.k`` (None: the model's ``1/sqrt(d)``); the mass each key
       receives, averaged over the GQA group, times ``||v||`` (``value_norm``), then a mean over
       ``pool`` neighbours (zero-padded at the ends of the middle).
@@ -80,9 +81,14 @@ class LeverageScorer(Scorer):
         needs = ()
         if self.blend != 0 and self.pre_rope:  # leverage of pre-RoPE keys (blend 0: attention alone)
             needs += (KeyRope(),)
-        if self.blend is not None:  # the non-causal attention needs every prompt query (None: leverage alone)
-            needs += (RecentQueries(ALL_QUERIES),)
+        if self.blend is not None:  # the prompt's non-causal chunked attention (None: leverage alone)
+            needs += (ChunkAttentionMass(self.chunk_spec),)
         return needs
+
+    @property
+    def chunk_spec(self) -> ChunkSpec:
+        """The chunked attention this scorer reads, accumulated during the prefill (:mod:`runtime.chunk_attention`)."""
+        return ChunkSpec(self.chunk, self.exclude_first, self.exclude_last, self.attention_scale)
 
     def sketch_matrix(self, layer: int, kv_head: int, dim: int) -> torch.Tensor:
         """The Gaussian sketch ``Phi [d, k]`` (entries ``N(0, 1/k)``) of one (layer, KV head), float64."""
@@ -106,7 +112,7 @@ class LeverageScorer(Scorer):
         leverage = masked_zscore(self.leverage(inputs, middle), middle) if self.blend != 0 else None
         attention = None
         if self.blend is not None:
-            attention = masked_zscore(self.attention_mass(inputs, middle, first, lengths - last), middle)
+            attention = masked_zscore(self.attention_mass(inputs, middle), middle)
         return leverage, attention, middle
 
     @classmethod
@@ -143,26 +149,11 @@ class LeverageScorer(Scorer):
             sketch = sketch.unsqueeze(0)
         return leverage_scores(keys, middle, sketch, self.ridge)
 
-    def attention_mass(
-        self, inputs: LayerInputs, middle: torch.Tensor, first: torch.Tensor, end: torch.Tensor
-    ) -> torch.Tensor:
+    def attention_mass(self, inputs: LayerInputs, middle: torch.Tensor) -> torch.Tensor:
         """Chunked attention ``[R, Hkv, n]`` received by every head's ``middle`` rows (0 elsewhere),
-        ``||v||``-weighted and pooled; chunks start at each head's row ``first`` [R, Hkv], and
-        only the queries between its rows ``first`` and ``end - 1`` take part (kvpress scores
-        the middle rows as a sequence of their own)."""
-        keys, positions = inputs.keys.float(), inputs.positions
-        rows, heads, n, _ = keys.shape
-        queries, query_positions = inputs[RecentQueries(ALL_QUERIES)]  # [R, Hkv, G, W, d], [R, W]
-        origin = positions.gather(-1, first.clamp(max=n - 1).unsqueeze(-1)).squeeze(-1)  # [R, Hkv]
-        stop = positions.gather(-1, (end - 1).clamp(min=0, max=n - 1).unsqueeze(-1)).squeeze(-1)
-        query_positions = query_positions.unsqueeze(1)  # [R, 1, W]
-        inside = (query_positions >= origin.unsqueeze(-1)) & (query_positions <= stop.unsqueeze(-1))  # [R, Hkv, W]
-        key_chunk = torch.div(positions - origin.unsqueeze(-1), self.chunk, rounding_mode="floor")
-        query_chunk = torch.div(query_positions - origin.unsqueeze(-1), self.chunk, rounding_mode="floor")
-        scale = inputs.scaling if self.attention_scale is None else self.attention_scale
-        mass = chunked_attention_mass(
-            queries, query_chunk.masked_fill(~inside, -1), keys, key_chunk.masked_fill(~middle, -1), scale
-        )
+        ``||v||``-weighted and pooled (kvpress scores the middle rows as a sequence of their own)."""
+        rows, heads, n, _ = inputs.keys.shape
+        mass = inputs[ChunkAttentionMass(self.chunk_spec)]  # [R, Hkv, n] float32
         if self.value_norm:
             mass = mass * inputs.values.float().norm(dim=-1)
         mass = mass * middle

@@ -13,9 +13,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..chunk_attention import masses_at_positions
 from ..rope import averaged_rope, rope_cos_sin
+from .helpers import middle_chunk_attention
 from .inputs import (
+    ALL_QUERIES,
     AveragedRope,
+    ChunkAttentionMass,
     KeyRope,
     LayerInputs,
     LearnedWeights,
@@ -110,6 +114,24 @@ class RecentQueriesProvider:
         return padded, positions
 
 
+class ChunkAttentionMassProvider:
+    """float32 ``[R, Hkv, n]``: each key's chunked attention mass (Compactor's): in the runtime, from the rows'
+    ``{ChunkSpec: ChunkAttention}`` accumulated during the prefill (``chunk_attention``); in the profiler,
+    from the captured queries (``queries``: each row's ``[Hq, w, d]``), the accumulation's reference."""
+
+    def __init__(self, need, scorer, geometry, **_):
+        self.need, self.scorer = need, scorer
+        self.recent = RecentQueriesProvider(RecentQueries(ALL_QUERIES), scorer, geometry)
+
+    def __call__(self, inputs: LayerInputs, *, chunk_attention=None, queries=None, **_):
+        if chunk_attention is not None:
+            return masses_at_positions(chunk_attention, self.need.spec, inputs.positions, inputs.valid, inputs.scaling)
+        if queries is None:
+            raise ValueError(f"{self.scorer!r} needs {self.need.describe()}: prefill with policy=... first")
+        recorded, query_positions = self.recent(inputs, queries=queries)  # [R, Hkv, G, W, d], [R, W]
+        return middle_chunk_attention(inputs, recorded, query_positions, self.need.spec)
+
+
 class KeyRopeProvider:
     """``(cos, sin) [R, Hkv, n, d]`` of the layer's RoPE at every key's position; the heads of a freshly
     prefilled prompt share their positions, so the last result is reused while the positions (and
@@ -163,6 +185,7 @@ PROVIDERS = {
     QueryStatistics: QueryStatisticsProvider,
     AveragedRope: AveragedRopeProvider,
     RecentQueries: RecentQueriesProvider,
+    ChunkAttentionMass: ChunkAttentionMassProvider,
     KeyRope: KeyRopeProvider,
     LearnedWeights: LearnedWeightsProvider,
     QueryCentres: QueryCentresProvider,
@@ -198,13 +221,16 @@ class ScorerInputs:
         next_positions,
         *,
         queries=None,
+        chunk_attention=None,
         stats_rows=None,
         scaling: float | None = None,
     ) -> LayerInputs:
         """The inputs of ``R`` rows of layer ``layer``: ``keys, values [R, Hkv, n, d]`` (post-RoPE,
         padding zero), ``positions`` int64 / ``valid`` bool ``[R, Hkv, n]``, ``lengths [R, Hkv]``,
         ``next_positions [R]``; ``queries [R]``: each row's recorded prompt queries ``[Hq, w, d]``
-        (for :class:`RecentQueries`); ``stats_rows [R]``: each row's row in the prompt statistics;
+        (for :class:`RecentQueries`); ``chunk_attention [R]``: each row's accumulated chunked
+        attentions ``{ChunkSpec: ChunkAttention}`` (for :class:`ChunkAttentionMass`; None: computed
+        from ``queries``); ``stats_rows [R]``: each row's row in the prompt statistics;
         ``scaling``: the attention scale (default: the model's for the layer)."""
         inputs = LayerInputs(
             layer=layer,
@@ -217,5 +243,7 @@ class ScorerInputs:
             next_positions=[int(p) for p in next_positions],
         )
         for need, provider in self.providers:
-            inputs.supplied[need] = provider(inputs, queries=queries, stats_rows=stats_rows)
+            inputs.supplied[need] = provider(
+                inputs, queries=queries, chunk_attention=chunk_attention, stats_rows=stats_rows
+            )
         return inputs
