@@ -1,0 +1,128 @@
+"""Time to a compressed cache: a policy's own prefill plus its compression, against the plain prefill.
+
+    python benchmarks/prefill_all_in.py --artifact PATH [--context 2048] [--batch-sizes 1 8]
+                                        [--keep-ratio 0.25] [--repeats 1] [--threads 1] [--json OUT]
+
+For each batch size B (the context repeated in every row, filler sentences as in
+``benchmarks/runtime_perf.py``), alternating within one run so background load hits every side:
+
+* ``plain``: the unmodified embedded model prefilling a DynamicCache with SDPA (``logits_to_keep=1``);
+* for each policy: ``runtime.prefill(model, cache, ids, policy=plan)`` into a RaggedCache, recording
+  what the policy's scorer needs (the flagship's leverage: its chunked attention, accumulated in the
+  prefill since issue 28; before, every prompt query), then ``runtime.compress``; the cell is
+  "ratio (prefill s + compression s)", ratio = (prefill + compression) / plain prefill.
+
+Policies: the flagship ``inf/leverage+correction`` at ``1 - keep-ratio`` evicted, and
+``uniform/keydiff`` (records nothing).  The fastest of ``--repeats`` per cell.  Issue 28's bar:
+flagship <= 1.02x plain at B=8, 2K tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from runtime import CompressionPolicy, RaggedCache, compress, enable, load_calibration, prefill  # noqa: E402
+from runtime.models import load_model, load_tokenizer, use_progress_bars  # noqa: E402
+from runtime.policy_spec import FLAGSHIP  # noqa: E402
+from runtime.serving_plan import bind  # noqa: E402
+from runtime.transformers_compat import cache_argument  # noqa: E402
+
+
+def context_ids(tokenizer, length: int) -> torch.Tensor:
+    """``[1, length]`` token ids of filler sentences (as benchmarks/runtime_perf.py)."""
+    text, i = [], 0
+    while len(tokenizer(" ".join(text))["input_ids"]) < length:
+        text.append(f"Sentence {i} talks about the weather, the river and the market of town {i % 17}.")
+        i += 1
+    return torch.tensor([tokenizer(" ".join(text))["input_ids"][:length]])
+
+
+@torch.no_grad()
+def plain_seconds(model, ids) -> float:
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    start = time.perf_counter()
+    model(ids, **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def policy_seconds(model, ids, plan) -> tuple[float, float]:
+    cache = RaggedCache.for_model(model)
+    start = time.perf_counter()
+    stats = prefill(model, cache, ids, policy=plan)
+    middle = time.perf_counter()
+    compress(model, cache, plan, prompt_stats=stats)
+    return middle - start, time.perf_counter() - middle
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--artifact", required=True, help="calibration artifact (INF budgets, correction orders)")
+    parser.add_argument("--context", type=int, default=2048, help="prompt tokens (default 2048)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="batch sizes (default 1 8)")
+    parser.add_argument("--keep-ratio", type=float, default=0.25, help="kept fraction (default 0.25)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per cell, the fastest kept (default 1)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--json", default=None, help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    if not 0 < args.keep_ratio < 1 or args.context < 64 or min(args.batch_sizes) < 1 or args.repeats < 1:
+        parser.error("need 0 < keep-ratio < 1, context >= 64, batch sizes >= 1, repeats >= 1")
+    torch.set_num_threads(args.threads)
+    use_progress_bars(no_progress=True)
+    plain_model, model, tokenizer = load_model(), load_model(), load_tokenizer()
+    calibration = load_calibration(model, tokenizer, path=args.artifact)
+    plans = {
+        "flagship inf/leverage+correction": bind(FLAGSHIP.policy(1 - args.keep_ratio), calibration, model),
+        "uniform/keydiff": bind(CompressionPolicy(keep_ratio=args.keep_ratio, scorer="keydiff"), None, model),
+    }
+    enable(model)
+    ids = context_ids(tokenizer, args.context)
+    plain_seconds(plain_model, ids[:, :256])  # warm-up
+    policy_seconds(model, ids[:, :256], plans["uniform/keydiff"])
+    results = {"context": args.context, "keep_ratio": args.keep_ratio, "artifact": args.artifact, "cells": []}
+    for batch in args.batch_sizes:
+        rows = ids.repeat(batch, 1)
+        plain, cells = [], {name: [] for name in plans}
+        for _ in range(args.repeats):
+            plain.append(plain_seconds(plain_model, rows))
+            gc.collect()
+            for name, plan in plans.items():
+                cells[name].append(policy_seconds(model, rows, plan))
+                gc.collect()
+            print(
+                f"B={batch}: plain {plain[-1]:.2f} s, "
+                + ", ".join(f"{n} {sum(c[-1]):.2f} s" for n, c in cells.items()),
+                file=sys.stderr,
+                flush=True,
+            )
+        base = min(plain)
+        cell = {"batch": batch, "plain_s": base}
+        for name, runs in cells.items():
+            best = min(runs, key=sum)
+            cell[name] = {"prefill_s": best[0], "compress_s": best[1], "ratio": sum(best) / base}
+        results["cells"].append(cell)
+    print(f"Prefill + compression against the plain prefill, {args.context} tokens, {args.keep_ratio:.0%} kept:\n")
+    print("| batch | plain s | " + " | ".join(plans) + " |")
+    print("|---|---|" + "---|" * len(plans))
+    for cell in results["cells"]:
+        parts = [f"{cell[n]['ratio']:.3f} ({cell[n]['prefill_s']:.2f} + {cell[n]['compress_s']:.2f})" for n in plans]
+        print(f"| {cell['batch']} | {cell['plain_s']:.2f} | " + " | ".join(parts) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
