@@ -10,12 +10,14 @@ attended ``--repeats`` times (after 5 untimed) by:
 
 * ``pages``: ``layout.decode_pages`` + ``paged_attention.decode_attention`` (one fused call over
   the layer's masked pages, then their merge; small layers gathered into one page per head);
-* ``live rows``: ``paged_attention.live_rows_attention``: one call over the ``[S, cap, d]`` view
-  when the segments are equal, else one call per segment over its slice.
+* ``per segment``: ``paged_attention.live_rows_attention`` without head strides: one call over the
+  ``[S, cap, d]`` view when the segments are equal, else one call per segment over its slice;
+* ``per head``: the same with the store's head strides: one call per KV head over the strided
+  ``[B, n, d]`` view of its segments in every batch row (its budget is the same in every row here).
 
 Prints the summed microseconds per step (all layers) of each; the runtime's choice
-(``layer_attention._decode_step_attention``: live rows when equal or ``S <= SLICED_SEGMENTS``) is
-read off this table (docs/results.md R-decode-kernels-2026-11-25).  The buffers are warm in cache
+(``layer_attention._decode_step_attention``: live rows while they take at most ``LIVE_ROW_CALLS``
+kernel calls) is read off this table (docs/results.md R-decode-kernels-2026-11-26).  The buffers are warm in cache
 here, unlike in a real step: read the ratio, not the absolute time.
 """
 
@@ -50,7 +52,7 @@ def micros(function, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats * 1e6
 
 
-def layer_times(layer, group: int, repeats: int) -> tuple[float, float]:
+def layer_times(layer, group: int, repeats: int) -> tuple[float, float, float]:
     store, layout = layer.store, layer.layout
     segments, dim = store.offset.numel(), store.head_dim
     query = torch.randn(segments, group, dim)
@@ -59,17 +61,24 @@ def layer_times(layer, group: int, repeats: int) -> tuple[float, float]:
         p = layout.decode_pages(store.key_buffer, store.value_buffer, store.row_bias)
         return decode_attention(query, p.key_pages, p.value_pages, p.owner, p.bias, 0.125)
 
-    def live():
-        length = store.length.reshape(-1).tolist()
+    def live(head_stride):
+        length, offset = store.length.tolist(), store.offset.tolist()
         if store.uniform:
             capacity = int(store.capacity[0, 0])
             return live_rows_attention(
                 query, store.key_buffer, store.value_buffer, [], length, 0.125, capacity=capacity
             )
-        offset = store.offset.reshape(-1).tolist()
-        return live_rows_attention(query, store.key_buffer, store.value_buffer, offset, length, 0.125)
+        return live_rows_attention(
+            query, store.key_buffer, store.value_buffer, offset, length, 0.125, head_stride=head_stride
+        )
 
-    return micros(pages, repeats), micros(live, repeats)
+    def per_segment():
+        return live(None)
+
+    def per_head():
+        return live(store.head_stride)
+
+    return micros(pages, repeats), micros(per_segment, repeats), micros(per_head, repeats)
 
 
 def main(argv=None) -> int:
@@ -91,19 +100,23 @@ def main(argv=None) -> int:
     }
     enable(model)
     ids = context_ids(tokenizer, args.context)
-    print("| batch | segments | policy | pages us/step | live rows us/step | live / pages |")
-    print("|---|---|---|---|---|---|")
+    print("| batch | segments | policy | pages us/step | per segment | per head | segment / pages | head / pages |")
+    print("|---|---|---|---|---|---|---|---|")
     for batch in args.batch_sizes:
         for name, plan in policies.items():
             cache = RaggedCache.for_model(model)
             stats = prefill(model, cache, ids.repeat(batch, 1), policy=plan)
             compress(model, cache, plan, prompt_stats=stats)
-            pages = live = 0.0
+            total = [0.0, 0.0, 0.0]
             for layer in cache.layers:
-                a, b = layer_times(layer, group, args.repeats)
-                pages, live = pages + a, live + b
+                total = [t + x for t, x in zip(total, layer_times(layer, group, args.repeats), strict=True)]
+            pages, segment, head = total
             segments = batch * model.config.num_key_value_heads
-            print(f"| {batch} | {segments} | {name} | {pages:.0f} | {live:.0f} | {live / pages:.2f} |", flush=True)
+            print(
+                f"| {batch} | {segments} | {name} | {pages:.0f} | {segment:.0f} | {head:.0f} "
+                f"| {segment / pages:.2f} | {head / pages:.2f} |",
+                flush=True,
+            )
     return 0
 
 

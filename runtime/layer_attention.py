@@ -32,10 +32,11 @@ from .eager_attention import eager_attention_forward
 from .layout import PageLayout
 from .moments import PreparedMoments
 from .paged_attention import (
-    SLICED_SEGMENTS,
+    LIVE_ROW_CALLS,
     Window,
     decode_attention,
     fused_kernel_serves,
+    live_row_calls,
     live_rows_attention,
     segment_attention,
 )
@@ -162,19 +163,23 @@ def _decode_step_attention(
     """One decode step, ``query [S, G, d]`` over every segment's live rows: ``(out [S, G, d], lse [S, G])``.
 
     Where the fused CPU kernel serves, the live rows are read in place without a mask when every
-    segment holds the same number (one call) or the segments are few (one call each); otherwise the
-    layout's pages (:meth:`~runtime.layout.PageLayout.decode_pages`), one batched call and a merge.
-    Which is faster where: docs/results.md R-decode-kernels-2026-11-25."""
-    segments = query.shape[0]
-    if fused_kernel_serves(query, store.key_buffer, softcap) and (store.uniform or segments <= SLICED_SEGMENTS):
-        length = store.length.reshape(-1).tolist()
-        if store.uniform and length[0] > 0:
+    segment holds the same number (one call), or when that takes few calls: one per KV head whose
+    budget is the same in every batch row, one per segment of the other heads
+    (:func:`~runtime.paged_attention.live_rows_attention`); otherwise the layout's pages
+    (:meth:`~runtime.layout.PageLayout.decode_pages`), one batched call and a merge.  Which is
+    faster where: docs/results.md R-decode-kernels-2026-11-26."""
+    if fused_kernel_serves(query, store.key_buffer, softcap):
+        length = store.length.tolist()
+        if store.uniform and length[0][0] > 0:
+            capacity = int(store.capacity[0, 0])
             return live_rows_attention(
-                query, store.key_buffer, store.value_buffer, [], length, scaling, capacity=int(store.capacity[0, 0])
+                query, store.key_buffer, store.value_buffer, [], length, scaling, capacity=capacity
             )
-        if segments <= SLICED_SEGMENTS:
-            offset = store.offset.reshape(-1).tolist()
-            return live_rows_attention(query, store.key_buffer, store.value_buffer, offset, length, scaling)
+        if live_row_calls(length, store.head_stride) <= LIVE_ROW_CALLS:
+            offset = store.offset.tolist()
+            return live_rows_attention(
+                query, store.key_buffer, store.value_buffer, offset, length, scaling, head_stride=store.head_stride
+            )
     pages = layout.decode_pages(store.key_buffer, store.value_buffer, store.row_bias)
     return decode_attention(
         query, pages.key_pages, pages.value_pages, pages.owner, pages.bias, scaling, softcap=softcap

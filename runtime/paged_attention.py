@@ -36,10 +36,11 @@ import torch
 
 from .eager_attention import soft_cap
 
-# Decoding reads each segment's live rows with one fused kernel call per segment (no mask, no page
-# merge) up to this many segments (batch rows x KV heads) per layer; past it one batched call over
-# the pages and their merge is faster (docs/results.md R-decode-kernels-2026-11-25).
-SLICED_SEGMENTS = 8
+# Decoding reads the live rows in place with one fused kernel call per KV head (or per segment, where
+# a head's budgets differ between batch rows: :func:`live_rows_attention`) up to this many calls per
+# layer; past it one batched call over the pages and their merge is faster (docs/results.md
+# R-decode-kernels-2026-11-26).
+LIVE_ROW_CALLS = 8
 # Bound on the logits materialised at once (pages x P x query rows); larger query sets are tiled.
 _MAX_LOGITS = 1 << 24
 
@@ -221,45 +222,84 @@ def fused_kernel_serves(query: torch.Tensor, key_buffer: torch.Tensor, softcap: 
     return query.device.type == "cpu" and key_buffer.dtype in _FLASH_CPU_DTYPES and softcap is None
 
 
+def evenly_spaced_heads(length: list[list[int]], head_stride: list[int | None]) -> list[bool]:
+    """Per KV head ``h``: whether every batch row's segment of ``h`` holds the same number of live
+    rows (``length [B][Hkv]``, more than none) at evenly spaced offsets (``head_stride[h]`` not None,
+    :attr:`runtime.segments.SegmentStore.head_stride`), so that :func:`live_rows_attention` reads
+    head ``h`` of every batch row in one kernel call."""
+    first = length[0]
+    return [
+        stride is not None and first[h] > 0 and all(row[h] == first[h] for row in length)
+        for h, stride in enumerate(head_stride)
+    ]
+
+
+def live_row_calls(length: list[list[int]], head_stride: list[int | None]) -> int:
+    """The kernel calls :func:`live_rows_attention` makes without ``capacity``: one per evenly spaced
+    head (:func:`evenly_spaced_heads`), one per segment of every other head."""
+    batch = len(length)
+    return sum(1 if even else batch for even in evenly_spaced_heads(length, head_stride))
+
+
 def live_rows_attention(
     query: torch.Tensor,
     key_buffer: torch.Tensor,
     value_buffer: torch.Tensor,
-    offset: list[int],
-    length: list[int],
+    offset: list[list[int]],
+    length: list[list[int]],
     scaling: float,
     *,
+    head_stride: list[int | None] | None = None,
     capacity: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoding over each segment's live rows read in place, with no mask and no page merge.
 
-    Segment ``s``'s live rows are buffer rows ``offset[s] .. offset[s] + length[s] - 1`` of
-    ``key_buffer / value_buffer [C, d]`` (:mod:`runtime.segments`); ``query [S, M, d]``.  With
-    ``capacity`` (every segment holds the same ``length`` in the same capacity, ``offset[s] = s *
-    capacity``) the buffer is viewed as ``[S, capacity, d]`` and cut to the live rows: one kernel
-    call.  Otherwise one call per segment over its contiguous slice: faster than one batched call
-    over masked pages and their merge while the segments are few (docs/results.md
-    R-decode-kernels-2026-11-25).  Only where :func:`fused_kernel_serves`.  Returns ``(out [S, M,
+    Segment ``(b, h)``'s live rows are buffer rows ``offset[b][h] .. offset[b][h] + length[b][h] -
+    1`` of ``key_buffer / value_buffer [C, d]`` (:mod:`runtime.segments`); ``query [S, M, d]``, ``S =
+    B * Hkv``, segment ``s = b * Hkv + h``.  With ``capacity`` (every segment holds the same length
+    in the same capacity, ``offset = s * capacity``) the buffer is viewed as ``[S, capacity, d]``
+    and cut to the live rows: one kernel call.  Otherwise one call per KV head whose segments hold
+    the same count at evenly spaced offsets (``head_stride``, :func:`evenly_spaced_heads`: per-head
+    budgets that are equal across the batch rows, the common case) over the strided view ``[B, n,
+    d]``, and one call per segment over its slice for every other head.  Faster than one batched
+    call over masked pages and their merge while the calls are few (docs/results.md
+    R-decode-kernels-2026-11-26).  Only where :func:`fused_kernel_serves`.  Returns ``(out [S, M,
     d], lse [S, M])`` float32; a segment with no live row gets ``out = 0``, ``lse = -inf``.
     """
     segments, rows, dim = query.shape
-    query = query.to(key_buffer.dtype).unsqueeze(1)  # [S, 1, M, d]
+    batch, heads = len(length), len(length[0])
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    if capacity is not None and length[0] > 0:
-        live = length[0]
+    if capacity is not None and length[0][0] > 0:
+        live = length[0][0]
         keys = key_buffer.view(segments, capacity, dim)[:, None, :live]  # [S, 1, n, d], strided
         values = value_buffer.view(segments, capacity, dim)[:, None, :live]
-        out, lse = flash(query, keys, values, scale=float(scaling))  # [S, 1, M, d], [S, 1, M]
-        return out[:, 0].float(), lse[:, 0].float()
-    outs, lses = [], []
-    for s, (start, count) in enumerate(zip(offset, length, strict=True)):
-        if count == 0:  # nothing to attend: out 0, lse -inf
-            outs.append(query.new_zeros(1, 1, rows, dim))
-            lses.append(torch.full((1, 1, rows), float("-inf"), dtype=torch.float32, device=query.device))
+        out, lse = flash(query.to(key_buffer.dtype).unsqueeze(1), keys, values, scale=float(scaling))
+        return out[:, 0].float(), lse[:, 0].float()  # [S, M, d], [S, M]
+    query = query.to(key_buffer.dtype).view(batch, heads, 1, rows, dim)
+    even = evenly_spaced_heads(length, head_stride if head_stride is not None else [None] * heads)
+    out = torch.zeros(batch, heads, rows, dim, dtype=torch.float32, device=query.device)
+    lse = torch.full((batch, heads, rows), float("-inf"), dtype=torch.float32, device=query.device)
+    for h in range(heads):
+        if even[h]:  # head h of every batch row: one strided view [B, 1, n, d]
+            keys = _head_view(key_buffer, offset[0][h], head_stride[h], batch, length[0][h])
+            values = _head_view(value_buffer, offset[0][h], head_stride[h], batch, length[0][h])
+            head_out, head_lse = flash(query[:, h], keys, values, scale=float(scaling))  # [B, 1, M, d], [B, 1, M]
+            out[:, h], lse[:, h] = head_out[:, 0], head_lse[:, 0]
             continue
-        keys = key_buffer[start : start + count].view(1, 1, count, dim)
-        values = value_buffer[start : start + count].view(1, 1, count, dim)
-        segment_out, segment_lse = flash(query[s : s + 1], keys, values, scale=float(scaling))
-        outs.append(segment_out)
-        lses.append(segment_lse)
-    return torch.cat(outs)[:, 0].float(), torch.cat(lses)[:, 0].float()
+        for b in range(batch):  # one call per segment over its slice
+            start, count = offset[b][h], length[b][h]
+            if count == 0:  # nothing to attend: out 0, lse -inf
+                continue
+            keys = key_buffer[start : start + count].view(1, 1, count, dim)
+            values = value_buffer[start : start + count].view(1, 1, count, dim)
+            segment_out, segment_lse = flash(query[b, h : h + 1], keys, values, scale=float(scaling))
+            out[b, h], lse[b, h] = segment_out[0, 0], segment_lse[0, 0]
+    return out.view(segments, rows, dim), lse.view(segments, rows)
+
+
+def _head_view(buffer: torch.Tensor, first: int, stride: int, batch: int, count: int) -> torch.Tensor:
+    """``[B, 1, count, d]`` view of ``buffer [C, d]``: rows ``first + b * stride`` onwards for batch row ``b``."""
+    row_step, column_step = buffer.stride()
+    shape = (batch, 1, count, buffer.shape[1])
+    strides = (stride * row_step, count * row_step, row_step, column_step)
+    return buffer.as_strided(shape, strides, buffer.storage_offset() + first * row_step)

@@ -37,6 +37,16 @@ _MIN_SLACK = 16
 _GENERATIONS = itertools.count(1)  # unique over all stores: a layout built for one never fits another
 
 
+def _even_strides(offset: torch.Tensor) -> list[int | None]:
+    """Per column of ``offset [B, Hkv]``: the common difference between consecutive rows, or None
+    when they are not evenly spaced (0 for a single row)."""
+    if offset.shape[0] < 2:
+        return [0] * offset.shape[1]
+    step = offset[1:] - offset[:-1]  # [B - 1, Hkv]
+    even = (step == step[:1]).all(0)
+    return [int(step[0, h]) if bool(even[h]) else None for h in range(offset.shape[1])]
+
+
 class SegmentStore:
     """One layer's packed segments ``[B, Hkv]`` of head dim ``d`` (see the module docstring)."""
 
@@ -66,6 +76,10 @@ class SegmentStore:
         self.page_size = int(page_size)
         self.generation = next(_GENERATIONS)  # what was derived from offsets / capacities is stale
         self.loose = False  # segments shrank in place: compact() releases the memory
+        # per KV head h, the buffer rows between batch rows' segments of h when they are evenly
+        # spaced (offset[b, h] = offset[0, h] + b * stride: a decode step then reads head h of every
+        # batch row as one strided [B, n, d] view), else None; 0 with one batch row
+        self.head_stride = _even_strides(offset)
         # one entry per buffer row, plus a trailing -inf that gathered padding reads
         self.row_bias = torch.full((keys.shape[0] + 1,), float("-inf"), dtype=keys.dtype, device=keys.device)
         live = segment_rows(offset.reshape(-1), length.reshape(-1)).to(keys.device)

@@ -117,6 +117,51 @@ def test_pruned_cache_equals_masked_full_attention(scorer):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("rows_alike", [True, False], ids=["heads-alike-across-rows", "rows-differ"])
+def test_decode_steps_over_unequal_heads_equal_masked_full_attention(rows_alike, monkeypatch):
+    """Decode steps of a batch whose heads keep different numbers of tokens (INF budgets): every
+    row's logits as full attention with its evicted positions masked.  Rows of equal length give
+    each KV head the same budget in every row (read as one strided view per head); with decode-time
+    capacities made unequal between rows, each segment is read alone; with the live-row calls
+    capped at 0, the masked pages."""
+    import runtime.layer_attention
+
+    model = make_tiny_llama(num_layers=3, num_heads=6, num_kv_heads=3)
+    generator = torch.Generator().manual_seed(5)
+    context, steps = 40, 5
+    ids = torch.randint(0, 128, (3, context + steps), generator=generator)
+    policy = CompressionPolicy(budget=14, allocation="inf", scorer="keydiff", n_sink=2, window=4)
+    for calls in (8, 0):  # live rows, then the pages
+        monkeypatch.setattr(runtime.layer_attention, "LIVE_ROW_CALLS", calls)
+        with ragged_attention(model):
+            cache, report = compress_prompt(
+                model, ids, policy, context_columns=context, calibration=inf_calibration(3, 3)
+            )
+            if not rows_alike:  # row 1 keeps one token fewer in head 0 of every layer
+                for layer in cache.layers:
+                    keys = layer.head(1, 0)[0]
+                    layer.store.keep(1, 0, torch.arange(keys.shape[0] - 1), shrink=False)
+            logits = torch.cat(
+                [
+                    model(ids[:, t : t + 1], **cache_argument(model, cache)).logits
+                    for t in range(context, context + steps)
+                ],
+                dim=1,
+            )
+        assert len(np.unique(report.lengths_after[:, 0])) > 1  # heads keep different numbers of tokens
+        for row in range(3):
+            evicted = {}
+            for layer_idx, layer in enumerate(cache.layers):
+                mask = torch.ones(3, context, dtype=torch.bool)
+                for h in range(3):
+                    kept = layer.head(row, h)[2].long()
+                    mask[h, kept[kept < context]] = False
+                evicted[layer_idx] = mask
+            reference = masked_reference_logits(model, ids[row : row + 1], evicted, context)
+            torch.testing.assert_close(logits[row], reference[0, context:], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
 def test_per_head_lengths_differ_and_memory_matches_budget_formula():
     model = make_tiny_llama(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32)
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(3))

@@ -88,27 +88,60 @@ def test_decode_attention_equals_direct_computation(monkeypatch, dtype, toleranc
     torch.testing.assert_close(lse.double(), expected_lse, atol=tolerance, rtol=tolerance)
 
 
+# capacities and live lengths [B][Hkv] of the layouts live_rows_attention reads
+LIVE_ROW_LAYOUTS = {
+    # every segment the same: the [S, cap, d] view, one call
+    "one-call": ([[12, 12, 12]], [[9, 9, 9]]),
+    # one batch row, unequal heads (a free tail, a head with no live row): one call per head
+    "batch-1": ([[8, 12, 4, 16]], [[5, 12, 0, 9]]),
+    # per-head budgets equal across 3 batch rows: one strided call per head
+    "heads-across-rows": ([[8, 16, 4]] * 3, [[5, 16, 1]] * 3),
+    # head 0 the same in every row, head 1 not (a row with none), head 2 unevenly spaced: mixed
+    "mixed": ([[8, 16, 4], [8, 12, 8], [8, 16, 4]], [[6, 10, 3], [6, 0, 3], [6, 11, 3]]),
+}
+
+
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("uniform", [True, False], ids=["one-call", "per-segment"])
-def test_live_rows_attention_equals_direct_computation(dtype, tolerance, uniform):
+@pytest.mark.parametrize("layout", list(LIVE_ROW_LAYOUTS))
+def test_live_rows_attention_equals_direct_computation(dtype, tolerance, layout):
     """Decoding over each segment's live rows read in place (free capacity after them, a segment with
-    none): as one softmax per head over exactly its live rows."""
+    none; heads read across batch rows as one strided view where their segments are alike): as one
+    softmax per head over exactly its live rows."""
     from runtime.paged_attention import live_rows_attention
+    from runtime.segments import _even_strides
 
     generator = torch.Generator().manual_seed(3)
+    capacities, lengths = LIVE_ROW_LAYOUTS[layout]
     dim, rows = 8, 3
-    capacities = [12, 12, 12] if uniform else [8, 12, 4, 16]
-    lengths = [9, 9, 9] if uniform else [5, 12, 0, 9]
-    offsets = np.cumsum([0] + capacities)[:-1].tolist()
-    keys = torch.randn(sum(capacities), dim, generator=generator).to(dtype)
-    values = torch.randn(sum(capacities), dim, generator=generator).to(dtype)
-    query = torch.randn(len(capacities), rows, dim, generator=generator)
-    capacity = capacities[0] if uniform else None
-    out, lse = live_rows_attention(query, keys, values, offsets, lengths, 0.5, capacity=capacity)
-    limit = torch.tensor(lengths).unsqueeze(1).expand(-1, rows)
-    expected_out, expected_lse = _naive(query.to(dtype).float(), keys.float(), values.float(), offsets, limit, 0.5)
+    flat_capacities = [c for row in capacities for c in row]
+    flat_offsets = np.cumsum([0] + flat_capacities)[:-1].tolist()
+    heads = len(capacities[0])
+    offsets = [flat_offsets[b * heads : (b + 1) * heads] for b in range(len(capacities))]
+    keys = torch.randn(sum(flat_capacities), dim, generator=generator).to(dtype)
+    values = torch.randn(sum(flat_capacities), dim, generator=generator).to(dtype)
+    query = torch.randn(len(flat_capacities), rows, dim, generator=generator)
+    capacity = flat_capacities[0] if layout == "one-call" else None
+    strides = _even_strides(torch.tensor(offsets))
+    out, lse = live_rows_attention(query, keys, values, offsets, lengths, 0.5, head_stride=strides, capacity=capacity)
+    limit = torch.tensor([n for row in lengths for n in row]).unsqueeze(1).expand(-1, rows)
+    expected_out, expected_lse = _naive(query.to(dtype).float(), keys.float(), values.float(), flat_offsets, limit, 0.5)
     torch.testing.assert_close(out.double(), expected_out, atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(lse.double(), expected_lse, atol=tolerance, rtol=tolerance)
+
+
+def test_heads_alike_across_batch_rows_take_one_call_each():
+    """The call count the decode step's choice reads: one per KV head whose segments hold the same
+    count at evenly spaced offsets, one per segment of any other head."""
+    from runtime.paged_attention import live_row_calls
+    from runtime.segments import _even_strides
+
+    offsets = torch.tensor([[0, 8, 24], [28, 36, 48], [56, 64, 80]])  # head 2 unevenly spaced
+    assert _even_strides(offsets) == [28, 28, None]
+    assert _even_strides(offsets[:1]) == [0, 0, 0]
+    strides = _even_strides(offsets)
+    assert live_row_calls([[6, 10, 3], [6, 10, 3], [6, 10, 3]], strides) == 1 + 1 + 3
+    assert live_row_calls([[6, 10, 3], [6, 9, 3], [6, 10, 3]], strides) == 1 + 3 + 3
+    assert live_row_calls([[0, 10, 3]] * 3, strides) == 3 + 1 + 3  # no live row: per segment (none computed)
 
 
 @torch.no_grad()
