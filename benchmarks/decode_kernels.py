@@ -17,7 +17,7 @@ attended ``--repeats`` times (after 5 untimed) by:
 
 Prints the summed microseconds per step (all layers) of each; the runtime's choice
 (``layer_attention._decode_step_attention``: live rows while they take at most ``LIVE_ROW_CALLS``
-kernel calls) is read off this table (docs/results.md R-decode-kernels-2026-11-26).  The buffers are warm in cache
+kernel calls) is read off this table (docs/results.md R-decode-kernels-2026-11-27).  The buffers are warm in cache
 here, unlike in a real step: read the ratio, not the absolute time.
 """
 

@@ -167,7 +167,7 @@ def _decode_step_attention(
     budget is the same in every batch row, one per segment of the other heads
     (:func:`~runtime.paged_attention.live_rows_attention`); otherwise the layout's pages
     (:meth:`~runtime.layout.PageLayout.decode_pages`), one batched call and a merge.  Which is
-    faster where: docs/results.md R-decode-kernels-2026-11-26."""
+    faster where: docs/results.md R-decode-kernels-2026-11-27."""
     if fused_kernel_serves(query, store.key_buffer, softcap):
         length = store.length.tolist()
         if store.uniform and length[0][0] > 0:

@@ -39,7 +39,7 @@ from .eager_attention import soft_cap
 # Decoding reads the live rows in place with one fused kernel call per KV head (or per segment, where
 # a head's budgets differ between batch rows: :func:`live_rows_attention`) up to this many calls per
 # layer; past it one batched call over the pages and their merge is faster (docs/results.md
-# R-decode-kernels-2026-11-26).
+# R-decode-kernels-2026-11-27).
 LIVE_ROW_CALLS = 8
 # Bound on the logits materialised at once (pages x P x query rows); larger query sets are tiled.
 _MAX_LOGITS = 1 << 24
@@ -263,7 +263,7 @@ def live_rows_attention(
     budgets that are equal across the batch rows, the common case) over the strided view ``[B, n,
     d]``, and one call per segment over its slice for every other head.  Faster than one batched
     call over masked pages and their merge while the calls are few (docs/results.md
-    R-decode-kernels-2026-11-26).  Only where :func:`fused_kernel_serves`.  Returns ``(out [S, M,
+    R-decode-kernels-2026-11-27).  Only where :func:`fused_kernel_serves`.  Returns ``(out [S, M,
     d], lse [S, M])`` float32; a segment with no live row gets ``out = 0``, ``lse = -inf``.
     """
     segments, rows, dim = query.shape
