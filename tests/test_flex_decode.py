@@ -158,3 +158,25 @@ def test_generation_with_the_flex_kernel_selected_equals_the_default_kernels(mon
     assert len(set(default.cache.head_lengths().reshape(-1).tolist())) > 2  # really ragged
     assert flex.new_tokens.tolist() == default.new_tokens.tolist()
     assert torch.equal(flex.cache.head_lengths(), default.cache.head_lengths())
+
+
+@torch.no_grad()
+def test_with_a_correction_on_cpu_the_flex_selection_falls_back_to_the_default_kernels(monkeypatch):
+    """The MomentKV correction merges with the log-sum-exp, which flex_attention compiled for CPU
+    cannot return: with ``KVCAL_DECODE_KERNEL=flex`` the runtime keeps its own kernels there."""
+    import runtime.layer_attention
+
+    model = make_tiny_llama(num_layers=2, num_heads=6, num_kv_heads=3)
+    ids = torch.randint(1, 128, (2, 60), generator=torch.Generator().manual_seed(5))
+    policy = CompressionPolicy(keep_ratio=0.4, allocation="inf", scorer="keydiff", correction="order1")
+    calibration = inf_calibration(2, 3)
+    monkeypatch.delenv(DECODE_KERNEL_VARIABLE, raising=False)
+    default = generate(model, ids, policy, calibration=calibration, max_new_tokens=4)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("flex_attention was called for a corrected layer on CPU")
+
+    monkeypatch.setattr(runtime.layer_attention, "flex_decode_attention", refused)
+    monkeypatch.setenv(DECODE_KERNEL_VARIABLE, "flex")
+    selected = generate(model, ids, policy, calibration=calibration, max_new_tokens=4)
+    assert selected.new_tokens.tolist() == default.new_tokens.tolist()
