@@ -26,7 +26,7 @@ repacks when a head runs out of slack), then each kernel attends every layer (in
 second table gives the mean ms per step, the storage repacks and the graphs compiled meanwhile
 (recompilation as lengths and buffer sizes change).  The buffers are warmer in cache here than in
 a real step (no weights read in between): read the ratios.  docs/results.md
-R-decode-kernels-2026-11-25 and R-flex-decode-2026-11-26.
+R-decode-kernels-2026-11-25 and R-flex-decode-2026-11-27.
 """
 
 from __future__ import annotations

@@ -15,13 +15,15 @@ decode step over the packed buffer (:mod:`runtime.segments`) maps onto it as::
 
 so every (batch row, KV head) is attended in one call, whatever the lengths.  Compiled with
 ``dynamic=True``: lengths and buffer sizes change without recompiling; a new segment count
-(batch size) compiles once more (docs/results.md R-flex-decode-2026-11-26).
+(batch size) compiles once more (docs/results.md R-flex-decode-2026-11-27).
 
-It is not the default: measured on this CPU it loses to the runtime's own choice
-(:func:`runtime.layer_attention._decode_step_attention`), and compiled for CPU it cannot return
-the log-sum-exp the MomentKV correction merges with (PyTorch: "torch.compile on CPU only supports
-inference and ``return_lse`` is not supported yet").  ``KVCAL_DECODE_KERNEL=flex`` selects it
-where :func:`flex_serves`; on CPU with a correction the runtime keeps its own path.  Uncompiled
+It is not the default: on this project's CPU it is slower than the runtime's own choice
+(:func:`runtime.layer_attention._decode_step_attention`) for equal segments and for few segments,
+faster only for many unequal ones, and a new batch size compiles for seconds; compiled for CPU it
+cannot return the log-sum-exp the MomentKV correction merges with (PyTorch: "torch.compile on CPU
+only supports inference and ``return_lse`` is not supported yet").  ``KVCAL_DECODE_KERNEL=flex``
+selects it where :func:`flex_serves`; elsewhere (a corrected layer on CPU included) the runtime
+keeps its own kernels.  Uncompiled
 (``compiled=False``) it runs PyTorch's reference implementation of the same block mask and
 mask_mod, lse included: how the tests check the CUDA path's arithmetic on CPU.
 """

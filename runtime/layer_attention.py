@@ -171,7 +171,7 @@ def _decode_step_attention(
 
     With ``KVCAL_DECODE_KERNEL=flex``, where :func:`~runtime.flex_decode.flex_serves`: one compiled
     ``flex_attention`` call over the whole buffer (opt-in, for GPUs: docs/results.md
-    R-flex-decode-2026-11-26).  Otherwise, where the fused CPU kernel serves, the live rows are read
+    R-flex-decode-2026-11-27).  Otherwise, where the fused CPU kernel serves, the live rows are read
     in place without a mask when every segment holds the same number (one call) or the segments are
     few (one call each); otherwise the layout's pages
     (:meth:`~runtime.layout.PageLayout.decode_pages`), one batched call and a merge.  Which is faster
