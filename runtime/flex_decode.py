@@ -40,7 +40,7 @@ import torch
 DECODE_KERNEL_VARIABLE = "KVCAL_DECODE_KERNEL"
 _KV_BLOCK = 128  # rows per KV block of the block mask (flex_attention's default block size)
 _Q_BLOCK = 128  # one query block holds a segment's G query rows
-_MASK_CACHE_SIZE = 512  # block masks kept, keyed by storage generation (unique over all stores)
+_MASK_CACHE_SIZE = 512  # block masks kept (least recently used dropped), keyed by storage generation
 
 
 def _flex_api():
@@ -129,14 +129,14 @@ _COMPILED = None
 def _mask_for(store, group: int) -> FlexDecodeMask:
     """The block mask of ``store``'s current generation (built on its first decode step)."""
     key = (store.generation, group)
-    mask = _MASKS.get(key)
+    mask = _MASKS.pop(key, None)
     if mask is None:
         if len(_MASKS) >= _MASK_CACHE_SIZE:
-            _MASKS.pop(next(iter(_MASKS)))  # the oldest generation
+            _MASKS.pop(next(iter(_MASKS)))  # the least recently used
         mask = build_mask(
             store.offset.reshape(-1), store.capacity.reshape(-1), store.key_buffer.shape[0], group, store.device
         )
-        _MASKS[key] = mask
+    _MASKS[key] = mask  # (re)inserted last: the dict's order is the order of use
     return mask
 
 

@@ -106,6 +106,17 @@ def test_flex_serves_only_where_the_compiled_kernel_can():
     assert not flex_serves(query, store.key_buffer[:0], 16, need_lse=False)  # nothing stored
 
 
+def test_without_the_flex_api_nothing_serves(monkeypatch):
+    """A torch without flex_attention's needed features (feature detection left FLEX_API None):
+    the selection falls through to the default kernels."""
+    import runtime.flex_decode
+
+    monkeypatch.setattr(runtime.flex_decode, "FLEX_API", None)
+    store = _store(torch.float32)
+    assert not runtime.flex_decode.flex_available()
+    assert not flex_serves(torch.randn(store.offset.numel(), 3, 16), store.key_buffer, 16, need_lse=False)
+
+
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @compiles[0]
 @compiles[1]
