@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from .eager_attention import eager_attention_forward
+from .flex_decode import flex_decode_attention, flex_selected, flex_serves
 from .layout import PageLayout
 from .moments import PreparedMoments
 from .paged_attention import (
@@ -120,7 +121,7 @@ def segment_layer_attention(
     grouped = query.reshape(segments, group * q_len, dim)  # [S, G*q, d]
     if q_len == 1 and real is None:  # decoding: every query of a head sees all its stored rows
         with torch.profiler.record_function("kvcal.attention"):
-            out, lse = _decode_step_attention(grouped, store, layout, scaling, softcap)
+            out, lse = _decode_step_attention(grouped, store, layout, scaling, softcap, need_lse=prepared is not None)
     else:  # a chunk: rows visible to its token t = everything before the chunk + t's rank + 1
         device = query.device
         length = store.length.to(device)  # [B, Hkv], the chunk already appended
@@ -158,16 +159,27 @@ def segment_layer_attention(
 
 
 def _decode_step_attention(
-    query: torch.Tensor, store: SegmentStore, layout: PageLayout, scaling: float, softcap: float | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step, ``query [S, G, d]`` over every segment's live rows: ``(out [S, G, d], lse [S, G])``.
+    query: torch.Tensor,
+    store: SegmentStore,
+    layout: PageLayout,
+    scaling: float,
+    softcap: float | None,
+    *,
+    need_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One decode step, ``query [S, G, d]`` over every segment's live rows: ``(out [S, G, d], lse [S, G])``
+    (``lse`` may be None unless ``need_lse``).
 
-    Where the fused CPU kernel serves, the live rows are read in place without a mask when every
-    segment holds the same number (one call), or when that takes few calls: one per KV head whose
-    budget is the same in every batch row, one per segment of the other heads
-    (:func:`~runtime.paged_attention.live_rows_attention`); otherwise the layout's pages
+    With ``KVCAL_DECODE_KERNEL=flex``, where :func:`~runtime.flex_decode.flex_serves`: one compiled
+    ``flex_attention`` call over the whole buffer (opt-in, for GPUs: docs/results.md
+    R-flex-decode-2026-11-27).  Otherwise, where the fused CPU kernel serves, the live rows are read
+    in place without a mask when every segment holds the same number (one call), or when that takes
+    few calls: one per KV head whose budget is the same in every batch row, one per segment of the
+    other heads (:func:`~runtime.paged_attention.live_rows_attention`); otherwise the layout's pages
     (:meth:`~runtime.layout.PageLayout.decode_pages`), one batched call and a merge.  Which is
     faster where: docs/results.md R-decode-kernels-2026-11-27."""
+    if flex_selected() and flex_serves(query, store.key_buffer, store.head_dim, need_lse):
+        return flex_decode_attention(query, store, scaling, softcap=softcap, need_lse=need_lse)
     if fused_kernel_serves(query, store.key_buffer, softcap):
         length = store.length.tolist()
         if store.uniform and length[0][0] > 0:
