@@ -47,6 +47,7 @@ from .geometry import ModelGeometry
 from .layer_attention import chunk_only_attention, segment_layer_attention
 from .layout import PageLayout
 from .moments import MomentSums
+from .profiling import label
 from .row_state import (
     Correction,
     DecodeEvictionHook,
@@ -375,7 +376,7 @@ class RaggedLayer(DynamicLayer):
         counts = store.append(new_keys, new_values, positions, real)  # None: q_len for every row
         prepared = self._correction.get(self.rows, store.num_heads, store.head_dim, store.device)
         if fresh and prepared is None:  # nothing retained before this chunk: ordinary causal attention
-            with torch.profiler.record_function("kvcal.attention"):
+            with label("kvcal.attention"):
                 output = chunk_only_attention(
                     query, new_keys, new_values, real, scaling, positions=positions, window=window, softcap=softcap
                 )
@@ -389,7 +390,7 @@ class RaggedLayer(DynamicLayer):
             self.rows[b].real_seen += q_len if counts is None else int(counts[b])
         self.tokens_seen += q_len
         if any([row.decode_plan is not None for row in self.rows]):  # a list: one frame, not one per row
-            with torch.profiler.record_function("kvcal.eviction"):
+            with label("kvcal.eviction"):
                 for due in due_evictions(self.rows, store.length, self.layer_idx):
                     hook, rows, budgets, next_positions, stats_rows = due
                     hook.evict_decoded(self, self.layer_idx, rows, budgets, next_positions, stats_rows)

@@ -29,6 +29,7 @@ from .chunk_attention import ChunkSpec
 from .eviction import HeadEvictor
 from .geometry import ModelGeometry
 from .policy import CompressionPolicy
+from .profiling import label
 from .query_moments import QueryMoments
 from .scorers import chunk_specs, query_statistics, recent_query_window
 from .serving_plan import ServingPlan, as_plan
@@ -263,7 +264,7 @@ def compress(
         all_budgets[b] = plan.head_budgets(budget_length, windows)
     if scores is not None:
         _check_shared_scores(scores, cache, rows)
-    with torch.profiler.record_function("kvcal.eviction"):
+    with label("kvcal.eviction"):
         if policy.allocation == "global" and rows:  # one ranking of every head's tokens shares out the total
             if scores is None:
                 scores = score_layers(cache, evictor, rows, next_positions)

@@ -41,6 +41,7 @@ from .paged_attention import (
     live_rows_attention,
     segment_attention,
 )
+from .profiling import label
 from .segments import SegmentStore
 
 
@@ -120,7 +121,7 @@ def segment_layer_attention(
     segments = batch * heads
     grouped = query.reshape(segments, group * q_len, dim)  # [S, G*q, d]
     if q_len == 1 and real is None:  # decoding: every query of a head sees all its stored rows
-        with torch.profiler.record_function("kvcal.attention"):
+        with label("kvcal.attention"):
             out, lse = _decode_step_attention(grouped, store, layout, scaling, softcap, need_lse=prepared is not None)
     else:  # a chunk: rows visible to its token t = everything before the chunk + t's rank + 1
         device = query.device
@@ -144,12 +145,12 @@ def segment_layer_attention(
             span = Window(
                 store.position_buffer.view(-1, page), query_positions.reshape(segments, group * q_len), window
             )
-        with torch.profiler.record_function("kvcal.attention"):
+        with label("kvcal.attention"):
             out, lse = segment_attention(
                 grouped, key_pages, value_pages, owner, page_start, limit, scaling, softcap=softcap, window=span
             )
     if prepared is not None:
-        with torch.profiler.record_function("kvcal.correction"):
+        with label("kvcal.correction"):
             out = corrected_merge(grouped.view(segments, group, q_len, dim), out, lse, prepared, scaling)
     output = out.view(batch, heads, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(batch, q_len, num_q_heads, dim)
     output = output.to(query.dtype)

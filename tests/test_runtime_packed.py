@@ -212,3 +212,23 @@ def test_the_runtime_leaves_the_models_attention_implementation_as_it_found_it(i
     with ragged_attention(model):  # what serving the returned cache through model.generate takes
         model.generate(ids, **cache_argument(model, cache), max_new_tokens=2, do_sample=False)
     assert model.config._attn_implementation == implementation
+
+
+@torch.no_grad()
+def test_profiler_labels_are_recorded_only_while_a_profiler_records():
+    """runtime.profiling.label: a decode step under torch.profiler shows the runtime's labels; with no
+    profiler on, no record_function is entered (it cost ~50 us per layer and step)."""
+    from contextlib import nullcontext
+
+    from runtime.profiling import label
+
+    assert isinstance(label("kvcal.attention"), nullcontext)
+    model = make_tiny_llama(num_layers=2)
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(6))
+    policy = CompressionPolicy(keep_ratio=0.5, scorer="keydiff", correction="order1")
+    with ragged_attention(model):
+        cache, _ = compress_prompt(model, ids, policy)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            model(torch.tensor([[3]]), **cache_argument(model, cache))
+    names = {event.name for event in profiler.events()}
+    assert {"kvcal.attention", "kvcal.correction"} <= names
