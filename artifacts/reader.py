@@ -303,7 +303,7 @@ class ArtifactReader:
         present = self.datasets(section)
         related = {key: self._read_one(section, key) for key in RELATED.get((section, name), ()) if key in present}
         try:
-            check_section_values(section, {name: array, **related}, self._section_attrs[section])
+            check_section_values(section, {name: array, **related}, self._section_attrs[section], self.sections)
         except ArtifactError as exc:
             raise ArtifactError(f"{self.path}: {exc}") from None
         return array
@@ -343,7 +343,11 @@ class ArtifactReader:
         """
         self.require(section)
         if section not in self._read_sections:
-            arrays = {name: self.read(section, name) for name in self.datasets(section)}
+            arrays = {name: self._read_one(section, name) for name in self.datasets(section)}
+            try:  # every relation at once (read() checks one dataset's with its siblings)
+                check_section_values(section, arrays, self._section_attrs[section], self.sections)
+            except ArtifactError as exc:
+                raise ArtifactError(f"{self.path}: {exc}") from None
             self._read_sections[section] = Section(arrays=arrays, attrs=dict(self._section_attrs[section]))
         return self._read_sections[section]
 

@@ -147,8 +147,8 @@ class Calibration:
 
     def _read_query_stats(self) -> None:
         if self._query_mean is None and self._reader is not None and "query_stats" in self.sections:
-            self._query_mean = self._reader.read("query_stats", "mean")
-            self._query_cov = self._reader.read("query_stats", "cov")
+            section = self._reader.section("query_stats")  # all of it checked, n included
+            self._query_mean, self._query_cov = section["mean"], section["cov"]
 
     @property
     def query_mean(self) -> np.ndarray | None:
@@ -166,7 +166,8 @@ class Calibration:
 
     def _read_future(self) -> dict | None:
         if self._future is None and self._reader is not None and "future_queries" in self.sections:
-            self._future = {key: self._reader.read("future_queries", key) for key in FUTURE_DATASETS}
+            section = self._reader.section("future_queries")  # all of it checked, n included
+            self._future = {key: section[key] for key in FUTURE_DATASETS}
         return self._future
 
     @property
@@ -240,10 +241,12 @@ class Calibration:
     def close(self) -> None:
         """Close the artifact file (reading the query statistics first if they were never used)."""
         if self._reader is not None:
-            self._read_query_stats()
-            self._read_future()
-            self._reader.close()
-            self._reader = None
+            try:
+                self._read_query_stats()
+                self._read_future()
+            finally:  # closed even when what was never read turns out invalid
+                self._reader.close()
+                self._reader = None
 
     def __repr__(self) -> str:
         return f"Calibration({self.path}, model={getattr(self.identity, 'name', None)!r}, sections={self.sections})"
@@ -461,6 +464,9 @@ def check_identity(
         )
 
 
+LAZY_SECTIONS = ("query_stats", "future_queries")  # read on first use (Calibration.query_mean, future_mean...)
+
+
 def load_calibration(
     model, tokenizer=None, path: str | os.PathLike | None = None, *, allow_mismatch: bool = False
 ) -> Calibration:
@@ -475,7 +481,13 @@ def load_calibration(
     reader = open_artifact(artifact_path)
     try:
         check_identity(reader.model, model, tokenizer, allow_mismatch=allow_mismatch, source=str(artifact_path))
-        readers = {name: (lambda key, name=name: reader.read(name, key)) for name in reader.sections}
+        # every section served from memory is read and checked whole now (values, relations), so that a
+        # calibration that loads holds nothing invalid; query_stats / future_queries, the large ones,
+        # are read and checked whole on first use
+        for name in reader.sections:
+            if name not in LAZY_SECTIONS:
+                reader.section(name)
+        readers = {name: (lambda key, name=name: reader.section(name)[key]) for name in reader.sections}
         fields = _serving_fields(reader.model, readers, {name: reader.datasets(name) for name in reader.sections})
         if reader.has("recommendation"):
             section = reader.section("recommendation")
