@@ -388,8 +388,16 @@ def _check_budgets(arrays: dict, attrs: dict, sections=None) -> None:
                 )
             if not clipped and int(table.min()) < min_budget:
                 raise ArtifactError(f"/budgets/token_tables: row {row} has a head below min_budget {min_budget}")
-    tables, ratios, inf_kv = arrays.get("ratio_tables"), arrays.get("ratios"), arrays.get("inf_kv")
-    beta = attrs.get("beta")
+    tables, ratios = arrays.get("ratio_tables"), arrays.get("ratios")
+    if tables is not None and ratios is not None:
+        heads = tables.shape[1] * tables.shape[2]
+        for row, (ratio, table) in enumerate(zip(ratios, tables, strict=True)):
+            total, want = float(table.sum()), float(ratio) * heads
+            if abs(total - want) > SUM_TOLERANCE * max(want, 1.0):
+                raise ArtifactError(
+                    f"/budgets/ratio_tables: row {row} sums to {total:.9g}, not ratios[{row}] x L x Hkv = {want:.9g}"
+                )
+    inf_kv, beta = arrays.get("inf_kv"), attrs.get("beta")
     if tables is not None and ratios is not None and inf_kv is not None and beta is not None:
         # b_h = b (1 - 1/beta) + (b L Hkv / beta) inf_kv[h], as a fraction: runtime.budgets.ideal_budgets
         for row, ratio in enumerate(ratios.tolist()):
@@ -398,14 +406,6 @@ def _check_budgets(arrays: dict, attrs: dict, sections=None) -> None:
                 raise ArtifactError(
                     f"/budgets/ratio_tables: row {row} is not ratios[{row}] (1 - 1/beta) + ratios[{row}] L Hkv / beta "
                     "x inf_kv"
-                )
-    if tables is not None and ratios is not None:
-        heads = tables.shape[1] * tables.shape[2]
-        for row, (ratio, table) in enumerate(zip(ratios, tables, strict=True)):
-            total, want = float(table.sum()), float(ratio) * heads
-            if abs(total - want) > SUM_TOLERANCE * max(want, 1.0):
-                raise ArtifactError(
-                    f"/budgets/ratio_tables: row {row} sums to {total:.9g}, not ratios[{row}] x L x Hkv = {want:.9g}"
                 )
 
 
