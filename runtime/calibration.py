@@ -25,13 +25,16 @@ on CPU; it is computed once per model object (for the one dtype compared) and re
 model together with the tensors' version counters, so an in-place weight change invalidates it.
 The tokenizer fingerprint is remembered on the tokenizer the same way (keyed by its size and
 chat template).
-Only what a serving process uses is read: at load time the INF weights (``budgets/inf_kv``,
+What a serving process uses is held: from load time the INF weights (``budgets/inf_kv``,
 else derived from ``behaviour/INFsc``), the correction orders (``moments/order``,
 ``moments/tau``), the learned scorer's weights (``learned_scorer/weights``, ``/bias``), the
 per-head budget curves (``budget_curves/compression_ratios``, ``/fractions``) and the
 measured recommendation (section ``recommendation``, served by :meth:`Calibration.policy`);
-the ``query_stats`` mean/cov and the ``future_queries`` mean/cov/centres on first use (the
+the ``query_stats`` mean/cov and the ``future_queries`` mean/cov/centres from first use (the
 covariance is the bulk of the file and the slowest to read: docs/results.md R-artifact-load-2026-11-21).
+Each section is read and checked whole (every value and relation, ``ArtifactReader.section``) before
+any of it is served: the small ones at load, ``query_stats`` / ``future_queries`` on first use, so
+that a calibration that loads holds no value the reader would refuse.
 
 The correction orders are the best per head for the tokens one scorer keeps.  An artifact of
 schema 1.5 holds orders per selection scorer (``moments/selections``, ``/selection_orders``:

@@ -13,7 +13,8 @@ root and ``/model`` likewise.  Every case must be refused three ways:
   sections a calibration reads on demand (``query_stats``, ``future_queries``), when it reads them.
 
 ``python tests/test_artifact_campaign.py`` runs the campaign outside pytest and prints the count
-(cases tried, mishandled) with the mishandled cases.
+(cases tried, mishandled) with the mishandled cases: docs/results.md R-reader-campaign-2026-11-27
+has the count before and after issue 30's reader changes.
 """
 
 from __future__ import annotations
