@@ -28,7 +28,16 @@ import numpy as np
 
 from .errors import ArtifactError
 from .metadata import ROOT_TEXT_ATTRS, extended_metadata_digest, metadata_digest
-from .schema import FORMAT_NAME, SCHEMA_MAJOR, SCHEMA_MINOR, SCHEMA_VERSION, SECTIONS, ModelIdentity, Section
+from .schema import (
+    FORMAT_NAME,
+    MODEL_ATTR_TYPES,
+    SCHEMA_MAJOR,
+    SCHEMA_MINOR,
+    SCHEMA_VERSION,
+    SECTIONS,
+    ModelIdentity,
+    Section,
+)
 from .validation import (
     RELATED,
     check_array,
@@ -53,6 +62,8 @@ MAX_ARTIFACT_BYTES = 8 << 30  # 8x the covariance of Llama-3.1-405B (126 x 128 x
 MAX_EXPANSION = 64
 DECLARED_SIZE_FLOOR = 64 << 20
 MAX_DATASET_BYTES = MAX_ARTIFACT_BYTES  # also for datasets of a newer minor version, never read
+# the root attributes of the schema (docs/artifact-format.md section 2)
+KNOWN_ROOT_ATTRS = ("format", "schema_version", *ROOT_TEXT_ATTRS, "metadata_sha256", "extended_metadata_sha256")
 MAX_CHUNK_SLACK = 1 << 20  # a chunk may exceed its dataset's size only up to this (h5py's own never does)
 
 
@@ -153,6 +164,8 @@ class ArtifactReader:
         self._check_tree()
         if "model" not in self._h5 or not isinstance(self._h5["model"], h5py.Group):
             raise ArtifactError("the /model group is missing")
+        self._refuse_unknown_attrs("/", attrs, KNOWN_ROOT_ATTRS)
+        self._refuse_unknown_attrs("/model", self._h5["model"].attrs, MODEL_ATTR_TYPES)
         self.model: ModelIdentity = model_identity_from_attrs(self._h5["model"].attrs)
         arch = self.model.dims()
 
@@ -168,11 +181,18 @@ class ArtifactReader:
             shapes = {key: obj.shape for key, obj in group.items() if isinstance(obj, h5py.Dataset)}
             self._dims[name] = section_dims(name, shapes, arch)
             self._section_attrs[name] = check_section_attrs(name, group.attrs)
+            self._refuse_unknown_attrs(f"/{name}", group.attrs, SECTIONS[name].attrs)
             for key, obj in group.items():
                 if key not in SECTIONS[name].datasets and not self._newer_minor:
                     raise ArtifactError(f"/{name}/{key}: not part of schema {self.schema_version}")
                 if key in SECTIONS[name].datasets and isinstance(obj, h5py.Dataset):
                     self._check_dataset_storage(obj)
+                    self._refuse_unknown_attrs(f"/{name}/{key}", obj.attrs, ())
+                    expected = np.dtype(SECTIONS[name].datasets[key].dtype)
+                    if obj.dtype != expected:  # before any value is read: a consumer never gets another dtype
+                        raise ArtifactError(
+                            f"/{name}/{key}: dtype {obj.dtype.str} where the schema says {expected.str}"
+                        )
                     declared += obj.dtype.itemsize * int(np.prod(obj.shape, dtype=np.float64))
         check_declared_size(declared, self.path.stat().st_size)
 
@@ -188,6 +208,17 @@ class ArtifactReader:
             stored_extended = coerce_attr("/", "extended_metadata_sha256", stored_extended, str)
         if stored_extended != extended:
             raise ArtifactError("metadata checksum mismatch: attributes were altered or corrupted (extended digest)")
+
+    def _refuse_unknown_attrs(self, where: str, attrs, known) -> None:
+        """Section 1, versioning: a file whose minor version is not newer than the reader's holds no
+        attribute the schema does not name (a newer minor's are ignored)."""
+        if self._newer_minor:
+            return
+        unknown = sorted(set(attrs.keys()) - set(known))
+        if unknown:
+            raise ArtifactError(
+                f"{where}: attribute(s) {', '.join(map(repr, unknown))} not part of schema {self.schema_version}"
+            )
 
     def _check_tree(self) -> None:
         """Walk every link in the file; refuse anything that could read outside it."""
@@ -208,7 +239,7 @@ class ArtifactReader:
                 obj = group.get(key)
                 if isinstance(obj, h5py.Datatype):
                     raise ArtifactError(f"{where}: named datatypes are not part of the schema")
-                if depth == 0 and key not in known_root and not self._newer_minor:
+                if (depth == 0 and key not in known_root or prefix == "/model/") and not self._newer_minor:
                     raise ArtifactError(f"{where}: not part of schema {SCHEMA_VERSION}")
                 if isinstance(obj, h5py.Group):
                     walk(obj, where + "/", depth + 1)
@@ -272,7 +303,7 @@ class ArtifactReader:
         present = self.datasets(section)
         related = {key: self._read_one(section, key) for key in RELATED.get((section, name), ()) if key in present}
         try:
-            check_section_values(section, {name: array, **related}, self._section_attrs[section])
+            check_section_values(section, {name: array, **related}, self._section_attrs[section], self.sections)
         except ArtifactError as exc:
             raise ArtifactError(f"{self.path}: {exc}") from None
         return array
@@ -312,7 +343,11 @@ class ArtifactReader:
         """
         self.require(section)
         if section not in self._read_sections:
-            arrays = {name: self.read(section, name) for name in self.datasets(section)}
+            arrays = {name: self._read_one(section, name) for name in self.datasets(section)}
+            try:  # every relation at once (read() checks one dataset's with its siblings)
+                check_section_values(section, arrays, self._section_attrs[section], self.sections)
+            except ArtifactError as exc:
+                raise ArtifactError(f"{self.path}: {exc}") from None
             self._read_sections[section] = Section(arrays=arrays, attrs=dict(self._section_attrs[section]))
         return self._read_sections[section]
 

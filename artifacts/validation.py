@@ -4,6 +4,7 @@ return a bad value).  Each raises :class:`ArtifactError` with a message naming t
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 
@@ -285,13 +286,20 @@ def check_section_attrs(section: str, attrs) -> dict:
 
 RELATED: dict[tuple[str, str], tuple[str, ...]] = {
     ("budgets", "token_tables"): ("token_budgets",),
-    ("budgets", "ratio_tables"): ("ratios",),
-    ("recommendation", "policy"): ("candidates",),
-    ("recommendation", "candidate_accuracy"): ("outcomes",),
-    ("recommendation", "wins"): ("outcomes", "reference", "losses"),
-    ("recommendation", "losses"): ("outcomes", "reference", "wins"),
-    ("recommendation", "reference"): ("candidates",),
-    ("recommendation", "outcomes"): ("task_ids",),
+    ("budgets", "ratio_tables"): ("ratios", "inf_kv"),
+    ("budgets", "inf_kv"): ("ratios", "ratio_tables"),
+    ("budgets", "ratios"): ("ratio_tables", "inf_kv"),
+    ("behaviour", "RAsc"): ("W_R", "W_D", "LCsc", "INFsc"),
+    ("behaviour", "LCsc"): ("W_R", "W_B", "RAsc", "INFsc"),
+    ("behaviour", "INFsc"): ("RAsc", "LCsc"),
+    ("behaviour", "W_R"): ("W_B", "W_D", "RAsc", "LCsc"),
+    ("behaviour", "W_B"): ("W_R", "LCsc"),
+    ("behaviour", "W_D"): ("W_R", "RAsc"),
+    # every value of the recommendation takes part in the decision it records: each relates to all
+    **{
+        ("recommendation", name): tuple(other for other in SECTIONS["recommendation"].datasets if other != name)
+        for name in SECTIONS["recommendation"].datasets
+    },
     ("budget_curves", "fractions"): ("compression_ratios",),
     ("moments", "order"): ("selection_orders",),
     ("moments", "errors"): ("selection_errors",),
@@ -304,13 +312,15 @@ SUM_TOLERANCE = 1e-6  # relative: inf_kv sums to 1, ratio_tables rows to ratio x
 COV_RTOL, COV_ATOL = 1e-4, 1e-6
 
 
-def check_section_values(section: str, arrays: dict, attrs: dict) -> None:
+def check_section_values(section: str, arrays: dict, attrs: dict, sections=None) -> None:
+    """``sections``: the names of the sections the file holds (what a recommended policy may read);
+    None checks only what the section's own values say."""
     check = _SECTION_CHECKS.get(section)
     if check is not None:
-        check(arrays, attrs)
+        check(arrays, attrs, sections)
 
 
-def _check_query_stats(arrays: dict, attrs: dict, section: str = "query_stats") -> None:
+def _check_query_stats(arrays: dict, attrs: dict, sections=None, section: str = "query_stats") -> None:
     cov = arrays.get("cov")
     if cov is None:
         return
@@ -320,8 +330,8 @@ def _check_query_stats(arrays: dict, attrs: dict, section: str = "query_stats") 
             _check_covariances(cov[layer, first : first + heads_per_block], layer, first, section)
 
 
-def _check_future_queries(arrays: dict, attrs: dict) -> None:
-    _check_query_stats(arrays, attrs, "future_queries")
+def _check_future_queries(arrays: dict, attrs: dict, sections=None) -> None:
+    _check_query_stats(arrays, attrs, sections, "future_queries")
     weights = arrays.get("centre_weights")
     if weights is not None and weights.size:
         totals = weights.sum(axis=-1)  # [L, Hq]
@@ -357,7 +367,7 @@ def _check_covariances(block: np.ndarray, layer: int, first: int, section: str =
         )
 
 
-def _check_budgets(arrays: dict, attrs: dict) -> None:
+def _check_budgets(arrays: dict, attrs: dict, sections=None) -> None:
     inf_kv = arrays.get("inf_kv")
     if inf_kv is not None:
         total = float(inf_kv.sum())
@@ -387,9 +397,65 @@ def _check_budgets(arrays: dict, attrs: dict) -> None:
                 raise ArtifactError(
                     f"/budgets/ratio_tables: row {row} sums to {total:.9g}, not ratios[{row}] x L x Hkv = {want:.9g}"
                 )
+    inf_kv, beta = arrays.get("inf_kv"), attrs.get("beta")
+    if tables is not None and ratios is not None and inf_kv is not None and beta is not None:
+        # b_h = b (1 - 1/beta) + (b L Hkv / beta) inf_kv[h], as a fraction: runtime.budgets.ideal_budgets
+        for row, ratio in enumerate(ratios.tolist()):
+            want = ratio * (1.0 - 1.0 / beta) + ratio * inf_kv.size / beta * inf_kv  # [L, Hkv]
+            if np.any(np.abs(tables[row] - want) > SUM_TOLERANCE * max(float(np.abs(want).max()), 1.0)):
+                raise ArtifactError(
+                    f"/budgets/ratio_tables: row {row} is not ratios[{row}] (1 - 1/beta) + ratios[{row}] L Hkv / beta "
+                    "x inf_kv"
+                )
 
 
-def _check_recommendation(arrays: dict, attrs: dict) -> None:
+# The decision rules a recommendation may name (1.4 `rule`; profiler.paired_decision) and the
+# reference of the paired rule, the flagship, by name or by its policy (runtime.names.NAMED_POLICIES).
+PAIRED_RULE, MOST_ACCURATE_RULE = b"paired-exact-noninferiority/1", b"most-accurate/1"
+FLAGSHIP_NAMES = (b"flagship", b"inf/leverage+correction")
+WILSON_Z = 1.959964  # profiler.evaluation_results.wilson_interval: the 95% interval ci_low / ci_high are
+WILSON_SLACK = 1e-6  # recomputed intervals may differ by rounding (and a z written with fewer digits)
+
+
+def _wilson(correct: int, total: int) -> tuple[float, float]:
+    """The 95% Wilson score interval, as profiler.evaluation_results.wilson_interval computes it."""
+    p, z = correct / total, WILSON_Z
+    denominator = 1 + z * z / total
+    centre = (p + z * z / (2 * total)) / denominator
+    half = z * np.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / denominator
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+# needles.spec.probe_id: f"{family}-L{length}-D{depth:g}-S{seed}-R{replicate}"
+TASK_ID = re.compile(r"[a-z0-9_]+-L[0-9]+-D[0-9.e+-]+-S-?[0-9]+-R[0-9]+")
+
+
+def _text(value: bytes) -> str:
+    return value.decode("ascii", "replace")
+
+
+def _check_recommended_policies(arrays: dict, sections) -> None:
+    """Every policy named (served or measured) parses and, when ``sections`` is known, can be served
+    from this file (runtime.policy_grammar.serving_refusal; issue 30 D2/D3)."""
+    from runtime.policy_grammar import serving_refusal  # torch-free: the runtime's grammar, no scorer
+
+    for name in ("policy", "candidates"):
+        values = arrays.get(name)
+        for value in [] if values is None else dict.fromkeys(values.tolist()):
+            refusal = serving_refusal(_text(value), sections if sections is not None else _EVERY_SECTION)
+            if refusal is not None:
+                raise ArtifactError(f"/recommendation/{name}: {_text(value)!r} cannot be recommended: {refusal}")
+    for name in ("candidates", "compression_ratios"):
+        values = arrays.get(name)
+        if values is not None and len(set(values.tolist())) != len(values):
+            raise ArtifactError(f"/recommendation/{name}: a value is listed twice")
+
+
+_EVERY_SECTION = frozenset(SECTIONS)
+
+
+def _check_recommendation(arrays: dict, attrs: dict, sections=None) -> None:
+    _check_recommended_policies(arrays, sections)
     policies, candidates = arrays.get("policy"), arrays.get("candidates")
     if policies is not None and candidates is not None:
         known = set(candidates.tolist())
@@ -397,18 +463,37 @@ def _check_recommendation(arrays: dict, attrs: dict) -> None:
             if policy not in known:
                 name = policy.decode("ascii", "replace")
                 raise ArtifactError(f"/recommendation/policy: {name!r} is not one of the candidates measured")
-    # 1.4: the per-task outcomes are what every count and accuracy of the section was computed from
-    outcomes = arrays.get("outcomes")  # [NC, NP, T] 0/1
-    reference = arrays.get("reference")  # [NC]
+    outcomes, reference = arrays.get("outcomes"), arrays.get("reference")  # [NC, NP, T] 0/1, [NC]
     if reference is not None and candidates is not None and np.any(reference >= len(candidates)):
         raise ArtifactError("/recommendation/reference: an index beyond the candidates")
-    if outcomes is None:
-        return
+    baseline = arrays.get("baseline_outcomes")
+    if baseline is not None and "baseline_accuracy" in attrs and baseline.size:
+        if abs(float(baseline.mean()) - attrs["baseline_accuracy"]) > 1e-9:
+            raise ArtifactError(
+                f"/recommendation: attribute baseline_accuracy = {attrs['baseline_accuracy']:g} is not the share of "
+                f"baseline_outcomes answered ({float(baseline.mean()):g})"
+            )
+    if outcomes is not None:
+        _check_recommended_outcomes(arrays, attrs)
+    # then what was decided from them: the served values and the rule's pick
+    _check_recommended_values(arrays, attrs)
+    _check_recommended_rule(arrays)
+
+
+def _check_recommended_outcomes(arrays: dict, attrs: dict) -> None:
+    """1.4: the per-task outcomes are what every count and accuracy of the section was computed from."""
+    outcomes, reference = arrays["outcomes"], arrays.get("reference")  # [NC, NP, T] 0/1, [NC]
     if "tasks" in attrs and outcomes.shape[2] != attrs["tasks"]:
         raise ArtifactError(f"/recommendation: {outcomes.shape[2]} task outcomes, attribute tasks = {attrs['tasks']}")
     ids = arrays.get("task_ids")
     if ids is not None and len(set(ids.tolist())) != len(ids):
         raise ArtifactError("/recommendation/task_ids: a task is listed twice")
+    malformed = [] if ids is None else [task for task in ids.tolist() if not TASK_ID.fullmatch(_text(task))]
+    if malformed:
+        raise ArtifactError(
+            f"/recommendation/task_ids: {_text(malformed[0])!r} is no needles probe id "
+            "(family-Llength-Ddepth-Sseed-Rreplicate)"
+        )
     accuracy = arrays.get("candidate_accuracy")  # [NP, NC]
     if accuracy is not None and np.any(np.abs(outcomes.mean(axis=2).T - accuracy) > 1e-9):
         raise ArtifactError("/recommendation/candidate_accuracy: not the share of the outcomes answered correctly")
@@ -424,7 +509,95 @@ def _check_recommendation(arrays: dict, attrs: dict) -> None:
                 raise ArtifactError(f"/recommendation: wins or losses at ratio {ratio} do not count the outcomes")
 
 
-def _check_budget_curves(arrays: dict, attrs: dict) -> None:
+def _check_recommended_values(arrays: dict, attrs: dict) -> None:
+    """Each ratio's served accuracy is its candidate's, a share of ``tasks``, inside its Wilson interval
+    (issue 30 D4)."""
+    accuracy, low, high = arrays.get("accuracy"), arrays.get("ci_low"), arrays.get("ci_high")
+    if accuracy is not None and low is not None and high is not None:
+        for ratio, (value, lo, hi) in enumerate(zip(accuracy.tolist(), low.tolist(), high.tolist(), strict=True)):
+            if not lo - 1e-12 <= value <= hi + 1e-12:
+                raise ArtifactError(
+                    f"/recommendation: at ratio {ratio} the accuracy {value:g} lies outside its interval "
+                    f"[ci_low {lo:g}, ci_high {hi:g}]"
+                )
+            tasks = attrs.get("tasks")
+            if tasks:
+                correct = value * tasks
+                if abs(correct - round(correct)) > 1e-6:
+                    raise ArtifactError(
+                        f"/recommendation/accuracy: {value:g} at ratio {ratio} is no share of the {tasks} tasks"
+                    )
+                want = _wilson(round(correct), tasks)
+                if abs(want[0] - lo) > WILSON_SLACK or abs(want[1] - hi) > WILSON_SLACK:
+                    raise ArtifactError(
+                        f"/recommendation: at ratio {ratio} [ci_low, ci_high] = [{lo:g}, {hi:g}] is not the 95% Wilson "
+                        f"interval of {round(correct)} of {tasks} tasks ([{want[0]:g}, {want[1]:g}])"
+                    )
+    policies, candidates = arrays.get("policy"), arrays.get("candidates")
+    table = arrays.get("candidate_accuracy")  # [NP, NC]
+    if accuracy is None or policies is None or candidates is None or table is None:
+        return
+    names = candidates.tolist()
+    for ratio, policy in enumerate(policies.tolist()):
+        if policy in names and abs(table[names.index(policy), ratio] - accuracy[ratio]) > 1e-9:
+            raise ArtifactError(
+                f"/recommendation/accuracy: {accuracy[ratio]:g} at ratio {ratio} is not the candidate_accuracy "
+                f"{table[names.index(policy), ratio]:g} of the policy served there, {_text(policy)!r}"
+            )
+
+
+def _check_recommended_rule(arrays: dict) -> None:
+    """The policy served at each ratio is the one the recorded rule picks from the recorded evidence
+    (section 6, "How policy was chosen"; issue 30 D4)."""
+    policies, candidates, table = arrays.get("policy"), arrays.get("candidates"), arrays.get("candidate_accuracy")
+    if policies is None or candidates is None or table is None:
+        return
+    rule = arrays.get("rule")
+    if rule is None:  # 1.2 / 1.3: no rule nor evidence recorded, nothing to decide again from
+        return
+    rule = rule[0]
+    if rule not in (PAIRED_RULE, MOST_ACCURATE_RULE):
+        raise ArtifactError(
+            f"/recommendation/rule: {_text(rule)!r} is no decision rule this reader knows "
+            f"({_text(PAIRED_RULE)}, {_text(MOST_ACCURATE_RULE)})"
+        )
+    reference, bound = arrays.get("reference"), arrays.get("bound")
+    tolerance = arrays.get("tolerance")
+    names = candidates.tolist()
+    for ratio, policy in enumerate(policies.tolist()):
+        if rule == MOST_ACCURATE_RULE:
+            if reference is not None and reference[ratio] != -1:
+                raise ArtifactError(f"/recommendation/reference: {_text(rule)!r} has no reference, -1 expected")
+            picked = min(range(len(names)), key=lambda i: (-round(float(table[i, ratio]), 9), i))
+        else:
+            if reference is None or bound is None or tolerance is None:
+                return
+            index = int(reference[ratio])
+            if index < 0 or names[index] not in FLAGSHIP_NAMES:
+                raise ArtifactError(
+                    f"/recommendation/reference: the paired rule's reference at ratio {ratio} is not the flagship "
+                    "(inf/leverage+correction)"
+                )
+            passing = [
+                i
+                for i in range(len(names))
+                if i != index and (bound[ratio, i] <= tolerance[0] if i < index else bound[ratio, i] < 0.0)
+            ]
+            picked = passing[0] if passing else index
+        if policy != names[picked]:
+            raise ArtifactError(
+                f"/recommendation/policy: {_text(policy)!r} at ratio {ratio} is not what the rule {_text(rule)!r} "
+                f"picks from the recorded evidence ({_text(names[picked])!r})"
+            )
+    if rule == MOST_ACCURATE_RULE:
+        wins, losses = arrays.get("wins"), arrays.get("losses")
+        if (wins is not None and np.any(wins != 0)) or (losses is not None and np.any(losses != 0)):
+            raise ArtifactError("/recommendation: wins and losses without a reference must be 0")
+        if bound is not None and np.any(bound != 1.0):
+            raise ArtifactError("/recommendation/bound: without a reference every bound is 1")
+
+
+def _check_budget_curves(arrays: dict, attrs: dict, sections=None) -> None:
     for name in ("compression_ratios", "grid"):
         values = arrays.get(name)
         if values is not None and np.any(np.diff(values) <= 0):
@@ -444,13 +617,20 @@ def _check_budget_curves(arrays: dict, attrs: dict) -> None:
 MOMENT_ALLOCATIONS = (b"uniform", b"global")  # /moments/selection_allocations
 
 
-def _check_moments(arrays: dict, attrs: dict) -> None:
+def _check_moments(arrays: dict, attrs: dict, sections=None) -> None:
     """1.5: the first selection's orders and errors are the section's ``order`` and ``errors``; the
     selections are distinct names, each with a known allocation."""
+    from runtime.names import MOMENT_SELECTIONS  # torch-free: the scorers a selection may be
+
     names = arrays.get("selections")
     if names is not None:
         if len(set(names.tolist())) != len(names) or any(not name for name in names.tolist()):
             raise ArtifactError("/moments/selections: an empty or repeated selection name")
+        unknown = [_text(name) for name in names.tolist() if _text(name) not in MOMENT_SELECTIONS]
+        if unknown:
+            raise ArtifactError(
+                f"/moments/selections: {unknown[0]!r} is no selection scorer ({', '.join(MOMENT_SELECTIONS)})"
+            )
     allocations = arrays.get("selection_allocations")
     if allocations is not None and any(a not in MOMENT_ALLOCATIONS for a in allocations.tolist()):
         raise ArtifactError("/moments/selection_allocations: an allocation other than uniform or global")
@@ -460,7 +640,45 @@ def _check_moments(arrays: dict, attrs: dict) -> None:
                 raise ArtifactError(f"/moments/{every}: the first selection's is not /moments/{first}")
 
 
+BEHAVIOUR_FLOOR = 1e-30  # profiler.behaviour.SCORE_FLOOR: a denominator below it counts as an empty head
+SCORE_TOLERANCE = 1e-9  # the scores are float64 quotients of the stored float64 weights
+
+
+def _check_behaviour(arrays: dict, attrs: dict, sections=None) -> None:
+    """REAL Eq. 1-3: RAsc = W_R / (W_R + W_D), LCsc = W_R / (W_R + W_B), INFsc their harmonic mean;
+    0 where the denominator is empty (profiler.behaviour.behaviour_scores)."""
+    w_r, w_b, w_d = arrays.get("W_R"), arrays.get("W_B"), arrays.get("W_D")
+    scores = {}
+    if w_r is not None and w_d is not None:
+        scores["RAsc"] = w_r / np.maximum(w_r + w_d, BEHAVIOUR_FLOOR)
+    if w_r is not None and w_b is not None:
+        scores["LCsc"] = w_r / np.maximum(w_r + w_b, BEHAVIOUR_FLOOR)
+    rasc, lcsc = arrays.get("RAsc"), arrays.get("LCsc")
+    if rasc is not None and lcsc is not None:
+        scores["INFsc"] = 2.0 * rasc * lcsc / np.maximum(rasc + lcsc, BEHAVIOUR_FLOOR)
+    formulas = {"RAsc": "W_R / (W_R + W_D)", "LCsc": "W_R / (W_R + W_B)", "INFsc": "2 RAsc LCsc / (RAsc + LCsc)"}
+    for name, want in scores.items():
+        stored = arrays.get(name)
+        if stored is not None and np.any(np.abs(stored - want) > SCORE_TOLERANCE):
+            layer, head = (int(i) for i in np.argwhere(np.abs(stored - want) > SCORE_TOLERANCE)[0])
+            raise ArtifactError(
+                f"/behaviour/{name}: layer {layer}, query head {head} is {float(stored[layer, head]):.9g}, not "
+                f"{formulas[name]} = {float(want[layer, head]):.9g}"
+            )
+
+
+LEARNED_SCORER_KIND = {"features": "kv", "teacher": "kvzip"}  # the only fit the format describes
+
+
+def _check_learned_scorer(arrays: dict, attrs: dict, sections=None) -> None:
+    for name, want in LEARNED_SCORER_KIND.items():
+        if name in attrs and attrs[name] != want:
+            raise ArtifactError(f"/learned_scorer: attribute {name} = {attrs[name]!r}, the format knows only {want!r}")
+
+
 _SECTION_CHECKS = {
+    "behaviour": _check_behaviour,
+    "learned_scorer": _check_learned_scorer,
     "moments": _check_moments,
     "query_stats": _check_query_stats,
     "future_queries": _check_future_queries,

@@ -59,7 +59,7 @@ def write_artifact(path: str | os.PathLike, artifact: Artifact) -> Path:
         for name, array in arrays.items():
             check_array(section_name, name, array, dims)
         checked_attrs[section_name] = check_section_attrs(section_name, section.attrs)
-        check_section_values(section_name, arrays, checked_attrs[section_name])
+        check_section_values(section_name, arrays, checked_attrs[section_name], tuple(artifact.sections))
 
     created = artifact.created or _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
     attrs = root_attrs(artifact, created=created, version=artifact.toolkit_version or toolkit_version())

@@ -25,13 +25,16 @@ on CPU; it is computed once per model object (for the one dtype compared) and re
 model together with the tensors' version counters, so an in-place weight change invalidates it.
 The tokenizer fingerprint is remembered on the tokenizer the same way (keyed by its size and
 chat template).
-Only what a serving process uses is read: at load time the INF weights (``budgets/inf_kv``,
+What a serving process uses is held: from load time the INF weights (``budgets/inf_kv``,
 else derived from ``behaviour/INFsc``), the correction orders (``moments/order``,
 ``moments/tau``), the learned scorer's weights (``learned_scorer/weights``, ``/bias``), the
 per-head budget curves (``budget_curves/compression_ratios``, ``/fractions``) and the
 measured recommendation (section ``recommendation``, served by :meth:`Calibration.policy`);
-the ``query_stats`` mean/cov and the ``future_queries`` mean/cov/centres on first use (the
+the ``query_stats`` mean/cov and the ``future_queries`` mean/cov/centres from first use (the
 covariance is the bulk of the file and the slowest to read: docs/results.md R-artifact-load-2026-11-21).
+Each section is read and checked whole (every value and relation, ``ArtifactReader.section``) before
+any of it is served: the small ones at load, ``query_stats`` / ``future_queries`` on first use, so
+that a calibration that loads holds no value the reader would refuse.
 
 The correction orders are the best per head for the tokens one scorer keeps.  An artifact of
 schema 1.5 holds orders per selection scorer (``moments/selections``, ``/selection_orders``:
@@ -147,8 +150,8 @@ class Calibration:
 
     def _read_query_stats(self) -> None:
         if self._query_mean is None and self._reader is not None and "query_stats" in self.sections:
-            self._query_mean = self._reader.read("query_stats", "mean")
-            self._query_cov = self._reader.read("query_stats", "cov")
+            section = self._reader.section("query_stats")  # all of it checked, n included
+            self._query_mean, self._query_cov = section["mean"], section["cov"]
 
     @property
     def query_mean(self) -> np.ndarray | None:
@@ -166,7 +169,8 @@ class Calibration:
 
     def _read_future(self) -> dict | None:
         if self._future is None and self._reader is not None and "future_queries" in self.sections:
-            self._future = {key: self._reader.read("future_queries", key) for key in FUTURE_DATASETS}
+            section = self._reader.section("future_queries")  # all of it checked, n included
+            self._future = {key: section[key] for key in FUTURE_DATASETS}
         return self._future
 
     @property
@@ -240,10 +244,12 @@ class Calibration:
     def close(self) -> None:
         """Close the artifact file (reading the query statistics first if they were never used)."""
         if self._reader is not None:
-            self._read_query_stats()
-            self._read_future()
-            self._reader.close()
-            self._reader = None
+            try:
+                self._read_query_stats()
+                self._read_future()
+            finally:  # closed even when what was never read turns out invalid
+                self._reader.close()
+                self._reader = None
 
     def __repr__(self) -> str:
         return f"Calibration({self.path}, model={getattr(self.identity, 'name', None)!r}, sections={self.sections})"
@@ -461,6 +467,9 @@ def check_identity(
         )
 
 
+LAZY_SECTIONS = ("query_stats", "future_queries")  # read on first use (Calibration.query_mean, future_mean...)
+
+
 def load_calibration(
     model, tokenizer=None, path: str | os.PathLike | None = None, *, allow_mismatch: bool = False
 ) -> Calibration:
@@ -475,7 +484,13 @@ def load_calibration(
     reader = open_artifact(artifact_path)
     try:
         check_identity(reader.model, model, tokenizer, allow_mismatch=allow_mismatch, source=str(artifact_path))
-        readers = {name: (lambda key, name=name: reader.read(name, key)) for name in reader.sections}
+        # every section served from memory is read and checked whole now (values, relations), so that a
+        # calibration that loads holds nothing invalid; query_stats / future_queries, the large ones,
+        # are read and checked whole on first use
+        for name in reader.sections:
+            if name not in LAZY_SECTIONS:
+                reader.section(name)
+        readers = {name: (lambda key, name=name: reader.section(name)[key]) for name in reader.sections}
         fields = _serving_fields(reader.model, readers, {name: reader.datasets(name) for name in reader.sections})
         if reader.has("recommendation"):
             section = reader.section("recommendation")

@@ -8,8 +8,10 @@
 Grammar: ``baseline`` (no compression), a name in :data:`NAMED_POLICIES`, or
 ``ALLOCATION/SCORER[:STATISTICS][+SUFFIX]...`` with ALLOCATION in ``runtime.policy.ALLOCATIONS``,
 SCORER in ``runtime.scorers.SCORERS``, STATISTICS ``calibrated|future|prompt`` (expected_attention
-only) and SUFFIX in :data:`MOMENT_SUFFIXES`.  A spec carries no size: :meth:`PolicySpec.policy`
-makes the :class:`runtime.policy.CompressionPolicy` for one compression ratio.
+only) and SUFFIX in :data:`MOMENT_SUFFIXES`, each suffix once and one correction at most
+(``runtime.policy_grammar``, torch-free, splits and checks the text; the artifact reader checks a
+recommendation's policies with it).  A spec carries no size: :meth:`PolicySpec.policy` makes the
+:class:`runtime.policy.CompressionPolicy` for one compression ratio.
 """
 
 from __future__ import annotations
@@ -18,16 +20,9 @@ from dataclasses import dataclass, field
 
 from .names import NAMED_POLICIES as NAMED_POLICY_TEXTS
 from .policy import CompressionPolicy
+from .policy_grammar import BASELINE, MOMENT_SUFFIXES, split_policy
 
-BASELINE = "baseline"
-
-# ``+SUFFIX`` MomentKV switches of the grammar -> CompressionPolicy fields
-MOMENT_SUFFIXES = {
-    "correction": {"correction": "calibrated"},  # each head's order from the artifact's moments section
-    "correction0": {"correction": "order0"},
-    "correction1": {"correction": "order1"},
-    "moments": {"moment_eviction": True},  # moment-informed eviction, a_j ||r_j||
-}
+__all__ = ["BASELINE", "MOMENT_SUFFIXES", "PolicySpec", "parse_policy", "register_named_policy"]
 
 
 @dataclass(frozen=True)
@@ -77,31 +72,13 @@ def parse_policy(text: str) -> PolicySpec:
     Every part is checked (an unknown scorer, allocation, statistics or suffix raises ValueError
     naming the known ones).
     """
-    if not isinstance(text, str):
-        raise ValueError(f"a policy is written as text (e.g. 'inf/leverage'), got {text!r}")
-    text = text.strip()
-    if text == BASELINE:
+    if isinstance(text, str) and text.strip() in NAMED_POLICIES:
+        return NAMED_POLICIES[text.strip()]
+    parts = split_policy(text)  # the grammar, each part and combination (ValueError)
+    if parts.is_baseline:
         return PolicySpec(BASELINE)
-    if text in NAMED_POLICIES:
-        return NAMED_POLICIES[text]
-    allocation, slash, rest = text.partition("/")
-    if not slash or not rest:
-        raise ValueError(
-            f"policy {text!r} is not 'baseline', a named policy ({', '.join(NAMED_POLICIES)}) "
-            "or ALLOCATION/SCORER[:STATISTICS][+SUFFIX...], e.g. uniform/keydiff, inf/leverage, "
-            "global/learned+correction"
-        )
-    rest, *suffixes = rest.split("+")
-    options = {}
-    for suffix in suffixes:
-        if suffix not in MOMENT_SUFFIXES:
-            raise ValueError(
-                f"policy {text!r}: unknown suffix +{suffix}; known: {', '.join('+' + name for name in MOMENT_SUFFIXES)}"
-            )
-        options.update(MOMENT_SUFFIXES[suffix])
-    scorer, colon, statistics = rest.partition(":")
-    spec = PolicySpec(text, allocation, scorer, statistics if colon else None, options)
-    spec.policy(0.5)  # checks allocation, scorer, statistics and their combination
+    spec = PolicySpec(parts.name, parts.allocation, parts.scorer, parts.statistics, dict(parts.options))
+    spec.policy(0.5)  # the scorers check their own options again
     return spec
 
 

@@ -18,8 +18,10 @@ which serving does not read).  :func:`recommended_spec` serves it:
 * with no recommendation recorded, the first of the flagship (``runtime.policy_spec.FLAGSHIP``:
   inf/leverage+correction, needs the budgets and moments sections), ``inf/leverage`` (budgets)
   and the artifact-free default (uniform leverage) that the artifact can serve;
-* a recorded policy this calibration cannot serve (its section was removed since) falls back
-  the same way, with a warning.
+* a recorded policy this calibration cannot serve falls back the same way, with a warning: the
+  artifact reader refuses a file whose recommendation names such a policy (one that does not
+  parse, ``baseline``, a ``kvzip`` policy, or one needing a section the file lacks), so this only
+  happens to a ``Recommendation`` set on a calibration by hand.
 
 "Can serve" is :meth:`runtime.policy.CompressionPolicy.missing` coming back empty (nothing read,
 nothing warned); serving the chosen policy is :func:`runtime.serving_plan.bind`'s.
@@ -101,6 +103,8 @@ def recommended_spec(calibration, compression_ratio: float) -> PolicySpec:
         spec = parse_policy(name)  # a recorded name this runtime cannot parse is one it cannot serve
     except ValueError as exc:
         return _fall_back(calibration, name, str(exc))
+    if spec.is_baseline:  # a reader refuses a file recommending it; a hand-made recommendation may
+        return _fall_back(calibration, name, "'baseline' compresses nothing: it is measured, never recommended")
     if spec.needs_reconstruction:
         return _fall_back(calibration, name, "it needs a reconstruction pass per prompt (runtime.kvzip)")
     missing = spec.policy(float(compression_ratio)).missing(calibration)

@@ -212,7 +212,8 @@ def make_random_artifact(
     built = {}
     if "behaviour" in sections:
         w = {f"W_{k}": rng.random((L, Hq)) * 10 for k in "RBDW"}
-        ra, lc = rng.random((L, Hq)), rng.random((L, Hq))
+        rng.random((L, Hq)), rng.random((L, Hq))  # drawn as before, so that the later sections stay the same
+        ra, lc = w["W_R"] / (w["W_R"] + w["W_D"]), w["W_R"] / (w["W_R"] + w["W_B"])  # REAL Eq. 1-2
         built["behaviour"] = Section(
             {
                 **w,
@@ -294,37 +295,25 @@ def make_random_artifact(
             {"features": "kv", "teacher": "kvzip", "fit_tokens": 4096, "held_out_tokens": 1024},
         )
     if "recommendation" in sections:
-        from profiler.paired_decision import loss_bound
+        from profiler.recommendation import recommendation_section
 
-        candidates = np.array([b"inf/leverage", b"uniform/keydiff", b"inf/keydiff+correction"], dtype="S128")
-        outcomes = rng.integers(0, 2, (3, 3, 12)).astype(np.uint8)  # [ratio, candidate, task]
-        accuracy = outcomes.mean(axis=2).T  # [candidate, ratio]
-        best = accuracy.argmax(axis=0)
-        reference = np.zeros(3, dtype=np.int64)  # inf/leverage at every ratio
-        mine, theirs = outcomes.astype(bool), outcomes[:, :1].astype(bool)
-        wins, losses = (mine & ~theirs).sum(axis=2), (theirs & ~mine).sum(axis=2)  # [ratio, candidate]
-        built["recommendation"] = Section(
-            {
-                "compression_ratios": np.array([0.5, 0.75, 0.9]),
-                "policy": candidates[best],
-                "accuracy": accuracy.max(axis=0),
-                "ci_low": accuracy.max(axis=0) * 0.8,
-                "ci_high": np.minimum(1.0, accuracy.max(axis=0) * 1.1 + 0.05),
-                "candidates": candidates,
-                "candidate_accuracy": accuracy,
-                "rule": np.array([b"paired-exact-noninferiority/1"], dtype="S128"),
-                "tolerance": np.array([0.03]),
-                "confidence": np.array([0.95]),
-                "reference": reference,
-                "task_ids": np.array([f"retrieval-L1024-D50-S7-R{i}".encode() for i in range(12)], dtype="S128"),
-                "baseline_outcomes": rng.integers(0, 2, 12).astype(np.uint8),
-                "outcomes": outcomes,
-                "wins": wins,
-                "losses": losses,
-                "bound": np.vectorize(lambda w, lo: loss_bound(int(w), int(lo), 12))(wins, losses),
-            },
-            {"tasks": 12, "baseline_accuracy": 0.75, "task_seed": 1_000_003, "families": "retrieval,multi_key"},
-        )
+        # candidates the file can serve, cheapest first; the flagship (the rule's reference) when it can
+        inf = "budgets" in sections or "behaviour" in sections
+        candidates = ["uniform/keydiff", "inf/keydiff+correction", "inf/leverage+correction"]
+        if not (inf and "moments" in sections):
+            candidates = ["uniform/keydiff", "inf/leverage"] if inf else ["uniform/keydiff", "uniform/leverage"]
+        ratios = (0.5, 0.75, 0.9)
+        outcomes = rng.integers(0, 2, (len(ratios), len(candidates), 12))  # [ratio, candidate, task]
+        evaluation = {
+            "task_ids": [f"retrieval-L1024-D50-S7-R{i}" for i in range(12)],
+            "baseline": {"outcomes": rng.integers(0, 2, 12).tolist()},
+            "results": [
+                {"policy": name, "compression_ratio": ratio, "outcomes": outcomes[r, c].tolist()}
+                for r, ratio in enumerate(ratios)
+                for c, name in enumerate(candidates)
+            ],
+        }
+        built["recommendation"] = recommendation_section(evaluation, candidates, 1_000_003, "retrieval,multi_key")
     if "budget_curves" in sections:
         grid = np.array([0.05, 0.1, 0.3, 1.0])
         ratios = np.array([0.5, 0.75, 0.9])

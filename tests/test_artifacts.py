@@ -134,6 +134,30 @@ def test_newer_minor_version_with_extra_dataset_is_accepted(artifact_path):
         reader.validate()
 
 
+@pytest.mark.parametrize("where", ["/", "model", "budgets", "budgets/inf_kv"])
+def test_unknown_attribute_in_current_version_is_refused(artifact_path, where):
+    """Section 1, versioning: a file not newer than the reader holds no object the schema does not
+    name, attributes included (issue 30 D1: they were accepted and the file served)."""
+    with h5py.File(artifact_path, "r+") as h5:
+        h5[where].attrs["comment"] = "hello"
+    _assert_invalid(artifact_path, f"attribute\\(s\\) 'comment' not part of schema {SCHEMA_VERSION}")
+
+
+def test_newer_minor_version_with_extra_attributes_is_accepted(artifact_path):
+    with h5py.File(artifact_path, "r+") as h5:
+        h5.attrs["schema_version"] = "1.7"
+        for where in ("/", "model", "budgets", "budgets/inf_kv"):
+            h5[where].attrs["future"] = 1
+    with open_artifact(artifact_path) as reader:
+        reader.validate()
+
+
+def test_dataset_under_model_is_refused(artifact_path):
+    with h5py.File(artifact_path, "r+") as h5:
+        h5["model"].create_dataset("extra", data=np.zeros(3), chunks=True, fletcher32=True)
+    _assert_invalid(artifact_path, f"/model/extra: not part of schema {SCHEMA_VERSION}")
+
+
 def test_unknown_dataset_in_current_version_is_refused(artifact_path):
     with h5py.File(artifact_path, "r+") as h5:
         h5["budgets"].create_dataset("surprise", data=np.zeros(3), chunks=True, fletcher32=True)

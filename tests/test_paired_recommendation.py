@@ -106,7 +106,7 @@ def test_cells_that_ran_other_tasks_are_refused():
 @pytest.fixture()
 def artifact(tmp_path):
     """An artifact whose recommendation was decided on 24 tasks of seed 7."""
-    base = make_random_artifact(sections=("behaviour", "budgets"))
+    base = make_random_artifact(sections=("behaviour", "budgets", "moments"))  # the flagship's sections
     base.sections["recommendation"] = recommendation_section(same_everywhere(24, 7), [CHEAP, FLAGSHIP], 7, "retrieval")
     base.config["recommendation"] = {"tasks": {"seed": 7}, "source": "test"}
     return write_artifact(tmp_path / "kv_calibration.h5", base)
@@ -154,7 +154,7 @@ def test_the_reader_checks_the_evidence_against_the_outcomes(artifact):
         opened.section("recommendation")
     section = Section(dict(recommendation_section(same_everywhere(24, 7), [CHEAP, FLAGSHIP], 7, "r").arrays), {})
     section.arrays["candidate_accuracy"] = section["candidate_accuracy"] * 0.5
-    broken = make_random_artifact(sections=("behaviour",))
+    broken = make_random_artifact(sections=("behaviour", "moments"))
     broken.sections["recommendation"] = Section(
         section.arrays, {"tasks": 24, "baseline_accuracy": 1.0, "task_seed": 7, "families": "r"}
     )

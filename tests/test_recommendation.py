@@ -100,6 +100,16 @@ def test_a_recorded_policy_the_artifact_cannot_serve_falls_back_with_a_warning(t
         assert calibration.policy(compression_ratio=0.9) == parse_policy("inf/leverage").policy(0.9)
 
 
+def test_a_recommendation_of_baseline_falls_back_with_a_warning_not_an_attribute_error(tmp_path):
+    """Issue 30 D3: 'baseline' recommended raised AttributeError in calibration.policy(0.75); a reader
+    refuses such a file, and a recommendation set by hand falls back like any policy it cannot serve."""
+    model = make_tiny_llama()
+    calibration = load_calibration(model, path=write_tiny_artifact(tmp_path / "b.h5", model, ("budgets",)))
+    calibration.recommendation = _recommendation(policies=("uniform/keydiff", "baseline", "inf/leverage"))
+    with pytest.warns(UserWarning, match="'baseline' cannot be served.*compresses nothing.*using inf/leverage"):
+        assert calibration.policy(compression_ratio=0.75) == INF_LEVERAGE.policy(0.75)
+
+
 @pytest.fixture(scope="module")
 def recommended_artifact(smoke_artifact, tmp_path_factory):
     """The smoke artifact plus a recommendation section written by `profile-model --stages recommendation`."""

@@ -1,0 +1,149 @@
+"""The policy grammar without torch: the spelling of a policy, what it reads from an artifact, and
+whether an artifact can serve it, for the artifact reader and the command-line parsers.
+
+    split_policy("inf/keydiff+correction")        # PolicyText(allocation='inf', scorer='keydiff', ...)
+    serving_refusal("global/kvzip", sections)      # why a file with ``sections`` cannot serve it, or None
+
+Grammar: ``baseline``, a name in ``runtime.names.NAMED_POLICIES``, or
+``ALLOCATION/SCORER[:STATISTICS][+SUFFIX]...``; each suffix at most once and at most one
+correction suffix.  :func:`runtime.policy_spec.parse_policy` parses with :func:`split_policy`
+and builds the :class:`runtime.policy.CompressionPolicy`, which checks the combinations again
+with the scorers themselves; the tables below state, without importing a scorer, what those
+checks and ``runtime.policy.REQUIREMENTS`` decide (tests/test_policy_grammar.py checks every
+combination against them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .names import ALLOCATIONS, NAMED_POLICIES, SCORER_NAMES, STATISTICS
+
+BASELINE = "baseline"
+
+# ``+SUFFIX`` MomentKV switches -> CompressionPolicy fields
+MOMENT_SUFFIXES = {
+    "correction": {"correction": "calibrated"},  # each head's order from the artifact's moments section
+    "correction0": {"correction": "order0"},
+    "correction1": {"correction": "order1"},
+    "moments": {"moment_eviction": True},  # moment-informed eviction, a_j ||r_j||
+}
+
+# What the scorers are, as their classes say (runtime/scorers/): scores comparable across heads
+# (``Scorer.comparable``: the only ones allocation 'global' ranks), an attention estimate
+# (``Scorer.yields_attention``: what moment eviction needs), a reconstruction pass per prompt
+# (kvzip: measured by evaluate-artifact, never served from an artifact).
+COMPARABLE_SCORERS = ("kvzip", "learned")
+ATTENTION_SCORERS = ("expected_attention", "prototype_attention", "snapkv")
+RECONSTRUCTION_SCORERS = ("kvzip",)
+
+
+@dataclass(frozen=True)
+class PolicyText:
+    """A policy as written: ``baseline`` (allocation None) or its parts."""
+
+    name: str
+    allocation: str | None = None
+    scorer: str | None = None
+    statistics: str | None = None
+    options: tuple[tuple[str, object], ...] = ()  # CompressionPolicy fields the suffixes set
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.allocation is None
+
+
+def split_policy(text: str) -> PolicyText:
+    """``text`` in its parts, every part and combination checked (ValueError naming what is wrong)."""
+    if not isinstance(text, str):
+        raise ValueError(f"a policy is written as text (e.g. 'inf/leverage'), got {text!r}")
+    text = text.strip()
+    if text == BASELINE:
+        return PolicyText(BASELINE)
+    if text in NAMED_POLICIES:
+        return split_policy(NAMED_POLICIES[text])
+    allocation, slash, rest = text.partition("/")
+    if not slash or not rest:
+        raise ValueError(
+            f"policy {text!r} is not 'baseline', a named policy ({', '.join(NAMED_POLICIES)}) "
+            "or ALLOCATION/SCORER[:STATISTICS][+SUFFIX...], e.g. uniform/keydiff, inf/leverage, "
+            "global/learned+correction"
+        )
+    rest, *suffixes = rest.split("+")
+    options: dict = {}
+    for suffix in suffixes:
+        if suffix not in MOMENT_SUFFIXES:
+            raise ValueError(
+                f"policy {text!r}: unknown suffix +{suffix}; known: {', '.join('+' + name for name in MOMENT_SUFFIXES)}"
+            )
+        clash = set(MOMENT_SUFFIXES[suffix]) & set(options)
+        if clash:
+            raise ValueError(
+                f"policy {text!r}: +{suffix} sets {', '.join(sorted(clash))} a suffix before it already set; "
+                "give each suffix once and at most one of +correction, +correction0, +correction1"
+            )
+        options.update(MOMENT_SUFFIXES[suffix])
+    scorer, colon, statistics = rest.partition(":")
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"policy {text!r}: unknown allocation {allocation!r}; known: {', '.join(ALLOCATIONS)}")
+    if scorer not in SCORER_NAMES:
+        raise ValueError(
+            f"policy {text!r}: unknown scorer {scorer!r}; known scorers: {', '.join(sorted(SCORER_NAMES))}"
+        )
+    if colon:
+        if statistics not in STATISTICS:
+            raise ValueError(f"policy {text!r}: unknown statistics {statistics!r}; known: {', '.join(STATISTICS)}")
+        if scorer != "expected_attention":
+            raise ValueError(f"policy {text!r}: statistics applies to the expected_attention scorer only")
+    if options.get("moment_eviction") and scorer not in ATTENTION_SCORERS:
+        raise ValueError(
+            f"policy {text!r}: +moments needs a scorer that estimates attention ({', '.join(ATTENTION_SCORERS)})"
+        )
+    if allocation == "global" and scorer not in COMPARABLE_SCORERS:
+        raise ValueError(
+            f"policy {text!r}: allocation 'global' ranks all heads' tokens together and needs a scorer whose "
+            f"scores compare across heads ({', '.join(COMPARABLE_SCORERS)})"
+        )
+    if allocation == "global" and options.get("moment_eviction"):
+        raise ValueError(f"policy {text!r}: allocation 'global' and +moments cannot be combined")
+    return PolicyText(text, allocation, scorer, statistics if colon else None, tuple(sorted(options.items())))
+
+
+def sections_needed(policy: PolicyText) -> tuple[tuple[str, ...], ...]:
+    """The artifact sections ``policy`` reads, each need as the sections any one of which meets it
+    (INF budgets: 'budgets' or 'behaviour'), in ``runtime.policy.REQUIREMENTS``' order."""
+    if policy.is_baseline:
+        return ()
+    options = dict(policy.options)
+    statistics = (policy.statistics or "calibrated") if policy.scorer == "expected_attention" else None
+    needs = []
+    if policy.allocation == "inf":
+        needs.append(("budgets", "behaviour"))
+    if policy.allocation == "curve":
+        needs.append(("budget_curves",))
+    if statistics == "calibrated":
+        needs.append(("query_stats",))
+    if statistics == "future" or policy.scorer == "prototype_attention":
+        needs.append(("future_queries",))
+    if options.get("correction") == "calibrated":
+        needs.append(("moments",))
+    if policy.scorer == "learned":
+        needs.append(("learned_scorer",))
+    return tuple(needs)
+
+
+def serving_refusal(text: str, sections) -> str | None:
+    """Why a file holding ``sections`` cannot serve the policy ``text`` (as a recommendation is
+    served: ``runtime.recommendation``), or None when it can."""
+    try:
+        policy = split_policy(text)
+    except ValueError as exc:
+        return str(exc)
+    if policy.is_baseline:
+        return "'baseline' compresses nothing: it is measured, never recommended"
+    if policy.scorer in RECONSTRUCTION_SCORERS:
+        return f"{text!r} needs a reconstruction pass per prompt (runtime.kvzip): it is measured, never recommended"
+    for need in sections_needed(policy):
+        if not any(name in sections for name in need):
+            return f"{text!r} needs the section {' or '.join(repr(n) for n in need)}, which the file lacks"
+    return None
