@@ -44,6 +44,7 @@ _EXPORTS = {
     "ATTENTION_NAME": "cache",
     "bind": "serving_plan",
     "build_inputs": "generation",
+    "CacheConsumedError": "cache",
     "cache_argument": "transformers_compat",
     "Calibration": "calibration",
     "compress": "compression",

@@ -76,6 +76,13 @@ def prefill(
     the statistics.
     Pass the returned statistics back in (``prompt_stats=``) when prefilling in several chunks.
     """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a [batch, length] tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    layers = ModelGeometry.of(model).num_layers
+    if len(cache.layers) != layers:
+        raise ValueError(f"the cache has {len(cache.layers)} layers, the model {layers}: is it another model's?")
     batch, length = input_ids.shape
     past = cache.get_seq_length()
     if attention_mask is None:
