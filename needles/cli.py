@@ -112,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--haystack", default=None, help="simple (default) | prose | files:PATH | dataset:NAME_OR_PATH")
     parser.add_argument("--text-column", default=None, help="text column of a dataset haystack (default: text)")
     parser.add_argument("--split", default=None, help="split of a dataset haystack (default: train)")
-    parser.add_argument("--no-colour", action="store_true", help="plain text for --show")
+    parser.add_argument(
+        "--no-colour", action="store_true", help="plain text for --show (also without a terminal, or with NO_COLOR set)"
+    )
     parser.add_argument(
         "--no-progress",
         "--quiet",
@@ -160,9 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"generate-probes: error: {exc}", file=sys.stderr)
         return 2
     if shown:
-        from needles.show import render_probe
+        from needles.show import render_probe, use_colour
 
-        colour = not args.no_colour
+        colour = use_colour(sys.stdout, args.no_colour)
         for probe in shown:
             print(render_probe(probe, tokenizer, colour=colour))
             print()

@@ -1,0 +1,77 @@
+"""Output for people and for pipes (issue 30): colour only on a terminal and without NO_COLOR,
+progress bars only on a terminal, a config line cut at an item with an ellipsis, a short
+CompressionReport, and the tools' messages through ``logging`` with ``-q`` / ``-v``."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+
+from conftest import make_random_artifact
+
+from artifacts import write_artifact
+from artifacts.cli import main as inspect_main
+from needles.cli import main as probes_main
+
+ESCAPE = "\033["
+
+
+def _show(tmp_path, capsys, *extra: str) -> str:
+    code = probes_main(["--preset", "smoke", "--families", "retrieval", "--out", str(tmp_path / "p.jsonl"),
+                        "--show", "1", "--no-progress", *extra])  # fmt: skip
+    assert code == 0
+    return capsys.readouterr().out
+
+
+def test_show_writes_no_colour_codes_into_a_pipe(embedded_tokenizer, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    shown = _show(tmp_path, capsys)  # capsys' stdout is not a terminal
+    assert ESCAPE not in shown and "question:" in shown
+
+
+def test_show_colours_a_terminal_unless_no_color_is_set(embedded_tokenizer, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert "\033[1;32m" in _show(tmp_path, capsys)  # R in bold green
+    monkeypatch.setenv("NO_COLOR", "1")  # https://no-color.org: present and not empty
+    assert ESCAPE not in _show(tmp_path, capsys)
+    monkeypatch.setenv("NO_COLOR", "")  # empty: colour as usual
+    assert ESCAPE in _show(tmp_path, capsys)
+    monkeypatch.delenv("NO_COLOR")
+    assert ESCAPE not in _show(tmp_path, capsys, "--no-colour")
+
+
+def test_inspect_cuts_a_long_config_line_at_an_item_with_an_ellipsis(tmp_path, capsys):
+    config = {f"stage{i}": {f"option_number_{j}": f"value-{i}-{j}" for j in range(6)} for i in range(8)}
+    path = write_artifact(tmp_path / "a.h5", dataclasses.replace(make_random_artifact(), config=config))
+    assert inspect_main([str(path)]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("config"))
+    shown = line.removeprefix("config").strip()
+    items = [f"stage{i}.option_number_{j}=value-{i}-{j}" for i in range(8) for j in range(6)]
+    match = re.fullmatch(r"(.*), \.\.\. \((\d+) more; --json shows them all\)", shown)
+    assert match, shown
+    kept = match[1].split(", ")
+    assert kept == items[: len(kept)] and int(match[2]) == len(items) - len(kept)  # whole items, none cut
+    assert len(line) <= len("config      ") + 400 + len(", ... (99 more; --json shows them all)")
+
+
+def test_compression_report_prints_a_summary_and_keeps_its_arrays():
+    import numpy as np
+
+    from runtime import CompressionReport
+
+    batch, layers, heads = 2, 30, 3
+    before = np.full((layers, batch, heads), 400, dtype=np.int64)
+    report = CompressionReport(
+        budgets=np.full((batch, layers, heads), 100, dtype=np.int64),
+        lengths_before=before,
+        lengths_after=before // 4,
+        kv_bytes_before=4_000_000,
+        kv_bytes_after=1_000_000,
+        seconds=0.25,
+    )
+    for text in (repr(report), str(report)):
+        assert "\n" not in text and len(text) < 300, text
+        assert "2 rows" in text and "30 layers" in text and "3 KV heads" in text and "25.0% kept" in text
+    assert report.lengths_after.shape == (layers, batch, heads) and report.budgets.sum() == batch * layers * heads * 100
