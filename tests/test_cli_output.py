@@ -7,7 +7,9 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+from pathlib import Path
 
+import pytest
 from conftest import make_random_artifact
 
 from artifacts import write_artifact
@@ -75,3 +77,52 @@ def test_compression_report_prints_a_summary_and_keeps_its_arrays():
         assert "\n" not in text and len(text) < 300, text
         assert "2 rows" in text and "30 layers" in text and "3 KV heads" in text and "25.0% kept" in text
     assert report.lengths_after.shape == (layers, batch, heads) and report.budgets.sum() == batch * layers * heads * 100
+
+
+# -- progress bars (D11) ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_no_bar_is_drawn_into_a_file_nor_by_the_first_conversion_under_no_progress(tmp_path):
+    """The first use converts the embedded GGUF (its own tqdm bar, "Converting and de-quantizing GGUF
+    tensors"): on a terminal under --no-progress it drew anyway; load_model()'s "Loading weights" bar
+    went into a log file."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import termios
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    env.pop("NO_COLOR", None)
+    parent, child = pty.openpty()  # stderr a terminal: only --no-progress turns the bars off
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # 80 columns (0: tqdm draws nothing)
+    with os.fdopen(parent, "rb", buffering=0) as terminal:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "needles.cli", "--preset", "smoke", "--families", "retrieval", "--out",
+             str(tmp_path / "p.jsonl"), "--no-progress"],  # fmt: skip
+            cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=child, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        os.close(child)
+        drawn = b""
+        while True:
+            try:
+                chunk = terminal.read(65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            drawn += chunk
+        assert proc.wait(timeout=600) == 0, drawn.decode(errors="replace")
+    assert b"wrote" in drawn and b"it/s" not in drawn and b"Converting" not in drawn, drawn.decode(errors="replace")
+    log = tmp_path / "load.log"
+    with open(log, "wb") as stderr:  # a log file: no bar without --no-progress either
+        done = subprocess.run(
+            [sys.executable, "-c", "from runtime.models import load_model as m, load_tokenizer as t; m(); t()"],
+            cwd=repo, env=env, stderr=stderr, timeout=600,
+        )  # fmt: skip
+    text = log.read_text(errors="replace")
+    assert done.returncode == 0, text
+    assert "Loading weights" not in text and "it/s" not in text, text
