@@ -189,7 +189,7 @@ def _cache_lock(name: str):
 
     directory = cache_root() / "locks"
     directory.mkdir(parents=True, exist_ok=True)
-    with FileLock(directory / f"{name}.lock"):
+    with FileLock(str(directory / f"{name}.lock")):
         yield
 
 
