@@ -269,7 +269,8 @@ class ProfileJob:
             done = ", ".join(f"{stage.name} {self.progress[stage.name]} {stage.units}" for stage in self.sharded)
             self.log(f"[rank {self.info.rank}] resuming from {self.work_path}: {done or 'nothing'} done")
         elif self.options.resume:
-            self.say(f"--resume: no work file at {self.work_path}; starting from the beginning")
+            if self.info.is_main:
+                NOTE.warning(f"profile-model: --resume: no work file at {self.work_path}; starting from the beginning")
         elif self.work_path.exists():
             NOTE.warning(
                 f"profile-model: note: discarding the work file {self.work_path} of an earlier run "

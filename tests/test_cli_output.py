@@ -228,3 +228,24 @@ def test_profile_model_summaries_are_its_output_quiet_hides_them_and_a_program_r
     assert {record.name for record in routed.records} == {"kvcal.profiler"}
     stdout, stderr = capsys.readouterr()
     assert stdout == "" and "Traceback" not in stderr  # -q
+
+
+def test_profile_model_notes_are_warnings_kept_under_quiet(embedded_tokenizer, tmp_path, capsys, kvcal_logging):
+    from conftest import single_thread, tiny_profile_args, write_tiny_model_dir
+
+    from profiler.cli import main as profile_main
+
+    model_dir = write_tiny_model_dir(tmp_path / "model", embedded_tokenizer)
+    out = tmp_path / "a.h5"
+    work = tmp_path / "a.h5.work.npz"
+    work.write_bytes(b"an earlier run's work file")
+    capsys.readouterr()  # what saving the tiny model drew
+    with single_thread():
+        assert profile_main([*tiny_profile_args(model_dir, out, "--stages", "behaviour"), "-q"]) == 0
+        stdout, stderr = capsys.readouterr()
+        assert stdout == "" and stderr == (
+            f"profile-model: note: discarding the work file {work} of an earlier run (use --resume to continue it)\n"
+        )
+        assert profile_main([*tiny_profile_args(model_dir, out, "--stages", "behaviour", "--resume"), "-q"]) == 0
+    stdout, stderr = capsys.readouterr()
+    assert stdout == "" and "--resume: no work file at" in stderr and stderr.count("\n") == 1
