@@ -15,8 +15,10 @@ Counts before and after issue 30's fixes: docs/results.md R-runtime-misuse-2026-
 
 from __future__ import annotations
 
+import atexit
 import math
 import re
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -63,7 +65,8 @@ def run_case(case: Case) -> Outcome:
 # -- inputs ---------------------------------------------------------------------------------------
 
 _MODELS: dict[str, torch.nn.Module] = {}
-_DIR = Path(tempfile.mkdtemp(prefix="kvcal-misuse-"))
+_DIR = Path(tempfile.mkdtemp(prefix="kvcal-misuse-"))  # the cases' artifacts, removed when the process ends
+atexit.register(shutil.rmtree, _DIR, ignore_errors=True)
 
 
 def tiny(layers: int = 2):
