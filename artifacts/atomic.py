@@ -205,34 +205,41 @@ def lock_file_path(path: str | os.PathLike, rank: int = 0) -> Path:
 
 @contextmanager
 def output_lock(path: str | os.PathLike, program: str, rank: int = 0) -> Iterator[Path]:
-    """Hold an exclusive ``flock`` on ``<path>.lock`` for the block, or raise :class:`OutputLocked`
-    naming the holder's pid.  The lock dies with its process (a killed run never blocks the next);
-    the lock file holds ``pid program`` and is removed when the block ends."""
-    import fcntl
+    """Hold an exclusive lock on ``<path>.lock`` for the block (``filelock``: ``flock`` on POSIX,
+    the Windows equivalent there), or raise :class:`OutputLocked` naming the holder's pid.  The
+    lock dies with its process (a killed run never blocks the next).  While held the lock file
+    reads ``pid program``; when the block ends it is emptied but stays in place: removing it would
+    let a process that opened it just before and one that creates it anew both hold "the" lock
+    (filelock keeps one file for everyone)."""
+    from filelock import FileLock, Timeout
 
     lock = lock_file_path(path, rank)
     lock.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 200).decode("ascii", "replace").split()
-            os.close(fd)
-            who = f"{holder[1] if len(holder) > 1 else 'kvcal'} run (pid {holder[0]})" if holder else "kvcal run"
-            raise OutputLocked(
-                f"another {who} is writing {path} (lock {lock}); wait for it to finish or choose another output"
-            ) from None
-        try:  # the file we locked may have been removed by its previous holder meanwhile: then retry
-            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        os.close(fd)
+    held = FileLock(str(lock), timeout=0)
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()} {program}\n".encode("ascii", "replace"))
+        held.acquire()
+    except Timeout:
+        try:
+            holder = lock.read_text(encoding="ascii", errors="replace")[:200].split()
+        except OSError:
+            holder = []
+        who = f"{holder[1] if len(holder) > 1 else 'kvcal'} run (pid {holder[0]})" if holder else "kvcal run"
+        raise OutputLocked(
+            f"another {who} is writing {path} (lock {lock}); wait for it to finish or choose another output"
+        ) from None
+    try:
+        _record_holder(lock, f"{os.getpid()} {program}\n")
         yield lock
     finally:
-        lock.unlink(missing_ok=True)
-        os.close(fd)
+        _record_holder(lock, "")
+        held.release()
+
+
+def _record_holder(lock: Path, text: str) -> None:
+    """Write who holds ``lock`` into it (best effort: a platform that refuses writes to a locked
+    file only loses the holder's name in the refusal message)."""
+    try:
+        with open(lock, "w", encoding="ascii", errors="replace") as fh:
+            fh.write(text)
+    except OSError:
+        pass

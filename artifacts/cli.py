@@ -7,11 +7,13 @@ import json
 import sys
 
 from .errors import ArtifactError
+from .log import add_verbosity_arguments, configure, logger
 from .reader import open_artifact
 from .summary import format_summary, summarize
 from .version import add_version_argument
 
 EXIT_VALID, EXIT_INVALID = 0, 2
+LOG = logger("artifacts")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("path", help="the .h5 calibration file")
     add_version_argument(parser)
+    add_verbosity_arguments(parser, "only warnings and errors (the summary is printed)")
     parser.add_argument(
         "--json",
         action="store_true",
@@ -50,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    configure(args)
     from .atomic import check_output_path
 
     try:
@@ -61,13 +65,14 @@ def main(argv: list[str] | None = None) -> int:
                 from .report import write_report
 
                 write_report(args.html, reader, budget=args.budget)
+                LOG.debug(f"inspect-artifact: wrote the HTML report {args.html}")
     except ArtifactError as exc:
-        print(f"inspect-artifact: invalid artifact: {exc}", file=sys.stderr)
+        LOG.error(f"inspect-artifact: invalid artifact: {exc}")
         if args.json:  # a JSON consumer gets JSON either way
             print(json.dumps({"valid": False, "error": str(exc)}, indent=2, sort_keys=True))
         return EXIT_INVALID
     except OSError as exc:  # the report could not be written (artifacts.atomic.OutputError): not about validity
-        print(f"inspect-artifact: {exc}", file=sys.stderr)
+        LOG.error(f"inspect-artifact: {exc}")
         if args.json:
             print(json.dumps({"valid": None, "error": str(exc)}, indent=2, sort_keys=True))
         return EXIT_INVALID

@@ -199,6 +199,24 @@ def _flatten(config: dict, prefix: str = "") -> list[tuple[str, object]]:
     return items
 
 
+def _config_line(items: list[tuple[str, object]], limit: int = 400) -> str:
+    """``key=value, ...`` of as many whole items as fit in ``limit`` characters, then how many more
+    there are (an item is never cut: a cut key or value reads as another one)."""
+    if not items:
+        return "none"
+    texts = [f"{key}={value}" for key, value in items]
+    line = ", ".join(texts)
+    if len(line) <= limit:
+        return line
+    kept, length = [], 0
+    for text in texts:
+        if length + len(text) + 2 * bool(kept) > limit:
+            break
+        kept.append(text)
+        length += len(text) + 2 * (len(kept) > 1)
+    return ", ".join([*kept, f"... ({len(texts) - len(kept)} more; --json shows them all)"])
+
+
 def _described(sections: dict, name: str) -> bool:
     """Whether ``name`` has its own summary (not the generic one)."""
     return name in sections and not sections[name].get("generic")
@@ -215,7 +233,7 @@ def format_summary(summary: dict) -> str:
         f"{', query norm' if m['query_norm'] else ''})",
         f"fingerprints  arch {m['arch_fingerprint'][:16]}  weights {m['weights_fingerprint'][:16]}  "
         f"tokenizer {m['tokenizer_fingerprint'][:16]}",
-        "config      " + (", ".join(f"{k}={v}" for k, v in _flatten(summary["config"]))[:400] or "none"),
+        "config      " + _config_line(_flatten(summary["config"])),
     ]
     sections = summary["sections"]
     if not sections:

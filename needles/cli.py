@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from artifacts.log import add_verbosity_arguments, configure, logger
 from artifacts.version import add_version_argument
 from needles.families import FAMILIES
 from needles.spec import PRESETS, generate_probes, write_probes
@@ -60,6 +61,9 @@ examples:
 exit status: 0 on success, 2 on a bad option or an input that cannot be turned into probes."""
 
 
+LOG = logger("needles")
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(item) for item in text.split(",") if item.strip())
@@ -86,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_version_argument(parser)
+    add_verbosity_arguments(parser, "no progress bar and only warnings and errors (--show still prints)")
     parser.add_argument(
         "--preset", default="quick", choices=sorted(PRESETS), help="probe grid to start from (default: quick)"
     )
@@ -112,19 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--haystack", default=None, help="simple (default) | prose | files:PATH | dataset:NAME_OR_PATH")
     parser.add_argument("--text-column", default=None, help="text column of a dataset haystack (default: text)")
     parser.add_argument("--split", default=None, help="split of a dataset haystack (default: train)")
-    parser.add_argument("--no-colour", action="store_true", help="plain text for --show")
     parser.add_argument(
-        "--no-progress",
-        "--quiet",
-        dest="no_progress",
-        action="store_true",
-        help="no progress bar (there is none when stderr is not a terminal)",
+        "--no-colour", action="store_true", help="plain text for --show (also without a terminal, or with NO_COLOR set)"
+    )
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)"
     )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    configure(args)
     changes = {
         name: value
         for name, value in (
@@ -145,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         # converts the embedded model); the probe generator itself only takes the object.
         from runtime.models import load_tokenizer, use_progress_bars
 
-        progress = use_progress_bars(args.no_progress)
+        progress = use_progress_bars(args.no_progress or args.quiet)
         tokenizer = load_tokenizer(args.model)
         shown = []
 
@@ -157,16 +161,16 @@ def main(argv: list[str] | None = None) -> int:
 
         written = write_probes(stream(), args.out)
     except (ValueError, OSError, RuntimeError) as exc:  # bad spec/input, I/O, runtime.models.ModelError
-        print(f"generate-probes: error: {exc}", file=sys.stderr)
+        LOG.error(f"generate-probes: error: {exc}")
         return 2
     if shown:
-        from needles.show import render_probe
+        from needles.show import render_probe, use_colour
 
-        colour = not args.no_colour
+        colour = use_colour(sys.stdout, args.no_colour)
         for probe in shown:
             print(render_probe(probe, tokenizer, colour=colour))
             print()
-    print(f"wrote {written} probes to {args.out}", file=sys.stderr)
+    LOG.info(f"wrote {written} probes to {args.out}")
     return 0
 
 

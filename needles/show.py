@@ -1,17 +1,28 @@
 """Terminal rendering of probes with their R/B/D spans highlighted (ANSI colours).
 
 R (retrieval-reasoning) is bold green, B (bias) yellow, D (distraction) red; W text is plain.
+Colour is used only on a terminal and without ``NO_COLOR`` (https://no-color.org): see
+:func:`use_colour`.
 Only the needle with a little haystack around it and the question part are shown; the elided
 haystack is summarised as ``[... N tokens ...]``.
 """
 
 from __future__ import annotations
 
+import os
+
 from needles.probe import LABELS, Probe
 
 COLOURS = {"R": "\033[1;32m", "B": "\033[33m", "D": "\033[31m"}
 RESET = "\033[0m"
 DIM = "\033[2m"
+
+
+def use_colour(stream, no_colour: bool = False) -> bool:
+    """Whether text written to ``stream`` gets colour codes: not when asked for none, not into a file
+    or a pipe, and not when the ``NO_COLOR`` environment variable is set to anything but empty."""
+    isatty = getattr(stream, "isatty", None)
+    return not no_colour and not os.environ.get("NO_COLOR") and callable(isatty) and bool(isatty())
 
 
 def _segments(probe: Probe, start: int, end: int):

@@ -8,6 +8,7 @@ import signal
 import sys
 import textwrap
 
+from artifacts.log import add_verbosity_arguments, configure, logger
 from artifacts.version import add_version_argument
 from profiler.arguments import comma_separated, positive_int
 from profiler.presets import PRESETS
@@ -35,6 +36,9 @@ PRESET_HELP = "; ".join(
 )
 
 
+LOG = logger("profiler")
+
+
 def _description() -> str:
     from profiler.stages import STAGES
 
@@ -58,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model", nargs="?", default=None, help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
     )
     add_version_argument(parser)
+    add_verbosity_arguments(parser, "only warnings and errors: no stage summaries, no progress bars")
     parser.add_argument(
         "--out",
         default=None,
@@ -125,6 +130,7 @@ def _raise_keyboard_interrupt(_signum, _frame):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # before the job's imports (torch): --help and --version stay fast
+    configure(args)
     from artifacts import ArtifactError
     from profiler.checkpoint import WorkFileMismatch
     from profiler.distributed import relaunch_with_torchrun, requested_cpu_processes
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if workers:
         # `accelerate launch --cpu --num_processes N` started only this process: start the N
         # gloo workers ourselves (see profiler.distributed).
-        print(f"profile-model: starting {workers} CPU worker processes (gloo)", file=sys.stderr)
+        LOG.info(f"profile-model: starting {workers} CPU worker processes (gloo)")
         return relaunch_with_torchrun(workers, list(sys.argv[1:] if argv is None else argv))
     options = JobOptions(
         model=args.model,
@@ -149,31 +155,27 @@ def main(argv: list[str] | None = None) -> int:
         device_map=args.device_map,
         dtype=args.dtype,
         attn_implementation=args.attn_implementation,
-        progress=use_progress_bars(args.no_progress),
+        progress=use_progress_bars(args.no_progress or args.quiet),
         settings={option.dest: getattr(args, option.dest) for option in settings_options()},
     )
     previous_handler = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # `kill` stops like Ctrl-C
     try:
         run_job(options)
     except KeyboardInterrupt:  # while loading or writing: the last checkpoint (if any) is intact
-        print(
+        LOG.error(
             "\nprofile-model: interrupted outside a profiling stage; rerun with --resume to continue "
-            "from the last checkpoint, if there is one",
-            file=sys.stderr,
+            "from the last checkpoint, if there is one"
         )
         return 130
     except JobInterrupted as exc:
         argv_now = ["profile-model", *(sys.argv[1:] if argv is None else argv)]
         if "--resume" not in argv_now:
             argv_now.append("--resume")
-        print(
-            f"\nprofile-model: interrupted; progress is saved in {exc.work_path}.\n"
-            f"Continue with:  {shlex.join(argv_now)}",
-            file=sys.stderr,
-        )
+        resume = shlex.join(argv_now)
+        LOG.error(f"\nprofile-model: interrupted; progress is saved in {exc.work_path}.\nContinue with:  {resume}")
         return 130
     except (ValueError, OSError, WorkFileMismatch, ModelError, ArtifactError) as exc:
-        print(f"profile-model: error: {exc}", file=sys.stderr)
+        LOG.error(f"profile-model: error: {exc}")
         return 2
     finally:
         signal.signal(signal.SIGTERM, previous_handler)

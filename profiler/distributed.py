@@ -27,7 +27,6 @@ that the CLI can start the N gloo workers itself with torch's elastic launcher
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -111,7 +110,9 @@ def relaunch_with_torchrun(num_processes: int, module_args: list[str]) -> int:
     try:
         run(args)
     except Exception as exc:  # noqa: BLE001 - torchrun raises ChildFailedError with the details printed
-        print(f"profile-model: a worker process failed: {type(exc).__name__}", file=sys.stderr)
+        from artifacts.log import logger
+
+        logger("profiler").error(f"profile-model: a worker process failed: {type(exc).__name__}")
         return 1
     return 0
 

@@ -22,6 +22,7 @@ import json
 import sys
 from pathlib import Path
 
+from artifacts.log import OUTPUT, add_verbosity_arguments, configure, logger
 from artifacts.version import add_version_argument
 from runtime.models import ATTENTION_HELP, AUTO_ATTENTION, DTYPE_CHOICES, DTYPE_HELP
 from runtime.names import ALLOCATIONS, NAMED_POLICIES, SCORER_NAMES, STATISTICS
@@ -48,6 +49,9 @@ SCORERS = SCORER_NAMES
 DEFAULT_POLICIES = ("baseline", *RECOMMENDATION_CANDIDATES, "uniform/keydiff", "uniform/expected_attention:prompt")
 DEFAULT_TASKS = ("all",)
 TASK_PRESETS = ("smoke", "quick", "standard")
+
+
+LOG = logger("profiler")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model", nargs="?", default=None, help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
     )
     add_version_argument(parser)
+    add_verbosity_arguments(parser, "only warnings and errors: no notes, no progress bars (the results are printed)")
     parser.add_argument(
         "--artifact", default=None, help="calibration file (default: kv_calibration.h5 next to the model weights)"
     )
@@ -251,7 +256,7 @@ def _servable(policies, calibration, ratio: float, explicit: bool):
         if missing:
             if explicit:
                 raise ValueError(missing[0])
-            print(f"evaluate-artifact: leaving out {spec.name}: {missing[0]}", file=sys.stderr)
+            LOG.warning(f"evaluate-artifact: leaving out {spec.name}: {missing[0]}")
             continue
         kept.append(spec)
     return kept
@@ -386,12 +391,13 @@ def _check_journal(args):
             + ": --force replaces it, or choose another --json"
         )
     if args.resume:
-        print(f"evaluate-artifact: --resume: no journal at {journal}; starting from the beginning", file=sys.stderr)
+        LOG.warning(f"evaluate-artifact: --resume: no journal at {journal}; starting from the beginning")
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    configure(args)
     from artifacts.atomic import check_output_path, output_lock
 
     with contextlib.ExitStack() as held:
@@ -400,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                 check_output_path(args.json_out, "JSON results")
                 held.enter_context(output_lock(args.json_out, "evaluate-artifact"))
             except OSError as exc:
-                print(f"evaluate-artifact: {exc}", file=sys.stderr)
+                LOG.error(f"evaluate-artifact: {exc}")
                 return 2
         return _run(args)
 
@@ -414,7 +420,7 @@ def _run(args) -> int:
 
     from .evaluation import evaluate
 
-    progress = use_progress_bars(args.no_progress)
+    progress = use_progress_bars(args.no_progress or args.quiet)
 
     try:
         policies = [parse_policy(text) for text in args.policies]
@@ -447,7 +453,7 @@ def _run(args) -> int:
         if args.write_recommendation:
             check_output_path(calibration.path, "artifact")
     except (ValueError, OSError, ArtifactError, ModelError) as exc:
-        print(f"evaluate-artifact: {exc}", file=sys.stderr)
+        LOG.error(f"evaluate-artifact: {exc}")
         return 2
 
     probes = tasks.probes(tokenizer)
@@ -469,14 +475,13 @@ def _run(args) -> int:
                     raise JournalError(f"--resume: the journal {previous.path} holds tasks not run now: {unknown[:3]}")
                 created, recorded = previous.created or created, previous.rows
                 writer = JournalWriter.resume(previous)
-                print(
-                    f"evaluate-artifact: resuming {previous.path}: {len(recorded)} of {len(probes)} tasks recorded",
-                    file=sys.stderr,
+                LOG.info(
+                    f"evaluate-artifact: resuming {previous.path}: {len(recorded)} of {len(probes)} tasks recorded"
                 )
             else:
                 writer = JournalWriter.start(journal_path(args.json_out), configuration, created)
         except (ValueError, OSError) as exc:
-            print(f"evaluate-artifact: {exc}", file=sys.stderr)
+            LOG.error(f"evaluate-artifact: {exc}")
             return 2
     try:
         evaluation = evaluate(
@@ -496,10 +501,9 @@ def _run(args) -> int:
         if writer is None:
             raise
         done = len(recorded) + writer.tasks
-        print(
+        LOG.error(
             f"\nevaluate-artifact: interrupted; {done} of {len(probes)} tasks are kept in {writer.path}: rerun with "
-            "--resume to continue",
-            file=sys.stderr,
+            "--resume to continue"
         )
         return 130
     candidates = [spec.name for spec in policies if not spec.is_baseline and not spec.needs_reconstruction]
@@ -534,7 +538,7 @@ def _run(args) -> int:
         try:
             write_atomic(args.json_out, json.dumps(evaluation, indent=2, sort_keys=True) + "\n", what="JSON results")
         except OSError as exc:
-            print(f"evaluate-artifact: {exc} (the measured tasks are kept in {writer.path})", file=sys.stderr)
+            LOG.error(f"evaluate-artifact: {exc} (the measured tasks are kept in {writer.path})")
             return 2
         writer.path.unlink(missing_ok=True)  # everything it held is in the JSON now
     if args.write_recommendation:
@@ -549,11 +553,9 @@ def _run(args) -> int:
                 confidence=args.paired_confidence,
             )
         except (ValueError, OSError, ArtifactError) as exc:
-            print(
-                f"evaluate-artifact: could not write the recommendation into {calibration.path}: {exc}", file=sys.stderr
-            )
+            LOG.error(f"evaluate-artifact: could not write the recommendation into {calibration.path}: {exc}")
             return 2
-        print(f"\nwrote the recommendation section into {calibration.path}: {done}")
+        LOG.info(f"\nwrote the recommendation section into {calibration.path}: {done}", extra=OUTPUT)
     if args.html_out:
         from artifacts.report import write_report
 
@@ -561,7 +563,7 @@ def _run(args) -> int:
             with open_artifact(calibration.path) as reader:
                 write_report(args.html_out, reader, evaluation)
         except (OSError, ArtifactError) as exc:
-            print(f"evaluate-artifact: {exc}", file=sys.stderr)
+            LOG.error(f"evaluate-artifact: {exc}")
             return 2
     return 0
 

@@ -51,6 +51,7 @@ from tqdm.auto import tqdm
 
 from artifacts import Artifact, ArtifactError, Section, open_artifact, write_artifact
 from artifacts.atomic import OutputError, check_output_path, output_lock
+from artifacts.log import logger, output
 from artifacts.reader import is_artifact_file
 from artifacts.schema import canonical_json
 from profiler import distributed
@@ -80,6 +81,9 @@ class JobInterrupted(Exception):
         self.work_path = work_path
 
 
+NOTE = logger("profiler")  # notes that something is discarded or replaced: warnings, on stderr even with -q
+
+
 @dataclass
 class JobOptions:
     model: str | None = None  # local dir, hub id, or None for the embedded model
@@ -97,7 +101,8 @@ class JobOptions:
     # "max_new_tokens", "calib_samples"; profiler.stages.settings_options()); a missing or None
     # value means the default (often the preset's).  An unknown name is refused.
     settings: dict[str, Any] = field(default_factory=dict)
-    log: object = field(default=print, repr=False)
+    # a stage summary, what was written: a line of the command's output (kvcal.profiler at INFO)
+    log: object = field(default=output("profiler"), repr=False)
 
 
 def default_output(model_source: str) -> Path:
@@ -264,9 +269,13 @@ class ProfileJob:
             done = ", ".join(f"{stage.name} {self.progress[stage.name]} {stage.units}" for stage in self.sharded)
             self.log(f"[rank {self.info.rank}] resuming from {self.work_path}: {done or 'nothing'} done")
         elif self.options.resume:
-            self.say(f"--resume: no work file at {self.work_path}; starting from the beginning")
+            if self.info.is_main:
+                NOTE.warning(f"profile-model: --resume: no work file at {self.work_path}; starting from the beginning")
         elif self.work_path.exists():
-            self.log(f"note: discarding the work file {self.work_path} of an earlier run (use --resume to continue it)")
+            NOTE.warning(
+                f"profile-model: note: discarding the work file {self.work_path} of an earlier run "
+                "(use --resume to continue it)"
+            )
             remove_work(self.work_path)
 
     def _checkpoint(self) -> None:
@@ -355,12 +364,14 @@ class ProfileJob:
         try:
             with open_artifact(self.out) as reader:
                 if not self._same_model(reader):
-                    self.log(f"note: {self.out} belongs to another model; it will be replaced")
+                    NOTE.warning(f"profile-model: note: {self.out} belongs to another model; it will be replaced")
                     return {}, {}
                 known = {stage.section for stage in STAGES}
                 return {name: reader.section(name) for name in known if reader.has(name)}, dict(reader.config)
         except ArtifactError as exc:
-            self.log(f"note: the existing {self.out} is not a valid artifact ({exc}); it will be replaced")
+            NOTE.warning(
+                f"profile-model: note: the existing {self.out} is not a valid artifact ({exc}); it will be replaced"
+            )
             return {}, {}
 
     def _build_and_write(self, config: dict) -> Path:

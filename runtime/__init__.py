@@ -31,8 +31,8 @@ Where a served decision is made, following one import chain from ``generate``:
   model; ``checks``: argument checks; ``transformers_compat``: what differs between the supported
   transformers versions.
 
-Depends on ``artifacts``, ``prompt_format``, torch, transformers, numpy and h5py only (never on
-the profiler or the probe generator).
+Depends on ``artifacts``, ``prompt_format``, torch, transformers, numpy, h5py and filelock only
+(never on the profiler or the probe generator).
 """
 
 from importlib import import_module
@@ -44,6 +44,7 @@ _EXPORTS = {
     "ATTENTION_NAME": "cache",
     "bind": "serving_plan",
     "build_inputs": "generation",
+    "CacheConsumedError": "cache",
     "cache_argument": "transformers_compat",
     "Calibration": "calibration",
     "compress": "compression",

@@ -62,6 +62,7 @@ from .transformers_compat import query_length
 
 __all__ = [
     "ATTENTION_NAME",
+    "CacheConsumedError",
     "LAYER_TAG",
     "DecodeEvictionHook",
     "DecodePlan",
@@ -73,6 +74,12 @@ __all__ = [
 # Tensor attribute through which the attention function finds the layer that parked a chunk.
 LAYER_TAG = "_kvcal_ragged_layer"
 ATTENTION_NAME = "kvcal_ragged"
+
+
+class CacheConsumedError(ValueError):
+    """A compressed cache given to a generation it cannot serve: it already holds as many columns as
+    the prompt, or more (an earlier generation consumed it), so generate() would feed the prompt a
+    second time behind it and answer from a doubled context."""
 
 
 def _no_segments() -> torch.Tensor:
@@ -210,6 +217,16 @@ class RaggedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         store = self.store
+        if key_states.shape[0] != store.batch_size and key_states.shape[1] == store.num_heads:
+            rows, held = key_states.shape[0], store.batch_size
+            repeats = rows // held if held and rows % held == 0 else "n"
+            raise ValueError(
+                f"RaggedCache holds {held} batch row{'s' if held != 1 else ''}, the model fed {rows} rows: "
+                "model.generate() with num_beams or num_return_sequences > 1 expands each prompt row but not a "
+                "cache it is given, which a compressed cache does not support by itself; call runtime.generate "
+                f"(it expands the cache), or cache.batch_repeat_interleave({repeats}) "
+                "before model.generate"
+            )
         if key_states.shape[0] != store.batch_size or key_states.shape[1] != store.num_heads:
             raise ValueError(
                 f"RaggedCache holds batch {store.batch_size} x {store.num_heads} KV heads, "

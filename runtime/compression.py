@@ -77,6 +77,13 @@ def prefill(
     the statistics.
     Pass the returned statistics back in (``prompt_stats=``) when prefilling in several chunks.
     """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a [batch, length] tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    layers = ModelGeometry.of(model).num_layers
+    if len(cache.layers) != layers:
+        raise ValueError(f"the cache has {len(cache.layers)} layers, the model {layers}: is it another model's?")
     batch, length = input_ids.shape
     past = cache.get_seq_length()
     if attention_mask is None:
@@ -188,14 +195,29 @@ def _check_shared_scores(scores, cache: RaggedCache, rows: list[int]) -> None:
             )
 
 
-@dataclass
+@dataclass(repr=False)
 class CompressionReport:
+    """What :func:`compress` did; its ``repr`` / ``str`` is a one-line summary (the arrays stay
+    attributes: hundreds of lines of them is no summary)."""
+
     budgets: np.ndarray  # int64 [B, L, Hkv] budget given to each head
     lengths_before: np.ndarray  # int64 [L, B, Hkv]
     lengths_after: np.ndarray  # int64 [L, B, Hkv]
     kv_bytes_before: int
     kv_bytes_after: int
     seconds: float
+
+    def __repr__(self) -> str:
+        layers, rows, heads = self.lengths_before.shape
+        before, after = int(self.lengths_before.sum()), int(self.lengths_after.sum())
+        kept = f"{100 * after / before:.1f}% kept" if before else "nothing held"
+        return (
+            f"CompressionReport({rows} row{'s' if rows != 1 else ''} x {layers} layers x {heads} KV heads: "
+            f"{before} -> {after} tokens held, {kept}; KV {self.kv_bytes_before:,} -> {self.kv_bytes_after:,} bytes; "
+            f"{self.seconds:.3f} s)"
+        )
+
+    __str__ = __repr__
 
 
 @torch.no_grad()

@@ -36,7 +36,7 @@ from transformers.utils import ModelOutput
 from prompt_format import encode_prompt
 
 from .attention import ragged_attention
-from .cache import RaggedCache
+from .cache import CacheConsumedError, RaggedCache
 from .checks import check_integer
 from .compression import CompressionReport, compress, prefill
 from .policy import CompressionPolicy
@@ -219,7 +219,11 @@ def rows_per_prompt(model, generate_kwargs: dict) -> int:
     """
     kwargs = dict(generate_kwargs)
     config, _ = model._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
-    return max(int(config.num_beams or 1), int(config.num_return_sequences or 1))
+    # generate() divides by num_beams (0: ZeroDivisionError) and returns nothing for 0 sequences
+    beams = 1 if config.num_beams is None else check_integer("num_beams", config.num_beams, minimum=1)
+    sequences = config.num_return_sequences
+    sequences = 1 if sequences is None else check_integer("num_return_sequences", sequences, minimum=1)
+    return max(beams, sequences)
 
 
 def generate_from_cache(
@@ -232,7 +236,19 @@ def generate_from_cache(
 ) -> GenerationResult:
     """``model.generate`` of ``input_ids [B, T]`` through ``cache``, which holds the compressed
     prefix of these ``B`` rows: expanded here to generate()'s rows (beams, several sequences per
-    prompt: :func:`rows_per_prompt`), reordered by generate() itself with the beams."""
+    prompt: :func:`rows_per_prompt`), reordered by generate() itself with the beams.
+
+    A cache serves the prompt it was compressed for once: one that already holds as many columns
+    as ``input_ids`` or more (an earlier generation consumed it) is refused with
+    :class:`~runtime.cache.CacheConsumedError` (generate() would feed the whole prompt again
+    behind it).  A generation's own ``sequences`` continue through its cache."""
+    held = cache.get_seq_length()
+    if held >= input_ids.shape[1]:
+        raise CacheConsumedError(
+            f"the cache already holds {held} columns and the prompt has {input_ids.shape[1]}: an earlier "
+            "generation consumed it (generate() would feed the prompt again behind it and answer from a doubled "
+            "context); compress the prompt again, or keep cache.copy() of the compressed cache for each generation"
+        )
     if generate_kwargs.get("generation_config") is None:  # greedy unless asked: not the model's sampling default
         generate_kwargs.setdefault("do_sample", False)
     expand = rows_per_prompt(model, generate_kwargs)
@@ -340,6 +356,7 @@ def answer(
     With ``num_return_sequences=n > 1`` each answer is a list of its ``n`` texts (beams: the
     best first).  Arguments are checked before any forward pass.
     """
+    check_integer("max_new_tokens", max_new_tokens, minimum=1)
     contexts, one_context = _strings("context", context)
     questions, one_question = _strings("question", question)
     if not one_context and one_question:

