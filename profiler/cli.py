@@ -9,7 +9,15 @@ import sys
 import textwrap
 
 from artifacts.version import add_version_argument
-from profiler.arguments import comma_separated, positive_int
+from profiler.arguments import (
+    MAX_COUNT,
+    CommandParser,
+    check_attention_implementation,
+    comma_separated,
+    did_you_mean,
+    fail,
+    int_at_least,
+)
 from profiler.presets import PRESETS
 from runtime.models import ATTENTION_HELP, AUTO_ATTENTION, DTYPE_CHOICES, DTYPE_HELP
 
@@ -39,10 +47,8 @@ def _description() -> str:
     from profiler.stages import STAGES
 
     lines = [DESCRIPTION_HEAD]
-    for stage in STAGES:
-        lines.append(
-            textwrap.fill(stage.summary, width=94, initial_indent=f"  {stage.name:<12} ", subsequent_indent=" " * 15)
-        )
+    for stage in STAGES:  # one line each; README.md describes them in full
+        lines.append(f"  {stage.name:<15}{textwrap.shorten(stage.summary, width=78, placeholder=' ...')}")
     return "\n".join(lines) + "\n" + DESCRIPTION_TAIL
 
 
@@ -51,8 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     (``profiler.stages.option_groups``)."""
     from profiler.stages import STAGE_NAMES, STAGES, option_groups
 
-    parser = argparse.ArgumentParser(
-        prog="profile-model", description=_description(), formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = CommandParser(
+        prog="profile-model",
+        usage="profile-model [MODEL] [--out OUT] [--preset PRESET] [--stages LIST] [--resume] [--force] [options]",
+        description=_description(),
+        raw_description=True,
     )
     parser.add_argument(
         "model", nargs="?", default=None, help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
@@ -70,15 +79,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace an artifact at the output path that belongs to another model or does not validate "
         "(a file that is not a kvcal artifact is never replaced)",
     )
-    parser.add_argument("--preset", choices=list(PRESETS), default="quick", help=f"job size. {PRESET_HELP}")
+    parser.add_argument(
+        "--preset", choices=list(PRESETS), default="quick", help=f"job size (default quick). {PRESET_HELP}"
+    )
 
     opt_in = [stage.name for stage in STAGES if not any(stage.on_by_default(preset) for preset in PRESETS.values())]
 
     def stages(text: str) -> tuple[str, ...]:
         chosen = comma_separated(str)(text)
-        unknown = [stage for stage in chosen if stage not in STAGE_NAMES]
-        if unknown or not chosen:
-            raise argparse.ArgumentTypeError(f"unknown stage(s) {unknown}; choose from {','.join(STAGE_NAMES)}")
+        for stage in chosen:
+            if stage not in STAGE_NAMES:
+                raise argparse.ArgumentTypeError(
+                    f"unknown stage {stage!r}{did_you_mean(stage, STAGE_NAMES)}; choose from {','.join(STAGE_NAMES)}"
+                )
+        if len(set(chosen)) != len(chosen):
+            raise argparse.ArgumentTypeError(f"a stage named twice in {text!r}")
         return chosen
 
     parser.add_argument(
@@ -109,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--checkpoint-every",
-        type=positive_int,
+        type=int_at_least(1, MAX_COUNT),
         default=4,
         help="units of work (probes, calibration batches) between work-file checkpoints (default 4)",
     )
@@ -125,6 +140,10 @@ def _raise_keyboard_interrupt(_signum, _frame):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # before the job's imports (torch): --help and --version stay fast
+    try:
+        check_attention_implementation(args.attn_implementation)
+    except ValueError as exc:
+        return fail("profile-model", exc)
     from artifacts import ArtifactError
     from profiler.checkpoint import WorkFileMismatch
     from profiler.distributed import relaunch_with_torchrun, requested_cpu_processes
@@ -173,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 130
     except (ValueError, OSError, WorkFileMismatch, ModelError, ArtifactError) as exc:
-        print(f"profile-model: error: {exc}", file=sys.stderr)
-        return 2
+        return fail("profile-model", exc)
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
     return 0

@@ -55,6 +55,7 @@ from artifacts.reader import is_artifact_file
 from artifacts.schema import canonical_json
 from profiler import distributed
 from profiler.checkpoint import interrupts_deferred, load_work, remove_work, save_work, work_file_path
+from profiler.model_config import model_config, model_positions, other_architecture
 from profiler.presets import PRESETS
 from profiler.stages import (
     STAGE_NAMES,
@@ -198,14 +199,46 @@ class ProfileJob:
         options = self.options
         self.model_path = resolve_model(options.model)
         self.out = Path(options.out) if options.out else default_output(self.model_path)
-        check_output_path(self.out, "artifact")
+        self._check_before_loading()
+        with output_lock(self.out, "profile-model", self.info.rank):
+            return self._run_locked()
+
+    def _check_before_loading(self) -> None:
+        """What can be checked before the model loads, is (``ValueError`` / ``OutputError``): the output
+        (not a directory, not an input, not a file that is not a kvcal artifact, not an artifact that
+        does not validate or is of another architecture unless ``force``: every dataset is read) and
+        the windows against the model's positions (its config.json).  Another model of the same
+        architecture is told only by its weights: refused once they are loaded, before any stage runs."""
+        settings = self.settings
+        inputs = [settings["probes_file"], *(settings["calib_dataset"] or "").split(",")]
+        check_output_path(self.out, "artifact", inputs=[path.strip() for path in inputs if path and path.strip()])
         if self.out.exists() and not is_artifact_file(self.out):
             raise ValueError(
                 f"{self.out} exists and is not a kvcal artifact; it is never replaced: choose another --out "
                 "(or delete the file yourself)"
             )
-        with output_lock(self.out, "profile-model", self.info.rank):
-            return self._run_locked()
+        config = model_config(self.model_path)
+        if self.out.exists() and not self.options.force:
+            try:
+                with open_artifact(self.out) as reader:
+                    reader.validate()
+                    other, stored = reader.model.name, reader.model.arch_fingerprint
+                    sections = sorted(reader.sections)
+            except ArtifactError as exc:
+                raise ValueError(
+                    f"{self.out} is a kvcal artifact that does not validate ({exc}); --force replaces it"
+                ) from None
+            if config is not None and other_architecture(config, stored):
+                raise ValueError(
+                    f"{self.out} is the artifact of another model ({other}), of another architecture, with section(s) "
+                    f"{', '.join(sections)}; --force replaces it, or choose another --out"
+                )
+        positions = None if config is None else model_positions(config)
+        if positions is not None and settings["calib_tokens"] > positions:
+            raise ValueError(
+                f"calib_tokens (--calib-tokens) is {settings['calib_tokens']}, beyond the model's {positions} "
+                "positions (max_position_embeddings)"
+            )
 
     def _run_locked(self) -> Path:
         check_requirements(self.stage_names, self.settings, self._sections_at_output(), self.out)

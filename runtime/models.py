@@ -406,6 +406,14 @@ def attention_softcap(model: str | os.PathLike | None) -> float | None:
     return getattr(config, "attn_logit_softcapping", None) or None
 
 
+def load_config(model: str | os.PathLike | None = None):
+    """The model's transformers config, without its weights (what the commands check before the
+    model loads); a model that does not exist is a :class:`ModelNotFoundError` as for :func:`load_model`."""
+    from transformers import AutoConfig
+
+    return _from_pretrained(AutoConfig, model)
+
+
 def load_model(
     model: str | os.PathLike | None = None,
     *,
