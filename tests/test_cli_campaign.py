@@ -270,23 +270,35 @@ def _keep_sections(source: Path, target: Path, names: tuple[str, ...]) -> None:
     write_artifact(target, artifact)
 
 
-@pytest.fixture
-def workspace(tmp_path) -> dict[str, str]:
-    """The files the cases name: a valid artifact of the embedded model (``art``), one of another
-    model (``other``), one with a damaged dataset (``bad``), symbolic links to them, a text file,
-    an empty file, an empty directory."""
+@pytest.fixture(scope="module")
+def artifact_templates(tmp_path_factory) -> dict[str, Path]:
+    """The artifacts the cases name, made once (each case gets its own copies): a valid artifact of
+    the embedded model (``art``), one with a damaged dataset (``bad``), one of another model
+    (``other``), the embedded model's with the query statistics alone (``partial``)."""
     from conftest import make_random_artifact, make_random_identity
 
     from artifacts import write_artifact
 
-    art = tmp_path / "art.h5"
+    directory = tmp_path_factory.mktemp("campaign-artifacts")
+    art = directory / "art.h5"
     shutil.copy(SMOKE_ARTIFACT, art)
-    bad = tmp_path / "bad.h5"
+    bad = directory / "bad.h5"
     shutil.copy(SMOKE_ARTIFACT, bad)
     _damage_one_dataset(bad)
-    other = write_artifact(tmp_path / "other.h5", make_random_artifact(make_random_identity(name="another-model")))
-    partial = tmp_path / "partial.h5"  # the embedded model's, with the query statistics alone
+    other = write_artifact(directory / "other.h5", make_random_artifact(make_random_identity(name="another-model")))
+    partial = directory / "partial.h5"
     _keep_sections(art, partial, ("query_stats",))
+    return {"art": art, "bad": bad, "other": Path(other), "partial": partial}
+
+
+@pytest.fixture
+def workspace(tmp_path, artifact_templates) -> dict[str, str]:
+    """The files the cases name, fresh for each case: copies of the artifacts, symbolic links to
+    them, a text file, an empty file, a CSV file, an empty directory."""
+    paths: dict[str, Path] = {"tmp": tmp_path}
+    for name, template in artifact_templates.items():
+        paths[name] = tmp_path / template.name
+        shutil.copy(template, paths[name])
     text = tmp_path / "notes.txt"
     text.write_text("a text file that is no artifact, no probe and no model\n")
     empty = tmp_path / "empty.jsonl"
@@ -294,11 +306,10 @@ def workspace(tmp_path) -> dict[str, str]:
     (tmp_path / "data.csv").write_text("a,b\n1,2\n")
     emptydir = tmp_path / "emptydir"
     emptydir.mkdir()
-    links = {"artlink": art, "badlink": bad, "textlink": text}
+    links = {"artlink": paths["art"], "badlink": paths["bad"], "textlink": text}
     for name, target in links.items():
         (tmp_path / name).symlink_to(target)
-    paths = {"tmp": tmp_path, "art": art, "bad": bad, "other": other, "partial": partial, "text": text, "empty": empty}
-    paths.update({"emptydir": emptydir, **{name: tmp_path / name for name in links}})
+    paths.update({"text": text, "empty": empty, "emptydir": emptydir, **{name: tmp_path / name for name in links}})
     return {name: str(path) for name, path in paths.items()}
 
 
