@@ -35,11 +35,8 @@ process alone writes the file. Big models: one process with --device-map auto sp
 layers over the visible GPUs.
 """
 
-PRESET_HELP = "; ".join(
-    f"{name}: needles '{p.probes}' probes"
-    + "".join(f" {key}={','.join(map(str, value))}" for key, value in p.probe_overrides)
-    + f", {p.max_new_tokens} new tokens, {p.calib_samples}x{p.calib_tokens} calibration tokens"
-    for name, p in PRESETS.items()
+PRESET_HELP = "; ".join(  # README.md: what each preset runs
+    f"{name} {p.calib_samples}x{p.calib_tokens} tokens, {p.max_new_tokens} new" for name, p in PRESETS.items()
 )
 
 
@@ -70,14 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--out",
         default=None,
-        help="output file (default: kv_calibration.h5 in the model directory when writable, else in "
-        "kvcal's cache, $XDG_CACHE_HOME/kvcal/artifacts/<org>--<name>/ for a hub id, where load_calibration looks)",
+        help="output file (default: kv_calibration.h5 next to the weights, else in kvcal's cache, where "
+        "load_calibration looks)",
     )
     parser.add_argument(
         "--force",
         action="store_true",
-        help="replace an artifact at the output path that belongs to another model or does not validate "
-        "(a file that is not a kvcal artifact is never replaced)",
+        help="replace an artifact of another model, or one that does not validate, at --out (never a file that "
+        "is not a kvcal artifact)",
     )
     parser.add_argument(
         "--preset", choices=list(PRESETS), default="quick", help=f"job size (default quick). {PRESET_HELP}"
@@ -100,9 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--stages",
         type=stages,
         default=None,
-        help=f"comma-separated subset of {','.join(STAGE_NAMES)} (default: all but {','.join(opt_in)}, which run "
-        "only when named; recommendation only from the quick preset up). Sections of an existing artifact for "
-        "the same model at --out are kept",
+        metavar="LIST",
+        help=f"comma-separated stages (above; default: all but {','.join(opt_in)}; recommendation from quick up); "
+        "an existing artifact's other sections for the same model are kept",
     )
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run from its work file")
     for title, options in option_groups():
@@ -113,23 +110,25 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--device-map",
         default=None,
-        help='transformers device_map for loading (default: "auto" on a single GPU process, CPU otherwise)',
+        metavar="MAP",
+        help='transformers device_map (default: "auto" on a single GPU process, CPU otherwise)',
     )
-    group.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP + "; recorded in the artifact")
+    group.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP + "; recorded")
     group.add_argument(
         "--attn-implementation",
         default=AUTO_ATTENTION,
         metavar="NAME",
-        help=ATTENTION_HELP + "; recorded in the artifact",
+        help=ATTENTION_HELP + "; recorded",
     )
     group.add_argument(
         "--checkpoint-every",
         type=int_at_least(1, MAX_COUNT),
         default=4,
-        help="units of work (probes, calibration batches) between work-file checkpoints (default 4)",
+        metavar="N",
+        help="probes or calibration batches between work-file checkpoints (default 4)",
     )
     group.add_argument(
-        "--no-progress", action="store_true", help="no progress bars (there are none when stderr is not a terminal)"
+        "--no-progress", action="store_true", help="no progress bars (none either when stderr is no terminal)"
     )
     return parser
 

@@ -113,6 +113,7 @@ class Text(Kind):
     """A non-empty string (an empty ``--calib-field=`` is a mistake, not a value)."""
 
     description: str = "a non-empty string"
+    metavar: str = "TEXT"
 
     def parse(self, text: str) -> str:
         if not text.strip():
@@ -190,7 +191,7 @@ class Option:
             return "LIST"
         if isinstance(kind, Integer | Number):
             return "N" if isinstance(kind, Integer) else "X"
-        return self.flag.removeprefix("--").replace("-", "_").upper()
+        return getattr(kind, "metavar", None) or self.flag.removeprefix("--").replace("-", "_").upper()
 
     def resolve(self, value, preset):
         """The setting's value: ``value`` checked, or the default when it is None."""

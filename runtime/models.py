@@ -369,17 +369,12 @@ def load_tokenizer(model: str | os.PathLike | None = None):
 
 # --dtype of the commands that load a model: "auto" is the checkpoint's own dtype
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-DTYPE_HELP = (
-    "dtype the model is loaded in: auto (the checkpoint's own), float32, bfloat16 or float16 "
-    "(default: float32 on a CPU, the checkpoint's own on a GPU)"
-)
+DTYPE_HELP = "auto (the checkpoint's), float32, bfloat16 or float16 (default: float32 on a CPU, auto on a GPU)"
 # "auto" for --attn-implementation: sdpa, or eager for a model that soft-caps its attention logits
 AUTO_ATTENTION = "auto"
 ATTENTION_HELP = (
-    "transformers attention implementation the model is loaded with, for the passes that run the "
-    "model's own attention (the profiler's captures switch in their own functions): auto (default) is "
-    "sdpa, or eager for a model that soft-caps its attention logits (Gemma 2), which sdpa cannot; or "
-    "eager, sdpa, flash_attention_2, ... as transformers accepts them"
+    "auto (default: sdpa, or eager for a model that soft-caps its attention logits), eager, sdpa, "
+    "flash_attention_2, ... as transformers accepts them"
 )
 
 

@@ -101,15 +101,19 @@ CALIBRATION_TEXT_OPTIONS: tuple[Option, ...] = (
     Option(
         "--calib-dataset",
         "calib_dataset",
-        Text(),
+        Text(metavar="PATHS"),
         None,
-        "calibration text: local .txt/.md/.jsonl/.json files or directories (comma-separated), "
-        "or a datasets name[:config] (default: needles' built-in prose haystack)",
+        "local .txt/.md/.jsonl/.json files or directories (comma-separated), or a datasets name[:config] "
+        "(default: needles' built-in prose)",
         check=check_calibration_source,
     ),
-    Option("--calib-split", "calib_split", Text(), "train", "datasets split (default: train)"),
+    Option("--calib-split", "calib_split", Text(metavar="SPLIT"), "train", "datasets split (default: train)"),
     Option(
-        "--calib-field", "calib_field", Text(), "text", "text field of JSON records / datasets rows (default: text)"
+        "--calib-field",
+        "calib_field",
+        Text(metavar="FIELD"),
+        "text",
+        "text field of JSON records / datasets rows (default: text)",
     ),
     Option(
         "--calib-samples",
@@ -140,7 +144,7 @@ PROBE_OPTIONS: tuple[Option, ...] = (
     Option(
         "--probes",
         "probes_file",
-        Text(),
+        Text(metavar="FILE"),
         None,
         "JSON-lines probe file (from generate-probes) instead of the preset's needles probes",
         check=check_probe_file,

@@ -69,9 +69,8 @@ class RecommendationStage(Stage):
             "recommend_compression_ratios",
             ListOf(Number(0.0, 1.0, low_open=True, high_open=True), distinct=True),
             DEFAULT_COMPRESSION_RATIOS,
-            "compression ratios (fractions of the context cache evicted) to recommend a policy for "
-            f"(default {','.join(f'{r:g}' for r in DEFAULT_COMPRESSION_RATIOS)}); a request beyond the largest is "
-            "served the flagship, never a smaller ratio's decision",
+            "compression ratios to recommend a policy for (default "
+            f"{','.join(f'{r:g}' for r in DEFAULT_COMPRESSION_RATIOS)}); beyond the largest: the flagship",
         ),
         Option(
             "--recommend-families",
@@ -92,8 +91,7 @@ class RecommendationStage(Stage):
             "recommend_count",
             Integer(1, MAX_COUNT),
             lambda preset: max(1, preset.recommendation_count),
-            "held-out tasks per (family, haystack, length, depth) cell (default: the preset's; families x "
-            "haystacks x the preset's lengths and depths x this many tasks: 70 on quick)",
+            "held-out tasks per (family, haystack, length, depth) cell (default: the preset's; 70 tasks on quick)",
         ),
         Option(
             "--recommend-tolerance",
