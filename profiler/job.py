@@ -54,7 +54,15 @@ from artifacts.atomic import OutputError, check_output_path, output_lock
 from artifacts.reader import is_artifact_file
 from artifacts.schema import canonical_json
 from profiler import distributed
-from profiler.checkpoint import interrupts_deferred, load_work, remove_work, save_work, work_file_path
+from profiler.checkpoint import (
+    WorkFileMismatch,
+    interrupts_deferred,
+    load_work,
+    remove_work,
+    save_work,
+    work_file_path,
+    work_load,
+)
 from profiler.model_config import model_config, model_positions, other_architecture
 from profiler.presets import PRESETS
 from profiler.stages import (
@@ -217,7 +225,7 @@ class ProfileJob:
                 f"{self.out} exists and is not a kvcal artifact; it is never replaced: choose another --out "
                 "(or delete the file yourself)"
             )
-        config = model_config(self.model_path)
+        config = self._config = model_config(self.model_path)
         if self.out.exists() and not self.options.force:
             try:
                 with open_artifact(self.out) as reader:
@@ -233,11 +241,48 @@ class ProfileJob:
                     f"{self.out} is the artifact of another model ({other}), of another architecture, with section(s) "
                     f"{', '.join(sections)}; --force replaces it, or choose another --out"
                 )
+        if self.options.resume:
+            self._check_resumed_load(config)
         positions = None if config is None else model_positions(config)
         if positions is not None and settings["calib_tokens"] > positions:
             raise ValueError(
                 f"calib_tokens (--calib-tokens) is {settings['calib_tokens']}, beyond the model's {positions} "
                 "positions (max_position_embeddings)"
+            )
+
+    def requested_load(self, config) -> dict:
+        """How this run asks for its model to be loaded, with the defaults spelt out as they resolve
+        (``runtime.models.load_model``): no --dtype is float32 on a CPU, auto on a GPU; attention auto
+        is sdpa, or eager for a model that soft-caps its attention logits."""
+        options = self.options
+        dtype = options.dtype
+        if dtype is None:
+            on_cpu = options.device_map in (None, "cpu") and not torch.cuda.is_available()
+            dtype = "float32" if on_cpu else "auto"
+        attention = options.attn_implementation
+        if attention == "auto" and config is not None:
+            text = config.get_text_config() if hasattr(config, "get_text_config") else config
+            attention = "eager" if getattr(text, "attn_logit_softcapping", None) else "sdpa"
+        return {"dtype": dtype, "attn_implementation": attention}
+
+    def _check_resumed_load(self, config) -> None:
+        """``--resume`` with another --dtype or --attn-implementation than the work file's run: refused
+        before the model loads (a work file of a version that did not record it: once it is loaded)."""
+        work_path = work_file_path(self.out, self.info.rank, self.info.world_size)
+        recorded = work_load(work_path)
+        if recorded is None:
+            return
+        self._load_request = self.requested_load(config)
+        differs = [
+            f"{name} {recorded.get(name)!r} there, {value!r} now"
+            for name, value in self._load_request.items()
+            if recorded.get(name) != value
+        ]
+        if differs:
+            raise WorkFileMismatch(
+                f"--resume: the work file {work_path} was written by a run whose model was loaded otherwise "
+                f"({'; '.join(differs)}); rerun with its --dtype / --attn-implementation, or drop --resume to "
+                "start over"
             )
 
     def _run_locked(self) -> Path:
@@ -260,6 +305,7 @@ class ProfileJob:
             *((canonical_json(self.loaded),) if self.loaded != CPU_DEFAULT_LOAD else ()),
         )
         self.work_path = work_file_path(self.out, self.info.rank, self.info.world_size)
+        self._load_request = self.requested_load(self._config)
         self.progress = {stage.name: 0 for stage in self.sharded}
         self._resume()
 
@@ -304,7 +350,7 @@ class ProfileJob:
 
     def _checkpoint(self) -> None:
         arrays = {f"{stage.section}.{key}": value for stage in self.sharded for key, value in stage.state().items()}
-        save_work(self.work_path, self._fingerprint, self.progress, arrays)
+        save_work(self.work_path, self._fingerprint, self.progress, arrays, load=self._load_request)
 
     def _run_work(self, stage: ShardedStage) -> None:
         units = stage.work()

@@ -388,3 +388,67 @@ def test_a_bad_command_line_is_refused_in_one_line_before_the_model_loads(case, 
         with open(log, "a", encoding="utf-8") as fh:
             fh.write(f"{case.id}\t{'; '.join(problems) or 'handled'}\n")
     assert not problems, "; ".join(problems)
+
+
+# -- kills and --resume (slow: a real profile-model run of a tiny model, killed) ---------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, embedded_tokenizer):
+    from conftest import write_tiny_model_dir
+
+    return write_tiny_model_dir(tmp_path_factory.mktemp("campaign-tiny-model"), embedded_tokenizer, probes=12, seed=5)
+
+
+RESUME_CHANGES = [
+    (("--dtype", "bfloat16"), "dtype"),
+    (("--attn-implementation", "eager"), "attn_implementation"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(("change", "named"), RESUME_CHANGES, ids=[" ".join(c) for c, _ in RESUME_CHANGES])
+def test_a_killed_run_resumed_with_another_load_is_refused_before_the_model_loads(
+    tiny_model_dir, tmp_path, monkeypatch, capsys, signal_name, change, named
+):
+    """Kill a run at its first checkpoint; ``--resume`` with another ``--dtype`` or
+    ``--attn-implementation`` is refused in one line naming it, before the model loads (the
+    tripwire), the work file kept byte for byte; the same ``--resume`` then finishes the run."""
+    import signal
+
+    from conftest import single_thread, start_profile, tiny_profile_args
+
+    import runtime.models
+    from artifacts import open_artifact
+    from profiler.cli import main
+
+    out = tmp_path / "kv_calibration.h5"
+    work = Path(str(out) + ".work.npz")
+    args = tiny_profile_args(tiny_model_dir, out, "--stages", "behaviour,budgets", "--checkpoint-every", "1")
+    proc = start_profile(args, work)
+    proc.send_signal(getattr(signal, signal_name))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and work.exists() and not out.exists(), err[-2000:]
+    saved = work.read_bytes()
+
+    original = runtime.models._from_pretrained
+
+    def tripwire(auto_class, model, **kwargs):
+        if auto_class.__name__ != "AutoConfig":
+            raise ModelLoadAttempted(f"{auto_class.__name__}.from_pretrained({model})")
+        return original(auto_class, model, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(runtime.models, "_from_pretrained", tripwire)
+        capsys.readouterr()
+        assert main([*args, *change, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and named in err, err
+    assert work.read_bytes() == saved and not out.exists()
+    with single_thread():
+        assert main([*args, "--resume"]) == 0
+    assert "resuming from" in capsys.readouterr().out
+    with open_artifact(out) as reader:
+        reader.validate()
+    assert not work.exists()
