@@ -15,7 +15,9 @@ clear sentence naming the destination.
 Destinations: an existing symbolic link is followed (its target is replaced); a directory, a
 device or anything else that is not a regular file is refused (:func:`check_output_path`,
 which the command lines also call before any model work, so a bad ``--json`` / ``--html`` /
-``--out`` is reported at once, not after an hour).
+``--out`` is reported at once, not after an hour).  The command lines also pass their inputs
+(an output is never written over one, through a link neither) and whether the output is text
+(a JSON, JSON-lines or HTML output replaces an HDF5 or other binary file only with ``--force``).
 
 Temporary files are named ``.<name>.<pid>.<random>.tmp``.  A process killed in the block leaves
 one behind; the next write to the same destination removes those whose writer ``pid`` is no

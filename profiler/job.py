@@ -16,13 +16,16 @@ The stages never see the job: each gets one frozen :class:`profiler.stages.Stage
 place in the run) and is made only once it exists.
 
 What is at the output path is protected: every setting is checked when the job is made (each
-against its declared option, then the stages' ``check_settings``), the output path and the
-sections the stages read (``requires``: built earlier in the run, or in the artifact at the
-output path) before the model loads (a directory, a device, an unwritable directory, or a
-file that is not a kvcal artifact, e.g. the weights, is refused), and, once the model is
-loaded and before any stage runs, an artifact of another model or one that does not validate
-is replaced only with ``force`` (``--force``); the sections are checked again against what is
-then kept.  The run holds an
+against its declared option, e.g. ``--probes`` and ``--calib-dataset`` read, then the stages'
+``check_settings``), and before the model loads the output path (a directory, a device, an
+unwritable directory, an input of the run, or a file that is not a kvcal artifact, e.g. the
+weights, is refused; an artifact that does not validate, every dataset read, or of another
+architecture only with ``force``), the windows against the model's positions (its config),
+a ``--resume``'s load options against its work file's, and the sections the stages read
+(``requires``: built earlier in the run, or in the artifact at the output path).  Once the
+model is loaded and before any stage runs, an artifact of another model of the same
+architecture (told by the weights) is replaced only with ``force``; the sections are checked
+again against what is then kept.  The run holds an
 exclusive lock on ``<out>.lock`` (each process of a multi-process run its own,
 ``artifacts.atomic.output_lock``), so a second run on the same output is refused instead of
 discarding the first one's work file.
