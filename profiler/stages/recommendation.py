@@ -61,7 +61,7 @@ class RecommendationStage(Stage):
             ListOf(Text("a policy name")),
             lambda preset: preset.recommendation_candidates or RECOMMENDATION_CANDIDATES,
             "candidate policies, cheapest to serve first (the first that passes the paired rule is served); "
-            "default: the preset's (quick: the flagship alone), else all " + str(len(RECOMMENDATION_CANDIDATES)),
+            "default: the preset's (quick: the flagship alone), else " + ", ".join(RECOMMENDATION_CANDIDATES),
             check=_check_candidates,
         ),
         Option(
