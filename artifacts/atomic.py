@@ -15,7 +15,9 @@ clear sentence naming the destination.
 Destinations: an existing symbolic link is followed (its target is replaced); a directory, a
 device or anything else that is not a regular file is refused (:func:`check_output_path`,
 which the command lines also call before any model work, so a bad ``--json`` / ``--html`` /
-``--out`` is reported at once, not after an hour).
+``--out`` is reported at once, not after an hour).  The command lines also pass their inputs
+(an output is never written over one, through a link neither) and whether the output is text
+(a JSON, JSON-lines or HTML output replaces an HDF5 or other binary file only with ``--force``).
 
 Temporary files are named ``.<name>.<pid>.<random>.tmp``.  A process killed in the block leaves
 one behind; the next write to the same destination removes those whose writer ``pid`` is no
@@ -38,7 +40,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -55,15 +57,50 @@ def _describe(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-def check_output_path(path: str | os.PathLike, what: str = "output") -> Path:
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def is_text_file(path: str | os.PathLike) -> bool:
+    """Whether the file at ``path`` looks like text (what a JSON, JSON-lines or HTML output may
+    replace): not an HDF5 file (a kvcal artifact), no NUL byte in its first 8 KiB."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8192)
+    except OSError:
+        return False
+    return not head.startswith(HDF5_SIGNATURE) and b"\0" not in head
+
+
+def check_output_path(
+    path: str | os.PathLike,
+    what: str = "output",
+    *,
+    inputs: Iterable[str | os.PathLike | None] = (),
+    text: bool = False,
+    force: bool = False,
+) -> Path:
     """The destination a write to ``path`` would replace (a symbolic link's target), checked
     without writing anything: not a directory or other non-regular file, and its directory
-    exists and is writable or can be created.  Raises :class:`OutputError` otherwise."""
+    exists and is writable or can be created.  Raises :class:`OutputError` otherwise.
+
+    The rule every command follows (issue 30): no output is written over one of the command's
+    ``inputs`` (compared after following links, so a link to the input is the input; never, even
+    with ``--force``), and a ``text`` output (JSON, JSON lines, HTML) replaces only a text file
+    unless ``force`` (an artifact or another binary file is not its kind)."""
     destination = Path(os.path.realpath(os.fspath(path)))
     shown = os.fspath(path)
     if destination.exists() and not destination.is_file():
         kind = "a directory" if destination.is_dir() else "not a regular file"
         raise OutputError(f"cannot write the {what} {shown}: it is {kind}")
+    for source in inputs:
+        if source is not None and Path(os.path.realpath(os.fspath(source))) == destination:
+            same = "" if os.fspath(source) == shown else f" ({shown} leads to {source})"
+            raise OutputError(f"cannot write the {what} {shown}: it is an input of this command{same}")
+    if text and not force and destination.is_file() and not is_text_file(destination):
+        kind = "an HDF5 file (an artifact?)" if _starts_with(destination, HDF5_SIGNATURE) else "a binary file"
+        raise OutputError(
+            f"cannot write the {what} {shown}: it is {kind}, not a {what}; choose another path (or --force)"
+        )
     ancestor = destination.parent
     while not ancestor.exists():
         ancestor = ancestor.parent
@@ -72,6 +109,14 @@ def check_output_path(path: str | os.PathLike, what: str = "output") -> Path:
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise OutputError(f"cannot write the {what} {shown}: the directory {ancestor} is not writable")
     return destination
+
+
+def _starts_with(path: Path, signature: bytes) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(signature)) == signature
+    except OSError:
+        return False
 
 
 @contextmanager

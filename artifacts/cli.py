@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from .command_line import MAX_TOKENS, CommandParser, int_at_least
 from .errors import ArtifactError
 from .log import add_verbosity_arguments, configure, logger
 from .reader import open_artifact
@@ -16,8 +16,8 @@ EXIT_VALID, EXIT_INVALID = 0, 2
 LOG = logger("artifacts")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    parser = CommandParser(
         prog="inspect-artifact",
         description="Validate a KV-cache calibration artifact (kv_calibration.h5) written by "
         "profile-model and print what it holds: the model it belongs to, when and how "
@@ -38,11 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--html",
         metavar="OUT",
         help="also write a self-contained HTML report (heatmaps of the head scores, "
-        "budgets, query statistics, moments) to OUT",
+        "budgets, query statistics, moments) to OUT (never the artifact itself, nor a file that is not text)",
     )
     parser.add_argument(
         "--budget",
-        type=int,
+        type=int_at_least(1, MAX_TOKENS),
         default=256,
         metavar="TOKENS",
         help="average per-head budget whose allocation the report draws (default 256; "
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.html:
-            check_output_path(args.html, "HTML report")  # before the artifact is read
+            check_output_path(args.html, "HTML report", inputs=[args.path], text=True)  # before the artifact is read
         with open_artifact(args.path) as reader:
             summary = summarize(reader)
             if args.html:

@@ -11,9 +11,19 @@ Examples::
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from artifacts.command_line import (
+    MAX_COUNT,
+    MAX_SEED,
+    MAX_TOKENS,
+    CommandParser,
+    choice_of,
+    comma_separated,
+    fail,
+    int_at_least,
+    number_in,
+)
 from artifacts.log import add_verbosity_arguments, configure, logger
 from artifacts.version import add_version_argument
 from needles.families import FAMILIES
@@ -64,31 +74,31 @@ exit status: 0 on success, 2 on a bad option or an input that cannot be turned i
 LOG = logger("needles")
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(item) for item in text.split(",") if item.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+def _haystack_files(haystack: str | None) -> str | None:
+    """The path of a ``files:PATH`` haystack (an input the output must not replace), else None."""
+    kind, _, rest = (haystack or "").partition(":")
+    return rest if kind in ("files", "file") and rest else None
 
 
-def _float_list(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(item) for item in text.split(",") if item.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from exc
+def check_haystack(spec) -> None:
+    """The haystack checked before the tokenizer loads (``HaystackError``, a ValueError): a known kind,
+    a ``files:`` path that exists and holds text, a local ``dataset:`` file or directory that exists."""
+    from pathlib import Path
+
+    from needles.haystacks import DATASET_BUILDERS, DatasetHaystack, HaystackError, TextFilesHaystack, make_haystack
+
+    haystack = make_haystack(spec.haystack, text_column=spec.text_column, split=spec.split)
+    if isinstance(haystack, TextFilesHaystack):
+        haystack.files()
+    if isinstance(haystack, DatasetHaystack):
+        path = Path(haystack.source).expanduser()
+        local = haystack.source.startswith((".", "/", "~")) or path.suffix in DATASET_BUILDERS
+        if local and not path.exists():
+            raise HaystackError(f"haystack dataset {haystack.source}: no such file or directory")
 
 
-def _name_list(text: str) -> tuple[str, ...]:
-    return tuple(item.strip() for item in text.split(",") if item.strip())
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="generate-probes",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def build_parser() -> CommandParser:
+    parser = CommandParser(prog="generate-probes", description=DESCRIPTION, epilog=EPILOG, raw_description=True)
     add_version_argument(parser)
     add_verbosity_arguments(parser, "no progress bar and only warnings and errors (--show still prints)")
     parser.add_argument(
@@ -100,20 +110,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="model directory or hub id whose tokenizer and chat template to use "
         "(default: the embedded SmolLM2-135M-Instruct)",
     )
-    parser.add_argument("--seed", type=int, default=None, help="grid seed (default: the preset's, 0)")
-    parser.add_argument("--out", required=True, help="output JSON-lines file")
     parser.add_argument(
-        "--show", type=int, default=0, metavar="N", help="print the first N probes with R/B/D spans coloured"
+        "--seed", type=int_at_least(0, MAX_SEED), default=None, help="grid seed (default: the preset's, 0)"
+    )
+    parser.add_argument(
+        "--out", required=True, help="output JSON-lines file (never the haystack file, nor a file that is not text)"
+    )
+    parser.add_argument(
+        "--show",
+        type=int_at_least(0, MAX_COUNT),
+        default=0,
+        metavar="N",
+        help="print the first N probes with R/B/D spans coloured",
     )
     parser.add_argument(
         "--families",
-        type=_name_list,
+        type=comma_separated(choice_of(tuple(FAMILIES), "family"), distinct=True),
         default=None,
         help=f"comma-separated families (default: all: {','.join(FAMILIES)})",
     )
-    parser.add_argument("--lengths", type=_int_list, default=None, help="comma-separated prompt lengths in tokens")
-    parser.add_argument("--depths", type=_float_list, default=None, help="comma-separated depths in percent")
-    parser.add_argument("--count", type=int, default=None, help="probes per (family, length, depth) cell")
+    parser.add_argument(
+        "--lengths",
+        type=comma_separated(int_at_least(1, MAX_TOKENS)),
+        default=None,
+        help=f"comma-separated prompt lengths in tokens, each at most {MAX_TOKENS}",
+    )
+    parser.add_argument(
+        "--depths", type=comma_separated(number_in(0.0, 100.0)), default=None, help="comma-separated depths in percent"
+    )
+    parser.add_argument(
+        "--count", type=int_at_least(1, MAX_COUNT), default=None, help="probes per (family, length, depth) cell"
+    )
     parser.add_argument("--haystack", default=None, help="simple (default) | prose | files:PATH | dataset:NAME_OR_PATH")
     parser.add_argument("--text-column", default=None, help="text column of a dataset haystack (default: text)")
     parser.add_argument("--split", default=None, help="split of a dataset haystack (default: train)")
@@ -145,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         spec = PRESETS[args.preset].replace(**changes)
+        check_haystack(spec)  # every input and the output before the tokenizer loads
+        from artifacts.atomic import check_output_path
+
+        check_output_path(args.out, "probe file", inputs=[_haystack_files(spec.haystack)], text=True)
         # The command loads the tokenizer with the loader every kvcal command shares (it also
         # converts the embedded model); the probe generator itself only takes the object.
         from runtime.models import load_tokenizer, use_progress_bars
@@ -161,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
         written = write_probes(stream(), args.out)
     except (ValueError, OSError, RuntimeError) as exc:  # bad spec/input, I/O, runtime.models.ModelError
-        LOG.error(f"generate-probes: error: {exc}")
-        return 2
+        return fail("generate-probes", exc)
     if shown:
         from needles.show import render_probe, use_colour
 

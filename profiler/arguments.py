@@ -1,75 +1,46 @@
-"""Argument types shared by the command-line tools.
+"""The profiler's command-line argument types: those of every command (the parser, bounded
+integers, intervals, lists, choices: :mod:`artifacts.command_line`, re-exported here), the
+renamed-option action and the attention implementation's check.
 
-Every value is checked where it is parsed, so a bad option is an argparse error (exit 2, with
-the usage line) before any import of torch or any model work: a count must be at least 1 (0
-used to mean "the preset's", silently), a fraction lies in its interval, a number is finite,
-a list is not empty.
+Every value is checked where it is parsed, so a bad option is a usage error (exit 2, one line on
+stderr: :class:`CommandParser`) before any import of torch or any model work: a count lies in
+its bounds (at least 1: 0 used to mean "the preset's", silently; at most a declared maximum, so
+that a mistyped 100000000 is refused instead of running for hours), a fraction lies in its
+interval, a number is finite, a list is not empty, a name close to a known one is suggested.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+
+from artifacts.command_line import MAX_COUNT as MAX_COUNT
+from artifacts.command_line import MAX_SEED as MAX_SEED
+from artifacts.command_line import MAX_TOKENS as MAX_TOKENS
+
+# the parser of every command, re-exported for the profiler's commands
+from artifacts.command_line import CommandParser as CommandParser
+from artifacts.command_line import choice_of as choice_of
+from artifacts.command_line import comma_separated as comma_separated
+from artifacts.command_line import did_you_mean as did_you_mean
+from artifacts.command_line import fail as fail
+from artifacts.command_line import int_at_least as int_at_least
+from artifacts.command_line import number_in as number_in
 
 
-def int_at_least(minimum: int):
-    """An argparse type: an integer ``>= minimum``."""
+def check_attention_implementation(name: str) -> None:
+    """``--attn-implementation`` checked before the model loads (``ValueError``, with the closest
+    known name): auto, eager, one that transformers registers (sdpa, flash_attention_2, ...), or a
+    hub kernel (``org/repo``).  Imports transformers: call it after parsing, not in the parser."""
+    if name in ("auto", "eager") or "/" in name:
+        return
+    from transformers import AttentionInterface
 
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
-        return value
-
-    parse.__name__ = f"integer >= {minimum}"
-    return parse
-
-
-positive_int = int_at_least(1)
-non_negative_int = int_at_least(0)
-
-
-def number_in(low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = False):
-    """An argparse type: a finite float in the interval from ``low`` to ``high`` (closed unless
-    ``low_open`` / ``high_open``)."""
-    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open or high == math.inf else ']'}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        inside = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-        if not math.isfinite(value) or not inside:
-            raise argparse.ArgumentTypeError(f"expected a number in {interval}, got {text!r}")
-        return value
-
-    parse.__name__ = f"number in {interval}"
-    return parse
-
-
-def comma_separated(kind):
-    """An argparse type: ``'a,b,c'`` -> a non-empty tuple of ``kind`` values (empty parts skipped)."""
-    name = getattr(kind, "__name__", "")
-
-    def parse(text: str):
-        parts = [part.strip() for part in text.split(",") if part.strip()]
-        if not parts:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {name} values, got none in {text!r}")
-        values = []
-        for part in parts:
-            try:
-                values.append(kind(part))
-            except argparse.ArgumentTypeError as exc:
-                raise argparse.ArgumentTypeError(f"{exc} (in {text!r})") from None
-            except ValueError as exc:
-                raise argparse.ArgumentTypeError(f"expected comma-separated {name} values, got {text!r}") from exc
-        return tuple(values)
-
-    return parse
+    known = ["auto", "eager", *sorted(AttentionInterface._global_mapping)]
+    if name.removeprefix("paged|") not in known:
+        raise ValueError(
+            f"unknown attention implementation {name!r}{did_you_mean(name, known)} (--attn-implementation); "
+            f"choose from {', '.join(known)}, or a hub kernel org/repo"
+        )
 
 
 class RenamedOption(argparse.Action):

@@ -43,9 +43,16 @@ def work_file_path(out: Path, rank: int = 0, world_size: int = 1) -> Path:
     return out.with_name(out.name + suffix)
 
 
-def save_work(path: Path, fingerprint: str, progress: dict, arrays: dict[str, np.ndarray]) -> None:
-    """Atomically replace ``path`` with the given state.  ``progress``: JSON-able counters."""
-    meta = json.dumps({"format": WORK_FORMAT, "fingerprint": fingerprint, "progress": progress}, sort_keys=True)
+def save_work(
+    path: Path, fingerprint: str, progress: dict, arrays: dict[str, np.ndarray], load: dict | None = None
+) -> None:
+    """Atomically replace ``path`` with the given state.  ``progress``: JSON-able counters; ``load``:
+    how the run asked for its model to be loaded (``--dtype``, ``--attn-implementation``), which a
+    ``--resume`` compares before its model loads (:func:`work_load`)."""
+    document = {"format": WORK_FORMAT, "fingerprint": fingerprint, "progress": progress}
+    if load is not None:
+        document["load"] = load
+    meta = json.dumps(document, sort_keys=True)
     members = {"__meta__": np.frombuffer(meta.encode(), dtype=np.uint8), **arrays}
     # np.savez's layout (one .npy member per array, read back by np.load), written through a
     # ZipFile we close ourselves: NumPy 2.0's savez leaves its archive open when a write fails
@@ -54,6 +61,18 @@ def save_work(path: Path, fingerprint: str, progress: dict, arrays: dict[str, np
         for name, array in members.items():
             with zf.open(name + ".npy", "w", force_zip64=True) as member:
                 np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
+
+
+def work_load(path: Path) -> dict | None:
+    """The ``load`` a work file recorded (:func:`save_work`), or None (no file, an unreadable one, or
+    one written before the load was recorded: :func:`load_work` then says what is wrong)."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            meta = json.loads(bytes(data["__meta__"]).decode())
+    except Exception:  # noqa: BLE001 - load_work reports an unreadable file
+        return None
+    load = meta.get("load") if isinstance(meta, dict) else None
+    return load if isinstance(load, dict) else None
 
 
 def load_work(path: Path, fingerprint: str) -> tuple[dict, dict[str, np.ndarray]] | None:

@@ -10,7 +10,15 @@ import textwrap
 
 from artifacts.log import add_verbosity_arguments, configure, logger
 from artifacts.version import add_version_argument
-from profiler.arguments import comma_separated, positive_int
+from profiler.arguments import (
+    MAX_COUNT,
+    CommandParser,
+    check_attention_implementation,
+    comma_separated,
+    did_you_mean,
+    fail,
+    int_at_least,
+)
 from profiler.presets import PRESETS
 from runtime.models import ATTENTION_HELP, AUTO_ATTENTION, DTYPE_CHOICES, DTYPE_HELP
 
@@ -28,11 +36,8 @@ process alone writes the file. Big models: one process with --device-map auto sp
 layers over the visible GPUs.
 """
 
-PRESET_HELP = "; ".join(
-    f"{name}: needles '{p.probes}' probes"
-    + "".join(f" {key}={','.join(map(str, value))}" for key, value in p.probe_overrides)
-    + f", {p.max_new_tokens} new tokens, {p.calib_samples}x{p.calib_tokens} calibration tokens"
-    for name, p in PRESETS.items()
+PRESET_HELP = "; ".join(  # README.md: what each preset runs
+    f"{name} {p.calib_samples}x{p.calib_tokens} tokens, {p.max_new_tokens} new" for name, p in PRESETS.items()
 )
 
 
@@ -43,10 +48,8 @@ def _description() -> str:
     from profiler.stages import STAGES
 
     lines = [DESCRIPTION_HEAD]
-    for stage in STAGES:
-        lines.append(
-            textwrap.fill(stage.summary, width=94, initial_indent=f"  {stage.name:<12} ", subsequent_indent=" " * 15)
-        )
+    for stage in STAGES:  # one line each; README.md describes them in full
+        lines.append(f"  {stage.name:<15}{textwrap.shorten(stage.summary, width=78, placeholder=' ...')}")
     return "\n".join(lines) + "\n" + DESCRIPTION_TAIL
 
 
@@ -55,8 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     (``profiler.stages.option_groups``)."""
     from profiler.stages import STAGE_NAMES, STAGES, option_groups
 
-    parser = argparse.ArgumentParser(
-        prog="profile-model", description=_description(), formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = CommandParser(
+        prog="profile-model",
+        usage="profile-model [MODEL] [--out OUT] [--preset PRESET] [--stages LIST] [--resume] [--force] [options]",
+        description=_description(),
+        raw_description=True,
     )
     parser.add_argument(
         "model", nargs="?", default=None, help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
@@ -66,33 +72,39 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--out",
         default=None,
-        help="output file (default: kv_calibration.h5 in the model directory when writable, else in "
-        "kvcal's cache, $XDG_CACHE_HOME/kvcal/artifacts/<org>--<name>/ for a hub id, where load_calibration looks)",
+        help="output file (default: kv_calibration.h5 next to the weights, else in kvcal's cache, where "
+        "load_calibration looks)",
     )
     parser.add_argument(
         "--force",
         action="store_true",
-        help="replace an artifact at the output path that belongs to another model or does not validate "
-        "(a file that is not a kvcal artifact is never replaced)",
+        help="replace an artifact of another model, or one that does not validate, at --out (never a file that "
+        "is not a kvcal artifact)",
     )
-    parser.add_argument("--preset", choices=list(PRESETS), default="quick", help=f"job size. {PRESET_HELP}")
+    parser.add_argument(
+        "--preset", choices=list(PRESETS), default="quick", help=f"job size (default quick). {PRESET_HELP}"
+    )
 
     opt_in = [stage.name for stage in STAGES if not any(stage.on_by_default(preset) for preset in PRESETS.values())]
 
     def stages(text: str) -> tuple[str, ...]:
         chosen = comma_separated(str)(text)
-        unknown = [stage for stage in chosen if stage not in STAGE_NAMES]
-        if unknown or not chosen:
-            raise argparse.ArgumentTypeError(f"unknown stage(s) {unknown}; choose from {','.join(STAGE_NAMES)}")
+        for stage in chosen:
+            if stage not in STAGE_NAMES:
+                raise argparse.ArgumentTypeError(
+                    f"unknown stage {stage!r}{did_you_mean(stage, STAGE_NAMES)}; choose from {','.join(STAGE_NAMES)}"
+                )
+        if len(set(chosen)) != len(chosen):
+            raise argparse.ArgumentTypeError(f"a stage named twice in {text!r}")
         return chosen
 
     parser.add_argument(
         "--stages",
         type=stages,
         default=None,
-        help=f"comma-separated subset of {','.join(STAGE_NAMES)} (default: all but {','.join(opt_in)}, which run "
-        "only when named; recommendation only from the quick preset up). Sections of an existing artifact for "
-        "the same model at --out are kept",
+        metavar="LIST",
+        help=f"comma-separated stages (above; default: all but {','.join(opt_in)}; recommendation from quick up); "
+        "an existing artifact's other sections for the same model are kept",
     )
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run from its work file")
     for title, options in option_groups():
@@ -103,23 +115,25 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--device-map",
         default=None,
-        help='transformers device_map for loading (default: "auto" on a single GPU process, CPU otherwise)',
+        metavar="MAP",
+        help='transformers device_map (default: "auto" on a single GPU process, CPU otherwise)',
     )
-    group.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP + "; recorded in the artifact")
+    group.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP + "; recorded")
     group.add_argument(
         "--attn-implementation",
         default=AUTO_ATTENTION,
         metavar="NAME",
-        help=ATTENTION_HELP + "; recorded in the artifact",
+        help=ATTENTION_HELP + "; recorded",
     )
     group.add_argument(
         "--checkpoint-every",
-        type=positive_int,
+        type=int_at_least(1, MAX_COUNT),
         default=4,
-        help="units of work (probes, calibration batches) between work-file checkpoints (default 4)",
+        metavar="N",
+        help="probes or calibration batches between work-file checkpoints (default 4)",
     )
     group.add_argument(
-        "--no-progress", action="store_true", help="no progress bars (there are none when stderr is not a terminal)"
+        "--no-progress", action="store_true", help="no progress bars (none either when stderr is no terminal)"
     )
     return parser
 
@@ -131,6 +145,10 @@ def _raise_keyboard_interrupt(_signum, _frame):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # before the job's imports (torch): --help and --version stay fast
     configure(args)
+    try:
+        check_attention_implementation(args.attn_implementation)
+    except ValueError as exc:
+        return fail("profile-model", exc)
     from artifacts import ArtifactError
     from profiler.checkpoint import WorkFileMismatch
     from profiler.distributed import relaunch_with_torchrun, requested_cpu_processes
@@ -175,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         LOG.error(f"\nprofile-model: interrupted; progress is saved in {exc.work_path}.\nContinue with:  {resume}")
         return 130
     except (ValueError, OSError, WorkFileMismatch, ModelError, ArtifactError) as exc:
-        LOG.error(f"profile-model: error: {exc}")
-        return 2
+        return fail("profile-model", exc)
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
     return 0

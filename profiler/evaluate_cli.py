@@ -27,7 +27,19 @@ from artifacts.version import add_version_argument
 from runtime.models import ATTENTION_HELP, AUTO_ATTENTION, DTYPE_CHOICES, DTYPE_HELP
 from runtime.names import ALLOCATIONS, NAMED_POLICIES, SCORER_NAMES, STATISTICS
 
-from .arguments import RenamedOption, comma_separated, number_in, positive_int
+from .arguments import (
+    MAX_COUNT,
+    MAX_SEED,
+    MAX_TOKENS,
+    CommandParser,
+    RenamedOption,
+    check_attention_implementation,
+    choice_of,
+    comma_separated,
+    fail,
+    int_at_least,
+    number_in,
+)
 from .evaluation_journal import JournalError, JournalWriter, configuration_differences, journal_path, read_journal
 from .evaluation_results import (
     COMPRESSION_GRID,
@@ -55,7 +67,9 @@ LOG = logger("profiler")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from needles.families import FAMILIES
+
+    parser = CommandParser(
         prog="evaluate-artifact",
         description="Measure how much of the KV cache a model can drop with a calibration artifact, per "
         "eviction policy and compression ratio, on needle tasks it was not calibrated on. Prints "
@@ -93,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--compression-ratios",
         dest="ratios",
-        type=comma_separated(float),
+        type=comma_separated(number_in(0.0, 1.0, high_open=True)),
         default=COMPRESSION_GRID,
         help="compression ratios, fractions of the context cache evicted (default "
         + ",".join(f"{r:g}" for r in COMPRESSION_GRID)
@@ -114,14 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--tasks",
-        type=comma_separated(str),
+        type=comma_separated(choice_of(("all", *FAMILIES), "task family")),
         default=DEFAULT_TASKS,
         help="needle families, or 'all' (default: all, those the model fails uncompressed included: a task both "
         "policies fail is a tie in the paired rule)",
     )
     parser.add_argument(
         "--haystacks",
-        type=comma_separated(str),
+        type=comma_separated(choice_of(HAYSTACKS, "haystack")),
         default=HAYSTACKS,
         help=f"haystacks of the tasks, each with its own seed (default {','.join(HAYSTACKS)})",
     )
@@ -133,11 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
         "1K/2K/4K tokens x depths 10/50/90); lengths beyond the model's context are dropped",
     )
     parser.add_argument(
-        "--count", type=positive_int, default=1, help="tasks per (family, haystack, length, depth) cell (default 1)"
+        "--count",
+        type=int_at_least(1, MAX_COUNT),
+        default=1,
+        help="tasks per (family, haystack, length, depth) cell (default 1)",
     )
     parser.add_argument(
         "--seed",
-        type=int,
+        type=int_at_least(0, MAX_SEED),
         default=None,
         help=f"task seed of the first haystack, the next haystack's + 1 and so on (default: the profiler's probe "
         f"seed + {EVALUATION_SEED_OFFSET})",
@@ -147,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compress the whole prompt, question included (default: compress the context before the question is seen)",
     )
-    parser.add_argument("--max-new-tokens", type=positive_int, default=24, help="greedy answer length (default 24)")
+    parser.add_argument(
+        "--max-new-tokens", type=int_at_least(1, MAX_TOKENS), default=24, help="greedy answer length (default 24)"
+    )
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
     parser.add_argument("--attn-implementation", default=AUTO_ATTENTION, metavar="NAME", help=ATTENTION_HELP)
     parser.add_argument(
@@ -248,7 +267,7 @@ def _task_spec(args, config: dict, model_context: int):
     return tasks, profiler_seed
 
 
-def _servable(policies, calibration, ratio: float, explicit: bool):
+def _servable(policies, calibration, ratio: float, explicit: bool, quiet: bool = False):
     """``policies`` the calibration can serve; with the default list the others are left out (noted)."""
     kept = []
     for spec in policies:
@@ -256,10 +275,49 @@ def _servable(policies, calibration, ratio: float, explicit: bool):
         if missing:
             if explicit:
                 raise ValueError(missing[0])
-            LOG.warning(f"evaluate-artifact: leaving out {spec.name}: {missing[0]}")
+            if not quiet:
+                LOG.warning(f"evaluate-artifact: leaving out {spec.name}: {missing[0]}")
             continue
         kept.append(spec)
     return kept
+
+
+def _check_recommendable(args, policies) -> None:
+    if args.write_recommendation and not any(not p.is_baseline and not p.needs_reconstruction for p in policies):
+        raise ValueError(
+            "--write-recommendation needs at least one compression policy that calibration.policy() can serve "
+            "(kvzip needs a reconstruction pass per prompt)"
+        )
+
+
+def _servable_in_file(path: Path, policies, args):
+    """The policies the artifact at ``path`` serves (explicit ``--policies``: all, or ValueError), read
+    and validated (every dataset) before the model loads; the model's own check of the artifact
+    (its fingerprints) follows once it is loaded (``runtime.load_calibration``)."""
+    from artifacts import open_artifact
+    from artifacts.reader import is_artifact_file
+    from runtime.calibration import Calibration, Recommendation, _serving_fields
+
+    from .model_config import other_architecture
+
+    if not is_artifact_file(path):
+        raise ValueError(f"--artifact {path} is not a kvcal artifact (an HDF5 calibration file)")
+    with open_artifact(path) as reader:
+        reader.validate()
+        read = {name: (lambda key, name=name: reader.read(name, key)) for name in reader.sections}
+        fields = _serving_fields(reader.model, read, {name: reader.datasets(name) for name in reader.sections})
+        if reader.has("recommendation"):
+            section = reader.section("recommendation")
+            fields["recommendation"] = Recommendation.from_section(section.arrays, section.attrs)
+        preview = Calibration(path, reader.model, reader.config, tuple(reader.sections), **fields, reader=reader)
+        if other_architecture(args.config, reader.model.arch_fingerprint):
+            raise ValueError(
+                f"--artifact {path} is the artifact of another architecture ({reader.model.name}); it cannot serve "
+                "this model"
+            )
+        kept = _servable(policies, preview, args.ratios[0], explicit=args.policies != DEFAULT_POLICIES, quiet=True)
+    _check_recommendable(args, kept)
+    return policies
 
 
 def write_recommendation(
@@ -398,17 +456,55 @@ def _check_journal(args):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure(args)
-    from artifacts.atomic import check_output_path, output_lock
+    from artifacts.atomic import output_lock
+    from runtime.models import ModelError, load_config
 
+    try:  # every path, number and combination before any model work
+        check_attention_implementation(args.attn_implementation)
+        _check_outputs(args, None)  # before anything is read: a directory, a device, an unwritable place
+        args.config = load_config(args.model)  # the model exists (its weights are not read)
+    except (ValueError, OSError, ModelError) as exc:
+        return fail("evaluate-artifact", exc)
     with contextlib.ExitStack() as held:
         if args.json_out:  # one run at a time per output: two would append to one journal
             try:
-                check_output_path(args.json_out, "JSON results")
                 held.enter_context(output_lock(args.json_out, "evaluate-artifact"))
             except OSError as exc:
-                LOG.error(f"evaluate-artifact: {exc}")
-                return 2
+                return fail("evaluate-artifact", exc)
         return _run(args)
+
+
+def _artifact_path(args) -> Path | None:
+    """The artifact the run reads, found before the model loads: ``--artifact`` (a file, or a directory
+    holding kv_calibration.h5), else next to a local model's weights; None when only the loaded model
+    can say (a hub id: load_calibration looks in the hub snapshot and kvcal's cache)."""
+    from runtime.calibration import ARTIFACT_FILENAME, artifact_locations
+    from runtime.models import resolve_model
+
+    if args.artifact is not None:
+        path = Path(args.artifact).expanduser()
+        if path.is_dir():
+            if not (path / ARTIFACT_FILENAME).is_file():
+                raise ValueError(f"--artifact {args.artifact} is a directory with no {ARTIFACT_FILENAME} in it")
+            path = path / ARTIFACT_FILENAME
+        if not path.exists():
+            raise ValueError(f"--artifact {args.artifact}: no such file")
+        return path
+    found = [candidate for candidate in artifact_locations(resolve_model(args.model)) if candidate.is_file()]
+    return found[0] if found else None
+
+
+def _check_outputs(args, artifact: Path | None) -> None:
+    """--json and --html: writable, not the artifact (nor a link to it), not each other, and not over a
+    file that is not their kind (an HDF5 file) without --force; the journal, --resume and --force."""
+    from artifacts.atomic import check_output_path
+
+    inputs = [artifact] if artifact is not None else []
+    if args.json_out and args.html_out and Path(args.json_out).resolve() == Path(args.html_out).resolve():
+        raise ValueError(f"--json and --html name the same file {args.json_out}: give each its own")
+    for path, what in ((args.json_out, "JSON results"), (args.html_out, "HTML report")):
+        if path:
+            check_output_path(path, what, inputs=inputs, text=True, force=args.force)
 
 
 def _run(args) -> int:
@@ -432,29 +528,24 @@ def _run(args) -> int:
             raise ValueError("--write-recommendation records question-agnostic measurements; drop --question-aware")
         if args.count < 1 or args.max_new_tokens < 1:
             raise ValueError("--count and --max-new-tokens must be at least 1")
-        # every output is checked before any model work (the results are not lost at the end)
-        for path, what in ((args.json_out, "JSON results"), (args.html_out, "HTML report")):
-            if path:
-                check_output_path(path, what)
         previous = _check_journal(args)
-        if args.write_recommendation and args.artifact:
-            check_output_path(args.artifact, "artifact")
+        artifact = _artifact_path(args)
+        _check_outputs(args, artifact)
+        if artifact is not None:  # read, validated and checked against the policies before the model loads
+            policies = _servable_in_file(artifact, policies, args)
+            if args.write_recommendation:
+                check_output_path(artifact, "artifact")
         model = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
         tokenizer = load_tokenizer(args.model)
-        calibration = load_calibration(model, tokenizer, path=args.artifact, allow_mismatch=args.allow_mismatch)
+        calibration = load_calibration(model, tokenizer, path=artifact, allow_mismatch=args.allow_mismatch)
         context = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
         tasks, profiler_seed = _task_spec(args, calibration.config, context)
         policies = _servable(policies, calibration, args.ratios[0], explicit=args.policies != DEFAULT_POLICIES)
-        if args.write_recommendation and not any(not p.is_baseline and not p.needs_reconstruction for p in policies):
-            raise ValueError(
-                "--write-recommendation needs at least one compression policy that calibration.policy() can serve "
-                "(kvzip needs a reconstruction pass per prompt)"
-            )
+        _check_recommendable(args, policies)
         if args.write_recommendation:
             check_output_path(calibration.path, "artifact")
     except (ValueError, OSError, ArtifactError, ModelError) as exc:
-        LOG.error(f"evaluate-artifact: {exc}")
-        return 2
+        return fail("evaluate-artifact", exc)
 
     probes = tasks.probes(tokenizer)
     created = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()

@@ -16,13 +16,16 @@ The stages never see the job: each gets one frozen :class:`profiler.stages.Stage
 place in the run) and is made only once it exists.
 
 What is at the output path is protected: every setting is checked when the job is made (each
-against its declared option, then the stages' ``check_settings``), the output path and the
-sections the stages read (``requires``: built earlier in the run, or in the artifact at the
-output path) before the model loads (a directory, a device, an unwritable directory, or a
-file that is not a kvcal artifact, e.g. the weights, is refused), and, once the model is
-loaded and before any stage runs, an artifact of another model or one that does not validate
-is replaced only with ``force`` (``--force``); the sections are checked again against what is
-then kept.  The run holds an
+against its declared option, e.g. ``--probes`` and ``--calib-dataset`` read, then the stages'
+``check_settings``), and before the model loads the output path (a directory, a device, an
+unwritable directory, an input of the run, or a file that is not a kvcal artifact, e.g. the
+weights, is refused; an artifact that does not validate, every dataset read, or of another
+architecture only with ``force``), the windows against the model's positions (its config),
+a ``--resume``'s load options against its work file's, and the sections the stages read
+(``requires``: built earlier in the run, or in the artifact at the output path).  Once the
+model is loaded and before any stage runs, an artifact of another model of the same
+architecture (told by the weights) is replaced only with ``force``; the sections are checked
+again against what is then kept.  The run holds an
 exclusive lock on ``<out>.lock`` (each process of a multi-process run its own,
 ``artifacts.atomic.output_lock``), so a second run on the same output is refused instead of
 discarding the first one's work file.
@@ -55,7 +58,16 @@ from artifacts.log import logger, output
 from artifacts.reader import is_artifact_file
 from artifacts.schema import canonical_json
 from profiler import distributed
-from profiler.checkpoint import interrupts_deferred, load_work, remove_work, save_work, work_file_path
+from profiler.checkpoint import (
+    WorkFileMismatch,
+    interrupts_deferred,
+    load_work,
+    remove_work,
+    save_work,
+    work_file_path,
+    work_load,
+)
+from profiler.model_config import model_config, model_positions, other_architecture
 from profiler.presets import PRESETS
 from profiler.stages import (
     STAGE_NAMES,
@@ -203,14 +215,83 @@ class ProfileJob:
         options = self.options
         self.model_path = resolve_model(options.model)
         self.out = Path(options.out) if options.out else default_output(self.model_path)
-        check_output_path(self.out, "artifact")
+        self._check_before_loading()
+        with output_lock(self.out, "profile-model", self.info.rank):
+            return self._run_locked()
+
+    def _check_before_loading(self) -> None:
+        """What can be checked before the model loads, is (``ValueError`` / ``OutputError``): the output
+        (not a directory, not an input, not a file that is not a kvcal artifact, not an artifact that
+        does not validate or is of another architecture unless ``force``: every dataset is read) and
+        the windows against the model's positions (its config.json).  Another model of the same
+        architecture is told only by its weights: refused once they are loaded, before any stage runs."""
+        settings = self.settings
+        inputs = [settings["probes_file"], *(settings["calib_dataset"] or "").split(",")]
+        check_output_path(self.out, "artifact", inputs=[path.strip() for path in inputs if path and path.strip()])
         if self.out.exists() and not is_artifact_file(self.out):
             raise ValueError(
                 f"{self.out} exists and is not a kvcal artifact; it is never replaced: choose another --out "
                 "(or delete the file yourself)"
             )
-        with output_lock(self.out, "profile-model", self.info.rank):
-            return self._run_locked()
+        config = self._config = model_config(self.model_path)
+        if self.out.exists() and not self.options.force:
+            try:
+                with open_artifact(self.out) as reader:
+                    reader.validate()
+                    other, stored = reader.model.name, reader.model.arch_fingerprint
+                    sections = sorted(reader.sections)
+            except ArtifactError as exc:
+                raise ValueError(
+                    f"{self.out} is a kvcal artifact that does not validate ({exc}); --force replaces it"
+                ) from None
+            if config is not None and other_architecture(config, stored):
+                raise ValueError(
+                    f"{self.out} is the artifact of another model ({other}), of another architecture, with section(s) "
+                    f"{', '.join(sections)}; --force replaces it, or choose another --out"
+                )
+        if self.options.resume:
+            self._check_resumed_load(config)
+        positions = None if config is None else model_positions(config)
+        if positions is not None and settings["calib_tokens"] > positions:
+            raise ValueError(
+                f"calib_tokens (--calib-tokens) is {settings['calib_tokens']}, beyond the model's {positions} "
+                "positions (max_position_embeddings)"
+            )
+
+    def requested_load(self, config) -> dict:
+        """How this run asks for its model to be loaded, with the defaults spelt out as they resolve
+        (``runtime.models.load_model``): no --dtype is float32 on a CPU, auto on a GPU; attention auto
+        is sdpa, or eager for a model that soft-caps its attention logits."""
+        options = self.options
+        dtype = options.dtype
+        if dtype is None:
+            on_cpu = options.device_map in (None, "cpu") and not torch.cuda.is_available()
+            dtype = "float32" if on_cpu else "auto"
+        attention = options.attn_implementation
+        if attention == "auto" and config is not None:
+            text = config.get_text_config() if hasattr(config, "get_text_config") else config
+            attention = "eager" if getattr(text, "attn_logit_softcapping", None) else "sdpa"
+        return {"dtype": dtype, "attn_implementation": attention}
+
+    def _check_resumed_load(self, config) -> None:
+        """``--resume`` with another --dtype or --attn-implementation than the work file's run: refused
+        before the model loads (a work file of a version that did not record it: once it is loaded)."""
+        work_path = work_file_path(self.out, self.info.rank, self.info.world_size)
+        recorded = work_load(work_path)
+        if recorded is None:
+            return
+        self._load_request = self.requested_load(config)
+        differs = [
+            f"{name} {recorded.get(name)!r} there, {value!r} now"
+            for name, value in self._load_request.items()
+            if recorded.get(name) != value
+        ]
+        if differs:
+            raise WorkFileMismatch(
+                f"--resume: the work file {work_path} was written by a run whose model was loaded otherwise "
+                f"({'; '.join(differs)}); rerun with its --dtype / --attn-implementation, or drop --resume to "
+                "start over"
+            )
 
     def _run_locked(self) -> Path:
         check_requirements(self.stage_names, self.settings, self._sections_at_output(), self.out)
@@ -232,6 +313,7 @@ class ProfileJob:
             *((canonical_json(self.loaded),) if self.loaded != CPU_DEFAULT_LOAD else ()),
         )
         self.work_path = work_file_path(self.out, self.info.rank, self.info.world_size)
+        self._load_request = self.requested_load(self._config)
         self.progress = {stage.name: 0 for stage in self.sharded}
         self._resume()
 
@@ -280,7 +362,7 @@ class ProfileJob:
 
     def _checkpoint(self) -> None:
         arrays = {f"{stage.section}.{key}": value for stage in self.sharded for key, value in stage.state().items()}
-        save_work(self.work_path, self._fingerprint, self.progress, arrays)
+        save_work(self.work_path, self._fingerprint, self.progress, arrays, load=self._load_request)
 
     def _run_work(self, stage: ShardedStage) -> None:
         units = stage.work()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from profiler.arguments import RenamedOption, comma_separated, int_at_least, number_in
+from profiler.arguments import RenamedOption, comma_separated, did_you_mean, int_at_least, number_in
 
 
 class Kind:
@@ -40,19 +40,23 @@ class Kind:
 
 @dataclass(frozen=True)
 class Integer(Kind):
-    minimum: int | None = None
+    """An integer from ``minimum`` to ``maximum``: every count is bounded, so that a mistyped
+    100000000 is refused at once instead of running for minutes (``profiler.arguments.MAX_*``)."""
+
+    minimum: int
+    maximum: int
 
     @property
     def description(self) -> str:
-        return "an integer" if self.minimum is None else f"an integer >= {self.minimum}"
+        return f"an integer in [{self.minimum}, {self.maximum}]"
 
     @property
     def parse(self) -> Callable[[str], int]:
-        return int if self.minimum is None else int_at_least(self.minimum)
+        return int_at_least(self.minimum, self.maximum)
 
     def accepts(self, value) -> bool:
         integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-        return integral and (self.minimum is None or value >= self.minimum)
+        return integral and self.minimum <= value <= self.maximum
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,9 @@ class Choice(Kind):
     def parse(self, text: str) -> str:
         # argparse checks a plain Choice through ``choices``; this check serves a ListOf(Choice)
         if text not in self.values:
-            raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(self.values)})")
+            raise argparse.ArgumentTypeError(
+                f"invalid choice {text!r}{did_you_mean(text, self.values)} (choose from {', '.join(self.values)})"
+            )
         return text
 
     def accepts(self, value) -> bool:
@@ -104,10 +110,18 @@ class Choice(Kind):
 
 @dataclass(frozen=True)
 class Text(Kind):
-    description: str = "a string"
+    """A non-empty string (an empty ``--calib-field=`` is a mistake, not a value)."""
+
+    description: str = "a non-empty string"
+    metavar: str = "TEXT"
+
+    def parse(self, text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"expected {self.description}, got {text!r}")
+        return text
 
     def accepts(self, value) -> bool:
-        return isinstance(value, str)
+        return isinstance(value, str) and bool(value.strip())
 
 
 @dataclass(frozen=True)
@@ -155,8 +169,29 @@ class Option:
     def add_to(self, group) -> None:
         """Add the ``argparse`` argument (default None: "not given", resolved by :meth:`resolve`)."""
         kind = self.kind
-        parse = None if isinstance(kind, Text | Choice) else kind.parse
-        group.add_argument(self.flag, dest=self.dest, type=parse, choices=kind.choices, default=None, help=self.help)
+        # a Choice checks its value in its own parse (one line with a suggestion, not argparse's list)
+        group.add_argument(
+            self.flag,
+            dest=self.dest,
+            type=kind.parse,
+            default=None,
+            metavar=self.metavar,
+            help=self.help,
+        )
+
+    @property
+    def metavar(self) -> str:
+        """What ``--help`` shows after the flag: the choices when few, else N (an integer), X (a number),
+        LIST (comma-separated) or the flag's name."""
+        kind = self.kind
+        choices = kind.choices or getattr(getattr(kind, "item", None), "choices", None)
+        if choices and len(choices) <= 4:
+            return "{" + ",".join(choices) + "}"
+        if isinstance(kind, ListOf):
+            return "LIST"
+        if isinstance(kind, Integer | Number):
+            return "N" if isinstance(kind, Integer) else "X"
+        return getattr(kind, "metavar", None) or self.flag.removeprefix("--").replace("-", "_").upper()
 
     def resolve(self, value, preset):
         """The setting's value: ``value`` checked, or the default when it is None."""

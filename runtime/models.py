@@ -372,17 +372,12 @@ def load_tokenizer(model: str | os.PathLike | None = None):
 
 # --dtype of the commands that load a model: "auto" is the checkpoint's own dtype
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-DTYPE_HELP = (
-    "dtype the model is loaded in: auto (the checkpoint's own), float32, bfloat16 or float16 "
-    "(default: float32 on a CPU, the checkpoint's own on a GPU)"
-)
+DTYPE_HELP = "auto (the checkpoint's), float32, bfloat16 or float16 (default: float32 on a CPU, auto on a GPU)"
 # "auto" for --attn-implementation: sdpa, or eager for a model that soft-caps its attention logits
 AUTO_ATTENTION = "auto"
 ATTENTION_HELP = (
-    "transformers attention implementation the model is loaded with, for the passes that run the "
-    "model's own attention (the profiler's captures switch in their own functions): auto (default) is "
-    "sdpa, or eager for a model that soft-caps its attention logits (Gemma 2), which sdpa cannot; or "
-    "eager, sdpa, flash_attention_2, ... as transformers accepts them"
+    "auto (default: sdpa, or eager for a model that soft-caps its attention logits), eager, sdpa, "
+    "flash_attention_2, ... as transformers accepts them"
 )
 
 
@@ -407,6 +402,14 @@ def attention_softcap(model: str | os.PathLike | None) -> float | None:
     config = _from_pretrained(AutoConfig, model)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(config, "attn_logit_softcapping", None) or None
+
+
+def load_config(model: str | os.PathLike | None = None):
+    """The model's transformers config, without its weights (what the commands check before the
+    model loads); a model that does not exist is a :class:`ModelNotFoundError` as for :func:`load_model`."""
+    from transformers import AutoConfig
+
+    return _from_pretrained(AutoConfig, model)
 
 
 def load_model(

@@ -117,13 +117,15 @@ def test_smoke_run_on_the_embedded_model(smoke_artifact, tmp_path, capsys, one_t
 def test_bad_input_is_reported_before_any_model_work(smoke_artifact, capsys):
     assert main(["--artifact", str(smoke_artifact), "--policies", "uniform/nonsense"]) == 2
     assert "unknown scorer 'nonsense'" in capsys.readouterr().err
-    assert main(["--artifact", str(smoke_artifact), "--compression-ratios", "1.5"]) == 2
-    assert "compression ratios must be in [0, 1)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # a usage error: one line, exit 2
+        main(["--artifact", str(smoke_artifact), "--compression-ratios", "1.5"])
+    assert exited.value.code == 2 and "expected a number in [0, 1), got '1.5'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exited:  # the old spelling names the new one
         main(["--artifact", str(smoke_artifact), "--ratios", "0.5"])
     assert exited.value.code == 2 and "--ratios was renamed --compression-ratios" in capsys.readouterr().err
-    assert main(["--artifact", str(smoke_artifact), "--tasks", "sudoku"]) == 2
-    assert "unknown task families ['sudoku']" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["--artifact", str(smoke_artifact), "--tasks", "sudoku"])
+    assert exited.value.code == 2 and "unknown task family 'sudoku'" in capsys.readouterr().err
 
 
 def test_a_killed_run_resumes_to_the_json_of_an_uninterrupted_one(smoke_artifact, tmp_path, capsys, one_thread):

@@ -1078,7 +1078,7 @@ def test_profile_model_zero_or_negative_counts_are_refused_by_the_parser(capsys,
         main([*option])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert f"argument {option[0]}: expected an integer >= " in err
+    assert f"argument {option[0]}: expected an integer in [" in err  # bounded: [minimum, maximum]
 
 
 @pytest.mark.parametrize(

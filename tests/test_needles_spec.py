@@ -155,8 +155,10 @@ def test_cli_help_and_errors(tmp_path, capsys):
     help_text = capsys.readouterr().out
     for word in ("--preset", "--model", "--seed", "--out", "--show", "paper", "retrieval", "context_end"):
         assert word in help_text
-    assert cli_main(["--out", str(tmp_path / "x.jsonl"), "--families", "nope", "--quiet"]) == 2
-    assert "unknown needle families" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # a usage error: one line, exit 2
+        cli_main(["--out", str(tmp_path / "x.jsonl"), "--families", "nope", "--quiet"])
+    assert exited.value.code == 2
+    assert "unknown family 'nope'" in capsys.readouterr().err
 
 
 def test_simple_and_prose_haystacks_are_deterministic_per_seed():

@@ -97,7 +97,8 @@ def test_interrupt_and_kill_then_resume_gives_the_same_artifact(model_dir, refer
     assert main([*_args(model_dir, out, "--max-new-tokens", "3"), "--resume"]) == 2
     assert "different job" in capsys.readouterr().err and work.exists()
     assert main([*args, "--dtype", "bfloat16", "--resume"]) == 2  # and with the model in another dtype
-    assert "different job (model, its dtype" in capsys.readouterr().err and work.exists()
+    err = capsys.readouterr().err  # refused before the model loads (tests/test_cli_campaign.py proves it)
+    assert "whose model was loaded otherwise (dtype 'float32' there, 'bfloat16' now)" in err and work.exists()
 
     # SIGKILL during the resumed run: again no artifact, the work file stays readable.
     killed = _start_and_signal([*args, "--resume"], work, signal.SIGKILL)

@@ -67,9 +67,8 @@ class BudgetCurvesStage(Stage):
             "curve_retention",
             Choice(RETENTION_QUERIES),
             DEFAULT_RETENTION,
-            "retention loss: 'question' = the question tokens' attention mass on evicted R tokens; "
-            "'answer' = the probe's answer appended (teacher forcing) and REAL's retrieval hits of its steps "
-            f"(most attended token an R token) whose token is evicted (default {DEFAULT_RETENTION})",
+            "retention loss: the question tokens' attention on evicted R tokens, or the answer's retrieval "
+            f"hits whose token is evicted (default {DEFAULT_RETENTION})",
         ),
         Option(
             "--curve-retention-weight",

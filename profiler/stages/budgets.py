@@ -8,6 +8,7 @@ INFsc of this run's behaviour section or of the artifact already at the output p
 from __future__ import annotations
 
 from artifacts import Section
+from profiler.arguments import MAX_TOKENS
 from profiler.budgets import (
     DEFAULT_BETA,
     DEFAULT_MIN_BUDGET,
@@ -31,7 +32,7 @@ class BudgetsStage(Stage):
         Option(
             "--budgets",
             "token_budgets",
-            ListOf(Integer(1)),
+            ListOf(Integer(1, MAX_TOKENS)),
             DEFAULT_TOKEN_BUDGETS,
             f"average token budgets per KV head (default: {','.join(map(str, DEFAULT_TOKEN_BUDGETS))})",
         ),
@@ -47,7 +48,7 @@ class BudgetsStage(Stage):
         Option(
             "--min-budget",
             "min_budget",
-            Integer(0),
+            Integer(0, MAX_TOKENS),
             DEFAULT_MIN_BUDGET,
             f"smallest per-head budget (default {DEFAULT_MIN_BUDGET})",
         ),

@@ -13,6 +13,7 @@ Imports no torch (the parser reads :data:`CALIBRATION_TEXT_OPTIONS` and :data:`P
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -20,46 +21,123 @@ from pathlib import Path
 from typing import Any
 
 from artifacts.log import output
+from profiler.arguments import MAX_COUNT, MAX_SEED, MAX_TOKENS
 from profiler.options import Integer, Option, Text
 
 CALIBRATION_SOURCE_DEFAULT = "needles prose haystack"
+LOCAL_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".csv", ".parquet", ".arrow")  # a name with one is a path
+_TRUE = ("1", "true", "yes", "on")
+
+
+def check_calibration_source(spec: str) -> None:
+    """``--calib-dataset`` checked before the model loads (``ValueError``): local files and
+    directories exist, are of a kind the reader takes and are not empty; a datasets hub name is in
+    the local cache when the hub is offline (else ``datasets`` retries for half a minute first)."""
+    from profiler.calibration_text import RECORD_SUFFIXES, TEXT_SUFFIXES  # torch: not for the parser
+
+    parts = [part.strip() for part in spec.split(",") if part.strip()]
+    if not parts:
+        raise ValueError(f"calib_dataset (--calib-dataset) names no file, directory or dataset: {spec!r}")
+    paths = [Path(part).expanduser() for part in parts]
+    looks_local = [
+        part.startswith((".", "/", "~")) or Path(part).suffix in LOCAL_SUFFIXES or path.exists()
+        for part, path in zip(parts, paths, strict=True)
+    ]
+    if any(looks_local):
+        for path in paths:
+            if not path.exists():
+                raise ValueError(f"calib_dataset (--calib-dataset): no such file or directory: {path}")
+            if path.is_file() and path.suffix not in TEXT_SUFFIXES + RECORD_SUFFIXES:
+                raise ValueError(
+                    f"calib_dataset (--calib-dataset): {path}: not read as calibration text; use .txt, .md, .jsonl "
+                    "or .json files, or a directory of them (or a datasets save_to_disk directory)"
+                )
+            if path.is_dir() and not any(entry.is_file() for entry in path.rglob("*")):
+                raise ValueError(f"calib_dataset (--calib-dataset): {path} is an empty directory")
+        return
+    if _hub_offline():
+        for name in parts:
+            if not _dataset_cached(name.partition(":")[0]):
+                raise ValueError(
+                    f"calib_dataset (--calib-dataset): {name!r} is no local file or directory, and the hub is offline "
+                    "(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) with no copy of that dataset in the local cache"
+                )
+
+
+def _hub_offline() -> bool:
+    names = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+    return any(os.environ.get(name, "").strip().lower() in _TRUE for name in names)
+
+
+def _dataset_cached(name: str) -> bool:
+    """Whether a datasets hub ``name`` (``org/name``) has a copy in the hub cache or the datasets cache."""
+    from huggingface_hub import constants
+
+    hub = Path(os.environ.get("HF_HUB_CACHE", constants.HF_HUB_CACHE)) / f"datasets--{name.replace('/', '--')}"
+    datasets = Path(os.environ.get("HF_DATASETS_CACHE", Path(constants.HF_HOME) / "datasets"))
+    return hub.exists() or (datasets / name.replace("/", "___")).exists()
+
+
+def check_probe_file(path: str) -> None:
+    """``--probes`` checked before the model loads (``ValueError``): a file of probe records, at least one."""
+    from needles.spec import load_probes
+
+    file = Path(path).expanduser()
+    if not file.exists():
+        raise ValueError(f"probes_file (--probes): no such file: {path}")
+    if not file.is_file():
+        raise ValueError(f"probes_file (--probes): {path} is {'a directory' if file.is_dir() else 'not a file'}")
+    try:
+        probes = load_probes(file)
+    except UnicodeDecodeError:
+        raise ValueError(f"probes_file (--probes): {path} is not a JSON-lines probe file (binary content)") from None
+    except ValueError as exc:
+        raise ValueError(f"probes_file (--probes): {exc}") from None
+    if not probes:
+        raise ValueError(f"probes_file (--probes): {path} holds no probes")
+
 
 CALIBRATION_TEXT_TITLE = "calibration text (query-stats, learned-scorer, budget-curves and moments stages)"
 CALIBRATION_TEXT_OPTIONS: tuple[Option, ...] = (
     Option(
         "--calib-dataset",
         "calib_dataset",
-        Text(),
+        Text(metavar="PATHS"),
         None,
-        "calibration text: local .txt/.md/.jsonl/.json files or directories (comma-separated), "
-        "or a datasets name[:config] (default: needles' built-in prose haystack)",
+        "local .txt/.md/.jsonl/.json files or directories (comma-separated), or a datasets name[:config] "
+        "(default: needles' built-in prose)",
+        check=check_calibration_source,
     ),
-    Option("--calib-split", "calib_split", Text(), "train", "datasets split (default: train)"),
+    Option("--calib-split", "calib_split", Text(metavar="SPLIT"), "train", "datasets split (default: train)"),
     Option(
-        "--calib-field", "calib_field", Text(), "text", "text field of JSON records / datasets rows (default: text)"
+        "--calib-field",
+        "calib_field",
+        Text(metavar="FIELD"),
+        "text",
+        "text field of JSON records / datasets rows (default: text)",
     ),
     Option(
         "--calib-samples",
         "calib_samples",
-        Integer(1),
+        Integer(1, MAX_COUNT),
         lambda preset: preset.calib_samples,
         "number of calibration windows (default: the preset's)",
     ),
     Option(
         "--calib-tokens",
         "calib_tokens",
-        Integer(1),
+        Integer(1, MAX_TOKENS),
         lambda preset: preset.calib_tokens,
-        "tokens per calibration window (default: the preset's)",
+        "tokens per calibration window, at most the model's positions (default: the preset's)",
     ),
     Option(
         "--n-sink",
         "n_sink",
-        Integer(0),
+        Integer(0, MAX_TOKENS),
         lambda preset: preset.n_sink,
         "leading tokens of each window left out (default: the preset's, 4)",
     ),
-    Option("--seed", "seed", Integer(), 0, "seed of the built-in calibration text (default 0)"),
+    Option("--seed", "seed", Integer(0, MAX_SEED), 0, "seed of the built-in calibration text (default 0)"),
 )
 
 PROBE_TITLE = "needle probes (behaviour, future-queries, budget-curves and learned-scorer stages)"
@@ -67,14 +145,15 @@ PROBE_OPTIONS: tuple[Option, ...] = (
     Option(
         "--probes",
         "probes_file",
-        Text(),
+        Text(metavar="FILE"),
         None,
         "JSON-lines probe file (from generate-probes) instead of the preset's needles probes",
+        check=check_probe_file,
     ),
     Option(
         "--max-new-tokens",
         "max_new_tokens",
-        Integer(1),
+        Integer(1, MAX_TOKENS),
         lambda preset: preset.max_new_tokens,
         "greedy decode steps per probe, behaviour and future-queries stages (default: the preset's)",
     ),

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from artifacts import Section
+from artifacts.schema import FREE_DIM_LIMITS
+from profiler.arguments import MAX_TOKENS
 from profiler.options import Integer, Option
 
 from .base import ShardedStage
@@ -54,14 +56,15 @@ class FutureQueriesStage(ShardedStage):
         Option(
             "--query-centres",
             "query_centres",
-            Integer(1),
+            Integer(1, FREE_DIM_LIMITS["K"]),
             DEFAULT_CENTRES,
-            f"k-means centres of the future queries per query head (default {DEFAULT_CENTRES})",
+            f"k-means centres of the future queries per query head, at most {FREE_DIM_LIMITS['K']} "
+            f"(default {DEFAULT_CENTRES})",
         ),
         Option(
             "--future-sample",
             "future_sample",
-            Integer(1),
+            Integer(1, MAX_TOKENS),
             DEFAULT_SAMPLE,
             f"future queries per head the centres are fitted on, at most (default {DEFAULT_SAMPLE})",
         ),

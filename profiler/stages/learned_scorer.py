@@ -15,6 +15,7 @@ import numpy as np
 
 from artifacts import Section
 from needles.probe import LABEL_CODE
+from profiler.arguments import MAX_COUNT
 from profiler.options import Integer, Option
 
 from .base import ShardedStage
@@ -37,11 +38,10 @@ class LearnedScorerStage(ShardedStage):
         Option(
             "--scorer-probes",
             "scorer_probes",
-            Integer(0),
+            Integer(0, MAX_COUNT),
             0,
-            "also fit on the contexts of the N shortest needle probes (the preset's, or --probes), with the "
-            "tokens of their retrieval (R) spans raised to the top of each head's teacher scores (REAL's labels "
-            "as positives); default 0: calibration text only",
+            "also fit on the contexts of the N shortest needle probes, their R spans raised to the top "
+            "(default 0: calibration text only)",
         ),
     )
 

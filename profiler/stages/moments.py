@@ -70,13 +70,9 @@ class MomentsStage(Stage):
             "moments_selection",
             ListOf(Choice(MOMENTS_SELECTIONS), distinct=True),
             None,
-            "comma-separated scorers that select the kept tokens while the correction errors are measured, "
-            "each stored with its orders (one forward pass per window serves them all); the runtime serves a "
-            "policy its own scorer's orders and warns when there are none. 'learned' shares each "
-            "compression's total out globally, as global/learned+correction serves it, and needs the "
-            "learned_scorer section (built in this run or in the artifact). The first is the default a 1.4 "
-            "reader serves. Default: the scorers of the flagship (first) and of the recommendation candidates "
-            "that serve +correction, learned only when that section is there",
+            "scorers that select the kept tokens while the correction errors are measured, each stored with "
+            "its orders; 'learned' needs the learned_scorer section. Default: those of the flagship and the "
+            "recommendation candidates that serve +correction (README: profile-model's options)",
         ),
     )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from artifacts import Section
+from profiler.arguments import MAX_COUNT
 from profiler.options import Integer, Option
 
 from .base import ShardedStage
@@ -29,7 +30,7 @@ class QueryStatsStage(ShardedStage):
         Option(
             "--batch-size",
             "batch_size",
-            Integer(1),
+            Integer(1, MAX_COUNT),
             lambda preset: preset.batch_size,
             "calibration windows per forward pass (default: the preset's)",
         ),

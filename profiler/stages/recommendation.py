@@ -25,6 +25,7 @@ import time
 
 from artifacts import Section
 from needles.families import FAMILIES
+from profiler.arguments import MAX_COUNT
 from profiler.evaluation_results import COMPRESSION_GRID, RECOMMENDATION_CANDIDATES
 from profiler.held_out_tasks import HAYSTACKS
 from profiler.options import Choice, Integer, ListOf, Number, Option, Text
@@ -59,9 +60,8 @@ class RecommendationStage(Stage):
             "recommend_policies",
             ListOf(Text("a policy name")),
             lambda preset: preset.recommendation_candidates or RECOMMENDATION_CANDIDATES,
-            "candidate policies, cheapest to serve first (among those that pass the paired rule, the first is "
-            "served); default: the preset's (quick: the flagship alone, whose outcomes a later evaluate-artifact "
-            "--write-recommendation can extend), else " + ", ".join(RECOMMENDATION_CANDIDATES),
+            "candidate policies, cheapest to serve first (the first that passes the paired rule is served); "
+            "default: the preset's (quick: the flagship alone), else " + ", ".join(RECOMMENDATION_CANDIDATES),
             check=_check_candidates,
         ),
         Option(
@@ -69,9 +69,8 @@ class RecommendationStage(Stage):
             "recommend_compression_ratios",
             ListOf(Number(0.0, 1.0, low_open=True, high_open=True), distinct=True),
             DEFAULT_COMPRESSION_RATIOS,
-            "compression ratios (fractions of the context cache evicted) to recommend a policy for "
-            f"(default {','.join(f'{r:g}' for r in DEFAULT_COMPRESSION_RATIOS)}); a request beyond the largest is "
-            "served the flagship, never a smaller ratio's decision",
+            "compression ratios to recommend a policy for (default "
+            f"{','.join(f'{r:g}' for r in DEFAULT_COMPRESSION_RATIOS)}); beyond the largest: the flagship",
         ),
         Option(
             "--recommend-families",
@@ -90,10 +89,9 @@ class RecommendationStage(Stage):
         Option(
             "--recommend-count",
             "recommend_count",
-            Integer(1),
+            Integer(1, MAX_COUNT),
             lambda preset: max(1, preset.recommendation_count),
-            "held-out tasks per (family, haystack, length, depth) cell (default: the preset's; families x "
-            "haystacks x the preset's lengths and depths x this many tasks: 70 on quick)",
+            "held-out tasks per (family, haystack, length, depth) cell (default: the preset's; 70 tasks on quick)",
         ),
         Option(
             "--recommend-tolerance",

@@ -1,0 +1,454 @@
+"""The command-line campaign (issue 30): every command, every option, bad values.
+
+Each case is one command line that must be refused: exit status 2, one line on stderr (no
+usage dump, no traceback), before any model or tokenizer loads, and every file that was there
+before byte-for-byte unchanged.  "Before any model loads" is proven, not timed: the loader every
+command shares (``runtime.models._from_pretrained``) is replaced by a tripwire that raises
+:class:`ModelLoadAttempted` (a ``BaseException``, which no command catches) for a model or a
+tokenizer; reading a ``config.json`` stays allowed.
+
+The cases are generated from the commands' declarations where they exist (profile-model's
+settings: :func:`profiler.stages.settings_options`), so a new option is tried without a new
+line here.  Run ``pytest tests/test_cli_campaign.py -q`` for the count; the lead's note records
+it (cases tried, mishandled on main before the fixes, mishandled after).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+SMOKE_ARTIFACT = Path(os.environ.get("KVCAL_SMOKE_ARTIFACT", "/work/art/smoke.h5"))
+HUGE = "100000000000"  # 1e11: no count, length or seed of these commands may be that large
+
+
+class ModelLoadAttempted(BaseException):
+    """Raised by the tripwire: the command began loading a model or a tokenizer."""
+
+
+@dataclass(frozen=True)
+class Case:
+    command: str  # profile-model | evaluate-artifact | inspect-artifact | generate-probes
+    args: tuple[str, ...]  # with {placeholders} of the workspace (see ``workspace``)
+    needs: str = ""  # a phrase stderr must contain (e.g. "did you mean")
+
+    @property
+    def id(self) -> str:
+        return f"{self.command} {' '.join(self.args)}"
+
+
+# -- the cases --------------------------------------------------------------------------------
+
+PROFILE_BASE = ("--preset", "smoke", "--out", "{tmp}/out.h5", "--no-progress")
+
+
+def _all_stages() -> str:
+    from profiler.stages import STAGE_NAMES
+
+    return ",".join(STAGE_NAMES)
+
+
+def _kind_values(kind) -> list[str]:
+    """Bad command-line texts for a value of ``kind`` (profiler.options)."""
+    from profiler.options import Choice, Integer, ListOf, Number, Text
+
+    if isinstance(kind, Integer):
+        below = (kind.minimum if kind.minimum is not None else 0) - 1
+        return [str(below), "abc", "1.5", HUGE]
+    if isinstance(kind, Number):
+        values = ["nan", "inf", "abc"]
+        values.append(f"{kind.low:g}" if kind.low_open else f"{kind.low - 1:g}")
+        if math.isfinite(kind.high):
+            values.append(f"{kind.high:g}" if kind.high_open else f"{kind.high + 1:g}")
+        return values
+    if isinstance(kind, Choice):
+        return ["nope"]
+    if isinstance(kind, ListOf):
+        values = [",", *_kind_values(kind.item)[:2]]
+        if kind.distinct and isinstance(kind.item, Choice):
+            values.append(f"{kind.item.values[0]},{kind.item.values[0]}")
+        return values
+    if isinstance(kind, Text):
+        return [""]
+    return []
+
+
+def _profile_cases() -> list[Case]:
+    from profiler.stages import settings_options
+
+    stages = ("--stages", _all_stages())
+    cases = []
+    for option in settings_options():
+        if option.dest in ("calib_dataset", "probes_file"):
+            continue  # paths: below
+        for value in _kind_values(option.kind):
+            cases.append(Case("profile-model", (*PROFILE_BASE, *stages, f"{option.flag}={value}")))
+    paths = {
+        "--calib-dataset": ["{tmp}/missing.txt", "{emptydir}", "{tmp}/data.csv", "no-such-org/no-such-dataset"],
+        "--probes": ["{tmp}/missing.jsonl", "{emptydir}", "{text}", "{empty}"],
+    }
+    for flag, values in paths.items():
+        for value in values:
+            cases.append(Case("profile-model", (*PROFILE_BASE, *stages, flag, value)))
+    cases += [
+        Case("profile-model", (*PROFILE_BASE, "--stages", "behavior"), needs="did you mean"),
+        Case("profile-model", (*PROFILE_BASE, "--stages", "query-stats,budget"), needs="did you mean"),
+        Case("profile-model", (*PROFILE_BASE, "--stages", ",")),
+        Case("profile-model", (*PROFILE_BASE, "--nope")),
+        Case("profile-model", (*PROFILE_BASE, "--preset=nope")),
+        Case("profile-model", (*PROFILE_BASE, "--checkpoint-every=0")),
+        Case("profile-model", (*PROFILE_BASE, "--checkpoint-every", HUGE)),
+        Case("profile-model", (*PROFILE_BASE, "--dtype", "float64")),
+        Case("profile-model", (*PROFILE_BASE, "--attn-implementation", "nope")),
+        Case("profile-model", ("{tmp}/no-such-model", *PROFILE_BASE)),
+        Case("profile-model", ("{text}", *PROFILE_BASE)),
+        # D10: beyond the model's 8192 positions, and absurd
+        Case("profile-model", (*PROFILE_BASE, "--stages", "query-stats", "--calib-tokens", "9000")),
+        Case("profile-model", (*PROFILE_BASE, "--stages", "query-stats", "--calib-tokens", "100000000")),
+        # D12: the schema caps k-means centres at 256
+        Case("profile-model", (*PROFILE_BASE, "--stages", "behaviour,future-queries", "--query-centres", "1000")),
+        # D6: combinations
+        Case("profile-model", (*PROFILE_BASE, "--stages", "moments", "--moments-selection", "learned")),
+        Case("profile-model", (*PROFILE_BASE, "--stages", "budgets")),
+        Case("profile-model", (*PROFILE_BASE, "--stages", "learned-scorer", "--calib-samples", "1")),
+        Case("profile-model", (*PROFILE_BASE, "--stages", "query-stats", "--n-sink", "8", "--calib-tokens", "8")),
+        # outputs: a directory, a file that is not an artifact, an input, an artifact that does not validate (D5)
+        Case("profile-model", ("--preset", "smoke", "--stages", "query-stats", "--out", "{tmp}")),
+        Case("profile-model", ("--preset", "smoke", "--stages", "query-stats", "--out", "{text}")),
+        Case("profile-model", ("--preset", "smoke", "--stages", "query-stats", "--out", "{textlink}")),
+        Case("profile-model", ("--preset", "smoke", "--stages", "behaviour", "--probes", "{art}", "--out", "{art}")),
+        Case(
+            "profile-model",
+            ("--preset", "smoke", "--stages", "query-stats", "--calib-dataset", "{text}", "--out", "{text}"),
+        ),
+        Case("profile-model", ("--preset", "smoke", "--stages", "query-stats", "--out", "{bad}")),
+        Case("profile-model", ("--preset", "smoke", "--stages", "query-stats", "--out", "{badlink}")),
+        Case("profile-model", ("--preset", "smoke", "--stages", "query-stats", "--out", "{other}")),
+    ]
+    return cases
+
+
+EVAL_BASE = ("--preset", "smoke", "--no-progress")
+
+
+def _evaluate_cases() -> list[Case]:
+    art = ("--artifact", "{art}")
+    cases = [
+        # D9: the artifact
+        Case("evaluate-artifact", (*EVAL_BASE, "--artifact", "{tmp}/missing.h5")),
+        Case("evaluate-artifact", (*EVAL_BASE, "--artifact", "{emptydir}")),
+        Case("evaluate-artifact", (*EVAL_BASE, "--artifact", "{text}")),
+        Case("evaluate-artifact", (*EVAL_BASE, "--artifact", "{bad}")),
+        # D15
+        Case("evaluate-artifact", (*EVAL_BASE, "--artifact", "{bad}", "--write-recommendation")),
+        # D9: tasks, policies
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--tasks", "nope")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--haystacks", "nope")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "@@garbage@@")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "inf/nonexistent")),
+        Case("evaluate-artifact", (*EVAL_BASE, "--artifact", "{other}")),
+        Case("evaluate-artifact", (*EVAL_BASE, "--artifact", "{partial}", "--policies", "inf/keydiff")),
+        Case("evaluate-artifact", (*EVAL_BASE, "--artifact", "{partial}", "--policies", "uniform/keydiff+correction")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "baseline", "--write-recommendation")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "global/kvzip", "--write-recommendation")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--write-recommendation", "--question-aware")),
+        # numbers
+        *(
+            Case("evaluate-artifact", (*EVAL_BASE, *art, f"{flag}={value}"))
+            for flag, values in {
+                "--compression-ratios": ["1", "1.5", "-0.1", "nan", ",", "abc"],
+                "--count": ["0", "-1", "abc", HUGE],
+                "--max-new-tokens": ["0", "-1", "abc", HUGE],
+                "--seed": ["abc", "-1", HUGE],
+                "--paired-tolerance": ["-1", "101", "nan"],
+                "--paired-confidence": ["0", "1", "nan"],
+                "--preset": ["nope"],
+                "--dtype": ["float64"],
+                "--attn-implementation": ["nope"],
+            }.items()
+            for value in values
+        ),
+        # outputs (D7): the input, through a symlink, another artifact, a directory
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{art}")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{art}", "--force")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{artlink}")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--html", "{art}")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--html", "{artlink}")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--html", "{other}")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{other}")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{emptydir}")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/r.json", "--html", "{tmp}/r.json")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--resume")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/r.json", "--resume", "--force")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--nope")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--ratios", "0.5")),
+        Case("evaluate-artifact", ("{tmp}/no-such-model", *EVAL_BASE, *art)),
+    ]
+    return cases
+
+
+def _inspect_cases() -> list[Case]:
+    return [
+        Case("inspect-artifact", ("{tmp}/missing.h5",)),
+        Case("inspect-artifact", ("{emptydir}",)),
+        Case("inspect-artifact", ("{text}",)),
+        Case("inspect-artifact", ("{bad}",)),
+        Case("inspect-artifact", ("{art}", "--html", "{art}")),
+        Case("inspect-artifact", ("{art}", "--html", "{artlink}")),
+        Case("inspect-artifact", ("{artlink}", "--html", "{art}")),
+        Case("inspect-artifact", ("{art}", "--html", "{other}")),
+        Case("inspect-artifact", ("{art}", "--html", "{emptydir}")),
+        *(Case("inspect-artifact", ("{art}", f"--budget={value}")) for value in ("-5", "0", "abc", "1.5", HUGE)),
+        Case("inspect-artifact", ("{art}", "--nope")),
+    ]
+
+
+PROBES_OUT = ("--out", "{tmp}/p.jsonl")
+
+
+def _generate_cases() -> list[Case]:
+    cases = [
+        *(
+            Case("generate-probes", (*PROBES_OUT, f"{flag}={value}"))
+            for flag, values in {
+                "--show": ["-1", "abc", HUGE],
+                "--lengths": ["100000000", "0", "-5", ",", "abc", "1.5"],
+                "--depths": ["-1", "150", "nan", ",", "abc"],
+                "--count": ["0", "-1", "abc", HUGE],
+                "--seed": ["abc", "-1", HUGE],
+                "--families": ["nope", ",", "retrieval,retrieval"],
+                "--haystack": ["nope", "files:{tmp}/missing", "files:{emptydir}", "dataset:{tmp}/missing.parquet"],
+                "--preset": ["nope"],
+            }.items()
+            for value in values
+        ),
+        Case("generate-probes", ("--out", "{emptydir}")),
+        Case("generate-probes", ("--out", "{art}")),
+        Case("generate-probes", ("--out", "{artlink}")),
+        Case("generate-probes", ("--haystack", "files:{text}", "--out", "{text}")),
+        Case("generate-probes", ("--haystack", "files:{text}", "--out", "{textlink}")),
+        Case("generate-probes", ("{tmp}/p.jsonl", "--nope")),
+        Case("generate-probes", ()),
+    ]
+    return cases
+
+
+def all_cases() -> list[Case]:
+    return [*_profile_cases(), *_evaluate_cases(), *_inspect_cases(), *_generate_cases()]
+
+
+CASES = all_cases()
+
+
+# -- the workspace and the runner --------------------------------------------------------------
+
+
+def _damage_one_dataset(path: Path) -> None:
+    """Write a NaN into one dataset (h5py recomputes its fletcher32 checksum): the file stays a kvcal
+    artifact whose metadata opens, but its query_stats section does not validate (values must be finite)."""
+    with h5py.File(path, "r+") as h5:
+        values = np.array(h5["query_stats/mean"][...])
+        values.flat[0] = np.nan
+        h5["query_stats/mean"][...] = values
+
+
+def _keep_sections(source: Path, target: Path, names: tuple[str, ...]) -> None:
+    """Write ``target``: the artifact at ``source`` with only the sections ``names`` (a real artifact
+    of the same model, written by the one writer)."""
+    from artifacts import Artifact, open_artifact, write_artifact
+
+    with open_artifact(source) as reader:
+        sections = {name: reader.section(name) for name in names}
+        artifact = Artifact(model=reader.model, config=dict(reader.config), sections=sections)
+    write_artifact(target, artifact)
+
+
+@pytest.fixture(scope="module")
+def artifact_templates(tmp_path_factory) -> dict[str, Path]:
+    """The artifacts the cases name, made once (each case gets its own copies): a valid artifact of
+    the embedded model (``art``), one with a damaged dataset (``bad``), one of another model
+    (``other``), the embedded model's with the query statistics alone (``partial``)."""
+    from conftest import make_random_artifact, make_random_identity
+
+    from artifacts import write_artifact
+
+    directory = tmp_path_factory.mktemp("campaign-artifacts")
+    art = directory / "art.h5"
+    shutil.copy(SMOKE_ARTIFACT, art)
+    bad = directory / "bad.h5"
+    shutil.copy(SMOKE_ARTIFACT, bad)
+    _damage_one_dataset(bad)
+    other = write_artifact(directory / "other.h5", make_random_artifact(make_random_identity(name="another-model")))
+    partial = directory / "partial.h5"
+    _keep_sections(art, partial, ("query_stats",))
+    return {"art": art, "bad": bad, "other": Path(other), "partial": partial}
+
+
+@pytest.fixture
+def workspace(tmp_path, artifact_templates) -> dict[str, str]:
+    """The files the cases name, fresh for each case: copies of the artifacts, symbolic links to
+    them, a text file, an empty file, a CSV file, an empty directory."""
+    paths: dict[str, Path] = {"tmp": tmp_path}
+    for name, template in artifact_templates.items():
+        paths[name] = tmp_path / template.name
+        shutil.copy(template, paths[name])
+    text = tmp_path / "notes.txt"
+    text.write_text("a text file that is no artifact, no probe and no model\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    (tmp_path / "data.csv").write_text("a,b\n1,2\n")
+    emptydir = tmp_path / "emptydir"
+    emptydir.mkdir()
+    links = {"artlink": paths["art"], "badlink": paths["bad"], "textlink": text}
+    for name, target in links.items():
+        (tmp_path / name).symlink_to(target)
+    paths.update({"text": text, "empty": empty, "emptydir": emptydir, **{name: tmp_path / name for name in links}})
+    return {name: str(path) for name, path in paths.items()}
+
+
+def _snapshot(directory: Path) -> dict[str, bytes | None]:
+    """Every entry under ``directory`` (links not followed): a file's bytes, else None."""
+    found = {}
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            path = Path(root) / name
+            found[str(path)] = path.read_bytes() if path.is_file() and not path.is_symlink() else None
+    return found
+
+
+MAINS = {
+    "profile-model": "profiler.cli",
+    "evaluate-artifact": "profiler.evaluate_cli",
+    "inspect-artifact": "artifacts.cli",
+    "generate-probes": "needles.cli",
+}
+
+
+def run_case(case: Case, paths: dict[str, str], monkeypatch, capsys) -> list[str]:
+    """Run ``case``; return what it mishandled (empty: handled)."""
+    import importlib
+
+    import runtime.models
+
+    original = runtime.models._from_pretrained
+
+    def tripwire(auto_class, model, **kwargs):
+        if auto_class.__name__ != "AutoConfig":
+            raise ModelLoadAttempted(f"{auto_class.__name__}.from_pretrained({model})")
+        return original(auto_class, model, **kwargs)
+
+    monkeypatch.setattr(runtime.models, "_from_pretrained", tripwire)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("NO_COLOR", "1")
+    args = [arg.format(**paths) for arg in case.args]
+    before = _snapshot(Path(paths["tmp"]))
+    capsys.readouterr()
+    problems = []
+    main = importlib.import_module(MAINS[case.command]).main
+    try:
+        code = main(args)
+    except SystemExit as exc:
+        code = exc.code
+    except ModelLoadAttempted as exc:
+        code = None
+        problems.append(f"began loading the model ({exc})")
+    except Exception as exc:  # noqa: BLE001 - a traceback is what the campaign looks for
+        code = None
+        problems.append(f"raised {type(exc).__name__}: {exc}")
+    err = capsys.readouterr().err
+    if code != 2 and not problems:
+        problems.append(f"exit status {code}")
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    if code == 2 and len(lines) != 1:
+        problems.append(f"{len(lines)} lines on stderr")
+    if "Traceback" in err:
+        problems.append("a traceback")
+    if case.needs and case.needs not in err:
+        problems.append(f"no {case.needs!r}")
+    after = _snapshot(Path(paths["tmp"]))
+    changed = sorted(path for path, data in before.items() if after.get(path, b"<gone>") != data)
+    if changed:
+        problems.append(f"changed {changed}")
+    return problems
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_a_bad_command_line_is_refused_in_one_line_before_the_model_loads(case, workspace, monkeypatch, capsys):
+    problems = run_case(case, workspace, monkeypatch, capsys)
+    log = os.environ.get("KVCAL_CAMPAIGN_LOG")  # one line per case, for the note's count
+    if log:
+        with open(log, "a", encoding="utf-8") as fh:
+            fh.write(f"{case.id}\t{'; '.join(problems) or 'handled'}\n")
+    assert not problems, "; ".join(problems)
+
+
+# -- kills and --resume (slow: a real profile-model run of a tiny model, killed) ---------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, embedded_tokenizer):
+    from conftest import write_tiny_model_dir
+
+    return write_tiny_model_dir(tmp_path_factory.mktemp("campaign-tiny-model"), embedded_tokenizer, probes=12, seed=5)
+
+
+RESUME_CHANGES = [
+    (("--dtype", "bfloat16"), "dtype"),
+    (("--attn-implementation", "eager"), "attn_implementation"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(("change", "named"), RESUME_CHANGES, ids=[" ".join(c) for c, _ in RESUME_CHANGES])
+def test_a_killed_run_resumed_with_another_load_is_refused_before_the_model_loads(
+    tiny_model_dir, tmp_path, monkeypatch, capsys, signal_name, change, named
+):
+    """Kill a run at its first checkpoint; ``--resume`` with another ``--dtype`` or
+    ``--attn-implementation`` is refused in one line naming it, before the model loads (the
+    tripwire), the work file kept byte for byte; the same ``--resume`` then finishes the run."""
+    import signal
+
+    from conftest import single_thread, start_profile, tiny_profile_args
+
+    import runtime.models
+    from artifacts import open_artifact
+    from profiler.cli import main
+
+    out = tmp_path / "kv_calibration.h5"
+    work = Path(str(out) + ".work.npz")
+    args = tiny_profile_args(tiny_model_dir, out, "--stages", "behaviour,budgets", "--checkpoint-every", "1")
+    proc = start_profile(args, work)
+    proc.send_signal(getattr(signal, signal_name))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and work.exists() and not out.exists(), err[-2000:]
+    saved = work.read_bytes()
+
+    original = runtime.models._from_pretrained
+
+    def tripwire(auto_class, model, **kwargs):
+        if auto_class.__name__ != "AutoConfig":
+            raise ModelLoadAttempted(f"{auto_class.__name__}.from_pretrained({model})")
+        return original(auto_class, model, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(runtime.models, "_from_pretrained", tripwire)
+        capsys.readouterr()
+        assert main([*args, *change, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and named in err, err
+    assert work.read_bytes() == saved and not out.exists()
+    with single_thread():
+        assert main([*args, "--resume"]) == 0
+    assert "resuming from" in capsys.readouterr().out
+    with open_artifact(out) as reader:
+        reader.validate()
+    assert not work.exists()
