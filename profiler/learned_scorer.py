@@ -48,32 +48,49 @@ def reconstruction_input(context: torch.Tensor, instruction: torch.Tensor) -> to
     return torch.cat([context, instruction, context])
 
 
+# Logits held at once by the teacher, at most (float32 numbers): 256 MiB, whatever the context (a chunk
+# of 256 queries over the 64K keys of a 32K window's reconstruction pass held 2 GiB per copy, 32 query
+# heads; docs/results.md R-profiler-scale-2026-11-26).
+TEACHER_LOGITS = 2**26
+
+
 @torch.no_grad()
 def reconstruction_importance(
-    query: torch.Tensor, key: torch.Tensor, context_len: int, scaling: float, chunk: int = 256
+    query: torch.Tensor,
+    key: torch.Tensor,
+    context_len: int,
+    scaling: float,
+    chunk: int = 256,
+    max_logits: int = TEACHER_LOGITS,
 ) -> torch.Tensor:
     """Log KVzip importance ``[Hkv, C]`` of the first ``C`` keys.
 
     ``query [Hq, T, d]`` and ``key [Hkv, T, d]`` (post-RoPE) of one causal forward pass over
     ``[c; instruction; c]``; every query after the context (positions ``C .. T-1``) is a
     reconstruction query.  Its causal softmax over all the keys it sees is computed in float32,
-    chunk by chunk, and the weight on each context key is maximised over the queries and over
-    the GQA group's query heads.
+    at most ``chunk`` queries at a time and fewer where their logits ``[Hq, rows, keys]`` would
+    pass ``max_logits`` numbers (one query at least), and the weight on each context key is
+    maximised over the queries and over the GQA group's query heads.
     """
     num_q_heads, total, dim = query.shape
     num_kv_heads = key.shape[0]
     group = num_q_heads // num_kv_heads
-    keys = key.float().repeat_interleave(group, dim=0)  # [Hq, T, d]
-    best = torch.zeros(num_q_heads, context_len, device=query.device)
-    for start in range(context_len, total, chunk):
-        stop = min(start + chunk, total)
-        logits = scaling * query[:, start:stop].float() @ keys[:, :stop].transpose(1, 2)  # [Hq, c, stop]
+    keys = key.float()  # [Hkv, T, d]: each KV head's group of queries reads it, no repeat
+    best = torch.zeros(num_kv_heads, group, context_len, device=query.device)
+    start = context_len
+    while start < total:
+        rows = max(1, min(chunk, max_logits // (num_q_heads * total)))
+        stop = min(start + rows, total)
+        grouped = query[:, start:stop].float().reshape(num_kv_heads, group * (stop - start), dim)
+        logits = torch.matmul(grouped, keys[:, :stop].transpose(1, 2)).mul_(scaling)  # [Hkv, G*rows, stop]
+        logits = logits.view(num_kv_heads, group, stop - start, stop)
         future = (
             torch.arange(stop, device=query.device)[None, :] > torch.arange(start, stop, device=query.device)[:, None]
-        )
-        weights = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
-        best = torch.maximum(best, weights[:, :, :context_len].amax(dim=1))
-    per_kv_head = best.reshape(num_kv_heads, group, context_len).amax(dim=1)  # [Hkv, C]
+        )  # [rows, stop]
+        weights = torch.softmax(logits.masked_fill_(future, float("-inf")), dim=-1)
+        best = torch.maximum(best, weights[..., :context_len].amax(dim=2))
+        start = stop
+    per_kv_head = best.amax(dim=1)  # [Hkv, C]
     return per_kv_head.clamp_min(float(np.exp(MIN_LOG_SCORE))).log()
 
 
