@@ -78,3 +78,60 @@ def test_the_budget_curves_never_compute_the_vocabulary_logits():
     measure_curves(model, windows, [probe], progress=False)
     measure_curves(model, windows, [probe], answers=[[5, 6]], progress=False)
     assert calls == []
+
+
+def _attention_inputs(batch=2, q_heads=6, kv_heads=2, q_len=9, k_len=9, dim=8, seed=5):
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, q_heads, q_len, dim, generator=generator) * 3  # large logits: the cap bites
+    key, value = (torch.randn(batch, kv_heads, k_len, dim, generator=generator) for _ in range(2))
+    return query, key, value
+
+
+def _padded_mask(batch, q_len, k_len):
+    """bool ``[B, 1, q, k]``: causal (bottom-right aligned), row 1's first 3 tokens padding (its first
+    queries see no real key: transformers' fully masked rows)."""
+    causal = torch.ones(q_len, k_len, dtype=torch.bool).tril(diagonal=k_len - q_len)
+    mask = causal.expand(batch, 1, q_len, k_len).clone()
+    mask[1, :, :, :3] = False
+    return mask
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize(
+    "kind, q_len, k_len",
+    [
+        ("causal", 9, 9),  # no mask: the causal pattern made per block
+        ("bool", 9, 13),  # queries after a cached prefix, padding
+        ("float", 9, 13),  # the same as an additive float mask
+        ("decode", 1, 13),  # one query, a [B, 1, 1, k] mask
+    ],
+)
+@pytest.mark.parametrize("max_logits", [1, 2 * 6 * 13 * 4, 2 * 6 * 9 * 8])
+def test_the_reference_attention_in_query_blocks_equals_the_whole_matrix(kind, q_len, k_len, softcap, max_logits):
+    """Blocks of one query, of 4 (a block of one at the last query of 9) and of 8 against one block."""
+    from runtime.eager_attention import eager_attention_forward
+
+    query, key, value = _attention_inputs(q_len=q_len, k_len=k_len)
+    mask = None if kind == "causal" else _padded_mask(2, q_len, k_len)
+    if kind == "float":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    whole, _ = eager_attention_forward(None, query, key, value, mask, scaling=0.3, softcap=softcap, max_logits=2**30)
+    blocks, _ = eager_attention_forward(
+        None, query, key, value, mask, scaling=0.3, softcap=softcap, max_logits=max_logits
+    )
+    assert blocks.shape == (2, q_len, 6, 8)
+    torch.testing.assert_close(blocks, whole, rtol=1e-5, atol=1e-6)
+    if kind == "causal":  # and the whole matrix is the causal attention itself
+        want = torch.ones(q_len, k_len, dtype=torch.bool).tril()
+        weights = torch.softmax(
+            _capped(0.3 * query @ key.repeat_interleave(3, dim=1).transpose(-1, -2), softcap).masked_fill(
+                ~want, float("-inf")
+            ),
+            dim=-1,
+        )
+        direct = (weights @ value.repeat_interleave(3, dim=1)).transpose(1, 2)  # [B, q, Hq, d]
+        torch.testing.assert_close(whole, direct, rtol=1e-5, atol=1e-6)
+
+
+def _capped(logits, softcap):
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
