@@ -166,6 +166,48 @@ def predict(weights: np.ndarray, features: np.ndarray) -> np.ndarray:
     return features @ weights[:, :-1] + weights[:, -1:]
 
 
+def held_out_choice(sums: list[RidgeSums], windows, ridge_grid=RIDGE_GRID) -> dict[str, np.ndarray]:
+    """Each head's ridge strength, chosen by the held-out rank correlation of prediction and teacher.
+
+    ``sums``: every layer's reduced :class:`RidgeSums` (``kv`` features, one target); ``windows``: an
+    iterable of held-out windows, each a list of per-layer :class:`WindowRecord`, consumed one at a
+    time: only each window's teacher ``[Hkv, C]`` and its predictions under every ridge ``[N, Hkv, C]``
+    are kept, never its features ``[Hkv, C, 2d]`` (8.6 GB per 32K-token window at 32 layers of 8 KV
+    heads; docs/results.md R-profiler-scale-2026-11-26).  Returns ``weights [L, Hkv, F]``, ``bias``,
+    ``ridge``, ``r2`` and ``rank_correlation`` ``[L, Hkv]`` (float64), and ``tokens``, the held-out
+    tokens per layer.
+    """
+    layers = len(sums)
+    solutions = [[layer_sums.solve(ridge) for ridge in ridge_grid] for layer_sums in sums]  # [L][N] x [Hkv, F+1, 1]
+    teachers: list[list[np.ndarray]] = [[] for _ in range(layers)]  # per layer, per window [Hkv, C]
+    predictions: list[list[np.ndarray]] = [[] for _ in range(layers)]  # per layer, per window [N, Hkv, C]
+    for records in windows:
+        for layer, record in enumerate(records):
+            features = record.kv.double().numpy()  # [Hkv, C, F]
+            teachers[layer].append(record.teacher.double().numpy())
+            predictions[layer].append(np.stack([predict(w, features)[:, :, 0] for w in solutions[layer]]))
+        del records, record, features  # let the window go before the next one is recorded
+    heads, features = solutions[0][0].shape[0], solutions[0][0].shape[1] - 1
+    best = {name: np.zeros((layers, heads)) for name in ("ridge", "r2", "rank_correlation", "bias")}
+    best["rank_correlation"][:] = -2.0
+    best["weights"] = np.zeros((layers, heads, features))
+    for layer in range(layers):
+        teacher = np.concatenate(teachers[layer], axis=1)  # [Hkv, n]
+        prediction = np.concatenate(predictions[layer], axis=2)  # [N, Hkv, n]
+        for r, ridge in enumerate(ridge_grid):
+            solution = solutions[layer][r]
+            for head in range(heads):
+                rho = spearman(prediction[r, head], teacher[head])
+                if rho > best["rank_correlation"][layer, head]:
+                    best["rank_correlation"][layer, head] = rho
+                    best["r2"][layer, head] = r_squared(prediction[r, head], teacher[head])
+                    best["ridge"][layer, head] = ridge
+                    best["weights"][layer, head] = solution[head, :-1, 0]
+                    best["bias"][layer, head] = solution[head, -1, 0]
+    best["tokens"] = sum(part.shape[1] for part in teachers[0])
+    return best
+
+
 TEACHER_ATTENTION = "kvcal_reconstruction_teacher"
 
 

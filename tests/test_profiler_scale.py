@@ -135,3 +135,75 @@ def test_the_reference_attention_in_query_blocks_equals_the_whole_matrix(kind, q
 
 def _capped(logits, softcap):
     return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
+def _held_out_reference(sums, windows, ridge_grid):
+    """The learned-scorer stage's choice as it was: every held-out window's features concatenated first."""
+    import numpy as np
+
+    from profiler.learned_scorer import predict, r_squared, spearman
+
+    layers, heads = len(sums), windows[0][0].teacher.shape[0]
+    best = {name: np.zeros((layers, heads)) for name in ("ridge", "r2", "rank_correlation", "bias")}
+    best["rank_correlation"][:] = -2.0
+    best["weights"] = np.zeros((layers, heads, windows[0][0].kv.shape[-1]))
+    for layer in range(layers):
+        teacher = torch.cat([w[layer].teacher for w in windows], dim=1).double().numpy()  # [Hkv, n]
+        features = torch.cat([w[layer].kv for w in windows], dim=1).double().numpy()  # [Hkv, n, F]
+        for ridge in ridge_grid:
+            solution = sums[layer].solve(ridge)
+            prediction = predict(solution, features)[:, :, 0]
+            for head in range(heads):
+                rho = spearman(prediction[head], teacher[head])
+                if rho > best["rank_correlation"][layer, head]:
+                    best["rank_correlation"][layer, head] = rho
+                    best["r2"][layer, head] = r_squared(prediction[head], teacher[head])
+                    best["ridge"][layer, head] = ridge
+                    best["weights"][layer, head] = solution[head, :-1, 0]
+                    best["bias"][layer, head] = solution[head, -1, 0]
+    return best
+
+
+def test_the_held_out_choice_streams_windows_and_equals_choosing_over_their_concatenation():
+    import gc
+    import weakref
+
+    import numpy as np
+
+    from profiler.learned_scorer import RIDGE_GRID, RidgeSums, WindowRecord, held_out_choice
+
+    generator = torch.Generator().manual_seed(6)
+    layers, heads, features = 2, 3, 8
+    truth = torch.randn(layers, heads, features, generator=generator)
+
+    def window(length):  # per layer: a teacher that a linear map of the features explains in part
+        records = []
+        for layer in range(layers):
+            kv = torch.randn(heads, length, features, generator=generator)
+            noise = torch.randn(heads, length, generator=generator)
+            records.append(WindowRecord(teacher=(kv @ truth[layer].unsqueeze(-1))[..., 0] + 2 * noise, kv=kv))
+        return records
+
+    sums = [RidgeSums(heads, features, 1) for _ in range(layers)]
+    for _ in range(3):
+        for layer, record in enumerate(window(40)):
+            sums[layer].add(record.kv, record.teacher.unsqueeze(-1))
+    held_out = [window(length) for length in (17, 5, 23)]  # unequal windows
+    want = _held_out_reference(sums, held_out, RIDGE_GRID)
+
+    released = []
+
+    def stream():  # each window's features must be let go before the next one is recorded
+        for records in held_out:
+            copy = [WindowRecord(teacher=r.teacher.clone(), kv=r.kv.clone()) for r in records]
+            released.append([weakref.ref(r.kv) for r in copy])
+            yield copy
+            del copy
+            gc.collect()
+            assert all(ref() is None for ref in released[-1]), "a held-out window's features were kept"
+
+    got = held_out_choice(sums, stream())
+    assert got["tokens"] == 17 + 5 + 23
+    for name in ("ridge", "r2", "rank_correlation", "bias", "weights"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-12, err_msg=name)
+    assert len(set(got["ridge"].ravel().tolist())) >= 1 and got["rank_correlation"].min() > 0
