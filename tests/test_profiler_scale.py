@@ -207,3 +207,22 @@ def test_the_held_out_choice_streams_windows_and_equals_choosing_over_their_conc
     for name in ("ridge", "r2", "rank_correlation", "bias", "weights"):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-12, err_msg=name)
     assert len(set(got["ridge"].ravel().tolist())) >= 1 and got["rank_correlation"].min() > 0
+
+
+def test_the_reconstruction_pass_keeps_copies_of_the_context_rows_not_views_of_the_whole_pass():
+    """record_window keeps the context rows of each layer's keys and values in storage of their own,
+    not views holding the layer's whole ``[1, 2C + I, Hkv d]`` projection outputs until the pass ends."""
+    from profiler.learned_scorer import context_rows, record_window
+
+    for dtype in (torch.float32, torch.bfloat16):
+        projection = torch.randn(1, 90, 4, 8).to(dtype)  # [1, 2C + I, Hkv, d]
+        rows = context_rows(projection, 40)
+        assert rows.dtype == torch.float32 and rows.shape == (40, 4, 8)
+        assert rows.untyped_storage().nbytes() == rows.numel() * 4
+        torch.testing.assert_close(rows, projection[0, :40].float())
+    model = make_tiny_llama(num_layers=2, seed=2)
+    context = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    records = record_window(model, context, torch.tensor([5, 6, 7]), hidden=True)
+    config = model.config
+    assert records[0].kv.shape == (config.num_key_value_heads, 40, 2 * config.head_dim)
+    assert records[1].hidden.shape == (40, config.hidden_size) and records[1].hidden.dtype == torch.float32
