@@ -341,7 +341,7 @@ def measure_curves(
     with torch.no_grad(), attention_implementation(model, "kvcal_budget_curves", attention_forward), bar:
         for index in range(ids.shape[0]):
             text.target = ("text", ids.shape[1] - query_window, None)
-            # the decoder only: the vocabulary logits [1, T, V] are never read (R-profiler-scale-2026-11-26)
+            # the decoder only: the vocabulary logits [1, T, V] are never read (R-profiler-scale-2026-11-27)
             model.model(input_ids=ids[index : index + 1].to(device), use_cache=False)
             bar.update()
         current[0] = needles

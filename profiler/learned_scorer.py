@@ -50,7 +50,7 @@ def reconstruction_input(context: torch.Tensor, instruction: torch.Tensor) -> to
 
 # Logits held at once by the teacher, at most (float32 numbers): 256 MiB, whatever the context (a chunk
 # of 256 queries over the 64K keys of a 32K window's reconstruction pass held 2 GiB per copy, 32 query
-# heads; docs/results.md R-profiler-scale-2026-11-26).
+# heads; docs/results.md R-profiler-scale-2026-11-27).
 TEACHER_LOGITS = 2**26
 
 
@@ -173,7 +173,7 @@ def held_out_choice(sums: list[RidgeSums], windows, ridge_grid=RIDGE_GRID) -> di
     iterable of held-out windows, each a list of per-layer :class:`WindowRecord`, consumed one at a
     time: only each window's teacher ``[Hkv, C]`` and its predictions under every ridge ``[N, Hkv, C]``
     are kept, never its features ``[Hkv, C, 2d]`` (8.6 GB per 32K-token window at 32 layers of 8 KV
-    heads; docs/results.md R-profiler-scale-2026-11-26).  Returns ``weights [L, Hkv, F]``, ``bias``,
+    heads; docs/results.md R-profiler-scale-2026-11-27).  Returns ``weights [L, Hkv, F]``, ``bias``,
     ``ridge``, ``r2`` and ``rank_correlation`` ``[L, Hkv]`` (float64), and ``tokens``, the held-out
     tokens per layer.
     """

@@ -47,7 +47,7 @@ def masked(logits: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.T
 
 
 # Logits held at once by the reference attention (float32 numbers): 256 MiB.  The whole [B, Hq, q, k]
-# matrix of a 32K-token prefill with 32 query heads is 128 GiB (docs/results.md R-profiler-scale-2026-11-26).
+# matrix of a 32K-token prefill with 32 query heads is 128 GiB (docs/results.md R-profiler-scale-2026-11-27).
 MAX_LOGITS = 2**26
 
 
