@@ -341,7 +341,8 @@ def measure_curves(
     with torch.no_grad(), attention_implementation(model, "kvcal_budget_curves", attention_forward), bar:
         for index in range(ids.shape[0]):
             text.target = ("text", ids.shape[1] - query_window, None)
-            model(input_ids=ids[index : index + 1].to(device), use_cache=False)
+            # the decoder only: the vocabulary logits [1, T, V] are never read (R-profiler-scale-2026-11-27)
+            model.model(input_ids=ids[index : index + 1].to(device), use_cache=False)
             bar.update()
         current[0] = needles
         for probe, needle, answer in usable:
@@ -350,7 +351,7 @@ def measure_curves(
                 needles.target = ("probe", probe.context_end, needle)
             else:
                 needles.target = ("answer", probe.context_end, (needle, len(answer)))
-            model(input_ids=torch.tensor([[*probe.input_ids, *answer]], device=device), use_cache=False)
+            model.model(input_ids=torch.tensor([[*probe.input_ids, *answer]], device=device), use_cache=False)
             bar.update()
     for measurer, passes in ((text, ids.shape[0]), (needles, len(usable))):
         if not np.all(measurer.calls == passes):

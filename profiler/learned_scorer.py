@@ -48,32 +48,49 @@ def reconstruction_input(context: torch.Tensor, instruction: torch.Tensor) -> to
     return torch.cat([context, instruction, context])
 
 
+# Logits held at once by the teacher, at most (float32 numbers): 256 MiB, whatever the context (a chunk
+# of 256 queries over the 64K keys of a 32K window's reconstruction pass held 2 GiB per copy, 32 query
+# heads; docs/results.md R-profiler-scale-2026-11-27).
+TEACHER_LOGITS = 2**26
+
+
 @torch.no_grad()
 def reconstruction_importance(
-    query: torch.Tensor, key: torch.Tensor, context_len: int, scaling: float, chunk: int = 256
+    query: torch.Tensor,
+    key: torch.Tensor,
+    context_len: int,
+    scaling: float,
+    chunk: int = 256,
+    max_logits: int = TEACHER_LOGITS,
 ) -> torch.Tensor:
     """Log KVzip importance ``[Hkv, C]`` of the first ``C`` keys.
 
     ``query [Hq, T, d]`` and ``key [Hkv, T, d]`` (post-RoPE) of one causal forward pass over
     ``[c; instruction; c]``; every query after the context (positions ``C .. T-1``) is a
     reconstruction query.  Its causal softmax over all the keys it sees is computed in float32,
-    chunk by chunk, and the weight on each context key is maximised over the queries and over
-    the GQA group's query heads.
+    at most ``chunk`` queries at a time and fewer where their logits ``[Hq, rows, keys]`` would
+    pass ``max_logits`` numbers (one query at least), and the weight on each context key is
+    maximised over the queries and over the GQA group's query heads.
     """
     num_q_heads, total, dim = query.shape
     num_kv_heads = key.shape[0]
     group = num_q_heads // num_kv_heads
-    keys = key.float().repeat_interleave(group, dim=0)  # [Hq, T, d]
-    best = torch.zeros(num_q_heads, context_len, device=query.device)
-    for start in range(context_len, total, chunk):
-        stop = min(start + chunk, total)
-        logits = scaling * query[:, start:stop].float() @ keys[:, :stop].transpose(1, 2)  # [Hq, c, stop]
+    keys = key.float()  # [Hkv, T, d]: each KV head's group of queries reads it, no repeat
+    best = torch.zeros(num_kv_heads, group, context_len, device=query.device)
+    start = context_len
+    while start < total:
+        rows = max(1, min(chunk, max_logits // (num_q_heads * total)))
+        stop = min(start + rows, total)
+        grouped = query[:, start:stop].float().reshape(num_kv_heads, group * (stop - start), dim)
+        logits = torch.matmul(grouped, keys[:, :stop].transpose(1, 2)).mul_(scaling)  # [Hkv, G*rows, stop]
+        logits = logits.view(num_kv_heads, group, stop - start, stop)
         future = (
             torch.arange(stop, device=query.device)[None, :] > torch.arange(start, stop, device=query.device)[:, None]
-        )
-        weights = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
-        best = torch.maximum(best, weights[:, :, :context_len].amax(dim=1))
-    per_kv_head = best.reshape(num_kv_heads, group, context_len).amax(dim=1)  # [Hkv, C]
+        )  # [rows, stop]
+        weights = torch.softmax(logits.masked_fill_(future, float("-inf")), dim=-1)
+        best = torch.maximum(best, weights[..., :context_len].amax(dim=2))
+        start = stop
+    per_kv_head = best.amax(dim=1)  # [Hkv, C]
     return per_kv_head.clamp_min(float(np.exp(MIN_LOG_SCORE))).log()
 
 
@@ -149,7 +166,56 @@ def predict(weights: np.ndarray, features: np.ndarray) -> np.ndarray:
     return features @ weights[:, :-1] + weights[:, -1:]
 
 
+def held_out_choice(sums: list[RidgeSums], windows, ridge_grid=RIDGE_GRID) -> dict[str, np.ndarray]:
+    """Each head's ridge strength, chosen by the held-out rank correlation of prediction and teacher.
+
+    ``sums``: every layer's reduced :class:`RidgeSums` (``kv`` features, one target); ``windows``: an
+    iterable of held-out windows, each a list of per-layer :class:`WindowRecord`, consumed one at a
+    time: only each window's teacher ``[Hkv, C]`` and its predictions under every ridge ``[N, Hkv, C]``
+    are kept, never its features ``[Hkv, C, 2d]`` (8.6 GB per 32K-token window at 32 layers of 8 KV
+    heads; docs/results.md R-profiler-scale-2026-11-27).  Returns ``weights [L, Hkv, F]``, ``bias``,
+    ``ridge``, ``r2`` and ``rank_correlation`` ``[L, Hkv]`` (float64), and ``tokens``, the held-out
+    tokens per layer.
+    """
+    layers = len(sums)
+    solutions = [[layer_sums.solve(ridge) for ridge in ridge_grid] for layer_sums in sums]  # [L][N] x [Hkv, F+1, 1]
+    teachers: list[list[np.ndarray]] = [[] for _ in range(layers)]  # per layer, per window [Hkv, C]
+    predictions: list[list[np.ndarray]] = [[] for _ in range(layers)]  # per layer, per window [N, Hkv, C]
+    for records in windows:
+        for layer, record in enumerate(records):
+            features = record.kv.double().numpy()  # [Hkv, C, F]
+            teachers[layer].append(record.teacher.double().numpy())
+            predictions[layer].append(np.stack([predict(w, features)[:, :, 0] for w in solutions[layer]]))
+        del records, record, features  # let the window go before the next one is recorded
+    heads, features = solutions[0][0].shape[0], solutions[0][0].shape[1] - 1
+    best = {name: np.zeros((layers, heads)) for name in ("ridge", "r2", "rank_correlation", "bias")}
+    best["rank_correlation"][:] = -2.0
+    best["weights"] = np.zeros((layers, heads, features))
+    for layer in range(layers):
+        teacher = np.concatenate(teachers[layer], axis=1)  # [Hkv, n]
+        prediction = np.concatenate(predictions[layer], axis=2)  # [N, Hkv, n]
+        for r, ridge in enumerate(ridge_grid):
+            solution = solutions[layer][r]
+            for head in range(heads):
+                rho = spearman(prediction[r, head], teacher[head])
+                if rho > best["rank_correlation"][layer, head]:
+                    best["rank_correlation"][layer, head] = rho
+                    best["r2"][layer, head] = r_squared(prediction[r, head], teacher[head])
+                    best["ridge"][layer, head] = ridge
+                    best["weights"][layer, head] = solution[head, :-1, 0]
+                    best["bias"][layer, head] = solution[head, -1, 0]
+    best["tokens"] = sum(part.shape[1] for part in teachers[0])
+    return best
+
+
 TEACHER_ATTENTION = "kvcal_reconstruction_teacher"
+
+
+def context_rows(tensor: torch.Tensor, context_len: int) -> torch.Tensor:
+    """A float32 host copy of the first ``context_len`` positions of ``tensor [1, T, ...]``: its own
+    storage, not a view that keeps the layer's whole projection output ``[1, 2C + I, ...]`` alive until
+    the pass ends (every layer's: 8 GiB on the GPU for a 32K window at 32 layers of 8 KV heads, bf16)."""
+    return tensor[0, :context_len].detach().to(device="cpu", dtype=torch.float32, copy=True)
 
 
 @torch.no_grad()
@@ -177,7 +243,7 @@ def record_window(model, context: torch.Tensor, instruction: torch.Tensor, hidde
     def keep(layer: int, name: str, projection=None):
         def hook(_module, args, output):
             tensor = args[0] if projection is None else projection.take(output)  # [B, T, hidden] / [B, T, Hkv, d]
-            captured[layer, name] = tensor[0, :context_len].detach()
+            captured[layer, name] = context_rows(tensor, context_len)
 
         return hook
 
@@ -201,8 +267,8 @@ def record_window(model, context: torch.Tensor, instruction: torch.Tensor, hidde
             kv=kv_features(
                 captured[layer, "keys"].reshape(shape).transpose(0, 1),
                 captured[layer, "values"].reshape(shape).transpose(0, 1),
-            ).cpu(),
-            hidden=captured[layer, "hidden"].float().cpu() if hidden else None,
+            ),
+            hidden=captured[layer, "hidden"] if hidden else None,
         )
         for layer in range(geometry.num_layers)
     ]

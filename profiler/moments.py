@@ -463,7 +463,9 @@ def measure_correction_errors_by_selection(
     device = next(model.parameters()).device
     with torch.no_grad(), attention_implementation(model, CALIBRATION_ATTENTION, attention_forward):
         for index in tqdm(range(ids.shape[0]), desc="moments calibration", unit="window", disable=not progress):
-            model(input_ids=ids[index : index + 1].to(device), use_cache=False)
+            # the decoder only: the vocabulary logits [1, T, V] are never read (6.3 GiB in float32 for a
+            # 32K window at Llama-3's 128K vocabulary; docs/results.md R-profiler-scale-2026-11-27)
+            model.model(input_ids=ids[index : index + 1].to(device), use_cache=False)
             for measurer in measurers:
                 measurer.finish_window()
     results = []

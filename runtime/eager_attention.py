@@ -46,6 +46,11 @@ def masked(logits: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.T
     return logits + mask.float()
 
 
+# Logits held at once by the reference attention (float32 numbers): 256 MiB.  The whole [B, Hq, q, k]
+# matrix of a 32K-token prefill with 32 query heads is 128 GiB (docs/results.md R-profiler-scale-2026-11-27).
+MAX_LOGITS = 2**26
+
+
 def eager_attention_forward(
     module,
     query: torch.Tensor,
@@ -55,10 +60,13 @@ def eager_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     softcap: float | None = None,
+    max_logits: int = MAX_LOGITS,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` function (see the module docstring): ``query [B, Hq, q, d]``,
-    ``key / value [B, Hkv, k, d]`` -> ``(out [B, q, Hq, d], None)``."""
+    ``key / value [B, Hkv, k, d]`` -> ``(out [B, q, Hq, d], None)``.  The queries are taken in
+    blocks whose logits ``[B, Hq, rows, k]`` hold at most ``max_logits`` numbers (one query at
+    least): each query's softmax is over its own row, so the blocks change nothing."""
     if dropout:
         raise ValueError("the reference attention does not implement attention dropout (use model.eval())")
     batch, num_q_heads, q_len, dim = query.shape
@@ -67,16 +75,29 @@ def eager_attention_forward(
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     group = num_q_heads // num_kv_heads
     scale = float(scaling) if scaling is not None else dim**-0.5
-    if attention_mask is None and q_len > 1 and getattr(module, "is_causal", True):
+    causal = attention_mask is None and q_len > 1 and getattr(module, "is_causal", True)
+    if causal:
         key, value = key[:, :, :q_len], value[:, :, :q_len]  # sdpa's is_causal: upper-left aligned
-        causal = torch.ones(q_len, key.shape[2], dtype=torch.bool, device=query.device).tril()
-        attention_mask = causal[None, None]  # [1, 1, q, k]
-    grouped = query.float().reshape(batch, num_kv_heads, group * q_len, dim)  # [B, Hkv, G q, d]
-    logits = torch.matmul(grouped, key.float().transpose(-1, -2)) * scale  # [B, Hkv, G q, k]
-    logits = soft_cap(logits.reshape(batch, num_q_heads, q_len, -1), softcap)  # [B, Hq, q, k]
-    weights = torch.softmax(masked(logits, attention_mask), dim=-1)  # [B, Hq, q, k] float32
-    weights = weights.reshape(batch, num_kv_heads, group * q_len, -1)
-    output = torch.matmul(weights, value.float()).reshape(batch, num_q_heads, q_len, dim)  # [B, Hq, q, d]
+    keys, values = key.float(), value.float()  # [B, Hkv, k, d]
+    k_len = keys.shape[2]
+    rows = max(1, max_logits // max(1, batch * num_q_heads * k_len))
+    outputs = []
+    for start in range(0, q_len, rows):
+        stop = min(start + rows, q_len)
+        block = stop - start
+        mask = attention_mask
+        if causal:  # [1, 1, rows, k]: query i sees keys 0..i
+            index = torch.arange(k_len, device=query.device)
+            mask = (index[None, :] <= torch.arange(start, stop, device=query.device)[:, None])[None, None]
+        elif mask is not None and mask.shape[-2] > 1:
+            mask = mask[..., start:stop, :]  # [B or 1, 1 or Hq, rows, k']
+        grouped = query[:, :, start:stop].float().reshape(batch, num_kv_heads, group * block, dim)  # [B, Hkv, G r, d]
+        logits = torch.matmul(grouped, keys.transpose(-1, -2)) * scale  # [B, Hkv, G r, k]
+        logits = soft_cap(logits.reshape(batch, num_q_heads, block, -1), softcap)  # [B, Hq, r, k]
+        weights = torch.softmax(masked(logits, mask), dim=-1)  # [B, Hq, r, k] float32
+        weights = weights.reshape(batch, num_kv_heads, group * block, -1)
+        outputs.append(torch.matmul(weights, values).reshape(batch, num_q_heads, block, dim))  # [B, Hq, r, d]
+    output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # [B, Hq, q, d]
     return output.transpose(1, 2).contiguous().to(query.dtype), None  # [B, q, Hq, d]
 
 

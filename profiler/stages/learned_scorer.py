@@ -135,35 +135,17 @@ class LearnedScorerStage(ShardedStage):
         self.restore(reduced)
 
     def build(self, sections, config) -> Section:
-        import torch
+        from profiler.learned_scorer import held_out_choice, record_window
 
-        from profiler.learned_scorer import RIDGE_GRID, predict, r_squared, record_window, spearman
-
-        context, geometry = self.context, self.context.geometry
-        layers, heads = geometry.num_layers, geometry.num_kv_heads
-        held_out = [
+        context = self.context
+        held_out = (  # recorded one window at a time: held_out_choice keeps no window's features
             record_window(context.model, context.windows[index], self.instruction)
             for index in range(self.fit_windows, self.settings["calib_samples"])
-        ]
-        best = {name: np.zeros((layers, heads)) for name in ("ridge", "r2", "rank_correlation", "bias")}
-        best["rank_correlation"][:] = -2.0
-        weights = np.zeros((layers, heads, 2 * geometry.head_dim))
-        for layer in range(layers):
-            teacher = torch.cat([w[layer].teacher for w in held_out], dim=1).double().numpy()  # [Hkv, n]
-            features = torch.cat([w[layer].kv for w in held_out], dim=1).double().numpy()  # [Hkv, n, F]
-            for ridge in RIDGE_GRID:
-                solution = self.sums[layer].solve(ridge)  # [Hkv, F+1, 1]
-                prediction = predict(solution, features)[:, :, 0]  # [Hkv, n]
-                for head in range(heads):
-                    rho = spearman(prediction[head], teacher[head])
-                    if rho > best["rank_correlation"][layer, head]:
-                        best["rank_correlation"][layer, head] = rho
-                        best["r2"][layer, head] = r_squared(prediction[head], teacher[head])
-                        best["ridge"][layer, head] = ridge
-                        weights[layer, head] = solution[head, :-1, 0]
-                        best["bias"][layer, head] = solution[head, -1, 0]
+        )
+        best = held_out_choice(self.sums, held_out)
+        weights = best["weights"]
         fit_tokens = int(round(self.sums[0].zz[0, -1, -1]))
-        held_out_tokens = int(sum(w[0].teacher.shape[1] for w in held_out))
+        held_out_tokens = int(best["tokens"])
         rho = best["rank_correlation"]
         self.say(
             f"learned-scorer: fitted on {self.fit_windows} windows and {len(self.probes)} probes "
