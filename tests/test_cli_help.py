@@ -43,7 +43,8 @@ def test_help_wraps_between_words_only(command, columns, capsys, monkeypatch):
 def test_profile_model_help_is_readable(capsys, monkeypatch):
     out, _ = _help("profiler.cli", capsys, "80", monkeypatch)
     lines = out.splitlines()
-    assert len(lines) <= 160, len(lines)  # 179 on main at 80 columns (210 in issue 30), 260 once no word was broken
+    # 179 on main at 80 columns (210 in issue 30), 260 once no word was broken, 160 shortened, 163 with -q / -v
+    assert len(lines) <= 165, len(lines)
     assert lines[0].startswith("usage: profile-model [MODEL]") and len(lines[0]) <= 110
     helps = [block for block in out.split("\n  --")[1:]]
     longest = max(len(block.splitlines()) for block in helps)
