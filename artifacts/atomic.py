@@ -261,13 +261,13 @@ def output_lock(path: str | os.PathLike, program: str, rank: int = 0) -> Iterato
     lock = lock_file_path(path, rank)
     lock.parent.mkdir(parents=True, exist_ok=True)
     held = FileLock(str(lock), timeout=0)
+    try:  # read before trying: filelock 3.x opens the lock file truncated, even when it then fails
+        holder = lock.read_text(encoding="ascii", errors="replace")[:200].split()
+    except OSError:
+        holder = []
     try:
         held.acquire()
     except Timeout:
-        try:
-            holder = lock.read_text(encoding="ascii", errors="replace")[:200].split()
-        except OSError:
-            holder = []
         who = f"{holder[1] if len(holder) > 1 else 'kvcal'} run (pid {holder[0]})" if holder else "kvcal run"
         raise OutputLocked(
             f"another {who} is writing {path} (lock {lock}); wait for it to finish or choose another output"
