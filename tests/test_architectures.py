@@ -184,7 +184,9 @@ def test_the_embedded_model_with_a_sliding_window_is_served_exactly(embedded_mod
     mask = torch.ones_like(ids)
     for column in range(590, 600):
         logits = _forward(model, cache, ids[:, column : column + 1], mask[:, : column + 1])[0, -1]
-        assert (logits - reference[column]).abs().max().item() < TOLERANCE
+        # the real weights' logits reach 20 and more: float32 through 30 layers differs by ~5e-6 of that
+        # (1.1e-4 on this machine, the code of 4514690 alike); a wrong window differed by 0.2-0.7
+        torch.testing.assert_close(logits, reference[column], atol=TOLERANCE, rtol=1e-5)
         _check_window(model, cache)
     expected = model.generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(generate(model, ids, None, max_new_tokens=6).sequences, expected)
