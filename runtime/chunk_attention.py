@@ -53,8 +53,11 @@ def chunk_mass(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch
         logits = block @ keys[:, lo:hi].float().transpose(-1, -2)  # [Hkv, k, G*c, c]
         if scale != 1.0:
             logits.mul_(scale)
-        weights = torch.softmax(logits, dim=-1).view(heads, hi - lo, group, size, size)
-        masses.append(weights.sum(3).mean(2))  # [Hkv, k, c]
+        # each query's softmax, summed over the queries as one product: exp in place, then the
+        # queries' 1 / sum weights the rows (1.9x faster than softmax and a sum, R-chunk-mass-2026-11-27)
+        weights = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # [Hkv, k, G*c, c], unnormalised
+        inverse = weights.sum(-1).reciprocal_().unsqueeze(-2)  # [Hkv, k, 1, G*c]
+        masses.append((inverse @ weights).squeeze(-2) / group)  # [Hkv, k, c]: mean over the G heads
     return torch.cat(masses, dim=1)
 
 
