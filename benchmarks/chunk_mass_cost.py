@@ -1,11 +1,22 @@
-"""Compactor's chunk mass (runtime.chunk_attention.chunk_mass) against its earlier softmax-and-sum form.
+"""Compactor's chunk mass (runtime.chunk_attention.chunk_mass) against the forms it replaced.
 
     python benchmarks/chunk_mass_cost.py [--context 2048] [--chunk 256] [--repeats 5] [--threads 1]
+                                         [--query-std 1.7] [--key-std 2.3] [--scale 1.0]
 
 Random post-RoPE queries and keys of the embedded model's geometry (3 KV heads, 3 query heads each,
-d = 64), ``--context`` tokens in chunks of ``--chunk``: milliseconds per layer of ``chunk_mass`` (an
-exp in place and one product with the queries' inverse sums) and of the form it replaced (a softmax,
-then a sum over the queries and a mean over the group), interleaved; and their largest difference.
+d = 64), ``--context`` tokens in chunks of ``--chunk``, logits ``scale * q.k`` as Compactor takes them
+(unscaled).  The defaults give logits of std ~31, as the embedded model's chunk logits have (std
+14-38 over its layers on the 2K filler context of benchmarks/prefill_all_in.py, where 11% of the
+weights fall below float32's smallest normal; 51% of these Gaussian ones do); ``--query-std 1
+--key-std 1 --scale 0.125`` is the earlier benchmark's tame data, where nothing underflows.
+Milliseconds per layer, interleaved, of:
+
+* ``chunk_mass``: the logits clamped at ``max - 80`` before an exp in place, 2 chunks per product;
+* ``exp in place, unclamped`` (R-chunk-mass-2026-11-27, 8 chunks per product): torch's CPU ``exp_`` is
+  ~12x slower on arguments whose exp underflows;
+* ``softmax, then sum`` (before R-chunk-mass-2026-11-27);
+
+and the largest difference from the last.
 """
 
 from __future__ import annotations
@@ -20,15 +31,29 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from runtime.chunk_attention import _CHUNKS_AT_ONCE, chunk_mass  # noqa: E402
+from runtime.chunk_attention import chunk_mass  # noqa: E402
+
+
+def exp_in_place_unclamped(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """The form of R-chunk-mass-2026-11-27 (same shapes as ``chunk_mass``)."""
+    heads, group, chunks, size, dim = queries.shape
+    masses = []
+    for lo in range(0, chunks, 8):
+        hi = min(lo + 8, chunks)
+        block = queries[:, :, lo:hi].float().transpose(1, 2).reshape(heads, hi - lo, group * size, dim)
+        logits = block @ keys[:, lo:hi].float().transpose(-1, -2) * scale
+        weights = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+        inverse = weights.sum(-1).reciprocal_().unsqueeze(-2)
+        masses.append((inverse @ weights).squeeze(-2) / group)
+    return torch.cat(masses, dim=1)
 
 
 def softmax_then_sum(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
     """The form before R-chunk-mass-2026-11-27 (same shapes as ``chunk_mass``)."""
     heads, group, chunks, size, dim = queries.shape
     masses = []
-    for lo in range(0, chunks, _CHUNKS_AT_ONCE):
-        hi = min(lo + _CHUNKS_AT_ONCE, chunks)
+    for lo in range(0, chunks, 8):
+        hi = min(lo + 8, chunks)
         block = queries[:, :, lo:hi].float().transpose(1, 2).reshape(heads, hi - lo, group * size, dim)
         logits = block @ keys[:, lo:hi].float().transpose(-1, -2) * scale
         weights = torch.softmax(logits, dim=-1).view(heads, hi - lo, group, size, size)
@@ -42,28 +67,41 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk", type=int, default=256, help="chunk size (default 256)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls of each, interleaved (default 5)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--query-std", type=float, default=1.7, help="queries' std (default 1.7)")
+    parser.add_argument("--key-std", type=float, default=2.3, help="keys' std (default 2.3)")
+    parser.add_argument("--scale", type=float, default=1.0, help="logit scale (default 1.0: Compactor's)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
     chunks = args.context // args.chunk
-    queries = torch.randn(3, 3, chunks, args.chunk, 64, generator=generator)
-    keys = torch.randn(3, chunks, args.chunk, 64, generator=generator)
-    kinds = {"chunk_mass (exp in place, one product)": chunk_mass, "softmax, then sum (before)": softmax_then_sum}
+    queries = torch.randn(3, 3, chunks, args.chunk, 64, generator=generator) * args.query_std
+    keys = torch.randn(3, chunks, args.chunk, 64, generator=generator) * args.key_std
+    kinds = {
+        "chunk_mass (clamped at max - 80, 2 chunks a product)": chunk_mass,
+        "exp in place, unclamped (R-chunk-mass-2026-11-27)": exp_in_place_unclamped,
+        "softmax, then sum (before)": softmax_then_sum,
+    }
     seconds = dict.fromkeys(kinds, 0.0)
     for function in kinds.values():
-        function(queries, keys, 0.125)  # warm-up
+        function(queries, keys, args.scale)  # warm-up
     for _ in range(args.repeats):
         for name, function in kinds.items():
             start = time.perf_counter()
-            function(queries, keys, 0.125)
+            function(queries, keys, args.scale)
             seconds[name] += time.perf_counter() - start
     base = seconds["softmax, then sum (before)"]
-    print(f"{args.context} tokens, chunks of {args.chunk}, ms per layer:\n")
+    logits = queries[:, :, 0].float() @ keys[:, 0].float().transpose(-1, -2).unsqueeze(1) * args.scale
+    weights = torch.softmax(logits, dim=-1)
+    print(
+        f"{args.context} tokens, chunks of {args.chunk}, logit std {float(logits.std()):.1f}, "
+        f"{float((weights < 1.1754944e-38).float().mean()):.0%} of the weights below float32's smallest normal; "
+        "ms per layer:\n"
+    )
     print("| form | ms | ratio to before |")
     print("|---|---|---|")
     for name, total in seconds.items():
         print(f"| {name} | {total / args.repeats * 1e3:.1f} | {total / base:.2f} |")
-    difference = (chunk_mass(queries, keys, 0.125) - softmax_then_sum(queries, keys, 0.125)).abs().max()
+    difference = (chunk_mass(queries, keys, args.scale) - softmax_then_sum(queries, keys, args.scale)).abs().max()
     print(f"\nlargest difference: {float(difference):.1e}")
     return 0
 

@@ -8,7 +8,7 @@ import torch
 from conftest import make_tiny_llama
 
 from runtime import RaggedCache, prefill
-from runtime.chunk_attention import ChunkAttention, ChunkSpec
+from runtime.chunk_attention import ChunkAttention, ChunkSpec, chunk_mass
 from runtime.geometry import ModelGeometry
 from runtime.scorers import ALL_QUERIES, ChunkAttentionMass, LeverageScorer, ScorerInputs
 
@@ -69,6 +69,23 @@ def test_accumulated_chunk_attention_equals_the_recorded_queries_reference(block
             attention = row.chunk_attention[spec]
             held = 0 if attention.queries is None else attention.queries.shape[1]
             assert held < chunk + 4 and attention.seen == row.real_seen
+
+
+@pytest.mark.parametrize("spread", [0.5, 6.0])
+def test_chunk_mass_equals_softmax_then_sum_even_where_exp_underflows(spread):
+    """``chunk_mass`` against its definition (each query's softmax over its chunk's keys, summed over the
+    chunk's queries, averaged over the group), with logits of std ~0.25 and ~290: at the second most
+    weights underflow float32, the range the clamp before the exp covers."""
+    generator = torch.Generator().manual_seed(11)
+    queries = torch.randn(2, 3, 4, 16, 8, generator=generator) * spread  # [Hkv, G, K, c, d]
+    keys = torch.randn(2, 4, 16, 8, generator=generator) * spread  # [Hkv, K, c, d]
+    logits = torch.einsum("hgkqd,hkcd->hgkqc", queries.double(), keys.double())
+    reference = torch.softmax(logits, dim=-1).sum(3).mean(1)  # [Hkv, K, c]
+    mass = chunk_mass(queries, keys, 1.0)
+    assert mass.dtype == torch.float32
+    torch.testing.assert_close(mass.double(), reference, rtol=1e-5, atol=1e-6)
+    if spread > 1:
+        assert float((torch.softmax(logits, dim=-1) < 1e-38).double().mean()) > 0.5
 
 
 def test_token_by_token_equals_one_pass_and_copies_are_independent():
