@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .eager_attention import exp_shifted_, soft_cap
+from .eager_attention import soft_cap
 
 # Decoding reads the live rows in place with one fused kernel call per KV head (or per segment, where
 # a head's budgets differ between batch rows: :func:`live_rows_attention`) up to this many calls per
@@ -137,8 +137,7 @@ def paged_attention(
     seg_max = torch.full((segments, rows), float("-inf"), dtype=torch.float32, device=device)
     seg_max.scatter_reduce_(0, owner.unsqueeze(1).expand(-1, rows), logits.amax(dim=1), "amax")
     seg_max.clamp_min_(torch.finfo(torch.float32).min)  # a segment with no visible row: exp(-inf) = 0 below
-    weights = exp_shifted_(logits.sub_(seg_max.index_select(0, owner).unsqueeze(1)))  # [np, P, M]
-    weights.masked_fill_(torch.isneginf(bias), 0.0)  # hidden rows weigh exactly 0
+    weights = logits.sub_(seg_max.index_select(0, owner).unsqueeze(1)).exp_()  # [np, P, M]
     seg_sum = torch.zeros(segments, rows, dtype=torch.float32, device=device)
     seg_sum.index_add_(0, owner, weights.sum(dim=1))
     page_out = torch.bmm(weights.transpose(1, 2).to(value_pages.dtype), value_pages)  # [np, M, d]
