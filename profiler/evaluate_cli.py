@@ -97,7 +97,8 @@ def options() -> tuple:
             "artifact",
             Text(metavar="ARTIFACT"),
             None,
-            "calibration file (default: kv_calibration.h5 next to the model weights)",
+            "calibration file (default: kv_calibration.h5 next to the model weights, else in the hub snapshot of a "
+            "hub id, else in kvcal's cache; found before the model loads)",
         ),
         Option(
             "--compression-ratios",
@@ -535,11 +536,13 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
 
 
-def _artifact_path(args) -> Path | None:
+def _artifact_path(args) -> Path:
     """The artifact the run reads, found before the model loads: ``--artifact`` (a file, or a directory
-    holding kv_calibration.h5), else next to a local model's weights; None when only the loaded model
-    can say (a hub id: load_calibration looks in the hub snapshot and kvcal's cache)."""
-    from runtime.calibration import ARTIFACT_FILENAME, artifact_locations
+    holding kv_calibration.h5), else the first that exists of next to a local model's weights, the hub
+    snapshot of a hub id, kvcal's cache (``runtime.calibration.artifact_locations``: where
+    load_calibration looks once the model is loaded, from the same model name); ArtifactError naming
+    them when there is none."""
+    from runtime.calibration import ARTIFACT_FILENAME, artifact_of_source
     from runtime.models import resolve_model
 
     if args.artifact is not None:
@@ -551,8 +554,7 @@ def _artifact_path(args) -> Path | None:
         if not path.exists():
             raise ValueError(f"--artifact {args.artifact}: no such file")
         return path
-    found = [candidate for candidate in artifact_locations(resolve_model(args.model)) if candidate.is_file()]
-    return found[0] if found else None
+    return artifact_of_source(resolve_model(args.model), give_path="give --artifact")
 
 
 def _check_outputs(args, artifact: Path | None) -> None:
@@ -581,10 +583,10 @@ def _run(args) -> int:
         previous = _check_journal(args)
         artifact = _artifact_path(args)
         _check_outputs(args, artifact)
-        if artifact is not None:  # read, validated and checked against the policies before the model loads
-            policies = _servable_in_file(artifact, policies, args)
-            if args.write_recommendation:
-                check_output_path(artifact, "artifact")
+        # read, validated and checked against the policies before the model loads
+        policies = _servable_in_file(artifact, policies, args)
+        if args.write_recommendation:
+            check_output_path(artifact, "artifact")
         model = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
         tokenizer = load_tokenizer(args.model)
         calibration = load_calibration(model, tokenizer, path=artifact, allow_mismatch=args.allow_mismatch)
