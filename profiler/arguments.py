@@ -1,6 +1,6 @@
 """The profiler's command-line argument types: those of every command (the parser, bounded
-integers, intervals, lists, choices: :mod:`artifacts.command_line`, re-exported here), the
-renamed-option action and the attention implementation's check.
+integers, intervals, lists, choices, the renamed-option action: :mod:`artifacts.command_line`, re-exported
+here) and the attention implementation's check.
 
 Every value is checked where it is parsed, so a bad option is a usage error (exit 2, one line on
 stderr: :class:`CommandParser`) before any import of torch or any model work: a count lies in
