@@ -5,15 +5,47 @@ from __future__ import annotations
 import json
 import sys
 
-from .command_line import MAX_TOKENS, CommandParser, int_at_least
+from .command_line import MAX_TOKENS, CommandParser
 from .errors import ArtifactError
 from .log import add_verbosity_arguments, configure, logger
+from .options import Integer, Option, OutputFile, Switch, Text, add_options, check_outputs
 from .reader import open_artifact
 from .summary import format_summary, summarize
 from .version import add_version_argument
 
 EXIT_VALID, EXIT_INVALID = 0, 2
 LOG = logger("artifacts")
+
+# inspect-artifact's options, each declared once (artifacts.options): the parser is built from them
+OPTIONS = (
+    # the reader checks the path (a missing or invalid file: exit 2, and {"valid": false} with --json)
+    Option("path", "path", Text(metavar="PATH"), None, "the .h5 calibration file", required=True),
+    Option(
+        "--json",
+        "json",
+        Switch(),
+        False,
+        'print the summary as JSON instead of text; an invalid file prints {"valid": false, "error": ...} '
+        "(and the reason on stderr, as without --json)",
+    ),
+    Option(
+        "--html",
+        "html",
+        OutputFile(what="HTML report"),
+        None,
+        "also write a self-contained HTML report (heatmaps of the head scores, "
+        "budgets, query statistics, moments) to OUT (never the artifact itself, nor a file that is not text)",
+    ),
+    Option(
+        "--budget",
+        "budget",
+        Integer(1, MAX_TOKENS),
+        256,
+        "average per-head budget whose allocation the report draws (default 256; "
+        "the nearest table in the artifact is used)",
+        shown="TOKENS",
+    ),
+)
 
 
 def build_parser() -> CommandParser:
@@ -25,40 +57,17 @@ def build_parser() -> CommandParser:
         "checked (checksums, shapes against the recorded architecture, finite values). "
         "Exit status: 0 valid, 2 invalid (the reason goes to stderr).",
     )
-    parser.add_argument("path", help="the .h5 calibration file")
     add_version_argument(parser)
     add_verbosity_arguments(parser, "only warnings and errors (the summary is printed)")
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help='print the summary as JSON instead of text; an invalid file prints {"valid": false, "error": ...} '
-        "(and the reason on stderr, as without --json)",
-    )
-    parser.add_argument(
-        "--html",
-        metavar="OUT",
-        help="also write a self-contained HTML report (heatmaps of the head scores, "
-        "budgets, query statistics, moments) to OUT (never the artifact itself, nor a file that is not text)",
-    )
-    parser.add_argument(
-        "--budget",
-        type=int_at_least(1, MAX_TOKENS),
-        default=256,
-        metavar="TOKENS",
-        help="average per-head budget whose allocation the report draws (default 256; "
-        "the nearest table in the artifact is used)",
-    )
+    add_options(parser, OPTIONS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure(args)
-    from .atomic import check_output_path
-
     try:
-        if args.html:
-            check_output_path(args.html, "HTML report", inputs=[args.path], text=True)  # before the artifact is read
+        check_outputs(OPTIONS, args, inputs=[args.path])  # --html, before the artifact is read
         with open_artifact(args.path) as reader:
             summary = summarize(reader)
             if args.html:

@@ -70,7 +70,7 @@ def comma_separated(kind, distinct: bool = False):
             try:
                 values.append(kind(part))
             except argparse.ArgumentTypeError as exc:
-                raise argparse.ArgumentTypeError(f"{exc} (in {text!r})") from None
+                raise argparse.ArgumentTypeError(f"{exc} (in {text!r})" if len(parts) > 1 else str(exc)) from None
             except ValueError as exc:
                 raise argparse.ArgumentTypeError(f"expected comma-separated {name} values, got {text!r}") from exc
         if distinct and len(set(values)) != len(values):
@@ -154,6 +154,17 @@ class CommandParser(argparse.ArgumentParser):
             unknown = message.removeprefix("unrecognized arguments: ").split()[0].split("=")[0]
             message += did_you_mean(unknown, [flag for flag in self._option_string_actions if flag.startswith("--")])
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
+class RenamedOption(argparse.Action):
+    """An option that was renamed: using it is an error that names the new spelling (``message``)."""
+
+    def __init__(self, option_strings, dest, message: str, **kwargs):
+        self.message = message
+        super().__init__(option_strings, dest, nargs=1, help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} {self.message}")
 
 
 def fail(prog: str, message: str) -> int:

@@ -200,12 +200,18 @@ def weights_fingerprints(model, dtypes: tuple[str, ...] = FINGERPRINT_DTYPES) ->
     does to a float32 checkpoint loaded with that dtype).  One pass over the weights for all of
     ``dtypes``; a tensor already in ``dtype`` (or of lower precision) is not changed by the cast.
     """
+    return tensors_fingerprints(model.state_dict(keep_vars=False).items(), dtypes)
+
+
+def tensors_fingerprints(named_tensors, dtypes: tuple[str, ...] = FINGERPRINT_DTYPES) -> dict[str, str]:
+    """:func:`weights_fingerprints` of ``(name, tensor)`` pairs (a state dict's items, in any order),
+    whatever holds them: a loaded model, or a checkpoint's tensors read one by one."""
     import torch
 
     targets = {name: getattr(torch, name) for name in dtypes}
     entries: dict[str, list] = {name: [] for name in dtypes}
     with torch.no_grad():
-        for name, tensor in sorted(model.state_dict(keep_vars=False).items()):
+        for name, tensor in sorted(named_tensors, key=lambda item: item[0]):
             floating = tensor.is_floating_point()
             if not floating and tensor.dtype not in (torch.int8, torch.uint8, torch.int32):
                 # integer buffers other than quantised weights (e.g. position ids) carry no identity

@@ -6,7 +6,9 @@ mishandled ones did, for this checkout or for another commit's code.
 
 With ``--commit`` the commit's tree is extracted (``git archive``) into a temporary directory,
 this checkout's ``tests/test_cli_campaign.py`` and ``tests/conftest.py`` copied in, and the
-campaign run there: the "before" of docs/results.md R-cli-campaign-2026-11-27.  Prints one line
+campaign run there: the "before" of docs/results.md R-cli-campaign-2026-11-27.  The cases are
+listed by this checkout (many are generated from the commands' option declarations, which an
+older commit may lack) and handed to the run as a JSON file (``KVCAL_CAMPAIGN_CASES``).  Prints one line
 per mishandled case, then the counts by command and by what went wrong (a case counts once, under
 the first of: a file changed, a model began loading, accepted, a traceback, more than one line).
 """
@@ -33,8 +35,20 @@ KINDS = (
 )
 
 
-def run_campaign(source: Path, log: Path) -> None:
+def list_cases(path: Path) -> None:
+    """Write this checkout's cases as JSON ``[[command, args, needs], ...]`` to ``path``."""
+    code = (
+        "import json, sys, test_cli_campaign as c; "
+        "json.dump([[k.command, list(k.args), k.needs] for k in c.all_cases()], open(sys.argv[1], 'w'))"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-c", code, str(path)], cwd=REPO, env=env, check=True)
+
+
+def run_campaign(source: Path, log: Path, cases: Path | None = None) -> None:
     env = {**os.environ, "PYTHONPATH": str(source), "OMP_NUM_THREADS": "1", "KVCAL_CAMPAIGN_LOG": str(log)}
+    if cases is not None:
+        env["KVCAL_CAMPAIGN_CASES"] = str(cases)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cli_campaign.py"]
     subprocess.run(command, cwd=source, env=env, stdout=subprocess.DEVNULL, check=False)
 
@@ -56,9 +70,12 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
-        source = extract(args.commit, scratch) if args.commit else REPO
+        source, cases = REPO, None
+        if args.commit:
+            source, cases = extract(args.commit, scratch), scratch / "cases.json"
+            list_cases(cases)
         log = scratch / "campaign.tsv"
-        run_campaign(source, log)
+        run_campaign(source, log, cases)
         rows = [line.rstrip("\n").split("\t", 1) for line in log.read_text().splitlines()]
     tried, bad, kinds = collections.Counter(), collections.Counter(), collections.Counter()
     for case, outcome in rows:

@@ -13,18 +13,20 @@ from __future__ import annotations
 
 import sys
 
-from artifacts.command_line import (
-    MAX_COUNT,
-    MAX_SEED,
-    MAX_TOKENS,
-    CommandParser,
-    choice_of,
-    comma_separated,
-    fail,
-    int_at_least,
-    number_in,
-)
+from artifacts.command_line import MAX_COUNT, MAX_SEED, MAX_TOKENS, CommandParser, fail
 from artifacts.log import add_verbosity_arguments, configure, logger
+from artifacts.options import (
+    Choice,
+    Integer,
+    ListOf,
+    Number,
+    Option,
+    OutputFile,
+    Switch,
+    Text,
+    add_options,
+    check_outputs,
+)
 from artifacts.version import add_version_argument
 from needles.families import FAMILIES
 from needles.spec import PRESETS, generate_probes, write_probes
@@ -73,6 +75,86 @@ exit status: 0 on success, 2 on a bad option or an input that cannot be turned i
 
 LOG = logger("needles")
 
+# generate-probes' options, each declared once (artifacts.options): the parser is built from them
+OPTIONS = (
+    Option(
+        "--preset",
+        "preset",
+        Choice(tuple(sorted(PRESETS))),
+        "quick",
+        "probe grid to start from (default: quick)",
+        shown="{" + ",".join(sorted(PRESETS)) + "}",
+    ),
+    Option(
+        "--model",
+        "model",
+        Text(),
+        None,
+        "model directory or hub id whose tokenizer and chat template to use "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+        shown="MODEL",
+    ),
+    Option("--seed", "seed", Integer(0, MAX_SEED), None, "grid seed (default: the preset's, 0)", shown="SEED"),
+    Option(
+        "--out",
+        "out",
+        OutputFile(what="probe file"),
+        None,
+        "output JSON-lines file (never the haystack file, nor a file that is not text)",
+        required=True,
+    ),
+    Option("--show", "show", Integer(0, MAX_COUNT), 0, "print the first N probes with R/B/D spans coloured"),
+    Option(
+        "--families",
+        "families",
+        ListOf(Choice(tuple(FAMILIES), what="family"), distinct=True),
+        None,
+        f"comma-separated families (default: all: {','.join(FAMILIES)})",
+        shown="FAMILIES",
+    ),
+    Option(
+        "--lengths",
+        "lengths",
+        ListOf(Integer(1, MAX_TOKENS)),
+        None,
+        f"comma-separated prompt lengths in tokens, each at most {MAX_TOKENS}",
+        shown="LENGTHS",
+    ),
+    Option("--depths", "depths", ListOf(Number(0.0, 100.0)), None, "comma-separated depths in percent", shown="DEPTHS"),
+    Option("--count", "count", Integer(1, MAX_COUNT), None, "probes per (family, length, depth) cell", shown="COUNT"),
+    Option(
+        "--haystack",
+        "haystack",
+        Text(),
+        None,
+        "simple (default) | prose | files:PATH | dataset:NAME_OR_PATH",
+        shown="HAYSTACK",
+    ),
+    Option(
+        "--text-column",
+        "text_column",
+        Text(),
+        None,
+        "text column of a dataset haystack (default: text)",
+        shown="TEXT_COLUMN",
+    ),
+    Option("--split", "split", Text(), None, "split of a dataset haystack (default: train)", shown="SPLIT"),
+    Option(
+        "--no-colour",
+        "no_colour",
+        Switch(),
+        False,
+        "plain text for --show (also without a terminal, or with NO_COLOR set)",
+    ),
+    Option(
+        "--no-progress",
+        "no_progress",
+        Switch(),
+        False,
+        "no progress bar (there is none when stderr is not a terminal)",
+    ),
+)
+
 
 def _haystack_files(haystack: str | None) -> str | None:
     """The path of a ``files:PATH`` haystack (an input the output must not replace), else None."""
@@ -101,55 +183,7 @@ def build_parser() -> CommandParser:
     parser = CommandParser(prog="generate-probes", description=DESCRIPTION, epilog=EPILOG, raw_description=True)
     add_version_argument(parser)
     add_verbosity_arguments(parser, "no progress bar and only warnings and errors (--show still prints)")
-    parser.add_argument(
-        "--preset", default="quick", choices=sorted(PRESETS), help="probe grid to start from (default: quick)"
-    )
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="model directory or hub id whose tokenizer and chat template to use "
-        "(default: the embedded SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument(
-        "--seed", type=int_at_least(0, MAX_SEED), default=None, help="grid seed (default: the preset's, 0)"
-    )
-    parser.add_argument(
-        "--out", required=True, help="output JSON-lines file (never the haystack file, nor a file that is not text)"
-    )
-    parser.add_argument(
-        "--show",
-        type=int_at_least(0, MAX_COUNT),
-        default=0,
-        metavar="N",
-        help="print the first N probes with R/B/D spans coloured",
-    )
-    parser.add_argument(
-        "--families",
-        type=comma_separated(choice_of(tuple(FAMILIES), "family"), distinct=True),
-        default=None,
-        help=f"comma-separated families (default: all: {','.join(FAMILIES)})",
-    )
-    parser.add_argument(
-        "--lengths",
-        type=comma_separated(int_at_least(1, MAX_TOKENS)),
-        default=None,
-        help=f"comma-separated prompt lengths in tokens, each at most {MAX_TOKENS}",
-    )
-    parser.add_argument(
-        "--depths", type=comma_separated(number_in(0.0, 100.0)), default=None, help="comma-separated depths in percent"
-    )
-    parser.add_argument(
-        "--count", type=int_at_least(1, MAX_COUNT), default=None, help="probes per (family, length, depth) cell"
-    )
-    parser.add_argument("--haystack", default=None, help="simple (default) | prose | files:PATH | dataset:NAME_OR_PATH")
-    parser.add_argument("--text-column", default=None, help="text column of a dataset haystack (default: text)")
-    parser.add_argument("--split", default=None, help="split of a dataset haystack (default: train)")
-    parser.add_argument(
-        "--no-colour", action="store_true", help="plain text for --show (also without a terminal, or with NO_COLOR set)"
-    )
-    parser.add_argument(
-        "--no-progress", action="store_true", help="no progress bar (there is none when stderr is not a terminal)"
-    )
+    add_options(parser, OPTIONS)
     return parser
 
 
@@ -173,9 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = PRESETS[args.preset].replace(**changes)
         check_haystack(spec)  # every input and the output before the tokenizer loads
-        from artifacts.atomic import check_output_path
-
-        check_output_path(args.out, "probe file", inputs=[_haystack_files(spec.haystack)], text=True)
+        check_outputs(OPTIONS, args, inputs=[_haystack_files(spec.haystack)])
         # The command loads the tokenizer with the loader every kvcal command shares (it also
         # converts the embedded model); the probe generator itself only takes the object.
         from runtime.models import load_tokenizer, use_progress_bars

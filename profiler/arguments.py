@@ -1,6 +1,6 @@
 """The profiler's command-line argument types: those of every command (the parser, bounded
-integers, intervals, lists, choices: :mod:`artifacts.command_line`, re-exported here), the
-renamed-option action and the attention implementation's check.
+integers, intervals, lists, choices, the renamed-option action: :mod:`artifacts.command_line`, re-exported
+here) and the attention implementation's check.
 
 Every value is checked where it is parsed, so a bad option is a usage error (exit 2, one line on
 stderr: :class:`CommandParser`) before any import of torch or any model work: a count lies in
@@ -11,14 +11,13 @@ interval, a number is finite, a list is not empty, a name close to a known one i
 
 from __future__ import annotations
 
-import argparse
-
 from artifacts.command_line import MAX_COUNT as MAX_COUNT
 from artifacts.command_line import MAX_SEED as MAX_SEED
 from artifacts.command_line import MAX_TOKENS as MAX_TOKENS
 
 # the parser of every command, re-exported for the profiler's commands
 from artifacts.command_line import CommandParser as CommandParser
+from artifacts.command_line import RenamedOption as RenamedOption
 from artifacts.command_line import choice_of as choice_of
 from artifacts.command_line import comma_separated as comma_separated
 from artifacts.command_line import did_you_mean as did_you_mean
@@ -41,14 +40,3 @@ def check_attention_implementation(name: str) -> None:
             f"unknown attention implementation {name!r}{did_you_mean(name, known)} (--attn-implementation); "
             f"choose from {', '.join(known)}, or a hub kernel org/repo"
         )
-
-
-class RenamedOption(argparse.Action):
-    """An option that was renamed: using it is an error that names the new spelling (``message``)."""
-
-    def __init__(self, option_strings, dest, message: str, **kwargs):
-        self.message = message
-        super().__init__(option_strings, dest, nargs=1, help=argparse.SUPPRESS, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} {self.message}")

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import signal
 import sys
 import textwrap
 
 from artifacts.log import add_verbosity_arguments, configure, logger
+from artifacts.options import Choice, Integer, ListOf, Option, Switch, Text, add_options, check_given
 from artifacts.version import add_version_argument
-from profiler.arguments import (
-    MAX_COUNT,
-    CommandParser,
-    check_attention_implementation,
-    comma_separated,
-    did_you_mean,
-    fail,
-    int_at_least,
-)
+from profiler.arguments import MAX_COUNT, CommandParser, check_attention_implementation, fail
 from profiler.presets import PRESETS
 from runtime.models import ATTENTION_HELP, AUTO_ATTENTION, DTYPE_CHOICES, DTYPE_HELP
 
@@ -53,10 +47,97 @@ def _description() -> str:
     return "\n".join(lines) + "\n" + DESCRIPTION_TAIL
 
 
+@functools.cache
+def job_options() -> tuple[tuple[Option, ...], tuple[Option, ...]]:
+    """The job's own options (:mod:`artifacts.options`): those of the run, and those of its execution
+    (the settings, ``JobOptions.settings``, are the stages' declarations)."""
+    from profiler.stages import STAGE_NAMES, STAGES
+
+    opt_in = [stage.name for stage in STAGES if not any(stage.on_by_default(preset) for preset in PRESETS.values())]
+    run = (
+        Option(
+            "model", "model", Text(), None, "model directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
+        ),
+        Option(
+            "--out",
+            "out",
+            Text(metavar="OUT"),  # the job checks it (an artifact: validated, of this model, or --force)
+            None,
+            "output file (default: kv_calibration.h5 next to the weights, else in kvcal's cache, where "
+            "load_calibration looks)",
+        ),
+        Option(
+            "--force",
+            "force",
+            Switch(),
+            False,
+            "replace an artifact of another model, or one that does not validate, at --out (never a file that "
+            "is not a kvcal artifact)",
+        ),
+        Option(
+            "--preset",
+            "preset",
+            Choice(tuple(PRESETS)),
+            "quick",
+            f"job size (default quick). {PRESET_HELP}",
+            shown="{" + ",".join(PRESETS) + "}",
+        ),
+        Option(
+            "--stages",
+            "stages",
+            ListOf(Choice(STAGE_NAMES, what="stage"), distinct=True),
+            None,
+            f"comma-separated stages (above; default: all but {','.join(opt_in)}; recommendation from quick up); "
+            "an existing artifact's other sections for the same model are kept",
+        ),
+        Option("--resume", "resume", Switch(), False, "continue an interrupted run from its work file"),
+    )
+    execution = (
+        Option(
+            "--device-map",
+            "device_map",
+            Text(metavar="MAP"),
+            None,
+            'transformers device_map (default: "auto" on a single GPU process, CPU otherwise)',
+        ),
+        Option(
+            "--dtype",
+            "dtype",
+            Choice(DTYPE_CHOICES),
+            None,
+            DTYPE_HELP + "; recorded",
+            shown="{" + ",".join(DTYPE_CHOICES) + "}",
+        ),
+        Option(
+            "--attn-implementation",
+            "attn_implementation",
+            Text(metavar="NAME"),
+            AUTO_ATTENTION,
+            ATTENTION_HELP + "; recorded",
+            check=check_attention_implementation,
+        ),
+        Option(
+            "--checkpoint-every",
+            "checkpoint_every",
+            Integer(1, MAX_COUNT),
+            4,
+            "probes or calibration batches between work-file checkpoints (default 4)",
+        ),
+        Option(
+            "--no-progress",
+            "no_progress",
+            Switch(),
+            False,
+            "no progress bars (none either when stderr is no terminal)",
+        ),
+    )
+    return run, execution
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The job's own options here; the settings (JobOptions.settings) from the stages' declarations
-    (``profiler.stages.option_groups``)."""
-    from profiler.stages import STAGE_NAMES, STAGES, option_groups
+    """The job's own options (:func:`job_options`); the settings (JobOptions.settings) from the stages'
+    declarations (``profiler.stages.option_groups``)."""
+    from profiler.stages import option_groups
 
     parser = CommandParser(
         prog="profile-model",
@@ -64,77 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
         description=_description(),
         raw_description=True,
     )
-    parser.add_argument(
-        "model", nargs="?", default=None, help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
-    )
+    run, execution = job_options()
     add_version_argument(parser)
     add_verbosity_arguments(parser, "only warnings and errors: no stage summaries, no progress bars")
-    parser.add_argument(
-        "--out",
-        default=None,
-        help="output file (default: kv_calibration.h5 next to the weights, else in kvcal's cache, where "
-        "load_calibration looks)",
-    )
-    parser.add_argument(
-        "--force",
-        action="store_true",
-        help="replace an artifact of another model, or one that does not validate, at --out (never a file that "
-        "is not a kvcal artifact)",
-    )
-    parser.add_argument(
-        "--preset", choices=list(PRESETS), default="quick", help=f"job size (default quick). {PRESET_HELP}"
-    )
-
-    opt_in = [stage.name for stage in STAGES if not any(stage.on_by_default(preset) for preset in PRESETS.values())]
-
-    def stages(text: str) -> tuple[str, ...]:
-        chosen = comma_separated(str)(text)
-        for stage in chosen:
-            if stage not in STAGE_NAMES:
-                raise argparse.ArgumentTypeError(
-                    f"unknown stage {stage!r}{did_you_mean(stage, STAGE_NAMES)}; choose from {','.join(STAGE_NAMES)}"
-                )
-        if len(set(chosen)) != len(chosen):
-            raise argparse.ArgumentTypeError(f"a stage named twice in {text!r}")
-        return chosen
-
-    parser.add_argument(
-        "--stages",
-        type=stages,
-        default=None,
-        metavar="LIST",
-        help=f"comma-separated stages (above; default: all but {','.join(opt_in)}; recommendation from quick up); "
-        "an existing artifact's other sections for the same model are kept",
-    )
-    parser.add_argument("--resume", action="store_true", help="continue an interrupted run from its work file")
+    add_options(parser, run)
     for title, options in option_groups():
         group = parser.add_argument_group(title)
         for option in options:
             option.add_to(group)
-    group = parser.add_argument_group("execution")
-    group.add_argument(
-        "--device-map",
-        default=None,
-        metavar="MAP",
-        help='transformers device_map (default: "auto" on a single GPU process, CPU otherwise)',
-    )
-    group.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP + "; recorded")
-    group.add_argument(
-        "--attn-implementation",
-        default=AUTO_ATTENTION,
-        metavar="NAME",
-        help=ATTENTION_HELP + "; recorded",
-    )
-    group.add_argument(
-        "--checkpoint-every",
-        type=int_at_least(1, MAX_COUNT),
-        default=4,
-        metavar="N",
-        help="probes or calibration batches between work-file checkpoints (default 4)",
-    )
-    group.add_argument(
-        "--no-progress", action="store_true", help="no progress bars (none either when stderr is no terminal)"
-    )
+    add_options(parser.add_argument_group("execution"), execution)
     return parser
 
 
@@ -146,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # before the job's imports (torch): --help and --version stay fast
     configure(args)
     try:
-        check_attention_implementation(args.attn_implementation)
+        check_given([option for options in job_options() for option in options], args)  # --attn-implementation
     except ValueError as exc:
         return fail("profile-model", exc)
     from artifacts import ArtifactError

@@ -17,29 +17,32 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import functools
 import hashlib
 import json
 import sys
 from pathlib import Path
 
 from artifacts.log import OUTPUT, add_verbosity_arguments, configure, logger
+from artifacts.options import (
+    Choice,
+    Integer,
+    ListOf,
+    Number,
+    Option,
+    OutputFile,
+    Renamed,
+    Switch,
+    Text,
+    add_options,
+    check_given,
+    check_outputs,
+)
 from artifacts.version import add_version_argument
 from runtime.models import ATTENTION_HELP, AUTO_ATTENTION, DTYPE_CHOICES, DTYPE_HELP
 from runtime.names import ALLOCATIONS, NAMED_POLICIES, SCORER_NAMES, STATISTICS
 
-from .arguments import (
-    MAX_COUNT,
-    MAX_SEED,
-    MAX_TOKENS,
-    CommandParser,
-    RenamedOption,
-    check_attention_implementation,
-    choice_of,
-    comma_separated,
-    fail,
-    int_at_least,
-    number_in,
-)
+from .arguments import MAX_COUNT, MAX_SEED, MAX_TOKENS, CommandParser, check_attention_implementation, fail
 from .evaluation_journal import JournalError, JournalWriter, configuration_differences, journal_path, read_journal
 from .evaluation_results import (
     COMPRESSION_GRID,
@@ -65,21 +68,214 @@ TASK_PRESETS = ("smoke", "quick", "standard")
 
 LOG = logger("profiler")
 
+DESCRIPTION = (
+    "Measure how much of the KV cache a model can drop with a calibration artifact, per "
+    "eviction policy and compression ratio, on needle tasks it was not calibrated on. Prints "
+    "a Markdown table (accuracy with 95% Wilson interval and n, attention-output error, KV bytes, "
+    "prefill and decode time) and, per compression ratio, the policy the artifact's paired rule serves: "
+    "the flagship unless a cheaper candidate is shown, on the same tasks, not to be worse by more than "
+    "--paired-tolerance with --paired-confidence (a dearer one: better), with every candidate's paired "
+    "wins, losses and bound, and a note where the tasks are too few for any candidate to replace the "
+    "flagship or the intervals do not separate the policies. With --json OUT every finished task is "
+    "kept in OUT.partial.jsonl; --resume continues an interrupted run."
+)
+MODEL = Text(description="a model directory or hub id", metavar="MODEL")
 
-def build_parser() -> argparse.ArgumentParser:
+
+@functools.cache
+def options() -> tuple:
+    """evaluate-artifact's options, each declared once (:mod:`artifacts.options`): the parser is built
+    from them, and :func:`check_options` checks the given values before any model work."""
     from needles.families import FAMILIES
 
+    return (
+        Option(
+            "model", "model", MODEL, None, "model directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
+        ),
+        Option(
+            "--artifact",
+            "artifact",
+            Text(metavar="ARTIFACT"),
+            None,
+            "calibration file (default: kv_calibration.h5 next to the model weights, else in the hub snapshot of a "
+            "hub id, else in kvcal's cache; found before the model loads)",
+        ),
+        Option(
+            "--compression-ratios",
+            "ratios",
+            ListOf(Number(0.0, 1.0, high_open=True)),
+            COMPRESSION_GRID,
+            "compression ratios, fractions of the context cache evicted (default "
+            + ",".join(f"{r:g}" for r in COMPRESSION_GRID)
+            + ")",
+            shown="RATIOS",
+        ),
+        Renamed("--ratios", "was renamed --compression-ratios (the fractions of the context cache evicted)"),
+        Option(
+            "--policies",
+            "policies",
+            ListOf(Text()),
+            DEFAULT_POLICIES,
+            "comma-separated policies, cheapest to serve first (the paired rule's cost order: one listed before "
+            f"the flagship is cheaper than it, one after dearer). Default: {','.join(DEFAULT_POLICIES)} (those the "
+            "artifact cannot serve are left out)",
+            shown="POLICIES",
+        ),
+        Option(
+            "--tasks",
+            "tasks",
+            ListOf(Choice(("all", *FAMILIES), what="task family")),
+            DEFAULT_TASKS,
+            "needle families, or 'all' (default: all, those the model fails uncompressed included: a task both "
+            "policies fail is a tie in the paired rule)",
+            shown="TASKS",
+        ),
+        Option(
+            "--haystacks",
+            "haystacks",
+            ListOf(Choice(HAYSTACKS, what="haystack")),
+            HAYSTACKS,
+            f"haystacks of the tasks, each with its own seed (default {','.join(HAYSTACKS)})",
+            shown="HAYSTACKS",
+        ),
+        Option(
+            "--preset",
+            "preset",
+            Choice(TASK_PRESETS),
+            "quick",
+            "lengths and depths of the tasks, as the needles preset of that name (default quick: "
+            "1K/2K/4K tokens x depths 10/50/90); lengths beyond the model's context are dropped",
+        ),
+        Option(
+            "--count",
+            "count",
+            Integer(1, MAX_COUNT),
+            1,
+            "tasks per (family, haystack, length, depth) cell (default 1)",
+            shown="COUNT",
+        ),
+        Option(
+            "--seed",
+            "seed",
+            Integer(0, MAX_SEED),
+            None,
+            f"task seed of the first haystack, the next haystack's + 1 and so on (default: the profiler's probe "
+            f"seed + {EVALUATION_SEED_OFFSET})",
+            shown="SEED",
+        ),
+        Option(
+            "--question-aware",
+            "question_aware",
+            Switch(),
+            False,
+            "compress the whole prompt, question included (default: compress the context before the question is seen)",
+        ),
+        Option(
+            "--max-new-tokens",
+            "max_new_tokens",
+            Integer(1, MAX_TOKENS),
+            24,
+            "greedy answer length (default 24)",
+            shown="MAX_NEW_TOKENS",
+        ),
+        Option("--dtype", "dtype", Choice(DTYPE_CHOICES), None, DTYPE_HELP, shown="{" + ",".join(DTYPE_CHOICES) + "}"),
+        Option(
+            "--attn-implementation",
+            "attn_implementation",
+            Text(metavar="NAME"),
+            AUTO_ATTENTION,
+            ATTENTION_HELP,
+            check=check_attention_implementation,
+        ),
+        Renamed(
+            "--tolerance",
+            "was replaced by --paired-tolerance: the policy printed per compression ratio is now the paired "
+            "rule's against the flagship on the same tasks (what --write-recommendation records)",
+        ),
+        Option(
+            "--allow-mismatch",
+            "allow_mismatch",
+            Switch(),
+            False,
+            "use an artifact made for other weights/tokenizer of the same architecture (warns)",
+        ),
+        Option(
+            "--json",
+            "json_out",
+            OutputFile(what="JSON results"),
+            None,
+            "write the results as JSON to OUT (docs/evaluation-format.md: aggregates and every task's answers); "
+            "while the run goes on, every finished task is kept in OUT.partial.jsonl, removed once OUT is written",
+        ),
+        Option(
+            "--resume",
+            "resume",
+            Switch(),
+            False,
+            "continue the interrupted run whose journal is OUT.partial.jsonl (--json OUT): its tasks are not run "
+            "again, and every setting the results depend on must be the same (refused, naming what differs)",
+        ),
+        Option(
+            "--force",
+            "force",
+            Switch(),
+            False,
+            "start over even when OUT or its journal OUT.partial.jsonl exists (without --resume or --force "
+            "either is refused)",
+        ),
+        Option(
+            "--write-recommendation",
+            "write_recommendation",
+            Switch(),
+            False,
+            "record per compression ratio the policy to serve in the artifact's recommendation section, "
+            "which calibration.policy(compression_ratio=...) serves: the flagship unless a cheaper candidate is "
+            "shown on the same tasks not to be worse by more than --paired-tolerance with --paired-confidence "
+            "(a dearer one: better), docs/artifact-format.md; when the section already holds per-task outcomes "
+            "at the same ratios of policies this run measured too, the new tasks are added to them (use another "
+            "--seed; a task run again counts once) and the rule decides on all, among the recorded policies; "
+            "the artifact is rewritten atomically, its other sections kept",
+        ),
+        Option(
+            "--paired-tolerance",
+            "paired_tolerance",
+            Number(0.0, 100.0),
+            DEFAULT_TOLERANCE * 100,
+            f"accuracy points a cheaper policy may give up against the flagship on the same tasks, for the "
+            f"printed decision and --write-recommendation (default {DEFAULT_TOLERANCE * 100:g})",
+            shown="PAIRED_TOLERANCE",
+        ),
+        Option(
+            "--paired-confidence",
+            "paired_confidence",
+            Number(0.0, 1.0, low_open=True, high_open=True),
+            DEFAULT_CONFIDENCE,
+            f"one-sided confidence that it gives up no more, for the printed decision and "
+            f"--write-recommendation (default {DEFAULT_CONFIDENCE:g})",
+            shown="PAIRED_CONFIDENCE",
+        ),
+        Option(
+            "--replace-recommendation",
+            "replace_recommendation",
+            Switch(),
+            False,
+            "with --write-recommendation: decide on this run's tasks alone, dropping the recorded ones",
+        ),
+        Option("--html", "html_out", OutputFile(what="HTML report"), None, "write the HTML report to OUT"),
+        Option(
+            "--no-progress",
+            "no_progress",
+            Switch(),
+            False,
+            "no progress bars (there are none when stderr is not a terminal)",
+        ),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(
         prog="evaluate-artifact",
-        description="Measure how much of the KV cache a model can drop with a calibration artifact, per "
-        "eviction policy and compression ratio, on needle tasks it was not calibrated on. Prints "
-        "a Markdown table (accuracy with 95% Wilson interval and n, attention-output error, KV bytes, "
-        "prefill and decode time) and, per compression ratio, the policy the artifact's paired rule serves: "
-        "the flagship unless a cheaper candidate is shown, on the same tasks, not to be worse by more than "
-        "--paired-tolerance with --paired-confidence (a dearer one: better), with every candidate's paired "
-        "wins, losses and bound, and a note where the tasks are too few for any candidate to replace the "
-        "flagship or the intervals do not separate the policies. With --json OUT every finished task is "
-        "kept in OUT.partial.jsonl; --resume continues an interrupted run.",
+        description=DESCRIPTION,
         epilog="Policies: 'baseline' (uncompressed), or ALLOCATION/SCORER[:STATISTICS][+SUFFIX...] with "
         f"ALLOCATION in {'|'.join(ALLOCATIONS)} (global: learned or kvzip, whose scores compare across "
         "heads; curve: the artifact's budget_curves section) "
@@ -96,143 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
         + ")"
         + ".",
     )
-    parser.add_argument(
-        "model", nargs="?", default=None, help="model directory or hub id (default: the embedded SmolLM2-135M-Instruct)"
-    )
     add_version_argument(parser)
     add_verbosity_arguments(parser, "only warnings and errors: no notes, no progress bars (the results are printed)")
-    parser.add_argument(
-        "--artifact", default=None, help="calibration file (default: kv_calibration.h5 next to the model weights)"
-    )
-    parser.add_argument(
-        "--compression-ratios",
-        dest="ratios",
-        type=comma_separated(number_in(0.0, 1.0, high_open=True)),
-        default=COMPRESSION_GRID,
-        help="compression ratios, fractions of the context cache evicted (default "
-        + ",".join(f"{r:g}" for r in COMPRESSION_GRID)
-        + ")",
-    )
-    parser.add_argument(
-        "--ratios",
-        action=RenamedOption,
-        message="was renamed --compression-ratios (the fractions of the context cache evicted)",
-    )
-    parser.add_argument(
-        "--policies",
-        type=comma_separated(str),
-        default=DEFAULT_POLICIES,
-        help="comma-separated policies, cheapest to serve first (the paired rule's cost order: one listed before "
-        f"the flagship is cheaper than it, one after dearer). Default: {','.join(DEFAULT_POLICIES)} (those the "
-        "artifact cannot serve are left out)",
-    )
-    parser.add_argument(
-        "--tasks",
-        type=comma_separated(choice_of(("all", *FAMILIES), "task family")),
-        default=DEFAULT_TASKS,
-        help="needle families, or 'all' (default: all, those the model fails uncompressed included: a task both "
-        "policies fail is a tie in the paired rule)",
-    )
-    parser.add_argument(
-        "--haystacks",
-        type=comma_separated(choice_of(HAYSTACKS, "haystack")),
-        default=HAYSTACKS,
-        help=f"haystacks of the tasks, each with its own seed (default {','.join(HAYSTACKS)})",
-    )
-    parser.add_argument(
-        "--preset",
-        choices=TASK_PRESETS,
-        default="quick",
-        help="lengths and depths of the tasks, as the needles preset of that name (default quick: "
-        "1K/2K/4K tokens x depths 10/50/90); lengths beyond the model's context are dropped",
-    )
-    parser.add_argument(
-        "--count",
-        type=int_at_least(1, MAX_COUNT),
-        default=1,
-        help="tasks per (family, haystack, length, depth) cell (default 1)",
-    )
-    parser.add_argument(
-        "--seed",
-        type=int_at_least(0, MAX_SEED),
-        default=None,
-        help=f"task seed of the first haystack, the next haystack's + 1 and so on (default: the profiler's probe "
-        f"seed + {EVALUATION_SEED_OFFSET})",
-    )
-    parser.add_argument(
-        "--question-aware",
-        action="store_true",
-        help="compress the whole prompt, question included (default: compress the context before the question is seen)",
-    )
-    parser.add_argument(
-        "--max-new-tokens", type=int_at_least(1, MAX_TOKENS), default=24, help="greedy answer length (default 24)"
-    )
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
-    parser.add_argument("--attn-implementation", default=AUTO_ATTENTION, metavar="NAME", help=ATTENTION_HELP)
-    parser.add_argument(
-        "--tolerance",
-        action=RenamedOption,
-        message="was replaced by --paired-tolerance: the policy printed per compression ratio is now the paired "
-        "rule's against the flagship on the same tasks (what --write-recommendation records)",
-    )
-    parser.add_argument(
-        "--allow-mismatch",
-        action="store_true",
-        help="use an artifact made for other weights/tokenizer of the same architecture (warns)",
-    )
-    parser.add_argument(
-        "--json",
-        dest="json_out",
-        metavar="OUT",
-        help="write the results as JSON to OUT (docs/evaluation-format.md: aggregates and every task's answers); "
-        "while the run goes on, every finished task is kept in OUT.partial.jsonl, removed once OUT is written",
-    )
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the interrupted run whose journal is OUT.partial.jsonl (--json OUT): its tasks are not run "
-        "again, and every setting the results depend on must be the same (refused, naming what differs)",
-    )
-    parser.add_argument(
-        "--force",
-        action="store_true",
-        help="start over even when OUT or its journal OUT.partial.jsonl exists (without --resume or --force "
-        "either is refused)",
-    )
-    parser.add_argument(
-        "--write-recommendation",
-        action="store_true",
-        help="record per compression ratio the policy to serve in the artifact's recommendation section, "
-        "which calibration.policy(compression_ratio=...) serves: the flagship unless a cheaper candidate is "
-        "shown on the same tasks not to be worse by more than --paired-tolerance with --paired-confidence "
-        "(a dearer one: better), docs/artifact-format.md; when the section already holds per-task outcomes "
-        "at the same ratios of policies this run measured too, the new tasks are added to them (use another "
-        "--seed; a task run again counts once) and the rule decides on all, among the recorded policies; "
-        "the artifact is rewritten atomically, its other sections kept",
-    )
-    parser.add_argument(
-        "--paired-tolerance",
-        type=number_in(0.0, 100.0),
-        default=DEFAULT_TOLERANCE * 100,
-        help=f"accuracy points a cheaper policy may give up against the flagship on the same tasks, for the "
-        f"printed decision and --write-recommendation (default {DEFAULT_TOLERANCE * 100:g})",
-    )
-    parser.add_argument(
-        "--paired-confidence",
-        type=number_in(0.0, 1.0, low_open=True, high_open=True),
-        default=DEFAULT_CONFIDENCE,
-        help=f"one-sided confidence that it gives up no more, for the printed decision and "
-        f"--write-recommendation (default {DEFAULT_CONFIDENCE:g})",
-    )
-    parser.add_argument(
-        "--replace-recommendation",
-        action="store_true",
-        help="with --write-recommendation: decide on this run's tasks alone, dropping the recorded ones",
-    )
-    parser.add_argument("--html", dest="html_out", metavar="OUT", help="write the HTML report to OUT")
-    parser.add_argument(
-        "--no-progress", action="store_true", help="no progress bars (there are none when stderr is not a terminal)"
-    )
+    add_options(parser, options())
     return parser
 
 
@@ -460,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.models import ModelError, load_config
 
     try:  # every path, number and combination before any model work
-        check_attention_implementation(args.attn_implementation)
+        check_given(options(), args)  # --attn-implementation (imports transformers)
         _check_outputs(args, None)  # before anything is read: a directory, a device, an unwritable place
         args.config = load_config(args.model)  # the model exists (its weights are not read)
     except (ValueError, OSError, ModelError) as exc:
@@ -474,11 +536,13 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
 
 
-def _artifact_path(args) -> Path | None:
+def _artifact_path(args) -> Path:
     """The artifact the run reads, found before the model loads: ``--artifact`` (a file, or a directory
-    holding kv_calibration.h5), else next to a local model's weights; None when only the loaded model
-    can say (a hub id: load_calibration looks in the hub snapshot and kvcal's cache)."""
-    from runtime.calibration import ARTIFACT_FILENAME, artifact_locations
+    holding kv_calibration.h5), else the first that exists of next to a local model's weights, the hub
+    snapshot of a hub id, kvcal's cache (``runtime.calibration.artifact_locations``: where
+    load_calibration looks once the model is loaded, from the same model name); ArtifactError naming
+    them when there is none."""
+    from runtime.calibration import ARTIFACT_FILENAME, artifact_of_source
     from runtime.models import resolve_model
 
     if args.artifact is not None:
@@ -490,21 +554,13 @@ def _artifact_path(args) -> Path | None:
         if not path.exists():
             raise ValueError(f"--artifact {args.artifact}: no such file")
         return path
-    found = [candidate for candidate in artifact_locations(resolve_model(args.model)) if candidate.is_file()]
-    return found[0] if found else None
+    return artifact_of_source(resolve_model(args.model), give_path="give --artifact")
 
 
 def _check_outputs(args, artifact: Path | None) -> None:
     """--json and --html: writable, not the artifact (nor a link to it), not each other, and not over a
     file that is not their kind (an HDF5 file) without --force; the journal, --resume and --force."""
-    from artifacts.atomic import check_output_path
-
-    inputs = [artifact] if artifact is not None else []
-    if args.json_out and args.html_out and Path(args.json_out).resolve() == Path(args.html_out).resolve():
-        raise ValueError(f"--json and --html name the same file {args.json_out}: give each its own")
-    for path, what in ((args.json_out, "JSON results"), (args.html_out, "HTML report")):
-        if path:
-            check_output_path(path, what, inputs=inputs, text=True, force=args.force)
+    check_outputs(options(), args, inputs=[artifact] if artifact is not None else [], force=args.force)
 
 
 def _run(args) -> int:
@@ -522,19 +578,15 @@ def _run(args) -> int:
         policies = [parse_policy(text) for text in args.policies]
         if not any(p.is_baseline for p in policies):
             policies.insert(0, parse_policy("baseline"))
-        if not args.ratios or any(not 0.0 <= r < 1.0 for r in args.ratios):
-            raise ValueError(f"compression ratios must be in [0, 1), got {args.ratios}")
         if args.write_recommendation and args.question_aware:
             raise ValueError("--write-recommendation records question-agnostic measurements; drop --question-aware")
-        if args.count < 1 or args.max_new_tokens < 1:
-            raise ValueError("--count and --max-new-tokens must be at least 1")
         previous = _check_journal(args)
         artifact = _artifact_path(args)
         _check_outputs(args, artifact)
-        if artifact is not None:  # read, validated and checked against the policies before the model loads
-            policies = _servable_in_file(artifact, policies, args)
-            if args.write_recommendation:
-                check_output_path(artifact, "artifact")
+        # read, validated and checked against the policies before the model loads
+        policies = _servable_in_file(artifact, policies, args)
+        if args.write_recommendation:
+            check_output_path(artifact, "artifact")
         model = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
         tokenizer = load_tokenizer(args.model)
         calibration = load_calibration(model, tokenizer, path=artifact, allow_mismatch=args.allow_mismatch)

@@ -356,7 +356,14 @@ def find_artifact(model, path: str | os.PathLike | None = None) -> Path:
         if not path.is_file():
             raise ArtifactError(f"{path}: no such calibration artifact")
         return path
-    source = model_source(model)
+    return artifact_of_source(model_source(model))
+
+
+def artifact_of_source(source: str, give_path: str = "pass path=...") -> Path:
+    """The first of :func:`artifact_locations` of ``source`` (a local directory or hub id) that
+    exists, else :class:`ArtifactError` naming every place looked at (``give_path``: how the caller
+    names an explicit path).  Depends on ``source`` alone, not on the loaded model: evaluate-artifact
+    finds the artifact (or its absence) before the model loads."""
     candidates = artifact_locations(source)
     for candidate in candidates:
         if candidate.is_file():
@@ -365,7 +372,7 @@ def find_artifact(model, path: str | os.PathLike | None = None) -> Path:
     raise ArtifactError(
         f"no {ARTIFACT_FILENAME} found next to the weights, in the hub snapshot or in kvcal's cache for "
         f"{source or 'the model'}: looked at {where}. "
-        "Run profile-model, or pass path=..."
+        f"Run profile-model, or {give_path}"
     )
 
 

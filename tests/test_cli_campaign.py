@@ -56,8 +56,12 @@ def _all_stages() -> str:
 
 
 def _kind_values(kind) -> list[str]:
-    """Bad command-line texts for a value of ``kind`` (profiler.options)."""
-    from profiler.options import Choice, Integer, ListOf, Number, Text
+    """Bad command-line texts for a value of ``kind`` (artifacts.options)."""
+    from artifacts.options import Choice, Integer, ListOf, Number, OutputFile, Text
+
+    if isinstance(kind, OutputFile):
+        # a directory, the input (and a link to it), a file of another kind, a directory that is a file
+        return ["{emptydir}", "{art}", "{artlink}", "{other}", "{text}/out"]
 
     if isinstance(kind, Integer):
         below = (kind.minimum if kind.minimum is not None else 0) - 1
@@ -240,11 +244,76 @@ def _generate_cases() -> list[Case]:
     return cases
 
 
+def _declared_cases() -> list[Case]:
+    """Every option the three other commands declare (artifacts.options: ``evaluate_cli.options()``,
+    ``artifacts.cli.OPTIONS``, ``needles.cli.OPTIONS``), each with the bad values of its kind, a
+    switch given a value, and the bad paths of a model or artifact argument."""
+    import artifacts.cli
+    import needles.cli
+    import profiler.evaluate_cli
+    from artifacts.options import Option, Switch
+
+    bad_models = ["{tmp}/no-such-model", "{text}", "{emptydir}"]
+    bad_artifacts = ["{tmp}/missing.h5", "{emptydir}", "{text}", "{bad}", "{empty}", "{badlink}"]
+    from profiler.cli import job_options
+
+    run, execution = job_options()
+    declared = {
+        "profile-model": ((*run, *execution), PROFILE_BASE),
+        "evaluate-artifact": (profiler.evaluate_cli.options(), (*EVAL_BASE, "--artifact", "{art}")),
+        "inspect-artifact": (artifacts.cli.OPTIONS, ("{art}",)),
+        "generate-probes": (needles.cli.OPTIONS, PROBES_OUT),
+    }
+    cases = []
+    for command, (options, base) in declared.items():
+        for option in options:
+            if not isinstance(option, Option):
+                continue  # renamed: tried by hand above
+            if option.positional:
+                values = bad_artifacts if option.dest == "path" else bad_models
+                rest = base[1:] if command == "inspect-artifact" else base
+                cases += [Case(command, (value, *rest)) for value in values]
+                continue
+            rest = base  # without the option itself when the base gives it (--artifact, --out, --preset)
+            if option.flag in base:
+                at = base.index(option.flag)
+                rest = (*base[:at], *base[at + 2 :])
+            if option.flag == "--artifact":
+                values = bad_artifacts
+            elif isinstance(option.kind, Switch):
+                values = ["yes"]
+            else:
+                values = _kind_values(option.kind)
+            cases += [Case(command, (*rest, f"{option.flag}={value}")) for value in values]
+    return cases
+
+
 def all_cases() -> list[Case]:
-    return [*_profile_cases(), *_evaluate_cases(), *_inspect_cases(), *_generate_cases()]
+    """The cases by hand, then those generated from the declarations (a case already written by hand
+    counts once)."""
+    cases = [*_profile_cases(), *_evaluate_cases(), *_inspect_cases(), *_generate_cases()]
+    seen = {case.id.replace("=", " ") for case in cases}  # --flag=value and --flag value: one case
+    for case in _declared_cases():
+        if case.id.replace("=", " ") not in seen:
+            seen.add(case.id.replace("=", " "))
+            cases.append(case)
+    return cases
 
 
-CASES = all_cases()
+def _cases() -> list[Case]:
+    """``all_cases()``, or the list in the JSON file ``KVCAL_CAMPAIGN_CASES`` names: the cases of a
+    later checkout, tried on an older commit's code (``benchmarks/cli_campaign.py --commit``, whose
+    commands may not declare their options yet)."""
+    listed = os.environ.get("KVCAL_CAMPAIGN_CASES")
+    if not listed:
+        return all_cases()
+    import json
+
+    with open(listed, encoding="utf-8") as fh:
+        return [Case(command, tuple(args), needs) for command, args, needs in json.load(fh)]
+
+
+CASES = _cases()
 
 
 # -- the workspace and the runner --------------------------------------------------------------
