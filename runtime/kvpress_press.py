@@ -139,7 +139,7 @@ class CalibratedPress(BasePress):
             self.plan = bind(self.policy, self.calibration, model)
         else:
             self.plan.check_model(model)
-        if any(window is not None for window in _layer_windows(model)):
+        if any(window is not None for window in self.plan.geometry.sliding_windows):
             raise ValueError(f"kvpress's cache holds every token of a sliding-window layer; {_USE_THE_RUNTIME}")
         self._evictor = HeadEvictor(self.plan)
 
@@ -197,13 +197,6 @@ class CalibratedPress(BasePress):
         if self.plan is None:
             raise ValueError("the press is bound to a model when kvpress enters it (with press(model): ...)")
         return self.plan.head_budgets(context_length)
-
-
-def _layer_windows(model) -> list[int | None]:
-    config = model.config
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    return [window if kind == "sliding_attention" and window else None for kind in types]
 
 
 def _post_rope_queries(module, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:

@@ -20,7 +20,12 @@ skip into a failure.
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +47,7 @@ from runtime.kvpress_press import CalibratedPress  # noqa: E402
 FILLER = "The grass is green. The sky is blue. The sun is warm. Here we go. There and back again. "
 README_CONTEXT = FILLER * 40 + "The passcode is 4821. Remember it. " + FILLER * 40  # README's example
 QUESTION = "What is the passcode?"
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +187,25 @@ def test_bad_ratios_are_refused(calibration, ratio):
 def test_a_calibration_is_required():
     with pytest.raises(ValueError, match="load_calibration"):
         CalibratedPress(None, compression_ratio=0.5)
+
+
+@pytest.mark.slow
+def test_the_readme_kvpress_snippet_runs_verbatim(smoke_artifact, tmp_path):
+    """README.md's "Using kvcal from kvpress" snippet, as written, where `make profile` leaves the artifact."""
+    text = README.read_text()
+    section = text[text.index("## Using kvcal from kvpress") :]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "CalibratedPress(calibration, compression_ratio=0.75)" in snippet
+    (tmp_path / "out").mkdir()
+    shutil.copyfile(smoke_artifact, tmp_path / "out" / "kv_calibration.h5")
+    done = subprocess.run(
+        [sys.executable, "-c", "import torch\ntorch.set_num_threads(1)\n" + snippet],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(README.parent), "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "4821" in done.stdout.splitlines()[-1], done.stdout
+    assert "inf" in done.stdout and "LeverageScorer" in done.stdout  # the flagship less its correction
