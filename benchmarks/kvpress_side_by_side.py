@@ -25,7 +25,8 @@ runtime cells run ``runtime.generate(context_columns=context_end)``.  An answer 
 contains the ground truth (``needles.answer_is_correct``, as evaluate-artifact scores).
 
 Each finished (task, cell, ratio) is appended to ``--out`` (JSON lines) as it finishes; a rerun
-with the same settings resumes from it (a run takes hours on a CPU: 140 tasks x 21 cells).  The
+with the same settings resumes from it (a run takes hours on a CPU: 126 quick tasks x 21 cells;
+R-kvpress-side-by-side-check-2026-11-27).  The
 table: per cell n, accuracy, 95% Wilson interval, and paired wins / losses against
 ``kvcal-runtime`` at the same ratio (a win: this cell right where the runtime is wrong).
 
