@@ -209,3 +209,19 @@ def test_the_readme_kvpress_snippet_runs_verbatim(smoke_artifact, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "4821" in done.stdout.splitlines()[-1], done.stdout
     assert "inf" in done.stdout and "LeverageScorer" in done.stdout  # the flagship less its correction
+
+
+def test_an_eager_model_is_refused(embedded_model, calibration):
+    """kvpress masks rows only in the attention functions it patches; transformers' eager attention
+    is not one of them, so an eager model would silently keep every row."""
+    press = CalibratedPress(calibration, compression_ratio=0.5)
+    config = embedded_model.config
+    before = config._attn_implementation
+    config._attn_implementation = "eager"
+    try:
+        with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+            press.post_init_from_model(embedded_model)
+    finally:
+        config._attn_implementation = before
+    press.post_init_from_model(embedded_model)  # sdpa: bound
+    assert press.head_budgets(100).shape == (config.num_hidden_layers, config.num_key_value_heads)
