@@ -107,26 +107,33 @@ class CalibratedPress(BasePress):
     plan: ServingPlan | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
+        if self.calibration is None:
+            raise ValueError("CalibratedPress needs a calibration: runtime.load_calibration(model, tokenizer, path=..)")
+        if self.policy is not None and not isinstance(self.policy, CompressionPolicy):
+            raise TypeError(f"policy must be a CompressionPolicy, got {type(self.policy).__name__}")
+        self._requested = self.policy  # None: the artifact's own at each ratio
+        self._resolve_policy()
+
+    def _resolve_policy(self) -> None:
+        """The policy served at the press's ``compression_ratio`` (checked, refused where kvpress cannot
+        serve it); called again when kvpress (or a user) sets ``compression_ratio`` after construction."""
         ratio = self.compression_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) < 1.0:
             raise ValueError(f"compression_ratio (the fraction evicted) must be a number in [0, 1), got {ratio!r}")
-        if self.calibration is None:
-            raise ValueError("CalibratedPress needs a calibration: runtime.load_calibration(model, tokenizer, path=..)")
-        if self.policy is None:
-            self.policy = policy_for_kvpress(self.calibration, float(ratio))
-        elif not isinstance(self.policy, CompressionPolicy):
-            raise TypeError(f"policy must be a CompressionPolicy, got {type(self.policy).__name__}")
+        requested = self._requested
+        if requested is None:
+            policy = policy_for_kvpress(self.calibration, float(ratio))
+        elif requested.compression_ratio is None:
+            raise ValueError(kvpress_refusal(requested))
         else:
-            if self.policy.compression_ratio is None:
-                reason = kvpress_refusal(self.policy)
-                raise ValueError(reason)
-            self.policy = replace(self.policy, compression_ratio=float(ratio))
-        reason = kvpress_refusal(self.policy)
+            policy = replace(requested, compression_ratio=float(ratio))
+        reason = kvpress_refusal(policy)
         if reason:
             raise ValueError(reason)
-        missing = self.policy.missing(self.calibration)
+        missing = policy.missing(self.calibration)
         if missing:
             raise ValueError(missing[0])
+        self.policy, self.plan = policy, None
 
     def post_init_from_model(self, model):
         """Bind the policy to the calibration and this model (kvpress calls this on entering the press)."""
@@ -135,6 +142,8 @@ class CalibratedPress(BasePress):
                 "kvpress masks evicted rows per head only in its patched attention functions, not in eager "
                 "attention: load the model with attn_implementation='sdpa'"
             )
+        if self.policy.compression_ratio != self.compression_ratio:  # set after construction (kvpress's harness does)
+            self._resolve_policy()
         if self.plan is None or self.plan.geometry.num_layers != model.config.num_hidden_layers:
             self.plan = bind(self.policy, self.calibration, model)
         else:

@@ -225,3 +225,19 @@ def test_an_eager_model_is_refused(embedded_model, calibration):
         config._attn_implementation = before
     press.post_init_from_model(embedded_model)  # sdpa: bound
     assert press.head_budgets(100).shape == (config.num_hidden_layers, config.num_key_value_heads)
+
+
+def test_a_ratio_set_after_construction_is_served(embedded_model, calibration):
+    """kvpress's evaluation harness sets ``press.compression_ratio`` on a built press: the press
+    serves the new ratio from the next time kvpress enters it, with the artifact's budgets for it."""
+    press = CalibratedPress(calibration, compression_ratio=0.5)
+    press.post_init_from_model(embedded_model)
+    layers, heads = press.head_budgets(1000).shape
+    assert abs(int(press.head_budgets(1000).sum()) - 0.5 * layers * heads * 1000) <= layers * heads
+    press.compression_ratio = 0.9
+    press.post_init_from_model(embedded_model)
+    assert press.policy.compression_ratio == 0.9
+    assert abs(int(press.head_budgets(1000).sum()) - 0.1 * layers * heads * 1000) <= layers * heads
+    press.compression_ratio = 1.0
+    with pytest.raises(ValueError, match=r"compression_ratio .* in \[0, 1\)"):
+        press.post_init_from_model(embedded_model)
