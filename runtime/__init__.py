@@ -32,7 +32,9 @@ Where a served decision is made, following one import chain from ``generate``:
   transformers versions.
 
 Depends on ``artifacts``, ``prompt_format``, torch, transformers, numpy, h5py and filelock only
-(never on the profiler or the probe generator).
+(never on the profiler or the probe generator).  ``kvpress_press`` (:class:`CalibratedPress`, an
+artifact's policy as a press of NVIDIA's kvpress) is the one module that imports kvpress (the
+``kvpress`` extra); nothing here imports it: ``from runtime.kvpress_press import CalibratedPress``.
 """
 
 from importlib import import_module

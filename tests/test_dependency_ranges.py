@@ -76,3 +76,37 @@ def test_installed_versions_are_inside_the_declared_ranges():
     for name, req in declared().items():
         installed = Version(version(name))
         assert req.specifier.contains(installed, prereleases=True), f"{name} {installed} outside {req.specifier}"
+
+
+def extras() -> dict[str, list[Requirement]]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {name: [Requirement(line) for line in lines] for name, lines in project["optional-dependencies"].items()}
+
+
+def test_optional_integrations_are_ranges_their_own_job_tests():
+    """An extra outside ``test`` (kvpress) is installed only by its own make target (``make
+    test-kvpress``, which runs its newest versions): each is bounded on both sides, and its lower bound
+    is the newest release inside the range, so that one job tests both ends."""
+    optional = {name: reqs for name, reqs in extras().items() if name != "test"}
+    assert set(optional) == {"kvpress"}, f"an extra without a make target that installs it: {set(optional)}"
+    makefile = (ROOT / "Makefile").read_text()
+    for name, reqs in optional.items():
+        assert f"EXTRAS=test,{name}" in makefile, f"no make target installs the {name} extra"
+        for req in reqs:
+            lower, upper = bounds(req)
+            assert lower is not None and upper is not None, f"{req}: a range CI tests needs both ends"
+    (kvpress,) = optional["kvpress"]
+    assert bounds(kvpress)[0] == Version("0.5.5"), "kvpress 0.5.5 is the newest release: the lower bound is it"
+
+
+def test_installed_optional_integrations_are_inside_their_ranges():
+    from importlib.metadata import PackageNotFoundError, version
+
+    for reqs in extras().values():
+        for req in reqs:
+            try:
+                installed = Version(version(req.name))
+            except PackageNotFoundError:  # an extra this environment did not install
+                continue
+            inside = req.specifier.contains(installed, prereleases=True)
+            assert inside, f"{req.name} {installed} outside {req.specifier}"

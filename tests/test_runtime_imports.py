@@ -13,10 +13,15 @@ FORBIDDEN = ("profiler", "needles", "datasets", "accelerate", "jinja2", "tqdm")
 
 RUNTIME_DIR = Path(__file__).resolve().parent.parent / "runtime"
 RUNTIME_SOURCES = sorted(RUNTIME_DIR.rglob("*.py"))  # runtime/*.py and its packages' (runtime/scorers/)
+# Modules of an optional extra: each may import its extra's package (and only that one more); the
+# core never imports them (test_the_core_leaves_the_optional_integrations_out), so the probe skips them.
+OPTIONAL_MODULES = {"runtime.kvpress_press": "kvpress"}
 RUNTIME_MODULES = ["runtime"] + sorted(
-    ".".join(("runtime", *path.relative_to(RUNTIME_DIR).with_suffix("").parts)).removesuffix(".__init__")
+    name
     for path in RUNTIME_SOURCES
     if path != RUNTIME_DIR / "__init__.py"
+    and (name := ".".join(("runtime", *path.relative_to(RUNTIME_DIR).with_suffix("").parts)).removesuffix(".__init__"))
+    not in OPTIONAL_MODULES
 )
 
 # One interpreter: first what transformers' cache/mask modules load by themselves (they import
@@ -59,11 +64,29 @@ def test_runtime_sources_import_only_allowed_packages():
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = [node.module]
+            module = ".".join(("runtime", *source.relative_to(RUNTIME_DIR).with_suffix("").parts))
             for name in names:
                 top = name.split(".")[0]
-                if top not in allowed and top not in stdlib:
+                if top not in allowed and top not in stdlib and top != OPTIONAL_MODULES.get(module):
                     offenders.append(f"{source.relative_to(RUNTIME_DIR)}: {name}")
     assert not offenders, offenders
+
+
+def test_the_core_leaves_the_optional_integrations_out():
+    """``import runtime, artifacts, profiler, needles`` (and every core runtime module) loads neither
+    kvpress nor the module that wraps it: ``pip install -e .`` without the ``kvpress`` extra works."""
+    probe = (
+        "import importlib, json, sys\n"
+        "import runtime, artifacts, profiler, needles, prompt_format\n"
+        f"for name in {RUNTIME_MODULES!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    loaded = set(json.loads(result.stdout.strip().splitlines()[-1]))
+    assert "runtime.scorers.leverage" in loaded  # the probe did import the core
+    for name in (*OPTIONAL_MODULES, *OPTIONAL_MODULES.values()):
+        assert name not in loaded, f"the core imports {name}"
 
 
 def runtime_import_graph(root: Path = RUNTIME_DIR) -> dict[str, set[str]]:
