@@ -30,8 +30,13 @@ R-kvpress-side-by-side-check-2026-11-27).  The
 table: per cell n, accuracy, 95% Wilson interval, and paired wins / losses against
 ``kvcal-runtime`` at the same ratio (a win: this cell right where the runtime is wrong).
 
+The tasks run round-robin over (family, haystack), so a run cut short holds every family;
+``--families`` keeps some, ``--shard I/N`` runs every N-th task (a process per core, each with its
+own ``--out``; concatenate their records under one settings line and print with ``--report``).
+
     PYTHONPATH=. OMP_NUM_THREADS=1 .venv-kvpress/bin/python benchmarks/kvpress_side_by_side.py \\
         --artifact out/kv_calibration.h5 --out out/kvpress_side_by_side.jsonl [--limit 3]
+        [--families retrieval,multi_key,counting] [--shard 0/2] [--report]
 
 Needs the ``kvpress`` extra (``make test-kvpress`` builds ``.venv-kvpress``).
 """
@@ -59,7 +64,20 @@ def parse_args(argv=None):
     parser.add_argument("--ratios", default=",".join(map(str, RATIOS)), help="compression ratios (fraction evicted)")
     parser.add_argument("--preset", default="quick", help="task lengths and depths: the needles preset (quick)")
     parser.add_argument("--count", type=int, default=1, help="tasks per (family, haystack, length, depth) cell")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N tasks (a check that it runs)")
+    parser.add_argument(
+        "--families",
+        default=None,
+        help="comma-separated needle families to keep (default: all; the embedded model answers retrieval, "
+        "multi_key and counting uncompressed and few of the others, R-quick-profile-2026-11-25)",
+    )
+    parser.add_argument("--limit", type=int, default=None, help="only the first N tasks (in the interleaved order)")
+    parser.add_argument(
+        "--shard",
+        default="0/1",
+        help="INDEX/COUNT: run every COUNT-th task from INDEX (one process per core, each its own --out; "
+        "concatenate the journals' records under one settings line and --report)",
+    )
+    parser.add_argument("--report", action="store_true", help="print the table of --out's results, run nothing")
     parser.add_argument(
         "--adakv-inner",
         choices=sorted(ADAKV_INNER),
@@ -78,7 +96,23 @@ def parse_args(argv=None):
         parser.error(f"--artifact {args.artifact}: no such file")
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be at least 1")
+    index, _, count = args.shard.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        parser.error(f"--shard: INDEX/COUNT with 0 <= INDEX < COUNT, got {args.shard!r}")
+    args.shard = (int(index), int(count))
     return args
+
+
+def interleaved(probes: list) -> list:
+    """``probes`` round-robin over their (family, haystack) groups, each group in its own order: a
+    run cut short (``--limit``, a kill) holds every family and haystack, not only the first ones."""
+    groups = defaultdict(list)
+    for probe in probes:
+        groups[(probe.family, probe.meta.get("haystack"))].append(probe)
+    order = []
+    for depth in range(max(map(len, groups.values()), default=0)):
+        order.extend(group[depth] for group in groups.values() if depth < len(group))
+    return order
 
 
 def read_journal(path: Path, settings: dict) -> dict:
@@ -194,17 +228,30 @@ def main(argv=None) -> int:
     model, tokenizer = load_model(), load_tokenizer()
     calibration = load_calibration(model, tokenizer, path=args.artifact)
     tasks, probes = build_tasks(args.preset, args.count, calibration, model, tokenizer)
+    if args.families:
+        wanted = {family.strip() for family in args.families.split(",") if family.strip()}
+        unknown = wanted - {probe.family for probe in probes}
+        if unknown:
+            raise SystemExit(f"kvpress_side_by_side: error: --families: no task of {sorted(unknown)}")
+        probes = [probe for probe in probes if probe.family in wanted]
+    probes = interleaved(probes)
     if args.limit is not None:
         probes = probes[: args.limit]
+    index, count = args.shard
+    probes = probes[index::count]
     settings = {
         "artifact": str(Path(args.artifact).resolve()),
         "tasks": tasks.describe(),
+        "families": args.families,
         "ratios": list(args.ratios),
         "max_new_tokens": args.max_new_tokens,
         "adakv_inner": args.adakv_inner,
     }
     journal = Path(args.out)
     done = read_journal(journal, settings)
+    if args.report:
+        print(table(done, args.ratios, CELLS))
+        return 0
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
     plan = [("baseline", None)] + [(cell, ratio) for ratio in args.ratios for cell in CELLS]
     print(f"{len(probes)} of {tasks.describe()}; {len(plan)} cells; {len(done)} results resumed from {journal}")
