@@ -77,6 +77,11 @@ def parse_args(argv=None):
         help="INDEX/COUNT: run every COUNT-th task from INDEX (one process per core, each its own --out; "
         "concatenate the journals' records under one settings line and --report)",
     )
+    parser.add_argument(
+        "--cells",
+        default=",".join(CELLS),
+        help=f"comma-separated cells to run (default all: {','.join(CELLS)}; the baseline runs with any)",
+    )
     parser.add_argument("--report", action="store_true", help="print the table of --out's results, run nothing")
     parser.add_argument(
         "--adakv-inner",
@@ -96,6 +101,9 @@ def parse_args(argv=None):
         parser.error(f"--artifact {args.artifact}: no such file")
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be at least 1")
+    args.cells = tuple(cell.strip() for cell in args.cells.split(",") if cell.strip())
+    if not args.cells or set(args.cells) - set(CELLS):
+        parser.error(f"--cells: some of {', '.join(CELLS)}, got {args.cells}")
     index, _, count = args.shard.partition("/")
     if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
         parser.error(f"--shard: INDEX/COUNT with 0 <= INDEX < COUNT, got {args.shard!r}")
@@ -250,10 +258,10 @@ def main(argv=None) -> int:
     journal = Path(args.out)
     done = read_journal(journal, settings)
     if args.report:
-        print(table(done, args.ratios, CELLS))
+        print(table(done, args.ratios, args.cells))
         return 0
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
-    plan = [("baseline", None)] + [(cell, ratio) for ratio in args.ratios for cell in CELLS]
+    plan = [("baseline", None)] + [(cell, ratio) for ratio in args.ratios for cell in args.cells]
     print(f"{len(probes)} of {tasks.describe()}; {len(plan)} cells; {len(done)} results resumed from {journal}")
     with journal.open("a") as out:
         for index, probe in enumerate(probes):
@@ -276,7 +284,7 @@ def main(argv=None) -> int:
                 out.flush()
                 done[(probe.id, cell, ratio)] = record
             print(f"task {index + 1}/{len(probes)} {probe.id} done", flush=True)
-    print(table(done, args.ratios, CELLS))
+    print(table(done, args.ratios, args.cells))
     return 0
 
 
