@@ -34,31 +34,37 @@ sys.path.insert(0, str(REPO))
 from runtime.chunk_attention import chunk_mass  # noqa: E402
 
 
-def exp_in_place_unclamped(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """The form of R-chunk-mass-2026-11-27 (same shapes as ``chunk_mass``)."""
+def _by_blocks(queries: torch.Tensor, keys: torch.Tensor, scale: float, block_mass) -> torch.Tensor:
+    """The earlier forms' loop (same shapes as ``chunk_mass``): 8 chunks per product, each block's
+    logits ``[Hkv, k, G*c, c]`` turned into masses ``[Hkv, k, c]`` by ``block_mass(logits, group)``."""
     heads, group, chunks, size, dim = queries.shape
     masses = []
     for lo in range(0, chunks, 8):
         hi = min(lo + 8, chunks)
         block = queries[:, :, lo:hi].float().transpose(1, 2).reshape(heads, hi - lo, group * size, dim)
-        logits = block @ keys[:, lo:hi].float().transpose(-1, -2) * scale
+        masses.append(block_mass(block @ keys[:, lo:hi].float().transpose(-1, -2) * scale, group))
+    return torch.cat(masses, dim=1)
+
+
+def exp_in_place_unclamped(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """The form of R-chunk-mass-2026-11-27."""
+
+    def block_mass(logits, group):
         weights = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
         inverse = weights.sum(-1).reciprocal_().unsqueeze(-2)
-        masses.append((inverse @ weights).squeeze(-2) / group)
-    return torch.cat(masses, dim=1)
+        return (inverse @ weights).squeeze(-2) / group
+
+    return _by_blocks(queries, keys, scale, block_mass)
 
 
 def softmax_then_sum(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """The form before R-chunk-mass-2026-11-27 (same shapes as ``chunk_mass``)."""
-    heads, group, chunks, size, dim = queries.shape
-    masses = []
-    for lo in range(0, chunks, 8):
-        hi = min(lo + 8, chunks)
-        block = queries[:, :, lo:hi].float().transpose(1, 2).reshape(heads, hi - lo, group * size, dim)
-        logits = block @ keys[:, lo:hi].float().transpose(-1, -2) * scale
-        weights = torch.softmax(logits, dim=-1).view(heads, hi - lo, group, size, size)
-        masses.append(weights.sum(3).mean(2))
-    return torch.cat(masses, dim=1)
+    """The form before R-chunk-mass-2026-11-27."""
+
+    def block_mass(logits, group):
+        heads, chunks, rows, size = logits.shape
+        return torch.softmax(logits, dim=-1).view(heads, chunks, group, rows // group, size).sum(3).mean(2)
+
+    return _by_blocks(queries, keys, scale, block_mass)
 
 
 def main(argv=None) -> int:

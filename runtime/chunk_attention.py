@@ -24,12 +24,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .eager_attention import exp_shifted_
-
 # Chunks scored in one batched matmul: bounds the logits held at once to
 # ``Hq x _CHUNKS_AT_ONCE x C x C`` floats (16 MiB for 32 query heads and C = 256); 2 rather than 8
 # keeps them nearer the cache: 0.84x the time per layer (R-chunk-mass-underflow-2026-11-27).
 _CHUNKS_AT_ONCE = 2
+
+# The lowest argument the chunk mass exponentiates: torch's CPU ``exp`` is 10-80x slower where its
+# result underflows float32 (arguments below about -87, and -inf; ``softmax`` has its own kernel and
+# is not), and a weight of e^-80 = 1.8e-35 beside the row maximum's 1 moves no mass by more than
+# ``c x 1.8e-35`` (docs/results.md R-chunk-mass-underflow-2026-11-27).
+_EXP_FLOOR = -80.0
 
 
 @dataclass(frozen=True)
@@ -58,10 +62,8 @@ def chunk_mass(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch
             logits.mul_(scale)
         # each query's softmax, summed over the queries as one product: exp in place, then the
         # queries' 1 / sum weights the rows (1.9x faster than softmax and a sum, R-chunk-mass-2026-11-27)
-        # underflow-safe: 11% of the embedded model's unscaled chunk logits are below max - 87, where
-        # torch's CPU exp is ~12x slower; no mass moves by more than c * 1.8e-35
-        # (R-chunk-mass-underflow-2026-11-27)
-        weights = exp_shifted_(logits.sub_(logits.amax(-1, keepdim=True)))  # [Hkv, k, G*c, c], unnormalised
+        # clamped at _EXP_FLOOR first: 11% of the embedded model's unscaled chunk logits are below max - 87
+        weights = logits.sub_(logits.amax(-1, keepdim=True)).clamp_(min=_EXP_FLOOR).exp_()  # [Hkv, k, G*c, c]
         inverse = weights.sum(-1).reciprocal_().unsqueeze(-2)  # [Hkv, k, 1, G*c]
         masses.append((inverse @ weights).squeeze(-2) / group)  # [Hkv, k, c]: mean over the G heads
     return torch.cat(masses, dim=1)

@@ -24,19 +24,6 @@ from __future__ import annotations
 
 import torch
 
-# The lowest argument :func:`exp_shifted_` exponentiates.  torch's CPU ``exp`` is 10-80x slower where
-# its result underflows float32 (arguments below about -87, and -inf) than elsewhere
-# (docs/results.md R-chunk-mass-underflow-2026-11-27); ``softmax`` has its own kernel and is not.
-EXP_FLOOR = -80.0
-
-
-def exp_shifted_(shifted: torch.Tensor) -> torch.Tensor:
-    """``exp`` in place of logits minus their row's maximum (``<= 0``; ``-inf`` for a hidden row), the
-    arguments below :data:`EXP_FLOOR` raised to it first: a weight of at least e^-80 = 1.8e-35 beside
-    the maximum's 1, where the exact one is smaller or 0.  A caller that hides rows with ``-inf``
-    zeroes their weights afterwards."""
-    return shifted.clamp_(min=EXP_FLOOR).exp_()
-
 
 def soft_cap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     """``c tanh(logits / c)`` (``logits`` itself when ``softcap`` is None)."""

@@ -180,11 +180,7 @@ class HeadEvictor:
                 valid = torch.arange(int(lengths.max()) if lengths.numel() else 0) < lengths.unsqueeze(-1)
                 valid = valid.to(layer.key_buffer.device)  # as padded_rows masks the live tokens
                 scores = self.scorer.combine(parts[index], valid)
-            if tuple(scores.shape) != tuple(valid.shape):
-                raise ValueError(
-                    f"{self.scorer!r} returned layer scores of shape {tuple(scores.shape)} for {tuple(valid.shape)}"
-                )
-            scores = self._checked_layer(scores, valid, layer_idx)
+            scores = self.checked_scores(scores, valid, layer_idx)
             pieces.append(torch.nn.functional.pad(scores, (0, longest - scores.shape[-1]), value=float("-inf")))
         return torch.cat(pieces) if pieces else torch.zeros(0, layer.num_heads, 0)
 
@@ -206,10 +202,15 @@ class HeadEvictor:
             for tile in self._tiles(layer, rows)
         ]
 
-    def _checked_layer(self, scores: torch.Tensor, valid: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """``scores``, refused when any is NaN: ranking NaN keeps arbitrary tokens, silently (a
-        calibration whose statistics overflow does that).  ``+inf`` is a score (never evict).
-        One check for the layer, naming the first head with a NaN score."""
+    def checked_scores(self, scores: torch.Tensor, valid: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """The scorer's ``scores [R, Hkv, n]`` of a layer, refused when their shape is not ``valid``'s or
+        any is NaN: ranking NaN keeps arbitrary tokens, silently (a calibration whose statistics
+        overflow does that).  ``+inf`` is a score (never evict).  One check for the layer, naming the
+        first head with a NaN score."""
+        if tuple(scores.shape) != tuple(valid.shape):
+            raise ValueError(
+                f"{self.scorer!r} returned layer scores of shape {tuple(scores.shape)} for {tuple(valid.shape)}"
+            )
         bad = torch.isnan(scores) & valid
         if bool(bad.any()):
             self._refuse_nan(layer_idx, int(bad.any(-1).nonzero()[0, 1]))

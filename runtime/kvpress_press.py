@@ -197,7 +197,7 @@ class CalibratedPress(BasePress):
             chunk_attention=chunk_attention,
             stats_rows=list(range(batch)),
         )
-        scores = self._evictor._checked_layer(scorer.score(inputs), valid, layer)  # [B, Hkv, T]
+        scores = self._evictor.checked_scores(scorer.score(inputs), valid, layer)  # [B, Hkv, T]
         budgets = torch.as_tensor(plan.head_budgets(length)[layer]).expand(batch, heads)  # int64 [B, Hkv]
         return keep_mask(scores, valid, budgets, policy.n_sink, policy.window)
 

@@ -7,6 +7,14 @@ import contextlib
 import pytest
 import torch
 
+# Each command and the module that holds its main() and build_parser().
+COMMAND_MODULES = {
+    "profile-model": "profiler.cli",
+    "evaluate-artifact": "profiler.evaluate_cli",
+    "inspect-artifact": "artifacts.cli",
+    "generate-probes": "needles.cli",
+}
+
 
 @contextlib.contextmanager
 def single_thread():

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import COMMAND_MODULES
 
 REPO = Path(__file__).resolve().parents[1]
 CLI_MODULES = ("profiler.cli", "profiler.evaluate_cli", "artifacts.cli", "needles.cli")
@@ -90,12 +91,7 @@ def test_stage_options_take_their_names_from_the_method_modules_not_copies():
     assert options["curve_retention_weight"].default is budget_curves.RETENTION_WEIGHT
 
 
-COMMANDS = {
-    "profile-model": "profiler.cli",
-    "evaluate-artifact": "profiler.evaluate_cli",
-    "inspect-artifact": "artifacts.cli",
-    "generate-probes": "needles.cli",
-}
+COMMANDS = COMMAND_MODULES
 
 
 @pytest.mark.parametrize("command", COMMANDS)

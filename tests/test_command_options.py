@@ -8,6 +8,7 @@ import argparse
 import importlib
 
 import pytest
+from conftest import COMMAND_MODULES
 
 from artifacts.atomic import OutputError
 from artifacts.options import Integer, Option, OutputFile, Renamed, Switch, Text, add_options, check_outputs
@@ -31,12 +32,7 @@ def _declared(command: str) -> list:
     return list(importlib.import_module(module).OPTIONS)
 
 
-MAINS = {
-    "profile-model": "profiler.cli",
-    "evaluate-artifact": "profiler.evaluate_cli",
-    "inspect-artifact": "artifacts.cli",
-    "generate-probes": "needles.cli",
-}
+MAINS = COMMAND_MODULES
 
 
 @pytest.mark.parametrize("command", MAINS)
