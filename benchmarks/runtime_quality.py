@@ -110,6 +110,10 @@ SCORERS = {  # row label -> CompressionPolicy fields
     "leverage-scaled": {"scorer": "leverage", "scorer_options": {"blend": "ratio", "attention_scale": None}},
     "leverage-only": {"scorer": "leverage", "scorer_options": {"blend": None, "sketch": None}},
     "ncattn": {"scorer": "leverage", "scorer_options": {"blend": 0}},  # non-causal chunked attention alone
+    # smaller chunks for the chunked attention: its cost in the prefill is proportional to the chunk (issue 28)
+    "leverage-c128": {"scorer": "leverage", "scorer_options": {"blend": "ratio", "chunk": 128}},
+    "leverage-c64": {"scorer": "leverage", "scorer_options": {"blend": "ratio", "chunk": 64}},
+    "leverage-c32": {"scorer": "leverage", "scorer_options": {"blend": "ratio", "chunk": 32}},
     # KVzip (arXiv 2505.23416): scores from a context-reconstruction pass, computed once per probe
     "kvzip": {"scorer": "kvzip"},
     # the artifact's learned scorer (profile-model's learned-scorer stage: KVzip distilled into a
@@ -211,6 +215,14 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--max-new-tokens", type=int, default=24, help="greedy tokens per answer (default 24)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N probes")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None, help="prompt lengths (default: the preset's)")
+    parser.add_argument("--count", type=int, default=1, help="probes per (family, length, depth) (default 1)")
+    parser.add_argument("--haystack", default=None, help="haystack: simple | prose | ... (default: the preset's)")
+    parser.add_argument(
+        "--reference",
+        default=None,
+        help="a row to pair every other row against: W / L = probes only that row / only the reference answered",
+    )
     parser.add_argument(
         "--seed",
         type=int,
@@ -235,6 +247,10 @@ def main(argv=None) -> int:
     unknown = [row for row in args.rows if row not in rows]
     if unknown:
         parser.error(f"unknown rows {unknown}; see --list-rows")
+    if args.reference is not None and args.reference not in args.rows:
+        parser.error(f"--reference {args.reference!r} must be one of --rows")
+    if args.count < 1:
+        parser.error("--count must be at least 1")
     if any(not 0.0 < r < 1.0 for r in args.compression):
         parser.error("compression ratios must be in (0, 1)")
     torch.set_num_threads(args.threads)
@@ -257,7 +273,11 @@ def main(argv=None) -> int:
     seed = args.seed if args.seed is not None else (profiled_seed or 0) + SEED_OFFSET
     if profiled_seed is not None and seed == profiled_seed:
         parser.error(f"seed {seed} is the artifact's profiling seed: the test probes must be unseen")
-    spec = PRESETS[args.preset].replace(families=tuple(args.families), seed=seed)
+    spec = PRESETS[args.preset].replace(families=tuple(args.families), seed=seed, count=args.count)
+    if args.lengths:
+        spec = spec.replace(lengths=tuple(args.lengths))
+    if args.haystack:
+        spec = spec.replace(haystack=args.haystack)
     probes = list(generate_probes(spec, tokenizer))[: args.limit]
 
     cells = []
@@ -293,6 +313,8 @@ def main(argv=None) -> int:
                 "results": {"/".join(str(k) for k in key): value for key, value in results.items()},
             }
         )
+        if args.json:  # the probes so far, rewritten after each one: a stopped run keeps its results
+            Path(args.json).write_text(json.dumps({"probes": per_probe, "rows": args.rows, "seed": seed}, indent=2))
 
     def cell(key):
         """Accuracy, its 95% Wilson interval, n, mean kept fraction and mean compress seconds of one cell."""
@@ -331,6 +353,21 @@ def main(argv=None) -> int:
         values = [cell(key) for key in keys]
         table[row] = dict(zip(map(str, args.compression), values, strict=True))
         lines.append(f"{row:28s}" + "".join(f"  {fmt(v):>26s}" for v in values))
+    if args.reference is not None:
+        lines.append(f"paired against {args.reference}: W / L = probes only this row / only the reference answered")
+        for row in args.rows:
+            if row == args.reference:
+                continue
+            pairs = []
+            for ratio in args.compression:
+                mine, theirs = f"{row}/{ratio}", f"{args.reference}/{ratio}"
+                if not per_probe or mine not in per_probe[0]["results"] or theirs not in per_probe[0]["results"]:
+                    pairs.append("-")
+                    continue
+                wins = sum(p["results"][mine]["correct"] and not p["results"][theirs]["correct"] for p in per_probe)
+                losses = sum(p["results"][theirs]["correct"] and not p["results"][mine]["correct"] for p in per_probe)
+                pairs.append(f"{wins} / {losses}")
+            lines.append(f"{row:28s}" + "".join(f"  {pair:>26s}" for pair in pairs))
     prefill_s = sum(p["prefill_seconds"] for p in per_probe)
     lines.append(f"prefill {prefill_s:.0f} s in all ({prefill_s / max(len(per_probe), 1):.1f} s per probe)")
     if any("kvzip_seconds" in p for p in per_probe):
