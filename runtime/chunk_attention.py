@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-# Chunks scored in one batched matmul: bounds the logits held at once to
-# ``Hq x _CHUNKS_AT_ONCE x C x C`` floats (16 MiB for 32 query heads and C = 256); 2 rather than 8
-# keeps them nearer the cache: 0.84x the time per layer (R-chunk-mass-underflow-2026-11-27).
-_CHUNKS_AT_ONCE = 2
+# Logits per query head scored in one batched matmul, as many whole chunks as fit (at least one):
+# bounds the logits held at once to ``Hq x 131072`` floats (16 MiB for 32 query heads).  At C = 256
+# that is 2 chunks, 0.84x the time per layer of 8 (R-chunk-mass-underflow-2026-11-27); smaller
+# chunks batch more of them (C = 32: 128 chunks, 0.6x the time of 2 at once; R-chunk-size-2026-11-27).
+_LOGITS_AT_ONCE = 2 * 256 * 256
 
 # The lowest argument the chunk mass exponentiates: torch's CPU ``exp`` is 10-80x slower where its
 # result underflows float32 (arguments below about -87, and -inf; ``softmax`` has its own kernel and
@@ -53,9 +54,10 @@ def chunk_mass(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch
     c, d]``, ``keys [Hkv, K, c, d]`` (``K`` chunks of ``c`` tokens) -> float32 ``[Hkv, K, c]``, the sum
     over the chunk's queries of their softmax weights, averaged over the ``G`` query heads."""
     heads, group, chunks, size, dim = queries.shape
+    at_once = max(1, _LOGITS_AT_ONCE // (size * size))
     masses = []
-    for lo in range(0, chunks, _CHUNKS_AT_ONCE):
-        hi = min(lo + _CHUNKS_AT_ONCE, chunks)
+    for lo in range(0, chunks, at_once):
+        hi = min(lo + at_once, chunks)
         block = queries[:, :, lo:hi].float().transpose(1, 2).reshape(heads, hi - lo, group * size, dim)
         logits = block @ keys[:, lo:hi].float().transpose(-1, -2)  # [Hkv, k, G*c, c]
         if scale != 1.0:
