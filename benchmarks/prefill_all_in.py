@@ -1,6 +1,6 @@
 """Time to a compressed cache: a policy's own prefill plus its compression, against the plain prefill.
 
-    python benchmarks/prefill_all_in.py --artifact PATH [--context 2048] [--batch-sizes 1 8]
+    python benchmarks/prefill_all_in.py (--artifact PATH | --geometry 8b|70b [--layers 2]) [--context 2048] [--batch-sizes 1 8]
                                         [--keep-ratio 0.25] [--repeats 1] [--threads 1] [--json OUT]
 
 For each batch size B (the context repeated in every row, filler sentences as in
@@ -12,8 +12,16 @@ For each batch size B (the context repeated in every row, filler sentences as in
   prefill since issue 28; before, every prompt query), then ``runtime.compress``; the cell is
   "ratio (prefill s + compression s)", ratio = (prefill + compression) / plain prefill.
 
-Policies: the flagship ``inf/leverage+correction`` at ``1 - keep-ratio`` evicted, and
-``uniform/keydiff`` (records nothing).  Printed twice: the fastest of ``--repeats`` per cell over
+With ``--geometry 8b|70b`` the model is instead a random-weight Llama of that layer geometry
+(``benchmarks/profiler_scale.py``'s, with the real MLP width unless ``--mlp-width``), ``--layers``
+layers: what Compactor's scoring costs against the prefill of the models users serve.  No artifact
+fits a random model, so the flagship's scorer and correction are served with uniform budgets and
+first-order corrections (``uniform/leverage+correction1``); the scoring and the compression work
+are the flagship's, the budgets equal.
+
+Policies: the flagship ``inf/leverage+correction`` at ``1 - keep-ratio`` evicted (with ``--chunks``:
+once per chunk size of its chunked attention, R-chunk-size-2026-11-27), and ``uniform/keydiff``
+(records nothing).  Printed twice: the fastest of ``--repeats`` per cell over
 the fastest plain prefill, and the median over the repeats of each repeat's ratio to the plain
 prefill run just before it, in wall and in CPU (process) seconds: this shared machine's speed drifts
 by 10-15% between minutes, which pairing and CPU time see less of.  Issue 28's bar: flagship <= 1.02x
@@ -27,7 +35,9 @@ import gc
 import json
 import statistics
 import sys
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -75,29 +85,76 @@ def policy_seconds(model, ids, plan) -> tuple[float, float, float]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--artifact", required=True, help="calibration artifact (INF budgets, correction orders)")
+    parser.add_argument("--artifact", default=None, help="calibration artifact (INF budgets, correction orders)")
+    parser.add_argument(
+        "--geometry",
+        choices=("8b", "70b"),
+        default=None,
+        help="a random-weight Llama of this layer geometry instead of the embedded model (no artifact)",
+    )
+    parser.add_argument("--layers", type=int, default=2, help="layers of the --geometry model (default 2)")
+    parser.add_argument("--mlp-width", type=int, default=None, help="MLP width of the --geometry model (default: real)")
     parser.add_argument("--context", type=int, default=2048, help="prompt tokens (default 2048)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="batch sizes (default 1 8)")
     parser.add_argument("--keep-ratio", type=float, default=0.25, help="kept fraction (default 0.25)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per cell, the fastest kept (default 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument(
+        "--chunks",
+        type=int,
+        nargs="+",
+        default=None,
+        help="the flagship once per chunk size of its chunked attention (default: the scorer's own)",
+    )
     parser.add_argument("--json", default=None, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     if not 0 < args.keep_ratio < 1 or args.context < 64 or min(args.batch_sizes) < 1 or args.repeats < 1:
         parser.error("need 0 < keep-ratio < 1, context >= 64, batch sizes >= 1, repeats >= 1")
+    if args.chunks and min(args.chunks) < 1:
+        parser.error("chunk sizes must be at least 1")
+    if (args.artifact is None) == (args.geometry is None):
+        parser.error("give --artifact (the embedded model) or --geometry (a random-weight model), not both")
+    if args.geometry and args.chunks:
+        parser.error("--chunks serves the flagship: it needs --artifact")
     torch.set_num_threads(args.threads)
     use_progress_bars(no_progress=True)
-    plain_model, model, tokenizer = load_model(), load_model(), load_tokenizer()
-    calibration = load_calibration(model, tokenizer, path=args.artifact)
-    plans = {
-        "flagship inf/leverage+correction": bind(FLAGSHIP.policy(1 - args.keep_ratio), calibration, model),
-        "uniform/keydiff": bind(CompressionPolicy(keep_ratio=args.keep_ratio, scorer="keydiff"), None, model),
-    }
+    with tempfile.TemporaryDirectory() as directory:
+        source = None
+        if args.geometry:
+            sys.path.insert(0, str(REPO / "benchmarks"))
+            from profiler_scale import GEOMETRIES, build_model_dir
+
+            width = args.mlp_width or GEOMETRIES[args.geometry][4]
+            build_model_dir(Path(directory), args.geometry, args.layers, width, "float32")
+            source = directory
+        plain_model, model, tokenizer = load_model(source), load_model(source), load_tokenizer(source)
+    if args.geometry:
+        leverage = CompressionPolicy(
+            keep_ratio=args.keep_ratio, allocation="uniform", scorer="leverage", correction="order1"
+        )
+        plans = {"uniform/leverage+correction1": bind(leverage, None, model)}
+    else:
+        calibration = load_calibration(model, tokenizer, path=args.artifact)
+        plans = {"flagship inf/leverage+correction": bind(FLAGSHIP.policy(1 - args.keep_ratio), calibration, model)}
+    if args.chunks:
+        flagship = FLAGSHIP.policy(1 - args.keep_ratio)
+        plans = {
+            f"flagship, chunk {chunk}": bind(replace(flagship, scorer_options={"chunk": chunk}), calibration, model)
+            for chunk in args.chunks
+        }
+    plans["uniform/keydiff"] = bind(CompressionPolicy(keep_ratio=args.keep_ratio, scorer="keydiff"), None, model)
     enable(model)
     ids = context_ids(tokenizer, args.context)
     plain_seconds(plain_model, ids[:, :256])  # warm-up
     policy_seconds(model, ids[:, :256], plans["uniform/keydiff"])
-    results = {"context": args.context, "keep_ratio": args.keep_ratio, "artifact": args.artifact, "cells": []}
+    results = {
+        "context": args.context,
+        "keep_ratio": args.keep_ratio,
+        "artifact": args.artifact,
+        "geometry": args.geometry,
+        "layers": args.layers if args.geometry else None,
+        "cells": [],
+    }
     for batch in args.batch_sizes:
         rows = ids.repeat(batch, 1)
         plain, cells = [], {name: [] for name in plans}
