@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import gc
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -68,15 +69,22 @@ def context_ids(tokenizer, length: int) -> torch.Tensor:
     return torch.tensor([tokenizer(" ".join(text))["input_ids"][:length]])
 
 
+def _kernel_work(before) -> tuple[float, int]:
+    """System CPU seconds and minor page faults since ``before`` (a ``resource.getrusage``)."""
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return after.ru_stime - before.ru_stime, after.ru_minflt - before.ru_minflt
+
+
 @torch.no_grad()
-def plain_seconds(model, ids) -> tuple[float, float]:
-    """Wall and CPU (process) seconds of the plain prefill."""
+def plain_seconds(model, ids) -> tuple[float, float, float, int]:
+    """Wall and CPU (process) seconds of the plain prefill, and its system seconds and minor page faults."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     start, cpu = time.perf_counter(), time.process_time()
     model(ids, **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
-    return time.perf_counter() - start, time.process_time() - cpu
+    return time.perf_counter() - start, time.process_time() - cpu, *_kernel_work(usage)
 
 
 @contextlib.contextmanager
@@ -102,16 +110,18 @@ def timing_chunk_attention():
 
 
 @torch.no_grad()
-def policy_seconds(model, ids, plan) -> tuple[float, float, float, float]:
-    """Wall seconds of the prefill and of the compression, CPU (process) seconds of both, and wall
-    seconds of the chunk mass inside the prefill."""
+def policy_seconds(model, ids, plan) -> tuple[float, float, float, float, float, int]:
+    """Wall seconds of the prefill and of the compression, CPU (process) seconds of both, wall
+    seconds of the chunk mass inside the prefill, and system seconds and minor page faults of both."""
     cache = RaggedCache.for_model(model)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     with timing_chunk_attention() as chunk_mass:
         start, cpu = time.perf_counter(), time.process_time()
         stats = prefill(model, cache, ids, policy=plan)
         middle = time.perf_counter()
         compress(model, cache, plan, prompt_stats=stats)
-        return middle - start, time.perf_counter() - middle, time.process_time() - cpu, chunk_mass[0]
+        wall, cpu = time.perf_counter() - middle, time.process_time() - cpu
+    return middle - start, wall, cpu, chunk_mass[0], *_kernel_work(usage)
 
 
 def main(argv=None) -> int:
@@ -201,7 +211,7 @@ def main(argv=None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        base = min(wall for wall, _ in plain)
+        base = min(run[0] for run in plain)
         cell = {"batch": batch, "plain_s": base, "plain_runs": plain}
         for name, runs in cells.items():
             best = min(runs, key=lambda run: run[0] + run[1])
@@ -238,6 +248,16 @@ def main(argv=None) -> int:
     print("|---|" + "---|" * len(plans))
     for cell in results["cells"]:
         parts = [f"{cell[n]['own_work']:.3f} ({cell[n]['chunk_mass_s']:.2f} s)" for n in plans]
+        print(f"| {cell['batch']} | " + " | ".join(parts) + " |")
+    print("\nSystem CPU seconds and minor page faults per run (median; the kernel's share of the prefill):\n")
+    print("| batch | plain | " + " | ".join(plans) + " |")
+    print("|---|---|" + "---|" * len(plans))
+    for cell in results["cells"]:
+        sides = [cell["plain_runs"]] + [cell[n]["runs"] for n in plans]
+        parts = [
+            f"{statistics.median(r[-2] for r in runs):.2f} s, {statistics.median(r[-1] for r in runs) / 1e6:.2f}M"
+            for runs in sides
+        ]
         print(f"| {cell['batch']} | " + " | ".join(parts) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
