@@ -1,7 +1,8 @@
 """Retrieval accuracy under question-agnostic compression: allocations x scorers x ratios.
 
     python benchmarks/runtime_quality.py --artifact kv_calibration.h5 [--preset quick]
-        [--families retrieval] [--compression 0.5 0.75 0.9] [--max-new-tokens 24]
+        [--families retrieval] [--lengths 1024 2048] [--count 1] [--haystack simple]
+        [--compression 0.5 0.75 0.9] [--rows ROW ...] [--reference ROW] [--max-new-tokens 24]
         [--limit N] [--threads 1] [--json OUT]
 
 On the ``needles`` probes of ``--preset`` (default ``quick``: 1K/2K/4K tokens, depths
@@ -24,6 +25,9 @@ kvpress's CompactorPress: blend = the compression ratio) and its one-change abla
 (``runtime.kvzip``); ``global/kvzip`` uses KVzip's own allocation (one top-k over all heads).
 Cells print accuracy with its 95% Wilson interval, the kept fraction of the KV bytes and the
 compression time per probe; the prefill and reconstruction times are summed at the end.
+
+With ``--reference ROW`` every other row is also paired against it: W / L = probes only that row / only
+the reference answered, per ratio (R-chunk-size-2026-11-27).  ``--json`` is rewritten after every probe.
 
 Accuracy = fraction of probes whose answer contains the ground truth
 (``needles.answer_is_correct``).  All cells come from one run.  The probes are unseen by the
