@@ -1,7 +1,7 @@
 """Time to a compressed cache: a policy's own prefill plus its compression, against the plain prefill.
 
-    python benchmarks/prefill_all_in.py (--artifact PATH [--chunks C ...] | --geometry 8b|70b [--layers 2])
-                                        [--context 2048] [--batch-sizes 1 8] [--keep-ratio 0.25]
+    python benchmarks/prefill_all_in.py (--artifact PATH [--model DIR] [--chunks C ...] | --geometry 8b|70b)
+                                        [--layers 2] [--context 2048] [--batch-sizes 1 8] [--keep-ratio 0.25]
                                         [--repeats 1] [--threads 1] [--json OUT]
 
 For each batch size B (the context repeated in every row, filler sentences as in
@@ -18,7 +18,9 @@ With ``--geometry 8b|70b`` the model is instead a random-weight Llama of that la
 layers: what Compactor's scoring costs against the prefill of the models users serve.  No artifact
 fits a random model, so the flagship's scorer and correction are served with uniform budgets and
 first-order corrections (``uniform/leverage+correction1``); the scoring and the compression work
-are the flagship's, the budgets equal.
+are the flagship's, the budgets equal.  To serve the flagship itself on such a model, save it
+(``profiler_scale.build_model_dir``), profile it (``profile-model DIR --preset smoke``) and pass
+``--model DIR --artifact``.
 
 Policies: the flagship ``inf/leverage+correction`` at ``1 - keep-ratio`` evicted (with ``--chunks``:
 once per chunk size of its chunked attention, R-chunk-size-2026-11-27), and ``uniform/keydiff``
@@ -134,6 +136,12 @@ def main(argv=None) -> int:
         help="a random-weight Llama of this layer geometry instead of the embedded model (no artifact)",
     )
     parser.add_argument("--layers", type=int, default=2, help="layers of the --geometry model (default 2)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="with --artifact: the model directory it profiles (default: the embedded model), e.g. a "
+        "--geometry model saved by benchmarks/profiler_scale.build_model_dir and profiled by profile-model",
+    )
     parser.add_argument("--mlp-width", type=int, default=None, help="MLP width of the --geometry model (default: real)")
     parser.add_argument("--context", type=int, default=2048, help="prompt tokens (default 2048)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="batch sizes (default 1 8)")
@@ -155,12 +163,14 @@ def main(argv=None) -> int:
         parser.error("chunk sizes must be at least 1")
     if (args.artifact is None) == (args.geometry is None):
         parser.error("give --artifact (the embedded model) or --geometry (a random-weight model), not both")
+    if args.model is not None and args.artifact is None:
+        parser.error("--model needs --artifact, a profile of that model")
     if args.geometry and args.chunks:
         parser.error("--chunks serves the flagship: it needs --artifact")
     torch.set_num_threads(args.threads)
     use_progress_bars(no_progress=True)
     with tempfile.TemporaryDirectory() as directory:
-        source = None
+        source = args.model
         if args.geometry:
             sys.path.insert(0, str(REPO / "benchmarks"))
             from profiler_scale import GEOMETRIES, build_model_dir
