@@ -122,8 +122,8 @@ def policy_seconds(model, ids, plan) -> tuple[float, float, float, float, float,
         stats = prefill(model, cache, ids, policy=plan)
         middle = time.perf_counter()
         compress(model, cache, plan, prompt_stats=stats)
-        wall, cpu = time.perf_counter() - middle, time.process_time() - cpu
-    return middle - start, wall, cpu, chunk_mass[0], *_kernel_work(usage)
+        compression, cpu = time.perf_counter() - middle, time.process_time() - cpu
+    return middle - start, compression, cpu, chunk_mass[0], *_kernel_work(usage)
 
 
 def main(argv=None) -> int:

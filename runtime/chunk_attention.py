@@ -27,7 +27,7 @@ import torch
 # Logits per query head scored in one batched matmul, as many whole chunks as fit (at least one):
 # bounds the logits held at once to ``Hq x 131072`` floats (16 MiB for 32 query heads).  At C = 256
 # that is 2 chunks, 0.84x the time per layer of 8 (R-chunk-mass-underflow-2026-11-27); smaller
-# chunks batch more of them (C = 32: 128 chunks, 0.6x the time of 2 at once; R-chunk-size-2026-11-27).
+# chunks batch more of them (their cost per layer: R-chunk-size-2026-11-27).
 _LOGITS_AT_ONCE = 2 * 256 * 256
 
 # The lowest argument the chunk mass exponentiates: torch's CPU ``exp`` is 10-80x slower where its

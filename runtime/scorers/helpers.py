@@ -24,7 +24,7 @@ def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     """
     half = keys.shape[-1] // 2
     # k cos - rotate_half(k) sin, rotate_half(k) = [-k2, k1], written into one new tensor
-    # (0.75x the time of building rotate_half first: R-compression-cost-2026-11-27)
+    # (0.80-0.82x the time of building rotate_half first: R-compression-cost-2026-11-27)
     out = keys * cos
     out[..., :half].addcmul_(keys[..., half:], sin[..., :half])
     out[..., half:].addcmul_(keys[..., :half], sin[..., half:], value=-1)
@@ -92,7 +92,7 @@ def leverage_scores(
     eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
     factor = torch.linalg.cholesky(gram + jitter[..., None, None] * eye)
     # the rows whitened by one product with L^{-1} (a k x k solve), not n triangular solves:
-    # 0.83x the time (R-compression-cost-2026-11-27)
+    # 0.77-0.84x the time, with the sketch before centring (R-compression-cost-2026-11-27)
     inverse = torch.linalg.solve_triangular(factor, eye.expand_as(factor), upper=False)  # L^{-1} [..., k, k]
     return (x @ inverse.transpose(-1, -2)).square_().sum(-1)
 
