@@ -250,7 +250,7 @@ def plain_cache_logits(model, ids) -> torch.Tensor:
 
 
 @torch.no_grad()
-def prefill_cell(model, ids, device, keep, calibration, block_size) -> dict:
+def prefill_cell(model, ids, device, keep, calibration, block_size, block_tokens) -> dict:
     cell = {}
     base = peak_reset(device)
     start = time.perf_counter()
@@ -261,16 +261,23 @@ def prefill_cell(model, ids, device, keep, calibration, block_size) -> dict:
     runs = [(name, policy, None) for name, policy in policies(keep, calibration)]
     runs.append((runs[-1][0] + f" block {block_size}", runs[-1][1], block_size))
     for name, policy, block in runs:
+        if block is not None and ids.numel() > block_tokens:
+            continue
         base = peak_reset(device)
         start = time.perf_counter()
-        cache, _ = compress_prompt(
-            model, ids, policy, context_columns=ids.shape[1] - 1, calibration=calibration, block_size=block
-        )
+        try:
+            cache, _ = compress_prompt(
+                model, ids, policy, context_columns=ids.shape[1] - 1, calibration=calibration, block_size=block
+            )
+        except Exception as error:  # one configuration failing on a device must not lose the others
+            cell[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+            continue
         sync(device)
         cell[name] = {"seconds": time.perf_counter() - start, "peak_gib": peak_above(device, base)}
         del cache
     for row in cell.values():
-        row["x_plain"] = row["seconds"] / cell["plain"]["seconds"]
+        if "seconds" in row:
+            row["x_plain"] = row["seconds"] / cell["plain"]["seconds"]
     return cell
 
 
@@ -286,14 +293,18 @@ def decode_cell(model, ids, device, keep, calibration, new_tokens) -> dict:
     ]
     cell = {}
     for name, inputs, options in configs:
-        config = Config(name, model, inputs, **options)
-        cell[name] = {"ms": config.decode_ms(new_tokens, device), **config.step_counts(device)}
-        del config
+        try:
+            config = Config(name, model, inputs, **options)
+            cell[name] = {"ms": config.decode_ms(new_tokens, device), **config.step_counts(device)}
+        except Exception as error:  # one configuration failing on a device must not lose the others
+            cell[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+        config = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
         log(f"  {name}: {cell[name]}")
     for row in cell.values():
-        row["x_plain"] = row["ms"] / cell["plain"]["ms"]
+        if "ms" in row:
+            row["x_plain"] = row["ms"] / cell["plain"]["ms"]
     return cell
 
 
@@ -309,6 +320,9 @@ def main(argv=None) -> int:
     parser.add_argument("--keep-ratio", type=float, default=0.25)
     parser.add_argument("--new-tokens", type=int, default=25)
     parser.add_argument("--block-size", type=int, default=4096)
+    parser.add_argument(
+        "--block-max-tokens", type=int, default=65536, help="the block-wise prefill only where batch x context <= this"
+    )
     parser.add_argument("--profile-job", action="store_true", help="run profile-model --preset quick first")
     parser.add_argument("--job-preset", default="quick", help="the job's preset (default quick, the default job)")
     parser.add_argument("--evaluate", action="store_true", help="then evaluate-artifact on its artifact")
@@ -342,7 +356,10 @@ def main(argv=None) -> int:
     model = load_model(str(model_dir), dtype=args.dtype).to(device)
     calibration = load_calibration(model, tokenizer, path=artifact) if artifact is not None else None
     if "exactness" not in args.skip:
-        exactness(model_dir, model, tokenizer, device, results, save)
+        try:
+            exactness(model_dir, model, tokenizer, device, results, save)
+        except Exception as error:
+            results["exactness"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
     for part in ("prefill", "decode"):
         if part in args.skip:
             continue
@@ -352,7 +369,9 @@ def main(argv=None) -> int:
                 ids = filler_ids(tokenizer, context).expand(batch, -1).contiguous().to(device)
                 log(f"{part} {context} x {batch}")
                 if part == "prefill":
-                    cell = prefill_cell(model, ids, device, args.keep_ratio, calibration, args.block_size)
+                    cell = prefill_cell(
+                        model, ids, device, args.keep_ratio, calibration, args.block_size, args.block_max_tokens
+                    )
                 else:
                     cell = decode_cell(model, ids, device, args.keep_ratio, calibration, args.new_tokens)
                 results[part][f"{context}x{batch}"] = cell
