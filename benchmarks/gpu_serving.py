@@ -138,8 +138,9 @@ class Config:
         shorts = [self.seconds(1, device) for _ in range(2)]
         return 1000 * (min(longs) - min(shorts)) / (new_tokens - 1)
 
-    def step_counts(self, device) -> dict:
-        """Per decode step: kernel launches, host synchronisations, tensor reads to the host."""
+    def step_counts(self, device, tables: Path | None = None) -> dict:
+        """Per decode step: kernel launches, host synchronisations, tensor reads to the host; with
+        ``tables``, the profiler's table of the 5-token generation is written there."""
         counts = []
         for tokens in (1, 5):
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -149,6 +150,10 @@ class Config:
                 self.generate(tokens)
                 sync(device)
             events = prof.key_averages()
+            if tables is not None and tokens == 5:
+                name = "".join(c if c.isalnum() else "_" for c in self.name)
+                path = tables / f"ops_{name}_{self.ids.shape[1]}x{self.ids.shape[0]}.txt"
+                path.write_text(events.table(sort_by="count", row_limit=80, max_name_column_width=60))
             totals = {"launches": 0, "syncs": 0, "item": 0, "aten_ops": 0}
             for event in events:
                 if "LaunchKernel" in event.key:
@@ -281,7 +286,7 @@ def prefill_cell(model, ids, device, keep, calibration, block_size, block_tokens
     return cell
 
 
-def decode_cell(model, ids, device, keep, calibration, new_tokens) -> dict:
+def decode_cell(model, ids, device, keep, calibration, new_tokens, tables=None) -> dict:
     limit_ids = ids[:, -max(2, int(keep * ids.shape[1])) :]
     configs = [
         ("plain", ids, {"ragged": False}),
@@ -295,7 +300,7 @@ def decode_cell(model, ids, device, keep, calibration, new_tokens) -> dict:
     for name, inputs, options in configs:
         try:
             config = Config(name, model, inputs, **options)
-            cell[name] = {"ms": config.decode_ms(new_tokens, device), **config.step_counts(device)}
+            cell[name] = {"ms": config.decode_ms(new_tokens, device), **config.step_counts(device, tables)}
         except Exception as error:  # one configuration failing on a device must not lose the others
             cell[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
         config = None
@@ -329,13 +334,17 @@ def main(argv=None) -> int:
     parser.add_argument("--skip", nargs="*", default=[], choices=["exactness", "prefill", "decode"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tables", type=Path, default=None, help="write each decode profile's op table here")
     parser.add_argument("--json", default=None, help="default: WORK/gpu_serving.json")
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.json or work / "gpu_serving.json")
     device = torch.device(args.device)
-    results = {"args": vars(args), "torch": torch.__version__}
+    results = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "torch": torch.__version__,
+    }
     if device.type == "cuda":
         results["device_name"] = torch.cuda.get_device_name(device)
 
@@ -373,7 +382,7 @@ def main(argv=None) -> int:
                         model, ids, device, args.keep_ratio, calibration, args.block_size, args.block_max_tokens
                     )
                 else:
-                    cell = decode_cell(model, ids, device, args.keep_ratio, calibration, args.new_tokens)
+                    cell = decode_cell(model, ids, device, args.keep_ratio, calibration, args.new_tokens, args.tables)
                 results[part][f"{context}x{batch}"] = cell
                 save()
                 log(f"{part} {context} x {batch}: {json.dumps(cell)}")
