@@ -357,9 +357,9 @@ def main(argv=None) -> int:
     model_dir = work / "model"
     if not (model_dir / "config.json").exists():
         log(f"building {args.geometry} x {args.layers} layers in {model_dir}")
-        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None
         width = args.mlp_width or GEOMETRIES[args.geometry][4]
-        build_model_dir(model_dir, args.geometry, args.layers, width, args.dtype, tokenizer=tokenizer)
+        build_model_dir(model_dir, args.geometry, args.layers, width, args.dtype, tokenizer=tokenizer, device=device)
     artifact = run_job(args, model_dir, results, save) if args.profile_job else None
     tokenizer = load_tokenizer(str(model_dir))
     model = load_model(str(model_dir), dtype=args.dtype).to(device)

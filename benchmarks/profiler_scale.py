@@ -57,8 +57,12 @@ STAGES = ("forward", "behaviour", "future-queries", "learned-scorer", "moments",
 QUESTION_TOKENS = 32
 
 
-def build_model_dir(directory: Path, geometry: str, layers: int, mlp_width: int, dtype: str, tokenizer=None) -> None:
-    """A random-weight Llama of ``geometry`` saved with ``tokenizer`` (default: the embedded one) in ``directory``."""
+def build_model_dir(
+    directory: Path, geometry: str, layers: int, mlp_width: int, dtype: str, tokenizer=None, device=None
+) -> None:
+    """A random-weight Llama of ``geometry`` saved with ``tokenizer`` (default: the embedded one) in
+    ``directory``, its weights drawn on ``device`` (default: the CPU; a GPU draws 8B-wide layers in
+    seconds rather than minutes)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -85,7 +89,8 @@ def build_model_dir(directory: Path, geometry: str, layers: int, mlp_width: int,
     previous = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))  # built in the saved dtype: no float32 copy of 70B-wide layers
     try:
-        model = LlamaForCausalLM(config).eval()
+        with torch.device(device or "cpu"):
+            model = LlamaForCausalLM(config).eval()
     finally:
         torch.set_default_dtype(previous)
     model.save_pretrained(directory)
