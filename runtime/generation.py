@@ -38,7 +38,7 @@ from prompt_format import encode_prompt
 from .attention import ragged_attention
 from .cache import CacheConsumedError, RaggedCache
 from .checks import check_integer
-from .compression import CompressionReport, compress, prefill
+from .compression import CompressionReport, compress, evicts_in_prefill, prefill, prefill_and_compress
 from .policy import CompressionPolicy
 from .serving_plan import ServingPlan, as_plan
 from .transformers_compat import cache_argument
@@ -162,6 +162,9 @@ def compress_prompt(
         block_size = check_integer("block_size", block_size, minimum=1)
     plan = as_plan(policy, calibration, model)  # every check of policy x calibration x model, before any forward
     cache = RaggedCache.for_model(model)
+    if block_size is None and plan is not None and evicts_in_prefill(plan):  # one layer's full cache at a time
+        report = prefill_and_compress(model, cache, input_ids[:, :columns], attention_mask[:, :columns], plan)
+        return cache, report
     if block_size is None or plan is None:
         stats = prefill(model, cache, input_ids[:, :columns], attention_mask[:, :columns], policy=plan)
         report = compress(model, cache, plan, prompt_stats=stats) if plan is not None else None

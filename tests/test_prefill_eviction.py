@@ -1,0 +1,165 @@
+"""Eviction inside the prefill (``runtime.compression.prefill_and_compress``): each layer cut to its
+budgets right after its attention, so that at most one layer's full cache exists at a time.
+
+The reference is the two-step path it replaces, prefill then :func:`runtime.compress`: the same
+kept rows in every head, the same moment sums, the same greedy tokens and logits afterwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+
+from runtime import (
+    CompressionPolicy,
+    RaggedCache,
+    bind,
+    build_inputs,
+    compress,
+    compress_prompt,
+    load_calibration,
+    prefill,
+    ragged_attention,
+)
+from runtime.compression import evicts_in_prefill, prefill_and_compress
+from runtime.policy_spec import FLAGSHIP
+from runtime.transformers_compat import cache_argument
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
+
+POLICIES = {
+    "uniform/keydiff": CompressionPolicy(keep_ratio=0.25, scorer="keydiff"),
+    "uniform/leverage (chunked attention)": CompressionPolicy(keep_ratio=0.25),
+    "uniform/snapkv (recent queries)": CompressionPolicy(keep_ratio=0.3, scorer="snapkv"),
+    "uniform/keydiff+order1 (moment sums)": CompressionPolicy(keep_ratio=0.25, scorer="keydiff", correction="order1"),
+    "uniform/leverage, decode-time eviction": CompressionPolicy(budget=24, evict_every=3),
+}
+
+
+def left_padded_batch():
+    generator = torch.Generator().manual_seed(5)
+    contexts = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (90, 61)]
+    questions = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (5, 8)]
+    return build_inputs(contexts, questions, pad_token_id=0)  # ids, mask, context columns
+
+
+def two_step(model, ids, mask, plan):
+    cache = RaggedCache.for_model(model)
+    stats = prefill(model, cache, ids, mask, policy=plan)
+    report = compress(model, cache, plan, prompt_stats=stats)
+    return cache, report
+
+
+def one_step(model, ids, mask, plan):
+    cache = RaggedCache.for_model(model)
+    return cache, prefill_and_compress(model, cache, ids, mask, plan)
+
+
+def assert_same_cache(ours: RaggedCache, reference: RaggedCache) -> None:
+    for index, (mine, theirs) in enumerate(zip(ours.layers, reference.layers, strict=True)):
+        assert mine.lengths == theirs.lengths, f"layer {index}"
+        assert mine.real_seen == theirs.real_seen
+        for b in range(mine.batch_size):
+            for h in range(mine.num_heads):
+                for a, c in zip(mine.head(b, h), theirs.head(b, h), strict=True):
+                    assert torch.equal(a, c), f"layer {index} head ({b}, {h})"
+            sums, expected = mine.rows[b].moments, theirs.rows[b].moments
+            assert (sums is None) == (expected is None)
+            if sums is not None:
+                for name in ("n", "s_k", "s_v", "S_vk"):
+                    torch.testing.assert_close(getattr(sums, name), getattr(expected, name), rtol=1e-6, atol=1e-6)
+
+
+@torch.no_grad()
+def greedy_logits(model, cache, ids, mask, steps=6):
+    with ragged_attention(model):
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            **cache_argument(model, cache),
+            max_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@torch.no_grad()
+def test_evicting_inside_the_prefill_keeps_what_prefill_then_compress_keeps(name):
+    model = make_tiny_llama(num_layers=3)
+    ids, mask, columns = left_padded_batch()
+    plan = bind(POLICIES[name], None, model)
+    assert evicts_in_prefill(plan)
+    reference, expected = two_step(model, ids[:, :columns], mask[:, :columns], plan)
+    cache, report = one_step(model, ids[:, :columns], mask[:, :columns], plan)
+    assert_same_cache(cache, reference)
+    assert (report.budgets == expected.budgets).all()
+    assert (report.lengths_before == expected.lengths_before).all()
+    assert (report.lengths_after == expected.lengths_after).all()
+    assert report.kv_bytes_after == expected.kv_bytes_after
+    sequences, logits = greedy_logits(model, cache, ids, mask)
+    expected_sequences, expected_logits = greedy_logits(model, reference, ids, mask)
+    assert torch.equal(sequences, expected_sequences)
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_at_most_one_layer_holds_its_full_cache_during_the_prefill():
+    """When layer i is about to be cut, the layers before it hold only their budgets: the cache's
+    bytes never exceed one full layer plus the compressed others (prefill-then-compress holds
+    every layer in full)."""
+    model = make_tiny_llama(num_layers=4)
+    ids = torch.randint(3, 128, (2, 200), generator=torch.Generator().manual_seed(1))
+    plan = bind(CompressionPolicy(keep_ratio=0.25, scorer="keydiff"), None, model)
+    cache = RaggedCache.for_model(model)
+    report = prefill_and_compress(model, cache, ids, None, plan)
+    full_layer = report.kv_bytes_before / len(cache.layers)
+    compressed_layer = report.kv_bytes_after / len(cache.layers)
+    assert report.kv_bytes_peak <= full_layer + (len(cache.layers) - 1) * compressed_layer * 1.01
+    assert report.kv_bytes_peak < 0.5 * report.kv_bytes_before
+    _, two_steps = two_step(model, ids, None, plan)
+    assert two_steps.kv_bytes_peak == two_steps.kv_bytes_before  # every layer held in full
+
+
+def test_policies_that_read_every_layer_prefill_then_compress():
+    """Moment-informed rounds re-score against the whole prompt's sums, and the prompt's own query
+    statistics are read for every layer at once: those keep the two-step path (and compress_prompt
+    still serves them).  (global allocation, the third, needs the learned scorer's artifact.)"""
+    model = make_tiny_llama(num_layers=2)
+    for policy in (
+        CompressionPolicy(keep_ratio=0.25, scorer="snapkv", moment_eviction=True),
+        CompressionPolicy(keep_ratio=0.25, scorer="expected_attention", statistics="prompt"),
+    ):
+        plan = bind(policy, None, model)
+        assert not evicts_in_prefill(plan), policy.describe()
+        with pytest.raises(ValueError, match="cannot evict inside the prefill"):
+            prefill_and_compress(model, RaggedCache.for_model(model), torch.ones(1, 20, dtype=torch.long), None, plan)
+        ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(2))
+        cache, report = compress_prompt(model, ids, plan, context_columns=50)
+        assert report.kv_bytes_after < report.kv_bytes_before
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_the_flagship_on_the_embedded_model_keeps_what_prefill_then_compress_keeps(
+    embedded_model, embedded_tokenizer, smoke_artifact
+):
+    """The real model, the real smoke artifact's INF budgets and correction orders, 75% evicted."""
+    calibration = load_calibration(embedded_model, embedded_tokenizer, path=smoke_artifact)
+    plan = bind(FLAGSHIP.policy(0.75), calibration, embedded_model)
+    assert evicts_in_prefill(plan)
+    text = "The grass is green. The sky is blue. The passcode is 4821. " * 12
+    ids = embedded_tokenizer(text, return_tensors="pt")["input_ids"]
+    mask = torch.ones_like(ids)
+    columns = ids.shape[1] - 4
+    reference, _ = two_step(embedded_model, ids[:, :columns], mask[:, :columns], plan)
+    cache, report = one_step(embedded_model, ids[:, :columns], mask[:, :columns], plan)
+    assert_same_cache(cache, reference)
+    assert report.kv_bytes_after < 0.4 * report.kv_bytes_before
+    sequences, logits = greedy_logits(embedded_model, cache, ids, mask)
+    expected_sequences, expected_logits = greedy_logits(embedded_model, reference, ids, mask)
+    assert torch.equal(sequences, expected_sequences)
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-4)
