@@ -28,7 +28,7 @@ def smoke_probes(tokenizer, count=1):
     return list(generate_probes(spec, tokenizer))
 
 
-def evaluate_under_check(model, tokenizer, names, ratios=(0.5,)):
+def evaluate_under_check(model, tokenizer, names, ratios=(0.5,), calibration=None):
     from profiler.evaluation import evaluate
     from runtime.policy_spec import parse_policy
 
@@ -39,6 +39,7 @@ def evaluate_under_check(model, tokenizer, names, ratios=(0.5,)):
             smoke_probes(tokenizer),
             [parse_policy(name) for name in names],
             list(ratios),
+            calibration=calibration,
             max_new_tokens=3,
             progress=False,
             is_correct=lambda text, probe: True,
@@ -78,17 +79,30 @@ def test_the_runtime_entry_points_make_their_inputs_on_the_models_device(embedde
         compress_prompt(model, ids, policy, block_size=16)
 
 
-def test_the_profiler_stages_make_their_inputs_on_the_models_device(tmp_path, embedded_tokenizer):
+def test_the_profiler_stages_and_the_artifacts_policies_make_their_inputs_on_the_models_device(
+    tmp_path, embedded_tokenizer
+):
     """profile-model, every stage but the recommendation (whose path is the evaluation's, above), on a
-    tiny random Llama."""
+    tiny random Llama; then the evaluation under the policies that need its artifact (every
+    recommendation candidate and the flagship: INF and curve budgets, learned scores, the
+    MomentKV correction while decoding)."""
     from conftest import tiny_profile_args, write_tiny_model_dir
 
     from profiler.cli import main
+    from profiler.evaluation_results import RECOMMENDATION_CANDIDATES
     from profiler.stages import STAGE_NAMES
+    from runtime import load_calibration
+    from runtime.models import load_model
 
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     write_tiny_model_dir(model_dir, embedded_tokenizer, probes=4)
     stages = ",".join(name for name in STAGE_NAMES if name != "recommendation")
+    out = tmp_path / "out.h5"
     with stray_tensors_on_meta():
-        assert main(tiny_profile_args(model_dir, tmp_path / "out.h5", "--stages", stages, calib_samples=4)) == 0
+        assert main(tiny_profile_args(model_dir, out, "--stages", stages, calib_samples=4)) == 0
+    model = load_model(str(model_dir))
+    calibration = load_calibration(model, embedded_tokenizer, path=out)
+    names = ("baseline", "flagship", *RECOMMENDATION_CANDIDATES)
+    result = evaluate_under_check(model, embedded_tokenizer, names, calibration=calibration)
+    assert len(result["results"]) == len(names) - 1
