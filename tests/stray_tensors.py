@@ -61,6 +61,8 @@ HOST_SIDE = {
     ("runtime/eviction.py", "layer_scores"),
     ("runtime/eviction.py", "evict_layer"),
     ("runtime/budgets.py", "global_budgets"),  # budgets: host numbers
+    # which rows are due for eviction while decoding: host lengths against the plans' budgets
+    ("runtime/row_state.py", "due_evictions"),
     # a row's correction orders / tau from the artifact's numpy, moved by CorrectionCache.get
     ("runtime/cache.py", "set_correction"),
     # `next(rotary.buffers(), torch.empty(0))`: the default is built even when a buffer is there
