@@ -17,7 +17,10 @@ ordinary softmax attention and its log-sum-exp, split over pages and combined ex
     lse_s           = max_s + log sum_p sum_j exp(logits - max_s)
 
 Two batched matmuls (``bmm``) and a few scatter reductions per call, whatever the number of
-segments or their lengths: no Python loop over batch rows or heads.
+segments or their lengths: no Python loop over batch rows or heads.  With a bf16 / fp16 cache both
+accumulate and return float32 (:func:`float32_bmm`) and the logits are scaled in float32, as flash
+kernels do: a bf16 ``bmm`` would round logits of 20 to within 0.06 before the softmax, 5x plain
+sdpa's error (tests/test_bf16_exactness.py).
 
 Two variants transformers' models pass to their attention function are honoured as they compute
 them: ``softcap`` (Gemma 2's logit soft-capping, ``logits = c tanh(logits / c)`` after scaling and
