@@ -155,7 +155,7 @@ def paged_attention(
             torch.full((segments, rows), float("-inf"), dtype=torch.float32, device=device),
         )
     if key_pages.dtype == torch.float32:
-        page_query = (query * scaling).index_select(0, owner)  # [np, M, d]
+        page_query = (query * scaling).to(key_pages.dtype).index_select(0, owner)  # [np, M, d]
         # [np, P, M]: keys as the left operand (contiguous rows) is the fast layout for bmm
         logits = torch.bmm(key_pages, page_query.transpose(1, 2))
     else:  # bf16 / fp16: the logits accumulated, kept and scaled in float32, as flash kernels do
