@@ -299,7 +299,7 @@ def measure_curves(
 
     from runtime.attention import attention_implementation
     from runtime.eager_attention import attention_forward as model_attention
-    from runtime.geometry import ModelGeometry
+    from runtime.geometry import ModelGeometry, input_device
 
     grid = tuple(float(f) for f in grid)
     if not grid or any(not 0.0 < f <= 1.0 for f in grid) or any(np.diff(grid) <= 0):
@@ -336,7 +336,7 @@ def measure_curves(
         current[0].measure(module.layer_idx, query, key, value, scaling)
         return output
 
-    device = next(model.parameters()).device
+    device = input_device(model)  # the embedding's: under device_map="auto" not necessarily the first parameter's
     bar = tqdm(total=ids.shape[0] + len(usable), desc="budget curves", unit="pass", disable=not progress)
     with torch.no_grad(), attention_implementation(model, "kvcal_budget_curves", attention_forward), bar:
         for index in range(ids.shape[0]):

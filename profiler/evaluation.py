@@ -107,9 +107,10 @@ def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_a
     from runtime import RaggedCache, bind, compress
     from runtime.compression import prefill_for_policies, shared_scores
     from runtime.generation import check_inputs
+    from runtime.geometry import input_device
     from runtime.kvzip import uses_kvzip, with_reconstruction_scores
 
-    ids = torch.tensor([probe.input_ids], dtype=torch.long)
+    ids = torch.tensor([probe.input_ids], dtype=torch.long, device=input_device(model))
     check_inputs(model, ids, None)
     columns = ids.shape[1] - 1 if question_aware else probe.context_end
     plans = [plan for _, plan in cells]

@@ -227,7 +227,7 @@ def record_window(model, context: torch.Tensor, instruction: torch.Tensor, hidde
     and with ``hidden`` the attention input too (the input of the value projection)."""
     from runtime.attention import attention_implementation
     from runtime.eager_attention import attention_forward as model_attention
-    from runtime.geometry import ModelGeometry
+    from runtime.geometry import ModelGeometry, input_device
 
     geometry = ModelGeometry.of(model)
     context_len = int(context.shape[0])
@@ -256,7 +256,7 @@ def record_window(model, context: torch.Tensor, instruction: torch.Tensor, hidde
             handles.append(values.module.register_forward_hook(keep(layer, "hidden")))
     try:
         with attention_implementation(model, TEACHER_ATTENTION, attention_forward):
-            model.model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
+            model.model(input_ids=ids.to(input_device(model)), use_cache=False)
     finally:
         for handle in handles:
             handle.remove()

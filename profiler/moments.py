@@ -71,7 +71,7 @@ from tqdm.auto import tqdm
 
 from runtime.attention import attention_implementation
 from runtime.budgets import global_budgets
-from runtime.geometry import ModelGeometry
+from runtime.geometry import ModelGeometry, input_device
 from runtime.moments import ORDERS, MomentSums, attention_with_lse, corrected_attention, evict_in_rounds
 from runtime.names import MOMENT_SELECTIONS as SELECTION_SCORERS
 from runtime.scorers import (
@@ -460,7 +460,7 @@ def measure_correction_errors_by_selection(
             measurer.measure(module.layer_idx, query, key, value, scaling)
         return output
 
-    device = next(model.parameters()).device
+    device = input_device(model)  # the embedding's: under device_map="auto" not necessarily the first parameter's
     with torch.no_grad(), attention_implementation(model, CALIBRATION_ATTENTION, attention_forward):
         for index in tqdm(range(ids.shape[0]), desc="moments calibration", unit="window", disable=not progress):
             # the decoder only: the vocabulary logits [1, T, V] are never read (6.3 GiB in float32 for a

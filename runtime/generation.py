@@ -39,13 +39,15 @@ from .attention import ragged_attention
 from .cache import CacheConsumedError, RaggedCache
 from .checks import check_integer
 from .compression import CompressionReport, compress, evicts_in_prefill, prefill, prefill_and_compress
+from .geometry import input_device
 from .policy import CompressionPolicy
 from .serving_plan import ServingPlan, as_plan
 from .transformers_compat import cache_argument
 
 
-def build_inputs(contexts: list[list[int]], questions: list[list[int]], pad_token_id: int):
-    """``input_ids [B, Lc + Lq]``, ``attention_mask``, ``Lc`` for rows ``[pad, ctx, pad, question]``."""
+def build_inputs(contexts: list[list[int]], questions: list[list[int]], pad_token_id: int, device=None):
+    """``input_ids [B, Lc + Lq]``, ``attention_mask``, ``Lc`` for rows ``[pad, ctx, pad, question]``,
+    on ``device`` (the model's input device, :func:`runtime.geometry.input_device`; None: the CPU)."""
     if len(contexts) != len(questions) or not contexts:
         raise ValueError(f"need as many contexts as questions (at least one), got {len(contexts)} and {len(questions)}")
     if any(len(context) == 0 for context in contexts):
@@ -59,7 +61,12 @@ def build_inputs(contexts: list[list[int]], questions: list[list[int]], pad_toke
         pad_c, pad_q = context_columns - len(context), question_columns - len(question)
         ids.append([pad_token_id] * pad_c + list(context) + [pad_token_id] * pad_q + list(question))
         mask.append([0] * pad_c + [1] * len(context) + [0] * pad_q + [1] * len(question))
-    return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long), context_columns
+    device = torch.device("cpu") if device is None else device
+    return (
+        torch.tensor(ids, dtype=torch.long, device=device),
+        torch.tensor(mask, dtype=torch.long, device=device),
+        context_columns,
+    )
 
 
 def context_limit(config) -> int | None:
@@ -373,7 +380,9 @@ def answer(
         contexts = contexts * len(questions)
     pairs = [split_prompt(tokenizer, c, q, chat=chat) for c, q in zip(contexts, questions, strict=True)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids, mask, context_columns = build_inputs([p[0] for p in pairs], [p[1] for p in pairs], pad)
+    ids, mask, context_columns = build_inputs(
+        [p[0] for p in pairs], [p[1] for p in pairs], pad, device=input_device(model)
+    )
     generate_kwargs.setdefault("pad_token_id", pad)
     generate_kwargs["max_new_tokens"] = max_new_tokens
     if one_context and len(questions) > 1 and not question_aware:

@@ -34,6 +34,13 @@ import torch
 from artifacts.fingerprint import attention_numbers, has_query_norm, layer_attention, text_config
 
 
+def input_device(model) -> torch.device:
+    """The device the model's inputs go to: its input embedding's (under ``device_map="auto"`` the
+    first layer's, not necessarily ``model.device``).  Every tensor that meets the model's own
+    tensors (input ids, masks, positions) is made there; host-side bookkeeping stays on the CPU."""
+    return model.get_input_embeddings().weight.device
+
+
 class UnsupportedModelError(ValueError):
     """The model lacks a piece the toolkit relies on (the message says which)."""
 

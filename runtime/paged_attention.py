@@ -17,7 +17,10 @@ ordinary softmax attention and its log-sum-exp, split over pages and combined ex
     lse_s           = max_s + log sum_p sum_j exp(logits - max_s)
 
 Two batched matmuls (``bmm``) and a few scatter reductions per call, whatever the number of
-segments or their lengths: no Python loop over batch rows or heads.
+segments or their lengths: no Python loop over batch rows or heads.  With a bf16 / fp16 cache both
+accumulate and return float32 (:func:`float32_bmm`) and the logits are scaled in float32, as flash
+kernels do: a bf16 ``bmm`` would round logits of 20 to within 0.06 before the softmax, 5x plain
+sdpa's error (tests/test_bf16_exactness.py).
 
 Two variants transformers' models pass to their attention function are honoured as they compute
 them: ``softcap`` (Gemma 2's logit soft-capping, ``logits = c tanh(logits / c)`` after scaling and
@@ -62,6 +65,26 @@ class Window:
         """bool ``[num_pages, P, M]``: the row lies inside the query's window."""
         oldest = self.query_positions.index_select(0, owner) - self.size  # [np, M]: rows at or before are out
         return self.positions.unsqueeze(2).long() > oldest.unsqueeze(1)
+
+
+_OUT_DTYPE_BMM: dict[tuple[str, torch.dtype], bool] = {}  # (device type, dtype) -> bmm takes out_dtype
+
+
+def float32_bmm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(left, right)`` accumulated in and returned as float32, whatever the operands'
+    dtype: a bf16 / fp16 ``bmm`` returns its sums rounded to that dtype (logits of 20 to within
+    0.06 in bf16), which flash kernels never do.  On CUDA ``bmm(..., out_dtype=float32)`` (one
+    GEMM, float32 accumulation and output); where that is missing (the CPU), float32 copies of the
+    operands."""
+    if left.dtype == torch.float32 and right.dtype == torch.float32:
+        return torch.bmm(left, right)
+    key = (left.device.type, left.dtype)
+    if _OUT_DTYPE_BMM.get(key, left.device.type == "cuda"):
+        try:
+            return torch.bmm(left, right, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # an older torch, or a device without the kernel
+            _OUT_DTYPE_BMM[key] = False
+    return torch.bmm(left.float(), right.float())
 
 
 def segment_attention(
@@ -131,18 +154,24 @@ def paged_attention(
             torch.zeros(segments, rows, dim, dtype=torch.float32, device=device),
             torch.full((segments, rows), float("-inf"), dtype=torch.float32, device=device),
         )
-    page_query = (query * scaling).to(key_pages.dtype).index_select(0, owner)  # [np, M, d]
-    # [np, P, M]: keys as the left operand (contiguous rows) is the fast layout for bmm
-    logits = soft_cap(torch.bmm(key_pages, page_query.transpose(1, 2)).float(), softcap).add_(bias)
+    if key_pages.dtype == torch.float32:
+        page_query = (query * scaling).to(key_pages.dtype).index_select(0, owner)  # [np, M, d]
+        # [np, P, M]: keys as the left operand (contiguous rows) is the fast layout for bmm
+        logits = torch.bmm(key_pages, page_query.transpose(1, 2))
+    else:  # bf16 / fp16: the logits accumulated, kept and scaled in float32, as flash kernels do
+        page_query = query.to(key_pages.dtype).index_select(0, owner)  # [np, M, d]
+        logits = float32_bmm(key_pages, page_query.transpose(1, 2)).mul_(scaling)
+    logits = soft_cap(logits, softcap).add_(bias)
     seg_max = torch.full((segments, rows), float("-inf"), dtype=torch.float32, device=device)
     seg_max.scatter_reduce_(0, owner.unsqueeze(1).expand(-1, rows), logits.amax(dim=1), "amax")
     seg_max.clamp_min_(torch.finfo(torch.float32).min)  # a segment with no visible row: exp(-inf) = 0 below
     weights = logits.sub_(seg_max.index_select(0, owner).unsqueeze(1)).exp_()  # [np, P, M]
     seg_sum = torch.zeros(segments, rows, dtype=torch.float32, device=device)
     seg_sum.index_add_(0, owner, weights.sum(dim=1))
-    page_out = torch.bmm(weights.transpose(1, 2).to(value_pages.dtype), value_pages)  # [np, M, d]
+    # the weights in the values' dtype (as flash kernels take them), their sum over a page in float32
+    page_out = float32_bmm(weights.transpose(1, 2).to(value_pages.dtype), value_pages)  # [np, M, d]
     out = torch.zeros(segments, rows, dim, dtype=torch.float32, device=device)
-    out.index_add_(0, owner, page_out.float())
+    out.index_add_(0, owner, page_out)
     out.div_(seg_sum.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(2))  # 0 where nothing is visible
     return out, seg_max + torch.log(seg_sum)
 
