@@ -202,7 +202,7 @@ def run_job(args, model_dir: Path, results: dict, save) -> Path | None:
         "--out",
         str(artifact),
     ]
-    command += ["--force", "--no-progress"]
+    command += ["--force", "--no-progress", *args.job_args.split()]
     log(f"profile-model --preset {args.job_preset}")
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
@@ -342,6 +342,7 @@ def main(argv=None) -> int:
     parser.add_argument("--artifact", type=Path, default=None, help="serve this artifact (without --profile-job)")
     parser.add_argument("--profile-job", action="store_true", help="run profile-model --preset quick first")
     parser.add_argument("--job-preset", default="quick", help="the job's preset (default quick, the default job)")
+    parser.add_argument("--job-args", default="", help="more options of profile-model, in one string")
     parser.add_argument("--evaluate", action="store_true", help="then evaluate-artifact on its artifact")
     parser.add_argument("--skip", nargs="*", default=[], choices=["exactness", "prefill", "decode"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
