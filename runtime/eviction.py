@@ -34,14 +34,18 @@ from .serving_plan import ServingPlan
 # intermediates of that size, and past the caches' size they run memory-bound (docs/results.md
 # R-leverage-tiles-2026-11-22).
 _CPU_TILE_ELEMENTS = 1 << 18
+# On an accelerator: a tile's padded keys and values, and the scorers' float32 intermediates of
+# that size, are transient memory on top of the cache; all rows at once made the flagship's peak at
+# 32K tokens x 8 rows 2.3 GiB above uniform/keydiff's (docs/results.md R-gpu-prefill-2026-11-27).
+# 2^25 elements (one row of 8 KV heads x 32K x 128) still keep every call large.
+_ACCELERATOR_TILE_ELEMENTS = 1 << 25
 
 
 def rows_per_tile(device: torch.device, row_elements: int) -> int:
-    """How many batch rows one scoring call takes: every row on an accelerator, on a CPU as many as
-    fit :data:`_CPU_TILE_ELEMENTS` (at least one)."""
-    if torch.device(device).type != "cpu":
-        return 1 << 30
-    return max(1, _CPU_TILE_ELEMENTS // max(row_elements, 1))
+    """How many batch rows one scoring call takes: as many as fit :data:`_CPU_TILE_ELEMENTS` on a
+    CPU, :data:`_ACCELERATOR_TILE_ELEMENTS` elsewhere (at least one)."""
+    budget = _CPU_TILE_ELEMENTS if torch.device(device).type == "cpu" else _ACCELERATOR_TILE_ELEMENTS
+    return max(1, budget // max(row_elements, 1))
 
 
 class HeadEvictor:
@@ -160,8 +164,9 @@ class HeadEvictor:
     ) -> torch.Tensor:
         """The scorer's scores ``[R, Hkv, n]`` of rows ``rows`` of the layer (padding: ``-inf``).
 
-        Rows are scored in tiles of :func:`rows_per_tile` rows (all rows at once on a GPU; on a
-        CPU a few, so the scorer's intermediates stay in cache), every head of a tile in one call.
+        Rows are scored in tiles of :func:`rows_per_tile` rows (on a CPU a few, so the scorer's
+        intermediates stay in cache; on a GPU as many as keep them to a few hundred MiB), every
+        head of a tile in one call.
         ``parts``: :meth:`layer_score_parts` of these rows under a scorer with the same parts
         (shared with other policies); the scores are then only combined from them.
         """

@@ -163,3 +163,17 @@ def test_the_flagship_on_the_embedded_model_keeps_what_prefill_then_compress_kee
     expected_sequences, expected_logits = greedy_logits(embedded_model, reference, ids, mask)
     assert torch.equal(sequences, expected_sequences)
     torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-4)
+
+
+def test_scoring_tiles_bound_the_transient_memory_on_a_gpu():
+    """All rows at once on a GPU made the flagship's compression hold a padded copy of every row's
+    keys and values plus float32 intermediates (2.3 GiB over uniform/keydiff at 32K x 8: docs/results.md
+    R-gpu-prefill-2026-11-27); tiles of rows bound it there too, never below one row."""
+    from runtime.eviction import rows_per_tile
+
+    one_row = 8 * 32768 * 128  # 8 KV heads x 32K tokens x d = 128
+    assert rows_per_tile(torch.device("cuda"), one_row) == 1
+    assert rows_per_tile(torch.device("cuda"), 8 * 4096 * 128) == 8
+    assert rows_per_tile(torch.device("cuda"), 10 * one_row) == 1
+    assert rows_per_tile(torch.device("cpu"), one_row) == 1
+    assert rows_per_tile(torch.device("cpu"), 2 * 64 * 16) == 128
