@@ -19,8 +19,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 # TORCH: the newest torch pyproject.toml allows. Its PyPI build for Linux is the CUDA one (about
-# 3 GB with its nvidia-* packages; it runs on the CPU): no CPU build of it is on the registries this
-# project reaches. CONSTRAINTS: a pip constraints file that pins torch and everything else
+# 5 GB installed, with its nvidia-* packages and triton; it runs on the CPU): no CPU build of it is
+# on the registries this project reaches. CONSTRAINTS: a pip constraints file that pins torch and everything else
 # instead. TRANSFORMERS: when set, the transformers version to test instead of the newest allowed.
 TORCH        ?= 2.15.0
 CONSTRAINTS  ?=
