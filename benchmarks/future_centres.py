@@ -1,6 +1,6 @@
 """Artifacts that differ only in the number of future-query centres, from one collection of queries.
 
-    python benchmarks/future_centres.py --artifact kv_calibration.h5 --centres 1 2 8 16 --out-prefix /tmp/fq
+    python benchmarks/future_centres.py --artifact kv_calibration.h5 --centres 1 2 8 16 --out-prefix out/fq
         [--preset quick] [--max-new-tokens 24] [--queries queries.npz]
 
 Collects the future queries of ``--preset``'s needle probes once, exactly as profile-model's

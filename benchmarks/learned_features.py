@@ -1,6 +1,6 @@
 """Does the learned scorer gain end to end from ``hidden`` features?  Needle retrieval after compression.
 
-    python benchmarks/learned_features.py --artifact /work/artifacts/quick12.h5 --seeds 1000 2000 \\
+    python benchmarks/learned_features.py --artifact out/kv_calibration.h5 --seeds 1000 2000 \\
         [--families retrieval multi_key] [--compression 0.5 0.75 0.9] [--threads 1] \\
         [--fit-cache FIT.npz] [--json OUT.json]
 

@@ -25,7 +25,6 @@ import h5py
 import numpy as np
 import pytest
 
-SMOKE_ARTIFACT = Path(os.environ.get("KVCAL_SMOKE_ARTIFACT", "/work/art/smoke.h5"))
 HUGE = "100000000000"  # 1e11: no count, length or seed of these commands may be that large
 
 
@@ -340,19 +339,20 @@ def _keep_sections(source: Path, target: Path, names: tuple[str, ...]) -> None:
 
 
 @pytest.fixture(scope="module")
-def artifact_templates(tmp_path_factory) -> dict[str, Path]:
+def artifact_templates(tmp_path_factory, smoke_artifact) -> dict[str, Path]:
     """The artifacts the cases name, made once (each case gets its own copies): a valid artifact of
-    the embedded model (``art``), one with a damaged dataset (``bad``), one of another model
-    (``other``), the embedded model's with the query statistics alone (``partial``)."""
+    the embedded model (``art``: the suite's smoke artifact, conftest's ``smoke_run``), one with a
+    damaged dataset (``bad``), one of another model (``other``), the embedded model's with the query
+    statistics alone (``partial``)."""
     from conftest import make_random_artifact, make_random_identity
 
     from artifacts import write_artifact
 
     directory = tmp_path_factory.mktemp("campaign-artifacts")
     art = directory / "art.h5"
-    shutil.copy(SMOKE_ARTIFACT, art)
+    shutil.copy(smoke_artifact, art)
     bad = directory / "bad.h5"
-    shutil.copy(SMOKE_ARTIFACT, bad)
+    shutil.copy(smoke_artifact, bad)
     _damage_one_dataset(bad)
     other = write_artifact(directory / "other.h5", make_random_artifact(make_random_identity(name="another-model")))
     partial = directory / "partial.h5"

@@ -2,7 +2,9 @@
 
 `make test` installs the newest versions pyproject.toml allows and `make test-lowest` the pins of
 .ci/lowest-versions.txt: these tests keep the pins equal to the declared lower bounds, every
-range closed above, and the Makefile's torch the newest the range allows.
+range closed above, the Makefile's torch the newest the range allows, the README's "Tested
+versions" table equal to both ends, and the README's install into an existing CUDA environment the
+command `make test-keep-torch` (CI) runs.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,3 +113,76 @@ def test_installed_optional_integrations_are_inside_their_ranges():
                 continue
             inside = req.specifier.contains(installed, prereleases=True)
             assert inside, f"{req.name} {installed} outside {req.specifier}"
+
+
+def readme_table() -> dict[str, dict[str, str]]:
+    """README's "Tested versions" table: row label (``newest``, ``lowest``) -> package -> cell."""
+    lines = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("|")]
+    header = next(line for line in lines if line.startswith("| | Python | torch |"))
+    names = [cell.strip().lower() for cell in header.strip("|").split("|")[1:]]
+    rows = {}
+    for line in lines:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        label = cells[0].split(" ", 1)[0]
+        if label in ("newest", "lowest"):
+            rows[label] = dict(zip(names, cells[1:], strict=True))
+    assert set(rows) == {"newest", "lowest"}, f"README's table rows: {set(rows)}"
+    return rows
+
+
+def cell_version(cell: str) -> Version:
+    return Version(re.match(r"\d+(\.\d+)*", cell).group(0))
+
+
+# Declared ranges whose newest minor is not installable on the Python versions the project supports,
+# so that `make test` tests an older one: numpy 2.5 requires Python >= 3.12.
+NEWEST_INSTALLABLE = {"numpy": (Version("2.4"), "3.12", "the newest on Python 3.11")}
+
+
+def test_readmes_table_is_the_tested_versions():
+    """The README's "Tested versions" table: the lowest row is .ci/lowest-versions.txt, the newest row
+    the Makefile's torch and, for every other package, the newest minor version below the upper
+    bound, except where ``NEWEST_INSTALLABLE`` says why not; that exception holds only while the
+    project's Python range excludes the Python the newer release needs, and the README says so."""
+    table = readme_table()
+    pins = lowest_pins()
+    for name, cell in table["lowest"].items():
+        if name != "python":
+            assert cell_version(cell) == pins[name], f"README's lowest {name} {cell}, pinned {pins[name]}"
+    makefile_torch = re.search(r"^TORCH\s*\?=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert cell_version(table["newest"]["torch"]) == Version(makefile_torch)
+    requires_python = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    for name, cell in table["newest"].items():
+        if name in ("python", "torch"):
+            continue
+        tested = cell_version(cell)
+        _, upper = bounds(declared()[name])
+        newest_allowed = Version(f"{upper.major}.{upper.minor - 1}")
+        if name in NEWEST_INSTALLABLE:
+            newest, needs_python, says = NEWEST_INSTALLABLE[name]
+            assert Version(needs_python) not in SpecifierSet(requires_python), (
+                f"{name}: the project now allows Python {needs_python}; test {newest_allowed} and drop the exception"
+            )
+            assert says in cell, f"README's newest {name} ({cell}) does not say why it is not {newest_allowed}"
+            newest_allowed = newest
+        assert (tested.major, tested.minor) == (newest_allowed.major, newest_allowed.minor), (
+            f"README's newest {name} is {cell}, the newest installable minor is {newest_allowed}"
+        )
+
+
+def readme_keep_torch_command() -> str:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Installing into an existing CUDA environment", 1)[1]
+    return next(line for line in section.splitlines() if line.startswith("pip install -e . "))
+
+
+def test_ci_runs_the_readmes_install_into_an_existing_environment():
+    """`make test-keep-torch` (which .ci/run runs) installs kvcal by the README's command word for
+    word, the one that keeps an environment's torch."""
+    command = readme_keep_torch_command()
+    assert "torch==$(" in command, command
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile.split("\ntest-keep-torch:", 1)[1].split("\n\n", 1)[0].replace("$$", "$")
+    assert command in recipe, f"the README's\n  {command}\nis not what `make test-keep-torch` runs:\n{recipe}"
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "make test-keep-torch" in ci, ".ci/run does not run make test-keep-torch"

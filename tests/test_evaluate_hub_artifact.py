@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 HUB_ID = "some-org/tiny-model"
-SMOKE_ARTIFACT = Path(os.environ.get("KVCAL_SMOKE_ARTIFACT", "/work/art/smoke.h5"))
 
 # evaluate-artifact's main with a tripwire on the loader: a model or tokenizer load exits 99
 RUN = """
@@ -72,10 +71,12 @@ def test_no_artifact_for_a_hub_id_is_reported_before_the_model_loads(hub_env, tm
     assert "no kv_calibration.h5 found" in lines[0] and str(_cached_artifact(tmp_path)) in lines[0], lines[0]
 
 
-def test_the_artifact_in_kvcals_cache_is_read_and_checked_before_the_model_loads(hub_env, tmp_path):
+def test_the_artifact_in_kvcals_cache_is_read_and_checked_before_the_model_loads(hub_env, tmp_path, smoke_artifact):
+    """The embedded model's smoke artifact (conftest's ``smoke_run``) in kvcal's cache, under the hub
+    id's name."""
     cached = _cached_artifact(tmp_path)
     cached.parent.mkdir(parents=True)
-    shutil.copy(SMOKE_ARTIFACT, cached)
+    shutil.copy(smoke_artifact, cached)
     before = cached.read_bytes()
     # a combination only the artifact's sections can refuse: a policy whose section it lacks is
     # refused once the artifact is read, and --write-recommendation with only the baseline
