@@ -283,7 +283,10 @@ class PreparedMoments:
                 f"query [Hkv, G, q, d] = {tuple(query.shape)} does not match the sums' "
                 f"{self.num_kv_heads} heads of dim {self.head_dim}"
             )
-        q = query.float().to(self.projection.device).reshape(heads, groups * q_len, dim)  # [Hkv, G*q, d]
+        q = query.float()
+        if q.device != self.projection.device:  # a decode step's query is on the sums' device already
+            q = q.to(self.projection.device)
+        q = q.reshape(heads, groups * q_len, dim)  # [Hkv, G*q, d]
         # [vbar, log n] + s q [C, kbar]: o_E in the first d columns, lse_E in the last  [Hkv, G*q, d+1]
         estimate = torch.baddbmm(self.offset, q, self.projection, alpha=float(scaling))
         return estimate[..., :dim].view(heads, groups, q_len, dim), estimate[..., dim].view(heads, groups, q_len)

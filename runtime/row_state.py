@@ -119,13 +119,14 @@ class RowState:
 def fold_evicted(states: list[RowState], keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor) -> None:
     """Add evicted rows to the rows' moment sums in one batched computation: ``keys / values``
     float32 ``[R, Hkv, n, d]`` (zero where not evicted), ``evicted`` bool ``[R, Hkv, n]``;
-    ``states[i]`` is batch row ``i``'s (rows without sums are skipped)."""
+    ``states[i]`` is batch row ``i``'s (rows without sums are skipped; a row with nothing evicted
+    adds zeros, exactly, rather than asking the device whether it evicted anything)."""
     counts = evicted.sum(-1)  # [R, Hkv]
     sum_k, sum_v = keys.sum(2), values.sum(2)  # [R, Hkv, d]
     sum_vk = torch.einsum("rhnd,rhne->rhde", values, keys)  # [R, Hkv, d, d]
     for i, state in enumerate(states):
         sums = state.moments
-        if sums is None or not bool(counts[i].any()):
+        if sums is None:
             continue
         sums.version += 1
         sums.n += counts[i].to(sums.n.device)
@@ -177,9 +178,12 @@ class DueEviction(NamedTuple):
     stats_rows: list[int]
 
 
-def due_evictions(states: list[RowState], lengths: torch.Tensor, layer_idx: int) -> list[DueEviction]:
+def due_evictions(states: list[RowState], lengths, layer_idx: int) -> list[DueEviction]:
     """The hook calls decoding owes layer ``layer_idx`` whose live tokens are ``lengths`` int64
-    ``[B, Hkv]``: one per hook whose rows hold a head ``every`` tokens past its budget."""
+    ``[B, Hkv]`` (host: the store's numpy mirror or a CPU tensor): one per hook whose rows hold a head
+    ``every`` tokens past its budget.  Decided on the host, in numpy: a decode step with nothing due
+    runs no torch op here."""
+    lengths = lengths.numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths, dtype=np.int64)
     groups: dict[int, list[int]] = {}
     for b, state in enumerate(states):
         if state.decode_plan is not None:
@@ -187,16 +191,16 @@ def due_evictions(states: list[RowState], lengths: torch.Tensor, layer_idx: int)
     due = []
     for rows in groups.values():
         plans = [states[b].decode_plan for b in rows]
-        budgets = torch.as_tensor(np.stack([plan.budgets[layer_idx] for plan in plans]))
+        budgets = np.stack([np.asarray(plan.budgets[layer_idx], dtype=np.int64) for plan in plans])
         held = lengths[rows]
-        over = held - budgets >= torch.tensor([plan.every for plan in plans]).unsqueeze(1)
-        if not bool(over.any()):
+        over = held - budgets >= np.array([plan.every for plan in plans], dtype=np.int64)[:, None]
+        if not over.any():
             continue
         due.append(
             DueEviction(
                 plans[0].hook,
                 rows,
-                torch.where(over, budgets, held),
+                torch.from_numpy(np.where(over, budgets, held)),
                 [states[b].real_seen for b in rows],
                 [plan.stats_row for plan in plans],
             )
