@@ -216,7 +216,7 @@ class SegmentStore:
             self.key_buffer.view(batch, heads, capacity, dim)[:, :, length:end] = keys
             self.value_buffer.view(batch, heads, capacity, dim)[:, :, length:end] = values
             self.position_buffer.view(batch, heads, capacity)[:, :, length:end] = positions.to(torch.int32).unsqueeze(1)
-            self.row_bias[:-1].view(batch, heads, capacity)[:, :, length:end] = 0.0
+            self.row_bias[:-1].view(batch, heads, capacity)[:, :, length:end].fill_(0.0)  # no scalar tensor
         elif q_len == 1:  # a decode step: every head's next row is its first free one
             positions = positions.expand(batch, heads).reshape(-1)
             self._store(self.ends, keys.reshape(-1, dim), values.reshape(-1, dim), positions)
