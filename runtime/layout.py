@@ -76,7 +76,11 @@ def to_device(host, device) -> torch.Tensor:
     CUDA staged in pinned memory and copied with ``non_blocking=True`` (PyTorch's pinned-memory
     allocator keeps the staging block until the copy has run), elsewhere an ordinary copy (a CPU
     "copy" to the CPU is the tensor itself).  Called when the storage changes, never per decode step."""
-    tensor = torch.from_numpy(np.ascontiguousarray(host)) if isinstance(host, np.ndarray) else host
+    if isinstance(host, np.ndarray):
+        host = np.ascontiguousarray(host)
+        tensor = torch.from_numpy(host if host.flags.writeable else host.copy())  # (a broadcast view is read-only)
+    else:
+        tensor = host
     device = torch.device(device)
     if tensor.device == device:
         return tensor

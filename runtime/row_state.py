@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .chunk_attention import ChunkAttention, ChunkSpec
+from .layout import to_device
 from .moments import MomentSums, PreparedMoments
 
 
@@ -129,10 +130,10 @@ def fold_evicted(states: list[RowState], keys: torch.Tensor, values: torch.Tenso
         if sums is None:
             continue
         sums.version += 1
-        sums.n += counts[i].to(sums.n.device)
-        sums.s_k += sum_k[i].to(sums.s_k.device)
-        sums.s_v += sum_v[i].to(sums.s_v.device)
-        sums.S_vk += sum_vk[i].to(sums.S_vk.device)
+        sums.n += to_device(counts[i], sums.n.device)  # the same device: no copy
+        sums.s_k += to_device(sum_k[i], sums.s_k.device)
+        sums.s_v += to_device(sum_v[i], sums.s_v.device)
+        sums.S_vk += to_device(sum_vk[i], sums.S_vk.device)
 
 
 class PreparedCorrection:
@@ -157,15 +158,33 @@ class PreparedCorrection:
         if self._memo is not None and self._memo[0] == key:
             return self._memo[1]
         pairs = list(zip(states, active, strict=True))
+        # orders and tau on the host (PreparedMoments checks them there and copies them once); a
+        # layer whose rows correct no head is not corrected, decided without reading the device (a
+        # corrected head with nothing evicted merges with weight exactly 1: its own output)
+        orders = np.concatenate(
+            [_host_row(state.correction[0]) if on else np.full(heads, -1) for state, on in pairs]
+        )  # [S]
+        tau = np.concatenate(
+            [_host_row(state.correction[1], heads) if on else np.zeros(heads, np.float32) for state, on in pairs]
+        )  # [S]
+        if not (orders >= 0).any():
+            self._memo = (key, None)
+            return None
         sums = MomentSums.concatenate([state.moments if on else None for state, on in pairs], heads, head_dim, device)
-        no_order = torch.full((heads,), -1, dtype=torch.int64, device=device)
-        no_tau = torch.zeros(heads, device=device)
-        orders = torch.cat([state.correction[0].to(device) if on else no_order for state, on in pairs])  # [S]
-        tau = torch.cat([state.correction[1].to(device) if on else no_tau for state, on in pairs])  # [S]
         prepared = PreparedMoments(sums, orders, tau)
-        prepared = prepared if prepared.any_active else None
         self._memo = (key, prepared)
         return prepared
+
+
+def _host_row(values, heads: int | None = None) -> np.ndarray:
+    """One row's correction ``orders`` (its own dtype) or, with ``heads``, ``tau`` (float32, a
+    scalar broadcast to ``[Hkv]``) as numpy (a device tensor is read back: only when a correction
+    was given on the device, once per change of the sums)."""
+    if isinstance(values, torch.Tensor):
+        values = (values if values.device.type == "cpu" else values.cpu()).detach().numpy()
+    if heads is None:
+        return np.asarray(values).reshape(-1)
+    return np.ascontiguousarray(np.broadcast_to(np.asarray(values, dtype=np.float32).reshape(-1), (heads,)))
 
 
 class DueEviction(NamedTuple):
