@@ -343,20 +343,25 @@ class SegmentStore:
         latest stored position.  The memory is released (at the next :meth:`compact`) only when
         the segments are far larger than the window, e.g. after a long prefill: decode steps
         reuse their capacity."""
-        n = int(self.length.max()) if self.length.numel() else 0
+        lengths = self.host_length
+        n = int(lengths.max()) if lengths.size else 0
         if n == 0:
             return
-        batch, heads = self.length.shape
-        row = torch.arange(n)
-        valid = row < self.length.unsqueeze(-1)  # [B, Hkv, n] host
-        index = torch.where(valid, self.offset.unsqueeze(-1) + row, 0).to(self.device)
-        valid = valid.to(self.device)
+        batch, heads = lengths.shape
+        row = np.arange(n)
+        live = row < lengths[..., None]  # [B, Hkv, n] host
+        index = to_device(np.where(live, self.host_offset[..., None] + row, 0), self.device)
+        valid = to_device(live, self.device)
         positions = self.position_buffer.index_select(0, index.reshape(-1)).view(batch, heads, n).long()
         newest = torch.where(valid, positions, -1).amax(dim=(1, 2))  # [B]
         keep = valid & (positions > (newest + 1 - window).view(batch, 1, 1))
-        if bool((keep == valid).all()):
+        # which rows fall out of the window depends on the stored positions: one read of the kept
+        # counts per step (a sliding-window layer's one synchronisation), which also says whether any fell
+        kept = keep.sum(-1).cpu().numpy()  # [B, Hkv]
+        if (kept == lengths).all():
             return
-        self.keep_rows(list(range(batch)), keep, shrink=int(self.capacity.max()) > 2 * window)
+        shrink = int(self.host_capacity.max()) > 2 * window
+        self.keep_rows(list(range(batch)), keep, shrink=shrink, kept=kept)
 
     # -- accounting ------------------------------------------------------------------------
 

@@ -21,7 +21,8 @@ Cases: plain transformers (DynamicCache), ragged (nothing evicted), ``uniform/ke
 budgets), keydiff with the order-1 correction (the MomentKV merge), decode-time eviction (keydiff's
 ``evict_every``) on a step with nothing due and on an eviction round (at most one synchronisation
 per layer evicted), on a tiny random-weight Llama; and the flagship ``inf/leverage+correction`` with
-the smoke artifact on the real embedded model.
+the smoke artifact on the real embedded model.  A sliding-window layer (Mistral's) reads back once
+per step which rows left its window: at most one synchronisation per layer.
 """
 
 from __future__ import annotations
@@ -217,6 +218,23 @@ def test_a_decode_time_eviction_round_synchronises_at_most_once_per_layer(
             raise AssertionError("no step evicted in every layer")
     print(f"eviction round ({correction}) and the next step: {_total(counted)} syncs {dict(counted)}, {ops} aten ops")
     assert _total(counted) <= 2 * _total(plain_syncs) + layers, dict(counted)
+
+
+def test_a_sliding_window_layer_synchronises_once_per_decode_step(one_thread):
+    """A sliding-window layer drops, after every step, the rows its next query cannot see; which
+    rows depends on the stored positions, read once per layer and step (the kept counts), and on
+    nothing else: at most one synchronisation per layer beyond plain transformers' step."""
+    from tiny_architectures import make_tiny
+
+    model = make_tiny("mistral-sw")
+    ids = torch.randint(3, 100, (1, 240), generator=torch.Generator().manual_seed(3))
+    prompt, decode = ids[:, :192], ids[:, 191:]
+    plain_syncs, _ = decode_step_counts(model, _plain_cache(model, prompt[:, :-1]), decode)
+    policy = CompressionPolicy(compression_ratio=0.75, scorer="keydiff")
+    syncs, ops = decode_step_counts(model, _compressed(model, prompt, policy), decode)
+    layers = model.config.num_hidden_layers
+    print(f"sliding window: {_total(syncs)} syncs {dict(syncs)}, {ops} aten ops; plain {dict(plain_syncs)}")
+    assert _total(syncs) <= _total(plain_syncs) + layers, dict(syncs)
 
 
 @pytest.mark.slow
