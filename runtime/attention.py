@@ -29,9 +29,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from .cache import ATTENTION_NAME, LAYER_TAG
+from .layout import to_device
 
 # What a model passes its attention function that the ragged attention cannot compute: learned
 # attention sinks (gpt-oss's ``s_aux``, ``sinks``) and additive position biases (T5-style).
@@ -87,7 +89,7 @@ def ragged_attention_forward(
     real = _real_tokens(attention_mask, batch, q_len)
     positions = kwargs.get("position_ids")
     if positions is None:  # no explicit positions: the chunk follows the real tokens seen
-        base = torch.tensor(layer.real_seen, device=query.device).unsqueeze(1)
+        base = to_device(np.array(layer.real_seen, dtype=np.int64), query.device).unsqueeze(1)  # no blocking copy
         positions = base + torch.arange(q_len, device=query.device)
     positions = positions.expand(batch, q_len)
     scale = float(scaling) if scaling is not None else dim**-0.5

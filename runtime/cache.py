@@ -314,19 +314,24 @@ class RaggedLayer(DynamicLayer):
                 sums.add(h, keys[evicted], values[evicted])
         self.store.keep(b, h, rows, shrink=shrink)
 
-    def keep_rows(self, rows: list[int], keep: torch.Tensor, *, fold: bool = True, shrink: bool = True) -> None:
+    def keep_rows(
+        self, rows: list[int], keep: torch.Tensor, *, fold: bool = True, shrink: bool = True, kept=None
+    ) -> None:
         """Evict, in every head of batch rows ``rows``, the live rows not marked in ``keep`` bool
         ``[R, Hkv, n]`` (n >= the longest head; rows past a head's length are ignored).
 
         One gather and one scatter for the whole layer move the kept rows to the front of their
         segments, in order; the evicted rows are folded into the rows' moment sums when tracked
-        (``fold``), in one batched computation.  ``shrink``: as in :meth:`keep`.
+        (``fold``), in one batched computation.  ``shrink``: as in :meth:`keep`; ``kept``: the host's
+        count of the rows ``keep`` marks per head when known (:meth:`SegmentStore.keep_rows`).
         """
+        if keep.device != self.store.device:
+            keep = keep.to(self.store.device)
         if fold and any(self.rows[r].moments is not None for r in rows):
-            evicted = self.store.live_mask(rows, keep.shape[-1]) & ~keep.to(self.store.device)  # [R, Hkv, n]
+            evicted = self.store.live_mask(rows, keep.shape[-1]) & ~keep  # [R, Hkv, n]
             keys, values = self.store.masked_rows(rows, evicted)
             fold_evicted([self.rows[r] for r in rows], keys, values, evicted)
-        self.store.keep_rows(rows, keep, shrink=shrink)
+        self.store.keep_rows(rows, keep, shrink=shrink, kept=kept)
 
     def track_moments(self) -> None:
         """Start moment sums for every batch element (refused once something was evicted).  A
@@ -392,7 +397,7 @@ class RaggedLayer(DynamicLayer):
                 keys = new_keys[b] if real is None else new_keys[b][:, real[b]]  # [Hkv, q_real, d]
                 if chunk.shape[1]:
                     self.rows[b].accumulate_chunk_attention(self.chunk_specs, chunk, keys, scaling)
-        fresh = not bool(store.length.any())
+        fresh = not store.host_length.any()  # the host mirror: no torch op
         counts = store.append(new_keys, new_values, positions, real)  # None: q_len for every row
         prepared = self._correction.get(self.rows, store.num_heads, store.head_dim, store.device)
         if fresh and prepared is None:  # nothing retained before this chunk: ordinary causal attention
@@ -411,7 +416,7 @@ class RaggedLayer(DynamicLayer):
         self.tokens_seen += q_len
         if any([row.decode_plan is not None for row in self.rows]):  # a list: one frame, not one per row
             with label("kvcal.eviction"):
-                for due in due_evictions(self.rows, store.length, self.layer_idx):
+                for due in due_evictions(self.rows, store.host_length, self.layer_idx):
                     hook, rows, budgets, next_positions, stats_rows = due
                     hook.evict_decoded(self, self.layer_idx, rows, budgets, next_positions, stats_rows)
         if window is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .layout import host_array, to_device
 from .moments import evict_in_rounds
 from .scorers import LayerInputs, ScorerInputs
 from .selection import keep_mask, protected_mask
@@ -171,7 +172,7 @@ class HeadEvictor:
         (shared with other policies); the scores are then only combined from them.
         """
         stats_rows = rows if stats_rows is None else stats_rows
-        longest = int(layer.length[rows].max()) if rows else 0
+        longest = int(host_array(layer.length)[rows].max()) if rows else 0
         tiles = self._tiles(layer, rows)
         if parts is not None and len(parts) != len(tiles):
             raise ValueError(f"shared score parts for {len(parts)} tiles of rows, these rows make {len(tiles)}")
@@ -181,16 +182,16 @@ class HeadEvictor:
                 inputs = self.layer_inputs(layer, layer_idx, rows[tile], next_positions[tile], stats_rows[tile])
                 valid, scores = inputs.valid, self.scorer.score(inputs)
             else:  # combined from the shared parts: the inputs are not gathered again, only their mask
-                lengths = layer.length[rows[tile]]  # [r, Hkv]
-                valid = torch.arange(int(lengths.max()) if lengths.numel() else 0) < lengths.unsqueeze(-1)
-                valid = valid.to(layer.key_buffer.device)  # as padded_rows masks the live tokens
+                lengths = host_array(layer.length)[rows[tile]]  # [r, Hkv] host
+                valid = np.arange(int(lengths.max()) if lengths.size else 0) < lengths[..., None]
+                valid = to_device(valid, layer.key_buffer.device)  # as padded_rows masks the live tokens
                 scores = self.scorer.combine(parts[index], valid)
             scores = self.checked_scores(scores, valid, layer_idx)
             pieces.append(torch.nn.functional.pad(scores, (0, longest - scores.shape[-1]), value=float("-inf")))
         return torch.cat(pieces) if pieces else torch.zeros(0, layer.num_heads, 0)
 
     def _tiles(self, layer, rows: list[int]) -> list[slice]:
-        longest = int(layer.length[rows].max()) if rows else 0
+        longest = int(host_array(layer.length)[rows].max()) if rows else 0
         step = rows_per_tile(layer.key_buffer.device, layer.num_heads * max(longest, 1) * layer.head_dim)
         return [slice(lo, lo + step) for lo in range(0, len(rows), step)]
 
@@ -253,8 +254,9 @@ class HeadEvictor:
         allocation ranks every head's scores before any head is cut).  ``shrink=False``
         (decoding) keeps the capacity for the tokens that follow.
         """
-        budgets = torch.as_tensor(np.asarray(budgets), dtype=torch.int64)
-        if not rows or not bool((layer.length[rows] > budgets).any()):
+        budgets = host_array(budgets)  # [R, Hkv] host
+        lengths = host_array(layer.length)[rows]  # [R, Hkv] host
+        if not rows or not (lengths > budgets).any():
             return
         if self.policy.moment_eviction:  # rounds that re-score against updated sums: head by head
             stats_rows = rows if stats_rows is None else stats_rows
@@ -265,6 +267,8 @@ class HeadEvictor:
             return
         if scores is None:
             scores = self.layer_scores(layer, layer_idx, rows, next_positions, stats_rows)
-        valid = torch.arange(scores.shape[-1]) < layer.length[rows].unsqueeze(-1)
-        keep = keep_mask(scores, valid.to(scores.device), budgets, self.policy.n_sink, self.policy.window)
-        layer.keep_rows(rows, keep, shrink=shrink)
+        device = scores.device
+        valid = to_device(np.arange(scores.shape[-1]) < lengths[..., None], device)
+        keep = keep_mask(scores, valid, to_device(budgets, device), self.policy.n_sink, self.policy.window)
+        # the ranking keeps min(budget, length) rows of every head (runtime.selection._split): known here
+        layer.keep_rows(rows, keep, shrink=shrink, kept=np.minimum(np.maximum(budgets, 0), lengths))

@@ -181,15 +181,15 @@ def _decode_step_attention(
     faster where: docs/results.md R-decode-kernels-2026-11-27."""
     if flex_selected() and flex_serves(query, store.key_buffer, store.head_dim, need_lse):
         return flex_decode_attention(query, store, scaling, softcap=softcap, need_lse=need_lse)
-    if fused_kernel_serves(query, store.key_buffer, softcap):
-        length = store.length.tolist()
+    if fused_kernel_serves(query, store.key_buffer, softcap):  # the CPU: sizes from the host mirror
+        length = store.host_length.tolist()
         if store.uniform and length[0][0] > 0:
-            capacity = int(store.capacity[0, 0])
+            capacity = int(store.host_capacity[0, 0])
             return live_rows_attention(
                 query, store.key_buffer, store.value_buffer, [], length, scaling, capacity=capacity
             )
         if live_row_calls(length, store.head_stride) <= LIVE_ROW_CALLS:
-            offset = store.offset.tolist()
+            offset = store.host_offset.tolist()
             return live_rows_attention(
                 query, store.key_buffer, store.value_buffer, offset, length, scaling, head_stride=store.head_stride
             )

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # Decoding a layer whose heads hold at most this many rows in all (padded to the widest) copies
@@ -43,22 +44,49 @@ def page_size_for(mean_length: float) -> int:
     return page
 
 
-def round_up(values: torch.Tensor, page: int) -> torch.Tensor:
-    """``values`` (int64) rounded up to multiples of ``page``."""
+def host_array(values) -> np.ndarray:
+    """int64 numpy array of host ``values`` (a CPU tensor, shared without a copy, an array or a list)."""
+    if isinstance(values, torch.Tensor):
+        return values.numpy().astype(np.int64, copy=False)
+    return np.asarray(values, dtype=np.int64)
+
+
+def round_up(values: np.ndarray, page: int) -> np.ndarray:
+    """``values`` (int64, host) rounded up to multiples of ``page``."""
     return (values + page - 1) // page * page
 
 
-def exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
-    """``[0, v0, v0 + v1, ...]`` without the total: the start of each run of ``values`` rows."""
-    return torch.cumsum(values, 0) - values
+def exclusive_cumsum(values: np.ndarray) -> np.ndarray:
+    """``[0, v0, v0 + v1, ...]`` without the total: the start of each run of ``values`` rows (host)."""
+    return np.cumsum(values, 0) - values
 
 
-def segment_rows(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``cat([arange(start, start + count) for each segment])`` without a Python loop (int64)."""
+def segment_rows(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(start, start + count) for each segment])`` without a Python loop (int64,
+    host: numpy, so that no torch op reads a device tensor back to size its output)."""
+    starts, counts = host_array(starts), host_array(counts)
     total = int(counts.sum())
-    segment = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    within = torch.arange(total) - torch.repeat_interleave(exclusive_cumsum(counts), counts)
+    segment = np.repeat(np.arange(counts.size), counts)
+    within = np.arange(total, dtype=np.int64) - np.repeat(exclusive_cumsum(counts), counts)
     return starts[segment] + within
+
+
+def to_device(host, device) -> torch.Tensor:
+    """A host table (numpy array or CPU tensor) on ``device`` without making the host wait for it: on
+    CUDA staged in pinned memory and copied with ``non_blocking=True`` (PyTorch's pinned-memory
+    allocator keeps the staging block until the copy has run), elsewhere an ordinary copy (a CPU
+    "copy" to the CPU is the tensor itself).  Called when the storage changes, never per decode step."""
+    if isinstance(host, np.ndarray):
+        host = np.ascontiguousarray(host)
+        tensor = torch.from_numpy(host if host.flags.writeable else host.copy())  # (a broadcast view is read-only)
+    else:
+        tensor = host
+    device = torch.device(device)
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 @dataclass(frozen=True)
@@ -87,33 +115,33 @@ class PageLayout:
     def build(
         cls, offset: torch.Tensor, capacity: torch.Tensor, page_size: int, buffer_rows: int, device
     ) -> PageLayout:
-        """From the storage's host tables ``offset / capacity`` int64 ``[B, Hkv]`` (capacities multiples
-        of ``page_size``) over a buffer of ``buffer_rows`` rows on ``device``."""
-        flat_offset, flat_capacity = offset.reshape(-1), capacity.reshape(-1)  # [S]
-        pages = (flat_capacity // page_size).clamp_min(0)  # [S] pages per segment
-        owner = torch.repeat_interleave(torch.arange(pages.numel()), pages)
-        page_start = (torch.arange(int(pages.sum())) - torch.repeat_interleave(exclusive_cumsum(pages), pages)) * (
-            page_size
-        )
-        equal = (
-            flat_capacity.numel() > 0 and int(flat_capacity[0]) > 0 and bool((flat_capacity == flat_capacity[0]).all())
-        )
+        """From the storage's host tables ``offset / capacity`` int64 ``[B, Hkv]`` (numpy or CPU tensors;
+        capacities multiples of ``page_size``) over a buffer of ``buffer_rows`` rows on ``device``: the
+        tables are computed on the host and copied to the device once (:func:`to_device`), when the
+        storage changes, so a decode step reads them without a host synchronisation."""
+        flat_offset = host_array(offset).reshape(-1)  # [S] host (numpy: no torch op)
+        flat_capacity = host_array(capacity).reshape(-1)
+        segments = flat_capacity.size
+        pages = np.maximum(flat_capacity // page_size, 0)  # [S] pages per segment
+        owner = np.repeat(np.arange(segments, dtype=np.int64), pages)
+        page_start = segment_rows(np.zeros(segments, dtype=np.int64), pages) * page_size
+        equal = segments > 0 and int(flat_capacity[0]) > 0 and bool((flat_capacity == flat_capacity[0]).all())
         gather = None
-        widest = int(flat_capacity.max()) if flat_capacity.numel() else 0
-        if not equal and flat_capacity.numel() * widest <= _GATHER_ROWS:
-            inside = torch.arange(widest) < flat_capacity.unsqueeze(1)  # [S, W]
-            rows = flat_offset.unsqueeze(1) + torch.arange(widest)  # [S, W] buffer rows
+        widest = int(flat_capacity.max()) if segments else 0
+        if not equal and segments * widest <= _GATHER_ROWS:
+            inside = np.arange(widest) < flat_capacity[:, None]  # [S, W]
+            rows = flat_offset[:, None] + np.arange(widest)  # [S, W] buffer rows
             gather = (
-                torch.where(inside, rows, 0).reshape(-1).to(device),
-                torch.where(inside, rows, buffer_rows).reshape(-1).to(device),  # row C: the bias's -inf
+                to_device(np.where(inside, rows, 0).reshape(-1), device),
+                to_device(np.where(inside, rows, buffer_rows).reshape(-1), device),  # row C: the bias's -inf
                 widest,
-                torch.arange(flat_capacity.numel(), device=device),
+                torch.arange(segments, device=device),
             )
         return cls(
             page_size=int(page_size),
-            owner=owner.to(device),
-            page_start=page_start.to(device),
-            segment_pages=torch.arange(flat_capacity.numel(), device=device) if equal else None,
+            owner=to_device(owner, device),
+            page_start=to_device(page_start, device),
+            segment_pages=torch.arange(segments, device=device) if equal else None,
             segment_capacity=int(flat_capacity[0]) if equal else 0,
             gather=gather,
         )

@@ -44,7 +44,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
+
+from .layout import to_device
 
 ORDER_NONE = -1
 ORDERS = (ORDER_NONE, 0, 1)  # the artifact's ``moments/order`` codes; errors[:, i] is ORDERS[i]
@@ -248,18 +251,30 @@ class PreparedMoments:
     def __init__(self, sums: MomentSums, orders, tau=0.0):
         heads = sums.num_kv_heads
         device = sums.s_k.device
-        orders = torch.as_tensor(orders, device=device).reshape(-1)
-        if orders.shape[0] != heads or not bool(torch.isin(orders, torch.tensor(ORDERS, device=device)).all()):
-            raise ValueError(f"orders must be {heads} codes in {ORDERS}, got {orders.tolist()}")
-        tau = torch.as_tensor(tau, dtype=torch.float32, device=device).expand(heads)  # [Hkv]
-        if bool((tau < 0).any()):
-            raise ValueError(f"tau must be >= 0, got {tau.tolist()}")
+        host_orders, host_tau = _host_values(orders), _host_values(tau, np.float32)
+        if host_orders is not None:  # checked on the host, then copied once: no device read
+            host_orders = host_orders.reshape(-1)
+            if host_orders.shape[0] != heads or not np.isin(host_orders, ORDERS).all():
+                raise ValueError(f"orders must be {heads} codes in {ORDERS}, got {host_orders.tolist()}")
+            orders = to_device(host_orders, device)
+        else:
+            orders = torch.as_tensor(orders, device=device).reshape(-1)
+            if orders.shape[0] != heads or not bool(torch.isin(orders, torch.tensor(ORDERS, device=device)).all()):
+                raise ValueError(f"orders must be {heads} codes in {ORDERS}, got {orders.tolist()}")
+        if host_tau is not None:
+            host_tau = np.ascontiguousarray(np.broadcast_to(host_tau, (heads,)))
+            if (host_tau < 0).any():
+                raise ValueError(f"tau must be >= 0, got {host_tau.tolist()}")
+            tau = to_device(host_tau, device)  # [Hkv]
+        else:
+            tau = torch.as_tensor(tau, dtype=torch.float32, device=device).expand(heads)  # [Hkv]
+            if bool((tau < 0).any()):
+                raise ValueError(f"tau must be >= 0, got {tau.tolist()}")
         count = sums.n.float()  # [Hkv]
         safe = count.clamp_min(1)
         self.version = sums.version
         self.num_kv_heads, self.head_dim = heads, sums.head_dim
         self.active = (orders >= 0) & (count > 0)  # [Hkv]
-        self.any_active = bool(self.active.any())
         live = self.active.float()
         kbar = sums.s_k / safe[:, None] * live[:, None]  # [Hkv, d], zero where inactive
         self.vbar = sums.s_v / safe[:, None] * live[:, None]
@@ -272,6 +287,11 @@ class PreparedMoments:
         # what the matmul's result is added to: vbar (first d columns) and log n (last column)
         self.offset = torch.cat([self.vbar, self.log_n[:, None]], dim=1).unsqueeze(1)  # [Hkv, 1, d+1]
 
+    @property
+    def any_active(self) -> bool:
+        """Whether any head is corrected (a read of the device: not for a decode step)."""
+        return bool(self.active.any())
+
     def estimates(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``o_E [Hkv, G, q, d]`` and ``lse_E [Hkv, G, q]`` (float32) for ``query [Hkv, G, q, d]``.
 
@@ -283,7 +303,10 @@ class PreparedMoments:
                 f"query [Hkv, G, q, d] = {tuple(query.shape)} does not match the sums' "
                 f"{self.num_kv_heads} heads of dim {self.head_dim}"
             )
-        q = query.float().to(self.projection.device).reshape(heads, groups * q_len, dim)  # [Hkv, G*q, d]
+        q = query.float()
+        if q.device != self.projection.device:  # a decode step's query is on the sums' device already
+            q = q.to(self.projection.device)
+        q = q.reshape(heads, groups * q_len, dim)  # [Hkv, G*q, d]
         # [vbar, log n] + s q [C, kbar]: o_E in the first d columns, lse_E in the last  [Hkv, G*q, d+1]
         estimate = torch.baddbmm(self.offset, q, self.projection, alpha=float(scaling))
         return estimate[..., :dim].view(heads, groups, q_len, dim), estimate[..., dim].view(heads, groups, q_len)
@@ -294,6 +317,16 @@ class PreparedMoments:
         out_E, lse_E = self.estimates(query, scaling)
         weight = torch.sigmoid(lse_R.float() - lse_E).unsqueeze(-1)  # 1 exactly where lse_E = -inf
         return out_E + weight * (out_R.float() - out_E)
+
+
+def _host_values(values, dtype=None) -> np.ndarray | None:
+    """A numpy copy of host ``values`` (a number, list, array or CPU tensor) as ``dtype`` (None: its
+    own); None for a tensor on another device."""
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            return None
+        values = values.detach().numpy()
+    return np.array(values, dtype=dtype)
 
 
 def evicted_estimates(

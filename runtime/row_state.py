@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .chunk_attention import ChunkAttention, ChunkSpec
+from .layout import to_device
 from .moments import MomentSums, PreparedMoments
 
 
@@ -119,19 +120,20 @@ class RowState:
 def fold_evicted(states: list[RowState], keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor) -> None:
     """Add evicted rows to the rows' moment sums in one batched computation: ``keys / values``
     float32 ``[R, Hkv, n, d]`` (zero where not evicted), ``evicted`` bool ``[R, Hkv, n]``;
-    ``states[i]`` is batch row ``i``'s (rows without sums are skipped)."""
+    ``states[i]`` is batch row ``i``'s (rows without sums are skipped; a row with nothing evicted
+    adds zeros, exactly, rather than asking the device whether it evicted anything)."""
     counts = evicted.sum(-1)  # [R, Hkv]
     sum_k, sum_v = keys.sum(2), values.sum(2)  # [R, Hkv, d]
     sum_vk = torch.einsum("rhnd,rhne->rhde", values, keys)  # [R, Hkv, d, d]
     for i, state in enumerate(states):
         sums = state.moments
-        if sums is None or not bool(counts[i].any()):
+        if sums is None:
             continue
         sums.version += 1
-        sums.n += counts[i].to(sums.n.device)
-        sums.s_k += sum_k[i].to(sums.s_k.device)
-        sums.s_v += sum_v[i].to(sums.s_v.device)
-        sums.S_vk += sum_vk[i].to(sums.S_vk.device)
+        sums.n += to_device(counts[i], sums.n.device)  # the same device: no copy
+        sums.s_k += to_device(sum_k[i], sums.s_k.device)
+        sums.s_v += to_device(sum_v[i], sums.s_v.device)
+        sums.S_vk += to_device(sum_vk[i], sums.S_vk.device)
 
 
 class PreparedCorrection:
@@ -156,15 +158,33 @@ class PreparedCorrection:
         if self._memo is not None and self._memo[0] == key:
             return self._memo[1]
         pairs = list(zip(states, active, strict=True))
+        # orders and tau on the host (PreparedMoments checks them there and copies them once); a
+        # layer whose rows correct no head is not corrected, decided without reading the device (a
+        # corrected head with nothing evicted merges with weight exactly 1: its own output)
+        orders = np.concatenate(
+            [_host_row(state.correction[0]) if on else np.full(heads, -1) for state, on in pairs]
+        )  # [S]
+        tau = np.concatenate(
+            [_host_row(state.correction[1], heads) if on else np.zeros(heads, np.float32) for state, on in pairs]
+        )  # [S]
+        if not (orders >= 0).any():
+            self._memo = (key, None)
+            return None
         sums = MomentSums.concatenate([state.moments if on else None for state, on in pairs], heads, head_dim, device)
-        no_order = torch.full((heads,), -1, dtype=torch.int64, device=device)
-        no_tau = torch.zeros(heads, device=device)
-        orders = torch.cat([state.correction[0].to(device) if on else no_order for state, on in pairs])  # [S]
-        tau = torch.cat([state.correction[1].to(device) if on else no_tau for state, on in pairs])  # [S]
         prepared = PreparedMoments(sums, orders, tau)
-        prepared = prepared if prepared.any_active else None
         self._memo = (key, prepared)
         return prepared
+
+
+def _host_row(values, heads: int | None = None) -> np.ndarray:
+    """One row's correction ``orders`` (its own dtype) or, with ``heads``, ``tau`` (float32, a
+    scalar broadcast to ``[Hkv]``) as numpy (a device tensor is read back: only when a correction
+    was given on the device, once per change of the sums)."""
+    if isinstance(values, torch.Tensor):
+        values = (values if values.device.type == "cpu" else values.cpu()).detach().numpy()
+    if heads is None:
+        return np.asarray(values).reshape(-1)
+    return np.ascontiguousarray(np.broadcast_to(np.asarray(values, dtype=np.float32).reshape(-1), (heads,)))
 
 
 class DueEviction(NamedTuple):
@@ -177,9 +197,12 @@ class DueEviction(NamedTuple):
     stats_rows: list[int]
 
 
-def due_evictions(states: list[RowState], lengths: torch.Tensor, layer_idx: int) -> list[DueEviction]:
+def due_evictions(states: list[RowState], lengths, layer_idx: int) -> list[DueEviction]:
     """The hook calls decoding owes layer ``layer_idx`` whose live tokens are ``lengths`` int64
-    ``[B, Hkv]``: one per hook whose rows hold a head ``every`` tokens past its budget."""
+    ``[B, Hkv]`` (host: the store's numpy mirror or a CPU tensor): one per hook whose rows hold a head
+    ``every`` tokens past its budget.  Decided on the host, in numpy: a decode step with nothing due
+    runs no torch op here."""
+    lengths = lengths.numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths, dtype=np.int64)
     groups: dict[int, list[int]] = {}
     for b, state in enumerate(states):
         if state.decode_plan is not None:
@@ -187,16 +210,16 @@ def due_evictions(states: list[RowState], lengths: torch.Tensor, layer_idx: int)
     due = []
     for rows in groups.values():
         plans = [states[b].decode_plan for b in rows]
-        budgets = torch.as_tensor(np.stack([plan.budgets[layer_idx] for plan in plans]))
+        budgets = np.stack([np.asarray(plan.budgets[layer_idx], dtype=np.int64) for plan in plans])
         held = lengths[rows]
-        over = held - budgets >= torch.tensor([plan.every for plan in plans]).unsqueeze(1)
-        if not bool(over.any()):
+        over = held - budgets >= np.array([plan.every for plan in plans], dtype=np.int64)[:, None]
+        if not over.any():
             continue
         due.append(
             DueEviction(
                 plans[0].hook,
                 rows,
-                torch.where(over, budgets, held),
+                torch.from_numpy(np.where(over, budgets, held)),
                 [states[b].real_seen for b in rows],
                 [plan.stats_row for plan in plans],
             )

@@ -9,6 +9,8 @@ The retained tokens of every (batch row ``b``, KV head ``h``) pair, a *segment*
                                                capacity, plus a trailing -inf (gathered padding)
     offset, capacity, length   int64 [B, Hkv]  (host) segment s holds its live rows at
                                                buffer rows offset_s .. offset_s + length_s - 1
+    host_offset, host_capacity, host_length    the same tables as numpy arrays sharing their
+                                               memory (the host mirror)
 
 Offsets and capacities are multiples of the page size ``P`` (chosen at every repack by
 :func:`runtime.layout.page_size_for`), so ``key_buffer.view(C // P, P, d)`` cuts every segment
@@ -22,6 +24,16 @@ the buffers every few dozen steps rather than at every step.  Every repack renew
 (unique over all stores), from which the page tables (:class:`runtime.layout.PageLayout`) are
 rebuilt.
 
+Host mirror.  The tables are host memory, and every decision a decode step takes on them (is
+there room, is every segment alike, where does each segment's live run end) reads them through
+numpy views of that memory (``host_*``), never through torch: a decode step appends one row per
+segment (the lengths advance on the host, the device's first-free-row table ``ends`` by one
+in place), so it needs nothing read back from the device, and no torch op of its own touches the
+tables (on a CPU as on a GPU, a torch op in the step is one that works on device data).  What
+is derived from the tables for the device (``ends``, the live rows' bias, the page tables of
+:class:`runtime.layout.PageLayout`) is built on the host when the storage changes and copied once
+(:func:`runtime.layout.to_device`: non-blocking from pinned memory on CUDA).
+
 The store knows nothing of attention, moments or policies: it stores, moves and drops rows.
 """
 
@@ -29,17 +41,19 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import torch
 
-from .layout import exclusive_cumsum, page_size_for, round_up, segment_rows
+from .layout import exclusive_cumsum, host_array, page_size_for, round_up, segment_rows, to_device
 
 _MIN_SLACK = 16
 _GENERATIONS = itertools.count(1)  # unique over all stores: a layout built for one never fits another
 
 
-def _even_strides(offset: torch.Tensor) -> list[int | None]:
-    """Per column of ``offset [B, Hkv]``: the common difference between consecutive rows, or None
-    when they are not evenly spaced (0 for a single row)."""
+def _even_strides(offset) -> list[int | None]:
+    """Per column of ``offset [B, Hkv]`` (host: numpy or a CPU tensor): the common difference between
+    consecutive rows, or None when they are not evenly spaced (0 for a single row)."""
+    offset = host_array(offset)
     if offset.shape[0] < 2:
         return [0] * offset.shape[1]
     step = offset[1:] - offset[:-1]  # [B - 1, Hkv]
@@ -68,9 +82,13 @@ class SegmentStore:
 
     def install(self, keys, values, positions, offset, capacity, length, page_size) -> None:
         """Adopt buffers ``keys / values [C, d]``, ``positions`` int32 ``[C]`` and tables ``offset /
-        capacity / length`` int64 ``[B, Hkv]`` (host; capacities multiples of ``page_size``)."""
+        capacity / length`` int64 ``[B, Hkv]`` (host: CPU tensors or numpy arrays; capacities multiples
+        of ``page_size``)."""
         self.key_buffer, self.value_buffer, self.position_buffer = keys, values, positions  # [C, d], [C, d], [C]
+        offset, capacity, length = (torch.from_numpy(host_array(t).copy()) for t in (offset, capacity, length))
         self.offset, self.capacity, self.length = offset, capacity, length  # int64 [B, Hkv] host
+        # the host mirror: numpy views of the same memory (see the module docstring)
+        self.host_offset, self.host_capacity, self.host_length = offset.numpy(), capacity.numpy(), length.numpy()
         # plain attributes, not properties: read on every decode step of every layer
         self.batch_size, self.device = int(length.shape[0]), keys.device
         self.page_size = int(page_size)
@@ -79,26 +97,25 @@ class SegmentStore:
         # per KV head h, the buffer rows between batch rows' segments of h when they are evenly
         # spaced (offset[b, h] = offset[0, h] + b * stride: a decode step then reads head h of every
         # batch row as one strided [B, n, d] view), else None; 0 with one batch row
-        self.head_stride = _even_strides(offset)
+        self.head_stride = _even_strides(self.host_offset)
         # one entry per buffer row, plus a trailing -inf that gathered padding reads
         self.row_bias = torch.full((keys.shape[0] + 1,), float("-inf"), dtype=keys.dtype, device=keys.device)
-        live = segment_rows(offset.reshape(-1), length.reshape(-1)).to(keys.device)
+        live = to_device(segment_rows(self.host_offset.reshape(-1), self.host_length.reshape(-1)), keys.device)
         self.row_bias.index_fill_(0, live, 0.0)
         self.refresh_lengths()
 
     def refresh_lengths(self) -> None:
-        """Re-derive what follows from ``length`` after an in-place change (eviction)."""
-        self.ends = (self.offset + self.length).reshape(-1).to(self.key_buffer.device, copy=True)  # [S] first free row
-        flat_capacity = self.capacity.reshape(-1)
-        flat_length = self.length.reshape(-1)
+        """Re-derive what follows from ``length`` after an in-place change (eviction): on the host mirror,
+        ``ends`` copied to the device once."""
+        flat_capacity, flat_length = self.host_capacity.reshape(-1), self.host_length.reshape(-1)
+        ends = (self.host_offset.reshape(-1) + flat_length).copy()  # [S] first free row
+        self.ends = to_device(ends, self.key_buffer.device)
         # rows every segment can still take without a repack: min(capacity - length) here, a lower
         # bound after padded appends (which subtract the largest count)
-        self.free = int((flat_capacity - flat_length).min()) if flat_length.numel() else 0
+        self.free = int((flat_capacity - flat_length).min()) if flat_length.size else 0
         # every segment: same length and capacity, so the buffer is a [B, Hkv, cap, d] tensor
         self.uniform = bool(
-            flat_length.numel() > 0
-            and bool((flat_length == flat_length[0]).all())
-            and bool((flat_capacity == flat_capacity[0]).all())
+            flat_length.size > 0 and (flat_length == flat_length[0]).all() and (flat_capacity == flat_capacity[0]).all()
         )
 
     def repack(self, capacity: torch.Tensor, sources: list[tuple[SegmentStore, int]] | None = None) -> None:
@@ -107,9 +124,10 @@ class SegmentStore:
         row)`` (default: this store's own rows in order): one gather and one scatter per source."""
         if sources is None:
             sources = [(self, b) for b in range(self.batch_size)]
-        length = torch.stack([source.length[b] for source, b in sources]) if sources else capacity.clone()
-        capacity = torch.maximum(capacity, length)
-        page = page_size_for(float(length.float().mean()) if length.numel() else 0.0)
+        capacity = host_array(capacity)
+        length = np.stack([source.host_length[b] for source, b in sources]) if sources else capacity.copy()
+        capacity = np.maximum(capacity, length)
+        page = page_size_for(float(length.mean()) if length.size else 0.0)
         capacity = round_up(capacity, page)
         offset = exclusive_cumsum(capacity.reshape(-1)).reshape(capacity.shape)
         total, device = int(capacity.sum()), self.device
@@ -120,8 +138,8 @@ class SegmentStore:
             rows = [index for index, (store, _) in enumerate(sources) if store is source]
             from_rows = [sources[index][1] for index in rows]
             counts = length[rows].reshape(-1)
-            src = segment_rows(source.offset[from_rows].reshape(-1), counts).to(device)
-            dst = segment_rows(offset[rows].reshape(-1), counts).to(device)
+            src = to_device(segment_rows(source.host_offset[from_rows].reshape(-1), counts), device)
+            dst = to_device(segment_rows(offset[rows].reshape(-1), counts), device)
             keys.index_copy_(0, dst, source.key_buffer.index_select(0, src))
             values.index_copy_(0, dst, source.value_buffer.index_select(0, src))
             positions.index_copy_(0, dst, source.position_buffer.index_select(0, src))
@@ -150,12 +168,13 @@ class SegmentStore:
 
     def reserve(self, counts: torch.Tensor) -> None:
         """Make room for ``counts [B]`` more rows in every head of each row (repacks at most once)."""
-        need = self.length + counts.unsqueeze(1)  # [B, Hkv]
-        if int(counts.max()) <= self.free or bool((need <= self.capacity).all()):
+        counts = host_array(counts)  # host
+        need = self.host_length + counts[:, None]  # [B, Hkv]
+        if int(counts.max()) <= self.free or (need <= self.host_capacity).all():
             return
-        slack = torch.where(self.length > 0, torch.clamp(need // 32, min=_MIN_SLACK), torch.zeros_like(need))
-        short = self.capacity - need < slack  # out of room now, or soon: grow them all in one repack
-        self.repack(torch.where(short, need + slack, self.capacity))
+        slack = np.where(self.host_length > 0, np.maximum(need // 32, _MIN_SLACK), 0)
+        short = self.host_capacity - need < slack  # out of room now, or soon: grow them all in one repack
+        self.repack(np.where(short, need + slack, self.host_capacity))
 
     def append(
         self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, real: torch.Tensor | None
@@ -166,7 +185,7 @@ class SegmentStore:
         batch, heads, q_len, dim = keys.shape
         if real is None:
             if q_len > self.free:
-                self.reserve(torch.full((batch,), q_len, dtype=torch.int64))
+                self.reserve(np.full(batch, q_len, dtype=np.int64))
             self._append_all(keys, values, positions)
             return None
         counts = real.sum(1).cpu()  # [B]
@@ -192,12 +211,12 @@ class SegmentStore:
         """:meth:`append` of a chunk ``[B, Hkv, q, d]`` without padding: ``q`` rows for every head."""
         batch, heads, q_len, dim = keys.shape
         if self.uniform:  # one strided copy into the [B, Hkv, cap, d] view
-            capacity, length = int(self.capacity[0, 0]), int(self.length[0, 0])
+            capacity, length = int(self.host_capacity[0, 0]), int(self.host_length[0, 0])
             end = length + q_len
             self.key_buffer.view(batch, heads, capacity, dim)[:, :, length:end] = keys
             self.value_buffer.view(batch, heads, capacity, dim)[:, :, length:end] = values
             self.position_buffer.view(batch, heads, capacity)[:, :, length:end] = positions.to(torch.int32).unsqueeze(1)
-            self.row_bias[:-1].view(batch, heads, capacity)[:, :, length:end] = 0.0
+            self.row_bias[:-1].view(batch, heads, capacity)[:, :, length:end].fill_(0.0)  # no scalar tensor
         elif q_len == 1:  # a decode step: every head's next row is its first free one
             positions = positions.expand(batch, heads).reshape(-1)
             self._store(self.ends, keys.reshape(-1, dim), values.reshape(-1, dim), positions)
@@ -210,8 +229,8 @@ class SegmentStore:
                 values.reshape(-1, dim),
                 positions.unsqueeze(1).expand(batch, heads, q_len).reshape(-1),
             )
-        self.length += q_len
-        self.ends += q_len
+        self.host_length += q_len  # the host mirror: the tables' own memory, no torch op
+        self.ends += q_len  # on the device, in place
         self.free -= q_len
 
     def _store(self, target: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
@@ -225,26 +244,26 @@ class SegmentStore:
 
     def head(self, b: int, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Live ``keys [n, d]``, ``values [n, d]`` and ``positions int32 [n]`` of head (b, h) (views)."""
-        start = int(self.offset[b, h])
-        end = start + int(self.length[b, h])
+        start = int(self.host_offset[b, h])
+        end = start + int(self.host_length[b, h])
         return self.key_buffer[start:end], self.value_buffer[start:end], self.position_buffer[start:end]
 
     def live_mask(self, rows: list[int], n: int) -> torch.Tensor:
         """bool ``[R, Hkv, n]`` on the buffers' device: which of the first ``n`` rows of every head of
         batch rows ``rows`` are live."""
-        return torch.arange(n, device=self.device) < self.length[rows].to(self.device).unsqueeze(-1)
+        return torch.arange(n, device=self.device) < to_device(self.host_length[rows], self.device).unsqueeze(-1)
 
     def padded_rows(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Batch rows ``rows``' live tokens, every head padded to the longest (one gather):
         ``keys, values [R, Hkv, n, d]`` (padding zero), ``positions`` int64 ``[R, Hkv, n]`` and
         ``valid`` bool ``[R, Hkv, n]``."""
-        lengths = self.length[rows]  # [R, Hkv]
-        n = int(lengths.max()) if lengths.numel() else 0
-        row = torch.arange(n)
-        valid = row < lengths.unsqueeze(-1)  # [R, Hkv, n]
-        index = torch.where(valid, self.offset[rows].unsqueeze(-1) + row, 0).to(self.device)
-        padded = not bool(valid.all())
-        valid = valid.to(self.device)
+        lengths = self.host_length[rows]  # [R, Hkv] host: the gather is sized and indexed without a device read
+        n = int(lengths.max()) if lengths.size else 0
+        row = np.arange(n)
+        valid = row < lengths[..., None]  # [R, Hkv, n]
+        padded = not valid.all()
+        index = to_device(np.where(valid, self.host_offset[rows][..., None] + row, 0), self.device)
+        valid = to_device(valid, self.device)
         flat = index.reshape(-1)  # index_select: faster than advanced indexing on CPU (R-page-kernels-2026-11-22)
         keys = self.key_buffer.index_select(0, flat).view(*index.shape, -1)
         values = self.value_buffer.index_select(0, flat).view(*index.shape, -1)
@@ -258,7 +277,9 @@ class SegmentStore:
     def masked_rows(self, rows: list[int], mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``keys, values [R, Hkv, n, d]`` of the rows of batch rows ``rows`` marked in ``mask``
         bool ``[R, Hkv, n]`` (device; only live rows), zero elsewhere (one gather)."""
-        source = self.offset[rows].to(self.device).unsqueeze(-1) + torch.arange(mask.shape[-1], device=self.device)
+        source = to_device(self.host_offset[rows], self.device).unsqueeze(-1) + torch.arange(
+            mask.shape[-1], device=self.device
+        )
         weight = mask.unsqueeze(-1).float()  # [R, Hkv, n, 1]
         index = torch.where(mask, source, 0)
         flat = index.reshape(-1)
@@ -282,25 +303,37 @@ class SegmentStore:
         self.refresh_lengths()
         self.loose = self.loose or shrink
 
-    def keep_rows(self, rows: list[int], keep: torch.Tensor, *, shrink: bool = True) -> None:
+    def keep_rows(self, rows: list[int], keep: torch.Tensor, *, shrink: bool = True, kept=None) -> None:
         """Drop, in every head of batch rows ``rows``, the live rows not marked in ``keep`` bool
         ``[R, Hkv, n]`` (n >= the longest head; rows past a head's length are ignored): one gather and
-        one scatter move the kept rows to the front of their segments, in order."""
-        lengths = self.length[rows]  # [R, Hkv] host
+        one scatter move the kept rows to the front of their segments, in order.
+
+        ``kept`` int ``[R, Hkv]`` (host): how many rows ``keep`` marks in each head, when the caller
+        knows it (a budget's ranking keeps ``min(budget, length)``); else it is read back from the
+        device, the one synchronisation here.  No shape depends on device data: every live row
+        (known on the host) is rewritten, the ``j``-th with the ``j``-th kept row (the rows past
+        the kept ones with evicted rows, which the bias hides)."""
+        lengths = self.host_length[rows]  # [R, Hkv] host
         n = keep.shape[-1]
         device = self.device
-        row = torch.arange(n, device=device)
-        valid = row < lengths.to(device).unsqueeze(-1)
-        keep = keep.to(device) & valid
-        source = self.offset[rows].to(device).unsqueeze(-1) + row  # [R, Hkv, n] buffer rows
-        rank = keep.long().cumsum(-1) - 1
-        target = self.offset[rows].to(device).unsqueeze(-1) + rank
-        src, dst = source[keep], target[keep]
+        live = segment_rows(self.host_offset[rows].reshape(-1), lengths.reshape(-1))  # buffer rows, host
+        slots = segment_rows(np.arange(lengths.size) * n, lengths.reshape(-1))  # their places in [R * Hkv * n]
+        slots = to_device(slots, device)
+        valid = torch.arange(n, device=device) < to_device(lengths, device).unsqueeze(-1)
+        keep = keep & valid
+        # per head, the kept rows first, in order: a stable sort of "not kept"
+        order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices  # [R, Hkv, n]
+        offset = to_device(self.host_offset[rows], device).unsqueeze(-1)  # [R, Hkv, 1]
+        source = (offset + order).reshape(-1).index_select(0, slots)  # [live rows]
+        target = to_device(live, device)
         for buffer in (self.key_buffer, self.value_buffer, self.position_buffer):
-            buffer.index_copy_(0, dst, buffer.index_select(0, src))
-        kept = keep.sum(-1).cpu()  # [R, Hkv]
-        self.row_bias.index_fill_(0, source[valid & (row >= kept.to(device).unsqueeze(-1))], float("-inf"))
-        self.length[rows] = kept
+            buffer.index_copy_(0, target, buffer.index_select(0, source))
+        counts = keep.sum(-1)  # [R, Hkv] device
+        place = torch.arange(n, device=device).expand(*keep.shape).reshape(-1).index_select(0, slots)
+        stays = place < counts.reshape(-1).repeat_interleave(n).index_select(0, slots)
+        self.row_bias.index_copy_(0, target, torch.where(stays, 0.0, float("-inf")).to(self.row_bias.dtype))
+        kept = counts.cpu().numpy() if kept is None else host_array(kept)
+        self.host_length[rows] = kept
         self.refresh_lengths()
         self.loose = self.loose or shrink
 
@@ -310,20 +343,25 @@ class SegmentStore:
         latest stored position.  The memory is released (at the next :meth:`compact`) only when
         the segments are far larger than the window, e.g. after a long prefill: decode steps
         reuse their capacity."""
-        n = int(self.length.max()) if self.length.numel() else 0
+        lengths = self.host_length
+        n = int(lengths.max()) if lengths.size else 0
         if n == 0:
             return
-        batch, heads = self.length.shape
-        row = torch.arange(n)
-        valid = row < self.length.unsqueeze(-1)  # [B, Hkv, n] host
-        index = torch.where(valid, self.offset.unsqueeze(-1) + row, 0).to(self.device)
-        valid = valid.to(self.device)
+        batch, heads = lengths.shape
+        row = np.arange(n)
+        live = row < lengths[..., None]  # [B, Hkv, n] host
+        index = to_device(np.where(live, self.host_offset[..., None] + row, 0), self.device)
+        valid = to_device(live, self.device)
         positions = self.position_buffer.index_select(0, index.reshape(-1)).view(batch, heads, n).long()
         newest = torch.where(valid, positions, -1).amax(dim=(1, 2))  # [B]
         keep = valid & (positions > (newest + 1 - window).view(batch, 1, 1))
-        if bool((keep == valid).all()):
+        # which rows fall out of the window depends on the stored positions: one read of the kept
+        # counts per step (a sliding-window layer's one synchronisation), which also says whether any fell
+        kept = keep.sum(-1).cpu().numpy()  # [B, Hkv]
+        if (kept == lengths).all():
             return
-        self.keep_rows(list(range(batch)), keep, shrink=int(self.capacity.max()) > 2 * window)
+        shrink = int(self.host_capacity.max()) > 2 * window
+        self.keep_rows(list(range(batch)), keep, shrink=shrink, kept=kept)
 
     # -- accounting ------------------------------------------------------------------------
 

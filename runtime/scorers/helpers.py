@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..layout import to_device
 from ..rope import rope_matrix
 
 
@@ -150,7 +151,7 @@ def middle_chunk_attention(inputs, queries: torch.Tensor, query_positions: torch
     post-RoPE at ``query_positions [R, W]`` (``-1``: none); ``spec`` a
     :class:`~runtime.chunk_attention.ChunkSpec` (logits ``spec.scale * q.k``, None: the layer's scale).
     """
-    keys, positions, lengths = inputs.keys.float(), inputs.positions, inputs.lengths.to(inputs.keys.device)
+    keys, positions, lengths = inputs.keys.float(), inputs.positions, to_device(inputs.lengths, inputs.keys.device)
     n = keys.shape[2]
     first = lengths.clamp(max=spec.first)  # [R, Hkv]
     end = lengths - (lengths - first).clamp(max=spec.last)

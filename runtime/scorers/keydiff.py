@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..layout import to_device
 from .base import Scorer
 from .helpers import masked
 from .inputs import LayerInputs
@@ -17,7 +18,7 @@ class KeyDiffScorer(Scorer):
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         keys = inputs.keys.float()  # [R, Hkv, n, d], padding rows zero
         unit = keys / keys.norm(dim=-1, keepdim=True).clamp_min(1e-8)  # as torch.nn.functional.normalize
-        anchor = unit.sum(2) / inputs.lengths.to(keys.device).clamp_min(1).unsqueeze(-1)  # [R, Hkv, d]
+        anchor = unit.sum(2) / to_device(inputs.lengths, keys.device).clamp_min(1).unsqueeze(-1)  # [R, Hkv, d]
         anchor = anchor / anchor.norm(dim=-1, keepdim=True).clamp_min(1e-8)
         scores = -(unit @ anchor.unsqueeze(-1)).squeeze(-1)  # -cos(k_i, anchor) [R, Hkv, n]
         return masked(scores, inputs.valid)

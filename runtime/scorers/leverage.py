@@ -8,6 +8,7 @@ import torch
 
 from ..checks import check_flag, check_integer, check_number
 from ..chunk_attention import ChunkSpec
+from ..layout import to_device
 from .base import Scorer
 from .helpers import leverage_scores, masked, masked_zscore, unrotate
 from .inputs import ChunkAttentionMass, KeyRope, LayerInputs
@@ -104,7 +105,7 @@ class LeverageScorer(Scorer):
         keys = inputs.keys
         n = keys.shape[2]
         device = keys.device
-        lengths = inputs.lengths.to(device)
+        lengths = to_device(inputs.lengths, device)
         first = lengths.clamp(max=self.exclude_first)  # [R, Hkv]
         last = (lengths - first).clamp(max=self.exclude_last)
         index = torch.arange(n, device=device)
