@@ -190,48 +190,33 @@ def policies(keep: float, calibration):
 # -- parts -----------------------------------------------------------------------------------
 
 
-def run_job(args, model_dir: Path, results: dict, save) -> Path | None:
-    artifact = Path(args.work) / f"{args.job_preset}.h5"
-    command = [
-        sys.executable,
-        "-m",
-        "profiler.cli",
-        str(model_dir),
-        "--preset",
-        args.job_preset,
-        "--out",
-        str(artifact),
-    ]
-    command += ["--force", "--no-progress", *args.job_args.split()]
-    log(f"profile-model --preset {args.job_preset}")
+def run_command(name: str, command: list[str], results: dict, save) -> int:
+    """Run one of kvcal's commands in its own process; its exit, seconds and output tails go to ``results[name]``."""
+    log(name)
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
-    results["profile_job"] = {
+    done = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, cwd=REPO)
+    results[name] = {
         "seconds": time.perf_counter() - start,
         "exit": done.returncode,
         "stdout": done.stdout[-6000:],
         "stderr": done.stderr[-6000:],
     }
     save()
-    log(f"profile-model exit {done.returncode} in {results['profile_job']['seconds']:.1f} s")
-    if done.returncode != 0:
+    log(f"{name}: exit {done.returncode} in {results[name]['seconds']:.1f} s")
+    return done.returncode
+
+
+def run_job(args, model_dir: Path | None, results: dict, save) -> Path | None:
+    """``profile-model --preset JOB_PRESET`` (and with ``--evaluate``, ``evaluate-artifact``); the artifact."""
+    artifact = Path(args.work) / f"{args.job_preset}.h5"
+    model = [str(model_dir)] if model_dir else []
+    command = ["profiler.cli", *model, "--preset", args.job_preset, "--out", str(artifact), "--force"]
+    if run_command("profile_job", [*command, "--no-progress", *args.job_args.split()], results, save) != 0:
         return None
     if args.evaluate:
-        command = [sys.executable, "-m", "profiler.evaluate_cli", *([str(model_dir)] if model_dir else [])]
-        command += ["--artifact", str(artifact)]
-        command += ["--preset", "smoke", "--compression-ratios", "0.75", "--no-progress", "--max-new-tokens", "8"]
-        command += ["--policies", f"baseline,uniform/keydiff,{FLAGSHIP.name}"]
-        log("evaluate-artifact")
-        start = time.perf_counter()
-        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
-        results["evaluate"] = {
-            "seconds": time.perf_counter() - start,
-            "exit": done.returncode,
-            "stdout": done.stdout[-6000:],
-            "stderr": done.stderr[-6000:],
-        }
-        save()
-        log(f"evaluate-artifact exit {done.returncode} in {results['evaluate']['seconds']:.1f} s")
+        command = ["profiler.evaluate_cli", *model, "--artifact", str(artifact), "--preset", "smoke"]
+        command += ["--compression-ratios", "0.75", "--no-progress", "--max-new-tokens", "8"]
+        run_command("evaluate", [*command, "--policies", f"baseline,uniform/keydiff,{FLAGSHIP.name}"], results, save)
     return artifact
 
 
