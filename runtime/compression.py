@@ -272,7 +272,7 @@ def prefill_and_compress(
     budgets = np.zeros((batch, num_layers, plan.num_kv_heads), dtype=np.int64)
     lengths_before = np.zeros((num_layers, batch, plan.num_kv_heads), dtype=np.int64)
     evictor = HeadEvictor(plan)
-    tables: dict[tuple[int, int | None], np.ndarray] = {}  # (real tokens, window) -> [L, Hkv] budgets
+    tables: dict[tuple[int, int | None], np.ndarray] = {}  # (real tokens, window) -> [L, Hkv] budgets under it
     spent = {"seconds": 0.0, "bytes_before": 0, "peak": 0}
 
     def evict(layer) -> None:
@@ -287,10 +287,8 @@ def prefill_and_compress(
         rows = [b for b in range(layer.batch_size) if layer.real_seen[b] > 0]  # an all-padding row holds nothing
         for b in rows:
             key = (layer.real_seen[b], layer.window)
-            if key not in tables:
-                windows = [None] * num_layers
-                windows[index] = layer.window
-                tables[key] = plan.head_budgets(layer.real_seen[b], windows)
+            if key not in tables:  # a layer's budgets depend on its own window only: give every layer this one
+                tables[key] = plan.head_budgets(layer.real_seen[b], [layer.window] * num_layers)
             budgets[b, index] = tables[key][index]
         with label("kvcal.eviction"):
             evictor.evict_layer(layer, index, rows, budgets[rows, index], [layer.real_seen[b] for b in rows])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_llama
+from tiny_architectures import make_tiny
 
 from runtime import (
     CompressionPolicy,
@@ -104,6 +105,21 @@ def test_evicting_inside_the_prefill_keeps_what_prefill_then_compress_keeps(name
     expected_sequences, expected_logits = greedy_logits(model, reference, ids, mask)
     assert torch.equal(sequences, expected_sequences)
     torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mistral-sw", "gemma3"])
+@torch.no_grad()
+def test_sliding_window_layers_keep_what_prefill_then_compress_keeps(name):
+    """Sliding-window layers get the budgets of what they hold (W - 1 tokens), each layer its own
+    (Gemma 3 mixes sliding and full layers)."""
+    model = make_tiny(name)
+    ids, mask, columns = left_padded_batch()
+    ids = ids.clamp(max=model.config.vocab_size - 1)
+    plan = bind(CompressionPolicy(keep_ratio=0.25, scorer="keydiff"), None, model)
+    reference, expected = two_step(model, ids[:, :columns], mask[:, :columns], plan)
+    cache, report = one_step(model, ids[:, :columns], mask[:, :columns], plan)
+    assert (report.budgets == expected.budgets).all()
+    assert_same_cache(cache, reference)
 
 
 @torch.no_grad()
