@@ -491,10 +491,7 @@ def _check_journal(args):
         if args.resume:
             raise ValueError("--resume continues the journal kept beside --json OUT: give the interrupted run's --json")
         return None
-    from artifacts.atomic import check_output_path
-
-    journal, out = journal_path(args.json_out), Path(args.json_out)
-    check_output_path(journal, "evaluation journal")
+    journal, out = journal_path(args.json_out), Path(args.json_out)  # checked by _check_outputs
     if args.force:
         return None
     if journal.exists():
@@ -525,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         check_given(options(), args)  # --attn-implementation (imports transformers)
         _check_outputs(args, None)  # before anything is read: a directory, a device, an unwritable place
         args.config = load_config(args.model)  # the model exists (its weights are not read)
+        _check_outputs(args, _found_artifact(args))  # before the lock of --json is taken
     except (ValueError, OSError, ModelError) as exc:
         return fail("evaluate-artifact", exc)
     with contextlib.ExitStack() as held:
@@ -557,10 +555,35 @@ def _artifact_path(args) -> Path:
     return artifact_of_source(resolve_model(args.model), give_path="give --artifact")
 
 
+def _found_artifact(args) -> Path | None:
+    """The artifact the run will read when it can be found now, else None (:func:`_run` reports why, in
+    its turn): what the lock of --json, taken before that, is checked against."""
+    from artifacts import ArtifactError
+    from runtime.models import ModelError
+
+    try:
+        return _artifact_path(args)
+    except (ValueError, OSError, ArtifactError, ModelError):
+        return None
+
+
 def _check_outputs(args, artifact: Path | None) -> None:
-    """--json and --html: writable, not the artifact (nor a link to it), not each other, and not over a
-    file that is not their kind (an HDF5 file) without --force; the journal, --resume and --force."""
-    check_outputs(options(), args, inputs=[artifact] if artifact is not None else [], force=args.force)
+    """--json and --html, and the files written beside them (the journal ``OUT.partial.jsonl`` and
+    the lock ``OUT.lock`` of --json; the artifact's lock with --write-recommendation): writable, not
+    the artifact (nor a link to it, even with --force), not each other, and --json and --html not
+    over a file that is not their kind (an HDF5 file) without --force (``_check_journal``: an
+    existing journal, --resume and --force)."""
+    from artifacts.atomic import lock_file_path
+
+    also = []
+    if args.json_out:
+        also += [
+            ("the journal of --json", journal_path(args.json_out), "evaluation journal"),
+            ("the lock of --json", lock_file_path(args.json_out), "lock file"),
+        ]
+    if artifact is not None and args.write_recommendation:
+        also.append(("the artifact's lock", lock_file_path(artifact), "lock file"))
+    check_outputs(options(), args, inputs=[artifact] if artifact is not None else [], force=args.force, also=also)
 
 
 def _run(args) -> int:
@@ -582,7 +605,7 @@ def _run(args) -> int:
             raise ValueError("--write-recommendation records question-agnostic measurements; drop --question-aware")
         previous = _check_journal(args)
         artifact = _artifact_path(args)
-        _check_outputs(args, artifact)
+        _check_outputs(args, artifact)  # the journal and the locks too: never the artifact, even through a link
         # read, validated and checked against the policies before the model loads
         policies = _servable_in_file(artifact, policies, args)
         if args.write_recommendation:

@@ -188,6 +188,20 @@ def _evaluate_cases() -> list[Case]:
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{other}")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{emptydir}")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/r.json", "--html", "{tmp}/r.json")),
+        # issue 41: the journal OUT.partial.jsonl and the lock OUT.lock are written too: never over the
+        # artifact (through a link, even with --force), nor over the other outputs
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/linked.json", "--force")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/linked.json", "--resume")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/linked.json")),
+        Case("evaluate-artifact", (*EVAL_BASE, "--artifact", "{journalart}", "--json", "{tmp}/copy.json", "--force")),
+        Case("evaluate-artifact", (*EVAL_BASE, "--artifact", "{journalart}", "--json", "{tmp}/copy.json")),
+        Case(
+            "evaluate-artifact", (*EVAL_BASE, "--artifact", "{journallink}", "--json", "{tmp}/linked.json", "--force")
+        ),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/r.json", "--html", "{tmp}/r.json.partial.jsonl")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/locked.json", "--force")),
+        Case("evaluate-artifact", (*EVAL_BASE, "--artifact", "{lockart}", "--json", "{tmp}/held.json", "--force")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/r.json", "--html", "{tmp}/r.json.lock")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--resume")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/r.json", "--resume", "--force")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--nope")),
@@ -375,10 +389,29 @@ def workspace(tmp_path, artifact_templates) -> dict[str, str]:
     (tmp_path / "data.csv").write_text("a,b\n1,2\n")
     emptydir = tmp_path / "emptydir"
     emptydir.mkdir()
-    links = {"artlink": paths["art"], "badlink": paths["bad"], "textlink": text}
+    # artifacts where evaluate-artifact --json {tmp}/copy.json would keep its journal, --json {tmp}/held.json its lock
+    paths["journalart"] = tmp_path / "copy.json.partial.jsonl"
+    shutil.copy(paths["art"], paths["journalart"])
+    paths["lockart"] = tmp_path / "held.json.lock"
+    shutil.copy(paths["art"], paths["lockart"])
+    links = {
+        "artlink": paths["art"],
+        "badlink": paths["bad"],
+        "textlink": text,
+        "journallink": paths["art"],  # the journal of --json {tmp}/linked.json
+        "locklink": paths["art"],  # the lock of --json {tmp}/locked.json
+    }
+    names = {"journallink": "linked.json.partial.jsonl", "locklink": "locked.json.lock"}
     for name, target in links.items():
-        (tmp_path / name).symlink_to(target)
-    paths.update({"text": text, "empty": empty, "emptydir": emptydir, **{name: tmp_path / name for name in links}})
+        (tmp_path / names.get(name, name)).symlink_to(target)
+    paths.update(
+        {
+            "text": text,
+            "empty": empty,
+            "emptydir": emptydir,
+            **{name: tmp_path / names.get(name, name) for name in links},
+        }
+    )
     return {name: str(path) for name, path in paths.items()}
 
 
