@@ -234,7 +234,8 @@ def options() -> tuple:
             "(a dearer one: better), docs/artifact-format.md; when the section already holds per-task outcomes "
             "at the same ratios of policies this run measured too, the new tasks are added to them (use another "
             "--seed; a task run again counts once) and the rule decides on all, among the recorded policies; "
-            "the artifact is rewritten atomically, its other sections kept",
+            "the artifact is rewritten atomically, its other sections kept, and only if it is still the file "
+            "the run read at its start (its SHA-256; else refused, nothing written)",
         ),
         Option(
             "--paired-tolerance",
@@ -390,9 +391,12 @@ def write_recommendation(
     extend: bool = True,
     tolerance: float = DEFAULT_TOLERANCE,
     confidence: float = DEFAULT_CONFIDENCE,
+    expected_sha256: str | None = None,
 ) -> str:
     """Rewrite the artifact at ``path`` with a ``recommendation`` section from ``evaluation`` (under
     the output's lock: a profile-model run writing it at the same time is refused, not overwritten).
+    ``expected_sha256``: the SHA-256 of the artifact the run measured, as read at its start; a file
+    that differs now (replaced or edited during the run) is refused (ValueError), nothing written.
 
     When the artifact's section recorded per-task outcomes (schema 1.4) at the same compression
     ratios of candidates this run measured too, and ``extend``, the new tasks are added to them and
@@ -407,6 +411,11 @@ def write_recommendation(
     tasks = evaluation["tasks"]
     ratios = sorted({float(r["compression_ratio"]) for r in evaluation["results"]})
     with output_lock(path, "evaluate-artifact"):
+        if expected_sha256 is not None and _file_digest(path) != expected_sha256:
+            raise ValueError(
+                f"{path} changed since the run read it (SHA-256 {expected_sha256[:12]}... at the start, "
+                f"{_file_digest(path)[:12]}... now): its results measured another file; nothing was written, run again"
+            )
         with open_artifact(path) as reader:
             sections = {name: reader.section(name) for name in reader.sections}
             config, identity = dict(reader.config), reader.model
@@ -606,6 +615,8 @@ def _run(args) -> int:
         previous = _check_journal(args)
         artifact = _artifact_path(args)
         _check_outputs(args, artifact)  # the journal and the locks too: never the artifact, even through a link
+        # the file this run measures: --write-recommendation writes into it only if it is still this one
+        started_sha256 = _file_digest(artifact) if args.write_recommendation else None
         # read, validated and checked against the policies before the model loads
         policies = _servable_in_file(artifact, policies, args)
         if args.write_recommendation:
@@ -717,6 +728,7 @@ def _run(args) -> int:
                 extend=not args.replace_recommendation,
                 tolerance=args.paired_tolerance / 100.0,
                 confidence=args.paired_confidence,
+                expected_sha256=started_sha256,
             )
         except (ValueError, OSError, ArtifactError) as exc:
             LOG.error(f"evaluate-artifact: could not write the recommendation into {calibration.path}: {exc}")
