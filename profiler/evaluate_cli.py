@@ -116,7 +116,7 @@ def options() -> tuple:
             "policies",
             ListOf(Text()),
             DEFAULT_POLICIES,
-            "comma-separated policies, cheapest to serve first (the paired rule's cost order: one listed before "
+            "comma-separated policies, each once, cheapest to serve first (the paired rule's cost order: one listed before "
             f"the flagship is cheaper than it, one after dearer). Default: {','.join(DEFAULT_POLICIES)} (those the "
             "artifact cannot serve are left out)",
             shown="POLICIES",
@@ -343,6 +343,17 @@ def _servable(policies, calibration, ratio: float, explicit: bool, quiet: bool =
             continue
         kept.append(spec)
     return kept
+
+
+def _check_distinct(policies) -> None:
+    """No policy twice in --policies, by one name or two (``flagship`` is ``inf/leverage+correction``):
+    ValueError before the model loads (the paired rule needs each once; it was a traceback after the
+    whole evaluation)."""
+    for index, spec in enumerate(policies):
+        for earlier in policies[:index]:
+            if earlier.is_baseline == spec.is_baseline and earlier.policy(0.5) == spec.policy(0.5):
+                same = "" if earlier.name == spec.name else f" ({earlier.name} and {spec.name} are the same policy)"
+                raise ValueError(f"--policies names {earlier.name} twice{same}: give each policy once")
 
 
 def _check_recommendable(args, policies) -> None:
@@ -608,6 +619,7 @@ def _run(args) -> int:
 
     try:
         policies = [parse_policy(text) for text in args.policies]
+        _check_distinct(policies)
         if not any(p.is_baseline for p in policies):
             policies.insert(0, parse_policy("baseline"))
         if args.write_recommendation and args.question_aware:

@@ -162,6 +162,10 @@ def _evaluate_cases() -> list[Case]:
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "baseline", "--write-recommendation")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "global/kvzip", "--write-recommendation")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--write-recommendation", "--question-aware")),
+        # issue 41: a policy twice, by one name or two (after the whole evaluation, a traceback)
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "baseline,flagship,flagship"), needs="twice"),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "flagship,inf/leverage+correction"), needs="twice"),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "uniform/keydiff,baseline,baseline"), needs="twice"),
         # numbers
         *(
             Case("evaluate-artifact", (*EVAL_BASE, *art, f"{flag}={value}"))
