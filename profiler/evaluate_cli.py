@@ -116,9 +116,9 @@ def options() -> tuple:
             "policies",
             ListOf(Text()),
             DEFAULT_POLICIES,
-            "comma-separated policies, each once, cheapest to serve first (the paired rule's cost order: one listed before "
-            f"the flagship is cheaper than it, one after dearer). Default: {','.join(DEFAULT_POLICIES)} (those the "
-            "artifact cannot serve are left out)",
+            "comma-separated policies, each once, cheapest to serve first (the paired rule's cost order: one listed "
+            f"before the flagship is cheaper than it, one after dearer). Default: {','.join(DEFAULT_POLICIES)} (those "
+            "the artifact cannot serve are left out)",
             shown="POLICIES",
         ),
         Option(
@@ -260,7 +260,8 @@ def options() -> tuple:
             "replace_recommendation",
             Switch(),
             False,
-            "with --write-recommendation: decide on this run's tasks alone, dropping the recorded ones",
+            "with --write-recommendation (refused without it): decide on this run's tasks alone, dropping the "
+            "recorded ones",
         ),
         Option("--html", "html_out", OutputFile(what="HTML report"), None, "write the HTML report to OUT"),
         Option(
@@ -624,6 +625,11 @@ def _run(args) -> int:
             policies.insert(0, parse_policy("baseline"))
         if args.write_recommendation and args.question_aware:
             raise ValueError("--write-recommendation records question-agnostic measurements; drop --question-aware")
+        if args.replace_recommendation and not args.write_recommendation:
+            raise ValueError(
+                "--replace-recommendation says how --write-recommendation records this run's tasks; without "
+                "--write-recommendation nothing is recorded: add it, or drop --replace-recommendation"
+            )
         previous = _check_journal(args)
         artifact = _artifact_path(args)
         _check_outputs(args, artifact)  # the journal and the locks too: never the artifact, even through a link

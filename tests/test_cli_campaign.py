@@ -166,6 +166,8 @@ def _evaluate_cases() -> list[Case]:
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "baseline,flagship,flagship"), needs="twice"),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "flagship,inf/leverage+correction"), needs="twice"),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "uniform/keydiff,baseline,baseline"), needs="twice"),
+        # issue 41: an option that only means something with another (silently ignored)
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--replace-recommendation"), needs="--write-recommendation"),
         # numbers
         *(
             Case("evaluate-artifact", (*EVAL_BASE, *art, f"{flag}={value}"))
