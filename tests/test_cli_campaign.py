@@ -83,6 +83,20 @@ def _kind_values(kind) -> list[str]:
     return []
 
 
+def _unavailable_attention() -> list[str]:
+    """Attention implementations transformers knows that this machine cannot run (issue 41: an
+    ImportError traceback once loading began): flash-attn without its package or a CUDA device, a hub
+    kernel without the ``kernels`` package."""
+    from transformers.utils import import_utils
+
+    names = []
+    if not import_utils.is_kernels_available():
+        names.append("kernels-community/flash-attn")
+        if not import_utils.is_flash_attn_2_available():
+            names.append("flash_attention_2")
+    return names
+
+
 def _profile_cases() -> list[Case]:
     from profiler.stages import settings_options
 
@@ -110,6 +124,7 @@ def _profile_cases() -> list[Case]:
         Case("profile-model", (*PROFILE_BASE, "--checkpoint-every", HUGE)),
         Case("profile-model", (*PROFILE_BASE, "--dtype", "float64")),
         Case("profile-model", (*PROFILE_BASE, "--attn-implementation", "nope")),
+        *(Case("profile-model", (*PROFILE_BASE, "--attn-implementation", name)) for name in _unavailable_attention()),
         Case("profile-model", ("{tmp}/no-such-model", *PROFILE_BASE)),
         Case("profile-model", ("{text}", *PROFILE_BASE)),
         # D10: beyond the model's 8192 positions, and absurd
@@ -162,6 +177,10 @@ def _evaluate_cases() -> list[Case]:
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "baseline", "--write-recommendation")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "global/kvzip", "--write-recommendation")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--write-recommendation", "--question-aware")),
+        *(
+            Case("evaluate-artifact", (*EVAL_BASE, *art, "--attn-implementation", name))
+            for name in _unavailable_attention()
+        ),
         # issue 41: a policy twice, by one name or two (after the whole evaluation, a traceback)
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "baseline,flagship,flagship"), needs="twice"),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "flagship,inf/leverage+correction"), needs="twice"),
