@@ -300,23 +300,30 @@ def check_given(options: Sequence[Option | Renamed], args) -> None:
                 option.check(value)
 
 
-def check_outputs(options: Sequence[Option | Renamed], args, inputs=(), force: bool = False) -> None:
+def check_outputs(
+    options: Sequence[Option | Renamed], args, inputs=(), force: bool = False, also: Sequence[tuple] = ()
+) -> None:
     """Every :class:`OutputFile` option given, by ``artifacts.atomic.check_output_path``'s rules
     (``inputs``: the files the command reads, which no output may replace), and no two outputs
-    naming one file: ``OutputError`` (an ``OSError``) or ``ValueError`` before anything is written."""
+    naming one file: ``OutputError`` (an ``OSError``) or ``ValueError`` before anything is written.
+
+    ``also``: the other files the command writes, ``(name, path, what)`` each (evaluate-artifact's
+    journal ``OUT.partial.jsonl`` and lock ``OUT.lock``): checked the same way (never an input, even
+    through a link or with ``force``; not another output), their kind left to the command."""
     import os
 
     from artifacts.atomic import check_output_path
 
     outputs = [
-        (option, getattr(args, option.dest))
+        (option.flag, getattr(args, option.dest), option.kind.what, option.kind.text)
         for option in options
         if isinstance(option, Option) and isinstance(option.kind, OutputFile) and getattr(args, option.dest)
     ]
-    seen: dict[str, Option] = {}
-    for option, path in outputs:
+    outputs += [(name, path, what, False) for name, path, what in also]
+    seen: dict[str, str] = {}
+    for name, path, what, text in outputs:
         real = os.path.realpath(path)
         if real in seen:
-            raise ValueError(f"{seen[real].flag} and {option.flag} name the same file {path}: give each its own")
-        seen[real] = option
-        check_output_path(path, option.kind.what, inputs=inputs, text=option.kind.text, force=force)
+            raise ValueError(f"{seen[real]} and {name} name the same file {path}: give each its own")
+        seen[real] = name
+        check_output_path(path, what, inputs=inputs, text=text, force=force)

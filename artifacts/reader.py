@@ -20,6 +20,7 @@ would poison serving are refused too: magnitudes, and each section's relations
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -106,11 +107,12 @@ def is_artifact_file(path: str | os.PathLike) -> bool:
 
 
 def _parse_version(text: str) -> tuple[int, int]:
-    try:
-        major, minor = (int(part) for part in text.split("."))
-    except ValueError as exc:
-        raise ArtifactError(f"schema_version {text!r} is not of the form MAJOR.MINOR") from exc
-    return major, minor
+    """``"MAJOR.MINOR"``, both non-negative integers in ASCII digits (``int()`` alone also reads "-1",
+    "+6", " 1", "1_0" and other scripts' digits: "1.-1" validated)."""
+    match = re.fullmatch(r"([0-9]+)\.([0-9]+)", text)
+    if match is None:
+        raise ArtifactError(f"schema_version {text!r} is not of the form MAJOR.MINOR (two non-negative integers)")
+    return int(match[1]), int(match[2])
 
 
 class ArtifactReader:

@@ -67,6 +67,9 @@ def model_identity_from_attrs(attrs) -> ModelIdentity:
         if name not in attrs:
             raise ArtifactError(f"/model: required attribute {name!r} is missing")
         values[name] = coerce_attr("/model", name, attrs[name], kind)
+        if name in OPTIONAL_MODEL_ATTRS and values[name] == "":
+            # the writer leaves an absent one out: empty text would read as absent, changing no digest
+            raise ArtifactError(f"/model: attribute {name!r} is empty text (a file without one leaves it out)")
     identity = ModelIdentity(**values)
     check_model_identity(identity)
     return identity

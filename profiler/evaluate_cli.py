@@ -116,9 +116,9 @@ def options() -> tuple:
             "policies",
             ListOf(Text()),
             DEFAULT_POLICIES,
-            "comma-separated policies, cheapest to serve first (the paired rule's cost order: one listed before "
-            f"the flagship is cheaper than it, one after dearer). Default: {','.join(DEFAULT_POLICIES)} (those the "
-            "artifact cannot serve are left out)",
+            "comma-separated policies, each once, cheapest to serve first (the paired rule's cost order: one listed "
+            f"before the flagship is cheaper than it, one after dearer). Default: {','.join(DEFAULT_POLICIES)} (those "
+            "the artifact cannot serve are left out)",
             shown="POLICIES",
         ),
         Option(
@@ -234,7 +234,8 @@ def options() -> tuple:
             "(a dearer one: better), docs/artifact-format.md; when the section already holds per-task outcomes "
             "at the same ratios of policies this run measured too, the new tasks are added to them (use another "
             "--seed; a task run again counts once) and the rule decides on all, among the recorded policies; "
-            "the artifact is rewritten atomically, its other sections kept",
+            "the artifact is rewritten atomically, its other sections kept, and only if it is still the file "
+            "the run read at its start (its SHA-256; else refused, nothing written)",
         ),
         Option(
             "--paired-tolerance",
@@ -259,7 +260,8 @@ def options() -> tuple:
             "replace_recommendation",
             Switch(),
             False,
-            "with --write-recommendation: decide on this run's tasks alone, dropping the recorded ones",
+            "with --write-recommendation (refused without it): decide on this run's tasks alone, dropping the "
+            "recorded ones",
         ),
         Option("--html", "html_out", OutputFile(what="HTML report"), None, "write the HTML report to OUT"),
         Option(
@@ -344,6 +346,17 @@ def _servable(policies, calibration, ratio: float, explicit: bool, quiet: bool =
     return kept
 
 
+def _check_distinct(policies) -> None:
+    """No policy twice in --policies, by one name or two (``flagship`` is ``inf/leverage+correction``):
+    ValueError before the model loads (the paired rule needs each once; it was a traceback after the
+    whole evaluation)."""
+    for index, spec in enumerate(policies):
+        for earlier in policies[:index]:
+            if earlier.is_baseline == spec.is_baseline and earlier.policy(0.5) == spec.policy(0.5):
+                same = "" if earlier.name == spec.name else f" ({earlier.name} and {spec.name} are the same policy)"
+                raise ValueError(f"--policies names {earlier.name} twice{same}: give each policy once")
+
+
 def _check_recommendable(args, policies) -> None:
     if args.write_recommendation and not any(not p.is_baseline and not p.needs_reconstruction for p in policies):
         raise ValueError(
@@ -390,9 +403,12 @@ def write_recommendation(
     extend: bool = True,
     tolerance: float = DEFAULT_TOLERANCE,
     confidence: float = DEFAULT_CONFIDENCE,
+    expected_sha256: str | None = None,
 ) -> str:
     """Rewrite the artifact at ``path`` with a ``recommendation`` section from ``evaluation`` (under
     the output's lock: a profile-model run writing it at the same time is refused, not overwritten).
+    ``expected_sha256``: the SHA-256 of the artifact the run measured, as read at its start; a file
+    that differs now (replaced or edited during the run) is refused (ValueError), nothing written.
 
     When the artifact's section recorded per-task outcomes (schema 1.4) at the same compression
     ratios of candidates this run measured too, and ``extend``, the new tasks are added to them and
@@ -407,6 +423,11 @@ def write_recommendation(
     tasks = evaluation["tasks"]
     ratios = sorted({float(r["compression_ratio"]) for r in evaluation["results"]})
     with output_lock(path, "evaluate-artifact"):
+        if expected_sha256 is not None and _file_digest(path) != expected_sha256:
+            raise ValueError(
+                f"{path} changed since the run read it (SHA-256 {expected_sha256[:12]}... at the start, "
+                f"{_file_digest(path)[:12]}... now): its results measured another file; nothing was written, run again"
+            )
         with open_artifact(path) as reader:
             sections = {name: reader.section(name) for name in reader.sections}
             config, identity = dict(reader.config), reader.model
@@ -491,10 +512,7 @@ def _check_journal(args):
         if args.resume:
             raise ValueError("--resume continues the journal kept beside --json OUT: give the interrupted run's --json")
         return None
-    from artifacts.atomic import check_output_path
-
-    journal, out = journal_path(args.json_out), Path(args.json_out)
-    check_output_path(journal, "evaluation journal")
+    journal, out = journal_path(args.json_out), Path(args.json_out)  # checked by _check_outputs
     if args.force:
         return None
     if journal.exists():
@@ -525,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         check_given(options(), args)  # --attn-implementation (imports transformers)
         _check_outputs(args, None)  # before anything is read: a directory, a device, an unwritable place
         args.config = load_config(args.model)  # the model exists (its weights are not read)
+        _check_outputs(args, _found_artifact(args))  # before the lock of --json is taken
     except (ValueError, OSError, ModelError) as exc:
         return fail("evaluate-artifact", exc)
     with contextlib.ExitStack() as held:
@@ -557,10 +576,35 @@ def _artifact_path(args) -> Path:
     return artifact_of_source(resolve_model(args.model), give_path="give --artifact")
 
 
+def _found_artifact(args) -> Path | None:
+    """The artifact the run will read when it can be found now, else None (:func:`_run` reports why, in
+    its turn): what the lock of --json, taken before that, is checked against."""
+    from artifacts import ArtifactError
+    from runtime.models import ModelError
+
+    try:
+        return _artifact_path(args)
+    except (ValueError, OSError, ArtifactError, ModelError):
+        return None
+
+
 def _check_outputs(args, artifact: Path | None) -> None:
-    """--json and --html: writable, not the artifact (nor a link to it), not each other, and not over a
-    file that is not their kind (an HDF5 file) without --force; the journal, --resume and --force."""
-    check_outputs(options(), args, inputs=[artifact] if artifact is not None else [], force=args.force)
+    """--json and --html, and the files written beside them (the journal ``OUT.partial.jsonl`` and
+    the lock ``OUT.lock`` of --json; the artifact's lock with --write-recommendation): writable, not
+    the artifact (nor a link to it, even with --force), not each other, and --json and --html not
+    over a file that is not their kind (an HDF5 file) without --force (``_check_journal``: an
+    existing journal, --resume and --force)."""
+    from artifacts.atomic import lock_file_path
+
+    also = []
+    if args.json_out:
+        also += [
+            ("the journal of --json", journal_path(args.json_out), "evaluation journal"),
+            ("the lock of --json", lock_file_path(args.json_out), "lock file"),
+        ]
+    if artifact is not None and args.write_recommendation:
+        also.append(("the artifact's lock", lock_file_path(artifact), "lock file"))
+    check_outputs(options(), args, inputs=[artifact] if artifact is not None else [], force=args.force, also=also)
 
 
 def _run(args) -> int:
@@ -576,13 +620,21 @@ def _run(args) -> int:
 
     try:
         policies = [parse_policy(text) for text in args.policies]
+        _check_distinct(policies)
         if not any(p.is_baseline for p in policies):
             policies.insert(0, parse_policy("baseline"))
         if args.write_recommendation and args.question_aware:
             raise ValueError("--write-recommendation records question-agnostic measurements; drop --question-aware")
+        if args.replace_recommendation and not args.write_recommendation:
+            raise ValueError(
+                "--replace-recommendation says how --write-recommendation records this run's tasks; without "
+                "--write-recommendation nothing is recorded: add it, or drop --replace-recommendation"
+            )
         previous = _check_journal(args)
         artifact = _artifact_path(args)
-        _check_outputs(args, artifact)
+        _check_outputs(args, artifact)  # the journal and the locks too: never the artifact, even through a link
+        # the file this run measures: --write-recommendation writes into it only if it is still this one
+        started_sha256 = _file_digest(artifact) if args.write_recommendation else None
         # read, validated and checked against the policies before the model loads
         policies = _servable_in_file(artifact, policies, args)
         if args.write_recommendation:
@@ -694,6 +746,7 @@ def _run(args) -> int:
                 extend=not args.replace_recommendation,
                 tolerance=args.paired_tolerance / 100.0,
                 confidence=args.paired_confidence,
+                expected_sha256=started_sha256,
             )
         except (ValueError, OSError, ArtifactError) as exc:
             LOG.error(f"evaluate-artifact: could not write the recommendation into {calibration.path}: {exc}")

@@ -25,6 +25,12 @@ def _describe_range(minimum, maximum, above, below) -> str:
     return " and ".join(parts)
 
 
+def is_number(value) -> bool:
+    """Whether ``value`` is a real number: a Python or numpy integer or float (``np.int64(0)``,
+    ``np.float32(0.5)``), not a bool (nor numpy's ``bool_``)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+
+
 def check_integer(name: str, value, *, minimum: int | None = None, odd: bool = False) -> int:
     """``value`` as an ``int`` when it is an integer (not a bool or a float) ``>= minimum`` (odd if asked)."""
     what = "an integer" if minimum is None else ("a positive integer" if minimum == 1 else f"an integer >= {minimum}")
@@ -49,7 +55,7 @@ def check_number(
     """``value`` as a ``float`` when it is a finite real number (not a bool) in the given range."""
     bounds = _describe_range(minimum, maximum, above, below)
     what = "a finite number" + (f" {bounds}" if bounds else "")
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_number(value):
         raise ValueError(f"{name} must be {what}, got {value!r}")
     number = float(value)
     if (

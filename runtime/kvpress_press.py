@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from kvpress.presses.base_press import BasePress
 
+from .checks import is_number
 from .chunk_attention import ChunkAttention
 from .eviction import HeadEvictor
 from .policy import CompressionPolicy
@@ -118,7 +119,7 @@ class CalibratedPress(BasePress):
         """The policy served at the press's ``compression_ratio`` (checked, refused where kvpress cannot
         serve it); called again when kvpress (or a user) sets ``compression_ratio`` after construction."""
         ratio = self.compression_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) < 1.0:
+        if not is_number(ratio) or not 0.0 <= float(ratio) < 1.0:  # np.float32(0.5) is a number; True is not
             raise ValueError(f"compression_ratio (the fraction evicted) must be a number in [0, 1), got {ratio!r}")
         requested = self._requested
         if requested is None:

@@ -377,7 +377,8 @@ DTYPE_HELP = "auto (the checkpoint's), float32, bfloat16 or float16 (default: fl
 AUTO_ATTENTION = "auto"
 ATTENTION_HELP = (
     "auto (default: sdpa, or eager for a model that soft-caps its attention logits), eager, sdpa, "
-    "flash_attention_2, ... as transformers accepts them"
+    "flash_attention_2, ... as transformers accepts them, or a hub kernel org/repo (refused if it cannot "
+    "run here)"
 )
 
 

@@ -51,7 +51,7 @@ from dataclasses import InitVar, dataclass, field
 import numpy as np
 
 from .budgets import allocate_budgets, curve_row
-from .checks import check_flag, check_integer, check_number
+from .checks import check_flag, check_integer, check_number, is_number
 from .names import ALLOCATIONS, CORRECTIONS, STATISTICS
 from .scorers import SCORERS, LearnedWeights, QueryCentres, Scorer, make_scorer, query_statistics
 
@@ -191,8 +191,10 @@ class CompressionPolicy:
             )
         for name in ("compression_ratio", "keep_ratio"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float, np.floating))):
-                raise ValueError(f"{name} must be a number, got {value!r}")
+            if value is not None:
+                if not is_number(value):  # np.int64(0) and np.float32(0.5) are numbers; True is not
+                    raise ValueError(f"{name} must be a number, got {value!r}")
+                object.__setattr__(self, name, float(value))
         if self.compression_ratio is not None and not (0.0 <= float(self.compression_ratio) < 1.0):
             raise ValueError(f"compression_ratio (fraction evicted) must be in [0, 1), got {self.compression_ratio}")
         if self.keep_ratio is not None and not (0.0 < float(self.keep_ratio) <= 1.0):

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .checks import is_number
 from .policy import CompressionPolicy
 from .policy_spec import ARTIFACT_FREE, FLAGSHIP, INF_LEVERAGE, PolicySpec, parse_policy
 
@@ -88,7 +89,7 @@ def fallback_spec(calibration) -> PolicySpec:
 
 def recommended_spec(calibration, compression_ratio: float) -> PolicySpec:
     """The policy to serve at ``compression_ratio`` with ``calibration`` (see the module docstring)."""
-    if isinstance(compression_ratio, bool) or not isinstance(compression_ratio, (int, float, np.floating)):
+    if not is_number(compression_ratio):  # np.int64(0) and np.float32(0.5) are numbers; True is not
         raise ValueError(f"compression_ratio must be a number, got {compression_ratio!r}")
     if not 0.0 <= float(compression_ratio) < 1.0:
         raise ValueError(f"compression_ratio (fraction evicted) must be in [0, 1), got {compression_ratio}")

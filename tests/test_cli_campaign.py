@@ -83,6 +83,20 @@ def _kind_values(kind) -> list[str]:
     return []
 
 
+def _unavailable_attention() -> list[str]:
+    """Attention implementations transformers knows that this machine cannot run (issue 41: an
+    ImportError traceback once loading began): flash-attn without its package or a CUDA device, a hub
+    kernel without the ``kernels`` package."""
+    from transformers.utils import import_utils
+
+    names = []
+    if not import_utils.is_kernels_available():
+        names.append("kernels-community/flash-attn")
+        if not import_utils.is_flash_attn_2_available():
+            names.append("flash_attention_2")
+    return names
+
+
 def _profile_cases() -> list[Case]:
     from profiler.stages import settings_options
 
@@ -110,6 +124,7 @@ def _profile_cases() -> list[Case]:
         Case("profile-model", (*PROFILE_BASE, "--checkpoint-every", HUGE)),
         Case("profile-model", (*PROFILE_BASE, "--dtype", "float64")),
         Case("profile-model", (*PROFILE_BASE, "--attn-implementation", "nope")),
+        *(Case("profile-model", (*PROFILE_BASE, "--attn-implementation", name)) for name in _unavailable_attention()),
         Case("profile-model", ("{tmp}/no-such-model", *PROFILE_BASE)),
         Case("profile-model", ("{text}", *PROFILE_BASE)),
         # D10: beyond the model's 8192 positions, and absurd
@@ -162,6 +177,16 @@ def _evaluate_cases() -> list[Case]:
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "baseline", "--write-recommendation")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "global/kvzip", "--write-recommendation")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--write-recommendation", "--question-aware")),
+        *(
+            Case("evaluate-artifact", (*EVAL_BASE, *art, "--attn-implementation", name))
+            for name in _unavailable_attention()
+        ),
+        # issue 41: a policy twice, by one name or two (after the whole evaluation, a traceback)
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "baseline,flagship,flagship"), needs="twice"),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "flagship,inf/leverage+correction"), needs="twice"),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--policies", "uniform/keydiff,baseline,baseline"), needs="twice"),
+        # issue 41: an option that only means something with another (silently ignored)
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--replace-recommendation"), needs="--write-recommendation"),
         # numbers
         *(
             Case("evaluate-artifact", (*EVAL_BASE, *art, f"{flag}={value}"))
@@ -188,6 +213,20 @@ def _evaluate_cases() -> list[Case]:
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{other}")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{emptydir}")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/r.json", "--html", "{tmp}/r.json")),
+        # issue 41: the journal OUT.partial.jsonl and the lock OUT.lock are written too: never over the
+        # artifact (through a link, even with --force), nor over the other outputs
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/linked.json", "--force")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/linked.json", "--resume")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/linked.json")),
+        Case("evaluate-artifact", (*EVAL_BASE, "--artifact", "{journalart}", "--json", "{tmp}/copy.json", "--force")),
+        Case("evaluate-artifact", (*EVAL_BASE, "--artifact", "{journalart}", "--json", "{tmp}/copy.json")),
+        Case(
+            "evaluate-artifact", (*EVAL_BASE, "--artifact", "{journallink}", "--json", "{tmp}/linked.json", "--force")
+        ),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/r.json", "--html", "{tmp}/r.json.partial.jsonl")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/locked.json", "--force")),
+        Case("evaluate-artifact", (*EVAL_BASE, "--artifact", "{lockart}", "--json", "{tmp}/held.json", "--force")),
+        Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/r.json", "--html", "{tmp}/r.json.lock")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--resume")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/r.json", "--resume", "--force")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--nope")),
@@ -375,10 +414,29 @@ def workspace(tmp_path, artifact_templates) -> dict[str, str]:
     (tmp_path / "data.csv").write_text("a,b\n1,2\n")
     emptydir = tmp_path / "emptydir"
     emptydir.mkdir()
-    links = {"artlink": paths["art"], "badlink": paths["bad"], "textlink": text}
+    # artifacts where evaluate-artifact --json {tmp}/copy.json would keep its journal, --json {tmp}/held.json its lock
+    paths["journalart"] = tmp_path / "copy.json.partial.jsonl"
+    shutil.copy(paths["art"], paths["journalart"])
+    paths["lockart"] = tmp_path / "held.json.lock"
+    shutil.copy(paths["art"], paths["lockart"])
+    links = {
+        "artlink": paths["art"],
+        "badlink": paths["bad"],
+        "textlink": text,
+        "journallink": paths["art"],  # the journal of --json {tmp}/linked.json
+        "locklink": paths["art"],  # the lock of --json {tmp}/locked.json
+    }
+    names = {"journallink": "linked.json.partial.jsonl", "locklink": "locked.json.lock"}
     for name, target in links.items():
-        (tmp_path / name).symlink_to(target)
-    paths.update({"text": text, "empty": empty, "emptydir": emptydir, **{name: tmp_path / name for name in links}})
+        (tmp_path / names.get(name, name)).symlink_to(target)
+    paths.update(
+        {
+            "text": text,
+            "empty": empty,
+            "emptydir": emptydir,
+            **{name: tmp_path / names.get(name, name) for name in links},
+        }
+    )
     return {name: str(path) for name, path in paths.items()}
 
 

@@ -721,6 +721,53 @@ def test_rope_parameters_that_are_not_a_json_object_are_refused(artifact_path, t
     _refused(artifact_path, "rope_parameters")
 
 
+@pytest.mark.parametrize(
+    "version", ["1.-1", "-1.6", "1.+6", " 1.6", "1.6 ", "1_0.6", "1.6.0", "1", "1.", "\uff11.\uff16"]
+)
+def test_a_schema_version_that_is_not_two_non_negative_integers_is_refused(artifact_path, capsys, version):
+    """Issue 41: "1.-1" validated (Python's int() reads "-1", "+6", " 1", "1_0" and other digits)."""
+    _edit(artifact_path, lambda h5: h5.attrs.__setitem__("schema_version", version))
+    _refused(artifact_path, "is not of the form MAJOR.MINOR", capsys)
+
+
+@pytest.mark.parametrize("name", ["attention_variant", "weights_fingerprints"])
+def test_an_optional_model_attribute_present_with_empty_text_is_refused(tmp_path, capsys, name):
+    """Issue 41: an optional /model attribute set to '' read as absent: it changed no digest and the file
+    validated (the writer leaves an absent one out; the spec has no empty value for either)."""
+    import dataclasses
+
+    from artifacts.fingerprint import architecture_fingerprint
+    from artifacts.validation import ARCH_NUMBERS
+
+    identity = make_random_artifact(sections=()).model
+    numbers = {key: getattr(identity, key) for key in ARCH_NUMBERS}
+    numbers["attention_variant"] = '{"sliding_window":64}'
+    identity = dataclasses.replace(
+        identity,
+        attention_variant=numbers["attention_variant"],
+        arch_fingerprint=architecture_fingerprint(numbers, identity.query_norm),
+        weights_fingerprints=json.dumps({"float32": identity.weights_fingerprint}),
+    )
+    path = write_artifact(tmp_path / "kv_calibration.h5", make_random_artifact(identity))
+    with open_artifact(path) as reader:  # the file as written is valid
+        reader.validate()
+    if name == "attention_variant":  # the fingerprint of the numbers without it, as a file without one has
+
+        def edit(h5):
+            h5["model"].attrs[name] = ""
+            h5["model"].attrs["arch_fingerprint"] = architecture_fingerprint(
+                {key: getattr(identity, key) for key in ARCH_NUMBERS}, identity.query_norm
+            )
+
+    else:
+
+        def edit(h5):
+            h5["model"].attrs[name] = ""
+
+    _edit(path, edit)
+    _refused(path, f"{name}.*empty", capsys)
+
+
 # -- outputs and options (profile-model, evaluate-artifact, inspect-artifact) --
 #
 # Every file the tools write goes through one writer (artifacts.atomic: atomic, a clear

@@ -230,3 +230,21 @@ def test_the_tolerance_and_confidence_given_are_applied_and_recorded(artifact):
         assert section["tolerance"][0] == 0.02 and section["confidence"][0] == 0.9
         assert section["bound"][0, 0] == pytest.approx(loss_bound(0, 0, 124, 0.9))
         assert [name.decode() for name in section["policy"]] == [FLAGSHIP, FLAGSHIP]
+
+
+def test_write_recommendation_refuses_an_artifact_replaced_during_the_run(artifact):
+    """The run measured the artifact whose SHA-256 it read at the start; another valid artifact of the
+    same model put in its place meanwhile (other moments orders) is refused, nothing written into it."""
+    import hashlib
+
+    started = hashlib.sha256(artifact.read_bytes()).hexdigest()
+    other = make_random_artifact(seed=3, sections=("behaviour", "budgets", "moments"))
+    other.sections["recommendation"] = recommendation_section(same_everywhere(24, 7), [CHEAP, FLAGSHIP], 7, "retrieval")
+    write_artifact(artifact, other)
+    replaced = artifact.read_bytes()
+    with pytest.raises(ValueError, match="changed since the run read it"):
+        write_recommendation(artifact, same_everywhere(100, seed=8), POLICIES, expected_sha256=started)
+    assert artifact.read_bytes() == replaced
+    # the artifact as read at the start is written into
+    now = hashlib.sha256(replaced).hexdigest()
+    assert "124 tasks" in write_recommendation(artifact, same_everywhere(100, seed=8), POLICIES, expected_sha256=now)

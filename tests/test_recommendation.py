@@ -67,6 +67,19 @@ def test_a_request_beyond_the_grid_is_never_served_a_smaller_ratios_decision(tmp
             assert calibration.policy(compression_ratio=beyond) == FLAGSHIP.policy(beyond)
 
 
+def test_numpy_integer_and_float_ratios_are_served_as_python_floats_are(tmp_path):
+    """Issue 41: calibration.policy(compression_ratio=np.float32(0.5) or np.int64(0)) is a number."""
+    model = make_tiny_llama()
+    calibration = load_calibration(model, path=write_tiny_artifact(tmp_path / "f.h5", model, ("budgets", "moments")))
+    calibration.recommendation = _recommendation(policies=("uniform/keydiff", "inf/keydiff", "uniform/knorm"))
+    for value in (np.float32(0.5), np.int64(0), np.float16(0.75)):
+        assert recommended_spec(calibration, value) == recommended_spec(calibration, float(value))
+        assert calibration.policy(compression_ratio=value) == calibration.policy(compression_ratio=float(value))
+    for value in (True, np.bool_(False), "0.5"):
+        with pytest.raises(ValueError, match="compression_ratio must be a number"):
+            recommended_spec(calibration, value)
+
+
 def test_without_a_recommendation_the_first_servable_of_flagship_inf_leverage_artifact_free_is_served(tmp_path):
     model = make_tiny_llama()
     full = load_calibration(model, path=write_tiny_artifact(tmp_path / "f.h5", model, ("budgets", "moments")))

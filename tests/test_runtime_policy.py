@@ -433,6 +433,33 @@ def test_a_calibration_left_open_at_exit_prints_nothing(smoke_artifact):
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("compression_ratio", np.int64(0)),
+        ("compression_ratio", np.int32(0)),
+        ("compression_ratio", np.float32(0.5)),
+        ("compression_ratio", np.float16(0.25)),
+        ("keep_ratio", np.int64(1)),
+        ("keep_ratio", np.uint8(1)),
+        ("keep_ratio", np.float32(0.5)),
+    ],
+    ids=repr,
+)
+def test_numpy_integer_and_float_ratios_are_numbers(field, value):
+    """Issue 41: np.int64(0) and np.float32(0.5) were refused as "not a number" where float64 passed."""
+    policy = CompressionPolicy(**{field: value}, scorer="knorm")
+    assert policy == CompressionPolicy(**{field: float(value)}, scorer="knorm")
+    assert type(getattr(policy, field)) is float
+
+
+@pytest.mark.parametrize("value", [True, np.bool_(False), np.bool_(True), "0.5", [0.5]])
+def test_a_bool_or_a_non_number_ratio_is_still_refused(value):
+    for field in ("compression_ratio", "keep_ratio"):
+        with pytest.raises(ValueError, match=f"{field} must be a number"):
+            CompressionPolicy(**{field: value})
+
+
 def test_the_old_ratio_spelling_is_refused_with_both_new_names():
     with pytest.raises(TypeError, match=r"keep_ratio=.*compression_ratio=.*ratio=0.25 is keep_ratio=0.25"):
         CompressionPolicy(ratio=0.25)
