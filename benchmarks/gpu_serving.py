@@ -32,7 +32,8 @@ Then, each part written to ``--json`` as soon as it is done:
    ``cudaMemcpy``) and ``aten::_local_scalar_dense`` (a tensor read back to the host).
 
 Everything runs on a CPU too (``--device cpu --dtype float32``, a small ``--mlp-width``, short
-contexts): that is how this script is checked before it travels.
+contexts): that is how this script is checked before it travels.  Its runs on an NVIDIA H200:
+docs/results.md R-gpu-serving-baseline-2026-11-27, R-gpu-prefill-2026-11-27, R-gpu-decode-2026-11-27.
 """
 
 from __future__ import annotations
