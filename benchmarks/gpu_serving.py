@@ -228,7 +228,8 @@ def exactness(model_dir, model, tokenizer, device, results, save) -> None:
     reference = load_model(model_dir and str(model_dir), dtype="float32").to(device)
     expected = plain_cache_logits(reference, ids)
     del reference
-    torch.cuda.empty_cache() if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     plain = plain_cache_logits(model, ids)
     cache, _ = compress_prompt(model, ids, None, context_columns=ids.shape[1] - 1)
     from runtime.attention import ragged_attention

@@ -273,7 +273,8 @@ def prefill_and_compress(
     lengths_before = np.zeros((num_layers, batch, plan.num_kv_heads), dtype=np.int64)
     evictor = HeadEvictor(plan)
     tables: dict[tuple[int, int | None], np.ndarray] = {}  # (real tokens, window) -> [L, Hkv] budgets under it
-    spent = {"seconds": 0.0, "bytes_before": 0, "peak": 0}
+    # the layers before this one hold their budgets (compressed), this one its whole chunk
+    spent = {"seconds": 0.0, "bytes_before": 0, "compressed": 0, "peak": 0}
 
     def evict(layer) -> None:
         started = time.perf_counter()
@@ -281,9 +282,9 @@ def prefill_and_compress(
         if plan.policy.tracks_moments:
             layer.track_moments()
         lengths_before[index] = np.asarray(layer.length)
-        spent["bytes_before"] += layer.kv_bytes()
-        held = sum(other.kv_bytes() for other in cache.layers if other.is_initialized)
-        spent["peak"] = max(spent["peak"], held)
+        full = layer.kv_bytes()
+        spent["bytes_before"] += full
+        spent["peak"] = max(spent["peak"], spent["compressed"] + full)
         rows = [b for b in range(layer.batch_size) if layer.real_seen[b] > 0]  # an all-padding row holds nothing
         for b in rows:
             key = (layer.real_seen[b], layer.window)
@@ -293,6 +294,7 @@ def prefill_and_compress(
         with label("kvcal.eviction"):
             evictor.evict_layer(layer, index, rows, budgets[rows, index], [layer.real_seen[b] for b in rows])
         layer.compact()
+        spent["compressed"] += layer.kv_bytes()
         spent["seconds"] += time.perf_counter() - started
 
     for layer in cache.layers:
