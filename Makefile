@@ -78,7 +78,7 @@ test-lowest:
 # this project's CI machines keep on their disk), then kvcal installed by the README's command,
 # word for word (tests/test_dependency_ranges.py checks that), then the same torch must be there
 # and kvcal's packages import. PIP_CONSTRAINT as in $(PIP): no machine-wide cap may hide a
-# replacement. A few minutes (pip's cache after `make test`).
+# replacement. A few minutes.
 KEPT_TORCH ?= 2.13.0
 KEEP   := .venv-keep-torch
 test-keep-torch:

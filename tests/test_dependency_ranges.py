@@ -186,3 +186,27 @@ def test_ci_runs_the_readmes_install_into_an_existing_environment():
     assert command in recipe, f"the README's\n  {command}\nis not what `make test-keep-torch` runs:\n{recipe}"
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert "make test-keep-torch" in ci, ".ci/run does not run make test-keep-torch"
+
+
+def test_ci_holds_one_environment_at_a_time():
+    """Each of CI's environments holds a CUDA build of torch (about 6 GB); a CI machine's disk did
+    not hold four of them and pip's cache (2026-11-27: "No space left on device" installing
+    .venv-lowest). `.ci/run` keeps no pip cache and removes each job's environment before the next
+    job installs its own."""
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert "export PIP_NO_CACHE_DIR=1" in ci, ".ci/run lets pip cache gigabytes of wheels"
+    makefile = (ROOT / "Makefile").read_text()
+    environment_of = {
+        "test": ".venv",
+        "test-keep-torch": re.search(r"^KEEP\s*:=\s*(\S+)", makefile, re.M).group(1),
+        "test-lowest": re.search(r"^test-lowest:\n\t.*VENV=(\S+)", makefile, re.M).group(1),
+        "test-kvpress": re.search(r"^test-kvpress:\n\t.*VENV=(\S+)", makefile, re.M).group(1),
+    }
+    jobs = [line.split()[1] for line in ci if line.startswith("make ")]
+    assert jobs == list(environment_of), jobs
+    for job, following in zip(jobs, jobs[1:] + [None], strict=True):
+        start = ci.index(f"make {job}")
+        end = ci.index(f"make {following}") if following else len(ci)
+        assert f"rm -rf {environment_of[job]}" in ci[start + 1 : end], (
+            f".ci/run keeps {environment_of[job]} (make {job}) on disk while the next job installs"
+        )
