@@ -26,6 +26,7 @@ would have to leave the sums), so they are never corrected.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .eager_attention import eager_attention_forward
@@ -35,10 +36,12 @@ from .moments import PreparedMoments
 from .paged_attention import (
     LIVE_ROW_CALLS,
     Window,
+    causal_chunk_attention,
     decode_attention,
     fused_kernel_serves,
     live_row_calls,
     live_rows_attention,
+    merge_attention,
     segment_attention,
 )
 from .profiling import label
@@ -108,13 +111,21 @@ def segment_layer_attention(
     positions: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    chunk: tuple[torch.Tensor, torch.Tensor, np.ndarray] | None = None,
 ) -> torch.Tensor:
     """Every query of ``query [B, Hq, q, d]`` (post-RoPE) over its KV head's rows in ``store`` (the
     chunk already appended: its token ``t`` sees everything before the chunk and the chunk's real
     tokens up to ``t``, inside the ``window`` from its position ``positions [B, q]`` when there is
     one), merged with the evicted set's estimate when ``prepared``.  ``real`` bool ``[B, q]``
     (None: all real).  Returns ``[B, q, Hq, d]`` in the query's dtype; rows of padding queries are
-    zero."""
+    zero.
+
+    ``chunk``: the chunk's own ``keys / values [B, Hkv, q, d]`` and the rows each head held before
+    it (``[B, Hkv]`` int, host).  With it, where the fused CPU kernel serves and there is no window
+    nor soft-capping, a chunk is attended in two parts merged by their log-sum-exp
+    (:func:`_chunk_split_attention`): cost linear in the chunk's length over the rows before it,
+    and a causal flash kernel over the chunk itself, instead of logits materialised over every row
+    for every query (a question of 1,086 tokens: docs/results.md R-long-question-2026-11-27)."""
     batch, num_q_heads, q_len, dim = query.shape
     heads = store.num_heads
     group = num_q_heads // heads
@@ -123,6 +134,9 @@ def segment_layer_attention(
     if q_len == 1 and real is None:  # decoding: every query of a head sees all its stored rows
         with label("kvcal.attention"):
             out, lse = _decode_step_attention(grouped, store, layout, scaling, softcap, need_lse=prepared is not None)
+    elif chunk is not None and window is None and fused_kernel_serves(query, store.key_buffer, softcap):
+        with label("kvcal.attention"):
+            out, lse = _chunk_split_attention(query, grouped, chunk, real, store, scaling)
     else:  # a chunk: rows visible to its token t = everything before the chunk + t's rank + 1
         device = query.device
         length = store.length.to(device)  # [B, Hkv], the chunk already appended
@@ -157,6 +171,35 @@ def segment_layer_attention(
     if real is not None:
         output = output * real[:, :, None, None].to(output.dtype)
     return output
+
+
+def _chunk_split_attention(
+    query: torch.Tensor,
+    grouped: torch.Tensor,
+    chunk: tuple[torch.Tensor, torch.Tensor, np.ndarray],
+    real: torch.Tensor | None,
+    store: SegmentStore,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's attention as two parts merged exactly (:func:`~runtime.paged_attention.merge_attention`):
+    every query over the rows its head held before the chunk (all visible: the live rows read in
+    place, :func:`~runtime.paged_attention.live_rows_attention`) and over the chunk itself, causally
+    (:func:`~runtime.paged_attention.causal_chunk_attention`).  ``query [B, Hq, q, d]``, ``grouped``
+    the same as ``[S, G*q, d]``; returns ``(out [S, G*q, d], lse [S, G*q])`` float32."""
+    keys, values, before = chunk
+    segments, rows, dim = grouped.shape
+    dtype = store.key_buffer.dtype
+    prefix = live_rows_attention(
+        grouped,
+        store.key_buffer,
+        store.value_buffer,
+        store.host_offset.tolist(),
+        before.tolist(),
+        scaling,
+        head_stride=store.head_stride,
+    )
+    own_out, own_lse = causal_chunk_attention(query, keys.to(dtype), values.to(dtype), real, scaling)
+    return merge_attention(*prefix, own_out.reshape(segments, rows, dim), own_lse.reshape(segments, rows))
 
 
 def _decode_step_attention(

@@ -245,6 +245,44 @@ def decode_attention(
 _FLASH_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def causal_chunk_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's queries over the chunk itself, causally, with the log-sum-exp: ``query [B, Hq, q,
+    d]``, ``keys / values [B, Hkv, q, d]`` (their dtype is the kernel's), ``real`` bool ``[B, q]``
+    (None: all real; a padding key is hidden, a padding query sees itself only).  PyTorch's fused
+    CPU flash-attention kernel, one call (only where :func:`fused_kernel_serves`).  Returns ``(out
+    [B, Hq, q, d], lse [B, Hq, q])`` float32."""
+    batch, query_heads, q_len, _ = query.shape
+    group = query_heads // keys.shape[1]
+    if group > 1:  # the kernel takes as many KV heads as query heads (an int repeat: no host read)
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    query = query.to(keys.dtype)
+    if real is None:
+        out, lse = flash(query, keys, values, is_causal=True, scale=float(scaling))
+    else:
+        causal = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+        visible = (causal & real[:, None, None, :]) | torch.eye(q_len, dtype=torch.bool, device=query.device)
+        mask = torch.zeros(visible.shape, dtype=keys.dtype, device=query.device).masked_fill_(~visible, float("-inf"))
+        out, lse = flash(query, keys, values, attn_mask=mask, scale=float(scaling))
+    return out.float(), lse.float()
+
+
+def merge_attention(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention over two disjoint sets of rows from each set's ``out [..., d]`` and ``lse [...]``
+    (float32; ``lse = -inf``: nothing visible in that set): ``(out, lse)`` over their union, exactly
+    (the flash-decoding combination).  Nothing visible in either: ``out = 0``, ``lse = -inf``."""
+    top = torch.maximum(lse_a, lse_b).clamp_min_(torch.finfo(torch.float32).min)
+    weight_a, weight_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    total = weight_a + weight_b
+    out = out_a * weight_a.unsqueeze(-1) + out_b * weight_b.unsqueeze(-1)
+    out.div_(total.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1))
+    return out, top + torch.log(total)
+
+
 def fused_kernel_serves(query: torch.Tensor, key_buffer: torch.Tensor, softcap: float | None) -> bool:
     """Whether :func:`live_rows_attention` can run: PyTorch's fused CPU flash-attention kernel takes
     the keys' dtype on this device and nothing is soft-capped (the kernel cannot cap)."""

@@ -232,3 +232,59 @@ def test_profiler_labels_are_recorded_only_while_a_profiler_records():
             model(torch.tensor([[3]]), **cache_argument(model, cache))
     names = {event.name for event in profiler.events()}
     assert {"kvcal.attention", "kvcal.correction"} <= names
+
+
+def test_merged_parts_equal_one_softmax_over_their_union():
+    """merge_attention of two disjoint row sets equals attention over both; an empty set
+    (``lse = -inf``) leaves the other's, and two empty sets give out 0, lse -inf."""
+    from runtime.paged_attention import merge_attention
+
+    generator = torch.Generator().manual_seed(5)
+    query, keys, values = (torch.randn(n, 8, generator=generator, dtype=torch.float64) for n in (4, 11, 11))
+
+    def attend(rows):
+        logits = query @ keys[rows].T
+        return torch.softmax(logits, -1) @ values[rows], torch.logsumexp(logits, -1)
+
+    for split in (0, 3, 11):
+        out, lse = merge_attention(*attend(slice(0, split)), *attend(slice(split, 11)))
+        expected_out, expected_lse = attend(slice(0, 11))
+        torch.testing.assert_close(out, expected_out)
+        torch.testing.assert_close(lse, expected_lse)
+    empty = torch.full((4,), float("-inf"), dtype=torch.float64)
+    out, lse = merge_attention(
+        torch.zeros(4, 8, dtype=torch.float64), empty, torch.zeros(4, 8, dtype=torch.float64), empty
+    )
+    assert torch.equal(out, torch.zeros(4, 8, dtype=torch.float64)) and torch.isneginf(lse).all()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("correction", ["none", "order1"])
+def test_a_chunk_in_two_parts_equals_the_chunk_over_every_row(monkeypatch, correction):
+    """A chunk after a compressed prefix (heads of different lengths in every row, a left-padded
+    batch, padding inside the chunk too) attended in two merged parts, the rows before the chunk
+    and the chunk itself causally (runtime.layer_attention._chunk_split_attention, the CPU's path),
+    gives the logits of attending every stored row with the visibility mask (the path elsewhere)."""
+    import runtime.layer_attention
+
+    model = make_tiny_llama(num_layers=3, num_heads=6, num_kv_heads=3)
+    generator = torch.Generator().manual_seed(4)
+    lengths, chunk = (60, 41, 52), 23
+    ids = torch.zeros(3, max(lengths) + chunk, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, max(lengths) - n :] = torch.randint(1, 128, (n + chunk,), generator=generator)
+        mask[row, max(lengths) - n :] = 1
+    mask[1, -chunk + 4] = 0  # a padding column inside the chunk
+    policy = CompressionPolicy(keep_ratio=0.3, allocation="inf", scorer="keydiff", correction=correction)
+    with ragged_attention(model):
+        cache, _ = compress_prompt(
+            model, ids, policy, attention_mask=mask, context_columns=max(lengths), calibration=inf_calibration(3, 3)
+        )
+        assert len(np.unique(cache.head_lengths().numpy())) > 2  # really ragged
+        copy = cache.copy()
+        split = model(ids[:, -chunk:], attention_mask=mask, **cache_argument(model, cache)).logits
+        monkeypatch.setattr(runtime.layer_attention, "fused_kernel_serves", lambda *args: False)
+        every_row = model(ids[:, -chunk:], attention_mask=mask, **cache_argument(model, copy)).logits
+    real = mask[:, -chunk:].bool()
+    torch.testing.assert_close(split[real], every_row[real], atol=1e-5, rtol=1e-5)

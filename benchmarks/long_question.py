@@ -1,0 +1,99 @@
+"""Answering a long question from a compressed context: time against the question's length.
+
+    python benchmarks/long_question.py [--context 1000] [--questions 141 276 546 1086 2172]
+                                       [--keep-ratio 0.25] [--artifact PATH] [--repeats 1] [--json OUT]
+
+On the embedded model, float32, one torch thread, a context of ``--context`` random tokens and a
+question of each length in ``--questions`` (random tokens), two new tokens, three ways in one run,
+interleaved per repeat so that background load hits all of them alike:
+
+* ``plain``: the unmodified model's ``generate()`` of context + question (DynamicCache, SDPA);
+* ``split``: the runtime's ``generate()`` (compress the context with the flagship
+  ``inf/leverage+correction`` and ``--artifact``, else ``uniform/keydiff``, at ``--keep-ratio``
+  kept), then the question as one chunk over the compressed cache, attended in two parts merged
+  by their log-sum-exp (the rows before the chunk, the chunk itself causally:
+  ``runtime.layer_attention._chunk_split_attention``, the CPU's path);
+* ``every row``: the same with the chunk attended over every stored row with a visibility mask
+  (``runtime.paged_attention.segment_attention``: logits materialised for every query and row,
+  the path on other devices and the CPU's before 2026-11-27).
+
+Reported per question length: seconds of each, ``split / plain`` and ``every row / split``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--context", type=int, default=1000, help="context tokens (default 1000)")
+    parser.add_argument("--questions", type=int, nargs="+", default=[141, 276, 546, 1086, 2172])
+    parser.add_argument("--keep-ratio", type=float, default=0.25, help="fraction of the context kept")
+    parser.add_argument("--artifact", help="a calibration artifact of the embedded model: serve the flagship")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats; the best is reported")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    import runtime.layer_attention
+    from runtime import CompressionPolicy, load_calibration
+    from runtime.generation import generate
+    from runtime.models import load_model, load_tokenizer
+    from runtime.policy_spec import FLAGSHIP
+
+    model, tokenizer = load_model(), load_tokenizer()
+    calibration = None
+    policy = CompressionPolicy(keep_ratio=args.keep_ratio, scorer="keydiff")
+    if args.artifact:
+        calibration = load_calibration(model, tokenizer, path=args.artifact)
+        policy = FLAGSHIP.policy(1 - args.keep_ratio)
+    generator = torch.Generator().manual_seed(0)
+    context = torch.randint(3, 1000, (1, args.context), generator=generator)
+    fused = runtime.layer_attention.fused_kernel_serves
+
+    def compressed(ids: torch.Tensor) -> None:
+        generate(model, ids, policy, context_columns=args.context, calibration=calibration, max_new_tokens=2)
+
+    def every_row(ids: torch.Tensor) -> None:
+        runtime.layer_attention.fused_kernel_serves = lambda *a: False
+        try:
+            compressed(ids)
+        finally:
+            runtime.layer_attention.fused_kernel_serves = fused
+
+    def plain(ids: torch.Tensor) -> None:
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=2, do_sample=False)
+
+    ways = {"plain": plain, "split": compressed, "every row": every_row}
+    rows = []
+    print(f"context {args.context} tokens, policy {'flagship' if args.artifact else 'uniform/keydiff'}")
+    print("| question tokens | plain s | split s | every row s | split / plain | every row / split |")
+    print("|---|---|---|---|---|---|")
+    for length in args.questions:
+        ids = torch.cat([context, torch.randint(3, 1000, (1, length), generator=generator)], 1)
+        best = dict.fromkeys(ways, float("inf"))
+        for _ in range(args.repeats):
+            for name, run in ways.items():
+                start = time.perf_counter()
+                run(ids)
+                best[name] = min(best[name], time.perf_counter() - start)
+        rows.append({"question_tokens": length, **best})
+        print(
+            f"| {length} | {best['plain']:.2f} | {best['split']:.2f} | {best['every row']:.2f} | "
+            f"{best['split'] / best['plain']:.2f} | {best['every row'] / best['split']:.2f} |",
+            flush=True,
+        )
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"args": vars(args), "rows": rows}, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
