@@ -91,7 +91,8 @@ def ragged_attention_forward(
     if positions is None:  # no explicit positions: the chunk follows the real tokens seen
         base = to_device(np.array(layer.real_seen, dtype=np.int64), query.device).unsqueeze(1)  # no blocking copy
         positions = base + torch.arange(q_len, device=query.device)
-    positions = positions.expand(batch, q_len)
+    if positions.shape != (batch, q_len):
+        positions = positions.expand(batch, q_len)
     scale = float(scaling) if scaling is not None else dim**-0.5
     return layer.attend(query, real, positions, scale, window=sliding_window, softcap=softcap), None
 

@@ -165,9 +165,12 @@ def segment_layer_attention(
             )
     if prepared is not None:
         with label("kvcal.correction"):
-            out = corrected_merge(grouped.view(segments, group, q_len, dim), out, lse, prepared, scaling)
-    output = out.view(batch, heads, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(batch, q_len, num_q_heads, dim)
-    output = output.to(query.dtype)
+            out = corrected_merge(grouped, out, lse, prepared, scaling)
+    if q_len == 1:  # [S, G, d] is already [B, 1, Hq, d]'s order
+        output = out.view(batch, 1, num_q_heads, dim).to(query.dtype)
+    else:
+        output = out.view(batch, heads, group, q_len, dim).permute(0, 3, 1, 2, 4)
+        output = output.reshape(batch, q_len, num_q_heads, dim).to(query.dtype)
     if real is not None:
         output = output * real[:, :, None, None].to(output.dtype)
     return output
@@ -246,12 +249,10 @@ def corrected_merge(
     query: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, prepared: PreparedMoments, scaling: float
 ) -> torch.Tensor:
     """MomentKV's merge of the retained attention ``out [S, G*q, d]``, ``lse [S, G*q]`` (float32) with
-    the evicted set's estimate for ``query [S, G, q, d]``: ``o = w o_R + (1 - w) o_E``,
+    the evicted set's estimate for ``query [S, G*q, d]``: ``o = w o_R + (1 - w) o_E``,
     ``w = sigmoid(lse_R - lse_E)``.  Returns ``[S, G*q, d]`` float32."""
-    segments, group, q_len, dim = query.shape
-    shape = (segments, group, q_len)
-    out_E, lse_E = prepared.estimates(query, scaling)  # [S, G, q, d], [S, G, q]
+    out_E, lse_E = prepared.estimates(query, scaling)  # [S, G*q, d], [S, G*q]
     # w = Z_R / (Z_R + Z_E): exactly 1 where nothing was evicted (lse_E = -inf), and where
     # neither set holds anything (-inf - -inf = NaN) the retained output (0) stands
-    weight = torch.sigmoid(lse.view(shape) - lse_E).nan_to_num_(nan=1.0)
-    return torch.lerp(out_E, out.view(*shape, dim), weight.unsqueeze(-1)).view(segments, -1, dim)
+    weight = torch.sigmoid(lse - lse_E).nan_to_num_(nan=1.0)
+    return torch.lerp(out_E, out, weight.unsqueeze(-1))

@@ -293,23 +293,27 @@ class PreparedMoments:
         return bool(self.active.any())
 
     def estimates(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``o_E [Hkv, G, q, d]`` and ``lse_E [Hkv, G, q]`` (float32) for ``query [Hkv, G, q, d]``.
+        """``o_E [Hkv, ..., d]`` and ``lse_E [Hkv, ...]`` (float32) for ``query [Hkv, ..., d]``: ``[Hkv,
+        G, q, d]``, or the same flat, ``[Hkv, G*q, d]`` (a decode step's layout: no reshape).
 
         Inactive heads get ``o_E = 0`` and ``lse_E = -inf``.
         """
-        heads, groups, q_len, dim = query.shape
-        if heads != self.num_kv_heads or dim != self.head_dim:
+        heads, dim = query.shape[0], query.shape[-1]
+        if query.dim() < 3 or heads != self.num_kv_heads or dim != self.head_dim:
             raise ValueError(
-                f"query [Hkv, G, q, d] = {tuple(query.shape)} does not match the sums' "
+                f"query [Hkv, ..., d] = {tuple(query.shape)} does not match the sums' "
                 f"{self.num_kv_heads} heads of dim {self.head_dim}"
             )
         q = query.float()
         if q.device != self.projection.device:  # a decode step's query is on the sums' device already
             q = q.to(self.projection.device)
-        q = q.reshape(heads, groups * q_len, dim)  # [Hkv, G*q, d]
+        flat = q if q.dim() == 3 else q.reshape(heads, -1, dim)  # [Hkv, G*q, d]
         # [vbar, log n] + s q [C, kbar]: o_E in the first d columns, lse_E in the last  [Hkv, G*q, d+1]
-        estimate = torch.baddbmm(self.offset, q, self.projection, alpha=float(scaling))
-        return estimate[..., :dim].view(heads, groups, q_len, dim), estimate[..., dim].view(heads, groups, q_len)
+        estimate = torch.baddbmm(self.offset, flat, self.projection, alpha=float(scaling))
+        out_E, lse_E = estimate[..., :dim], estimate[..., dim]
+        if q.dim() == 3:
+            return out_E, lse_E
+        return out_E.view(query.shape), lse_E.view(query.shape[:-1])
 
     def corrected(self, query: torch.Tensor, out_R: torch.Tensor, lse_R: torch.Tensor, scaling: float) -> torch.Tensor:
         """Merged output ``[Hkv, G, q, d]`` float32 from the retained ``out_R [Hkv, G, q, d]`` and

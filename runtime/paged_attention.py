@@ -338,12 +338,25 @@ def live_rows_attention(
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     if capacity is not None and length[0][0] > 0:
         live = length[0][0]
-        keys = key_buffer.view(segments, capacity, dim)[:, None, :live]  # [S, 1, n, d], strided
-        values = value_buffer.view(segments, capacity, dim)[:, None, :live]
+        keys = _head_view(key_buffer, 0, capacity, segments, live)  # [S, 1, n, d], strided: one op
+        values = _head_view(value_buffer, 0, capacity, segments, live)
         out, lse = flash(query.to(key_buffer.dtype).unsqueeze(1), keys, values, scale=float(scaling))
         return out[:, 0].float(), lse[:, 0].float()  # [S, M, d], [S, M]
     query = query.to(key_buffer.dtype).view(batch, heads, 1, rows, dim)
     even = evenly_spaced_heads(length, head_stride if head_stride is not None else [None] * heads)
+    if all(even):  # one call per head, the heads' results joined once (no per-head copy into an output)
+        parts = [
+            flash(
+                query[:, h],
+                _head_view(key_buffer, offset[0][h], head_stride[h], batch, length[0][h]),
+                _head_view(value_buffer, offset[0][h], head_stride[h], batch, length[0][h]),
+                scale=float(scaling),
+            )  # [B, 1, M, d], [B, 1, M]
+            for h in range(heads)
+        ]
+        out = torch.cat([part[0] for part in parts], dim=1).float()  # [B, Hkv, M, d]
+        lse = torch.cat([part[1] for part in parts], dim=1).float()
+        return out.view(segments, rows, dim), lse.view(segments, rows)
     out = torch.zeros(batch, heads, rows, dim, dtype=torch.float32, device=query.device)
     lse = torch.full((batch, heads, rows), float("-inf"), dtype=torch.float32, device=query.device)
     for h in range(heads):

@@ -210,16 +210,16 @@ class SegmentStore:
     def _append_all(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """:meth:`append` of a chunk ``[B, Hkv, q, d]`` without padding: ``q`` rows for every head."""
         batch, heads, q_len, dim = keys.shape
-        if self.uniform:  # one strided copy into the [B, Hkv, cap, d] view
+        if q_len == 1:  # a decode step: every head's next row is its first free one (fewest ops)
+            positions = positions.expand(batch, heads).reshape(-1)
+            self._store(self.ends, keys.reshape(-1, dim), values.reshape(-1, dim), positions)
+        elif self.uniform:  # one strided copy into the [B, Hkv, cap, d] view
             capacity, length = int(self.host_capacity[0, 0]), int(self.host_length[0, 0])
             end = length + q_len
             self.key_buffer.view(batch, heads, capacity, dim)[:, :, length:end] = keys
             self.value_buffer.view(batch, heads, capacity, dim)[:, :, length:end] = values
             self.position_buffer.view(batch, heads, capacity)[:, :, length:end] = positions.to(torch.int32).unsqueeze(1)
             self.row_bias[:-1].view(batch, heads, capacity)[:, :, length:end].fill_(0.0)  # no scalar tensor
-        elif q_len == 1:  # a decode step: every head's next row is its first free one
-            positions = positions.expand(batch, heads).reshape(-1)
-            self._store(self.ends, keys.reshape(-1, dim), values.reshape(-1, dim), positions)
         else:
             rank = torch.arange(q_len, device=self.ends.device)
             target = (self.ends.view(batch, heads, 1) + rank).reshape(-1)  # [B * Hkv * q]
