@@ -5,6 +5,7 @@
                                      [--new-tokens 25] [--block-size 4096] [--profile-job] [--evaluate]
                                      [--device cuda] [--dtype bfloat16] [--mlp-width N] [--json OUT]
                                      [--embedded [--artifact PATH]] [--skip PART ...] [--tables DIR]
+                                     [--decode-kernels default flex]
 
 A random-weight Llama of ``--geometry``'s layer geometry (benchmarks/profiler_scale.py: 8B is hidden
 4096, 32 query / 8 KV heads, d = 128, MLP 14336), ``--layers`` layers, is saved under ``DIR/model``
@@ -29,7 +30,9 @@ Then, each part written to ``--json`` as soon as it is done:
    nothing evicted, uniform/keydiff and the flagship, as ratios to plain; and per decode step,
    counted by ``torch.profiler`` as (5 new tokens - 1) / 4: kernel launches, host synchronisations
    (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, blocking
-   ``cudaMemcpy``) and ``aten::_local_scalar_dense`` (a tensor read back to the host).
+   ``cudaMemcpy``) and ``aten::_local_scalar_dense`` (a tensor read back to the host).  With
+   ``--decode-kernels default flex`` the ragged configurations are measured again with
+   ``KVCAL_DECODE_KERNEL=flex`` (one compiled ``flex_attention`` call per layer), named ``"... [flex]"``.
 
 Everything runs on a CPU too (``--device cpu --dtype float32``, a small ``--mlp-width``, short
 contexts): that is how this script is checked before it travels.  Its runs on an NVIDIA H200:
@@ -42,6 +45,7 @@ import argparse
 import copy
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -56,6 +60,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from profiler_scale import GEOMETRIES, _reset_peak, _status_kib, build_model_dir  # noqa: E402
 
 from runtime import CompressionPolicy, compress_prompt, load_calibration  # noqa: E402
+from runtime.flex_decode import DECODE_KERNEL_VARIABLE  # noqa: E402
 from runtime.generation import generate_from_cache  # noqa: E402
 from runtime.models import load_model, load_tokenizer  # noqa: E402
 from runtime.policy_spec import FLAGSHIP  # noqa: E402
@@ -283,23 +288,33 @@ def prefill_cell(model, ids, device, keep, calibration, block_size, block_tokens
     return cell
 
 
-def decode_cell(model, ids, device, keep, calibration, new_tokens, tables=None) -> dict:
+def decode_cell(model, ids, device, keep, calibration, new_tokens, tables=None, kernels=("default",)) -> dict:
+    """Decode ms/token and per-step counts of every configuration; the ragged ones once per decode
+    kernel in ``kernels`` (``default``: the runtime's choice; ``flex``: ``KVCAL_DECODE_KERNEL=flex``,
+    runtime/flex_decode.py), named ``"<config> [<kernel>]"`` past the first."""
     limit_ids = ids[:, -max(2, int(keep * ids.shape[1])) :]
     configs = [
-        ("plain", ids, {"ragged": False}),
-        ("limit", limit_ids, {"ragged": False}),
-        ("ragged full", ids, {}),
+        ("plain", ids, {"ragged": False}, None),
+        ("limit", limit_ids, {"ragged": False}, None),
     ]
-    configs += [
-        (name, ids, {"policy": policy, "calibration": calibration}) for name, policy in policies(keep, calibration)
-    ]
+    ragged = [("ragged full", {})]
+    ragged += [(name, {"policy": policy, "calibration": calibration}) for name, policy in policies(keep, calibration)]
+    for index, kernel in enumerate(kernels):
+        configs += [(name if index == 0 else f"{name} [{kernel}]", ids, options, kernel) for name, options in ragged]
     cell = {}
-    for name, inputs, options in configs:
+    for name, inputs, options, kernel in configs:
+        previous = os.environ.pop(DECODE_KERNEL_VARIABLE, None)
+        if kernel not in (None, "default"):
+            os.environ[DECODE_KERNEL_VARIABLE] = kernel
         try:
             config = Config(name, model, inputs, **options)
             cell[name] = {"ms": config.decode_ms(new_tokens, device), **config.step_counts(device, tables)}
         except Exception as error:  # one configuration failing on a device must not lose the others
             cell[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+        finally:
+            os.environ.pop(DECODE_KERNEL_VARIABLE, None)
+            if previous is not None:
+                os.environ[DECODE_KERNEL_VARIABLE] = previous
         config = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -335,6 +350,13 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tables", type=Path, default=None, help="write each decode profile's op table here")
+    parser.add_argument(
+        "--decode-kernels",
+        nargs="+",
+        default=["default"],
+        choices=["default", "flex"],
+        help="decode the ragged configurations under each (flex: KVCAL_DECODE_KERNEL=flex); default: default",
+    )
     parser.add_argument("--json", default=None, help="default: WORK/gpu_serving.json")
     args = parser.parse_args(argv)
     work = Path(args.work)
@@ -382,7 +404,16 @@ def main(argv=None) -> int:
                         model, ids, device, args.keep_ratio, calibration, args.block_size, args.block_max_tokens
                     )
                 else:
-                    cell = decode_cell(model, ids, device, args.keep_ratio, calibration, args.new_tokens, args.tables)
+                    cell = decode_cell(
+                        model,
+                        ids,
+                        device,
+                        args.keep_ratio,
+                        calibration,
+                        args.new_tokens,
+                        args.tables,
+                        kernels=tuple(args.decode_kernels),
+                    )
                 results[part][f"{context}x{batch}"] = cell
                 save()
                 log(f"{part} {context} x {batch}: {json.dumps(cell)}")
