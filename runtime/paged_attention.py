@@ -345,9 +345,10 @@ def live_rows_attention(
     query = query.to(key_buffer.dtype).view(batch, heads, 1, rows, dim)
     even = evenly_spaced_heads(length, head_stride if head_stride is not None else [None] * heads)
     if all(even):  # one call per head, the heads' results joined once (no per-head copy into an output)
+        head_queries = query.unbind(1)  # one op for every head's [B, 1, M, d]
         parts = [
             flash(
-                query[:, h],
+                head_queries[h],
                 _head_view(key_buffer, offset[0][h], head_stride[h], batch, length[0][h]),
                 _head_view(value_buffer, offset[0][h], head_stride[h], batch, length[0][h]),
                 scale=float(scaling),
