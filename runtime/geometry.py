@@ -292,9 +292,23 @@ def _check_full_rotary(name: str, rotary, rope_layer_types, head_dim: int) -> No
     for layer_type in sorted(set(rope_layer_types), key=str):
         extra = () if layer_type is None else (layer_type,)
         with torch.no_grad():
-            cos, _ = rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=device), *extra)
-        if cos.shape[-1] != head_dim:
+            output = rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=device), *extra)
+        rotated = _rotary_dimensions(name, output)
+        if rotated != head_dim:
             raise UnsupportedModelError(
-                f"{name}: partial rotary embeddings (RoPE on {cos.shape[-1]} of {head_dim} dimensions) "
-                "are not supported"
+                f"{name}: partial rotary embeddings (RoPE on {rotated} of {head_dim} dimensions) are not supported"
             )
+
+
+def _rotary_dimensions(name: str, output) -> int:
+    """How many of a head's dimensions the rotary module's ``output`` turns: ``(cos, sin)`` of
+    ``[.., d]`` (Llama), or one complex ``freqs_cis [.., d/2]`` (Llama 4: a pair per complex number)."""
+    if isinstance(output, torch.Tensor):
+        if not output.is_complex():
+            raise UnsupportedModelError(
+                f"{name}: the rotary embedding returns one real tensor {tuple(output.shape)}, neither "
+                "(cos, sin) nor complex frequencies"
+            )
+        return 2 * output.shape[-1]
+    cos, _ = output
+    return cos.shape[-1]

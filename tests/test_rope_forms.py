@@ -1,0 +1,100 @@
+"""Models whose RoPE or attention is not the Llama kind (issue 41 items 4-6): served exactly where the
+runtime computes what the model computes, refused by name elsewhere.
+
+* Llama 4 text without chunked attention (``attention_chunk_size=None``): its rotary module returns
+  complex frequencies (one tensor, not ``cos, sin``), its layers rotate interleaved pairs, every
+  fourth layer has no RoPE and scales its queries by position (attention temperature tuning,
+  arXiv 2501.19399).  Nothing evicted, it is served exactly; the scorers that read RoPE are refused
+  by runtime.rope_check.  With ``attention_chunk_size`` set it is refused as chunked attention.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+from runtime import CompressionPolicy, RaggedCache, bind, compress_prompt, generate
+from runtime.geometry import UnsupportedModelError
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
+
+TOLERANCE = 1e-4
+PROMPT, STEPS = 300, 20
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _model(config_class: str, model_class: str, **options):
+    if not hasattr(T, config_class):
+        pytest.skip(f"transformers {T.__version__} has no {config_class}")
+    torch.manual_seed(0)
+    model = getattr(T, model_class)(getattr(T, config_class)(**COMMON, **options)).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _llama4(**options):
+    # floor_scale 32 (Llama 4 Scout: 8192): the no-RoPE layers' query temperature changes every 32
+    # positions, inside the prompt
+    return _model("Llama4TextConfig", "Llama4ForCausalLM", head_dim=16, num_local_experts=4, floor_scale=32, **options)
+
+
+def _prompt(rows: int = 2, padding: int = 40):
+    """``rows`` prompts of :data:`PROMPT` columns, the last left-padded by ``padding``."""
+    ids = torch.randint(3, COMMON["vocab_size"], (rows, PROMPT), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ids[-1, :padding], mask[-1, :padding] = 0, 0
+    return ids, mask
+
+
+def assert_served_exactly(model):
+    """Nothing evicted, runtime.generate (a left-padded batch, greedy) gives the unmodified model's
+    own generate(): the same tokens and every step's logits within :data:`TOLERANCE`."""
+    ids, mask = _prompt()
+    options = dict(max_new_tokens=STEPS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, **options)
+        got = generate(model, ids, None, attention_mask=mask, **options)
+    difference = max((a - b).abs().max().item() for a, b in zip(got.output.logits, expected.logits, strict=True))
+    assert difference < TOLERANCE, difference
+    assert torch.equal(got.sequences, expected.sequences)
+    return difference
+
+
+def test_llama4_without_chunked_attention_is_served_exactly():
+    """Issue 41 item 4: every entry point raised ``not enough values to unpack`` from the geometry
+    (the rotary module returns one complex tensor)."""
+    model = _llama4(attention_chunk_size=None)
+    assert set(model.config.layer_types) == {"full_attention"}
+    assert_served_exactly(model)
+
+
+def test_llama4_refuses_the_scorers_that_read_rope_by_name_and_serves_the_others():
+    model = _llama4(attention_chunk_size=None)
+    with pytest.raises(UnsupportedModelError, match=r"leverage scorer needs RoPE applied as .*keydiff"):
+        bind(CompressionPolicy(keep_ratio=0.25), None, model)
+    ids, mask = _prompt()
+    cache, report = compress_prompt(
+        model, ids, CompressionPolicy(keep_ratio=0.25, scorer="keydiff"), attention_mask=mask, context_columns=280
+    )
+    assert report.kv_bytes_after < report.kv_bytes_before
+
+
+def test_llama4_with_chunked_attention_is_refused_by_name():
+    model = _llama4(attention_chunk_size=32)
+    assert "chunked_attention" in model.config.layer_types
+    with pytest.raises(UnsupportedModelError, match="chunked attention"):
+        RaggedCache.for_model(model)
+    with pytest.raises(UnsupportedModelError, match="chunked attention"):
+        generate(model, _prompt()[0], None, max_new_tokens=2)
