@@ -138,6 +138,7 @@ class ModelGeometry:
         if config is None:
             raise UnsupportedModelError(f"{name} has no transformers config")
         config = text_config(config)
+        _refuse_attention_kvcal_cannot_compute(name, config, model)
         try:
             numbers = attention_numbers(config)
         except ValueError as exc:
@@ -210,6 +211,27 @@ class ModelGeometry:
             rotary=rotary,
             text_config=config,
         )
+
+
+def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:
+    """Attention whose cache or scores kvcal does not compute, refused by its name before the checks
+    of the projections' shapes (which it fails, saying less): multi-head latent attention (DeepSeek
+    V2 / V3 cache one latent per token, ``kv_lora_rank`` wide, from which every head's keys and
+    values are projected) and learned attention sinks (gpt-oss: a learned logit per head that takes
+    part in every softmax, ``self_attn.sinks``; runtime.attention's ``UNSUPPORTED_ARGUMENTS``)."""
+    rank = getattr(config, "kv_lora_rank", None)
+    if rank:
+        raise UnsupportedModelError(
+            f"{name}: multi-head latent attention (MLA, kv_lora_rank={rank}: keys and values projected from one "
+            "cached latent per token, as in DeepSeek V2 / V3) is not supported"
+        )
+    layers = getattr(getattr(model, "model", None), "layers", None) or ()
+    for index, layer in enumerate(layers):
+        if isinstance(getattr(getattr(layer, "self_attn", None), "sinks", None), torch.Tensor):
+            raise UnsupportedModelError(
+                f"{name}: learned attention sinks (layer {index} self_attn.sinks, as in gpt-oss: a learned logit "
+                "per head in every softmax) are not supported: the ragged attention cannot compute them"
+            )
 
 
 def _linear(name: str, index: int, attention, attribute: str, features: int, expected: str) -> torch.nn.Linear:

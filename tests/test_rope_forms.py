@@ -15,7 +15,7 @@ import torch
 import transformers as T
 
 from runtime import CompressionPolicy, RaggedCache, bind, compress_prompt, generate
-from runtime.geometry import UnsupportedModelError
+from runtime.geometry import ModelGeometry, UnsupportedModelError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -98,3 +98,44 @@ def test_llama4_with_chunked_attention_is_refused_by_name():
         RaggedCache.for_model(model)
     with pytest.raises(UnsupportedModelError, match="chunked attention"):
         generate(model, _prompt()[0], None, max_new_tokens=2)
+
+
+# name: (config class, model class, its options, what the refusal must name)
+REFUSED = {
+    "deepseek v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
+        r"multi-head latent attention \(MLA",
+    ),
+    "deepseek v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1),
+        r"multi-head latent attention \(MLA",
+    ),
+    "gpt-oss, eager": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(head_dim=16, num_local_experts=4, sliding_window=32, attn_implementation="eager"),
+        "learned attention sinks",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_attention_kvcal_cannot_compute_is_refused_by_its_name(name):
+    """Issue 41 item 6: DeepSeek's MLA was refused as "layer 0 q_proj gives 64 features, expected 4
+    heads x 8" (V3: "no q_proj linear"), gpt-oss's learned sinks as "partial rotary" (it rotates all
+    of its dimensions, as two halves)."""
+    config_class, model_class, options, feature = REFUSED[name]
+    model = _model(config_class, model_class, **options)
+    ids = _prompt(rows=1)[0][:, :40]
+    for attempt in (
+        lambda: ModelGeometry.of(model),
+        lambda: generate(model, ids, None, max_new_tokens=2),
+        lambda: bind(CompressionPolicy(keep_ratio=0.5, scorer="keydiff"), None, model),
+    ):
+        with pytest.raises(UnsupportedModelError, match=feature) as refused:
+            attempt()
+        assert "partial rotary" not in str(refused.value) and "features, expected" not in str(refused.value)
