@@ -217,14 +217,26 @@ def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:
     """Attention whose cache or scores kvcal does not compute, refused by its name before the checks
     of the projections' shapes (which it fails, saying less): multi-head latent attention (DeepSeek
     V2 / V3 cache one latent per token, ``kv_lora_rank`` wide, from which every head's keys and
-    values are projected) and learned attention sinks (gpt-oss: a learned logit per head that takes
-    part in every softmax, ``self_attn.sinks``; runtime.attention's ``UNSUPPORTED_ARGUMENTS``)."""
+    values are projected), dynamic NTK RoPE (the scale depends on the longest position of each
+    forward pass and on the calls before: transformers' outputs depend on how the prompt is split,
+    padded and what ran before, by 3e-5 to 1e-3 on a tiny Llama, docs/design.md section 6) and
+    learned attention sinks (gpt-oss: a learned logit per head that takes part in every softmax,
+    ``self_attn.sinks``; runtime.attention's ``UNSUPPORTED_ARGUMENTS``)."""
     rank = getattr(config, "kv_lora_rank", None)
     if rank:
         raise UnsupportedModelError(
             f"{name}: multi-head latent attention (MLA, kv_lora_rank={rank}: keys and values projected from one "
             "cached latent per token, as in DeepSeek V2 / V3) is not supported"
         )
+    for layer_type, parameters in _rope_parameters(config):
+        if parameters.get("rope_type", parameters.get("type")) == "dynamic":
+            of = "" if layer_type is None else f" of {layer_type} layers"
+            raise UnsupportedModelError(
+                f"{name}: dynamic NTK RoPE (rope_type 'dynamic'){of} is not supported: it re-scales RoPE by the "
+                "longest position of each forward pass and keeps that scale between calls, so a cache rotated at "
+                "one length is not what the model computes at another (transformers' own generate() differs from "
+                "itself by how the prompt is split or padded and by what ran before)"
+            )
     layers = getattr(getattr(model, "model", None), "layers", None) or ()
     for index, layer in enumerate(layers):
         if isinstance(getattr(getattr(layer, "self_attn", None), "sinks", None), torch.Tensor):
@@ -232,6 +244,16 @@ def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:
                 f"{name}: learned attention sinks (layer {index} self_attn.sinks, as in gpt-oss: a learned logit "
                 "per head in every softmax) are not supported: the ragged attention cannot compute them"
             )
+
+
+def _rope_parameters(config) -> list[tuple[str | None, dict]]:
+    """The config's RoPE parameters: ``[(None, parameters)]``, or one per layer type (Gemma 3)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return []
+    if rope and all(isinstance(value, dict) for value in rope.values()):
+        return [(str(kind), value) for kind, value in rope.items()]
+    return [(None, rope)]
 
 
 def _linear(name: str, index: int, attention, attribute: str, features: int, expected: str) -> torch.nn.Linear:

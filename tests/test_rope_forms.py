@@ -139,3 +139,41 @@ def test_attention_kvcal_cannot_compute_is_refused_by_its_name(name):
         with pytest.raises(UnsupportedModelError, match=feature) as refused:
             attempt()
         assert "partial rotary" not in str(refused.value) and "features, expected" not in str(refused.value)
+
+
+DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("given", ["rope_parameters", "rope_scaling"])
+def test_dynamic_ntk_rope_is_refused_by_name(given):
+    """Issue 41 item 5.  Dynamic NTK re-scales RoPE by the longest position of each forward pass and
+    keeps the scale in the rotary module between calls, so what the model computes is not a function
+    of its input: on a fresh model (prompt 300, 20 steps, original context 200) transformers'
+    one-shot generate() and the same prompt prefilled in two parts differ by 2.9e-5, generate() run
+    twice on one model by 5.4e-4, a left-padded row and the row alone by 1.2e-3; a cache rotated at
+    one scale is un-rotated by the scorers at another.  Refused by name rather than served silently
+    (kvcal differed from the one-shot generate() by 2.9e-5 to 3.9e-4, by what ran before)."""
+    options = {given: {"type": "dynamic", "factor": 2.0}} if given == "rope_scaling" else {given: DYNAMIC}
+    model = _model("LlamaConfig", "LlamaForCausalLM", **options)
+    ids = _prompt(rows=1)[0][:, :40]
+    for attempt in (
+        lambda: ModelGeometry.of(model),
+        lambda: generate(model, ids, None, max_new_tokens=2),
+        lambda: bind(CompressionPolicy(keep_ratio=0.5, scorer="keydiff"), None, model),
+    ):
+        with pytest.raises(UnsupportedModelError, match=r"dynamic NTK RoPE \(rope_type 'dynamic'\)"):
+            attempt()
+
+
+def test_dynamic_ntk_rope_of_one_layer_type_is_refused_by_name():
+    rope = {"full_attention": DYNAMIC, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    model = _model(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        head_dim=16,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters=rope,
+    )
+    with pytest.raises(UnsupportedModelError, match=r"dynamic NTK RoPE \(rope_type 'dynamic'\) of full_attention"):
+        ModelGeometry.of(model)
