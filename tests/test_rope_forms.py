@@ -178,3 +178,27 @@ def test_dynamic_ntk_rope_of_one_layer_type_is_refused_by_name():
     )
     with pytest.raises(UnsupportedModelError, match=r"dynamic NTK RoPE \(rope_type 'dynamic'\) of full_attention"):
         ModelGeometry.of(model)
+
+
+def test_a_rotation_other_than_runtime_ropes_is_named():
+    """runtime.rope_check says what a layer does instead, for the refusals (issue 41 item 7: the
+    profiler's names the model's RoPE)."""
+    from test_rope_check import OTHER_ROPE, build_other
+
+    from runtime.rope_check import OTHER, rope_mismatches
+
+    expected = {
+        "cohere (interleaved RoPE)": "interleaved RoPE in layers 0, 1, 2, 3",
+        "ernie 4.5 (interleaved RoPE)": "interleaved RoPE in layers 0, 1, 2, 3",
+        "exaone 4 (full-attention layers without RoPE)": "no RoPE in layers 1, 3",
+        "smollm3 (every fourth layer without RoPE)": "no RoPE in layer 3",
+        "hunyuan (a norm after RoPE)": f"{OTHER} in layers 0, 1, 2, 3",
+        "stablelm qk_layernorm (a norm the pre-RoPE read missed)": f"{OTHER} in layers 0, 1, 2, 3",
+    }
+    assert set(expected) == set(OTHER_ROPE)
+    for name, described in expected.items():
+        assert rope_mismatches(build_other(name)).describe() == described, name
+    llama4 = rope_mismatches(_llama4(attention_chunk_size=None))  # an L2 norm after its rotation
+    assert llama4.describe() == f"{OTHER} in layers 0, 1, 2; no RoPE in layer 3"
+    with pytest.raises(UnsupportedModelError, match=r"are not \(interleaved RoPE in layers 0, 1, 2, 3\)"):
+        bind(CompressionPolicy(keep_ratio=0.25), None, build_other("cohere (interleaved RoPE)"))
