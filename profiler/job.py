@@ -201,8 +201,9 @@ class ProfileJob:
         running = [name for name in self.stage_names if name not in reads or name in instead]
         options = " ".join(dict.fromkeys(instead.values()))
         remedy = f"--stages {','.join(running or ('behaviour', 'budgets'))}" + (f" {options}" if options else "")
+        stages, verb = ("the stages", "") if len(reads) > 1 else ("the stage", "s")
         raise UnsupportedModelError(
-            f"{type(self.model).__name__}: the stages {refused} calibrate scorers that need RoPE applied as "
+            f"{type(self.model).__name__}: {stages} {refused} calibrate{verb} scorers that need RoPE applied as "
             f"x cos + rotate_half(x) sin to the pre-RoPE projections, but {problems}; the runtime refuses those "
             f"scorers on this model. Profile what reads no RoPE: {remedy}"
         )
