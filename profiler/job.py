@@ -81,7 +81,7 @@ from profiler.stages import (
 from profiler.stages.base import ShardedStage
 from profiler.stages.context import digest
 from runtime.calibration import default_artifact_path
-from runtime.geometry import ModelGeometry
+from runtime.geometry import ModelGeometry, check_config
 from runtime.models import CPU_DEFAULT_LOAD, DTYPE_CHOICES, loaded_as
 
 
@@ -267,6 +267,8 @@ class ProfileJob:
                 "(or delete the file yourself)"
             )
         config = self._config = model_config(self.model_path)
+        if config is not None:
+            check_config(config)  # MLA, dynamic NTK RoPE: refused by name before the weights load
         if self.out.exists() and not self.options.force:
             try:
                 with open_artifact(self.out) as reader:

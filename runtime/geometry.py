@@ -213,15 +213,17 @@ class ModelGeometry:
         )
 
 
-def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:
-    """Attention whose cache or scores kvcal does not compute, refused by its name before the checks
-    of the projections' shapes (which it fails, saying less): multi-head latent attention (DeepSeek
-    V2 / V3 cache one latent per token, ``kv_lora_rank`` wide, from which every head's keys and
-    values are projected), dynamic NTK RoPE (the scale depends on the longest position of each
-    forward pass and on the calls before: transformers' outputs depend on how the prompt is split,
-    padded and what ran before, by 3e-5 to 1e-3 on a tiny Llama, docs/design.md section 6) and
-    learned attention sinks (gpt-oss: a learned logit per head that takes part in every softmax,
-    ``self_attn.sinks``; runtime.attention's ``UNSUPPORTED_ARGUMENTS``)."""
+def check_config(config, name: str | None = None) -> None:
+    """Refuse, from the transformers config alone (before any weight loads: the commands call it on
+    config.json), attention kvcal does not compute: multi-head latent attention (DeepSeek V2 / V3
+    cache one latent per token, ``kv_lora_rank`` wide, from which every head's keys and values are
+    projected) and dynamic NTK RoPE (the scale depends on the longest position of each forward pass
+    and on the calls before: transformers' outputs depend on how the prompt is split, padded and
+    what ran before, by 3e-5 to 1e-3 on a tiny Llama, docs/design.md section 6).  ``name``: the
+    model's, for the message (default: the config's architecture)."""
+    config = text_config(config)
+    if name is None:
+        name = (getattr(config, "architectures", None) or [getattr(config, "model_type", None) or "the model"])[0]
     rank = getattr(config, "kv_lora_rank", None)
     if rank:
         raise UnsupportedModelError(
@@ -237,6 +239,14 @@ def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:
                 "one length is not what the model computes at another (transformers' own generate() differs from "
                 "itself by how the prompt is split or padded and by what ran before)"
             )
+
+
+def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:
+    """:func:`check_config`, then learned attention sinks, read off the modules (gpt-oss: a learned
+    logit per head that takes part in every softmax, ``self_attn.sinks``; runtime.attention's
+    ``UNSUPPORTED_ARGUMENTS``), each refused by its name before the checks of the projections'
+    shapes and of the rotary (which they fail, saying less or something wrong)."""
+    check_config(config, name)
     layers = getattr(getattr(model, "model", None), "layers", None) or ()
     for index, layer in enumerate(layers):
         if isinstance(getattr(getattr(layer, "self_attn", None), "sinks", None), torch.Tensor):

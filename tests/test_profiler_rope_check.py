@@ -10,6 +10,8 @@ stages, once the model is loaded and before any stage runs; the stages that read
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers as T
@@ -45,7 +47,7 @@ def _profile(model_dir, out, *extra: str) -> int:
 def _one_error_line(capsys) -> str:
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     errors = [line for line in lines if "error:" in line]
-    assert len(errors) == 1 and errors[0].startswith("profile-model: error:"), lines
+    assert len(errors) == 1 and re.match(r"[a-z-]+: error:", errors[0]), lines
     return errors[0]
 
 
@@ -100,3 +102,32 @@ def test_learned_attention_sinks_are_refused_by_name_before_any_stage(tmp_path, 
     assert _profile(model_dir, out, "--stages", "behaviour", "--attn-implementation", "eager") == 2
     assert "learned attention sinks" in _one_error_line(capsys)
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "config, feature",
+    [
+        (
+            T.LlamaConfig(**COMMON, vocab_size=128, rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
+            "dynamic NTK",
+        ),
+        (T.DeepseekV2Config(**COMMON, vocab_size=128, kv_lora_rank=16), r"multi-head latent attention \(MLA"),
+    ],
+    ids=["dynamic NTK", "MLA"],
+)
+@pytest.mark.parametrize("command", ["profile-model", "evaluate-artifact"])
+def test_what_the_config_tells_is_refused_before_the_model_loads(command, config, feature, tmp_path, capsys):
+    """Dynamic NTK RoPE and MLA are read off config.json: a model directory with no weights at all is
+    refused by name (the load would fail otherwise, saying something else)."""
+
+    from profiler.evaluate_cli import main as evaluate
+
+    model_dir = tmp_path / "model"
+    config.save_pretrained(model_dir)
+    if command == "profile-model":
+        code = main([str(model_dir), "--out", str(tmp_path / "out.h5"), "--preset", "smoke", "--no-progress"])
+    else:
+        code = evaluate([str(model_dir), "--artifact", str(tmp_path / "a.h5"), "--no-progress"])
+    assert code == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"{command}: error:") and re.search(feature, line), line
