@@ -537,12 +537,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure(args)
     from artifacts.atomic import output_lock
+    from runtime.geometry import check_config
     from runtime.models import ModelError, load_config
 
     try:  # every path, number and combination before any model work
         check_given(options(), args)  # --attn-implementation (imports transformers)
         _check_outputs(args, None)  # before anything is read: a directory, a device, an unwritable place
         args.config = load_config(args.model)  # the model exists (its weights are not read)
+        check_config(args.config)  # MLA, dynamic NTK RoPE: refused by name before the weights load
         _check_outputs(args, _found_artifact(args))  # before the lock of --json is taken
     except (ValueError, OSError, ModelError) as exc:
         return fail("evaluate-artifact", exc)

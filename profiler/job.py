@@ -81,7 +81,7 @@ from profiler.stages import (
 from profiler.stages.base import ShardedStage
 from profiler.stages.context import digest
 from runtime.calibration import default_artifact_path
-from runtime.geometry import ModelGeometry
+from runtime.geometry import ModelGeometry, check_config
 from runtime.models import CPU_DEFAULT_LOAD, DTYPE_CHOICES, loaded_as
 
 
@@ -165,6 +165,7 @@ class ProfileJob:
             options.model, device_map=device_map, dtype=options.dtype, attn_implementation=options.attn_implementation
         )
         self.geometry = ModelGeometry.of(self.model)
+        self._check_rope()
         # what the model was loaded as: recorded in the artifact, and part of the work file's fingerprint
         self.loaded = loaded_as(self.model)
         self.identity = model_identity(self.model, self.tokenizer, options.model or "embedded")
@@ -173,6 +174,38 @@ class ProfileJob:
             f"{self.geometry.num_q_heads} query / {self.geometry.num_kv_heads} KV heads, "
             f"d={self.geometry.head_dim}; {self.loaded['dtype']}, {self.loaded['attn_implementation']} attention) "
             f"loaded in {time.perf_counter() - started:.1f} s; output: {self.out}"
+        )
+
+    def _check_rope(self) -> None:
+        """Refuse (``UnsupportedModelError``, one line) the chosen stages that calibrate a scorer reading
+        RoPE (:meth:`profiler.stages.base.Stage.rope_reads`) on a model that rotates its queries and keys
+        otherwise than runtime.rope (:mod:`runtime.rope_check`, one short forward pass): the calibration
+        would un-rotate them wrongly, and the runtime refuses those scorers there.  Names the model's
+        RoPE, the stages, and the stages (and options) that do run."""
+        from runtime.geometry import UnsupportedModelError
+        from runtime.rope_check import rope_problems
+
+        reads = {stage.name: stage.rope_reads(self.settings) for stage in self.stage_classes}
+        reads = {name: found for name, found in reads.items() if found}
+        if not reads:
+            return
+        problems = rope_problems(
+            self.model,
+            keys=any(read.keys for found in reads.values() for read in found),
+            queries=any(read.queries for found in reads.values() for read in found),
+        )
+        if problems is None:
+            return
+        refused = ", ".join(f"{name} ({', '.join(read.what for read in found)})" for name, found in reads.items())
+        instead = {name: found[0].instead for name, found in reads.items() if all(read.instead for read in found)}
+        running = [name for name in self.stage_names if name not in reads or name in instead]
+        options = " ".join(dict.fromkeys(instead.values()))
+        remedy = f"--stages {','.join(running or ('behaviour', 'budgets'))}" + (f" {options}" if options else "")
+        stages, verb = ("the stages", "") if len(reads) > 1 else ("the stage", "s")
+        raise UnsupportedModelError(
+            f"{type(self.model).__name__}: {stages} {refused} calibrate{verb} scorers that need RoPE applied as "
+            f"x cos + rotate_half(x) sin to the pre-RoPE projections, but {problems}; the runtime refuses those "
+            f"scorers on this model. Profile what reads no RoPE: {remedy}"
         )
 
     def context(self, kept: set[str]) -> StageContext:
@@ -234,6 +267,8 @@ class ProfileJob:
                 "(or delete the file yourself)"
             )
         config = self._config = model_config(self.model_path)
+        if config is not None:
+            check_config(config)  # MLA, dynamic NTK RoPE: refused by name before the weights load
         if self.out.exists() and not self.options.force:
             try:
                 with open_artifact(self.out) as reader:

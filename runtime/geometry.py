@@ -138,6 +138,7 @@ class ModelGeometry:
         if config is None:
             raise UnsupportedModelError(f"{name} has no transformers config")
         config = text_config(config)
+        _refuse_attention_kvcal_cannot_compute(name, config, model)
         try:
             numbers = attention_numbers(config)
         except ValueError as exc:
@@ -210,6 +211,59 @@ class ModelGeometry:
             rotary=rotary,
             text_config=config,
         )
+
+
+def check_config(config, name: str | None = None) -> None:
+    """Refuse, from the transformers config alone (before any weight loads: the commands call it on
+    config.json), attention kvcal does not compute: multi-head latent attention (DeepSeek V2 / V3
+    cache one latent per token, ``kv_lora_rank`` wide, from which every head's keys and values are
+    projected) and dynamic NTK RoPE (the scale depends on the longest position of each forward pass
+    and on the calls before: transformers' outputs depend on how the prompt is split, padded and
+    what ran before, by 3e-5 to 1e-3 on a tiny Llama, docs/design.md section 6).  ``name``: the
+    model's, for the message (default: the config's architecture)."""
+    config = text_config(config)
+    if name is None:
+        name = (getattr(config, "architectures", None) or [getattr(config, "model_type", None) or "the model"])[0]
+    rank = getattr(config, "kv_lora_rank", None)
+    if rank:
+        raise UnsupportedModelError(
+            f"{name}: multi-head latent attention (MLA, kv_lora_rank={rank}: keys and values projected from one "
+            "cached latent per token, as in DeepSeek V2 / V3) is not supported"
+        )
+    for layer_type, parameters in _rope_parameters(config):
+        if parameters.get("rope_type", parameters.get("type")) == "dynamic":
+            of = "" if layer_type is None else f" of {layer_type} layers"
+            raise UnsupportedModelError(
+                f"{name}: dynamic NTK RoPE (rope_type 'dynamic'){of} is not supported: it re-scales RoPE by the "
+                "longest position of each forward pass and keeps that scale between calls, so a cache rotated at "
+                "one length is not what the model computes at another (transformers' own generate() differs from "
+                "itself by how the prompt is split or padded and by what ran before)"
+            )
+
+
+def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:
+    """:func:`check_config`, then learned attention sinks, read off the modules (gpt-oss: a learned
+    logit per head that takes part in every softmax, ``self_attn.sinks``; runtime.attention's
+    ``UNSUPPORTED_ARGUMENTS``), each refused by its name before the checks of the projections'
+    shapes and of the rotary (which they fail, saying less or something wrong)."""
+    check_config(config, name)
+    layers = getattr(getattr(model, "model", None), "layers", None) or ()
+    for index, layer in enumerate(layers):
+        if isinstance(getattr(getattr(layer, "self_attn", None), "sinks", None), torch.Tensor):
+            raise UnsupportedModelError(
+                f"{name}: learned attention sinks (layer {index} self_attn.sinks, as in gpt-oss: a learned logit "
+                "per head in every softmax) are not supported: the ragged attention cannot compute them"
+            )
+
+
+def _rope_parameters(config) -> list[tuple[str | None, dict]]:
+    """The config's RoPE parameters: ``[(None, parameters)]``, or one per layer type (Gemma 3)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return []
+    if rope and all(isinstance(value, dict) for value in rope.values()):
+        return [(str(kind), value) for kind, value in rope.items()]
+    return [(None, rope)]
 
 
 def _linear(name: str, index: int, attention, attribute: str, features: int, expected: str) -> torch.nn.Linear:
@@ -292,9 +346,23 @@ def _check_full_rotary(name: str, rotary, rope_layer_types, head_dim: int) -> No
     for layer_type in sorted(set(rope_layer_types), key=str):
         extra = () if layer_type is None else (layer_type,)
         with torch.no_grad():
-            cos, _ = rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=device), *extra)
-        if cos.shape[-1] != head_dim:
+            output = rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=device), *extra)
+        rotated = _rotary_dimensions(name, output)
+        if rotated != head_dim:
             raise UnsupportedModelError(
-                f"{name}: partial rotary embeddings (RoPE on {cos.shape[-1]} of {head_dim} dimensions) "
-                "are not supported"
+                f"{name}: partial rotary embeddings (RoPE on {rotated} of {head_dim} dimensions) are not supported"
             )
+
+
+def _rotary_dimensions(name: str, output) -> int:
+    """How many of a head's dimensions the rotary module's ``output`` turns: ``(cos, sin)`` of
+    ``[.., d]`` (Llama), or one complex ``freqs_cis [.., d/2]`` (Llama 4: a pair per complex number)."""
+    if isinstance(output, torch.Tensor):
+        if not output.is_complex():
+            raise UnsupportedModelError(
+                f"{name}: the rotary embedding returns one real tensor {tuple(output.shape)}, neither "
+                "(cos, sin) nor complex frequencies"
+            )
+        return 2 * output.shape[-1]
+    cos, _ = output
+    return cos.shape[-1]

@@ -37,7 +37,10 @@ def rope_cos_sin(model, positions: torch.Tensor, layer: int | None = None) -> tu
     ``model``: a loaded model or its :class:`~runtime.geometry.ModelGeometry` (whose ``rotary``
     module is used, given the layer's type where it takes one: Gemma 3's sliding layers use
     another RoPE base than its full ones).  ``layer=None`` serves a model whose layers share one
-    RoPE; for one whose layers differ it raises ``ValueError``.
+    RoPE; for one whose layers differ it raises ``ValueError``.  A rotary module that returns
+    complex frequencies ``e^{i p f}`` (Llama 4) gives ``cos = cat(cos pf, cos pf)`` and the same
+    for ``sin``: its frequencies in the layout ``rotate_half`` takes.  Llama 4 rotates interleaved
+    pairs instead, which :mod:`runtime.rope_check` finds, refusing the scorers that read RoPE.
     """
     geometry = ModelGeometry.of(model)
     layer_type = geometry.rope_layer_type(layer)
@@ -46,7 +49,11 @@ def rope_cos_sin(model, positions: torch.Tensor, layer: int | None = None) -> tu
     positions = positions.to(device=device, dtype=torch.long).reshape(1, -1)
     probe = torch.zeros(1, positions.shape[1], 1, dtype=torch.float32, device=device)
     with torch.no_grad():
-        cos, sin = rotary(probe, positions) if layer_type is None else rotary(probe, positions, layer_type)
+        output = rotary(probe, positions) if layer_type is None else rotary(probe, positions, layer_type)
+    if isinstance(output, torch.Tensor):  # Llama 4: complex frequencies, laid out here as rotate_half takes them
+        cos, sin = torch.cat([output.real, output.real], dim=-1), torch.cat([output.imag, output.imag], dim=-1)
+    else:
+        cos, sin = output
     return cos[0].float(), sin[0].float()
 
 

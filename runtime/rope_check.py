@@ -15,7 +15,7 @@ on a model where they differ, by name (:func:`check_rope_for`), and served exact
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,18 @@ class RopeMismatches:
     queries: tuple[int, ...]
     key_errors: tuple[float, ...]
     query_errors: tuple[float, ...]
+    # per layer in keys or queries, what it does instead: "no RoPE", "interleaved RoPE", or OTHER
+    features: dict[int, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """What the layers do instead, grouped: ``"interleaved RoPE in layers 0, 1"``."""
+        grouped: dict[str, list[int]] = {}
+        for layer, feature in sorted(self.features.items()):
+            grouped.setdefault(feature, []).append(layer)
+        return "; ".join(
+            f"{feature} in layer{'s' if len(layers) > 1 else ''} {_layers(tuple(layers))}"
+            for feature, layers in grouped.items()
+        )
 
 
 def _rotated(pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -46,6 +58,35 @@ def _rotated(pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = pre.shape[-1] // 2
     rotate_half = torch.cat([-pre[..., half:], pre[..., :half]], dim=-1)
     return pre * cos[None, :, None] + rotate_half * sin[None, :, None]
+
+
+OTHER = "another rotation, a norm after it or one the pre-RoPE read misses"
+
+
+def _interleaved(pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """``pre [B, T, H, d]`` rotated in interleaved pairs ``(x0, x1), (x2, x3), ..`` (GPT-J's RoPE:
+    Cohere, Ernie 4.5, Llama 4) at the frequencies of ``cos, sin [T, d]``, laid out either way
+    (halves, as rotate_half takes them, or pairs); None when they are neither."""
+    half = cos.shape[-1] // 2
+    if torch.allclose(cos[:, :half], cos[:, half:]) and torch.allclose(sin[:, :half], sin[:, half:]):
+        cos, sin = cos[:, :half], sin[:, :half]
+    elif torch.allclose(cos[:, 0::2], cos[:, 1::2]) and torch.allclose(sin[:, 0::2], sin[:, 1::2]):
+        cos, sin = cos[:, 0::2], sin[:, 0::2]
+    else:
+        return None
+    cos, sin = cos.repeat_interleave(2, -1)[None, :, None], sin.repeat_interleave(2, -1)[None, :, None]
+    turned = torch.stack([-pre[..., 1::2], pre[..., 0::2]], dim=-1).flatten(-2)
+    return pre * cos + turned * sin
+
+
+def _feature(pre: torch.Tensor, post: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str:
+    """What a layer whose rotation is not runtime.rope's does to its pre-RoPE ``pre``: ``post``."""
+    if _relative_error(pre, post) <= TOLERANCE:
+        return "no RoPE"
+    interleaved = _interleaved(pre, cos, sin)
+    if interleaved is not None and _relative_error(interleaved, post) <= TOLERANCE:
+        return "interleaved RoPE"
+    return OTHER
 
 
 def _relative_error(expected: torch.Tensor, got: torch.Tensor) -> float:
@@ -101,7 +142,7 @@ def rope_mismatches(model) -> RopeMismatches:
     finally:
         for handle in handles:
             handle.remove()
-    key_errors, query_errors = [], []
+    key_errors, query_errors, features = [], [], {}
     for layer in range(geometry.num_layers):
         if layer not in post or layer not in pre_keys or layer not in pre_queries:
             raise UnsupportedModelError(
@@ -112,11 +153,16 @@ def rope_mismatches(model) -> RopeMismatches:
         query, key = post[layer]
         key_errors.append(_relative_error(_rotated(pre_keys[layer], cos, sin), key))
         query_errors.append(_relative_error(_rotated(pre_queries[layer], cos, sin), query))
+        if key_errors[-1] > TOLERANCE:
+            features[layer] = _feature(pre_keys[layer], key, cos, sin)
+        elif query_errors[-1] > TOLERANCE:
+            features[layer] = _feature(pre_queries[layer], query, cos, sin)
     result = RopeMismatches(
         keys=tuple(i for i, e in enumerate(key_errors) if e > TOLERANCE),
         queries=tuple(i for i, e in enumerate(query_errors) if e > TOLERANCE),
         key_errors=tuple(key_errors),
         query_errors=tuple(query_errors),
+        features=features,
     )
     _CHECKED[model] = result
     return result
@@ -127,19 +173,36 @@ def _layers(indices: tuple[int, ...]) -> str:
     return shown + (f" and {len(indices) - 8} more" if len(indices) > 8 else "")
 
 
-def check_rope_for(model, what: str, *, keys: bool, queries: bool) -> None:
-    """Refuse ``what`` (a policy or stage that needs RoPE's rotation of the keys, of the queries, or
-    both) on a model whose layers rotate them otherwise (see the module docstring)."""
+def rope_needs(scorer) -> tuple[bool, bool]:
+    """Whether ``scorer`` (a ``runtime.scorers`` scorer) needs RoPE's rotation of the keys (it
+    un-rotates them or averages RoPE over them) and of the queries (it rotates query statistics)."""
+    from .scorers import AveragedRope, KeyRope
+
+    keys = any(isinstance(need, (KeyRope, AveragedRope)) for need in scorer.needs)
+    return keys, any(isinstance(need, AveragedRope) for need in scorer.needs)
+
+
+def rope_problems(model, *, keys: bool, queries: bool) -> str | None:
+    """Which of the keys / queries ``model`` rotates otherwise than runtime.rope, and how (one
+    clause), or None when they are rotated as it assumes."""
     found = rope_mismatches(model)
     problems = []
     if keys and found.keys:
         problems.append(f"the keys of layers {_layers(found.keys)}")
     if queries and found.queries:
         problems.append(f"the queries of layers {_layers(found.queries)}")
+    if not problems:
+        return None
+    return f"{' and '.join(problems)} are not ({found.describe()})"
+
+
+def check_rope_for(model, what: str, *, keys: bool, queries: bool) -> None:
+    """Refuse ``what`` (a policy or stage that needs RoPE's rotation of the keys, of the queries, or
+    both) on a model whose layers rotate them otherwise (see the module docstring)."""
+    problems = rope_problems(model, keys=keys, queries=queries)
     if problems:
         raise UnsupportedModelError(
             f"{type(model).__name__}: {what} needs RoPE applied as x cos + rotate_half(x) sin to the "
-            f"pre-RoPE projections, but {' and '.join(problems)} are not (interleaved RoPE, a layer "
-            "without RoPE, or a norm after the rotation or one the pre-RoPE read misses): serve a scorer "
-            "that reads no RoPE (keydiff, snapkv, knorm, streaming) on this model"
+            f"pre-RoPE projections, but {problems}: serve a scorer that reads no RoPE (keydiff, snapkv, "
+            "knorm, streaming) on this model"
         )

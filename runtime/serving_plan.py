@@ -34,9 +34,9 @@ import torch
 from .calibration import architecture_mismatch
 from .geometry import ModelGeometry
 from .policy import CompressionPolicy
-from .rope_check import check_rope_for
+from .rope_check import check_rope_for, rope_needs
 from .row_state import DecodePlan
-from .scorers import AveragedRope, KeyRope, QueryCentres, Scorer, query_statistics
+from .scorers import QueryCentres, Scorer, query_statistics
 
 
 def check_calibration_fits(model, calibration) -> None:
@@ -140,8 +140,7 @@ def bind(policy: CompressionPolicy, calibration, model) -> ServingPlan:
         raise ValueError(missing[0])
     check_calibration_fits(model, calibration)
     geometry = ModelGeometry.of(model)
-    rope_keys = any(isinstance(need, (KeyRope, AveragedRope)) for need in scorer.needs)
-    rope_queries = any(isinstance(need, AveragedRope) for need in scorer.needs)
+    rope_keys, rope_queries = rope_needs(scorer)
     if (rope_keys or rope_queries) and isinstance(model, torch.nn.Module):  # the model's own rotation?
         check_rope_for(model, f"the {scorer.name} scorer", keys=rope_keys, queries=rope_queries)
     loaded = {}

@@ -13,6 +13,9 @@ without torch (``profile-model --help`` builds its parser from them):
   this run, or kept from the artifact at the output path) by ``profiler.stages.check_requirements``;
 * ``config()``: the JSON-able settings recorded in the artifact's config under ``section``
   (and part of the resume fingerprint, so a work file of other settings is refused);
+* ``rope_reads(settings)``: what of its work calibrates a scorer that reads RoPE (:class:`RopeRead`),
+  refused by the job, once the model is loaded and before any stage runs, on a model that rotates
+  its queries and keys otherwise (:mod:`runtime.rope_check`);
 
 and implements the parts it needs of one life cycle, which :class:`profiler.job.ProfileJob`
 runs the same way for every stage:
@@ -63,6 +66,18 @@ from profiler.stages.context import StageContext
 
 
 @dataclass(frozen=True)
+class RopeRead:
+    """What of a stage's work calibrates a scorer that reads RoPE (:func:`runtime.rope_check.rope_needs`):
+    ``what`` (``"the leverage selection"``), whether it needs the rotation of the ``keys`` and of the
+    ``queries``, and ``instead``: the option that runs the stage without it, if one does."""
+
+    what: str
+    keys: bool = True
+    queries: bool = False
+    instead: str | None = None
+
+
+@dataclass(frozen=True)
 class Requirement:
     """Sections a stage reads: ``alternatives`` are sets of section names, any one of which serves
     (``(frozenset({"behaviour"}),)``: the behaviour section); ``what`` says what is read there."""
@@ -88,6 +103,12 @@ class Stage(ABC):
     units: ClassVar[str] = "items"  # the plural
     options: ClassVar[tuple[Option | Renamed, ...]] = ()  # its own settings (its --help group)
     options_title: ClassVar[str | None] = None  # the --help group's title; default "<name> stage"
+
+    @classmethod
+    def rope_reads(cls, settings: Mapping[str, Any]) -> tuple[RopeRead, ...]:
+        """What of this stage's work (with these settings) calibrates a scorer that reads RoPE: on a
+        model that rotates otherwise (runtime.rope_check) the job refuses it before any stage runs."""
+        return ()
 
     def __init__(self, context: StageContext):
         self.context = context

@@ -21,7 +21,7 @@ from artifacts import Section
 from profiler.budget_curves import CURVE_FLOOR, CURVE_GRID, CURVE_RATIOS, RETENTION_WEIGHT, SELECTIONS
 from profiler.options import Choice, ListOf, Number, Option
 
-from .base import Stage
+from .base import RopeRead, Stage
 
 RETENTION_QUERIES = ("question", "answer")  # whose attention the retention loss follows
 # The answer's retrieval hits: the question's attention mass gave curves far below INF's budgets
@@ -79,6 +79,12 @@ class BudgetCurvesStage(Stage):
             f"error (default {RETENTION_WEIGHT:g})",
         ),
     )
+
+    @classmethod
+    def rope_reads(cls, settings) -> tuple[RopeRead, ...]:
+        if settings["curve_selection"] == "leverage":  # it un-rotates the keys (KeyRope)
+            return (RopeRead("the leverage selection", instead="--curve-selection keydiff"),)
+        return ()
 
     def __init__(self, context):
         super().__init__(context)

@@ -25,7 +25,7 @@ from artifacts.schema import FREE_DIM_LIMITS
 from profiler.arguments import MAX_TOKENS
 from profiler.options import Integer, Option
 
-from .base import ShardedStage
+from .base import RopeRead, ShardedStage
 
 # Centres per head: 1, 4 and 8 measured within the noise of 18 probes of each other; 4 is the
 # smaller of the best (docs/results.md R-future-centres-2026-11-22).
@@ -69,6 +69,11 @@ class FutureQueriesStage(ShardedStage):
             f"future queries per head the centres are fitted on, at most (default {DEFAULT_SAMPLE})",
         ),
     )
+
+    @classmethod
+    def rope_reads(cls, settings) -> tuple[RopeRead, ...]:
+        # Expected Attention (future statistics) and the prototypes rotate these with averaged RoPE
+        return (RopeRead("pre-RoPE query statistics and centres", keys=True, queries=True),)
 
     def __init__(self, context):
         from runtime.query_moments import QueryMoments  # torch: not for the parser

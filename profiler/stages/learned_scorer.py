@@ -18,7 +18,7 @@ from needles.probe import LABEL_CODE
 from profiler.arguments import MAX_COUNT
 from profiler.options import Integer, Option
 
-from .base import ShardedStage
+from .base import RopeRead, ShardedStage
 
 # torch and profiler.learned_scorer (torch) are imported where they are used: building
 # profile-model's parser imports this module, and --help must not wait for torch.
@@ -49,6 +49,11 @@ class LearnedScorerStage(ShardedStage):
     def check_settings(cls, settings) -> None:
         if settings["calib_samples"] < 2:
             raise ValueError("the learned-scorer stage needs at least 2 calibration windows (one is held out)")
+
+    @classmethod
+    def rope_reads(cls, settings) -> tuple[RopeRead, ...]:
+        # fitted on pre-RoPE keys; the learned scorer un-rotates the cached keys to evaluate it
+        return (RopeRead("the learned scorer of pre-RoPE keys"),)
 
     def __init__(self, context):
         import torch

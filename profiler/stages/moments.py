@@ -27,7 +27,7 @@ from artifacts import Section
 from profiler.options import Choice, ListOf, Option
 from runtime.names import MOMENT_SELECTIONS as MOMENTS_SELECTIONS
 
-from .base import Requirement, Stage
+from .base import Requirement, RopeRead, Stage
 
 MOMENT_WINDOWS = 4  # calibration windows the stage measures on
 MOMENT_KEEP_RATIOS = (0.25, 0.5)  # reference budgets: 75% and 50% compression
@@ -83,6 +83,15 @@ class MomentsStage(Stage):
                 Requirement.section("learned_scorer", "the learned scorer's weights (--moments-selection learned)"),
             )
         return ()
+
+    @classmethod
+    def rope_reads(cls, settings) -> tuple[RopeRead, ...]:
+        selections = settings["moments_selection"] or default_selections(has_learned_weights=False)
+        return tuple(
+            RopeRead(f"the {selection} selection", instead="--moments-selection keydiff")
+            for selection in selections
+            if selection in ("leverage", "learned")  # they un-rotate the keys (KeyRope)
+        )
 
     def __init__(self, context):
         super().__init__(context)

@@ -15,7 +15,7 @@ from artifacts import Section
 from profiler.arguments import MAX_COUNT
 from profiler.options import Integer, Option
 
-from .base import ShardedStage
+from .base import RopeRead, ShardedStage
 
 
 class QueryStatsStage(ShardedStage):
@@ -35,6 +35,11 @@ class QueryStatsStage(ShardedStage):
             "calibration windows per forward pass (default: the preset's)",
         ),
     )
+
+    @classmethod
+    def rope_reads(cls, settings) -> tuple[RopeRead, ...]:
+        # Expected Attention rotates these statistics with RoPE averaged over its horizon
+        return (RopeRead("pre-RoPE query statistics for Expected Attention", keys=True, queries=True),)
 
     def __init__(self, context):
         from runtime.query_moments import QueryMoments  # torch: not for the parser

@@ -31,7 +31,7 @@ from profiler.held_out_tasks import HAYSTACKS
 from profiler.options import Choice, Integer, ListOf, Number, Option, Text
 from profiler.paired_decision import DEFAULT_CONFIDENCE, DEFAULT_TOLERANCE
 
-from .base import Requirement, Stage
+from .base import Requirement, RopeRead, Stage
 
 TASK_FAMILIES = tuple(FAMILIES)  # every needle family, those the model fails uncompressed included
 
@@ -122,6 +122,20 @@ class RecommendationStage(Stage):
         ratio = float(settings["recommend_compression_ratios"][0])
         serving = tuple(sections for spec in specs for sections in sections_serving(spec, ratio))
         return (Requirement(f"the sections of at least one candidate ({', '.join(s.name for s in specs)})", serving),)
+
+    @classmethod
+    def rope_reads(cls, settings) -> tuple[RopeRead, ...]:
+        from profiler.recommendation import candidate_specs
+        from runtime.rope_check import rope_needs
+
+        ratio = float(settings["recommend_compression_ratios"][0])
+        reads = []
+        for spec in candidate_specs(settings["recommend_policies"]):
+            keys, queries = rope_needs(spec.policy(ratio).build_scorer())
+            if keys or queries:
+                instead = "--recommend-policies inf/keydiff+correction"
+                reads.append(RopeRead(spec.name, keys=keys, queries=queries, instead=instead))
+        return tuple(reads)
 
     def __init__(self, context):
         from needles import PRESETS as PROBE_PRESETS

@@ -1,0 +1,133 @@
+"""profile-model on a model that rotates otherwise than kvcal's RoPE (issue 41 item 7).
+
+The stages that calibrate a scorer reading RoPE (leverage and learned un-rotate the cached keys;
+Expected Attention and the query prototypes rotate pre-RoPE query statistics) would calibrate it
+with the wrong un-rotation on Cohere (interleaved RoPE), SmolLM3 (layers without RoPE), HunYuan (a
+norm after the rotation)... and the runtime refuses to serve it there (runtime.rope_check).  So
+``profile-model`` refuses them, exit 2 and one ``error:`` line naming the model's RoPE and the
+stages, once the model is loaded and before any stage runs; the stages that read no RoPE run.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import transformers as T
+from conftest import single_thread, tiny_profile_args, write_tiny_model_dir
+
+from artifacts import open_artifact
+from profiler.cli import main
+
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+
+
+def _model_dir(tmp_path, tokenizer, config_class: str, model_class: str, **options):
+    if not hasattr(T, config_class):
+        pytest.skip(f"transformers {T.__version__} has no {config_class}")
+    torch.manual_seed(0)
+    config = getattr(T, config_class)(**COMMON, vocab_size=len(tokenizer), **options)
+    model = getattr(T, model_class)(config).eval()
+    return write_tiny_model_dir(tmp_path / model_class, tokenizer, probes=3, model=model, probe_length=64)
+
+
+def _profile(model_dir, out, *extra: str) -> int:
+    with single_thread():
+        return main(tiny_profile_args(model_dir, out, *extra, calib_samples=2))
+
+
+def _one_error_line(capsys) -> str:
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    assert len(errors) == 1 and re.match(r"[a-z-]+: error:", errors[0]), lines
+    return errors[0]
+
+
+def test_the_stages_that_read_rope_are_refused_on_interleaved_rope_before_any_stage(
+    tmp_path, embedded_tokenizer, capsys
+):
+    model_dir = _model_dir(tmp_path, embedded_tokenizer, "CohereConfig", "CohereForCausalLM")
+    out = tmp_path / "kv_calibration.h5"
+    assert _profile(model_dir, out) == 2  # the smoke preset's stages: query-stats, moments... read RoPE
+    line = _one_error_line(capsys)
+    assert "interleaved RoPE in layers 0, 1" in line and "runtime refuses those scorers" in line
+    assert "query-stats (" in line and "moments (the leverage selection)" in line
+    assert "--stages behaviour,budgets" in line and "--moments-selection keydiff" in line
+    assert not out.exists() and not list(tmp_path.glob("*.partial*"))
+
+
+def test_the_stages_the_refusal_names_run(tmp_path, embedded_tokenizer, capsys):
+    """The refusal names the recommendation's candidates that read RoPE (the flagship among them),
+    and the stages and options it proposes instead profile the model."""
+    model_dir = _model_dir(tmp_path, embedded_tokenizer, "CohereConfig", "CohereForCausalLM")
+    out = tmp_path / "kv_calibration.h5"
+    one_family = ("--recommend-families", "retrieval", "--recommend-haystacks", "simple")
+    stages = ("--stages", "behaviour,query-stats,budgets,moments,recommendation")
+    assert _profile(model_dir, out, *stages, *one_family) == 2
+    line = _one_error_line(capsys)
+    assert "recommendation (" in line and "inf/leverage+correction" in line
+    remedy = line.split("Profile what reads no RoPE: ")[1].split()
+    assert remedy[:2] == ["--stages", "behaviour,budgets,moments,recommendation"], remedy
+    assert _profile(model_dir, out, *remedy, *one_family) == 0, capsys.readouterr().err
+    with open_artifact(out) as reader:
+        assert set(reader.sections) == {"behaviour", "budgets", "moments", "recommendation"}
+
+
+def test_layers_without_rope_are_named(tmp_path, embedded_tokenizer, capsys):
+    """SmolLM3: every fourth layer has no RoPE (``no_rope_layers``), here the second of two."""
+    model_dir = _model_dir(
+        tmp_path, embedded_tokenizer, "SmolLM3Config", "SmolLM3ForCausalLM", no_rope_layer_interval=2, pad_token_id=0
+    )
+    out = tmp_path / "kv_calibration.h5"
+    assert _profile(model_dir, out, "--stages", "behaviour,learned-scorer") == 2
+    line = _one_error_line(capsys)
+    assert "no RoPE in layer 1" in line and "learned-scorer (" in line and "--stages behaviour" in line
+    assert not out.exists()
+
+
+def test_learned_attention_sinks_are_refused_by_name_before_any_stage(tmp_path, embedded_tokenizer, capsys):
+    """Issue 41 item 6 from the command line: gpt-oss was refused as "partial rotary"."""
+    model_dir = _model_dir(
+        tmp_path, embedded_tokenizer, "GptOssConfig", "GptOssForCausalLM", head_dim=16, num_local_experts=4
+    )
+    out = tmp_path / "kv_calibration.h5"
+    assert _profile(model_dir, out, "--stages", "behaviour", "--attn-implementation", "eager") == 2
+    assert "learned attention sinks" in _one_error_line(capsys)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "config, feature",
+    [
+        (
+            T.LlamaConfig(**COMMON, vocab_size=128, rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
+            "dynamic NTK",
+        ),
+        (T.DeepseekV2Config(**COMMON, vocab_size=128, kv_lora_rank=16), r"multi-head latent attention \(MLA"),
+    ],
+    ids=["dynamic NTK", "MLA"],
+)
+@pytest.mark.parametrize("command", ["profile-model", "evaluate-artifact"])
+def test_what_the_config_tells_is_refused_before_the_model_loads(command, config, feature, tmp_path, capsys):
+    """Dynamic NTK RoPE and MLA are read off config.json: a model directory with no weights at all is
+    refused by name (the load would fail otherwise, saying something else)."""
+
+    from profiler.evaluate_cli import main as evaluate
+
+    model_dir = tmp_path / "model"
+    config.save_pretrained(model_dir)
+    if command == "profile-model":
+        code = main([str(model_dir), "--out", str(tmp_path / "out.h5"), "--preset", "smoke", "--no-progress"])
+    else:
+        code = evaluate([str(model_dir), "--artifact", str(tmp_path / "a.h5"), "--no-progress"])
+    assert code == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"{command}: error:") and re.search(feature, line), line

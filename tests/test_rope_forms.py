@@ -1,0 +1,204 @@
+"""Models whose RoPE or attention is not the Llama kind (issue 41 items 4-6): served exactly where the
+runtime computes what the model computes, refused by name elsewhere.
+
+* Llama 4 text without chunked attention (``attention_chunk_size=None``): its rotary module returns
+  complex frequencies (one tensor, not ``cos, sin``), its layers rotate interleaved pairs, every
+  fourth layer has no RoPE and scales its queries by position (attention temperature tuning,
+  arXiv 2501.19399).  Nothing evicted, it is served exactly; the scorers that read RoPE are refused
+  by runtime.rope_check.  With ``attention_chunk_size`` set it is refused as chunked attention.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+from runtime import CompressionPolicy, RaggedCache, bind, compress_prompt, generate
+from runtime.geometry import ModelGeometry, UnsupportedModelError
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
+
+TOLERANCE = 1e-4
+PROMPT, STEPS = 300, 20
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _model(config_class: str, model_class: str, **options):
+    if not hasattr(T, config_class):
+        pytest.skip(f"transformers {T.__version__} has no {config_class}")
+    torch.manual_seed(0)
+    model = getattr(T, model_class)(getattr(T, config_class)(**COMMON, **options)).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _llama4(**options):
+    # floor_scale 32 (Llama 4 Scout: 8192): the no-RoPE layers' query temperature changes every 32
+    # positions, inside the prompt
+    return _model("Llama4TextConfig", "Llama4ForCausalLM", head_dim=16, num_local_experts=4, floor_scale=32, **options)
+
+
+def _prompt(rows: int = 2, padding: int = 40):
+    """``rows`` prompts of :data:`PROMPT` columns, the last left-padded by ``padding``."""
+    ids = torch.randint(3, COMMON["vocab_size"], (rows, PROMPT), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ids[-1, :padding], mask[-1, :padding] = 0, 0
+    return ids, mask
+
+
+def assert_served_exactly(model):
+    """Nothing evicted, runtime.generate (a left-padded batch, greedy) gives the unmodified model's
+    own generate(): the same tokens and every step's logits within :data:`TOLERANCE`."""
+    ids, mask = _prompt()
+    options = dict(max_new_tokens=STEPS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, **options)
+        got = generate(model, ids, None, attention_mask=mask, **options)
+    difference = max((a - b).abs().max().item() for a, b in zip(got.output.logits, expected.logits, strict=True))
+    assert difference < TOLERANCE, difference
+    assert torch.equal(got.sequences, expected.sequences)
+    return difference
+
+
+def test_llama4_without_chunked_attention_is_served_exactly():
+    """Issue 41 item 4: every entry point raised ``not enough values to unpack`` from the geometry
+    (the rotary module returns one complex tensor)."""
+    model = _llama4(attention_chunk_size=None)
+    assert set(model.config.layer_types) == {"full_attention"}
+    assert_served_exactly(model)
+
+
+def test_llama4_refuses_the_scorers_that_read_rope_by_name_and_serves_the_others():
+    model = _llama4(attention_chunk_size=None)
+    with pytest.raises(UnsupportedModelError, match=r"leverage scorer needs RoPE applied as .*keydiff"):
+        bind(CompressionPolicy(keep_ratio=0.25), None, model)
+    ids, mask = _prompt()
+    cache, report = compress_prompt(
+        model, ids, CompressionPolicy(keep_ratio=0.25, scorer="keydiff"), attention_mask=mask, context_columns=280
+    )
+    assert report.kv_bytes_after < report.kv_bytes_before
+
+
+def test_llama4_with_chunked_attention_is_refused_by_name():
+    model = _llama4(attention_chunk_size=32)
+    assert "chunked_attention" in model.config.layer_types
+    with pytest.raises(UnsupportedModelError, match="chunked attention"):
+        RaggedCache.for_model(model)
+    with pytest.raises(UnsupportedModelError, match="chunked attention"):
+        generate(model, _prompt()[0], None, max_new_tokens=2)
+
+
+# name: (config class, model class, its options, what the refusal must name)
+REFUSED = {
+    "deepseek v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
+        r"multi-head latent attention \(MLA",
+    ),
+    "deepseek v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1),
+        r"multi-head latent attention \(MLA",
+    ),
+    "gpt-oss, eager": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(head_dim=16, num_local_experts=4, sliding_window=32, attn_implementation="eager"),
+        "learned attention sinks",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_attention_kvcal_cannot_compute_is_refused_by_its_name(name):
+    """Issue 41 item 6: DeepSeek's MLA was refused as "layer 0 q_proj gives 64 features, expected 4
+    heads x 8" (V3: "no q_proj linear"), gpt-oss's learned sinks as "partial rotary" (it rotates all
+    of its dimensions, as two halves)."""
+    config_class, model_class, options, feature = REFUSED[name]
+    model = _model(config_class, model_class, **options)
+    ids = _prompt(rows=1)[0][:, :40]
+    for attempt in (
+        lambda: ModelGeometry.of(model),
+        lambda: generate(model, ids, None, max_new_tokens=2),
+        lambda: bind(CompressionPolicy(keep_ratio=0.5, scorer="keydiff"), None, model),
+    ):
+        with pytest.raises(UnsupportedModelError, match=feature) as refused:
+            attempt()
+        assert "partial rotary" not in str(refused.value) and "features, expected" not in str(refused.value)
+
+
+DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("given", ["rope_parameters", "rope_scaling"])
+def test_dynamic_ntk_rope_is_refused_by_name(given):
+    """Issue 41 item 5.  Dynamic NTK re-scales RoPE by the longest position of each forward pass and
+    keeps the scale in the rotary module between calls, so what the model computes is not a function
+    of its input: on a fresh model (prompt 300, 20 steps, original context 200) transformers'
+    one-shot generate() and the same prompt prefilled in two parts differ by 2.9e-5, generate() run
+    twice on one model by 5.4e-4, a left-padded row and the row alone by 1.2e-3; a cache rotated at
+    one scale is un-rotated by the scorers at another.  Refused by name rather than served silently
+    (kvcal's nothing-evicted serving: 2.9e-5 from the one-shot generate(), 1.2e-7 from the two-part
+    prefill; the issue's check measured 3.9e-4 and 2.3e-3 on a padded batch)."""
+    options = {given: {"type": "dynamic", "factor": 2.0}} if given == "rope_scaling" else {given: DYNAMIC}
+    model = _model("LlamaConfig", "LlamaForCausalLM", **options)
+    ids = _prompt(rows=1)[0][:, :40]
+    for attempt in (
+        lambda: ModelGeometry.of(model),
+        lambda: generate(model, ids, None, max_new_tokens=2),
+        lambda: bind(CompressionPolicy(keep_ratio=0.5, scorer="keydiff"), None, model),
+    ):
+        with pytest.raises(UnsupportedModelError, match=r"dynamic NTK RoPE \(rope_type 'dynamic'\)"):
+            attempt()
+
+
+def test_dynamic_ntk_rope_of_one_layer_type_is_refused_by_name():
+    rope = {"full_attention": DYNAMIC, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    model = _model(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        head_dim=16,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters=rope,
+    )
+    with pytest.raises(UnsupportedModelError, match=r"dynamic NTK RoPE \(rope_type 'dynamic'\) of full_attention"):
+        ModelGeometry.of(model)
+
+
+def test_a_rotation_other_than_runtime_ropes_is_named():
+    """runtime.rope_check says what a layer does instead, for the refusals (issue 41 item 7: the
+    profiler's names the model's RoPE)."""
+    from test_rope_check import OTHER_ROPE, build_other
+
+    from runtime.rope_check import OTHER, rope_mismatches
+
+    expected = {
+        "cohere (interleaved RoPE)": "interleaved RoPE in layers 0, 1, 2, 3",
+        "ernie 4.5 (interleaved RoPE)": "interleaved RoPE in layers 0, 1, 2, 3",
+        "exaone 4 (full-attention layers without RoPE)": "no RoPE in layers 1, 3",
+        "smollm3 (every fourth layer without RoPE)": "no RoPE in layer 3",
+        "hunyuan (a norm after RoPE)": f"{OTHER} in layers 0, 1, 2, 3",
+        "stablelm qk_layernorm (a norm the pre-RoPE read missed)": f"{OTHER} in layers 0, 1, 2, 3",
+    }
+    assert set(expected) == set(OTHER_ROPE)
+    for name, described in expected.items():
+        assert rope_mismatches(build_other(name)).describe() == described, name
+    llama4 = rope_mismatches(_llama4(attention_chunk_size=None))  # an L2 norm after its rotation
+    assert llama4.describe() == f"{OTHER} in layers 0, 1, 2; no RoPE in layer 3"
+    with pytest.raises(UnsupportedModelError, match=r"are not \(interleaved RoPE in layers 0, 1, 2, 3\)"):
+        bind(CompressionPolicy(keep_ratio=0.25), None, build_other("cohere (interleaved RoPE)"))
