@@ -450,6 +450,14 @@ class RaggedLayer(DynamicLayer):
                 f"{self.softcap}, now attended with {window} and {softcap}: a cache serves one model"
             )
 
+    def stop_observing(self) -> None:
+        """Drop this layer's recorded prompt queries and chunked attention, and record no more."""
+        for row in self.rows:
+            row.recent_queries = None
+            row.chunk_attention = None
+        self.observe_queries = 0
+        self.chunk_specs = ()
+
     # -- accounting ----------------------------------------------------------------------------
 
     def kv_bytes(self) -> int:
@@ -585,11 +593,7 @@ class RaggedCache(Cache):
         """Drop the recorded prompt queries and chunked attention, and record no more (what decoding
         needs no longer)."""
         for layer in self.layers:
-            for row in layer.rows:
-                row.recent_queries = None
-                row.chunk_attention = None
-            layer.observe_queries = 0
-            layer.chunk_specs = ()
+            layer.stop_observing()
 
     def accumulate_chunk_attention(self, specs) -> None:
         """Accumulate, in every layer, the chunked attention of each :class:`~runtime.chunk_attention.ChunkSpec`

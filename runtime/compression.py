@@ -238,8 +238,13 @@ def _start_decoding(cache: RaggedCache, plan: ServingPlan, evictor: HeadEvictor,
             decode_plan = plan.decode_plan(evictor, length, b, windows)
             if decode_plan is not None:
                 cache.set_decode_plan(decode_plan, row=b)
-    if plan.policy.evict_every is None or not (recent_query_window(plan.scorer) or chunk_specs(plan.scorer)):
+    if not _decoding_observes(plan):
         cache.stop_observing()
+
+
+def _decoding_observes(plan: ServingPlan) -> bool:
+    """Whether decode-time eviction reads the recorded prompt queries or the chunked attention."""
+    return plan.policy.evict_every is not None and bool(recent_query_window(plan.scorer) or chunk_specs(plan.scorer))
 
 
 def evicts_in_prefill(plan: ServingPlan) -> bool:
@@ -275,6 +280,7 @@ def prefill_and_compress(
     tables: dict[tuple[int, int | None], np.ndarray] = {}  # (real tokens, window) -> [L, Hkv] budgets under it
     # the layers before this one hold their budgets (compressed), this one its whole chunk
     spent = {"seconds": 0.0, "bytes_before": 0, "compressed": 0, "peak": 0}
+    observes = _decoding_observes(plan)
 
     def evict(layer) -> None:
         started = time.perf_counter()
@@ -293,6 +299,8 @@ def prefill_and_compress(
             budgets[b, index] = tables[key][index]
         with label("kvcal.eviction"):
             evictor.evict_layer(layer, index, rows, budgets[rows, index], [layer.real_seen[b] for b in rows])
+        if not observes:  # what only this layer's scoring read goes now, not at the end of the prefill
+            layer.stop_observing()
         layer.compact()
         spent["compressed"] += layer.kv_bytes()
         spent["seconds"] += time.perf_counter() - started

@@ -140,6 +140,39 @@ def test_at_most_one_layer_holds_its_full_cache_during_the_prefill():
     assert two_steps.kv_bytes_peak == two_steps.kv_bytes_before  # every layer held in full
 
 
+@pytest.mark.parametrize(
+    "name", ["uniform/leverage (chunked attention)", "uniform/snapkv (recent queries)", "uniform/keydiff"]
+)
+@torch.no_grad()
+def test_a_layer_cut_in_the_prefill_drops_what_only_its_scoring_read(name):
+    """What a layer's scorer reads and decoding does not (its recorded prompt queries, its chunked
+    attention) is dropped when the layer is cut, not at the end of the prefill: held until then, the
+    flagship's recorded queries of every layer were 0.05 GiB of the CPU's peak at 4K x 2 on the
+    embedded model (docs/results.md R-cpu-prefill-memory-2026-11-27b)."""
+    model = make_tiny_llama(num_layers=3)
+    ids = torch.randint(3, 128, (2, 120), generator=torch.Generator().manual_seed(2))
+    plan = bind(POLICIES[name], None, model)
+    cache = RaggedCache.for_model(model)
+    held = []
+
+    def record(module, args):  # at layer i's start: what layers before i still hold
+        index = list(model.model.layers).index(module)
+        observed = [
+            row.recent_queries is not None or row.chunk_attention is not None
+            for layer in cache.layers[:index]
+            for row in layer.rows
+        ]
+        held.append(any(observed))
+
+    hooks = [layer.register_forward_pre_hook(record) for layer in model.model.layers]
+    try:
+        prefill_and_compress(model, cache, ids, None, plan)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert held == [False] * len(model.model.layers)
+
+
 def test_policies_that_read_every_layer_prefill_then_compress():
     """Moment-informed rounds re-score against the whole prompt's sums, and the prompt's own query
     statistics are read for every layer at once: those keep the two-step path (and compress_prompt
