@@ -82,6 +82,12 @@ DESCRIPTION = (
 MODEL = Text(description="a model directory or hub id", metavar="MODEL")
 
 
+def _check_tasks(tasks) -> None:
+    """--tasks: 'all' alone or families (the parser refuses a family twice)."""
+    if "all" in tasks and len(tasks) > 1:
+        raise ValueError(f"--tasks {','.join(tasks)}: 'all' means every family; give it alone, or list families")
+
+
 @functools.cache
 def options() -> tuple:
     """evaluate-artifact's options, each declared once (:mod:`artifacts.options`): the parser is built
@@ -103,9 +109,9 @@ def options() -> tuple:
         Option(
             "--compression-ratios",
             "ratios",
-            ListOf(Number(0.0, 1.0, high_open=True)),
+            ListOf(Number(0.0, 1.0, high_open=True), distinct=True),
             COMPRESSION_GRID,
-            "compression ratios, fractions of the context cache evicted (default "
+            "compression ratios, fractions of the context cache evicted, each once (default "
             + ",".join(f"{r:g}" for r in COMPRESSION_GRID)
             + ")",
             shown="RATIOS",
@@ -124,18 +130,19 @@ def options() -> tuple:
         Option(
             "--tasks",
             "tasks",
-            ListOf(Choice(("all", *FAMILIES), what="task family")),
+            ListOf(Choice(("all", *FAMILIES), what="task family"), distinct=True),
             DEFAULT_TASKS,
-            "needle families, or 'all' (default: all, those the model fails uncompressed included: a task both "
-            "policies fail is a tie in the paired rule)",
+            "needle families, each once, or 'all' alone (default: all, those the model fails uncompressed included: "
+            "a task both policies fail is a tie in the paired rule)",
             shown="TASKS",
+            check=_check_tasks,
         ),
         Option(
             "--haystacks",
             "haystacks",
-            ListOf(Choice(HAYSTACKS, what="haystack")),
+            ListOf(Choice(HAYSTACKS, what="haystack"), distinct=True),
             HAYSTACKS,
-            f"haystacks of the tasks, each with its own seed (default {','.join(HAYSTACKS)})",
+            f"haystacks of the tasks, each once and with its own seed (default {','.join(HAYSTACKS)})",
             shown="HAYSTACKS",
         ),
         Option(
@@ -347,14 +354,10 @@ def _servable(policies, calibration, ratio: float, explicit: bool, quiet: bool =
 
 
 def _check_distinct(policies) -> None:
-    """No policy twice in --policies, by one name or two (``flagship`` is ``inf/leverage+correction``):
-    ValueError before the model loads (the paired rule needs each once; it was a traceback after the
-    whole evaluation)."""
-    for index, spec in enumerate(policies):
-        for earlier in policies[:index]:
-            if earlier.is_baseline == spec.is_baseline and earlier.policy(0.5) == spec.policy(0.5):
-                same = "" if earlier.name == spec.name else f" ({earlier.name} and {spec.name} are the same policy)"
-                raise ValueError(f"--policies names {earlier.name} twice{same}: give each policy once")
+    """No policy twice in --policies (``profiler.recommendation.check_distinct``)."""
+    from .recommendation import check_distinct
+
+    check_distinct(policies, "--policies")
 
 
 def _check_recommendable(args, policies) -> None:
@@ -600,10 +603,10 @@ def _check_outputs(args, artifact: Path | None) -> None:
     if args.json_out:
         also += [
             ("the journal of --json", journal_path(args.json_out), "evaluation journal"),
-            ("the lock of --json", lock_file_path(args.json_out), "lock file"),
+            ("the lock of --json", lock_file_path(args.json_out), "lock file", False),
         ]
     if artifact is not None and args.write_recommendation:
-        also.append(("the artifact's lock", lock_file_path(artifact), "lock file"))
+        also.append(("the artifact's lock", lock_file_path(artifact), "lock file", False))
     check_outputs(options(), args, inputs=[artifact] if artifact is not None else [], force=args.force, also=also)
 
 

@@ -326,10 +326,68 @@ def _declared_cases() -> list[Case]:
     return cases
 
 
+# issue 41, second round: refused only after the work (or never), must be refused before it
+LONG = 236  # a file name this long fits the file system (255 bytes) but not what the tool writes beside it
+
+
+def _long(name: str, length: int = LONG) -> str:
+    """A file name of ``length`` characters ending in ``name``."""
+    return "x" * (length - len(name)) + name
+
+
+UNWRITABLE = ("/proc/kvcal.out", "/proc/kvcal/sub/kvcal.out", "/sys/kvcal.out")  # directories nobody can write in
+
+
+def _after_the_work_cases() -> list[Case]:
+    """Every command's every output option (a name too long once the tool's suffixes and temporary
+    names are added, a directory that cannot be written in) and every list option whose repeated
+    values would repeat the work or break its results (issue 41: refused after the evaluation, or a
+    traceback)."""
+    art = ("--artifact", "{art}")
+    profile = ("--preset", "smoke", "--stages", "query-stats", "--no-progress")
+    recommend = ("--preset", "smoke", "--stages", "recommendation", "--out", "{art}", "--no-progress")
+    cases = []
+    outputs = [
+        ("evaluate-artifact", (*EVAL_BASE, *art), "--json", ".json"),
+        ("evaluate-artifact", (*EVAL_BASE, *art), "--html", ".html"),
+        ("inspect-artifact", ("{art}",), "--html", ".html"),
+        ("generate-probes", (), "--out", ".jsonl"),
+        ("profile-model", profile, "--out", ".h5"),
+    ]
+    for command, base, flag, suffix in outputs:
+        # long enough that a temporary name beside it (or the journal, the work file, the lock) is too long
+        for length in (LONG, 240, 250, 255):
+            cases.append(Case(command, (*base, flag, "{tmp}/" + _long(suffix, length)), needs="name"))
+        cases.append(Case(command, (*base, flag, "{tmp}/" + _long("", 256) + "/out" + suffix)))
+        for place in UNWRITABLE:
+            cases.append(Case(command, (*base, flag, place + suffix)))
+    # --write-recommendation rewrites the artifact beside itself and locks it: a long artifact name
+    cases.append(Case("evaluate-artifact", (*EVAL_BASE, "--artifact", "{longart}", "--write-recommendation")))
+    # a value twice in a list: the same cells twice (ratios), the same tasks twice (tasks, haystacks,
+    # lengths, depths), the same candidate twice (the paired rule's ValueError after the work)
+    twice = [
+        ("evaluate-artifact", (*EVAL_BASE, *art), "--compression-ratios", "0.5,0.5"),
+        ("evaluate-artifact", (*EVAL_BASE, *art, "--write-recommendation"), "--compression-ratios", "0.5,0.5"),
+        ("evaluate-artifact", (*EVAL_BASE, *art), "--compression-ratios", "0.25,0.5,0.250"),
+        ("evaluate-artifact", (*EVAL_BASE, *art), "--tasks", "retrieval,retrieval"),
+        ("evaluate-artifact", (*EVAL_BASE, *art), "--tasks", "all,retrieval"),
+        ("evaluate-artifact", (*EVAL_BASE, *art), "--haystacks", "simple,simple"),
+        ("generate-probes", PROBES_OUT, "--lengths", "512,512"),
+        ("generate-probes", PROBES_OUT, "--depths", "25,25.0"),
+        # the artifact at --out holds the candidates' sections: the stage would run
+        ("profile-model", recommend, "--recommend-policies", "flagship,flagship"),
+        ("profile-model", recommend, "--recommend-policies", "flagship,inf/leverage+correction"),
+        ("profile-model", recommend, "--recommend-policies", "uniform/keydiff,flagship,uniform/keydiff"),
+    ]
+    cases += [Case(command, (*base, flag, value)) for command, base, flag, value in twice]
+    return cases
+
+
 def all_cases() -> list[Case]:
     """The cases by hand, then those generated from the declarations (a case already written by hand
     counts once)."""
     cases = [*_profile_cases(), *_evaluate_cases(), *_inspect_cases(), *_generate_cases()]
+    cases += _after_the_work_cases()
     seen = {case.id.replace("=", " ") for case in cases}  # --flag=value and --flag value: one case
     for case in _declared_cases():
         if case.id.replace("=", " ") not in seen:
@@ -419,6 +477,8 @@ def workspace(tmp_path, artifact_templates) -> dict[str, str]:
     shutil.copy(paths["art"], paths["journalart"])
     paths["lockart"] = tmp_path / "held.json.lock"
     shutil.copy(paths["art"], paths["lockart"])
+    paths["longart"] = tmp_path / ("a" * 248 + ".h5")  # its lock and its temporary name are longer than 255
+    shutil.copy(paths["art"], paths["longart"])
     links = {
         "artlink": paths["art"],
         "badlink": paths["bad"],
