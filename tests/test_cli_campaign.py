@@ -37,10 +37,11 @@ class Case:
     command: str  # profile-model | evaluate-artifact | inspect-artifact | generate-probes
     args: tuple[str, ...]  # with {placeholders} of the workspace (see ``workspace``)
     needs: str = ""  # a phrase stderr must contain (e.g. "did you mean")
+    offline: bool = True  # HF_HUB_OFFLINE=1; False: none of the offline switches set (the hub may be tried)
 
     @property
     def id(self) -> str:
-        return f"{self.command} {' '.join(self.args)}"
+        return f"{self.command} {' '.join(self.args)}" + ("" if self.offline else " (hub not set offline)")
 
 
 # -- the cases --------------------------------------------------------------------------------
@@ -380,6 +381,23 @@ def _after_the_work_cases() -> list[Case]:
         ("profile-model", recommend, "--recommend-policies", "uniform/keydiff,flagship,uniform/keydiff"),
     ]
     cases += [Case(command, (*base, flag, value)) for command, base, flag, value in twice]
+    # --calib-dataset with the hub not set offline: what is no local path and no hub name, or a hub name
+    # with no copy in the local cache that the hub cannot confirm (not there, or no network), is refused
+    # before the model loads; datasets retried for 40 s after it had loaded
+    calib = (*PROFILE_BASE, "--stages", "query-stats", "--calib-dataset")
+    for value in (
+        "nonexistent-org/x",
+        "nonexistent-org/x:config",
+        "no-such-dataset-name",
+        "a/b/c",
+        "org//x",
+        "-org/x",
+        "org/x y",
+        "org--x/y",
+        "{tmp}/missing-dir/",
+        "{tmp}/notes.txt,nonexistent-org/x",
+    ):
+        cases.append(Case("profile-model", (*calib, value), offline=False))
     return cases
 
 
@@ -406,7 +424,7 @@ def _cases() -> list[Case]:
     import json
 
     with open(listed, encoding="utf-8") as fh:
-        return [Case(command, tuple(args), needs) for command, args, needs in json.load(fh)]
+        return [Case(entry[0], tuple(entry[1]), *entry[2:]) for entry in json.load(fh)]
 
 
 CASES = _cases()
@@ -532,8 +550,12 @@ def run_case(case: Case, paths: dict[str, str], monkeypatch, capsys) -> list[str
         return original(auto_class, model, **kwargs)
 
     monkeypatch.setattr(runtime.models, "_from_pretrained", tripwire)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    if case.offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    else:
+        for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NO_COLOR", "1")
     args = [arg.format(**paths) for arg in case.args]
     before = _snapshot(Path(paths["tmp"]))
