@@ -78,10 +78,16 @@ def check_output_path(
     inputs: Iterable[str | os.PathLike | None] = (),
     text: bool = False,
     force: bool = False,
+    atomic: bool = True,
+    try_writing: bool = True,
 ) -> Path:
     """The destination a write to ``path`` would replace (a symbolic link's target), checked
-    without writing anything: not a directory or other non-regular file, and its directory
-    exists and is writable or can be created.  Raises :class:`OutputError` otherwise.
+    without changing anything: not a directory or other non-regular file, its directory exists
+    and is writable or can be created (``try_writing``: a file, or a directory where one is still
+    to be made, is created there and removed again, which ``os.access`` cannot tell for root or a
+    read-only mount), and every name the write creates fits the file system's ``NAME_MAX``: the
+    directories still to be made, the file, and (``atomic``, a write through :func:`atomic_path`)
+    the temporary name beside it.  Raises :class:`OutputError` otherwise.
 
     The rule every command follows (issue 30): no output is written over one of the command's
     ``inputs`` (compared after following links, so a link to the input is the input; never, even
@@ -106,9 +112,77 @@ def check_output_path(
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise OutputError(f"cannot write the {what} {shown}: {ancestor} is not a directory")
+    _check_name_lengths(destination, ancestor, what, shown, atomic)
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise OutputError(f"cannot write the {what} {shown}: the directory {ancestor} is not writable")
+    if try_writing:
+        _try_writing(destination, ancestor, what, shown)
     return destination
+
+
+def _name_max(directory: Path) -> int:
+    """The longest file name, in bytes, the file system of ``directory`` allows (255 where unknown)."""
+    try:
+        return int(os.pathconf(directory, "PC_NAME_MAX"))
+    except (OSError, ValueError, AttributeError):
+        return 255
+
+
+def _pid_digits() -> int:
+    """The most digits a process id has on this machine (the temporary name holds the writer's pid)."""
+    try:
+        with open("/proc/sys/kernel/pid_max", encoding="ascii") as fh:
+            return len(str(int(fh.read().strip()) - 1))
+    except (OSError, ValueError):
+        return 7  # Linux's largest pid_max, 4194304, has 7 digits
+
+
+def temporary_name_length(name: str) -> int:
+    """The length in bytes of the temporary name :func:`atomic_path` writes ``name`` under,
+    ``.<name>.<pid>.<8 random characters>.tmp``, for the longest pid of this machine."""
+    return len(os.fsencode(name)) + len(".." + "." + ".tmp") + _pid_digits() + 8
+
+
+def _check_name_lengths(destination: Path, ancestor: Path, what: str, shown: str, atomic: bool) -> None:
+    """Every name the write creates fits the file system (``NAME_MAX`` of the directory it goes in):
+    the directories still to be made, the file, and the temporary file beside it (``atomic``)."""
+    limit = _name_max(ancestor)
+    for part in destination.relative_to(ancestor).parts[:-1]:
+        if len(os.fsencode(part)) > limit:
+            raise OutputError(
+                f"cannot write the {what} {shown}: the directory name {part[:40]}... is "
+                f"{len(os.fsencode(part))} bytes, longer than the {limit} the file system allows in a name"
+            )
+    name = destination.name
+    length = len(os.fsencode(name))
+    if length > limit:
+        raise OutputError(
+            f"cannot write the {what} {shown}: its name is {length} bytes, longer than the {limit} the file "
+            "system allows in a name; choose a shorter name"
+        )
+    if atomic and temporary_name_length(name) > limit:
+        raise OutputError(
+            f"cannot write the {what} {shown}: its name is {length} bytes, and the temporary file written beside "
+            f"it first (.NAME.PID.RANDOM.tmp, {temporary_name_length(name)} bytes) would be longer than the "
+            f"{limit} the file system allows in a name; choose a name of at most "
+            f"{limit - temporary_name_length(name) + length} bytes"
+        )
+
+
+def _try_writing(destination: Path, ancestor: Path, what: str, shown: str) -> None:
+    """Create and remove a file (or, where directories are still to be made, a directory) in
+    ``ancestor``: what ``os.access`` cannot tell (a root process under ``/proc``, a read-only mount)."""
+    try:
+        if ancestor == destination.parent:
+            fd, name = tempfile.mkstemp(prefix=".kvcal-write-check.", dir=ancestor)
+            os.close(fd)
+            os.unlink(name)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".kvcal-write-check.", dir=ancestor))
+    except OSError as exc:
+        raise OutputError(
+            f"cannot write the {what} {shown}: nothing can be created in the directory {ancestor} ({_describe(exc)})"
+        ) from None
 
 
 def _starts_with(path: Path, signature: bytes) -> bool:
@@ -123,7 +197,7 @@ def _starts_with(path: Path, signature: bytes) -> bool:
 def atomic_path(path: str | os.PathLike, what: str = "output") -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it replaces ``path`` durably."""
     shown = os.fspath(path)
-    path = check_output_path(path, what)
+    path = check_output_path(path, what, try_writing=False)  # mkstemp below tries
     existed = path.exists()
     unchanged = f"the existing {shown} is unchanged" if existed else f"{shown} was not created"
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .command_line import MAX_TOKENS, CommandParser
+from .command_line import MAX_TOKENS, CommandParser, fail
 from .errors import ArtifactError
 from .log import add_verbosity_arguments, configure, logger
 from .options import Integer, Option, OutputFile, Switch, Text, add_options, check_outputs
@@ -68,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     configure(args)
     try:
         check_outputs(OPTIONS, args, inputs=[args.path])  # --html, before the artifact is read
+    except OSError as exc:  # a refused --html (artifacts.atomic.OutputError): not about validity
+        if args.json:
+            print(json.dumps({"valid": None, "error": str(exc)}, indent=2, sort_keys=True))
+        return fail("inspect-artifact", exc)
+    try:
         with open_artifact(args.path) as reader:
             summary = summarize(reader)
             if args.html:

@@ -307,23 +307,25 @@ def check_outputs(
     (``inputs``: the files the command reads, which no output may replace), and no two outputs
     naming one file: ``OutputError`` (an ``OSError``) or ``ValueError`` before anything is written.
 
-    ``also``: the other files the command writes, ``(name, path, what)`` each (evaluate-artifact's
-    journal ``OUT.partial.jsonl`` and lock ``OUT.lock``): checked the same way (never an input, even
-    through a link or with ``force``; not another output), their kind left to the command."""
+    ``also``: the other files the command writes, ``(name, path, what)`` each, or ``(name, path,
+    what, atomic)`` (evaluate-artifact's journal ``OUT.partial.jsonl``, written through a temporary
+    file, and lock ``OUT.lock``, opened in place: ``atomic`` False): checked the same way (never an
+    input, even through a link or with ``force``; not another output; names that fit the file
+    system), their kind left to the command."""
     import os
 
     from artifacts.atomic import check_output_path
 
     outputs = [
-        (option.flag, getattr(args, option.dest), option.kind.what, option.kind.text)
+        (option.flag, getattr(args, option.dest), option.kind.what, option.kind.text, True)
         for option in options
         if isinstance(option, Option) and isinstance(option.kind, OutputFile) and getattr(args, option.dest)
     ]
-    outputs += [(name, path, what, False) for name, path, what in also]
+    outputs += [(entry[0], entry[1], entry[2], False, entry[3] if len(entry) > 3 else True) for entry in also]
     seen: dict[str, str] = {}
-    for name, path, what, text in outputs:
+    for name, path, what, text, atomic in outputs:
         real = os.path.realpath(path)
         if real in seen:
             raise ValueError(f"{seen[real]} and {name} name the same file {path}: give each its own")
         seen[real] = name
-        check_output_path(path, what, inputs=inputs, text=text, force=force)
+        check_output_path(path, what, inputs=inputs, text=text, force=force, atomic=atomic)

@@ -115,12 +115,19 @@ OPTIONS = (
     Option(
         "--lengths",
         "lengths",
-        ListOf(Integer(1, MAX_TOKENS)),
+        ListOf(Integer(1, MAX_TOKENS), distinct=True),
         None,
-        f"comma-separated prompt lengths in tokens, each at most {MAX_TOKENS}",
+        f"comma-separated prompt lengths in tokens, each once and at most {MAX_TOKENS}",
         shown="LENGTHS",
     ),
-    Option("--depths", "depths", ListOf(Number(0.0, 100.0)), None, "comma-separated depths in percent", shown="DEPTHS"),
+    Option(
+        "--depths",
+        "depths",
+        ListOf(Number(0.0, 100.0), distinct=True),
+        None,
+        "comma-separated depths in percent, each once",
+        shown="DEPTHS",
+    ),
     Option("--count", "count", Integer(1, MAX_COUNT), None, "probes per (family, length, depth) cell", shown="COUNT"),
     Option(
         "--haystack",

@@ -43,12 +43,20 @@ from runtime.models import ATTENTION_HELP, AUTO_ATTENTION, DTYPE_CHOICES, DTYPE_
 from runtime.names import ALLOCATIONS, NAMED_POLICIES, SCORER_NAMES, STATISTICS
 
 from .arguments import MAX_COUNT, MAX_SEED, MAX_TOKENS, CommandParser, check_attention_implementation, fail
-from .evaluation_journal import JournalError, JournalWriter, configuration_differences, journal_path, read_journal
+from .evaluation_journal import (
+    JournalError,
+    JournalWriter,
+    check_recorded,
+    configuration_differences,
+    journal_path,
+    read_journal,
+)
 from .evaluation_results import (
     COMPRESSION_GRID,
     EVALUATION_SCHEMA,
     EVALUATION_SEED_OFFSET,
     RECOMMENDATION_CANDIDATES,
+    cell_keys,
     markdown_table,
     paired_recommendation,
 )
@@ -82,6 +90,12 @@ DESCRIPTION = (
 MODEL = Text(description="a model directory or hub id", metavar="MODEL")
 
 
+def _check_tasks(tasks) -> None:
+    """--tasks: 'all' alone or families (the parser refuses a family twice)."""
+    if "all" in tasks and len(tasks) > 1:
+        raise ValueError(f"--tasks {','.join(tasks)}: 'all' means every family; give it alone, or list families")
+
+
 @functools.cache
 def options() -> tuple:
     """evaluate-artifact's options, each declared once (:mod:`artifacts.options`): the parser is built
@@ -103,9 +117,9 @@ def options() -> tuple:
         Option(
             "--compression-ratios",
             "ratios",
-            ListOf(Number(0.0, 1.0, high_open=True)),
+            ListOf(Number(0.0, 1.0, high_open=True), distinct=True),
             COMPRESSION_GRID,
-            "compression ratios, fractions of the context cache evicted (default "
+            "compression ratios, fractions of the context cache evicted, each once (default "
             + ",".join(f"{r:g}" for r in COMPRESSION_GRID)
             + ")",
             shown="RATIOS",
@@ -124,18 +138,19 @@ def options() -> tuple:
         Option(
             "--tasks",
             "tasks",
-            ListOf(Choice(("all", *FAMILIES), what="task family")),
+            ListOf(Choice(("all", *FAMILIES), what="task family"), distinct=True),
             DEFAULT_TASKS,
-            "needle families, or 'all' (default: all, those the model fails uncompressed included: a task both "
-            "policies fail is a tie in the paired rule)",
+            "needle families, each once, or 'all' alone (default: all, those the model fails uncompressed included: "
+            "a task both policies fail is a tie in the paired rule)",
             shown="TASKS",
+            check=_check_tasks,
         ),
         Option(
             "--haystacks",
             "haystacks",
-            ListOf(Choice(HAYSTACKS, what="haystack")),
+            ListOf(Choice(HAYSTACKS, what="haystack"), distinct=True),
             HAYSTACKS,
-            f"haystacks of the tasks, each with its own seed (default {','.join(HAYSTACKS)})",
+            f"haystacks of the tasks, each once and with its own seed (default {','.join(HAYSTACKS)})",
             shown="HAYSTACKS",
         ),
         Option(
@@ -347,14 +362,10 @@ def _servable(policies, calibration, ratio: float, explicit: bool, quiet: bool =
 
 
 def _check_distinct(policies) -> None:
-    """No policy twice in --policies, by one name or two (``flagship`` is ``inf/leverage+correction``):
-    ValueError before the model loads (the paired rule needs each once; it was a traceback after the
-    whole evaluation)."""
-    for index, spec in enumerate(policies):
-        for earlier in policies[:index]:
-            if earlier.is_baseline == spec.is_baseline and earlier.policy(0.5) == spec.policy(0.5):
-                same = "" if earlier.name == spec.name else f" ({earlier.name} and {spec.name} are the same policy)"
-                raise ValueError(f"--policies names {earlier.name} twice{same}: give each policy once")
+    """No policy twice in --policies (``profiler.recommendation.check_distinct``)."""
+    from .recommendation import check_distinct
+
+    check_distinct(policies, "--policies")
 
 
 def _check_recommendable(args, policies) -> None:
@@ -366,8 +377,9 @@ def _check_recommendable(args, policies) -> None:
 
 
 def _servable_in_file(path: Path, policies, args):
-    """The policies the artifact at ``path`` serves (explicit ``--policies``: all, or ValueError), read
-    and validated (every dataset) before the model loads; the model's own check of the artifact
+    """``(policies, served, identity, config)``: the artifact at ``path`` read and validated (every
+    dataset) before the model loads, ``served`` the ``policies`` it serves (explicit ``--policies``:
+    all, or ValueError), its model identity and configuration; the model's own check of the artifact
     (its fingerprints) follows once it is loaded (``runtime.load_calibration``)."""
     from artifacts import open_artifact
     from artifacts.reader import is_artifact_file
@@ -391,8 +403,9 @@ def _servable_in_file(path: Path, policies, args):
                 "this model"
             )
         kept = _servable(policies, preview, args.ratios[0], explicit=args.policies != DEFAULT_POLICIES, quiet=True)
+        identity, config = reader.model, dict(reader.config)
     _check_recommendable(args, kept)
-    return policies
+    return policies, kept, identity, config
 
 
 def write_recommendation(
@@ -476,31 +489,86 @@ def _file_digest(path) -> str:
     return digest.hexdigest()
 
 
-def run_configuration(args, calibration, policies, tasks, probes, loaded=None) -> dict:
+def run_configuration(args, identity, artifact, policies, tasks, task_ids, loaded=None) -> dict:
     """Everything the results depend on, as the journal records it: ``--resume`` needs it unchanged.
-    ``loaded``: what the model was loaded as (``runtime.models.loaded_as``), recorded when it is not
-    the CPU default (float32, sdpa), whose journals keep their form."""
+    ``identity``: the artifact's model identity; ``artifact``: its path; ``task_ids``: the tasks' probe
+    ids in order.  ``loaded``: what the model was loaded as (``runtime.models.loaded_as``; before it
+    loads, :func:`_expected_load`), recorded when it is not the CPU default (float32, sdpa), whose
+    journals keep their form."""
     from runtime.models import CPU_DEFAULT_LOAD
 
     model = {
         "argument": args.model,
-        "name": calibration.identity.name,
-        "weights_fingerprint": calibration.identity.weights_fingerprint,
-        "tokenizer_fingerprint": calibration.identity.tokenizer_fingerprint,
+        "name": identity.name,
+        "weights_fingerprint": identity.weights_fingerprint,
+        "tokenizer_fingerprint": identity.tokenizer_fingerprint,
     }
     if loaded is not None and loaded != CPU_DEFAULT_LOAD:
         model["loaded"] = dict(loaded)
     return {
         "schema": EVALUATION_SCHEMA,
         "model": model,
-        "artifact": {"path": str(calibration.path), "sha256": _file_digest(calibration.path)},
+        "artifact": {"path": str(artifact), "sha256": _file_digest(artifact)},
         "policies": [p.name for p in policies],
         "compression_ratios": list(args.ratios),
         "tasks": tasks.to_dict(),
-        "task_ids": [probe.id for probe in probes],
+        "task_ids": list(task_ids),
         "max_new_tokens": args.max_new_tokens,
         "question_aware": args.question_aware,
     }
+
+
+def _model_context(config) -> int:
+    """The model's positions (its text model's ``max_position_embeddings``), 4096 where it names none:
+    the longest tasks are chosen from it, before the model loads."""
+    from .model_config import model_positions
+
+    return model_positions(config) or 4096
+
+
+def _expected_load(args) -> dict | None:
+    """What the model will be loaded as (``runtime.models.loaded_as``), told before it loads where the
+    options decide it (``--dtype`` named, or none on a CPU: float32; attention auto, sdpa or eager),
+    else None (``--dtype auto``, or none on a GPU: the checkpoint's dtype; another attention)."""
+    import torch
+
+    from runtime.models import AUTO_ATTENTION
+
+    dtype = args.dtype
+    if dtype is None:
+        dtype = None if torch.cuda.is_available() else "float32"
+    elif dtype == "auto":
+        dtype = None
+    attention = args.attn_implementation
+    if attention in (AUTO_ATTENTION, "sdpa"):
+        text = args.config.get_text_config() if hasattr(args.config, "get_text_config") else args.config
+        attention = "eager" if getattr(text, "attn_logit_softcapping", None) else "sdpa"
+    elif attention != "eager":
+        attention = None
+    if dtype is None or attention is None:
+        return None
+    return {"dtype": dtype, "attn_implementation": attention}
+
+
+def _check_resumable(previous, configuration: dict, compare_load: bool = True) -> None:
+    """JournalError when the journal ``previous`` was written under settings other than
+    ``configuration``, naming each that differs (``compare_load`` False: what the model is loaded as
+    is left out, for the check before it loads when the options do not decide it)."""
+    recorded = previous.configuration
+    if not compare_load:
+        recorded, configuration = (
+            {**c, "model": {k: v for k, v in c.get("model", {}).items() if k != "loaded"}}
+            if isinstance(c.get("model"), dict)
+            else c
+            for c in (recorded, configuration)
+        )
+    differences = configuration_differences(recorded, configuration)
+    if differences:
+        raise JournalError(
+            f"--resume: the journal {previous.path} was written with other settings; "
+            + "; ".join(differences)
+            + ". Rerun with the interrupted run's settings, or --force to start over"
+        )
 
 
 def _check_journal(args):
@@ -602,10 +670,10 @@ def _check_outputs(args, artifact: Path | None) -> None:
     if args.json_out:
         also += [
             ("the journal of --json", journal_path(args.json_out), "evaluation journal"),
-            ("the lock of --json", lock_file_path(args.json_out), "lock file"),
+            ("the lock of --json", lock_file_path(args.json_out), "lock file", False),
         ]
     if artifact is not None and args.write_recommendation:
-        also.append(("the artifact's lock", lock_file_path(artifact), "lock file"))
+        also.append(("the artifact's lock", lock_file_path(artifact), "lock file", False))
     check_outputs(options(), args, inputs=[artifact] if artifact is not None else [], force=args.force, also=also)
 
 
@@ -638,14 +706,18 @@ def _run(args) -> int:
         # the file this run measures: --write-recommendation writes into it only if it is still this one
         started_sha256 = _file_digest(artifact) if args.write_recommendation else None
         # read, validated and checked against the policies before the model loads
-        policies = _servable_in_file(artifact, policies, args)
+        policies, served, identity, artifact_config = _servable_in_file(artifact, policies, args)
         if args.write_recommendation:
             check_output_path(artifact, "artifact")
+        # the tasks, from the model's config (its positions) and the artifact's (the profiler's seed)
+        tasks, profiler_seed = _task_spec(args, artifact_config, _model_context(args.config))
+        if previous is not None:  # the journal --resume continues: its settings and every row it holds
+            expected = run_configuration(args, identity, artifact, served, tasks, tasks.ids(), _expected_load(args))
+            _check_resumable(previous, expected, compare_load=_expected_load(args) is not None)
+            check_recorded(previous, cell_keys(served, args.ratios), tasks.ids())
         model = load_model(args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
         tokenizer = load_tokenizer(args.model)
         calibration = load_calibration(model, tokenizer, path=artifact, allow_mismatch=args.allow_mismatch)
-        context = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
-        tasks, profiler_seed = _task_spec(args, calibration.config, context)
         policies = _servable(policies, calibration, args.ratios[0], explicit=args.policies != DEFAULT_POLICIES)
         _check_recommendable(args, policies)
         if args.write_recommendation:
@@ -657,19 +729,21 @@ def _run(args) -> int:
     created = _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
     writer, recorded = None, {}
     if args.json_out:
-        configuration = run_configuration(args, calibration, policies, tasks, probes, loaded_as(model))
+        configuration = run_configuration(
+            args,
+            calibration.identity,
+            calibration.path,
+            policies,
+            tasks,
+            [probe.id for probe in probes],
+            loaded_as(model),
+        )
         try:
             if previous is not None:
-                differences = configuration_differences(previous.configuration, configuration)
-                if differences:
-                    raise JournalError(
-                        f"--resume: the journal {previous.path} was written with other settings; "
-                        + "; ".join(differences)
-                        + ". Rerun with the interrupted run's settings, or --force to start over"
-                    )
-                unknown = sorted(set(previous.rows) - {probe.id for probe in probes})
-                if unknown:
-                    raise JournalError(f"--resume: the journal {previous.path} holds tasks not run now: {unknown[:3]}")
+                # checked before the model loaded; again now for what only the loaded model tells (its
+                # dtype under --dtype auto) and an artifact changed meanwhile
+                _check_resumable(previous, configuration)
+                check_recorded(previous, cell_keys(policies, args.ratios), configuration["task_ids"])
                 created, recorded = previous.created or created, previous.rows
                 writer = JournalWriter.resume(previous)
                 LOG.info(
@@ -678,8 +752,7 @@ def _run(args) -> int:
             else:
                 writer = JournalWriter.start(journal_path(args.json_out), configuration, created)
         except (ValueError, OSError) as exc:
-            LOG.error(f"evaluate-artifact: {exc}")
-            return 2
+            return fail("evaluate-artifact", exc)
     try:
         evaluation = evaluate(
             model,

@@ -39,7 +39,7 @@ from profiler.greedy import greedy_generate
 from runtime.geometry import ModelGeometry
 from runtime.policy_spec import PolicySpec
 
-from .evaluation_results import EVALUATION_SCHEMA, task_record, wilson_interval
+from .evaluation_results import EVALUATION_SCHEMA, cell_keys, task_record, wilson_interval
 
 
 class AttentionOutputRecorder:
@@ -205,7 +205,7 @@ def evaluate(
     cells = [
         ((spec.name, ratio), bind(spec.policy(ratio), calibration, model)) for spec in compressed for ratio in ratios
     ]
-    keys = [("baseline", None)] + [key for key, _ in cells]
+    keys = cell_keys(policies, ratios)
     runs = defaultdict(list)  # (policy, ratio) -> per-probe records
     per_task = []
     recorder = AttentionOutputRecorder(model)

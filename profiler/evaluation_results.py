@@ -40,6 +40,13 @@ RECOMMENDATION_CANDIDATES = (
 )
 
 
+def cell_keys(policies, ratios) -> list[tuple]:
+    """The ``(policy, compression_ratio)`` of every row of a task, in order: the baseline's
+    ``("baseline", None)``, then each compression policy of ``policies`` (``PolicySpec`` s) at every
+    ratio (what ``profiler.evaluation.evaluate`` measures and its journal records)."""
+    return [("baseline", None)] + [(spec.name, ratio) for spec in policies if not spec.is_baseline for ratio in ratios]
+
+
 def wilson_interval(correct: int, total: int, z: float = 1.959964) -> tuple[float, float]:
     """95% Wilson score interval of a binomial proportion (``(0, 1)`` when ``total`` is 0)."""
     if total <= 0:

@@ -65,6 +65,13 @@ class HeldOutTasks:
             f"seeds {', '.join(str(seed) for seed in dict.fromkeys(spec.seed for spec in self.specs))}"
         )
 
+    def ids(self) -> list[str]:
+        """Every task's probe id, in the order of :meth:`probes`, without a tokenizer (an id is its
+        family, length, depth, seed and replicate: ``needles.spec.probe_id``)."""
+        from needles.spec import probe_id
+
+        return [probe_id(*cell[:3], spec.seed, cell[3]) for spec in self.specs for cell in spec.cells()]
+
     def probes(self, tokenizer) -> list:
         """Every task's ``needles.Probe``, haystack by haystack in grid order."""
         from needles import generate_probes

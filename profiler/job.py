@@ -53,7 +53,7 @@ import torch
 from tqdm.auto import tqdm
 
 from artifacts import Artifact, ArtifactError, Section, open_artifact, write_artifact
-from artifacts.atomic import OutputError, check_output_path, output_lock
+from artifacts.atomic import OutputError, check_output_path, lock_file_path, output_lock
 from artifacts.log import logger, output
 from artifacts.reader import is_artifact_file
 from artifacts.schema import canonical_json
@@ -260,7 +260,12 @@ class ProfileJob:
         architecture is told only by its weights: refused once they are loaded, before any stage runs."""
         settings = self.settings
         inputs = [settings["probes_file"], *(settings["calib_dataset"] or "").split(",")]
-        check_output_path(self.out, "artifact", inputs=[path.strip() for path in inputs if path and path.strip()])
+        inputs = [path.strip() for path in inputs if path and path.strip()]
+        check_output_path(self.out, "artifact", inputs=inputs)
+        # and the files written beside it: the work file (through a temporary file) and the lock
+        work = work_file_path(self.out, self.info.rank, self.info.world_size)
+        check_output_path(work, "work file", inputs=inputs, try_writing=False)
+        check_output_path(lock_file_path(self.out, self.info.rank), "lock file", inputs=inputs, atomic=False)
         if self.out.exists() and not is_artifact_file(self.out):
             raise ValueError(
                 f"{self.out} exists and is not a kvcal artifact; it is never replaced: choose another --out "

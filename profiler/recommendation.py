@@ -30,6 +30,7 @@ def candidate_specs(names) -> list:
     if not names:
         raise ValueError("--recommend-policies: no policy given")
     specs = [parse_policy(name) for name in names]
+    check_distinct(specs, "--recommend-policies")
     if any(spec.is_baseline for spec in specs):
         raise ValueError("--recommend-policies: 'baseline' is measured anyway; list compression policies")
     unservable = [spec.name for spec in specs if spec.needs_reconstruction]
@@ -39,6 +40,17 @@ def candidate_specs(names) -> list:
             "which calibration.policy() cannot serve; compare them with evaluate-artifact"
         )
     return specs
+
+
+def check_distinct(specs, option: str) -> None:
+    """No policy twice in ``specs`` (the ``runtime.policy_spec.PolicySpec`` s given with ``option``), by
+    one name or two (``flagship`` is ``inf/leverage+correction``): ValueError before the model loads
+    (the paired rule needs each once: issue 41, a ValueError traceback after the whole evaluation)."""
+    for index, spec in enumerate(specs):
+        for earlier in specs[:index]:
+            if earlier.is_baseline == spec.is_baseline and earlier.policy(0.5) == spec.policy(0.5):
+                same = "" if earlier.name == spec.name else f" ({earlier.name} and {spec.name} are the same policy)"
+                raise ValueError(f"{option} names {earlier.name} twice{same}: give each policy once")
 
 
 def sections_serving(spec, compression_ratio: float) -> tuple[frozenset[str], ...]:

@@ -255,14 +255,14 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with bars_only_on_a_terminal():
+    with bars_only_on_a_terminal():  # the save too: its "Writing model shards" bar
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
-    model.config.name_or_path = EMBEDDED_MODEL_NAME
-    model.save_pretrained(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
+        model.config.name_or_path = EMBEDDED_MODEL_NAME
+        model.save_pretrained(str(out_dir))
+        tokenizer.save_pretrained(str(out_dir))
 
 
 def resolve_model(model: str | os.PathLike | None) -> str:
@@ -461,7 +461,8 @@ _BARS_LOCK = threading.RLock()  # a block inside a block (a conversion inside a 
 @contextlib.contextmanager
 def bars_only_on_a_terminal():
     """transformers' own bars inside the block ("Loading weights", the GGUF conversion's "Converting
-    and de-quantizing GGUF tensors") are drawn only when stderr is a terminal and bars are on
+    and de-quantizing GGUF tensors", its save's "Writing model shards") are drawn only when stderr is
+    a terminal and bars are on
     (:func:`use_progress_bars` turns them off); a log file or a pipe gets no bar redraws.
 
     transformers turns its loading bar off through its logging switch, restored after the block;

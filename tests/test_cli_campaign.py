@@ -37,10 +37,11 @@ class Case:
     command: str  # profile-model | evaluate-artifact | inspect-artifact | generate-probes
     args: tuple[str, ...]  # with {placeholders} of the workspace (see ``workspace``)
     needs: str = ""  # a phrase stderr must contain (e.g. "did you mean")
+    offline: bool = True  # HF_HUB_OFFLINE=1; False: none of the offline switches set (the hub may be tried)
 
     @property
     def id(self) -> str:
-        return f"{self.command} {' '.join(self.args)}"
+        return f"{self.command} {' '.join(self.args)}" + ("" if self.offline else " (hub not set offline)")
 
 
 # -- the cases --------------------------------------------------------------------------------
@@ -326,10 +327,85 @@ def _declared_cases() -> list[Case]:
     return cases
 
 
+# issue 41, second round: refused only after the work (or never), must be refused before it
+LONG = 236  # a file name this long fits the file system (255 bytes) but not what the tool writes beside it
+
+
+def _long(name: str, length: int = LONG) -> str:
+    """A file name of ``length`` characters ending in ``name``."""
+    return "x" * (length - len(name)) + name
+
+
+UNWRITABLE = ("/proc/kvcal.out", "/proc/kvcal/sub/kvcal.out", "/sys/kvcal.out")  # directories nobody can write in
+
+
+def _after_the_work_cases() -> list[Case]:
+    """Every command's every output option (a name too long once the tool's suffixes and temporary
+    names are added, a directory that cannot be written in) and every list option whose repeated
+    values would repeat the work or break its results (issue 41: refused after the evaluation, or a
+    traceback)."""
+    art = ("--artifact", "{art}")
+    profile = ("--preset", "smoke", "--stages", "query-stats", "--no-progress")
+    recommend = ("--preset", "smoke", "--stages", "recommendation", "--out", "{art}", "--no-progress")
+    cases = []
+    outputs = [
+        ("evaluate-artifact", (*EVAL_BASE, *art), "--json", ".json"),
+        ("evaluate-artifact", (*EVAL_BASE, *art), "--html", ".html"),
+        ("inspect-artifact", ("{art}",), "--html", ".html"),
+        ("generate-probes", (), "--out", ".jsonl"),
+        ("profile-model", profile, "--out", ".h5"),
+    ]
+    for command, base, flag, suffix in outputs:
+        # long enough that a temporary name beside it (or the journal, the work file, the lock) is too long
+        for length in (LONG, 240, 250, 255):
+            cases.append(Case(command, (*base, flag, "{tmp}/" + _long(suffix, length)), needs="name"))
+        cases.append(Case(command, (*base, flag, "{tmp}/" + _long("", 256) + "/out" + suffix)))
+        for place in UNWRITABLE:
+            cases.append(Case(command, (*base, flag, place + suffix)))
+    # --write-recommendation rewrites the artifact beside itself and locks it: a long artifact name
+    cases.append(Case("evaluate-artifact", (*EVAL_BASE, "--artifact", "{longart}", "--write-recommendation")))
+    # a value twice in a list: the same cells twice (ratios), the same tasks twice (tasks, haystacks,
+    # lengths, depths), the same candidate twice (the paired rule's ValueError after the work)
+    twice = [
+        ("evaluate-artifact", (*EVAL_BASE, *art), "--compression-ratios", "0.5,0.5"),
+        ("evaluate-artifact", (*EVAL_BASE, *art, "--write-recommendation"), "--compression-ratios", "0.5,0.5"),
+        ("evaluate-artifact", (*EVAL_BASE, *art), "--compression-ratios", "0.25,0.5,0.250"),
+        ("evaluate-artifact", (*EVAL_BASE, *art), "--tasks", "retrieval,retrieval"),
+        ("evaluate-artifact", (*EVAL_BASE, *art), "--tasks", "all,retrieval"),
+        ("evaluate-artifact", (*EVAL_BASE, *art), "--haystacks", "simple,simple"),
+        ("generate-probes", PROBES_OUT, "--lengths", "512,512"),
+        ("generate-probes", PROBES_OUT, "--depths", "25,25.0"),
+        # the artifact at --out holds the candidates' sections: the stage would run
+        ("profile-model", recommend, "--recommend-policies", "flagship,flagship"),
+        ("profile-model", recommend, "--recommend-policies", "flagship,inf/leverage+correction"),
+        ("profile-model", recommend, "--recommend-policies", "uniform/keydiff,flagship,uniform/keydiff"),
+    ]
+    cases += [Case(command, (*base, flag, value)) for command, base, flag, value in twice]
+    # --calib-dataset with the hub not set offline: what is no local path and no hub name, or a hub name
+    # with no copy in the local cache that the hub cannot confirm (not there, or no network), is refused
+    # before the model loads; datasets retried for 40 s after it had loaded
+    calib = (*PROFILE_BASE, "--stages", "query-stats", "--calib-dataset")
+    for value in (
+        "nonexistent-org/x",
+        "nonexistent-org/x:config",
+        "no-such-dataset-name",
+        "a/b/c",
+        "org//x",
+        "-org/x",
+        "org/x y",
+        "org--x/y",
+        "{tmp}/missing-dir/",
+        "{tmp}/notes.txt,nonexistent-org/x",
+    ):
+        cases.append(Case("profile-model", (*calib, value), offline=False))
+    return cases
+
+
 def all_cases() -> list[Case]:
     """The cases by hand, then those generated from the declarations (a case already written by hand
     counts once)."""
     cases = [*_profile_cases(), *_evaluate_cases(), *_inspect_cases(), *_generate_cases()]
+    cases += _after_the_work_cases()
     seen = {case.id.replace("=", " ") for case in cases}  # --flag=value and --flag value: one case
     for case in _declared_cases():
         if case.id.replace("=", " ") not in seen:
@@ -348,7 +424,7 @@ def _cases() -> list[Case]:
     import json
 
     with open(listed, encoding="utf-8") as fh:
-        return [Case(command, tuple(args), needs) for command, args, needs in json.load(fh)]
+        return [Case(entry[0], tuple(entry[1]), *entry[2:]) for entry in json.load(fh)]
 
 
 CASES = _cases()
@@ -419,6 +495,8 @@ def workspace(tmp_path, artifact_templates) -> dict[str, str]:
     shutil.copy(paths["art"], paths["journalart"])
     paths["lockart"] = tmp_path / "held.json.lock"
     shutil.copy(paths["art"], paths["lockart"])
+    paths["longart"] = tmp_path / ("a" * 248 + ".h5")  # its lock and its temporary name are longer than 255
+    shutil.copy(paths["art"], paths["longart"])
     links = {
         "artlink": paths["art"],
         "badlink": paths["bad"],
@@ -472,8 +550,12 @@ def run_case(case: Case, paths: dict[str, str], monkeypatch, capsys) -> list[str
         return original(auto_class, model, **kwargs)
 
     monkeypatch.setattr(runtime.models, "_from_pretrained", tripwire)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    if case.offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    else:
+        for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NO_COLOR", "1")
     args = [arg.format(**paths) for arg in case.args]
     before = _snapshot(Path(paths["tmp"]))

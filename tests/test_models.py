@@ -56,7 +56,9 @@ def test_resolve_model_errors_and_passthrough(tmp_path):
 
 
 def test_concurrent_first_use_builds_one_intact_cache(tmp_path):
-    """Two processes converting at once into an empty cache both succeed; one copy survives."""
+    """Two processes converting at once into an empty cache both succeed; one copy survives.  Their
+    stderr is a pipe, not a terminal: the conversion draws no progress bar into it (issue 41: the
+    "Writing model shards" bar of the conversion's save did)."""
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     code = (
         "from runtime.models import embedded_model_dir, load_model; d = embedded_model_dir(); "
@@ -64,12 +66,15 @@ def test_concurrent_first_use_builds_one_intact_cache(tmp_path):
     )
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         for _ in range(2)
     ]
-    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
-    assert all(p.returncode == 0 for p in procs)
+    done = [p.communicate(timeout=300) for p in procs]
+    outs = [out.strip() for out, _ in done]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in done]
+    for _, err in done:
+        assert "%|" not in err and "\r" not in err and "it/s" not in err and "Writing model shards" not in err, err
     assert outs[0] == outs[1]
     models_dir = tmp_path / "kvcal" / "models"
     assert [p.name for p in models_dir.iterdir()] == [os.path.basename(outs[0])]  # no temp dirs left

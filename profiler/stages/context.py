@@ -31,8 +31,11 @@ _TRUE = ("1", "true", "yes", "on")
 
 def check_calibration_source(spec: str) -> None:
     """``--calib-dataset`` checked before the model loads (``ValueError``): local files and
-    directories exist, are of a kind the reader takes and are not empty; a datasets hub name is in
-    the local cache when the hub is offline (else ``datasets`` retries for half a minute first)."""
+    directories exist, are of a kind the reader takes and are not empty; anything else is a
+    datasets hub name (``org/name`` or ``name``, optionally ``:config``: else refused), in the local
+    cache when the hub is offline, and otherwise one the hub confirms (asked once, with a timeout):
+    one it does not know, or a hub that cannot be reached with no copy cached, is refused here, not
+    after the model has loaded and ``datasets`` has retried for 40 s."""
     from profiler.calibration_text import RECORD_SUFFIXES, TEXT_SUFFIXES  # torch: not for the parser
 
     parts = [part.strip() for part in spec.split(",") if part.strip()]
@@ -55,13 +58,58 @@ def check_calibration_source(spec: str) -> None:
             if path.is_dir() and not any(entry.is_file() for entry in path.rglob("*")):
                 raise ValueError(f"calib_dataset (--calib-dataset): {path} is an empty directory")
         return
-    if _hub_offline():
-        for name in parts:
-            if not _dataset_cached(name.partition(":")[0]):
-                raise ValueError(
-                    f"calib_dataset (--calib-dataset): {name!r} is no local file or directory, and the hub is offline "
-                    "(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) with no copy of that dataset in the local cache"
-                )
+    from runtime.models import could_be_hub_id
+
+    for name in parts:
+        dataset = name.partition(":")[0]
+        if not could_be_hub_id(dataset):
+            raise ValueError(
+                f"calib_dataset (--calib-dataset): {name!r} is no local file or directory, nor a datasets hub name "
+                "(org/name or name, optionally :config)"
+            )
+        if _dataset_cached(dataset):
+            continue
+        if _hub_offline():
+            raise ValueError(
+                f"calib_dataset (--calib-dataset): {name!r} is no local file or directory, and the hub is offline "
+                "(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) with no copy of that dataset in the local cache"
+            )
+        _check_on_the_hub(name, dataset)
+
+
+HUB_TIMEOUT = 10.0  # seconds the hub has to answer whether a calibration dataset exists
+
+
+def _check_on_the_hub(name: str, dataset: str) -> None:
+    """``dataset`` (not cached) exists on the hub and this user may read it: ValueError when the hub
+    says otherwise, or cannot be reached (no network: ``datasets`` would retry for 40 s, after the
+    model had loaded).  Any other answer of the hub is left to ``datasets``."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+
+    where = (
+        f"calib_dataset (--calib-dataset): {name!r} is no local file or directory, and no copy is in the local cache"
+    )
+    try:
+        HfApi().dataset_info(dataset, timeout=HUB_TIMEOUT)
+    except GatedRepoError:
+        raise ValueError(
+            f"{where}; the hub's {dataset} is gated: accept its conditions on the hub and log in (hf auth login)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ValueError(
+            f"{where}, and the hub has no dataset {dataset} (or it is private: log in with hf auth login)"
+        ) from None
+    except HFValidationError as exc:
+        raise ValueError(f"{where}, and {dataset!r} is no hub name ({exc})") from None
+    except HfHubHTTPError:
+        return  # the hub answered otherwise (a server error...): datasets says what it makes of it
+    except Exception as exc:  # noqa: BLE001 - no network, a timeout, a proxy: the transport's own types
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise ValueError(
+            f"{where}, and the hub cannot be reached to load it ({reason}); check the network, give local "
+            "files, or a dataset in the cache with HF_HUB_OFFLINE=1"
+        ) from None
 
 
 def _hub_offline() -> bool:
