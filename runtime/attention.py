@@ -94,6 +94,8 @@ def ragged_attention_forward(
     if positions.shape != (batch, q_len):
         positions = positions.expand(batch, q_len)
     scale = float(scaling) if scaling is not None else dim**-0.5
+    if sliding_window is None:  # a module that passes none where its model's mask slides (PhiMoE)
+        sliding_window = layer.configured_window
     return layer.attend(query, real, positions, scale, window=sliding_window, softcap=softcap), None
 
 

@@ -42,6 +42,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from artifacts.fingerprint import layer_attention
+
 from .chunk_attention import ChunkSpec
 from .geometry import ModelGeometry
 from .layer_attention import chunk_only_attention, segment_layer_attention
@@ -106,6 +108,7 @@ class RaggedLayer(DynamicLayer):
         self._correction = PreparedCorrection()
         self.model_config = None  # the model's config (RaggedCache.for_model): its attention is checked
         self.window: int | None = None  # a sliding-window layer's W (from the attention call), else None
+        self._configured_window: tuple[object, int | None] | None = None  # (model_config, its window here)
         self.softcap: float | None = None  # the layer's attention logit soft-capping, else None
         # called with this layer after attend() stored a chunk (runtime.compression.prefill_and_compress
         # evicts each layer there, so that at most one layer's full cache exists at a time), else None
@@ -241,6 +244,20 @@ class RaggedLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self.tokens_seen
+
+    @property
+    def configured_window(self) -> int | None:
+        """The sliding window the model's config gives this layer (``artifacts.fingerprint.layer_attention``:
+        the window transformers' masks slide by), None without one or without a config.  The ragged
+        attention takes it where the attention module passes no ``sliding_window`` although its mask
+        slides (PhiMoE: its model builds a sliding-window mask from ``config.sliding_window``, its
+        attention passes nothing)."""
+        config = self.model_config
+        if config is None:
+            return None
+        if self._configured_window is None or self._configured_window[0] is not config:
+            self._configured_window = (config, layer_attention(config)[0][self.layer_idx])
+        return self._configured_window[1]
 
     def get_mask_sizes(self, query: int | torch.Tensor) -> tuple[int, int]:
         # The mask covers only the chunk being fed: kv columns [tokens_seen, tokens_seen + q).
