@@ -15,8 +15,8 @@ a 32-token sliding window where the architecture has one, vocabulary 256):
 * :data:`SKIPPED`: not a text decoder with a KV cache transformers can build tiny here, with why.
 
 :func:`test_every_causal_lm_of_transformers_is_in_the_matrix` fails when a transformers release
-adds a causal LM, so that it is classified here.  The slow set adds beam search against
-transformers' own and compressed serving on every exact architecture.
+adds a causal LM, so that it is classified here.  Beam search is checked against transformers'
+own, and compressed serving (decode-time eviction too) runs, on every exact architecture.
 """
 
 from __future__ import annotations
@@ -386,7 +386,6 @@ def test_refused_by_the_name_of_what_kvcal_cannot_compute(model_type, reason):
         RaggedCache.for_model(model)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("model_type", sorted(EXACT))
 @torch.no_grad()
 def test_beams_are_transformers_own_and_compressed_serving_runs(model_type):
