@@ -96,7 +96,9 @@ def ragged_attention_forward(
     scale = float(scaling) if scaling is not None else dim**-0.5
     if sliding_window is None:  # a module that passes none where its model's mask slides (PhiMoE)
         sliding_window = layer.configured_window
-    return layer.attend(query, real, positions, scale, window=sliding_window, softcap=softcap), None
+    output = layer.attend(query, real, positions, scale, window=sliding_window, softcap=softcap)
+    # contiguous, as transformers' own attention functions return it (AfMoE's module views it)
+    return (output if output.is_contiguous() else output.contiguous()), None
 
 
 def register_attention(name: str, forward) -> None:
