@@ -220,7 +220,8 @@ def check_config(config, name: str | None = None) -> None:
     projected) and dynamic NTK RoPE (the scale depends on the longest position of each forward pass
     and on the calls before: transformers' outputs depend on how the prompt is split, padded and
     what ran before, by 3e-5 to 1e-3 on a tiny Llama, docs/design.md section 6); also a heterogeneous
-    config (per-layer attention geometry, Gemma 4) and layer types without RoPE parameters (Beam).  ``name``: the
+    config (per-layer attention geometry, Gemma 4), layer types without RoPE parameters (Beam) and
+    keys and values shared across layers (Gemma 3n).  ``name``: the
     model's, for the message (default: the config's architecture)."""
     config = text_config(config)
     if name is None:
@@ -239,6 +240,12 @@ def check_config(config, name: str | None = None) -> None:
                 f"{name}: {', '.join(without)} layers without RoPE parameters (rope_parameters[{without[0]!r}] is "
                 "None, as in Beam) are not supported: the rotary embedding cannot be read for them"
             )
+    shared = getattr(config, "num_kv_shared_layers", None)
+    if isinstance(shared, int) and shared > 0:
+        raise UnsupportedModelError(
+            f"{name}: keys and values shared across layers (num_kv_shared_layers={shared}: the last layers attend "
+            "to an earlier layer's cache, as in Gemma 3n) are not supported"
+        )
     rank = getattr(config, "kv_lora_rank", None)
     if rank:
         raise UnsupportedModelError(

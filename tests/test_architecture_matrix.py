@@ -69,6 +69,14 @@ SMALL = dict(  # what each config class accepts of these is given (its own names
 )
 # model type: its own options over SMALL (the names its config class gives them)
 OPTIONS = {
+    "gemma3n_text": dict(  # without KV sharing (with it: test_keys_and_values_shared_across_layers_are_refused)
+        vocab_size_per_layer_input=256,
+        hidden_size_per_layer_input=8,
+        laurel_rank=8,
+        altup_num_inputs=2,
+        num_kv_shared_layers=0,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
     "dots3_note_text": dict(num_key_value_heads=4),  # its config wants as many as the query heads
     "dbrx": dict(
         d_model=64,
@@ -101,6 +109,7 @@ EXACT = {
     "gemma": "",
     "gemma2": "",
     "gemma3_text": "",
+    "gemma3n_text": "",  # altup, laurel, per-layer inputs; without KV sharing (refused by name)
     "granite": "",
     "granitemoe": "",
     "granitemoeshared": "",
@@ -283,7 +292,6 @@ SKIPPED = {
     "zaya": "a hybrid model (layer type 'hybrid', refused as such); its tiny config does not build",
     "lfm2_moe": "a hybrid convolution / attention model; its tiny config does not build",
     "cohere_compass_text": "transformers cannot build its tiny config (KeyError 'full_attention', as Beam's refusal)",
-    "gemma3n_text": "per-layer inputs and KV sharing across layers; not yet classified here",
     "gemma4_assistant": "a draft model for assisted generation; its tiny config does not build",
     "gemma4_unified_assistant": "a draft model for assisted generation",
     "qwen4_exp_text": "its tiny config does not build here",
@@ -299,8 +307,9 @@ def _classes(model_type: str):
     return CONFIG_MAPPING[model_type], getattr(T, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
 
 
-def tiny_config(model_type: str):
-    """The config of a tiny ``model_type``: :data:`SMALL`, what of it its config class takes."""
+def tiny_config(model_type: str, **options):
+    """The config of a tiny ``model_type``: :data:`SMALL`, what of it its config class takes, then
+    :data:`OPTIONS` and ``options``."""
     config_class, _ = _classes(model_type)
     parameters = inspect.signature(config_class.__init__).parameters
     aliases = getattr(config_class, "attribute_map", None) or {}
@@ -310,12 +319,12 @@ def tiny_config(model_type: str):
             given[name] = value
         elif aliases.get(name) in parameters:
             given[aliases[name]] = value
-    return config_class(**{**given, **OPTIONS.get(model_type, {})})
+    return config_class(**{**given, **OPTIONS.get(model_type, {}), **options})
 
 
-def tiny_model(model_type: str, *, meta: bool = False):
+def tiny_model(model_type: str, *, meta: bool = False, **options):
     """The tiny ``model_type``, random weights of seed 0, float32, eval mode (``meta``: no weights)."""
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, **options)
     _, model_class = _classes(model_type)
     torch.manual_seed(0)
     if meta:
@@ -402,3 +411,11 @@ def test_beams_are_transformers_own_and_compressed_serving_runs(model_type):
     result = generate(model, ids, policy, attention_mask=mask, context_columns=50, max_new_tokens=4)
     assert result.new_tokens.shape == (2, 4)
     assert result.report.kv_bytes_after < result.report.kv_bytes_before
+
+
+def test_keys_and_values_shared_across_layers_are_refused_by_name():
+    """Gemma 3n's last layers attend to an earlier layer's cache (they have no k_proj): refused as
+    such, not as "layer 2 attention has no k_proj linear"."""
+    model = tiny_model("gemma3n_text", meta=True, num_kv_shared_layers=2)
+    with pytest.raises(UnsupportedModelError, match=r"keys and values shared across layers \(num_kv_shared_layers=2"):
+        ModelGeometry.of(model)
