@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pytest
 import torch
 import transformers as T
 
 from runtime import CompressionPolicy, RaggedCache, bind, generate
+from runtime.calibration import Calibration
 from runtime.geometry import ModelGeometry, UnsupportedModelError
+from runtime.policy_spec import FLAGSHIP
 from runtime.rope_check import rope_mismatches
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
@@ -419,3 +422,43 @@ def test_keys_and_values_shared_across_layers_are_refused_by_name():
     model = tiny_model("gemma3n_text", meta=True, num_kv_shared_layers=2)
     with pytest.raises(UnsupportedModelError, match=r"keys and values shared across layers \(num_kv_shared_layers=2"):
         ModelGeometry.of(model)
+
+
+def _flagship_calibration(model) -> Calibration:
+    """An in-memory calibration with what the flagship reads: INF budgets and MomentKV orders
+    (calibrated under the leverage selection), random but valid."""
+    geometry = ModelGeometry.of(model)
+    layers, heads = geometry.num_layers, geometry.num_kv_heads
+    rng = np.random.default_rng(0)
+    weights = rng.random((layers, heads)) + 0.1
+    return Calibration(
+        "memory.h5",
+        None,  # no identity: arrays only
+        {},
+        ("budgets", "moments"),
+        inf_weights=weights / weights.sum(),
+        moment_orders=rng.integers(-1, 2, (layers, heads)).astype(np.int8),
+        moment_tau=np.zeros((layers, heads)),
+        moment_selection="leverage",
+    )
+
+
+@pytest.mark.parametrize("model_type", sorted(EXACT))
+@torch.no_grad()
+def test_the_flagship_serves_or_is_refused_by_name(model_type):
+    """The flagship (INF budgets, leverage scores, MomentKV correction) from an in-memory
+    calibration: served on a left-padded batch where the model rotates as runtime.rope, refused
+    naming the model's RoPE elsewhere."""
+    model = tiny_model(model_type)
+    calibration = _flagship_calibration(model)
+    policy = FLAGSHIP.policy(0.75)
+    ids, mask = _prompt()
+    if EXACT[model_type]:
+        with pytest.raises(UnsupportedModelError, match=f"needs RoPE applied as .*{EXACT[model_type][:12]}"):
+            generate(model, ids, policy, calibration=calibration, attention_mask=mask, context_columns=50)
+        return
+    result = generate(
+        model, ids, policy, calibration=calibration, attention_mask=mask, context_columns=50, max_new_tokens=4
+    )
+    assert result.new_tokens.shape == (2, 4)
+    assert result.report.kv_bytes_after < result.report.kv_bytes_before
