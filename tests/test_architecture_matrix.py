@@ -72,7 +72,7 @@ SMALL = dict(  # what each config class accepts of these is given (its own names
 )
 # model type: its own options over SMALL (the names its config class gives them)
 OPTIONS = {
-    "gemma3n_text": dict(  # without KV sharing (with it: test_keys_and_values_shared_across_layers_are_refused)
+    "gemma3n_text": dict(  # without KV sharing (with it: REFUSED_VARIANTS)
         vocab_size_per_layer_input=256,
         hidden_size_per_layer_input=8,
         laurel_rank=8,
@@ -125,7 +125,7 @@ EXACT = {
     "iquestcoder": "",
     "jais2": "",
     "kolibri1": "",
-    "lfm2": ANOTHER,  # q_layernorm / k_layernorm, which the pre-RoPE read misses
+    "lfm2": ANOTHER,  # attention layers only (conv layers: REFUSED_VARIANTS); q/k norms the pre-RoPE read misses
     "llama": "",
     "mellum": "",
     "minimax_m2": "",
@@ -416,12 +416,24 @@ def test_beams_are_transformers_own_and_compressed_serving_runs(model_type):
     assert result.report.kv_bytes_after < result.report.kv_bytes_before
 
 
-def test_keys_and_values_shared_across_layers_are_refused_by_name():
-    """Gemma 3n's last layers attend to an earlier layer's cache (they have no k_proj): refused as
-    such, not as "layer 2 attention has no k_proj linear"."""
-    model = tiny_model("gemma3n_text", meta=True, num_kv_shared_layers=2)
-    with pytest.raises(UnsupportedModelError, match=r"keys and values shared across layers \(num_kv_shared_layers=2"):
-        ModelGeometry.of(model)
+# a variant of an exact model type that real checkpoints have: (model type, options, what the refusal names)
+REFUSED_VARIANTS = {
+    # the last layers attend to an earlier layer's cache (they have no k_proj): refused as such, not
+    # as "layer 2 attention has no k_proj linear"
+    "gemma3n_text, KV sharing": (
+        "gemma3n_text",
+        dict(num_kv_shared_layers=2),
+        r"keys and values shared across layers \(num_kv_shared_layers=2",
+    ),
+    "lfm2, convolution layers": ("lfm2", dict(full_attn_idxs=[1, 3]), r"layer type\(s\) conv are not supported"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(REFUSED_VARIANTS))
+def test_a_variant_real_checkpoints_have_is_refused_by_name(variant):
+    model_type, options, reason = REFUSED_VARIANTS[variant]
+    with pytest.raises(UnsupportedModelError, match=reason):
+        ModelGeometry.of(tiny_model(model_type, meta=True, **options))
 
 
 def _flagship_calibration(model) -> Calibration:
