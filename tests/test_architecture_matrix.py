@@ -345,6 +345,24 @@ def _prompt():
     return ids, mask
 
 
+def nothing_evicted_difference(model) -> float:
+    """The largest difference of ``runtime.generate``'s logits with nothing evicted (a left-padded
+    batch of two, greedy) from the unmodified model's on each row alone, unpadded, over the
+    sequence kvcal generated."""
+    ids, mask = _prompt()
+    got = generate(
+        model, ids, None, attention_mask=mask, max_new_tokens=STEPS, output_logits=True, return_dict_in_generate=True
+    )
+    difference = 0.0
+    for row in range(2):
+        real = mask[row].sum().item()
+        sequence = got.sequences[row, PROMPT - real :]
+        expected = model(sequence.unsqueeze(0)).logits[0, real - 1 : real - 1 + STEPS]
+        steps = torch.stack([logits[row] for logits in got.output.logits])
+        difference = max(difference, (steps - expected).abs().max().item())
+    return difference
+
+
 def test_every_causal_lm_of_transformers_is_in_the_matrix():
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -359,23 +377,7 @@ def test_every_causal_lm_of_transformers_is_in_the_matrix():
 @torch.no_grad()
 def test_nothing_evicted_is_exact_and_the_rope_is_the_models(model_type):
     model = tiny_model(model_type)
-    ids, mask = _prompt()
-    got = generate(
-        model,
-        ids,
-        None,
-        attention_mask=mask,
-        max_new_tokens=STEPS,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    difference = 0.0
-    for row in range(2):  # the reference: the row alone, unpadded, the sequence kvcal generated
-        real = mask[row].sum().item()
-        sequence = got.sequences[row, PROMPT - real :]
-        expected = model(sequence.unsqueeze(0)).logits[0, real - 1 : real - 1 + STEPS]
-        steps = torch.stack([logits[row] for logits in got.output.logits])
-        difference = max(difference, (steps - expected).abs().max().item())
+    difference = nothing_evicted_difference(model)
     assert difference < TOLERANCE, f"{model_type}: {difference:.2e}"
 
     found = rope_mismatches(model)
@@ -501,3 +503,13 @@ def test_a_smoke_profile_runs_every_stage(model_type, tmp_path, embedded_tokeniz
     with open_artifact(out) as reader:
         assert len(reader.sections) == 8
         assert np.all(np.isfinite(reader.section("query_stats")["cov"]))
+
+
+@torch.no_grad()
+def test_a_sliding_window_the_model_ignores_is_ignored():
+    """A Llama whose config carries a ``sliding_window`` (config.json keeps what it is given) builds
+    a causal mask and attends to everything; PhiMoE, whose attention passes no window either,
+    builds a sliding one (in the matrix).  Both are served as the model computes."""
+    model = tiny_model("llama", sliding_window=32)
+    assert model.config.sliding_window == 32
+    assert nothing_evicted_difference(model) < TOLERANCE
