@@ -95,7 +95,7 @@ def ragged_attention_forward(
         positions = positions.expand(batch, q_len)
     scale = float(scaling) if scaling is not None else dim**-0.5
     if sliding_window is None:  # a module that passes none where its model's mask slides (PhiMoE)
-        sliding_window = layer.configured_window
+        sliding_window = layer.mask_window
     output = layer.attend(query, real, positions, scale, window=sliding_window, softcap=softcap)
     # contiguous, as transformers' own attention functions return it (AfMoE's module views it)
     return (output if output.is_contiguous() else output.contiguous()), None

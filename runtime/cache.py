@@ -42,10 +42,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from artifacts.fingerprint import layer_attention
-
 from .chunk_attention import ChunkSpec
-from .geometry import ModelGeometry
+from .geometry import ModelGeometry, mask_windows
 from .layer_attention import chunk_only_attention, segment_layer_attention
 from .layout import PageLayout
 from .moments import MomentSums
@@ -108,7 +106,9 @@ class RaggedLayer(DynamicLayer):
         self._correction = PreparedCorrection()
         self.model_config = None  # the model's config (RaggedCache.for_model): its attention is checked
         self.window: int | None = None  # a sliding-window layer's W (from the attention call), else None
-        self._configured_window: tuple[object, int | None] | None = None  # (model_config, its window here)
+        # the window the model's mask slides by where its attention passes none (PhiMoE), else None
+        # (RaggedCache.for_model: geometry.mask_windows)
+        self.mask_window: int | None = None
         self.softcap: float | None = None  # the layer's attention logit soft-capping, else None
         # called with this layer after attend() stored a chunk (runtime.compression.prefill_and_compress
         # evicts each layer there, so that at most one layer's full cache exists at a time), else None
@@ -245,28 +245,14 @@ class RaggedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.tokens_seen
 
-    @property
-    def configured_window(self) -> int | None:
-        """The sliding window the model's config gives this layer (``artifacts.fingerprint.layer_attention``:
-        the window transformers' masks slide by), None without one or without a config.  The ragged
-        attention takes it where the attention module passes no ``sliding_window`` although its mask
-        slides (PhiMoE: its model builds a sliding-window mask from ``config.sliding_window``, its
-        attention passes nothing)."""
-        config = self.model_config
-        if config is None:
-            return None
-        if self._configured_window is None or self._configured_window[0] is not config:
-            self._configured_window = (config, layer_attention(config)[0][self.layer_idx])
-        return self._configured_window[1]
-
     def get_mask_sizes(self, query: int | torch.Tensor) -> tuple[int, int]:
         # The mask covers only the chunk being fed: kv columns [tokens_seen, tokens_seen + q).
         return query_length(query), self.tokens_seen
 
     def reset(self) -> None:
-        config = self.model_config
+        config, mask_window = self.model_config, self.mask_window
         self.__init__(self.layer_idx)
-        self.model_config = config
+        self.model_config, self.mask_window = config, mask_window
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
@@ -497,8 +483,8 @@ class RaggedCache(Cache):
         refuses a forward pass that does not run the ragged attention."""
         geometry = ModelGeometry.of(model)
         cache = cls(geometry.num_layers)
-        for layer in cache.layers:
-            layer.model_config = model.config
+        for layer, window in zip(cache.layers, mask_windows(model, geometry), strict=True):
+            layer.model_config, layer.mask_window = model.config, window
         return cache
 
     def head_lengths(self) -> torch.Tensor:
@@ -591,7 +577,7 @@ class RaggedCache(Cache):
             target.tokens_seen, target.observe_queries = base.tokens_seen, base.observe_queries
             target.chunk_specs = base.chunk_specs
             target.window, target.softcap = base.window, base.softcap
-            target.model_config = base.model_config
+            target.model_config, target.mask_window = base.model_config, base.mask_window
             rows = [(source, b) for source in sources for b in range(source.batch_size)]
             capacity = torch.cat([source.capacity for source in sources])  # [B', Hkv]
             target.store = SegmentStore.stacked(base.store, [(source.store, b) for source, b in rows], capacity)

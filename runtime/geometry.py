@@ -213,6 +213,23 @@ class ModelGeometry:
         )
 
 
+def mask_windows(model, geometry: ModelGeometry) -> tuple[int | None, ...]:
+    """Per layer, the window to attend with where the attention module passes no ``sliding_window``:
+    the config's (``geometry.sliding_windows``) when the model's decoder stack builds a
+    sliding-window mask from it (PhiMoE: its attention passes nothing, its mask slides), else None
+    (a Llama whose config carries a ``sliding_window`` builds a causal mask and ignores it).  Read off
+    the source of the decoder stack's forward, where transformers' models choose their mask; without
+    the source, None (the window the attention passes, alone)."""
+    nothing = (None,) * geometry.num_layers
+    if all(window is None for window in geometry.sliding_windows):
+        return nothing
+    try:
+        source = inspect.getsource(type(model.model).forward)
+    except (OSError, TypeError):
+        return nothing
+    return geometry.sliding_windows if "sliding_window" in source else nothing
+
+
 def check_config(config, name: str | None = None) -> None:
     """Refuse, from the transformers config alone (before any weight loads: the commands call it on
     config.json), attention kvcal does not compute: multi-head latent attention (DeepSeek V2 / V3
