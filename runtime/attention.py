@@ -94,7 +94,11 @@ def ragged_attention_forward(
     if positions.shape != (batch, q_len):
         positions = positions.expand(batch, q_len)
     scale = float(scaling) if scaling is not None else dim**-0.5
-    return layer.attend(query, real, positions, scale, window=sliding_window, softcap=softcap), None
+    if sliding_window is None:  # a module that passes none where its model's mask slides (PhiMoE)
+        sliding_window = layer.mask_window
+    output = layer.attend(query, real, positions, scale, window=sliding_window, softcap=softcap)
+    # contiguous, as transformers' own attention functions return it (AfMoE's module views it)
+    return (output if output.is_contiguous() else output.contiguous()), None
 
 
 def register_attention(name: str, forward) -> None:

@@ -43,7 +43,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .chunk_attention import ChunkSpec
-from .geometry import ModelGeometry
+from .geometry import ModelGeometry, mask_windows
 from .layer_attention import chunk_only_attention, segment_layer_attention
 from .layout import PageLayout
 from .moments import MomentSums
@@ -106,6 +106,9 @@ class RaggedLayer(DynamicLayer):
         self._correction = PreparedCorrection()
         self.model_config = None  # the model's config (RaggedCache.for_model): its attention is checked
         self.window: int | None = None  # a sliding-window layer's W (from the attention call), else None
+        # the window the model's mask slides by where its attention passes none (PhiMoE), else None
+        # (RaggedCache.for_model: geometry.mask_windows)
+        self.mask_window: int | None = None
         self.softcap: float | None = None  # the layer's attention logit soft-capping, else None
         # called with this layer after attend() stored a chunk (runtime.compression.prefill_and_compress
         # evicts each layer there, so that at most one layer's full cache exists at a time), else None
@@ -247,9 +250,9 @@ class RaggedLayer(DynamicLayer):
         return query_length(query), self.tokens_seen
 
     def reset(self) -> None:
-        config = self.model_config
+        config, mask_window = self.model_config, self.mask_window
         self.__init__(self.layer_idx)
-        self.model_config = config
+        self.model_config, self.mask_window = config, mask_window
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
@@ -488,8 +491,8 @@ class RaggedCache(Cache):
         refuses a forward pass that does not run the ragged attention."""
         geometry = ModelGeometry.of(model)
         cache = cls(geometry.num_layers)
-        for layer in cache.layers:
-            layer.model_config = model.config
+        for layer, window in zip(cache.layers, mask_windows(model, geometry), strict=True):
+            layer.model_config, layer.mask_window = model.config, window
         return cache
 
     def head_lengths(self) -> torch.Tensor:
@@ -582,7 +585,7 @@ class RaggedCache(Cache):
             target.tokens_seen, target.observe_queries = base.tokens_seen, base.observe_queries
             target.chunk_specs = base.chunk_specs
             target.window, target.softcap = base.window, base.softcap
-            target.model_config = base.model_config
+            target.model_config, target.mask_window = base.model_config, base.mask_window
             rows = [(source, b) for source in sources for b in range(source.batch_size)]
             capacity = torch.cat([source.capacity for source in sources])  # [B', Hkv]
             target.store = SegmentStore.stacked(base.store, [(source.store, b) for source, b in rows], capacity)

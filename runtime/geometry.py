@@ -213,17 +213,56 @@ class ModelGeometry:
         )
 
 
+def mask_windows(model, geometry: ModelGeometry) -> tuple[int | None, ...]:
+    """Per layer, the window to attend with where the attention module passes no ``sliding_window``:
+    the config's (``geometry.sliding_windows``) when the model's decoder stack builds a
+    sliding-window mask from it (PhiMoE: its attention passes nothing, its mask slides), else None
+    (a Llama whose config carries a ``sliding_window`` builds a causal mask and ignores it).  Read off
+    the source of the decoder stack's forward, where transformers' models choose their mask; without
+    the source, None (the window the attention passes, alone)."""
+    nothing = (None,) * geometry.num_layers
+    if all(window is None for window in geometry.sliding_windows):
+        return nothing
+    try:
+        source = inspect.getsource(type(model.model).forward)
+    except (OSError, TypeError):
+        return nothing
+    return geometry.sliding_windows if "sliding_window" in source else nothing
+
+
 def check_config(config, name: str | None = None) -> None:
     """Refuse, from the transformers config alone (before any weight loads: the commands call it on
     config.json), attention kvcal does not compute: multi-head latent attention (DeepSeek V2 / V3
     cache one latent per token, ``kv_lora_rank`` wide, from which every head's keys and values are
     projected) and dynamic NTK RoPE (the scale depends on the longest position of each forward pass
     and on the calls before: transformers' outputs depend on how the prompt is split, padded and
-    what ran before, by 3e-5 to 1e-3 on a tiny Llama, docs/design.md section 6).  ``name``: the
+    what ran before, by 3e-5 to 1e-3 on a tiny Llama, docs/design.md section 6); also a heterogeneous
+    config (per-layer attention geometry, Gemma 4), layer types without RoPE parameters (Beam) and
+    keys and values shared across layers (Gemma 3n).  ``name``: the
     model's, for the message (default: the config's architecture)."""
     config = text_config(config)
     if name is None:
         name = (getattr(config, "architectures", None) or [getattr(config, "model_type", None) or "the model"])[0]
+    if getattr(config, "is_heterogeneous", False) is True:
+        varying = ", ".join(sorted(getattr(config, "per_layer_attributes", None) or ()))
+        raise UnsupportedModelError(
+            f"{name}: a heterogeneous config (attributes that vary per layer: {varying}; as in Gemma 4) is not "
+            "supported: kvcal needs one attention geometry for every layer"
+        )
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and any(isinstance(value, dict) for value in rope.values()):
+        without = sorted(str(kind) for kind, value in rope.items() if value is None)
+        if without:
+            raise UnsupportedModelError(
+                f"{name}: {', '.join(without)} layers without RoPE parameters (rope_parameters[{without[0]!r}] is "
+                "None, as in Beam) are not supported: the rotary embedding cannot be read for them"
+            )
+    shared = getattr(config, "num_kv_shared_layers", None)
+    if isinstance(shared, int) and shared > 0:
+        raise UnsupportedModelError(
+            f"{name}: keys and values shared across layers (num_kv_shared_layers={shared}: the last layers attend "
+            "to an earlier layer's cache, as in Gemma 3n) are not supported"
+        )
     rank = getattr(config, "kv_lora_rank", None)
     if rank:
         raise UnsupportedModelError(
@@ -244,12 +283,25 @@ def check_config(config, name: str | None = None) -> None:
 def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:
     """:func:`check_config`, then learned attention sinks, read off the modules (gpt-oss: a learned
     logit per head that takes part in every softmax, ``self_attn.sinks``; runtime.attention's
-    ``UNSUPPORTED_ARGUMENTS``), each refused by its name before the checks of the projections'
+    ``UNSUPPORTED_ARGUMENTS``), Doge's dynamic mask attention and DiffLlama's differential attention,
+    each refused by its name before the checks of the projections'
     shapes and of the rotary (which they fail, saying less or something wrong)."""
     check_config(config, name)
     layers = getattr(getattr(model, "model", None), "layers", None) or ()
     for index, layer in enumerate(layers):
-        if isinstance(getattr(getattr(layer, "self_attn", None), "sinks", None), torch.Tensor):
+        attention = getattr(layer, "self_attn", None)
+        if getattr(attention, "dt_proj", None) is not None and getattr(attention, "A", None) is not None:
+            raise UnsupportedModelError(
+                f"{name}: dynamic mask attention (layer {index} self_attn.dt_proj, as in Doge: a bias per key "
+                "computed from its values, added to the attention mask) is not supported: the ragged attention "
+                "reads only which tokens are real from the mask"
+            )
+        if getattr(attention, "lambda_q1", None) is not None:
+            raise UnsupportedModelError(
+                f"{name}: differential attention (layer {index} self_attn.lambda_q1, as in DiffLlama: two "
+                "attention maps per layer over one cache, subtracted) is not supported"
+            )
+        if isinstance(getattr(attention, "sinks", None), torch.Tensor):
             raise UnsupportedModelError(
                 f"{name}: learned attention sinks (layer {index} self_attn.sinks, as in gpt-oss: a learned logit "
                 "per head in every softmax) are not supported: the ragged attention cannot compute them"
@@ -297,7 +349,12 @@ def _normed(name: str, index: int, linear, heads: int, dim: int, norm) -> Projec
     if norm is None:
         return Projection(linear, heads, dim)
     weight = getattr(norm, "weight", None)
-    size = None if weight is None else weight.numel()
+    if weight is None:
+        raise UnsupportedModelError(
+            f"{name}: layer {index} has a query or key norm without a weight (a parameter-free norm, as in "
+            "NanoChat): kvcal cannot tell whether it normalises each head or all of them"
+        )
+    size = weight.numel()
     if size not in (dim, heads * dim):
         raise UnsupportedModelError(
             f"{name}: layer {index} has a projection norm of {size} features, expected {dim} or {heads} x {dim}"
