@@ -73,9 +73,14 @@ class Projection:
             return self.norm(values).reshape(batch, tokens, self.heads, self.head_dim)
 
 
-def _rope_takes_layer_type(rotary) -> bool:
-    """Whether the rotary module's forward takes the layer's type (Gemma 3: one RoPE per type)."""
-    return "layer_type" in inspect.signature(rotary.forward).parameters
+def _rope_takes_layer_type(rotary) -> bool | None:
+    """Whether the rotary module's forward takes the layer's type (Gemma 3: one RoPE per type):
+    True when it must be given, None when it may (a default: PhiMoE's in transformers 5.2), False
+    when it takes none."""
+    parameter = inspect.signature(rotary.forward).parameters.get("layer_type")
+    if parameter is None:
+        return False
+    return True if parameter.default is inspect.Parameter.empty else None
 
 
 @dataclass(frozen=True, eq=False)
@@ -171,6 +176,11 @@ class ModelGeometry:
         attention_modules, scalings = [], []
         projections: dict[str, list[Projection]] = {"query": [], "key": [], "value": []}
         for index, layer in enumerate(layers):
+            if getattr(layer, "mamba", None) is not None:  # transformers 5.2's Falcon-H1 and Bamba: no layer types
+                raise UnsupportedModelError(
+                    f"{name}: a state-space (Mamba) mixer in layer {index} (as in Falcon-H1 and Bamba) is not "
+                    "supported: kvcal evicts attention KV caches only"
+                )
             attention = getattr(layer, "self_attn", None)
             if attention is None:
                 raise UnsupportedModelError(f"{name}: layer {index} has no self_attn module")
@@ -251,7 +261,9 @@ def check_config(config, name: str | None = None) -> None:
         )
     rope = getattr(config, "rope_parameters", None)
     if isinstance(rope, dict) and any(isinstance(value, dict) for value in rope.values()):
-        without = sorted(str(kind) for kind, value in rope.items() if value is None)
+        # per layer type (transformers 5.2's Gemma 3 also keeps a top-level rope_theta: None, no layer type)
+        kinds = set(getattr(config, "layer_types", None) or rope)
+        without = sorted(str(kind) for kind in kinds if kind in rope and rope[kind] is None)
         if without:
             raise UnsupportedModelError(
                 f"{name}: {', '.join(without)} layers without RoPE parameters (rope_parameters[{without[0]!r}] is "
@@ -386,9 +398,12 @@ def _fused_projections(name: str, index: int, attention, numbers: dict) -> dict[
 
 def _rope_layer_types(name: str, rotary, config, layers: int) -> tuple[str | None, ...]:
     """Per layer, what the rotary module takes (Gemma 3: the layer's type; None for one shared RoPE)."""
-    if not _rope_takes_layer_type(rotary):
+    takes = _rope_takes_layer_type(rotary)
+    if takes is False:
         return (None,) * layers
     types = getattr(config, "layer_types", None)
+    if takes is None and types is None:  # an optional layer type and none per layer: one shared RoPE
+        return (None,) * layers
     if types is None or len(types) != layers:
         raise UnsupportedModelError(
             f"{name}: the rotary embedding takes a layer type, but the config has none per layer"
