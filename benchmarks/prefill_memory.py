@@ -42,20 +42,29 @@ def allocation_peak(run) -> tuple[int, list[tuple[str, int]]]:
         activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True
     ) as prof:  # stacks: module events
         run()
-    events = list(prof.profiler.kineto_results.events())
-    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    named = [(_name(e), e) for e in prof.profiler.kineto_results.events()]
+    memory = sorted((e for name, e in named if name == "[memory]"), key=lambda e: e.start_ns())
     times, held, current, peak = [], [], 0, 0
     for event in memory:
         current += event.nbytes()
         peak = max(peak, current)
         times.append(event.start_ns())
         held.append(current)
-    layers = sorted((e.start_ns(), e.name()) for e in events if "DecoderLayer_" in e.name())
+    layers = sorted((e.start_ns(), name) for name, e in named if "DecoderLayer_" in name)
     timeline = []
     for start, name in layers[::3]:
         index = bisect.bisect_right(times, start) - 1
         timeline.append((name.rsplit("_", 1)[-1], held[index] if index >= 0 else 0))
     return peak, timeline
+
+
+def _name(event) -> str:
+    """The event's name; "" where the profiler hands back bytes that are no UTF-8 (seen with torch
+    2.13 on Python frames' names)."""
+    try:
+        return event.name()
+    except UnicodeDecodeError:
+        return ""
 
 
 def main(argv: list[str] | None = None) -> int:
