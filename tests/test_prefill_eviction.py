@@ -148,7 +148,7 @@ def test_a_layer_cut_in_the_prefill_drops_what_only_its_scoring_read(name):
     """What a layer's scorer reads and decoding does not (its recorded prompt queries, its chunked
     attention) is dropped when the layer is cut, not at the end of the prefill: held until then, the
     flagship's recorded queries of every layer were 0.05 GiB of the CPU's peak at 4K x 2 on the
-    embedded model (docs/results.md R-cpu-prefill-memory-2026-11-27b)."""
+    embedded model (docs/results.md R-cpu-prefill-allocations-2026-11-27)."""
     model = make_tiny_llama(num_layers=3)
     ids = torch.randint(3, 128, (2, 120), generator=torch.Generator().manual_seed(2))
     plan = bind(POLICIES[name], None, model)
