@@ -665,6 +665,7 @@ def _check_outputs(args, artifact: Path | None) -> None:
     over a file that is not their kind (an HDF5 file) without --force (``_check_journal``: an
     existing journal, --resume and --force)."""
     from artifacts.atomic import lock_file_path
+    from runtime.models import model_files
 
     also = []
     if args.json_out:
@@ -674,7 +675,8 @@ def _check_outputs(args, artifact: Path | None) -> None:
         ]
     if artifact is not None and args.write_recommendation:
         also.append(("the artifact's lock", lock_file_path(artifact), "lock file", False))
-    check_outputs(options(), args, inputs=[artifact] if artifact is not None else [], force=args.force, also=also)
+    inputs = [*model_files(args.model), *([artifact] if artifact is not None else [])]
+    check_outputs(options(), args, inputs=inputs, force=args.force, also=also)
 
 
 def _run(args) -> int:

@@ -82,7 +82,7 @@ from profiler.stages.base import ShardedStage
 from profiler.stages.context import digest
 from runtime.calibration import default_artifact_path
 from runtime.geometry import ModelGeometry, check_config
-from runtime.models import CPU_DEFAULT_LOAD, DTYPE_CHOICES, loaded_as
+from runtime.models import CPU_DEFAULT_LOAD, DTYPE_CHOICES, loaded_as, model_files
 
 
 class JobInterrupted(Exception):
@@ -260,7 +260,7 @@ class ProfileJob:
         architecture is told only by its weights: refused once they are loaded, before any stage runs."""
         settings = self.settings
         inputs = [settings["probes_file"], *(settings["calib_dataset"] or "").split(",")]
-        inputs = [path.strip() for path in inputs if path and path.strip()]
+        inputs = [path.strip() for path in inputs if path and path.strip()] + model_files(self.model_path)
         check_output_path(self.out, "artifact", inputs=inputs)
         # and the files written beside it: the work file (through a temporary file) and the lock
         work = work_file_path(self.out, self.info.rank, self.info.world_size)

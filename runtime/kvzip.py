@@ -125,6 +125,11 @@ class ReconstructionLayer(DynamicLayer):
     def real_seen(self) -> list[int]:
         return [self.base.real_seen[self.row]]
 
+    @property
+    def mask_window(self) -> int | None:
+        """The base layer's window where the attention module passes none (runtime.attention)."""
+        return self.base.mask_window
+
     def update(self, key_states, value_states, *args, **kwargs):
         if key_states.shape[0] != 1:
             raise ValueError("the reconstruction pass runs one prompt at a time")

@@ -282,6 +282,28 @@ def resolve_model(model: str | os.PathLike | None) -> str:
     return str(model)  # a hub id; from_pretrained resolves it (offline: from the local hub cache)
 
 
+# The files of a model directory that loading reads (transformers' config, weights, tokenizer and
+# chat-template names): outputs never replace them (model_files)
+_MODEL_FILE = re.compile(
+    r"(config|generation_config|preprocessor_config|tokenizer|tokenizer_config|special_tokens_map|added_tokens"
+    r"|vocab|chat_template)\.(json|jinja)|merges\.txt|vocab\.txt|tokenizer\.model|.*\.(safetensors|bin|gguf|pt|pth)"
+    r"|.*\.safetensors\.index\.json|pytorch_model.*\.bin\.index\.json"
+)
+
+
+def model_files(model: str | os.PathLike | None) -> list[Path]:
+    """The files a local model directory ``model`` holds that loading reads (its config, weights,
+    tokenizer), at its top level: inputs of any command given that model, which no output of it may
+    replace, even with ``--force``.  None for a hub id or the embedded model (their files are in a
+    cache the commands never write into)."""
+    if model is None or str(model) == EMBEDDED:
+        return []
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        return []
+    return sorted(entry for entry in path.iterdir() if _MODEL_FILE.fullmatch(entry.name) and entry.is_file())
+
+
 def could_be_hub_id(text: str) -> bool:
     """Whether ``text`` has a hub id's shape (``org/name`` or ``name``; ``./x``, ``/x``, ``~/x``,
     ``a/b/c`` and ``x/`` have not).  ``org/name`` is also a relative path: see :func:`_from_pretrained`."""

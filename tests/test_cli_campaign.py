@@ -228,6 +228,13 @@ def _evaluate_cases() -> list[Case]:
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/locked.json", "--force")),
         Case("evaluate-artifact", (*EVAL_BASE, "--artifact", "{lockart}", "--json", "{tmp}/held.json", "--force")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/r.json", "--html", "{tmp}/r.json.lock")),
+        # a local model directory's files are inputs too: never replaced by a result, even with --force
+        *(
+            Case("evaluate-artifact", ("{modeldir}", *EVAL_BASE, *art, option, f"{{modeldir}}/{name}", "--force"))
+            for option in ("--json", "--html")
+            for name in ("config.json", "model.safetensors", "tokenizer.json")
+        ),
+        Case("profile-model", ("{modeldir}", *PROFILE_BASE[:2], "--out", "{modeldir}/model.safetensors", "--force")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--resume")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--json", "{tmp}/r.json", "--resume", "--force")),
         Case("evaluate-artifact", (*EVAL_BASE, *art, "--nope")),
@@ -490,6 +497,14 @@ def workspace(tmp_path, artifact_templates) -> dict[str, str]:
     (tmp_path / "data.csv").write_text("a,b\n1,2\n")
     emptydir = tmp_path / "emptydir"
     emptydir.mkdir()
+    # a local model directory of the embedded model's architecture (so that its artifacts serve it):
+    # its config (what the commands read before loading), weights and tokenizer
+    from runtime.models import load_config
+
+    modeldir = paths["modeldir"] = tmp_path / "model"
+    load_config().save_pretrained(modeldir)
+    (modeldir / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    (modeldir / "tokenizer.json").write_text('{"version": "1.0"}\n')
     # artifacts where evaluate-artifact --json {tmp}/copy.json would keep its journal, --json {tmp}/held.json its lock
     paths["journalart"] = tmp_path / "copy.json.partial.jsonl"
     shutil.copy(paths["art"], paths["journalart"])
