@@ -110,6 +110,50 @@ def profile_env() -> dict:
     return {**os.environ, "PYTHONPATH": repo, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
 
 
+class ModelLoadAttempted(BaseException):
+    """Raised by :func:`forbid_model_loading`'s tripwire: a command began loading a model or a tokenizer
+    (a ``BaseException``, which no command catches)."""
+
+
+def forbid_model_loading(monkeypatch) -> None:
+    """Replace the loader every command shares (``runtime.models._from_pretrained``) by a tripwire that
+    raises :class:`ModelLoadAttempted` for anything but a config (``monkeypatch`` restores it)."""
+    import runtime.models
+
+    original = runtime.models._from_pretrained
+
+    def tripwire(auto_class, model, **kwargs):
+        if auto_class.__name__ != "AutoConfig":
+            raise ModelLoadAttempted(f"{auto_class.__name__}.from_pretrained({model})")
+        return original(auto_class, model, **kwargs)
+
+    monkeypatch.setattr(runtime.models, "_from_pretrained", tripwire)
+
+
+def kill_evaluation_after_its_first_task(arguments: list[str], journal) -> None:
+    """Run ``evaluate-artifact ARGUMENTS`` in a child and SIGKILL it once its journal ``journal``
+    records a task (the header and one line), within 300 s."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    child = subprocess.Popen(
+        [sys.executable, "-m", "profiler.evaluate_cli", *arguments],
+        cwd=Path(__file__).resolve().parents[1],
+        env=profile_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 300
+    while not (journal.exists() and journal.read_bytes().count(b"\n") >= 2):  # the header and one task
+        assert child.poll() is None, child.communicate()
+        assert time.time() < deadline, "no task recorded within 300 s"
+        time.sleep(0.01)
+    child.kill()
+    child.communicate()
+
+
 def start_profile(args: list[str], wait_for):
     """Start ``profile-model ARGS`` in a child; return the Popen once ``wait_for`` exists (e.g. its
     first checkpoint).  A runner started in the background (CI) may pass SIGINT on as *ignored*,

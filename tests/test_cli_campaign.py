@@ -24,12 +24,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from conftest import ModelLoadAttempted, forbid_model_loading
 
 HUGE = "100000000000"  # 1e11: no count, length or seed of these commands may be that large
-
-
-class ModelLoadAttempted(BaseException):
-    """Raised by the tripwire: the command began loading a model or a tokenizer."""
 
 
 @dataclass(frozen=True)
@@ -555,16 +552,7 @@ def run_case(case: Case, paths: dict[str, str], monkeypatch, capsys) -> list[str
     """Run ``case``; return what it mishandled (empty: handled)."""
     import importlib
 
-    import runtime.models
-
-    original = runtime.models._from_pretrained
-
-    def tripwire(auto_class, model, **kwargs):
-        if auto_class.__name__ != "AutoConfig":
-            raise ModelLoadAttempted(f"{auto_class.__name__}.from_pretrained({model})")
-        return original(auto_class, model, **kwargs)
-
-    monkeypatch.setattr(runtime.models, "_from_pretrained", tripwire)
+    forbid_model_loading(monkeypatch)
     if case.offline:
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -643,7 +631,6 @@ def test_a_killed_run_resumed_with_another_load_is_refused_before_the_model_load
 
     from conftest import single_thread, start_profile, tiny_profile_args
 
-    import runtime.models
     from artifacts import open_artifact
     from profiler.cli import main
 
@@ -656,15 +643,8 @@ def test_a_killed_run_resumed_with_another_load_is_refused_before_the_model_load
     assert proc.returncode == 130 and work.exists() and not out.exists(), err[-2000:]
     saved = work.read_bytes()
 
-    original = runtime.models._from_pretrained
-
-    def tripwire(auto_class, model, **kwargs):
-        if auto_class.__name__ != "AutoConfig":
-            raise ModelLoadAttempted(f"{auto_class.__name__}.from_pretrained({model})")
-        return original(auto_class, model, **kwargs)
-
     with monkeypatch.context() as patched:
-        patched.setattr(runtime.models, "_from_pretrained", tripwire)
+        forbid_model_loading(patched)
         capsys.readouterr()
         assert main([*args, *change, "--resume"]) == 2
     err = capsys.readouterr().err

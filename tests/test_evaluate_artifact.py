@@ -4,13 +4,9 @@ answers, a run killed mid-way and resumed, and its input errors."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-from conftest import profile_env
+from conftest import kill_evaluation_after_its_first_task
 
 from profiler.evaluate_cli import main
 from profiler.evaluation_journal import journal_path, read_journal
@@ -146,20 +142,7 @@ def test_a_killed_run_resumes_to_the_json_of_an_uninterrupted_one(smoke_artifact
     arguments += ["--compression-ratios", "0.5", "--policies", "uniform/keydiff,flagship", "--no-progress"]
     killed, straight = tmp_path / "killed.json", tmp_path / "straight.json"
     journal = journal_path(killed)
-    child = subprocess.Popen(
-        [sys.executable, "-m", "profiler.evaluate_cli", *arguments, "--max-new-tokens", "12", "--json", str(killed)],
-        cwd=Path(__file__).resolve().parents[1],
-        env=profile_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.time() + 300
-    while not (journal.exists() and journal.read_bytes().count(b"\n") >= 2):  # the header and one task
-        assert child.poll() is None, child.communicate()
-        assert time.time() < deadline, "no task recorded within 300 s"
-        time.sleep(0.01)
-    child.kill()
-    child.communicate()
+    kill_evaluation_after_its_first_task([*arguments, "--max-new-tokens", "12", "--json", str(killed)], journal)
     assert not killed.exists()
     kept = len(read_journal(journal).rows)
     assert 1 <= kept < 4

@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import profile_env
+from conftest import ModelLoadAttempted, forbid_model_loading, kill_evaluation_after_its_first_task
 
 from profiler.evaluation_journal import journal_path, read_journal
 
@@ -37,10 +34,6 @@ SETTINGS = {
     "--policies": "uniform/keydiff,uniform/knorm",
     "--max-new-tokens": "4",
 }
-
-
-class ModelLoadAttempted(BaseException):
-    """Raised by the tripwire: the command began loading a model or a tokenizer."""
 
 
 def _arguments(artifact, out, **changes) -> list[str]:
@@ -63,20 +56,7 @@ def killed_run(tmp_path_factory, smoke_artifact):
     shutil.copy(smoke_artifact, artifact)
     out = directory / "ev.json"
     journal = journal_path(out)
-    child = subprocess.Popen(
-        [sys.executable, "-m", "profiler.evaluate_cli", *_arguments(artifact, out)],
-        cwd=REPO,
-        env=profile_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.time() + 300
-    while not (journal.exists() and journal.read_bytes().count(b"\n") >= 2):  # the header and one task
-        assert child.poll() is None, child.communicate()
-        assert time.time() < deadline, "no task recorded within 300 s"
-        time.sleep(0.01)
-    child.kill()
-    child.communicate()
+    kill_evaluation_after_its_first_task(_arguments(artifact, out), journal)
     assert read_journal(journal).rows
     return directory, artifact, journal.read_bytes()
 
@@ -93,17 +73,9 @@ def resumable(killed_run, tmp_path):
 
 def _refused(args, monkeypatch, capsys) -> str:
     """Run evaluate-artifact ARGS with the tripwire; return its one stderr line (exit 2 asserted)."""
-    import runtime.models
     from profiler.evaluate_cli import main
 
-    original = runtime.models._from_pretrained
-
-    def tripwire(auto_class, model, **kwargs):
-        if auto_class.__name__ != "AutoConfig":
-            raise ModelLoadAttempted(f"{auto_class.__name__}.from_pretrained({model})")
-        return original(auto_class, model, **kwargs)
-
-    monkeypatch.setattr(runtime.models, "_from_pretrained", tripwire)
+    forbid_model_loading(monkeypatch)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     capsys.readouterr()
     try:
