@@ -480,7 +480,7 @@ def artifact_templates(tmp_path_factory, smoke_artifact) -> dict[str, Path]:
 
 
 @pytest.fixture
-def workspace(tmp_path, artifact_templates) -> dict[str, str]:
+def workspace(tmp_path, artifact_templates):
     """The files the cases name, fresh for each case: copies of the artifacts, symbolic links to
     them, a text file, an empty file, a CSV file, an empty directory."""
     paths: dict[str, Path] = {"tmp": tmp_path}
@@ -527,7 +527,10 @@ def workspace(tmp_path, artifact_templates) -> dict[str, str]:
             **{name: tmp_path / names.get(name, name) for name in links},
         }
     )
-    return {name: str(path) for name, path in paths.items()}
+    yield {name: str(path) for name, path in paths.items()}
+    # about 50 MB of copies a case and about 390 cases: kept to the session's end (pytest's default),
+    # they filled a CI machine's disk (20 GB)
+    shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 def _snapshot(directory: Path) -> dict[str, bytes | None]:

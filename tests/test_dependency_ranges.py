@@ -210,3 +210,12 @@ def test_ci_holds_one_environment_at_a_time():
         assert f"rm -rf {environment_of[job]}" in ci[start + 1 : end], (
             f".ci/run keeps {environment_of[job]} (make {job}) on disk while the next job installs"
         )
+
+
+def test_the_suite_keeps_the_temporary_directories_of_failed_tests_only():
+    """CI runs the suite twice on one disk (make test, then make test-lowest); with pytest's default
+    retention every test's temporary directory stays until three sessions later: the first run's
+    model and artifact copies (more than 20 GB on 2026-11-27, mostly the CLI campaign's workspaces)
+    were still on disk while the second installed and ran."""
+    options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert options.get("tmp_path_retention_policy") == "failed", options
