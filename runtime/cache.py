@@ -400,8 +400,8 @@ class RaggedLayer(DynamicLayer):
                 keys = new_keys[b] if real is None else new_keys[b][:, real[b]]  # [Hkv, q_real, d]
                 if chunk.shape[1]:
                     self.rows[b].accumulate_chunk_attention(self.chunk_specs, chunk, keys, scaling)
-        before = store.host_length.copy()  # [B, Hkv] rows held before the chunk (the host mirror: no torch op)
-        fresh = not before.any()
+        fresh = not store.host_length.any()  # the host mirror: no torch op
+        before = store.host_length.copy() if q_len > 1 else None  # [B, Hkv] rows held before a chunk
         counts = store.append(new_keys, new_values, positions, real)  # None: q_len for every row
         prepared = self._correction.get(self.rows, store.num_heads, store.head_dim, store.device)
         if fresh and prepared is None:  # nothing retained before this chunk: ordinary causal attention
@@ -422,7 +422,7 @@ class RaggedLayer(DynamicLayer):
                 positions=positions,
                 window=window,
                 softcap=softcap,
-                chunk=None if q_len == 1 else (new_keys, new_values, before),
+                chunk=None if before is None else (new_keys, new_values, before),
             )
         for b in range(batch):
             self.rows[b].real_seen += q_len if counts is None else int(counts[b])
