@@ -5,7 +5,7 @@
                                      [--new-tokens 25] [--block-size 4096] [--profile-job] [--evaluate]
                                      [--device cuda] [--dtype bfloat16] [--mlp-width N] [--json OUT]
                                      [--embedded [--artifact PATH]] [--skip PART ...] [--tables DIR]
-                                     [--decode-kernels default flex]
+                                     [--decode-kernels default graphs flex]
 
 A random-weight Llama of ``--geometry``'s layer geometry (benchmarks/profiler_scale.py: 8B is hidden
 4096, 32 query / 8 KV heads, d = 128, MLP 14336), ``--layers`` layers, is saved under ``DIR/model``
@@ -24,15 +24,19 @@ Then, each part written to ``--json`` as soon as it is done:
    transformers' prefill (DynamicCache, ``logits_to_keep=1``) and of ``compress_prompt`` under
    uniform/keydiff and the flagship (or uniform/leverage without an artifact), and the flagship's
    block-wise prefill (``--block-size``).
-4. **decode ms/token** per (context, batch): ``(generate() of N new tokens - of 1) / (N - 1)`` from
-   copies of one prefilled cache (the prefill is not timed), best of two, for plain, "limit" (plain
+4. **decode ms/token** per (context, batch): ``(generate() of N new tokens - of 3) / (N - 3)`` from
+   copies of one prefilled cache (the prefill is not timed), best of two (the steady state: a
+   graph is captured at the second step), for plain, "limit" (plain
    given only ``--keep-ratio`` of the context: what a perfect eviction could reach), ragged with
    nothing evicted, uniform/keydiff and the flagship, as ratios to plain; and per decode step,
-   counted by ``torch.profiler`` as (5 new tokens - 1) / 4: kernel launches, host synchronisations
+   counted by ``torch.profiler`` as (7 new tokens - 3) / 4: kernel launches, CUDA graph launches, host synchronisations
    (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, blocking
    ``cudaMemcpy``) and ``aten::_local_scalar_dense`` (a tensor read back to the host).  With
-   ``--decode-kernels default flex`` the ragged configurations are measured again with
-   ``KVCAL_DECODE_KERNEL=flex`` (one compiled ``flex_attention`` call per layer), named ``"... [flex]"``.
+   ``--decode-kernels default graphs flex`` the ragged configurations are measured again with
+   ``decode_graphs=True`` (decode steps replayed from CUDA graphs, runtime/decode_graph.py; on a CPU
+   the tests' recorded replay stands in, tests/step_replay.py) and with ``KVCAL_DECODE_KERNEL=flex``
+   (one compiled ``flex_attention`` call per layer), named ``"... [graphs]"`` and ``"... [flex]"``;
+   a graphs row counts its generation's forward passes run eager, captured and replayed.
 
 Everything runs on a CPU too (``--device cpu --dtype float32``, a small ``--mlp-width``, short
 contexts): that is how this script is checked before it travels.  Its runs on an NVIDIA H200:
@@ -121,8 +125,9 @@ def plain_cache(model, ids):
 class Config:
     """One way to serve: builds a prefilled cache once, then generates from copies of it."""
 
-    def __init__(self, name, model, ids, policy=None, calibration=None, ragged=True):
-        self.name, self.model, self.ids, self.ragged = name, model, ids, ragged
+    def __init__(self, name, model, ids, policy=None, calibration=None, ragged=True, graphs=False):
+        self.name, self.model, self.ids, self.ragged, self.graphs = name, model, ids, ragged, graphs
+        self.passes = None  # with graphs: the last generation's eager / captured / replayed counts
         self.policy, self.calibration = policy, calibration
         if ragged:
             self.cache, _ = compress_prompt(
@@ -136,7 +141,13 @@ class Config:
         kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
         mask = torch.ones_like(self.ids)
         if self.ragged:
-            return generate_from_cache(self.model, self.ids, mask, self.cache.copy(), None, **kwargs).sequences
+            graphs = self.graphs and (True if self.ids.device.type == "cuda" else _recorded_step())
+            result = generate_from_cache(
+                self.model, self.ids, mask, self.cache.copy(), None, decode_graphs=graphs, **kwargs
+            )
+            if result.graphs is not None:
+                self.passes = {key: getattr(result.graphs, key) for key in ("eager", "captured", "replayed")}
+            return result.sequences
         cache = copy.deepcopy(self.cache)
         return self.model.generate(self.ids, attention_mask=mask, **cache_argument(self.model, cache), **kwargs)
 
@@ -148,16 +159,16 @@ class Config:
         return time.perf_counter() - start
 
     def decode_ms(self, new_tokens: int, device) -> float:
-        self.generate(2)  # warm-up
+        self.generate(4)  # warm-up
         longs = [self.seconds(new_tokens, device) for _ in range(2)]
-        shorts = [self.seconds(1, device) for _ in range(2)]
-        return 1000 * (min(longs) - min(shorts)) / (new_tokens - 1)
+        shorts = [self.seconds(3, device) for _ in range(2)]
+        return 1000 * (min(longs) - min(shorts)) / (new_tokens - 3)
 
     def step_counts(self, device, tables: Path | None = None) -> dict:
         """Per decode step: kernel launches, host synchronisations, tensor reads to the host; with
         ``tables``, the profiler's table of the 5-token generation is written there."""
         counts = []
-        for tokens in (1, 5):
+        for tokens in (3, 7):
             activities = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -165,14 +176,16 @@ class Config:
                 self.generate(tokens)
                 sync(device)
             events = prof.key_averages()
-            if tables is not None and tokens == 5:
+            if tables is not None and tokens == 7:
                 name = "".join(c if c.isalnum() else "_" for c in self.name)
                 path = tables / f"ops_{name}_{self.ids.shape[1]}x{self.ids.shape[0]}.txt"
                 path.write_text(events.table(sort_by="count", row_limit=80, max_name_column_width=60))
-            totals = {"launches": 0, "syncs": 0, "item": 0, "aten_ops": 0}
+            totals = {"launches": 0, "graph_launches": 0, "syncs": 0, "item": 0, "aten_ops": 0}
             for event in events:
                 if "LaunchKernel" in event.key:
                     totals["launches"] += event.count
+                if "GraphLaunch" in event.key:
+                    totals["graph_launches"] += event.count
                 if event.key in SYNC_EVENTS:
                     totals["syncs"] += event.count
                 if event.key == "aten::_local_scalar_dense":
@@ -181,6 +194,14 @@ class Config:
                     totals["aten_ops"] += event.count
             counts.append(totals)
         return {key: (counts[1][key] - counts[0][key]) / 4 for key in counts[0]}
+
+
+def _recorded_step():
+    """On a CPU (how this script is checked): the tests' recorded replay (tests/step_replay.py)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from step_replay import RecordedStep
+
+    return RecordedStep
 
 
 def policies(keep: float, calibration):
@@ -290,8 +311,9 @@ def prefill_cell(model, ids, device, keep, calibration, block_size, block_tokens
 
 def decode_cell(model, ids, device, keep, calibration, new_tokens, tables=None, kernels=("default",)) -> dict:
     """Decode ms/token and per-step counts of every configuration; the ragged ones once per decode
-    kernel in ``kernels`` (``default``: the runtime's choice; ``flex``: ``KVCAL_DECODE_KERNEL=flex``,
-    runtime/flex_decode.py), named ``"<config> [<kernel>]"`` past the first."""
+    kernel in ``kernels`` (``default``: the runtime's choice; ``graphs``: that, replayed from CUDA
+    graphs; ``flex``: ``KVCAL_DECODE_KERNEL=flex``, runtime/flex_decode.py), named ``"<config>
+    [<kernel>]"`` past the first."""
     limit_ids = ids[:, -max(2, int(keep * ids.shape[1])) :]
     configs = [
         ("plain", ids, {"ragged": False}, None),
@@ -300,15 +322,21 @@ def decode_cell(model, ids, device, keep, calibration, new_tokens, tables=None, 
     ragged = [("ragged full", {})]
     ragged += [(name, {"policy": policy, "calibration": calibration}) for name, policy in policies(keep, calibration)]
     for index, kernel in enumerate(kernels):
-        configs += [(name if index == 0 else f"{name} [{kernel}]", ids, options, kernel) for name, options in ragged]
+        for name, options in ragged:
+            options = {**options, "graphs": True} if kernel == "graphs" else options
+            configs.append((name if index == 0 else f"{name} [{kernel}]", ids, options, kernel))
     cell = {}
     for name, inputs, options, kernel in configs:
         previous = os.environ.pop(DECODE_KERNEL_VARIABLE, None)
-        if kernel not in (None, "default"):
+        if kernel not in (None, "default", "graphs"):
             os.environ[DECODE_KERNEL_VARIABLE] = kernel
+        elif kernel == "graphs" and device.type == "cpu":  # the kernel every GPU runs (the CPU's is never captured)
+            os.environ[DECODE_KERNEL_VARIABLE] = "pages"
         try:
             config = Config(name, model, inputs, **options)
             cell[name] = {"ms": config.decode_ms(new_tokens, device), **config.step_counts(device, tables)}
+            if config.passes is not None:
+                cell[name]["passes"] = config.passes
         except Exception as error:  # one configuration failing on a device must not lose the others
             cell[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
         finally:
@@ -354,8 +382,9 @@ def main(argv=None) -> int:
         "--decode-kernels",
         nargs="+",
         default=["default"],
-        choices=["default", "flex"],
-        help="decode the ragged configurations under each (flex: KVCAL_DECODE_KERNEL=flex); default: default",
+        choices=["default", "graphs", "flex"],
+        help="decode the ragged configurations under each (graphs: decode_graphs=True; flex: "
+        "KVCAL_DECODE_KERNEL=flex); default: default",
     )
     parser.add_argument("--json", default=None, help="default: WORK/gpu_serving.json")
     args = parser.parse_args(argv)

@@ -44,7 +44,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .chunk_attention import ChunkSpec
 from .geometry import ModelGeometry, mask_windows
-from .layer_attention import chunk_only_attention, segment_layer_attention
+from .layer_attention import chunk_only_attention, decode_kernel, segment_layer_attention
 from .layout import PageLayout
 from .moments import MomentSums
 from .profiling import label
@@ -424,9 +424,7 @@ class RaggedLayer(DynamicLayer):
                 softcap=softcap,
                 chunk=None if before is None else (new_keys, new_values, before),
             )
-        for b in range(batch):
-            self.rows[b].real_seen += q_len if counts is None else int(counts[b])
-        self.tokens_seen += q_len
+        self._advance_rows(q_len, counts)
         if any([row.decode_plan is not None for row in self.rows]):  # a list: one frame, not one per row
             with label("kvcal.eviction"):
                 for due in due_evictions(self.rows, store.host_length, self.layer_idx):
@@ -437,6 +435,51 @@ class RaggedLayer(DynamicLayer):
         if self.after_attend is not None:
             self.after_attend(self)
         return output
+
+    def _advance_rows(self, q_len: int, counts) -> None:
+        """The rows' and the layer's host counts after a chunk of ``q_len`` columns (``counts [B]``
+        real tokens per row, None: all real)."""
+        for b, row in enumerate(self.rows):
+            row.real_seen += q_len if counts is None else int(counts[b])
+        self.tokens_seen += q_len
+
+    # -- replayed decode steps (runtime.decode_graph) ---------------------------------------
+
+    def replay_key(self) -> tuple | None:
+        """What this layer's part of the next one-token decode step (every row one real token)
+        depends on, when that step runs device ops only and the same ones as the step before it on
+        the same buffers; else None.  Equal keys: a graph captured at one such step replays the
+        next (:mod:`runtime.decode_graph`).  Host tables only: no torch op.
+
+        None when the step would do host work of its own or host-sized device work: before the
+        first chunk or with one parked; a sliding-window layer (which drops rows by their stored
+        positions after every step); prompt queries or chunked attention still recorded; a hook
+        after attention; a repack (no free row, or rows to release); a decode-time eviction due
+        after the step; the correction's quantities not built yet for the rows' sums; and the CPU
+        kernel that reads the live rows in place (:func:`~runtime.layer_attention.decode_kernel`:
+        its calls are sized by the host's lengths)."""
+        store = self.store
+        if store is None or self._pending is not None or self.window is not None or self.after_attend is not None:
+            return None
+        if self.observe_queries or self.chunk_specs or store.loose or store.free < 1 or not store.host_length.any():
+            return None
+        if any([row.decode_plan is not None for row in self.rows]) and due_evictions(
+            self.rows, store.host_length + 1, self.layer_idx
+        ):
+            return None
+        built, prepared = self._correction.built(self.rows)
+        if not built:
+            return None
+        kernel = decode_kernel(store, self.softcap, need_lse=prepared is not None)
+        if kernel == "live_rows":
+            return None
+        return store.generation, id(prepared), kernel
+
+    def advance_replayed(self) -> None:
+        """The host's part of a replayed one-token decode step (the device's was captured): what
+        :meth:`attend` counts on the host for one real token per row."""
+        self.store.advance_host(1)
+        self._advance_rows(1, None)
 
     def _set_variant(self, window: int | None, softcap: float | None) -> None:
         """Record the layer's window and soft-capping at its first chunk; refuse a change later
@@ -495,6 +538,22 @@ class RaggedCache(Cache):
             layer.model_config, layer.mask_window = model.config, window
         return cache
 
+    def replay_key(self) -> tuple | None:
+        """What the next one-token decode step depends on when it can be replayed from a graph
+        captured at an earlier step with the same key (:meth:`RaggedLayer.replay_key`), else None."""
+        keys = []
+        for layer in self.layers:
+            key = layer.replay_key()
+            if key is None:
+                return None
+            keys.append(key)
+        return tuple(keys)
+
+    def advance_replayed(self) -> None:
+        """Count a replayed one-token decode step on the host (:meth:`RaggedLayer.advance_replayed`)."""
+        for layer in self.layers:
+            layer.advance_replayed()
+
     def head_lengths(self) -> torch.Tensor:
         """Live tokens per head, int64 ``[L, B, Hkv]``."""
         return torch.stack([layer.length for layer in self.layers])
@@ -534,6 +593,14 @@ class RaggedCache(Cache):
         """Evict batch element ``row`` while decoding under ``plan`` (None: stop)."""
         for layer in self.layers:
             layer.rows[row].decode_plan = plan
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` more tokens in every head of every row, made now (one repack per layer at
+        most) rather than while decoding: a layer whose rows evict while decoding is left alone
+        (its heads are cut back to their budgets before they grow far)."""
+        for layer in self.layers:
+            if layer.is_initialized and not any(row.decode_plan is not None for row in layer.rows):
+                layer.store.reserve(np.full(layer.batch_size, int(rows), dtype=np.int64))
 
     def compact(self) -> None:
         """Release the memory eviction freed (every layer repacked once; see :meth:`RaggedLayer.compact`)."""

@@ -77,9 +77,16 @@ def flex_available() -> bool:
     return FLEX_API is not None
 
 
+def selected_decode_kernel() -> str:
+    """The decode kernel ``KVCAL_DECODE_KERNEL`` names (lower case; ``""`` when unset): ``flex`` asks
+    for this module, ``pages`` for the page kernel the runtime runs on a GPU, even on a CPU
+    (:func:`runtime.layer_attention.decode_kernel`)."""
+    return os.environ.get(DECODE_KERNEL_VARIABLE, "").strip().lower()
+
+
 def flex_selected() -> bool:
     """Whether ``KVCAL_DECODE_KERNEL=flex`` asks decode steps to use this module."""
-    return os.environ.get(DECODE_KERNEL_VARIABLE, "").strip().lower() == "flex"
+    return selected_decode_kernel() == "flex"
 
 
 def flex_serves(query: torch.Tensor, key_buffer: torch.Tensor, head_dim: int, need_lse: bool) -> bool:

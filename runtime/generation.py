@@ -28,6 +28,7 @@ is never stored in the cache, and each row is compressed on its own real length.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ from transformers.utils import ModelOutput
 
 from prompt_format import encode_prompt
 
+from . import decode_graph
 from .attention import ragged_attention
 from .cache import CacheConsumedError, RaggedCache
 from .checks import check_integer
@@ -196,7 +198,8 @@ class GenerationResult:
     ``output_scores`` / ``output_logits``), as do ``sequences_scores`` and ``beam_indices``.
     ``report`` is the compression of the ``B`` prompt rows; ``cache`` holds generate()'s working
     rows after the last step (``B x max(num_beams, num_return_sequences)``: under beam search the
-    running beams, not aligned with ``sequences``).
+    running beams, not aligned with ``sequences``).  ``graphs`` counts, with ``decode_graphs``,
+    the forward passes run ``eager``, ``captured`` and ``replayed`` (:mod:`runtime.decode_graph`).
     """
 
     sequences: torch.Tensor  # [B * num_return_sequences, T + new] as returned by model.generate
@@ -204,6 +207,7 @@ class GenerationResult:
     cache: RaggedCache
     report: CompressionReport | None
     output: ModelOutput | None = None  # transformers' GenerateOutput (return_dict_in_generate=True)
+    graphs: decode_graph.DecodeGraphs | None = None  # with decode_graphs: how its forward passes ran
 
     @property
     def scores(self) -> tuple[torch.Tensor, ...] | None:
@@ -242,6 +246,8 @@ def generate_from_cache(
     attention_mask: torch.Tensor,
     cache: RaggedCache,
     report: CompressionReport | None,
+    *,
+    decode_graphs=False,
     **generate_kwargs,
 ) -> GenerationResult:
     """``model.generate`` of ``input_ids [B, T]`` through ``cache``, which holds the compressed
@@ -251,7 +257,11 @@ def generate_from_cache(
     A cache serves the prompt it was compressed for once: one that already holds as many columns
     as ``input_ids`` or more (an earlier generation consumed it) is refused with
     :class:`~runtime.cache.CacheConsumedError` (generate() would feed the whole prompt again
-    behind it).  A generation's own ``sequences`` continue through its cache."""
+    behind it).  A generation's own ``sequences`` continue through its cache.
+
+    ``decode_graphs=True`` (a model on CUDA): the one-token decode steps are replayed from CUDA
+    graphs wherever the cache allows it (:mod:`runtime.decode_graph`); a
+    :class:`~runtime.decode_graph.StepGraph` class instead of True captures with it."""
     held = cache.get_seq_length()
     if held >= input_ids.shape[1]:
         raise CacheConsumedError(
@@ -264,7 +274,11 @@ def generate_from_cache(
     expand = rows_per_prompt(model, generate_kwargs)
     if expand > 1:
         cache.batch_repeat_interleave(expand)  # rows [b0, b0, ..., b1, b1, ...] as generate() expands its inputs
-    with ragged_attention(model):  # for this call only: the model keeps its own implementation
+    graphs = _step_graph(model, decode_graphs)
+    if graphs:  # the room the generation will take, made once: a repack changes the buffers a graph reads
+        cache.reserve(input_ids.shape[1] - held + _new_tokens(model, generate_kwargs, input_ids.shape[1]))
+    replayed = decode_graph.decode_graphs(model, cache, graphs) if graphs else contextlib.nullcontext()
+    with ragged_attention(model), replayed as counts:  # for this call only: the model keeps its own implementation
         output = model.generate(
             input_ids, attention_mask=attention_mask, **cache_argument(model, cache), **generate_kwargs
         )
@@ -275,7 +289,33 @@ def generate_from_cache(
         cache=cache,
         report=report,
         output=None if isinstance(output, torch.Tensor) else output,
+        graphs=counts,
     )
+
+
+def _new_tokens(model, generate_kwargs: dict, prompt_columns: int) -> int:
+    """How many tokens ``model.generate(**generate_kwargs)`` generates at most after a prompt of
+    ``prompt_columns`` columns (transformers' resolution of its generation config, as
+    :func:`rows_per_prompt`)."""
+    kwargs = dict(generate_kwargs)
+    config, _ = model._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
+    if config.max_new_tokens is not None:
+        return int(config.max_new_tokens)
+    return max(0, int(config.max_length or 0) - prompt_columns)
+
+
+def _step_graph(model, decode_graphs):
+    """The :class:`~runtime.decode_graph.StepGraph` class ``decode_graphs`` asks for, or None."""
+    if decode_graphs is False or decode_graphs is None:
+        return None
+    if decode_graphs is True:
+        device = input_device(model)
+        if device.type != "cuda":
+            raise ValueError(f"decode_graphs=True captures CUDA graphs: the model is on {device}, not a CUDA device")
+        return decode_graph.CudaStepGraph
+    if isinstance(decode_graphs, type) and all(hasattr(decode_graphs, name) for name in ("capture", "replay")):
+        return decode_graphs
+    raise TypeError(f"decode_graphs must be True, False or a StepGraph class, got {decode_graphs!r}")
 
 
 @torch.no_grad()
@@ -288,10 +328,11 @@ def generate(
     context_columns: int | None = None,
     calibration=None,
     block_size: int | None = None,
+    decode_graphs=False,
     **generate_kwargs,
 ) -> GenerationResult:
     """:func:`compress_prompt` then ``model.generate`` (greedy unless ``do_sample=True``, or a
-    ``generation_config`` that samples).
+    ``generation_config`` that samples); ``decode_graphs``: as :func:`generate_from_cache`.
 
     ``generate_kwargs`` are generate()'s own: beam search (``num_beams``), several sequences per
     prompt (``num_return_sequences``, sampled or beams) and ``return_dict_in_generate`` (with
@@ -308,7 +349,9 @@ def generate(
         block_size=block_size,
     )
     attention_mask = check_inputs(model, input_ids, attention_mask)
-    return generate_from_cache(model, input_ids, attention_mask, cache, report, **generate_kwargs)
+    return generate_from_cache(
+        model, input_ids, attention_mask, cache, report, decode_graphs=decode_graphs, **generate_kwargs
+    )
 
 
 def split_prompt(tokenizer, context: str, question: str, chat: bool = True) -> tuple[list[int], list[int]]:

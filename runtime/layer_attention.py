@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .eager_attention import eager_attention_forward
-from .flex_decode import flex_decode_attention, flex_selected, flex_serves
+from .flex_decode import flex_decode_attention, flex_serves, selected_decode_kernel
 from .layout import PageLayout
 from .moments import PreparedMoments
 from .paged_attention import (
@@ -205,6 +205,34 @@ def _chunk_split_attention(
     return merge_attention(*prefix, own_out.reshape(segments, rows, dim), own_lse.reshape(segments, rows))
 
 
+def decode_kernel(store: SegmentStore, softcap: float | None, need_lse: bool) -> str:
+    """Which kernel a decode step over ``store`` runs (its queries on the store's device):
+
+    * ``"flex"``: with ``KVCAL_DECODE_KERNEL=flex``, where :func:`~runtime.flex_decode.flex_serves`:
+      one compiled ``flex_attention`` call over the whole buffer (opt-in, for GPUs: docs/results.md
+      R-flex-decode-2026-11-27);
+    * ``"live_rows"``: where the fused CPU kernel serves, the live rows read in place without a mask
+      when every segment holds the same number (one call), or when that takes few calls: one per KV
+      head whose budget is the same in every batch row, one per segment of the other heads
+      (:func:`~runtime.paged_attention.live_rows_attention`).  Its calls are sized by the host's
+      lengths, so no two steps run the same calls;
+    * ``"pages"``: otherwise (every GPU), or with ``KVCAL_DECODE_KERNEL=pages``: the layout's pages
+      (:meth:`~runtime.layout.PageLayout.decode_pages`), one batched call and a merge.  Its calls
+      read the lengths from the device (``row_bias``), so every step of one storage generation runs
+      the same calls on the same buffers: a step that can be captured once and replayed
+      (:mod:`runtime.decode_graph`).
+
+    Which is faster where: docs/results.md R-decode-kernels-2026-11-27."""
+    chosen, keys = selected_decode_kernel(), store.key_buffer
+    if chosen == "flex" and flex_serves(keys, keys, store.head_dim, need_lse):
+        return "flex"
+    if chosen != "pages" and fused_kernel_serves(keys, keys, softcap):
+        length = store.host_length.tolist()
+        if (store.uniform and length[0][0] > 0) or live_row_calls(length, store.head_stride) <= LIVE_ROW_CALLS:
+            return "live_rows"
+    return "pages"
+
+
 def _decode_step_attention(
     query: torch.Tensor,
     store: SegmentStore,
@@ -215,30 +243,21 @@ def _decode_step_attention(
     need_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode step, ``query [S, G, d]`` over every segment's live rows: ``(out [S, G, d], lse [S, G])``
-    (``lse`` may be None unless ``need_lse``).
-
-    With ``KVCAL_DECODE_KERNEL=flex``, where :func:`~runtime.flex_decode.flex_serves`: one compiled
-    ``flex_attention`` call over the whole buffer (opt-in, for GPUs: docs/results.md
-    R-flex-decode-2026-11-27).  Otherwise, where the fused CPU kernel serves, the live rows are read
-    in place without a mask when every segment holds the same number (one call), or when that takes
-    few calls: one per KV head whose budget is the same in every batch row, one per segment of the
-    other heads (:func:`~runtime.paged_attention.live_rows_attention`); otherwise the layout's pages
-    (:meth:`~runtime.layout.PageLayout.decode_pages`), one batched call and a merge.  Which is
-    faster where: docs/results.md R-decode-kernels-2026-11-27."""
-    if flex_selected() and flex_serves(query, store.key_buffer, store.head_dim, need_lse):
+    (``lse`` may be None unless ``need_lse``), by the kernel :func:`decode_kernel` chooses."""
+    kernel = decode_kernel(store, softcap, need_lse)
+    if kernel == "flex":
         return flex_decode_attention(query, store, scaling, softcap=softcap, need_lse=need_lse)
-    if fused_kernel_serves(query, store.key_buffer, softcap):  # the CPU: sizes from the host mirror
+    if kernel == "live_rows":  # the CPU: sizes from the host mirror
         length = store.host_length.tolist()
         if store.uniform and length[0][0] > 0:
             capacity = int(store.host_capacity[0, 0])
             return live_rows_attention(
                 query, store.key_buffer, store.value_buffer, [], length, scaling, capacity=capacity
             )
-        if live_row_calls(length, store.head_stride) <= LIVE_ROW_CALLS:
-            offset = store.host_offset.tolist()
-            return live_rows_attention(
-                query, store.key_buffer, store.value_buffer, offset, length, scaling, head_stride=store.head_stride
-            )
+        offset = store.host_offset.tolist()
+        return live_rows_attention(
+            query, store.key_buffer, store.value_buffer, offset, length, scaling, head_stride=store.head_stride
+        )
     pages = layout.decode_pages(store.key_buffer, store.value_buffer, store.row_bias)
     return decode_attention(
         query, pages.key_pages, pages.value_pages, pages.owner, pages.bias, scaling, softcap=softcap

@@ -146,17 +146,36 @@ class PreparedCorrection:
     def clear(self) -> None:
         self._memo = None
 
-    def get(self, states: list[RowState], heads: int, head_dim: int, device) -> PreparedMoments | None:
-        """:class:`PreparedMoments` over ``states`` (None: nothing to correct)."""
+    @staticmethod
+    def key(states: list[RowState]) -> tuple | None:
+        """What the prepared quantities of ``states`` are built from (None: no row corrects): equal keys,
+        equal quantities (a replayed decode step reads the ones it was captured with)."""
         active = [state.correction is not None and state.moments is not None for state in states]
         if not any(active):
             return None
-        key = tuple(
+        return tuple(
             (id(state.moments), state.moments.version, id(state.correction)) if on else None
             for state, on in zip(states, active, strict=True)
         )
+
+    def built(self, states: list[RowState]) -> tuple[bool, PreparedMoments | None]:
+        """``(True, what get() returns)`` when it is built for ``states`` already (or nothing corrects),
+        ``(False, None)`` when get() would build it: no torch op."""
+        key = self.key(states)
+        if key is None:
+            return True, None
+        if self._memo is not None and self._memo[0] == key:
+            return True, self._memo[1]
+        return False, None
+
+    def get(self, states: list[RowState], heads: int, head_dim: int, device) -> PreparedMoments | None:
+        """:class:`PreparedMoments` over ``states`` (None: nothing to correct)."""
+        key = self.key(states)
+        if key is None:
+            return None
         if self._memo is not None and self._memo[0] == key:
             return self._memo[1]
+        active = [entry is not None for entry in key]
         pairs = list(zip(states, active, strict=True))
         # orders and tau on the host (PreparedMoments checks them there and copies them once); a
         # layer whose rows correct no head is not corrected, decided without reading the device (a

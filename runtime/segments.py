@@ -102,14 +102,20 @@ class SegmentStore:
         self.row_bias = torch.full((keys.shape[0] + 1,), float("-inf"), dtype=keys.dtype, device=keys.device)
         live = to_device(segment_rows(self.host_offset.reshape(-1), self.host_length.reshape(-1)), keys.device)
         self.row_bias.index_fill_(0, live, 0.0)
+        self.ends = None
         self.refresh_lengths()
 
     def refresh_lengths(self) -> None:
         """Re-derive what follows from ``length`` after an in-place change (eviction): on the host mirror,
-        ``ends`` copied to the device once."""
+        ``ends`` copied to the device once, into the tensor it had (a captured decode step reads that
+        one: :mod:`runtime.decode_graph`)."""
         flat_capacity, flat_length = self.host_capacity.reshape(-1), self.host_length.reshape(-1)
         ends = (self.host_offset.reshape(-1) + flat_length).copy()  # [S] first free row
-        self.ends = to_device(ends, self.key_buffer.device)
+        ends = to_device(ends, self.key_buffer.device)
+        if self.ends is None or self.ends.shape != ends.shape:
+            self.ends = ends
+        else:
+            self.ends.copy_(ends)
         # rows every segment can still take without a repack: min(capacity - length) here, a lower
         # bound after padded appends (which subtract the largest count)
         self.free = int((flat_capacity - flat_length).min()) if flat_length.size else 0
@@ -229,9 +235,14 @@ class SegmentStore:
                 values.reshape(-1, dim),
                 positions.unsqueeze(1).expand(batch, heads, q_len).reshape(-1),
             )
-        self.host_length += q_len  # the host mirror: the tables' own memory, no torch op
         self.ends += q_len  # on the device, in place
-        self.free -= q_len
+        self.advance_host(q_len)
+
+    def advance_host(self, rows: int) -> None:
+        """The host's part of appending ``rows`` rows to every segment (the device's, ``ends``, is
+        :meth:`append`'s): a replayed decode step (:mod:`runtime.decode_graph`) runs only this."""
+        self.host_length += rows  # the host mirror: the tables' own memory, no torch op
+        self.free -= rows
 
     def _store(self, target: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Write rows ``keys / values [n, d]``, ``positions [n]`` at buffer rows ``target [n]``."""
