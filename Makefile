@@ -37,6 +37,9 @@ STAMP  := $(VENV)/.installed$(if $(TRANSFORMERS),-transformers$(TRANSFORMERS))
 PRESET ?= quick
 OUT    ?= out/kv_calibration.h5
 PYTEST_ARGS ?=
+# TEST_WORKERS: pytest-xdist processes for the suite (each runs its tests on one torch thread): CI's
+# machines have 2 cores; 0 runs the suite in this process.
+TEST_WORKERS ?= 2
 LOWEST := .ci/lowest-versions.txt
 
 .PHONY: setup test test-lowest test-keep-torch test-kvpress kvpress-suite lint suite profile clean browser
@@ -66,7 +69,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 suite: $(STAMP) browser
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal --durations=15 $(PYTEST_ARGS)
 
 # The lowest declared versions: the same code, so no lint; the slow set (the real model's long
 # runs) stays with `make test`, every other test runs.

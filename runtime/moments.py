@@ -287,6 +287,16 @@ class PreparedMoments:
         # what the matmul's result is added to: vbar (first d columns) and log n (last column)
         self.offset = torch.cat([self.vbar, self.log_n[:, None]], dim=1).unsqueeze(1)  # [Hkv, 1, d+1]
 
+    def refill(self, other: PreparedMoments) -> None:
+        """Take ``other``'s quantities (the same heads and head dim) into this one's tensors, in place:
+        a decode step captured as a graph reads these tensors (:mod:`runtime.decode_graph`)."""
+        for name in ("active", "vbar", "projection", "log_n", "offset"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine.shape != theirs.shape or mine.dtype != theirs.dtype or mine.device != theirs.device:
+                raise ValueError(f"cannot refill {name} {tuple(mine.shape)} from {tuple(theirs.shape)}")
+            mine.copy_(theirs)
+        self.version = other.version
+
     @property
     def any_active(self) -> bool:
         """Whether any head is corrected (a read of the device: not for a decode step)."""

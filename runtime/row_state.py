@@ -191,8 +191,21 @@ class PreparedCorrection:
             return None
         sums = MomentSums.concatenate([state.moments if on else None for state, on in pairs], heads, head_dim, device)
         prepared = PreparedMoments(sums, orders, tau)
+        if self._memo is not None and self._memo[1] is not None and _same_rows(self._memo[0], key):
+            # the same rows' sums grew (a decode-time eviction round): into the tensors a captured step reads
+            self._memo[1].refill(prepared)
+            prepared = self._memo[1]
         self._memo = (key, prepared)
         return prepared
+
+
+def _same_rows(old: tuple, new: tuple) -> bool:
+    """Whether two :meth:`PreparedCorrection.key` keys name the same rows' sums and corrections (of
+    any version)."""
+    return len(old) == len(new) and all(
+        (a is None and b is None) or (a is not None and b is not None and (a[0], a[2]) == (b[0], b[2]))
+        for a, b in zip(old, new, strict=True)
+    )
 
 
 def _host_row(values, heads: int | None = None) -> np.ndarray:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -395,21 +396,38 @@ def make_random_artifact(
     return Artifact(model=identity, config=config, sections=built)
 
 
-@pytest.fixture(scope="session")
-def smoke_run(tmp_path_factory):
-    """`profile-model --preset smoke` on the embedded model, run once per session: (path, stdout)."""
+def _smoke_profile(out) -> str:
+    """Run `profile-model --preset smoke` into ``out``; its stdout."""
     import io
 
     from profiler.cli import main
     from profiler.stages import STAGE_NAMES
 
-    out = tmp_path_factory.mktemp("smoke_artifact") / "kv_calibration.h5"
     printed = io.StringIO()
     with single_thread(), contextlib.redirect_stdout(printed):
         # every stage but the recommendation (which needs held-out tasks), the opt-in ones included
         stages = ",".join(name for name in STAGE_NAMES if name != "recommendation")
         assert main(["--preset", "smoke", "--out", str(out), "--no-progress", "--stages", stages]) == 0
-    return out, printed.getvalue()
+    return printed.getvalue()
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """`profile-model --preset smoke` on the embedded model, run once per test run: (path, stdout).
+    Under pytest-xdist the workers share it: the first to ask runs it, under a lock in the run's
+    own temporary directory, and the others read what it wrote."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        out = tmp_path_factory.mktemp("smoke_artifact") / "kv_calibration.h5"
+        return out, _smoke_profile(out)
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent / "smoke_artifact"  # this run's, all workers'
+    with FileLock(f"{shared}.lock"):
+        out, printed = shared / "kv_calibration.h5", shared / "stdout.txt"
+        if not printed.exists():
+            shared.mkdir(exist_ok=True)
+            printed.write_text(_smoke_profile(out))
+        return out, printed.read_text()
 
 
 @pytest.fixture(scope="session")
