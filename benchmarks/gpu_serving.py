@@ -5,7 +5,7 @@
                                      [--new-tokens 25] [--block-size 4096] [--profile-job] [--evaluate]
                                      [--device cuda] [--dtype bfloat16] [--mlp-width N] [--json OUT]
                                      [--embedded [--artifact PATH]] [--skip PART ...] [--tables DIR]
-                                     [--decode-kernels default graphs flex]
+                                     [--decode-kernels default graphs flex] [--plain-static]
 
 A random-weight Llama of ``--geometry``'s layer geometry (benchmarks/profiler_scale.py: 8B is hidden
 4096, 32 query / 8 KV heads, d = 128, MLP 14336), ``--layers`` layers, is saved under ``DIR/model``
@@ -37,6 +37,9 @@ Then, each part written to ``--json`` as soon as it is done:
    the tests' recorded replay stands in, tests/step_replay.py) and with ``KVCAL_DECODE_KERNEL=flex``
    (one compiled ``flex_attention`` call per layer), named ``"... [graphs]"`` and ``"... [flex]"``;
    a graphs row counts its generation's forward passes run eager, captured and replayed.
+   ``--plain-static`` adds plain transformers with a StaticCache (``"plain [static]"``), which
+   generate() compiles on a GPU (``torch.compile``, ``reduce-overhead``: CUDA graphs; the first
+   call compiles, outside the timing), the uncompressed alternative a user can turn on.
 
 Everything runs on a CPU too (``--device cpu --dtype float32``, a small ``--mlp-width``, short
 contexts): that is how this script is checked before it travels.  Its runs on an NVIDIA H200:
@@ -125,11 +128,16 @@ def plain_cache(model, ids):
 class Config:
     """One way to serve: builds a prefilled cache once, then generates from copies of it."""
 
-    def __init__(self, name, model, ids, policy=None, calibration=None, ragged=True, graphs=False):
+    def __init__(self, name, model, ids, policy=None, calibration=None, ragged=True, graphs=False, static_tokens=None):
         self.name, self.model, self.ids, self.ragged, self.graphs = name, model, ids, ragged, graphs
         self.passes = None  # with graphs: the last generation's eager / captured / replayed counts
         self.policy, self.calibration = policy, calibration
-        if ragged:
+        self.static = static_tokens is not None
+        if self.static:  # one StaticCache for every generation: one shape, compiled once
+            from transformers import StaticCache
+
+            self.cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + static_tokens)
+        elif ragged:
             self.cache, _ = compress_prompt(
                 model, ids, policy, context_columns=ids.shape[1] - 1, calibration=calibration
             )
@@ -148,7 +156,11 @@ class Config:
             if result.graphs is not None:
                 self.passes = {key: getattr(result.graphs, key) for key in ("eager", "captured", "replayed")}
             return result.sequences
-        cache = copy.deepcopy(self.cache)
+        if self.static:  # the prompt is prefilled inside generate(): decode_ms subtracts it
+            self.cache.reset()
+            cache = self.cache
+        else:
+            cache = copy.deepcopy(self.cache)
         return self.model.generate(self.ids, attention_mask=mask, **cache_argument(self.model, cache), **kwargs)
 
     def seconds(self, new_tokens: int, device) -> float:
@@ -309,16 +321,22 @@ def prefill_cell(model, ids, device, keep, calibration, block_size, block_tokens
     return cell
 
 
-def decode_cell(model, ids, device, keep, calibration, new_tokens, tables=None, kernels=("default",)) -> dict:
+def decode_cell(
+    model, ids, device, keep, calibration, new_tokens, tables=None, kernels=("default",), plain_static=False
+) -> dict:
     """Decode ms/token and per-step counts of every configuration; the ragged ones once per decode
     kernel in ``kernels`` (``default``: the runtime's choice; ``graphs``: that, replayed from CUDA
     graphs; ``flex``: ``KVCAL_DECODE_KERNEL=flex``, runtime/flex_decode.py), named ``"<config>
-    [<kernel>]"`` past the first."""
+    [<kernel>]"`` past the first.  ``plain_static``: also plain transformers with a StaticCache, which
+    generate() compiles on a GPU (``torch.compile``, mode ``reduce-overhead``: CUDA graphs), as
+    ``"plain [static]"``."""
     limit_ids = ids[:, -max(2, int(keep * ids.shape[1])) :]
     configs = [
         ("plain", ids, {"ragged": False}, None),
         ("limit", limit_ids, {"ragged": False}, None),
     ]
+    if plain_static:
+        configs.append(("plain [static]", ids, {"ragged": False, "static_tokens": new_tokens}, None))
     ragged = [("ragged full", {})]
     ragged += [(name, {"policy": policy, "calibration": calibration}) for name, policy in policies(keep, calibration)]
     for index, kernel in enumerate(kernels):
@@ -386,6 +404,11 @@ def main(argv=None) -> int:
         help="decode the ragged configurations under each (graphs: decode_graphs=True; flex: "
         "KVCAL_DECODE_KERNEL=flex); default: default",
     )
+    parser.add_argument(
+        "--plain-static",
+        action="store_true",
+        help="also decode plain transformers with a StaticCache (compiled by generate() on a GPU)",
+    )
     parser.add_argument("--json", default=None, help="default: WORK/gpu_serving.json")
     args = parser.parse_args(argv)
     work = Path(args.work)
@@ -442,6 +465,7 @@ def main(argv=None) -> int:
                         args.new_tokens,
                         args.tables,
                         kernels=tuple(args.decode_kernels),
+                        plain_static=args.plain_static,
                     )
                 results[part][f"{context}x{batch}"] = cell
                 save()
