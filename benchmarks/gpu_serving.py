@@ -6,6 +6,7 @@
                                      [--device cuda] [--dtype bfloat16] [--mlp-width N] [--json OUT]
                                      [--embedded [--artifact PATH]] [--skip PART ...] [--tables DIR]
                                      [--decode-kernels default graphs flex] [--plain-static]
+                                     [--fit [--memory-gib 80] [--fit-context 32768] [--fit-block-size N]]
 
 A random-weight Llama of ``--geometry``'s layer geometry (benchmarks/profiler_scale.py: 8B is hidden
 4096, 32 query / 8 KV heads, d = 128, MLP 14336), ``--layers`` layers, is saved under ``DIR/model``
@@ -41,6 +42,14 @@ Then, each part written to ``--json`` as soon as it is done:
    generate() compiles on a GPU (``torch.compile``, ``reduce-overhead``: CUDA graphs; the first
    call compiles, outside the timing), the uncompressed alternative a user can turn on.
 
+5. ``--fit``: per way of serving (plain transformers; kvcal at 75% and 90% evicted, the flagship with
+   an artifact, else uniform/keydiff; block-wise too with ``--fit-block-size``), the largest batch at
+   ``--fit-context`` tokens and the longest context at batch 1 (multiples of ``--fit-step``, up to
+   ``--fit-max-context``) whose prefill, compression and ``--fit-new-tokens`` decode steps run within
+   ``--memory-gib`` of GPU memory (the allocator capped with
+   ``torch.cuda.set_per_process_memory_fraction``; an out-of-memory error is a "no"): doubling, then
+   bisecting, each probe's seconds and peak recorded.  Use ``--layers 32`` for the issue's table.
+
 Everything runs on a CPU too (``--device cpu --dtype float32``, a small ``--mlp-width``, short
 contexts): that is how this script is checked before it travels.  Its runs on an NVIDIA H200:
 docs/results.md R-gpu-serving-baseline-2026-11-27, R-gpu-prefill-2026-11-27, R-gpu-decode-2026-11-27.
@@ -66,6 +75,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from profiler_scale import GEOMETRIES, _reset_peak, _status_kib, build_model_dir  # noqa: E402
 
+import runtime  # noqa: E402
 from runtime import CompressionPolicy, compress_prompt, load_calibration  # noqa: E402
 from runtime.flex_decode import DECODE_KERNEL_VARIABLE  # noqa: E402
 from runtime.generation import generate_from_cache  # noqa: E402
@@ -371,6 +381,132 @@ def decode_cell(
     return cell
 
 
+# -- what fits ---------------------------------------------------------------------------------
+
+
+def fit_configs(calibration, block_size):
+    """(name, policy, block size) of the ways to serve the capacity search tries: plain, and kvcal at
+    75% and 90% evicted (the flagship with an artifact, else uniform/keydiff), also block-wise with
+    ``block_size``."""
+    rows = [("plain", None, None)]
+    for evicted in (0.75, 0.9):
+        if calibration is not None:
+            name, policy = "flagship", FLAGSHIP.policy(evicted)
+        else:
+            name, policy = "uniform/keydiff", CompressionPolicy(compression_ratio=evicted, scorer="keydiff")
+        rows.append((f"{name} {evicted:.0%}", policy, None))
+        if block_size:
+            rows.append((f"{name} {evicted:.0%} block {block_size}", policy, block_size))
+    return rows
+
+
+@torch.no_grad()
+def fits(model, tokenizer, device, context, batch, policy, block, calibration, new_tokens) -> dict | None:
+    """Serve ``batch`` rows of ``context`` tokens (prefill, compression under ``policy`` unless None,
+    ``new_tokens`` decode steps): ``{"seconds", "peak_gib"}`` when it ran, None when the device ran out
+    of memory."""
+    ids = filler_ids(tokenizer, context).expand(batch, -1).contiguous().to(device)
+    mask = torch.ones_like(ids)
+    kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
+    base = peak_reset(device)
+    start = time.perf_counter()
+    try:
+        if policy is None:
+            model.generate(ids, attention_mask=mask, **kwargs)
+        else:
+            runtime.generate(
+                model,
+                ids,
+                policy,
+                attention_mask=mask,
+                context_columns=context - 1,
+                calibration=calibration,
+                block_size=block,
+                **kwargs,
+            )
+        sync(device)
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        ids = mask = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"seconds": time.perf_counter() - start, "peak_gib": peak_above(device, base)}
+
+
+def largest(probe, first: int, step: int, most: int) -> tuple[int, dict]:
+    """The largest multiple of ``step`` in ``[first, most]`` for which ``probe(n)`` runs (doubling from
+    ``first``, then bisecting), with what each probe gave: ``(0, tried)`` when ``first`` does not."""
+    tried = {}
+
+    def ok(n: int) -> bool:
+        tried[n] = probe(n)
+        log(f"    {n}: {tried[n]}")
+        return tried[n] is not None
+
+    if not ok(first):
+        return 0, tried
+    good, bad = first, None
+    while bad is None and good < most:
+        candidate = min(most, good * 2)
+        if ok(candidate):
+            good = candidate
+        else:
+            bad = candidate
+    while bad is not None and bad - good > step:
+        middle = (good + bad) // 2 // step * step
+        if middle <= good:
+            break
+        if ok(middle):
+            good = middle
+        else:
+            bad = middle
+    return good, tried
+
+
+def fit_part(args, model, tokenizer, device, calibration, results, save) -> None:
+    """The largest batch at ``--fit-context`` tokens and the longest context at batch 1 (multiples of
+    ``--fit-step``) that each way of serving runs within ``--memory-gib`` of GPU memory (the
+    allocator's cap, ``torch.cuda.set_per_process_memory_fraction``; on a CPU no cap: a check of the
+    code up to the maxima)."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), device)
+    part = results["fit"] = {"memory_gib": args.memory_gib, "context": args.fit_context, "rows": {}}
+    try:
+        for name, policy, block in fit_configs(calibration, args.fit_block_size):
+            log(f"fit {name}: batch at {args.fit_context}")
+            batch, batches = largest(
+                lambda n, p=policy, b=block: fits(
+                    model, tokenizer, device, args.fit_context, n, p, b, calibration, args.fit_new_tokens
+                ),
+                1,
+                1,
+                args.fit_max_batch,
+            )
+            log(f"fit {name}: context at batch 1")
+            context, contexts = largest(
+                lambda n, p=policy, b=block: fits(
+                    model, tokenizer, device, n, 1, p, b, calibration, args.fit_new_tokens
+                ),
+                args.fit_step,
+                args.fit_step,
+                args.fit_max_context,
+            )
+            part["rows"][name] = {
+                "largest_batch": batch,
+                "longest_context": context,
+                "batches": {str(k): v for k, v in batches.items()},
+                "contexts": {str(k): v for k, v in contexts.items()},
+            }
+            save()
+            log(f"fit {name}: batch {batch} at {args.fit_context}, context {context} at batch 1")
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", required=True, help="directory for the model, the artifact and the JSON")
@@ -393,6 +529,14 @@ def main(argv=None) -> int:
     parser.add_argument("--job-args", default="", help="more options of profile-model, in one string")
     parser.add_argument("--evaluate", action="store_true", help="then evaluate-artifact on its artifact")
     parser.add_argument("--skip", nargs="*", default=[], choices=["exactness", "prefill", "decode"])
+    parser.add_argument("--fit", action="store_true", help="then search what fits in --memory-gib (part 5)")
+    parser.add_argument("--memory-gib", type=float, default=80.0, help="the memory the fit search allows")
+    parser.add_argument("--fit-context", type=int, default=32768, help="the context of the largest-batch search")
+    parser.add_argument("--fit-step", type=int, default=8192, help="the context search's step and first context")
+    parser.add_argument("--fit-max-context", type=int, default=131072)
+    parser.add_argument("--fit-max-batch", type=int, default=64)
+    parser.add_argument("--fit-new-tokens", type=int, default=8, help="decode steps after each prefill")
+    parser.add_argument("--fit-block-size", type=int, default=None, help="also kvcal's block-wise prefill")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tables", type=Path, default=None, help="write each decode profile's op table here")
@@ -470,6 +614,8 @@ def main(argv=None) -> int:
                 results[part][f"{context}x{batch}"] = cell
                 save()
                 log(f"{part} {context} x {batch}: {json.dumps(cell)}")
+    if args.fit:
+        fit_part(args, model, tokenizer, device, calibration, results, save)
     return 0
 
 
