@@ -34,6 +34,7 @@ import torch
 
 from .cache import ATTENTION_NAME, LAYER_TAG
 from .layout import to_device
+from .transformers_compat import query_length
 
 # What a model passes its attention function that the ragged attention cannot compute: learned
 # attention sinks (gpt-oss's ``s_aux``, ``sinks``) and additive position biases (T5-style).
@@ -101,13 +102,33 @@ def ragged_attention_forward(
     return (output if output.is_contiguous() else output.contiguous()), None
 
 
+def chunk_mask(**kwargs) -> torch.Tensor | None:
+    """The mask builder registered with the ragged attention: transformers' ``sdpa_mask``, except for
+    a one-token chunk without a padding mask, which is None (nothing hidden).
+
+    The ragged cache's mask covers only the chunk fed (``get_mask_sizes``: kv length = the chunk's),
+    so a one-token chunk's mask is that token against itself, visible under every pattern a model
+    adds (causal, sliding window, packed sequences) unless a padding mask hides it.  ``sdpa_mask``
+    skips it too, except while a CUDA graph is captured (transformers 5.2 builds it then, from the
+    step's position tensor): the ragged attention would read that mask back to the host, which a
+    capture cannot do (runtime.decode_graph)."""
+    from transformers.masking_utils import sdpa_mask
+
+    query = kwargs.get("q_length", kwargs.get("cache_position"))  # 5.3 on: the length; 5.2: positions [q]
+    if kwargs.get("attention_mask") is None and kwargs.get("kv_length") == 1 and query is not None:
+        if query_length(query) == 1:
+            return None
+    return sdpa_mask(**kwargs)
+
+
 def register_attention(name: str, forward) -> None:
-    """Register ``forward`` as attention function ``name`` together with the ``sdpa`` mask builder."""
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    """Register ``forward`` as attention function ``name`` together with its mask builder
+    (:func:`chunk_mask`)."""
+    from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(name, forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, chunk_mask)
 
 
 def _switch(model, name: str, forward) -> str:

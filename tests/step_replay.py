@@ -9,7 +9,9 @@ capture does not run at replay, as with a CUDA graph.  So a step that sizes an o
 value (a length read from the host mirror), bakes a changing number into an argument, or leaves
 its bookkeeping to Python replays wrong here as it would on a GPU.
 
-It also refuses at capture what a CUDA capture refuses: an op that reads device data back to the
+While it records, ``torch.cuda.is_current_stream_capturing()`` answers True, as during a CUDA
+capture, so that libraries that change course while a graph is captured (transformers' mask
+builders) do here too.  It also refuses at capture what a CUDA capture refuses: an op that reads device data back to the
 host (``.item()``, ``nonzero``, boolean-mask indexing, tensor-repeats ``repeat_interleave``), and a
 tensor the step made outside torch's dispatcher that nothing keeps (``torch.from_numpy`` of host
 data, copied to the device at every step: a graph would replay the copy of the captured data).
@@ -87,8 +89,14 @@ class RecordedStep:
 
     def capture(self, step):
         recorder = _Recorder()
-        with recorder:
-            outputs = step()
+        capturing = torch.cuda.is_current_stream_capturing
+        # what a CUDA capture tells the libraries it runs (transformers' masks take their tracing path)
+        torch.cuda.is_current_stream_capturing = lambda: True
+        try:
+            with recorder:
+                outputs = step()
+        finally:
+            torch.cuda.is_current_stream_capturing = capturing
         self.program, self.externals = recorder.program, recorder.externals
         self.results = [
             (item, recorder.refs[id(item)])

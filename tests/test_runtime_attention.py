@@ -59,3 +59,33 @@ def test_scope_restores_after_an_exception_and_refuses_models_outside_the_interf
                     pass
         assert ALL_ATTENTION_FUNCTIONS["kvcal_test_refused"] is outer  # the refused scope left nothing behind
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("capturing", [False, True])
+def test_a_one_token_chunk_without_padding_gets_no_mask_even_while_a_graph_is_captured(capturing, monkeypatch):
+    """The ragged attention's mask builder: a one-token chunk without a padding mask is None whatever
+    the step's position (transformers 5.2's ``sdpa_mask`` builds it while a CUDA graph is captured,
+    and the ragged attention would read it back to the host); with a padding mask, or a longer
+    chunk, it is transformers' own mask."""
+    import inspect
+
+    from transformers.masking_utils import sdpa_mask
+
+    from runtime.attention import chunk_mask
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    legacy = "cache_position" in inspect.signature(sdpa_mask).parameters  # transformers 5.2
+
+    def arguments(q: int, padding=None) -> dict:
+        position = torch.arange(40, 40 + q)
+        query = {"cache_position": position} if legacy else {"q_length": q, "q_offset": position[0]}
+        return {"batch_size": 2, **query, "kv_length": q, "kv_offset": 40, "attention_mask": padding}
+
+    assert chunk_mask(**arguments(1)) is None
+    padding = torch.tensor([[True], [False]])
+    built = chunk_mask(**arguments(1, padding))
+    expected = sdpa_mask(**arguments(1, padding))
+    assert built is not None and torch.equal(built, expected)
+    four = chunk_mask(**arguments(4, torch.ones(2, 4, dtype=torch.bool)))
+    reference = sdpa_mask(**arguments(4, torch.ones(2, 4, dtype=torch.bool)))
+    assert (four is None and reference is None) or torch.equal(four, reference)
