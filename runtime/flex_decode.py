@@ -84,11 +84,6 @@ def selected_decode_kernel() -> str:
     return os.environ.get(DECODE_KERNEL_VARIABLE, "").strip().lower()
 
 
-def flex_selected() -> bool:
-    """Whether ``KVCAL_DECODE_KERNEL=flex`` asks decode steps to use this module."""
-    return selected_decode_kernel() == "flex"
-
-
 def flex_serves(query: torch.Tensor, key_buffer: torch.Tensor, head_dim: int, need_lse: bool) -> bool:
     """Whether the compiled call can run here: the API exists, the buffer holds rows, the head dim
     is a power of two >= 16 (flex_attention's kernels), and, on CPU, no log-sum-exp is needed."""

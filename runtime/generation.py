@@ -231,13 +231,21 @@ def rows_per_prompt(model, generate_kwargs: dict) -> int:
     same in every supported version), so a default set in the model's ``generation_config``
     counts as it does in generate().
     """
-    kwargs = dict(generate_kwargs)
-    config, _ = model._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
+    config = _generation_config(model, generate_kwargs)
     # generate() divides by num_beams (0: ZeroDivisionError) and returns nothing for 0 sequences
     beams = 1 if config.num_beams is None else check_integer("num_beams", config.num_beams, minimum=1)
     sequences = config.num_return_sequences
     sequences = 1 if sequences is None else check_integer("num_return_sequences", sequences, minimum=1)
     return max(beams, sequences)
+
+
+def _generation_config(model, generate_kwargs: dict):
+    """The generation config ``model.generate(**generate_kwargs)`` resolves (transformers' own
+    ``_prepare_generation_config``: its arguments, or ``generation_config``, over
+    ``model.generation_config`` over the library defaults)."""
+    kwargs = dict(generate_kwargs)
+    config, _ = model._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
+    return config
 
 
 def generate_from_cache(
@@ -295,10 +303,8 @@ def generate_from_cache(
 
 def _new_tokens(model, generate_kwargs: dict, prompt_columns: int) -> int:
     """How many tokens ``model.generate(**generate_kwargs)`` generates at most after a prompt of
-    ``prompt_columns`` columns (transformers' resolution of its generation config, as
-    :func:`rows_per_prompt`)."""
-    kwargs = dict(generate_kwargs)
-    config, _ = model._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
+    ``prompt_columns`` columns (:func:`_generation_config`)."""
+    config = _generation_config(model, generate_kwargs)
     if config.max_new_tokens is not None:
         return int(config.max_new_tokens)
     return max(0, int(config.max_length or 0) - prompt_columns)
