@@ -57,7 +57,7 @@ from .row_state import (
     due_evictions,
     fold_evicted,
 )
-from .segments import SegmentStore
+from .segments import SegmentStore, StepPositions
 from .transformers_compat import query_length
 
 __all__ = [
@@ -113,6 +113,8 @@ class RaggedLayer(DynamicLayer):
         # called with this layer after attend() stored a chunk (runtime.compression.prefill_and_compress
         # evicts each layer there, so that at most one layer's full cache exists at a time), else None
         self.after_attend = None
+        # a decode step's positions converted once for every layer (RaggedCache shares one)
+        self.step_positions = StepPositions()
 
     # -- the storage's tables and buffers (read-only views for callers) ---------------------
 
@@ -402,7 +404,8 @@ class RaggedLayer(DynamicLayer):
                     self.rows[b].accumulate_chunk_attention(self.chunk_specs, chunk, keys, scaling)
         fresh = not store.host_length.any()  # the host mirror: no torch op
         before = store.host_length.copy() if q_len > 1 else None  # [B, Hkv] rows held before a chunk
-        counts = store.append(new_keys, new_values, positions, real)  # None: q_len for every row
+        # None: q_len for every row
+        counts = store.append(new_keys, new_values, positions, real, step_positions=self.step_positions)
         prepared = self._correction.get(self.rows, store.num_heads, store.head_dim, store.device)
         if fresh and prepared is None:  # nothing retained before this chunk: ordinary causal attention
             with label("kvcal.attention"):
@@ -527,6 +530,9 @@ class RaggedCache(Cache):
         if num_layers <= 0:
             raise ValueError(f"num_layers must be positive, got {num_layers}")
         super().__init__(layers=[RaggedLayer(index) for index in range(num_layers)])
+        shared = StepPositions()
+        for layer in self.layers:
+            layer.step_positions = shared
 
     @classmethod
     def for_model(cls, model) -> RaggedCache:

@@ -165,7 +165,8 @@ def segment_layer_attention(
             )
     if prepared is not None:
         with label("kvcal.correction"):
-            out = corrected_merge(grouped, out, lse, prepared, scaling)
+            # a decode step has just appended a row to every segment: no retained set is empty
+            out = corrected_merge(grouped, out, lse, prepared, scaling, retained_nonempty=q_len == 1 and real is None)
     if q_len == 1:  # [S, G, d] is already [B, 1, Hq, d]'s order
         output = out.view(batch, 1, num_q_heads, dim).to(query.dtype)
     else:
@@ -265,13 +266,22 @@ def _decode_step_attention(
 
 
 def corrected_merge(
-    query: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, prepared: PreparedMoments, scaling: float
+    query: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    prepared: PreparedMoments,
+    scaling: float,
+    *,
+    retained_nonempty: bool = False,
 ) -> torch.Tensor:
     """MomentKV's merge of the retained attention ``out [S, G*q, d]``, ``lse [S, G*q]`` (float32) with
     the evicted set's estimate for ``query [S, G*q, d]``: ``o = w o_R + (1 - w) o_E``,
-    ``w = sigmoid(lse_R - lse_E)``.  Returns ``[S, G*q, d]`` float32."""
+    ``w = sigmoid(lse_R - lse_E)``.  Returns ``[S, G*q, d]`` float32.  ``retained_nonempty``: the
+    caller knows every query sees at least one retained row (``lse`` finite), so no weight is NaN."""
     out_E, lse_E = prepared.estimates(query, scaling)  # [S, G*q, d], [S, G*q]
     # w = Z_R / (Z_R + Z_E): exactly 1 where nothing was evicted (lse_E = -inf), and where
     # neither set holds anything (-inf - -inf = NaN) the retained output (0) stands
-    weight = torch.sigmoid(lse - lse_E).nan_to_num_(nan=1.0)
+    weight = torch.sigmoid(lse - lse_E)
+    if not retained_nonempty:
+        weight = weight.nan_to_num_(nan=1.0)
     return torch.lerp(out_E, out, weight.unsqueeze(-1))

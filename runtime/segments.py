@@ -50,6 +50,27 @@ _MIN_SLACK = 16
 _GENERATIONS = itertools.count(1)  # unique over all stores: a layout built for one never fits another
 
 
+class StepPositions:
+    """A one-token decode step's positions as the stores write them, int32 ``[B * Hkv]`` (every KV
+    head of every row), made once per step and shared by every layer of a cache: each layer is
+    handed the same ``position_ids`` and would otherwise convert and expand it again (3 aten ops a
+    layer, issue 39's op count).  Keyed on the tensor itself and its version counter, so a tensor
+    changed in place (a replayed graph's static input) is converted again."""
+
+    def __init__(self) -> None:
+        self._source: torch.Tensor | None = None
+        self._key: tuple = ()
+        self._flat: torch.Tensor | None = None
+
+    def flat(self, positions: torch.Tensor, heads: int) -> torch.Tensor:
+        """``positions [B, 1]`` as int32 ``[B * heads]``, row-major (segment ``b * heads + h``)."""
+        key = (positions._version, heads, positions.device)
+        if positions is not self._source or key != self._key:
+            self._source, self._key = positions, key
+            self._flat = positions.expand(positions.shape[0], heads).reshape(-1).to(torch.int32)
+        return self._flat
+
+
 def _even_strides(offset) -> list[int | None]:
     """Per column of ``offset [B, Hkv]`` (host: numpy or a CPU tensor): the common difference between
     consecutive rows, or None when they are not evenly spaced (0 for a single row)."""
@@ -183,16 +204,28 @@ class SegmentStore:
         self.repack(np.where(short, need + slack, self.host_capacity))
 
     def append(
-        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, real: torch.Tensor | None
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        real: torch.Tensor | None,
+        step_positions: StepPositions | None = None,
     ) -> torch.Tensor | None:
         """Store the chunk's real tokens, ``keys / values [B, Hkv, q, d]`` at ``positions`` int ``[B, q]``
         (``real`` bool ``[B, q]``, None: all real), at the end of every head; returns the counts ``[B]``
-        (None without padding: ``q`` for every row)."""
+        (None without padding: ``q`` for every row).  ``step_positions``: the memo a one-token step
+        shares with the other layers (:class:`StepPositions`), else the positions are converted here."""
         batch, heads, q_len, dim = keys.shape
         if real is None:
             if q_len > self.free:
                 self.reserve(np.full(batch, q_len, dtype=np.int64))
-            self._append_all(keys, values, positions)
+            if q_len == 1:  # a decode step: every head's next row is its first free one (fewest ops)
+                memo = step_positions if step_positions is not None else StepPositions()
+                self._store(self.ends, keys.reshape(-1, dim), values.reshape(-1, dim), memo.flat(positions, heads))
+                self.ends += 1  # on the device, in place
+                self.advance_host(1)
+            else:
+                self._append_all(keys, values, positions)
             return None
         counts = real.sum(1).cpu()  # [B]
         self.reserve(counts)
@@ -214,12 +247,9 @@ class SegmentStore:
         return counts
 
     def _append_all(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """:meth:`append` of a chunk ``[B, Hkv, q, d]`` without padding: ``q`` rows for every head."""
+        """:meth:`append` of a chunk ``[B, Hkv, q, d]``, ``q > 1``, without padding: ``q`` rows for every head."""
         batch, heads, q_len, dim = keys.shape
-        if q_len == 1:  # a decode step: every head's next row is its first free one (fewest ops)
-            positions = positions.expand(batch, heads).reshape(-1)
-            self._store(self.ends, keys.reshape(-1, dim), values.reshape(-1, dim), positions)
-        elif self.uniform:  # one strided copy into the [B, Hkv, cap, d] view
+        if self.uniform:  # one strided copy into the [B, Hkv, cap, d] view
             capacity, length = int(self.host_capacity[0, 0]), int(self.host_length[0, 0])
             end = length + q_len
             self.key_buffer.view(batch, heads, capacity, dim)[:, :, length:end] = keys
@@ -248,7 +278,7 @@ class SegmentStore:
         """Write rows ``keys / values [n, d]``, ``positions [n]`` at buffer rows ``target [n]``."""
         self.key_buffer.index_copy_(0, target, keys.to(self.key_buffer.dtype))
         self.value_buffer.index_copy_(0, target, values.to(self.value_buffer.dtype))
-        self.position_buffer.index_copy_(0, target, positions.to(torch.int32))
+        self.position_buffer.index_copy_(0, target, positions.to(torch.int32))  # no op when int32 already
         self.row_bias.index_fill_(0, target, 0.0)
 
     # -- reading ---------------------------------------------------------------------------

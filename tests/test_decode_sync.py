@@ -15,7 +15,8 @@ prefill + compression and a few warm-up steps, taken at a step that does not reg
 * the synchronising aten ops, through a ``TorchDispatchMode``;
 * Python-level host reads that never reach the dispatcher on a CPU tensor (``tolist``, ``numpy``,
   ``cpu``, ``.to(<device>)``), through a ``TorchFunctionMode``;
-* every aten op dispatched (the issue's second bar, flagship <= 1.3x plain: reported, not asserted).
+* every aten op dispatched (the issue's second bar: the flagship's at most 1.3x plain's on the embedded
+  model, asserted there; printed for the others).
 
 Cases: plain transformers (DynamicCache), ragged (nothing evicted), ``uniform/keydiff`` (equal
 budgets), keydiff with the order-1 correction (the MomentKV merge), decode-time eviction (keydiff's
@@ -241,7 +242,9 @@ def test_a_sliding_window_layer_synchronises_once_per_decode_step(one_thread):
 def test_the_flagship_decode_step_on_the_embedded_model(embedded_model, embedded_tokenizer, smoke_artifact, one_thread):
     """The flagship ``inf/leverage+correction`` with the smoke artifact's budgets and correction
     orders, 75% evicted, on the real embedded model (30 layers): no more synchronisations per decode
-    step than the unmodified model's; uniform/keydiff too.  The aten op counts are printed."""
+    step than the unmodified model's; uniform/keydiff too.  The flagship dispatches at most 1.3x the
+    unmodified model's aten ops (issue 39's bar; 2949 = 1.35x before the step's positions were
+    converted once for all layers and the merge's NaN guard skipped on decode steps)."""
     from runtime import load_calibration
     from runtime.policy_spec import FLAGSHIP
 
@@ -258,3 +261,5 @@ def test_the_flagship_decode_step_on_the_embedded_model(embedded_model, embedded
         syncs, ops = decode_step_counts(model, _compressed(model, prompt, policy, calibration), decode)
         print(f"{name}: {_total(syncs)} syncs {dict(syncs)}, {ops} aten ops ({ops / plain_ops:.2f}x plain)")
         assert _total(syncs) <= _total(plain_syncs), f"{name}: {dict(syncs)} vs plain's {dict(plain_syncs)}"
+        if name.startswith("flagship"):
+            assert ops <= 1.3 * plain_ops, f"{name}: {ops} aten ops per step, plain {plain_ops}"

@@ -9,7 +9,7 @@ import torch
 import runtime.layout
 from runtime.layout import PageLayout, page_size_for
 from runtime.paged_attention import decode_attention
-from runtime.segments import SegmentStore
+from runtime.segments import SegmentStore, StepPositions
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -107,6 +107,47 @@ def test_uniform_appends_use_the_strided_view_and_stay_correct():
         assert store.uniform
         _check(store, reference)
     assert store.capacity.min() > 40  # it grew, with slack
+
+
+def test_decode_steps_sharing_converted_positions_store_the_right_positions():
+    """Two stores (two layers) fed one-token steps with one :class:`StepPositions`: the positions are
+    converted once a step, and a positions tensor changed in place (a replayed graph's input), or
+    a store with another head count, is converted again; every store holds the reference's rows."""
+    generator = torch.Generator().manual_seed(4)
+    memo = StepPositions()
+    # a step's last layer and the next step's first have the same heads: only the version tells
+    stores = [SegmentStore(2, heads, DIM, torch.float32, "cpu") for heads in (HEADS, HEADS, 1, HEADS)]
+    references = [Reference(2) for _ in stores]
+    positions = torch.zeros(2, 1, dtype=torch.int64)
+    for step in range(6):
+        if step % 2:
+            positions.fill_(step * 10)  # the same tensor, changed in place
+        else:
+            positions = torch.tensor([[step], [step + 100]])  # a new tensor
+        made = []
+        for store, reference in zip(stores, references, strict=True):
+            heads = store.num_heads
+            keys = torch.randn(2, heads, 1, DIM, generator=generator)
+            values = torch.randn(2, heads, 1, DIM, generator=generator)
+            store.append(keys, values, positions, None, step_positions=memo)
+            made.append(memo.flat(positions, heads))
+            for b in range(2):
+                for h in range(heads):
+                    k, v, p = reference.heads[b][h]
+                    reference.heads[b][h] = (
+                        torch.cat([k, keys[b, h]]),
+                        torch.cat([v, values[b, h]]),
+                        torch.cat([p, positions[b].long()]),
+                    )
+        assert made[1] is made[0] and made[2] is not made[1]  # converted once for equal heads
+        assert (
+            made[0].dtype == torch.int32 and made[0].tolist() == [positions[0, 0]] * HEADS + [positions[1, 0]] * HEADS
+        )
+        for store, reference in zip(stores, references, strict=True):
+            for b in range(2):
+                for h in range(store.num_heads):
+                    assert torch.equal(store.head(b, h)[2].long(), reference.heads[b][h][2])
+                    assert torch.equal(store.head(b, h)[0], reference.heads[b][h][0])
 
 
 @pytest.mark.parametrize("scale", [8, 300], ids=["page1", "pages"])
