@@ -5,18 +5,19 @@ from __future__ import annotations
 import json
 import sys
 
-from .command_line import MAX_TOKENS, CommandParser, fail
+from common.command_line import MAX_TOKENS, CommandParser, fail
+from common.log import add_verbosity_arguments, configure, logger
+from common.options import Integer, Option, OutputFile, Switch, Text, add_options, check_outputs
+from common.version import add_version_argument
+
 from .errors import ArtifactError
-from .log import add_verbosity_arguments, configure, logger
-from .options import Integer, Option, OutputFile, Switch, Text, add_options, check_outputs
 from .reader import open_artifact
 from .summary import format_summary, summarize
-from .version import add_version_argument
 
 EXIT_VALID, EXIT_INVALID = 0, 2
 LOG = logger("artifacts")
 
-# inspect-artifact's options, each declared once (artifacts.options): the parser is built from them
+# inspect-artifact's options, each declared once (common.options): the parser is built from them
 OPTIONS = (
     # the reader checks the path (a missing or invalid file: exit 2, and {"valid": false} with --json)
     Option("path", "path", Text(metavar="PATH"), None, "the .h5 calibration file", required=True),
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     configure(args)
     try:
         check_outputs(OPTIONS, args, inputs=[args.path])  # --html, before the artifact is read
-    except OSError as exc:  # a refused --html (artifacts.atomic.OutputError): not about validity
+    except OSError as exc:  # a refused --html (common.atomic.OutputError): not about validity
         if args.json:
             print(json.dumps({"valid": None, "error": str(exc)}, indent=2, sort_keys=True))
         return fail("inspect-artifact", exc)
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:  # a JSON consumer gets JSON either way
             print(json.dumps({"valid": False, "error": str(exc)}, indent=2, sort_keys=True))
         return EXIT_INVALID
-    except OSError as exc:  # the report could not be written (artifacts.atomic.OutputError): not about validity
+    except OSError as exc:  # the report could not be written (common.atomic.OutputError): not about validity
         LOG.error(f"inspect-artifact: {exc}")
         if args.json:
             print(json.dumps({"valid": None, "error": str(exc)}, indent=2, sort_keys=True))

@@ -224,7 +224,7 @@ def render_report(reader: ArtifactReader, evaluation: dict | None = None, budget
 
 
 def write_report(path: str | Path, reader: ArtifactReader, evaluation: dict | None = None, budget: int = 256) -> Path:
-    """Render the report and write it atomically (``artifacts.atomic.OutputError`` when it cannot be written)."""
-    from .atomic import write_atomic
+    """Render the report and write it atomically (``common.atomic.OutputError`` when it cannot be written)."""
+    from common.atomic import write_atomic
 
     return write_atomic(path, render_report(reader, evaluation, budget), what="HTML report")

@@ -4,9 +4,13 @@ return a bad value).  Each raises :class:`ArtifactError` with a message naming t
 from __future__ import annotations
 
 import json
-import re
 
 import numpy as np
+
+from common.formulas import harmonic_mean, ideal_budgets, share, wilson_interval
+from common.names import MOMENT_SELECTIONS, NAMED_POLICIES
+from common.policy_grammar import serving_refusal
+from common.probe_ids import PROBE_ID
 
 from .errors import ArtifactError
 from .fingerprint import architecture_fingerprint
@@ -402,9 +406,12 @@ def _check_budgets(arrays: dict, attrs: dict, sections=None) -> None:
                 )
     inf_kv, beta = arrays.get("inf_kv"), attrs.get("beta")
     if tables is not None and ratios is not None and inf_kv is not None and beta is not None:
-        # b_h = b (1 - 1/beta) + (b L Hkv / beta) inf_kv[h], as a fraction: runtime.budgets.ideal_budgets
+        # b_h = b (1 - 1/beta) + (b L Hkv / beta) inf_kv[h], as a fraction (the one formula the profiler wrote)
         for row, ratio in enumerate(ratios.tolist()):
-            want = ratio * (1.0 - 1.0 / beta) + ratio * inf_kv.size / beta * inf_kv  # [L, Hkv]
+            try:
+                want = ideal_budgets(inf_kv, ratio, beta)  # [L, Hkv]
+            except ValueError as error:  # beta < 1 or a ratio <= 0: no budget table is right
+                raise ArtifactError(f"/budgets/ratio_tables: row {row}: {error}") from None
             if np.any(np.abs(tables[row] - want) > SUM_TOLERANCE * max(float(np.abs(want).max()), 1.0)):
                 raise ArtifactError(
                     f"/budgets/ratio_tables: row {row} is not ratios[{row}] (1 - 1/beta) + ratios[{row}] L Hkv / beta "
@@ -413,24 +420,10 @@ def _check_budgets(arrays: dict, attrs: dict, sections=None) -> None:
 
 
 # The decision rules a recommendation may name (1.4 `rule`; profiler.paired_decision) and the
-# reference of the paired rule, the flagship, by name or by its policy (runtime.names.NAMED_POLICIES).
+# reference of the paired rule, the flagship, by name or by its policy.
 PAIRED_RULE, MOST_ACCURATE_RULE = b"paired-exact-noninferiority/1", b"most-accurate/1"
-FLAGSHIP_NAMES = (b"flagship", b"inf/leverage+correction")
-WILSON_Z = 1.959964  # profiler.evaluation_results.wilson_interval: the 95% interval ci_low / ci_high are
+FLAGSHIP_NAMES = (b"flagship", NAMED_POLICIES["flagship"].encode())
 WILSON_SLACK = 1e-6  # recomputed intervals may differ by rounding (and a z written with fewer digits)
-
-
-def _wilson(correct: int, total: int) -> tuple[float, float]:
-    """The 95% Wilson score interval, as profiler.evaluation_results.wilson_interval computes it."""
-    p, z = correct / total, WILSON_Z
-    denominator = 1 + z * z / total
-    centre = (p + z * z / (2 * total)) / denominator
-    half = z * np.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / denominator
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-# needles.spec.probe_id: f"{family}-L{length}-D{depth:g}-S{seed}-R{replicate}"
-TASK_ID = re.compile(r"[a-z0-9_]+-L[0-9]+-D[0-9.e+-]+-S-?[0-9]+-R[0-9]+")
 
 
 def _text(value: bytes) -> str:
@@ -439,8 +432,7 @@ def _text(value: bytes) -> str:
 
 def _check_recommended_policies(arrays: dict, sections) -> None:
     """Every policy named (served or measured) parses and, when ``sections`` is known, can be served
-    from this file (runtime.policy_grammar.serving_refusal; issue 30 D2/D3)."""
-    from runtime.policy_grammar import serving_refusal  # torch-free: the runtime's grammar, no scorer
+    from this file (common.policy_grammar.serving_refusal; issue 30 D2/D3)."""
 
     for name in ("policy", "candidates"):
         values = arrays.get(name)
@@ -491,7 +483,7 @@ def _check_recommended_outcomes(arrays: dict, attrs: dict) -> None:
     ids = arrays.get("task_ids")
     if ids is not None and len(set(ids.tolist())) != len(ids):
         raise ArtifactError("/recommendation/task_ids: a task is listed twice")
-    malformed = [] if ids is None else [task for task in ids.tolist() if not TASK_ID.fullmatch(_text(task))]
+    malformed = [] if ids is None else [task for task in ids.tolist() if not PROBE_ID.fullmatch(_text(task))]
     if malformed:
         raise ArtifactError(
             f"/recommendation/task_ids: {_text(malformed[0])!r} is no needles probe id "
@@ -530,7 +522,7 @@ def _check_recommended_values(arrays: dict, attrs: dict) -> None:
                     raise ArtifactError(
                         f"/recommendation/accuracy: {value:g} at ratio {ratio} is no share of the {tasks} tasks"
                     )
-                want = _wilson(round(correct), tasks)
+                want = wilson_interval(round(correct), tasks)
                 if abs(want[0] - lo) > WILSON_SLACK or abs(want[1] - hi) > WILSON_SLACK:
                     raise ArtifactError(
                         f"/recommendation: at ratio {ratio} [ci_low, ci_high] = [{lo:g}, {hi:g}] is not the 95% Wilson "
@@ -623,7 +615,6 @@ MOMENT_ALLOCATIONS = (b"uniform", b"global")  # /moments/selection_allocations
 def _check_moments(arrays: dict, attrs: dict, sections=None) -> None:
     """1.5: the first selection's orders and errors are the section's ``order`` and ``errors``; the
     selections are distinct names, each with a known allocation."""
-    from runtime.names import MOMENT_SELECTIONS  # torch-free: the scorers a selection may be
 
     names = arrays.get("selections")
     if names is not None:
@@ -643,22 +634,21 @@ def _check_moments(arrays: dict, attrs: dict, sections=None) -> None:
                 raise ArtifactError(f"/moments/{every}: the first selection's is not /moments/{first}")
 
 
-BEHAVIOUR_FLOOR = 1e-30  # profiler.behaviour.SCORE_FLOOR: a denominator below it counts as an empty head
 SCORE_TOLERANCE = 1e-9  # the scores are float64 quotients of the stored float64 weights
 
 
 def _check_behaviour(arrays: dict, attrs: dict, sections=None) -> None:
     """REAL Eq. 1-3: RAsc = W_R / (W_R + W_D), LCsc = W_R / (W_R + W_B), INFsc their harmonic mean;
-    0 where the denominator is empty (profiler.behaviour.behaviour_scores)."""
+    0 where the denominator is empty (common.formulas, what the profiler computed them with)."""
     w_r, w_b, w_d = arrays.get("W_R"), arrays.get("W_B"), arrays.get("W_D")
     scores = {}
     if w_r is not None and w_d is not None:
-        scores["RAsc"] = w_r / np.maximum(w_r + w_d, BEHAVIOUR_FLOOR)
+        scores["RAsc"] = share(w_r, w_d)
     if w_r is not None and w_b is not None:
-        scores["LCsc"] = w_r / np.maximum(w_r + w_b, BEHAVIOUR_FLOOR)
+        scores["LCsc"] = share(w_r, w_b)
     rasc, lcsc = arrays.get("RAsc"), arrays.get("LCsc")
     if rasc is not None and lcsc is not None:
-        scores["INFsc"] = 2.0 * rasc * lcsc / np.maximum(rasc + lcsc, BEHAVIOUR_FLOOR)
+        scores["INFsc"] = harmonic_mean(rasc, lcsc)
     formulas = {"RAsc": "W_R / (W_R + W_D)", "LCsc": "W_R / (W_R + W_B)", "INFsc": "2 RAsc LCsc / (RAsc + LCsc)"}
     for name, want in scores.items():
         stored = arrays.get(name)

@@ -1,9 +1,9 @@
 """Writing a calibration artifact: validated, compressed, checksummed, atomic.
 
-The HDF5 file is built in memory and then written through :func:`artifacts.atomic.write_atomic`
+The HDF5 file is built in memory and then written through :func:`common.atomic.write_atomic`
 (the one writer of every output): a temporary file in the destination directory, fsynced, then
 renamed over the destination.  An exception at any point before the rename leaves whatever was
-at the destination untouched; a failing write (disk full) is an ``artifacts.atomic.OutputError``.
+at the destination untouched; a failing write (disk full) is an ``common.atomic.OutputError``.
 Building in memory keeps HDF5 away from a failing disk: libhdf5 handles a write error while it
 flushes by leaving its objects half-closed, which printed "Exception ignored" tracebacks and
 then crashed the interpreter at exit.  The compressed image costs memory about the size of
@@ -20,7 +20,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from .atomic import check_output_path, write_atomic
+from common.atomic import check_output_path, write_atomic
+from common.version import toolkit_version
+
 from .errors import ArtifactError
 from .metadata import extended_metadata_digest, metadata_digest, root_attrs
 from .schema import FORMAT_NAME, OPTIONAL_MODEL_ATTRS, SCHEMA_VERSION, SECTIONS, Artifact
@@ -32,7 +34,6 @@ from .validation import (
     check_section_values,
     section_dims,
 )
-from .version import toolkit_version
 
 COMPRESSION = "gzip"
 COMPRESSION_LEVEL = 4

@@ -1,6 +1,6 @@
 """Can profile-model refuse another model at ``--out`` before the load? Its weights fingerprint
 (``artifacts.fingerprint``) from the checkpoint's safetensors files, read tensor by tensor with no
-model built, against the load (``runtime.models.load_model``) and the fingerprint of the loaded
+model built, against the load (``common.models.load_model``) and the fingerprint of the loaded
 model, side by side in one process (issue 30).
 
     python benchmarks/checkpoint_fingerprint.py [MODEL_DIR] [--repeats 3]
@@ -49,7 +49,7 @@ def main() -> int:
     import torch
 
     from artifacts.fingerprint import tensors_fingerprints, weights_fingerprint
-    from runtime.models import load_model, resolve_model
+    from common.models import load_model, resolve_model
 
     torch.set_num_threads(1)
     directory = Path(resolve_model(args.model))

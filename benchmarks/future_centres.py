@@ -26,11 +26,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from artifacts import Artifact, Section, open_artifact, write_artifact  # noqa: E402
+from common.models import load_model, load_tokenizer  # noqa: E402
 from profiler.future_queries import kmeans_centres, probe_future_queries  # noqa: E402
 from profiler.presets import PRESETS  # noqa: E402
 from profiler.probe_source import preset_probes  # noqa: E402
 from runtime.geometry import ModelGeometry  # noqa: E402
-from runtime.models import load_model, load_tokenizer  # noqa: E402
 from runtime.query_moments import QueryMoments  # noqa: E402
 
 

@@ -76,10 +76,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from profiler_scale import GEOMETRIES, _reset_peak, _status_kib, build_model_dir  # noqa: E402
 
 import runtime  # noqa: E402
+from common.models import load_model, load_tokenizer  # noqa: E402
 from runtime import CompressionPolicy, compress_prompt, load_calibration  # noqa: E402
 from runtime.flex_decode import DECODE_KERNEL_VARIABLE  # noqa: E402
 from runtime.generation import generate_from_cache  # noqa: E402
-from runtime.models import load_model, load_tokenizer  # noqa: E402
 from runtime.policy_spec import FLAGSHIP  # noqa: E402
 from runtime.transformers_compat import cache_argument  # noqa: E402
 

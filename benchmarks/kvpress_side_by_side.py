@@ -196,7 +196,7 @@ def run_cell(cell, ratio, probe, pipe, model, tokenizer, calibration, args) -> s
 
 
 def table(done: dict, ratios, cells) -> str:
-    from profiler.evaluation_results import wilson_interval
+    from common.formulas import wilson_interval
 
     by_cell = defaultdict(dict)  # (cell, ratio) -> task -> correct
     for (task, cell, ratio), record in done.items():
@@ -229,9 +229,9 @@ def main(argv=None) -> int:
         import kvpress  # noqa: F401  (registers the pipeline)
     from transformers import pipeline
 
+    from common.models import load_model, load_tokenizer
     from needles import answer_is_correct
     from runtime import load_calibration
-    from runtime.models import load_model, load_tokenizer
 
     model, tokenizer = load_model(), load_tokenizer()
     calibration = load_calibration(model, tokenizer, path=args.artifact)

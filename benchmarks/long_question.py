@@ -45,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import DynamicCache
 
     import runtime.layer_attention
+    from common.models import load_model, load_tokenizer
     from runtime import CompressionPolicy, compress_prompt, load_calibration
     from runtime.generation import generate_from_cache
-    from runtime.models import load_model, load_tokenizer
     from runtime.policy_spec import FLAGSHIP
     from runtime.transformers_compat import cache_argument
 

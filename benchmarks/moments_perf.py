@@ -32,8 +32,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.models import load_model, load_tokenizer  # noqa: E402
 from runtime import CompressionPolicy, RaggedCache, compress, compress_prompt, enable, load_calibration, prefill  # noqa: E402,E501
-from runtime.models import load_model, load_tokenizer  # noqa: E402
 from runtime.transformers_compat import cache_argument  # noqa: E402
 
 SENTENCES = [

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write results to this JSON file")
     args = parser.parse_args(argv)
 
-    from runtime.models import load_model, load_tokenizer
+    from common.models import load_model, load_tokenizer
 
     spec = PRESETS[args.preset].replace(seed=args.seed)
     if args.families:

@@ -53,8 +53,8 @@ def main(argv=None) -> int:
     if min(args.contexts) < 1 or min(args.page_sizes) < 1 or not all(0 < r < 1 for r in args.ratios):
         parser.error("need contexts >= 1, page sizes >= 1 and ratios in (0, 1)")
 
+    from common.models import load_model, load_tokenizer, use_progress_bars
     from runtime import load_calibration, parse_policy
-    from runtime.models import load_model, load_tokenizer, use_progress_bars
     from runtime.serving_plan import bind
 
     use_progress_bars(no_progress=True)

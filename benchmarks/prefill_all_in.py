@@ -54,8 +54,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.models import load_model, load_tokenizer, use_progress_bars  # noqa: E402
 from runtime import CompressionPolicy, RaggedCache, compress, enable, load_calibration, prefill  # noqa: E402
-from runtime.models import load_model, load_tokenizer, use_progress_bars  # noqa: E402
 from runtime.policy_spec import FLAGSHIP  # noqa: E402
 from runtime.row_state import RowState  # noqa: E402
 from runtime.serving_plan import bind  # noqa: E402

@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_serving import filler_ids
     from transformers import DynamicCache
 
+    from common.models import load_model, load_tokenizer
     from runtime import CompressionPolicy, compress_prompt, load_calibration
-    from runtime.models import load_model, load_tokenizer
     from runtime.policy_spec import FLAGSHIP
     from runtime.transformers_compat import cache_argument
 

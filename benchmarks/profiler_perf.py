@@ -31,13 +31,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.models import load_model, load_tokenizer  # noqa: E402
 from profiler.behaviour import run_probe  # noqa: E402
 from profiler.calibration_text import calibration_windows  # noqa: E402
 from profiler.greedy import greedy_generate  # noqa: E402
 from profiler.presets import PRESETS  # noqa: E402
 from profiler.probe_source import preset_probes  # noqa: E402
 from runtime.geometry import ModelGeometry  # noqa: E402
-from runtime.models import load_model, load_tokenizer  # noqa: E402
 from runtime.query_moments import QueryMoments  # noqa: E402
 
 

@@ -10,7 +10,7 @@ reduced to ``--mlp-width`` (8B: 14336, 70B: 28672; the MLP's weights and its ``[
 activations scale with it: docs/design.md "The profiler at user scale" adds the difference back), the
 embedded tokenizer's vocabulary (49152, tied embeddings), is saved with the embedded tokenizer to a
 temporary directory and loaded the way ``profile-model`` loads a checkpoint
-(``runtime.models.load_model``, ``--dtype``).  Then, for every (context, stage), a fresh child process
+(``common.models.load_model``, ``--dtype``).  Then, for every (context, stage), a fresh child process
 runs one unit of the stage's work through the same functions the stage calls:
 
 * ``forward``: the ``query-stats`` unit: one ``[1, T]`` calibration window through ``model.model``
@@ -66,7 +66,7 @@ def build_model_dir(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from runtime.models import load_tokenizer
+    from common.models import load_tokenizer
 
     hidden, heads, kv_heads, head_dim, _ = GEOMETRIES[geometry]
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
@@ -187,7 +187,7 @@ def child(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from runtime.models import load_model, load_tokenizer
+    from common.models import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(args.model_dir)
     model = load_model(args.model_dir, dtype=args.dtype)

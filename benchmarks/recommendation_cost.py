@@ -35,11 +35,11 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     import profiler.evaluation as evaluation
+    from common.models import load_model, load_tokenizer
     from needles import PRESETS
     from profiler.held_out_tasks import held_out_tasks
     from profiler.presets import PRESETS as PROFILE_PRESETS
     from runtime import bind, load_calibration
-    from runtime.models import load_model, load_tokenizer
     from runtime.policy import CompressionPolicy
     from runtime.policy_spec import parse_policy
 

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime_perf import context_ids  # the same filler context as runtime_perf's
 
     import runtime
-    from runtime.models import load_model, load_tokenizer, use_progress_bars
+    from common.models import load_model, load_tokenizer, use_progress_bars
     from runtime.transformers_compat import cache_argument
 
     use_progress_bars(no_progress=True)

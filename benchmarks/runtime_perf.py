@@ -5,7 +5,7 @@
                                       [--max-prefill-tokens 32768] [--profile-steps 3] [--threads 1]
                                       [--json OUT] [--quick]
 
-"plain" is the unmodified embedded model (``runtime.models.load_model()``, a second instance
+"plain" is the unmodified embedded model (``common.models.load_model()``, a second instance
 that ``runtime.enable`` never touches) with transformers' DynamicCache and SDPA.  Every
 number is measured within one run on this machine, as ratios to plain where it matters, so
 background load hits both sides alike.  For each context length (``--contexts``, filler
@@ -88,6 +88,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.models import load_model, load_tokenizer, use_progress_bars  # noqa: E402
 from runtime import (  # noqa: E402
     FLAGSHIP,
     CompressionPolicy,
@@ -99,7 +100,6 @@ from runtime import (  # noqa: E402
     prefill,
 )
 from runtime.compression import prefill_for_policies  # noqa: E402
-from runtime.models import load_model, load_tokenizer, use_progress_bars  # noqa: E402
 from runtime.transformers_compat import cache_argument  # noqa: E402
 
 PLAIN, FULL = "plain", "ragged full"

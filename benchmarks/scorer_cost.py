@@ -26,10 +26,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.models import load_model, load_tokenizer  # noqa: E402
 from runtime import RaggedCache, prefill  # noqa: E402
 from runtime.eviction import HeadEvictor  # noqa: E402
 from runtime.kvzip import kvzip_scores, with_kvzip_scores  # noqa: E402
-from runtime.models import load_model, load_tokenizer  # noqa: E402
 from runtime.policy import CompressionPolicy  # noqa: E402
 from runtime.scorers import ALL_QUERIES  # noqa: E402
 from runtime.serving_plan import bind  # noqa: E402

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.models import load_model, load_tokenizer  # noqa: E402
 from profiler.calibration_text import calibration_windows  # noqa: E402
 from profiler.learned_scorer import (
     RECONSTRUCTION_INSTRUCTION,
@@ -32,7 +33,6 @@ from profiler.learned_scorer import (
     record_window,
     spearman,
 )
-from runtime.models import load_model, load_tokenizer  # noqa: E402
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """The parser of every kvcal command (profile-model, evaluate-artifact, inspect-artifact,
 generate-probes): one line per usage error, a suggestion for a near miss, help wrapped at spaces.
 
-Here, at the bottom of the packages (``needles`` and ``artifacts`` do not import ``profiler``);
-``profiler.arguments`` holds the argument types and re-exports these.  Imports no torch.
+Part of the shared base (:mod:`common`), which every package imports and which imports none of
+them.  Imports no torch.
 """
 
 from __future__ import annotations

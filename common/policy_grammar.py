@@ -4,7 +4,7 @@ whether an artifact can serve it, for the artifact reader and the command-line p
     split_policy("inf/keydiff+correction")        # PolicyText(allocation='inf', scorer='keydiff', ...)
     serving_refusal("global/kvzip", sections)      # why a file with ``sections`` cannot serve it, or None
 
-Grammar: ``baseline``, a name in ``runtime.names.NAMED_POLICIES``, or
+Grammar: ``baseline``, a name in ``common.names.NAMED_POLICIES``, or
 ``ALLOCATION/SCORER[:STATISTICS][+SUFFIX]...``; each suffix at most once and at most one
 correction suffix.  :func:`runtime.policy_spec.parse_policy` parses with :func:`split_policy`
 and builds the :class:`runtime.policy.CompressionPolicy`, which checks the combinations again

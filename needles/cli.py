@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import sys
 
-from artifacts.command_line import MAX_COUNT, MAX_SEED, MAX_TOKENS, CommandParser, fail
-from artifacts.log import add_verbosity_arguments, configure, logger
-from artifacts.options import (
+from common.command_line import MAX_COUNT, MAX_SEED, MAX_TOKENS, CommandParser, fail
+from common.log import add_verbosity_arguments, configure, logger
+from common.options import (
     Choice,
     Integer,
     ListOf,
@@ -27,7 +27,7 @@ from artifacts.options import (
     add_options,
     check_outputs,
 )
-from artifacts.version import add_version_argument
+from common.version import add_version_argument
 from needles.families import FAMILIES
 from needles.spec import PRESETS, generate_probes, write_probes
 
@@ -75,7 +75,7 @@ exit status: 0 on success, 2 on a bad option or an input that cannot be turned i
 
 LOG = logger("needles")
 
-# generate-probes' options, each declared once (artifacts.options): the parser is built from them
+# generate-probes' options, each declared once (common.options): the parser is built from them
 OPTIONS = (
     Option(
         "--preset",
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         check_outputs(OPTIONS, args, inputs=[_haystack_files(spec.haystack)])
         # The command loads the tokenizer with the loader every kvcal command shares (it also
         # converts the embedded model); the probe generator itself only takes the object.
-        from runtime.models import load_tokenizer, use_progress_bars
+        from common.models import load_tokenizer, use_progress_bars
 
         progress = use_progress_bars(args.no_progress or args.quiet)
         tokenizer = load_tokenizer(args.model)
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 yield probe
 
         written = write_probes(stream(), args.out)
-    except (ValueError, OSError, RuntimeError) as exc:  # bad spec/input, I/O, runtime.models.ModelError
+    except (ValueError, OSError, RuntimeError) as exc:  # bad spec/input, I/O, common.models.ModelError
         return fail("generate-probes", exc)
     if shown:
         from needles.show import render_probe, use_colour

@@ -22,7 +22,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from artifacts.atomic import atomic_path
+from common.atomic import atomic_path
+from common.probe_ids import probe_id
 from needles.families import FAMILIES, render_needle
 from needles.haystacks import Haystack, make_haystack
 from needles.placement import place_needle
@@ -94,10 +95,6 @@ def cell_seed(seed: int, family: str, length: int, depth: float, replicate: int,
     """A 63-bit seed for one grid cell and purpose ("needle" or "haystack"), platform-independent."""
     key = f"{seed}|{family}|{length}|{depth!r}|{replicate}|{purpose}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") >> 1
-
-
-def probe_id(family: str, length: int, depth: float, seed: int, replicate: int) -> str:
-    return f"{family}-L{length}-D{depth:g}-S{seed}-R{replicate}"
 
 
 def _check_tokenizer(tokenizer) -> None:

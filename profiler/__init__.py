@@ -30,7 +30,7 @@ and ``profiler/budget_curves.py``):
   tasks: :mod:`profiler.recommendation` (which candidates the sections serve, the section), over
   :mod:`profiler.evaluation` (shared with ``evaluate-artifact``).
 
-Around them: :mod:`artifacts.options` (every command's options, each declared once: its parser argument and its
+Around them: :mod:`common.options` (every command's options, each declared once: its parser argument and its
 check), :mod:`profiler.checkpoint` (atomic resume work file), :mod:`profiler.distributed`
 (``accelerate`` / ``torchrun`` sharding and exact reduction), :mod:`profiler.presets`,
 :mod:`profiler.cli`; ``evaluate-artifact`` is :mod:`profiler.evaluate_cli` over

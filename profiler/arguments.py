@@ -1,29 +1,11 @@
-"""The profiler's command-line argument types: those of every command (the parser, bounded
-integers, intervals, lists, choices, the renamed-option action: :mod:`artifacts.command_line`, re-exported
-here) and the attention implementation's check.
-
-Every value is checked where it is parsed, so a bad option is a usage error (exit 2, one line on
-stderr: :class:`CommandParser`) before any import of torch or any model work: a count lies in
-its bounds (at least 1: 0 used to mean "the preset's", silently; at most a declared maximum, so
-that a mistyped 100000000 is refused instead of running for hours), a fraction lies in its
-interval, a number is finite, a list is not empty, a name close to a known one is suggested.
+"""``--attn-implementation`` checked before the model loads, for the profiler's two commands
+(``profile-model``, ``evaluate-artifact``).  The argument types every command shares (the parser,
+bounded integers, intervals, lists, choices) are :mod:`common.command_line`'s.
 """
 
 from __future__ import annotations
 
-from artifacts.command_line import MAX_COUNT as MAX_COUNT
-from artifacts.command_line import MAX_SEED as MAX_SEED
-from artifacts.command_line import MAX_TOKENS as MAX_TOKENS
-
-# the parser of every command, re-exported for the profiler's commands
-from artifacts.command_line import CommandParser as CommandParser
-from artifacts.command_line import RenamedOption as RenamedOption
-from artifacts.command_line import choice_of as choice_of
-from artifacts.command_line import comma_separated as comma_separated
-from artifacts.command_line import did_you_mean as did_you_mean
-from artifacts.command_line import fail as fail
-from artifacts.command_line import int_at_least as int_at_least
-from artifacts.command_line import number_in as number_in
+from common.command_line import did_you_mean
 
 
 def check_attention_implementation(name: str) -> None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.formulas import behaviour_scores
 from needles import answer_is_correct
 from needles.probe import LABELS, Probe
 from profiler.attention_capture import DecodeAttentionRecorder, capture_attention_implementation
@@ -41,7 +42,6 @@ from runtime.geometry import ModelGeometry
 
 NUM_LABELS = len(LABELS)  # W, R, B, D: the last axis of an accumulator, in this order
 LABEL_W, LABEL_R, LABEL_B, LABEL_D = (LABELS.index(name) for name in ("W", "R", "B", "D"))
-SCORE_FLOOR = 1e-30  # denominators below this count as empty
 
 
 def dominant_totals(
@@ -77,17 +77,6 @@ def dominant_totals_from_attention(attention: np.ndarray, labels: np.ndarray) ->
     if attention.ndim != 4 or attention.shape[-1] != len(labels):
         raise ValueError(f"attention must be [S, L, Hq, C] with C = {len(labels)}, got {attention.shape}")
     return dominant_totals(attention.max(axis=-1), attention.argmax(axis=-1), labels)
-
-
-def behaviour_scores(w_r: np.ndarray, w_b: np.ndarray, w_d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """REAL Eq. 1-3 elementwise: ``(RAsc, LCsc, INFsc)``, each float64, 0 where undefined."""
-    w_r, w_b, w_d = (np.asarray(x, dtype=np.float64) for x in (w_r, w_b, w_d))
-    if np.any(w_r < 0) or np.any(w_b < 0) or np.any(w_d < 0):
-        raise ValueError("behaviour weights must be non-negative")
-    rasc = w_r / np.maximum(w_r + w_d, SCORE_FLOOR)
-    lcsc = w_r / np.maximum(w_r + w_b, SCORE_FLOOR)
-    infsc = 2.0 * rasc * lcsc / np.maximum(rasc + lcsc, SCORE_FLOOR)
-    return rasc, lcsc, infsc
 
 
 # -- one probe --------------------------------------------------------------------------------

@@ -47,7 +47,8 @@ def budget_tables(
         raise ValueError(f"ratios must lie in (0, 1], got {ratios.tolist()}")
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
-    from runtime.budgets import allocate_budgets, ideal_budgets, kv_head_scores  # torch: not for the parser
+    from common.formulas import ideal_budgets
+    from runtime.budgets import allocate_budgets, kv_head_scores  # torch: not for the parser
 
     inf_kv = kv_head_scores(infsc, num_kv_heads)  # [L, Hkv], sums to 1
     token_tables = (

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from artifacts.atomic import atomic_path
+from common.atomic import atomic_path
 
 WORK_FORMAT = "kvcal-profiler-work-2"  # 2: arrays keyed "<section>.<name>", progress per stage
 

@@ -9,12 +9,13 @@ import signal
 import sys
 import textwrap
 
-from artifacts.log import add_verbosity_arguments, configure, logger
-from artifacts.options import Choice, Integer, ListOf, Option, Switch, Text, add_options, check_given
-from artifacts.version import add_version_argument
-from profiler.arguments import MAX_COUNT, CommandParser, check_attention_implementation, fail
+from common.command_line import MAX_COUNT, CommandParser, fail
+from common.log import add_verbosity_arguments, configure, logger
+from common.models import ATTENTION_HELP, AUTO_ATTENTION, DTYPE_CHOICES, DTYPE_HELP
+from common.options import Choice, Integer, ListOf, Option, Switch, Text, add_options, check_given
+from common.version import add_version_argument
+from profiler.arguments import check_attention_implementation
 from profiler.presets import PRESETS
-from runtime.models import ATTENTION_HELP, AUTO_ATTENTION, DTYPE_CHOICES, DTYPE_HELP
 
 DESCRIPTION_HEAD = """\
 Profile a model's attention heads once and write the calibration artifact that the KV-cache
@@ -49,7 +50,7 @@ def _description() -> str:
 
 @functools.cache
 def job_options() -> tuple[tuple[Option, ...], tuple[Option, ...]]:
-    """The job's own options (:mod:`artifacts.options`): those of the run, and those of its execution
+    """The job's own options (:mod:`common.options`): those of the run, and those of its execution
     (the settings, ``JobOptions.settings``, are the stages' declarations)."""
     from profiler.stages import STAGE_NAMES, STAGES
 
@@ -169,11 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         return fail("profile-model", exc)
     from artifacts import ArtifactError
+    from common.models import ModelError, use_progress_bars
     from profiler.checkpoint import WorkFileMismatch
     from profiler.distributed import relaunch_with_torchrun, requested_cpu_processes
     from profiler.job import JobInterrupted, JobOptions, run_job
     from profiler.stages import settings_options
-    from runtime.models import ModelError, use_progress_bars
 
     workers = requested_cpu_processes()
     if workers:

@@ -110,7 +110,7 @@ def relaunch_with_torchrun(num_processes: int, module_args: list[str]) -> int:
     try:
         run(args)
     except Exception as exc:  # noqa: BLE001 - torchrun raises ChildFailedError with the details printed
-        from artifacts.log import logger
+        from common.log import logger
 
         logger("profiler").error(f"profile-model: a worker process failed: {type(exc).__name__}")
         return 1

@@ -23,8 +23,11 @@ import json
 import sys
 from pathlib import Path
 
-from artifacts.log import OUTPUT, add_verbosity_arguments, configure, logger
-from artifacts.options import (
+from common.command_line import MAX_COUNT, MAX_SEED, MAX_TOKENS, CommandParser, fail
+from common.log import OUTPUT, add_verbosity_arguments, configure, logger
+from common.models import ATTENTION_HELP, AUTO_ATTENTION, DTYPE_CHOICES, DTYPE_HELP
+from common.names import ALLOCATIONS, NAMED_POLICIES, SCORER_NAMES, STATISTICS
+from common.options import (
     Choice,
     Integer,
     ListOf,
@@ -38,11 +41,9 @@ from artifacts.options import (
     check_given,
     check_outputs,
 )
-from artifacts.version import add_version_argument
-from runtime.models import ATTENTION_HELP, AUTO_ATTENTION, DTYPE_CHOICES, DTYPE_HELP
-from runtime.names import ALLOCATIONS, NAMED_POLICIES, SCORER_NAMES, STATISTICS
+from common.version import add_version_argument
 
-from .arguments import MAX_COUNT, MAX_SEED, MAX_TOKENS, CommandParser, check_attention_implementation, fail
+from .arguments import check_attention_implementation
 from .evaluation_journal import (
     JournalError,
     JournalWriter,
@@ -63,7 +64,7 @@ from .evaluation_results import (
 from .held_out_tasks import HAYSTACKS
 from .paired_decision import DEFAULT_CONFIDENCE, DEFAULT_TOLERANCE
 
-# The runtime's vocabulary, torch-free (runtime.names): --help lists it without loading torch.
+# The runtime's vocabulary, torch-free (common.names): --help lists it without loading torch.
 SCORERS = SCORER_NAMES
 
 # The recommendation stage's candidates and two artifact-free references; those the artifact
@@ -98,7 +99,7 @@ def _check_tasks(tasks) -> None:
 
 @functools.cache
 def options() -> tuple:
-    """evaluate-artifact's options, each declared once (:mod:`artifacts.options`): the parser is built
+    """evaluate-artifact's options, each declared once (:mod:`common.options`): the parser is built
     from them, and :func:`check_options` checks the given values before any model work."""
     from needles.families import FAMILIES
 
@@ -428,7 +429,7 @@ def write_recommendation(
     the paired rule decides again on all of them, among the recorded candidates.  Returns a line
     saying what was done."""
     from artifacts import Artifact, open_artifact, write_artifact
-    from artifacts.atomic import output_lock
+    from common.atomic import output_lock
 
     from .recommendation import can_extend, recommendation_section, recorded_candidates
 
@@ -492,10 +493,10 @@ def _file_digest(path) -> str:
 def run_configuration(args, identity, artifact, policies, tasks, task_ids, loaded=None) -> dict:
     """Everything the results depend on, as the journal records it: ``--resume`` needs it unchanged.
     ``identity``: the artifact's model identity; ``artifact``: its path; ``task_ids``: the tasks' probe
-    ids in order.  ``loaded``: what the model was loaded as (``runtime.models.loaded_as``; before it
+    ids in order.  ``loaded``: what the model was loaded as (``common.models.loaded_as``; before it
     loads, :func:`_expected_load`), recorded when it is not the CPU default (float32, sdpa), whose
     journals keep their form."""
-    from runtime.models import CPU_DEFAULT_LOAD
+    from common.models import CPU_DEFAULT_LOAD
 
     model = {
         "argument": args.model,
@@ -527,12 +528,12 @@ def _model_context(config) -> int:
 
 
 def _expected_load(args) -> dict | None:
-    """What the model will be loaded as (``runtime.models.loaded_as``), told before it loads where the
+    """What the model will be loaded as (``common.models.loaded_as``), told before it loads where the
     options decide it (``--dtype`` named, or none on a CPU: float32; attention auto, sdpa or eager),
     else None (``--dtype auto``, or none on a GPU: the checkpoint's dtype; another attention)."""
     import torch
 
-    from runtime.models import AUTO_ATTENTION
+    from common.models import AUTO_ATTENTION
 
     dtype = args.dtype
     if dtype is None:
@@ -604,9 +605,9 @@ def _check_journal(args):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure(args)
-    from artifacts.atomic import output_lock
+    from common.atomic import output_lock
+    from common.models import ModelError, load_config
     from runtime.geometry import check_config
-    from runtime.models import ModelError, load_config
 
     try:  # every path, number and combination before any model work
         check_given(options(), args)  # --attn-implementation (imports transformers)
@@ -631,8 +632,8 @@ def _artifact_path(args) -> Path:
     snapshot of a hub id, kvcal's cache (``runtime.calibration.artifact_locations``: where
     load_calibration looks once the model is loaded, from the same model name); ArtifactError naming
     them when there is none."""
+    from common.models import resolve_model
     from runtime.calibration import ARTIFACT_FILENAME, artifact_of_source
-    from runtime.models import resolve_model
 
     if args.artifact is not None:
         path = Path(args.artifact).expanduser()
@@ -650,7 +651,7 @@ def _found_artifact(args) -> Path | None:
     """The artifact the run will read when it can be found now, else None (:func:`_run` reports why, in
     its turn): what the lock of --json, taken before that, is checked against."""
     from artifacts import ArtifactError
-    from runtime.models import ModelError
+    from common.models import ModelError
 
     try:
         return _artifact_path(args)
@@ -664,8 +665,8 @@ def _check_outputs(args, artifact: Path | None) -> None:
     the artifact (nor a link to it, even with --force), not each other, and --json and --html not
     over a file that is not their kind (an HDF5 file) without --force (``_check_journal``: an
     existing journal, --resume and --force)."""
-    from artifacts.atomic import lock_file_path
-    from runtime.models import model_files
+    from common.atomic import lock_file_path
+    from common.models import model_files
 
     also = []
     if args.json_out:
@@ -681,9 +682,9 @@ def _check_outputs(args, artifact: Path | None) -> None:
 
 def _run(args) -> int:
     from artifacts import ArtifactError, open_artifact
-    from artifacts.atomic import check_output_path
+    from common.atomic import check_output_path
+    from common.models import ModelError, load_model, load_tokenizer, loaded_as, use_progress_bars
     from runtime import load_calibration
-    from runtime.models import ModelError, load_model, load_tokenizer, loaded_as, use_progress_bars
     from runtime.policy_spec import parse_policy
 
     from .evaluation import evaluate
@@ -805,7 +806,7 @@ def _run(args) -> int:
     )
     print(markdown_table(evaluation))
     if args.json_out:
-        from artifacts.atomic import write_atomic
+        from common.atomic import write_atomic
 
         try:
             write_atomic(args.json_out, json.dumps(evaluation, indent=2, sort_keys=True) + "\n", what="JSON results")

@@ -35,11 +35,12 @@ from collections import defaultdict
 import torch
 from tqdm.auto import tqdm
 
+from common.formulas import wilson_interval
 from profiler.greedy import greedy_generate
 from runtime.geometry import ModelGeometry
 from runtime.policy_spec import PolicySpec
 
-from .evaluation_results import EVALUATION_SCHEMA, cell_keys, task_record, wilson_interval
+from .evaluation_results import EVALUATION_SCHEMA, cell_keys, task_record
 
 
 class AttentionOutputRecorder:

@@ -5,7 +5,7 @@
 * line 1, the header: ``{"format": JOURNAL_FORMAT, "created": ISO time the run started,
   "configuration": {...}}``, the configuration being everything the results depend on (model,
   artifact digest, policies, compression ratios, task spec and ids, answer length, question
-  awareness: ``profiler.evaluate_cli``).  It is written atomically (``artifacts.atomic``);
+  awareness: ``profiler.evaluate_cli``).  It is written atomically (``common.atomic``);
 * every further line one task: ``{"task": probe id, "rows": [...]}``, the rows
   ``profiler.evaluation.evaluate`` hands to ``on_task`` (row 0 the baseline, then every cell).
 
@@ -224,7 +224,7 @@ class JournalWriter:
     @classmethod
     def start(cls, path: str | os.PathLike, configuration: dict, created: str) -> JournalWriter:
         """A new journal holding only the header (replacing any file at ``path``, atomically)."""
-        from artifacts.atomic import write_atomic
+        from common.atomic import write_atomic
 
         header = {"format": JOURNAL_FORMAT, "created": created, "configuration": canonical(configuration)}
         text = json.dumps(header, sort_keys=True) + "\n"

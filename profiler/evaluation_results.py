@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 
+from common.formulas import wilson_interval
+
 from .paired_decision import DEFAULT_CONFIDENCE, DEFAULT_TOLERANCE
 
 # 2: "ratio" became "compression_ratio"; 3: per-task records ("per_task"), and "recommendation"
@@ -45,17 +47,6 @@ def cell_keys(policies, ratios) -> list[tuple]:
     ``("baseline", None)``, then each compression policy of ``policies`` (``PolicySpec`` s) at every
     ratio (what ``profiler.evaluation.evaluate`` measures and its journal records)."""
     return [("baseline", None)] + [(spec.name, ratio) for spec in policies if not spec.is_baseline for ratio in ratios]
-
-
-def wilson_interval(correct: int, total: int, z: float = 1.959964) -> tuple[float, float]:
-    """95% Wilson score interval of a binomial proportion (``(0, 1)`` when ``total`` is 0)."""
-    if total <= 0:
-        return 0.0, 1.0
-    p = correct / total
-    denominator = 1 + z * z / total
-    centre = (p + z * z / (2 * total)) / denominator
-    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / denominator
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def task_record(probe, rows: list[dict]) -> dict:

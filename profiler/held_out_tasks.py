@@ -67,8 +67,8 @@ class HeldOutTasks:
 
     def ids(self) -> list[str]:
         """Every task's probe id, in the order of :meth:`probes`, without a tokenizer (an id is its
-        family, length, depth, seed and replicate: ``needles.spec.probe_id``)."""
-        from needles.spec import probe_id
+        family, length, depth, seed and replicate: ``common.probe_ids.probe_id``)."""
+        from common.probe_ids import probe_id
 
         return [probe_id(*cell[:3], spec.seed, cell[3]) for spec in self.specs for cell in spec.cells()]
 

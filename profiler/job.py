@@ -27,7 +27,7 @@ model is loaded and before any stage runs, an artifact of another model of the s
 architecture (told by the weights) is replaced only with ``force``; the sections are checked
 again against what is then kept.  The run holds an
 exclusive lock on ``<out>.lock`` (each process of a multi-process run its own,
-``artifacts.atomic.output_lock``), so a second run on the same output is refused instead of
+``common.atomic.output_lock``), so a second run on the same output is refused instead of
 discarding the first one's work file.
 
 The work file's fingerprint covers what its checkpointed sums depend on: the model, the dtype
@@ -53,10 +53,11 @@ import torch
 from tqdm.auto import tqdm
 
 from artifacts import Artifact, ArtifactError, Section, open_artifact, write_artifact
-from artifacts.atomic import OutputError, check_output_path, lock_file_path, output_lock
-from artifacts.log import logger, output
 from artifacts.reader import is_artifact_file
 from artifacts.schema import canonical_json
+from common.atomic import OutputError, check_output_path, lock_file_path, output_lock
+from common.log import logger, output
+from common.models import CPU_DEFAULT_LOAD, DTYPE_CHOICES, loaded_as, model_files
 from profiler import distributed
 from profiler.checkpoint import (
     WorkFileMismatch,
@@ -82,7 +83,6 @@ from profiler.stages.base import ShardedStage
 from profiler.stages.context import digest
 from runtime.calibration import default_artifact_path
 from runtime.geometry import ModelGeometry, check_config
-from runtime.models import CPU_DEFAULT_LOAD, DTYPE_CHOICES, loaded_as, model_files
 
 
 class JobInterrupted(Exception):
@@ -106,8 +106,8 @@ class JobOptions:
     force: bool = False  # replace an artifact of another model, or one that does not validate, at ``out``
     checkpoint_every: int = 4  # units of work (probes, batches) between work-file writes
     device_map: str | None = None
-    dtype: str | None = None  # runtime.models.DTYPE_CHOICES; None: float32 on a CPU, the checkpoint's on a GPU
-    attn_implementation: str | None = "auto"  # runtime.models.load_model's: sdpa, eager where the model soft-caps
+    dtype: str | None = None  # common.models.DTYPE_CHOICES; None: float32 on a CPU, the checkpoint's on a GPU
+    attn_implementation: str | None = "auto"  # common.models.load_model's: sdpa, eager where the model soft-caps
     progress: bool = True
     # The settings of the stages and of their shared inputs by name (an Option's ``dest``, e.g.
     # "max_new_tokens", "calib_samples"; profiler.stages.settings_options()); a missing or None
@@ -153,7 +153,7 @@ class ProfileJob:
     # -- inputs shared by stages -------------------------------------------------------------------
     def load(self) -> None:
         from artifacts.fingerprint import model_identity
-        from runtime.models import load_model, load_tokenizer
+        from common.models import load_model, load_tokenizer
 
         options = self.options
         device_map = options.device_map
@@ -243,7 +243,7 @@ class ProfileJob:
 
     # -- run -------------------------------------------------------------------------------------
     def run(self) -> Path:
-        from runtime.models import resolve_model
+        from common.models import resolve_model
 
         options = self.options
         self.model_path = resolve_model(options.model)
@@ -300,7 +300,7 @@ class ProfileJob:
 
     def requested_load(self, config) -> dict:
         """How this run asks for its model to be loaded, with the defaults spelt out as they resolve
-        (``runtime.models.load_model``): no --dtype is float32 on a CPU, auto on a GPU; attention auto
+        (``common.models.load_model``): no --dtype is float32 on a CPU, auto on a GPU; attention auto
         is sdpa, or eager for a model that soft-caps its attention logits."""
         options = self.options
         dtype = options.dtype

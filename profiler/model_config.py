@@ -10,7 +10,7 @@ from __future__ import annotations
 def model_config(model_path: str):
     """The model's transformers config, read before the weights load; None when it cannot be read
     (the model's own load then reports why)."""
-    from runtime.models import load_config
+    from common.models import load_config
 
     try:
         return load_config(model_path)

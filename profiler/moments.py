@@ -69,11 +69,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from common.names import MOMENT_SELECTIONS as SELECTION_SCORERS
 from runtime.attention import attention_implementation
 from runtime.budgets import global_budgets
 from runtime.geometry import ModelGeometry, input_device
 from runtime.moments import ORDERS, MomentSums, attention_with_lse, corrected_attention, evict_in_rounds
-from runtime.names import MOMENT_SELECTIONS as SELECTION_SCORERS
 from runtime.scorers import (
     ALL_QUERIES,
     ChunkAttentionMass,

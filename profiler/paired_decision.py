@@ -39,7 +39,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from runtime.names import NAMED_POLICIES
+from common.names import NAMED_POLICIES
 
 RULE = "paired-exact-noninferiority/1"  # the rule's name, recorded in the artifact with its parameters
 REFERENCE_NAMES = ("flagship", NAMED_POLICIES["flagship"])  # the reference: the flagship, by name or by its policy

@@ -153,7 +153,7 @@ def _extend(previous: Section, candidates, ratios, task_ids, outcomes, baseline,
 
 
 def _decided_section(candidates, ratios, task_ids, outcomes, baseline, task_seed, families, tolerance, confidence):
-    from profiler.evaluation_results import wilson_interval
+    from common.formulas import wilson_interval
 
     n = len(task_ids)
     reference = next((candidates.index(name) for name in REFERENCE_NAMES if name in candidates), -1)

@@ -12,9 +12,9 @@ Where a served decision is made, following one import chain from ``generate``:
 
 * ``generation``: the entry points (``generate``, ``answer``, ``compress_prompt``, ``build_inputs``);
 * ``serving_plan``: ``bind(policy, calibration, model)``, the one place a policy meets an artifact;
-* ``policy``: the policy value and what it needs from an artifact; ``names``: its vocabulary
-  (torch-free); ``policy_spec``: policies by name (``inf/leverage``, the flagship...);
-  ``recommendation``: which policy an artifact's measurements serve;
+* ``policy``: the policy value and what it needs from an artifact (its torch-free vocabulary is
+  the shared base's: ``common.names``, ``common.policy_grammar``); ``policy_spec``: policies by
+  name (``inf/leverage``, the flagship...); ``recommendation``: which policy an artifact's measurements serve;
 * ``compression``: prefill and per-prompt eviction; ``eviction``: a layer's heads down to their
   budgets (also called back while decoding); ``selection``: the one keep rule (priority ranks:
   sinks, window, scores, ties); ``budgets``: per-head budgets;
@@ -27,11 +27,11 @@ Where a served decision is made, following one import chain from ``generate``:
   ``attention``: the registered attention function and its scoped switch;
   ``moments``: MomentKV math; ``kvzip``: KVzip's reconstruction pass;
 * ``calibration``: artifact loading and identity checks; ``geometry``: the model's checked
-  attention geometry; ``rope``; ``query_moments``: pre-RoPE query sums; ``models``: the embedded
-  model; ``checks``: argument checks; ``transformers_compat``: what differs between the supported
-  transformers versions.
+  attention geometry; ``rope``; ``query_moments``: pre-RoPE query sums; ``checks``: argument
+  checks; ``transformers_compat``: what differs between the supported transformers versions.
+  Loading a model (the embedded one too) is the shared base's: ``common.models``.
 
-Depends on ``artifacts``, ``prompt_format``, torch, transformers, numpy, h5py and filelock only
+Depends on ``common``, ``artifacts``, ``prompt_format``, torch, transformers, numpy and h5py only
 (never on the profiler or the probe generator).  ``kvpress_press`` (:class:`CalibratedPress`, an
 artifact's policy as a press of NVIDIA's kvpress) is the one module that imports kvpress (the
 ``kvpress`` extra); nothing here imports it: ``from runtime.kvpress_press import CalibratedPress``.
@@ -39,8 +39,8 @@ artifact's policy as a press of NVIDIA's kvpress) is the one module that imports
 
 from importlib import import_module
 
-# Exports load their module on first use (PEP 562), so that ``runtime.names`` and the other
-# torch-free modules import without torch.
+# Exports load their module on first use (PEP 562), so that ``import runtime`` loads no torch
+# until a name is used.
 _EXPORTS = {
     "answer": "generation",
     "ATTENTION_NAME": "cache",

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from common.formulas import ideal_budgets
+
 from .selection import global_counts
 
 
@@ -40,18 +42,6 @@ def kv_head_scores(inf_scores: np.ndarray, num_kv_heads: int) -> np.ndarray:
     if total <= 0:
         return np.full_like(per_kv, 1.0 / per_kv.size)
     return per_kv / total
-
-
-def ideal_budgets(weights: np.ndarray, avg_budget: float, beta: float) -> np.ndarray:
-    """Unrounded REAL budgets ``b_base + B_pool * INF_h`` for normalised weights ``[L, Hkv]``."""
-    if beta < 1:
-        raise ValueError(f"beta must be >= 1, got {beta}")
-    if avg_budget <= 0:
-        raise ValueError(f"the average budget must be positive, got {avg_budget}")
-    weights = np.asarray(weights, dtype=np.float64)
-    base = avg_budget * (1.0 - 1.0 / beta)
-    pool = avg_budget * weights.size / beta
-    return base + pool * weights
 
 
 def allocate_budgets(

@@ -64,9 +64,9 @@ from artifacts.fingerprint import (
     tokenizer_fingerprint,
     weights_fingerprint,
 )
+from common.names import MOMENT_SELECTIONS
 
 from .budgets import kv_head_scores
-from .names import MOMENT_SELECTIONS
 from .recommendation import Recommendation, recommended_policy
 
 _MEMO_ATTRIBUTE = "_kvcal_fingerprint_memo"
@@ -277,7 +277,7 @@ def _local_directory(source: str) -> Path | None:
 
 
 def artifact_cache_path(source: str) -> Path | None:
-    """kvcal's own place for the artifact of the model ``source``, under ``runtime.models.cache_root()``:
+    """kvcal's own place for the artifact of the model ``source``, under ``common.models.cache_root()``:
 
     * a hub id ``org/name`` (not a local directory): ``<cache>/artifacts/org--name/kv_calibration.h5``
       (``name`` alone: ``<cache>/artifacts/name/...``);
@@ -288,7 +288,7 @@ def artifact_cache_path(source: str) -> Path | None:
     here by default when it cannot write next to the weights (:func:`default_artifact_path`),
     and :func:`find_artifact` looks here last.
     """
-    from .models import cache_root
+    from common.models import cache_root
 
     directory = _local_directory(source)
     if directory is not None:

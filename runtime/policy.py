@@ -50,9 +50,10 @@ from dataclasses import InitVar, dataclass, field
 
 import numpy as np
 
+from common.names import ALLOCATIONS, CORRECTIONS, STATISTICS
+
 from .budgets import allocate_budgets, curve_row
 from .checks import check_flag, check_integer, check_number, is_number
-from .names import ALLOCATIONS, CORRECTIONS, STATISTICS
 from .scorers import SCORERS, LearnedWeights, QueryCentres, Scorer, make_scorer, query_statistics
 
 # The scorer of a policy that names none: Compactor's leverage + chunked attention needs no

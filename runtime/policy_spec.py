@@ -9,7 +9,7 @@ Grammar: ``baseline`` (no compression), a name in :data:`NAMED_POLICIES`, or
 ``ALLOCATION/SCORER[:STATISTICS][+SUFFIX]...`` with ALLOCATION in ``runtime.policy.ALLOCATIONS``,
 SCORER in ``runtime.scorers.SCORERS``, STATISTICS ``calibrated|future|prompt`` (expected_attention
 only) and SUFFIX in :data:`MOMENT_SUFFIXES`, each suffix once and one correction at most
-(``runtime.policy_grammar``, torch-free, splits and checks the text; the artifact reader checks a
+(``common.policy_grammar``, torch-free, splits and checks the text; the artifact reader checks a
 recommendation's policies with it).  A spec carries no size: :meth:`PolicySpec.policy` makes the
 :class:`runtime.policy.CompressionPolicy` for one compression ratio.
 """
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .names import NAMED_POLICIES as NAMED_POLICY_TEXTS
+from common.names import NAMED_POLICIES as NAMED_POLICY_TEXTS
+from common.policy_grammar import BASELINE, MOMENT_SUFFIXES, split_policy
+
 from .policy import CompressionPolicy
-from .policy_grammar import BASELINE, MOMENT_SUFFIXES, split_policy
 
 __all__ = ["BASELINE", "MOMENT_SUFFIXES", "PolicySpec", "parse_policy", "register_named_policy"]
 

@@ -43,14 +43,14 @@ def one_thread():
 @pytest.fixture(scope="session")
 def embedded_model():
     """The real embedded SmolLM2-135M-Instruct, float32, eval mode (converted on first use)."""
-    from runtime.models import load_model
+    from common.models import load_model
 
     return load_model()
 
 
 @pytest.fixture(scope="session")
 def embedded_tokenizer():
-    from runtime.models import load_tokenizer
+    from common.models import load_tokenizer
 
     return load_tokenizer()
 
@@ -117,18 +117,18 @@ class ModelLoadAttempted(BaseException):
 
 
 def forbid_model_loading(monkeypatch) -> None:
-    """Replace the loader every command shares (``runtime.models._from_pretrained``) by a tripwire that
+    """Replace the loader every command shares (``common.models._from_pretrained``) by a tripwire that
     raises :class:`ModelLoadAttempted` for anything but a config (``monkeypatch`` restores it)."""
-    import runtime.models
+    import common.models
 
-    original = runtime.models._from_pretrained
+    original = common.models._from_pretrained
 
     def tripwire(auto_class, model, **kwargs):
         if auto_class.__name__ != "AutoConfig":
             raise ModelLoadAttempted(f"{auto_class.__name__}.from_pretrained({model})")
         return original(auto_class, model, **kwargs)
 
-    monkeypatch.setattr(runtime.models, "_from_pretrained", tripwire)
+    monkeypatch.setattr(common.models, "_from_pretrained", tripwire)
 
 
 def kill_evaluation_after_its_first_task(arguments: list[str], journal) -> None:
@@ -305,7 +305,8 @@ def make_random_artifact(
             }
         )
     if "budgets" in sections:
-        from runtime.budgets import allocate_budgets, ideal_budgets
+        from common.formulas import ideal_budgets
+        from runtime.budgets import allocate_budgets
 
         inf_kv = rng.random((L, Hkv))
         inf_kv /= inf_kv.sum()

@@ -1,5 +1,6 @@
 """The import graph of a package read from its source, and its cycles: shared by the tests that keep
-``runtime/`` and ``profiler/`` free of import cycles.
+``runtime/`` and ``profiler/`` free of import cycles and the packages in their layers
+(tests/test_layering.py).
 
 Every import statement counts, wherever it is (module level, inside a function, under
 ``TYPE_CHECKING``): a function-local import hides a cycle from Python at import time, not from a
@@ -13,12 +14,13 @@ import ast
 from pathlib import Path
 
 
-def import_graph(package_dir: Path) -> dict[str, set[str]]:
-    """Module name -> the modules of the package at ``package_dir`` it imports (itself left out)."""
+def import_graph(*package_dirs: Path) -> dict[str, set[str]]:
+    """Module name -> the modules of the packages at ``package_dirs`` it imports (itself left out)."""
     modules = {}
-    for path in sorted(package_dir.rglob("*.py")):
-        parts = path.relative_to(package_dir.parent).with_suffix("").parts
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for package_dir in package_dirs:
+        for path in sorted(package_dir.rglob("*.py")):
+            parts = path.relative_to(package_dir.parent).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     graph = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]

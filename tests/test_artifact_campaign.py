@@ -182,7 +182,7 @@ def _drop_group(*names: str) -> Callable:
 
 def _served_not_by_the_rule(h5) -> None:
     """Serve another candidate than the rule picks at ratio 0, its accuracy and interval with it."""
-    from profiler.evaluation_results import wilson_interval
+    from common.formulas import wilson_interval
 
     policy, candidates = h5["recommendation/policy"][()], h5["recommendation/candidates"][()]
     accuracy = h5["recommendation/candidate_accuracy"][()]  # [NP, NC]

@@ -3,7 +3,7 @@
 Each case is one command line that must be refused: exit status 2, one line on stderr (no
 usage dump, no traceback), before any model or tokenizer loads, and every file that was there
 before byte-for-byte unchanged.  "Before any model loads" is proven, not timed: the loader every
-command shares (``runtime.models._from_pretrained``) is replaced by a tripwire that raises
+command shares (``common.models._from_pretrained``) is replaced by a tripwire that raises
 :class:`ModelLoadAttempted` (a ``BaseException``, which no command catches) for a model or a
 tokenizer; reading a ``config.json`` stays allowed.
 
@@ -53,8 +53,8 @@ def _all_stages() -> str:
 
 
 def _kind_values(kind) -> list[str]:
-    """Bad command-line texts for a value of ``kind`` (artifacts.options)."""
-    from artifacts.options import Choice, Integer, ListOf, Number, OutputFile, Text
+    """Bad command-line texts for a value of ``kind`` (common.options)."""
+    from common.options import Choice, Integer, ListOf, Number, OutputFile, Text
 
     if isinstance(kind, OutputFile):
         # a directory, the input (and a link to it), a file of another kind, a directory that is a file
@@ -288,13 +288,13 @@ def _generate_cases() -> list[Case]:
 
 
 def _declared_cases() -> list[Case]:
-    """Every option the three other commands declare (artifacts.options: ``evaluate_cli.options()``,
+    """Every option the three other commands declare (common.options: ``evaluate_cli.options()``,
     ``artifacts.cli.OPTIONS``, ``needles.cli.OPTIONS``), each with the bad values of its kind, a
     switch given a value, and the bad paths of a model or artifact argument."""
     import artifacts.cli
     import needles.cli
     import profiler.evaluate_cli
-    from artifacts.options import Option, Switch
+    from common.options import Option, Switch
 
     bad_models = ["{tmp}/no-such-model", "{text}", "{emptydir}"]
     bad_artifacts = ["{tmp}/missing.h5", "{emptydir}", "{text}", "{bad}", "{empty}", "{badlink}"]
@@ -496,7 +496,7 @@ def workspace(tmp_path, artifact_templates):
     emptydir.mkdir()
     # a local model directory of the embedded model's architecture (so that its artifacts serve it):
     # its config (what the commands read before loading), weights and tokenizer
-    from runtime.models import load_config
+    from common.models import load_config
 
     modeldir = paths["modeldir"] = tmp_path / "model"
     load_config().save_pretrained(modeldir)

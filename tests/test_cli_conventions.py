@@ -41,11 +41,12 @@ def test_parsing_and_help_import_no_torch(module):
     assert done.stdout.strip() == "", f"{module}'s parser or --help imported {done.stdout.strip()}"
 
 
-def test_the_command_lines_take_the_runtime_vocabulary_from_runtime_names_not_copies():
+def test_the_command_lines_take_the_runtime_vocabulary_from_common_names_not_copies():
     """evaluate-artifact's parser, the runtime's validation and the profiler's moments stage use the
-    very same torch-free objects of ``runtime.names``: nothing to keep in step."""
+    very same torch-free objects of ``common.names``: nothing to keep in step."""
+    from common import names
     from profiler import evaluate_cli, moments
-    from runtime import calibration, names, policy, policy_spec
+    from runtime import calibration, policy, policy_spec
     from runtime.scorers import SCORERS, registry
 
     assert evaluate_cli.ALLOCATIONS is names.ALLOCATIONS is policy.ALLOCATIONS
@@ -66,11 +67,11 @@ def test_the_command_lines_take_the_runtime_vocabulary_from_runtime_names_not_co
     assert moments.SELECTION_SCORERS is calibration.MOMENT_SELECTIONS is names.MOMENT_SELECTIONS
 
 
-def test_runtime_names_imports_without_torch():
+def test_common_names_imports_without_torch():
     import subprocess
     import sys
 
-    code = "import sys, runtime.names; print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))"
+    code = "import sys, common.names; print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
 
@@ -78,9 +79,9 @@ def test_runtime_names_imports_without_torch():
 def test_stage_options_take_their_names_from_the_method_modules_not_copies():
     """profile-model's choices and defaults are the method modules' own objects (imported
     torch-free), so there is nothing to keep in step."""
+    from common import names
     from profiler import budget_curves, moments
     from profiler.stages import settings_options
-    from runtime import names
 
     options = {option.dest: option for option in settings_options()}
     assert moments.SELECTION_SCORERS is names.MOMENT_SELECTIONS
@@ -106,7 +107,7 @@ def test_version_names_the_command_and_the_installed_distribution(command):
 def test_version_from_a_source_tree_that_was_never_installed(monkeypatch):
     import importlib.metadata
 
-    from artifacts.version import toolkit_version
+    from common.version import toolkit_version
 
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
@@ -145,7 +146,7 @@ def offline_hub(monkeypatch):
 
 
 def test_a_path_that_does_not_exist_is_no_such_model_directory(tmp_path):
-    from runtime.models import ModelNotFoundError, resolve_model
+    from common.models import ModelNotFoundError, resolve_model
 
     paths = ("./no-such-model", "../no/such", str(tmp_path / "gone"), "~/no-such-model", "models/a/b", "x/", "é/x")
     for path in paths:
@@ -156,7 +157,7 @@ def test_a_path_that_does_not_exist_is_no_such_model_directory(tmp_path):
 
 
 def test_a_hub_id_that_is_neither_a_directory_nor_in_the_hub_cache_says_both(offline_hub):
-    from runtime.models import ModelNotFoundError, load_model, load_tokenizer
+    from common.models import ModelNotFoundError, load_model, load_tokenizer
 
     for load in (load_tokenizer, load_model):
         with pytest.raises(ModelNotFoundError) as info:
@@ -207,7 +208,7 @@ class _Terminal:
 def test_progress_bars_only_on_a_terminal_and_never_under_no_progress(monkeypatch):
     from transformers.utils import logging
 
-    from runtime.models import use_progress_bars
+    from common.models import use_progress_bars
 
     monkeypatch.delenv("HF_DATASETS_DISABLE_PROGRESS_BARS", raising=False)  # restored after the test
     before = logging.is_progress_bar_enabled()  # process-wide: in-process command runs may have turned it off

@@ -64,12 +64,12 @@ def test_profile_model_help_is_readable(capsys, monkeypatch):
     ],
 )
 def test_a_near_miss_is_one_line_naming_the_closest(command, argv, suggestion, capsys, monkeypatch):
-    import runtime.models
+    import common.models
 
     def no_model(*args, **kwargs):  # were the line accepted, nothing may load or run
         raise AssertionError("the command line was accepted: a model began loading")
 
-    monkeypatch.setattr(runtime.models, "_from_pretrained", no_model)
+    monkeypatch.setattr(common.models, "_from_pretrained", no_model)
     main = importlib.import_module(COMMANDS[command]).main
     with pytest.raises(SystemExit) as exited:
         main(argv)

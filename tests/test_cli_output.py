@@ -120,7 +120,7 @@ def test_no_bar_is_drawn_into_a_file_nor_by_the_first_conversion_under_no_progre
     log = tmp_path / "load.log"
     with open(log, "wb") as stderr:  # a log file: no bar without --no-progress either
         done = subprocess.run(
-            [sys.executable, "-c", "from runtime.models import load_model as m, load_tokenizer as t; m(); t()"],
+            [sys.executable, "-c", "from common.models import load_model as m, load_tokenizer as t; m(); t()"],
             cwd=repo, env=env, stderr=stderr, timeout=600,
         )  # fmt: skip
     text = log.read_text(errors="replace")

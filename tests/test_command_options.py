@@ -1,6 +1,6 @@
-"""Every command declares its options once (artifacts.options, issue 30): its parser is built from
+"""Every command declares its options once (common.options, issue 30): its parser is built from
 the declarations, so each flag it accepts is a declared :class:`Option` (or a renamed one), and the
-outputs follow one rule (:func:`artifacts.options.check_outputs`)."""
+outputs follow one rule (:func:`common.options.check_outputs`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import importlib
 import pytest
 from conftest import COMMAND_MODULES
 
-from artifacts.atomic import OutputError
-from artifacts.options import Integer, Option, OutputFile, Renamed, Switch, Text, add_options, check_outputs
+from common.atomic import OutputError
+from common.options import Integer, Option, OutputFile, Renamed, Switch, Text, add_options, check_outputs
 
-# the flags every command shares, declared once elsewhere: help, artifacts.version, artifacts.log
+# the flags every command shares, declared once elsewhere: help, common.version, common.log
 SHARED_FLAGS = {"-h", "--help", "--version", "-q", "--quiet", "-v", "--verbose"}
 
 
@@ -55,7 +55,7 @@ def test_every_flag_of_a_command_is_a_declared_option(command):
 
 
 def _parser(*options) -> argparse.ArgumentParser:
-    from artifacts.command_line import CommandParser
+    from common.command_line import CommandParser
 
     parser = CommandParser(prog="demo")
     add_options(parser, options)

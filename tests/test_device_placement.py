@@ -93,11 +93,11 @@ def test_the_profiler_stages_and_the_artifacts_policies_make_their_inputs_on_the
     MomentKV correction while decoding)."""
     from conftest import tiny_profile_args, write_tiny_model_dir
 
+    from common.models import load_model
     from profiler.cli import main
     from profiler.evaluation_results import RECOMMENDATION_CANDIDATES
     from profiler.stages import STAGE_NAMES
     from runtime import load_calibration
-    from runtime.models import load_model
 
     model_dir = tmp_path / "model"
     model_dir.mkdir()

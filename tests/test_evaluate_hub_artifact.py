@@ -20,14 +20,14 @@ HUB_ID = "some-org/tiny-model"
 # evaluate-artifact's main with a tripwire on the loader: a model or tokenizer load exits 99
 RUN = """
 import sys
-import runtime.models
-original = runtime.models._from_pretrained
+import common.models
+original = common.models._from_pretrained
 def tripwire(auto_class, model, **kwargs):
     if auto_class.__name__ != "AutoConfig":
         print(f"began loading {auto_class.__name__} {model}", file=sys.stderr)
         sys.exit(99)
     return original(auto_class, model, **kwargs)
-runtime.models._from_pretrained = tripwire
+common.models._from_pretrained = tripwire
 from profiler.evaluate_cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -37,7 +37,7 @@ sys.exit(main(sys.argv[1:]))
 def hub_env(tmp_path) -> dict[str, str]:
     """An offline hub cache holding ``some-org/tiny-model``'s config.json (the embedded model's), and
     an empty kvcal cache (XDG_CACHE_HOME)."""
-    from runtime.models import embedded_model_dir
+    from common.models import embedded_model_dir
 
     snapshot = tmp_path / "hub" / "models--some-org--tiny-model" / "snapshots" / ("0" * 40)
     snapshot.mkdir(parents=True)

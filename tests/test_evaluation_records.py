@@ -212,7 +212,7 @@ def test_the_cli_never_replaces_an_output_or_a_journal_without_resume_or_force(t
     assert main([*base, "--resume"]) == 2
     assert "not an evaluate-artifact journal" in capsys.readouterr().err
     assert journal.read_text() == "not json\n" and out.read_text() == "{}"  # nothing was replaced
-    from artifacts.atomic import output_lock
+    from common.atomic import output_lock
 
     with output_lock(out, "evaluate-artifact"):  # a run on the same output going on: its journal is its own
         assert main([*base, "--force"]) == 2

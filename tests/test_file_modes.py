@@ -15,8 +15,8 @@ import pytest
 from conftest import make_random_artifact
 
 from artifacts import open_artifact, write_artifact
-from artifacts.atomic import atomic_path, current_umask
 from artifacts.report import write_report
+from common.atomic import atomic_path, current_umask
 from profiler.checkpoint import load_work, save_work
 
 

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _bad_config_dir(tmp_path: Path, **fields) -> Path:
     """A real model directory (tiny Llama + the embedded tokenizer's files) whose config.json has ``fields``."""
-    from runtime.models import embedded_model_dir
+    from common.models import embedded_model_dir
 
     directory = tmp_path / "bad-model"
     make_tiny_llama().save_pretrained(directory)
@@ -50,7 +50,7 @@ def _bad_config_dir(tmp_path: Path, **fields) -> Path:
 
 
 def test_model_directory_with_an_invalid_config_field_is_a_clear_model_error(tmp_path):
-    from runtime.models import ModelError, load_model, load_tokenizer
+    from common.models import ModelError, load_model, load_tokenizer
 
     directory = _bad_config_dir(tmp_path, num_hidden_layers="x")
     for load in (load_model, load_tokenizer):
@@ -269,7 +269,7 @@ def test_a_calibration_of_another_architecture_is_refused_by_compress_prompt(tmp
 
 def _cache_copy(tmp_path: Path) -> tuple[Path, dict]:
     """A copy of the real converted embedded model in a fresh cache; the env that points at it."""
-    from runtime.models import embedded_model_dir
+    from common.models import embedded_model_dir
 
     source = embedded_model_dir()  # the real cache, converted already (or now)
     cache = tmp_path / "cache"
@@ -280,7 +280,7 @@ def _cache_copy(tmp_path: Path) -> tuple[Path, dict]:
 
 LOAD_EMBEDDED = (
     "import warnings; warnings.simplefilter('always')\n"
-    "from runtime.models import embedded_model_dir, load_model, load_tokenizer\n"
+    "from common.models import embedded_model_dir, load_model, load_tokenizer\n"
     "d = embedded_model_dir(); m = load_model(); t = load_tokenizer()\n"
     "assert m.config.num_hidden_layers == 30 and len(t) > 1000\n"
     "print(d)\n"
@@ -313,7 +313,7 @@ def _load_embedded(env: dict, count: int = 1) -> list[subprocess.CompletedProces
 
 
 def _assert_healed(target: Path, reference: Path) -> None:
-    from runtime.models import MANIFEST_NAME, cache_entry_problem
+    from common.models import MANIFEST_NAME, cache_entry_problem
 
     assert cache_entry_problem(target, hashes=True) is None and (target / MANIFEST_NAME).is_file()
     assert (target / "model.safetensors").stat().st_size == (reference / "model.safetensors").stat().st_size
@@ -321,7 +321,7 @@ def _assert_healed(target: Path, reference: Path) -> None:
 
 
 def test_a_truncated_weights_file_in_the_embedded_model_cache_is_converted_again(tmp_path):
-    from runtime.models import embedded_model_dir
+    from common.models import embedded_model_dir
 
     target, env = _cache_copy(tmp_path)
     weights = target / "model.safetensors"
@@ -335,7 +335,7 @@ def test_a_truncated_weights_file_in_the_embedded_model_cache_is_converted_again
 
 
 def test_a_deleted_weights_file_in_the_embedded_model_cache_is_converted_once_by_two_processes_at_once(tmp_path):
-    from runtime.models import _write_manifest, embedded_model_dir
+    from common.models import _write_manifest, embedded_model_dir
 
     target, env = _cache_copy(tmp_path)
     _write_manifest(target)  # as a conversion leaves it
@@ -350,7 +350,7 @@ def test_a_deleted_weights_file_in_the_embedded_model_cache_is_converted_once_by
 
 
 def test_a_weights_file_damaged_without_changing_its_size_is_converted_again_when_the_load_fails(tmp_path):
-    from runtime.models import _write_manifest, embedded_model_dir
+    from common.models import _write_manifest, embedded_model_dir
 
     target, env = _cache_copy(tmp_path)
     _write_manifest(target)
@@ -770,7 +770,7 @@ def test_an_optional_model_attribute_present_with_empty_text_is_refused(tmp_path
 
 # -- outputs and options (profile-model, evaluate-artifact, inspect-artifact) --
 #
-# Every file the tools write goes through one writer (artifacts.atomic: atomic, a clear
+# Every file the tools write goes through one writer (common.atomic: atomic, a clear
 # OutputError); every option and output path is checked before any model work.  "Disk full"
 # is a real write failure: the child process runs under RLIMIT_FSIZE with SIGXFSZ ignored, so
 # write() fails with EFBIG ("File too large") as it would with ENOSPC.
@@ -866,7 +866,7 @@ sys.path.insert(0, "tests")
 import numpy as np
 from conftest import make_random_artifact
 from artifacts import open_artifact, write_artifact
-from artifacts.atomic import OutputError, write_atomic
+from common.atomic import OutputError, write_atomic
 from artifacts.report import write_report
 from profiler.checkpoint import save_work
 
@@ -1068,14 +1068,14 @@ def test_a_second_run_on_the_same_output_is_refused_and_a_dead_runs_lock_does_no
 
 def test_a_killed_writers_temp_file_is_removed_by_the_next_write(tmp_path):
     from artifacts import write_artifact
-    from artifacts.atomic import STALE_TEMP_SECONDS
+    from common.atomic import STALE_TEMP_SECONDS
 
     out = tmp_path / "kv_calibration.h5"
     writer = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys, time\nfrom artifacts.atomic import atomic_path\n"
+            "import sys, time\nfrom common.atomic import atomic_path\n"
             "with atomic_path(sys.argv[1]) as tmp:\n"
             "    tmp.write_bytes(b'x' * 100000); print(tmp.name, flush=True); time.sleep(600)\n",
             str(out),

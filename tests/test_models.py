@@ -18,7 +18,7 @@ from artifacts.fingerprint import (
     tokenizer_fingerprint,
     weights_fingerprint,
 )
-from runtime.models import ModelNotFoundError, embedded_model_dir, load_model, resolve_model
+from common.models import ModelNotFoundError, embedded_model_dir, load_model, resolve_model
 
 
 def test_embedded_model_loads_fast_from_the_cache():
@@ -61,8 +61,7 @@ def test_concurrent_first_use_builds_one_intact_cache(tmp_path):
     "Writing model shards" bar of the conversion's save did)."""
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     code = (
-        "from runtime.models import embedded_model_dir, load_model; d = embedded_model_dir(); "
-        "m = load_model(); print(d)"
+        "from common.models import embedded_model_dir, load_model; d = embedded_model_dir(); m = load_model(); print(d)"
     )
     procs = [
         subprocess.Popen(

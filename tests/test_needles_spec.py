@@ -78,7 +78,7 @@ def test_same_spec_and_seed_are_byte_identical(embedded_tokenizer, tmp_path):
     assert first.read_bytes() == second.read_bytes()
     # and in a fresh interpreter (different hash randomisation)
     code = (
-        "import sys; from needles import *; from runtime.models import load_tokenizer; "
+        "import sys; from needles import *; from common.models import load_tokenizer; "
         "spec = ProbeSpec(lengths=(512, 768), depths=(20.0, 80.0)); "
         "write_probes(generate_probes(spec, load_tokenizer()), sys.argv[1])"
     )

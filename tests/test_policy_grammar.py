@@ -1,4 +1,4 @@
-"""The torch-free policy grammar (runtime.policy_grammar) against the runtime's own checks: every
+"""The torch-free policy grammar (common.policy_grammar) against the runtime's own checks: every
 combination of allocation, scorer, statistics and suffixes is refused by both or by neither, and
 reads the same sections."""
 
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from runtime.names import ALLOCATIONS, SCORER_NAMES, STATISTICS
+from common.names import ALLOCATIONS, SCORER_NAMES, STATISTICS
+from common.policy_grammar import MOMENT_SUFFIXES, sections_needed, serving_refusal, split_policy
 from runtime.policy import REQUIREMENTS
-from runtime.policy_grammar import MOMENT_SUFFIXES, sections_needed, serving_refusal, split_policy
 from runtime.policy_spec import parse_policy
 
 SUFFIX_RUNS = [()] + [(s,) for s in MOMENT_SUFFIXES] + list(itertools.permutations(MOMENT_SUFFIXES, 2))
@@ -89,7 +89,7 @@ def test_serving_refusal_says_why(text, sections, reason):
 def test_a_servable_policy_has_no_refusal_and_the_grammar_imports_no_torch():
     assert serving_refusal("flagship", {"behaviour", "moments"}) is None
     assert serving_refusal("uniform/keydiff", set()) is None
-    code = "import sys, runtime.policy_grammar; print([m for m in ('torch', 'transformers') if m in sys.modules])"
+    code = "import sys, common.policy_grammar; print([m for m in ('torch', 'transformers') if m in sys.modules])"
     assert (
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
     )

@@ -301,7 +301,7 @@ def test_hub_id_round_trip_profile_then_serve(model_dir, tmp_path):
     expected = tmp_path / "xdg" / "kvcal" / "artifacts" / "some-org--tiny-model" / "kv_calibration.h5"
     assert expected.is_file() and not (tmp_path / "kv_calibration.h5").exists()
     serve = (
-        "from runtime import load_calibration; from runtime.models import load_model, load_tokenizer; "
+        "from runtime import load_calibration; from common.models import load_model, load_tokenizer; "
         "m = load_model('some-org/tiny-model'); t = load_tokenizer('some-org/tiny-model'); "
         "print(load_calibration(m, t).path)"
     )

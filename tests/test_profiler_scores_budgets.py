@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from profiler.behaviour import behaviour_scores, dominant_totals, dominant_totals_from_attention
+from common.formulas import behaviour_scores
+from profiler.behaviour import dominant_totals, dominant_totals_from_attention
 from profiler.budgets import budget_tables
 
 # Context of 6 tokens: W R R B D W

@@ -67,7 +67,7 @@ def test_bad_settings_are_refused_before_the_model_loads(settings, message):
 def _run_without_a_model(tmp_path, out: Path, *stages: str, **settings):
     """``ProfileJob.run`` on a hub id that is not there: any model load would fail with ModelNotFoundError,
     so an error that names a section was raised before the model loads."""
-    from runtime.models import ModelNotFoundError
+    from common.models import ModelNotFoundError
 
     options = JobOptions(model="no-such-org/never-loaded", out=out, preset="smoke", stages=stages, settings=settings)
     with pytest.raises((ValueError, ModelNotFoundError)) as raised:

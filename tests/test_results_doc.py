@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from profiler.evaluation_results import wilson_interval
+from common.formulas import wilson_interval
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "results.md"

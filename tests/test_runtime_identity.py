@@ -18,8 +18,8 @@ from conftest import make_tiny_llama
 from artifacts import Artifact, ArtifactError, Section, open_artifact, write_artifact
 from artifacts.fingerprint import FINGERPRINT_DTYPES, model_identity, serving_dtype, weights_fingerprint
 from artifacts.schema import SCHEMA_VERSION, canonical_json
+from common.models import load_model
 from runtime import load_calibration
-from runtime.models import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 

@@ -52,8 +52,7 @@ def test_runtime_sources_import_only_allowed_packages():
     """Static check of every import statement in runtime/ (its packages included)."""
     import ast
 
-    # filelock: the embedded model cache's lock (runtime.models; installed with transformers' huggingface_hub)
-    allowed = {"artifacts", "prompt_format", "torch", "transformers", "numpy", "h5py", "filelock", "runtime"}
+    allowed = {"common", "artifacts", "prompt_format", "torch", "transformers", "numpy", "h5py", "runtime"}
     stdlib = set(sys.stdlib_module_names)
     offenders = []
     assert "runtime.scorers.registry" in RUNTIME_MODULES and "runtime.scorers" in RUNTIME_MODULES

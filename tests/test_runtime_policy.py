@@ -424,7 +424,7 @@ def test_a_calibration_left_open_at_exit_prints_nothing(smoke_artifact):
 
     script = (
         "from runtime import load_calibration\n"
-        "from runtime.models import load_model, load_tokenizer\n"
+        "from common.models import load_model, load_tokenizer\n"
         "model, tokenizer = load_model(), load_tokenizer()\n"
         f"calibration = load_calibration(model, tokenizer, path={str(smoke_artifact)!r})\n"
     )

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from profiler import options as _options
-from profiler.options import Option, Renamed
+from common import options as _options
+from common.options import Option, Renamed
 
 from .base import Requirement, Stage
 from .behaviour import BehaviourStage
@@ -53,7 +53,7 @@ def option_groups() -> list[tuple[str, tuple[Option | Renamed, ...]]]:
 
 
 def settings_options() -> tuple[Option, ...]:
-    """Every setting's :class:`profiler.options.Option` (renamed flags left out)."""
+    """Every setting's :class:`common.options.Option` (renamed flags left out)."""
     return tuple(option for _, group in option_groups() for option in group if isinstance(option, Option))
 
 

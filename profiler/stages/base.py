@@ -5,7 +5,7 @@ without torch (``profile-model --help`` builds its parser from them):
 
 * ``name`` (as ``--stages`` spells it), ``section`` (the artifact section it writes),
   ``summary`` (one paragraph for ``--help``), ``unit`` / ``units`` (what its progress bar counts);
-* ``options``: its settings, each an :class:`profiler.options.Option` (flag, ``dest``, kind,
+* ``options``: its settings, each an :class:`common.options.Option` (flag, ``dest``, kind,
   default, help), from which come both its ``argparse`` group and the check of a value given
   in code; ``check_settings(settings)`` for what its settings must satisfy together;
 * ``requires(settings)``: the sections it reads that another stage writes
@@ -61,7 +61,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from artifacts import Section
-from profiler.options import Option, Renamed
+from common.options import Option, Renamed
 from profiler.stages.context import StageContext
 
 

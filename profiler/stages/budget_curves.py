@@ -18,8 +18,8 @@ import time
 import numpy as np
 
 from artifacts import Section
+from common.options import Choice, ListOf, Number, Option
 from profiler.budget_curves import CURVE_FLOOR, CURVE_GRID, CURVE_RATIOS, RETENTION_WEIGHT, SELECTIONS
-from profiler.options import Choice, ListOf, Number, Option
 
 from .base import RopeRead, Stage
 

@@ -8,7 +8,8 @@ INFsc of this run's behaviour section or of the artifact already at the output p
 from __future__ import annotations
 
 from artifacts import Section
-from profiler.arguments import MAX_TOKENS
+from common.command_line import MAX_TOKENS
+from common.options import Integer, ListOf, Number, Option, Renamed
 from profiler.budgets import (
     DEFAULT_BETA,
     DEFAULT_MIN_BUDGET,
@@ -16,7 +17,6 @@ from profiler.budgets import (
     DEFAULT_TOKEN_BUDGETS,
     budget_tables,
 )
-from profiler.options import Integer, ListOf, Number, Option, Renamed
 
 from .base import Requirement, Stage
 

@@ -20,9 +20,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from artifacts.log import output
-from profiler.arguments import MAX_COUNT, MAX_SEED, MAX_TOKENS
-from profiler.options import Integer, Option, Text
+from common.command_line import MAX_COUNT, MAX_SEED, MAX_TOKENS
+from common.log import output
+from common.options import Integer, Option, Text
 
 CALIBRATION_SOURCE_DEFAULT = "needles prose haystack"
 LOCAL_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".csv", ".parquet", ".arrow")  # a name with one is a path
@@ -58,7 +58,7 @@ def check_calibration_source(spec: str) -> None:
             if path.is_dir() and not any(entry.is_file() for entry in path.rglob("*")):
                 raise ValueError(f"calib_dataset (--calib-dataset): {path} is an empty directory")
         return
-    from runtime.models import could_be_hub_id
+    from common.models import could_be_hub_id
 
     for name in parts:
         dataset = name.partition(":")[0]
@@ -229,7 +229,7 @@ def digest(*parts) -> str:
 class StageContext:
     """Everything a stage reads, fixed before the first stage is made.
 
-    ``settings``: every option's value, resolved (:func:`profiler.options.resolve_settings`:
+    ``settings``: every option's value, resolved (:func:`common.options.resolve_settings`:
     given or the default), by ``dest``; ``stage_names``: the stages of this run, in canonical
     order; ``existing_sections``: the sections of the artifact already at ``out`` that the run
     keeps (same model).  ``info`` is this process's place in a multi-process run
@@ -248,7 +248,7 @@ class StageContext:
     existing_sections: frozenset[str]
     info: Any  # profiler.distributed.ProcessInfo
     progress: bool
-    log: Callable[[str], None] = output("profiler")  # a line of the command's output (artifacts.log)
+    log: Callable[[str], None] = output("profiler")  # a line of the command's output (common.log)
 
     def say(self, message: str) -> None:
         """Log ``message`` on the main process."""

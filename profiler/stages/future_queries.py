@@ -22,8 +22,8 @@ import numpy as np
 
 from artifacts import Section
 from artifacts.schema import FREE_DIM_LIMITS
-from profiler.arguments import MAX_TOKENS
-from profiler.options import Integer, Option
+from common.command_line import MAX_TOKENS
+from common.options import Integer, Option
 
 from .base import RopeRead, ShardedStage
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 from artifacts import Section
+from common.command_line import MAX_COUNT
+from common.options import Integer, Option
 from needles.probe import LABEL_CODE
-from profiler.arguments import MAX_COUNT
-from profiler.options import Integer, Option
 
 from .base import RopeRead, ShardedStage
 

@@ -24,8 +24,8 @@ import time
 import numpy as np
 
 from artifacts import Section
-from profiler.options import Choice, ListOf, Option
-from runtime.names import MOMENT_SELECTIONS as MOMENTS_SELECTIONS
+from common.names import MOMENT_SELECTIONS as MOMENTS_SELECTIONS
+from common.options import Choice, ListOf, Option
 
 from .base import Requirement, RopeRead, Stage
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from artifacts import Section
-from profiler.arguments import MAX_COUNT
-from profiler.options import Integer, Option
+from common.command_line import MAX_COUNT
+from common.options import Integer, Option
 
 from .base import RopeRead, ShardedStage
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 import time
 
 from artifacts import Section
+from common.command_line import MAX_COUNT
+from common.options import Choice, Integer, ListOf, Number, Option, Text
 from needles.families import FAMILIES
-from profiler.arguments import MAX_COUNT
 from profiler.evaluation_results import COMPRESSION_GRID, RECOMMENDATION_CANDIDATES
 from profiler.held_out_tasks import HAYSTACKS
-from profiler.options import Choice, Integer, ListOf, Number, Option, Text
 from profiler.paired_decision import DEFAULT_CONFIDENCE, DEFAULT_TOLERANCE
 
 from .base import Requirement, RopeRead, Stage

@@ -1,4 +1,4 @@
-"""The scorers by name: the registration lines are :data:`runtime.names.SCORER_CLASSES` (a
+"""The scorers by name: the registration lines are :data:`common.names.SCORER_CLASSES` (a
 scorer's module under ``runtime/scorers/`` and the class it defines; torch-free, so that
 command-line parsers list the names without importing a scorer)."""
 
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from ..names import SCORER_CLASSES
+from common.names import SCORER_CLASSES
+
 from .base import Scorer
 
 REGISTERED = SCORER_CLASSES
