@@ -166,3 +166,13 @@ def test_superseded_by_links_a_later_entry():
         for text, target in links:
             assert text == target and target in found and target != name, f"{name}: superseded by {target}"
             assert target[-10:] >= name[-10:], f"{name} is superseded by an earlier entry, {target}"
+
+
+def test_every_benchmark_is_in_the_benchmarks_readme():
+    readme = (REPO / "benchmarks" / "README.md").read_text()
+    scripts = sorted(path.name for path in (REPO / "benchmarks").glob("*.py"))
+    assert len(scripts) > 20, "the benchmarks moved?"
+    missing = [name for name in scripts if f"### `{name}`" not in readme]
+    assert not missing, f"benchmarks/README.md has no section for {missing}"
+    stale = [name for name in re.findall(r"^### `([^`]+)`", readme, re.MULTILINE) if name not in scripts]
+    assert not stale, f"benchmarks/README.md describes scripts that are gone: {stale}"
