@@ -92,3 +92,87 @@ def test_accuracy_cells_agree_with_their_counts_and_wilson_intervals():
         assert 0 <= k <= n and f"{k / n:.2f}" == accuracy, (accuracy, correct, total)
         lo, hi = wilson_interval(k, n)
         assert (f"{lo:.2f}", f"{hi:.2f}") == (low, high), (accuracy, correct, total, low, high)
+
+
+# The navigation at the top of docs/results.md (issue 42): an index of every entry by section, and a table of
+# the current figures, each linking the entry it is copied from.
+LINK = re.compile(r"\[(R-[^\]]+)\]\(#(R-[^)]+)\)")
+INDEX_NOTE = 'Every entry, by section, in the order of this document; "superseded" marks one a later entry replaced.'
+
+
+def section(text: str, heading: str) -> str:
+    """The text of the ``## heading`` section of ``text``, up to the next ``## `` heading."""
+    start = text.index(f"\n## {heading}\n") + len(f"\n## {heading}\n")
+    end = text.find("\n## ", start)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading."""
+    return re.sub(r"[^a-z0-9 _-]", "", heading.lower()).replace(" ", "-")
+
+
+def expected_index() -> str:
+    """The Index section as docs/results.md should hold it: every ``## `` section that holds entries, then
+    one line per entry, its id linked and its title, in the document's order."""
+    text = RESULTS.read_text()
+    found = entries()
+    lines = [INDEX_NOTE]
+    for match in re.finditer(r"^## ([^\n]+)\n(.*?)(?=^## |\Z)", text, re.MULTILINE | re.DOTALL):
+        names = ANCHOR.findall(match.group(2))
+        if not names:
+            continue
+        lines += ["", f"**[{match.group(1)}](#{slug(match.group(1))})**", ""]
+        for name in names:
+            title = found[name].lstrip().split("\n", 1)[0].removeprefix(f"### {name}: ")
+            superseded = " (superseded)" if field(found[name], "superseded by") else ""
+            lines.append(f"* [{name}](#{name}): {title}{superseded}")
+    return "\n".join(lines)
+
+
+def test_the_index_lists_every_entry():
+    listed = [target for text, target in LINK.findall(section(RESULTS.read_text(), "Index"))]
+    missing = [name for name in entries() if name not in listed]
+    unknown = [name for name in listed if name not in entries()]
+    assert not missing, f"entries missing from the Index of docs/results.md: {missing}"
+    assert not unknown, f"the Index of docs/results.md links no entry: {unknown}"
+
+
+def test_the_index_reads_as_generated():
+    index = section(RESULTS.read_text(), "Index").strip()
+    assert index == expected_index(), "the Index of docs/results.md should read:\n\n" + expected_index()
+
+
+def test_current_figures_cite_existing_entries():
+    table = [line for line in section(RESULTS.read_text(), "Current figures").splitlines() if line.startswith("|")]
+    rows = table[2:]  # past the header and its rule
+    assert len(rows) >= 10, "the Current figures table lost its rows"
+    found = entries()
+    for row in rows:
+        links = LINK.findall(row)
+        assert links, f"a current figure without its entry: {row}"
+        for text, target in links:
+            assert text == target and target in found, f"{text} -> #{target}: not an entry ({row})"
+
+
+def test_superseded_by_links_a_later_entry():
+    found = entries()
+    for name, body in found.items():
+        value = field(body, "superseded by")
+        if value is None:
+            continue
+        links = LINK.findall(value)
+        assert links, f"{name}: superseded by what? {value!r}"
+        for text, target in links:
+            assert text == target and target in found and target != name, f"{name}: superseded by {target}"
+            assert target[-10:] >= name[-10:], f"{name} is superseded by an earlier entry, {target}"
+
+
+def test_every_benchmark_is_in_the_benchmarks_readme():
+    readme = (REPO / "benchmarks" / "README.md").read_text()
+    scripts = sorted(path.name for path in (REPO / "benchmarks").glob("*.py"))
+    assert len(scripts) > 20, "the benchmarks moved?"
+    missing = [name for name in scripts if f"### `{name}`" not in readme]
+    assert not missing, f"benchmarks/README.md has no section for {missing}"
+    stale = [name for name in re.findall(r"^### `([^`]+)`", readme, re.MULTILINE) if name not in scripts]
+    assert not stale, f"benchmarks/README.md describes scripts that are gone: {stale}"
