@@ -417,6 +417,9 @@ class _RecordingHook:
     def evict_decoded(self, layer, layer_idx, rows, budgets, next_positions, stats_rows):
         self.calls.append((layer_idx, list(rows), budgets.clone(), list(next_positions), list(stats_rows)))
 
+    def finish_round(self):
+        self.calls.append("finished")
+
 
 def test_decode_eviction_goes_through_the_typed_hook():
     """The cache calls DecodeEvictionHook.evict_decoded once per hook, for the rows holding a head
@@ -449,9 +452,32 @@ def test_decode_eviction_goes_through_the_typed_hook():
         prefill(model, cache, ids)
         cache.set_decode_plan(DecodePlan(hook, np.full((2, 2), 3, dtype=np.int64), 1, 0), row=0)
         model(torch.tensor([[5]]), **cache_argument(model, cache))
-    assert [(call[0], call[1], call[2].tolist(), call[3]) for call in hook.calls] == [
+    assert [(call[0], call[1], call[2].tolist(), call[3]) for call in hook.calls[:-1]] == [
         (index, [0], [[3, 3]], [13]) for index in range(2)
     ]
+    assert hook.calls[-1] == "finished"  # once, after the step's last layer
+
+
+def test_a_decode_round_is_finished_once_after_the_last_layer_and_never_left_open():
+    from runtime.row_state import DecodeRound
+
+    hook, other = _RecordingHook(), _RecordingHook()
+    round_ = DecodeRound(last_layer=2)
+    for layer in range(3):  # a step: two hooks called in layers 0 and 1
+        if layer < 2:
+            round_.called(layer, hook)
+        if layer == 1:
+            round_.called(layer, other)
+        round_.layer_done(layer)
+    assert hook.calls == ["finished"] and other.calls == ["finished"]
+    for layer in range(3):  # a step without a due eviction finishes nothing
+        round_.layer_done(layer)
+    assert hook.calls == ["finished"]
+    round_.called(0, hook)
+    round_.layer_done(0)
+    round_.layer_done(1)  # the step ends here: layer 2 never attends
+    with pytest.raises(RuntimeError, match="never finished"):
+        round_.layer_done(0)
 
 
 @torch.no_grad()
