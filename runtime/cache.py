@@ -217,14 +217,14 @@ class RaggedLayer(DynamicLayer):
             raise RuntimeError(
                 f"RaggedCache needs the model to run attn_implementation={ATTENTION_NAME!r}, it runs "
                 f"{implementation!r}: wrap the call in `with runtime.ragged_attention(model):` "
-                "(or call runtime.enable(model) first)."
+                "(or call runtime.attention.enable(model) first)."
             )
         if self._pending is not None:
             self._pending = None
             raise RuntimeError(
                 "RaggedCache: the previous chunk was never attended. The model must run with "
                 f"attn_implementation={ATTENTION_NAME!r}: wrap the call in `with runtime.ragged_attention(model):` "
-                "(or call runtime.enable(model) first)."
+                "(or call runtime.attention.enable(model) first)."
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)

@@ -12,17 +12,10 @@ from transformers import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from runtime import (
-    ATTENTION_NAME,
-    CompressionPolicy,
-    RaggedCache,
-    compress,
-    compress_prompt,
-    generate,
-    prefill,
-    ragged_attention,
-)
+from runtime import CompressionPolicy, RaggedCache, compress_prompt, generate, ragged_attention
+from runtime.cache import ATTENTION_NAME
 from runtime.calibration import Calibration
+from runtime.compression import compress, prefill
 from runtime.transformers_compat import cache_argument
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
@@ -230,7 +223,7 @@ def test_left_padded_batch_gives_the_same_answers_as_one_by_one():
     contexts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (30, 22, 27)]
     questions = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (4, 7, 5)]
     calibration = inf_calibration(2, 2)
-    from runtime import build_inputs
+    from runtime.generation import build_inputs
 
     for question_aware in (False, True):
         policy = CompressionPolicy(keep_ratio=0.5, allocation="inf", scorer="snapkv", window=4, n_sink=1)
