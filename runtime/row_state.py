@@ -102,7 +102,9 @@ class DecodePlan:
 
     def __post_init__(self):
         if not isinstance(self.hook, DecodeEvictionHook):
-            raise TypeError(f"a decode plan's hook needs an evict_decoded method, got {type(self.hook).__name__}")
+            raise TypeError(
+                f"a decode plan's hook needs evict_decoded and finish_round methods, got {type(self.hook).__name__}"
+            )
 
 
 class Correction(NamedTuple):
