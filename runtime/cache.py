@@ -437,7 +437,7 @@ class RaggedLayer(DynamicLayer):
                 for due in due_evictions(self.rows, store.host_length, self.layer_idx):
                     hook, rows, budgets, next_positions, stats_rows = due
                     hook.evict_decoded(self, self.layer_idx, rows, budgets, next_positions, stats_rows)
-                    self.decode_round.called(self.layer_idx, hook)
+                    self.decode_round.called(hook)
                 self.decode_round.layer_done(self.layer_idx)
         if window is not None:
             store.drop_outside_window(window)

@@ -70,13 +70,13 @@ class DecodeRound:
         self._hooks: dict[int, DecodeEvictionHook] = {}
         self._layer = -1  # the last layer that called since the round began
 
-    def called(self, layer_idx: int, hook: DecodeEvictionHook) -> None:
-        """``hook.evict_decoded`` ran for layer ``layer_idx`` in this step."""
+    def called(self, hook: DecodeEvictionHook) -> None:
+        """``hook.evict_decoded`` ran in this step."""
         self._hooks[id(hook)] = hook
 
     def layer_done(self, layer_idx: int) -> None:
         """Layer ``layer_idx`` of the step has attended (and evicted where due)."""
-        if self._hooks and layer_idx <= self._layer and layer_idx != self.last_layer:
+        if self._hooks and layer_idx <= self._layer:
             self._hooks.clear()
             raise RuntimeError(
                 f"a decode step ended at layer {self._layer} before the cache's last layer {self.last_layer} "

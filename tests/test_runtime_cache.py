@@ -458,15 +458,15 @@ def test_a_decode_round_is_finished_once_after_the_last_layer_and_never_left_ope
     round_ = DecodeRound(last_layer=2)
     for layer in range(3):  # a step: two hooks called in layers 0 and 1
         if layer < 2:
-            round_.called(layer, hook)
+            round_.called(hook)
         if layer == 1:
-            round_.called(layer, other)
+            round_.called(other)
         round_.layer_done(layer)
     assert hook.calls == ["finished"] and other.calls == ["finished"]
     for layer in range(3):  # a step without a due eviction finishes nothing
         round_.layer_done(layer)
     assert hook.calls == ["finished"]
-    round_.called(0, hook)
+    round_.called(hook)
     round_.layer_done(0)
     round_.layer_done(1)  # the step ends here: layer 2 never attends
     with pytest.raises(RuntimeError, match="never finished"):
