@@ -32,7 +32,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from .cache import ATTENTION_NAME, LAYER_TAG
+from .cache import ATTENTION_NAME, LAYER_TAG, RaggedLayer
+from .eviction_driver import after_attention
 from .layout import to_device
 from .transformers_compat import query_length
 
@@ -98,6 +99,8 @@ def ragged_attention_forward(
     if sliding_window is None:  # a module that passes none where its model's mask slides (PhiMoE)
         sliding_window = layer.mask_window
     output = layer.attend(query, real, positions, scale, window=sliding_window, softcap=softcap)
+    if isinstance(layer, RaggedLayer):  # not KVzip's scoring layer (runtime.kvzip), which stores nothing
+        after_attention(layer)  # the decode-time evictions due, then the sliding-window drop
     # contiguous, as transformers' own attention functions return it (AfMoE's module views it)
     return (output if output.is_contiguous() else output.contiguous()), None
 

@@ -12,8 +12,8 @@ along vLLM v1's lines, to
 * :mod:`runtime.layer_attention`: the attention of a chunk or a decode step over the layout, and
   the MomentKV-corrected merge (kernels in :mod:`runtime.paged_attention`);
 * :mod:`runtime.row_state`: per batch row a :class:`~runtime.row_state.RowState` (real tokens
-  seen, recorded prompt queries, MomentKV sums and correction, decode plan) and the typed
-  decode-eviction hook (:class:`~runtime.row_state.DecodeEvictionHook`).
+  seen, recorded prompt queries, MomentKV sums and correction, and the row's decode plan: data
+  that :mod:`runtime.eviction_driver` reads; the storage never evicts and never calls up).
 
 Left-padding tokens are never stored: a batch row only holds its real tokens, so batching costs
 no memory either.
@@ -31,9 +31,10 @@ Sizes seen by transformers:
 
 The layer's ``update()`` only parks the new chunk ``[B, Hkv, q, d]``; the registered attention
 function calls :meth:`RaggedLayer.attend`, which stores the chunk's real (non-padding) tokens,
-computes attention for the whole layer and then runs the decode-time eviction that is due.  A
-chunk left parked means the model did not run the ragged attention function, which is reported
-as an error at the next update.
+and computes attention for the whole layer; the attention function then hands the layer to
+:func:`runtime.eviction_driver.after_attention` (the decode-time evictions due, then a sliding-window
+layer's :meth:`RaggedLayer.drop_outside_window`).  A chunk left parked means the model did not
+run the ragged attention function, which is reported as an error at the next update.
 """
 
 from __future__ import annotations
@@ -48,16 +49,7 @@ from .layer_attention import chunk_only_attention, decode_kernel, segment_layer_
 from .layout import PageLayout
 from .moments import MomentSums
 from .profiling import label
-from .row_state import (
-    Correction,
-    DecodeEvictionHook,
-    DecodePlan,
-    DecodeRound,
-    PreparedCorrection,
-    RowState,
-    due_evictions,
-    fold_evicted,
-)
+from .row_state import Correction, PreparedCorrection, RowState, fold_evicted
 from .segments import SegmentStore, StepPositions
 from .transformers_compat import query_length
 
@@ -65,8 +57,6 @@ __all__ = [
     "ATTENTION_NAME",
     "CacheConsumedError",
     "LAYER_TAG",
-    "DecodeEvictionHook",
-    "DecodePlan",
     "RaggedCache",
     "RaggedLayer",
     "RowState",
@@ -102,6 +92,7 @@ class RaggedLayer(DynamicLayer):
         self.observe_queries = 0  # keep the last N post-RoPE queries (SnapKV's observation window)
         self.chunk_specs: tuple[ChunkSpec, ...] = ()  # chunked attentions to accumulate (Compactor's)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the parked chunk [B, Hkv, q, d] x 2
+        self._undropped = False  # a sliding-window layer attended a chunk: drop_outside_window() owed
         self._layout: PageLayout | None = None  # built for the store generation self._layout_generation
         self._layout_generation = 0
         self._correction = PreparedCorrection()
@@ -111,14 +102,8 @@ class RaggedLayer(DynamicLayer):
         # (RaggedCache.for_model: geometry.mask_windows)
         self.mask_window: int | None = None
         self.softcap: float | None = None  # the layer's attention logit soft-capping, else None
-        # called with this layer after attend() stored a chunk (runtime.compression.prefill_and_compress
-        # evicts each layer there, so that at most one layer's full cache exists at a time), else None
-        self.after_attend = None
         # a decode step's positions converted once for every layer (RaggedCache shares one)
         self.step_positions = StepPositions()
-        # the decode-time eviction hooks a step called, finished after its last layer (RaggedCache
-        # shares one; a lone layer is its own last)
-        self.decode_round = DecodeRound(last_layer=self.layer_idx)
 
     # -- the storage's tables and buffers (read-only views for callers) ---------------------
 
@@ -197,7 +182,7 @@ class RaggedLayer(DynamicLayer):
         return [row.moments for row in self.rows]
 
     @property
-    def decode_plans(self) -> list[DecodePlan | None]:
+    def decode_plans(self) -> list:  # runtime.eviction_driver.DecodePlan | None per row
         return [row.decode_plan for row in self.rows]
 
     # -- transformers API ------------------------------------------------------------------
@@ -380,13 +365,12 @@ class RaggedLayer(DynamicLayer):
         model passes them (:mod:`runtime.layer_attention`).  Returns ``[B, q, Hq, d]``; rows of
         padding queries are zero.
 
-        A sliding-window layer then drops every token the next query cannot see (those at or
-        before its newest position + 1 - W), so it never holds more than ``W - 1`` tokens between
-        forward passes (as transformers' own sliding-window cache layer), and decode steps need
-        no window mask.
+        A sliding-window layer then owes :meth:`drop_outside_window` before its next chunk.
         """
         if self._pending is None:
             raise RuntimeError("RaggedLayer.attend called without a parked chunk (update() first)")
+        if self._undropped:
+            raise RuntimeError(f"layer {self.layer_idx}: drop_outside_window() was owed after the last chunk")
         new_keys, new_values = self._pending
         self._pending = None
         self._set_variant(window, softcap)
@@ -432,18 +416,18 @@ class RaggedLayer(DynamicLayer):
                 chunk=None if before is None else (new_keys, new_values, before),
             )
         self._advance_rows(q_len, counts)
-        if any([row.decode_plan is not None for row in self.rows]):  # a list: one frame, not one per row
-            with label("kvcal.eviction"):
-                for due in due_evictions(self.rows, store.host_length, self.layer_idx):
-                    hook, rows, budgets, next_positions, stats_rows = due
-                    hook.evict_decoded(self, self.layer_idx, rows, budgets, next_positions, stats_rows)
-                    self.decode_round.called(hook)
-                self.decode_round.layer_done(self.layer_idx)
-        if window is not None:
-            store.drop_outside_window(window)
-        if self.after_attend is not None:
-            self.after_attend(self)
+        self._undropped = window is not None
         return output
+
+    def drop_outside_window(self) -> None:
+        """A sliding-window layer drops every token the next query cannot see (those at or before its
+        newest position + 1 - W), so it never holds more than ``W - 1`` tokens between forward passes
+        (as transformers' own sliding-window cache layer), and decode steps need no window mask.
+        Called after each :meth:`attend`, once the decode-time evictions due ran
+        (:func:`runtime.eviction_driver.after_attention`); nothing for a full-attention layer."""
+        if self._undropped:
+            self.store.drop_outside_window(self.window)
+            self._undropped = False
 
     def _advance_rows(self, q_len: int, counts) -> None:
         """The rows' and the layer's host counts after a chunk of ``q_len`` columns (``counts [B]``
@@ -462,19 +446,15 @@ class RaggedLayer(DynamicLayer):
 
         None when the step would do host work of its own or host-sized device work: before the
         first chunk or with one parked; a sliding-window layer (which drops rows by their stored
-        positions after every step); prompt queries or chunked attention still recorded; a hook
-        after attention; a repack (no free row, or rows to release); a decode-time eviction due
-        after the step; the correction's quantities not built yet for the rows' sums; and the CPU
+        positions after every step); prompt queries or chunked attention still recorded; a repack
+        (no free row, or rows to release); the correction's quantities not built yet for the rows' sums; and the CPU
         kernel that reads the live rows in place (:func:`~runtime.layer_attention.decode_kernel`:
-        its calls are sized by the host's lengths)."""
+        its calls are sized by the host's lengths).  Whether an eviction falls due after the step
+        is the eviction driver's to say (:func:`runtime.eviction_driver.due_after_step`)."""
         store = self.store
-        if store is None or self._pending is not None or self.window is not None or self.after_attend is not None:
+        if store is None or self._pending is not None or self.window is not None:
             return None
         if self.observe_queries or self.chunk_specs or store.loose or store.free < 1 or not store.host_length.any():
-            return None
-        if any([row.decode_plan is not None for row in self.rows]) and due_evictions(
-            self.rows, store.host_length + 1, self.layer_idx
-        ):
             return None
         built, prepared = self._correction.built(self.rows)
         if not built:
@@ -536,9 +516,9 @@ class RaggedCache(Cache):
         if num_layers <= 0:
             raise ValueError(f"num_layers must be positive, got {num_layers}")
         super().__init__(layers=[RaggedLayer(index) for index in range(num_layers)])
-        shared, round_ = StepPositions(), DecodeRound(last_layer=num_layers - 1)
+        shared = StepPositions()
         for layer in self.layers:
-            layer.step_positions, layer.decode_round = shared, round_
+            layer.step_positions = shared
 
     @classmethod
     def for_model(cls, model) -> RaggedCache:
@@ -601,8 +581,10 @@ class RaggedCache(Cache):
                     torch.as_tensor(np.asarray(tau[index]), dtype=torch.float32),
                 )
 
-    def set_decode_plan(self, plan: DecodePlan | None, row: int) -> None:
-        """Evict batch element ``row`` while decoding under ``plan`` (None: stop)."""
+    def set_decode_plan(self, plan, row: int) -> None:
+        """Evict batch element ``row`` while decoding under ``plan`` (a
+        :class:`runtime.eviction_driver.DecodePlan`, carried with the row through beams and copies and
+        read by :func:`runtime.eviction_driver.after_attention`; None: stop)."""
         for layer in self.layers:
             layer.rows[row].decode_plan = plan
 

@@ -27,6 +27,7 @@ from .budgets import global_budgets
 from .cache import RaggedCache
 from .chunk_attention import ChunkSpec
 from .eviction import HeadEvictor
+from .eviction_driver import DecodePlan, evicting_each_layer
 from .geometry import ModelGeometry
 from .policy import CompressionPolicy
 from .profiling import label
@@ -235,9 +236,9 @@ def _start_decoding(cache: RaggedCache, plan: ServingPlan, evictor: HeadEvictor,
             cache.set_correction(*plan.corrections, rows=[b])
         if first.real_seen[b] > 0:
             length = first.real_seen[b] if context_lengths is None else int(context_lengths[b])
-            decode_plan = plan.decode_plan(evictor, length, b, windows)
-            if decode_plan is not None:
-                cache.set_decode_plan(decode_plan, row=b)
+            budgets = plan.decode_budgets(length, windows)
+            if budgets is not None:  # held to its budgets, cut back once a head holds evict_every more
+                cache.set_decode_plan(DecodePlan(evictor, budgets, int(plan.policy.evict_every), b), row=b)
     if not _decoding_observes(plan):
         cache.stop_observing()
 
@@ -305,13 +306,8 @@ def prefill_and_compress(
         spent["compressed"] += layer.kv_bytes()
         spent["seconds"] += time.perf_counter() - started
 
-    for layer in cache.layers:
-        layer.after_attend = evict
-    try:
+    with evicting_each_layer(model, cache, evict):
         prefill(model, cache, input_ids, attention_mask, policy=plan)
-    finally:
-        for layer in cache.layers:
-            layer.after_attend = None
     _start_decoding(cache, plan, evictor, None)
     return CompressionReport(
         budgets=budgets,

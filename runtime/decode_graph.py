@@ -13,8 +13,9 @@ the device (the page kernel's ``row_bias``, the first-free-row table ``ends``), 
 and its host bookkeeping (lengths, tokens seen) is a separate, pure-host update
 (:meth:`runtime.cache.RaggedCache.advance_replayed`).  :meth:`runtime.cache.RaggedCache.replay_key`
 says when the next step qualifies and what it depends on (storage generation, correction
-quantities, kernel); a repack, a decode-time eviction round, a sliding-window layer, the CPU's
-live-rows kernel give None, and the step runs as usual.
+quantities, kernel); a repack, a sliding-window layer, the CPU's live-rows kernel give None, as
+does a decode-time eviction due after the step (:func:`runtime.eviction_driver.due_after_step`),
+and the step runs as usual.
 
 :class:`DecodeGraphs` wraps the model's forward for one generation: a call that is a one-token
 decode step with a replay key runs eagerly the first time the key is seen (a warm-up that also
@@ -40,6 +41,7 @@ from typing import Protocol
 import torch
 
 from .cache import RaggedCache
+from .eviction_driver import due_after_step
 from .transformers_compat import CACHE_NAME, cache_name
 
 # the tensor inputs of a decode step a captured graph reads from its own copies
@@ -116,6 +118,8 @@ class DecodeGraphs:
     def __call__(self, *args, **kwargs):
         signature = self._signature(args, kwargs)
         state = None if signature is None else self.cache.replay_key()
+        if state is not None and due_after_step(self.cache):  # the step evicts: it runs eagerly
+            state = None
         if state is None:
             self.eager += 1
             return self.forward(*args, **kwargs)

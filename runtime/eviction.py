@@ -3,10 +3,11 @@
 :class:`HeadEvictor` is built once per compression from a :class:`~runtime.serving_plan.ServingPlan`
 (the policy with the calibration tensors it reads, loaded and checked by ``bind``) and the
 prompt's statistics.  ``compress()`` calls :meth:`HeadEvictor.evict_layer` for every layer
-after prefill (or after each prefill block), and the cache calls it back while decoding when
-the policy has ``evict_every`` (:meth:`HeadEvictor.evict_decoded`, installed by
-:meth:`ServingPlan.decode_plan`: heads that grew ``evict_every`` tokens past their budget are
-cut back to it).  One layer is one batched computation for all its rows and heads:
+after prefill (or after each prefill block, or inside the prefill right after each layer's
+attention), and the eviction driver calls it while decoding when the policy has ``evict_every``
+(:meth:`HeadEvictor.evict_decoded`, :func:`runtime.eviction_driver.after_attention`: heads that
+grew ``evict_every`` tokens past their budget are cut back to it).  One layer is one batched
+computation for all its rows and heads:
 the scorer's ``score`` over a :class:`~runtime.scorers.LayerInputs` (built by the scorer's input
 providers, :class:`~runtime.scorers.ScorerInputs`), one ranking
 (:func:`~runtime.selection.keep_mask`), one gather that compacts the kept rows
@@ -52,8 +53,8 @@ def rows_per_tile(device: torch.device, row_elements: int) -> int:
 class HeadEvictor:
     """Evicts the heads of a :class:`~runtime.cache.RaggedCache` under one :class:`ServingPlan`;
     ``prompt_stats`` are the prompt's own query statistics (scorers with ``statistics='prompt'``).
-    It is also the cache's decode-time eviction hook (:meth:`evict_decoded`; the plan hands it
-    to the cache, :meth:`ServingPlan.decode_plan`)."""
+    It is also the decode-time eviction hook (:meth:`evict_decoded`, :meth:`layer_done`) that a
+    compression leaves in each row's :class:`runtime.eviction_driver.DecodePlan`."""
 
     def __init__(self, plan: ServingPlan, prompt_stats=None):
         if not isinstance(plan, ServingPlan):
@@ -71,7 +72,8 @@ class HeadEvictor:
         self.group = geometry.group_size
         self.scalings = geometry.scalings
         self.prompt_stats = prompt_stats
-        self._deferred: list[tuple[int, torch.Tensor]] = []  # a decode round's NaN flags (finish_round)
+        self._deferred: list[tuple[int, torch.Tensor]] = []  # a decode round's NaN flags (layer_done)
+        self._round_layer = -1  # the last layer of the current decode step that was done
         # what the scorer needs: the plan's loaded tensors, the prompt's statistics and the cache
         self.inputs = ScorerInputs(
             self.scorer,
@@ -173,7 +175,7 @@ class HeadEvictor:
         head of a tile in one call.
         ``parts``: :meth:`layer_score_parts` of these rows under a scorer with the same parts
         (shared with other policies); the scores are then only combined from them.
-        ``defer_check``: the NaN check is kept on the device until :meth:`finish_round` (decoding).
+        ``defer_check``: the NaN check is kept on the device until the round ends (:meth:`layer_done`).
         """
         stats_rows = rows if stats_rows is None else stats_rows
         longest = int(host_array(layer.length)[rows].max()) if rows else 0
@@ -219,7 +221,7 @@ class HeadEvictor:
         any is NaN: ranking NaN keeps arbitrary tokens, silently (a calibration whose statistics
         overflow does that).  ``+inf`` is a score (never evict).  One check for the layer, naming the
         first head with a NaN score.  ``defer``: the NaN check stays on the device, read back by
-        :meth:`finish_round` with the rest of the round's (one host synchronisation per round)."""
+        :meth:`layer_done` with the rest of the round's (one host synchronisation per round)."""
         if tuple(scores.shape) != tuple(valid.shape):
             raise ValueError(
                 f"{self.scorer!r} returned layer scores of shape {tuple(scores.shape)} for {tuple(valid.shape)}"
@@ -231,19 +233,31 @@ class HeadEvictor:
             self._refuse_nan(layer_idx, int(bad.any(-1).nonzero()[0, 1]))
         return scores
 
-    def finish_round(self) -> None:
-        """The decode-time eviction round's deferred NaN checks, read back at once (the cache calls
-        it after the step's last layer, :class:`runtime.row_state.DecodeRound`): refused naming the
-        first layer and head with a NaN score.  The round has cut those heads already, on NaN
-        scores; the error stops the generation before it serves another token."""
-        deferred, self._deferred = self._deferred, []
+    def layer_done(self, layer_idx: int) -> None:
+        """The decode-eviction hook's end of a layer (:func:`runtime.eviction_driver.after_attention`
+        calls it after every layer of a step): after the plan's last layer, the round's deferred NaN
+        checks read back at once, refused naming the first layer and head with a NaN score (the round
+        has cut those heads already, on NaN scores; the error stops the generation before it serves
+        another token).  A step that ended before its last layer attended cannot leave a round
+        unfinished silently: the next step's first layer refuses."""
+        if self._deferred and layer_idx <= self._round_layer:
+            self._deferred = []
+            raise RuntimeError(
+                f"a decode step ended at layer {self._round_layer} before the plan's last layer "
+                f"{self.num_layers - 1} attended: its eviction round was never finished (the cache belongs to "
+                "another model?)"
+            )
+        self._round_layer = layer_idx
+        if layer_idx < self.num_layers - 1:
+            return
+        deferred, self._deferred, self._round_layer = self._deferred, [], -1
         if not deferred:
             return
         if not bool(torch.stack([flags.any() for _, flags in deferred]).any()):
             return
-        for layer_idx, flags in deferred:  # the error's message: a few more reads, only on refusal
+        for index, flags in deferred:  # the error's message: a few more reads, only on refusal
             if bool(flags.any()):
-                self._refuse_nan(layer_idx, int(flags.any(0).nonzero()[0, 0]))
+                self._refuse_nan(index, int(flags.any(0).nonzero()[0, 0]))
 
     def evict_decoded(
         self,
@@ -254,7 +268,7 @@ class HeadEvictor:
         next_positions: list[int],
         stats_rows: list[int],
     ) -> None:
-        """The decode-time eviction hook (:class:`runtime.row_state.DecodeEvictionHook`): the heads of
+        """The decode-time eviction hook (:class:`runtime.eviction_driver.DecodeEvictionHook`): the heads of
         batch rows ``rows`` that decoding grew past their budgets cut back to ``budgets`` int64
         ``[R, Hkv]``, the capacity kept for the tokens that follow."""
         self.evict_layer(
@@ -279,7 +293,7 @@ class HeadEvictor:
         ``scores``: the layer's ``[R, Hkv, n]`` scores when already computed (``global``
         allocation ranks every head's scores before any head is cut).  ``shrink=False``
         (decoding) keeps the capacity for the tokens that follow; ``defer_check`` (decoding) leaves
-        the scores' NaN check to :meth:`finish_round`.
+        the scores' NaN check to the round's end (:meth:`layer_done`).
         """
         budgets = host_array(budgets)  # [R, Hkv] host
         lengths = host_array(layer.length)[rows]  # [R, Hkv] host

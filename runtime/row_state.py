@@ -1,4 +1,4 @@
-"""What one cache layer keeps about one batch row besides its tokens, and the decode-eviction hook.
+"""What one cache layer keeps about one batch row besides its tokens.
 
 Per (layer, batch row), one :class:`RowState`:
 
@@ -11,21 +11,15 @@ Per (layer, batch row), one :class:`RowState`:
   the layer (None: not tracked), grown by :func:`fold_evicted`;
 * ``correction``: the MomentKV :class:`Correction` (None: plain attention), turned into the
   layer's batched :class:`~runtime.moments.PreparedMoments` by :class:`PreparedCorrection`;
-* ``decode_plan``: a :class:`DecodePlan` (None: no eviction while decoding).
-
-Decode-time eviction.  After every step the layer asks :func:`due_evictions` which rows hold a
-head grown ``every`` tokens past its budget, and hands each group of rows sharing one hook to
-that hook's :meth:`DecodeEvictionHook.evict_decoded` (the cache never knows how tokens are
-scored: :class:`runtime.eviction.HeadEvictor` is the hook the runtime installs).  A hook may
-defer what it must read back from the device (the NaN check of its scores) to
-:meth:`DecodeEvictionHook.finish_round`, which :class:`DecodeRound` calls once the step's last
-layer has attended: one host synchronisation per eviction round, not one per layer (issue 39).
+* ``decode_plan``: a :class:`runtime.eviction_driver.DecodePlan` (None: no eviction while
+  decoding), data the eviction driver reads after each layer's attention; it lives here so that
+  it follows its row through beams, copies and stacking.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,78 +27,6 @@ import torch
 from .chunk_attention import ChunkAttention, ChunkSpec
 from .layout import to_device
 from .moments import MomentSums, PreparedMoments
-
-
-@runtime_checkable
-class DecodeEvictionHook(Protocol):
-    """Cuts heads back to their budgets while decoding (called by the cache after a step)."""
-
-    def evict_decoded(
-        self,
-        layer,  # runtime.cache.RaggedLayer (not imported: the cache imports this module)
-        layer_idx: int,
-        rows: list[int],
-        budgets: torch.Tensor,
-        next_positions: list[int],
-        stats_rows: list[int],
-    ) -> None:
-        """Cut every KV head of batch rows ``rows`` of ``layer`` (a :class:`runtime.cache.RaggedLayer`,
-        index ``layer_idx``) down to ``budgets`` int64 ``[R, Hkv]`` tokens (a head's own length: leave
-        it), keeping the capacity for the tokens that follow (``layer.keep_rows(..., shrink=False)``).
-        ``next_positions[i]``: the RoPE position of row ``rows[i]``'s next token; ``stats_rows[i]``: its
-        row in the hook's prompt statistics."""
-
-    def finish_round(self) -> None:
-        """After the last layer of a step in which :meth:`evict_decoded` was called: check what the
-        calls deferred (raising as they would have), at most one read back from the device."""
-
-
-class DecodeRound:
-    """The hooks called during one decode step, finished once the step's last layer (index
-    ``last_layer``) has attended (:meth:`DecodeEvictionHook.finish_round`).  One per cache, shared
-    by its layers.  A step that ends before its last layer attends (a model whose last layer never
-    calls the cache) cannot leave a round unfinished silently: the next step's first call refuses."""
-
-    def __init__(self, last_layer: int) -> None:
-        self.last_layer = int(last_layer)
-        self._hooks: dict[int, DecodeEvictionHook] = {}
-        self._layer = -1  # the last layer that called since the round began
-
-    def called(self, hook: DecodeEvictionHook) -> None:
-        """``hook.evict_decoded`` ran in this step."""
-        self._hooks[id(hook)] = hook
-
-    def layer_done(self, layer_idx: int) -> None:
-        """Layer ``layer_idx`` of the step has attended (and evicted where due)."""
-        if self._hooks and layer_idx <= self._layer:
-            self._hooks.clear()
-            raise RuntimeError(
-                f"a decode step ended at layer {self._layer} before the cache's last layer {self.last_layer} "
-                "attended: its eviction round was never finished (the cache belongs to another model?)"
-            )
-        self._layer = layer_idx
-        if layer_idx == self.last_layer:
-            hooks, self._hooks, self._layer = list(self._hooks.values()), {}, -1
-            for hook in hooks:
-                hook.finish_round()
-
-
-@dataclass
-class DecodePlan:
-    """Decode-time eviction of one batch element: ``hook`` cuts a head back to ``budgets[layer, head]``
-    once it holds ``every`` tokens more; ``stats_row`` is the element's row in the hook's prompt
-    statistics.  Rows whose plans share one hook are evicted in one call."""
-
-    hook: DecodeEvictionHook
-    budgets: np.ndarray  # int64 [L, Hkv]
-    every: int
-    stats_row: int
-
-    def __post_init__(self):
-        if not isinstance(self.hook, DecodeEvictionHook):
-            raise TypeError(
-                f"a decode plan's hook needs evict_decoded and finish_round methods, got {type(self.hook).__name__}"
-            )
 
 
 class Correction(NamedTuple):
@@ -123,7 +45,7 @@ class RowState:
     chunk_attention: dict[ChunkSpec, ChunkAttention] | None = None
     moments: MomentSums | None = None  # sums of the tokens evicted from each KV head (None: not tracked)
     correction: Correction | None = None  # a plain (orders, tau) pair is read the same way
-    decode_plan: DecodePlan | None = None
+    decode_plan: object | None = None  # runtime.eviction_driver.DecodePlan: data the driver reads
 
     def copy(self) -> RowState:
         return replace(
@@ -256,43 +178,3 @@ def _host_row(values, heads: int | None = None) -> np.ndarray:
     if heads is None:
         return np.asarray(values).reshape(-1)
     return np.ascontiguousarray(np.broadcast_to(np.asarray(values, dtype=np.float32).reshape(-1), (heads,)))
-
-
-class DueEviction(NamedTuple):
-    """One :meth:`DecodeEvictionHook.evict_decoded` call."""
-
-    hook: DecodeEvictionHook
-    rows: list[int]
-    budgets: torch.Tensor  # int64 [R, Hkv]: the budget where a head is due, else its length
-    next_positions: list[int]
-    stats_rows: list[int]
-
-
-def due_evictions(states: list[RowState], lengths, layer_idx: int) -> list[DueEviction]:
-    """The hook calls decoding owes layer ``layer_idx`` whose live tokens are ``lengths`` int64
-    ``[B, Hkv]`` (host: the store's numpy mirror or a CPU tensor): one per hook whose rows hold a head
-    ``every`` tokens past its budget.  Decided on the host, in numpy: a decode step with nothing due
-    runs no torch op here."""
-    lengths = lengths.numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths, dtype=np.int64)
-    groups: dict[int, list[int]] = {}
-    for b, state in enumerate(states):
-        if state.decode_plan is not None:
-            groups.setdefault(id(state.decode_plan.hook), []).append(b)
-    due = []
-    for rows in groups.values():
-        plans = [states[b].decode_plan for b in rows]
-        budgets = np.stack([np.asarray(plan.budgets[layer_idx], dtype=np.int64) for plan in plans])
-        held = lengths[rows]
-        over = held - budgets >= np.array([plan.every for plan in plans], dtype=np.int64)[:, None]
-        if not over.any():
-            continue
-        due.append(
-            DueEviction(
-                plans[0].hook,
-                rows,
-                torch.from_numpy(np.where(over, budgets, held)),
-                [states[b].real_seen for b in rows],
-                [plan.stats_row for plan in plans],
-            )
-        )
-    return due

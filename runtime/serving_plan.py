@@ -20,7 +20,7 @@ artifact.  In this order, before any forward pass:
 
 The plan then gives the per-head budgets, the correction orders, the loaded tensors the
 scorer's context needs (:class:`runtime.eviction.HeadEvictor` reads them) and decode-time
-eviction (:meth:`ServingPlan.decode_plan`).  Which policy to serve from an artifact's measured
+eviction's budgets (:meth:`ServingPlan.decode_budgets`).  Which policy to serve from an artifact's measured
 recommendation (and the fallback) is :mod:`runtime.recommendation`'s.
 """
 
@@ -35,7 +35,6 @@ from .calibration import architecture_mismatch
 from .geometry import ModelGeometry
 from .policy import CompressionPolicy
 from .rope_check import check_rope_for, rope_needs
-from .row_state import DecodePlan
 from .scorers import QueryCentres, Scorer, query_statistics
 
 
@@ -95,18 +94,13 @@ class ServingPlan:
             seq_len, self.num_layers, self.num_kv_heads, self.inf_weights, self.budget_curve
         )
 
-    def decode_plan(
-        self, evictor, context_length: int, row: int, windows: list[int | None] | None = None
-    ) -> DecodePlan | None:
-        """Decode-time eviction of batch row ``row`` by ``evictor`` (the compression's
-        :class:`runtime.eviction.HeadEvictor`, the cache's hook): each head held to its budget for
-        a context of ``max(context_length, policy.budget)`` tokens, cut back once it holds
-        ``policy.evict_every`` more.  None when the policy evicts only the prompt."""
+    def decode_budgets(self, context_length: int, windows: list[int | None] | None = None) -> np.ndarray | None:
+        """What decode-time eviction holds each head to, int64 ``[L, Hkv]``: its budget for a context
+        of ``max(context_length, policy.budget)`` tokens (a token budget bounds each head while
+        decoding even when the prompt was shorter).  None when the policy evicts only the prompt."""
         if self.policy.evict_every is None:
             return None
-        # a token budget bounds each head while decoding even when the prompt was shorter
-        budgets = self.head_budgets(max(int(context_length), self.policy.budget or 0), windows)
-        return DecodePlan(hook=evictor, budgets=budgets, every=int(self.policy.evict_every), stats_row=row)
+        return self.head_budgets(max(int(context_length), self.policy.budget or 0), windows)
 
     def check_model(self, model) -> None:
         """Refuse serving this plan on a model of another attention shape than it was bound to."""

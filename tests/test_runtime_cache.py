@@ -410,17 +410,18 @@ class _RecordingHook:
     def evict_decoded(self, layer, layer_idx, rows, budgets, next_positions, stats_rows):
         self.calls.append((layer_idx, list(rows), budgets.clone(), list(next_positions), list(stats_rows)))
 
-    def finish_round(self):
-        self.calls.append("finished")
+    def layer_done(self, layer_idx):
+        self.calls.append(("done", layer_idx))
 
 
 def test_decode_eviction_goes_through_the_typed_hook():
-    """The cache calls DecodeEvictionHook.evict_decoded once per hook, for the rows holding a head
-    `every` tokens past its budget, with the budget where due and the head's length elsewhere."""
-    from runtime.cache import DecodePlan, RowState
-    from runtime.row_state import due_evictions
+    """The eviction driver calls DecodeEvictionHook.evict_decoded once per hook, for the rows holding
+    a head `every` tokens past its budget, with the budget where due and the head's length elsewhere,
+    then tells the hook the layer is done; the storage itself never calls a hook."""
+    from runtime.cache import RowState
+    from runtime.eviction_driver import DecodePlan, due_evictions
 
-    with pytest.raises(TypeError, match="evict_decoded"):
+    with pytest.raises(TypeError, match="evict_decoded and layer_done"):
         DecodePlan(object(), np.zeros((1, 2), dtype=np.int64), 2, 0)
     first, second = _RecordingHook(), _RecordingHook()
     budgets = np.array([[4, 6], [5, 5]], dtype=np.int64)  # [L, Hkv]
@@ -436,7 +437,7 @@ def test_decode_eviction_goes_through_the_typed_hook():
         (first, [0, 2], [[4, 7], [5, 6]], [30, 32], [7, 8])
     ]
     assert due_evictions(states, lengths, 1)[0].rows == [0, 2]  # layer 1: budgets 5, 5
-    # through a model: every layer calls the hook after the step
+    # through a model: after every layer's attention, the hook evicts, then hears the layer is done
     model = make_tiny_llama(num_layers=2)
     hook = _RecordingHook()
     ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -445,32 +446,51 @@ def test_decode_eviction_goes_through_the_typed_hook():
         prefill(model, cache, ids)
         cache.set_decode_plan(DecodePlan(hook, np.full((2, 2), 3, dtype=np.int64), 1, 0), row=0)
         model(torch.tensor([[5]]), **cache_argument(model, cache))
-    assert [(call[0], call[1], call[2].tolist(), call[3]) for call in hook.calls[:-1]] == [
-        (index, [0], [[3, 3]], [13]) for index in range(2)
-    ]
-    assert hook.calls[-1] == "finished"  # once, after the step's last layer
+    calls = [call if call[0] == "done" else (call[0], call[1], call[2].tolist(), call[3]) for call in hook.calls]
+    assert calls == [(0, [0], [[3, 3]], [13]), ("done", 0), (1, [0], [[3, 3]], [13]), ("done", 1)]
+
+
+def test_the_storage_imports_nothing_that_evicts_or_scores():
+    """runtime.cache, its row states, segments and layout import no eviction, scorer, plan or driver."""
+    import ast
+
+    storage = ("cache", "row_state", "segments", "layout")
+    forbidden = {"eviction", "eviction_driver", "scorers", "serving_plan", "policy", "compression", "selection"}
+    for name in storage:
+        tree = ast.parse((Path(__file__).parents[1] / "runtime" / f"{name}.py").read_text())
+        imported = {
+            (node.module or "").split(".")[-1] if node.level else (node.module or "").removeprefix("runtime.")
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+        }
+        assert not imported & forbidden, (name, imported & forbidden)
 
 
 def test_a_decode_round_is_finished_once_after_the_last_layer_and_never_left_open():
-    from runtime.row_state import DecodeRound
+    """HeadEvictor.layer_done reads a round's deferred NaN checks back once, after the plan's last
+    layer, and refuses a round that a step left before its last layer."""
+    from runtime.eviction import HeadEvictor
+    from runtime.serving_plan import bind
 
-    hook, other = _RecordingHook(), _RecordingHook()
-    round_ = DecodeRound(last_layer=2)
-    for layer in range(3):  # a step: two hooks called in layers 0 and 1
-        if layer < 2:
-            round_.called(hook)
-        if layer == 1:
-            round_.called(other)
-        round_.layer_done(layer)
-    assert hook.calls == ["finished"] and other.calls == ["finished"]
-    for layer in range(3):  # a step without a due eviction finishes nothing
-        round_.layer_done(layer)
-    assert hook.calls == ["finished"]
-    round_.called(hook)
-    round_.layer_done(0)
-    round_.layer_done(1)  # the step ends here: layer 2 never attends
+    model = make_tiny_llama(num_layers=3)
+    evictor = HeadEvictor(bind(CompressionPolicy(scorer="keydiff", keep_ratio=0.5), None, model))
+    valid = torch.ones(1, 2, 4, dtype=torch.bool)
+    clean, poisoned = torch.zeros(1, 2, 4), torch.zeros(1, 2, 4)
+    poisoned[0, 1, 2] = float("nan")
+    for layer in range(3):  # a clean round: nothing raised
+        evictor.checked_scores(clean, valid, layer, defer=True)
+        evictor.layer_done(layer)
+    evictor.checked_scores(clean, valid, 0, defer=True)
+    evictor.layer_done(0)
+    evictor.checked_scores(poisoned, valid, 1, defer=True)  # deferred: not read back yet
+    evictor.layer_done(1)
+    with pytest.raises(ValueError, match="NaN scores for layer 1, KV head 1"):
+        evictor.layer_done(2)
+    evictor.checked_scores(poisoned, valid, 0, defer=True)
+    evictor.layer_done(0)
+    evictor.layer_done(1)  # the step ends here: layer 2 never attends
     with pytest.raises(RuntimeError, match="never finished"):
-        round_.layer_done(0)
+        evictor.layer_done(0)
 
 
 @torch.no_grad()

@@ -166,19 +166,18 @@ def test_decode_eviction_keeps_every_head_at_or_under_budget(monkeypatch):
     for every in (1, 4):
         policy = CompressionPolicy(budget=20, scorer="keydiff", n_sink=2, window=4, evict_every=every)
         seen = []
-        original = RaggedLayer.attend
+        original = RaggedLayer.drop_outside_window  # the end of a layer's chunk (after its evictions)
 
-        def attend(layer, *args, original=original, seen=seen, **kwargs):
-            out = original(layer, *args, **kwargs)
+        def drop_outside_window(layer, original=original, seen=seen):
+            original(layer)
             if layer.decode_plans[0] is not None:  # after the prompt's compression
                 seen.append(max(max(row) for row in layer.lengths))
-            return out
 
-        monkeypatch.setattr(RaggedLayer, "attend", attend)
+        monkeypatch.setattr(RaggedLayer, "drop_outside_window", drop_outside_window)
         try:
             result = generate(model, ids, policy, context_columns=30, max_new_tokens=25)
         finally:
-            monkeypatch.setattr(RaggedLayer, "attend", original)
+            monkeypatch.setattr(RaggedLayer, "drop_outside_window", original)
         assert result.new_tokens.shape[1] == 25 and len(seen) == 2 * 25  # question chunk + 24 steps, 2 layers
         assert max(seen) <= 20 + every - 1, (every, max(seen))
         assert int(result.cache.head_lengths().max()) <= 20 + every - 1
