@@ -37,22 +37,6 @@ from .serving_plan import ServingPlan, as_plan
 from .transformers_compat import cache_argument
 
 
-def _scorer(policy: CompressionPolicy | ServingPlan):
-    return policy.scorer if isinstance(policy, ServingPlan) else policy.build_scorer()
-
-
-def _policy(policy: CompressionPolicy | ServingPlan) -> CompressionPolicy:
-    return policy.policy if isinstance(policy, ServingPlan) else policy
-
-
-def _needs(policy: CompressionPolicy | ServingPlan | None):
-    """What a prefill records for ``policy``'s scorer: ``(prompt statistics?, query window, chunk specs)``."""
-    if policy is None:
-        return False, 0, ()
-    scorer = _scorer(policy)
-    return query_statistics(scorer) == "prompt", recent_query_window(scorer), chunk_specs(scorer)
-
-
 @torch.no_grad()
 def prefill(
     model,
@@ -99,9 +83,11 @@ def prefill(
         cache.layers[0].real_seen if cache.layers[0].is_initialized else [0] * batch, device=input_ids.device
     )
     position_ids = (seen.unsqueeze(1) + chunk_mask.long().cumsum(-1) - 1).clamp(min=0)
-    wants_stats, window, specs = _needs(policy)
-    wants_stats = wants_stats or record_prompt_stats
-    window = max(window, int(observe_queries))
+    # what the policy's scorer reads from the prompt, and what the caller asks to record besides
+    scorer = None if policy is None else policy.scorer if isinstance(policy, ServingPlan) else policy.build_scorer()
+    wants_stats = record_prompt_stats or (scorer is not None and query_statistics(scorer) == "prompt")
+    window = max(0 if scorer is None else recent_query_window(scorer), int(observe_queries))
+    specs = () if scorer is None else chunk_specs(scorer)
     if window:
         cache.observe_queries(window)
     if specs or accumulate:
@@ -112,7 +98,9 @@ def prefill(
         if prompt_stats is None:
             prompt_stats = QueryMoments.for_prompt(geometry, batch)
         # only real tokens count; the first n_sink (attention sinks, outlier queries) stay out
-        skip = n_sink if n_sink is not None else (_policy(policy).n_sink if policy is not None else 0)
+        if n_sink is None:
+            n_sink = 0 if policy is None else policy.policy.n_sink if isinstance(policy, ServingPlan) else policy.n_sink
+        skip = n_sink
         collecting = prompt_stats.collect(geometry, real=chunk_mask & (position_ids >= skip))
     with collecting, ragged_attention(model):
         model(
@@ -132,8 +120,9 @@ def prefill_for_policies(model, cache: RaggedCache, input_ids: torch.Tensor, pol
     last queries that any of their scorers observes and the chunked attentions they read.  Returns the
     statistics to pass to ``compress``;
     ``cache.stop_observing()`` before decoding the uncompressed cache itself."""
-    window = max([0] + [recent_query_window(_scorer(policy)) for policy in policies])
-    specs = tuple(spec for policy in policies for spec in chunk_specs(_scorer(policy)))
+    scorers = [policy.scorer if isinstance(policy, ServingPlan) else policy.build_scorer() for policy in policies]
+    window = max([0] + [recent_query_window(scorer) for scorer in scorers])
+    specs = tuple(spec for scorer in scorers for spec in chunk_specs(scorer))
     return prefill(
         model,
         cache,
@@ -239,25 +228,8 @@ def _start_decoding(cache: RaggedCache, plan: ServingPlan, evictor: HeadEvictor,
             budgets = plan.decode_budgets(length, windows)
             if budgets is not None:  # held to its budgets, cut back once a head holds evict_every more
                 cache.set_decode_plan(DecodePlan(evictor, budgets, int(plan.policy.evict_every), b), row=b)
-    if not _decoding_observes(plan):
+    if not plan.decoding_observes:
         cache.stop_observing()
-
-
-def _decoding_observes(plan: ServingPlan) -> bool:
-    """Whether decode-time eviction reads the recorded prompt queries or the chunked attention."""
-    return plan.policy.evict_every is not None and bool(recent_query_window(plan.scorer) or chunk_specs(plan.scorer))
-
-
-def evicts_in_prefill(plan: ServingPlan) -> bool:
-    """Whether :func:`prefill_and_compress` serves ``plan``: each layer's budgets and scores read
-    that layer alone (its keys, recent queries and chunked attention, the artifact's tables), so
-    the layer can be cut right after its attention in the prefill's forward pass.  Not with
-    ``global`` allocation (one ranking of every layer's scores), moment-informed rounds (they
-    re-score against sums of the whole prompt's eviction) or the prompt's own query statistics
-    (the provider reads every layer's statistics at its first call, before the later layers ran):
-    those prefill, then :func:`compress`."""
-    policy = plan.policy
-    return policy.allocation != "global" and not policy.moment_eviction and query_statistics(plan.scorer) != "prompt"
 
 
 @torch.no_grad()
@@ -269,8 +241,9 @@ def prefill_and_compress(
     (as kvpress's forward hooks do) and repacked, so at most one layer's full cache exists at a
     time instead of the whole model's.  Keeps exactly what prefill-then-compress keeps (a layer's
     forward never reads another layer's cache; ``tests/test_prefill_eviction.py``).  ``plan``
-    must satisfy :func:`evicts_in_prefill`.  The report's ``seconds`` are the evictions' own."""
-    if not evicts_in_prefill(plan):
+    must satisfy :attr:`~runtime.serving_plan.ServingPlan.evicts_in_prefill`.  The report's
+    ``seconds`` are the evictions' own."""
+    if not plan.evicts_in_prefill:
         raise ValueError(f"{plan.policy.describe()} cannot evict inside the prefill: prefill, then compress()")
     if cache.layers[0].is_initialized:
         raise ValueError("prefill_and_compress needs an empty cache (a later chunk: prefill, then compress())")
@@ -281,7 +254,7 @@ def prefill_and_compress(
     tables: dict[tuple[int, int | None], np.ndarray] = {}  # (real tokens, window) -> [L, Hkv] budgets under it
     # the layers before this one hold their budgets (compressed), this one its whole chunk
     spent = {"seconds": 0.0, "bytes_before": 0, "compressed": 0, "peak": 0}
-    observes = _decoding_observes(plan)
+    observes = plan.decoding_observes
 
     def evict(layer) -> None:
         started = time.perf_counter()

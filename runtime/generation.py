@@ -40,7 +40,7 @@ from . import decode_graph
 from .attention import ragged_attention
 from .cache import CacheConsumedError, RaggedCache
 from .checks import check_integer
-from .compression import CompressionReport, compress, evicts_in_prefill, prefill, prefill_and_compress
+from .compression import CompressionReport, compress, prefill, prefill_and_compress
 from .geometry import input_device
 from .policy import CompressionPolicy
 from .serving_plan import ServingPlan, as_plan
@@ -171,7 +171,7 @@ def compress_prompt(
         block_size = check_integer("block_size", block_size, minimum=1)
     plan = as_plan(policy, calibration, model)  # every check of policy x calibration x model, before any forward
     cache = RaggedCache.for_model(model)
-    if block_size is None and plan is not None and evicts_in_prefill(plan):  # one layer's full cache at a time
+    if block_size is None and plan is not None and plan.evicts_in_prefill:  # one layer's full cache at a time
         report = prefill_and_compress(model, cache, input_ids[:, :columns], attention_mask[:, :columns], plan)
         return cache, report
     if block_size is None or plan is None:

@@ -35,7 +35,7 @@ from .calibration import architecture_mismatch
 from .geometry import ModelGeometry
 from .policy import CompressionPolicy
 from .rope_check import check_rope_for, rope_needs
-from .scorers import QueryCentres, Scorer, query_statistics
+from .scorers import QueryCentres, Scorer, chunk_specs, query_statistics, recent_query_window
 
 
 def check_calibration_fits(model, calibration) -> None:
@@ -73,6 +73,26 @@ class ServingPlan:
     @property
     def num_kv_heads(self) -> int:
         return self.geometry.num_kv_heads
+
+    @property
+    def evicts_in_prefill(self) -> bool:
+        """Whether :func:`runtime.compression.prefill_and_compress` serves this plan: each layer's
+        budgets and scores read that layer alone (its keys, recent queries and chunked attention, the
+        artifact's tables), so the layer can be cut right after its attention in the prefill's
+        forward pass.  Not with ``global`` allocation (one ranking of every layer's scores),
+        moment-informed rounds (they re-score against sums of the whole prompt's eviction) or the
+        prompt's own query statistics (the provider reads every layer's statistics at its first
+        call, before the later layers ran): those prefill, then ``compress``."""
+        policy = self.policy
+        return (
+            policy.allocation != "global" and not policy.moment_eviction and query_statistics(self.scorer) != "prompt"
+        )
+
+    @property
+    def decoding_observes(self) -> bool:
+        """Whether decode-time eviction reads the recorded prompt queries or the chunked attention."""
+        scorer = self.scorer
+        return self.policy.evict_every is not None and bool(recent_query_window(scorer) or chunk_specs(scorer))
 
     def head_budgets(self, seq_len: int, windows: list[int | None] | None = None) -> np.ndarray:
         """Integer tokens to keep per KV head, int64 ``[L, Hkv]``, for a context of ``seq_len`` tokens.
@@ -139,7 +159,7 @@ def bind(policy: CompressionPolicy, calibration, model) -> ServingPlan:
         check_rope_for(model, f"the {scorer.name} scorer", keys=rope_keys, queries=rope_queries)
     loaded = {}
     for requirement in policy.requirements(scorer):
-        loaded.update(_LOADERS[requirement.section](policy, scorer, calibration, geometry))
+        loaded.update(_LOADERS[requirement.section](scorer, calibration, geometry))
     if policy.correction in ("order0", "order1"):
         loaded["corrections"] = _uniform_corrections(policy, geometry)
     if loaded.get("corrections") is not None and policy.tau is not None:
@@ -169,7 +189,7 @@ def as_plan(policy: CompressionPolicy | ServingPlan | None, calibration, model) 
 # -- one loader per section of runtime.policy.REQUIREMENTS: read it once, check it against the model --
 
 
-def _load_inf(policy, scorer, calibration, geometry) -> dict:
+def _load_inf(scorer, calibration, geometry) -> dict:
     weights = np.asarray(calibration.inf_weights, dtype=np.float64)  # [L, Hkv]
     L, Hkv = geometry.num_layers, geometry.num_kv_heads
     if weights.shape != (L, Hkv):
@@ -177,7 +197,7 @@ def _load_inf(policy, scorer, calibration, geometry) -> dict:
     return {"inf_weights": weights}
 
 
-def _load_curve(policy, scorer, calibration, geometry) -> dict:
+def _load_curve(scorer, calibration, geometry) -> dict:
     ratios, fractions = calibration.budget_curve  # [NR], [NR, L, Hkv]
     L, Hkv = geometry.num_layers, geometry.num_kv_heads
     if np.asarray(fractions).shape[1:] != (L, Hkv):
@@ -199,11 +219,11 @@ def _load_statistics(mean, cov, geometry, section: str) -> tuple[torch.Tensor, t
     return mean, cov
 
 
-def _load_query_stats(policy, scorer, calibration, geometry) -> dict:
+def _load_query_stats(scorer, calibration, geometry) -> dict:
     return {"query_stats": _load_statistics(calibration.query_mean, calibration.query_cov, geometry, "query_stats")}
 
 
-def _load_future(policy, scorer, calibration, geometry) -> dict:
+def _load_future(scorer, calibration, geometry) -> dict:
     loaded = {}
     if query_statistics(scorer) == "future":
         stats = _load_statistics(calibration.future_mean, calibration.future_cov, geometry, "future_queries")
@@ -225,7 +245,7 @@ def _load_future(policy, scorer, calibration, geometry) -> dict:
     return loaded
 
 
-def _load_moments(policy, scorer, calibration, geometry) -> dict:
+def _load_moments(scorer, calibration, geometry) -> dict:
     # the orders calibrated under the policy's own scorer; without them the default ones (and a warning)
     by_scorer = getattr(calibration, "correction_orders", None)
     orders = by_scorer(scorer.name) if by_scorer is not None else calibration.moment_orders
@@ -242,7 +262,7 @@ def _uniform_corrections(policy, geometry) -> tuple[np.ndarray, np.ndarray]:
     return np.full(shape, 0 if policy.correction == "order0" else 1, dtype=np.int8), np.zeros(shape, dtype=np.float32)
 
 
-def _load_learned(policy, scorer, calibration, geometry) -> dict:
+def _load_learned(scorer, calibration, geometry) -> dict:
     weights = torch.from_numpy(np.asarray(calibration.scorer_weights, dtype=np.float32))  # [L, Hkv, 2d]
     L, Hkv, d = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
     bias = np.asarray(calibration.scorer_bias, dtype=np.float64)  # [L, Hkv]

@@ -12,7 +12,7 @@ from conftest import make_tiny_llama
 from tiny_architectures import make_tiny
 
 from runtime import CompressionPolicy, RaggedCache, bind, compress_prompt, load_calibration, ragged_attention
-from runtime.compression import compress, evicts_in_prefill, prefill, prefill_and_compress
+from runtime.compression import compress, prefill, prefill_and_compress
 from runtime.generation import build_inputs
 from runtime.policy_spec import FLAGSHIP
 from runtime.transformers_compat import cache_argument
@@ -84,7 +84,7 @@ def test_evicting_inside_the_prefill_keeps_what_prefill_then_compress_keeps(name
     model = make_tiny_llama(num_layers=3)
     ids, mask, columns = left_padded_batch()
     plan = bind(POLICIES[name], None, model)
-    assert evicts_in_prefill(plan)
+    assert plan.evicts_in_prefill
     reference, expected = two_step(model, ids[:, :columns], mask[:, :columns], plan)
     cache, report = one_step(model, ids[:, :columns], mask[:, :columns], plan)
     assert_same_cache(cache, reference)
@@ -174,7 +174,7 @@ def test_policies_that_read_every_layer_prefill_then_compress():
         CompressionPolicy(keep_ratio=0.25, scorer="expected_attention", statistics="prompt"),
     ):
         plan = bind(policy, None, model)
-        assert not evicts_in_prefill(plan), policy.describe()
+        assert not plan.evicts_in_prefill, policy.describe()
         with pytest.raises(ValueError, match="cannot evict inside the prefill"):
             prefill_and_compress(model, RaggedCache.for_model(model), torch.ones(1, 20, dtype=torch.long), None, plan)
         ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(2))
@@ -190,7 +190,7 @@ def test_the_flagship_on_the_embedded_model_keeps_what_prefill_then_compress_kee
     """The real model, the real smoke artifact's INF budgets and correction orders, 75% evicted."""
     calibration = load_calibration(embedded_model, embedded_tokenizer, path=smoke_artifact)
     plan = bind(FLAGSHIP.policy(0.75), calibration, embedded_model)
-    assert evicts_in_prefill(plan)
+    assert plan.evicts_in_prefill
     text = "The grass is green. The sky is blue. The passcode is 4821. " * 12
     ids = embedded_tokenizer(text, return_tensors="pt")["input_ids"]
     mask = torch.ones_like(ids)
