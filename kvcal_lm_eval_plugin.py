@@ -3,12 +3,15 @@
 lm-eval (0.4.13, its newest release) finds a ``--model`` name only in its own registry, filled by
 its own ``lm_eval/models/__init__.py``: it reads no entry points for models and imports no
 user module before it resolves the name.  So ``kvcal-lm-eval.pth`` (installed into
-site-packages with kvcal) imports this module at interpreter start-up; it costs a few
-microseconds and imports nothing: it only watches for lm-eval's registry module and, once lm-eval
+site-packages with kvcal) imports this module at interpreter start-up; it imports nothing else
+(about a millisecond) and only watches for lm-eval's registry module and, once lm-eval
 has loaded it, registers ``kvcal`` with the registry's own public lazy form,
 ``model_registry.register("kvcal", target="runtime.lm_eval_model:KvcalLM")`` (kvcal's runtime
 and torch load only when a run asks for ``--model kvcal``).  Nothing happens in a process that
 never imports lm-eval.
+
+When lm-eval reads entry points for models (merged upstream after 0.4.13, in no release yet), an
+entry point should replace this file.
 
 One more thing ``lm_eval --model kvcal`` needs: RULER's tasks build their prompts with the
 tokenizer named by ``tokenizer``, ``pretrained`` or ``model`` in ``--model_args`` / ``--metadata``
@@ -20,7 +23,6 @@ For ``--model kvcal`` without any of the three, the command line's task metadata
 
 from __future__ import annotations
 
-import importlib.abc
 import sys
 
 MODEL = "kvcal"
@@ -57,7 +59,9 @@ def add_tokenizer_default(config_module) -> None:
 HOOKS = {"lm_eval.api.registry": register, "lm_eval.config.evaluate_config": add_tokenizer_default}
 
 
-class _Loader(importlib.abc.Loader):
+# Plain classes (the import system needs only these methods): importlib.abc would be one more
+# module to load at every start-up.
+class _Loader:
     def __init__(self, loader, hook):
         self.loader, self.hook = loader, hook
 
@@ -69,7 +73,7 @@ class _Loader(importlib.abc.Loader):
         self.hook(module)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
     """Finds nothing itself: wraps the loader of the modules in HOOKS to run their hook after them."""
 
     def find_spec(self, name, path, target=None):
