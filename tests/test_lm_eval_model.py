@@ -176,3 +176,20 @@ def test_the_command_line_resolves_kvcal_through_the_installed_plugin():
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=offline_env())
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["runtime.lm_eval_model", "KvcalLM"]
+
+
+def test_an_artifact_serves_its_policy_unless_one_is_named(smoke_artifact, one_thread):
+    """``artifact=PATH``: what ``calibration.policy(r)`` serves; ``policy=NAME`` instead of it; both
+    recorded, and a generation runs through the artifact's policy."""
+    from runtime import load_calibration
+
+    served = KvcalLM(compression_ratio=0.75, artifact=str(smoke_artifact))
+    expected = load_calibration(served.model, served.tokenizer, path=smoke_artifact).policy(0.75)
+    assert served.policy == expected and served.get_model_info()["kvcal"]["artifact"] == str(smoke_artifact)
+    (answer,) = served.generate_until(
+        [request("generate_until", CONTEXT + "\nQuestion: What is the passcode?", {"until": ["\n"], "max_gen_toks": 8})]
+    )
+    assert isinstance(answer, str)
+    named = KvcalLM(compression_ratio=0.5, artifact=str(smoke_artifact), policy="inf/leverage")
+    assert (named.policy.allocation, named.policy.scorer, named.policy.compression_ratio) == ("inf", "leverage", 0.5)
+    assert named.get_model_info()["kvcal"]["policy"] == "inf/leverage"
