@@ -193,3 +193,18 @@ def test_an_artifact_serves_its_policy_unless_one_is_named(smoke_artifact, one_t
     named = KvcalLM(compression_ratio=0.5, artifact=str(smoke_artifact), policy="inf/leverage")
     assert (named.policy.allocation, named.policy.scorer, named.policy.compression_ratio) == ("inf", "leverage", 0.5)
     assert named.get_model_info()["kvcal"]["policy"] == "inf/leverage"
+
+
+def test_a_batch_answers_as_its_prompts_one_by_one(one_thread):
+    """batch_size=2: prompts of different lengths, left-padded into one batch (each row compressed on
+    its own real length), give the greedy answers they give one at a time, in the requests' order."""
+    prompts = [
+        CONTEXT + "\nQuestion: What is the passcode?",
+        FILLER * 3 + "The passcode is 77. " + FILLER * 5 + "\nQuestion: What is the passcode?",
+        CONTEXT + "\nQuestion: What colour is the grass?",
+    ]
+    requests = [request("generate_until", prompt, {"until": ["\n"], "max_gen_toks": 6}) for prompt in prompts]
+    single = KvcalLM(compression_ratio=0.5)
+    one_by_one = [single.generate_until([one])[0] for one in requests]
+    batched = KvcalLM(compression_ratio=0.5, batch_size=2).generate_until(requests)
+    assert batched == one_by_one
