@@ -45,7 +45,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.models import load_model, load_tokenizer, use_progress_bars  # noqa: E402
-from runtime import CompressionPolicy, RaggedCache, compress, enable, load_calibration, prefill  # noqa: E402
+from runtime import CompressionPolicy, RaggedCache, load_calibration  # noqa: E402
+from runtime.attention import enable  # noqa: E402
+from runtime.compression import compress, prefill  # noqa: E402
 from runtime.flex_decode import flex_available, flex_decode_attention  # noqa: E402
 from runtime.layer_attention import _decode_step_attention  # noqa: E402
 from runtime.paged_attention import decode_attention, live_rows_attention  # noqa: E402

@@ -31,7 +31,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from prefill_all_in import context_ids  # noqa: E402
 
 from common.models import load_model, load_tokenizer, use_progress_bars  # noqa: E402
-from runtime import RaggedCache, enable, prefill  # noqa: E402
+from runtime import RaggedCache  # noqa: E402
+from runtime.attention import enable  # noqa: E402
+from runtime.compression import prefill  # noqa: E402
 from runtime.eviction import HeadEvictor  # noqa: E402
 from runtime.policy import CompressionPolicy  # noqa: E402
 from runtime.scorers.helpers import leverage_scores, unrotate  # noqa: E402

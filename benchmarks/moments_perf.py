@@ -33,7 +33,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.models import load_model, load_tokenizer  # noqa: E402
-from runtime import CompressionPolicy, RaggedCache, compress, compress_prompt, enable, load_calibration, prefill  # noqa: E402,E501
+from runtime import CompressionPolicy, RaggedCache, compress_prompt, load_calibration  # noqa: E402
+from runtime.attention import enable  # noqa: E402
+from runtime.compression import compress, prefill  # noqa: E402
 from runtime.transformers_compat import cache_argument  # noqa: E402
 
 SENTENCES = [

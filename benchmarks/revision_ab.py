@@ -70,6 +70,12 @@ def prefill_module(runtime):
     raise SystemExit(f"revision_ab: {runtime.__name__} has no compression module")
 
 
+def compress_function(runtime):
+    """``compress`` of a runtime: from its compression module (this tree's package no longer exports
+    it, issue 42), else the package's (revisions before the redesign)."""
+    return getattr(prefill_module(runtime), "compress", None) or runtime.compress
+
+
 def step(model, cache, token, cache_argument):
     return model(token, **cache_argument(model, cache), use_cache=True).logits[:, -1]
 
@@ -92,7 +98,7 @@ def decode_ab(sides, model, plain_model, ids, batch: int, steps: int, cache_argu
         base.batch_repeat_interleave(batch)
         full = base.copy()
         full.stop_observing()
-        runtime.compress(model, base, policy, calibration)
+        compress_function(runtime)(model, base, policy, calibration)
         runs[f"full/{tag}"] = [full, torch.full((batch, 1), 1000)]
         runs[f"flagship/{tag}"] = [base, torch.full((batch, 1), 1000)]
     plain = DynamicCache(config=plain_model.config)
@@ -142,7 +148,7 @@ def compression_ab(sides, model, ids, repeats: int) -> dict:
                 runtime, calibration, served, cache = prepared[tag]
                 copy = cache.copy()
                 start = time.thread_time()
-                runtime.compress(model, copy, served[name], calibration)
+                compress_function(runtime)(model, copy, served[name], calibration)
                 seconds[(name, tag)].append(time.thread_time() - start)
     medians = {f"{name}/{tag}": statistics.median(s) for (name, tag), s in seconds.items()}
     return {
@@ -172,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import runtime
     from common.models import load_model, load_tokenizer, use_progress_bars
+    from runtime.attention import enable
     from runtime.transformers_compat import cache_argument
 
     use_progress_bars(no_progress=True)
@@ -182,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         artifact = Path(scratch.name) / "smoke.h5"
         profile(["--preset", "smoke", "--out", str(artifact), "--no-progress"])
     model, plain_model, tokenizer = load_model(), load_model(), load_tokenizer()
-    runtime.enable(model)
+    enable(model)
     ids = context_ids(tokenizer, args.context)
     sides = {
         "base": (runtime_base, runtime_base.load_calibration(model, tokenizer, path=artifact)),

@@ -6,7 +6,7 @@
                                       [--json OUT] [--quick]
 
 "plain" is the unmodified embedded model (``common.models.load_model()``, a second instance
-that ``runtime.enable`` never touches) with transformers' DynamicCache and SDPA.  Every
+that ``runtime.attention.enable`` never touches) with transformers' DynamicCache and SDPA.  Every
 number is measured within one run on this machine, as ratios to plain where it matters, so
 background load hits both sides alike.  For each context length (``--contexts``, filler
 sentences, no probe generator) and each batch size (``--batch-sizes``, the context repeated
@@ -38,7 +38,7 @@ in every row):
    where K is ``--keep-ratio`` (default 0.25).  Bars: nothing evicted <= 1.05x plain at every
    batch; K = 25% kept <= 0.75x plain at B=8, 4K and never above 1.0x.
 2. **compression time** (``runtime.compression``: scoring + eviction of every head of the batch)
-   as a percentage of the ragged prefill (``runtime.prefill`` into a RaggedCache, nothing
+   as a percentage of the ragged prefill (``runtime.compression.prefill`` into a RaggedCache, nothing
    recorded) of the same batch and context.  The ragged prefill is measured at batch B when
    B x context <= ``--max-prefill-tokens``, else estimated as B x the batch-1 time (marked
    ``~``).  Bar: <= 5% at B=8, 4K.  Also at batch 1 (when 1 is among the batch sizes): plain
@@ -89,17 +89,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.models import load_model, load_tokenizer, use_progress_bars  # noqa: E402
-from runtime import (  # noqa: E402
-    FLAGSHIP,
-    CompressionPolicy,
-    RaggedCache,
-    compress,
-    enable,
-    load_calibration,
-    parse_policy,
-    prefill,
-)
-from runtime.compression import prefill_for_policies  # noqa: E402
+from runtime import FLAGSHIP, CompressionPolicy, RaggedCache, load_calibration, parse_policy  # noqa: E402
+from runtime.attention import enable  # noqa: E402
+from runtime.compression import compress, prefill, prefill_for_policies  # noqa: E402
 from runtime.transformers_compat import cache_argument  # noqa: E402
 
 PLAIN, FULL = "plain", "ragged full"

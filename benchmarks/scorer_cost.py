@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.models import load_model, load_tokenizer  # noqa: E402
-from runtime import RaggedCache, prefill  # noqa: E402
+from runtime import RaggedCache  # noqa: E402
+from runtime.compression import prefill  # noqa: E402
 from runtime.eviction import HeadEvictor  # noqa: E402
 from runtime.kvzip import kvzip_scores, with_kvzip_scores  # noqa: E402
 from runtime.policy import CompressionPolicy  # noqa: E402

@@ -29,10 +29,10 @@ MOMENT_SUFFIXES = {
     "moments": {"moment_eviction": True},  # moment-informed eviction, a_j ||r_j||
 }
 
-# What the scorers are, as their classes say (runtime/scorers/): scores comparable across heads
-# (``Scorer.comparable``: the only ones allocation 'global' ranks), an attention estimate
-# (``Scorer.yields_attention``: what moment eviction needs), a reconstruction pass per prompt
-# (kvzip: measured by evaluate-artifact, never served from an artifact).
+# What the scorers are, stated once (runtime/scorers/base.py sets a registered scorer class's
+# ``comparable`` and ``yields_attention`` from these): scores comparable across heads (the only
+# ones allocation 'global' ranks), an attention estimate (what moment eviction needs), a
+# reconstruction pass per prompt (kvzip: measured by evaluate-artifact, never served from an artifact).
 COMPARABLE_SCORERS = ("kvzip", "learned")
 ATTENTION_SCORERS = ("expected_attention", "prototype_attention", "snapkv")
 RECONSTRUCTION_SCORERS = ("kvzip",)

@@ -105,8 +105,8 @@ def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_a
     """The baseline and every ``(key, plan)`` cell (plans bound to ``calibration`` by
     ``runtime.serving_plan.bind``) on one probe: one prefill, one copy of it compressed per cell,
     and one batched ``generate`` (row 0 the baseline).  Returns per-row records."""
-    from runtime import RaggedCache, bind, compress
-    from runtime.compression import prefill_for_policies, shared_scores
+    from runtime import RaggedCache, bind
+    from runtime.compression import compress, prefill_for_policies, shared_scores
     from runtime.generation import check_inputs
     from runtime.geometry import input_device
     from runtime.kvzip import uses_kvzip, with_reconstruction_scores

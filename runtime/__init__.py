@@ -1,12 +1,20 @@
 """Serving runtime: per-KV-head eviction inside ``model.generate`` (docs/design.md sections 1-3, 6).
 
-    from runtime import CompressionPolicy, load_calibration, generate, answer
+    from runtime import CompressionPolicy, answer, bind, generate, load_calibration
     calibration = load_calibration(model, tokenizer)               # next to the weights, hub snapshot, kvcal cache
     policy = calibration.policy(compression_ratio=0.75)            # the artifact's measured best, 75% evicted
     policy = CompressionPolicy(compression_ratio=0.75)             # or any policy; this one needs no artifact
     plan = bind(policy, calibration, model)                        # optional: check and load once, serve many
     result = generate(model, input_ids, policy, context_columns=n, calibration=calibration,
                       max_new_tokens=32)
+
+The package exports the names a serving user needs (:data:`__all__`, each in README.md's "API"
+table): the entry points (``load_calibration``, ``answer``, ``generate``, ``compress_prompt``), the
+policy (``CompressionPolicy``, ``parse_policy``, ``FLAGSHIP``, ``bind``), the cache for calling
+``model.generate`` yourself (``RaggedCache``, ``ragged_attention``, ``cache_argument``) and the two
+errors a caller catches (``CacheConsumedError``, ``UnsupportedModelError``).  Everything else is
+imported from its module (``from runtime.compression import prefill, compress``, ``from
+runtime.scorers import Scorer``, ``from runtime.serving_plan import ServingPlan``...).
 
 Where a served decision is made, following one import chain from ``generate``:
 
@@ -43,40 +51,17 @@ from importlib import import_module
 # until a name is used.
 _EXPORTS = {
     "answer": "generation",
-    "ATTENTION_NAME": "cache",
     "bind": "serving_plan",
-    "build_inputs": "generation",
     "CacheConsumedError": "cache",
     "cache_argument": "transformers_compat",
-    "Calibration": "calibration",
-    "compress": "compression",
     "compress_prompt": "generation",
     "CompressionPolicy": "policy",
-    "CompressionReport": "compression",
-    "enable": "attention",
-    "find_artifact": "calibration",
     "FLAGSHIP": "policy_spec",
     "generate": "generation",
-    "GenerationResult": "generation",
-    "LayerInputs": "scorers",
     "load_calibration": "calibration",
-    "make_scorer": "scorers",
-    "ModelGeometry": "geometry",
     "parse_policy": "policy_spec",
-    "PolicySpec": "policy_spec",
-    "prefill": "compression",
-    "QueryMoments": "query_moments",
     "ragged_attention": "attention",
     "RaggedCache": "cache",
-    "RaggedLayer": "cache",
-    "Recommendation": "recommendation",
-    "register": "attention",
-    "Scorer": "scorers",
-    "ScorerInputs": "scorers",
-    "SCORERS": "scorers",
-    "select_rows": "selection",
-    "ServingPlan": "serving_plan",
-    "split_prompt": "generation",
     "UnsupportedModelError": "geometry",
 }
 

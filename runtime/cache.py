@@ -52,6 +52,7 @@ from .row_state import (
     Correction,
     DecodeEvictionHook,
     DecodePlan,
+    DecodeRound,
     PreparedCorrection,
     RowState,
     due_evictions,
@@ -115,6 +116,9 @@ class RaggedLayer(DynamicLayer):
         self.after_attend = None
         # a decode step's positions converted once for every layer (RaggedCache shares one)
         self.step_positions = StepPositions()
+        # the decode-time eviction hooks a step called, finished after its last layer (RaggedCache
+        # shares one; a lone layer is its own last)
+        self.decode_round = DecodeRound(last_layer=self.layer_idx)
 
     # -- the storage's tables and buffers (read-only views for callers) ---------------------
 
@@ -213,14 +217,14 @@ class RaggedLayer(DynamicLayer):
             raise RuntimeError(
                 f"RaggedCache needs the model to run attn_implementation={ATTENTION_NAME!r}, it runs "
                 f"{implementation!r}: wrap the call in `with runtime.ragged_attention(model):` "
-                "(or call runtime.enable(model) first)."
+                "(or call runtime.attention.enable(model) first)."
             )
         if self._pending is not None:
             self._pending = None
             raise RuntimeError(
                 "RaggedCache: the previous chunk was never attended. The model must run with "
                 f"attn_implementation={ATTENTION_NAME!r}: wrap the call in `with runtime.ragged_attention(model):` "
-                "(or call runtime.enable(model) first)."
+                "(or call runtime.attention.enable(model) first)."
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -433,6 +437,8 @@ class RaggedLayer(DynamicLayer):
                 for due in due_evictions(self.rows, store.host_length, self.layer_idx):
                     hook, rows, budgets, next_positions, stats_rows = due
                     hook.evict_decoded(self, self.layer_idx, rows, budgets, next_positions, stats_rows)
+                    self.decode_round.called(hook)
+                self.decode_round.layer_done(self.layer_idx)
         if window is not None:
             store.drop_outside_window(window)
         if self.after_attend is not None:
@@ -530,9 +536,9 @@ class RaggedCache(Cache):
         if num_layers <= 0:
             raise ValueError(f"num_layers must be positive, got {num_layers}")
         super().__init__(layers=[RaggedLayer(index) for index in range(num_layers)])
-        shared = StepPositions()
+        shared, round_ = StepPositions(), DecodeRound(last_layer=num_layers - 1)
         for layer in self.layers:
-            layer.step_positions = shared
+            layer.step_positions, layer.decode_round = shared, round_
 
     @classmethod
     def for_model(cls, model) -> RaggedCache:

@@ -71,6 +71,7 @@ class HeadEvictor:
         self.group = geometry.group_size
         self.scalings = geometry.scalings
         self.prompt_stats = prompt_stats
+        self._deferred: list[tuple[int, torch.Tensor]] = []  # a decode round's NaN flags (finish_round)
         # what the scorer needs: the plan's loaded tensors, the prompt's statistics and the cache
         self.inputs = ScorerInputs(
             self.scorer,
@@ -162,6 +163,8 @@ class HeadEvictor:
         next_positions: list[int],
         stats_rows: list[int] | None = None,
         parts: list | None = None,
+        *,
+        defer_check: bool = False,
     ) -> torch.Tensor:
         """The scorer's scores ``[R, Hkv, n]`` of rows ``rows`` of the layer (padding: ``-inf``).
 
@@ -170,6 +173,7 @@ class HeadEvictor:
         head of a tile in one call.
         ``parts``: :meth:`layer_score_parts` of these rows under a scorer with the same parts
         (shared with other policies); the scores are then only combined from them.
+        ``defer_check``: the NaN check is kept on the device until :meth:`finish_round` (decoding).
         """
         stats_rows = rows if stats_rows is None else stats_rows
         longest = int(host_array(layer.length)[rows].max()) if rows else 0
@@ -186,7 +190,7 @@ class HeadEvictor:
                 valid = np.arange(int(lengths.max()) if lengths.size else 0) < lengths[..., None]
                 valid = to_device(valid, layer.key_buffer.device)  # as padded_rows masks the live tokens
                 scores = self.scorer.combine(parts[index], valid)
-            scores = self.checked_scores(scores, valid, layer_idx)
+            scores = self.checked_scores(scores, valid, layer_idx, defer=defer_check)
             pieces.append(torch.nn.functional.pad(scores, (0, longest - scores.shape[-1]), value=float("-inf")))
         return torch.cat(pieces) if pieces else torch.zeros(0, layer.num_heads, 0)
 
@@ -208,19 +212,38 @@ class HeadEvictor:
             for tile in self._tiles(layer, rows)
         ]
 
-    def checked_scores(self, scores: torch.Tensor, valid: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    def checked_scores(
+        self, scores: torch.Tensor, valid: torch.Tensor, layer_idx: int, *, defer: bool = False
+    ) -> torch.Tensor:
         """The scorer's ``scores [R, Hkv, n]`` of a layer, refused when their shape is not ``valid``'s or
         any is NaN: ranking NaN keeps arbitrary tokens, silently (a calibration whose statistics
         overflow does that).  ``+inf`` is a score (never evict).  One check for the layer, naming the
-        first head with a NaN score."""
+        first head with a NaN score.  ``defer``: the NaN check stays on the device, read back by
+        :meth:`finish_round` with the rest of the round's (one host synchronisation per round)."""
         if tuple(scores.shape) != tuple(valid.shape):
             raise ValueError(
                 f"{self.scorer!r} returned layer scores of shape {tuple(scores.shape)} for {tuple(valid.shape)}"
             )
         bad = torch.isnan(scores) & valid
-        if bool(bad.any()):
+        if defer:
+            self._deferred.append((layer_idx, bad.any(-1)))  # [R, Hkv] on the device
+        elif bool(bad.any()):
             self._refuse_nan(layer_idx, int(bad.any(-1).nonzero()[0, 1]))
         return scores
+
+    def finish_round(self) -> None:
+        """The decode-time eviction round's deferred NaN checks, read back at once (the cache calls
+        it after the step's last layer, :class:`runtime.row_state.DecodeRound`): refused naming the
+        first layer and head with a NaN score.  The round has cut those heads already, on NaN
+        scores; the error stops the generation before it serves another token."""
+        deferred, self._deferred = self._deferred, []
+        if not deferred:
+            return
+        if not bool(torch.stack([flags.any() for _, flags in deferred]).any()):
+            return
+        for layer_idx, flags in deferred:  # the error's message: a few more reads, only on refusal
+            if bool(flags.any()):
+                self._refuse_nan(layer_idx, int(flags.any(0).nonzero()[0, 0]))
 
     def evict_decoded(
         self,
@@ -234,7 +257,9 @@ class HeadEvictor:
         """The decode-time eviction hook (:class:`runtime.row_state.DecodeEvictionHook`): the heads of
         batch rows ``rows`` that decoding grew past their budgets cut back to ``budgets`` int64
         ``[R, Hkv]``, the capacity kept for the tokens that follow."""
-        self.evict_layer(layer, layer_idx, rows, budgets, next_positions, shrink=False, stats_rows=stats_rows)
+        self.evict_layer(
+            layer, layer_idx, rows, budgets, next_positions, shrink=False, stats_rows=stats_rows, defer_check=True
+        )
 
     def evict_layer(
         self,
@@ -247,12 +272,14 @@ class HeadEvictor:
         shrink: bool = True,
         stats_rows: list[int] | None = None,
         scores: torch.Tensor | None = None,
+        defer_check: bool = False,
     ) -> None:
         """Cut every KV head of batch rows ``rows`` down to ``budgets`` int ``[R, Hkv]`` tokens.
 
         ``scores``: the layer's ``[R, Hkv, n]`` scores when already computed (``global``
         allocation ranks every head's scores before any head is cut).  ``shrink=False``
-        (decoding) keeps the capacity for the tokens that follow.
+        (decoding) keeps the capacity for the tokens that follow; ``defer_check`` (decoding) leaves
+        the scores' NaN check to :meth:`finish_round`.
         """
         budgets = host_array(budgets)  # [R, Hkv] host
         lengths = host_array(layer.length)[rows]  # [R, Hkv] host
@@ -266,7 +293,7 @@ class HeadEvictor:
                 )
             return
         if scores is None:
-            scores = self.layer_scores(layer, layer_idx, rows, next_positions, stats_rows)
+            scores = self.layer_scores(layer, layer_idx, rows, next_positions, stats_rows, defer_check=defer_check)
         device = scores.device
         valid = to_device(np.arange(scores.shape[-1]) < lengths[..., None], device)
         keep = keep_mask(scores, valid, to_device(budgets, device), self.policy.n_sink, self.policy.window)

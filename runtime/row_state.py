@@ -16,7 +16,10 @@ Per (layer, batch row), one :class:`RowState`:
 Decode-time eviction.  After every step the layer asks :func:`due_evictions` which rows hold a
 head grown ``every`` tokens past its budget, and hands each group of rows sharing one hook to
 that hook's :meth:`DecodeEvictionHook.evict_decoded` (the cache never knows how tokens are
-scored: :class:`runtime.eviction.HeadEvictor` is the hook the runtime installs).
+scored: :class:`runtime.eviction.HeadEvictor` is the hook the runtime installs).  A hook may
+defer what it must read back from the device (the NaN check of its scores) to
+:meth:`DecodeEvictionHook.finish_round`, which :class:`DecodeRound` calls once the step's last
+layer has attended: one host synchronisation per eviction round, not one per layer (issue 39).
 """
 
 from __future__ import annotations
@@ -51,6 +54,40 @@ class DecodeEvictionHook(Protocol):
         ``next_positions[i]``: the RoPE position of row ``rows[i]``'s next token; ``stats_rows[i]``: its
         row in the hook's prompt statistics."""
 
+    def finish_round(self) -> None:
+        """After the last layer of a step in which :meth:`evict_decoded` was called: check what the
+        calls deferred (raising as they would have), at most one read back from the device."""
+
+
+class DecodeRound:
+    """The hooks called during one decode step, finished once the step's last layer (index
+    ``last_layer``) has attended (:meth:`DecodeEvictionHook.finish_round`).  One per cache, shared
+    by its layers.  A step that ends before its last layer attends (a model whose last layer never
+    calls the cache) cannot leave a round unfinished silently: the next step's first call refuses."""
+
+    def __init__(self, last_layer: int) -> None:
+        self.last_layer = int(last_layer)
+        self._hooks: dict[int, DecodeEvictionHook] = {}
+        self._layer = -1  # the last layer that called since the round began
+
+    def called(self, hook: DecodeEvictionHook) -> None:
+        """``hook.evict_decoded`` ran in this step."""
+        self._hooks[id(hook)] = hook
+
+    def layer_done(self, layer_idx: int) -> None:
+        """Layer ``layer_idx`` of the step has attended (and evicted where due)."""
+        if self._hooks and layer_idx <= self._layer:
+            self._hooks.clear()
+            raise RuntimeError(
+                f"a decode step ended at layer {self._layer} before the cache's last layer {self.last_layer} "
+                "attended: its eviction round was never finished (the cache belongs to another model?)"
+            )
+        self._layer = layer_idx
+        if layer_idx == self.last_layer:
+            hooks, self._hooks, self._layer = list(self._hooks.values()), {}, -1
+            for hook in hooks:
+                hook.finish_round()
+
 
 @dataclass
 class DecodePlan:
@@ -65,7 +102,9 @@ class DecodePlan:
 
     def __post_init__(self):
         if not isinstance(self.hook, DecodeEvictionHook):
-            raise TypeError(f"a decode plan's hook needs an evict_decoded method, got {type(self.hook).__name__}")
+            raise TypeError(
+                f"a decode plan's hook needs evict_decoded and finish_round methods, got {type(self.hook).__name__}"
+            )
 
 
 class Correction(NamedTuple):

@@ -59,12 +59,12 @@ class StepPositions:
 
     def __init__(self) -> None:
         self._source: torch.Tensor | None = None
-        self._key: tuple = ()
+        self._key: tuple = ()  # (the source's version, heads)
         self._flat: torch.Tensor | None = None
 
     def flat(self, positions: torch.Tensor, heads: int) -> torch.Tensor:
         """``positions [B, 1]`` as int32 ``[B * heads]``, row-major (segment ``b * heads + h``)."""
-        key = (positions._version, heads, positions.device)
+        key = (positions._version, heads)
         if positions is not self._source or key != self._key:
             self._source, self._key = positions, key
             self._flat = positions.expand(positions.shape[0], heads).reshape(-1).to(torch.int32)
@@ -219,13 +219,7 @@ class SegmentStore:
         if real is None:
             if q_len > self.free:
                 self.reserve(np.full(batch, q_len, dtype=np.int64))
-            if q_len == 1:  # a decode step: every head's next row is its first free one (fewest ops)
-                memo = step_positions if step_positions is not None else StepPositions()
-                self._store(self.ends, keys.reshape(-1, dim), values.reshape(-1, dim), memo.flat(positions, heads))
-                self.ends += 1  # on the device, in place
-                self.advance_host(1)
-            else:
-                self._append_all(keys, values, positions)
+            self._append_all(keys, values, positions, step_positions)
             return None
         counts = real.sum(1).cpu()  # [B]
         self.reserve(counts)
@@ -246,10 +240,15 @@ class SegmentStore:
             self.uniform = False
         return counts
 
-    def _append_all(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """:meth:`append` of a chunk ``[B, Hkv, q, d]``, ``q > 1``, without padding: ``q`` rows for every head."""
+    def _append_all(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, step_positions: StepPositions | None
+    ) -> None:
+        """:meth:`append` of a chunk ``[B, Hkv, q, d]`` without padding: ``q`` rows for every head."""
         batch, heads, q_len, dim = keys.shape
-        if self.uniform:  # one strided copy into the [B, Hkv, cap, d] view
+        if q_len == 1:  # a decode step: every head's next row is its first free one (fewest ops)
+            memo = step_positions if step_positions is not None else StepPositions()
+            self._store(self.ends, keys.reshape(-1, dim), values.reshape(-1, dim), memo.flat(positions, heads))
+        elif self.uniform:  # one strided copy into the [B, Hkv, cap, d] view
             capacity, length = int(self.host_capacity[0, 0]), int(self.host_length[0, 0])
             end = length + q_len
             self.key_buffer.view(batch, heads, capacity, dim)[:, :, length:end] = keys

@@ -13,7 +13,8 @@ import pytest
 import torch
 from tiny_architectures import ARCHITECTURES, SLIDING, VOCAB, WINDOW, make_tiny
 
-from runtime import CompressionPolicy, RaggedCache, cache_argument, generate, prefill, ragged_attention
+from runtime import CompressionPolicy, RaggedCache, cache_argument, generate, ragged_attention
+from runtime.compression import prefill
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,7 +37,7 @@ def _windows(model) -> list[int | None]:
 
 def _forward(model, cache, ids, mask):
     """Logits ``[B, q, V]`` of feeding ``ids [B, q]`` through ``cache``, positions following the
-    real tokens (as runtime.prefill and generate() number them)."""
+    real tokens (as runtime.compression.prefill and generate() number them)."""
     seen = torch.tensor(cache.layers[0].real_seen)
     chunk = mask[:, -ids.shape[1] :]
     positions = (seen.unsqueeze(1) + chunk.cumsum(-1) - 1).clamp(min=0)

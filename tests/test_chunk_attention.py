@@ -7,8 +7,9 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 
-from runtime import RaggedCache, prefill
+from runtime import RaggedCache
 from runtime.chunk_attention import ChunkAttention, ChunkSpec, chunk_mass
+from runtime.compression import prefill
 from runtime.geometry import ModelGeometry
 from runtime.scorers import ALL_QUERIES, ChunkAttentionMass, LeverageScorer, ScorerInputs
 

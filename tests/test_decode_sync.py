@@ -21,7 +21,7 @@ prefill + compression and a few warm-up steps, taken at a step that does not reg
 Cases: plain transformers (DynamicCache), ragged (nothing evicted), ``uniform/keydiff`` (equal
 budgets), keydiff with the order-1 correction (the MomentKV merge), decode-time eviction (keydiff's
 ``evict_every``) on a step with nothing due and on an eviction round (at most one synchronisation
-per layer evicted), on a tiny random-weight Llama; and the flagship ``inf/leverage+correction`` with
+for the whole round), on a tiny random-weight Llama; and the flagship ``inf/leverage+correction`` with
 the smoke artifact on the real embedded model.  A sliding-window layer (Mistral's) reads back once
 per step which rows left its window: at most one synchronisation per layer.
 """
@@ -187,13 +187,12 @@ def test_a_decode_step_synchronises_no_more_than_plain_transformers(name, tiny_s
 
 @pytest.mark.parametrize("correction", ["none", "order1"])
 @torch.no_grad()
-def test_a_decode_time_eviction_round_synchronises_at_most_once_per_layer(
-    correction, tiny_setup, tiny_plain_counts, one_thread
-):
+def test_a_decode_time_eviction_round_synchronises_at_most_once(correction, tiny_setup, tiny_plain_counts, one_thread):
     """keydiff with ``evict_every=4`` (and with the order-1 correction, whose sums the round changes):
     the step in which every layer cuts its heads back to their budgets, together with the step
-    after it (which rebuilds the correction from the new sums), synchronises at most once per
-    layer beyond plain's two steps."""
+    after it (which rebuilds the correction from the new sums), synchronises at most once beyond
+    plain's two steps (issue 39: once per eviction round; the NaN check of every layer's scores is
+    read back once, when the step's last layer has attended)."""
     model, prompt, decode = tiny_setup
     plain_syncs, _ = tiny_plain_counts
     policy = CompressionPolicy(compression_ratio=0.75, scorer="keydiff", evict_every=4, correction=correction)
@@ -218,7 +217,7 @@ def test_a_decode_time_eviction_round_synchronises_at_most_once_per_layer(
         else:
             raise AssertionError("no step evicted in every layer")
     print(f"eviction round ({correction}) and the next step: {_total(counted)} syncs {dict(counted)}, {ops} aten ops")
-    assert _total(counted) <= 2 * _total(plain_syncs) + layers, dict(counted)
+    assert _total(counted) <= 2 * _total(plain_syncs) + 1, f"{dict(counted)} over {layers} layers"
 
 
 def test_a_sliding_window_layer_synchronises_once_per_decode_step(one_thread):

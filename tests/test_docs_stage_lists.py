@@ -25,4 +25,4 @@ def test_design_notes_list_every_stage_in_order():
 
 def test_readme_lists_every_stage_in_order():
     text = (REPO / "README.md").read_text()
-    assert listed_stages(text, "the calibration job: stages, in the order they run,", "; writes") == list(STAGE_NAMES)
+    assert listed_stages(text, "the calibration job: stages, in the order they run,", "\n\n") == list(STAGE_NAMES)

@@ -15,8 +15,9 @@ from scorer_oracles import Head, head_from_cache, oracle_score, score_one
 from test_runtime_scorers import direct_expected_attention, explicit_rope
 
 from profiler.future_queries import kmeans_centres, probe_future_queries
-from runtime import CompressionPolicy, RaggedCache, prefill
+from runtime import CompressionPolicy, RaggedCache
 from runtime.calibration import Calibration
+from runtime.compression import prefill
 from runtime.geometry import ModelGeometry
 from runtime.policy_spec import parse_policy
 from runtime.rope import averaged_rope
@@ -312,7 +313,8 @@ def test_embedded_model_keeps_the_needle_under_prototype_attention(embedded_mode
     future-queries stage records) let a 1K-token probe of an unseen seed keep its answer at half
     the cache with uniform budgets, question-agnostic."""
     from needles import PRESETS, answer_is_correct, generate_probes
-    from runtime import compress, ragged_attention
+    from runtime import ragged_attention
+    from runtime.compression import compress
     from runtime.query_moments import QueryMoments
 
     model, tokenizer = embedded_model, embedded_tokenizer

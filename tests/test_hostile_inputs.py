@@ -697,6 +697,36 @@ def test_serving_refuses_nan_scores_naming_the_layer_and_head(one_thread):
         generate(model, ids, policy, calibration=calibration, max_new_tokens=1, pad_token_id=0)
 
 
+def test_decode_time_eviction_refuses_nan_scores_once_the_round_ends(one_thread):
+    """Decode-time eviction (``evict_every``) checks its scores once per round, after the step's last
+    layer (issue 39: one host synchronisation per round): a scorer that turns NaN on layer 1, KV head
+    1 only while decoding is still refused, naming the layer and head, before another token is served."""
+    from runtime import CompressionPolicy, generate
+    from runtime.scorers.keydiff import KeyDiffScorer
+
+    class NaNWhileDecoding(KeyDiffScorer):
+        def score(self, inputs):
+            scores = super().score(inputs)
+            if inputs.layer == 1 and min(inputs.next_positions) > 40:  # the prompt is 40 tokens
+                scores = scores.clone()
+                scores[:, 1] = float("nan")
+            return scores
+
+    model = make_tiny_llama()
+    policy = CompressionPolicy(keep_ratio=0.5, scorer=NaNWhileDecoding(), evict_every=2, window=4)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"returned NaN scores for layer 1, KV head 1"):
+        generate(model, ids, policy, max_new_tokens=8, pad_token_id=0)
+    result = generate(
+        model,
+        ids,
+        CompressionPolicy(keep_ratio=0.5, scorer="keydiff", evict_every=2, window=4),
+        max_new_tokens=8,
+        pad_token_id=0,
+    )  # the same round with finite scores serves
+    assert result.sequences.shape[1] == 48
+
+
 # identity
 
 

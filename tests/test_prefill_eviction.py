@@ -1,7 +1,7 @@
 """Eviction inside the prefill (``runtime.compression.prefill_and_compress``): each layer cut to its
 budgets right after its attention, so that at most one layer's full cache exists at a time.
 
-The reference is the two-step path it replaces, prefill then :func:`runtime.compress`: the same
+The reference is the two-step path it replaces, prefill then :func:`runtime.compression.compress`: the same
 kept rows in every head, the same moment sums, the same greedy tokens and logits afterwards."""
 
 from __future__ import annotations
@@ -11,18 +11,9 @@ import torch
 from conftest import make_tiny_llama
 from tiny_architectures import make_tiny
 
-from runtime import (
-    CompressionPolicy,
-    RaggedCache,
-    bind,
-    build_inputs,
-    compress,
-    compress_prompt,
-    load_calibration,
-    prefill,
-    ragged_attention,
-)
-from runtime.compression import evicts_in_prefill, prefill_and_compress
+from runtime import CompressionPolicy, RaggedCache, bind, compress_prompt, load_calibration, ragged_attention
+from runtime.compression import compress, evicts_in_prefill, prefill, prefill_and_compress
+from runtime.generation import build_inputs
 from runtime.policy_spec import FLAGSHIP
 from runtime.transformers_compat import cache_argument
 

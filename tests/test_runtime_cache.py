@@ -12,17 +12,10 @@ from transformers import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from runtime import (
-    ATTENTION_NAME,
-    CompressionPolicy,
-    RaggedCache,
-    compress,
-    compress_prompt,
-    generate,
-    prefill,
-    ragged_attention,
-)
+from runtime import CompressionPolicy, RaggedCache, compress_prompt, generate, ragged_attention
+from runtime.cache import ATTENTION_NAME
 from runtime.calibration import Calibration
+from runtime.compression import compress, prefill
 from runtime.transformers_compat import cache_argument
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
@@ -230,7 +223,7 @@ def test_left_padded_batch_gives_the_same_answers_as_one_by_one():
     contexts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (30, 22, 27)]
     questions = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (4, 7, 5)]
     calibration = inf_calibration(2, 2)
-    from runtime import build_inputs
+    from runtime.generation import build_inputs
 
     for question_aware in (False, True):
         policy = CompressionPolicy(keep_ratio=0.5, allocation="inf", scorer="snapkv", window=4, n_sink=1)
@@ -417,6 +410,9 @@ class _RecordingHook:
     def evict_decoded(self, layer, layer_idx, rows, budgets, next_positions, stats_rows):
         self.calls.append((layer_idx, list(rows), budgets.clone(), list(next_positions), list(stats_rows)))
 
+    def finish_round(self):
+        self.calls.append("finished")
+
 
 def test_decode_eviction_goes_through_the_typed_hook():
     """The cache calls DecodeEvictionHook.evict_decoded once per hook, for the rows holding a head
@@ -449,9 +445,32 @@ def test_decode_eviction_goes_through_the_typed_hook():
         prefill(model, cache, ids)
         cache.set_decode_plan(DecodePlan(hook, np.full((2, 2), 3, dtype=np.int64), 1, 0), row=0)
         model(torch.tensor([[5]]), **cache_argument(model, cache))
-    assert [(call[0], call[1], call[2].tolist(), call[3]) for call in hook.calls] == [
+    assert [(call[0], call[1], call[2].tolist(), call[3]) for call in hook.calls[:-1]] == [
         (index, [0], [[3, 3]], [13]) for index in range(2)
     ]
+    assert hook.calls[-1] == "finished"  # once, after the step's last layer
+
+
+def test_a_decode_round_is_finished_once_after_the_last_layer_and_never_left_open():
+    from runtime.row_state import DecodeRound
+
+    hook, other = _RecordingHook(), _RecordingHook()
+    round_ = DecodeRound(last_layer=2)
+    for layer in range(3):  # a step: two hooks called in layers 0 and 1
+        if layer < 2:
+            round_.called(hook)
+        if layer == 1:
+            round_.called(other)
+        round_.layer_done(layer)
+    assert hook.calls == ["finished"] and other.calls == ["finished"]
+    for layer in range(3):  # a step without a due eviction finishes nothing
+        round_.layer_done(layer)
+    assert hook.calls == ["finished"]
+    round_.called(hook)
+    round_.layer_done(0)
+    round_.layer_done(1)  # the step ends here: layer 2 never attends
+    with pytest.raises(RuntimeError, match="never finished"):
+        round_.layer_done(0)
 
 
 @torch.no_grad()

@@ -9,7 +9,9 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 
-from runtime import CompressionPolicy, RaggedCache, answer, build_inputs, compress, generate, prefill, ragged_attention
+from runtime import CompressionPolicy, RaggedCache, answer, generate, ragged_attention
+from runtime.compression import compress, prefill
+from runtime.generation import build_inputs
 from runtime.transformers_compat import cache_argument
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread

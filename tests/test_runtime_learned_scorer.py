@@ -10,9 +10,10 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 
-from runtime import CompressionPolicy, RaggedCache, compress, load_calibration, prefill, ragged_attention
+from runtime import CompressionPolicy, RaggedCache, load_calibration, ragged_attention
 from runtime.budgets import global_budgets
 from runtime.calibration import Calibration
+from runtime.compression import compress, prefill
 from runtime.transformers_compat import cache_argument
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread

@@ -14,8 +14,9 @@ from conftest import make_tiny_llama
 from scorer_oracles import Head, head_from_cache, layer_inputs, oracle_score, score_one
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from runtime import CompressionPolicy, RaggedCache, compress, prefill, ragged_attention
+from runtime import CompressionPolicy, RaggedCache, ragged_attention
 from runtime.chunk_attention import ChunkSpec
+from runtime.compression import compress, prefill
 from runtime.eviction import HeadEvictor
 from runtime.kvzip import (
     kvzip_budgets,

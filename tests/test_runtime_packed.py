@@ -9,7 +9,8 @@ import torch
 from conftest import make_tiny_llama
 from test_runtime_cache import inf_calibration
 
-from runtime import CompressionPolicy, RaggedCache, compress_prompt, generate, prefill, ragged_attention
+from runtime import CompressionPolicy, RaggedCache, compress_prompt, generate, ragged_attention
+from runtime.compression import prefill
 from runtime.paged_attention import decode_attention, segment_attention
 from runtime.transformers_compat import cache_argument
 

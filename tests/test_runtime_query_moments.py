@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 
-from runtime import QueryMoments
 from runtime.geometry import ModelGeometry
+from runtime.query_moments import QueryMoments
 
 
 def _query_outputs(model, ids, attention_mask=None):

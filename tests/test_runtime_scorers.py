@@ -12,8 +12,9 @@ from conftest import make_tiny_llama
 from scorer_oracles import Head, attention_one, head_from_cache, layer_inputs, oracle_score, score_one
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from runtime import CompressionPolicy, RaggedCache, compress, prefill
+from runtime import CompressionPolicy, RaggedCache
 from runtime.calibration import Calibration
+from runtime.compression import compress, prefill
 from runtime.rope import averaged_rope, rope_cos_sin, rope_matrix
 from runtime.scorers import (
     SCORERS,

@@ -11,8 +11,9 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 
-from runtime import CompressionPolicy, RaggedCache, compress, prefill
+from runtime import CompressionPolicy, RaggedCache
 from runtime.budgets import global_budgets
+from runtime.compression import compress, prefill
 from runtime.moments import MomentSums
 from runtime.scorers import LayerInputs, Scorer, ScorerInputs
 from runtime.selection import global_counts, keep_mask, priority_ranks, protected_mask, select_rows

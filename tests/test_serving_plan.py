@@ -10,10 +10,11 @@ import torch
 from conftest import make_tiny_llama
 from test_runtime_policy import write_tiny_artifact
 
-from runtime import CompressionPolicy, RaggedCache, ServingPlan, bind, compress, compress_prompt, generate, prefill
+from runtime import CompressionPolicy, RaggedCache, bind, compress_prompt, generate
 from runtime.calibration import Calibration, load_calibration
+from runtime.compression import compress, prefill
 from runtime.policy import REQUIREMENTS
-from runtime.serving_plan import _LOADERS
+from runtime.serving_plan import _LOADERS, ServingPlan
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 

@@ -8,8 +8,8 @@ import torch
 from conftest import make_tiny_llama
 from test_runtime_policy import write_tiny_artifact
 
-from runtime import CompressionPolicy, RaggedCache, bind, compress, load_calibration
-from runtime.compression import prefill, prefill_for_policies, shared_scores
+from runtime import CompressionPolicy, RaggedCache, bind, load_calibration
+from runtime.compression import compress, prefill, prefill_for_policies, shared_scores
 from runtime.policy_spec import parse_policy
 from runtime.scorers import ALL_QUERIES, KeyDiffScorer, chunk_specs
 

@@ -52,3 +52,23 @@ def test_the_formulas_against_direct_computations():
     weights = np.array([[0.1, 0.4], [0.2, 0.3]])
     ideal = formulas.ideal_budgets(weights, 8.0, 2.0)
     assert np.allclose(ideal, 8.0 * 0.5 + 8.0 * 4 / 2.0 * weights) and np.isclose(ideal.sum(), 8.0 * 4)
+
+
+def test_the_scorers_traits_are_the_vocabularys():
+    """Whether a registered scorer's scores compare across heads, and whether it estimates attention,
+    is stated once (``common.policy_grammar``), which the torch-free grammar checks policies with;
+    the scorer classes take it from there instead of restating it."""
+    from pathlib import Path
+
+    from common.policy_grammar import ATTENTION_SCORERS, COMPARABLE_SCORERS
+    from runtime.scorers import SCORERS
+
+    assert set(SCORERS) == set(names.SCORER_NAMES)
+    for name, scorer in SCORERS.items():
+        assert scorer.comparable == (name in COMPARABLE_SCORERS), name
+        assert scorer.yields_attention == (name in ATTENTION_SCORERS), name
+    package = Path(__file__).resolve().parent.parent / "runtime" / "scorers"
+    for source in package.glob("*.py"):
+        if source.name != "base.py":
+            text = source.read_text()
+            assert "comparable = " not in text and "yields_attention = " not in text, source.name

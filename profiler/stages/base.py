@@ -39,7 +39,7 @@ runs the same way for every stage:
 Adding a stage ``my-stage``: a module ``profiler/stages/my_stage.py`` with a :class:`Stage`
 (or :class:`ShardedStage`) subclass, its method in ``profiler/my_stage.py``, its entry in
 ``profiler.stages.STAGES``, a schema entry in ``artifacts/schema.py`` and its description in
-``docs/artifact-format.md`` (and a ``runtime.Calibration`` field when the runtime serves it).
+``docs/artifact-format.md`` (and a ``runtime.calibration.Calibration`` field when the runtime serves it).
 The job, ``profile-model``'s parser and help, the settings' checks, the required-section check,
 resume, multi-process reduction, and ``inspect-artifact`` (a generic summary of any section)
 need no change; a dedicated summary in ``artifacts/summary.py`` or a heatmap in

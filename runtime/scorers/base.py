@@ -6,6 +6,9 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from common.names import SCORER_NAMES
+from common.policy_grammar import ATTENTION_SCORERS, COMPARABLE_SCORERS
+
 from .inputs import LayerInputs, Need
 
 
@@ -21,6 +24,10 @@ class Scorer(ABC):
     * ``comparable``: True when scores of different heads are on one scale (log attention), so
       the ``global`` allocation may rank all heads' tokens together.
 
+    A registered scorer's ``comparable`` and ``yields_attention`` are the vocabulary's
+    (``common.policy_grammar.COMPARABLE_SCORERS`` / ``ATTENTION_SCORERS``, which the torch-free
+    grammar checks policies with): set from its ``name`` when the class is defined, stated once.
+
     Which rows the scores keep (sinks, recent window, then the best-scored, ties to the newer
     token) is :mod:`runtime.selection`'s, not the scorer's.
     """
@@ -28,6 +35,12 @@ class Scorer(ABC):
     name = "scorer"
     comparable = False
     yields_attention = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.name in SCORER_NAMES:
+            cls.comparable = cls.name in COMPARABLE_SCORERS
+            cls.yields_attention = cls.name in ATTENTION_SCORERS
 
     @property
     def needs(self) -> tuple[Need, ...]:

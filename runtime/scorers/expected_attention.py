@@ -23,7 +23,6 @@ class ExpectedAttentionScorer(Scorer):
     """
 
     name = "expected_attention"
-    yields_attention = True
     # kvpress's ExpectedAttentionPress adds 1e-2: a token whose expected attention is below it is then
     # ranked by its value norm, instead of by an estimate of attention no query will pay.  With 0 it
     # kept no probe at any ratio (docs/results.md R-ea-epsilon-2026-11-22).

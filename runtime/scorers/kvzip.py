@@ -41,7 +41,6 @@ class KVzipScorer(Scorer):
     """
 
     name = "kvzip"
-    comparable = True
 
     def __init__(self, scores: KVzipScores | None = None):
         if scores is not None and not isinstance(scores, KVzipScores):

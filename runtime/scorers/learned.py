@@ -20,7 +20,6 @@ class LearnedScorer(Scorer):
     """
 
     name = "learned"
-    comparable = True
 
     @property
     def needs(self):

@@ -26,7 +26,6 @@ class PrototypeAttentionScorer(Scorer):
     """
 
     name = "prototype_attention"
-    yields_attention = True
     REDUCTIONS = ("max", "mean")
 
     # Defaults (horizon 64: the ~40 tokens a question and answer span; max over the group and the

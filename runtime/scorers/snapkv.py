@@ -16,7 +16,6 @@ class SnapKVScorer(Scorer):
     GQA group, then a mean over the ``kernel`` neighbouring tokens (those that exist)."""
 
     name = "snapkv"
-    yields_attention = True
 
     def __init__(self, window: int = 32, kernel: int = 5):
         self.window = check_integer("snapkv observation window", window, minimum=1)
