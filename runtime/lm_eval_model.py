@@ -1,20 +1,25 @@
 """kvcal as a model of EleutherAI's lm-evaluation-harness (the ``lm-eval`` extra): ``--model kvcal``.
 
-    lm_eval --model kvcal --model_args compression_ratio=0.75 --tasks niah_single_1 \\
+    kvcal-lm-eval --model kvcal --model_args compression_ratio=0.75 --tasks niah_single_1 \\
         --metadata '{"max_seq_lengths":[2048]}' --limit 4
 
-or from Python::
+(``kvcal-lm-eval`` is lm-eval's command line with ``kvcal`` registered: :mod:`runtime.lm_eval_cli`
+says why plain ``lm_eval`` cannot find it yet) or from Python, where importing this module
+registers ``kvcal`` with lm-eval (unless it already is)::
 
     import lm_eval
-    from runtime.lm_eval_model import KvcalLM
+    import runtime.lm_eval_model  # noqa: F401  (registers the model "kvcal")
 
-    lm = KvcalLM(compression_ratio=0.75)                      # the embedded model, no artifact
-    lm_eval.simple_evaluate(model=lm, tasks=["niah_single_1"], limit=4,
-                            metadata={"tokenizer": lm.tokenizer_source, "max_seq_lengths": [2048]})
+    lm_eval.simple_evaluate(model="kvcal", model_args={"compression_ratio": 0.75}, tasks=["niah_single_1"],
+                            limit=4, metadata={"tokenizer": tokenizer, "max_seq_lengths": [2048]})
 
-This module is the only one that imports lm_eval; nothing in kvcal's core imports it
-(tests/test_runtime_imports.py).  How ``--model kvcal`` resolves without a change to lm-eval:
-see ``kvcal_lm_eval_plugin.py`` at the top of the repository.
+RULER's tasks then need a tokenizer named (``metadata={"tokenizer": ...}``, or ``pretrained=`` in
+the model_args): only the command line names the embedded model's by itself.  An instance works
+too: ``lm = KvcalLM(compression_ratio=0.75)``, ``simple_evaluate(model=lm, ...,
+metadata={"tokenizer": lm.tokenizer_source, ...})``.
+
+This module and :mod:`runtime.lm_eval_cli` are the only ones that import lm_eval; nothing in
+kvcal's core imports them (tests/test_runtime_imports.py).
 
 Model arguments (``--model_args key=value,...``; anything else is refused):
 
@@ -54,8 +59,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import lm_eval.models  # noqa: F401  (lm-eval's own models first: its registry fills itself only while empty)
 from lm_eval.api.model import LM
-from lm_eval.api.registry import register_model
+from lm_eval.api.registry import model_registry, register_model
 from tqdm import tqdm
 
 from common.models import EMBEDDED, LOG, load_model, load_tokenizer, resolve_model
@@ -65,10 +71,10 @@ from .attention import ragged_attention
 from .calibration import load_calibration
 from .generation import check_inputs, compress_prompt, context_limit, generate
 from .geometry import input_device
+from .lm_eval_cli import MODEL as MODEL_NAME
 from .policy_spec import ARTIFACT_FREE, parse_policy
 from .transformers_compat import cache_argument
 
-MODEL_NAME = "kvcal"
 QUESTION_MODES = ("auto", "agnostic", "aware")
 # Where the question starts in the prompts of lm-eval's RULER tasks (their templates,
 # lm_eval/tasks/ruler/*_utils.py): the last match splits the context from the question.
@@ -118,7 +124,6 @@ def _device_map(device: str | None) -> str | None:
     return str(device)
 
 
-@register_model(MODEL_NAME)
 class KvcalLM(LM):
     """lm-eval's ``LM`` served by kvcal's runtime with a compressed KV cache (module docstring)."""
 
@@ -388,3 +393,9 @@ class KvcalLM(LM):
             "kvcal refuses loglikelihood_rolling (perplexity tasks such as wikitext): a rolling log-likelihood has "
             f"no context to compress, and kvcal never scores uncompressed; {_NOT_COMPRESSED}"
         )
+
+
+# kvcal-lm-eval registers the name first (lazily, "runtime.lm_eval_model:KvcalLM"): lm-eval then
+# imports this module to resolve it, and the class is what it finds.
+if MODEL_NAME not in model_registry:
+    register_model(MODEL_NAME)(KvcalLM)
