@@ -57,9 +57,9 @@ import dataclasses
 import re
 from pathlib import Path
 
+import lm_eval.models  # noqa: F401  (lm-eval's own models first: its registry fills itself only while empty)
 import torch
 import torch.nn.functional as F
-import lm_eval.models  # noqa: F401  (lm-eval's own models first: its registry fills itself only while empty)
 from lm_eval.api.model import LM
 from lm_eval.api.registry import model_registry, register_model
 from tqdm import tqdm
