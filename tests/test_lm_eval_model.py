@@ -1,10 +1,12 @@
-"""kvcal as lm-evaluation-harness's ``--model kvcal`` (runtime/lm_eval_model.py, issue 43).
+"""kvcal as lm-evaluation-harness's ``--model kvcal`` (runtime/lm_eval_model.py, issue 43) and the
+``kvcal-lm-eval`` command (runtime/lm_eval_cli.py).
 
-The issue's bar, word for word: in an environment with the ``lm-eval`` extra installed,
-``lm_eval --model kvcal --model_args compression_ratio=0.75 --tasks niah_single_1 --metadata
-'{"max_seq_lengths":[2048]}' --limit 4`` runs offline on the embedded model and prints lm-eval's
-results table.  Then the Python path, generation's stop strings, the log-likelihoods (compressed:
-at ratio 0 they are the plain model's), and the model_args refused.
+The bar: in an environment with the ``lm-eval`` extra installed, ``kvcal-lm-eval --model kvcal
+--model_args compression_ratio=0.75 --tasks niah_single_1 --metadata '{"max_seq_lengths":[2048]}'
+--limit 4`` runs offline on the embedded model and prints lm-eval's results table.  Then the
+Python path, generation's stop strings, the log-likelihoods (compressed: at ratio 0 they are the
+plain model's), and the model_args refused.  The command's argument rewriting and its message
+without lm-eval: tests/test_lm_eval_cli.py (no lm-eval needed).
 
 Skipped with a message where lm-eval is not installed (the main environment); ``make
 test-lm-eval`` installs it (the ``lm-eval`` extra) and sets KVCAL_REQUIRE_LM_EVAL, which turns
@@ -33,7 +35,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from runtime.lm_eval_model import KvcalLM, question_split  # noqa: E402
 
 BAR = [
-    "lm_eval",
+    "kvcal-lm-eval",
     "--model",
     "kvcal",
     "--model_args",
@@ -65,13 +67,21 @@ def lm():
     return KvcalLM(compression_ratio=0.75)
 
 
+def command(name: str) -> str:
+    """An installed console script of this environment (kvcal's or lm-eval's)."""
+    executable = Path(sys.executable).parent / name
+    found = str(executable) if executable.exists() else shutil.which(name)
+    assert found, f"no {name} command installed (pip install -e '.[lm-eval]')"
+    return found
+
+
 @pytest.mark.slow
 def test_the_issues_command_runs_offline_and_prints_the_results_table(tmp_path):
-    """The bar: the exact command, offline, in a fresh directory: exit 0 and lm-eval's table."""
-    executable = Path(sys.executable).parent / "lm_eval"
-    assert executable.exists() or shutil.which("lm_eval"), "lm-eval's lm_eval command is not installed"
-    command = [str(executable) if executable.exists() else "lm_eval", *BAR[1:]]
-    result = subprocess.run(command, cwd=tmp_path, env=offline_env(), capture_output=True, text=True, timeout=900)
+    """The bar: the exact command, offline, in a fresh directory: exit 0 and lm-eval's table with a
+    score; the embedded model's tokenizer was named for RULER, and the log says so."""
+    result = subprocess.run(
+        [command(BAR[0]), *BAR[1:]], cwd=tmp_path, env=offline_env(), capture_output=True, text=True, timeout=900
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     table = [line for line in result.stdout.splitlines() if line.startswith("|")]
     assert table and table[0].replace(" ", "").startswith("|Tasks|Version|Filter|n-shot|Metric|"), result.stdout
@@ -79,6 +89,16 @@ def test_the_issues_command_runs_offline_and_prints_the_results_table(tmp_path):
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells[4] == "2048" and 0.0 <= float(cells[6]) <= 1.0, row
     assert "kvcal ({'compression_ratio': 0.75})" in result.stdout
+    from common.models import embedded_model_dir
+
+    assert f"the task metadata gets tokenizer={embedded_model_dir()}" in result.stderr
+
+
+def test_the_commands_help_is_lm_evals_with_kvcal_registered():
+    result = subprocess.run([command("kvcal-lm-eval"), "--help"], capture_output=True, text=True, env=offline_env())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("kvcal-lm-eval: lm-evaluation-harness's command line")
+    assert "model 'kvcal' registered" in result.stdout and "Language Model Evaluation Harness" in result.stdout
 
 
 @pytest.mark.slow
@@ -163,19 +183,44 @@ def test_bad_model_args_are_refused_with_a_clear_message(model_args, error, mess
         KvcalLM(**model_args)
 
 
-def test_the_command_line_resolves_kvcal_through_the_installed_plugin():
-    """lm-eval's registry, loaded as its command line loads it, knows ``kvcal`` (lazily: kvcal's
-    runtime is not imported) and still its own models."""
+def test_importing_the_module_registers_kvcal_beside_lm_evals_models():
+    """``import runtime.lm_eval_model`` is enough for ``simple_evaluate(model="kvcal")``; lm-eval's
+    own models stay registered; and a name registered first (as kvcal-lm-eval registers it, lazily
+    by its target) is kept and resolves to the same class."""
     probe = (
         "import sys\n"
         "from lm_eval.api.registry import get_model, model_registry\n"
-        "assert 'hf' in model_registry and 'kvcal' in model_registry, list(model_registry)\n"
-        "assert 'runtime' not in sys.modules\n"
+        "if sys.argv[1] == 'lazy':\n"
+        "    import lm_eval.models\n"
+        "    model_registry.register('kvcal', target='runtime.lm_eval_model:KvcalLM')\n"
+        "    assert 'runtime.lm_eval_model' not in sys.modules\n"
+        "import runtime.lm_eval_model as module\n"
+        "assert get_model('kvcal') is module.KvcalLM and 'hf' in model_registry, list(model_registry)\n"
         "print(get_model('kvcal').__module__, get_model('kvcal').__name__)\n"
     )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=offline_env())
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["runtime.lm_eval_model", "KvcalLM"]
+    for mode in ("plain", "lazy"):
+        result = subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True, env=offline_env())
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.split() == ["runtime.lm_eval_model", "KvcalLM"], mode
+
+
+@pytest.mark.slow
+def test_simple_evaluate_takes_the_model_by_name(one_thread):
+    """The Python path by name: the module imported above registered ``kvcal``; RULER's tokenizer is
+    named in the metadata (only kvcal-lm-eval names the embedded model's by itself)."""
+    import lm_eval
+
+    from common.models import embedded_model_dir
+
+    results = lm_eval.simple_evaluate(
+        model="kvcal",
+        model_args={"compression_ratio": 0.75},
+        tasks=["niah_single_1"],
+        limit=1,
+        metadata={"tokenizer": str(embedded_model_dir()), "max_seq_lengths": [2048]},
+    )
+    assert 0.0 <= results["results"]["niah_single_1"]["2048,none"] <= 1.0
+    assert results["config"]["kvcal"]["question_agnostic_prompts"] == 1
 
 
 def test_an_artifact_serves_its_policy_unless_one_is_named(smoke_artifact, one_thread):
