@@ -11,6 +11,8 @@
 #   make test-kvpress  the kvpress integration's tests (runtime/kvpress_press.py) with the kvpress extra
 #                      installed, in .venv-kvpress (kvpress 0.5.5 requires transformers < 5.3, so pip
 #                      picks the newest 5.2.x there)
+#   make test-lm-eval  the lm-evaluation-harness model's tests (runtime/lm_eval_model.py, `kvcal-lm-eval
+#                      --model kvcal`) with the lm-eval extra installed, in .venv-lm-eval
 # Any other transformers: make test VENV=.venv-tf5.10 TRANSFORMERS=5.10.0
 # All are idempotent: a virtual environment is (re)built only when it is missing or
 # pyproject.toml, this Makefile or the constraints file changed.
@@ -42,7 +44,8 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 LOWEST := .ci/lowest-versions.txt
 
-.PHONY: setup test test-lowest test-keep-torch test-kvpress kvpress-suite lint suite profile clean browser
+.PHONY: setup test test-lowest test-keep-torch test-kvpress kvpress-suite test-lm-eval lm-eval-suite lint suite profile \
+  clean browser
 
 setup: $(STAMP)
 
@@ -112,9 +115,21 @@ kvpress-suite: $(STAMP)
 	KVCAL_REQUIRE_KVPRESS=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=5 \
 	  tests/test_kvpress_press.py tests/test_dependency_ranges.py $(PYTEST_ARGS)
 
+# The lm-eval integration, in its own environment (lm-eval and its RULER tasks' packages stay out of
+# the main one). Only its tests run (a few minutes: the issue's `kvcal-lm-eval --model kvcal ...` command
+# on 4 RULER prompts among them); KVCAL_REQUIRE_LM_EVAL makes them fail instead of skip when
+# lm-eval did not install. lm-eval 0.4.13 is both ends of the extra's range.
+test-lm-eval:
+	$(MAKE) --no-print-directory lm-eval-suite VENV=.venv-lm-eval EXTRAS=test,lm-eval
+
+lm-eval-suite: $(STAMP)
+	KVCAL_REQUIRE_LM_EVAL=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+	  --durations=5 tests/test_lm_eval_model.py tests/test_lm_eval_cli.py tests/test_dependency_ranges.py \
+	  $(PYTEST_ARGS)
+
 profile: $(STAMP)
 	$(BIN)/profile-model --preset $(PRESET) --out $(OUT)
 	$(BIN)/inspect-artifact $(OUT)
 
 clean:
-	rm -rf .venv .venv-lowest .venv-kvpress $(KEEP) out
+	rm -rf .venv .venv-lowest .venv-kvpress .venv-lm-eval $(KEEP) out

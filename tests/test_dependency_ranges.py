@@ -87,11 +87,11 @@ def extras() -> dict[str, list[Requirement]]:
 
 
 def test_optional_integrations_are_ranges_their_own_job_tests():
-    """An extra outside ``test`` (kvpress) is installed only by its own make target (``make
-    test-kvpress``, which runs its newest versions): each is bounded on both sides, and its lower bound
-    is the newest release inside the range, so that one job tests both ends."""
+    """An extra outside ``test`` (kvpress, lm-eval) is installed only by its own make target (``make
+    test-kvpress``, ``make test-lm-eval``, which run its newest versions): each is bounded on both
+    sides, and its lower bound is the newest release inside the range, so that one job tests both ends."""
     optional = {name: reqs for name, reqs in extras().items() if name != "test"}
-    assert set(optional) == {"kvpress"}, f"an extra without a make target that installs it: {set(optional)}"
+    assert set(optional) == {"kvpress", "lm-eval"}, f"an extra without a make target that installs it: {set(optional)}"
     makefile = (ROOT / "Makefile").read_text()
     for name, reqs in optional.items():
         assert f"EXTRAS=test,{name}" in makefile, f"no make target installs the {name} extra"
@@ -100,6 +100,8 @@ def test_optional_integrations_are_ranges_their_own_job_tests():
             assert lower is not None and upper is not None, f"{req}: a range CI tests needs both ends"
     (kvpress,) = optional["kvpress"]
     assert bounds(kvpress)[0] == Version("0.5.5"), "kvpress 0.5.5 is the newest release: the lower bound is it"
+    lm_eval = next(req for req in optional["lm-eval"] if req.name == "lm-eval")
+    assert bounds(lm_eval) == (Version("0.4.13"), Version("0.4.14")), "lm-eval 0.4.13, the newest release, alone"
 
 
 def test_installed_optional_integrations_are_inside_their_ranges():
@@ -201,6 +203,7 @@ def test_ci_holds_one_environment_at_a_time():
         "test-keep-torch": re.search(r"^KEEP\s*:=\s*(\S+)", makefile, re.M).group(1),
         "test-lowest": re.search(r"^test-lowest:\n\t.*VENV=(\S+)", makefile, re.M).group(1),
         "test-kvpress": re.search(r"^test-kvpress:\n\t.*VENV=(\S+)", makefile, re.M).group(1),
+        "test-lm-eval": re.search(r"^test-lm-eval:\n\t.*VENV=(\S+)", makefile, re.M).group(1),
     }
     jobs = [line.split()[1] for line in ci if line.startswith("make ")]
     assert jobs == list(environment_of), jobs
