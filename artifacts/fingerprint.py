@@ -62,7 +62,7 @@ def attention_numbers(config) -> dict:
     """``num_layers``, ``num_q_heads``, ``num_kv_heads``, ``head_dim`` of a transformers config.
 
     The one place these numbers are read from a config: the architecture fingerprint records
-    them, and ``runtime.geometry.ModelGeometry`` checks the model's modules against them.
+    them, and ``runtime.math.geometry.ModelGeometry`` checks the model's modules against them.
     ``num_key_value_heads`` defaults to the query heads (no GQA), ``head_dim`` to
     ``hidden_size // num_attention_heads``.  Raises ``ValueError("config lacks ...")``.
     """
@@ -92,7 +92,7 @@ def layer_attention(config) -> tuple[tuple[int | None, ...], tuple[float | None,
     (Mistral, Phi-3); ``config.attn_logit_softcapping`` caps every layer (Gemma 2).
 
     The one place these are read: the architecture fingerprint records them
-    (:func:`attention_variant`) and ``runtime.geometry.ModelGeometry`` carries them.  Raises
+    (:func:`attention_variant`) and ``runtime.math.geometry.ModelGeometry`` carries them.  Raises
     ``ValueError`` for a layer type other than full or sliding attention, and for chunked attention.
     """
     config = text_config(config)
@@ -279,7 +279,7 @@ def has_query_norm(model) -> bool:
     """True when the attention modules normalise queries before RoPE (Qwen3-style ``q_norm``).
 
     The one place this is decided: the first module with a ``q_proj`` (the first decoder
-    layer's attention) has a ``q_norm``.  ``runtime.geometry.ModelGeometry`` refuses models
+    layer's attention) has a ``q_norm``.  ``runtime.math.geometry.ModelGeometry`` refuses models
     whose layers disagree with it.
     """
     for module in model.modules():

@@ -217,7 +217,7 @@ SECTIONS: dict[str, SectionSpec] = {
     ),
     "recommendation": SectionSpec(
         "Which eviction policy to serve at which compression ratio, measured on held-out needle tasks "
-        "(never the profiled probes): per ratio the policy served (runtime.policy_spec grammar), every "
+        "(never the profiled probes): per ratio the policy served (runtime.plan.policy_spec grammar), every "
         "candidate's accuracy and (1.4) the paired evidence that decided it.",
         {
             "compression_ratios": DatasetSpec("<f8", ("NC",), "fraction of the context's cache evicted", 0.0, 1.0),

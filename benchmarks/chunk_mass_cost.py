@@ -1,4 +1,4 @@
-"""Compactor's chunk mass (runtime.chunk_attention.chunk_mass) against the forms it replaced.
+"""Compactor's chunk mass (runtime.math.chunk_attention.chunk_mass) against the forms it replaced.
 
     python benchmarks/chunk_mass_cost.py [--context 2048] [--chunk 256] [--repeats 5] [--threads 1]
                                          [--query-std 1.7] [--key-std 2.3] [--scale 1.0]
@@ -33,7 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from runtime.chunk_attention import chunk_mass  # noqa: E402
+from runtime.math.chunk_attention import chunk_mass  # noqa: E402
 
 
 def _by_blocks(queries: torch.Tensor, keys: torch.Tensor, scale: float, block_mass) -> torch.Tensor:

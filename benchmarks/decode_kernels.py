@@ -46,13 +46,13 @@ sys.path.insert(0, str(REPO))
 
 from common.models import load_model, load_tokenizer, use_progress_bars  # noqa: E402
 from runtime import CompressionPolicy, RaggedCache, load_calibration  # noqa: E402
-from runtime.attention import enable  # noqa: E402
-from runtime.compression import compress, prefill  # noqa: E402
-from runtime.flex_decode import flex_available, flex_decode_attention  # noqa: E402
-from runtime.layer_attention import _decode_step_attention  # noqa: E402
-from runtime.paged_attention import decode_attention, live_rows_attention  # noqa: E402
-from runtime.policy_spec import FLAGSHIP  # noqa: E402
-from runtime.serving_plan import bind  # noqa: E402
+from runtime.compression.prefill import compress, prefill  # noqa: E402
+from runtime.compression.ragged_attention import enable  # noqa: E402
+from runtime.kv_store.flex_decode import flex_available, flex_decode_attention  # noqa: E402
+from runtime.kv_store.layer_attention import _decode_step_attention  # noqa: E402
+from runtime.kv_store.paged_attention import decode_attention, live_rows_attention  # noqa: E402
+from runtime.plan.policy_spec import FLAGSHIP  # noqa: E402
+from runtime.plan.serving_plan import bind  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from prefill_all_in import context_ids  # noqa: E402

@@ -4,7 +4,7 @@
 
 ``torch.exp`` of a ``[3, 8, 768, 256]`` float32 block (the chunk mass's logits at the embedded
 model's geometry) filled with one value, or half ``-inf``: milliseconds (fastest of ``--repeats``).
-The same clamp in the paged kernel (``runtime.paged_attention.paged_attention``, hidden rows zeroed
+The same clamp in the paged kernel (``runtime.kv_store.paged_attention.paged_attention``, hidden rows zeroed
 after the exp) was measured with this script's second part at commit ``bbdce4a`` and not kept
 (docs/results.md R-chunk-mass-underflow-2026-11-27): decode logits seldom underflow.
 """

@@ -30,8 +30,8 @@ from common.models import load_model, load_tokenizer  # noqa: E402
 from profiler.future_queries import kmeans_centres, probe_future_queries  # noqa: E402
 from profiler.presets import PRESETS  # noqa: E402
 from profiler.probe_source import preset_probes  # noqa: E402
-from runtime.geometry import ModelGeometry  # noqa: E402
-from runtime.query_moments import QueryMoments  # noqa: E402
+from runtime.compression.prompt_statistics import QueryMoments  # noqa: E402
+from runtime.math.geometry import ModelGeometry  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -34,7 +34,7 @@ Then, each part written to ``--json`` as soon as it is done:
    (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, blocking
    ``cudaMemcpy``) and ``aten::_local_scalar_dense`` (a tensor read back to the host).  With
    ``--decode-kernels default graphs flex`` the ragged configurations are measured again with
-   ``decode_graphs=True`` (decode steps replayed from CUDA graphs, runtime/decode_graph.py; on a CPU
+   ``decode_graphs=True`` (decode steps replayed from CUDA graphs, runtime/serve/decode_graph.py; on a CPU
    the tests' recorded replay stands in, tests/step_replay.py) and with ``KVCAL_DECODE_KERNEL=flex``
    (one compiled ``flex_attention`` call per layer), named ``"... [graphs]"`` and ``"... [flex]"``;
    a graphs row counts its generation's forward passes run eager, captured and replayed.
@@ -78,10 +78,10 @@ from profiler_scale import GEOMETRIES, _reset_peak, _status_kib, build_model_dir
 import runtime  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
 from runtime import CompressionPolicy, compress_prompt, load_calibration  # noqa: E402
-from runtime.flex_decode import DECODE_KERNEL_VARIABLE  # noqa: E402
-from runtime.generation import generate_from_cache  # noqa: E402
-from runtime.policy_spec import FLAGSHIP  # noqa: E402
-from runtime.transformers_compat import cache_argument  # noqa: E402
+from runtime.kv_store.flex_decode import DECODE_KERNEL_VARIABLE  # noqa: E402
+from runtime.kv_store.transformers_compat import cache_argument  # noqa: E402
+from runtime.plan.policy_spec import FLAGSHIP  # noqa: E402
+from runtime.serve.generation import generate_from_cache  # noqa: E402
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
@@ -280,7 +280,7 @@ def exactness(model_dir, model, tokenizer, device, results, save) -> None:
         torch.cuda.empty_cache()
     plain = plain_cache_logits(model, ids)
     cache, _ = compress_prompt(model, ids, None, context_columns=ids.shape[1] - 1)
-    from runtime.attention import ragged_attention
+    from runtime.compression.ragged_attention import ragged_attention
 
     with ragged_attention(model):
         ragged = model(ids[:, -1:], **cache_argument(model, cache), use_cache=True).logits[:, -1].float()
@@ -336,7 +336,7 @@ def decode_cell(
 ) -> dict:
     """Decode ms/token and per-step counts of every configuration; the ragged ones once per decode
     kernel in ``kernels`` (``default``: the runtime's choice; ``graphs``: that, replayed from CUDA
-    graphs; ``flex``: ``KVCAL_DECODE_KERNEL=flex``, runtime/flex_decode.py), named ``"<config>
+    graphs; ``flex``: ``KVCAL_DECODE_KERNEL=flex``, runtime/kv_store/flex_decode.py), named ``"<config>
     [<kernel>]"`` past the first.  ``plain_static``: also plain transformers with a StaticCache, which
     generate() compiles on a GPU (``torch.compile``, mode ``reduce-overhead``: CUDA graphs), as
     ``"plain [static]"``."""

@@ -63,9 +63,9 @@ from common.formulas import wilson_interval  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
 from profiler.evaluation import decode_together  # noqa: E402
 from runtime import CompressionPolicy, RaggedCache, load_calibration  # noqa: E402
-from runtime.attention import enable  # noqa: E402
-from runtime.compression import compress, prefill_for_policies  # noqa: E402
-from runtime.geometry import ModelGeometry  # noqa: E402
+from runtime.compression.prefill import compress, prefill_for_policies  # noqa: E402
+from runtime.compression.ragged_attention import enable  # noqa: E402
+from runtime.math.geometry import ModelGeometry  # noqa: E402
 from runtime.scorers import LayerInputs, LearnedScorer, Scorer  # noqa: E402
 
 CORR = {"correction": "calibrated"}  # benchmarks/runtime_quality.py's MOMENT_VARIANTS["+corr"]

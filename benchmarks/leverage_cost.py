@@ -32,13 +32,13 @@ from prefill_all_in import context_ids  # noqa: E402
 
 from common.models import load_model, load_tokenizer, use_progress_bars  # noqa: E402
 from runtime import RaggedCache  # noqa: E402
-from runtime.attention import enable  # noqa: E402
-from runtime.compression import prefill  # noqa: E402
-from runtime.eviction import HeadEvictor  # noqa: E402
-from runtime.policy import CompressionPolicy  # noqa: E402
+from runtime.compression.eviction import HeadEvictor  # noqa: E402
+from runtime.compression.prefill import prefill  # noqa: E402
+from runtime.compression.ragged_attention import enable  # noqa: E402
+from runtime.plan.policy import CompressionPolicy  # noqa: E402
+from runtime.plan.serving_plan import bind  # noqa: E402
 from runtime.scorers.helpers import leverage_scores, unrotate  # noqa: E402
 from runtime.scorers.inputs import KeyRope  # noqa: E402
-from runtime.serving_plan import bind  # noqa: E402
 
 
 def seconds(function, arguments) -> float:

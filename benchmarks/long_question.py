@@ -13,9 +13,9 @@ are done once per question length, outside the timing; each answer starts from a
 * ``split``: the runtime's ``generate_from_cache()`` from the context compressed with the flagship
   ``inf/leverage+correction`` and ``--artifact``, else ``uniform/keydiff``, at ``--keep-ratio``
   kept: the question attended in two parts merged by their log-sum-exp (the rows before it, the
-  question itself causally: ``runtime.layer_attention._chunk_split_attention``, the CPU's path);
+  question itself causally: ``runtime.kv_store.layer_attention._chunk_split_attention``, the CPU's path);
 * ``every row``: the same with the question attended over every stored row with a visibility mask
-  (``runtime.paged_attention.segment_attention``: logits materialised for every query and row,
+  (``runtime.kv_store.paged_attention.segment_attention``: logits materialised for every query and row,
   the path on other devices and the CPU's before 2026-11-27).
 
 Reported per question length: seconds of each, ``split / plain`` and ``every row / split``.
@@ -44,12 +44,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import DynamicCache
 
-    import runtime.layer_attention
+    import runtime.kv_store.layer_attention
     from common.models import load_model, load_tokenizer
     from runtime import CompressionPolicy, compress_prompt, load_calibration
-    from runtime.generation import generate_from_cache
-    from runtime.policy_spec import FLAGSHIP
-    from runtime.transformers_compat import cache_argument
+    from runtime.kv_store.transformers_compat import cache_argument
+    from runtime.plan.policy_spec import FLAGSHIP
+    from runtime.serve.generation import generate_from_cache
 
     model, tokenizer = load_model(), load_tokenizer()
     calibration = None
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         policy = FLAGSHIP.policy(1 - args.keep_ratio)
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(3, 1000, (1, args.context), generator=generator)
-    fused = runtime.layer_attention.fused_kernel_serves
+    fused = runtime.kv_store.layer_attention.fused_kernel_serves
     with torch.no_grad():
         plain_context = DynamicCache(config=model.config)
         model(context, **cache_argument(model, plain_context), use_cache=True)
@@ -69,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         generate_from_cache(model, ids, torch.ones_like(ids), cache.copy(), None, **kwargs)
 
     def every_row(ids: torch.Tensor, cache) -> None:
-        runtime.layer_attention.fused_kernel_serves = lambda *a: False
+        runtime.kv_store.layer_attention.fused_kernel_serves = lambda *a: False
         try:
             answer_compressed(ids, cache)
         finally:
-            runtime.layer_attention.fused_kernel_serves = fused
+            runtime.kv_store.layer_attention.fused_kernel_serves = fused
 
     def plain(ids: torch.Tensor, cache) -> None:
         with torch.no_grad():

@@ -34,9 +34,9 @@ sys.path.insert(0, str(REPO))
 
 from common.models import load_model, load_tokenizer  # noqa: E402
 from runtime import CompressionPolicy, RaggedCache, compress_prompt, load_calibration  # noqa: E402
-from runtime.attention import enable  # noqa: E402
-from runtime.compression import compress, prefill  # noqa: E402
-from runtime.transformers_compat import cache_argument  # noqa: E402
+from runtime.compression.prefill import compress, prefill  # noqa: E402
+from runtime.compression.ragged_attention import enable  # noqa: E402
+from runtime.kv_store.transformers_compat import cache_argument  # noqa: E402
 
 SENTENCES = [
     "The grass is green.",

@@ -29,8 +29,8 @@ sys.path.insert(0, str(REPO))
 
 from common.models import load_model, load_tokenizer  # noqa: E402
 from runtime import CompressionPolicy, RaggedCache, load_calibration  # noqa: E402
-from runtime.attention import enable  # noqa: E402
-from runtime.compression import compress, prefill  # noqa: E402
+from runtime.compression.prefill import compress, prefill  # noqa: E402
+from runtime.compression.ragged_attention import enable  # noqa: E402
 
 SCORERS = {
     "ea-calibrated": {"scorer": "expected_attention", "statistics": "calibrated"},

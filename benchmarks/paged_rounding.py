@@ -55,7 +55,7 @@ def main(argv=None) -> int:
 
     from common.models import load_model, load_tokenizer, use_progress_bars
     from runtime import load_calibration, parse_policy
-    from runtime.serving_plan import bind
+    from runtime.plan.serving_plan import bind
 
     use_progress_bars(no_progress=True)
     model, tokenizer = load_model(), load_tokenizer()

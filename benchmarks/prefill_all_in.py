@@ -8,9 +8,9 @@ For each batch size B (the context repeated in every row, filler sentences as in
 ``benchmarks/runtime_perf.py``), alternating within one run so background load hits every side:
 
 * ``plain``: the unmodified embedded model prefilling a DynamicCache with SDPA (``logits_to_keep=1``);
-* for each policy: ``runtime.compression.prefill(model, cache, ids, policy=plan)`` into a RaggedCache, recording
+* for each policy: ``runtime.compression.prefill.prefill(model, cache, ids, policy=plan)`` into a RaggedCache, recording
   what the policy's scorer needs (the flagship's leverage: its chunked attention, accumulated in the
-  prefill since issue 28; before, every prompt query), then ``runtime.compression.compress``; the cell is
+  prefill since issue 28; before, every prompt query), then ``runtime.compression.prefill.compress``; the cell is
   "ratio (prefill s + compression s)", ratio = (prefill + compression) / plain prefill.
 
 With ``--geometry 8b|70b`` the model is instead a random-weight Llama of that layer geometry
@@ -56,12 +56,12 @@ sys.path.insert(0, str(REPO))
 
 from common.models import load_model, load_tokenizer, use_progress_bars  # noqa: E402
 from runtime import CompressionPolicy, RaggedCache, load_calibration  # noqa: E402
-from runtime.attention import enable  # noqa: E402
-from runtime.compression import compress, prefill  # noqa: E402
-from runtime.policy_spec import FLAGSHIP  # noqa: E402
-from runtime.row_state import RowState  # noqa: E402
-from runtime.serving_plan import bind  # noqa: E402
-from runtime.transformers_compat import cache_argument  # noqa: E402
+from runtime.compression.prefill import compress, prefill  # noqa: E402
+from runtime.compression.ragged_attention import enable  # noqa: E402
+from runtime.kv_store.row_state import RowState  # noqa: E402
+from runtime.kv_store.transformers_compat import cache_argument  # noqa: E402
+from runtime.plan.policy_spec import FLAGSHIP  # noqa: E402
+from runtime.plan.serving_plan import bind  # noqa: E402
 
 
 def context_ids(tokenizer, length: int) -> torch.Tensor:

@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from common.models import load_model, load_tokenizer
     from runtime import CompressionPolicy, compress_prompt, load_calibration
-    from runtime.policy_spec import FLAGSHIP
-    from runtime.transformers_compat import cache_argument
+    from runtime.kv_store.transformers_compat import cache_argument
+    from runtime.plan.policy_spec import FLAGSHIP
 
     model, tokenizer = load_model(), load_tokenizer()
     calibration = load_calibration(model, tokenizer, path=args.artifact) if args.artifact else None

@@ -37,8 +37,8 @@ from profiler.calibration_text import calibration_windows  # noqa: E402
 from profiler.greedy import greedy_generate  # noqa: E402
 from profiler.presets import PRESETS  # noqa: E402
 from profiler.probe_source import preset_probes  # noqa: E402
-from runtime.geometry import ModelGeometry  # noqa: E402
-from runtime.query_moments import QueryMoments  # noqa: E402
+from runtime.compression.prompt_statistics import QueryMoments  # noqa: E402
+from runtime.math.geometry import ModelGeometry  # noqa: E402
 
 
 def plain_generate(model, tokenizer, probe, max_new_tokens):

@@ -14,7 +14,7 @@ temporary directory and loaded the way ``profile-model`` loads a checkpoint
 runs one unit of the stage's work through the same functions the stage calls:
 
 * ``forward``: the ``query-stats`` unit: one ``[1, T]`` calibration window through ``model.model``
-  with the pre-RoPE query hooks (``runtime.query_moments.QueryMoments.collect``);
+  with the pre-RoPE query hooks (``runtime.compression.prompt_statistics.QueryMoments.collect``);
 * ``behaviour``: one ``T``-token probe greedy-decoded for ``--new-tokens`` with the decode-attention
   capture (``profiler.behaviour.run_probe``);
 * ``future-queries``: the same probe, its question's and answer's queries recorded
@@ -138,11 +138,11 @@ def run_stage(stage: str, model, tokenizer, context: int, new_tokens: int):
     """One unit of ``stage``'s work at ``context`` tokens (see the module docstring)."""
     import torch
 
-    from runtime.geometry import ModelGeometry
+    from runtime.math.geometry import ModelGeometry
 
     geometry = ModelGeometry.of(model)
     if stage == "forward":
-        from runtime.query_moments import QueryMoments
+        from runtime.compression.prompt_statistics import QueryMoments
 
         sums = QueryMoments(geometry.num_layers, geometry.num_q_heads, geometry.head_dim)
         with torch.no_grad(), sums.collect(geometry, n_sink=4):

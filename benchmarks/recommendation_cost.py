@@ -40,8 +40,8 @@ def main(argv=None) -> int:
     from profiler.held_out_tasks import held_out_tasks
     from profiler.presets import PRESETS as PROFILE_PRESETS
     from runtime import bind, load_calibration
-    from runtime.policy import CompressionPolicy
-    from runtime.policy_spec import parse_policy
+    from runtime.plan.policy import CompressionPolicy
+    from runtime.plan.policy_spec import parse_policy
 
     model, tokenizer = load_model(), load_tokenizer()
     calibration = load_calibration(model, tokenizer, path=args.artifact)

@@ -16,7 +16,10 @@ their own caches on the same model, and then
    ratios this/base, and each configuration's median ms and ratio to plain;
 2. **compression**: ``compress`` of a copy of the prefilled cache under the flagship and
    ``inf/keydiff+correction``, base and this tree alternating (order flipped every repeat),
-   ``--compress-repeats`` times; reported: each median CPU seconds and their ratio.
+   ``--compress-repeats`` times; reported: each median CPU seconds and their ratio;
+3. **decisions**: ``generate`` under each of :data:`DECISION_CASES` (eviction inside the prefill,
+   after it, block-wise, global allocation, decode-time eviction) on both sides; reported: whether
+   the tokens, the budgets, the lengths and every head's kept positions are identical.
 
 One torch thread; the embedded model; ``--artifact`` a calibration both revisions read
 (default: a smoke profile made here).  < 1 is faster than the base.
@@ -29,6 +32,7 @@ import ast
 import importlib
 import io
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -38,12 +42,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# `from runtime.x import`, `from runtime import`, `import runtime.x` at a line's start
+ABSOLUTE_IMPORT = re.compile(r"^(\s*)(from|import) runtime(\.|\s)", re.M)
 sys.path.insert(0, str(REPO))
 
 
 def unpack_base_runtime(revision: str, directory: Path) -> None:
-    """``REV:runtime/`` as the package ``runtime_base`` under ``directory`` (refused when it imports
-    ``runtime`` absolutely: the two would then share modules)."""
+    """``REV:runtime/`` as the package ``runtime_base`` under ``directory``, its absolute imports of
+    ``runtime`` rewritten to ``runtime_base`` (the two must not share modules)."""
     archive = subprocess.run(["git", "-C", str(REPO), "archive", revision, "runtime"], capture_output=True, check=False)
     if archive.returncode != 0:
         raise SystemExit(f"revision_ab: git archive {revision} failed: {archive.stderr.decode().strip()}")
@@ -51,22 +57,27 @@ def unpack_base_runtime(revision: str, directory: Path) -> None:
         tar.extractall(directory, filter="data")
     (directory / "runtime").rename(directory / "runtime_base")
     for path in (directory / "runtime_base").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        text = ABSOLUTE_IMPORT.sub(r"\1\2 runtime_base\3", path.read_text())
+        for node in ast.walk(ast.parse(text)):  # what the rewrite missed would load this tree's modules
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.level == 0:
                 names = [node.module or ""]
             if any(name == "runtime" or name.startswith("runtime.") for name in names):
-                raise SystemExit(f"revision_ab: {revision}'s {path.name} imports runtime absolutely; cannot load both")
+                raise SystemExit(f"revision_ab: {revision}'s {path.name} imports runtime in a way not rewritten")
+        path.write_text(text)
     sys.path.insert(0, str(directory))
 
 
 def prefill_module(runtime):
-    """The module holding ``prefill_for_policies`` (``compress`` before the redesign renamed it)."""
-    for name in ("compression", "compress"):
+    """The module holding ``prefill_for_policies``: ``compression.prefill`` since the subpackages
+    (issue 42), ``compression`` before, ``compress`` before the redesign renamed it."""
+    for name in ("compression.prefill", "compression", "compress"):
         try:
-            return importlib.import_module(f"{runtime.__name__}.{name}")
+            module = importlib.import_module(f"{runtime.__name__}.{name}")
         except ModuleNotFoundError:
             continue
+        if hasattr(module, "prefill_for_policies"):
+            return module
     raise SystemExit(f"revision_ab: {runtime.__name__} has no compression module")
 
 
@@ -135,6 +146,73 @@ def decode_ab(sides, model, plain_model, ids, batch: int, steps: int, cache_argu
     return result
 
 
+def served(runtime, model, ids, mask, policy, calibration, question: int, **options) -> dict:
+    """What ``runtime`` serves for ``ids [B, T]``: the greedy tokens, the report's budgets and lengths,
+    and every (layer, row, KV head)'s kept positions after the generation."""
+    result = runtime.generate(
+        model,
+        ids,
+        policy,
+        attention_mask=mask,
+        context_columns=ids.shape[1] - question,
+        calibration=calibration,
+        max_new_tokens=12,
+        pad_token_id=0,
+        **options,
+    )
+    kept = [
+        [[layer.head(b, h)[2].tolist() for h in range(layer.num_heads)] for b in range(layer.batch_size)]
+        for layer in result.cache.layers
+    ]
+    report = result.report
+    return {
+        "tokens": result.new_tokens.tolist(),
+        "budgets": None if report is None else report.budgets.tolist(),
+        "lengths": None if report is None else report.lengths_after.tolist(),
+        "kept": kept,
+    }
+
+
+# the served decisions compared: (name, policy text or CompressionPolicy arguments, generate() options)
+DECISION_CASES = (
+    ("flagship", "flagship", {}),
+    ("inf/keydiff+correction", "inf/keydiff+correction", {}),
+    ("uniform/snapkv", "uniform/snapkv", {}),
+    ("global/learned", "global/learned", {}),
+    ("uniform/keydiff, block-wise prefill", "uniform/keydiff", {"block_size": 256}),
+    ("keydiff evicting while decoding", {"budget": 96, "scorer": "keydiff", "evict_every": 4}, {}),
+    (
+        "flagship evicting while decoding",
+        {"budget": 96, "allocation": "inf", "scorer": "leverage", "correction": "calibrated", "evict_every": 3},
+        {},
+    ),
+)
+
+
+def decisions_ab(sides, model, ids) -> dict:
+    """Each of :data:`DECISION_CASES` served by both sides on two rows (the second left-padded by 100
+    tokens), 75% evicted: whether tokens, budgets, lengths and kept positions are identical."""
+    import torch
+
+    context = ids[:, -512:]
+    rows = torch.cat([context, torch.cat([torch.zeros(1, 100, dtype=context.dtype), context[:, 100:]], 1)])
+    mask = torch.ones_like(rows)
+    mask[1, :100] = 0
+    results = {}
+    for name, policy, options in DECISION_CASES:
+        outcomes = []
+        for runtime, calibration in sides.values():
+            served_policy = (
+                runtime.parse_policy(policy).policy(0.75)
+                if isinstance(policy, str)
+                else runtime.CompressionPolicy(**policy)
+            )
+            outcomes.append(served(runtime, model, rows, mask, served_policy, calibration, 24, **options))
+        base, this = outcomes
+        results[name] = {part: base[part] == this[part] for part in base}
+    return results
+
+
 def compression_ab(sides, model, ids, repeats: int) -> dict:
     policies = {"flagship": "flagship", "inf/keydiff+correction": "inf/keydiff+correction"}
     prepared = {}
@@ -178,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import runtime
     from common.models import load_model, load_tokenizer, use_progress_bars
-    from runtime.attention import enable
-    from runtime.transformers_compat import cache_argument
+    from runtime.compression.ragged_attention import enable
+    from runtime.kv_store.transformers_compat import cache_argument
 
     use_progress_bars(no_progress=True)
     artifact = args.artifact
@@ -200,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batch_sizes:
             report["decode"][batch] = decode_ab(sides, model, plain_model, ids, batch, args.steps, cache_argument)
         report["compression"] = compression_ab(sides, model, ids, args.compress_repeats)
+        report["decisions"] = decisions_ab(sides, model, ids)
     print(f"This tree against {args.base}, {args.context} tokens, one thread (< 1: this tree is faster).\n")
     print(
         "| batch | full: this/base (paired) | flagship: this/base (paired) | plain ms | full base / this (x plain) "
@@ -217,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, ratio in report["compression"]["this_over_base"].items():
         m = report["compression"]["median_cpu_s"]
         print(f"* {name}: base {m[f'{name}/base']:.2f} s, this {m[f'{name}/this']:.2f} s, this/base {ratio:.3f}")
+    print("\nServed decisions, two rows (one left-padded), 75% evicted, 12 new tokens (identical: yes / no):\n")
+    print("| case | tokens | budgets | lengths | kept positions |")
+    print("|---|---|---|---|---|")
+    for name, same in report["decisions"].items():
+        cells = " | ".join("yes" if same[part] else "NO" for part in ("tokens", "budgets", "lengths", "kept"))
+        print(f"| {name} | {cells} |")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

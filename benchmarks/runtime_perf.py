@@ -6,7 +6,7 @@
                                       [--json OUT] [--quick]
 
 "plain" is the unmodified embedded model (``common.models.load_model()``, a second instance
-that ``runtime.attention.enable`` never touches) with transformers' DynamicCache and SDPA.  Every
+that ``runtime.compression.ragged_attention.enable`` never touches) with transformers' DynamicCache and SDPA.  Every
 number is measured within one run on this machine, as ratios to plain where it matters, so
 background load hits both sides alike.  For each context length (``--contexts``, filler
 sentences, no probe generator) and each batch size (``--batch-sizes``, the context repeated
@@ -31,14 +31,14 @@ in every row):
      ``parse_policy("inf/keydiff+correction").policy(1 - K)``, per-head orders from the
      artifact) or, without one, ``uniform/keydiff+correction1``
      (``CompressionPolicy(keep_ratio=K, scorer="keydiff", correction="order1")``);
-   * leverage: the flagship ``inf/leverage+correction`` (``runtime.policy_spec.FLAGSHIP.policy(1 - K)``)
+   * leverage: the flagship ``inf/leverage+correction`` (``runtime.plan.policy_spec.FLAGSHIP.policy(1 - K)``)
      with ``--artifact``, else ``uniform/leverage`` (``CompressionPolicy(keep_ratio=K)``);
    * ``curve/keydiff+correction`` when the artifact has a ``budget_curves`` section,
 
    where K is ``--keep-ratio`` (default 0.25).  Bars: nothing evicted <= 1.05x plain at every
    batch; K = 25% kept <= 0.75x plain at B=8, 4K and never above 1.0x.
-2. **compression time** (``runtime.compression``: scoring + eviction of every head of the batch)
-   as a percentage of the ragged prefill (``runtime.compression.prefill`` into a RaggedCache, nothing
+2. **compression time** (``runtime.compression.prefill``: scoring + eviction of every head of the batch)
+   as a percentage of the ragged prefill (``runtime.compression.prefill.prefill`` into a RaggedCache, nothing
    recorded) of the same batch and context.  The ragged prefill is measured at batch B when
    B x context <= ``--max-prefill-tokens``, else estimated as B x the batch-1 time (marked
    ``~``).  Bar: <= 5% at B=8, 4K.  Also at batch 1 (when 1 is among the batch sizes): plain
@@ -61,7 +61,7 @@ The bars are checked on the cells run and printed as PASS / FAIL lines after the
 
 Prefill and compression timings are the fastest of ``--repeats`` runs (batch-1 plain and
 ragged prefills alternate).  Caches of one batch size are built, untimed, by prefilling the
-context once at batch 1 (``runtime.compression.prefill_for_policies``: recording what every
+context once at batch 1 (``runtime.compression.prefill.prefill_for_policies``: recording what every
 policy's scorer needs) and repeating its row (``batch_repeat_interleave``); the compressed
 caches are compressed (timed) at batch B.  Peak memory is about two full caches at the
 largest batch and context (fp32 B=32 x 4K: ~6 GB each) plus the compressed ones and the
@@ -90,9 +90,9 @@ sys.path.insert(0, str(REPO))
 
 from common.models import load_model, load_tokenizer, use_progress_bars  # noqa: E402
 from runtime import FLAGSHIP, CompressionPolicy, RaggedCache, load_calibration, parse_policy  # noqa: E402
-from runtime.attention import enable  # noqa: E402
-from runtime.compression import compress, prefill, prefill_for_policies  # noqa: E402
-from runtime.transformers_compat import cache_argument  # noqa: E402
+from runtime.compression.prefill import compress, prefill, prefill_for_policies  # noqa: E402
+from runtime.compression.ragged_attention import enable  # noqa: E402
+from runtime.kv_store.transformers_compat import cache_argument  # noqa: E402
 
 PLAIN, FULL = "plain", "ragged full"
 LABELS = ("kvcal.attention", "kvcal.correction", "kvcal.eviction")  # the runtime's record_function labels
@@ -424,7 +424,7 @@ def report(results: dict) -> str:
             ],
         ),
         "",
-        "Compression (runtime.compression: scoring + eviction) as % of the ragged prefill of the same batch "
+        "Compression (runtime.compression.prefill: scoring + eviction) as % of the ragged prefill of the same batch "
         "(seconds; ~ = prefill estimated as B x batch-1):",
         "",
         table(

@@ -22,7 +22,7 @@ Question-agnostic baselines from the field: ``leverage`` (Compactor, arXiv 2507.
 kvpress's CompactorPress: blend = the compression ratio) and its one-change ablations
 (``leverage-exact``, ``-b05``, ``-post``, ``-scaled``, ``-only``, ``ncattn``); ``kvzip``
 (arXiv 2505.23416): a reconstruction pass scores the prefilled cache once per probe
-(``runtime.kvzip``); ``global/kvzip`` uses KVzip's own allocation (one top-k over all heads).
+(``runtime.compression.kvzip``); ``global/kvzip`` uses KVzip's own allocation (one top-k over all heads).
 Cells print accuracy with its 95% Wilson interval, the kept fraction of the KV bytes and the
 compression time per probe; the prefill and reconstruction times are summed at the end.
 
@@ -56,9 +56,9 @@ from common.formulas import wilson_interval  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
 from profiler.evaluation import decode_together  # noqa: E402
 from runtime import CompressionPolicy, RaggedCache, load_calibration  # noqa: E402
-from runtime.attention import enable  # noqa: E402
-from runtime.compression import compress, prefill_for_policies  # noqa: E402
-from runtime.kvzip import with_reconstruction_scores  # noqa: E402
+from runtime.compression.kvzip import with_reconstruction_scores  # noqa: E402
+from runtime.compression.prefill import compress, prefill_for_policies  # noqa: E402
+from runtime.compression.ragged_attention import enable  # noqa: E402
 
 SCORERS = {  # row label -> CompressionPolicy fields
     "ea-calibrated": {"scorer": "expected_attention", "statistics": "calibrated"},
@@ -134,7 +134,7 @@ MOMENT_VARIANTS = {
     "+mom+corr": {"moment_eviction": True, "correction": "calibrated"},
 }
 ALLOCATIONS = ("uniform", "inf")
-# the engine's global allocation (runtime.budgets.global_budgets): over KVzip's scores it is the
+# the engine's global allocation (runtime.compression.keep_rule.global_budgets): over KVzip's scores it is the
 # paper's own allocation (one top-k over every layer and KV head)
 GLOBAL_ROWS = {
     "global/kvzip": ("global", SCORERS["kvzip"]),

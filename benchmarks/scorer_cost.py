@@ -5,7 +5,7 @@
 
 For one ``quick`` retrieval probe of each length (embedded model, seed 1000): the prefill time
 (ragged cache, recording every prompt query), KVzip's reconstruction pass
-(:func:`runtime.kvzip.kvzip_scores`), and for every scorer the time the engine takes to score
+(:func:`runtime.compression.kvzip.kvzip_scores`), and for every scorer the time the engine takes to score
 every ``L x Hkv`` head of the prefilled cache (``HeadEvictor.layer_scores``, one call per layer,
 what ``compress`` runs; median of ``--repeat``), reported per head and, for all heads together,
 as a fraction of the prefill.  ``--artifact`` adds the artifact's
@@ -28,12 +28,12 @@ sys.path.insert(0, str(REPO))
 
 from common.models import load_model, load_tokenizer  # noqa: E402
 from runtime import RaggedCache  # noqa: E402
-from runtime.compression import prefill  # noqa: E402
-from runtime.eviction import HeadEvictor  # noqa: E402
-from runtime.kvzip import kvzip_scores, with_kvzip_scores  # noqa: E402
-from runtime.policy import CompressionPolicy  # noqa: E402
+from runtime.compression.eviction import HeadEvictor  # noqa: E402
+from runtime.compression.kvzip import kvzip_scores, with_kvzip_scores  # noqa: E402
+from runtime.compression.prefill import prefill  # noqa: E402
+from runtime.plan.policy import CompressionPolicy  # noqa: E402
+from runtime.plan.serving_plan import bind  # noqa: E402
 from runtime.scorers import ALL_QUERIES  # noqa: E402
-from runtime.serving_plan import bind  # noqa: E402
 
 SCORERS = {
     "keydiff": {"scorer": "keydiff"},

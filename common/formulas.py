@@ -9,7 +9,7 @@ the standard library only.
   Compression", Eq. 1-3; docs/design.md section 3), with :func:`share` and
   :func:`harmonic_mean`, its two parts;
 * :func:`ideal_budgets`: REAL's unrounded per-KV-head budgets ``b (1 - 1/beta) + (b L Hkv / beta)
-  INF_h`` (docs/design.md section 3), which the runtime rounds (:func:`runtime.budgets.allocate_budgets`)
+  INF_h`` (docs/design.md section 3), which the runtime rounds (:func:`runtime.plan.budgets.allocate_budgets`)
   and the artifact's ``/budgets/ratio_tables`` store.
 """
 

@@ -27,7 +27,7 @@ SCORER_CLASSES = (
 )
 SCORER_NAMES = tuple(name for name, _ in SCORER_CLASSES)
 
-# Policies with a short name, spelled in the policy grammar (runtime.policy_spec parses them).
+# Policies with a short name, spelled in the policy grammar (runtime.plan.policy_spec parses them).
 NAMED_POLICIES = {"flagship": "inf/leverage+correction"}
 
 # The selections profile-model's moments stage calibrates correction orders under

@@ -6,10 +6,10 @@ whether an artifact can serve it, for the artifact reader and the command-line p
 
 Grammar: ``baseline``, a name in ``common.names.NAMED_POLICIES``, or
 ``ALLOCATION/SCORER[:STATISTICS][+SUFFIX]...``; each suffix at most once and at most one
-correction suffix.  :func:`runtime.policy_spec.parse_policy` parses with :func:`split_policy`
-and builds the :class:`runtime.policy.CompressionPolicy`, which checks the combinations again
+correction suffix.  :func:`runtime.plan.policy_spec.parse_policy` parses with :func:`split_policy`
+and builds the :class:`runtime.plan.policy.CompressionPolicy`, which checks the combinations again
 with the scorers themselves; the tables below state, without importing a scorer, what those
-checks and ``runtime.policy.REQUIREMENTS`` decide (tests/test_policy_grammar.py checks every
+checks and ``runtime.plan.policy.REQUIREMENTS`` decide (tests/test_policy_grammar.py checks every
 combination against them).
 """
 
@@ -111,7 +111,7 @@ def split_policy(text: str) -> PolicyText:
 
 def sections_needed(policy: PolicyText) -> tuple[tuple[str, ...], ...]:
     """The artifact sections ``policy`` reads, each need as the sections any one of which meets it
-    (INF budgets: 'budgets' or 'behaviour'), in ``runtime.policy.REQUIREMENTS``' order."""
+    (INF budgets: 'budgets' or 'behaviour'), in ``runtime.plan.policy.REQUIREMENTS``' order."""
     if policy.is_baseline:
         return ()
     options = dict(policy.options)
@@ -134,7 +134,7 @@ def sections_needed(policy: PolicyText) -> tuple[tuple[str, ...], ...]:
 
 def serving_refusal(text: str, sections) -> str | None:
     """Why a file holding ``sections`` cannot serve the policy ``text`` (as a recommendation is
-    served: ``runtime.recommendation``), or None when it can."""
+    served: ``runtime.plan.recommendation``), or None when it can."""
     try:
         policy = split_policy(text)
     except ValueError as exc:
@@ -142,7 +142,10 @@ def serving_refusal(text: str, sections) -> str | None:
     if policy.is_baseline:
         return "'baseline' compresses nothing: it is measured, never recommended"
     if policy.scorer in RECONSTRUCTION_SCORERS:
-        return f"{text!r} needs a reconstruction pass per prompt (runtime.kvzip): it is measured, never recommended"
+        return (
+            f"{text!r} needs a reconstruction pass per prompt (runtime.compression.kvzip): it is measured, "
+            "never recommended"
+        )
     for need in sections_needed(policy):
         if not any(name in sections for name in need):
             return f"{text!r} needs the section {' or '.join(repr(n) for n in need)}, which the file lacks"

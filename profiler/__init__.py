@@ -14,11 +14,11 @@ and ``profiler/budget_curves.py``):
   ``W_R, W_B, W_D, W_W``, RAsc, LCsc, INFsc; probes come from :mod:`profiler.probe_source`.
 * ``query-stats`` - Expected Attention statistics ("Expected Attention: KV Cache Compression by
   Estimating Attention from Future Queries Distribution", arXiv 2510.00636): the method is the
-  runtime's (``runtime.query_moments.QueryMoments`` sums pre-RoPE queries of the windows of
+  runtime's (``runtime.compression.prompt_statistics.QueryMoments`` sums pre-RoPE queries of the windows of
   :mod:`profiler.calibration_text`), so there is no ``profiler/query_stats.py``.
 * ``future-queries`` - the same statistics of the queries after a probe's context, and k-means
   centres of them: :mod:`profiler.future_queries`.
-* ``budgets`` - per-KV-head budget tables, :mod:`profiler.budgets`, through ``runtime.budgets``
+* ``budgets`` - per-KV-head budget tables, :mod:`profiler.budgets`, through ``runtime.plan.budgets``
   (never re-implemented here).
 * ``budget-curves`` - per-head loss curves and per-ratio budgets by marginal utility (LU-KV,
   arXiv 2602.08585): :mod:`profiler.budget_curves`.
@@ -35,7 +35,7 @@ check), :mod:`profiler.checkpoint` (atomic resume work file), :mod:`profiler.dis
 (``accelerate`` / ``torchrun`` sharding and exact reduction), :mod:`profiler.presets`,
 :mod:`profiler.cli`; ``evaluate-artifact`` is :mod:`profiler.evaluate_cli` over
 :mod:`profiler.evaluation`.  What a model must provide is checked by
-``runtime.geometry.ModelGeometry`` (shared with the runtime).
+``runtime.math.geometry.ModelGeometry`` (shared with the runtime).
 
 Reproducibility: all accumulators are sums added in a fixed order per process, so an
 interrupted and resumed run reproduces an uninterrupted one bit for bit; with N processes the

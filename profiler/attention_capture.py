@@ -7,7 +7,7 @@ attention matrices would cost ``O(prompt^2)`` memory; instead:
 
 * a custom attention function, built around one :class:`DecodeAttentionRecorder` (passed by
   closure, :func:`capture_attention_forward`) and switched in for a scope with
-  ``runtime.attention.attention_implementation`` (which also registers the ``sdpa`` mask
+  ``runtime.kv_store.attention_interface.attention_implementation`` (which also registers the ``sdpa`` mask
   builder), runs the prefill with the ordinary fused ``sdpa`` kernel (no attention matrix);
   a float32 decode step, whose attention matrix is a single ``[Hq, T]`` row anyway, is
   computed as matmul-softmax-matmul from the same logits the record needs (so they are
@@ -26,7 +26,7 @@ log-sum-exp and a max.  Records stay on the layer's device until the probe ends 
 host synchronisation).
 
 Soft-capping (Gemma 2) is applied to the logits before the mask, as the model's own attention
-does, and a soft-capping layer's prefill runs :func:`runtime.eager_attention.attention_forward`
+does, and a soft-capping layer's prefill runs :func:`runtime.kv_store.eager_attention.attention_forward`
 (``sdpa`` cannot soft-cap).  A sliding-window layer's cache hands over only the window's keys
 at a decode step: the keys of a call are the last ``T`` positions up to the query's (the
 prompt's last token at the prefill, one more each step), so the record maps them back to
@@ -41,8 +41,8 @@ import math
 
 import torch
 
-from runtime.attention import attention_implementation
-from runtime.eager_attention import attention_forward, masked, soft_cap
+from runtime.kv_store.attention_interface import attention_implementation
+from runtime.kv_store.eager_attention import attention_forward, masked, soft_cap
 
 CAPTURE_IMPLEMENTATION = "kvcal_decode_capture"
 

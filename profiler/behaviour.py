@@ -38,7 +38,7 @@ from needles import answer_is_correct
 from needles.probe import LABELS, Probe
 from profiler.attention_capture import DecodeAttentionRecorder, capture_attention_implementation
 from profiler.greedy import greedy_generate
-from runtime.geometry import ModelGeometry
+from runtime.math.geometry import ModelGeometry
 
 NUM_LABELS = len(LABELS)  # W, R, B, D: the last axis of an accumulator, in this order
 LABEL_W, LABEL_R, LABEL_B, LABEL_D = (LABELS.index(name) for name in ("W", "R", "B", "D"))

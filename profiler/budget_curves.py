@@ -6,7 +6,7 @@ compression ratio), per-head budgets from each head's marginal utility and ships
 This module measures, per KV head and on a grid of kept fractions ``f`` of the context, two
 losses, under one token selection (``selection``: KeyDiff by default, the scorer of
 ``inf/keydiff``; the serving engine's rule: the first ``n_sink`` and last ``window`` tokens,
-then the best-scored, ties to the newer token: :func:`runtime.selection.priority_ranks`):
+then the best-scored, ties to the newer token: :func:`runtime.compression.keep_rule.priority_ranks`):
 
 * ``output_error[f]`` on calibration text (as :mod:`profiler.moments` measures it):
   each window ``[T]`` is split into a prefix of ``P = T - W`` tokens, compressed per KV head to
@@ -29,7 +29,7 @@ then the best-scored, ties to the newer token: :func:`runtime.selection.priority
   the budget evicts.
 
 Attention here is the layer's own: soft-capped logits (Gemma 2) and, on a sliding-window layer,
-only the keys within the window of each query (``runtime.geometry``'s ``softcaps`` and
+only the keys within the window of each query (``runtime.math.geometry``'s ``softcaps`` and
 ``sliding_windows``); evicting a token the window has left changes nothing.
 
 Both are 0 at ``f = 1`` (nothing evicted).  The curve the allocation uses is
@@ -205,7 +205,7 @@ class _CurveMeasurer:
         selection scorer (``query [1, Hq, T, d]``, ``key/value [1, Hkv, T, d]``, post-RoPE)."""
         import torch
 
-        from runtime.selection import priority_ranks
+        from runtime.compression.keep_rule import priority_ranks
 
         heads = key.shape[1]
         inputs = self.inputs.layer(
@@ -224,7 +224,7 @@ class _CurveMeasurer:
     def measure(self, layer, query, key, value, scaling):
         import torch
 
-        from runtime.eager_attention import soft_cap
+        from runtime.kv_store.eager_attention import soft_cap
 
         kind, prefix, extra = self.target
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
@@ -297,9 +297,9 @@ def measure_curves(
     import torch
     from tqdm.auto import tqdm
 
-    from runtime.attention import attention_implementation
-    from runtime.eager_attention import attention_forward as model_attention
-    from runtime.geometry import ModelGeometry, input_device
+    from runtime.kv_store.attention_interface import attention_implementation
+    from runtime.kv_store.eager_attention import attention_forward as model_attention
+    from runtime.math.geometry import ModelGeometry, input_device
 
     grid = tuple(float(f) for f in grid)
     if not grid or any(not 0.0 < f <= 1.0 for f in grid) or any(np.diff(grid) <= 0):

@@ -1,7 +1,7 @@
-"""Per-KV-head budget tables for the artifact, from INFsc, through :mod:`runtime.budgets`.
+"""Per-KV-head budget tables for the artifact, from INFsc, through :mod:`runtime.plan.budgets`.
 
 The allocation itself (GQA aggregation, normalisation, REAL Eq. 4-6, clipping, exact total
-conservation) lives in ``runtime.budgets`` so that the profiler and the serving runtime can
+conservation) lives in ``runtime.plan.budgets`` so that the profiler and the serving runtime can
 never disagree; this module only evaluates it on a grid:
 
 * token budgets ``b`` (average tokens per KV head): integer tables from ``allocate_budgets``
@@ -48,7 +48,7 @@ def budget_tables(
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
     from common.formulas import ideal_budgets
-    from runtime.budgets import allocate_budgets, kv_head_scores  # torch: not for the parser
+    from runtime.plan.budgets import allocate_budgets, kv_head_scores  # torch: not for the parser
 
     inf_kv = kv_head_scores(infsc, num_kv_heads)  # [L, Hkv], sums to 1
     token_tables = (

@@ -384,7 +384,7 @@ def _servable_in_file(path: Path, policies, args):
     (its fingerprints) follows once it is loaded (``runtime.load_calibration``)."""
     from artifacts import open_artifact
     from artifacts.reader import is_artifact_file
-    from runtime.calibration import Calibration, Recommendation, _serving_fields
+    from runtime.plan.calibration import Calibration, Recommendation, _serving_fields
 
     from .model_config import other_architecture
 
@@ -607,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     configure(args)
     from common.atomic import output_lock
     from common.models import ModelError, load_config
-    from runtime.geometry import check_config
+    from runtime.math.geometry import check_config
 
     try:  # every path, number and combination before any model work
         check_given(options(), args)  # --attn-implementation (imports transformers)
@@ -629,11 +629,11 @@ def main(argv: list[str] | None = None) -> int:
 def _artifact_path(args) -> Path:
     """The artifact the run reads, found before the model loads: ``--artifact`` (a file, or a directory
     holding kv_calibration.h5), else the first that exists of next to a local model's weights, the hub
-    snapshot of a hub id, kvcal's cache (``runtime.calibration.artifact_locations``: where
+    snapshot of a hub id, kvcal's cache (``runtime.plan.calibration.artifact_locations``: where
     load_calibration looks once the model is loaded, from the same model name); ArtifactError naming
     them when there is none."""
     from common.models import resolve_model
-    from runtime.calibration import ARTIFACT_FILENAME, artifact_of_source
+    from runtime.plan.calibration import ARTIFACT_FILENAME, artifact_of_source
 
     if args.artifact is not None:
         path = Path(args.artifact).expanduser()
@@ -685,7 +685,7 @@ def _run(args) -> int:
     from common.atomic import check_output_path
     from common.models import ModelError, load_model, load_tokenizer, loaded_as, use_progress_bars
     from runtime import load_calibration
-    from runtime.policy_spec import parse_policy
+    from runtime.plan.policy_spec import parse_policy
 
     from .evaluation import evaluate
 

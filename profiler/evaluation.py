@@ -13,7 +13,7 @@ the prefix for every row.  Each cell is scored:
   outputs (end to end: a layer's error includes what earlier layers changed);
 * ``kv_bytes``: bytes the cache holds for keys and values right after compression;
 * ``prefill_seconds``: the shared prefill + this cell's compression (for ``kvzip`` policies
-  including the reconstruction pass, :func:`runtime.kvzip.kvzip_scores`, run once per probe and
+  including the reconstruction pass, :func:`runtime.compression.kvzip.kvzip_scores`, run once per probe and
   shared by them); ``decode_seconds``: the batched ``model.generate`` (question tokens and new
   tokens) divided by its rows.
 
@@ -37,8 +37,8 @@ from tqdm.auto import tqdm
 
 from common.formulas import wilson_interval
 from profiler.greedy import greedy_generate
-from runtime.geometry import ModelGeometry
-from runtime.policy_spec import PolicySpec
+from runtime.math.geometry import ModelGeometry
+from runtime.plan.policy_spec import PolicySpec
 
 from .evaluation_results import EVALUATION_SCHEMA, cell_keys, task_record
 
@@ -89,7 +89,7 @@ def decode_together(model, tokenizer, ids: torch.Tensor, caches, max_new_tokens:
     prefix, compressed or not), decoded as one batch (``RaggedCache.stack``: equal to one by one,
     the runtime's batch tests); returns the answers and the batch's wall seconds."""
     from runtime import RaggedCache, ragged_attention
-    from runtime.transformers_compat import cache_argument
+    from runtime.kv_store.transformers_compat import cache_argument
 
     batch = RaggedCache.stack(caches)
     rows = ids.expand(len(caches), -1)
@@ -103,13 +103,13 @@ def decode_together(model, tokenizer, ids: torch.Tensor, caches, max_new_tokens:
 @torch.no_grad()
 def _run_probe(model, tokenizer, probe, cells, calibration, recorder, question_aware, max_new_tokens):
     """The baseline and every ``(key, plan)`` cell (plans bound to ``calibration`` by
-    ``runtime.serving_plan.bind``) on one probe: one prefill, one copy of it compressed per cell,
+    ``runtime.plan.serving_plan.bind``) on one probe: one prefill, one copy of it compressed per cell,
     and one batched ``generate`` (row 0 the baseline).  Returns per-row records."""
     from runtime import RaggedCache, bind
-    from runtime.compression import compress, prefill_for_policies, shared_scores
-    from runtime.generation import check_inputs
-    from runtime.geometry import input_device
-    from runtime.kvzip import uses_kvzip, with_reconstruction_scores
+    from runtime.compression.kvzip import uses_kvzip, with_reconstruction_scores
+    from runtime.compression.prefill import compress, prefill_for_policies, shared_scores
+    from runtime.math.geometry import input_device
+    from runtime.serve.generation import check_inputs
 
     ids = torch.tensor([probe.input_ids], dtype=torch.long, device=input_device(model))
     check_inputs(model, ids, None)

@@ -3,7 +3,7 @@
 Pure data and arithmetic (no model): ``profiler.evaluation`` fills these records by running
 the model; this module defines what they mean.  The JSON layout is documented in
 ``docs/evaluation-format.md`` and versioned by ``EVALUATION_SCHEMA``.  Policies are written
-in the runtime's grammar (``runtime.policy_spec``).  Imports no torch (the command lines'
+in the runtime's grammar (``runtime.plan.policy_spec``).  Imports no torch (the command lines'
 ``--help`` reads :data:`RECOMMENDATION_CANDIDATES`).
 
 Ratios are **compression** ratios (``compression_ratio``), the fraction of the context's cache

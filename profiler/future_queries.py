@@ -12,7 +12,7 @@ that is fed back; the last generated token never is).
 
 Two summaries of them:
 
-* moments (``n``, ``sum q``, ``sum q q^T``, float64, as :class:`runtime.query_moments.QueryMoments`)
+* moments (``n``, ``sum q``, ``sum q q^T``, float64, as :class:`runtime.compression.prompt_statistics.QueryMoments`)
   for Expected Attention's Gaussian;
 * a few query *centres* per head (:func:`kmeans_centres`: k-means++ seeding, Lloyd iterations),
   with their weights (the fraction of queries each holds), for a max over directions as
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from profiler.greedy import greedy_generate
-from runtime.geometry import ModelGeometry
+from runtime.math.geometry import ModelGeometry
 
 
 @torch.no_grad()

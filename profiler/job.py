@@ -81,8 +81,8 @@ from profiler.stages import (
 )
 from profiler.stages.base import ShardedStage
 from profiler.stages.context import digest
-from runtime.calibration import default_artifact_path
-from runtime.geometry import ModelGeometry, check_config
+from runtime.math.geometry import ModelGeometry, check_config
+from runtime.plan.calibration import default_artifact_path
 
 
 class JobInterrupted(Exception):
@@ -120,7 +120,7 @@ class JobOptions:
 def default_output(model_source: str) -> Path:
     """``kv_calibration.h5`` in the model directory when writable, else in kvcal's cache
     (``$XDG_CACHE_HOME/kvcal/artifacts/<org>--<name>/`` for a hub id), where ``load_calibration``
-    looks for it too (``runtime.calibration.default_artifact_path``)."""
+    looks for it too (``runtime.plan.calibration.default_artifact_path``)."""
     return default_artifact_path(model_source)
 
 
@@ -179,11 +179,11 @@ class ProfileJob:
     def _check_rope(self) -> None:
         """Refuse (``UnsupportedModelError``, one line) the chosen stages that calibrate a scorer reading
         RoPE (:meth:`profiler.stages.base.Stage.rope_reads`) on a model that rotates its queries and keys
-        otherwise than runtime.rope (:mod:`runtime.rope_check`, one short forward pass): the calibration
+        otherwise than runtime.math.rope (:mod:`runtime.plan.rope_check`, one short forward pass): the calibration
         would un-rotate them wrongly, and the runtime refuses those scorers there.  Names the model's
         RoPE, the stages, and the stages (and options) that do run."""
-        from runtime.geometry import UnsupportedModelError
-        from runtime.rope_check import rope_problems
+        from runtime.math.geometry import UnsupportedModelError
+        from runtime.plan.rope_check import rope_problems
 
         reads = {stage.name: stage.rope_reads(self.settings) for stage in self.stage_classes}
         reads = {name: found for name, found in reads.items() if found}

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime.kvzip import REPEAT_FIRST
+from runtime.compression.kvzip import REPEAT_FIRST
 
-RECONSTRUCTION_INSTRUCTION = REPEAT_FIRST + "\n\n"  # KVzip's repeat request, as runtime.kvzip sends it
+RECONSTRUCTION_INSTRUCTION = REPEAT_FIRST + "\n\n"  # KVzip's repeat request, as runtime.compression.kvzip sends it
 FEATURE_KINDS = ("kv", "hidden")
 RIDGE_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 MIN_LOG_SCORE = -30.0  # log of an attention weight that underflowed
@@ -222,12 +222,12 @@ def context_rows(tensor: torch.Tensor, context_len: int) -> torch.Tensor:
 def record_window(model, context: torch.Tensor, instruction: torch.Tensor, hidden: bool = False) -> list[WindowRecord]:
     """Run ``[c; instruction; c]`` through ``model`` once; per layer, the teacher and the features
     of the context tokens ``c [C]`` (see the module docstring), read from the pass itself: the
-    pre-RoPE keys and the values (``runtime.geometry``'s key and value projections: ``k_proj``
+    pre-RoPE keys and the values (``runtime.math.geometry``'s key and value projections: ``k_proj``
     after ``k_norm`` where the model has one, ``v_proj``, or the slices of a fused ``qkv_proj``),
     and with ``hidden`` the attention input too (the input of the value projection)."""
-    from runtime.attention import attention_implementation
-    from runtime.eager_attention import attention_forward as model_attention
-    from runtime.geometry import ModelGeometry, input_device
+    from runtime.kv_store.attention_interface import attention_implementation
+    from runtime.kv_store.eager_attention import attention_forward as model_attention
+    from runtime.math.geometry import ModelGeometry, input_device
 
     geometry = ModelGeometry.of(model)
     context_len = int(context.shape[0])

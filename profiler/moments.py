@@ -6,8 +6,8 @@ empirical property of the head, so it is measured on calibration text.  For ever
 ``[T]`` of token ids:
 
 * one forward pass of the model with a capture attention function (switched in with
-  ``runtime.attention.attention_implementation``); the function computes the ordinary
-  attention output (``sdpa``; :mod:`runtime.eager_attention` on a soft-capping layer) and hands
+  ``runtime.kv_store.attention_interface.attention_implementation``); the function computes the ordinary
+  attention output (``sdpa``; :mod:`runtime.kv_store.eager_attention` on a soft-capping layer) and hands
   post-RoPE ``query [1, Hq, T, d]`` and un-repeated
   ``key/value [1, Hkv, T, d]`` to a per-call measurer (passed by closure, no module globals);
 * the window is split into a *prefix* of ``P = T - W`` tokens (the prompt that gets
@@ -15,7 +15,7 @@ empirical property of the head, so it is measured on calibration text.  For ever
   future (decode) queries;
 * per KV head the prefix is compressed to ``budget = round(keep_ratio * P)`` tokens: the
   first ``n_sink`` and last ``recent_window`` prefix tokens are kept first (as far as the budget
-  goes, :mod:`runtime.selection`'s rule, as in serving), the rest chosen
+  goes, :mod:`runtime.compression.keep_rule`'s rule, as in serving), the rest chosen
   by a ``runtime.scorers`` scorer, the one a serving policy would use, over the
   :class:`runtime.scorers.LayerInputs` of the prefix (every KV head's keys, values, positions
   ``0..P-1``, the layer's scaling, next position ``P``, and what the scorer needs: the last prefix
@@ -34,17 +34,17 @@ empirical property of the head, so it is measured on calibration text.  For ever
   - ``"leverage"``: :class:`~runtime.scorers.LeverageScorer` (Compactor: Calibrated Query-Agnostic KV
     Cache Compression with Approximate Leverage Scores, arXiv 2507.08143), the flagship's: every prefix
     query and the keys' RoPE from the captured pass, and at each reference ratio the blend
-    :class:`runtime.policy.CompressionPolicy` serves, the evicted fraction ``1 - keep_ratio``;
+    :class:`runtime.plan.policy.CompressionPolicy` serves, the evicted fraction ``1 - keep_ratio``;
   - or a :class:`~runtime.scorers.Scorer` instance that needs neither query statistics,
     RoPE averages nor query centres (e.g. ``SnapKVScorer(window=32, kernel=5)``, the serving default);
 
-  ``score()`` and :func:`runtime.selection.select_rows` choose the kept rows (as serving does); with
+  ``score()`` and :func:`runtime.compression.keep_rule.select_rows` choose the kept rows (as serving does); with
   ``moment_eviction=True`` the scorer's ``attention()`` estimate ``a_j`` is combined with the
-  moment residual, ``a_j ||r_j||``, evicting in ``eviction_rounds`` rounds (runtime.moments);
-* the evicted tokens are folded into :class:`runtime.moments.MomentSums`; each of the ``W``
+  moment residual, ``a_j ||r_j||``, evicting in ``eviction_rounds`` rounds (runtime.math.momentkv);
+* the evicted tokens are folded into :class:`runtime.math.momentkv.MomentSums`; each of the ``W``
   queries (every query head of the group) attends to the retained prefix plus the ``W``
   tokens themselves (causally), with correction order none / 0 / 1
-  (:func:`runtime.moments.corrected_attention`), and is compared to full causal attention::
+  (:func:`runtime.math.momentkv.corrected_attention`), and is compared to full causal attention::
 
       err = ||o_hat - o|| / ||o||     per (query head, query), averaged over the group's
                                       query heads, the W queries and the windows.
@@ -70,10 +70,10 @@ import torch
 from tqdm.auto import tqdm
 
 from common.names import MOMENT_SELECTIONS as SELECTION_SCORERS
-from runtime.attention import attention_implementation
-from runtime.budgets import global_budgets
-from runtime.geometry import ModelGeometry, input_device
-from runtime.moments import ORDERS, MomentSums, attention_with_lse, corrected_attention, evict_in_rounds
+from runtime.compression.keep_rule import global_budgets, protected_mask, select_rows
+from runtime.kv_store.attention_interface import attention_implementation
+from runtime.math.geometry import ModelGeometry, input_device
+from runtime.math.momentkv import ORDERS, MomentSums, attention_with_lse, corrected_attention, evict_in_rounds
 from runtime.scorers import (
     ALL_QUERIES,
     ChunkAttentionMass,
@@ -88,7 +88,6 @@ from runtime.scorers import (
     SnapKVScorer,
     recent_query_window,
 )
-from runtime.selection import protected_mask, select_rows
 
 CALIBRATION_ATTENTION = "kvcal_moments_calibration"
 # what a captured pass (its queries: recent ones, chunked attention from them) and learned=... supply
@@ -114,7 +113,7 @@ def selection_scorer(scorer: str | Scorer, observation_window: int, keep_ratio: 
     if scorer == "leverage":
         if keep_ratio is None:
             return LeverageScorer()
-        # as runtime.policy.CompressionPolicy.build_scorer serves it: blend = the evicted fraction
+        # as runtime.plan.policy.CompressionPolicy.build_scorer serves it: blend = the evicted fraction
         return LeverageScorer(blend=round(1.0 - float(keep_ratio), 6))
     raise ValueError(f"unknown selection scorer {scorer!r}; choose one of {SELECTION_SCORERS} or pass a Scorer")
 
@@ -394,7 +393,7 @@ def measure_correction_errors_by_selection(
     from one captured forward pass per window shared by all of them (one measurer each).  Returns one
     :class:`CorrectionErrors` per selection, in order; each is exactly what
     :func:`measure_correction_errors` returns for that selection alone."""
-    from runtime.eager_attention import attention_forward as model_attention
+    from runtime.kv_store.eager_attention import attention_forward as model_attention
 
     geometry = ModelGeometry.of(model)
     num_layers, num_kv_heads = geometry.num_layers, geometry.num_kv_heads

@@ -1,6 +1,6 @@
 """Paired evidence decides: which policy to serve at one compression ratio, from per-task outcomes.
 
-The reference (the flagship, ``runtime.policy_spec.FLAGSHIP``) is served unless a candidate,
+The reference (the flagship, ``runtime.plan.policy_spec.FLAGSHIP``) is served unless a candidate,
 measured on the **same** tasks, is shown not to be worse than it by more than ``tolerance``
 with ``confidence``.  Pure arithmetic: no torch, no numpy.
 

@@ -22,10 +22,10 @@ from .paired_decision import DEFAULT_CONFIDENCE, DEFAULT_TOLERANCE, FALLBACK_RUL
 
 
 def candidate_specs(names) -> list:
-    """The ``runtime.policy_spec.PolicySpec`` of each name, refused (``ValueError``) when the stage
+    """The ``runtime.plan.policy_spec.PolicySpec`` of each name, refused (``ValueError``) when the stage
     cannot recommend it: 'baseline' (measured anyway), or a policy that needs a reconstruction pass
     per prompt at serving (``calibration.policy()`` cannot serve it)."""
-    from runtime.policy_spec import parse_policy  # torch: not for the parser
+    from runtime.plan.policy_spec import parse_policy  # torch: not for the parser
 
     if not names:
         raise ValueError("--recommend-policies: no policy given")
@@ -43,7 +43,7 @@ def candidate_specs(names) -> list:
 
 
 def check_distinct(specs, option: str) -> None:
-    """No policy twice in ``specs`` (the ``runtime.policy_spec.PolicySpec`` s given with ``option``), by
+    """No policy twice in ``specs`` (the ``runtime.plan.policy_spec.PolicySpec`` s given with ``option``), by
     one name or two (``flagship`` is ``inf/leverage+correction``): ValueError before the model loads
     (the paired rule needs each once: issue 41, a ValueError traceback after the whole evaluation)."""
     for index, spec in enumerate(specs):

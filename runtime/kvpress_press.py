@@ -22,14 +22,14 @@ from dataclasses import dataclass, field, replace
 import torch
 from kvpress.presses.base_press import BasePress
 
-from .checks import is_number
-from .chunk_attention import ChunkAttention
-from .eviction import HeadEvictor
-from .policy import CompressionPolicy
-from .recommendation import recommended_spec
-from .scorers import chunk_specs, query_statistics, recent_query_window
-from .selection import keep_mask
-from .serving_plan import ServingPlan, bind
+from common.checks import is_number
+from runtime.compression.eviction import HeadEvictor
+from runtime.compression.keep_rule import keep_mask
+from runtime.math.chunk_attention import ChunkAttention
+from runtime.plan.policy import CompressionPolicy
+from runtime.plan.recommendation import recommended_spec
+from runtime.plan.serving_plan import ServingPlan, bind
+from runtime.scorers import chunk_specs, query_statistics, recent_query_window
 
 _USE_THE_RUNTIME = "serve it with kvcal's own runtime (runtime.answer / runtime.generate) instead"
 
@@ -73,21 +73,21 @@ class CalibratedPress(BasePress):
 
     ``calibration``: what :func:`runtime.load_calibration` returns; ``compression_ratio``: the
     fraction of the context's KV cache evicted (kvpress's meaning, and kvcal's); ``policy``: a
-    :class:`~runtime.policy.CompressionPolicy` (its ``compression_ratio`` replaced by this one), by
+    :class:`~runtime.plan.policy.CompressionPolicy` (its ``compression_ratio`` replaced by this one), by
     default what the artifact serves at that ratio without the correction
     (:func:`policy_for_kvpress`; the flagship ``inf/leverage+correction`` becomes ``inf/leverage``).
 
     At the end of the context's prefill, in each attention layer's forward hook, every KV head
-    gets the budget kvcal's runtime gives it (:meth:`runtime.serving_plan.ServingPlan.head_budgets`
+    gets the budget kvcal's runtime gives it (:meth:`runtime.plan.serving_plan.ServingPlan.head_budgets`
     for the context's length: INF weights or the budget curve, ``[L, Hkv]`` tokens, together
     ``(1 - compression_ratio)`` of the layer's rows up to rounding), the policy's scorer scores the
     layer's keys (:class:`runtime.scorers.ScorerInputs`, from the artifact's tensors as
-    :func:`runtime.serving_plan.bind` loads them), and :func:`runtime.selection.keep_mask` keeps the
+    :func:`runtime.plan.serving_plan.bind` loads them), and :func:`runtime.compression.keep_rule.keep_mask` keeps the
     sinks, the recent window and the best-scored rows: the same rows the runtime keeps.  What the
     runtime records during its own prefill is recomputed in the hook from what kvpress hands it:
     the layer's post-RoPE queries (``q_proj``, the model's ``q_norm`` and its own RoPE, as
     kvpress's presses recompute them) for Compactor's chunked attention
-    (:class:`runtime.chunk_attention.ChunkAttention`, the runtime's accumulation) and SnapKV's
+    (:class:`runtime.math.chunk_attention.ChunkAttention`, the runtime's accumulation) and SnapKV's
     last queries.
 
     What kvpress cannot express, refused with a ``ValueError`` (use kvcal's runtime for these):

@@ -66,14 +66,13 @@ from tqdm import tqdm
 
 from common.models import EMBEDDED, LOG, load_model, load_tokenizer, resolve_model
 from prompt_format import encode, encode_with_offsets
-
-from .attention import ragged_attention
-from .calibration import load_calibration
-from .generation import check_inputs, compress_prompt, context_limit, generate
-from .geometry import input_device
-from .lm_eval_cli import MODEL as MODEL_NAME
-from .policy_spec import ARTIFACT_FREE, parse_policy
-from .transformers_compat import cache_argument
+from runtime.compression.ragged_attention import ragged_attention
+from runtime.kv_store.transformers_compat import cache_argument
+from runtime.lm_eval_cli import MODEL as MODEL_NAME
+from runtime.math.geometry import input_device
+from runtime.plan.calibration import load_calibration
+from runtime.plan.policy_spec import ARTIFACT_FREE, parse_policy
+from runtime.serve.generation import check_inputs, compress_prompt, context_limit, generate
 
 QUESTION_MODES = ("auto", "agnostic", "aware")
 # Where the question starts in the prompts of lm-eval's RULER tasks (their templates,

@@ -306,7 +306,7 @@ def make_random_artifact(
         )
     if "budgets" in sections:
         from common.formulas import ideal_budgets
-        from runtime.budgets import allocate_budgets
+        from runtime.plan.budgets import allocate_budgets
 
         inf_kv = rng.random((L, Hkv))
         inf_kv /= inf_kv.sum()

@@ -124,7 +124,7 @@ class Words:
 def consumed_cache_generation():
     """A compressed cache a first generation consumed, given to a second one."""
     from runtime import compress_prompt
-    from runtime.generation import generate_from_cache
+    from runtime.serve.generation import generate_from_cache
 
     model, prompt = tiny(), ids()
     cache, report = compress_prompt(model, prompt, policy(), context_columns=20)
@@ -150,7 +150,7 @@ def raw_generate(cache_rows: int = 1, **options):
 
 def prefilled(model=None, length: int = 24):
     from runtime import RaggedCache
-    from runtime.compression import prefill
+    from runtime.compression.prefill import prefill
 
     model = model or tiny()
     cache = RaggedCache.for_model(model)
@@ -160,7 +160,7 @@ def prefilled(model=None, length: int = 24):
 
 def cases() -> list[Case]:
     """Every case of the campaign (inputs are built when a case runs)."""
-    import runtime.cache
+    import runtime.kv_store.cache
     from runtime import (
         CompressionPolicy,
         RaggedCache,
@@ -170,10 +170,10 @@ def cases() -> list[Case]:
         load_calibration,
         parse_policy,
     )
-    from runtime.compression import compress, prefill
+    from runtime.compression.prefill import compress, prefill
 
     # named by issue 30's fix; on the code before it (counted there) any ValueError would do
-    CacheConsumedError = getattr(runtime.cache, "CacheConsumedError", ValueError)  # noqa: N806
+    CacheConsumedError = getattr(runtime.kv_store.cache, "CacheConsumedError", ValueError)  # noqa: N806
 
     from artifacts import ArtifactError
 
@@ -393,7 +393,7 @@ def _short_context(model, positions: int):
 
 def _consumed_on(model):
     from runtime import compress_prompt
-    from runtime.generation import generate_from_cache
+    from runtime.serve.generation import generate_from_cache
 
     prompt = ids(length=80, vocab=512)  # longer than the window (64)
     cache, report = compress_prompt(model, prompt, policy(), context_columns=70)

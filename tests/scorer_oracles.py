@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime.geometry import ModelGeometry
-from runtime.rope import averaged_rope, rope_cos_sin, rope_matrix
+from runtime.math.geometry import ModelGeometry
+from runtime.math.rope import averaged_rope, rope_cos_sin, rope_matrix
 from runtime.scorers import (
     AveragedRope,
     ChunkAttentionMass,
@@ -72,7 +72,7 @@ class Head:
 def head_from_cache(
     scorer, model, layer, layer_idx, b, h, next_position, *, calibration=None, prompt_stats=None, prompt_layer=None
 ):
-    """Head ``(b, layer_idx, h)`` of a :class:`~runtime.cache.RaggedLayer` with what ``scorer`` needs,
+    """Head ``(b, layer_idx, h)`` of a :class:`~runtime.kv_store.cache.RaggedLayer` with what ``scorer`` needs,
     each from its source directly.  ``prompt_layer``: the layer as prefilled, before any eviction (the
     chunked attention is that of the whole prompt; default ``layer``), its rows holding every prompt query."""
     geometry = ModelGeometry.of(model)

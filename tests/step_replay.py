@@ -1,6 +1,6 @@
-"""A CUDA graph's semantics on a CPU, for tests of :mod:`runtime.decode_graph`.
+"""A CUDA graph's semantics on a CPU, for tests of :mod:`runtime.serve.decode_graph`.
 
-:class:`RecordedStep` is a :class:`runtime.decode_graph.StepGraph` that records, while a step runs,
+:class:`RecordedStep` is a :class:`runtime.serve.decode_graph.StepGraph` that records, while a step runs,
 every aten op it dispatches, and replays exactly those: the same ops with the same non-tensor
 arguments, on the same tensors that existed before the step (parameters, cache buffers, the
 step's input copies: read and written in place, as a graph reads and writes the same memory),
@@ -72,7 +72,7 @@ class _Recorder(TorchDispatchMode):
 
 
 class RecordedStep:
-    """A :class:`runtime.decode_graph.StepGraph` of recorded aten ops (see the module docstring)."""
+    """A :class:`runtime.serve.decode_graph.StepGraph` of recorded aten ops (see the module docstring)."""
 
     def __init__(self, pool=None):
         self.program: list[tuple] = []

@@ -50,32 +50,32 @@ CHECKED = tuple(str(REPO / package) + "/" for package in ("profiler", "runtime")
 HOST_SIDE = {
     # the packed store's host mirror of per-head offsets / lengths / capacities, and index tables
     # built from it that are moved with .to(self.device) before they index the key/value buffer
-    ("runtime/segments.py", "__init__"),
-    ("runtime/segments.py", "append"),
-    ("runtime/segments.py", "padded_rows"),
-    ("runtime/segments.py", "drop_outside_window"),
-    ("runtime/layout.py", "segment_rows"),  # index arithmetic on host tables; callers move the result
-    ("runtime/layout.py", "build"),  # the page tables, from the host tables, moved to the buffer's device
+    ("runtime/kv_store/segments.py", "__init__"),
+    ("runtime/kv_store/segments.py", "append"),
+    ("runtime/kv_store/segments.py", "padded_rows"),
+    ("runtime/kv_store/segments.py", "drop_outside_window"),
+    ("runtime/kv_store/layout.py", "segment_rows"),  # index arithmetic on host tables; callers move the result
+    ("runtime/kv_store/layout.py", "build"),  # the page tables, from the host tables, moved to the buffer's device
     # per-head masks from the host lengths (layer.length), moved to the scores' device at once;
     # budgets [R, Hkv] from numpy, compared with the host lengths
-    ("runtime/eviction.py", "layer_scores"),
-    ("runtime/eviction.py", "evict_layer"),
-    ("runtime/budgets.py", "global_budgets"),  # budgets: host numbers
+    ("runtime/compression/eviction.py", "layer_scores"),
+    ("runtime/compression/eviction.py", "evict_layer"),
+    ("runtime/compression/keep_rule.py", "global_budgets"),  # budgets: host numbers
     # which rows are due for eviction while decoding: host lengths against the plans' budgets
-    ("runtime/row_state.py", "due_evictions"),
+    ("runtime/compression/driver.py", "due_evictions"),
     # a row's correction orders / tau from the artifact's numpy, moved by CorrectionCache.get
-    ("runtime/cache.py", "set_correction"),
+    ("runtime/kv_store/cache.py", "set_correction"),
     # `next(rotary.buffers(), torch.empty(0))`: the default is built even when a buffer is there
-    ("runtime/geometry.py", "_check_full_rotary"),
-    ("runtime/rope.py", "rope_cos_sin"),
+    ("runtime/math/geometry.py", "_check_full_rotary"),
+    ("runtime/math/rope.py", "rope_cos_sin"),
     # a CPU generator draws the sketch (the same numbers on every device); moved before use
     ("runtime/scorers/leverage.py", "sketch_matrix"),
     # the artifact's learned weights, from numpy; moved to the keys' device when used
     ("runtime/scorers/providers.py", "__init__"),
     # query sums on the host (device=None), moved to the queries' device on the first add;
     # queries handed over as numpy arrays
-    ("runtime/query_moments.py", "__init__"),
-    ("runtime/query_moments.py", "add"),
+    ("runtime/compression/prompt_statistics.py", "__init__"),
+    ("runtime/compression/prompt_statistics.py", "add"),
     # token windows kept on the host; each forward moves its window to the model's input device
     ("profiler/calibration_text.py", "calibration_windows"),
     ("profiler/budget_curves.py", "measure_curves"),

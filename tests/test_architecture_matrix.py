@@ -7,7 +7,7 @@ a 32-token sliding window where the architecture has one, vocabulary 256):
 * :data:`EXACT`: with nothing evicted, ``runtime.generate`` on a left-padded batch of two
   (60 columns, one row 10 of them padding, 8 greedy steps) gives each step's logits of the
   unmodified model run on that row alone, within 1e-4; the layers whose RoPE is not
-  ``runtime.rope``'s (``runtime.rope_check``, the un-rotation the leverage scorer and the profiler's
+  ``runtime.math.rope``'s (``runtime.plan.rope_check``, the un-rotation the leverage scorer and the profiler's
   pre-RoPE query reads rely on) are the ones the table names, and there the scorers that read RoPE
   are refused by name; elsewhere the un-rotation and the query reads agree with the model's own.
 * :data:`REFUSED`: ``ModelGeometry.of`` (every entry point's first check) refuses it naming the
@@ -30,10 +30,10 @@ import transformers as T
 from packaging.version import Version
 
 from runtime import CompressionPolicy, RaggedCache, bind, generate
-from runtime.calibration import Calibration
-from runtime.geometry import ModelGeometry, UnsupportedModelError
-from runtime.policy_spec import FLAGSHIP
-from runtime.rope_check import rope_mismatches
+from runtime.math.geometry import ModelGeometry, UnsupportedModelError
+from runtime.plan.calibration import Calibration
+from runtime.plan.policy_spec import FLAGSHIP
+from runtime.plan.rope_check import rope_mismatches
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -91,7 +91,7 @@ OPTIONS = {
     ),
 }
 ANOTHER = "another rotation, a norm after it or one the pre-RoPE read misses in layers 0, 1, 2, 3"
-# model type: what runtime.rope_check finds ("": every layer rotates as runtime.rope)
+# model type: what runtime.plan.rope_check finds ("": every layer rotates as runtime.math.rope)
 EXACT = {
     "afmoe": "no RoPE in layer 3",
     "apertus": "",
@@ -488,7 +488,7 @@ def _flagship_calibration(model) -> Calibration:
 @torch.no_grad()
 def test_the_flagship_serves_or_is_refused_by_name(model_type):
     """The flagship (INF budgets, leverage scores, MomentKV correction) from an in-memory
-    calibration: served on a left-padded batch where the model rotates as runtime.rope, refused
+    calibration: served on a left-padded batch where the model rotates as runtime.math.rope, refused
     naming the model's RoPE elsewhere."""
     model = tiny_model(model_type)
     calibration = _flagship_calibration(model)

@@ -14,7 +14,7 @@ import torch
 from tiny_architectures import ARCHITECTURES, SLIDING, VOCAB, WINDOW, make_tiny
 
 from runtime import CompressionPolicy, RaggedCache, cache_argument, generate, ragged_attention
-from runtime.compression import prefill
+from runtime.compression.prefill import prefill
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,7 +37,7 @@ def _windows(model) -> list[int | None]:
 
 def _forward(model, cache, ids, mask):
     """Logits ``[B, q, V]`` of feeding ``ids [B, q]`` through ``cache``, positions following the
-    real tokens (as runtime.compression.prefill and generate() number them)."""
+    real tokens (as runtime.compression.prefill.prefill and generate() number them)."""
     seen = torch.tensor(cache.layers[0].real_seen)
     chunk = mask[:, -ids.shape[1] :]
     positions = (seen.unsqueeze(1) + chunk.cumsum(-1) - 1).clamp(min=0)
@@ -149,7 +149,7 @@ def test_attention_the_ragged_cache_cannot_compute_is_refused_by_name():
     """Hybrid layer types (linear attention) and Llama 4's chunked attention are refused when the
     cache is made, before any forward pass; learned sinks when a model passes them."""
     from runtime import UnsupportedModelError
-    from runtime.attention import ragged_attention_forward
+    from runtime.compression.ragged_attention import ragged_attention_forward
 
     model = make_tiny("qwen2")
     model.config.layer_types = ["full_attention", "linear_attention"] * 2

@@ -1,7 +1,7 @@
 """Where profile-model writes the artifact by default and where load_calibration looks.
 
 Both sides derive the place from the model source (a loaded model's ``name_or_path``) with the
-same functions (``runtime.calibration``), so a model profiled from a hub id or a read-only
+same functions (``runtime.plan.calibration``), so a model profiled from a hub id or a read-only
 directory is found again when served: next to the weights when that directory is writable,
 else in kvcal's cache, ``$XDG_CACHE_HOME/kvcal/artifacts/<key>/kv_calibration.h5``.
 """
@@ -18,7 +18,7 @@ from artifacts import ARTIFACT_FILENAME, Artifact, ArtifactError, Section, write
 from artifacts.fingerprint import model_identity
 from profiler.job import default_output
 from runtime import load_calibration
-from runtime.calibration import artifact_cache_path, artifact_locations, default_artifact_path, find_artifact
+from runtime.plan.calibration import artifact_cache_path, artifact_locations, default_artifact_path, find_artifact
 
 HUB_ID = "some-org/tiny-model"  # not a local directory (the tests run in a fresh tmp cwd)
 

@@ -435,7 +435,7 @@ def test_an_attention_variant_round_trips_and_an_edit_is_refused(tmp_path):
 def test_an_artifact_of_the_same_shapes_without_the_window_is_refused():
     from tiny_architectures import build
 
-    from runtime.calibration import architecture_mismatch
+    from runtime.plan.calibration import architecture_mismatch
 
     identity = _identity_of(build("mistral"), "mistral")
     problem = architecture_mismatch(identity, build("mistral-sw"))

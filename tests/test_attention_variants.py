@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.paged_attention import Window, decode_attention, segment_attention
-from runtime.segments import SegmentStore
+from runtime.kv_store.paged_attention import Window, decode_attention, segment_attention
+from runtime.kv_store.segments import SegmentStore
 
 SOFTCAP = 2.0  # small, so that the cap changes the weights visibly
 
@@ -74,10 +74,10 @@ def test_segment_attention_with_a_window_and_soft_capping_equals_the_direct_comp
 
 @pytest.mark.parametrize("fused", [True, False], ids=["cpu-flash-kernel", "bmm"])
 def test_decode_attention_soft_caps_on_both_paths(monkeypatch, fused):
-    import runtime.paged_attention
+    import runtime.kv_store.paged_attention
 
     if not fused:
-        monkeypatch.setattr(runtime.paged_attention, "_FLASH_CPU_DTYPES", ())
+        monkeypatch.setattr(runtime.kv_store.paged_attention, "_FLASH_CPU_DTYPES", ())
     generator = torch.Generator().manual_seed(1)
     page, dim, rows = 4, 8, 3
     capacities, lengths = [8, 12, 4], [5, 12, 0]

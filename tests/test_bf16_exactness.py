@@ -30,7 +30,7 @@ def test_the_page_kernel_in_bf16_is_as_exact_as_plain_attention(seed):
     inputs.  Both round their output to bf16 once; sums in another order in float32 differ by far
     less than that rounding, so 5% slack is ample, and a kernel that rounds its logits to bf16 is
     ~5x off."""
-    from runtime.paged_attention import segment_attention
+    from runtime.kv_store.paged_attention import segment_attention
 
     generator = torch.Generator().manual_seed(seed)
     segments, page, dim, queries, rows = 4, 16, 64, 6, 192

@@ -23,10 +23,10 @@ from profiler.budget_curves import (
     combined_loss,
     measure_curves,
 )
-from runtime.budgets import curve_row
-from runtime.policy import CompressionPolicy
+from runtime.compression.keep_rule import priority_ranks, select_rows
+from runtime.plan.budgets import curve_row
+from runtime.plan.policy import CompressionPolicy
 from runtime.scorers import KeyDiffScorer
-from runtime.selection import priority_ranks, select_rows
 
 # -- keep order --------------------------------------------------------------------------------
 
@@ -169,7 +169,7 @@ def test_curve_allocation_needs_the_section_and_says_so():
     assert any("budget_curves" in need for need in policy.needs_calibration())
     (reason,) = policy.missing(None)
     assert "needs a calibration artifact" in reason
-    from runtime.calibration import Calibration
+    from runtime.plan.calibration import Calibration
 
     artifact = make_random_artifact(make_random_identity(4, 4, 2, 8), sections=("budgets",))
     calibration = Calibration.from_sections("x.h5", artifact.model, {}, artifact.sections)
@@ -180,7 +180,7 @@ def test_curve_allocation_needs_the_section_and_says_so():
 
 
 def test_the_policy_grammar_parses_curve_allocations():
-    from runtime.policy_spec import parse_policy
+    from runtime.plan.policy_spec import parse_policy
 
     spec = parse_policy("curve/keydiff+correction")
     policy = spec.policy(0.9)
@@ -191,7 +191,7 @@ def test_the_policy_grammar_parses_curve_allocations():
 
 
 def test_section_round_trips_and_serves_as_calibration(tmp_path):
-    from runtime.calibration import Calibration
+    from runtime.plan.calibration import Calibration
 
     artifact = make_random_artifact(make_random_identity(4, 4, 2, 8), sections=("budget_curves",))
     path = write_artifact(tmp_path / "c.h5", artifact)
@@ -228,8 +228,8 @@ def _reference_curves(model, windows, probes, grid, n_sink, window, query_window
     """The losses computed directly: q/k/v from a plain capture, select_rows per budget, explicit
     masked attention in float64 (with the layer's soft-cap and sliding window as the model's eager
     attention has them; ``layer_attention=False``: plain causal attention, for contrast)."""
-    from runtime.attention import attention_implementation
-    from runtime.eager_attention import attention_forward
+    from runtime.kv_store.attention_interface import attention_implementation
+    from runtime.kv_store.eager_attention import attention_forward
 
     captured = {}
 
@@ -356,7 +356,7 @@ def _reference_answer_hits(model, probes, answers, grid, n_sink, window):
     context, lost at a budget when select_rows does not keep it."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from runtime.attention import attention_implementation
+    from runtime.kv_store.attention_interface import attention_implementation
 
     layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     lost = np.zeros((len(grid), layers, heads))

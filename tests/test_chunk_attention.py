@@ -1,4 +1,4 @@
-"""Compactor's chunked attention accumulated inside the prefill (runtime.chunk_attention) against the
+"""Compactor's chunked attention accumulated inside the prefill (runtime.math.chunk_attention) against the
 reference computed from every recorded prompt query (the way the profiler and the scorer did before)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 from conftest import make_tiny_llama
 
 from runtime import RaggedCache
-from runtime.chunk_attention import ChunkAttention, ChunkSpec, chunk_mass
-from runtime.compression import prefill
-from runtime.geometry import ModelGeometry
+from runtime.compression.prefill import prefill
+from runtime.math.chunk_attention import ChunkAttention, ChunkSpec, chunk_mass
+from runtime.math.geometry import ModelGeometry
 from runtime.scorers import ALL_QUERIES, ChunkAttentionMass, LeverageScorer, ScorerInputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread

@@ -46,7 +46,7 @@ def test_the_command_lines_take_the_runtime_vocabulary_from_common_names_not_cop
     very same torch-free objects of ``common.names``: nothing to keep in step."""
     from common import names
     from profiler import evaluate_cli, moments
-    from runtime import calibration, policy, policy_spec
+    from runtime.plan import calibration, policy, policy_spec
     from runtime.scorers import SCORERS, registry
 
     assert evaluate_cli.ALLOCATIONS is names.ALLOCATIONS is policy.ALLOCATIONS

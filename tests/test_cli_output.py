@@ -61,7 +61,7 @@ def test_inspect_cuts_a_long_config_line_at_an_item_with_an_ellipsis(tmp_path, c
 def test_compression_report_prints_a_summary_and_keeps_its_arrays():
     import numpy as np
 
-    from runtime.compression import CompressionReport
+    from runtime.compression.prefill import CompressionReport
 
     batch, layers, heads = 2, 30, 3
     before = np.full((layers, batch, heads), 400, dtype=np.int64)

@@ -1,4 +1,4 @@
-"""Decode steps replayed from a captured graph generate what eager steps generate (runtime.decode_graph).
+"""Decode steps replayed from a captured graph generate what eager steps generate (runtime.serve.decode_graph).
 
 A CUDA graph replays the kernels a step launched at capture, on the same memory, without the
 Python that launched them.  No GPU here: the graphs are tests/step_replay.py's recorded aten ops,
@@ -17,10 +17,10 @@ from conftest import make_tiny_llama
 from step_replay import CaptureRefused, RecordedStep
 
 from runtime import CompressionPolicy
-from runtime.attention import ragged_attention
-from runtime.cache import RaggedCache
-from runtime.flex_decode import DECODE_KERNEL_VARIABLE
-from runtime.generation import compress_prompt, generate_from_cache
+from runtime.compression.ragged_attention import ragged_attention
+from runtime.kv_store.cache import RaggedCache
+from runtime.kv_store.flex_decode import DECODE_KERNEL_VARIABLE
+from runtime.serve.generation import compress_prompt, generate_from_cache
 
 NEW_TOKENS = 24
 
@@ -135,7 +135,7 @@ def test_the_flagship_on_the_embedded_model_replays_its_decode_steps(
     orders, 75% evicted, on the real embedded model: replayed decode steps generate the same tokens
     and logits (to float32 rounding) as eager ones."""
     from runtime import load_calibration
-    from runtime.policy_spec import FLAGSHIP
+    from runtime.plan.policy_spec import FLAGSHIP
 
     model = embedded_model
     calibration = load_calibration(model, embedded_tokenizer, path=smoke_artifact)

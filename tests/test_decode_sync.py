@@ -39,10 +39,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from runtime import CompressionPolicy
-from runtime.attention import ragged_attention
-from runtime.cache import RaggedCache
-from runtime.generation import compress_prompt
-from runtime.transformers_compat import cache_argument
+from runtime.compression.ragged_attention import ragged_attention
+from runtime.kv_store.cache import RaggedCache
+from runtime.kv_store.transformers_compat import cache_argument
+from runtime.serve.generation import compress_prompt
 
 # aten ops whose output is sized by, or is, device data read back to the host
 _DATA_DEPENDENT = {
@@ -95,7 +95,7 @@ class SyncCounter(TorchDispatchMode):
 class HostReadCounter(TorchFunctionMode):
     """Counts host reads of tensors that a CPU tensor serves without an aten op (``tolist``, ``cpu``)
     and every ``.to()`` given a device (on a CPU both sides are CPU tensors, so every one counts: a
-    host table reaches the device through :func:`runtime.layout.to_device`, which is no op on a CPU
+    host table reaches the device through :func:`runtime.math.arrays.to_device`, which is no op on a CPU
     and a non-blocking copy from pinned memory on CUDA)."""
 
     def __init__(self):
@@ -245,7 +245,7 @@ def test_the_flagship_decode_step_on_the_embedded_model(embedded_model, embedded
     unmodified model's aten ops (issue 39's bar; 2949 = 1.35x before the step's positions were
     converted once for all layers and the merge's NaN guard skipped on decode steps)."""
     from runtime import load_calibration
-    from runtime.policy_spec import FLAGSHIP
+    from runtime.plan.policy_spec import FLAGSHIP
 
     model = embedded_model
     ids = torch.randint(3, 1000, (1, 560), generator=torch.Generator().manual_seed(11))

@@ -30,7 +30,7 @@ def smoke_probes(tokenizer, count=1):
 
 def evaluate_under_check(model, tokenizer, names, ratios=(0.5,), calibration=None):
     from profiler.evaluation import evaluate
-    from runtime.policy_spec import parse_policy
+    from runtime.plan.policy_spec import parse_policy
 
     with stray_tensors_on_meta():
         return evaluate(
@@ -64,7 +64,7 @@ def test_the_runtime_entry_points_make_their_inputs_on_the_models_device(embedde
     beams, several returned sequences and sampling, compress_prompt() block by block; eviction
     while decoding and moment eviction with the MomentKV correction."""
     from runtime import CompressionPolicy, answer, compress_prompt, generate
-    from runtime.geometry import input_device
+    from runtime.math.geometry import input_device
 
     model = make_tiny_llama(vocab_size=len(embedded_tokenizer), seed=3)
     policy = CompressionPolicy(compression_ratio=0.5)
@@ -111,3 +111,16 @@ def test_the_profiler_stages_and_the_artifacts_policies_make_their_inputs_on_the
     names = ("baseline", "flagship", *RECOMMENDATION_CANDIDATES)
     result = evaluate_under_check(model, embedded_tokenizer, names, calibration=calibration)
     assert len(result["results"]) == len(names) - 1
+
+
+def test_every_host_side_exception_names_a_function_that_exists():
+    """A stale entry of ``stray_tensors.HOST_SIDE`` (a function moved or renamed) would let its new
+    home make tensors on the CPU unseen, or leave an exception nothing uses."""
+    import ast
+
+    from stray_tensors import HOST_SIDE, REPO
+
+    for path, function in sorted(HOST_SIDE):
+        tree = ast.parse((REPO / path).read_text())
+        names = {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        assert function in names, f"{path} defines no function {function}"

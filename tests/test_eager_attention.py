@@ -1,4 +1,4 @@
-"""runtime.eager_attention: the soft-capping reference attention equals the models' own eager
+"""runtime.kv_store.eager_attention: the soft-capping reference attention equals the models' own eager
 attention (Gemma 2's soft-capping and sliding windows, GQA, padding) and a direct computation."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from tiny_architectures import WINDOW, build
 
-from runtime.attention import attention_implementation
-from runtime.eager_attention import attention_forward, eager_attention_forward, soft_cap
+from runtime.kv_store.attention_interface import attention_implementation
+from runtime.kv_store.eager_attention import attention_forward, eager_attention_forward, soft_cap
 
 
 def _direct(query, key, value, mask, scale, cap):

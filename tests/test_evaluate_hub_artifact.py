@@ -1,5 +1,5 @@
 """evaluate-artifact with a hub model id and no ``--artifact`` (issue 30): the artifact's places
-(the hub snapshot, kvcal's cache: ``runtime.calibration.artifact_locations``) depend on the model
+(the hub snapshot, kvcal's cache: ``runtime.plan.calibration.artifact_locations``) depend on the model
 id alone, so the artifact is found, read and checked, or its absence reported, before the model
 loads.  The hub id is served offline from a hub cache in tmp_path holding the embedded model's
 ``config.json`` only: a run that began loading weights or a tokenizer would fail differently, and a

@@ -34,7 +34,7 @@ def setting(embedded_tokenizer):
     """(model, tokenizer, probes, policies): a tiny random Llama, 6 smoke-sized retrieval tasks,
     the baseline and two artifact-free policies."""
     from needles import PRESETS, generate_probes
-    from runtime.policy_spec import parse_policy
+    from runtime.plan.policy_spec import parse_policy
 
     model = make_tiny_llama(vocab_size=len(embedded_tokenizer), seed=3)
     spec = PRESETS["smoke"].replace(families=("retrieval",), count=3, seed=11)

@@ -11,7 +11,7 @@ from profiler.evaluation_results import (
     wilson_interval,
 )
 from profiler.paired_decision import loss_bound
-from runtime.policy_spec import parse_policy
+from runtime.plan.policy_spec import parse_policy
 
 
 def _row(policy, ratio, accuracy, kv_bytes=1000):
@@ -175,7 +175,7 @@ def test_markdown_table_lists_baseline_first_with_n_then_the_decision():
 
 
 def test_the_grammar_lives_in_the_runtime_and_evaluate_artifacts_help_names_its_policies():
-    import runtime.policy_spec as grammar
+    import runtime.plan.policy_spec as grammar
     from profiler import evaluate_cli
 
     assert evaluate_cli.NAMED_POLICIES == {name: spec_text(spec) for name, spec in grammar.NAMED_POLICIES.items()}
@@ -189,7 +189,7 @@ def test_the_grammar_lives_in_the_runtime_and_evaluate_artifacts_help_names_its_
 
 def spec_text(spec) -> str:
     """A PolicySpec written back in the grammar (allocation/scorer[:statistics][+suffix...])."""
-    from runtime.policy_spec import MOMENT_SUFFIXES
+    from runtime.plan.policy_spec import MOMENT_SUFFIXES
 
     text = f"{spec.allocation}/{spec.scorer}" + (f":{spec.statistics}" if spec.statistics else "")
     return text + "".join(

@@ -1,4 +1,4 @@
-"""The opt-in flex_attention decode path (runtime/flex_decode.py) against one softmax per head over
+"""The opt-in flex_attention decode path (runtime/kv_store/flex_decode.py) against one softmax per head over
 exactly its live rows: the uncompiled reference implementation with its log-sum-exp (the CUDA path's
 arithmetic), the compiled CPU kernel (tiny shapes: compiling takes tens of seconds), and a decode
 through the model with ``KVCAL_DECODE_KERNEL=flex``."""
@@ -11,8 +11,14 @@ from conftest import make_tiny_llama
 from test_runtime_cache import inf_calibration
 
 from runtime import CompressionPolicy, generate
-from runtime.flex_decode import DECODE_KERNEL_VARIABLE, build_mask, flex_available, flex_decode_attention, flex_serves
-from runtime.segments import SegmentStore
+from runtime.kv_store.flex_decode import (
+    DECODE_KERNEL_VARIABLE,
+    build_mask,
+    flex_available,
+    flex_decode_attention,
+    flex_serves,
+)
+from runtime.kv_store.segments import SegmentStore
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),  # conftest: one torch thread
@@ -109,11 +115,11 @@ def test_flex_serves_only_where_the_compiled_kernel_can():
 def test_without_the_flex_api_nothing_serves(monkeypatch):
     """A torch without flex_attention's needed features (feature detection left FLEX_API None):
     the selection falls through to the default kernels."""
-    import runtime.flex_decode
+    import runtime.kv_store.flex_decode
 
-    monkeypatch.setattr(runtime.flex_decode, "FLEX_API", None)
+    monkeypatch.setattr(runtime.kv_store.flex_decode, "FLEX_API", None)
     store = _store(torch.float32)
-    assert not runtime.flex_decode.flex_available()
+    assert not runtime.kv_store.flex_decode.flex_available()
     assert not flex_serves(torch.randn(store.offset.numel(), 3, 16), store.key_buffer, 16, need_lse=False)
 
 
@@ -152,7 +158,7 @@ def test_generation_with_the_flex_kernel_selected_equals_the_default_kernels(mon
     def run():
         return generate(model, ids, policy, calibration=calibration, max_new_tokens=8)
 
-    import runtime.layer_attention
+    import runtime.kv_store.layer_attention
 
     monkeypatch.delenv(DECODE_KERNEL_VARIABLE, raising=False)
     default = run()
@@ -162,7 +168,7 @@ def test_generation_with_the_flex_kernel_selected_equals_the_default_kernels(mon
         calls.append(1)
         return flex_decode_attention(*args, **kwargs)
 
-    monkeypatch.setattr(runtime.layer_attention, "flex_decode_attention", counted)
+    monkeypatch.setattr(runtime.kv_store.layer_attention, "flex_decode_attention", counted)
     monkeypatch.setenv(DECODE_KERNEL_VARIABLE, "flex")
     flex = run()
     assert len(calls) == 2 * 8  # both layers at each of the 8 one-token forwards
@@ -175,7 +181,7 @@ def test_generation_with_the_flex_kernel_selected_equals_the_default_kernels(mon
 def test_with_a_correction_on_cpu_the_flex_selection_falls_back_to_the_default_kernels(monkeypatch):
     """The MomentKV correction merges with the log-sum-exp, which flex_attention compiled for CPU
     cannot return: with ``KVCAL_DECODE_KERNEL=flex`` the runtime keeps its own kernels there."""
-    import runtime.layer_attention
+    import runtime.kv_store.layer_attention
 
     model = make_tiny_llama(num_layers=2, num_heads=6, num_kv_heads=3)
     ids = torch.randint(1, 128, (2, 60), generator=torch.Generator().manual_seed(5))
@@ -187,7 +193,7 @@ def test_with_a_correction_on_cpu_the_flex_selection_falls_back_to_the_default_k
     def refused(*args, **kwargs):
         raise AssertionError("flex_attention was called for a corrected layer on CPU")
 
-    monkeypatch.setattr(runtime.layer_attention, "flex_decode_attention", refused)
+    monkeypatch.setattr(runtime.kv_store.layer_attention, "flex_decode_attention", refused)
     monkeypatch.setenv(DECODE_KERNEL_VARIABLE, "flex")
     selected = generate(model, ids, policy, calibration=calibration, max_new_tokens=4)
     assert selected.new_tokens.tolist() == default.new_tokens.tolist()

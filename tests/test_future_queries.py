@@ -16,13 +16,13 @@ from test_runtime_scorers import direct_expected_attention, explicit_rope
 
 from profiler.future_queries import kmeans_centres, probe_future_queries
 from runtime import CompressionPolicy, RaggedCache
-from runtime.calibration import Calibration
-from runtime.compression import prefill
-from runtime.geometry import ModelGeometry
-from runtime.policy_spec import parse_policy
-from runtime.rope import averaged_rope
+from runtime.compression.prefill import prefill
+from runtime.kv_store.transformers_compat import cache_argument
+from runtime.math.geometry import ModelGeometry
+from runtime.math.rope import averaged_rope
+from runtime.plan.calibration import Calibration
+from runtime.plan.policy_spec import parse_policy
 from runtime.scorers import ExpectedAttentionScorer, PrototypeAttentionScorer
-from runtime.transformers_compat import cache_argument
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -182,8 +182,8 @@ def _future_calibration(model, centres: int = 3, seed: int = 0) -> Calibration:
 def test_layer_scores_equal_the_per_head_oracles(scorer, options):
     """As tests/test_runtime_scorers.py checks for the other scorers: two left-padded rows of
     different lengths, heads made ragged by a first eviction, batched == the per-head oracle."""
-    from runtime.eviction import HeadEvictor
-    from runtime.serving_plan import bind
+    from runtime.compression.eviction import HeadEvictor
+    from runtime.plan.serving_plan import bind
 
     model = make_tiny_llama(num_layers=2, num_heads=6, num_kv_heads=3)
     calibration = _future_calibration(model)
@@ -314,8 +314,8 @@ def test_embedded_model_keeps_the_needle_under_prototype_attention(embedded_mode
     the cache with uniform budgets, question-agnostic."""
     from needles import PRESETS, answer_is_correct, generate_probes
     from runtime import ragged_attention
-    from runtime.compression import compress
-    from runtime.query_moments import QueryMoments
+    from runtime.compression.prefill import compress
+    from runtime.compression.prompt_statistics import QueryMoments
 
     model, tokenizer = embedded_model, embedded_tokenizer
     geometry = ModelGeometry.of(model)
@@ -356,7 +356,7 @@ def test_embedded_model_keeps_the_needle_under_prototype_attention(embedded_mode
 
 def _model_query_modules(model):
     """Each layer's module whose output is the pre-RoPE query in [B, T, ...] order, read off the model
-    itself (q_norm where there is one, Llama / Qwen3), independently of runtime.geometry."""
+    itself (q_norm where there is one, Llama / Qwen3), independently of runtime.math.geometry."""
     return [
         layer.self_attn.q_norm if hasattr(layer.self_attn, "q_norm") else layer.self_attn.q_proj
         for layer in model.model.layers

@@ -459,7 +459,7 @@ def test_config_entries_that_are_not_objects_are_ignored_by_every_consumer(tmp_p
     assert (tmp_path / "r.html").stat().st_size > 0
 
     from profiler.evaluate_cli import _task_spec
-    from runtime.calibration import _configured_selection
+    from runtime.plan.calibration import _configured_selection
 
     args = argparse.Namespace(tasks=("retrieval",), haystacks=("simple",), preset="smoke", count=1, seed=None)
     spec, profiler_seed = _task_spec(args, artifact.config, 4096)
@@ -635,7 +635,7 @@ def test_budget_rows_that_do_not_sum_to_their_total_are_refused(artifact_path):
 
 def test_budget_row_clipped_at_a_short_sequence_is_accepted(tmp_path):
     """ "When sequences are long enough": a budget above the profiled length clips every head to it."""
-    from runtime.budgets import allocate_budgets
+    from runtime.plan.budgets import allocate_budgets
 
     artifact = make_random_artifact(sections=("budgets",))
     arrays = artifact.sections["budgets"].arrays
@@ -683,7 +683,7 @@ def test_serving_refuses_nan_scores_naming_the_layer_and_head(one_thread):
     from test_runtime_policy import identity_for
 
     from runtime import CompressionPolicy, generate
-    from runtime.calibration import Calibration
+    from runtime.plan.calibration import Calibration
 
     model = make_tiny_llama()
     identity = identity_for(model)  # the tiny model's own architecture (compress_prompt checks it)

@@ -2,6 +2,10 @@
 and ``needles`` above them, ``runtime`` above ``artifacts``, ``profiler`` on top.  A package
 imports only packages below it, with no exception, wherever the import statement is (inside a
 function too); and no module of any of them imports itself in a circle, across packages included.
+
+Inside ``runtime`` the same rule orders its subpackages (:data:`RUNTIME_LAYERS`): the math, the KV
+store, the scorers, the plan, compression, the entry points.  So the storage imports nothing that
+evicts or scores.
 """
 
 from __future__ import annotations
@@ -20,6 +24,12 @@ MAY_IMPORT = {
     "runtime": {"common", "prompt_format", "artifacts"},
     "profiler": {"common", "prompt_format", "artifacts", "needles", "runtime"},
 }
+
+# runtime's subpackages, bottom to top: each imports only those before it (and itself)
+RUNTIME_LAYERS = ("math", "kv_store", "scorers", "plan", "compression", "serve")
+# runtime's modules outside the subpackages: the package's exports and the integrations with other
+# tools (kvpress, lm-eval), which may import any subpackage
+RUNTIME_TOP = {"runtime", "runtime.kvpress_press", "runtime.lm_eval_model", "runtime.lm_eval_cli"}
 
 
 def _graph() -> dict[str, set[str]]:
@@ -65,3 +75,56 @@ def test_the_check_sees_an_import_inside_a_function(tmp_path):
 
 def test_no_import_circle_across_the_packages():
     assert import_cycles(_graph()) == []
+
+
+def runtime_layering_offences(graph: dict[str, set[str]]) -> list[str]:
+    """``"module -> module"`` for every import of a runtime subpackage above the importer's."""
+    offences = []
+    for module, targets in sorted(graph.items()):
+        parts = module.split(".")
+        if parts[0] != "runtime" or module in RUNTIME_TOP:
+            continue
+        level = RUNTIME_LAYERS.index(parts[1])
+        for target in sorted(targets):
+            other = target.split(".")
+            if other[0] == "runtime" and target not in RUNTIME_TOP and RUNTIME_LAYERS.index(other[1]) > level:
+                offences.append(f"{module} -> {target}")
+            elif target in RUNTIME_TOP and target != "runtime":
+                offences.append(f"{module} -> {target}")
+    return offences
+
+
+def test_every_runtime_module_is_in_a_subpackage_of_a_layer():
+    graph = _graph()
+    loose = sorted(
+        module
+        for module in graph
+        if module.startswith("runtime") and module not in RUNTIME_TOP and module.split(".")[1] not in RUNTIME_LAYERS
+    )
+    assert loose == [], "a runtime module belongs in one of RUNTIME_LAYERS' subpackages"
+
+
+def test_no_runtime_subpackage_imports_one_above_it():
+    graph = _graph()
+    assert "runtime.kv_store.cache" in graph and "runtime.compression.driver" in graph
+    assert runtime_layering_offences(graph) == []
+
+
+def test_the_storage_imports_nothing_that_evicts_or_scores():
+    """The KV store's modules import neither the scorers, the plan, compression nor the entry points
+    (the layering implies it; the bar of issue 42 says it on its own)."""
+    graph = _graph()
+    storage = [module for module in graph if module.startswith("runtime.kv_store.")]
+    assert "runtime.kv_store.cache" in storage
+    reached = {target for module in storage for target in graph[module]}
+    above = {target for target in reached if target.split(".")[:2] != ["runtime", "kv_store"]}
+    assert all(target.startswith(("runtime.math", "common", "artifacts")) for target in above), sorted(above)
+
+
+def test_the_runtime_check_sees_an_import_of_a_higher_subpackage():
+    graph = {
+        "runtime.kv_store.cache": {"runtime.compression.eviction", "runtime.math.arrays"},
+        "runtime.math.arrays": set(),
+        "runtime.compression.eviction": {"runtime.kv_store.cache"},
+    }
+    assert runtime_layering_offences(graph) == ["runtime.kv_store.cache -> runtime.compression.eviction"]

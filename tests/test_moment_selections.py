@@ -14,7 +14,7 @@ from test_runtime_policy import write_tiny_artifact
 from artifacts import Artifact, ArtifactError, Section, open_artifact, reader, write_artifact
 from artifacts.schema import SECTIONS
 from runtime import bind, load_calibration
-from runtime.policy_spec import FLAGSHIP, parse_policy
+from runtime.plan.policy_spec import FLAGSHIP, parse_policy
 
 OPTIONAL = SECTIONS["moments"].optional
 

@@ -1,4 +1,4 @@
-"""MomentKV math (runtime/moments.py) against direct reference computations."""
+"""MomentKV math (runtime/math/momentkv.py) against direct reference computations."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from runtime.moments import (
+from runtime.math.momentkv import (
     MomentSums,
     attention_with_lse,
     corrected_attention,

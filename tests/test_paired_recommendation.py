@@ -14,8 +14,8 @@ from artifacts.schema import SECTIONS
 from profiler.evaluate_cli import write_recommendation
 from profiler.paired_decision import DEFAULT_CONFIDENCE, DEFAULT_TOLERANCE, RULE, loss_bound
 from profiler.recommendation import FALLBACK_RULE, recommendation_section
-from runtime.policy_spec import parse_policy
-from runtime.recommendation import Recommendation
+from runtime.plan.policy_spec import parse_policy
+from runtime.plan.recommendation import Recommendation
 
 CHEAP, FLAGSHIP = "inf/keydiff+correction", "inf/leverage+correction"
 RATIOS = (0.5, 0.75)

@@ -12,8 +12,8 @@ import pytest
 
 from common.names import ALLOCATIONS, SCORER_NAMES, STATISTICS
 from common.policy_grammar import MOMENT_SUFFIXES, sections_needed, serving_refusal, split_policy
-from runtime.policy import REQUIREMENTS
-from runtime.policy_spec import parse_policy
+from runtime.plan.policy import REQUIREMENTS
+from runtime.plan.policy_spec import parse_policy
 
 SUFFIX_RUNS = [()] + [(s,) for s in MOMENT_SUFFIXES] + list(itertools.permutations(MOMENT_SUFFIXES, 2))
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from runtime import FLAGSHIP, answer, load_calibration
-from runtime.policy import CompressionPolicy
+from runtime.plan.policy import CompressionPolicy
 
 RUNTIME = str(Path(__file__).resolve().parents[1] / "runtime") + "/"
 
@@ -73,6 +73,6 @@ def test_the_flagship_policy_from_answer_takes_at_most_12_stops_and_4_returns(
                 max_new_tokens=2,
             ),
         )
-    assert "serving_plan.py:bind" in stops and stops[0] == "generation.py:answer"  # it was followed
+    assert "plan/serving_plan.py:bind" in stops and stops[0] == "serve/generation.py:answer"  # it was followed
     assert len(stops) <= 12, stops
     assert len(returns) <= 4, returns

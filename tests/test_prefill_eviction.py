@@ -1,7 +1,7 @@
-"""Eviction inside the prefill (``runtime.compression.prefill_and_compress``): each layer cut to its
+"""Eviction inside the prefill (``runtime.compression.prefill.prefill_and_compress``): each layer cut to its
 budgets right after its attention, so that at most one layer's full cache exists at a time.
 
-The reference is the two-step path it replaces, prefill then :func:`runtime.compression.compress`: the same
+The reference is the two-step path it replaces, prefill then :func:`runtime.compression.prefill.compress`: the same
 kept rows in every head, the same moment sums, the same greedy tokens and logits afterwards."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from conftest import make_tiny_llama
 from tiny_architectures import make_tiny
 
 from runtime import CompressionPolicy, RaggedCache, bind, compress_prompt, load_calibration, ragged_attention
-from runtime.compression import compress, prefill, prefill_and_compress
-from runtime.generation import build_inputs
-from runtime.policy_spec import FLAGSHIP
-from runtime.transformers_compat import cache_argument
+from runtime.compression.prefill import compress, prefill, prefill_and_compress
+from runtime.kv_store.transformers_compat import cache_argument
+from runtime.plan.policy_spec import FLAGSHIP
+from runtime.serve.generation import build_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -209,7 +209,7 @@ def test_scoring_tiles_bound_the_transient_memory_on_a_gpu():
     """All rows at once on a GPU made the flagship's compression hold a padded copy of every row's
     keys and values plus float32 intermediates (2.3 GiB over uniform/keydiff at 32K x 8: docs/results.md
     R-gpu-prefill-2026-11-27); tiles of rows bound it there too, never below one row."""
-    from runtime.eviction import rows_per_tile
+    from runtime.compression.eviction import rows_per_tile
 
     one_row = 8 * 32768 * 128  # 8 KV heads x 32K tokens x d = 128
     assert rows_per_tile(torch.device("cuda"), one_row) == 1

@@ -84,7 +84,7 @@ def _tiny(kind: str):
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3"])
 def test_capture_matches_eager_on_other_llama_family_models(kind):
-    from runtime.geometry import ModelGeometry
+    from runtime.math.geometry import ModelGeometry
 
     model = _tiny(kind)
     assert ModelGeometry.of(model).query_norm == (kind == "qwen3")

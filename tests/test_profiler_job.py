@@ -18,7 +18,7 @@ from conftest import profile_env, single_thread, start_profile, tiny_profile_arg
 
 from artifacts import open_artifact
 from profiler.cli import main
-from runtime.query_moments import QueryMoments
+from runtime.compression.prompt_statistics import QueryMoments
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_PROBES = 12
@@ -203,7 +203,7 @@ def test_moment_orders_are_calibrated_under_every_served_selector(model_dir, ref
     from transformers import AutoModelForCausalLM
 
     from runtime import bind, load_calibration
-    from runtime.policy_spec import FLAGSHIP, parse_policy
+    from runtime.plan.policy_spec import FLAGSHIP, parse_policy
 
     arrays, config = _read(reference)
     moments = config["moments"]

@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 
-from runtime.geometry import ModelGeometry
-from runtime.query_moments import QueryMoments
+from runtime.compression.prompt_statistics import QueryMoments
+from runtime.math.geometry import ModelGeometry
 
 
 def _raw_queries(model, geometry, ids):
@@ -135,7 +135,7 @@ def test_embedded_model_query_stats(embedded_model, embedded_tokenizer, one_thre
 
 def _model_query_modules(model):
     """Each layer's module whose output is the pre-RoPE query in [B, T, ...] order, read off the model
-    itself (q_norm where there is one, Llama / Qwen3), independently of runtime.geometry."""
+    itself (q_norm where there is one, Llama / Qwen3), independently of runtime.math.geometry."""
     return [
         layer.self_attn.q_norm if hasattr(layer.self_attn, "q_norm") else layer.self_attn.q_proj
         for layer in model.model.layers

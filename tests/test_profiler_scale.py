@@ -109,7 +109,7 @@ def _padded_mask(batch, q_len, k_len):
 @pytest.mark.parametrize("max_logits", [1, 2 * 6 * 13 * 4, 2 * 6 * 9 * 8])
 def test_the_reference_attention_in_query_blocks_equals_the_whole_matrix(kind, q_len, k_len, softcap, max_logits):
     """Blocks of one query, of 4 (a block of one at the last query of 9) and of 8 against one block."""
-    from runtime.eager_attention import eager_attention_forward
+    from runtime.kv_store.eager_attention import eager_attention_forward
 
     query, key, value = _attention_inputs(q_len=q_len, k_len=k_len)
     mask = None if kind == "causal" else _padded_mask(2, q_len, k_len)

@@ -11,7 +11,7 @@ from transformers import ByT5Tokenizer
 
 from needles import make_probe
 from prompt_format import SEPARATOR, encode_prompt, render_prompt
-from runtime.generation import split_prompt
+from runtime.serve.generation import split_prompt
 
 
 def _without_chat_template(tokenizer):

@@ -117,7 +117,7 @@ def test_every_export_resolves():
         assert getattr(runtime, name) is not None
         assert name in defined_names(f"runtime.{runtime._EXPORTS[name]}")
     with pytest.raises(AttributeError):
-        runtime.prefill  # noqa: B018  (a deep name: runtime.compression.prefill)
+        runtime.prefill  # noqa: B018  (a deep name: runtime.compression.prefill.prefill)
 
 
 def test_every_import_in_the_readmes_code_resolves():
@@ -140,7 +140,7 @@ def test_every_import_in_the_readmes_code_resolves():
 
 @pytest.mark.parametrize("document", DOCUMENTS, ids=lambda path: str(path.relative_to(REPO)))
 def test_every_runtime_name_the_documents_mention_exists(document):
-    """```runtime.answer()```, ```runtime.policy_spec.FLAGSHIP```, ```runtime.kvpress_press```: an
+    """```runtime.answer()```, ```runtime.plan.policy_spec.FLAGSHIP```, ```runtime.kvpress_press```: an
     export, or a module and a name it defines (not ``kvcal.runtime``, the logger)."""
     text = document.read_text()
     mentions = set(re.findall(r"(?<![\w./-])runtime(?:\.[A-Za-z_]\w*)+", text))
@@ -168,7 +168,7 @@ def _named_policies(cell: str) -> list[str]:
 def test_the_policy_table_parses_and_says_what_each_policy_reads():
     """Each policy of the serving section's table parses, and its last column names exactly the
     artifact sections it reads (``behaviour`` being the alternative to ``budgets``)."""
-    from runtime.policy import REQUIREMENTS
+    from runtime.plan.policy import REQUIREMENTS
 
     sections = {requirement.section for requirement in REQUIREMENTS}
     text = section(README.read_text(), "## Serving with an artifact")

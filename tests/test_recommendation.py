@@ -21,8 +21,8 @@ from artifacts import open_artifact
 from artifacts.report import render_report
 from artifacts.summary import format_summary, summarize
 from runtime import load_calibration
-from runtime.policy_spec import ARTIFACT_FREE, FLAGSHIP, INF_LEVERAGE, parse_policy
-from runtime.recommendation import Recommendation, recommended_policy, recommended_spec
+from runtime.plan.policy_spec import ARTIFACT_FREE, FLAGSHIP, INF_LEVERAGE, parse_policy
+from runtime.plan.recommendation import Recommendation, recommended_policy, recommended_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 README = Path(__file__).parent.parent / "README.md"

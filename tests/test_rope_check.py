@@ -1,5 +1,5 @@
-"""RoPE read off the model (``runtime.rope_check``): a policy that un-rotates keys or averages RoPE is
-served exactly where the model rotates as ``runtime.rope`` assumes and refused by name elsewhere
+"""RoPE read off the model (``runtime.plan.rope_check``): a policy that un-rotates keys or averages RoPE is
+served exactly where the model rotates as ``runtime.math.rope`` assumes and refused by name elsewhere
 (issue 41: the leverage scorer un-rotated Cohere's interleaved, SmolLM3's and EXAONE 4's missing and
 HunYuan's post-norm RoPE wrongly, silently)."""
 
@@ -11,8 +11,8 @@ import transformers as T
 from tiny_architectures import NAMES, build
 
 from runtime import CompressionPolicy, bind, compress_prompt
-from runtime.geometry import UnsupportedModelError
-from runtime.rope_check import rope_mismatches
+from runtime.math.geometry import UnsupportedModelError
+from runtime.plan.rope_check import rope_mismatches
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 

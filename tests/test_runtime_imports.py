@@ -134,9 +134,16 @@ def test_the_scan_finds_a_cycle_closed_by_a_function_local_import(tmp_path):
 
 def test_runtime_modules_import_each_other_without_a_cycle():
     """No runtime module imports, even inside a function, one that imports it back (the
-    ``runtime/__init__.py`` re-exports included); the policy value (runtime.policy) imports
+    ``runtime/__init__.py`` re-exports included); the policy value (runtime.plan.policy) imports
     neither the recommendation, the policy grammar nor the serving plan."""
     graph = runtime_import_graph()
-    assert "runtime.policy" in graph["runtime.policy_spec"] and "runtime.serving_plan" in graph["runtime.compression"]
-    assert not graph["runtime.policy"] & {"runtime.recommendation", "runtime.policy_spec", "runtime.serving_plan"}
+    assert (
+        "runtime.plan.policy" in graph["runtime.plan.policy_spec"]
+        and "runtime.plan.serving_plan" in graph["runtime.compression.prefill"]
+    )
+    assert not graph["runtime.plan.policy"] & {
+        "runtime.plan.recommendation",
+        "runtime.plan.policy_spec",
+        "runtime.plan.serving_plan",
+    }
     assert import_cycles(graph) == []

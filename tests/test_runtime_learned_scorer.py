@@ -11,10 +11,10 @@ import torch
 from conftest import make_tiny_llama
 
 from runtime import CompressionPolicy, RaggedCache, load_calibration, ragged_attention
-from runtime.budgets import global_budgets
-from runtime.calibration import Calibration
-from runtime.compression import compress, prefill
-from runtime.transformers_compat import cache_argument
+from runtime.compression.keep_rule import global_budgets
+from runtime.compression.prefill import compress, prefill
+from runtime.kv_store.transformers_compat import cache_argument
+from runtime.plan.calibration import Calibration
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -63,8 +63,8 @@ def test_learned_scores_are_the_linear_map_of_pre_rope_key_and_value():
     policy = CompressionPolicy(budget=10, scorer="learned", n_sink=2, window=3)
     cache = RaggedCache.for_model(model)
     prefill(model, cache, ids, policy=policy)
-    from runtime.eviction import HeadEvictor
-    from runtime.serving_plan import bind
+    from runtime.compression.eviction import HeadEvictor
+    from runtime.plan.serving_plan import bind
 
     evictor = HeadEvictor(bind(policy, calibration, model))
     for layer_idx, layer in enumerate(cache.layers):

@@ -15,17 +15,19 @@ from scorer_oracles import Head, head_from_cache, layer_inputs, oracle_score, sc
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from runtime import CompressionPolicy, RaggedCache, ragged_attention
-from runtime.chunk_attention import ChunkSpec
-from runtime.compression import compress, prefill
-from runtime.eviction import HeadEvictor
-from runtime.kvzip import (
+from runtime.compression.eviction import HeadEvictor
+from runtime.compression.kvzip import (
     kvzip_budgets,
     kvzip_compress,
     kvzip_scores,
     reconstruction_chunks,
     with_kvzip_scores,
 )
-from runtime.rope import rope_cos_sin
+from runtime.compression.prefill import compress, prefill
+from runtime.kv_store.transformers_compat import cache_argument
+from runtime.math.chunk_attention import ChunkSpec
+from runtime.math.rope import rope_cos_sin
+from runtime.plan.serving_plan import bind
 from runtime.scorers import (
     ALL_QUERIES,
     ChunkAttentionMass,
@@ -37,8 +39,6 @@ from runtime.scorers import (
     leverage_scores,
     unrotate,
 )
-from runtime.serving_plan import bind
-from runtime.transformers_compat import cache_argument
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 

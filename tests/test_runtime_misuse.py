@@ -23,7 +23,7 @@ def test_a_cache_a_generation_consumed_is_refused_before_any_forward():
     """A second generate() through the same compressed cache appended the whole prompt again
     (sequence length 296 -> 587 on the embedded model) and answered from a doubled context."""
     from runtime import CacheConsumedError, compress_prompt
-    from runtime.generation import generate_from_cache
+    from runtime.serve.generation import generate_from_cache
 
     model, prompt = tiny(), ids()
     cache, report = compress_prompt(model, prompt, policy(), context_columns=20)

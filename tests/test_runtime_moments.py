@@ -9,9 +9,9 @@ import torch
 from conftest import make_tiny_llama
 
 from runtime import CompressionPolicy, RaggedCache, compress_prompt, generate, ragged_attention
-from runtime.cache import RaggedLayer
-from runtime.moments import corrected_attention
-from runtime.transformers_compat import cache_argument
+from runtime.kv_store.cache import RaggedLayer
+from runtime.kv_store.transformers_compat import cache_argument
+from runtime.math.momentkv import corrected_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 

@@ -10,9 +10,9 @@ from conftest import make_tiny_llama
 from test_runtime_cache import inf_calibration
 
 from runtime import CompressionPolicy, RaggedCache, compress_prompt, generate, ragged_attention
-from runtime.compression import prefill
-from runtime.paged_attention import decode_attention, segment_attention
-from runtime.transformers_compat import cache_argument
+from runtime.compression.prefill import prefill
+from runtime.kv_store.paged_attention import decode_attention, segment_attention
+from runtime.kv_store.transformers_compat import cache_argument
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -64,10 +64,10 @@ def test_segment_attention_equals_one_softmax_per_head_and_query(page):
 def test_decode_attention_equals_direct_computation(monkeypatch, dtype, tolerance, fused):
     """Decoding: each head's queries see its stored rows; free capacity (and a head with none) hidden.
     Both the fused CPU kernel path and the two-``bmm`` path other devices take."""
-    import runtime.paged_attention
+    import runtime.kv_store.paged_attention
 
     if not fused:
-        monkeypatch.setattr(runtime.paged_attention, "_FLASH_CPU_DTYPES", ())
+        monkeypatch.setattr(runtime.kv_store.paged_attention, "_FLASH_CPU_DTYPES", ())
     generator = torch.Generator().manual_seed(1)
     page, dim, rows = 4, 8, 3
     capacities, lengths = [8, 12, 4, 16], [5, 12, 0, 9]
@@ -108,8 +108,8 @@ def test_live_rows_attention_equals_direct_computation(dtype, tolerance, layout)
     """Decoding over each segment's live rows read in place (free capacity after them, a segment with
     none; heads read across batch rows as one strided view where their segments are alike): as one
     softmax per head over exactly its live rows."""
-    from runtime.paged_attention import live_rows_attention
-    from runtime.segments import _even_strides
+    from runtime.kv_store.paged_attention import live_rows_attention
+    from runtime.kv_store.segments import _even_strides
 
     generator = torch.Generator().manual_seed(3)
     capacities, lengths = LIVE_ROW_LAYOUTS[layout]
@@ -133,8 +133,8 @@ def test_live_rows_attention_equals_direct_computation(dtype, tolerance, layout)
 def test_heads_alike_across_batch_rows_take_one_call_each():
     """The call count the decode step's choice reads: one per KV head whose segments hold the same
     count at evenly spaced offsets, one per segment of any other head."""
-    from runtime.paged_attention import live_row_calls
-    from runtime.segments import _even_strides
+    from runtime.kv_store.paged_attention import live_row_calls
+    from runtime.kv_store.segments import _even_strides
 
     offsets = torch.tensor([[0, 8, 24], [28, 36, 48], [56, 64, 80]])  # head 2 unevenly spaced
     assert _even_strides(offsets) == [28, 28, None]
@@ -172,10 +172,10 @@ def test_batch_with_inf_budgets_correction_and_decode_eviction_equals_one_by_one
     """Heads of different lengths in every row, the MomentKV correction and decode-time eviction,
     all through one attention call per layer (small layers' heads gathered into one page each, or
     attended page by page): each row generates what it generates alone."""
-    import runtime.layout
+    import runtime.kv_store.layout
 
     if not small_layers_gathered:
-        monkeypatch.setattr(runtime.layout, "_GATHER_ROWS", 0)
+        monkeypatch.setattr(runtime.kv_store.layout, "_GATHER_ROWS", 0)
     model = make_tiny_llama(num_layers=3, num_heads=6, num_kv_heads=3)
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 128, (n,), generator=generator) for n in (60, 41, 52)]
@@ -217,11 +217,11 @@ def test_the_runtime_leaves_the_models_attention_implementation_as_it_found_it(i
 
 @torch.no_grad()
 def test_profiler_labels_are_recorded_only_while_a_profiler_records():
-    """runtime.profiling.label: a decode step under torch.profiler shows the runtime's labels; with no
+    """runtime.kv_store.profiling.label: a decode step under torch.profiler shows the runtime's labels; with no
     profiler on, no record_function is entered (it cost ~50 us per layer and step)."""
     from contextlib import nullcontext
 
-    from runtime.profiling import label
+    from runtime.kv_store.profiling import label
 
     assert isinstance(label("kvcal.attention"), nullcontext)
     model = make_tiny_llama(num_layers=2)
@@ -238,7 +238,7 @@ def test_profiler_labels_are_recorded_only_while_a_profiler_records():
 def test_merged_parts_equal_one_softmax_over_their_union():
     """merge_attention of two disjoint row sets equals attention over both; an empty set
     (``lse = -inf``) leaves the other's, and two empty sets give out 0, lse -inf."""
-    from runtime.paged_attention import merge_attention
+    from runtime.kv_store.paged_attention import merge_attention
 
     generator = torch.Generator().manual_seed(5)
     query, keys, values = (torch.randn(n, 8, generator=generator, dtype=torch.float64) for n in (4, 11, 11))
@@ -264,9 +264,9 @@ def test_merged_parts_equal_one_softmax_over_their_union():
 def test_a_chunk_in_two_parts_equals_the_chunk_over_every_row(monkeypatch, correction):
     """A chunk after a compressed prefix (heads of different lengths in every row, a left-padded
     batch, padding inside the chunk too) attended in two merged parts, the rows before the chunk
-    and the chunk itself causally (runtime.layer_attention._chunk_split_attention, the CPU's path),
+    and the chunk itself causally (runtime.kv_store.layer_attention._chunk_split_attention, the CPU's path),
     gives the logits of attending every stored row with the visibility mask (the path elsewhere)."""
-    import runtime.layer_attention
+    import runtime.kv_store.layer_attention
 
     model = make_tiny_llama(num_layers=3, num_heads=6, num_kv_heads=3)
     generator = torch.Generator().manual_seed(4)
@@ -285,7 +285,7 @@ def test_a_chunk_in_two_parts_equals_the_chunk_over_every_row(monkeypatch, corre
         assert len(np.unique(cache.head_lengths().numpy())) > 2  # really ragged
         copy = cache.copy()
         split = model(ids[:, -chunk:], attention_mask=mask, **cache_argument(model, cache)).logits
-        monkeypatch.setattr(runtime.layer_attention, "fused_kernel_serves", lambda *args: False)
+        monkeypatch.setattr(runtime.kv_store.layer_attention, "fused_kernel_serves", lambda *args: False)
         every_row = model(ids[:, -chunk:], attention_mask=mask, **cache_argument(model, copy)).logits
     real = mask[:, -chunk:].bool()
     torch.testing.assert_close(split[real], every_row[real], atol=1e-5, rtol=1e-5)

@@ -14,11 +14,11 @@ from conftest import make_tiny_llama
 from artifacts import Artifact, ArtifactError, ModelIdentity, Section, write_artifact
 from artifacts.fingerprint import architecture_fingerprint, architecture_numbers, tokenizer_fingerprint
 from runtime import CompressionPolicy, RaggedCache, answer, generate, load_calibration
-from runtime.budgets import allocate_budgets
-from runtime.calibration import Calibration, model_weights_fingerprint
-from runtime.compression import prefill
-from runtime.query_moments import QueryMoments
-from runtime.serving_plan import bind
+from runtime.compression.prefill import prefill
+from runtime.compression.prompt_statistics import QueryMoments
+from runtime.plan.budgets import allocate_budgets
+from runtime.plan.calibration import Calibration, model_weights_fingerprint
+from runtime.plan.serving_plan import bind
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -280,7 +280,7 @@ def test_compress_with_inf_calibration_needs_artifact_inf_weights():
     cache = RaggedCache.for_model(model)
     policy = CompressionPolicy(budget=4, allocation="inf", scorer="knorm")
     prefill(model, cache, torch.arange(12).unsqueeze(0), policy=policy)
-    from runtime.compression import compress
+    from runtime.compression.prefill import compress
 
     with pytest.raises(ValueError, match="needs a calibration artifact"):
         compress(model, cache, policy, None)

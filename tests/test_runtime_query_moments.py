@@ -1,4 +1,4 @@
-"""runtime.query_moments.QueryMoments: one accumulator for a prompt's query statistics (per row)
+"""runtime.compression.prompt_statistics.QueryMoments: one accumulator for a prompt's query statistics (per row)
 and the calibration's (batch-summed), each bit-identical to its documented summation order."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 
-from runtime.geometry import ModelGeometry
-from runtime.query_moments import QueryMoments
+from runtime.compression.prompt_statistics import QueryMoments
+from runtime.math.geometry import ModelGeometry
 
 
 def _query_outputs(model, ids, attention_mask=None):
@@ -101,7 +101,7 @@ def test_state_round_trip_merge_and_misuse():
 
 def _model_query_modules(model):
     """Each layer's module whose output is the pre-RoPE query in [B, T, ...] order, read off the model
-    itself (q_norm where there is one, Llama / Qwen3), independently of runtime.geometry."""
+    itself (q_norm where there is one, Llama / Qwen3), independently of runtime.math.geometry."""
     return [
         layer.self_attn.q_norm if hasattr(layer.self_attn, "q_norm") else layer.self_attn.q_proj
         for layer in model.model.layers

@@ -13,9 +13,10 @@ from scorer_oracles import Head, attention_one, head_from_cache, layer_inputs, o
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from runtime import CompressionPolicy, RaggedCache
-from runtime.calibration import Calibration
-from runtime.compression import compress, prefill
-from runtime.rope import averaged_rope, rope_cos_sin, rope_matrix
+from runtime.compression.keep_rule import keep_mask, select_rows
+from runtime.compression.prefill import compress, prefill
+from runtime.math.rope import averaged_rope, rope_cos_sin, rope_matrix
+from runtime.plan.calibration import Calibration
 from runtime.scorers import (
     SCORERS,
     ExpectedAttentionScorer,
@@ -24,7 +25,6 @@ from runtime.scorers import (
     SnapKVScorer,
     StreamingScorer,
 )
-from runtime.selection import keep_mask, select_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -300,8 +300,8 @@ def test_layer_scores_equal_the_per_head_oracles(scorer, options):
     """One batched call per layer scores every row and head as the per-head definition
     (tests/scorer_oracles.py, its inputs taken from their sources directly) does: two left-padded
     rows of different lengths, after a first eviction left the heads ragged."""
-    from runtime.eviction import HeadEvictor
-    from runtime.serving_plan import bind
+    from runtime.compression.eviction import HeadEvictor
+    from runtime.plan.serving_plan import bind
 
     model = make_tiny_llama(num_layers=2, num_heads=6, num_kv_heads=3)
     generator = torch.Generator().manual_seed(11)

@@ -1,4 +1,4 @@
-"""The packed segment storage on its own (runtime.segments, runtime.layout) against a naive
+"""The packed segment storage on its own (runtime.kv_store.segments, runtime.kv_store.layout) against a naive
 reference: one list of (key, value, position) rows per (batch row, KV head)."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import runtime.layout
-from runtime.layout import PageLayout, page_size_for
-from runtime.paged_attention import decode_attention
-from runtime.segments import SegmentStore, StepPositions
+import runtime.kv_store.layout
+from runtime.kv_store.layout import PageLayout, page_size_for
+from runtime.kv_store.paged_attention import decode_attention
+from runtime.kv_store.segments import SegmentStore, StepPositions
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -223,7 +223,7 @@ def test_padded_and_masked_rows():
 
 @pytest.mark.parametrize("gathered", [True, False], ids=["gathered", "pages"])
 def test_decode_pages_attend_every_head_over_its_live_rows(monkeypatch, gathered):
-    monkeypatch.setattr(runtime.layout, "_GATHER_ROWS", 1 << 30 if gathered else 0)
+    monkeypatch.setattr(runtime.kv_store.layout, "_GATHER_ROWS", 1 << 30 if gathered else 0)
     store, reference, generator = _filled(150)
     store.repack(store.length + torch.tensor([[0, 9, 3]]))  # unequal capacities, free rows in some heads
     layout = PageLayout.build(store.offset, store.capacity, store.page_size, store.key_buffer.shape[0], "cpu")

@@ -1,4 +1,4 @@
-"""The keep rule (runtime.selection) against a per-head Python loop, on scores WITH ties, and the
+"""The keep rule (runtime.compression.keep_rule) against a per-head Python loop, on scores WITH ties, and the
 calibration stages (moments, budget curves) selecting exactly what serving selects on tied scores."""
 
 from __future__ import annotations
@@ -12,11 +12,17 @@ import torch
 from conftest import make_tiny_llama
 
 from runtime import CompressionPolicy, RaggedCache
-from runtime.budgets import global_budgets
-from runtime.compression import compress, prefill
-from runtime.moments import MomentSums
+from runtime.compression.keep_rule import (
+    global_budgets,
+    global_counts,
+    keep_mask,
+    priority_ranks,
+    protected_mask,
+    select_rows,
+)
+from runtime.compression.prefill import compress, prefill
+from runtime.math.momentkv import MomentSums
 from runtime.scorers import LayerInputs, Scorer, ScorerInputs
-from runtime.selection import global_counts, keep_mask, priority_ranks, protected_mask, select_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -243,7 +249,7 @@ def _served(budget: int, n_sink: int, window: int, moment_eviction: bool = False
 def test_moments_and_budget_curves_stages_select_what_serving_selects_on_tied_scores(budget):
     from profiler.budget_curves import _CurveMeasurer
     from profiler.moments import _CorrectionErrorMeasurer
-    from runtime.geometry import ModelGeometry
+    from runtime.math.geometry import ModelGeometry
 
     n_sink, window = 2, 3
     model, before, served = _served(budget, n_sink, window)
@@ -283,7 +289,7 @@ def test_moment_eviction_in_calibration_protects_what_serving_protects(budget):
     """Moment-informed eviction: the sinks and window it never evicts depend on the budget in
     serving (a budget below sinks + window keeps fewer of them); calibration must protect the same."""
     from profiler.moments import _CorrectionErrorMeasurer
-    from runtime.geometry import ModelGeometry
+    from runtime.math.geometry import ModelGeometry
 
     n_sink, window = 4, 5
     model, before, served = _served(budget, n_sink, window, moment_eviction=True)

@@ -11,10 +11,10 @@ from conftest import make_tiny_llama
 from test_runtime_policy import write_tiny_artifact
 
 from runtime import CompressionPolicy, RaggedCache, bind, compress_prompt, generate
-from runtime.calibration import Calibration, load_calibration
-from runtime.compression import compress, prefill
-from runtime.policy import REQUIREMENTS
-from runtime.serving_plan import _LOADERS, ServingPlan
+from runtime.compression.prefill import compress, prefill
+from runtime.plan.calibration import Calibration, load_calibration
+from runtime.plan.policy import REQUIREMENTS
+from runtime.plan.serving_plan import _LOADERS, ServingPlan
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 

@@ -9,8 +9,8 @@ from conftest import make_tiny_llama
 from test_runtime_policy import write_tiny_artifact
 
 from runtime import CompressionPolicy, RaggedCache, bind, load_calibration
-from runtime.compression import compress, prefill, prefill_for_policies, shared_scores
-from runtime.policy_spec import parse_policy
+from runtime.compression.prefill import compress, prefill, prefill_for_policies, shared_scores
+from runtime.plan.policy_spec import parse_policy
 from runtime.scorers import ALL_QUERIES, KeyDiffScorer, chunk_specs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread

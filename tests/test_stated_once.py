@@ -23,7 +23,7 @@ def test_the_validator_uses_the_base_definitions():
 def test_the_producers_use_the_base_definitions():
     from needles import spec
     from profiler import behaviour, evaluation
-    from runtime import budgets
+    from runtime.plan import budgets
 
     assert spec.probe_id is probe_ids.probe_id
     assert behaviour.behaviour_scores is formulas.behaviour_scores

@@ -15,7 +15,7 @@ without torch (``profile-model --help`` builds its parser from them):
   (and part of the resume fingerprint, so a work file of other settings is refused);
 * ``rope_reads(settings)``: what of its work calibrates a scorer that reads RoPE (:class:`RopeRead`),
   refused by the job, once the model is loaded and before any stage runs, on a model that rotates
-  its queries and keys otherwise (:mod:`runtime.rope_check`);
+  its queries and keys otherwise (:mod:`runtime.plan.rope_check`);
 
 and implements the parts it needs of one life cycle, which :class:`profiler.job.ProfileJob`
 runs the same way for every stage:
@@ -39,7 +39,7 @@ runs the same way for every stage:
 Adding a stage ``my-stage``: a module ``profiler/stages/my_stage.py`` with a :class:`Stage`
 (or :class:`ShardedStage`) subclass, its method in ``profiler/my_stage.py``, its entry in
 ``profiler.stages.STAGES``, a schema entry in ``artifacts/schema.py`` and its description in
-``docs/artifact-format.md`` (and a ``runtime.calibration.Calibration`` field when the runtime serves it).
+``docs/artifact-format.md`` (and a ``runtime.plan.calibration.Calibration`` field when the runtime serves it).
 The job, ``profile-model``'s parser and help, the settings' checks, the required-section check,
 resume, multi-process reduction, and ``inspect-artifact`` (a generic summary of any section)
 need no change; a dedicated summary in ``artifacts/summary.py`` or a heatmap in
@@ -67,7 +67,7 @@ from profiler.stages.context import StageContext
 
 @dataclass(frozen=True)
 class RopeRead:
-    """What of a stage's work calibrates a scorer that reads RoPE (:func:`runtime.rope_check.rope_needs`):
+    """What of a stage's work calibrates a scorer that reads RoPE (:func:`runtime.plan.rope_check.rope_needs`):
     ``what`` (``"the leverage selection"``), whether it needs the rotation of the ``keys`` and of the
     ``queries``, and ``instead``: the option that runs the stage without it, if one does."""
 
@@ -107,7 +107,7 @@ class Stage(ABC):
     @classmethod
     def rope_reads(cls, settings: Mapping[str, Any]) -> tuple[RopeRead, ...]:
         """What of this stage's work (with these settings) calibrates a scorer that reads RoPE: on a
-        model that rotates otherwise (runtime.rope_check) the job refuses it before any stage runs."""
+        model that rotates otherwise (runtime.plan.rope_check) the job refuses it before any stage runs."""
         return ()
 
     def __init__(self, context: StageContext):

@@ -1,7 +1,7 @@
 """The ``budgets`` stage: per-KV-head budget tables from INFsc (REAL Eq. 4-6).
 
 No model work: :func:`profiler.budgets.budget_tables` evaluates the runtime's own
-allocation (``runtime.budgets``) on a grid of average token budgets and of ratios, from the
+allocation (``runtime.plan.budgets``) on a grid of average token budgets and of ratios, from the
 INFsc of this run's behaviour section or of the artifact already at the output path.
 """
 

@@ -242,7 +242,7 @@ class StageContext:
     stage_names: tuple[str, ...]
     model: Any  # a transformers causal LM
     tokenizer: Any
-    geometry: Any  # runtime.geometry.ModelGeometry
+    geometry: Any  # runtime.math.geometry.ModelGeometry
     identity: Any  # artifacts.ModelIdentity
     out: Path
     existing_sections: frozenset[str]

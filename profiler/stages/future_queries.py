@@ -76,7 +76,7 @@ class FutureQueriesStage(ShardedStage):
         return (RopeRead("pre-RoPE query statistics and centres", keys=True, queries=True),)
 
     def __init__(self, context):
-        from runtime.query_moments import QueryMoments  # torch: not for the parser
+        from runtime.compression.prompt_statistics import QueryMoments  # torch: not for the parser
 
         super().__init__(context)
         self.max_new_tokens = context.settings["max_new_tokens"]
@@ -131,7 +131,7 @@ class FutureQueriesStage(ShardedStage):
         }
 
     def restore(self, arrays: dict[str, np.ndarray]) -> None:
-        from runtime.query_moments import QueryMoments
+        from runtime.compression.prompt_statistics import QueryMoments
 
         if not arrays:
             return
@@ -145,7 +145,7 @@ class FutureQueriesStage(ShardedStage):
     # -- after the work --------------------------------------------------------------------------
     def reduce(self) -> None:
         from profiler import distributed
-        from runtime.query_moments import QueryMoments
+        from runtime.compression.prompt_statistics import QueryMoments
 
         info = self.context.info
         self.totals = QueryMoments.from_state(distributed.all_reduce_sum(info, self.totals.state()))

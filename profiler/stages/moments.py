@@ -44,7 +44,7 @@ def default_selections(has_learned_weights: bool) -> tuple[str, ...]:
     (``correction='calibrated'``), the flagship's first, each once; the learned scorer only with its
     weights, and only scorers the calibration can select with (``MOMENT_SELECTIONS``)."""
     from profiler.evaluation_results import RECOMMENDATION_CANDIDATES  # torch: not for the parser
-    from runtime.policy_spec import FLAGSHIP, parse_policy
+    from runtime.plan.policy_spec import FLAGSHIP, parse_policy
 
     selections = []
     for spec in (FLAGSHIP, *(parse_policy(text) for text in RECOMMENDATION_CANDIDATES)):

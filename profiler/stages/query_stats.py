@@ -2,7 +2,7 @@
 
 Expected Attention ("Expected Attention: KV Cache Compression by Estimating Attention from
 Future Queries Distribution", arXiv 2510.00636) models future queries as a Gaussian; this
-stage measures its mean and covariance on calibration text (:mod:`runtime.query_moments`:
+stage measures its mean and covariance on calibration text (:mod:`runtime.compression.prompt_statistics`:
 forward hooks on the pre-RoPE query module, float64 sums ``n, sum q, sum q q^T``, the first
 ``n_sink`` positions of every window left out).  Units are batches of calibration windows.
 """
@@ -42,7 +42,7 @@ class QueryStatsStage(ShardedStage):
         return (RopeRead("pre-RoPE query statistics for Expected Attention", keys=True, queries=True),)
 
     def __init__(self, context):
-        from runtime.query_moments import QueryMoments  # torch: not for the parser
+        from runtime.compression.prompt_statistics import QueryMoments  # torch: not for the parser
 
         super().__init__(context)
         self.batch_size = context.settings["batch_size"]
@@ -93,7 +93,7 @@ class QueryStatsStage(ShardedStage):
         return self.totals.state() if self.done else {}
 
     def restore(self, arrays: dict[str, np.ndarray]) -> None:
-        from runtime.query_moments import QueryMoments
+        from runtime.compression.prompt_statistics import QueryMoments
 
         if arrays:
             self.totals = QueryMoments.from_state(arrays)
@@ -102,7 +102,7 @@ class QueryStatsStage(ShardedStage):
     # -- after the work ----------------------------------------------------------------------------
     def reduce(self) -> None:
         from profiler import distributed
-        from runtime.query_moments import QueryMoments
+        from runtime.compression.prompt_statistics import QueryMoments
 
         self.totals = QueryMoments.from_state(distributed.all_reduce_sum(self.context.info, self.totals.state()))
 

@@ -126,7 +126,7 @@ class RecommendationStage(Stage):
     @classmethod
     def rope_reads(cls, settings) -> tuple[RopeRead, ...]:
         from profiler.recommendation import candidate_specs
-        from runtime.rope_check import rope_needs
+        from runtime.plan.rope_check import rope_needs
 
         ratio = float(settings["recommend_compression_ratios"][0])
         reads = []
@@ -174,7 +174,7 @@ class RecommendationStage(Stage):
     def build(self, sections, config) -> Section:
         from profiler.evaluation import evaluate
         from profiler.recommendation import recommendation_section
-        from runtime.calibration import Calibration
+        from runtime.plan.calibration import Calibration
 
         context = self.context
         started = time.perf_counter()

@@ -6,12 +6,12 @@ A scorer is one module here, a :class:`~runtime.scorers.base.Scorer` subclass wi
 ``needs`` declaration of what else it reads (query statistics of a kind, recent queries,
 averaged RoPE, the prompt's chunked attention, the keys' RoPE, the artifact's learned weights or future-query centres:
 :mod:`runtime.scorers.inputs`).  The providers (:mod:`runtime.scorers.providers`) supply those,
-for the serving engine (:mod:`runtime.eviction`) and the profiler's stages alike.
+for the serving engine (:mod:`runtime.compression.eviction`) and the profiler's stages alike.
 
 Adding a scorer: one module here defining it, and its line in
 :data:`runtime.scorers.registry.REGISTERED` (or put an instance directly in a policy:
 ``CompressionPolicy(scorer=MyScorer())``).  Which rows the scores keep (sinks, recent window,
-then the best-scored, ties to the newer token) is :mod:`runtime.selection`'s, not the scorer's.
+then the best-scored, ties to the newer token) is :mod:`runtime.compression.keep_rule`'s, not the scorer's.
 
 Modules: ``base`` (the protocol), ``inputs`` (the layer inputs and the needs), ``providers``,
 ``helpers`` (batched math several scorers share), ``registry`` (``SCORERS``, ``make_scorer``),
@@ -19,10 +19,10 @@ and one per scorer: ``expected_attention``, ``prototype_attention``, ``keydiff``
 ``knorm``, ``streaming``, ``leverage`` (Compactor), ``kvzip``, ``learned``.
 """
 
-from .base import Scorer
-from .expected_attention import ExpectedAttentionScorer
-from .helpers import chunked_attention_mass, leverage_scores, max_pooled, unrotate
-from .inputs import (
+from runtime.scorers.base import Scorer
+from runtime.scorers.expected_attention import ExpectedAttentionScorer
+from runtime.scorers.helpers import chunked_attention_mass, leverage_scores, max_pooled, unrotate
+from runtime.scorers.inputs import (
     ALL_QUERIES,
     AveragedRope,
     ChunkAttentionMass,
@@ -37,16 +37,16 @@ from .inputs import (
     query_statistics,
     recent_query_window,
 )
-from .keydiff import KeyDiffScorer
-from .knorm import KNormScorer
-from .kvzip import KVzipScorer, KVzipScores
-from .learned import LearnedScorer
-from .leverage import LeverageScorer
-from .prototype_attention import PrototypeAttentionScorer
-from .providers import ScorerInputs
-from .registry import SCORERS, make_scorer
-from .snapkv import SnapKVScorer
-from .streaming import StreamingScorer
+from runtime.scorers.keydiff import KeyDiffScorer
+from runtime.scorers.knorm import KNormScorer
+from runtime.scorers.kvzip import KVzipScorer, KVzipScores
+from runtime.scorers.learned import LearnedScorer
+from runtime.scorers.leverage import LeverageScorer
+from runtime.scorers.prototype_attention import PrototypeAttentionScorer
+from runtime.scorers.providers import ScorerInputs
+from runtime.scorers.registry import SCORERS, make_scorer
+from runtime.scorers.snapkv import SnapKVScorer
+from runtime.scorers.streaming import StreamingScorer
 
 __all__ = [
     "ALL_QUERIES",

@@ -8,8 +8,7 @@ import torch
 
 from common.names import SCORER_NAMES
 from common.policy_grammar import ATTENTION_SCORERS, COMPARABLE_SCORERS
-
-from .inputs import LayerInputs, Need
+from runtime.scorers.inputs import LayerInputs, Need
 
 
 class Scorer(ABC):
@@ -29,7 +28,7 @@ class Scorer(ABC):
     grammar checks policies with): set from its ``name`` when the class is defined, stated once.
 
     Which rows the scores keep (sinks, recent window, then the best-scored, ties to the newer
-    token) is :mod:`runtime.selection`'s, not the scorer's.
+    token) is :mod:`runtime.compression.keep_rule`'s, not the scorer's.
     """
 
     name = "scorer"
@@ -52,7 +51,7 @@ class Scorer(ABC):
 
     def score_parts(self, inputs: LayerInputs):
         """What :meth:`combine` turns into the scores: the part that scorers built with the same
-        :meth:`parts_options` share (``runtime.compression.shared_scores`` computes it once for
+        :meth:`parts_options` share (``runtime.compression.prefill.shared_scores`` computes it once for
         several policies).  By default the scores themselves."""
         return self.score(inputs)
 

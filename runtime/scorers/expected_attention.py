@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_integer, check_number
-from .base import Scorer
-from .helpers import averaged_rope_matrices, empty_heads_to_zero, max_pooled, value_weighted
-from .inputs import AveragedRope, LayerInputs, QueryStatistics
+from common.checks import check_integer, check_number
+from runtime.scorers.base import Scorer
+from runtime.scorers.helpers import averaged_rope_matrices, empty_heads_to_zero, max_pooled, value_weighted
+from runtime.scorers.inputs import AveragedRope, LayerInputs, QueryStatistics
 
 
 class ExpectedAttentionScorer(Scorer):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import to_device
-from ..rope import rope_matrix
+from runtime.math.arrays import to_device
+from runtime.math.rope import rope_matrix
 
 
 def masked(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -20,7 +20,7 @@ def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     """Pre-RoPE keys from post-RoPE ``keys [..., n, d]`` and their own ``cos, sin [..., n, d]``.
 
     transformers applies ``k cos + rotate_half(k) sin`` (``R_p = diag(cos) + diag(sin) P``,
-    see :mod:`runtime.rope`); ``R_p^T R_p = (cos^2 + sin^2) I``, so the inverse is
+    see :mod:`runtime.math.rope`); ``R_p^T R_p = (cos^2 + sin^2) I``, so the inverse is
     ``R_p^T / (cos^2 + sin^2)`` (the denominator is 1 unless RoPE carries an attention factor).
     """
     half = keys.shape[-1] // 2
@@ -33,7 +33,8 @@ def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def averaged_rope_matrices(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``Rbar [R, d, d]`` from each row's horizon-averaged ``cos, sin [R, d]`` (:func:`runtime.rope.averaged_rope`)."""
+    """``Rbar [R, d, d]`` from each row's horizon-averaged ``cos, sin [R, d]``
+    (:func:`runtime.math.rope.averaged_rope`)."""
     return torch.stack([rope_matrix(c, s) for c, s in zip(cos, sin, strict=True)])
 
 
@@ -149,7 +150,7 @@ def middle_chunk_attention(inputs, queries: torch.Tensor, query_positions: torch
 
     ``inputs``: the layer's :class:`~runtime.scorers.inputs.LayerInputs`; ``queries [R, Hkv, G, W, d]``
     post-RoPE at ``query_positions [R, W]`` (``-1``: none); ``spec`` a
-    :class:`~runtime.chunk_attention.ChunkSpec` (logits ``spec.scale * q.k``, None: the layer's scale).
+    :class:`~runtime.math.chunk_attention.ChunkSpec` (logits ``spec.scale * q.k``, None: the layer's scale).
     """
     keys, positions, lengths = inputs.keys.float(), inputs.positions, to_device(inputs.lengths, inputs.keys.device)
     n = keys.shape[2]

@@ -21,7 +21,7 @@ RecentQueries(window)     ``(queries [R, Hkv, G, w, d], positions int64 [R, w])`
                           right-aligned to the longest row's record (``-1``: no query there)
 ChunkAttentionMass(spec)  float32 ``[R, Hkv, n]``: the mass every key received from the queries of
                           its own chunk, softmax over that chunk's keys only (Compactor's
-                          non-causal chunked attention, :mod:`runtime.chunk_attention`; 0 for a
+                          non-causal chunked attention, :mod:`runtime.math.chunk_attention`; 0 for a
                           key outside every chunk)
 KeyRope()                 ``(cos [R, Hkv, n, d], sin [R, Hkv, n, d])``: the RoPE of every key's
                           own position (to undo it)
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..chunk_attention import ChunkSpec
+from runtime.math.chunk_attention import ChunkSpec
 
 # An observation window that covers every prompt query (the cache keeps them all; 2^62 is
 # never reached, and slicing ``[-ALL_QUERIES:]`` clamps to what was recorded).

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import to_device
-from .base import Scorer
-from .helpers import masked
-from .inputs import LayerInputs
+from runtime.math.arrays import to_device
+from runtime.scorers.base import Scorer
+from runtime.scorers.helpers import masked
+from runtime.scorers.inputs import LayerInputs
 
 
 class KeyDiffScorer(Scorer):

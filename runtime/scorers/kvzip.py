@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Scorer
-from .helpers import masked
-from .inputs import LayerInputs
+from runtime.scorers.base import Scorer
+from runtime.scorers.helpers import masked
+from runtime.scorers.inputs import LayerInputs
 
 
 @dataclass
 class KVzipScores:
-    """KVzip reconstruction scores of one prompt (:func:`runtime.kvzip.kvzip_scores`):
+    """KVzip reconstruction scores of one prompt (:func:`runtime.compression.kvzip.kvzip_scores`):
     ``scores[layer, kv_head, position]`` (float32
     ``[L, Hkv, T]``, ``T`` = the context's real tokens); ``last_keys [L, Hkv, d]`` is the key
     at position ``T - 1`` of every head (to recognise the cache the scores belong to)."""
@@ -31,28 +31,31 @@ class KVzipScores:
 
 
 class KVzipScorer(Scorer):
-    """Scores precomputed by :func:`runtime.kvzip.kvzip_scores` (KVzip, arXiv 2505.23416), looked up by position.
+    """Scores precomputed by :func:`runtime.compression.kvzip.kvzip_scores` (KVzip, arXiv 2505.23416),
+    looked up by position.
 
     One instance belongs to one prompt (one batch row): build it with
-    :func:`runtime.kvzip.with_kvzip_scores`.  Rows past the scored context (tokens decoded later) score
+    :func:`runtime.compression.kvzip.with_kvzip_scores`.  Rows past the scored context (tokens decoded later) score
     ``+inf``: they are never evicted before a context token.  The scores are attention weights, on
     one scale for every head, so ``allocation="global"`` ranks all heads' tokens together: KVzip's
-    own allocation (one top-k over every layer and KV head, :func:`runtime.kvzip.kvzip_budgets`).
+    own allocation (one top-k over every layer and KV head, :func:`runtime.compression.kvzip.kvzip_budgets`).
     """
 
     name = "kvzip"
 
     def __init__(self, scores: KVzipScores | None = None):
         if scores is not None and not isinstance(scores, KVzipScores):
-            raise ValueError(f"kvzip scores must come from runtime.kvzip.kvzip_scores, got {type(scores).__name__}")
+            raise ValueError(
+                f"kvzip scores must come from runtime.compression.kvzip.kvzip_scores, got {type(scores).__name__}"
+            )
         self.table = scores
 
     def _checked_table(self, layer: int, heads: int, next_positions) -> KVzipScores:
         if self.table is None:
             raise ValueError(
                 "the kvzip scorer needs a reconstruction pass over the prefilled cache: "
-                "scores = runtime.kvzip.kvzip_scores(model, tokenizer, cache, context_ids), then "
-                "compress with runtime.kvzip.with_kvzip_scores(policy, scores)"
+                "scores = runtime.compression.kvzip.kvzip_scores(model, tokenizer, cache, context_ids), then "
+                "compress with runtime.compression.kvzip.with_kvzip_scores(policy, scores)"
             )
         table = self.table
         if layer >= table.scores.shape[0]:

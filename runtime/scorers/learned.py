@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import Scorer
-from .helpers import masked, unrotate
-from .inputs import KeyRope, LayerInputs, LearnedWeights
+from runtime.scorers.base import Scorer
+from runtime.scorers.helpers import masked, unrotate
+from runtime.scorers.inputs import KeyRope, LayerInputs, LearnedWeights
 
 
 class LearnedScorer(Scorer):

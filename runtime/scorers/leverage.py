@@ -6,12 +6,12 @@ import math
 
 import torch
 
-from ..checks import check_flag, check_integer, check_number
-from ..chunk_attention import ChunkSpec
-from ..layout import to_device
-from .base import Scorer
-from .helpers import leverage_scores, masked, masked_zscore, unrotate
-from .inputs import ChunkAttentionMass, KeyRope, LayerInputs
+from common.checks import check_flag, check_integer, check_number
+from runtime.math.arrays import to_device
+from runtime.math.chunk_attention import ChunkSpec
+from runtime.scorers.base import Scorer
+from runtime.scorers.helpers import leverage_scores, masked, masked_zscore, unrotate
+from runtime.scorers.inputs import ChunkAttentionMass, KeyRope, LayerInputs
 
 
 class LeverageScorer(Scorer):
@@ -25,7 +25,7 @@ class LeverageScorer(Scorer):
     * leverage (:func:`~runtime.scorers.helpers.leverage_scores`): of the head's **pre-RoPE** keys
       (``pre_rope``; RoPE is undone from each key's position), centred over the middle rows, exact
       or through a Gaussian sketch of ``sketch`` columns (``seed`` fixes it per (layer, KV head));
-    * attention (:mod:`runtime.chunk_attention`, accumulated during the prefill): every prompt
+    * attention (:mod:`runtime.math.chunk_attention`, accumulated during the prefill): every prompt
       query (post-RoPE) attends non-causally to the keys of its own ``chunk``-token chunk (chunks
       start at the first middle row; only the queries from the first to the last middle row take part),
       logits ``attention_scale * q.k`` (None: the model's ``1/sqrt(d)``); the mass each key
@@ -88,7 +88,8 @@ class LeverageScorer(Scorer):
 
     @property
     def chunk_spec(self) -> ChunkSpec:
-        """The chunked attention this scorer reads, accumulated during the prefill (:mod:`runtime.chunk_attention`)."""
+        """The chunked attention this scorer reads, accumulated during the prefill
+        (:mod:`runtime.math.chunk_attention`)."""
         return ChunkSpec(self.chunk, self.exclude_first, self.exclude_last, self.attention_scale)
 
     def sketch_matrix(self, layer: int, kv_head: int, dim: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Small providers: each supplies one kind of :class:`~runtime.scorers.inputs.Need`, for the runtime
-(:mod:`runtime.eviction`, from the cache, the calibration and the prompt's statistics) and the
+(:mod:`runtime.compression.eviction`, from the cache, the calibration and the prompt's statistics) and the
 profiler's stages (from a captured forward pass) alike.
 
 :class:`ScorerInputs` is built once per scorer and source (it checks and loads what the needs
@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..chunk_attention import masses_at_positions
-from ..rope import averaged_rope, rope_cos_sin
-from .helpers import middle_chunk_attention
-from .inputs import (
+from runtime.math.chunk_attention import masses_at_positions
+from runtime.math.rope import averaged_rope, rope_cos_sin
+from runtime.scorers.helpers import middle_chunk_attention
+from runtime.scorers.inputs import (
     ALL_QUERIES,
     AveragedRope,
     ChunkAttentionMass,
@@ -37,7 +37,7 @@ def _given(value, what: str):
 
 class QueryStatisticsProvider:
     """``(mean [R, Hkv, G, d], cov [R, Hkv, G, d, d])``: the artifact's (``calibrated``: ``query_stats``,
-    ``future``: ``future_queries``; loaded and checked by :func:`runtime.serving_plan.bind`, given as
+    ``future``: ``future_queries``; loaded and checked by :func:`runtime.plan.serving_plan.bind`, given as
     ``query_stats``) or the prompt's own, per statistics row (``stats_rows``)."""
 
     def __init__(self, need: QueryStatistics, scorer, geometry, prompt_stats=None, query_stats=None, **_):
@@ -195,9 +195,9 @@ PROVIDERS = {
 class ScorerInputs:
     """Builds ``scorer``'s :class:`LayerInputs`: the base every scorer sees, plus what its needs ask,
     each from its provider.  Sources: the model's ``geometry``, and, as the needs require, the
-    prompt's statistics ``prompt_stats`` (:class:`~runtime.query_moments.QueryMoments`) and the
-    artifact's tensors as :func:`runtime.serving_plan.bind` loaded them (``query_stats``,
-    ``query_centres``, ``learned``: the :class:`~runtime.serving_plan.ServingPlan`'s fields of
+    prompt's statistics ``prompt_stats`` (:class:`~runtime.compression.prompt_statistics.QueryMoments`) and the
+    artifact's tensors as :func:`runtime.plan.serving_plan.bind` loaded them (``query_stats``,
+    ``query_centres``, ``learned``: the :class:`~runtime.plan.serving_plan.ServingPlan`'s fields of
     those names) or the profiler computed them."""
 
     def __init__(self, scorer, geometry, *, prompt_stats=None, query_stats=None, query_centres=None, learned=None):

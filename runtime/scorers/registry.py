@@ -7,8 +7,7 @@ from __future__ import annotations
 from importlib import import_module
 
 from common.names import SCORER_CLASSES
-
-from .base import Scorer
+from runtime.scorers.base import Scorer
 
 REGISTERED = SCORER_CLASSES
 

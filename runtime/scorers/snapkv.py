@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_integer
-from .base import Scorer
-from .helpers import masked
-from .inputs import LayerInputs, RecentQueries
+from common.checks import check_integer
+from runtime.scorers.base import Scorer
+from runtime.scorers.helpers import masked
+from runtime.scorers.inputs import LayerInputs, RecentQueries
 
 
 class SnapKVScorer(Scorer):

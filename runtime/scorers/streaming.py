@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import Scorer
-from .helpers import masked
-from .inputs import LayerInputs
+from runtime.scorers.base import Scorer
+from runtime.scorers.helpers import masked
+from runtime.scorers.inputs import LayerInputs
 
 
 class StreamingScorer(Scorer):

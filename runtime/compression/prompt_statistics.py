@@ -39,7 +39,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from .geometry import ModelGeometry
+from runtime.math.geometry import ModelGeometry
 
 
 class QueryMoments:
@@ -80,7 +80,7 @@ class QueryMoments:
 
     @classmethod
     def for_model(cls, model, rows: int | None = None, **options) -> QueryMoments:
-        """Sums shaped for ``model`` (or its :class:`~runtime.geometry.ModelGeometry`)."""
+        """Sums shaped for ``model`` (or its :class:`~runtime.math.geometry.ModelGeometry`)."""
         geometry = ModelGeometry.of(model)
         return cls(geometry.num_layers, geometry.num_q_heads, geometry.head_dim, rows, **options)
 
@@ -123,7 +123,7 @@ class QueryMoments:
         Batch-summed: inputs are ``[B, T]`` windows starting at position 0 without padding; the
         first ``n_sink`` positions of every row are skipped.  Per row: ``real`` (bool ``[B, T]``
         of the chunk, None = every token) says which tokens count; each row goes to its own sums.
-        ``geometry``: a :class:`~runtime.geometry.ModelGeometry` (or a model).
+        ``geometry``: a :class:`~runtime.math.geometry.ModelGeometry` (or a model).
         """
         if n_sink < 0:
             raise ValueError(f"n_sink must be >= 0, got {n_sink}")

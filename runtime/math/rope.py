@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .geometry import ModelGeometry
+from runtime.math.geometry import ModelGeometry
 
 
 def rotate_half_matrix(head_dim: int, dtype=torch.float32, device=None) -> torch.Tensor:
@@ -34,13 +34,13 @@ def rope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def rope_cos_sin(model, positions: torch.Tensor, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer ``layer``'s ``cos, sin [len(positions), d]`` (float32) at absolute ``positions``.
 
-    ``model``: a loaded model or its :class:`~runtime.geometry.ModelGeometry` (whose ``rotary``
+    ``model``: a loaded model or its :class:`~runtime.math.geometry.ModelGeometry` (whose ``rotary``
     module is used, given the layer's type where it takes one: Gemma 3's sliding layers use
     another RoPE base than its full ones).  ``layer=None`` serves a model whose layers share one
     RoPE; for one whose layers differ it raises ``ValueError``.  A rotary module that returns
     complex frequencies ``e^{i p f}`` (Llama 4) gives ``cos = cat(cos pf, cos pf)`` and the same
     for ``sin``: its frequencies in the layout ``rotate_half`` takes.  Llama 4 rotates interleaved
-    pairs instead, which :mod:`runtime.rope_check` finds, refusing the scorers that read RoPE.
+    pairs instead, which :mod:`runtime.plan.rope_check` finds, refusing the scorers that read RoPE.
     """
     geometry = ModelGeometry.of(model)
     layer_type = geometry.rope_layer_type(layer)
@@ -59,7 +59,7 @@ def rope_cos_sin(model, positions: torch.Tensor, layer: int | None = None) -> tu
 
 def averaged_rope(model, start: int, horizon: int, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean ``cos, sin [d]`` of layer ``layer`` over absolute positions ``start .. start + horizon - 1``
-    (``model``: a model or its :class:`~runtime.geometry.ModelGeometry`; ``layer`` as in
+    (``model``: a model or its :class:`~runtime.math.geometry.ModelGeometry`; ``layer`` as in
     :func:`rope_cos_sin`)."""
     if horizon <= 0:
         raise ValueError(f"the RoPE averaging horizon must be positive, got {horizon}")

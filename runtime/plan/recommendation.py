@@ -15,7 +15,7 @@ which serving does not read).  :func:`recommended_spec` serves it:
 * a request beyond the grid's largest ratio is never served a smaller ratio's decision (a
   candidate shown not worse at 90% evicted says nothing about 97.5%): it gets the rule's
   reference, the flagship (as without a recommendation, below);
-* with no recommendation recorded, the first of the flagship (``runtime.policy_spec.FLAGSHIP``:
+* with no recommendation recorded, the first of the flagship (``runtime.plan.policy_spec.FLAGSHIP``:
   inf/leverage+correction, needs the budgets and moments sections), ``inf/leverage`` (budgets)
   and the artifact-free default (uniform leverage) that the artifact can serve;
 * a recorded policy this calibration cannot serve falls back the same way, with a warning: the
@@ -23,8 +23,8 @@ which serving does not read).  :func:`recommended_spec` serves it:
   parse, ``baseline``, a ``kvzip`` policy, or one needing a section the file lacks), so this only
   happens to a ``Recommendation`` set on a calibration by hand.
 
-"Can serve" is :meth:`runtime.policy.CompressionPolicy.missing` coming back empty (nothing read,
-nothing warned); serving the chosen policy is :func:`runtime.serving_plan.bind`'s.
+"Can serve" is :meth:`runtime.plan.policy.CompressionPolicy.missing` coming back empty (nothing read,
+nothing warned); serving the chosen policy is :func:`runtime.plan.serving_plan.bind`'s.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .checks import is_number
-from .policy import CompressionPolicy
-from .policy_spec import ARTIFACT_FREE, FLAGSHIP, INF_LEVERAGE, PolicySpec, parse_policy
+from common.checks import is_number
+from runtime.plan.policy import CompressionPolicy
+from runtime.plan.policy_spec import ARTIFACT_FREE, FLAGSHIP, INF_LEVERAGE, PolicySpec, parse_policy
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Recommendation:
     """The ``recommendation`` section: per grid compression ratio, the policy to serve."""
 
     compression_ratios: tuple[float, ...]  # ascending, fractions evicted
-    policies: tuple[str, ...]  # policy grammar (runtime.policy_spec), one per ratio
+    policies: tuple[str, ...]  # policy grammar (runtime.plan.policy_spec), one per ratio
     accuracy: tuple[float, ...]  # of that policy on the held-out tasks
     ci_low: tuple[float, ...]  # 95% Wilson interval
     ci_high: tuple[float, ...]
@@ -107,7 +107,7 @@ def recommended_spec(calibration, compression_ratio: float) -> PolicySpec:
     if spec.is_baseline:  # a reader refuses a file recommending it; a hand-made recommendation may
         return _fall_back(calibration, name, "'baseline' compresses nothing: it is measured, never recommended")
     if spec.needs_reconstruction:
-        return _fall_back(calibration, name, "it needs a reconstruction pass per prompt (runtime.kvzip)")
+        return _fall_back(calibration, name, "it needs a reconstruction pass per prompt (runtime.compression.kvzip)")
     missing = spec.policy(float(compression_ratio)).missing(calibration)
     if missing:
         return _fall_back(calibration, name, missing[0])

@@ -38,14 +38,14 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .attention import ragged_attention
-from .budgets import global_budgets
-from .cache import LAYER_TAG, RaggedCache, RaggedLayer
-from .eager_attention import eager_attention_forward, soft_cap
-from .geometry import ModelGeometry
-from .policy import CompressionPolicy
-from .scorers import KVzipScorer, KVzipScores
-from .transformers_compat import cache_argument, query_length
+from runtime.compression.keep_rule import global_budgets
+from runtime.compression.ragged_attention import ragged_attention
+from runtime.kv_store.cache import LAYER_TAG, RaggedCache, RaggedLayer
+from runtime.kv_store.eager_attention import eager_attention_forward, soft_cap
+from runtime.kv_store.transformers_compat import cache_argument, query_length
+from runtime.math.geometry import ModelGeometry
+from runtime.plan.policy import CompressionPolicy
+from runtime.scorers import KVzipScorer, KVzipScores
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -127,7 +127,7 @@ class ReconstructionLayer(DynamicLayer):
 
     @property
     def mask_window(self) -> int | None:
-        """The base layer's window where the attention module passes none (runtime.attention)."""
+        """The base layer's window where the attention module passes none (runtime.compression.ragged_attention)."""
         return self.base.mask_window
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -141,7 +141,7 @@ class ReconstructionLayer(DynamicLayer):
         return self.base.tokens_seen
 
     def get_mask_sizes(self, query: int | torch.Tensor) -> tuple[int, int]:
-        return query_length(query), self.base.tokens_seen  # the chunk's own causal mask (see runtime.cache)
+        return query_length(query), self.base.tokens_seen  # the chunk's own causal mask (see runtime.kv_store.cache)
 
     def attend(
         self, query: torch.Tensor, real, positions, scaling: float, *, window=None, softcap=None
@@ -336,7 +336,7 @@ def kvzip_compress(
 ):
     """Score a prefilled single-prompt ``cache`` by reconstruction and compress it under ``policy``
     (its scorer must be ``"kvzip"``); returns ``(report, scores)``."""
-    from .compression import compress
+    from runtime.compression.prefill import compress
 
     if cache.layers[0].batch_size != 1:
         raise ValueError("kvzip_compress handles one prompt; call kvzip_scores per row and compress rows apart")

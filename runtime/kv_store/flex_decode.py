@@ -2,7 +2,7 @@
 
 PyTorch's ``torch.nn.attention.flex_attention`` computes a block-sparse attention in one fused
 kernel (Triton on CUDA, an inductor C++ template on CPU, both through ``torch.compile``).  A
-decode step over the packed buffer (:mod:`runtime.segments`) maps onto it as::
+decode step over the packed buffer (:mod:`runtime.kv_store.segments`) maps onto it as::
 
     query          [1, S, G, d]   segment s's G query heads are flex head s (one query row each)
     key / value    [1, 1, C, d]   the whole packed buffer, one KV head shared by every query head
@@ -18,7 +18,7 @@ so every (batch row, KV head) is attended in one call, whatever the lengths.  Co
 (batch size) compiles once more (docs/results.md R-flex-decode-2026-11-27).
 
 It is not the default: on this project's CPU it is slower than the runtime's own choice
-(:func:`runtime.layer_attention._decode_step_attention`) for equal segments and for few segments,
+(:func:`runtime.kv_store.layer_attention._decode_step_attention`) for equal segments and for few segments,
 faster only for many unequal ones, and a new batch size compiles for seconds; compiled for CPU it
 cannot return the log-sum-exp the MomentKV correction merges with (PyTorch: "torch.compile on CPU
 only supports inference and ``return_lse`` is not supported yet").  ``KVCAL_DECODE_KERNEL=flex``
@@ -80,7 +80,7 @@ def flex_available() -> bool:
 def selected_decode_kernel() -> str:
     """The decode kernel ``KVCAL_DECODE_KERNEL`` names (lower case; ``""`` when unset): ``flex`` asks
     for this module, ``pages`` for the page kernel the runtime runs on a GPU, even on a CPU
-    (:func:`runtime.layer_attention.decode_kernel`)."""
+    (:func:`runtime.kv_store.layer_attention.decode_kernel`)."""
     return os.environ.get(DECODE_KERNEL_VARIABLE, "").strip().lower()
 
 
@@ -162,7 +162,7 @@ def flex_decode_attention(
     compiled: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Decode-step attention of ``query [S, G, d]`` over every segment's live rows of ``store`` (a
-    :class:`runtime.segments.SegmentStore`), one ``flex_attention`` call: ``(out [S, G, d] float32,
+    :class:`runtime.kv_store.segments.SegmentStore`), one ``flex_attention`` call: ``(out [S, G, d] float32,
     lse [S, G] float32 or None)``; a segment with no live row gets ``out = 0``, ``lse = -inf``.
     ``compiled=False``: PyTorch's unfused reference implementation (tests).  Where
     :func:`flex_serves` only."""

@@ -1,9 +1,9 @@
-"""Whether a model rotates its queries and keys as :mod:`runtime.rope` assumes, read off the model itself.
+"""Whether a model rotates its queries and keys as :mod:`runtime.math.rope` assumes, read off the model itself.
 
 kvcal's RoPE math (un-rotating cached keys for the leverage and learned scorers, RoPE averaged over
 a horizon for Expected Attention and the query prototypes, the profiler's pre-RoPE query
 statistics) assumes transformers' Llama rotation ``x cos + rotate_half(x) sin``, with ``cos, sin``
-from the model's rotary module, applied to what :class:`~runtime.geometry.ModelGeometry` reads as
+from the model's rotary module, applied to what :class:`~runtime.math.geometry.ModelGeometry` reads as
 the pre-RoPE queries and keys.  Models differ: interleaved RoPE (Cohere, Ernie 4.5), layers without
 RoPE (SmolLM3, EXAONE 4), a norm after the rotation (HunYuan), a norm the pre-RoPE read misses
 (StableLM's ``qk_layernorm``).  Rather than a second, drifting implementation of each, one short
@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .eager_attention import eager_attention_forward
-from .geometry import ModelGeometry, UnsupportedModelError, input_device
-from .rope import rope_cos_sin
+from runtime.kv_store.eager_attention import eager_attention_forward
+from runtime.math.geometry import ModelGeometry, UnsupportedModelError, input_device
+from runtime.math.rope import rope_cos_sin
 
 PROBE_TOKENS = 8
-# relative error above which a layer does not rotate as runtime.rope does: float32 agrees to ~1e-6
+# relative error above which a layer does not rotate as runtime.math.rope does: float32 agrees to ~1e-6
 # and bf16 to ~1e-2; another rotation is off by 0.3 and more (issue 41: 1-5)
 TOLERANCE = 0.05
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -32,7 +32,7 @@ _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @dataclass(frozen=True)
 class RopeMismatches:
-    """Layers whose attention receives keys / queries other than runtime.rope's rotation of the
+    """Layers whose attention receives keys / queries other than runtime.math.rope's rotation of the
     geometry's pre-RoPE reads, with the relative error of each layer."""
 
     keys: tuple[int, ...]
@@ -80,7 +80,7 @@ def _interleaved(pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 def _feature(pre: torch.Tensor, post: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str:
-    """What a layer whose rotation is not runtime.rope's does to its pre-RoPE ``pre``: ``post``."""
+    """What a layer whose rotation is not runtime.math.rope's does to its pre-RoPE ``pre``: ``post``."""
     if _relative_error(pre, post) <= TOLERANCE:
         return "no RoPE"
     interleaved = _interleaved(pre, cos, sin)
@@ -97,11 +97,11 @@ def _relative_error(expected: torch.Tensor, got: torch.Tensor) -> float:
 @torch.no_grad()
 def rope_mismatches(model) -> RopeMismatches:
     """One forward pass of :data:`PROBE_TOKENS` tokens through ``model``, comparing per layer the
-    keys and queries its attention function receives with :mod:`runtime.rope`'s rotation of the
+    keys and queries its attention function receives with :mod:`runtime.math.rope`'s rotation of the
     geometry's pre-RoPE reads.  Cached per model."""
     if model in _CHECKED:
         return _CHECKED[model]
-    from .attention import attention_implementation
+    from runtime.kv_store.attention_interface import attention_implementation
 
     geometry = ModelGeometry.of(model)
     device = input_device(model)
@@ -176,14 +176,14 @@ def _layers(indices: tuple[int, ...]) -> str:
 def rope_needs(scorer) -> tuple[bool, bool]:
     """Whether ``scorer`` (a ``runtime.scorers`` scorer) needs RoPE's rotation of the keys (it
     un-rotates them or averages RoPE over them) and of the queries (it rotates query statistics)."""
-    from .scorers import AveragedRope, KeyRope
+    from runtime.scorers import AveragedRope, KeyRope
 
     keys = any(isinstance(need, (KeyRope, AveragedRope)) for need in scorer.needs)
     return keys, any(isinstance(need, AveragedRope) for need in scorer.needs)
 
 
 def rope_problems(model, *, keys: bool, queries: bool) -> str | None:
-    """Which of the keys / queries ``model`` rotates otherwise than runtime.rope, and how (one
+    """Which of the keys / queries ``model`` rotates otherwise than runtime.math.rope, and how (one
     clause), or None when they are rotated as it assumes."""
     found = rope_mismatches(model)
     problems = []

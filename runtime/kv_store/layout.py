@@ -1,10 +1,10 @@
 """How one layer's packed segments are cut into pages for attention (vLLM's per-step metadata).
 
-The storage (:class:`runtime.segments.SegmentStore`) keeps segment ``s = b * Hkv + h`` at buffer
+The storage (:class:`runtime.kv_store.segments.SegmentStore`) keeps segment ``s = b * Hkv + h`` at buffer
 rows ``offset_s .. offset_s + capacity_s - 1``, capacities multiples of the page size ``P``.  A
 :class:`PageLayout` is derived from those tables whenever the storage is repacked (nothing in it
 changes while tokens are appended or evicted in place: only the storage's ``row_bias`` does) and
-tells the attention (:mod:`runtime.layer_attention`) how to read the buffer::
+tells the attention (:mod:`runtime.kv_store.layer_attention`) how to read the buffer::
 
     owner        int64 [np]   segment of each page of key_buffer.view(C // P, P, d)
     page_start   int64 [np]   segment row of each page's first row (0, P, 2P, ...)
@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from runtime.math.arrays import host_array, to_device
+
 # Decoding a layer whose heads hold at most this many rows in all (padded to the widest) copies
 # them into one page per head rather than attending page by page: faster on CPU below ~2,500 rows,
 # slower past them (docs/results.md R-page-kernels-2026-11-22).
@@ -42,13 +44,6 @@ def page_size_for(mean_length: float) -> int:
     while page * 2 <= min(_MAX_PAGE, mean_length / 16):
         page *= 2
     return page
-
-
-def host_array(values) -> np.ndarray:
-    """int64 numpy array of host ``values`` (a CPU tensor, shared without a copy, an array or a list)."""
-    if isinstance(values, torch.Tensor):
-        return values.numpy().astype(np.int64, copy=False)
-    return np.asarray(values, dtype=np.int64)
 
 
 def round_up(values: np.ndarray, page: int) -> np.ndarray:
@@ -69,24 +64,6 @@ def segment_rows(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     segment = np.repeat(np.arange(counts.size), counts)
     within = np.arange(total, dtype=np.int64) - np.repeat(exclusive_cumsum(counts), counts)
     return starts[segment] + within
-
-
-def to_device(host, device) -> torch.Tensor:
-    """A host table (numpy array or CPU tensor) on ``device`` without making the host wait for it: on
-    CUDA staged in pinned memory and copied with ``non_blocking=True`` (PyTorch's pinned-memory
-    allocator keeps the staging block until the copy has run), elsewhere an ordinary copy (a CPU
-    "copy" to the CPU is the tensor itself).  Called when the storage changes, never per decode step."""
-    if isinstance(host, np.ndarray):
-        host = np.ascontiguousarray(host)
-        tensor = torch.from_numpy(host if host.flags.writeable else host.copy())  # (a broadcast view is read-only)
-    else:
-        tensor = host
-    device = torch.device(device)
-    if tensor.device == device:
-        return tensor
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 @dataclass(frozen=True)

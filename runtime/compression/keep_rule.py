@@ -28,6 +28,7 @@ these functions decide.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -164,3 +165,23 @@ def global_counts(scores: torch.Tensor, valid: torch.Tensor, total: int, n_sink:
     head, at = (key == threshold).nonzero(as_tuple=True)  # the ties: the later row, then the lower head
     chosen = head[torch.argsort((size - 1 - at) * heads.shape[0] + head)[: spare - int(above.sum())]]
     return (counts + torch.bincount(chosen, minlength=heads.shape[0]).to(device)).reshape(shape)
+
+
+def global_budgets(scores: list[list[torch.Tensor]], total: int, n_sink: int, window: int) -> np.ndarray:
+    """Tokens per KV head, int64 ``[L, Hkv]``, from one ranking of every head's tokens together.
+
+    ``scores[layer][head]`` holds a head's scores ``[n]`` (comparable across heads); each head's
+    first ``n_sink`` and last ``window`` rows (kept by the engine anyway) count first, then the
+    ``total`` budget goes to the highest scores wherever they are (KVzip's allocation,
+    "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv 2505.23416).
+    The order, ties included, is :func:`global_counts`': restricted to one head it
+    is the head's keep order, so the engine keeps exactly the rows this ranking chose.
+    """
+    shape = (len(scores), len(scores[0]) if scores else 0)
+    heads = [head.detach().float().cpu().reshape(-1) for row in scores for head in row]
+    if not heads:
+        return np.zeros(shape, dtype=np.int64)
+    lengths = torch.tensor([head.numel() for head in heads])  # [L * Hkv]
+    padded = torch.nn.utils.rnn.pad_sequence(heads, batch_first=True, padding_value=float("-inf"))  # [L * Hkv, T]
+    valid = torch.arange(padded.shape[-1]) < lengths.unsqueeze(-1)
+    return global_counts(padded, valid, total, n_sink, window).reshape(shape).numpy()

@@ -11,10 +11,10 @@ same memory; the Python that ran at capture does not run again.  A compressed ca
 decode step qualifies while its storage keeps its buffers: every op of it reads the lengths from
 the device (the page kernel's ``row_bias``, the first-free-row table ``ends``), none from the host,
 and its host bookkeeping (lengths, tokens seen) is a separate, pure-host update
-(:meth:`runtime.cache.RaggedCache.advance_replayed`).  :meth:`runtime.cache.RaggedCache.replay_key`
+(:meth:`runtime.kv_store.cache.RaggedCache.advance_replayed`).  :meth:`runtime.kv_store.cache.RaggedCache.replay_key`
 says when the next step qualifies and what it depends on (storage generation, correction
 quantities, kernel); a repack, a sliding-window layer, the CPU's live-rows kernel give None, as
-does a decode-time eviction due after the step (:func:`runtime.eviction_driver.due_after_step`),
+does a decode-time eviction due after the step (:func:`runtime.compression.driver.due_after_step`),
 and the step runs as usual.
 
 :class:`DecodeGraphs` wraps the model's forward for one generation: a call that is a one-token
@@ -22,7 +22,7 @@ decode step with a replay key runs eagerly the first time the key is seen (a war
 builds what the graph will read), is captured the second time, and replayed while the key stays.
 Inputs are copied into the captured step's own tensors (``input_ids``, ``position_ids``,
 ``cache_position``); ``attention_mask`` is not passed to a captured step: the ragged cache's mask
-covers only the chunk fed (:mod:`runtime.cache`), which in a decode step is the one real token
+covers only the chunk fed (:mod:`runtime.kv_store.cache`), which in a decode step is the one real token
 generate() appends, and the padding before it was never stored.  The outputs are copied out of the
 graph's memory before they are returned.
 
@@ -40,9 +40,9 @@ from typing import Protocol
 
 import torch
 
-from .cache import RaggedCache
-from .eviction_driver import due_after_step
-from .transformers_compat import CACHE_NAME, cache_name
+from runtime.compression.driver import due_after_step
+from runtime.kv_store.cache import RaggedCache
+from runtime.kv_store.transformers_compat import CACHE_NAME, cache_name
 
 # the tensor inputs of a decode step a captured graph reads from its own copies
 _STEP_INPUTS = ("input_ids", "position_ids", "cache_position")

@@ -3,17 +3,17 @@
 One :class:`RaggedLayer` per decoder layer: the thin adapter transformers sees.  It delegates,
 along vLLM v1's lines, to
 
-* :class:`runtime.segments.SegmentStore`: the packed per-layer buffers ``key_buffer /
+* :class:`runtime.kv_store.segments.SegmentStore`: the packed per-layer buffers ``key_buffer /
   value_buffer [C, d]``, ``position_buffer int32 [C]`` and the host tables ``offset / capacity /
   length`` int64 ``[B, Hkv]`` of every (batch row, KV head) segment; append, evict in place,
   compact, repack, batch selection and stacking;
-* :class:`runtime.layout.PageLayout`: the page tables derived from the storage at every repack
+* :class:`runtime.kv_store.layout.PageLayout`: the page tables derived from the storage at every repack
   (page size, the gather path for small layers, the one-page-per-head view of equal capacities);
-* :mod:`runtime.layer_attention`: the attention of a chunk or a decode step over the layout, and
-  the MomentKV-corrected merge (kernels in :mod:`runtime.paged_attention`);
-* :mod:`runtime.row_state`: per batch row a :class:`~runtime.row_state.RowState` (real tokens
+* :mod:`runtime.kv_store.layer_attention`: the attention of a chunk or a decode step over the layout, and
+  the MomentKV-corrected merge (kernels in :mod:`runtime.kv_store.paged_attention`);
+* :mod:`runtime.kv_store.row_state`: per batch row a :class:`~runtime.kv_store.row_state.RowState` (real tokens
   seen, recorded prompt queries, MomentKV sums and correction, and the row's decode plan: data
-  that :mod:`runtime.eviction_driver` reads; the storage never evicts and never calls up).
+  that :mod:`runtime.compression.driver` reads; the storage never evicts and never calls up).
 
 Left-padding tokens are never stored: a batch row only holds its real tokens, so batching costs
 no memory either.
@@ -27,12 +27,12 @@ Sizes seen by transformers:
   ``(q, tokens_seen)`` and ``get_query_offset()`` is ``tokens_seen``, so the 4D mask is the
   causal + padding mask of the new chunk against itself.  Every retained past token is
   visible to every new query (evicted tokens are gone, padding was never stored); the
-  attention function (``runtime.attention``) adds the chunk itself causally.
+  attention function (``runtime.compression.ragged_attention``) adds the chunk itself causally.
 
 The layer's ``update()`` only parks the new chunk ``[B, Hkv, q, d]``; the registered attention
 function calls :meth:`RaggedLayer.attend`, which stores the chunk's real (non-padding) tokens,
 and computes attention for the whole layer; the attention function then hands the layer to
-:func:`runtime.eviction_driver.after_attention` (the decode-time evictions due, then a sliding-window
+:func:`runtime.compression.driver.after_attention` (the decode-time evictions due, then a sliding-window
 layer's :meth:`RaggedLayer.drop_outside_window`).  A chunk left parked means the model did not
 run the ragged attention function, which is reported as an error at the next update.
 """
@@ -43,15 +43,15 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .chunk_attention import ChunkSpec
-from .geometry import ModelGeometry, mask_windows
-from .layer_attention import chunk_only_attention, decode_kernel, segment_layer_attention
-from .layout import PageLayout
-from .moments import MomentSums
-from .profiling import label
-from .row_state import Correction, PreparedCorrection, RowState, fold_evicted
-from .segments import SegmentStore, StepPositions
-from .transformers_compat import query_length
+from runtime.kv_store.layer_attention import chunk_only_attention, decode_kernel, segment_layer_attention
+from runtime.kv_store.layout import PageLayout
+from runtime.kv_store.profiling import label
+from runtime.kv_store.row_state import Correction, PreparedCorrection, RowState, fold_evicted
+from runtime.kv_store.segments import SegmentStore, StepPositions
+from runtime.kv_store.transformers_compat import query_length
+from runtime.math.chunk_attention import ChunkSpec
+from runtime.math.geometry import ModelGeometry, mask_windows
+from runtime.math.momentkv import MomentSums
 
 __all__ = [
     "ATTENTION_NAME",
@@ -182,7 +182,7 @@ class RaggedLayer(DynamicLayer):
         return [row.moments for row in self.rows]
 
     @property
-    def decode_plans(self) -> list:  # runtime.eviction_driver.DecodePlan | None per row
+    def decode_plans(self) -> list:  # runtime.compression.driver.DecodePlan | None per row
         return [row.decode_plan for row in self.rows]
 
     # -- transformers API ------------------------------------------------------------------
@@ -202,14 +202,14 @@ class RaggedLayer(DynamicLayer):
             raise RuntimeError(
                 f"RaggedCache needs the model to run attn_implementation={ATTENTION_NAME!r}, it runs "
                 f"{implementation!r}: wrap the call in `with runtime.ragged_attention(model):` "
-                "(or call runtime.attention.enable(model) first)."
+                "(or call runtime.compression.ragged_attention.enable(model) first)."
             )
         if self._pending is not None:
             self._pending = None
             raise RuntimeError(
                 "RaggedCache: the previous chunk was never attended. The model must run with "
                 f"attn_implementation={ATTENTION_NAME!r}: wrap the call in `with runtime.ragged_attention(model):` "
-                "(or call runtime.attention.enable(model) first)."
+                "(or call runtime.compression.ragged_attention.enable(model) first)."
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -329,7 +329,7 @@ class RaggedLayer(DynamicLayer):
 
     def track_moments(self) -> None:
         """Start moment sums for every batch element (refused once something was evicted).  A
-        sliding-window layer keeps none (see :mod:`runtime.layer_attention`): it is never corrected."""
+        sliding-window layer keeps none (see :mod:`runtime.kv_store.layer_attention`): it is never corrected."""
         if not self.is_initialized:
             raise ValueError("the cache is empty: prefill it before tracking moments")
         if self.window is not None:
@@ -362,7 +362,7 @@ class RaggedLayer(DynamicLayer):
         ``query [B, Hq, q, d]`` post-RoPE; ``real`` bool ``[B, q]`` (None: all real);
         ``positions`` int ``[B, q]`` RoPE positions of the chunk; ``window``: the layer's sliding
         window W (None: full attention), ``softcap``: its logit soft-capping (None: none), as the
-        model passes them (:mod:`runtime.layer_attention`).  Returns ``[B, q, Hq, d]``; rows of
+        model passes them (:mod:`runtime.kv_store.layer_attention`).  Returns ``[B, q, Hq, d]``; rows of
         padding queries are zero.
 
         A sliding-window layer then owes :meth:`drop_outside_window` before its next chunk.
@@ -424,7 +424,7 @@ class RaggedLayer(DynamicLayer):
         newest position + 1 - W), so it never holds more than ``W - 1`` tokens between forward passes
         (as transformers' own sliding-window cache layer), and decode steps need no window mask.
         Called after each :meth:`attend`, once the decode-time evictions due ran
-        (:func:`runtime.eviction_driver.after_attention`); nothing for a full-attention layer."""
+        (:func:`runtime.compression.driver.after_attention`); nothing for a full-attention layer."""
         if self._undropped:
             self.store.drop_outside_window(self.window)
             self._undropped = False
@@ -436,21 +436,21 @@ class RaggedLayer(DynamicLayer):
             row.real_seen += q_len if counts is None else int(counts[b])
         self.tokens_seen += q_len
 
-    # -- replayed decode steps (runtime.decode_graph) ---------------------------------------
+    # -- replayed decode steps (runtime.serve.decode_graph) ---------------------------------------
 
     def replay_key(self) -> tuple | None:
         """What this layer's part of the next one-token decode step (every row one real token)
         depends on, when that step runs device ops only and the same ones as the step before it on
         the same buffers; else None.  Equal keys: a graph captured at one such step replays the
-        next (:mod:`runtime.decode_graph`).  Host tables only: no torch op.
+        next (:mod:`runtime.serve.decode_graph`).  Host tables only: no torch op.
 
         None when the step would do host work of its own or host-sized device work: before the
         first chunk or with one parked; a sliding-window layer (which drops rows by their stored
         positions after every step); prompt queries or chunked attention still recorded; a repack
         (no free row, or rows to release); the correction's quantities not built yet for the rows' sums; and the CPU
-        kernel that reads the live rows in place (:func:`~runtime.layer_attention.decode_kernel`:
+        kernel that reads the live rows in place (:func:`~runtime.kv_store.layer_attention.decode_kernel`:
         its calls are sized by the host's lengths).  Whether an eviction falls due after the step
-        is the eviction driver's to say (:func:`runtime.eviction_driver.due_after_step`)."""
+        is the eviction driver's to say (:func:`runtime.compression.driver.due_after_step`)."""
         store = self.store
         if store is None or self._pending is not None or self.window is not None:
             return None
@@ -510,7 +510,7 @@ class RaggedLayer(DynamicLayer):
 
 class RaggedCache(Cache):
     """``Cache(layers=[RaggedLayer, ...])``; pass it as the model's cache argument
-    (``runtime.transformers_compat.cache_argument``; see the module docstring)."""
+    (``runtime.kv_store.transformers_compat.cache_argument``; see the module docstring)."""
 
     def __init__(self, num_layers: int):
         if num_layers <= 0:
@@ -583,8 +583,8 @@ class RaggedCache(Cache):
 
     def set_decode_plan(self, plan, row: int) -> None:
         """Evict batch element ``row`` while decoding under ``plan`` (a
-        :class:`runtime.eviction_driver.DecodePlan`, carried with the row through beams and copies and
-        read by :func:`runtime.eviction_driver.after_attention`; None: stop)."""
+        :class:`runtime.compression.driver.DecodePlan`, carried with the row through beams and copies and
+        read by :func:`runtime.compression.driver.after_attention`; None: stop)."""
         for layer in self.layers:
             layer.rows[row].decode_plan = plan
 
@@ -660,8 +660,8 @@ class RaggedCache(Cache):
             layer.stop_observing()
 
     def accumulate_chunk_attention(self, specs) -> None:
-        """Accumulate, in every layer, the chunked attention of each :class:`~runtime.chunk_attention.ChunkSpec`
-        of ``specs`` over the tokens that follow (Compactor's, :mod:`runtime.chunk_attention`)."""
+        """Accumulate, in every layer, the chunked attention of each :class:`~runtime.math.chunk_attention.ChunkSpec`
+        of ``specs`` over the tokens that follow (Compactor's, :mod:`runtime.math.chunk_attention`)."""
         for layer in self.layers:
             layer.chunk_specs = tuple(dict.fromkeys((*layer.chunk_specs, *specs)))
 

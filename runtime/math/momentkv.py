@@ -47,7 +47,7 @@ import math
 import numpy as np
 import torch
 
-from .layout import to_device
+from runtime.math.arrays import to_device
 
 ORDER_NONE = -1
 ORDERS = (ORDER_NONE, 0, 1)  # the artifact's ``moments/order`` codes; errors[:, i] is ORDERS[i]
@@ -289,7 +289,7 @@ class PreparedMoments:
 
     def refill(self, other: PreparedMoments) -> None:
         """Take ``other``'s quantities (the same heads and head dim) into this one's tensors, in place:
-        a decode step captured as a graph reads these tensors (:mod:`runtime.decode_graph`)."""
+        a decode step captured as a graph reads these tensors (:mod:`runtime.serve.decode_graph`)."""
         for name in ("active", "vbar", "projection", "log_n", "offset"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine.shape != theirs.shape or mine.dtype != theirs.dtype or mine.device != theirs.device:

@@ -7,7 +7,7 @@
 
 ``prefill`` runs the model over a chunk with the ragged attention function, recording what
 the policy's scorer needs (pre-RoPE query statistics of the prompt, a per-row
-:class:`~runtime.query_moments.QueryMoments` filled through temporary forward hooks on
+:class:`~runtime.compression.prompt_statistics.QueryMoments` filled through temporary forward hooks on
 ``q_proj`` / ``q_norm``, or the last queries for SnapKV).  ``compress`` then gives
 every (batch element, layer, KV head) its budget (the plan's ``head_budgets`` for that element's
 real token count) and keeps sinks + recent window + the best-scored tokens.
@@ -22,19 +22,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import ragged_attention
-from .budgets import global_budgets
-from .cache import RaggedCache
-from .chunk_attention import ChunkSpec
-from .eviction import HeadEvictor
-from .eviction_driver import DecodePlan, evicting_each_layer
-from .geometry import ModelGeometry
-from .policy import CompressionPolicy
-from .profiling import label
-from .query_moments import QueryMoments
-from .scorers import chunk_specs, query_statistics, recent_query_window
-from .serving_plan import ServingPlan, as_plan
-from .transformers_compat import cache_argument
+from runtime.compression.driver import DecodePlan, evicting_each_layer
+from runtime.compression.eviction import HeadEvictor
+from runtime.compression.keep_rule import global_budgets
+from runtime.compression.prompt_statistics import QueryMoments
+from runtime.compression.ragged_attention import ragged_attention
+from runtime.kv_store.cache import RaggedCache
+from runtime.kv_store.profiling import label
+from runtime.kv_store.transformers_compat import cache_argument
+from runtime.math.chunk_attention import ChunkSpec
+from runtime.math.geometry import ModelGeometry
+from runtime.plan.policy import CompressionPolicy
+from runtime.plan.serving_plan import ServingPlan, as_plan
+from runtime.scorers import chunk_specs, query_statistics, recent_query_window
 
 
 @torch.no_grad()
@@ -57,7 +57,7 @@ def prefill(
     cache plus this chunk; None means no padding.  Positions follow the real tokens.
     What is recorded follows ``policy``'s scorer (``policy``: a policy or a :class:`ServingPlan`);
     ``record_prompt_stats`` / ``observe_queries`` / ``accumulate`` (chunked attentions,
-    :mod:`runtime.chunk_attention`) record more (to compress copies of one prefilled cache under
+    :mod:`runtime.math.chunk_attention`) record more (to compress copies of one prefilled cache under
     several policies), with the first ``n_sink`` tokens (default: the policy's, else 0) left out of
     the statistics.
     Pass the returned statistics back in (``prompt_stats=``) when prefilling in several chunks.
@@ -142,7 +142,7 @@ def score_layers(cache: RaggedCache, evictor: HeadEvictor, rows: list[int], next
 
 def shared_scores(cache: RaggedCache, plans: list[ServingPlan], prompt_stats: QueryMoments | None = None):
     """:func:`score_layers` of every row of a prefilled ``cache`` under each of ``plans``, whose
-    policies share one :meth:`~runtime.policy.CompressionPolicy.scores_key` (their scorers' score
+    policies share one :meth:`~runtime.plan.policy.CompressionPolicy.scores_key` (their scorers' score
     parts are computed once, then each combines its own: leverage scorers that differ in their
     blend), to hand to :func:`compress` (``scores=``) for copies of ``cache``.  Returns the scores
     per plan and the seconds each plan's scoring would have taken alone (the shared parts' time
@@ -241,7 +241,7 @@ def prefill_and_compress(
     (as kvpress's forward hooks do) and repacked, so at most one layer's full cache exists at a
     time instead of the whole model's.  Keeps exactly what prefill-then-compress keeps (a layer's
     forward never reads another layer's cache; ``tests/test_prefill_eviction.py``).  ``plan``
-    must satisfy :attr:`~runtime.serving_plan.ServingPlan.evicts_in_prefill`.  The report's
+    must satisfy :attr:`~runtime.plan.serving_plan.ServingPlan.evicts_in_prefill`.  The report's
     ``seconds`` are the evictions' own."""
     if not plan.evicts_in_prefill:
         raise ValueError(f"{plan.policy.describe()} cannot evict inside the prefill: prefill, then compress()")
@@ -307,7 +307,7 @@ def compress(
     """Evict every KV head of ``cache`` down to its budget (see the module docstring).
 
     ``policy``: a :class:`ServingPlan`, or a policy bound here to ``calibration``
-    (:func:`runtime.serving_plan.bind`).  Budgets are computed for each batch element's real
+    (:func:`runtime.plan.serving_plan.bind`).  Budgets are computed for each batch element's real
     token count, or for ``context_lengths[b]`` when given (block-wise prefill: the whole
     context's budget applied after every block).  ``final=False`` keeps recording the last
     queries for later blocks.  With ``final``, the policy's MomentKV correction and decode-time
@@ -316,7 +316,7 @@ def compress(
     prompt's).
 
     ``scores``: :func:`score_layers` of an identical cache (a copy of the same prefill) under a plan
-    with the same :meth:`~runtime.policy.CompressionPolicy.scores_key`, computed once for several
+    with the same :meth:`~runtime.plan.policy.CompressionPolicy.scores_key`, computed once for several
     policies instead of once each (the evaluation does this); the result is the same.
     """
     started = time.perf_counter()

@@ -6,12 +6,12 @@
     parse_policy("flagship"), parse_policy("baseline")                 # named policies
 
 Grammar: ``baseline`` (no compression), a name in :data:`NAMED_POLICIES`, or
-``ALLOCATION/SCORER[:STATISTICS][+SUFFIX]...`` with ALLOCATION in ``runtime.policy.ALLOCATIONS``,
+``ALLOCATION/SCORER[:STATISTICS][+SUFFIX]...`` with ALLOCATION in ``runtime.plan.policy.ALLOCATIONS``,
 SCORER in ``runtime.scorers.SCORERS``, STATISTICS ``calibrated|future|prompt`` (expected_attention
 only) and SUFFIX in :data:`MOMENT_SUFFIXES`, each suffix once and one correction at most
 (``common.policy_grammar``, torch-free, splits and checks the text; the artifact reader checks a
 recommendation's policies with it).  A spec carries no size: :meth:`PolicySpec.policy` makes the
-:class:`runtime.policy.CompressionPolicy` for one compression ratio.
+:class:`runtime.plan.policy.CompressionPolicy` for one compression ratio.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 
 from common.names import NAMED_POLICIES as NAMED_POLICY_TEXTS
 from common.policy_grammar import BASELINE, MOMENT_SUFFIXES, split_policy
-
-from .policy import CompressionPolicy
+from runtime.plan.policy import CompressionPolicy
 
 __all__ = ["BASELINE", "MOMENT_SUFFIXES", "PolicySpec", "parse_policy", "register_named_policy"]
 
@@ -43,7 +42,7 @@ class PolicySpec:
     @property
     def needs_reconstruction(self) -> bool:
         """True for ``kvzip`` policies: each prompt needs a reconstruction pass at serving
-        (``runtime.kvzip``), so ``calibration.policy()`` cannot serve them."""
+        (``runtime.compression.kvzip``), so ``calibration.policy()`` cannot serve them."""
         return self.scorer == "kvzip"
 
     def policy(self, compression_ratio: float) -> CompressionPolicy | None:
@@ -84,7 +83,7 @@ def parse_policy(text: str) -> PolicySpec:
 
 
 # The policy served when an artifact recorded no measured recommendation (see
-# runtime.recommendation): REAL's INF budgets from the artifact, Compactor's leverage scores and
+# runtime.plan.recommendation): REAL's INF budgets from the artifact, Compactor's leverage scores and
 # MomentKV correction with the artifact's per-head orders: the most accurate policy on held-out
 # tasks (docs/results.md R-flagship-2026-11-22).  Its scoring costs about a sixth of the prefill
 # on a CPU (R-scorer-cost-2026-11-22).  An artifact without the moments section falls back to

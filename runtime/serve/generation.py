@@ -34,22 +34,21 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import ModelOutput
 
+from common.checks import check_integer
 from prompt_format import encode_prompt
-
-from . import decode_graph
-from .attention import ragged_attention
-from .cache import CacheConsumedError, RaggedCache
-from .checks import check_integer
-from .compression import CompressionReport, compress, prefill, prefill_and_compress
-from .geometry import input_device
-from .policy import CompressionPolicy
-from .serving_plan import ServingPlan, as_plan
-from .transformers_compat import cache_argument
+from runtime.compression.prefill import CompressionReport, compress, prefill, prefill_and_compress
+from runtime.compression.ragged_attention import ragged_attention
+from runtime.kv_store.cache import CacheConsumedError, RaggedCache
+from runtime.kv_store.transformers_compat import cache_argument
+from runtime.math.geometry import input_device
+from runtime.plan.policy import CompressionPolicy
+from runtime.plan.serving_plan import ServingPlan, as_plan
+from runtime.serve import decode_graph
 
 
 def build_inputs(contexts: list[list[int]], questions: list[list[int]], pad_token_id: int, device=None):
     """``input_ids [B, Lc + Lq]``, ``attention_mask``, ``Lc`` for rows ``[pad, ctx, pad, question]``,
-    on ``device`` (the model's input device, :func:`runtime.geometry.input_device`; None: the CPU)."""
+    on ``device`` (the model's input device, :func:`runtime.math.geometry.input_device`; None: the CPU)."""
     if len(contexts) != len(questions) or not contexts:
         raise ValueError(f"need as many contexts as questions (at least one), got {len(contexts)} and {len(questions)}")
     if any(len(context) == 0 for context in contexts):
@@ -149,7 +148,7 @@ def compress_prompt(
 
     ``context_columns``: question-agnostic split (see the module docstring); None =
     question-aware.  ``policy``: a policy (bound here to ``calibration``, once:
-    :func:`runtime.serving_plan.bind`) or a :class:`ServingPlan`; None prefills without evicting
+    :func:`runtime.plan.serving_plan.bind`) or a :class:`ServingPlan`; None prefills without evicting
     (the full cache).
     ``block_size``: prefill in blocks of that many columns and evict after each (KeyDiff's
     block-wise prefill, KeyDiff arXiv 2504.15364 Eq. 6), so the cache never holds more than the budget plus
@@ -199,7 +198,7 @@ class GenerationResult:
     ``report`` is the compression of the ``B`` prompt rows; ``cache`` holds generate()'s working
     rows after the last step (``B x max(num_beams, num_return_sequences)``: under beam search the
     running beams, not aligned with ``sequences``).  ``graphs`` counts, with ``decode_graphs``,
-    the forward passes run ``eager``, ``captured`` and ``replayed`` (:mod:`runtime.decode_graph`).
+    the forward passes run ``eager``, ``captured`` and ``replayed`` (:mod:`runtime.serve.decode_graph`).
     """
 
     sequences: torch.Tensor  # [B * num_return_sequences, T + new] as returned by model.generate
@@ -264,12 +263,12 @@ def generate_from_cache(
 
     A cache serves the prompt it was compressed for once: one that already holds as many columns
     as ``input_ids`` or more (an earlier generation consumed it) is refused with
-    :class:`~runtime.cache.CacheConsumedError` (generate() would feed the whole prompt again
+    :class:`~runtime.kv_store.cache.CacheConsumedError` (generate() would feed the whole prompt again
     behind it).  A generation's own ``sequences`` continue through its cache.
 
     ``decode_graphs=True`` (a model on CUDA): the one-token decode steps are replayed from CUDA
-    graphs wherever the cache allows it (:mod:`runtime.decode_graph`); a
-    :class:`~runtime.decode_graph.StepGraph` class instead of True captures with it."""
+    graphs wherever the cache allows it (:mod:`runtime.serve.decode_graph`); a
+    :class:`~runtime.serve.decode_graph.StepGraph` class instead of True captures with it."""
     held = cache.get_seq_length()
     if held >= input_ids.shape[1]:
         raise CacheConsumedError(
@@ -311,7 +310,7 @@ def _new_tokens(model, generate_kwargs: dict, prompt_columns: int) -> int:
 
 
 def _step_graph(model, decode_graphs):
-    """The :class:`~runtime.decode_graph.StepGraph` class ``decode_graphs`` asks for, or None."""
+    """The :class:`~runtime.serve.decode_graph.StepGraph` class ``decode_graphs`` asks for, or None."""
     if decode_graphs is False or decode_graphs is None:
         return None
     if decode_graphs is True:

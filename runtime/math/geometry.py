@@ -5,7 +5,7 @@
     geometry.query_modules[layer]           # hook it; geometry.pre_rope_queries(layer, output): [B, T, Hq, d]
                                             # (the query norm applied, if any; Phi-3: a slice of qkv_proj)
     geometry.key_projections[layer]         # hook target and output slice of the pre-RoPE keys (values alike)
-    geometry.rope_layer_types[layer]        # what the rotary module takes for the layer (runtime.rope)
+    geometry.rope_layer_types[layer]        # what the rotary module takes for the layer (runtime.math.rope)
     geometry.sliding_windows[layer], geometry.softcaps[layer]
 
 Supported: decoder-only transformers in the Llama family as transformers 5.x writes them
@@ -294,7 +294,7 @@ def check_config(config, name: str | None = None) -> None:
 
 def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:
     """:func:`check_config`, then learned attention sinks, read off the modules (gpt-oss: a learned
-    logit per head that takes part in every softmax, ``self_attn.sinks``; runtime.attention's
+    logit per head that takes part in every softmax, ``self_attn.sinks``; runtime.compression.ragged_attention's
     ``UNSUPPORTED_ARGUMENTS``), Doge's dynamic mask attention and DiffLlama's differential attention,
     each refused by its name before the checks of the projections'
     shapes and of the rotary (which they fail, saying less or something wrong)."""
@@ -412,7 +412,7 @@ def _rope_layer_types(name: str, rotary, config, layers: int) -> tuple[str | Non
 
 
 def _check_full_rotary(name: str, rotary, rope_layer_types, head_dim: int) -> None:
-    """RoPE must turn the whole head dimension (runtime.rope's matrices are ``[d, d]``)."""
+    """RoPE must turn the whole head dimension (runtime.math.rope's matrices are ``[d, d]``)."""
     device = next(rotary.buffers(), torch.empty(0)).device
     probe = torch.zeros(1, 1, 1, device=device)
     for layer_type in sorted(set(rope_layer_types), key=str):

@@ -13,7 +13,7 @@ The retained tokens of every (batch row ``b``, KV head ``h``) pair, a *segment*
                                                memory (the host mirror)
 
 Offsets and capacities are multiples of the page size ``P`` (chosen at every repack by
-:func:`runtime.layout.page_size_for`), so ``key_buffer.view(C // P, P, d)`` cuts every segment
+:func:`runtime.kv_store.layout.page_size_for`), so ``key_buffer.view(C // P, P, d)`` cuts every segment
 into whole pages.  Rows stay in arrival order: a segment's first rows are the attention sinks,
 its last rows the recent window.
 
@@ -21,7 +21,7 @@ Memory.  :meth:`SegmentStore.compact` repacks after eviction (one gather) so eve
 its length rounded up to a page.  Appending past a segment's capacity repacks once for all
 segments running short, giving each a slack of ``max(16, length / 32)`` rows, so decoding copies
 the buffers every few dozen steps rather than at every step.  Every repack renews ``generation``
-(unique over all stores), from which the page tables (:class:`runtime.layout.PageLayout`) are
+(unique over all stores), from which the page tables (:class:`runtime.kv_store.layout.PageLayout`) are
 rebuilt.
 
 Host mirror.  The tables are host memory, and every decision a decode step takes on them (is
@@ -31,8 +31,8 @@ segment (the lengths advance on the host, the device's first-free-row table ``en
 in place), so it needs nothing read back from the device, and no torch op of its own touches the
 tables (on a CPU as on a GPU, a torch op in the step is one that works on device data).  What
 is derived from the tables for the device (``ends``, the live rows' bias, the page tables of
-:class:`runtime.layout.PageLayout`) is built on the host when the storage changes and copied once
-(:func:`runtime.layout.to_device`: non-blocking from pinned memory on CUDA).
+:class:`runtime.kv_store.layout.PageLayout`) is built on the host when the storage changes and copied once
+(:func:`runtime.math.arrays.to_device`: non-blocking from pinned memory on CUDA).
 
 The store knows nothing of attention, moments or policies: it stores, moves and drops rows.
 """
@@ -44,7 +44,8 @@ import itertools
 import numpy as np
 import torch
 
-from .layout import exclusive_cumsum, host_array, page_size_for, round_up, segment_rows, to_device
+from runtime.kv_store.layout import exclusive_cumsum, page_size_for, round_up, segment_rows
+from runtime.math.arrays import host_array, to_device
 
 _MIN_SLACK = 16
 _GENERATIONS = itertools.count(1)  # unique over all stores: a layout built for one never fits another
@@ -129,7 +130,7 @@ class SegmentStore:
     def refresh_lengths(self) -> None:
         """Re-derive what follows from ``length`` after an in-place change (eviction): on the host mirror,
         ``ends`` copied to the device once, into the tensor it had (a captured decode step reads that
-        one: :mod:`runtime.decode_graph`)."""
+        one: :mod:`runtime.serve.decode_graph`)."""
         flat_capacity, flat_length = self.host_capacity.reshape(-1), self.host_length.reshape(-1)
         ends = (self.host_offset.reshape(-1) + flat_length).copy()  # [S] first free row
         ends = to_device(ends, self.key_buffer.device)
@@ -269,7 +270,7 @@ class SegmentStore:
 
     def advance_host(self, rows: int) -> None:
         """The host's part of appending ``rows`` rows to every segment (the device's, ``ends``, is
-        :meth:`append`'s): a replayed decode step (:mod:`runtime.decode_graph`) runs only this."""
+        :meth:`append`'s): a replayed decode step (:mod:`runtime.serve.decode_graph`) runs only this."""
         self.host_length += rows  # the host mirror: the tables' own memory, no torch op
         self.free -= rows
 

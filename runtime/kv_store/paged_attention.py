@@ -1,6 +1,6 @@
 """Attention over a packed per-layer KV buffer: every (batch row, KV head) segment in one computation.
 
-The packed cache (:mod:`runtime.cache`) keeps one layer's retained keys and values in one buffer
+The packed cache (:mod:`runtime.kv_store.cache`) keeps one layer's retained keys and values in one buffer
 ``[C, d]``; segment ``s`` (batch row ``b``, KV head ``h``, ``s = b * Hkv + h``) owns a run of whole
 pages of ``P`` rows, so ``keys.view(C // P, P, d)`` is a stack of pages and page ``p`` belongs to
 segment ``owner[p]``, holding its rows ``page_start[p] .. page_start[p] + P - 1``.
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .eager_attention import soft_cap
+from runtime.kv_store.eager_attention import soft_cap
 
 # Decoding reads the live rows in place with one fused kernel call per KV head (or per segment, where
 # a head's budgets differ between batch rows: :func:`live_rows_attention`) up to this many calls per
@@ -292,7 +292,7 @@ def fused_kernel_serves(query: torch.Tensor, key_buffer: torch.Tensor, softcap: 
 def evenly_spaced_heads(length: list[list[int]], head_stride: list[int | None]) -> list[bool]:
     """Per KV head ``h``: whether every batch row's segment of ``h`` holds the same number of live
     rows (``length [B][Hkv]``, more than none) at evenly spaced offsets (``head_stride[h]`` not None,
-    :attr:`runtime.segments.SegmentStore.head_stride`), so that :func:`live_rows_attention` reads
+    :attr:`runtime.kv_store.segments.SegmentStore.head_stride`), so that :func:`live_rows_attention` reads
     head ``h`` of every batch row in one kernel call."""
     first = length[0]
     return [
@@ -322,7 +322,7 @@ def live_rows_attention(
     """Decoding over each segment's live rows read in place, with no mask and no page merge.
 
     Segment ``(b, h)``'s live rows are buffer rows ``offset[b][h] .. offset[b][h] + length[b][h] -
-    1`` of ``key_buffer / value_buffer [C, d]`` (:mod:`runtime.segments`); ``query [S, M, d]``, ``S =
+    1`` of ``key_buffer / value_buffer [C, d]`` (:mod:`runtime.kv_store.segments`); ``query [S, M, d]``, ``S =
     B * Hkv``, segment ``s = b * Hkv + h``.  With ``capacity`` (every segment holds the same length
     in the same capacity, ``offset = s * capacity``) the buffer is viewed as ``[S, capacity, d]``
     and cut to the live rows: one kernel call.  Otherwise one call per KV head whose segments hold

@@ -1,11 +1,11 @@
 """When eviction runs during a forward pass: the one driver, at prefill and while decoding.
 
-The storage (:mod:`runtime.cache`) stores and attends; it never evicts and never calls up.  What
-evicts is a :class:`DecodeEvictionHook` (the runtime's is :class:`runtime.eviction.HeadEvictor`),
+The storage (:mod:`runtime.kv_store.cache`) stores and attends; it never evicts and never calls up.  What
+evicts is a :class:`DecodeEvictionHook` (the runtime's is :class:`runtime.compression.eviction.HeadEvictor`),
 and this module says when:
 
 * **while decoding**, after each layer's attention: the ragged attention function
-  (:func:`runtime.attention.ragged_attention_forward`) calls :func:`after_attention`, which asks
+  (:func:`runtime.compression.ragged_attention.ragged_attention_forward`) calls :func:`after_attention`, which asks
   :func:`due_evictions` which batch rows hold a head grown ``every`` tokens past its budget (their
   :class:`DecodePlan`, data the cache carries per row so that it follows beams and copies), hands
   each group of rows sharing one hook to :meth:`DecodeEvictionHook.evict_decoded`, then tells every
@@ -16,9 +16,9 @@ and this module says when:
 * **in the prefill**, right after each layer's attention module: :func:`evicting_each_layer`
   registers forward hooks on the model's attention modules for one forward pass, as kvpress's
   presses do, so that at most one layer's full cache exists at a time
-  (:func:`runtime.compression.prefill_and_compress`).
+  (:func:`runtime.compression.prefill.prefill_and_compress`).
 
-:func:`due_after_step` tells a replayed decode step (:mod:`runtime.decode_graph`) that the next
+:func:`due_after_step` tells a replayed decode step (:mod:`runtime.serve.decode_graph`) that the next
 step must run eagerly, because an eviction falls due after it.
 """
 
@@ -32,8 +32,8 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .geometry import ModelGeometry
-from .profiling import label
+from runtime.kv_store.profiling import label
+from runtime.math.geometry import ModelGeometry
 
 
 @runtime_checkable
@@ -42,14 +42,14 @@ class DecodeEvictionHook(Protocol):
 
     def evict_decoded(
         self,
-        layer,  # runtime.cache.RaggedLayer
+        layer,  # runtime.kv_store.cache.RaggedLayer
         layer_idx: int,
         rows: list[int],
         budgets: torch.Tensor,
         next_positions: list[int],
         stats_rows: list[int],
     ) -> None:
-        """Cut every KV head of batch rows ``rows`` of ``layer`` (a :class:`runtime.cache.RaggedLayer`,
+        """Cut every KV head of batch rows ``rows`` of ``layer`` (a :class:`runtime.kv_store.cache.RaggedLayer`,
         index ``layer_idx``) down to ``budgets`` int64 ``[R, Hkv]`` tokens (a head's own length: leave
         it), keeping the capacity for the tokens that follow (``layer.keep_rows(..., shrink=False)``).
         ``next_positions[i]``: the RoPE position of row ``rows[i]``'s next token; ``stats_rows[i]``: its
@@ -91,7 +91,7 @@ class DueEviction(NamedTuple):
 
 def due_evictions(states, lengths, layer_idx: int) -> list[DueEviction]:
     """The hook calls decoding owes layer ``layer_idx`` whose rows are ``states``
-    (:class:`runtime.row_state.RowState`) with live tokens ``lengths`` int64 ``[B, Hkv]`` (host: the
+    (:class:`runtime.kv_store.row_state.RowState`) with live tokens ``lengths`` int64 ``[B, Hkv]`` (host: the
     store's numpy mirror or a CPU tensor): one per hook whose rows hold a head ``every`` tokens past
     its budget.  Decided on the host, in numpy: a decode step with nothing due runs no torch op here."""
     lengths = lengths.numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths, dtype=np.int64)
@@ -120,7 +120,7 @@ def due_evictions(states, lengths, layer_idx: int) -> list[DueEviction]:
 
 
 def after_attention(layer) -> None:
-    """What follows layer ``layer``'s attention of a chunk (a :class:`runtime.cache.RaggedLayer`,
+    """What follows layer ``layer``'s attention of a chunk (a :class:`runtime.kv_store.cache.RaggedLayer`,
     called by the ragged attention function): the decode-time evictions due, every hook told the
     layer is done, then the sliding-window drop (see the module docstring)."""
     plans = [row.decode_plan for row in layer.rows]
@@ -137,7 +137,7 @@ def after_attention(layer) -> None:
 
 def due_after_step(cache) -> bool:
     """Whether a decode-time eviction falls due after the next one-token decode step of ``cache``
-    (a :class:`runtime.cache.RaggedCache`): that step must run eagerly, not be replayed from a graph.
+    (a :class:`runtime.kv_store.cache.RaggedCache`): that step must run eagerly, not be replayed from a graph.
     Host tables only: no torch op."""
     for layer in cache.layers:
         if layer.store is not None and any([row.decode_plan is not None for row in layer.rows]):

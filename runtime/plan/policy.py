@@ -40,7 +40,7 @@ Every field is checked when the policy is built.  A policy is a plain value: it 
 reads from an artifact (:meth:`CompressionPolicy.requirements`, from the one table
 :data:`REQUIREMENTS`) and says what a calibration lacks to serve it
 (:meth:`CompressionPolicy.missing`); serving it with a calibration and a model is
-:func:`runtime.serving_plan.bind`'s job, which loads and checks what it needs once.
+:func:`runtime.plan.serving_plan.bind`'s job, which loads and checks what it needs once.
 """
 
 from __future__ import annotations
@@ -50,11 +50,10 @@ from dataclasses import InitVar, dataclass, field
 
 import numpy as np
 
+from common.checks import check_flag, check_integer, check_number, is_number
 from common.names import ALLOCATIONS, CORRECTIONS, STATISTICS
-
-from .budgets import allocate_budgets, curve_row
-from .checks import check_flag, check_integer, check_number, is_number
-from .scorers import SCORERS, LearnedWeights, QueryCentres, Scorer, make_scorer, query_statistics
+from runtime.plan.budgets import allocate_budgets, curve_row
+from runtime.scorers import SCORERS, LearnedWeights, QueryCentres, Scorer, make_scorer, query_statistics
 
 # The scorer of a policy that names none: Compactor's leverage + chunked attention needs no
 # artifact and kept the most of the artifact-free scorers on needle probes; calibrated Expected
@@ -89,7 +88,7 @@ class Requirement:
 
 
 # What a policy can read from an artifact, in the order it is checked: the one statement of
-# which policy needs which section.  runtime.serving_plan.bind loads what a policy needs with one
+# which policy needs which section.  runtime.plan.serving_plan.bind loads what a policy needs with one
 # loader per section (tests/test_serving_plan.py checks the two lists agree).
 REQUIREMENTS = (
     Requirement(
@@ -280,7 +279,7 @@ class CompressionPolicy:
         """Equal for two policies whose scorers compute the same score parts of a cache under one
         calibration (the same registered scorer, built with the same ``parts_options``: leverage
         scorers that differ only in their blend share them), so that the parts computed once serve
-        both (``runtime.compression.shared_scores``); None when that cannot be told (a ``Scorer``
+        both (``runtime.compression.prefill.shared_scores``); None when that cannot be told (a ``Scorer``
         instance) or the scores depend on the eviction (``moment_eviction``)."""
         if isinstance(self.scorer, Scorer) or self.moment_eviction:
             return None
@@ -300,7 +299,7 @@ class CompressionPolicy:
     def missing(self, calibration, scorer: Scorer | None = None) -> list[str]:
         """Why ``calibration`` (None: no artifact) cannot serve this policy: one sentence per
         missing piece, each naming its section and the remedy; empty when it can.  Nothing is
-        read, nothing warns: :func:`runtime.serving_plan.bind` serves (and refuses with the first).
+        read, nothing warns: :func:`runtime.plan.serving_plan.bind` serves (and refuses with the first).
         ``scorer``: this policy's, when already built."""
         scorer = self.build_scorer() if scorer is None else scorer
         requirements = self.requirements(scorer)

@@ -4,24 +4,24 @@
     plan.head_budgets(seq_len)                   # int64 [L, Hkv]
     compress_prompt(model, ids, plan, context_columns=n)   # or the policy and calibration: bound there
 
-:func:`bind` is the one place where a :class:`~runtime.policy.CompressionPolicy` meets an
+:func:`bind` is the one place where a :class:`~runtime.plan.policy.CompressionPolicy` meets an
 artifact.  In this order, before any forward pass:
 
 1. the policy's requirements (:meth:`CompressionPolicy.missing`): the first missing piece is
    raised as a ``ValueError`` naming its section and the remedy;
 2. the calibration's architecture against the model's (:func:`check_calibration_fits`: a
    calibration of another architecture is refused, no weights read);
-3. every tensor the policy reads (one loader per section of :data:`runtime.policy.REQUIREMENTS`),
+3. every tensor the policy reads (one loader per section of :data:`runtime.plan.policy.REQUIREMENTS`),
    loaded once and shape-checked against the model's geometry (``L`` layers, ``Hq`` query heads,
    ``Hkv`` KV heads, head dim ``d``, ``G = Hq / Hkv``);
    a calibrated MomentKV correction takes the orders calibrated under the policy's own scorer
-   (:meth:`runtime.calibration.Calibration.correction_orders`), and only when the artifact has
+   (:meth:`runtime.plan.calibration.Calibration.correction_orders`), and only when the artifact has
    none for it the default ones, with a warning (once per calibration and scorer).
 
 The plan then gives the per-head budgets, the correction orders, the loaded tensors the
-scorer's context needs (:class:`runtime.eviction.HeadEvictor` reads them) and decode-time
+scorer's context needs (:class:`runtime.compression.eviction.HeadEvictor` reads them) and decode-time
 eviction's budgets (:meth:`ServingPlan.decode_budgets`).  Which policy to serve from an artifact's measured
-recommendation (and the fallback) is :mod:`runtime.recommendation`'s.
+recommendation (and the fallback) is :mod:`runtime.plan.recommendation`'s.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .calibration import architecture_mismatch
-from .geometry import ModelGeometry
-from .policy import CompressionPolicy
-from .rope_check import check_rope_for, rope_needs
-from .scorers import QueryCentres, Scorer, chunk_specs, query_statistics, recent_query_window
+from runtime.math.geometry import ModelGeometry
+from runtime.plan.calibration import architecture_mismatch
+from runtime.plan.policy import CompressionPolicy
+from runtime.plan.rope_check import check_rope_for, rope_needs
+from runtime.scorers import QueryCentres, Scorer, chunk_specs, query_statistics, recent_query_window
 
 
 def check_calibration_fits(model, calibration) -> None:
@@ -76,7 +76,7 @@ class ServingPlan:
 
     @property
     def evicts_in_prefill(self) -> bool:
-        """Whether :func:`runtime.compression.prefill_and_compress` serves this plan: each layer's
+        """Whether :func:`runtime.compression.prefill.prefill_and_compress` serves this plan: each layer's
         budgets and scores read that layer alone (its keys, recent queries and chunked attention, the
         artifact's tables), so the layer can be cut right after its attention in the prefill's
         forward pass.  Not with ``global`` allocation (one ranking of every layer's scores),
@@ -186,7 +186,7 @@ def as_plan(policy: CompressionPolicy | ServingPlan | None, calibration, model) 
     return bind(policy, calibration, model)
 
 
-# -- one loader per section of runtime.policy.REQUIREMENTS: read it once, check it against the model --
+# -- one loader per section of runtime.plan.policy.REQUIREMENTS: read it once, check it against the model --
 
 
 def _load_inf(scorer, calibration, geometry) -> dict:

@@ -19,11 +19,8 @@ numpy only: the serving runtime and the profiler both call this.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from common.formulas import ideal_budgets
-
-from .selection import global_counts
 
 
 def kv_head_scores(inf_scores: np.ndarray, num_kv_heads: int) -> np.ndarray:
@@ -96,26 +93,6 @@ def allocate_budgets(
                 flat[index] -= 1
                 missing += 1
     return flat.reshape(ideal.shape)
-
-
-def global_budgets(scores: list[list[torch.Tensor]], total: int, n_sink: int, window: int) -> np.ndarray:
-    """Tokens per KV head, int64 ``[L, Hkv]``, from one ranking of every head's tokens together.
-
-    ``scores[layer][head]`` holds a head's scores ``[n]`` (comparable across heads); each head's
-    first ``n_sink`` and last ``window`` rows (kept by the engine anyway) count first, then the
-    ``total`` budget goes to the highest scores wherever they are (KVzip's allocation,
-    "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv 2505.23416).
-    The order, ties included, is :func:`runtime.selection.global_counts`': restricted to one head it
-    is the head's keep order, so the engine keeps exactly the rows this ranking chose.
-    """
-    shape = (len(scores), len(scores[0]) if scores else 0)
-    heads = [head.detach().float().cpu().reshape(-1) for row in scores for head in row]
-    if not heads:
-        return np.zeros(shape, dtype=np.int64)
-    lengths = torch.tensor([head.numel() for head in heads])  # [L * Hkv]
-    padded = torch.nn.utils.rnn.pad_sequence(heads, batch_first=True, padding_value=float("-inf"))  # [L * Hkv, T]
-    valid = torch.arange(padded.shape[-1]) < lengths.unsqueeze(-1)
-    return global_counts(padded, valid, total, n_sink, window).reshape(shape).numpy()
 
 
 def curve_row(compression_ratios: np.ndarray, fractions: np.ndarray, keep: float) -> np.ndarray:

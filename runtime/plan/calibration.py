@@ -65,9 +65,8 @@ from artifacts.fingerprint import (
     weights_fingerprint,
 )
 from common.names import MOMENT_SELECTIONS
-
-from .budgets import kv_head_scores
-from .recommendation import Recommendation, recommended_policy
+from runtime.plan.budgets import kv_head_scores
+from runtime.plan.recommendation import Recommendation, recommended_policy
 
 _MEMO_ATTRIBUTE = "_kvcal_fingerprint_memo"
 FUTURE_DATASETS = ("mean", "cov", "centres", "centre_weights")  # section future_queries, read on first use
@@ -203,7 +202,7 @@ class Calibration:
 
     def policy(self, compression_ratio: float):
         """The policy to serve evicting ``compression_ratio`` of the context: the one this artifact
-        measured best (its ``recommendation`` section), else the flagship (runtime.recommendation)."""
+        measured best (its ``recommendation`` section), else the flagship (runtime.plan.recommendation)."""
         return recommended_policy(self, compression_ratio)
 
     def correction_orders(self, scorer_name: str) -> np.ndarray | None:

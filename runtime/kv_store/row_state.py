@@ -6,12 +6,12 @@ Per (layer, batch row), one :class:`RowState`:
 * ``recent_queries [Hq, <=N, d]``: the last ``N`` post-RoPE prompt queries (SnapKV's observation
   window, :meth:`RowState.observe`);
 * ``chunk_attention``: Compactor's chunked attention accumulated over the prompt, one
-  :class:`~runtime.chunk_attention.ChunkAttention` per :class:`~runtime.chunk_attention.ChunkSpec`;
-* ``moments``: :class:`~runtime.moments.MomentSums` of every token evicted from each KV head of
+  :class:`~runtime.math.chunk_attention.ChunkAttention` per :class:`~runtime.math.chunk_attention.ChunkSpec`;
+* ``moments``: :class:`~runtime.math.momentkv.MomentSums` of every token evicted from each KV head of
   the layer (None: not tracked), grown by :func:`fold_evicted`;
 * ``correction``: the MomentKV :class:`Correction` (None: plain attention), turned into the
-  layer's batched :class:`~runtime.moments.PreparedMoments` by :class:`PreparedCorrection`;
-* ``decode_plan``: a :class:`runtime.eviction_driver.DecodePlan` (None: no eviction while
+  layer's batched :class:`~runtime.math.momentkv.PreparedMoments` by :class:`PreparedCorrection`;
+* ``decode_plan``: a :class:`runtime.compression.driver.DecodePlan` (None: no eviction while
   decoding), data the eviction driver reads after each layer's attention; it lives here so that
   it follows its row through beams, copies and stacking.
 """
@@ -24,9 +24,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .chunk_attention import ChunkAttention, ChunkSpec
-from .layout import to_device
-from .moments import MomentSums, PreparedMoments
+from runtime.math.arrays import to_device
+from runtime.math.chunk_attention import ChunkAttention, ChunkSpec
+from runtime.math.momentkv import MomentSums, PreparedMoments
 
 
 class Correction(NamedTuple):
@@ -45,7 +45,7 @@ class RowState:
     chunk_attention: dict[ChunkSpec, ChunkAttention] | None = None
     moments: MomentSums | None = None  # sums of the tokens evicted from each KV head (None: not tracked)
     correction: Correction | None = None  # a plain (orders, tau) pair is read the same way
-    decode_plan: object | None = None  # runtime.eviction_driver.DecodePlan: data the driver reads
+    decode_plan: object | None = None  # runtime.compression.driver.DecodePlan: data the driver reads
 
     def copy(self) -> RowState:
         return replace(

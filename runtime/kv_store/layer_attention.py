@@ -1,23 +1,23 @@
 """One layer's attention over its packed segments: every batch row and query head in one computation.
 
-The cache layer (:class:`runtime.cache.RaggedLayer`) calls these after storing the new chunk; the
-kernels themselves are in :mod:`runtime.paged_attention`.  Shapes: ``B`` batch rows, ``Hq`` query
+The cache layer (:class:`runtime.kv_store.cache.RaggedLayer`) calls these after storing the new chunk; the
+kernels themselves are in :mod:`runtime.kv_store.paged_attention`.  Shapes: ``B`` batch rows, ``Hq`` query
 heads, ``Hkv`` KV heads, ``G = Hq / Hkv``, ``q`` chunk tokens, ``d`` head dim, segments
 ``S = B * Hkv``; a segment's query rows are its ``G`` heads times the chunk's tokens (``M = G q``).
 
 * :func:`chunk_only_attention`: nothing was retained before the chunk (a first prefill): causal
   SDPA of the chunk over itself;
 * :func:`segment_layer_attention`: every query over its head's retained rows, the chunk's own
-  rows causally (a chunk: :func:`~runtime.paged_attention.segment_attention` over the layer's
-  pages; a decode step: :func:`~runtime.paged_attention.decode_attention` over the
-  :class:`~runtime.layout.PageLayout`'s decode pages), then, with a correction set, the MomentKV
+  rows causally (a chunk: :func:`~runtime.kv_store.paged_attention.segment_attention` over the layer's
+  pages; a decode step: :func:`~runtime.kv_store.paged_attention.decode_attention` over the
+  :class:`~runtime.kv_store.layout.PageLayout`'s decode pages), then, with a correction set, the MomentKV
   merge with the evicted set's estimate (:func:`corrected_merge`, docs/design.md section 4).
 
 Both take the layer's ``window`` (a sliding-window layer's W: a query at RoPE position ``p`` sees a
 token at ``k`` only when ``p - k < W``, transformers' ``sliding_window_overlay``) and ``softcap``
 (Gemma 2's ``c tanh(logits / c)``), as transformers passes them to the attention function.  A
 decode step needs no window mask: the cache layer drops, after every step, the tokens the next
-query cannot see (:meth:`runtime.cache.RaggedLayer.attend`), so every stored row is visible.  The
+query cannot see (:meth:`runtime.kv_store.cache.RaggedLayer.attend`), so every stored row is visible.  The
 MomentKV estimate of the evicted set (:func:`corrected_merge`) uses uncapped logits: it estimates
 ``sum exp(s q.k)``, and with Gemma 2's cap (50) the capped logit differs from ``s q.k`` by under
 1% while ``|s q.k| < 5``; sliding-window layers keep no moment sums (a token leaving the window
@@ -29,11 +29,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .eager_attention import eager_attention_forward
-from .flex_decode import flex_decode_attention, flex_serves, selected_decode_kernel
-from .layout import PageLayout
-from .moments import PreparedMoments
-from .paged_attention import (
+from runtime.kv_store.eager_attention import eager_attention_forward
+from runtime.kv_store.flex_decode import flex_decode_attention, flex_serves, selected_decode_kernel
+from runtime.kv_store.layout import PageLayout
+from runtime.kv_store.paged_attention import (
     LIVE_ROW_CALLS,
     Window,
     causal_chunk_attention,
@@ -44,8 +43,9 @@ from .paged_attention import (
     merge_attention,
     segment_attention,
 )
-from .profiling import label
-from .segments import SegmentStore
+from runtime.kv_store.profiling import label
+from runtime.kv_store.segments import SegmentStore
+from runtime.math.momentkv import PreparedMoments
 
 
 def chunk_only_attention(
@@ -185,10 +185,10 @@ def _chunk_split_attention(
     store: SegmentStore,
     scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A chunk's attention as two parts merged exactly (:func:`~runtime.paged_attention.merge_attention`):
+    """A chunk's attention as two parts merged exactly (:func:`~runtime.kv_store.paged_attention.merge_attention`):
     every query over the rows its head held before the chunk (all visible: the live rows read in
-    place, :func:`~runtime.paged_attention.live_rows_attention`) and over the chunk itself, causally
-    (:func:`~runtime.paged_attention.causal_chunk_attention`).  ``query [B, Hq, q, d]``, ``grouped``
+    place, :func:`~runtime.kv_store.paged_attention.live_rows_attention`) and over the chunk itself, causally
+    (:func:`~runtime.kv_store.paged_attention.causal_chunk_attention`).  ``query [B, Hq, q, d]``, ``grouped``
     the same as ``[S, G*q, d]``; returns ``(out [S, G*q, d], lse [S, G*q])`` float32."""
     keys, values, before = chunk
     segments, rows, dim = grouped.shape
@@ -209,19 +209,19 @@ def _chunk_split_attention(
 def decode_kernel(store: SegmentStore, softcap: float | None, need_lse: bool) -> str:
     """Which kernel a decode step over ``store`` runs (its queries on the store's device):
 
-    * ``"flex"``: with ``KVCAL_DECODE_KERNEL=flex``, where :func:`~runtime.flex_decode.flex_serves`:
+    * ``"flex"``: with ``KVCAL_DECODE_KERNEL=flex``, where :func:`~runtime.kv_store.flex_decode.flex_serves`:
       one compiled ``flex_attention`` call over the whole buffer (opt-in, for GPUs: docs/results.md
       R-flex-decode-2026-11-27);
     * ``"live_rows"``: where the fused CPU kernel serves, the live rows read in place without a mask
       when every segment holds the same number (one call), or when that takes few calls: one per KV
       head whose budget is the same in every batch row, one per segment of the other heads
-      (:func:`~runtime.paged_attention.live_rows_attention`).  Its calls are sized by the host's
+      (:func:`~runtime.kv_store.paged_attention.live_rows_attention`).  Its calls are sized by the host's
       lengths, so no two steps run the same calls;
     * ``"pages"``: otherwise (every GPU), or with ``KVCAL_DECODE_KERNEL=pages``: the layout's pages
-      (:meth:`~runtime.layout.PageLayout.decode_pages`), one batched call and a merge.  Its calls
+      (:meth:`~runtime.kv_store.layout.PageLayout.decode_pages`), one batched call and a merge.  Its calls
       read the lengths from the device (``row_bias``), so every step of one storage generation runs
       the same calls on the same buffers: a step that can be captured once and replayed
-      (:mod:`runtime.decode_graph`).
+      (:mod:`runtime.serve.decode_graph`).
 
     Which is faster where: docs/results.md R-decode-kernels-2026-11-27."""
     chosen, keys = selected_decode_kernel(), store.key_buffer

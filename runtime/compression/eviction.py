@@ -1,24 +1,24 @@
 """Evicting KV heads down to their budgets: scorer, sinks and window, moments.
 
-:class:`HeadEvictor` is built once per compression from a :class:`~runtime.serving_plan.ServingPlan`
+:class:`HeadEvictor` is built once per compression from a :class:`~runtime.plan.serving_plan.ServingPlan`
 (the policy with the calibration tensors it reads, loaded and checked by ``bind``) and the
 prompt's statistics.  ``compress()`` calls :meth:`HeadEvictor.evict_layer` for every layer
 after prefill (or after each prefill block, or inside the prefill right after each layer's
 attention), and the eviction driver calls it while decoding when the policy has ``evict_every``
-(:meth:`HeadEvictor.evict_decoded`, :func:`runtime.eviction_driver.after_attention`: heads that
+(:meth:`HeadEvictor.evict_decoded`, :func:`runtime.compression.driver.after_attention`: heads that
 grew ``evict_every`` tokens past their budget are cut back to it).  One layer is one batched
 computation for all its rows and heads:
 the scorer's ``score`` over a :class:`~runtime.scorers.LayerInputs` (built by the scorer's input
 providers, :class:`~runtime.scorers.ScorerInputs`), one ranking
-(:func:`~runtime.selection.keep_mask`), one gather that compacts the kept rows
-(:meth:`~runtime.cache.RaggedLayer.keep_rows`) and one batched fold of the evicted rows into the
+(:func:`~runtime.compression.keep_rule.keep_mask`), one gather that compacts the kept rows
+(:meth:`~runtime.kv_store.cache.RaggedLayer.keep_rows`) and one batched fold of the evicted rows into the
 moment sums.  Scorers see every head at the current absolute position of its row (EA's RoPE
 average starts at the next token, so at decode time it moves with generation).
 
 Moment-informed eviction (``policy.moment_eviction``, docs/design.md section 4) works row by row
 (:meth:`HeadEvictor.evict_row_in_rounds`): the scorer's attention estimate ``a_j`` is combined
 with the moment residual, ``a_j ||r_j||``, and tokens are evicted in ``policy.moment_rounds``
-rounds with the sums updated in between (:func:`runtime.moments.evict_in_rounds`).
+rounds with the sums updated in between (:func:`runtime.math.momentkv.evict_in_rounds`).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .layout import host_array, to_device
-from .moments import evict_in_rounds
-from .scorers import LayerInputs, ScorerInputs
-from .selection import keep_mask, protected_mask
-from .serving_plan import ServingPlan
+from runtime.compression.keep_rule import keep_mask, protected_mask
+from runtime.math.arrays import host_array, to_device
+from runtime.math.momentkv import evict_in_rounds
+from runtime.plan.serving_plan import ServingPlan
+from runtime.scorers import LayerInputs, ScorerInputs
 
 # Elements of one row's keys (Hkv x n x d) a CPU scoring tile may hold in all: scorers make a few
 # intermediates of that size, and past the caches' size they run memory-bound (docs/results.md
@@ -51,15 +51,15 @@ def rows_per_tile(device: torch.device, row_elements: int) -> int:
 
 
 class HeadEvictor:
-    """Evicts the heads of a :class:`~runtime.cache.RaggedCache` under one :class:`ServingPlan`;
+    """Evicts the heads of a :class:`~runtime.kv_store.cache.RaggedCache` under one :class:`ServingPlan`;
     ``prompt_stats`` are the prompt's own query statistics (scorers with ``statistics='prompt'``).
     It is also the decode-time eviction hook (:meth:`evict_decoded`, :meth:`layer_done`) that a
-    compression leaves in each row's :class:`runtime.eviction_driver.DecodePlan`."""
+    compression leaves in each row's :class:`runtime.compression.driver.DecodePlan`."""
 
     def __init__(self, plan: ServingPlan, prompt_stats=None):
         if not isinstance(plan, ServingPlan):
             raise TypeError(
-                f"HeadEvictor takes a ServingPlan (runtime.serving_plan.bind(policy, calibration, model)), "
+                f"HeadEvictor takes a ServingPlan (runtime.plan.serving_plan.bind(policy, calibration, model)), "
                 f"got {type(plan).__name__}"
             )
         self.plan = plan
@@ -234,7 +234,7 @@ class HeadEvictor:
         return scores
 
     def layer_done(self, layer_idx: int) -> None:
-        """The decode-eviction hook's end of a layer (:func:`runtime.eviction_driver.after_attention`
+        """The decode-eviction hook's end of a layer (:func:`runtime.compression.driver.after_attention`
         calls it after every layer of a step): after the plan's last layer, the round's deferred NaN
         checks read back at once, refused naming the first layer and head with a NaN score (the round
         has cut those heads already, on NaN scores; the error stops the generation before it serves
@@ -268,7 +268,7 @@ class HeadEvictor:
         next_positions: list[int],
         stats_rows: list[int],
     ) -> None:
-        """The decode-time eviction hook (:class:`runtime.eviction_driver.DecodeEvictionHook`): the heads of
+        """The decode-time eviction hook (:class:`runtime.compression.driver.DecodeEvictionHook`): the heads of
         batch rows ``rows`` that decoding grew past their budgets cut back to ``budgets`` int64
         ``[R, Hkv]``, the capacity kept for the tokens that follow."""
         self.evict_layer(
@@ -311,5 +311,5 @@ class HeadEvictor:
         device = scores.device
         valid = to_device(np.arange(scores.shape[-1]) < lengths[..., None], device)
         keep = keep_mask(scores, valid, to_device(budgets, device), self.policy.n_sink, self.policy.window)
-        # the ranking keeps min(budget, length) rows of every head (runtime.selection._split): known here
+        # the ranking keeps min(budget, length) rows of every head (runtime.compression.keep_rule._split): known here
         layer.keep_rows(rows, keep, shrink=shrink, kept=np.minimum(np.maximum(budgets, 0), lengths))

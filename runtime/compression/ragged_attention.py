@@ -1,0 +1,111 @@
+"""The ragged attention function: a model's forward pass over a :class:`~runtime.kv_store.cache.RaggedCache`.
+
+``ragged_attention(model)`` switches a model to the ragged function ``"kvcal_ragged"`` for a
+block and then restores the implementation the model had (eager, sdpa, flash...), through
+:func:`runtime.kv_store.attention_interface.attention_implementation`: the runtime's own entry
+points (``prefill``, ``compress_prompt``, ``generate``, ``answer``, KVzip scoring) all switch
+this way, so a model handed to them comes back as it was.  Serving a compressed cache through
+``model.generate`` yourself takes the same block (``with ragged_attention(model):
+model.generate(..., **cache_argument(model, cache))``); ``enable(model)`` switches for good
+instead.  Nothing is registered at import time.
+
+The ragged function receives post-RoPE ``query [B, Hq, q, d]`` and the new chunk's un-repeated
+``key/value [B, Hkv, q, d]``.  When the chunk was parked by a :class:`runtime.kv_store.cache.RaggedLayer`
+it hands over to :meth:`RaggedLayer.attend` (each query head over its KV head's retained
+tokens), then hands the layer to the eviction driver (:func:`runtime.compression.driver.after_attention`:
+the decode-time evictions due); with any other cache (or none) it is exactly transformers' SDPA
+attention, so an enabled model keeps working with ordinary caches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from runtime.compression.driver import after_attention
+from runtime.kv_store.attention_interface import attention_implementation, register_attention, switch_attention
+from runtime.kv_store.cache import ATTENTION_NAME, LAYER_TAG, RaggedLayer
+from runtime.math.arrays import to_device
+
+# What a model passes its attention function that the ragged attention cannot compute: learned
+# attention sinks (gpt-oss's ``s_aux``, ``sinks``) and additive position biases (T5-style).
+UNSUPPORTED_ARGUMENTS = {
+    "s_aux": "learned attention sinks (s_aux)",
+    "sinks": "learned attention sinks",
+    "position_bias": "an additive position bias",
+}
+
+
+def _real_tokens(attention_mask: torch.Tensor | None, batch: int, q_len: int) -> torch.Tensor | None:
+    """Which chunk tokens are real (not padding), bool ``[B, q]``; None when all are.
+
+    The mask is the chunk's own causal + padding mask ``[B, 1, q, q]`` (see runtime.kv_store.cache):
+    a token is real exactly when it may attend to itself, i.e. on the diagonal.
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 4 or attention_mask.shape[-1] != q_len or attention_mask.shape[-2] != q_len:
+        raise ValueError(
+            f"ragged attention expects the chunk's own [B, 1, q, q] mask, got "
+            f"{tuple(attention_mask.shape)} for q={q_len}"
+        )
+    diagonal = attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)  # [B or 1, q]
+    real = diagonal if diagonal.dtype == torch.bool else diagonal == 0
+    return real.expand(batch, q_len)
+
+
+def ragged_attention_forward(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None, **kwargs
+):
+    """AttentionInterface function: ``(out [B, q, Hq, d], None)``.  ``sliding_window`` and
+    ``softcap`` are what transformers' models pass for a sliding-window layer (Mistral, Qwen2,
+    Gemma 2 / 3, Phi-3) and for Gemma 2's logit soft-capping."""
+    for name, feature in UNSUPPORTED_ARGUMENTS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"the ragged attention cannot compute {feature}: this model is not supported")
+    layer = getattr(key, LAYER_TAG, None)
+    if layer is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if softcap is not None:
+            raise ValueError(
+                "ragged attention over an ordinary cache cannot soft-cap attention logits: serve this model "
+                "with a RaggedCache (runtime.generate / compress_prompt), or with its own eager attention"
+            )
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    if dropout:
+        raise ValueError("ragged attention does not implement attention dropout (use model.eval())")
+    batch, _, q_len, dim = query.shape
+    real = _real_tokens(attention_mask, batch, q_len)
+    positions = kwargs.get("position_ids")
+    if positions is None:  # no explicit positions: the chunk follows the real tokens seen
+        base = to_device(np.array(layer.real_seen, dtype=np.int64), query.device).unsqueeze(1)  # no blocking copy
+        positions = base + torch.arange(q_len, device=query.device)
+    if positions.shape != (batch, q_len):
+        positions = positions.expand(batch, q_len)
+    scale = float(scaling) if scaling is not None else dim**-0.5
+    if sliding_window is None:  # a module that passes none where its model's mask slides (PhiMoE)
+        sliding_window = layer.mask_window
+    output = layer.attend(query, real, positions, scale, window=sliding_window, softcap=softcap)
+    if isinstance(layer, RaggedLayer):  # not KVzip's scoring layer (runtime.compression.kvzip), which stores nothing
+        after_attention(layer)  # the decode-time evictions due, then the sliding-window drop
+    # contiguous, as transformers' own attention functions return it (AfMoE's module views it)
+    return (output if output.is_contiguous() else output.contiguous()), None
+
+
+def register() -> None:
+    """Register the ragged function and its mask builder with transformers (idempotent)."""
+    register_attention(ATTENTION_NAME, ragged_attention_forward)
+
+
+def enable(model) -> None:
+    """Switch ``model`` to the ragged attention function for good (with ordinary caches it then
+    computes SDPA attention, whatever the model used before); prefer ``ragged_attention(model)``."""
+    switch_attention(model, ATTENTION_NAME, ragged_attention_forward)
+
+
+def ragged_attention(model):
+    """``with ragged_attention(model):`` enable for the block, then restore the previous one."""
+    return attention_implementation(model, ATTENTION_NAME, ragged_attention_forward)
