@@ -109,27 +109,41 @@ def split_policy(text: str) -> PolicyText:
     return PolicyText(text, allocation, scorer, statistics if colon else None, tuple(sorted(options.items())))
 
 
+# Which artifact sections a policy reads, by its parts: the one statement of it.  Each need is the
+# sections any one of which meets it (INF budgets: 'budgets' or 'behaviour'), named by its first.
+# sections_needed reads it for a policy's text, runtime.plan.policy.CompressionPolicy.requirements
+# for a built policy; runtime.plan.policy.REQUIREMENTS says what each section is and how its absence
+# is reported, runtime.plan.serving_plan loads each.  A scorer that reads the artifact is one entry
+# of SCORER_SECTIONS.
+ALLOCATION_SECTIONS = {"inf": ("budgets", "behaviour"), "curve": ("budget_curves",)}
+STATISTICS_SECTIONS = {"calibrated": ("query_stats",), "future": ("future_queries",)}  # Expected Attention's
+SCORER_SECTIONS = {"prototype_attention": ("future_queries",), "learned": ("learned_scorer",)}
+CORRECTION_SECTIONS = {"calibrated": ("moments",)}  # each head's MomentKV order
+# the order needs are checked and reported in
+SECTION_ORDER = ("budgets", "budget_curves", "query_stats", "future_queries", "moments", "learned_scorer")
+
+
+def sections_for(
+    allocation: str, scorer: str, statistics: str | None, correction: str | None
+) -> tuple[tuple[str, ...], ...]:
+    """The artifact sections a policy of these parts reads (``statistics``: the kind of query
+    statistics its scorer reads, None for none; ``correction``: its MomentKV correction), each need
+    once, in :data:`SECTION_ORDER`."""
+    needs = (
+        ALLOCATION_SECTIONS.get(allocation),
+        STATISTICS_SECTIONS.get(statistics),
+        SCORER_SECTIONS.get(scorer),
+        CORRECTION_SECTIONS.get(correction),
+    )
+    return tuple(sorted(dict.fromkeys(need for need in needs if need), key=lambda need: SECTION_ORDER.index(need[0])))
+
+
 def sections_needed(policy: PolicyText) -> tuple[tuple[str, ...], ...]:
-    """The artifact sections ``policy`` reads, each need as the sections any one of which meets it
-    (INF budgets: 'budgets' or 'behaviour'), in ``runtime.plan.policy.REQUIREMENTS``' order."""
+    """The artifact sections ``policy`` reads (:func:`sections_for` of its parts)."""
     if policy.is_baseline:
         return ()
-    options = dict(policy.options)
     statistics = (policy.statistics or "calibrated") if policy.scorer == "expected_attention" else None
-    needs = []
-    if policy.allocation == "inf":
-        needs.append(("budgets", "behaviour"))
-    if policy.allocation == "curve":
-        needs.append(("budget_curves",))
-    if statistics == "calibrated":
-        needs.append(("query_stats",))
-    if statistics == "future" or policy.scorer == "prototype_attention":
-        needs.append(("future_queries",))
-    if options.get("correction") == "calibrated":
-        needs.append(("moments",))
-    if policy.scorer == "learned":
-        needs.append(("learned_scorer",))
-    return tuple(needs)
+    return sections_for(policy.allocation, policy.scorer, statistics, dict(policy.options).get("correction"))
 
 
 def serving_refusal(text: str, sections) -> str | None:

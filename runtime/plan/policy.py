@@ -52,8 +52,9 @@ import numpy as np
 
 from common.checks import check_flag, check_integer, check_number, is_number
 from common.names import ALLOCATIONS, CORRECTIONS, STATISTICS
+from common.policy_grammar import sections_for
 from runtime.plan.budgets import allocate_budgets, curve_row
-from runtime.scorers import SCORERS, LearnedWeights, QueryCentres, Scorer, make_scorer, query_statistics
+from runtime.scorers import SCORERS, QueryCentres, Scorer, make_scorer, query_statistics
 
 # The scorer of a policy that names none: Compactor's leverage + chunked attention needs no
 # artifact and kept the most of the artifact-free scorers on needle probes; calibrated Expected
@@ -76,25 +77,23 @@ def _future_reader(scorer: Scorer) -> str:
 
 @dataclass(frozen=True)
 class Requirement:
-    """One thing a policy reads from an artifact: its ``section``, whether a policy ``needed``
-    it (given its built scorer), whether a calibration ``held`` it, and the sentence saying
-    what is ``absent`` when it does not (naming the file, the sections present and a remedy)."""
+    """One thing a policy can read from an artifact: its ``section``, whether a calibration ``held``
+    it, and the sentence saying what is ``absent`` when it does not (naming the file, the sections
+    present and a remedy).  Which policy needs it is :func:`common.policy_grammar.sections_for`'s."""
 
     section: str
     need: str  # for people: what it is and where it lives
-    needed: Callable[[CompressionPolicy, Scorer], bool]
     held: Callable[[object], bool]
     absent: Callable[[CompressionPolicy, Scorer, object], str]
 
 
-# What a policy can read from an artifact, in the order it is checked: the one statement of
-# which policy needs which section.  runtime.plan.serving_plan.bind loads what a policy needs with one
-# loader per section (tests/test_serving_plan.py checks the two lists agree).
+# What a policy can read from an artifact, one entry per section of common.policy_grammar.SECTION_ORDER
+# (which policy needs which is common.policy_grammar.sections_for's); runtime.plan.serving_plan.bind
+# loads each with its loader.
 REQUIREMENTS = (
     Requirement(
         "budgets",
         "INF budgets (section 'budgets' or 'behaviour')",
-        needed=lambda policy, scorer: policy.allocation == "inf",
         held=lambda calibration: calibration.inf_weights is not None,
         absent=lambda policy, scorer, calibration: (
             f"allocation='inf' needs INF scores, but {calibration.path} has neither a 'budgets' "
@@ -104,7 +103,6 @@ REQUIREMENTS = (
     Requirement(
         "budget_curves",
         "budget curves (section 'budget_curves')",
-        needed=lambda policy, scorer: policy.allocation == "curve",
         held=lambda calibration: getattr(calibration, "budget_curve", None) is not None,
         absent=lambda policy, scorer, calibration: (
             f"allocation='curve' needs per-head budget curves, but {calibration.path} has no 'budget_curves' "
@@ -115,7 +113,6 @@ REQUIREMENTS = (
     Requirement(
         "query_stats",
         "query statistics (section 'query_stats')",
-        needed=lambda policy, scorer: query_statistics(scorer) == "calibrated",
         held=lambda calibration: calibration.has_query_stats,
         absent=lambda policy, scorer, calibration: (
             f"expected_attention with statistics='calibrated' needs query statistics, but "
@@ -127,7 +124,6 @@ REQUIREMENTS = (
     Requirement(
         "future_queries",
         "future-query statistics (section 'future_queries')",
-        needed=lambda policy, scorer: query_statistics(scorer) == "future" or QueryCentres() in scorer.needs,
         held=lambda calibration: getattr(calibration, "has_future_queries", False),
         absent=lambda policy, scorer, calibration: (
             f"{_future_reader(scorer)} needs the statistics of the queries after a probe's context, but "
@@ -138,7 +134,6 @@ REQUIREMENTS = (
     Requirement(
         "moments",
         "per-head correction orders (section 'moments')",
-        needed=lambda policy, scorer: policy.correction == "calibrated",
         held=lambda calibration: getattr(calibration, "moment_orders", None) is not None,
         absent=lambda policy, scorer, calibration: (
             f"correction='calibrated' needs per-head correction orders, but {calibration.path} has "
@@ -149,7 +144,6 @@ REQUIREMENTS = (
     Requirement(
         "learned_scorer",
         "learned scorer weights (section 'learned_scorer')",
-        needed=lambda policy, scorer: LearnedWeights() in scorer.needs,
         held=lambda calibration: getattr(calibration, "scorer_weights", None) is not None,
         absent=lambda policy, scorer, calibration: (
             f"the learned scorer needs its weights, but {calibration.path} has no 'learned_scorer' section "
@@ -158,6 +152,8 @@ REQUIREMENTS = (
         ),
     ),
 )
+
+_REQUIREMENT = {requirement.section: requirement for requirement in REQUIREMENTS}
 
 
 @dataclass(frozen=True)
@@ -290,7 +286,8 @@ class CompressionPolicy:
         """What this policy reads from an artifact, in :data:`REQUIREMENTS`' order (``scorer``: this
         policy's, when already built)."""
         scorer = self.build_scorer() if scorer is None else scorer
-        return [requirement for requirement in REQUIREMENTS if requirement.needed(self, scorer)]
+        needs = sections_for(self.allocation, scorer.name, query_statistics(scorer), self.correction)
+        return [_REQUIREMENT[need[0]] for need in needs]
 
     def needs_calibration(self) -> list[str]:
         """What this policy reads from an artifact (human-readable)."""
