@@ -89,6 +89,7 @@ def parse_args(argv=None):
     )
     parser.add_argument("--report", action="store_true", help="print the table of --out and write --plot; run nothing")
     parser.add_argument("--plot", help="the PNG of --report (default: --out with .png)")
+    parser.add_argument("--merge", nargs="+", default=[], help="--report: more journals (other processes' --out)")
     args = parser.parse_args(argv)
     unknown = set(args.methods) - set(METHODS)
     if unknown:
@@ -321,16 +322,22 @@ def _resolve(where: str):
 
 
 def load_instances(args, tokenizer, source: str) -> list[dict]:
-    wanted = {"length": args.length, "tasks": sorted(args.tasks), "limit": args.limit, "prompt": args.prompt}
+    """``args.tasks``' instances from ``--instances``; the tasks it lacks are built and added (a run of
+    other tasks, another split of the table, extends the same file: one set of instances per table)."""
+    wanted = {"length": args.length, "limit": args.limit, "prompt": args.prompt}
+    saved = {"settings": wanted, "lm_eval": None, "tokenizer": source, "instances": []}
     if args.instances.exists():
         saved = json.loads(args.instances.read_text())
         if saved["settings"] != wanted:
             sys.exit(f"ruler_table: error: {args.instances} holds {saved['settings']}, not {wanted}")
-        return saved["instances"]
-    built = build_instances(args, tokenizer, source)
-    args.instances.parent.mkdir(parents=True, exist_ok=True)
-    args.instances.write_text(json.dumps({"settings": wanted, **built}))
-    return built["instances"]
+    have = {instance["task"] for instance in saved["instances"]}
+    missing = [task for task in args.tasks if task not in have]
+    if missing:
+        built = build_instances(argparse.Namespace(**{**vars(args), "tasks": missing}), tokenizer, source)
+        saved = {**saved, "lm_eval": built["lm_eval"], "instances": saved["instances"] + built["instances"]}
+        args.instances.parent.mkdir(parents=True, exist_ok=True)
+        args.instances.write_text(json.dumps(saved))
+    return [instance for instance in saved["instances"] if instance["task"] in args.tasks]
 
 
 # -- the methods ---------------------------------------------------------------------------------
@@ -448,7 +455,12 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    done = read_journal(Path(args.out), None) if args.report else run(args)
+    if args.report:
+        done = {}
+        for path in [args.out, *args.merge]:
+            done.update(read_journal(Path(path), None))
+    else:
+        done = run(args)
     rows = summarise(done.values())
     print(table(rows))
     print(plot(rows, args.plot, f"RULER (offline tasks), {Path(args.out).name}"))

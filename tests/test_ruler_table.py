@@ -122,3 +122,18 @@ def test_arguments_are_checked(tmp_path):
     args = ruler_table.parse_args(["--out", out, "--methods", "snapkv", "uncompressed"])
     assert args.instances == tmp_path / "r.instances.json" and args.plot == tmp_path / "r.png"
     assert args.length == 4096 and tuple(args.tasks) == ruler_table.OFFLINE_TASKS
+
+
+def test_saved_instances_serve_a_split_of_the_tasks_and_other_settings_are_refused(tmp_path):
+    """A run of some of the tasks reads their instances from the file another split wrote (nothing
+    is built: lm-eval is not needed when the file has them)."""
+    path = tmp_path / "r.instances.json"
+    settings = {"length": 2048, "limit": 2, "prompt": "chat"}
+    instances = [{"id": f"{task}/{i}", "task": task} for task in ("niah_single_1", "ruler_vt") for i in range(2)]
+    path.write_text(json.dumps({"settings": settings, "lm_eval": "0.4.13", "tokenizer": "t", "instances": instances}))
+    args = ruler_table.parse_args(["--out", str(tmp_path / "r.jsonl"), "--methods", "snapkv", "--length", "2048",
+                                   "--limit", "2", "--tasks", "ruler_vt"])  # fmt: skip
+    assert [i["id"] for i in ruler_table.load_instances(args, None, "t")] == ["ruler_vt/0", "ruler_vt/1"]
+    args.prompt = "plain"
+    with pytest.raises(SystemExit, match="holds"):
+        ruler_table.load_instances(args, None, "t")
