@@ -8,8 +8,10 @@ cache evicted), greedy, and scored with the task's own metric:
 
 * the instances are built once with lm-eval's own task code (``TaskManager`` with metadata
   ``{"tokenizer": <the embedded model>, "max_seq_lengths": [length]}``, ``get_task_dict``,
-  ``build_all_requests``) and saved to ``--instances`` (the prompt's context and question, token
-  ids, the gold answers, the document, the task's generation settings and its ``process_results``);
+  ``build_all_requests``; each task after ``simple_evaluate``'s default seeds, so a task's
+  instances are those ``lm_eval --tasks <task>`` builds) and saved to ``--instances`` (the
+  prompt's context and question token ids, the gold answers, the document, the task's
+  generation settings and its ``process_results``);
   a later run (another split of the table) reads them from there, so every run sees the same
   instances and the same token ids;
 * question-agnostic, as kvpress's RULER evaluation (``evaluation/benchmarks/ruler``): the prompt
@@ -281,14 +283,24 @@ def split_prompt(text: str, doc: dict, prompt: str, tokenizer) -> tuple[list[int
 
 def build_instances(args, tokenizer, source: str) -> dict:
     """The instances of ``args.tasks`` as lm-eval builds them (module docstring)."""
+    import random
+
     import lm_eval
+    import numpy
+    import torch
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
     from lm_eval.tasks import TaskManager, get_task_dict
 
     manager = TaskManager(metadata={"tokenizer": source, "max_seq_lengths": [args.length]})
-    tasks = get_task_dict(list(args.tasks), manager)
     instances = []
     for name in args.tasks:
-        task = tasks[name]
+        # simple_evaluate's seeds before each task (the generators draw from the global random
+        # state, unseeded two builds differ): a task's instances are those `lm_eval --tasks <task>`
+        # builds, whichever split of the table builds them
+        random.seed(DEFAULT_RANDOM_SEED)
+        numpy.random.seed(DEFAULT_OTHER_SEED)
+        torch.manual_seed(DEFAULT_OTHER_SEED)
+        task = get_task_dict([name], manager)[name]
         task.build_all_requests(limit=args.limit, rank=0, world_size=1)
         function = task.config.process_results
         where = f"{function.__module__}:{function.__qualname__}"
