@@ -239,8 +239,14 @@ def plot(rows: dict, path: Path, title: str) -> str:
 
     lines, kept = curves(rows)
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    for method, points in sorted(lines.items()):
-        axes.plot([r for r, _ in points], [s for _, s in points], marker="o", label=method)
+    order = {method: index for index, method in enumerate(METHODS)}
+    styles = [("o", "-"), ("s", "--"), ("^", "-."), ("v", ":"), ("D", "-"), ("P", "--"), ("X", "-."), ("*", ":")]
+    for index, method in enumerate(sorted(lines, key=lambda m: (order.get(m, len(order)), m))):
+        points = lines[method]
+        marker, style = styles[index % len(styles)]
+        emphasis = {"color": "black", "linewidth": 2.5} if method == REFERENCE else {}
+        xs, ys = [r for r, _ in points], [s for _, s in points]
+        axes.plot(xs, ys, marker=marker, linestyle=style, label=method, alpha=0.85, **emphasis)
     axes.set_xlabel("compression ratio (fraction of the context's KV cache evicted)")
     axes.set_ylabel("mean RULER score")
     axes.set_ylim(-0.02, 1.02)
