@@ -212,7 +212,8 @@ def table(rows: dict) -> str:
 
 def curves(rows: dict) -> tuple[dict, list[str]]:
     """``method -> [(ratio, mean over tasks)]`` over the tasks with signal (all tasks when none has),
-    the uncompressed score at ratio 0 on each method's line; and the tasks averaged."""
+    the uncompressed score at ratio 0 on each method's line (and a point of its own); and the tasks
+    averaged."""
     quiet = set(no_signal_tasks(rows))
     tasks = sorted({task for task, _, _ in rows})
     kept = [task for task in tasks if task not in quiet] or tasks
@@ -221,7 +222,7 @@ def curves(rows: dict) -> tuple[dict, list[str]]:
         if task in kept:
             by_method[method][ratio].append(row["mean"])
     base = by_method.pop("uncompressed", {}).get(0.0)
-    lines = {}
+    lines = {"uncompressed": [(0.0, sum(base) / len(base))]} if base else {}
     for method, points in by_method.items():
         line = [(0.0, sum(base) / len(base))] if base else []
         line += [(ratio, sum(v) / len(v)) for ratio, v in sorted(points.items())]

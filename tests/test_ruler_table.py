@@ -73,7 +73,7 @@ def test_near_zero_uncompressed_is_no_signal_and_left_out_of_the_curves():
     assert kept == ["niah_single_1"]
     assert lines["snapkv"] == [(0.0, pytest.approx(2 / 3)), (0.75, pytest.approx(1 / 3))]
     assert lines["flagship"] == [(0.0, pytest.approx(2 / 3)), (0.75, pytest.approx(1 / 3))]
-    assert "uncompressed" not in lines
+    assert lines["uncompressed"] == [(0.0, pytest.approx(2 / 3))]
 
 
 def test_curves_average_every_task_when_none_has_signal():
