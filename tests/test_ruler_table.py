@@ -4,12 +4,22 @@ flagship), the no-signal note and the plot's curves, on a small journal written 
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
-from benchmarks import ruler_table
 from common.formulas import wilson_interval
+
+# By its path: benchmarks/ is no package kvcal installs, and pytest may run from anywhere.
+_SPEC = importlib.util.spec_from_file_location(
+    "ruler_table", Path(__file__).resolve().parent.parent / "benchmarks" / "ruler_table.py"
+)
+ruler_table = importlib.util.module_from_spec(_SPEC)
+sys.modules.setdefault("ruler_table", ruler_table)
+_SPEC.loader.exec_module(ruler_table)
 
 SETTINGS = {"instances": "/x/ruler.instances.json", "artifact": "/x/a.h5", "prompt": "chat", "length": 2048}
 
