@@ -7,7 +7,7 @@ context length (``--length``, 4096 as the leaderboard; the embedded SmolLM2-135M
 cache evicted), greedy, and scored with the task's own metric:
 
 * the instances are built once with lm-eval's own task code (``TaskManager`` with metadata
-  ``{"tokenizer": <the embedded model>, "max_seq_lengths": [length]}``, ``get_task_dict``,
+  ``{"tokenizer": <the embedded model>, "max_seq_lengths": [length]}``, its ``load``,
   ``build_all_requests``; each task after ``simple_evaluate``'s default seeds, so a task's
   instances are those ``lm_eval --tasks <task>`` builds) and saved to ``--instances`` (the
   prompt's context and question token ids, the gold answers, the document, the task's
@@ -296,7 +296,7 @@ def build_instances(args, tokenizer, source: str) -> dict:
     import numpy
     import torch
     from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import TaskManager
 
     manager = TaskManager(metadata={"tokenizer": source, "max_seq_lengths": [args.length]})
     instances = []
@@ -307,7 +307,7 @@ def build_instances(args, tokenizer, source: str) -> dict:
         random.seed(DEFAULT_RANDOM_SEED)
         numpy.random.seed(DEFAULT_OTHER_SEED)
         torch.manual_seed(DEFAULT_OTHER_SEED)
-        task = get_task_dict([name], manager)[name]
+        task = manager.load([name])["tasks"][name]
         task.build_all_requests(limit=args.limit, rank=0, world_size=1)
         function = task.config.process_results
         where = f"{function.__module__}:{function.__qualname__}"

@@ -253,3 +253,38 @@ def test_a_batch_answers_as_its_prompts_one_by_one(one_thread):
     one_by_one = [single.generate_until([one])[0] for one in requests]
     batched = KvcalLM(compression_ratio=0.5, batch_size=2).generate_until(requests)
     assert batched == one_by_one
+
+
+def test_ruler_table_instances_are_lm_evals_split_at_the_question_in_both_prompt_formats():
+    """benchmarks/ruler_table.py builds its instances with lm-eval's task code: two builds (each seeded as
+    simple_evaluate is) give the same document; ``plain`` is lm-eval's request text cut where the question
+    starts, ``chat`` wraps the context in the chat template and ends the question with the answer prefix
+    (kvpress's pipeline); the task's own process_results scores an answer."""
+    import argparse
+    import importlib.util
+
+    from common.models import embedded_model_dir, load_tokenizer
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "ruler_table.py"
+    spec = importlib.util.spec_from_file_location("ruler_table_lm_eval", path)
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    tokenizer, source = load_tokenizer(), str(embedded_model_dir())
+    built = {
+        prompt: table.build_instances(
+            argparse.Namespace(tasks=["niah_single_1"], length=1024, limit=1, prompt=prompt), tokenizer, source
+        )["instances"]
+        for prompt in ("plain", "chat")
+    }
+    (plain,), (chat,) = built["plain"], built["chat"]
+    doc = plain["doc"]
+    assert chat["doc"] == doc and chat["id"] == "niah_single_1/0"
+    assert (chat["max_gen_toks"], chat["until"], chat["metric"]) == (128, [], "1024")
+    cut = question_split(doc["input"])
+    assert plain["context_ids"] == tokenizer(doc["input"][:cut])["input_ids"]
+    assert tokenizer.decode(plain["question_ids"]) == doc["input"][cut:] + " " + doc["gen_prefix"]
+    context = tokenizer.decode(chat["context_ids"])
+    assert context.startswith("<|im_start|>") and doc["outputs"][0] in context and "special magic" not in context[-80:]
+    question = tokenizer.decode(chat["question_ids"])
+    assert "<|im_start|>assistant" in question and question.endswith(doc["gen_prefix"])
+    assert table.score(chat, f" {doc['outputs'][0]}.") == 1.0 and table.score(chat, " 1000.") == 0.0
