@@ -42,7 +42,7 @@ score per task, with a note where it is near zero (< 0.1: the task carries no si
 writes ``--plot`` (score vs ratio, one line per method, averaged over the tasks with signal)
 when matplotlib is installed (``pip install matplotlib``; not a dependency of kvcal).
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 /tmp/venv-lmeval/bin/python benchmarks/ruler_table.py \\
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/ruler_table.py \\
         --artifact out/kv_calibration.h5 --out out/ruler.jsonl [--length 4096] [--limit 25] \\
         [--tasks niah_single_1 ruler_vt] [--methods flagship snapkv] [--ratios 0.5 0.75] [--report]
 
