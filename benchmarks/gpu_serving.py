@@ -135,6 +135,10 @@ def plain_cache(model, ids):
     return cache
 
 
+# the generations whose difference step_counts divides into per-step counts
+COUNTED_GENERATIONS = (3, 7)
+
+
 class Config:
     """One way to serve: builds a prefilled cache once, then generates from copies of it."""
 
@@ -190,7 +194,7 @@ class Config:
         """Per decode step: kernel launches, host synchronisations, tensor reads to the host; with
         ``tables``, the profiler's table of the 5-token generation is written there."""
         counts = []
-        for tokens in (3, 7):
+        for tokens in COUNTED_GENERATIONS:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -346,7 +350,9 @@ def decode_cell(
         ("limit", limit_ids, {"ragged": False}, None),
     ]
     if plain_static:
-        configs.append(("plain [static]", ids, {"ragged": False, "static_tokens": new_tokens}, None))
+        # the StaticCache holds the longest generation the cell runs (decode_ms's or step_counts')
+        room = max(new_tokens, *COUNTED_GENERATIONS)
+        configs.append(("plain [static]", ids, {"ragged": False, "static_tokens": room}, None))
     ragged = [("ragged full", {})]
     ragged += [(name, {"policy": policy, "calibration": calibration}) for name, policy in policies(keep, calibration)]
     for index, kernel in enumerate(kernels):
