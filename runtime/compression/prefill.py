@@ -84,6 +84,7 @@ def prefill(
     )
     position_ids = (seen.unsqueeze(1) + chunk_mask.long().cumsum(-1) - 1).clamp(min=0)
     # what the policy's scorer reads from the prompt, and what the caller asks to record besides
+    served = policy.policy if isinstance(policy, ServingPlan) else policy  # the CompressionPolicy, or None
     scorer = None if policy is None else policy.scorer if isinstance(policy, ServingPlan) else policy.build_scorer()
     wants_stats = record_prompt_stats or (scorer is not None and query_statistics(scorer) == "prompt")
     window = max(0 if scorer is None else recent_query_window(scorer), int(observe_queries))
@@ -99,9 +100,8 @@ def prefill(
             prompt_stats = QueryMoments.for_prompt(geometry, batch)
         # only real tokens count; the first n_sink (attention sinks, outlier queries) stay out
         if n_sink is None:
-            n_sink = 0 if policy is None else policy.policy.n_sink if isinstance(policy, ServingPlan) else policy.n_sink
-        skip = n_sink
-        collecting = prompt_stats.collect(geometry, real=chunk_mask & (position_ids >= skip))
+            n_sink = 0 if served is None else served.n_sink
+        collecting = prompt_stats.collect(geometry, real=chunk_mask & (position_ids >= n_sink))
     with collecting, ragged_attention(model):
         model(
             input_ids=input_ids,
