@@ -124,7 +124,8 @@ test-lm-eval:
 
 lm-eval-suite: $(STAMP)
 	KVCAL_REQUIRE_LM_EVAL=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
-	  --durations=5 tests/test_lm_eval_model.py tests/test_lm_eval_cli.py tests/test_dependency_ranges.py \
+	  --durations=5 tests/test_lm_eval_model.py tests/test_lm_eval_cli.py tests/test_evaluate_lm_eval.py \
+	  tests/test_dependency_ranges.py \
 	  $(PYTEST_ARGS)
 
 profile: $(STAMP)

@@ -72,6 +72,12 @@ SCORERS = SCORER_NAMES
 # must all be servable.
 DEFAULT_POLICIES = ("baseline", *RECOMMENDATION_CANDIDATES, "uniform/keydiff", "uniform/expected_attention:prompt")
 DEFAULT_TASKS = ("all",)
+# the settings of --lm-eval-tasks' run (flag, dest), refused without it
+LM_EVAL_SETTINGS = (
+    ("--lm-eval-limit", "lm_eval_limit"),
+    ("--lm-eval-metadata", "lm_eval_metadata"),
+    ("--lm-eval-include", "lm_eval_include"),
+)
 TASK_PRESETS = ("smoke", "quick", "standard")
 
 
@@ -95,6 +101,15 @@ def _check_tasks(tasks) -> None:
     """--tasks: 'all' alone or families (the parser refuses a family twice)."""
     if "all" in tasks and len(tasks) > 1:
         raise ValueError(f"--tasks {','.join(tasks)}: 'all' means every family; give it alone, or list families")
+
+
+def _check_json_object(text: str) -> None:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--lm-eval-metadata {text!r} is not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--lm-eval-metadata {text!r} is not a JSON object ({{...}})")
 
 
 @functools.cache
@@ -278,6 +293,45 @@ def options() -> tuple:
             False,
             "with --write-recommendation (refused without it): decide on this run's tasks alone, dropping the "
             "recorded ones",
+        ),
+        Option(
+            "--lm-eval-tasks",
+            "lm_eval_tasks",
+            ListOf(Text(metavar="TASK"), distinct=True),
+            None,
+            "also run these lm-evaluation-harness tasks (the lm-eval extra: pip install 'kvcal[lm-eval]'), each "
+            "uncompressed (lm-eval's hf model: the reference) and at every --compression-ratios through kvcal serving "
+            "what the artifact serves, after the needle tasks; printed as a second table (score, n, 95%% Wilson "
+            "interval, paired W/L against uncompressed on the same documents) and kept in --json's lm_eval. "
+            "Measured only: the recommendation never reads them. RULER's offline tasks (niah_single_1, "
+            "niah_multikey_2, niah_multikey_3, ruler_vt, ruler_cwe, ruler_fwe) need --lm-eval-metadata "
+            "'{\"max_seq_lengths\":[4096]}' (lengths the model holds)",
+            shown="TASKS",
+        ),
+        Option(
+            "--lm-eval-limit",
+            "lm_eval_limit",
+            Integer(1, MAX_COUNT),
+            None,
+            "the first N documents of each lm-eval task (default: all)",
+            shown="N",
+        ),
+        Option(
+            "--lm-eval-metadata",
+            "lm_eval_metadata",
+            Text(metavar="JSON"),
+            None,
+            "a JSON object handed to lm-eval's tasks as their metadata (lm_eval --metadata); the tokenizer is the "
+            "model's unless it names one",
+            check=_check_json_object,
+        ),
+        Option(
+            "--lm-eval-include",
+            "lm_eval_include",
+            ListOf(Text(metavar="DIR")),
+            None,
+            "directories of task YAML files of your own for --lm-eval-tasks (lm_eval --include_path)",
+            shown="DIRS",
         ),
         Option("--html", "html_out", OutputFile(what="HTML report"), None, "write the HTML report to OUT"),
         Option(
@@ -615,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         args.config = load_config(args.model)  # the model exists (its weights are not read)
         check_config(args.config)  # MLA, dynamic NTK RoPE: refused by name before the weights load
         _check_outputs(args, _found_artifact(args))  # before the lock of --json is taken
+        _check_lm_eval(args)
     except (ValueError, OSError, ModelError) as exc:
         return fail("evaluate-artifact", exc)
     with contextlib.ExitStack() as held:
@@ -624,6 +679,36 @@ def main(argv: list[str] | None = None) -> int:
             except OSError as exc:
                 return fail("evaluate-artifact", exc)
         return _run(args)
+
+
+def _check_lm_eval(args) -> None:
+    """--lm-eval-*: the others only with --lm-eval-tasks; lm-eval installed and knowing every task."""
+    given = [flag for flag, dest in LM_EVAL_SETTINGS if getattr(args, dest) is not None]
+    if args.lm_eval_tasks is None:
+        if given:
+            raise ValueError(f"{', '.join(given)} say how --lm-eval-tasks runs; add --lm-eval-tasks, or drop them")
+        return
+    from .lm_eval_tasks import check_tasks
+
+    check_tasks(list(args.lm_eval_tasks), include=args.lm_eval_include)
+
+
+def _run_lm_eval(args, model, tokenizer, calibration) -> dict:
+    from .lm_eval_tasks import markdown_table, run_tasks
+
+    section = run_tasks(
+        model,
+        tokenizer,
+        calibration,
+        list(args.lm_eval_tasks),
+        list(args.ratios),
+        limit=args.lm_eval_limit,
+        metadata=json.loads(args.lm_eval_metadata) if args.lm_eval_metadata else None,
+        include=args.lm_eval_include,
+        question="aware" if args.question_aware else "auto",
+    )
+    print("\n" + markdown_table(section))
+    return section
 
 
 def _artifact_path(args) -> Path:
@@ -805,6 +890,13 @@ def _run(args) -> int:
         }
     )
     print(markdown_table(evaluation))
+    if args.lm_eval_tasks:
+        try:
+            evaluation["lm_eval"] = _run_lm_eval(args, model, tokenizer, calibration)
+        except (KeyboardInterrupt, Exception) as exc:  # the needle tasks stay in the journal: --resume keeps them
+            kept = f"; the needle tasks are kept in {writer.path} (--resume runs what is missing)" if writer else ""
+            LOG.error(f"evaluate-artifact: the lm-eval tasks stopped: {exc!r}{kept}")
+            return 130 if isinstance(exc, KeyboardInterrupt) else 2
     if args.json_out:
         from common.atomic import write_atomic
 

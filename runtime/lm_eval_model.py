@@ -27,6 +27,9 @@ Model arguments (``--model_args key=value,...``; anything else is refused):
   ``tokenizer``: the tokenizer's, when it is not the model's;
 * ``artifact``: a calibration artifact (``load_calibration(model, tokenizer, path=...)``); the
   policy served is then ``calibration.policy(compression_ratio)`` unless ``policy`` names one;
+* from Python, as lm-eval's ``hf`` model takes them, ``pretrained`` may be a loaded model,
+  ``tokenizer`` a loaded tokenizer and ``artifact`` a loaded ``Calibration`` of that model
+  (``evaluate-artifact --lm-eval-tasks`` passes its own; ``dtype`` and ``device`` are then refused);
 * ``compression_ratio``: the fraction of the context's KV cache evicted, in [0, 1) (required);
 * ``policy``: a policy name (``parse_policy``: ``flagship``, ``uniform/keydiff``, ``baseline``...);
   without an artifact the default is the artifact-free ``uniform/leverage``;
@@ -63,6 +66,7 @@ import torch.nn.functional as F
 from lm_eval.api.model import LM
 from lm_eval.api.registry import model_registry, register_model
 from tqdm import tqdm
+from transformers import PreTrainedModel
 
 from common.models import EMBEDDED, LOG, load_model, load_tokenizer, resolve_model
 from prompt_format import encode, encode_with_offsets
@@ -70,7 +74,7 @@ from runtime.compression.ragged_attention import ragged_attention
 from runtime.kv_store.transformers_compat import cache_argument
 from runtime.lm_eval_cli import MODEL as MODEL_NAME
 from runtime.math.geometry import input_device
-from runtime.plan.calibration import load_calibration
+from runtime.plan.calibration import Calibration, load_calibration
 from runtime.plan.policy_spec import ARTIFACT_FREE, parse_policy
 from runtime.serve.generation import check_inputs, compress_prompt, context_limit, generate
 
@@ -159,23 +163,35 @@ class KvcalLM(LM):
         if str(batch_size).startswith("auto"):
             raise ValueError("kvcal takes a fixed batch_size (an integer), not auto")
         self.batch_size = _integer("batch_size", batch_size)
-        if artifact is not None and not Path(artifact).expanduser().is_file():
+        if isinstance(artifact, (str, Path)) and not Path(artifact).expanduser().is_file():
             raise FileNotFoundError(f"no artifact file {artifact} (artifact= names a calibration file, e.g. .h5)")
         spec = parse_policy(policy) if policy is not None else None  # a bad name fails before the model loads
         if spec is not None and spec.needs_reconstruction:
             raise ValueError(
                 f"policy {policy!r} needs a reconstruction pass per prompt, which kvcal's lm-eval model lacks"
             )
-        self.pretrained = EMBEDDED if pretrained in (None, "") else str(pretrained)
-        self.tokenizer_source = resolve_model(tokenizer if tokenizer else self.pretrained)
-        self.model = load_model(self.pretrained, dtype=dtype, device_map=_device_map(device))
-        self.tokenizer = load_tokenizer(tokenizer if tokenizer else self.pretrained)
+        if isinstance(pretrained, PreTrainedModel):  # a loaded model (Python; evaluate-artifact --lm-eval-tasks)
+            if dtype is not None or device is not None:
+                raise ValueError("dtype and device apply to a model kvcal loads; a loaded model is used as it is")
+            self.model, self.pretrained = pretrained, pretrained.name_or_path
+        else:
+            self.pretrained = EMBEDDED if pretrained in (None, "") else str(pretrained)
+            self.model = load_model(self.pretrained, dtype=dtype, device_map=_device_map(device))
+        if tokenizer is not None and not isinstance(tokenizer, str):  # a loaded tokenizer
+            self.tokenizer, self.tokenizer_source = tokenizer, tokenizer.name_or_path
+        else:
+            self.tokenizer_source = resolve_model(tokenizer if tokenizer else self.pretrained)
+            self.tokenizer = load_tokenizer(tokenizer if tokenizer else self.pretrained)
         self._device = input_device(self.model)
         limit = context_limit(self.model.config)
         self.max_length = _integer("max_length", max_length) if max_length is not None else limit
         self.calibration = None
         if artifact is not None:
-            self.calibration = load_calibration(self.model, self.tokenizer, path=artifact)
+            self.calibration = (
+                artifact
+                if isinstance(artifact, Calibration)
+                else load_calibration(self.model, self.tokenizer, path=artifact)
+            )
             served = self.calibration.policy(self.compression_ratio) if spec is None else None
         else:
             served = None
@@ -189,7 +205,7 @@ class KvcalLM(LM):
             served = dataclasses.replace(served, window=_integer("window", window, minimum=0))
         self.policy = served
         self.policy_name = policy if policy is not None else ("artifact" if artifact else ARTIFACT_FREE.name)
-        self.artifact = None if artifact is None else str(Path(artifact).expanduser().resolve())
+        self.artifact = None if self.calibration is None else str(Path(self.calibration.path).resolve())
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else self.tokenizer.eos_token_id
         self.counts = {"question_agnostic_prompts": 0, "question_aware_prompts": 0, "loglikelihood_requests": 0}
