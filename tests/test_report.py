@@ -51,6 +51,29 @@ def test_report_holds_every_section_and_escapes_text(tmp_path):
     assert "http://" not in page.replace("http://www.w3.org/2000/svg", "")  # no network assets
 
 
+def test_report_shows_the_lm_eval_tasks_beside_the_needles(tmp_path):
+    """evaluate-artifact --lm-eval-tasks --html: the lm-eval rows in a table of their own."""
+    row = {"task": "niah_single_1", "metric": "4096", "n": 20, "low": 0.5, "high": 0.9}
+    lm_eval = {
+        "tasks": ["niah_single_1"],
+        "limit": 20,
+        "question": "auto",
+        "reference": "lm-eval's hf model on the unmodified model",
+        "rows": [
+            {**row, "ratio": None, "mean": 0.75, "wins": None, "losses": None, "paired": 0},
+            {**row, "ratio": 0.9, "mean": 0.7, "wins": 1, "losses": 2, "paired": 20},
+        ],
+    }
+    path = write_artifact(tmp_path / "a.h5", make_random_artifact())
+    with open_artifact(path) as reader:
+        page = render_report(reader, {**EVALUATION, "lm_eval": lm_eval})
+        plain = render_report(reader, EVALUATION)
+    table = page.split('id="lm-eval-table"')[1].split("</table>")[0]
+    assert "<td>niah_single_1</td><td>4096</td><td>uncompressed</td><td>20</td><td>0.750</td>" in table
+    assert "<td>0.9</td><td>20</td><td>0.700</td><td>0.500&ndash;0.900</td><td>1 / 2 of 20</td>" in table
+    assert "hf model on the unmodified model" in page and 'id="lm-eval-table"' not in plain
+
+
 def _chromium():
     driver = shutil.which("chromedriver")
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
