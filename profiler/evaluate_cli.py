@@ -302,7 +302,8 @@ def options() -> tuple:
             "also run these lm-evaluation-harness tasks (the lm-eval extra: pip install 'kvcal[lm-eval]'), each "
             "uncompressed (lm-eval's hf model: the reference) and at every --compression-ratios through kvcal serving "
             "what the artifact serves, after the needle tasks; printed as a second table (score, n, 95%% Wilson "
-            "interval, paired W/L against uncompressed on the same documents) and kept in --json's lm_eval. "
+            "interval, paired W/L against uncompressed on the same documents), kept in --json's lm_eval and "
+            "shown by --html. "
             "Measured only: the recommendation never reads them. RULER's offline tasks (niah_single_1, "
             "niah_multikey_2, niah_multikey_3, ruler_vt, ruler_cwe, ruler_fwe) need --lm-eval-metadata "
             "'{\"max_seq_lengths\":[4096]}' (lengths the model holds)",
