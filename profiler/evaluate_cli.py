@@ -897,6 +897,7 @@ def _run(args) -> int:
         except (KeyboardInterrupt, Exception) as exc:  # the needle tasks stay in the journal: --resume keeps them
             kept = f"; the needle tasks are kept in {writer.path} (--resume runs what is missing)" if writer else ""
             LOG.error(f"evaluate-artifact: the lm-eval tasks stopped: {exc!r}{kept}")
+            LOG.debug("where the lm-eval tasks stopped", exc_info=True)  # -v shows the traceback
             return 130 if isinstance(exc, KeyboardInterrupt) else 2
     if args.json_out:
         from common.atomic import write_atomic
