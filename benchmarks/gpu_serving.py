@@ -67,6 +67,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -273,29 +274,67 @@ def run_job(args, model_dir: Path | None, results: dict, save) -> Path | None:
     return artifact
 
 
+CHUNK = 64  # the exactness check's last columns, fed as one chunk through kvcal's cache
+
+
 @torch.no_grad()
 def exactness(model_dir, model, tokenizer, device, results, save) -> None:
-    """Max |logit difference| to a float32 copy of the model at the first generated position."""
+    """Max |logit difference| to a float32 copy of the model: at the first generated position
+    (decode step), and at every position of a chunk of :data:`CHUNK` tokens fed through the
+    compressed cache (nothing evicted; on a GPU the FlashAttention varlen path)."""
+    from runtime.compression.ragged_attention import ragged_attention
+
     ids = filler_ids(tokenizer, 2048).to(device)
     reference = load_model(model_dir and str(model_dir), dtype="float32").to(device)
     expected = plain_cache_logits(reference, ids)
+    expected_chunk = reference(ids).logits[:, -CHUNK:].float()
     del reference
     if device.type == "cuda":
         torch.cuda.empty_cache()
     plain = plain_cache_logits(model, ids)
+    plain_chunk = model(ids).logits[:, -CHUNK:].float()
     cache, _ = compress_prompt(model, ids, None, context_columns=ids.shape[1] - 1)
-    from runtime.compression.ragged_attention import ragged_attention
-
     with ragged_attention(model):
         ragged = model(ids[:, -1:], **cache_argument(model, cache), use_cache=True).logits[:, -1].float()
+    cache, _ = compress_prompt(model, ids, None, context_columns=ids.shape[1] - CHUNK)
+    with ragged_attention(model):
+        chunk = model(ids[:, -CHUNK:], **cache_argument(model, cache), use_cache=True).logits.float()
     results["exactness"] = {
         "plain_vs_float32": float((plain - expected).abs().max()),
         "kvcal_vs_float32": float((ragged - expected).abs().max()),
         "kvcal_vs_plain": float((ragged - plain).abs().max()),
+        "chunk_plain_vs_float32": float((plain_chunk - expected_chunk).abs().max()),
+        "chunk_kvcal_vs_float32": float((chunk - expected_chunk).abs().max()),
+        "chunk_kvcal_vs_plain": float((chunk - plain_chunk).abs().max()),
         "logit_scale": float(expected.abs().max()),
+        "varlen_kernel": varlen_kernel_check(device, model.dtype),
     }
     save()
     log(f"exactness {results['exactness']}")
+
+
+def varlen_kernel_check(device, dtype) -> dict | str:
+    """The chunk kernel of a GPU (FlashAttention varlen over a packed layer in place) against its
+    plain-torch reference on random segments of 8B geometry (8 KV heads, G = 4, d = 128): max |out|
+    and |lse| differences.  A string where the path does not serve or the kernel fails."""
+    from runtime.kv_store.varlen_attention import FLASH_DTYPES, reference_varlen, varlen_chunk_attention
+
+    if device.type != "cuda" or dtype not in FLASH_DTYPES:
+        return f"not served on {device.type} in {dtype}"
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, group, dim, q_len = 2, 8, 4, 128, 512
+    length = torch.randint(q_len, 3 * q_len, (batch, heads), generator=generator).numpy()
+    capacity = length + 16
+    offset = np.concatenate([[0], np.cumsum(capacity.reshape(-1))[:-1]]).reshape(batch, heads)
+    keys = torch.randn(int(capacity.sum()), dim, generator=generator).to(device, dtype)
+    values = torch.randn(int(capacity.sum()), dim, generator=generator).to(device, dtype)
+    query = torch.randn(batch, heads * group, q_len, dim, generator=generator).to(device, dtype)
+    try:
+        out, lse = varlen_chunk_attention(query, keys, values, offset, length, dim**-0.5)
+    except Exception as error:  # the report says what failed; the rest of the run goes on
+        return f"failed: {type(error).__name__}: {error}"[:500]
+    ref_out, ref_lse = varlen_chunk_attention(query, keys, values, offset, length, dim**-0.5, kernel=reference_varlen)
+    return {"out": float((out - ref_out).abs().max()), "lse": float((lse - ref_lse).abs().max())}
 
 
 def plain_cache_logits(model, ids) -> torch.Tensor:

@@ -45,6 +45,7 @@ from runtime.kv_store.paged_attention import (
 )
 from runtime.kv_store.profiling import label
 from runtime.kv_store.segments import SegmentStore
+from runtime.kv_store.varlen_attention import varlen_chunk_attention, varlen_serves
 from runtime.math.momentkv import PreparedMoments
 
 
@@ -125,7 +126,9 @@ def segment_layer_attention(
     nor soft-capping, a chunk is attended in two parts merged by their log-sum-exp
     (:func:`_chunk_split_attention`): cost linear in the chunk's length over the rows before it,
     and a causal flash kernel over the chunk itself, instead of logits materialised over every row
-    for every query (a question of 1,086 tokens: docs/results.md R-long-question-2026-11-27)."""
+    for every query (a question of 1,086 tokens: docs/results.md R-long-question-2026-11-27).  On a
+    GPU, a chunk without padding, window or soft-capping is one FlashAttention varlen call over the
+    buffer in place (:mod:`runtime.kv_store.varlen_attention`)."""
     batch, num_q_heads, q_len, dim = query.shape
     heads = store.num_heads
     group = num_q_heads // heads
@@ -134,6 +137,11 @@ def segment_layer_attention(
     if q_len == 1 and real is None:  # decoding: every query of a head sees all its stored rows
         with label("kvcal.attention"):
             out, lse = _decode_step_attention(grouped, store, layout, scaling, softcap, need_lse=prepared is not None)
+    elif q_len > 1 and real is None and window is None and varlen_serves(query, store, softcap):
+        with label("kvcal.attention"):  # a GPU: one FlashAttention varlen call over the buffer in place
+            out, lse = varlen_chunk_attention(
+                query, store.key_buffer, store.value_buffer, store.host_offset, store.host_length, scaling
+            )
     elif chunk is not None and window is None and fused_kernel_serves(query, store.key_buffer, softcap):
         with label("kvcal.attention"):
             out, lse = _chunk_split_attention(query, grouped, chunk, real, store, scaling)

@@ -1,0 +1,150 @@
+"""A chunk over a packed layer as one FlashAttention varlen call (runtime/kv_store/varlen_attention.py,
+issue 40): the GPU's path, checked here without a GPU.
+
+* the packing (queries to sequences of one KV head and G query heads, the buffer read in place
+  from each segment's offset, the outputs and log-sum-exps back in segment order) against a naive
+  loop over (row, KV head, query head, token), through :func:`reference_varlen` (the kernel's
+  documented semantics: bottom-right causal, ``seqused_k`` keys from ``cu_k``);
+* the real ``aten::_flash_attention_forward`` call on the meta device (its schema and the shapes
+  our reshapes assume: ``out [Tq, G, d]``, ``lse [G, Tq]``);
+* the whole runtime with the varlen path forced and the reference kernel in it: a block-wise
+  prefill and a question fed through the compressed cache on the embedded model answer as the
+  default path does (the same greedy tokens, logits within float32 noise).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.kv_store import layer_attention, varlen_attention
+from runtime.kv_store.varlen_attention import flash_varlen, reference_varlen, varlen_chunk_attention, varlen_serves
+
+
+def packed_layer(batch=2, heads=3, dim=16, q_len=5, seed=0, dtype=torch.float32):
+    """A packed layer's buffers with a chunk of ``q_len`` just appended to every segment: segments at
+    increasing offsets with gaps (their capacity), each with its own count of rows before the chunk."""
+    generator = torch.Generator().manual_seed(seed)
+    before = np.array([[7, 0, 12], [3, 9, 1]])[:batch, :heads]
+    length = before + q_len
+    capacity = length + np.array([[2, 5, 0], [4, 1, 3]])[:batch, :heads]
+    offset = np.concatenate([[0], np.cumsum(capacity.reshape(-1))[:-1]]).reshape(batch, heads)
+    rows = int(capacity.sum())
+    keys = torch.randn(rows, dim, generator=generator).to(dtype)
+    values = torch.randn(rows, dim, generator=generator).to(dtype)
+    return keys, values, offset, length, before
+
+
+def naive(query, keys, values, offset, length, scaling):
+    """Token t of segment (b, h) over the segment's rows up to the chunk's t-th: ``[S, G*q, d]``, ``[S, G*q]``."""
+    batch, query_heads, q_len, dim = query.shape
+    heads = length.shape[1]
+    group = query_heads // heads
+    out = torch.zeros(batch * heads, group * q_len, dim)
+    lse = torch.zeros(batch * heads, group * q_len)
+    for b in range(batch):
+        for h in range(heads):
+            s, start, count = b * heads + h, int(offset[b, h]), int(length[b, h])
+            for g in range(group):
+                for t in range(q_len):
+                    visible = count - q_len + t + 1
+                    k = keys[start : start + visible].float()
+                    v = values[start : start + visible].float()
+                    logits = k @ query[b, h * group + g, t].float() * scaling
+                    out[s, g * q_len + t] = torch.softmax(logits, 0) @ v
+                    lse[s, g * q_len + t] = torch.logsumexp(logits, 0)
+    return out, lse
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_the_varlen_packing_is_a_chunk_over_each_segment_causally(group):
+    keys, values, offset, length, _ = packed_layer()
+    batch, heads, q_len, dim = 2, 3, 5, 16
+    query = torch.randn(batch, heads * group, q_len, dim, generator=torch.Generator().manual_seed(1))
+    out, lse = varlen_chunk_attention(query, keys, values, offset, length, 0.25, kernel=reference_varlen)
+    expected_out, expected_lse = naive(query, keys, values, offset, length, 0.25)
+    assert out.shape == (batch * heads, group * q_len, dim) and out.dtype == lse.dtype == torch.float32
+    torch.testing.assert_close(out, expected_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_the_flash_call_takes_our_packing_on_the_meta_device():
+    """The real op's meta kernel: the schema we call (keyword seqused_k, int32 cu tables) and the
+    layouts our reshapes read (out ``[Tq, G, d]``, lse ``[G, Tq]``)."""
+    keys, values, offset, length, _ = packed_layer(dtype=torch.bfloat16)
+    query = torch.randn(2, 6, 5, 16, dtype=torch.bfloat16)
+    meta = torch.device("meta")
+    out, lse = varlen_chunk_attention(query.to(meta), keys.to(meta), values.to(meta), offset, length, 0.25)
+    assert out.shape == (6, 10, 16) and lse.shape == (6, 10) and out.device.type == "meta"
+    packed = torch.empty(30, 2, 16, dtype=torch.bfloat16, device=meta)
+    cu = torch.zeros(7, dtype=torch.int32, device=meta)
+    raw_out, raw_lse = flash_varlen(packed, packed[:, :1], packed[:, :1], cu, cu, 5, 17, 0.25, cu[:6])
+    assert raw_out.shape == (30, 2, 16) and raw_lse.shape == (2, 30)
+
+
+def test_the_varlen_path_serves_only_where_its_kernel_runs():
+    keys, values, offset, length, _ = packed_layer(dtype=torch.bfloat16)
+
+    class Store:
+        key_buffer, head_dim, host_offset = keys, 16, offset
+
+    assert not varlen_serves(torch.zeros(1, 3, 2, 16, dtype=torch.bfloat16), Store(), None)  # the CPU
+
+
+@pytest.fixture
+def varlen_forced(monkeypatch):
+    """The runtime with the GPU's chunk path taken on the CPU, its kernel the reference."""
+    monkeypatch.setattr(layer_attention, "varlen_serves", lambda query, store, softcap: True)
+    calls = []
+
+    def counted(*arguments):
+        calls.append(arguments[0].shape)
+        return reference_varlen(*arguments)
+
+    monkeypatch.setattr(varlen_attention, "flash_varlen", counted)
+    return calls
+
+
+@pytest.mark.slow
+def test_block_wise_prefill_and_question_through_the_varlen_path_answer_as_the_default(
+    embedded_model, embedded_tokenizer, varlen_forced, monkeypatch, one_thread
+):
+    from runtime import CompressionPolicy
+    from runtime.serve.generation import generate
+
+    text = ("The grass is green. The sky is blue. " * 30) + "The passcode is 4821. " + ("Here we go. " * 30)
+    question = " What is the passcode? Answer:"
+    context = embedded_tokenizer(text, return_tensors="pt")["input_ids"]
+    ids = torch.cat([context, embedded_tokenizer(question, return_tensors="pt")["input_ids"]], dim=1)
+    policy = CompressionPolicy(scorer="keydiff", compression_ratio=0.5)
+    kwargs = {"context_columns": context.shape[1], "block_size": 128, "max_new_tokens": 6}
+    kwargs.update(output_logits=True, return_dict_in_generate=True)
+    forced = generate(embedded_model, ids, policy, **kwargs)
+    assert len(varlen_forced) > 0  # the chunks after the first block and the question went through it
+    monkeypatch.undo()
+    default = generate(embedded_model, ids, policy, **kwargs)
+    assert forced.new_tokens.tolist() == default.new_tokens.tolist()
+    for a, b in zip(forced.logits, default.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_flagships_corrected_question_through_the_varlen_path_answers_as_the_default(
+    embedded_model, embedded_tokenizer, smoke_artifact, varlen_forced, monkeypatch, one_thread
+):
+    """The MomentKV merge reads the varlen call's log-sum-exp: the flagship (+correction) served
+    from the smoke artifact, the question fed through its compressed cache."""
+    from runtime import answer, load_calibration
+    from runtime.plan.policy_spec import parse_policy
+
+    calibration = load_calibration(embedded_model, embedded_tokenizer, path=smoke_artifact)
+    policy = parse_policy("flagship").policy(0.75)
+    assert policy.correction is not None
+    context = ("The grass is green. The sky is blue. " * 30) + "The passcode is 4821. " + ("Here we go. " * 30)
+    question = "What is the passcode?"
+    kwargs = {"calibration": calibration, "max_new_tokens": 6}
+    forced = answer(embedded_model, embedded_tokenizer, context, question, policy, **kwargs)
+    assert len(varlen_forced) > 0
+    monkeypatch.undo()
+    assert forced == answer(embedded_model, embedded_tokenizer, context, question, policy, **kwargs)
