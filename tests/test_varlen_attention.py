@@ -80,7 +80,23 @@ def test_the_flash_call_takes_our_packing_on_the_meta_device():
     packed = torch.empty(30, 2, 16, dtype=torch.bfloat16, device=meta)
     cu = torch.zeros(7, dtype=torch.int32, device=meta)
     raw_out, raw_lse = flash_varlen(packed, packed[:, :1], packed[:, :1], cu, cu, 5, 17, 0.25, cu[:6])
-    assert raw_out.shape == (30, 2, 16) and raw_lse.shape == (2, 30)
+    # the log-sum-exp's layout changed between torch releases (2.6: padded per sequence): both are read
+    assert raw_out.shape == (30, 2, 16) and raw_lse.shape in ((2, 30), (6, 2, 5))
+
+
+def test_both_log_sum_exp_layouts_give_the_same_attention():
+    """torch 2.6's flash kernel returns the varlen log-sum-exp padded per sequence ``[S, G, max_q]``,
+    newer ones unpadded ``[G, Tq]``: a kernel of either layout gives the same (out, lse)."""
+    keys, values, offset, length, _ = packed_layer()
+    query = torch.randn(2, 6, 5, 16, generator=torch.Generator().manual_seed(2))
+
+    def padded(*arguments):
+        out, lse = reference_varlen(*arguments)  # lse [G, S * q]
+        return out, lse.view(2, 6, 5).transpose(0, 1)  # [S, G, q]: every sequence has q = max_q queries
+
+    unpadded = varlen_chunk_attention(query, keys, values, offset, length, 0.25, kernel=reference_varlen)
+    other = varlen_chunk_attention(query, keys, values, offset, length, 0.25, kernel=padded)
+    torch.testing.assert_close(unpadded, other)
 
 
 def test_the_varlen_path_serves_only_where_its_kernel_runs():

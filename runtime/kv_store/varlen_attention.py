@@ -50,7 +50,8 @@ def varlen_serves(query: torch.Tensor, store, softcap: float | None) -> bool:
 
 def flash_varlen(query, key, value, cu_q, cu_k, max_q: int, max_k: int, scaling: float, seqused_k):
     """PyTorch's FlashAttention varlen forward, causal (bottom-right), no dropout: ``(out [Tq, Hq, d],
-    lse [Hq, Tq] float32)``."""
+    lse float32)``, the log-sum-exp ``[Hq, Tq]`` (newer torch) or ``[sequences, Hq, max_q]``, padded
+    (torch 2.6: its meta kernel says so)."""
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
         query, key, value, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=float(scaling), seqused_k=seqused_k
     )
@@ -117,7 +118,10 @@ def varlen_chunk_attention(
         scaling,
         used,
     )
-    # [S * q, G, d] -> [S, G, q, d] -> [S, G*q, d]; lse [G, S * q] -> [S, G, q] -> [S, G*q]
+    # [S * q, G, d] -> [S, G, q, d] -> [S, G*q, d]
     out = out.view(segments, q_len, group, dim).transpose(1, 2).reshape(segments, group * q_len, dim)
-    lse = lse.view(group, segments, q_len).transpose(0, 1).reshape(segments, group * q_len)
-    return out.float(), lse.float()
+    if lse.dim() == 3:  # torch before 2.8 or so: [S, G, max_q], padded per sequence (here max_q = q)
+        lse = lse[:, :, :q_len]
+    else:  # newer: unpadded, [G, S * q]
+        lse = lse.view(group, segments, q_len).transpose(0, 1)
+    return out.float(), lse.reshape(segments, group * q_len).float()
