@@ -5,7 +5,7 @@
                                      [--new-tokens 25] [--block-size 4096] [--profile-job] [--evaluate]
                                      [--device cuda] [--dtype bfloat16] [--mlp-width N] [--json OUT]
                                      [--embedded [--artifact PATH]] [--skip PART ...] [--tables DIR]
-                                     [--decode-kernels default graphs flex] [--plain-static]
+                                     [--decode-kernels default graphs flex pages] [--plain-static]
                                      [--fit [--memory-gib 80] [--fit-context 32768] [--fit-block-size N]]
 
 A random-weight Llama of ``--geometry``'s layer geometry (benchmarks/profiler_scale.py: 8B is hidden
@@ -379,8 +379,9 @@ def decode_cell(
 ) -> dict:
     """Decode ms/token and per-step counts of every configuration; the ragged ones once per decode
     kernel in ``kernels`` (``default``: the runtime's choice; ``graphs``: that, replayed from CUDA
-    graphs; ``flex``: ``KVCAL_DECODE_KERNEL=flex``, runtime/kv_store/flex_decode.py), named ``"<config>
-    [<kernel>]"`` past the first.  ``plain_static``: also plain transformers with a StaticCache, which
+    graphs; ``flex``: ``KVCAL_DECODE_KERNEL=flex``, runtime/kv_store/flex_decode.py; ``pages``:
+    ``KVCAL_DECODE_KERNEL=pages``, the page kernel), named ``"<config> [<kernel>]"`` past the first.
+    ``plain_static``: also plain transformers with a StaticCache, which
     generate() compiles on a GPU (``torch.compile``, mode ``reduce-overhead``: CUDA graphs), as
     ``"plain [static]"``."""
     limit_ids = ids[:, -max(2, int(keep * ids.shape[1])) :]
@@ -589,9 +590,10 @@ def main(argv=None) -> int:
         "--decode-kernels",
         nargs="+",
         default=["default"],
-        choices=["default", "graphs", "flex"],
+        choices=["default", "graphs", "flex", "pages"],
         help="decode the ragged configurations under each (graphs: decode_graphs=True; flex: "
-        "KVCAL_DECODE_KERNEL=flex); default: default",
+        "KVCAL_DECODE_KERNEL=flex; pages: KVCAL_DECODE_KERNEL=pages, the page kernel a GPU ran before "
+        "the FlashAttention varlen one); default: default",
     )
     parser.add_argument(
         "--plain-static",

@@ -19,7 +19,15 @@ import pytest
 import torch
 
 from runtime.kv_store import layer_attention, varlen_attention
-from runtime.kv_store.varlen_attention import flash_varlen, reference_varlen, varlen_chunk_attention, varlen_serves
+from runtime.kv_store.layout import PageLayout
+from runtime.kv_store.segments import SegmentStore
+from runtime.kv_store.varlen_attention import (
+    flash_varlen,
+    reference_varlen,
+    varlen_chunk_attention,
+    varlen_decode_attention,
+    varlen_serves,
+)
 
 
 def packed_layer(batch=2, heads=3, dim=16, q_len=5, seed=0, dtype=torch.float32):
@@ -69,6 +77,31 @@ def test_the_varlen_packing_is_a_chunk_over_each_segment_causally(group):
     torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=1e-5)
 
 
+def test_a_decode_step_reads_the_device_tables_of_a_store_with_unequal_heads():
+    """A store whose heads hold different counts (evicted unevenly) then one decode row each: the
+    varlen step over the layout's tables and the advanced ``ends`` is every head's attention over
+    its live rows, and it reads no host table."""
+    generator = torch.Generator().manual_seed(3)
+    store = SegmentStore(2, 3, 16, torch.float32, "cpu")
+    store.append(torch.randn(2, 3, 40, 16, generator=generator), torch.randn(2, 3, 40, 16, generator=generator),
+                 torch.arange(40).expand(2, 40), None)  # fmt: skip
+    keep = torch.rand(2, 3, 40, generator=generator) < torch.tensor([0.2, 0.5, 0.9])[None, :, None]
+    store.keep_rows([0, 1], keep)
+    store.append(torch.randn(2, 3, 1, 16, generator=generator), torch.randn(2, 3, 1, 16, generator=generator),
+                 torch.full((2, 1), 40), None)  # fmt: skip
+    layout = PageLayout.build(store.offset, store.capacity, store.page_size, store.key_buffer.shape[0], "cpu")
+    query = torch.randn(6, 4, 16, generator=generator)  # [S, G, d]
+    out, lse = varlen_decode_attention(query, store, layout, 0.25, kernel=reference_varlen)
+    assert out.shape == (6, 4, 16) and lse.shape == (6, 4)
+    for b in range(2):
+        for h in range(3):
+            keys, values, _ = store.head(b, h)
+            logits = query[b * 3 + h] @ keys.T * 0.25  # [G, n]
+            torch.testing.assert_close(out[b * 3 + h], torch.softmax(logits, -1) @ values, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lse[b * 3 + h], torch.logsumexp(logits, -1), atol=1e-5, rtol=1e-5)
+    assert len({int(n) for n in store.host_length.reshape(-1)}) > 1  # the heads differ
+
+
 def test_the_flash_call_takes_our_packing_on_the_meta_device():
     """The real op's meta kernel: the schema we call (keyword seqused_k, int32 cu tables) and the
     layouts our reshapes read (out ``[Tq, G, d]``, lse ``[G, Tq]``)."""
@@ -115,7 +148,7 @@ def varlen_forced(monkeypatch):
     calls = []
 
     def counted(*arguments):
-        calls.append(arguments[0].shape)
+        calls.append("decode" if arguments[5] == 1 else "chunk")  # max_q
         return reference_varlen(*arguments)
 
     monkeypatch.setattr(varlen_attention, "flash_varlen", counted)
@@ -137,7 +170,8 @@ def test_block_wise_prefill_and_question_through_the_varlen_path_answer_as_the_d
     kwargs = {"context_columns": context.shape[1], "block_size": 128, "max_new_tokens": 6}
     kwargs.update(output_logits=True, return_dict_in_generate=True)
     forced = generate(embedded_model, ids, policy, **kwargs)
-    assert len(varlen_forced) > 0  # the chunks after the first block and the question went through it
+    # the blocks after the first, the question and every decode step went through it
+    assert {"chunk", "decode"} <= set(varlen_forced)
     monkeypatch.undo()
     default = generate(embedded_model, ids, policy, **kwargs)
     assert forced.new_tokens.tolist() == default.new_tokens.tolist()
@@ -161,6 +195,6 @@ def test_the_flagships_corrected_question_through_the_varlen_path_answers_as_the
     question = "What is the passcode?"
     kwargs = {"calibration": calibration, "max_new_tokens": 6}
     forced = answer(embedded_model, embedded_tokenizer, context, question, policy, **kwargs)
-    assert len(varlen_forced) > 0
+    assert {"chunk", "decode"} <= set(varlen_forced)
     monkeypatch.undo()
     assert forced == answer(embedded_model, embedded_tokenizer, context, question, policy, **kwargs)

@@ -45,7 +45,7 @@ from runtime.kv_store.paged_attention import (
 )
 from runtime.kv_store.profiling import label
 from runtime.kv_store.segments import SegmentStore
-from runtime.kv_store.varlen_attention import varlen_chunk_attention, varlen_serves
+from runtime.kv_store.varlen_attention import varlen_chunk_attention, varlen_decode_attention, varlen_serves
 from runtime.math.momentkv import PreparedMoments
 
 
@@ -225,7 +225,11 @@ def decode_kernel(store: SegmentStore, softcap: float | None, need_lse: bool) ->
       head whose budget is the same in every batch row, one per segment of the other heads
       (:func:`~runtime.kv_store.paged_attention.live_rows_attention`).  Its calls are sized by the host's
       lengths, so no two steps run the same calls;
-    * ``"pages"``: otherwise (every GPU), or with ``KVCAL_DECODE_KERNEL=pages``: the layout's pages
+    * ``"varlen"``: on a GPU where FlashAttention's varlen kernel serves
+      (:func:`~runtime.kv_store.varlen_attention.varlen_serves`): one call over the buffer in place,
+      its tables on the device (:func:`~runtime.kv_store.varlen_attention.varlen_decode_attention`),
+      so a step replays in a captured graph;
+    * ``"pages"``: otherwise, or with ``KVCAL_DECODE_KERNEL=pages``: the layout's pages
       (:meth:`~runtime.kv_store.layout.PageLayout.decode_pages`), one batched call and a merge.  Its calls
       read the lengths from the device (``row_bias``), so every step of one storage generation runs
       the same calls on the same buffers: a step that can be captured once and replayed
@@ -235,6 +239,8 @@ def decode_kernel(store: SegmentStore, softcap: float | None, need_lse: bool) ->
     chosen, keys = selected_decode_kernel(), store.key_buffer
     if chosen == "flex" and flex_serves(keys, keys, store.head_dim, need_lse):
         return "flex"
+    if chosen != "pages" and varlen_serves(keys, store, softcap):
+        return "varlen"
     if chosen != "pages" and fused_kernel_serves(keys, keys, softcap):
         length = store.host_length.tolist()
         if (store.uniform and length[0][0] > 0) or live_row_calls(length, store.head_stride) <= LIVE_ROW_CALLS:
@@ -256,6 +262,8 @@ def _decode_step_attention(
     kernel = decode_kernel(store, softcap, need_lse)
     if kernel == "flex":
         return flex_decode_attention(query, store, scaling, softcap=softcap, need_lse=need_lse)
+    if kernel == "varlen":  # a GPU: one FlashAttention varlen call, every table on the device
+        return varlen_decode_attention(query, store, layout, scaling)
     if kernel == "live_rows":  # the CPU: sizes from the host mirror
         length = store.host_length.tolist()
         if store.uniform and length[0][0] > 0:

@@ -87,6 +87,12 @@ class PageLayout:
     segment_pages: torch.Tensor | None  # int64 [S] = arange(S) while every capacity is equal (and > 0)
     segment_capacity: int  # that common capacity (0 otherwise)
     gather: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None  # key rows, bias rows [S * W], W, arange(S)
+    # FlashAttention varlen's tables (:mod:`runtime.kv_store.varlen_attention`): int32 [S + 1] of the
+    # segments' first rows closed by the buffer's end, int64 [S] the same without it, and the widest
+    # capacity (an upper bound of every length until the next repack)
+    varlen_starts: torch.Tensor
+    segment_offset: torch.Tensor
+    widest: int
 
     @classmethod
     def build(
@@ -121,6 +127,9 @@ class PageLayout:
             segment_pages=torch.arange(segments, device=device) if equal else None,
             segment_capacity=int(flat_capacity[0]) if equal else 0,
             gather=gather,
+            varlen_starts=to_device(np.append(flat_offset, buffer_rows).astype(np.int32), device),
+            segment_offset=to_device(flat_offset, device),
+            widest=widest,
         )
 
     def decode_pages(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, row_bias: torch.Tensor) -> DecodePages:

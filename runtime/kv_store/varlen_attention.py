@@ -125,3 +125,29 @@ def varlen_chunk_attention(
     else:  # newer: unpadded, [G, S * q]
         lse = lse.view(group, segments, q_len).transpose(0, 1)
     return out.float(), lse.reshape(segments, group * q_len).float()
+
+
+def varlen_decode_attention(
+    query: torch.Tensor, store, layout, scaling: float, *, kernel: Callable | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step, ``query [S, G, d]`` over every segment's live rows, as one varlen call:
+    ``(out [S, G, d], lse [S, G])`` float32.  Every table is on the device already (the layout's,
+    built at the last repack, and the storage's ``ends``, advanced in place at every step), so the
+    step asks the host nothing and the same calls replay in a captured graph; the kernel's upper
+    bound of the lengths is the widest capacity, which only a repack (a new layout) changes."""
+    segments, group, dim = query.shape
+    used = (store.ends - layout.segment_offset).to(torch.int32)  # [S] live rows, on the device
+    cu_q = torch.arange(segments + 1, dtype=torch.int32, device=query.device)
+    out, lse = (kernel or flash_varlen)(
+        query.to(store.key_buffer.dtype),
+        store.key_buffer.view(-1, 1, dim),
+        store.value_buffer.view(-1, 1, dim),
+        cu_q,
+        layout.varlen_starts,
+        1,
+        max(layout.widest, 1),
+        scaling,
+        used,
+    )
+    lse = lse[:, :, 0] if lse.dim() == 3 else lse.transpose(0, 1)  # [S, G, 1] (torch 2.6) or [G, S]
+    return out.float(), lse.float()
