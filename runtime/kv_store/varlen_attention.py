@@ -25,6 +25,7 @@ padding in the chunk, segments at increasing offsets.  Elsewhere the caller keep
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -43,9 +44,15 @@ def varlen_serves(query: torch.Tensor, store, softcap: float | None) -> bool:
     keys = store.key_buffer
     if query.device.type != "cuda" or keys.dtype not in FLASH_DTYPES or softcap is not None:
         return False
-    if store.head_dim % 8 or store.head_dim > MAX_HEAD_DIM or torch.cuda.get_device_capability(query.device) < (8, 0):
+    if store.head_dim % 8 or store.head_dim > MAX_HEAD_DIM or not _flash_runs(query.device.index):
         return False
     return bool(np.all(np.diff(store.host_offset.reshape(-1)) > 0))
+
+
+@functools.cache
+def _flash_runs(index: int | None) -> bool:
+    """This torch build has FlashAttention and CUDA device ``index`` runs it (compute capability 8.0+)."""
+    return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def flash_varlen(query, key, value, cu_q, cu_k, max_q: int, max_k: int, scaling: float, seqused_k):
