@@ -211,12 +211,15 @@ def table(rows: dict) -> str:
 
 
 def curves(rows: dict) -> tuple[dict, list[str]]:
-    """``method -> [(ratio, mean over tasks)]`` over the tasks with signal (all tasks when none has),
-    the uncompressed score at ratio 0 on each method's line (and a point of its own); and the tasks
-    averaged."""
+    """``method -> [(ratio, mean over tasks)]`` over the tasks with signal (all tasks when none has)
+    that some method ran compressed (a task run only uncompressed would shift the uncompressed point
+    alone), the uncompressed score at ratio 0 on each method's line (and a point of its own); and the
+    tasks averaged."""
     quiet = set(no_signal_tasks(rows))
     tasks = sorted({task for task, _, _ in rows})
     kept = [task for task in tasks if task not in quiet] or tasks
+    compressed = {task for task, method, _ in rows if method != "uncompressed"}
+    kept = [task for task in kept if task in compressed] or kept
     by_method = defaultdict(lambda: defaultdict(list))
     for (task, method, ratio), row in rows.items():
         if task in kept:

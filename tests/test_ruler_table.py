@@ -86,6 +86,15 @@ def test_near_zero_uncompressed_is_no_signal_and_left_out_of_the_curves():
     assert lines["uncompressed"] == [(0.0, pytest.approx(2 / 3))]
 
 
+def test_a_task_run_only_uncompressed_stays_out_of_the_curves():
+    """A task with signal but no compressed cell yet (a table split not run) would lower or raise
+    the uncompressed point alone: the curves average the tasks some method ran compressed."""
+    fwe = [record("ruler_fwe", i, "uncompressed", 0.0, score) for i, score in enumerate((0.2, 0.4))]
+    lines, kept = ruler_table.curves(ruler_table.summarise(RECORDS + fwe))
+    assert kept == ["niah_single_1"]
+    assert lines["uncompressed"] == [(0.0, pytest.approx(2 / 3))]
+
+
 def test_curves_average_every_task_when_none_has_signal():
     quiet = [r for r in RECORDS if r["task"] == "ruler_cwe"]
     lines, kept = ruler_table.curves(ruler_table.summarise(quiet))
