@@ -19,7 +19,10 @@ Then, each part written to ``--json`` as soon as it is done:
    tasks, 75% evicted, baseline / uniform/keydiff / the flagship).
 2. **bf16 exactness**: the first generated position's logits of plain transformers and of kvcal's
    ragged cache with nothing evicted, both in ``--dtype``, against the same model in float32
-   (max |difference|), at 2K tokens.
+   (max |difference|), at 2K tokens; the same for the last 64 positions fed as one chunk through
+   kvcal's cache (on a GPU the FlashAttention varlen path); and that kernel against its plain-torch
+   reference on random packed segments of 8B geometry (``varlen_kernel``: max |out| and |lse|
+   differences, or why it did not run).
 3. **prefill + compression** per (context, batch): seconds and peak memory above the loaded
    model (on a GPU the allocator's peak; on a CPU the resident peak, VmHWM) of plain
    transformers' prefill (DynamicCache, ``logits_to_keep=1``) and of ``compress_prompt`` under
