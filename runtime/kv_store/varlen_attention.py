@@ -17,6 +17,12 @@ logits in memory) and the log-sum-exp comes back for MomentKV's merge.  On a GPU
 row for every query row (the block-wise prefill at 6.61x plain's prefill on an H200:
 docs/results.md R-gpu-prefill-2026-11-27).
 
+A decode step is the same call with one query per sequence (:func:`varlen_decode_attention`), its
+tables on the device: the layout's first rows of this storage generation and ``seqused_k`` = the
+storage's ``ends`` (advanced in place at every step) minus them, the length bound the widest
+capacity; so the step reads nothing back and replays in a captured graph
+(:mod:`runtime.serve.decode_graph`).
+
 Where it serves (:func:`varlen_serves`): a CUDA device whose flash kernels run (compute capability
 8.0 and up), a bf16 / fp16 buffer, a head dimension the kernel takes (a multiple of 8, at most
 256), no soft-capping, no sliding window (rows are not positions once tokens are evicted), no
@@ -38,9 +44,10 @@ MAX_HEAD_DIM = 256
 
 
 def varlen_serves(query: torch.Tensor, store, softcap: float | None) -> bool:
-    """Whether :func:`varlen_chunk_attention` runs the flash kernel on ``store`` (a
-    :class:`~runtime.kv_store.segments.SegmentStore`) here (module docstring); the caller has already
-    ruled out padding and sliding windows.  Host reads only."""
+    """Whether the flash kernel serves ``store`` (a :class:`~runtime.kv_store.segments.SegmentStore`)
+    here, for a chunk (:func:`varlen_chunk_attention`) or a decode step (:func:`varlen_decode_attention`)
+    (module docstring); a chunk's caller has already ruled out padding and sliding windows.  Host
+    reads only."""
     keys = store.key_buffer
     if query.device.type != "cuda" or keys.dtype not in FLASH_DTYPES or softcap is not None:
         return False
