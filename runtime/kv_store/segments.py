@@ -120,6 +120,9 @@ class SegmentStore:
         # spaced (offset[b, h] = offset[0, h] + b * stride: a decode step then reads head h of every
         # batch row as one strided [B, n, d] view), else None; 0 with one batch row
         self.head_stride = _even_strides(self.host_offset)
+        # segments at increasing offsets in s = b * Hkv + h (FlashAttention varlen's packing,
+        # runtime.kv_store.varlen_attention): known once per repack, read by every step
+        self.increasing = bool(np.all(np.diff(self.host_offset.reshape(-1)) > 0))
         # one entry per buffer row, plus a trailing -inf that gathered padding reads
         self.row_bias = torch.full((keys.shape[0] + 1,), float("-inf"), dtype=keys.dtype, device=keys.device)
         live = to_device(segment_rows(self.host_offset.reshape(-1), self.host_length.reshape(-1)), keys.device)

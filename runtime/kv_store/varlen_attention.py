@@ -53,7 +53,7 @@ def varlen_serves(query: torch.Tensor, store, softcap: float | None) -> bool:
         return False
     if store.head_dim % 8 or store.head_dim > MAX_HEAD_DIM or not _flash_runs(query.device.index):
         return False
-    return bool(np.all(np.diff(store.host_offset.reshape(-1)) > 0))
+    return store.increasing
 
 
 @functools.cache
