@@ -121,3 +121,38 @@ def test_the_embedded_model_accumulates_what_its_recorded_queries_give(embedded_
     prefill(model, cache, ids[:, 300:], torch.ones_like(ids), observe_queries=ALL_QUERIES, accumulate=(spec,))
     for accumulated, recorded in _both_ways(model, cache, spec):
         torch.testing.assert_close(accumulated, recorded, rtol=1e-4, atol=1e-5)
+
+
+class _Products(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the batched products (``bmm``) dispatched: one per group of chunks scored together."""
+
+    def __init__(self):
+        super().__init__()
+        self.products = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == "bmm":
+            self.products += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device,most", [("cpu", None), ("meta", 8)])
+def test_an_accelerator_scores_many_chunks_per_product(device, most):
+    """One row of a 32K-token prompt on Llama-3.1-8B's geometry (8 KV heads x 4 query heads, d = 128,
+    chunks of 256): a CPU scores 2 chunks per product (the logits stay near its caches,
+    R-chunk-mass-underflow-2026-11-27); any other device scores at most ``Hq x 2^21`` logits at once,
+    so the 128 chunks take a few products, not 64 of two ops each per row and layer (on a GPU every
+    op is a kernel launch the host pays for: ~12,000 launches per layer at 32K x 8 before).  The meta
+    device stands for the GPU: ``chunk_mass`` decides by the device type, and its shapes are real."""
+    heads, group, chunks, size, dim = 8, 4, 128, 256, 128
+    make = torch.empty if device == "meta" else torch.zeros
+    queries = make(heads, group, chunks, size, dim, dtype=torch.bfloat16, device=device)
+    keys = make(heads, chunks, size, dim, dtype=torch.bfloat16, device=device)
+    counter = _Products()
+    with counter:
+        mass = chunk_mass(queries, keys, 1.0)
+    assert mass.shape == (heads, chunks, size) and mass.dtype == torch.float32
+    if most is None:
+        assert counter.products == 2 * chunks // 2  # 2 chunks per product, 2 products each
+    else:
+        assert counter.products <= most

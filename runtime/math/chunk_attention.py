@@ -24,11 +24,16 @@ from dataclasses import dataclass
 
 import torch
 
-# Logits per query head scored in one batched matmul, as many whole chunks as fit (at least one):
-# bounds the logits held at once to ``Hq x 131072`` floats (16 MiB for 32 query heads).  At C = 256
-# that is 2 chunks, 0.84x the time per layer of 8 (R-chunk-mass-underflow-2026-11-27); smaller
-# chunks batch more of them (their cost per layer: R-chunk-size-2026-11-27).
+# Logits per query head scored in one batched matmul, as many whole chunks as fit (at least one).
+# On a CPU ``Hq x 131072`` floats (16 MiB for 32 query heads): at C = 256 that is 2 chunks, 0.84x the
+# time per layer of 8 (R-chunk-mass-underflow-2026-11-27); smaller chunks batch more of them (their
+# cost per layer: R-chunk-size-2026-11-27).  On an accelerator every op is a kernel launch the host
+# pays for whatever its size: 2 chunks a product made a 32K-token row 64 products of about a dozen
+# ops per layer, ~12,000 launches per layer at 32K x 8 (counted on the CPU, issue 40).  There it is
+# ``Hq x 2^21`` floats (256 MiB for 32 query heads, 32 chunks of 256), taken while the layer's
+# attention runs, below the MLP's activations that make the prefill's peak.
 _LOGITS_AT_ONCE = 2 * 256 * 256
+_ACCELERATOR_LOGITS_AT_ONCE = 1 << 21
 
 # The lowest argument the chunk mass exponentiates: torch's CPU ``exp`` is 10-80x slower where its
 # result underflows float32 (arguments below about -87, and -inf; ``softmax`` has its own kernel and
@@ -54,7 +59,8 @@ def chunk_mass(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch
     c, d]``, ``keys [Hkv, K, c, d]`` (``K`` chunks of ``c`` tokens) -> float32 ``[Hkv, K, c]``, the sum
     over the chunk's queries of their softmax weights, averaged over the ``G`` query heads."""
     heads, group, chunks, size, dim = queries.shape
-    at_once = max(1, _LOGITS_AT_ONCE // (size * size))
+    budget = _LOGITS_AT_ONCE if queries.device.type == "cpu" else _ACCELERATOR_LOGITS_AT_ONCE
+    at_once = max(1, budget // (size * size))
     masses = []
     for lo in range(0, chunks, at_once):
         hi = min(lo + at_once, chunks)
