@@ -76,7 +76,7 @@ def main(argv=None) -> int:
             last = (lengths - first).clamp(max=scorer.exclude_last)
             row = torch.arange(keys.shape[2])
             middle = (row >= first.unsqueeze(-1)) & (row < (lengths - last).unsqueeze(-1))
-            sketch = torch.stack([scorer.sketch_matrix(index, h, keys.shape[-1]) for h in range(keys.shape[1])])[None]
+            sketch = scorer.layer_sketch(index, keys.shape[1], keys.shape[-1], keys.device)
             wide = unrotate(keys.double(), cos.double(), sin.double())
             narrow = unrotate(keys.float(), cos.float(), sin.float())
             variants = {

@@ -217,3 +217,33 @@ def test_scoring_tiles_bound_the_transient_memory_on_a_gpu():
     assert rows_per_tile(torch.device("cuda"), 10 * one_row) == 1
     assert rows_per_tile(torch.device("cpu"), one_row) == 1
     assert rows_per_tile(torch.device("cpu"), 2 * 64 * 16) == 128
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        CompressionPolicy(compression_ratio=0.75, scorer="leverage", correction="order1"),  # the flagship's parts
+        CompressionPolicy(compression_ratio=0.75, scorer="keydiff"),
+    ],
+    ids=["leverage+order1", "keydiff"],
+)
+def test_prefill_and_compression_synchronise_a_fixed_number_of_times_whatever_the_layers(policy):
+    """On a GPU every read of device data to the host (``.item()``, ``nonzero``, ``torch.equal``...)
+    drains the queue; a compression that read back once per layer (the scores' NaN check, the keys'
+    RoPE memo) made the host wait on every layer's attention and scoring (issue 40).  Counted on the
+    CPU by the decode test's dispatch counter (tests/test_decode_sync.py), the same prompt through 2
+    and 4 layers must make the same number of synchronising ops: those of the call's input checks and
+    of transformers' mask, and one read of every layer's NaN check at the end."""
+    from test_decode_sync import SyncCounter
+
+    counts = []
+    for layers in (2, 4):
+        model = make_tiny_llama(num_layers=layers)
+        ids = torch.randint(3, 128, (2, 300), generator=torch.Generator().manual_seed(0))
+        compress_prompt(model, ids, policy, context_columns=299)  # the first call checks the model's RoPE once
+        counter = SyncCounter()
+        with torch.no_grad(), counter:
+            compress_prompt(model, ids, policy, context_columns=299)
+        counts.append(dict(counter.syncs))
+    assert counts[0] == counts[1], f"2 layers: {counts[0]}, 4 layers: {counts[1]}"
+    assert sum(counts[1].values()) <= 8, counts[1]

@@ -34,6 +34,7 @@ from runtime.scorers import (
     KeyRope,
     KVzipScorer,
     KVzipScores,
+    LayerInputs,
     LeverageScorer,
     chunked_attention_mass,
     leverage_scores,
@@ -135,6 +136,59 @@ def test_sketched_leverage_is_the_leverage_of_the_sketched_keys():
     torch.testing.assert_close(
         leverage_scores(keys, sketch=wide, ridge=1e-12), leverage_scores(keys, ridge=1e-12), rtol=1e-6, atol=1e-9
     )
+
+
+def test_a_layers_sketch_is_drawn_once_per_device_and_equals_the_per_head_draws():
+    """``LeverageScorer.layer_sketch``: every KV head's :meth:`sketch_matrix` stacked ``[1, Hkv, d, k]``,
+    on the device asked for, the same tensor on every later call (on CUDA a fresh draw per scoring
+    tile was a copy from pageable memory, which waits for the stream); other layers, head counts and
+    devices get their own."""
+    scorer = LeverageScorer(sketch=12, seed=3)
+    sketch = scorer.layer_sketch(2, 4, 16, "cpu")
+    assert sketch.shape == (1, 4, 16, 12) and sketch.dtype == torch.float64
+    torch.testing.assert_close(sketch[0], torch.stack([scorer.sketch_matrix(2, h, 16) for h in range(4)]), rtol=0, atol=0)
+    assert scorer.layer_sketch(2, 4, 16, torch.device("cpu")) is sketch
+    assert not torch.equal(scorer.layer_sketch(1, 4, 16, "cpu"), sketch)
+    assert scorer.layer_sketch(2, 3, 16, "cpu").shape == (1, 3, 16, 12)
+    on_meta = scorer.layer_sketch(2, 4, 16, "meta")
+    assert on_meta.device.type == "meta" and scorer.layer_sketch(2, 4, 16, "meta") is on_meta
+
+
+def test_key_rope_off_the_cpu_is_computed_without_reading_the_device_back():
+    """The keys' RoPE provider memoises on a CPU (positions compared with ``torch.equal``); on any other
+    device it computes ``cos, sin`` every time, since the comparison would be a host synchronisation
+    per scoring tile on a GPU.  The meta device stands for the GPU (the model built there)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from runtime.math.geometry import ModelGeometry
+    from runtime.scorers.providers import KeyRopeProvider
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            model = make_tiny_llama(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16)
+        provider = KeyRopeProvider(KeyRope(), LeverageScorer(), ModelGeometry.of(model))
+        positions = torch.arange(12, device=device).expand(1, 2, 12)
+        keys = torch.zeros(1, 2, 12, 16, device=device)
+        inputs = LayerInputs(0, keys, keys, positions, positions >= 0, torch.full((1, 2), 12), 1.0, [12])
+        ops = Ops()
+        with ops:
+            first = provider(inputs)
+            second = provider(inputs)
+        assert first[0].shape == (1, 2, 12, 16) and first[0].device.type == device
+        if device == "cpu":
+            assert ops.names.count("equal") == 1  # the second call reuses the first's result
+            torch.testing.assert_close(first, second, rtol=0, atol=0)
+        else:
+            assert "equal" not in ops.names and "_local_scalar_dense" not in ops.names
 
 
 def test_masked_leverage_is_the_leverage_of_the_masked_rows():

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from runtime.compression.keep_rule import keep_mask, protected_mask
+from runtime.kv_store.profiling import label
 from runtime.math.arrays import host_array, to_device
 from runtime.math.momentkv import evict_in_rounds
 from runtime.plan.serving_plan import ServingPlan
@@ -250,6 +251,13 @@ class HeadEvictor:
         self._round_layer = layer_idx
         if layer_idx < self.num_layers - 1:
             return
+        self.check_deferred()
+
+    def check_deferred(self) -> None:
+        """The NaN checks deferred since the last call (``defer_check``) read back at once, one host
+        synchronisation, refused naming the first layer and head with a NaN score: after a decode round
+        (:meth:`layer_done`) and after a whole compression (:func:`runtime.compression.prefill.compress`
+        and the eviction inside the prefill), whose cache the error then keeps from being served."""
         deferred, self._deferred, self._round_layer = self._deferred, [], -1
         if not deferred:
             return
@@ -307,7 +315,8 @@ class HeadEvictor:
                 )
             return
         if scores is None:
-            scores = self.layer_scores(layer, layer_idx, rows, next_positions, stats_rows, defer_check=defer_check)
+            with label("kvcal.scoring"):
+                scores = self.layer_scores(layer, layer_idx, rows, next_positions, stats_rows, defer_check=defer_check)
         device = scores.device
         valid = to_device(np.arange(scores.shape[-1]) < lengths[..., None], device)
         keep = keep_mask(scores, valid, to_device(budgets, device), self.policy.n_sink, self.policy.window)

@@ -271,8 +271,10 @@ def prefill_and_compress(
             if key not in tables:  # a layer's budgets depend on its own window only: give every layer this one
                 tables[key] = plan.head_budgets(layer.real_seen[b], [layer.window] * num_layers)
             budgets[b, index] = tables[key][index]
-        with label("kvcal.eviction"):
-            evictor.evict_layer(layer, index, rows, budgets[rows, index], [layer.real_seen[b] for b in rows])
+        with label("kvcal.eviction"):  # the scores' NaN check read back once, after the prefill
+            evictor.evict_layer(
+                layer, index, rows, budgets[rows, index], [layer.real_seen[b] for b in rows], defer_check=True
+            )
         if not observes:  # what only this layer's scoring read goes now, not at the end of the prefill
             layer.stop_observing()
         layer.compact()
@@ -281,6 +283,7 @@ def prefill_and_compress(
 
     with evicting_each_layer(model, cache, evict):
         prefill(model, cache, input_ids, attention_mask, policy=plan)
+    evictor.check_deferred()
     _start_decoding(cache, plan, evictor, None)
     return CompressionReport(
         budgets=budgets,
@@ -376,7 +379,9 @@ def compress(
                 all_budgets[rows, index],
                 next_positions,
                 scores=None if scores is None else scores[index],
+                defer_check=True,  # one read of every layer's NaN check, below
             )
+        evictor.check_deferred()
     cache.compact()  # one repack per layer releases what eviction freed
     if final:
         _start_decoding(cache, plan, evictor, context_lengths)

@@ -337,7 +337,7 @@ class RaggedLayer(DynamicLayer):
         for b, row in enumerate(self.rows):
             if row.moments is not None:
                 continue
-            if any(int(length) != row.real_seen for length in self.length[b]):
+            if (self.store.host_length[b] != row.real_seen).any():  # the host mirror: no device read
                 raise ValueError(
                     f"batch element {b} already evicted tokens without tracking their moments; "
                     "track moments before the first eviction"
@@ -385,11 +385,12 @@ class RaggedLayer(DynamicLayer):
                 if chunk.shape[1]:
                     self.rows[b].observe(chunk, self.observe_queries)
         if self.chunk_specs:
-            for b in range(batch):
-                chunk = query[b] if real is None else query[b][:, real[b]]  # [Hq, q_real, d]
-                keys = new_keys[b] if real is None else new_keys[b][:, real[b]]  # [Hkv, q_real, d]
-                if chunk.shape[1]:
-                    self.rows[b].accumulate_chunk_attention(self.chunk_specs, chunk, keys, scaling)
+            with label("kvcal.chunk_mass"):
+                for b in range(batch):
+                    chunk = query[b] if real is None else query[b][:, real[b]]  # [Hq, q_real, d]
+                    keys = new_keys[b] if real is None else new_keys[b][:, real[b]]  # [Hkv, q_real, d]
+                    if chunk.shape[1]:
+                        self.rows[b].accumulate_chunk_attention(self.chunk_specs, chunk, keys, scaling)
         fresh = not store.host_length.any()  # the host mirror: no torch op
         before = store.host_length.copy() if q_len > 1 else None  # [B, Hkv] rows held before a chunk
         # None: q_len for every row

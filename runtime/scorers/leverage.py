@@ -97,6 +97,18 @@ class LeverageScorer(Scorer):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + layer * 1009 + kv_head)
         return torch.randn(dim, self.sketch, generator=generator, dtype=torch.float64) / math.sqrt(self.sketch)
 
+    def layer_sketch(self, layer: int, heads: int, dim: int, device) -> torch.Tensor:
+        """``[1, Hkv, d, k]`` float64 on ``device``: :meth:`sketch_matrix` of every KV head of ``layer``,
+        drawn and moved once per (layer, heads, dim, device) and reused by every later call.  Drawn
+        per call, a layer's sketches were ``2 Hkv + 2`` ops and a copy from pageable host memory,
+        which on CUDA waits for the stream (a host synchronisation per scoring tile, issue 40)."""
+        key = (layer, heads, dim, str(torch.device(device)))
+        memo = self.__dict__.setdefault("_layer_sketches", {})
+        if key not in memo:
+            drawn = torch.stack([self.sketch_matrix(layer, h, dim) for h in range(heads)]).unsqueeze(0)
+            memo[key] = to_device(drawn, device)
+        return memo[key]
+
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         return self.combine(self.score_parts(inputs), inputs.valid)
 
@@ -149,8 +161,7 @@ class LeverageScorer(Scorer):
             keys = unrotate(keys, cos.float().to(keys.device), sin.float().to(keys.device))
         sketch = None
         if self.sketch is not None:  # [1, Hkv, d, k], drawn per (layer, KV head)
-            sketch = torch.stack([self.sketch_matrix(inputs.layer, h, keys.shape[-1]) for h in range(keys.shape[1])])
-            sketch = sketch.unsqueeze(0)
+            sketch = self.layer_sketch(inputs.layer, keys.shape[1], keys.shape[-1], keys.device)
         return leverage_scores(keys, middle, sketch, self.ridge)
 
     def attention_mass(self, inputs: LayerInputs, middle: torch.Tensor) -> torch.Tensor:

@@ -133,9 +133,9 @@ class ChunkAttentionMassProvider:
 
 
 class KeyRopeProvider:
-    """``(cos, sin) [R, Hkv, n, d]`` of the layer's RoPE at every key's position; the heads of a freshly
-    prefilled prompt share their positions, so the last result is reused while the positions (and
-    the layer's RoPE: Gemma 3 has one per layer type) are the same."""
+    """``(cos, sin) [R, Hkv, n, d]`` of the layer's RoPE at each key's position.  On a CPU the last result
+    is reused while the positions and the layer's RoPE (Gemma 3 has one per layer type) are the same
+    (a fresh prompt's heads share them); elsewhere ``torch.equal`` would synchronise the host per tile."""
 
     def __init__(self, need: KeyRope, scorer, geometry, **_):
         self.geometry, self.memo = geometry, {}
@@ -143,9 +143,10 @@ class KeyRopeProvider:
     def __call__(self, inputs: LayerInputs, **_):
         positions = inputs.positions.reshape(-1)
         rope = self.geometry.rope_layer_types[inputs.layer]
-        memo = self.memo.get(rope)
+        memo = self.memo.get(rope) if positions.device.type == "cpu" else None
         if memo is None or memo[0].shape != positions.shape or not torch.equal(memo[0], positions):
-            memo = self.memo[rope] = (positions.clone(), *rope_cos_sin(self.geometry, positions, inputs.layer))
+            memo = (positions.clone(), *rope_cos_sin(self.geometry, positions, inputs.layer))
+            self.memo[rope] = memo if positions.device.type == "cpu" else None
         shape = (*inputs.positions.shape, -1)
         return memo[1].reshape(shape).to(inputs.keys.device), memo[2].reshape(shape).to(inputs.keys.device)
 
