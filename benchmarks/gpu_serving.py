@@ -27,7 +27,10 @@ Then, each part written to ``--json`` as soon as it is done:
    model (on a GPU the allocator's peak; on a CPU the resident peak, VmHWM) of plain
    transformers' prefill (DynamicCache, ``logits_to_keep=1``) and of ``compress_prompt`` under
    uniform/keydiff and the flagship (or uniform/leverage without an artifact), and the flagship's
-   block-wise prefill (``--block-size``).
+   block-wise prefill (``--block-size``).  With ``--tables``, plain's prefill and the flagship's are
+   profiled once more each (``profiles``: kernel launches, host synchronisations, aten ops, and the
+   CPU / device milliseconds inside each ``kvcal.*`` label, e.g. ``kvcal.chunk_mass`` and
+   ``kvcal.eviction``), their op tables written to ``DIR/prefill_*.txt``.
 4. **decode ms/token** per (context, batch): ``(generate() of N new tokens - of 3) / (N - 3)`` from
    copies of one prefilled cache (the prefill is not timed), best of two (the steady state: a
    graph is captured at the second step), for plain, "limit" (plain
@@ -210,20 +213,51 @@ class Config:
                 name = "".join(c if c.isalnum() else "_" for c in self.name)
                 path = tables / f"ops_{name}_{self.ids.shape[1]}x{self.ids.shape[0]}.txt"
                 path.write_text(events.table(sort_by="count", row_limit=80, max_name_column_width=60))
-            totals = {"launches": 0, "graph_launches": 0, "syncs": 0, "item": 0, "aten_ops": 0}
-            for event in events:
-                if "LaunchKernel" in event.key:
-                    totals["launches"] += event.count
-                if "GraphLaunch" in event.key:
-                    totals["graph_launches"] += event.count
-                if event.key in SYNC_EVENTS:
-                    totals["syncs"] += event.count
-                if event.key == "aten::_local_scalar_dense":
-                    totals["item"] += event.count
-                if event.key.startswith("aten::"):
-                    totals["aten_ops"] += event.count
-            counts.append(totals)
+            counts.append(event_totals(events))
         return {key: (counts[1][key] - counts[0][key]) / 4 for key in counts[0]}
+
+
+def event_totals(events) -> dict:
+    """Kernel launches, CUDA graph launches, host synchronisations, ``.item()`` reads and aten ops in a
+    profiler's ``key_averages()``."""
+    totals = {"launches": 0, "graph_launches": 0, "syncs": 0, "item": 0, "aten_ops": 0}
+    for event in events:
+        if "LaunchKernel" in event.key:
+            totals["launches"] += event.count
+        if "GraphLaunch" in event.key:
+            totals["graph_launches"] += event.count
+        if event.key in SYNC_EVENTS:
+            totals["syncs"] += event.count
+        if event.key == "aten::_local_scalar_dense":
+            totals["item"] += event.count
+        if event.key.startswith("aten::"):
+            totals["aten_ops"] += event.count
+    return totals
+
+
+def profiled_prefill(run, device, tables: Path, name: str) -> dict:
+    """One prefill (``run()``) under ``torch.profiler``: its :func:`event_totals`, and the CPU and
+    device milliseconds inside each ``kvcal.*`` label (runtime/kv_store/profiling.py); the op table,
+    sorted by device time (CPU time on a CPU), written to ``tables/prefill_NAME.txt``."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        run()
+        sync(device)
+    events = prof.key_averages()
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    path = tables / f"prefill_{''.join(c if c.isalnum() else '_' for c in name)}.txt"
+    path.write_text(events.table(sort_by=sort, row_limit=60, max_name_column_width=60))
+    totals = event_totals(events)
+    for event in events:
+        if event.key.startswith("kvcal."):
+            totals[event.key] = {
+                "cpu_ms": event.cpu_time_total / 1000,
+                "device_ms": getattr(event, "device_time_total", 0) / 1000,
+                "count": event.count,
+            }
+    return totals
 
 
 def _recorded_step():
@@ -346,7 +380,7 @@ def plain_cache_logits(model, ids) -> torch.Tensor:
 
 
 @torch.no_grad()
-def prefill_cell(model, ids, device, keep, calibration, block_size, block_tokens) -> dict:
+def prefill_cell(model, ids, device, keep, calibration, block_size, block_tokens, tables=None) -> dict:
     cell = {}
     base = peak_reset(device)
     start = time.perf_counter()
@@ -374,6 +408,18 @@ def prefill_cell(model, ids, device, keep, calibration, block_size, block_tokens
     for row in cell.values():
         if "seconds" in row:
             row["x_plain"] = row["seconds"] / cell["plain"]["seconds"]
+    if tables is not None:  # where the time goes: plain's prefill and the last policy's, profiled once each
+        size = f"{ids.shape[1]}x{ids.shape[0]}"
+        name, policy = runs[-2][0], runs[-2][1]
+        cell["profiles"] = {
+            "plain": profiled_prefill(lambda: plain_cache(model, ids), device, tables, f"plain_{size}"),
+            name: profiled_prefill(
+                lambda: compress_prompt(model, ids, policy, context_columns=ids.shape[1] - 1, calibration=calibration),
+                device,
+                tables,
+                f"{name}_{size}",
+            ),
+        }
     return cell
 
 
@@ -588,7 +634,7 @@ def main(argv=None) -> int:
     parser.add_argument("--fit-block-size", type=int, default=None, help="also kvcal's block-wise prefill")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--tables", type=Path, default=None, help="write each decode profile's op table here")
+    parser.add_argument("--tables", type=Path, default=None, help="write each profile's op table here (decode steps; prefills, also in the JSON)")
     parser.add_argument(
         "--decode-kernels",
         nargs="+",
@@ -647,7 +693,14 @@ def main(argv=None) -> int:
                 log(f"{part} {context} x {batch}")
                 if part == "prefill":
                     cell = prefill_cell(
-                        model, ids, device, args.keep_ratio, calibration, args.block_size, args.block_max_tokens
+                        model,
+                        ids,
+                        device,
+                        args.keep_ratio,
+                        calibration,
+                        args.block_size,
+                        args.block_max_tokens,
+                        tables=args.tables,
                     )
                 else:
                     cell = decode_cell(
