@@ -9,8 +9,11 @@ release) finds a ``--model`` name only in its own registry and reads no entry po
 kvcal.  This command registers ``kvcal`` in its own process only, through lm-eval's public
 registry (``model_registry.register("kvcal", target="runtime.lm_eval_model:KvcalLM")``: kvcal's
 runtime and torch load when the run asks for the model), then runs lm-eval's console entry,
-``lm_eval.__main__.cli_evaluate``, on the same arguments.  Once lm-eval releases its entry-point
-discovery, kvcal declares an entry point and plain ``lm_eval --model kvcal`` works.
+``lm_eval.__main__.cli_evaluate``, on the same arguments.  kvcal declares the entry point that
+discovery reads (``[project.entry-points."lm_eval.models"]`` in pyproject.toml), so with an lm-eval
+release that has it plain ``lm_eval --model kvcal`` finds kvcal; RULER's tasks then still need the
+tokenizer named (below), which only this command fills in (docs/results.md R-lm-eval-plugin-2026-11-28:
+lm-eval at PR #4013's commit).
 
 One argument is added: RULER's tasks build their prompts with the tokenizer that ``tokenizer``,
 ``pretrained`` or ``model`` names in ``--model_args`` or ``--metadata`` and stop when none does,

@@ -24,6 +24,14 @@ def test_the_command_is_the_projects_console_script():
     assert scripts["kvcal-lm-eval"] == "runtime.lm_eval_cli:main"
 
 
+def test_kvcal_declares_itself_as_an_lm_eval_model_plugin():
+    """lm-eval's entry-point discovery (EleutherAI/lm-evaluation-harness PR #4013, after 0.4.13) resolves
+    ``--model kvcal`` through the group ``lm_eval.models``; kvcal declares it (lm-eval 0.4.13 ignores it).
+    tests/test_lm_eval_model.py resolves it through lm-eval's registry."""
+    plugins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["lm_eval.models"]
+    assert plugins == {"kvcal": "runtime.lm_eval_model:KvcalLM"}
+
+
 def test_the_tokenizer_default_merges_into_the_json_metadata():
     argv = [*BAR, "--metadata", '{"max_seq_lengths":[2048]}', "--limit", "4"]
     rewritten, added = with_tokenizer_default(argv, TOKENIZER)

@@ -204,6 +204,34 @@ def test_importing_the_module_registers_kvcal_beside_lm_evals_models():
         assert result.stdout.split() == ["runtime.lm_eval_model", "KvcalLM"], mode
 
 
+def test_the_declared_entry_point_resolves_to_kvcal_through_lm_evals_registry():
+    """``lm_eval --model kvcal`` without kvcal-lm-eval: an lm-eval with entry-point discovery
+    (EleutherAI/lm-evaluation-harness PR #4013) registers each ``lm_eval.models`` entry point as a
+    lazy placeholder and resolves it on first use.  The same placeholder, the entry point kvcal's
+    pyproject.toml declares, resolves here through lm-eval's own registry to :class:`KvcalLM` (an
+    lm-eval ``LM``), importing kvcal's runtime only then.  Run with lm-eval at that PR's commit, the
+    issue's command with ``pretrained`` named printed its table (docs/results.md R-lm-eval-plugin-2026-11-28)."""
+    import tomllib
+
+    value = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
+        "entry-points"
+    ]["lm_eval.models"]["kvcal"]
+    probe = (
+        "import sys, importlib.metadata as md\n"
+        "from lm_eval.api.model import LM\n"
+        "from lm_eval.api.registry import Registry\n"
+        "registry = Registry('model', base_cls=LM)\n"
+        "registry.register('kvcal', target=md.EntryPoint(name='kvcal', value=sys.argv[1], group='lm_eval.models'))\n"
+        "assert 'runtime.lm_eval_model' not in sys.modules\n"
+        "model = registry.get('kvcal')\n"
+        "assert issubclass(model, LM)\n"
+        "print(model.__module__, model.__name__)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe, value], capture_output=True, text=True, env=offline_env())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["runtime.lm_eval_model", "KvcalLM"]
+
+
 @pytest.mark.slow
 def test_simple_evaluate_takes_the_model_by_name(one_thread):
     """The Python path by name: the module imported above registered ``kvcal``; RULER's tokenizer is
