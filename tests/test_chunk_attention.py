@@ -141,8 +141,9 @@ def test_an_accelerator_scores_many_chunks_per_product(device, most):
     """One row of a 32K-token prompt on Llama-3.1-8B's geometry (8 KV heads x 4 query heads, d = 128,
     chunks of 256): a CPU scores 2 chunks per product (the logits stay near its caches,
     R-chunk-mass-underflow-2026-11-27); any other device scores at most ``Hq x 2^21`` logits at once,
-    so the 128 chunks take a few products, not 64 of two ops each per row and layer (on a GPU every
-    op is a kernel launch the host pays for: ~12,000 launches per layer at 32K x 8 before).  The meta
+    so the 128 chunks take a few products, not 64 per row and layer of about 30 ops each (on a GPU
+    every op is a kernel launch the host pays for: ~15,000 per layer at 32K x 8 before,
+    docs/results.md R-prefill-host-ops-2026-11-28).  The meta
     device stands for the GPU: ``chunk_mass`` decides by the device type, and its shapes are real."""
     heads, group, chunks, size, dim = 8, 4, 128, 256, 128
     make = torch.empty if device == "meta" else torch.zeros

@@ -28,8 +28,8 @@ import torch
 # On a CPU ``Hq x 131072`` floats (16 MiB for 32 query heads): at C = 256 that is 2 chunks, 0.84x the
 # time per layer of 8 (R-chunk-mass-underflow-2026-11-27); smaller chunks batch more of them (their
 # cost per layer: R-chunk-size-2026-11-27).  On an accelerator every op is a kernel launch the host
-# pays for whatever its size: 2 chunks a product made a 32K-token row 64 products of about a dozen
-# ops per layer, ~12,000 launches per layer at 32K x 8 (counted on the CPU, issue 40).  There it is
+# pays for whatever its size: 2 chunks a product made a 32K-token row 64 products of about 30
+# ops per layer, ~15,000 ops per layer at 32K x 8 (R-prefill-host-ops-2026-11-28).  There it is
 # ``Hq x 2^21`` floats (256 MiB for 32 query heads, 32 chunks of 256), taken while the layer's
 # attention runs, below the MLP's activations that make the prefill's peak.
 _LOGITS_AT_ONCE = 2 * 256 * 256
