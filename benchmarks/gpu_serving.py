@@ -634,7 +634,9 @@ def main(argv=None) -> int:
     parser.add_argument("--fit-block-size", type=int, default=None, help="also kvcal's block-wise prefill")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--tables", type=Path, default=None, help="write each profile's op table here (decode steps; prefills, also in the JSON)")
+    parser.add_argument(
+        "--tables", type=Path, default=None, help="write each profile's op table here (decode steps and prefills)"
+    )
     parser.add_argument(
         "--decode-kernels",
         nargs="+",

@@ -39,13 +39,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
+from test_decode_sync import SyncCounter  # noqa: E402
+
 import runtime.compression.eviction as eviction  # noqa: E402
 import runtime.math.chunk_attention as chunk_attention  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
 from runtime import CompressionPolicy, compress_prompt, load_calibration  # noqa: E402
 from runtime.kv_store.transformers_compat import cache_argument  # noqa: E402
 from runtime.plan.policy_spec import FLAGSHIP  # noqa: E402
-from test_decode_sync import SyncCounter  # noqa: E402
 
 REGIONS = (
     (chunk_attention.ChunkAttention, "add", "chunk mass"),
@@ -121,10 +122,10 @@ def main(argv=None) -> int:
     for batch in args.batch_sizes:
         ids = torch.randint(3, 1000, (batch, args.context), generator=torch.Generator().manual_seed(11))
 
-        def plain():
+        def plain(ids=ids):
             model(ids, **cache_argument(model, None), use_cache=True, logits_to_keep=1)
 
-        def compressed(policy):
+        def compressed(policy, ids=ids):
             compress_prompt(model, ids, policy, context_columns=args.context - 1, calibration=calibration)
 
         for policy in policies.values():  # the first call checks the model's RoPE once

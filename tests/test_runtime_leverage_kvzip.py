@@ -146,7 +146,8 @@ def test_a_layers_sketch_is_drawn_once_per_device_and_equals_the_per_head_draws(
     scorer = LeverageScorer(sketch=12, seed=3)
     sketch = scorer.layer_sketch(2, 4, 16, "cpu")
     assert sketch.shape == (1, 4, 16, 12) and sketch.dtype == torch.float64
-    torch.testing.assert_close(sketch[0], torch.stack([scorer.sketch_matrix(2, h, 16) for h in range(4)]), rtol=0, atol=0)
+    heads = torch.stack([scorer.sketch_matrix(2, h, 16) for h in range(4)])
+    torch.testing.assert_close(sketch[0], heads, rtol=0, atol=0)
     assert scorer.layer_sketch(2, 4, 16, torch.device("cpu")) is sketch
     assert not torch.equal(scorer.layer_sketch(1, 4, 16, "cpu"), sketch)
     assert scorer.layer_sketch(2, 3, 16, "cpu").shape == (1, 3, 16, 12)
