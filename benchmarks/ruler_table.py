@@ -211,26 +211,26 @@ def table(rows: dict) -> str:
 
 
 def curves(rows: dict) -> tuple[dict, list[str]]:
-    """``method -> [(ratio, mean over tasks)]`` over the tasks with signal (all tasks when none has)
-    that some method ran compressed (a task run only uncompressed would shift the uncompressed point
-    alone), the uncompressed score at ratio 0 on each method's line (and a point of its own); and the
-    tasks averaged."""
+    """``task -> method -> [(ratio, mean)]`` for each task kept: those with signal (all tasks when none
+    has) that some method ran compressed (a task run only uncompressed has nothing to compare); the
+    uncompressed score at ratio 0 on each method's line (and a point of its own).  One panel per task:
+    methods run on different tasks are never averaged into one line (the flagship over two tasks
+    against a press over one would compare different things)."""
     quiet = set(no_signal_tasks(rows))
     tasks = sorted({task for task, _, _ in rows})
     kept = [task for task in tasks if task not in quiet] or tasks
     compressed = {task for task, method, _ in rows if method != "uncompressed"}
     kept = [task for task in kept if task in compressed] or kept
-    by_method = defaultdict(lambda: defaultdict(list))
-    for (task, method, ratio), row in rows.items():
-        if task in kept:
-            by_method[method][ratio].append(row["mean"])
-    base = by_method.pop("uncompressed", {}).get(0.0)
-    lines = {"uncompressed": [(0.0, sum(base) / len(base))]} if base else {}
-    for method, points in by_method.items():
-        line = [(0.0, sum(base) / len(base))] if base else []
-        line += [(ratio, sum(v) / len(v)) for ratio, v in sorted(points.items())]
-        lines[method] = line
-    return lines, kept
+    panels = {}
+    for task in kept:
+        base = rows.get((task, "uncompressed", 0.0))
+        start = [(0.0, base["mean"])] if base else []
+        lines = {"uncompressed": start} if base else {}
+        for (row_task, method, ratio), row in sorted(rows.items(), key=lambda item: item[0][2]):
+            if row_task == task and method != "uncompressed":
+                lines.setdefault(method, list(start)).append((ratio, row["mean"]))
+        panels[task] = lines
+    return panels, kept
 
 
 def plot(rows: dict, path: Path, title: str) -> str:
@@ -241,22 +241,23 @@ def plot(rows: dict, path: Path, title: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lines, kept = curves(rows)
-    figure, axes = plt.subplots(figsize=(7, 4.5))
+    panels, kept = curves(rows)
+    figure, all_axes = plt.subplots(1, len(kept), figsize=(6 * len(kept), 4.5), squeeze=False)
     order = {method: index for index, method in enumerate(METHODS)}
     styles = [("o", "-"), ("s", "--"), ("^", "-."), ("v", ":"), ("D", "-"), ("P", "--"), ("X", "-."), ("*", ":")]
-    for index, method in enumerate(sorted(lines, key=lambda m: (order.get(m, len(order)), m))):
-        points = lines[method]
-        marker, style = styles[index % len(styles)]
-        emphasis = {"color": "black", "linewidth": 2.5} if method == REFERENCE else {}
-        xs, ys = [r for r, _ in points], [s for _, s in points]
-        axes.plot(xs, ys, marker=marker, linestyle=style, label=method, alpha=0.85, **emphasis)
-    axes.set_xlabel("compression ratio (fraction of the context's KV cache evicted)")
-    axes.set_ylabel("mean RULER score")
-    axes.set_ylim(-0.02, 1.02)
-    axes.set_title(f"{title}\naveraged over {', '.join(kept)}", fontsize=9)
-    axes.legend(fontsize=8)
-    axes.grid(alpha=0.3)
+    for axes, task in zip(all_axes[0], kept, strict=True):
+        lines = panels[task]
+        for method in sorted(lines, key=lambda m: (order.get(m, len(order)), m)):
+            marker, style = styles[order.get(method, len(order)) % len(styles)]
+            emphasis = {"color": "black", "linewidth": 2.5} if method == REFERENCE else {}
+            xs, ys = [r for r, _ in lines[method]], [s for _, s in lines[method]]
+            axes.plot(xs, ys, marker=marker, linestyle=style, label=method, alpha=0.85, **emphasis)
+        axes.set_xlabel("compression ratio (fraction of the context's KV cache evicted)")
+        axes.set_ylabel("mean RULER score")
+        axes.set_ylim(-0.02, 1.02)
+        axes.set_title(f"{title}\n{task}", fontsize=9)
+        axes.legend(fontsize=8)
+        axes.grid(alpha=0.3)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)

@@ -79,8 +79,9 @@ def test_near_zero_uncompressed_is_no_signal_and_left_out_of_the_curves():
     assert "ruler_cwe        0.025 (n=2) near zero: no signal" in text
     assert "niah_single_1    0.667 (n=3) signal" in text
     assert "1/1 on 3" in text
-    lines, kept = ruler_table.curves(rows)
-    assert kept == ["niah_single_1"]
+    panels, kept = ruler_table.curves(rows)
+    assert kept == ["niah_single_1"] and list(panels) == kept
+    lines = panels["niah_single_1"]
     assert lines["snapkv"] == [(0.0, pytest.approx(2 / 3)), (0.75, pytest.approx(1 / 3))]
     assert lines["flagship"] == [(0.0, pytest.approx(2 / 3)), (0.75, pytest.approx(1 / 3))]
     assert lines["uncompressed"] == [(0.0, pytest.approx(2 / 3))]
@@ -90,16 +91,28 @@ def test_a_task_run_only_uncompressed_stays_out_of_the_curves():
     """A task with signal but no compressed cell yet (a table split not run) would lower or raise
     the uncompressed point alone: the curves average the tasks some method ran compressed."""
     fwe = [record("ruler_fwe", i, "uncompressed", 0.0, score) for i, score in enumerate((0.2, 0.4))]
-    lines, kept = ruler_table.curves(ruler_table.summarise(RECORDS + fwe))
+    panels, kept = ruler_table.curves(ruler_table.summarise(RECORDS + fwe))
     assert kept == ["niah_single_1"]
-    assert lines["uncompressed"] == [(0.0, pytest.approx(2 / 3))]
+    assert panels["niah_single_1"]["uncompressed"] == [(0.0, pytest.approx(2 / 3))]
 
 
-def test_curves_average_every_task_when_none_has_signal():
+def test_methods_run_on_different_tasks_get_a_panel_per_task_never_one_average():
+    """The flagship run on two tasks and a press on one: averaging each method over the tasks it ran
+    would put the flagship's mean of two tasks beside the press's one task.  Each task is its own panel."""
+    fwe = [record("ruler_fwe", i, "uncompressed", 0.0, score) for i, score in enumerate((0.2, 0.4))]
+    fwe += [record("ruler_fwe", 0, "flagship", 0.75, 0.3), record("ruler_fwe", 1, "flagship", 0.75, 0.1)]
+    panels, kept = ruler_table.curves(ruler_table.summarise(RECORDS + fwe))
+    assert kept == ["niah_single_1", "ruler_fwe"]
+    assert panels["ruler_fwe"]["flagship"] == [(0.0, pytest.approx(0.3)), (0.75, pytest.approx(0.2))]
+    assert "snapkv" not in panels["ruler_fwe"]
+    assert panels["niah_single_1"]["flagship"] == [(0.0, pytest.approx(2 / 3)), (0.75, pytest.approx(1 / 3))]
+
+
+def test_every_task_gets_a_panel_when_none_has_signal():
     quiet = [r for r in RECORDS if r["task"] == "ruler_cwe"]
-    lines, kept = ruler_table.curves(ruler_table.summarise(quiet))
+    panels, kept = ruler_table.curves(ruler_table.summarise(quiet))
     assert kept == ["ruler_cwe"]
-    assert lines["snapkv"][-1] == (0.75, pytest.approx(0.1))
+    assert panels["ruler_cwe"]["snapkv"][-1] == (0.75, pytest.approx(0.1))
 
 
 def test_resume_skips_what_the_journal_holds_and_reruns_a_cut_line(tmp_path):
