@@ -24,6 +24,7 @@ RUNTIME = str(Path(__file__).resolve().parents[1] / "runtime") + "/"
 def _follow(policy, call):
     """Run ``call()`` and return the stops and returns of ``policy`` (see the module docstring)."""
     carriers = {id(policy)}
+    held = [policy]  # every carrier kept alive: a freed one's id could be reused by an unrelated object
     stops, returns = [], []
 
     def carries(value) -> bool:
@@ -43,6 +44,7 @@ def _follow(policy, call):
         elif event == "return" and arg is not None:
             if getattr(arg, "policy", None) is policy and not isinstance(arg, CompressionPolicy):
                 carriers.add(id(arg))  # the plan bound from it
+                held.append(arg)
             if carries(arg) and name not in returns:
                 returns.append(name)
 
