@@ -210,11 +210,15 @@ class Config:
                 sync(device)
             events = prof.key_averages()
             if tables is not None and tokens == 7:
-                name = "".join(c if c.isalnum() else "_" for c in self.name)
-                path = tables / f"ops_{name}_{self.ids.shape[1]}x{self.ids.shape[0]}.txt"
+                path = tables / f"ops_{file_name(self.name)}_{self.ids.shape[1]}x{self.ids.shape[0]}.txt"
                 path.write_text(events.table(sort_by="count", row_limit=80, max_name_column_width=60))
             counts.append(event_totals(events))
         return {key: (counts[1][key] - counts[0][key]) / 4 for key in counts[0]}
+
+
+def file_name(text: str) -> str:
+    """``text`` with every character but letters and digits made ``_``: an op table's file name."""
+    return "".join(c if c.isalnum() else "_" for c in text)
 
 
 def event_totals(events) -> dict:
@@ -247,7 +251,7 @@ def profiled_prefill(run, device, tables: Path, name: str) -> dict:
         sync(device)
     events = prof.key_averages()
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    path = tables / f"prefill_{''.join(c if c.isalnum() else '_' for c in name)}.txt"
+    path = tables / f"prefill_{file_name(name)}.txt"
     path.write_text(events.table(sort_by=sort, row_limit=60, max_name_column_width=60))
     totals = event_totals(events)
     for event in events:
@@ -388,7 +392,8 @@ def prefill_cell(model, ids, device, keep, calibration, block_size, block_tokens
     sync(device)
     cell["plain"] = {"seconds": time.perf_counter() - start, "peak_gib": peak_above(device, base)}
     del cache
-    runs = [(name, policy, None) for name, policy in policies(keep, calibration)]
+    compressed = policies(keep, calibration)
+    runs = [(name, policy, None) for name, policy in compressed]
     runs.append((runs[-1][0] + f" block {block_size}", runs[-1][1], block_size))
     for name, policy, block in runs:
         if block is not None and ids.numel() > block_tokens:
@@ -408,9 +413,9 @@ def prefill_cell(model, ids, device, keep, calibration, block_size, block_tokens
     for row in cell.values():
         if "seconds" in row:
             row["x_plain"] = row["seconds"] / cell["plain"]["seconds"]
-    if tables is not None:  # where the time goes: plain's prefill and the last policy's, profiled once each
+    if tables is not None:  # where the time goes: plain's prefill and the flagship's, profiled once each
         size = f"{ids.shape[1]}x{ids.shape[0]}"
-        name, policy = runs[-2][0], runs[-2][1]
+        name, policy = compressed[-1]
         cell["profiles"] = {
             "plain": profiled_prefill(lambda: plain_cache(model, ids), device, tables, f"plain_{size}"),
             name: profiled_prefill(

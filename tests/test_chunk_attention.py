@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_llama
+from test_decode_sync import SyncCounter
 
 from runtime import RaggedCache
 from runtime.compression.prefill import prefill
@@ -123,19 +124,6 @@ def test_the_embedded_model_accumulates_what_its_recorded_queries_give(embedded_
         torch.testing.assert_close(accumulated, recorded, rtol=1e-4, atol=1e-5)
 
 
-class _Products(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the batched products (``bmm``) dispatched: one per group of chunks scored together."""
-
-    def __init__(self):
-        super().__init__()
-        self.products = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ == "bmm":
-            self.products += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("device,most", [("cpu", None), ("meta", 8)])
 def test_an_accelerator_scores_many_chunks_per_product(device, most):
     """One row of a 32K-token prompt on Llama-3.1-8B's geometry (8 KV heads x 4 query heads, d = 128,
@@ -149,11 +137,11 @@ def test_an_accelerator_scores_many_chunks_per_product(device, most):
     make = torch.empty if device == "meta" else torch.zeros
     queries = make(heads, group, chunks, size, dim, dtype=torch.bfloat16, device=device)
     keys = make(heads, chunks, size, dim, dtype=torch.bfloat16, device=device)
-    counter = _Products()
+    counter = SyncCounter()  # tests/test_decode_sync.py: every op dispatched, by name
     with counter:
         mass = chunk_mass(queries, keys, 1.0)
     assert mass.shape == (heads, chunks, size) and mass.dtype == torch.float32
     if most is None:
-        assert counter.products == 2 * chunks // 2  # 2 chunks per product, 2 products each
+        assert counter.names["bmm"] == 2 * chunks // 2  # 2 chunks per product, 2 products each
     else:
-        assert counter.products <= most
+        assert counter.names["bmm"] <= most

@@ -62,17 +62,20 @@ _HOST_READS = {"tolist", "cpu"}
 
 
 class SyncCounter(TorchDispatchMode):
-    """Counts every aten op dispatched (``ops``) and the synchronising ones (``syncs``, by name)."""
+    """Counts every aten op dispatched (``ops``; ``names``: by op name) and the synchronising ones
+    (``syncs``, by name)."""
 
     def __init__(self):
         super().__init__()
         self.ops = 0
+        self.names: collections.Counter = collections.Counter()
         self.syncs: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         self.ops += 1
+        self.names[name] += 1
         if name in _DATA_DEPENDENT:
             self.syncs[name] += 1
         elif name in _INDEXING:

@@ -159,19 +159,10 @@ def test_key_rope_off_the_cpu_is_computed_without_reading_the_device_back():
     """The keys' RoPE provider memoises on a CPU (positions compared with ``torch.equal``); on any other
     device it computes ``cos, sin`` every time, since the comparison would be a host synchronisation
     per scoring tile on a GPU.  The meta device stands for the GPU (the model built there)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from test_decode_sync import SyncCounter
 
     from runtime.math.geometry import ModelGeometry
     from runtime.scorers.providers import KeyRopeProvider
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     for device in ("cpu", "meta"):
         with torch.device(device):
@@ -186,13 +177,13 @@ def test_key_rope_off_the_cpu_is_computed_without_reading_the_device_back():
         positions = torch.arange(12, device=device).expand(1, 2, 12)
         keys = torch.zeros(1, 2, 12, 16, device=device)
         inputs = LayerInputs(0, keys, keys, positions, positions >= 0, torch.full((1, 2), 12), 1.0, [12])
-        ops = Ops()
+        ops = SyncCounter()  # every op dispatched, by name
         with ops:
             first = provider(inputs)
             second = provider(inputs)
         assert first[0].shape == (1, 2, 12, 16) and first[0].device.type == device
         if device == "cpu":
-            assert ops.names.count("equal") == 1  # the second call reuses the first's result
+            assert ops.names["equal"] == 1  # the second call reuses the first's result
             torch.testing.assert_close(first, second, rtol=0, atol=0)
         else:
             assert "equal" not in ops.names and "_local_scalar_dense" not in ops.names

@@ -76,6 +76,7 @@ class LeverageScorer(Scorer):
         self.exclude_last = check_integer("leverage exclude_last", exclude_last, minimum=0)
         self.seed = check_integer("leverage seed", seed)
         self.ridge = check_number("leverage ridge", ridge, above=0.0)
+        self._layer_sketches: dict[tuple, torch.Tensor] = {}  # layer_sketch's, per (layer, heads, dim, device)
 
     @property
     def needs(self):
@@ -103,11 +104,10 @@ class LeverageScorer(Scorer):
         per call, a layer's sketches were ``2 Hkv + 2`` ops and a copy from pageable host memory,
         which on CUDA waits for the stream (a host synchronisation per scoring tile, issue 40)."""
         key = (layer, heads, dim, str(torch.device(device)))
-        memo = self.__dict__.setdefault("_layer_sketches", {})
-        if key not in memo:
+        if key not in self._layer_sketches:
             drawn = torch.stack([self.sketch_matrix(layer, h, dim) for h in range(heads)]).unsqueeze(0)
-            memo[key] = to_device(drawn, device)
-        return memo[key]
+            self._layer_sketches[key] = to_device(drawn, device)
+        return self._layer_sketches[key]
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         return self.combine(self.score_parts(inputs), inputs.valid)
