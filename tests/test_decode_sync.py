@@ -246,7 +246,9 @@ def test_the_flagship_decode_step_on_the_embedded_model(embedded_model, embedded
     orders, 75% evicted, on the real embedded model (30 layers): no more synchronisations per decode
     step than the unmodified model's; uniform/keydiff too.  The flagship dispatches at most 1.3x the
     unmodified model's aten ops (issue 39's bar; 2949 = 1.35x before the step's positions were
-    converted once for all layers and the merge's NaN guard skipped on decode steps)."""
+    converted once for all layers and the merge's NaN guard skipped on decode steps, 2832 = 1.30x
+    before a one-token append left the page kernel's bias to its first read: 2802 = 1.28x with
+    transformers 5.24, 2811 = 1.30x with 5.17, whose plain step dispatches 21 fewer)."""
     from runtime import load_calibration
     from runtime.plan.policy_spec import FLAGSHIP
 

@@ -237,3 +237,43 @@ def test_decode_pages_attend_every_head_over_its_live_rows(monkeypatch, gathered
             logits = 0.5 * query[b * HEADS + h] @ k.T  # [2, n]
             torch.testing.assert_close(out[b * HEADS + h], torch.softmax(logits, -1) @ v, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(lse[b * HEADS + h], torch.logsumexp(logits, -1), atol=1e-5, rtol=1e-5)
+
+
+def test_one_token_appends_leave_the_bias_behind_until_it_is_read():
+    """Only the page kernel reads ``row_bias``, so a one-token step's append does not update it (one
+    op and one GPU launch per layer and step, issue 39's count) until it is first read: the read
+    rebuilds it exactly from the host tables, in the same tensor, and every append after it keeps it
+    current in place (a step captured with the page kernel carries the update)."""
+    from test_decode_sync import SyncCounter
+
+    generator = torch.Generator().manual_seed(8)
+    store, reference = SegmentStore(2, HEADS, DIM, torch.float32, "cpu"), Reference(2)
+    keys, values, positions = _chunk(generator, 2, 9, 0)
+    store.append(keys, values, positions, None)
+    reference.append(keys, values, positions, None)
+    rows = torch.tensor([0, 2, 5, 8])
+    store.keep(1, 2, rows)  # unequal heads: the non-uniform append path
+    reference.keep(1, 2, rows)
+    keys, values, positions = _chunk(generator, 2, 1, 9)
+    store.append(keys, values, positions, None)  # the first step repacks, with room for the next ones
+    reference.append(keys, values, positions, None)
+    tensor, generation = store._row_bias, store.generation
+    for step in range(10, 14):
+        keys, values, positions = _chunk(generator, 2, 1, step)
+        counter = SyncCounter()
+        with counter:
+            store.append(keys, values, positions, None)
+        reference.append(keys, values, positions, None)
+        assert counter.names["index_fill_"] == 0, counter.names
+    assert store.generation == generation  # no repack in these steps: the stale bias is this tensor
+    _check(store, reference)  # reads row_bias: rebuilt, exact
+    assert store._row_bias is tensor and store.bias_follows_appends
+    for step in range(14, 18):
+        keys, values, positions = _chunk(generator, 2, 1, step)
+        counter = SyncCounter()
+        with counter:
+            store.append(keys, values, positions, None)
+        reference.append(keys, values, positions, None)
+        assert counter.names["index_fill_"] == 1, counter.names
+        assert not store._bias_stale
+        _check(store, reference)

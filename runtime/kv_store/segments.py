@@ -6,7 +6,8 @@ The retained tokens of every (batch row ``b``, KV head ``h``) pair, a *segment*
     key_buffer, value_buffer   [C, d]          C = sum of the segments' capacities
     position_buffer            int32 [C]       absolute RoPE position of every row
     row_bias                   [C + 1]         keys' dtype: 0 for a stored row, -inf for free
-                                               capacity, plus a trailing -inf (gathered padding)
+                                               capacity, plus a trailing -inf (gathered padding);
+                                               only the page kernel reads it (see below)
     offset, capacity, length   int64 [B, Hkv]  (host) segment s holds its live rows at
                                                buffer rows offset_s .. offset_s + length_s - 1
     host_offset, host_capacity, host_length    the same tables as numpy arrays sharing their
@@ -33,6 +34,13 @@ tables (on a CPU as on a GPU, a torch op in the step is one that works on device
 is derived from the tables for the device (``ends``, the live rows' bias, the page tables of
 :class:`runtime.kv_store.layout.PageLayout`) is built on the host when the storage changes and copied once
 (:func:`runtime.math.arrays.to_device`: non-blocking from pinned memory on CUDA).
+
+The live rows' bias is read only by the page kernel (:func:`runtime.kv_store.paged_attention.decode_attention`,
+a GPU's fallback); the kernels a step runs otherwise (the CPU's live rows, a GPU's FlashAttention
+varlen call) read the lengths.  So a one-token step's append leaves the bias behind (one op, and
+on a GPU one kernel launch, per layer and step: issue 39's count) until :attr:`SegmentStore.row_bias`
+is first read, which rebuilds it from the host tables; from then on the store's appends keep it
+current in place, so a step captured in a graph with the page kernel carries the bias's update.
 
 The store knows nothing of attention, moments or policies: it stores, moves and drops rows.
 """
@@ -90,6 +98,8 @@ class SegmentStore:
         """An empty store: every segment of capacity 0."""
         self.num_heads, self.head_dim, self.dtype = int(heads), int(dim), dtype
         zeros = torch.zeros(batch, heads, dtype=torch.int64)
+        # whether a one-token append updates the bias: from the first read of row_bias on (module docstring)
+        self.bias_follows_appends = False
         self.install(
             torch.zeros(0, dim, dtype=dtype, device=device),
             torch.zeros(0, dim, dtype=dtype, device=device),
@@ -124,11 +134,27 @@ class SegmentStore:
         # runtime.kv_store.varlen_attention): known once per repack, read by every step
         self.increasing = bool(np.all(np.diff(self.host_offset.reshape(-1)) > 0))
         # one entry per buffer row, plus a trailing -inf that gathered padding reads
-        self.row_bias = torch.full((keys.shape[0] + 1,), float("-inf"), dtype=keys.dtype, device=keys.device)
-        live = to_device(segment_rows(self.host_offset.reshape(-1), self.host_length.reshape(-1)), keys.device)
-        self.row_bias.index_fill_(0, live, 0.0)
+        self._row_bias = torch.empty(keys.shape[0] + 1, dtype=keys.dtype, device=keys.device)
+        self._rebuild_bias()
         self.ends = None
         self.refresh_lengths()
+
+    @property
+    def row_bias(self) -> torch.Tensor:
+        """``[C + 1]`` in the keys' dtype: 0 on every live row, -inf on free capacity and the
+        trailing entry.  The first read rebuilds what one-token appends left behind and makes every
+        later append keep it current (module docstring)."""
+        if self._bias_stale:
+            self._rebuild_bias()
+        self.bias_follows_appends = True
+        return self._row_bias
+
+    def _rebuild_bias(self) -> None:
+        """The bias from the host tables (the live rows of every segment), into the same tensor."""
+        live = to_device(segment_rows(self.host_offset.reshape(-1), self.host_length.reshape(-1)), self.device)
+        self._row_bias.fill_(float("-inf"))
+        self._row_bias.index_fill_(0, live, 0.0)
+        self._bias_stale = False
 
     def refresh_lengths(self) -> None:
         """Re-derive what follows from ``length`` after an in-place change (eviction): on the host mirror,
@@ -251,14 +277,18 @@ class SegmentStore:
         batch, heads, q_len, dim = keys.shape
         if q_len == 1:  # a decode step: every head's next row is its first free one (fewest ops)
             memo = step_positions if step_positions is not None else StepPositions()
-            self._store(self.ends, keys.reshape(-1, dim), values.reshape(-1, dim), memo.flat(positions, heads))
+            follows = self.bias_follows_appends  # else the bias is left behind (module docstring)
+            self._store(
+                self.ends, keys.reshape(-1, dim), values.reshape(-1, dim), memo.flat(positions, heads), bias=follows
+            )
+            self._bias_stale = self._bias_stale or not follows
         elif self.uniform:  # one strided copy into the [B, Hkv, cap, d] view
             capacity, length = int(self.host_capacity[0, 0]), int(self.host_length[0, 0])
             end = length + q_len
             self.key_buffer.view(batch, heads, capacity, dim)[:, :, length:end] = keys
             self.value_buffer.view(batch, heads, capacity, dim)[:, :, length:end] = values
             self.position_buffer.view(batch, heads, capacity)[:, :, length:end] = positions.to(torch.int32).unsqueeze(1)
-            self.row_bias[:-1].view(batch, heads, capacity)[:, :, length:end].fill_(0.0)  # no scalar tensor
+            self._row_bias[:-1].view(batch, heads, capacity)[:, :, length:end].fill_(0.0)  # no scalar tensor
         else:
             rank = torch.arange(q_len, device=self.ends.device)
             target = (self.ends.view(batch, heads, 1) + rank).reshape(-1)  # [B * Hkv * q]
@@ -277,12 +307,16 @@ class SegmentStore:
         self.host_length += rows  # the host mirror: the tables' own memory, no torch op
         self.free -= rows
 
-    def _store(self, target: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write rows ``keys / values [n, d]``, ``positions [n]`` at buffer rows ``target [n]``."""
+    def _store(
+        self, target: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, *, bias=True
+    ) -> None:
+        """Write rows ``keys / values [n, d]``, ``positions [n]`` at buffer rows ``target [n]`` (and mark
+        them live in the bias, unless ``bias`` is False)."""
         self.key_buffer.index_copy_(0, target, keys.to(self.key_buffer.dtype))
         self.value_buffer.index_copy_(0, target, values.to(self.value_buffer.dtype))
         self.position_buffer.index_copy_(0, target, positions.to(torch.int32))  # no op when int32 already
-        self.row_bias.index_fill_(0, target, 0.0)
+        if bias:
+            self._row_bias.index_fill_(0, target, 0.0)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -342,7 +376,7 @@ class SegmentStore:
         for store in (keys, values, positions):
             store[:count] = store.index_select(0, rows)
         start = int(self.offset[b, h])
-        self.row_bias[start + count : start + keys.shape[0]] = float("-inf")
+        self._row_bias[start + count : start + keys.shape[0]] = float("-inf")
         self.length[b, h] = count
         self.refresh_lengths()
         self.loose = self.loose or shrink
@@ -375,7 +409,7 @@ class SegmentStore:
         counts = keep.sum(-1)  # [R, Hkv] device
         place = torch.arange(n, device=device).expand(*keep.shape).reshape(-1).index_select(0, slots)
         stays = place < counts.reshape(-1).repeat_interleave(n).index_select(0, slots)
-        self.row_bias.index_copy_(0, target, torch.where(stays, 0.0, float("-inf")).to(self.row_bias.dtype))
+        self._row_bias.index_copy_(0, target, torch.where(stays, 0.0, float("-inf")).to(self._row_bias.dtype))
         kept = counts.cpu().numpy() if kept is None else host_array(kept)
         self.host_length[rows] = kept
         self.refresh_lengths()
@@ -415,4 +449,4 @@ class SegmentStore:
 
     def index_bytes(self) -> int:
         """Bytes allocated for the per-row RoPE positions and visibility bias."""
-        return sum(t.numel() * t.element_size() for t in (self.position_buffer, self.row_bias))
+        return sum(t.numel() * t.element_size() for t in (self.position_buffer, self._row_bias))
