@@ -100,6 +100,29 @@ def test_a_decode_step_reads_the_device_tables_of_a_store_with_unequal_heads():
             torch.testing.assert_close(out[b * 3 + h], torch.softmax(logits, -1) @ values, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(lse[b * 3 + h], torch.logsumexp(logits, -1), atol=1e-5, rtol=1e-5)
     assert len({int(n) for n in store.host_length.reshape(-1)}) > 1  # the heads differ
+    # what the step dispatches around the kernel: no table made per step (the query starts are the
+    # layout's, made at the repack: one GPU launch per layer and step fewer, issue 39)
+    from test_decode_sync import SyncCounter
+
+    calls = []
+
+    def kernel(*arguments):
+        calls.append(arguments)
+        return raw
+
+    raw = reference_varlen(*_captured_arguments(query, store, layout))
+    counter = SyncCounter()
+    with counter:
+        varlen_decode_attention(query, store, layout, 0.25, kernel=kernel)
+    assert calls[0][3] is layout.decode_query_starts
+    assert counter.names["arange"] == 0 and not counter.syncs, counter.names
+
+
+def _captured_arguments(query, store, layout) -> tuple:
+    """The arguments :func:`varlen_decode_attention` hands its kernel."""
+    captured = []
+    varlen_decode_attention(query, store, layout, 0.25, kernel=lambda *a: captured.append(a) or reference_varlen(*a))
+    return captured[0]
 
 
 def test_the_flash_call_takes_our_packing_on_the_meta_device():

@@ -88,11 +88,13 @@ class PageLayout:
     segment_capacity: int  # that common capacity (0 otherwise)
     gather: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None  # key rows, bias rows [S * W], W, arange(S)
     # FlashAttention varlen's tables (:mod:`runtime.kv_store.varlen_attention`): int32 [S + 1] of the
-    # segments' first rows closed by the buffer's end, int64 [S] the same without it, and the widest
-    # capacity (an upper bound of every length until the next repack)
+    # segments' first rows closed by the buffer's end, int64 [S] the same without it, the widest
+    # capacity (an upper bound of every length until the next repack), and a decode step's query
+    # starts, int32 arange(S + 1) (one query row per segment), made here rather than in every step
     varlen_starts: torch.Tensor
     segment_offset: torch.Tensor
     widest: int
+    decode_query_starts: torch.Tensor
 
     @classmethod
     def build(
@@ -130,6 +132,7 @@ class PageLayout:
             varlen_starts=to_device(np.append(flat_offset, buffer_rows).astype(np.int32), device),
             segment_offset=to_device(flat_offset, device),
             widest=widest,
+            decode_query_starts=torch.arange(segments + 1, dtype=torch.int32, device=device),
         )
 
     def decode_pages(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, row_bias: torch.Tensor) -> DecodePages:

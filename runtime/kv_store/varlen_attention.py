@@ -149,14 +149,13 @@ def varlen_decode_attention(
     built at the last repack, and the storage's ``ends``, advanced in place at every step), so the
     step asks the host nothing and the same calls replay in a captured graph; the kernel's upper
     bound of the lengths is the widest capacity, which only a repack (a new layout) changes."""
-    segments, group, dim = query.shape
+    dim = query.shape[-1]
     used = (store.ends - layout.segment_offset).to(torch.int32)  # [S] live rows, on the device
-    cu_q = torch.arange(segments + 1, dtype=torch.int32, device=query.device)
     out, lse = (kernel or flash_varlen)(
         query.to(store.key_buffer.dtype),
         store.key_buffer.view(-1, 1, dim),
         store.value_buffer.view(-1, 1, dim),
-        cu_q,
+        layout.decode_query_starts,
         layout.varlen_starts,
         1,
         max(layout.widest, 1),
