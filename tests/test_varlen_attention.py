@@ -118,6 +118,41 @@ def test_a_decode_step_reads_the_device_tables_of_a_store_with_unequal_heads():
     assert counter.names["arange"] == 0 and not counter.syncs, counter.names
 
 
+def test_a_decode_step_without_the_correction_keeps_the_kernels_dtype():
+    """Without MomentKV's merge (``need_lse=False``) the step hands back the kernel's output in the
+    buffer's dtype and no log-sum-exp: the float32 round trip (two casts, two GPU launches per layer
+    and step) was for nothing there; the values are the float32 path's."""
+    from test_decode_sync import SyncCounter
+
+    generator = torch.Generator().manual_seed(5)
+    store = SegmentStore(1, 3, 16, torch.bfloat16, "cpu")
+    keys, values = torch.randn(2, 1, 3, 20, 16, generator=generator).bfloat16()
+    store.append(keys, values, torch.arange(20).expand(1, 20), None)
+    layout = PageLayout.build(store.offset, store.capacity, store.page_size, store.key_buffer.shape[0], "cpu")
+    query = torch.randn(3, 2, 16, generator=generator).bfloat16()
+    counts = {}
+    for need_lse in (True, False):
+        counter = SyncCounter()
+        with counter:
+            counts[need_lse] = (
+                varlen_decode_attention(
+                    query, store, layout, 0.25, kernel=lambda *a: _kernel_dtype(reference_varlen(*a)), need_lse=need_lse
+                ),
+                counter.names["_to_copy"],
+            )
+    (full, lse), casts_full = counts[True]
+    (plain, none), casts_plain = counts[False]
+    assert none is None and plain.dtype == torch.bfloat16 and full.dtype == torch.float32 and lse is not None
+    assert torch.equal(plain.float(), full)
+    assert casts_plain < casts_full, (casts_plain, casts_full)
+
+
+def _kernel_dtype(outputs):
+    """The reference's float32 output in bf16, as the flash kernel returns it (its lse stays float32)."""
+    out, lse = outputs
+    return out.bfloat16(), lse
+
+
 def _captured_arguments(query, store, layout) -> tuple:
     """The arguments :func:`varlen_decode_attention` hands its kernel."""
     captured = []

@@ -258,12 +258,13 @@ def _decode_step_attention(
     need_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode step, ``query [S, G, d]`` over every segment's live rows: ``(out [S, G, d], lse [S, G])``
-    (``lse`` may be None unless ``need_lse``), by the kernel :func:`decode_kernel` chooses."""
+    float32 by the kernel :func:`decode_kernel` chooses; unless ``need_lse``, ``lse`` may be None and
+    ``out`` in the buffer's dtype."""
     kernel = decode_kernel(store, softcap, need_lse)
     if kernel == "flex":
         return flex_decode_attention(query, store, scaling, softcap=softcap, need_lse=need_lse)
     if kernel == "varlen":  # a GPU: one FlashAttention varlen call, every table on the device
-        return varlen_decode_attention(query, store, layout, scaling)
+        return varlen_decode_attention(query, store, layout, scaling, need_lse=need_lse)
     if kernel == "live_rows":  # the CPU: sizes from the host mirror
         length = store.host_length.tolist()
         if store.uniform and length[0][0] > 0:

@@ -142,10 +142,12 @@ def varlen_chunk_attention(
 
 
 def varlen_decode_attention(
-    query: torch.Tensor, store, layout, scaling: float, *, kernel: Callable | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    query: torch.Tensor, store, layout, scaling: float, *, kernel: Callable | None = None, need_lse: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode step, ``query [S, G, d]`` over every segment's live rows, as one varlen call:
-    ``(out [S, G, d], lse [S, G])`` float32.  Every table is on the device already (the layout's,
+    ``(out [S, G, d], lse [S, G])`` float32 (for MomentKV's merge); without ``need_lse``, ``(out, None)``
+    with ``out`` in the buffer's dtype, as the kernel returns it (a float32 round trip would be two
+    launches per layer and step for nothing).  Every table is on the device already (the layout's,
     built at the last repack, and the storage's ``ends``, advanced in place at every step), so the
     step asks the host nothing and the same calls replay in a captured graph; the kernel's upper
     bound of the lengths is the widest capacity, which only a repack (a new layout) changes."""
@@ -162,5 +164,7 @@ def varlen_decode_attention(
         scaling,
         used,
     )
+    if not need_lse:
+        return out, None
     lse = lse[:, :, 0] if lse.dim() == 3 else lse.transpose(0, 1)  # [S, G, 1] (torch 2.6) or [G, S]
     return out.float(), lse.float()
