@@ -1,7 +1,7 @@
 """Peak memory that prefill + compression allocates on the CPU, counted allocation by allocation.
 
     python benchmarks/prefill_memory.py [--context 4096] [--batch 2] [--keep-ratio 0.25]
-                                        [--artifact PATH] [--json OUT]
+                                        [--artifact PATH] [--block-size N ...] [--json OUT]
 
 On the embedded model, float32, one torch thread, ``--batch`` rows of ``--context`` tokens of
 filler, three calls one after the other:
@@ -10,12 +10,14 @@ filler, three calls one after the other:
 * ``uniform/keydiff``: ``compress_prompt`` under ``CompressionPolicy(keep_ratio=K, scorer="keydiff")``;
 * ``flagship``: ``compress_prompt`` under ``inf/leverage+correction`` with ``--artifact``
   (``uniform/leverage`` without one),
+* ``flagship, block-wise N``: the same with ``block_size=N``, for each ``--block-size`` (the
+  cache never holds more than the budgets plus one block, and the activations are one block's),
 
 each under ``torch.profiler`` with ``profile_memory=True``: the peak is the largest running sum of
 the profiler's allocation and free events during the call, i.e. the bytes torch's allocator held
 at once beyond what was allocated before the call.  Unlike the process's resident peak (VmHWM,
 ``benchmarks/gpu_serving.py --device cpu``), this does not depend on what the C allocator kept from
-earlier calls, so the three columns compare within a run and between runs.  Also printed: the
+earlier calls, so the columns compare within a run and between runs.  Also printed: the
 running sum at the start of every third decoder layer (where a cache that grows with the layers
 shows), the full cache's bytes, and issue 40's CPU bar: each compressed call's peak at most plain's
 minus 0.6 x the full cache.
@@ -73,8 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=2, help="rows (default 2)")
     parser.add_argument("--keep-ratio", type=float, default=0.25, help="fraction kept (default 0.25)")
     parser.add_argument("--artifact", help="a calibration artifact of the embedded model: serve the flagship")
+    parser.add_argument(
+        "--block-size", type=int, nargs="*", default=[], help="also the flagship's block-wise prefill, per size"
+    )
     parser.add_argument("--json", help="write the numbers here")
     args = parser.parse_args(argv)
+    if any(size < 1 for size in args.block_size):
+        parser.error(f"--block-size must be positive, got {args.block_size}")
     torch.set_num_threads(1)
 
     from gpu_serving import filler_ids
@@ -99,14 +106,19 @@ def main(argv: list[str] | None = None) -> int:
             layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers if layer.keys is not None
         )
 
-    def compressed(policy):
-        return lambda: compress_prompt(model, ids, policy, context_columns=ids.shape[1] - 1, calibration=calibration)
+    def compressed(policy, block=None):
+        return lambda: compress_prompt(
+            model, ids, policy, context_columns=ids.shape[1] - 1, calibration=calibration, block_size=block
+        )
 
+    name = "flagship" if calibration else "uniform/leverage"
     calls = {
         "plain": plain,
         "uniform/keydiff": compressed(CompressionPolicy(keep_ratio=args.keep_ratio, scorer="keydiff")),
-        "flagship" if calibration else "uniform/leverage": compressed(flagship),
+        name: compressed(flagship),
     }
+    for block in args.block_size:
+        calls[f"{name}, block-wise {block}"] = compressed(flagship, block)
     results = {}
     for name, run in calls.items():
         peak, timeline = allocation_peak(run)
