@@ -37,14 +37,14 @@ import argparse
 import json
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from kvpress_side_by_side import interleaved  # noqa: E402
+from kvpress_side_by_side import interleaved, read_journal  # noqa: E402
+from kvpress_side_by_side import table as side_by_side_table  # noqa: E402
 
 REFERENCE = "one-pass"
 
@@ -107,51 +107,8 @@ def held_out(preset_name: str, calibration, model, tokenizer):
     return tasks, tasks.probes(tokenizer)
 
 
-def read_journal(path: Path, settings: dict | None) -> dict:
-    """``(task, cell, ratio) -> record`` of ``path``; with ``settings``, a new journal starts with them
-    and an existing one must have been written with them."""
-    if not path.exists():
-        if settings is None:
-            sys.exit(f"blockwise_quality: error: {path}: no such file")
-        path.write_text(json.dumps({"settings": settings}) + "\n")
-        return {}
-    lines = path.read_text().splitlines()
-    if settings is not None and (not lines or json.loads(lines[0]).get("settings") != settings):
-        sys.exit(f"blockwise_quality: error: {path} was written with other settings; use another --out")
-    done = {}
-    for line in lines[1:]:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by a kill: that cell runs again
-            continue
-        done[(record["task"], record["cell"], record["ratio"])] = record
-    return done
-
-
 def table(done: dict, ratios, cells) -> str:
-    from common.formulas import wilson_interval
-    from profiler.paired_decision import loss_bound
-
-    by_cell = defaultdict(dict)  # (cell, ratio) -> task -> correct
-    for (task, cell, ratio), record in done.items():
-        by_cell[(cell, ratio)][task] = record["correct"]
-    header = f"{'cell':<12} {'ratio':>5} {'n':>4} {'accuracy':>8}  {'95% interval':<13}"
-    lines = [header + f"  vs {REFERENCE}: wins/losses on n, bound on the accuracy given up"]
-    for cell, ratio in [("baseline", None)] + [(c, r) for r in ratios for c in cells]:
-        outcomes = by_cell.get((cell, ratio), {})
-        n, right = len(outcomes), sum(outcomes.values())
-        low, high = wilson_interval(right, n)
-        paired = ""
-        reference = by_cell.get((REFERENCE, ratio), {}) if ratio is not None else {}
-        if cell != REFERENCE and reference:
-            shared = [t for t in outcomes if t in reference]
-            wins = sum(outcomes[t] and not reference[t] for t in shared)
-            losses = sum(reference[t] and not outcomes[t] for t in shared)
-            paired = f"  {wins}/{losses} on {len(shared)}, bound {loss_bound(wins, losses, len(shared)):+.3f}"
-        accuracy = f"{right / n:.3f}" if n else "-"
-        label = "-" if ratio is None else f"{ratio:g}"
-        lines.append(f"{cell:<12} {label:>5} {n:>4} {accuracy:>8}  [{low:.2f}, {high:.2f}]{paired}")
-    return "\n".join(lines)
+    return side_by_side_table(done, ratios, cells, reference=REFERENCE, bound=True)
 
 
 def main(argv=None) -> int:

@@ -51,6 +51,10 @@ import warnings
 from collections import defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cell_journal  # noqa: E402
+
 RATIOS = (0.5, 0.75, 0.9, 0.95)
 CELLS = ("kvpress-compactor", "kvpress-adakv", "kvcal-press", "kvcal-runtime", "kvcal-runtime-nocorr")
 REFERENCE = "kvcal-runtime"
@@ -123,23 +127,11 @@ def interleaved(probes: list) -> list:
     return order
 
 
-def read_journal(path: Path, settings: dict) -> dict:
-    """``(task, cell, ratio) -> record`` of an earlier run with the same ``settings`` (first line)."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"settings": settings}) + "\n")
-        return {}
-    lines = path.read_text().splitlines()
-    if not lines or json.loads(lines[0]).get("settings") != settings:
-        sys.exit(f"kvpress_side_by_side: error: {path} was written with other settings; use another --out")
-    done = {}
-    for line in lines[1:]:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by a kill: that cell runs again
-            continue
-        done[(record["task"], record["cell"], record["ratio"])] = record
-    return done
+def read_journal(path: Path, settings: dict | None) -> dict:
+    """``(task, cell, ratio) -> record`` of an earlier run (:func:`cell_journal.read_journal`)."""
+    return cell_journal.read_journal(
+        path, settings, lambda record: (record["task"], record["cell"], record["ratio"]), "kvpress_side_by_side"
+    )
 
 
 def build_tasks(preset: str, count: int, calibration, model, tokenizer):
@@ -195,24 +187,31 @@ def run_cell(cell, ratio, probe, pipe, model, tokenizer, calibration, args) -> s
     return answer
 
 
-def table(done: dict, ratios, cells) -> str:
+def table(done: dict, ratios, cells, reference: str = REFERENCE, bound: bool = False) -> str:
+    """Per (cell, ratio) of ``done`` (the journal): n, accuracy, its 95% Wilson interval and the wins /
+    losses paired against ``reference`` at the same ratio (with ``bound``, also the paired rule's upper
+    95% bound on the accuracy given up, ``profiler.paired_decision.loss_bound``)."""
     from common.formulas import wilson_interval
+    from profiler.paired_decision import loss_bound
 
     by_cell = defaultdict(dict)  # (cell, ratio) -> task -> correct
     for (task, cell, ratio), record in done.items():
         by_cell[(cell, ratio)][task] = record["correct"]
-    lines = [f"{'cell':<22} {'ratio':>5} {'n':>4} {'accuracy':>8}  {'95% interval':<13} vs {REFERENCE}: wins/losses"]
+    paired_header = f"vs {reference}: wins/losses" + (" on n, bound on the accuracy given up" if bound else "")
+    lines = [f"{'cell':<22} {'ratio':>5} {'n':>4} {'accuracy':>8}  {'95% interval':<13} {paired_header}"]
     for cell, ratio in [("baseline", None)] + [(c, r) for r in ratios for c in cells]:
         outcomes = by_cell.get((cell, ratio), {})
         n, right = len(outcomes), sum(outcomes.values())
         low, high = wilson_interval(right, n)
         paired = ""
-        reference = by_cell.get((REFERENCE, ratio), {}) if ratio is not None else {}
-        if cell != REFERENCE and reference:
-            shared = [t for t in outcomes if t in reference]
-            wins = sum(outcomes[t] and not reference[t] for t in shared)
-            losses = sum(reference[t] and not outcomes[t] for t in shared)
+        against = by_cell.get((reference, ratio), {}) if ratio is not None else {}
+        if cell != reference and against:
+            shared = [t for t in outcomes if t in against]
+            wins = sum(outcomes[t] and not against[t] for t in shared)
+            losses = sum(against[t] and not outcomes[t] for t in shared)
             paired = f"{wins}/{losses} on {len(shared)}"
+            if bound:
+                paired += f", bound {loss_bound(wins, losses, len(shared)):+.3f}"
         accuracy = f"{right / n:.3f}" if n else "-"
         label = "-" if ratio is None else f"{ratio:g}"
         lines.append(f"{cell:<22} {label:>5} {n:>4} {accuracy:>8}  [{low:.2f}, {high:.2f}]  {paired}")

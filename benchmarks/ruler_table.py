@@ -62,6 +62,10 @@ import warnings
 from collections import defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cell_journal  # noqa: E402
+
 # lm-eval 0.4.13's RULER tasks that build their data from the tokenizer alone (no download):
 # niah_single_1's haystack is a repeated sentence, niah_multikey_2/3's are needles; niah_single_2/3,
 # niah_multikey_1, niah_multivalue and niah_multiquery read Paul Graham's essays from the hub and
@@ -120,26 +124,8 @@ def cell_key(record: dict) -> tuple[str, str, float]:
 
 
 def read_journal(path: Path, settings: dict | None) -> dict:
-    """``(instance, method, ratio) -> record`` of an earlier run.  With ``settings`` (a run): a missing
-    journal is started with them, one written with other settings is refused.  Without (a report):
-    whatever the journal holds.  A line cut by a kill is passed over (that cell runs again)."""
-    if not path.exists():
-        if settings is None:
-            sys.exit(f"ruler_table: error: no journal {path}")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"settings": settings}) + "\n")
-        return {}
-    lines = path.read_text().splitlines()
-    if settings is not None and (not lines or json.loads(lines[0]).get("settings") != settings):
-        sys.exit(f"ruler_table: error: {path} was written with other settings; use another --out")
-    done = {}
-    for line in lines[1:]:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        done[cell_key(record)] = record
-    return done
+    """``(instance, method, ratio) -> record`` of an earlier run (:func:`cell_journal.read_journal`)."""
+    return cell_journal.read_journal(path, settings, cell_key, "ruler_table")
 
 
 def plan(instances: list[dict], methods, ratios, done: dict) -> list[tuple[dict, str, float]]:
