@@ -82,31 +82,6 @@ def parse_args(argv=None):
     return args
 
 
-def held_out(preset_name: str, calibration, model, tokenizer):
-    """The held-out tasks the recommendation stage of ``preset_name`` measures policies on, for
-    this artifact (its profiler seed + the offset), and their probes."""
-    from needles import FAMILIES
-    from needles import PRESETS as PROBE_PRESETS
-    from profiler.held_out_tasks import HAYSTACKS, held_out_tasks
-    from profiler.presets import PRESETS
-    from profiler.stages.recommendation import TASK_DEPTHS
-
-    preset = PRESETS[preset_name]
-    base = PROBE_PRESETS[preset.probes].replace(**dict(preset.probe_overrides))
-    config = calibration.config if isinstance(calibration.config, dict) else {}
-    seed = config.get("behaviour", {}).get("spec", {}).get("seed")
-    tasks = held_out_tasks(
-        base,
-        families=tuple(FAMILIES),
-        haystacks=HAYSTACKS,
-        depths=dict(preset.recommendation_depths) or TASK_DEPTHS,
-        count=1,
-        profiler_seed=seed if isinstance(seed, int) else base.seed,
-        model_context=int(getattr(model.config, "max_position_embeddings", 0) or 4096),
-    )
-    return tasks, tasks.probes(tokenizer)
-
-
 def table(done: dict, ratios, cells) -> str:
     return side_by_side_table(done, ratios, cells, reference=REFERENCE, bound=True)
 
@@ -124,13 +99,23 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     from common.models import load_model, load_tokenizer
-    from needles import answer_is_correct
+    from needles import FAMILIES, answer_is_correct
+    from profiler.held_out_tasks import HAYSTACKS
+    from profiler.presets import PRESETS
+    from profiler.stages.recommendation import recommendation_tasks
     from runtime import generate, load_calibration
     from runtime.plan.policy_spec import FLAGSHIP
 
     model, tokenizer = load_model(), load_tokenizer()
     calibration = load_calibration(model, tokenizer, path=args.artifact)
-    tasks, probes = held_out(args.preset, calibration, model, tokenizer)
+    tasks = recommendation_tasks(
+        PRESETS[args.preset],
+        families=FAMILIES,
+        haystacks=HAYSTACKS,
+        count=1,
+        model_context=int(getattr(model.config, "max_position_embeddings", 0) or 4096),
+    )
+    probes = tasks.probes(tokenizer)
     probes = interleaved(probes)
     if args.limit is not None:
         probes = probes[: args.limit]

@@ -23,89 +23,19 @@ ops of one layer's attention, in order.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import json
 import sys
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-KERNEL = "flash_varlen (one call)"
 
-
-class OpCounter(TorchDispatchMode):
-    """Every aten op dispatched, by name and in order, except while ``muted[0]``."""
-
-    def __init__(self, muted: list[bool]):
-        super().__init__()
-        self.muted = muted
-        self.names: collections.Counter = collections.Counter()
-        self.sequence: list[str] = []
-
-    def note(self, name: str) -> None:
-        self.names[name] += 1
-        self.sequence.append(name)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.muted[0]:
-            self.note(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def varlen_forced(counters: list, muted: list[bool]):
-    """The GPU's varlen path on this device, its kernel the reference, counted as one op."""
-    from runtime.kv_store import layer_attention, varlen_attention
-
-    def kernel(*arguments):
-        if counters and not muted[0]:
-            counters[-1].note(KERNEL)
-        muted[0] = True
-        try:
-            return varlen_attention.reference_varlen(*arguments)
-        finally:
-            muted[0] = False
-
-    saved = layer_attention.varlen_serves, varlen_attention.flash_varlen
-    layer_attention.varlen_serves = lambda query, store, softcap: True
-    varlen_attention.flash_varlen = kernel
-    try:
-        yield
-    finally:
-        layer_attention.varlen_serves, varlen_attention.flash_varlen = saved
-
-
-def step_ops(model, cache, columns: torch.Tensor, counters: list, muted: list[bool]) -> OpCounter:
-    """The ops of the first decode step after three warm-up steps that does not repack the storage."""
-    from runtime.compression.ragged_attention import ragged_attention
-    from runtime.kv_store.cache import RaggedCache
-    from runtime.kv_store.transformers_compat import cache_argument
-
-    ragged = isinstance(cache, RaggedCache)
-
-    def generations():
-        return tuple(layer.store.generation for layer in cache.layers) if ragged else ()
-
-    with ragged_attention(model) if ragged else contextlib.nullcontext(), torch.no_grad():
-        for column in range(columns.shape[1]):
-            before = generations()
-            counter = OpCounter(muted)
-            counters.append(counter)
-            with counter:
-                model(columns[:, column : column + 1], **cache_argument(model, cache), use_cache=True)
-            counters.pop()
-            if column >= 3 and generations() == before:
-                return counter
-    raise AssertionError("every decode step repacked the storage")
-
-
-def attention_sequence(counter: OpCounter, layer: int, layers: int) -> str:
+def attention_sequence(counter, layer: int, layers: int) -> str:
     """The ops of layer ``layer``'s attention: from its KV store's write to its output projection."""
     text = " ".join(counter.sequence)
     marks = "index_copy_ index_copy_ index_copy_"
@@ -128,7 +58,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    from test_decode_sync import _compressed, _plain_cache
+    from test_decode_sync import KernelAsOneOp, _compressed, _plain_cache, steady_step, varlen_path_forced
 
     from common.models import load_model, load_tokenizer
     from runtime import CompressionPolicy, load_calibration
@@ -143,18 +73,20 @@ def main(argv=None) -> int:
         "uniform/keydiff": CompressionPolicy(keep_ratio=args.keep_ratio, scorer="keydiff"),
         "flagship": FLAGSHIP.policy(1 - args.keep_ratio),
     }
-    counters: list[OpCounter] = []
-    muted = [False]
-    plain = step_ops(model, _plain_cache(model, prompt[:, :-1]), decode, counters, muted)
-    plain_ops = sum(plain.names.values())
+
+    def step(cache) -> KernelAsOneOp:
+        (counter,) = steady_step(model, cache, decode, lambda: (KernelAsOneOp(),))
+        return counter
+
+    plain = step(_plain_cache(model, prompt[:, :-1]))
+    plain_ops = plain.ops
     results = {"dtype": args.dtype, "plain": plain_ops}
     print(f"plain transformers: {plain_ops} aten ops per step ({plain_ops / layers:.1f} a layer)")
     for path in args.paths:
-        forced = varlen_forced(counters, muted) if path == "varlen" else contextlib.nullcontext()
-        with forced:
+        with varlen_path_forced() if path == "varlen" else contextlib.nullcontext():
             for name, policy in policies.items():
-                counter = step_ops(model, _compressed(model, prompt, policy, calibration), decode, counters, muted)
-                ops = sum(counter.names.values())
+                counter = step(_compressed(model, prompt, policy, calibration))
+                ops = counter.ops
                 results[f"{name} [{path}]"] = ops
                 names = set(counter.names) | set(plain.names)
                 extra = {k: counter.names[k] - plain.names[k] for k in names if counter.names[k] != plain.names[k]}

@@ -124,21 +124,32 @@ def _generations(cache) -> tuple:
 
 
 @torch.no_grad()
-def decode_step_counts(model, cache, columns: torch.Tensor, *, warmup: int = 3, tries: int = 40):
-    """``(syncs, ops)`` of one decode step of ``model`` over ``cache`` (see the module docstring):
-    ``warmup`` steps, then the first step that does not repack the storage; ``columns [B, n]``
-    are the tokens fed, one column a step.  ``syncs`` counts by op name (aten and host reads)."""
+def steady_step(model, cache, columns: torch.Tensor, modes, *, warmup: int = 3, tries: int = 40) -> tuple:
+    """The dispatch / function modes (``modes()`` makes a fresh tuple for every step, entered in order)
+    of one decode step of ``model`` over ``cache``: ``warmup`` steps, then the first step that does
+    not repack the storage; ``columns [B, n]`` are the tokens fed, one column a step."""
     ragged = isinstance(cache, RaggedCache)
     context = ragged_attention(model) if ragged else contextlib.nullcontext()
     with context:
         for column in range(warmup + tries):
             before = _generations(cache)
-            counter, reads = SyncCounter(), HostReadCounter()
-            with reads, counter:
+            active = modes()
+            with contextlib.ExitStack() as stack:
+                for mode in active:
+                    stack.enter_context(mode)
                 model(columns[:, column : column + 1], **cache_argument(model, cache), use_cache=True)
             if column >= warmup and _generations(cache) == before:
-                return counter.syncs + reads.reads, counter.ops
+                return active
     raise AssertionError(f"every one of {tries} decode steps repacked the storage")
+
+
+def decode_step_counts(model, cache, columns: torch.Tensor, *, warmup: int = 3, tries: int = 40):
+    """``(syncs, ops)`` of one decode step (:func:`steady_step`; see the module docstring).  ``syncs``
+    counts by op name (aten and host reads)."""
+    reads, counter = steady_step(
+        model, cache, columns, lambda: (HostReadCounter(), SyncCounter()), warmup=warmup, tries=tries
+    )
+    return counter.syncs + reads.reads, counter.ops
 
 
 def _plain_cache(model, ids: torch.Tensor) -> DynamicCache:
@@ -269,25 +280,69 @@ def test_the_flagship_decode_step_on_the_embedded_model(embedded_model, embedded
             assert ops <= 1.3 * plain_ops, f"{name}: {ops} aten ops per step, plain {plain_ops}"
 
 
-class _KernelAsOneOp(SyncCounter):
-    """:class:`SyncCounter` that counts a forced varlen kernel call as one op (one launch on a GPU)
-    and not the ops of the plain-torch reference standing in for it."""
+class KernelAsOneOp(SyncCounter):
+    """:class:`SyncCounter` that also keeps the ops' order (``sequence``) and counts a call of the
+    forced varlen kernel (:func:`varlen_path_forced`) as one op (one launch on a GPU), not the ops of
+    the plain-torch reference standing in for it.  ``KernelAsOneOp.active``: the one entered now."""
+
+    active: KernelAsOneOp | None = None
 
     def __init__(self):
         super().__init__()
         self.muted = False
+        self.sequence: list[str] = []
+
+    def __enter__(self):
+        KernelAsOneOp.active = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        KernelAsOneOp.active = None
+        return super().__exit__(*exc)
+
+    def note(self, name: str) -> None:
+        self.ops += 1
+        self.names[name] += 1
+        self.sequence.append(name)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.muted:
             return func(*args, **(kwargs or {}))
+        self.sequence.append(func.overloadpacket.__name__)
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@contextlib.contextmanager
+def varlen_path_forced():
+    """A GPU's decode and chunk path (one FlashAttention varlen call per layer) taken on this device,
+    its kernel the plain-torch reference, counted by the active :class:`KernelAsOneOp` as one op."""
+    from runtime.kv_store import layer_attention, varlen_attention
+
+    reference = varlen_attention.reference_varlen
+
+    def kernel(*arguments):
+        counter = KernelAsOneOp.active
+        if counter is None or counter.muted:
+            return reference(*arguments)
+        counter.note("flash_varlen")
+        counter.muted = True
+        try:
+            return reference(*arguments)
+        finally:
+            counter.muted = False
+
+    saved = layer_attention.varlen_serves, varlen_attention.flash_varlen
+    layer_attention.varlen_serves = lambda query, store, softcap: True
+    varlen_attention.flash_varlen = kernel
+    try:
+        yield
+    finally:
+        layer_attention.varlen_serves, varlen_attention.flash_varlen = saved
 
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_a_gpu_decode_step_dispatches_about_a_quarter_more_than_plain(
-    embedded_tokenizer, smoke_artifact, monkeypatch, one_thread
-):
+def test_a_gpu_decode_step_dispatches_about_a_quarter_more_than_plain(embedded_tokenizer, smoke_artifact, one_thread):
     """A GPU's decode step without a CUDA graph is bound by the host (docs/results.md
     R-gpu-decode-2026-11-27), so what it dispatches is its cost: the bf16 embedded model's step on the
     GPU's path (the FlashAttention varlen kernel, forced here with its reference counted as one
@@ -297,51 +352,21 @@ def test_a_gpu_decode_step_dispatches_about_a_quarter_more_than_plain(
     R-decode-host-ops-2026-11-28)."""
     from common.models import load_model
     from runtime import load_calibration
-    from runtime.kv_store import layer_attention, varlen_attention
     from runtime.plan.policy_spec import FLAGSHIP
 
     model = load_model(dtype=torch.bfloat16)  # its own copy: the session's float32 model stays as it is
-    counters: list[_KernelAsOneOp] = []
-
-    def kernel(*arguments):
-        counter = counters[-1] if counters else None
-        if counter is None or counter.muted:
-            return varlen_attention.reference_varlen(*arguments)
-        counter.ops += 1
-        counter.names["flash_varlen"] += 1
-        counter.muted = True
-        try:
-            return varlen_attention.reference_varlen(*arguments)
-        finally:
-            counter.muted = False
-
-    monkeypatch.setattr(layer_attention, "varlen_serves", lambda query, store, softcap: True)
-    monkeypatch.setattr(varlen_attention, "flash_varlen", kernel)
     calibration = load_calibration(model, embedded_tokenizer, path=smoke_artifact)
     ids = torch.randint(3, 1000, (1, 560), generator=torch.Generator().manual_seed(11))
     prompt, decode = ids[:, :512], ids[:, 511:]
-
-    def step(cache):
-        ragged = isinstance(cache, RaggedCache)
-        with ragged_attention(model) if ragged else contextlib.nullcontext():
-            for column in range(decode.shape[1]):
-                before = _generations(cache)
-                counter = _KernelAsOneOp()
-                counters.append(counter)
-                with counter:
-                    model(decode[:, column : column + 1], **cache_argument(model, cache), use_cache=True)
-                counters.pop()
-                if column >= 3 and _generations(cache) == before:
-                    return counter
-        raise AssertionError("every decode step repacked the storage")
-
-    plain = step(_plain_cache(model, prompt[:, :-1]))
-    for name, policy, bound in (
-        ("flagship", FLAGSHIP.policy(0.75), 1.26),
-        ("uniform/keydiff", CompressionPolicy(compression_ratio=0.75, scorer="keydiff"), 1.15),
-    ):
-        counter = step(_compressed(model, prompt, policy, calibration))
-        print(f"{name}: {counter.ops} aten ops ({counter.ops / plain.ops:.3f}x plain's {plain.ops})")
-        assert counter.names["flash_varlen"] == model.config.num_hidden_layers  # the GPU's path ran
-        assert _total(counter.syncs) <= _total(plain.syncs), dict(counter.syncs)
-        assert counter.ops <= bound * plain.ops, f"{name}: {counter.ops} aten ops per step, plain {plain.ops}"
+    with varlen_path_forced():
+        (plain,) = steady_step(model, _plain_cache(model, prompt[:, :-1]), decode, lambda: (KernelAsOneOp(),))
+        for name, policy, bound in (
+            ("flagship", FLAGSHIP.policy(0.75), 1.26),
+            ("uniform/keydiff", CompressionPolicy(compression_ratio=0.75, scorer="keydiff"), 1.15),
+        ):
+            cache = _compressed(model, prompt, policy, calibration)
+            (counter,) = steady_step(model, cache, decode, lambda: (KernelAsOneOp(),))
+            print(f"{name}: {counter.ops} aten ops ({counter.ops / plain.ops:.3f}x plain's {plain.ops})")
+            assert counter.names["flash_varlen"] == model.config.num_hidden_layers  # the GPU's path ran
+            assert _total(counter.syncs) <= _total(plain.syncs), dict(counter.syncs)
+            assert counter.ops <= bound * plain.ops, f"{name}: {counter.ops} aten ops per step, plain {plain.ops}"

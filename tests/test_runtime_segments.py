@@ -275,5 +275,5 @@ def test_one_token_appends_leave_the_bias_behind_until_it_is_read():
             store.append(keys, values, positions, None)
         reference.append(keys, values, positions, None)
         assert counter.names["index_fill_"] == 1, counter.names
-        assert not store._bias_stale
+        assert store.bias_follows_appends
         _check(store, reference)

@@ -91,7 +91,13 @@ def test_a_decode_step_reads_the_device_tables_of_a_store_with_unequal_heads():
                  torch.full((2, 1), 40), None)  # fmt: skip
     layout = PageLayout.build(store.offset, store.capacity, store.page_size, store.key_buffer.shape[0], "cpu")
     query = torch.randn(6, 4, 16, generator=generator)  # [S, G, d]
-    out, lse = varlen_decode_attention(query, store, layout, 0.25, kernel=reference_varlen)
+    calls = []
+
+    def recording(*arguments):
+        calls.append(arguments)
+        return reference_varlen(*arguments)
+
+    out, lse = varlen_decode_attention(query, store, layout, 0.25, kernel=recording)
     assert out.shape == (6, 4, 16) and lse.shape == (6, 4)
     for b in range(2):
         for h in range(3):
@@ -104,17 +110,16 @@ def test_a_decode_step_reads_the_device_tables_of_a_store_with_unequal_heads():
     # layout's, made at the repack: one GPU launch per layer and step fewer, issue 39)
     from test_decode_sync import SyncCounter
 
-    calls = []
+    raw = reference_varlen(*calls[0])  # the kernel's outputs, made outside the count
 
     def kernel(*arguments):
         calls.append(arguments)
         return raw
 
-    raw = reference_varlen(*_captured_arguments(query, store, layout))
     counter = SyncCounter()
     with counter:
         varlen_decode_attention(query, store, layout, 0.25, kernel=kernel)
-    assert calls[0][3] is layout.decode_query_starts
+    assert calls[1][3] is layout.decode_query_starts
     assert counter.names["arange"] == 0 and not counter.syncs, counter.names
 
 
@@ -151,13 +156,6 @@ def _kernel_dtype(outputs):
     """The reference's float32 output in bf16, as the flash kernel returns it (its lse stays float32)."""
     out, lse = outputs
     return out.bfloat16(), lse
-
-
-def _captured_arguments(query, store, layout) -> tuple:
-    """The arguments :func:`varlen_decode_attention` hands its kernel."""
-    captured = []
-    varlen_decode_attention(query, store, layout, 0.25, kernel=lambda *a: captured.append(a) or reference_varlen(*a))
-    return captured[0]
 
 
 def test_the_flash_call_takes_our_packing_on_the_meta_device():

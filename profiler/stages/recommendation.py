@@ -39,6 +39,25 @@ DEFAULT_COMPRESSION_RATIOS = COMPRESSION_GRID
 TASK_DEPTHS = (10.0, 50.0, 90.0)  # the profiled probes of the quick preset sit at 25 and 75
 
 
+def recommendation_tasks(preset, *, families, haystacks, count: int, model_context: int):
+    """The held-out tasks the recommendation stage of ``preset`` (a :class:`profiler.presets.ProfilePreset`)
+    measures policies on: its probes' lengths, the stage's depths, seeds after the probes' own
+    (:func:`profiler.held_out_tasks.held_out_tasks`)."""
+    from needles import PRESETS as PROBE_PRESETS
+    from profiler.held_out_tasks import held_out_tasks
+
+    base = PROBE_PRESETS[preset.probes].replace(**dict(preset.probe_overrides))
+    return held_out_tasks(
+        base,
+        families=tuple(families),
+        haystacks=tuple(haystacks),
+        depths=dict(preset.recommendation_depths) or TASK_DEPTHS,
+        count=count,
+        profiler_seed=base.seed,
+        model_context=model_context,
+    )
+
+
 def _check_candidates(names) -> None:
     from profiler.recommendation import candidate_specs
 
@@ -138,8 +157,6 @@ class RecommendationStage(Stage):
         return tuple(reads)
 
     def __init__(self, context):
-        from needles import PRESETS as PROBE_PRESETS
-        from profiler.held_out_tasks import held_out_tasks
         from profiler.recommendation import candidate_specs
 
         super().__init__(context)
@@ -149,14 +166,11 @@ class RecommendationStage(Stage):
         self.count = settings["recommend_count"]
         self.tolerance = float(settings["recommend_tolerance"])
         self.confidence = float(settings["recommend_confidence"])
-        base = PROBE_PRESETS[context.preset.probes].replace(**dict(context.preset.probe_overrides))
-        self.tasks = held_out_tasks(
-            base,
-            families=tuple(settings["recommend_families"]),
-            haystacks=tuple(settings["recommend_haystacks"]),
-            depths=dict(context.preset.recommendation_depths) or TASK_DEPTHS,
+        self.tasks = recommendation_tasks(
+            context.preset,
+            families=settings["recommend_families"],
+            haystacks=settings["recommend_haystacks"],
             count=self.count,
-            profiler_seed=base.seed,
             model_context=context.identity.max_position_embeddings or 4096,
         )
 

@@ -98,7 +98,8 @@ class SegmentStore:
         """An empty store: every segment of capacity 0."""
         self.num_heads, self.head_dim, self.dtype = int(heads), int(dim), dtype
         zeros = torch.zeros(batch, heads, dtype=torch.int64)
-        # whether a one-token append updates the bias: from the first read of row_bias on (module docstring)
+        # whether one-token appends update the bias: from its first read on (module docstring); until
+        # then they leave it behind, and that read rebuilds it
         self.bias_follows_appends = False
         self.install(
             torch.zeros(0, dim, dtype=dtype, device=device),
@@ -144,9 +145,9 @@ class SegmentStore:
         """``[C + 1]`` in the keys' dtype: 0 on every live row, -inf on free capacity and the
         trailing entry.  The first read rebuilds what one-token appends left behind and makes every
         later append keep it current (module docstring)."""
-        if self._bias_stale:
+        if not self.bias_follows_appends:
             self._rebuild_bias()
-        self.bias_follows_appends = True
+            self.bias_follows_appends = True
         return self._row_bias
 
     def _rebuild_bias(self) -> None:
@@ -154,7 +155,6 @@ class SegmentStore:
         live = to_device(segment_rows(self.host_offset.reshape(-1), self.host_length.reshape(-1)), self.device)
         self._row_bias.fill_(float("-inf"))
         self._row_bias.index_fill_(0, live, 0.0)
-        self._bias_stale = False
 
     def refresh_lengths(self) -> None:
         """Re-derive what follows from ``length`` after an in-place change (eviction): on the host mirror,
@@ -277,11 +277,13 @@ class SegmentStore:
         batch, heads, q_len, dim = keys.shape
         if q_len == 1:  # a decode step: every head's next row is its first free one (fewest ops)
             memo = step_positions if step_positions is not None else StepPositions()
-            follows = self.bias_follows_appends  # else the bias is left behind (module docstring)
-            self._store(
-                self.ends, keys.reshape(-1, dim), values.reshape(-1, dim), memo.flat(positions, heads), bias=follows
+            self._store(  # the bias only once something reads it (module docstring)
+                self.ends,
+                keys.reshape(-1, dim),
+                values.reshape(-1, dim),
+                memo.flat(positions, heads),
+                bias=self.bias_follows_appends,
             )
-            self._bias_stale = self._bias_stale or not follows
         elif self.uniform:  # one strided copy into the [B, Hkv, cap, d] view
             capacity, length = int(self.host_capacity[0, 0]), int(self.host_length[0, 0])
             end = length + q_len
