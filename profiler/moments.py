@@ -74,6 +74,7 @@ from runtime.compression.keep_rule import global_budgets, protected_mask, select
 from runtime.kv_store.attention_interface import attention_implementation
 from runtime.math.geometry import ModelGeometry, input_device
 from runtime.math.momentkv import ORDERS, MomentSums, attention_with_lse, corrected_attention, evict_in_rounds
+from runtime.plan.rope_check import no_rope_layers
 from runtime.scorers import (
     ALL_QUERIES,
     ChunkAttentionMass,
@@ -435,7 +436,8 @@ def measure_correction_errors_by_selection(
         for scorer in per_ratio:
             if repr(scorer) not in shared:
                 weights = learned if LearnedWeights() in scorer.needs else None
-                shared[repr(scorer)] = ScorerInputs(scorer, geometry, learned=weights)
+                unrotated = no_rope_layers(model, scorer)  # the identity rotation where a layer has no RoPE
+                shared[repr(scorer)] = ScorerInputs(scorer, geometry, learned=weights, no_rope_layers=unrotated)
             inputs.append(shared[repr(scorer)])
         measurers.append(
             _CorrectionErrorMeasurer(

@@ -9,7 +9,8 @@ a 32-token sliding window where the architecture has one, vocabulary 256):
   unmodified model run on that row alone, within 1e-4; the layers whose RoPE is not
   ``runtime.math.rope``'s (``runtime.plan.rope_check``, the un-rotation the leverage scorer and the profiler's
   pre-RoPE query reads rely on) are the ones the table names, and there the scorers that read RoPE
-  are refused by name; elsewhere the un-rotation and the query reads agree with the model's own.
+  are refused by name, unless those layers only apply no RoPE (their rotation is the identity, and
+  the flagship serves); elsewhere the un-rotation and the query reads agree with the model's own.
 * :data:`REFUSED`: ``ModelGeometry.of`` (every entry point's first check) refuses it naming the
   feature.
 * :data:`SKIPPED`: not a text decoder with a KV cache transformers can build tiny here, with why.
@@ -38,6 +39,14 @@ from runtime.plan.rope_check import rope_mismatches
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
 TOLERANCE = 1e-4
+
+
+def rope_reading_refused(model_type: str) -> bool:
+    """Whether the scorers that read RoPE are refused on ``model_type``: its layers rotate otherwise than
+    runtime.math.rope; layers without RoPE alone are not (their rotation is the identity)."""
+    return any(not clause.startswith("no RoPE") for clause in EXACT[model_type].split("; ") if clause)
+
+
 PROMPT, PADDING, STEPS = 60, 10, 8
 SMALL = dict(  # what each config class accepts of these is given (its own names for them, too)
     vocab_size=256,
@@ -399,9 +408,11 @@ def test_nothing_evicted_is_exact_and_the_rope_is_the_models(model_type):
 
     found = rope_mismatches(model)
     assert found.describe() == EXACT[model_type]
-    if EXACT[model_type]:
+    if rope_reading_refused(model_type):
         with pytest.raises(UnsupportedModelError, match=r"needs RoPE applied as .* reads no RoPE \(keydiff"):
             bind(CompressionPolicy(keep_ratio=0.25), None, model)  # leverage un-rotates the keys
+    elif EXACT[model_type]:  # layers without RoPE: served, the identity rotation there
+        assert bind(CompressionPolicy(keep_ratio=0.25), None, model).no_rope_layers == found.no_rope != frozenset()
     else:  # the leverage un-rotation and the profiler's pre-RoPE query reads are the model's own
         assert max(found.key_errors) < TOLERANCE and max(found.query_errors) < TOLERANCE
 
@@ -438,7 +449,7 @@ def test_beams_are_transformers_own_and_compressed_serving_runs(model_type):
     beams = dict(num_beams=2, num_return_sequences=2, max_new_tokens=5, do_sample=False)
     expected = model.generate(ids[:1], **beams)
     assert torch.equal(generate(model, ids[:1], None, **beams).sequences, expected)
-    scorer = "keydiff" if EXACT[model_type] else "leverage"
+    scorer = "keydiff" if rope_reading_refused(model_type) else "leverage"
     policy = CompressionPolicy(compression_ratio=0.75, scorer=scorer, evict_every=2)
     result = generate(model, ids, policy, attention_mask=mask, context_columns=50, max_new_tokens=4)
     assert result.new_tokens.shape == (2, 4)
@@ -488,13 +499,13 @@ def _flagship_calibration(model) -> Calibration:
 @torch.no_grad()
 def test_the_flagship_serves_or_is_refused_by_name(model_type):
     """The flagship (INF budgets, leverage scores, MomentKV correction) from an in-memory
-    calibration: served on a left-padded batch where the model rotates as runtime.math.rope, refused
-    naming the model's RoPE elsewhere."""
+    calibration: served on a left-padded batch where the model rotates as runtime.math.rope or leaves
+    layers without RoPE, refused naming the model's RoPE elsewhere."""
     model = tiny_model(model_type)
     calibration = _flagship_calibration(model)
     policy = FLAGSHIP.policy(0.75)
     ids, mask = _prompt()
-    if EXACT[model_type]:
+    if rope_reading_refused(model_type):
         with pytest.raises(UnsupportedModelError, match=f"needs RoPE applied as .*{EXACT[model_type][:12]}"):
             generate(model, ids, policy, calibration=calibration, attention_mask=mask, context_columns=50)
         return

@@ -2,10 +2,11 @@
 
 The stages that calibrate a scorer reading RoPE (leverage and learned un-rotate the cached keys;
 Expected Attention and the query prototypes rotate pre-RoPE query statistics) would calibrate it
-with the wrong un-rotation on Cohere (interleaved RoPE), SmolLM3 (layers without RoPE), HunYuan (a
-norm after the rotation)... and the runtime refuses to serve it there (runtime.plan.rope_check).  So
-``profile-model`` refuses them, exit 2 and one ``error:`` line naming the model's RoPE and the
-stages, once the model is loaded and before any stage runs; the stages that read no RoPE run.
+with the wrong un-rotation on Cohere (interleaved RoPE), HunYuan (a norm after the rotation)... and
+the runtime refuses to serve it there (runtime.plan.rope_check).  So ``profile-model`` refuses them,
+exit 2 and one ``error:`` line naming the model's RoPE and the stages, once the model is loaded and
+before any stage runs; the stages that read no RoPE run.  Layers without RoPE (SmolLM3, EXAONE 4)
+are no such difference: their rotation is the identity, and every stage runs.
 """
 
 from __future__ import annotations
@@ -81,16 +82,23 @@ def test_the_stages_the_refusal_names_run(tmp_path, embedded_tokenizer, capsys):
         assert set(reader.sections) == {"behaviour", "budgets", "moments", "recommendation"}
 
 
-def test_layers_without_rope_are_named(tmp_path, embedded_tokenizer, capsys):
-    """SmolLM3: every fourth layer has no RoPE (``no_rope_layers``), here the second of two."""
+def test_a_model_with_layers_without_rope_is_profiled_by_every_stage(tmp_path, embedded_tokenizer, capsys):
+    """SmolLM3: every fourth layer has no RoPE (``no_rope_layers``), here the second of two.  Its
+    rotation there is the identity (runtime.plan.rope_check), so every stage runs, those that
+    calibrate the leverage and learned scorers and Expected Attention included (it was refused),
+    and the recommendation measures the flagship."""
+    from profiler.stages import STAGE_NAMES
+
     model_dir = _model_dir(
         tmp_path, embedded_tokenizer, "SmolLM3Config", "SmolLM3ForCausalLM", no_rope_layer_interval=2, pad_token_id=0
     )
     out = tmp_path / "kv_calibration.h5"
-    assert _profile(model_dir, out, "--stages", "behaviour,learned-scorer") == 2
-    line = _one_error_line(capsys)
-    assert "no RoPE in layer 1" in line and "learned-scorer (" in line and "--stages behaviour" in line
-    assert not out.exists()
+    one_family = ("--recommend-families", "retrieval", "--recommend-haystacks", "simple")
+    assert _profile(model_dir, out, "--stages", ",".join(STAGE_NAMES), *one_family) == 0, capsys.readouterr().err
+    with open_artifact(out) as reader:
+        assert len(reader.sections) == len(STAGE_NAMES) == 8  # a section per stage
+        candidates = [name.decode() for name in reader.section("recommendation").arrays["candidates"]]
+    assert "inf/leverage+correction" in candidates  # the flagship measured held out
 
 
 def test_learned_attention_sinks_are_refused_by_name_before_any_stage(tmp_path, embedded_tokenizer, capsys):

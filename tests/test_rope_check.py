@@ -13,6 +13,8 @@ from tiny_architectures import NAMES, build
 from runtime import CompressionPolicy, bind, compress_prompt
 from runtime.math.geometry import UnsupportedModelError
 from runtime.plan.rope_check import rope_mismatches
+from runtime.scorers import AveragedRope, KeyRope
+from runtime.scorers.helpers import unrotate
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -69,7 +71,11 @@ def test_the_rotation_of_every_supported_architecture_is_runtime_ropes(name):
     assert max(found.key_errors) < 1e-4 and max(found.query_errors) < 1e-4
 
 
-@pytest.mark.parametrize("name", sorted(OTHER_ROPE))
+# the architectures of OTHER_ROPE whose only difference is layers without RoPE: their rotation is the identity
+WITHOUT_ROPE = {"exaone 4 (full-attention layers without RoPE)", "smollm3 (every fourth layer without RoPE)"}
+
+
+@pytest.mark.parametrize("name", sorted(set(OTHER_ROPE) - WITHOUT_ROPE))
 @torch.no_grad()
 def test_another_rotation_refuses_the_scorers_that_need_ropes_and_serves_the_others(name):
     model = build_other(name)
@@ -89,6 +95,92 @@ def test_another_rotation_refuses_the_scorers_that_need_ropes_and_serves_the_oth
     assert report.kv_bytes_after < report.kv_bytes_before
 
 
+def _pre_and_post_rope_keys(model, ids):
+    """Per layer, the keys as the geometry reads them before RoPE and as the attention receives them:
+    ``{layer: [B, T, Hkv, d]}`` twice (float32), from one forward pass of ``ids``."""
+    from runtime.kv_store.attention_interface import attention_implementation
+    from runtime.kv_store.eager_attention import eager_attention_forward
+    from runtime.math.geometry import ModelGeometry
+
+    geometry = ModelGeometry.of(model)
+    pre, post = {}, {}
+    handles = [
+        geometry.key_projections[layer].module.register_forward_hook(
+            lambda _m, _i, output, layer=layer: pre.__setitem__(layer, geometry.key_projections[layer].take(output))
+        )
+        for layer in range(geometry.num_layers)
+    ]
+    layer_of = {id(module): index for index, module in enumerate(geometry.attention_modules)}
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        post[layer_of[id(module)]] = key.transpose(1, 2).float()
+        return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    try:
+        with attention_implementation(model, "test_pre_post_keys", recording):
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {layer: keys.float() for layer, keys in pre.items()}, post
+
+
+def _provider(plan, need_type):
+    """The provider of the plan's scorer's need of type ``need_type``, given the plan's layers without
+    RoPE as :class:`runtime.scorers.ScorerInputs` gives them in the eviction."""
+    from runtime.scorers.providers import PROVIDERS
+
+    need = next(need for need in plan.scorer.needs if isinstance(need, need_type))
+    return PROVIDERS[need_type](need, plan.scorer, plan.geometry, no_rope_layers=plan.no_rope_layers)
+
+
+def _layer_inputs(layer, keys, next_position):
+    """One row's inputs to a provider: ``keys [1, Hkv, T, d]`` at positions 0..T-1."""
+    from runtime.scorers import LayerInputs
+
+    where = torch.arange(keys.shape[2]).expand(1, keys.shape[1], -1)
+    return LayerInputs(
+        layer, keys, keys, where, where >= 0, torch.full(keys.shape[:2], keys.shape[2]), 1.0, [next_position]
+    )
+
+
+@pytest.mark.parametrize("name", sorted(WITHOUT_ROPE))
+@torch.no_grad()
+def test_layers_without_rope_are_served_exactly_by_the_scorers_that_read_rope(name):
+    """SmolLM3 and EXAONE 4 leave some layers without RoPE: those keys are their own pre-RoPE keys, so
+    the rotation kvcal undoes there is the identity.  The flagship's leverage scorer is bound (it was
+    refused), and the keys it scores are the pre-RoPE keys of every layer, with and without RoPE;
+    Expected Attention's averaged RoPE is the identity there; both compress."""
+    model = build_other(name)
+    expected = OTHER_ROPE[name][3]
+    plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)  # uniform budgets, leverage scores
+    assert plan.scorer.name == "leverage" and plan.no_rope_layers == frozenset(expected)
+    ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(4))
+    pre, post = _pre_and_post_rope_keys(model, ids)
+    key_rope = _provider(plan, KeyRope)
+    for layer in range(len(pre)):
+        keys = post[layer].transpose(1, 2)  # [1, Hkv, T, d]
+        unrotated = unrotate(keys, *key_rope(_layer_inputs(layer, keys, 40)))
+        torch.testing.assert_close(unrotated, pre[layer].transpose(1, 2), rtol=1e-4, atol=1e-5)
+        if layer not in expected:  # a rotating layer: the keys it received differ from the pre-RoPE ones
+            assert float((post[layer] - pre[layer]).abs().max()) > 0.1
+    cache, report = compress_prompt(model, ids, plan, context_columns=36)
+    assert report.kv_bytes_after < report.kv_bytes_before
+
+    expected_attention = bind(
+        CompressionPolicy(keep_ratio=0.25, scorer="expected_attention", statistics="prompt"), None, model
+    )
+    averaged_rope = _provider(expected_attention, AveragedRope)
+    for layer in range(len(pre)):
+        cos, sin = averaged_rope(_layer_inputs(layer, post[layer].transpose(1, 2), 40))  # [1, d]
+        if layer in expected:
+            assert bool((cos == 1).all()) and bool((sin == 0).all())
+        else:
+            assert float(sin.abs().max()) > 0.01
+    cache, report = compress_prompt(model, ids, expected_attention, context_columns=36)
+    assert report.kv_bytes_after < report.kv_bytes_before
+
+
 def test_a_pre_rope_read_that_cannot_be_made_is_refused_by_name():
     """Cohere with use_qk_norm: the norm's [heads, d] weight does not fit kvcal's pre-RoPE read
     (issue 41 item 3: a raw traceback before)."""
@@ -102,3 +194,27 @@ def test_the_embedded_model_rotates_as_runtime_rope(embedded_model):
     found = rope_mismatches(embedded_model)
     assert found.keys == () and found.queries == ()
     assert len(found.key_errors) == 30 and max(found.key_errors) < 1e-4
+
+
+@torch.no_grad()
+def test_the_embedded_weights_with_layers_without_rope_are_unrotated_exactly(embedded_model, embedded_tokenizer):
+    """The real embedded weights in SmolLM3's architecture (Llama's weight names), every fourth layer
+    without RoPE: the keys the leverage scorer scores are every layer's pre-RoPE keys, at the real
+    weights' scale, and the compression serves."""
+    config = T.SmolLM3Config(
+        **{k: v for k, v in embedded_model.config.to_dict().items() if k not in ("architectures", "model_type")},
+        no_rope_layer_interval=4,
+    )
+    model = T.SmolLM3ForCausalLM(config).eval()
+    model.load_state_dict(embedded_model.state_dict())
+    plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)
+    assert plan.no_rope_layers == frozenset(range(3, 30, 4))
+    ids = embedded_tokenizer("The passcode is 4817. " * 6 + "What is the passcode?", return_tensors="pt").input_ids
+    pre, post = _pre_and_post_rope_keys(model, ids)
+    key_rope = _provider(plan, KeyRope)
+    for layer in range(30):
+        keys = post[layer].transpose(1, 2)
+        unrotated = unrotate(keys, *key_rope(_layer_inputs(layer, keys, ids.shape[1])))
+        torch.testing.assert_close(unrotated, pre[layer].transpose(1, 2), rtol=1e-4, atol=1e-4)
+    cache, report = compress_prompt(model, ids, plan, context_columns=ids.shape[1] - 6)
+    assert report.kv_bytes_after < report.kv_bytes_before

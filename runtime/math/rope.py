@@ -31,8 +31,12 @@ def rope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.diag(cos) + sin.unsqueeze(1) * rotate_half_matrix(cos.shape[0], cos.dtype, cos.device)
 
 
-def rope_cos_sin(model, positions: torch.Tensor, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer ``layer``'s ``cos, sin [len(positions), d]`` (float32) at absolute ``positions``.
+def rope_cos_sin(
+    model, positions: torch.Tensor, layer: int | None = None, *, rotated: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer``'s ``cos, sin [len(positions), d]`` (float32) at absolute ``positions``;
+    ``rotated=False``: a layer that applies no RoPE (:func:`runtime.plan.rope_check.no_rope_layers`),
+    whose rotation is the identity, ``cos = 1, sin = 0``.
 
     ``model``: a loaded model or its :class:`~runtime.math.geometry.ModelGeometry` (whose ``rotary``
     module is used, given the layer's type where it takes one: Gemma 3's sliding layers use
@@ -43,9 +47,12 @@ def rope_cos_sin(model, positions: torch.Tensor, layer: int | None = None) -> tu
     pairs instead, which :mod:`runtime.plan.rope_check` finds, refusing the scorers that read RoPE.
     """
     geometry = ModelGeometry.of(model)
-    layer_type = geometry.rope_layer_type(layer)
     rotary = geometry.rotary
     device = next(rotary.buffers(), torch.empty(0)).device
+    if not rotated:
+        shape = (positions.numel(), geometry.head_dim)
+        return torch.ones(shape, device=device), torch.zeros(shape, device=device)
+    layer_type = geometry.rope_layer_type(layer)
     positions = positions.to(device=device, dtype=torch.long).reshape(1, -1)
     probe = torch.zeros(1, positions.shape[1], 1, dtype=torch.float32, device=device)
     with torch.no_grad():
@@ -57,13 +64,15 @@ def rope_cos_sin(model, positions: torch.Tensor, layer: int | None = None) -> tu
     return cos[0].float(), sin[0].float()
 
 
-def averaged_rope(model, start: int, horizon: int, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def averaged_rope(
+    model, start: int, horizon: int, layer: int | None = None, *, rotated: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean ``cos, sin [d]`` of layer ``layer`` over absolute positions ``start .. start + horizon - 1``
-    (``model``: a model or its :class:`~runtime.math.geometry.ModelGeometry`; ``layer`` as in
-    :func:`rope_cos_sin`)."""
+    (``model``: a model or its :class:`~runtime.math.geometry.ModelGeometry`; ``layer`` and ``rotated``
+    as in :func:`rope_cos_sin`)."""
     if horizon <= 0:
         raise ValueError(f"the RoPE averaging horizon must be positive, got {horizon}")
     if start < 0:
         raise ValueError(f"the start position must be >= 0, got {start}")
-    cos, sin = rope_cos_sin(model, torch.arange(start, start + horizon), layer)
+    cos, sin = rope_cos_sin(model, torch.arange(start, start + horizon), layer, rotated=rotated)
     return cos.mean(0), sin.mean(0)

@@ -10,6 +10,12 @@ RoPE (SmolLM3, EXAONE 4), a norm after the rotation (HunYuan), a norm the pre-Ro
 forward pass (:func:`rope_mismatches`) compares, layer by layer, what the attention function
 receives with the rotation of what the geometry reads; a policy that needs the rotation is refused
 on a model where they differ, by name (:func:`check_rope_for`), and served exactly elsewhere.
+
+A layer that applies no RoPE at all (SmolLM3's every fourth layer, EXAONE 4's full-attention layers,
+AfMoE's) is not a difference: its keys and queries are their own pre-RoPE reads, so its rotation is
+the identity, ``cos = 1, sin = 0`` at every position, and every formula of runtime.math.rope holds
+with it.  :func:`no_rope_layers` names those layers; the scorers' RoPE inputs take the identity
+there (:mod:`runtime.scorers.providers`), and only the other differences refuse.
 """
 
 from __future__ import annotations
@@ -42,6 +48,20 @@ class RopeMismatches:
     # per layer in keys or queries, what it does instead: "no RoPE", "interleaved RoPE", or OTHER
     features: dict[int, str] = field(default_factory=dict)
 
+    @property
+    def no_rope(self) -> frozenset[int]:
+        """The layers that rotate neither their keys nor their queries (their rotation is the identity)."""
+        return frozenset(layer for layer, feature in self.features.items() if feature == NO_ROPE)
+
+    def rotated_otherwise(self, *, keys: bool, queries: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The layers whose keys (when ``keys``) and queries (when ``queries``) no formula of
+        runtime.math.rope reproduces, the identity included: ``(key layers, query layers)``."""
+        unrotated = self.no_rope
+        return (
+            tuple(i for i in self.keys if keys and i not in unrotated),
+            tuple(i for i in self.queries if queries and i not in unrotated),
+        )
+
     def describe(self) -> str:
         """What the layers do instead, grouped: ``"interleaved RoPE in layers 0, 1"``."""
         grouped: dict[str, list[int]] = {}
@@ -61,6 +81,7 @@ def _rotated(pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 OTHER = "another rotation, a norm after it or one the pre-RoPE read misses"
+NO_ROPE = "no RoPE"
 
 
 def _interleaved(pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
@@ -82,7 +103,7 @@ def _interleaved(pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 def _feature(pre: torch.Tensor, post: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str:
     """What a layer whose rotation is not runtime.math.rope's does to its pre-RoPE ``pre``: ``post``."""
     if _relative_error(pre, post) <= TOLERANCE:
-        return "no RoPE"
+        return NO_ROPE
     interleaved = _interleaved(pre, cos, sin)
     if interleaved is not None and _relative_error(interleaved, post) <= TOLERANCE:
         return "interleaved RoPE"
@@ -153,10 +174,14 @@ def rope_mismatches(model) -> RopeMismatches:
         query, key = post[layer]
         key_errors.append(_relative_error(_rotated(pre_keys[layer], cos, sin), key))
         query_errors.append(_relative_error(_rotated(pre_queries[layer], cos, sin), query))
-        if key_errors[-1] > TOLERANCE:
-            features[layer] = _feature(pre_keys[layer], key, cos, sin)
-        elif query_errors[-1] > TOLERANCE:
-            features[layer] = _feature(pre_queries[layer], query, cos, sin)
+        key_feature = _feature(pre_keys[layer], key, cos, sin) if key_errors[-1] > TOLERANCE else None
+        query_feature = _feature(pre_queries[layer], query, cos, sin) if query_errors[-1] > TOLERANCE else None
+        if key_feature is not None or query_feature is not None:
+            # no RoPE only where neither keys nor queries rotate; one rotating and the other not is OTHER
+            if NO_ROPE in (key_feature, query_feature) and key_feature != query_feature:
+                features[layer] = OTHER
+            else:
+                features[layer] = key_feature or query_feature
     result = RopeMismatches(
         keys=tuple(i for i, e in enumerate(key_errors) if e > TOLERANCE),
         queries=tuple(i for i, e in enumerate(query_errors) if e > TOLERANCE),
@@ -182,15 +207,25 @@ def rope_needs(scorer) -> tuple[bool, bool]:
     return keys, any(isinstance(need, AveragedRope) for need in scorer.needs)
 
 
+def no_rope_layers(model, scorer=None) -> frozenset[int]:
+    """The layers of ``model`` that apply no RoPE (see the module docstring; one short forward pass,
+    cached per model), to give a scorer's RoPE inputs (:class:`runtime.scorers.ScorerInputs`); with
+    ``scorer``, none when it reads no RoPE (no forward pass then)."""
+    if scorer is not None and not any(rope_needs(scorer)):
+        return frozenset()
+    return rope_mismatches(model).no_rope
+
+
 def rope_problems(model, *, keys: bool, queries: bool) -> str | None:
-    """Which of the keys / queries ``model`` rotates otherwise than runtime.math.rope, and how (one
-    clause), or None when they are rotated as it assumes."""
+    """Which of the keys / queries ``model`` rotates otherwise than runtime.math.rope (layers without
+    RoPE aside: their rotation is the identity), and how (one clause), or None when none does."""
     found = rope_mismatches(model)
+    key_layers, query_layers = found.rotated_otherwise(keys=keys, queries=queries)
     problems = []
-    if keys and found.keys:
-        problems.append(f"the keys of layers {_layers(found.keys)}")
-    if queries and found.queries:
-        problems.append(f"the queries of layers {_layers(found.queries)}")
+    if key_layers:
+        problems.append(f"the keys of layers {_layers(key_layers)}")
+    if query_layers:
+        problems.append(f"the queries of layers {_layers(query_layers)}")
     if not problems:
         return None
     return f"{' and '.join(problems)} are not ({found.describe()})"

@@ -34,7 +34,7 @@ import torch
 from runtime.math.geometry import ModelGeometry
 from runtime.plan.calibration import architecture_mismatch
 from runtime.plan.policy import CompressionPolicy
-from runtime.plan.rope_check import check_rope_for, rope_needs
+from runtime.plan.rope_check import check_rope_for, no_rope_layers, rope_needs
 from runtime.scorers import QueryCentres, Scorer, chunk_specs, query_statistics, recent_query_window
 
 
@@ -65,6 +65,8 @@ class ServingPlan:
     query_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # mean [L, Hq, d], cov [L, Hq, d, d] (pre-RoPE)
     query_centres: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, Hkv, G, K, d], weights [L, Hkv, G, K]
     learned: tuple[torch.Tensor, np.ndarray] | None = None  # weights float32 [L, Hkv, 2d], bias float64 [L, Hkv]
+    # layers that apply no RoPE, where the scorer's RoPE inputs are the identity (runtime.plan.rope_check)
+    no_rope_layers: frozenset[int] = frozenset()
 
     @property
     def num_layers(self) -> int:
@@ -155,9 +157,10 @@ def bind(policy: CompressionPolicy, calibration, model) -> ServingPlan:
     check_calibration_fits(model, calibration)
     geometry = ModelGeometry.of(model)
     rope_keys, rope_queries = rope_needs(scorer)
+    loaded = {}
     if (rope_keys or rope_queries) and isinstance(model, torch.nn.Module):  # the model's own rotation?
         check_rope_for(model, f"the {scorer.name} scorer", keys=rope_keys, queries=rope_queries)
-    loaded = {}
+        loaded["no_rope_layers"] = no_rope_layers(model)
     for requirement in policy.requirements(scorer):
         loaded.update(_LOADERS[requirement.section](scorer, calibration, geometry))
     if policy.correction in ("order0", "order1"):

@@ -66,16 +66,16 @@ class QueryStatisticsProvider:
 class AveragedRopeProvider:
     """``(cos [R, d], sin [R, d])``: the layer's RoPE averaged over the horizon from each row's next
     position (the last call's positions are remembered per RoPE of the model, one per layer type
-    for Gemma 3: decoding asks for the same ones layer after layer)."""
+    for Gemma 3: decoding asks for the same ones layer after layer); the identity on ``no_rope_layers``."""
 
-    def __init__(self, need: AveragedRope, scorer, geometry, **_):
-        self.horizon, self.geometry, self.memo = need.horizon, geometry, {}
+    def __init__(self, need: AveragedRope, scorer, geometry, no_rope_layers=frozenset(), **_):
+        self.horizon, self.geometry, self.memo, self.no_rope_layers = need.horizon, geometry, {}, no_rope_layers
 
     def __call__(self, inputs: LayerInputs, **_):
-        rope = self.geometry.rope_layer_types[inputs.layer]
+        rope = (self.geometry.rope_layer_types[inputs.layer], inputs.layer not in self.no_rope_layers)
         known = self.memo.get(rope, {})
         memo = {
-            p: known.get(p) or averaged_rope(self.geometry, p, self.horizon, inputs.layer)
+            p: known.get(p) or averaged_rope(self.geometry, p, self.horizon, inputs.layer, rotated=rope[1])
             for p in inputs.next_positions
         }
         self.memo[rope] = memo
@@ -133,19 +133,19 @@ class ChunkAttentionMassProvider:
 
 
 class KeyRopeProvider:
-    """``(cos, sin) [R, Hkv, n, d]`` of the layer's RoPE at each key's position.  On a CPU the last result
-    is reused while the positions and the layer's RoPE (Gemma 3 has one per layer type) are the same
-    (a fresh prompt's heads share them); elsewhere ``torch.equal`` would synchronise the host per tile."""
+    """``(cos, sin) [R, Hkv, n, d]`` of the layer's RoPE at each key's position (the identity on ``no_rope_layers``).
+    On a CPU the last result is reused while the positions and the layer's RoPE (Gemma 3 has one per layer type) are
+    the same (a fresh prompt's heads share them); elsewhere ``torch.equal`` would synchronise the host per tile."""
 
-    def __init__(self, need: KeyRope, scorer, geometry, **_):
-        self.geometry, self.memo = geometry, {}
+    def __init__(self, need: KeyRope, scorer, geometry, no_rope_layers=frozenset(), **_):
+        self.geometry, self.memo, self.no_rope_layers = geometry, {}, no_rope_layers
 
     def __call__(self, inputs: LayerInputs, **_):
         positions = inputs.positions.reshape(-1)
-        rope = self.geometry.rope_layer_types[inputs.layer]
+        rope = (self.geometry.rope_layer_types[inputs.layer], inputs.layer not in self.no_rope_layers)
         memo = self.memo.get(rope) if positions.device.type == "cpu" else None
         if memo is None or memo[0].shape != positions.shape or not torch.equal(memo[0], positions):
-            memo = (positions.clone(), *rope_cos_sin(self.geometry, positions, inputs.layer))
+            memo = (positions.clone(), *rope_cos_sin(self.geometry, positions, inputs.layer, rotated=rope[1]))
             self.memo[rope] = memo if positions.device.type == "cpu" else None
         shape = (*inputs.positions.shape, -1)
         return memo[1].reshape(shape).to(inputs.keys.device), memo[2].reshape(shape).to(inputs.keys.device)
@@ -199,16 +199,23 @@ class ScorerInputs:
     prompt's statistics ``prompt_stats`` (:class:`~runtime.compression.prompt_statistics.QueryMoments`) and the
     artifact's tensors as :func:`runtime.plan.serving_plan.bind` loaded them (``query_stats``,
     ``query_centres``, ``learned``: the :class:`~runtime.plan.serving_plan.ServingPlan`'s fields of
-    those names) or the profiler computed them."""
+    those names) or the profiler computed them, and ``no_rope_layers``: the layers whose RoPE inputs
+    are the identity (:func:`runtime.plan.rope_check.no_rope_layers`; none by default)."""
 
-    def __init__(self, scorer, geometry, *, prompt_stats=None, query_stats=None, query_centres=None, learned=None):
+    def __init__(
+        self,
+        scorer,
+        geometry,
+        *,
+        prompt_stats=None,
+        query_stats=None,
+        query_centres=None,
+        learned=None,
+        no_rope_layers=(),
+    ):
         self.scorer, self.geometry = scorer, geometry
-        sources = {
-            "prompt_stats": prompt_stats,
-            "query_stats": query_stats,
-            "query_centres": query_centres,
-            "learned": learned,
-        }
+        sources = dict(prompt_stats=prompt_stats, query_stats=query_stats, query_centres=query_centres, learned=learned)
+        sources["no_rope_layers"] = frozenset(no_rope_layers)
         self.providers = [(need, PROVIDERS[type(need)](need, scorer, geometry, **sources)) for need in scorer.needs]
 
     def layer(
@@ -233,16 +240,8 @@ class ScorerInputs:
         attentions ``{ChunkSpec: ChunkAttention}`` (for :class:`ChunkAttentionMass`; None: computed
         from ``queries``); ``stats_rows [R]``: each row's row in the prompt statistics;
         ``scaling``: the attention scale (default: the model's for the layer)."""
-        inputs = LayerInputs(
-            layer=layer,
-            keys=keys,
-            values=values,
-            positions=positions,
-            valid=valid,
-            lengths=lengths,
-            scaling=self.geometry.scalings[layer] if scaling is None else scaling,
-            next_positions=[int(p) for p in next_positions],
-        )
+        scaling = self.geometry.scalings[layer] if scaling is None else scaling
+        inputs = LayerInputs(layer, keys, values, positions, valid, lengths, scaling, [int(p) for p in next_positions])
         for need, provider in self.providers:
             inputs.supplied[need] = provider(
                 inputs, queries=queries, chunk_attention=chunk_attention, stats_rows=stats_rows
