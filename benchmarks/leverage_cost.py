@@ -70,7 +70,8 @@ def main(argv=None) -> int:
         for index, layer in enumerate(cache.layers):
             inputs = evictor.layer_inputs(layer, index, rows, layer.real_seen)
             keys = inputs.keys
-            cos, sin = inputs[KeyRope()]
+            rotation = inputs[KeyRope()]  # the embedded model's layers rotate_half
+            cos, sin = rotation.cos, rotation.sin
             lengths = inputs.lengths
             first = lengths.clamp(max=scorer.exclude_first)
             last = (lengths - first).clamp(max=scorer.exclude_last)

@@ -187,13 +187,13 @@ class _CurveMeasurer:
     """Captures one forward pass's post-RoPE queries / keys / values per layer and accumulates the
     losses of every KV head at every grid fraction."""
 
-    def __init__(self, geometry, grid, scorer, n_sink: int, window: int, no_rope_layers=frozenset()):
+    def __init__(self, geometry, grid, scorer, n_sink: int, window: int, rope_forms=None):
         from runtime.scorers import ScorerInputs
 
         self.grid = tuple(float(f) for f in grid)
         self.scorer = scorer
-        # what the scorer needs, from the captured pass (the identity rotation where a layer has no RoPE)
-        self.inputs = ScorerInputs(scorer, geometry, no_rope_layers=no_rope_layers)
+        # what the scorer needs, from the captured pass (its RoPE in each layer's form)
+        self.inputs = ScorerInputs(scorer, geometry, rope_forms=rope_forms)
         self.softcaps, self.sliding_windows = geometry.softcaps, geometry.sliding_windows
         self.n_sink, self.window = n_sink, window
         shape = (len(self.grid), geometry.num_layers, geometry.num_kv_heads)
@@ -301,7 +301,7 @@ def measure_curves(
     from runtime.kv_store.attention_interface import attention_implementation
     from runtime.kv_store.eager_attention import attention_forward as model_attention
     from runtime.math.geometry import ModelGeometry, input_device
-    from runtime.plan.rope_check import no_rope_layers
+    from runtime.plan.rope_check import rope_forms
 
     grid = tuple(float(f) for f in grid)
     if not grid or any(not 0.0 < f <= 1.0 for f in grid) or any(np.diff(grid) <= 0):
@@ -329,9 +329,9 @@ def measure_curves(
         raise ValueError("no probe has an R span in its context and a question after it")
     geometry = ModelGeometry.of(model)
     scorer = selection_scorer(selection)
-    unrotated = no_rope_layers(model, scorer)
-    text = _CurveMeasurer(geometry, grid, scorer, n_sink, window, unrotated)
-    needles = _CurveMeasurer(geometry, grid, scorer, n_sink, window, unrotated)
+    forms = rope_forms(model, scorer)
+    text = _CurveMeasurer(geometry, grid, scorer, n_sink, window, forms)
+    needles = _CurveMeasurer(geometry, grid, scorer, n_sink, window, forms)
     current = [text]
 
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -204,7 +204,8 @@ class ProfileJob:
         stages, verb = ("the stages", "") if len(reads) > 1 else ("the stage", "s")
         raise UnsupportedModelError(
             f"{type(self.model).__name__}: {stages} {refused} calibrate{verb} scorers that need RoPE applied as "
-            f"x cos + rotate_half(x) sin to the pre-RoPE projections, but {problems}; the runtime refuses those "
+            f"x cos + P(x) sin (P: rotate_half or the interleaved pairs' turn; or no RoPE) to the pre-RoPE "
+            f"projections, but {problems}; the runtime refuses those "
             f"scorers on this model. Profile what reads no RoPE: {remedy}"
         )
 

@@ -74,7 +74,7 @@ from runtime.compression.keep_rule import global_budgets, protected_mask, select
 from runtime.kv_store.attention_interface import attention_implementation
 from runtime.math.geometry import ModelGeometry, input_device
 from runtime.math.momentkv import ORDERS, MomentSums, attention_with_lse, corrected_attention, evict_in_rounds
-from runtime.plan.rope_check import no_rope_layers
+from runtime.plan.rope_check import rope_forms
 from runtime.scorers import (
     ALL_QUERIES,
     ChunkAttentionMass,
@@ -436,8 +436,8 @@ def measure_correction_errors_by_selection(
         for scorer in per_ratio:
             if repr(scorer) not in shared:
                 weights = learned if LearnedWeights() in scorer.needs else None
-                unrotated = no_rope_layers(model, scorer)  # the identity rotation where a layer has no RoPE
-                shared[repr(scorer)] = ScorerInputs(scorer, geometry, learned=weights, no_rope_layers=unrotated)
+                forms = rope_forms(model, scorer)  # its RoPE in each layer's form
+                shared[repr(scorer)] = ScorerInputs(scorer, geometry, learned=weights, rope_forms=forms)
             inputs.append(shared[repr(scorer)])
         measurers.append(
             _CorrectionErrorMeasurer(

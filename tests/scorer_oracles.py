@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from runtime.math.geometry import ModelGeometry
-from runtime.math.rope import averaged_rope, rope_cos_sin, rope_matrix
+from runtime.math.rope import Rotation, averaged_rope, rope_cos_sin, rope_matrix
 from runtime.scorers import (
     AveragedRope,
     ChunkAttentionMass,
@@ -168,7 +168,9 @@ def layer_inputs(scorer, heads: list[list[Head]]) -> LayerInputs:
         if isinstance(need, QueryStatistics) and first.query_mean is not None:
             value = stack("query_mean"), stack("query_cov")
         elif isinstance(need, AveragedRope) and first.rope_cos is not None:
-            value = torch.stack([row[0].rope_cos for row in heads]), torch.stack([row[0].rope_sin for row in heads])
+            value = Rotation(
+                torch.stack([row[0].rope_cos for row in heads]), torch.stack([row[0].rope_sin for row in heads])
+            )
         elif isinstance(need, RecentQueries) and first.recent_queries is not None:
             width = max(row[0].recent_queries[:, -need.window :].shape[1] for row in heads)
             group = first.recent_queries.shape[0]
@@ -192,7 +194,7 @@ def layer_inputs(scorer, heads: list[list[Head]]) -> LayerInputs:
             recorded = [torch.cat([head.recent_queries for head in row]) for row in heads]  # [Hq, w, d]
             value = ChunkAttentionMassProvider(need, scorer, None)(inputs, queries=recorded)
         elif isinstance(need, KeyRope) and first.key_cos is not None:
-            value = stack("key_cos", n, fill=1.0), stack("key_sin", n)  # padding: the RoPE of position 0
+            value = Rotation(stack("key_cos", n, fill=1.0), stack("key_sin", n))  # padding: the RoPE of position 0
         elif isinstance(need, LearnedWeights) and first.learned_weights is not None:
             value = torch.stack([h.learned_weights for h in heads[0]]), torch.tensor([h.learned_bias for h in heads[0]])
         elif isinstance(need, QueryCentres) and first.query_centres is not None:

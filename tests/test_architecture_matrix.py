@@ -9,8 +9,8 @@ a 32-token sliding window where the architecture has one, vocabulary 256):
   unmodified model run on that row alone, within 1e-4; the layers whose RoPE is not
   ``runtime.math.rope``'s (``runtime.plan.rope_check``, the un-rotation the leverage scorer and the profiler's
   pre-RoPE query reads rely on) are the ones the table names, and there the scorers that read RoPE
-  are refused by name, unless those layers only apply no RoPE (their rotation is the identity, and
-  the flagship serves); elsewhere the un-rotation and the query reads agree with the model's own.
+  are refused by name, unless those layers follow another form runtime.math.rope serves (interleaved
+  pairs, no RoPE: the flagship serves); elsewhere the un-rotation and the query reads agree with the model's own.
 * :data:`REFUSED`: ``ModelGeometry.of`` (every entry point's first check) refuses it naming the
   feature.
 * :data:`SKIPPED`: not a text decoder with a KV cache transformers can build tiny here, with why.
@@ -42,9 +42,10 @@ TOLERANCE = 1e-4
 
 
 def rope_reading_refused(model_type: str) -> bool:
-    """Whether the scorers that read RoPE are refused on ``model_type``: its layers rotate otherwise than
-    runtime.math.rope; layers without RoPE alone are not (their rotation is the identity)."""
-    return any(not clause.startswith("no RoPE") for clause in EXACT[model_type].split("; ") if clause)
+    """Whether the scorers that read RoPE are refused on ``model_type``: some layer rotates otherwise than
+    every form of runtime.math.rope (interleaved pairs and no RoPE are forms it serves)."""
+    served = ("no RoPE", "interleaved RoPE")
+    return any(not clause.startswith(served) for clause in EXACT[model_type].split("; ") if clause)
 
 
 PROMPT, PADDING, STEPS = 60, 10, 8
@@ -411,8 +412,9 @@ def test_nothing_evicted_is_exact_and_the_rope_is_the_models(model_type):
     if rope_reading_refused(model_type):
         with pytest.raises(UnsupportedModelError, match=r"needs RoPE applied as .* reads no RoPE \(keydiff"):
             bind(CompressionPolicy(keep_ratio=0.25), None, model)  # leverage un-rotates the keys
-    elif EXACT[model_type]:  # layers without RoPE: served, the identity rotation there
-        assert bind(CompressionPolicy(keep_ratio=0.25), None, model).no_rope_layers == found.no_rope != frozenset()
+    elif EXACT[model_type]:  # interleaved pairs or no RoPE: served, each layer in its form
+        assert bind(CompressionPolicy(keep_ratio=0.25), None, model).rope_forms == found.forms
+        assert set(found.forms.keys) != {"rotate_half"}
     else:  # the leverage un-rotation and the profiler's pre-RoPE query reads are the model's own
         assert max(found.key_errors) < TOLERANCE and max(found.query_errors) < TOLERANCE
 
@@ -499,8 +501,8 @@ def _flagship_calibration(model) -> Calibration:
 @torch.no_grad()
 def test_the_flagship_serves_or_is_refused_by_name(model_type):
     """The flagship (INF budgets, leverage scores, MomentKV correction) from an in-memory
-    calibration: served on a left-padded batch where the model rotates as runtime.math.rope or leaves
-    layers without RoPE, refused naming the model's RoPE elsewhere."""
+    calibration: served on a left-padded batch where the model rotates in a form of runtime.math.rope
+    (rotate_half, interleaved pairs, no RoPE), refused naming the model's RoPE elsewhere."""
     model = tiny_model(model_type)
     calibration = _flagship_calibration(model)
     policy = FLAGSHIP.policy(0.75)

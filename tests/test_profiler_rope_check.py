@@ -2,11 +2,11 @@
 
 The stages that calibrate a scorer reading RoPE (leverage and learned un-rotate the cached keys;
 Expected Attention and the query prototypes rotate pre-RoPE query statistics) would calibrate it
-with the wrong un-rotation on Cohere (interleaved RoPE), HunYuan (a norm after the rotation)... and
+with the wrong un-rotation on HunYuan (a norm after the rotation), StableLM's ``qk_layernorm``... and
 the runtime refuses to serve it there (runtime.plan.rope_check).  So ``profile-model`` refuses them,
 exit 2 and one ``error:`` line naming the model's RoPE and the stages, once the model is loaded and
-before any stage runs; the stages that read no RoPE run.  Layers without RoPE (SmolLM3, EXAONE 4)
-are no such difference: their rotation is the identity, and every stage runs.
+before any stage runs; the stages that read no RoPE run.  Interleaved RoPE (Cohere) and layers
+without RoPE (SmolLM3, EXAONE 4) are forms runtime.math.rope serves: every stage runs.
 """
 
 from __future__ import annotations
@@ -52,14 +52,18 @@ def _one_error_line(capsys) -> str:
     return errors[0]
 
 
-def test_the_stages_that_read_rope_are_refused_on_interleaved_rope_before_any_stage(
+HUNYUAN = ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM")  # a norm after its rotation
+
+
+def test_the_stages_that_read_rope_are_refused_on_a_norm_after_rope_before_any_stage(
     tmp_path, embedded_tokenizer, capsys
 ):
-    model_dir = _model_dir(tmp_path, embedded_tokenizer, "CohereConfig", "CohereForCausalLM")
+    model_dir = _model_dir(tmp_path, embedded_tokenizer, *HUNYUAN, head_dim=16)
     out = tmp_path / "kv_calibration.h5"
     assert _profile(model_dir, out) == 2  # the smoke preset's stages: query-stats, moments... read RoPE
     line = _one_error_line(capsys)
-    assert "interleaved RoPE in layers 0, 1" in line and "runtime refuses those scorers" in line
+    assert "a norm after it or one the pre-RoPE read misses in layers 0, 1" in line
+    assert "runtime refuses those scorers" in line
     assert "query-stats (" in line and "moments (the leverage selection)" in line
     assert "--stages behaviour,budgets" in line and "--moments-selection keydiff" in line
     assert not out.exists() and not list(tmp_path.glob("*.partial*"))
@@ -68,7 +72,7 @@ def test_the_stages_that_read_rope_are_refused_on_interleaved_rope_before_any_st
 def test_the_stages_the_refusal_names_run(tmp_path, embedded_tokenizer, capsys):
     """The refusal names the recommendation's candidates that read RoPE (the flagship among them),
     and the stages and options it proposes instead profile the model."""
-    model_dir = _model_dir(tmp_path, embedded_tokenizer, "CohereConfig", "CohereForCausalLM")
+    model_dir = _model_dir(tmp_path, embedded_tokenizer, *HUNYUAN, head_dim=16)
     out = tmp_path / "kv_calibration.h5"
     one_family = ("--recommend-families", "retrieval", "--recommend-haystacks", "simple")
     stages = ("--stages", "behaviour,query-stats,budgets,moments,recommendation")
@@ -82,16 +86,24 @@ def test_the_stages_the_refusal_names_run(tmp_path, embedded_tokenizer, capsys):
         assert set(reader.sections) == {"behaviour", "budgets", "moments", "recommendation"}
 
 
-def test_a_model_with_layers_without_rope_is_profiled_by_every_stage(tmp_path, embedded_tokenizer, capsys):
-    """SmolLM3: every fourth layer has no RoPE (``no_rope_layers``), here the second of two.  Its
-    rotation there is the identity (runtime.plan.rope_check), so every stage runs, those that
-    calibrate the leverage and learned scorers and Expected Attention included (it was refused),
-    and the recommendation measures the flagship."""
+@pytest.mark.parametrize(
+    "architecture, options",
+    [
+        (("SmolLM3Config", "SmolLM3ForCausalLM"), {"no_rope_layer_interval": 2, "pad_token_id": 0}),
+        (("CohereConfig", "CohereForCausalLM"), {}),
+    ],
+    ids=["smollm3 (the second of two layers without RoPE)", "cohere (interleaved RoPE)"],
+)
+def test_a_model_in_another_form_of_rope_is_profiled_by_every_stage(
+    architecture, options, tmp_path, embedded_tokenizer, capsys
+):
+    """SmolLM3 leaves every fourth layer without RoPE (``no_rope_layers``; here the second of two),
+    Cohere rotates interleaved pairs: forms of runtime.math.rope that runtime.plan.rope_check reads
+    off the model, so every stage runs, those that calibrate the leverage and learned scorers and
+    Expected Attention included (they were refused), and the recommendation measures the flagship."""
     from profiler.stages import STAGE_NAMES
 
-    model_dir = _model_dir(
-        tmp_path, embedded_tokenizer, "SmolLM3Config", "SmolLM3ForCausalLM", no_rope_layer_interval=2, pad_token_id=0
-    )
+    model_dir = _model_dir(tmp_path, embedded_tokenizer, *architecture, **options)
     out = tmp_path / "kv_calibration.h5"
     one_family = ("--recommend-families", "retrieval", "--recommend-haystacks", "simple")
     assert _profile(model_dir, out, "--stages", ",".join(STAGE_NAMES), *one_family) == 0, capsys.readouterr().err

@@ -1,7 +1,8 @@
 """RoPE read off the model (``runtime.plan.rope_check``): a policy that un-rotates keys or averages RoPE is
-served exactly where the model rotates as ``runtime.math.rope`` assumes and refused by name elsewhere
-(issue 41: the leverage scorer un-rotated Cohere's interleaved, SmolLM3's and EXAONE 4's missing and
-HunYuan's post-norm RoPE wrongly, silently)."""
+served exactly where each layer rotates in a form of ``runtime.math.rope`` (Llama's rotate_half, Cohere's
+and Ernie 4.5's interleaved pairs, SmolLM3's and EXAONE 4's layers without RoPE) and refused by name
+elsewhere (issue 41: the leverage scorer un-rotated all but Llama's wrongly, silently; HunYuan's norm
+after the rotation is still refused)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from tiny_architectures import NAMES, build
 
 from runtime import CompressionPolicy, bind, compress_prompt
 from runtime.math.geometry import UnsupportedModelError
+from runtime.math.rope import RopeForms
 from runtime.plan.rope_check import rope_mismatches
 from runtime.scorers import AveragedRope, KeyRope
-from runtime.scorers.helpers import unrotate
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -71,11 +72,17 @@ def test_the_rotation_of_every_supported_architecture_is_runtime_ropes(name):
     assert max(found.key_errors) < 1e-4 and max(found.query_errors) < 1e-4
 
 
-# the architectures of OTHER_ROPE whose only difference is layers without RoPE: their rotation is the identity
-WITHOUT_ROPE = {"exaone 4 (full-attention layers without RoPE)", "smollm3 (every fourth layer without RoPE)"}
+# the architectures of OTHER_ROPE whose layers follow another form of runtime.math.rope: the rotation of
+# interleaved pairs, or none (the identity); each layer's form, for keys and queries alike
+OTHER_FORMS = {
+    "cohere (interleaved RoPE)": ("interleaved, paired frequencies",) * 4,
+    "ernie 4.5 (interleaved RoPE)": ("interleaved",) * 4,
+    "exaone 4 (full-attention layers without RoPE)": ("rotate_half", "none") * 2,
+    "smollm3 (every fourth layer without RoPE)": ("rotate_half",) * 3 + ("none",),
+}
 
 
-@pytest.mark.parametrize("name", sorted(set(OTHER_ROPE) - WITHOUT_ROPE))
+@pytest.mark.parametrize("name", sorted(set(OTHER_ROPE) - set(OTHER_FORMS)))
 @torch.no_grad()
 def test_another_rotation_refuses_the_scorers_that_need_ropes_and_serves_the_others(name):
     model = build_other(name)
@@ -95,43 +102,51 @@ def test_another_rotation_refuses_the_scorers_that_need_ropes_and_serves_the_oth
     assert report.kv_bytes_after < report.kv_bytes_before
 
 
-def _pre_and_post_rope_keys(model, ids):
-    """Per layer, the keys as the geometry reads them before RoPE and as the attention receives them:
-    ``{layer: [B, T, Hkv, d]}`` twice (float32), from one forward pass of ``ids``."""
+def _pre_and_post_rope(model, ids):
+    """Per layer, the keys and the queries as the geometry reads them before RoPE and as the attention
+    receives them: ``{layer: ([B, T, Hkv, d] keys, [B, T, Hq, d] queries)}`` twice (float32), from one
+    forward pass of ``ids``."""
     from runtime.kv_store.attention_interface import attention_implementation
     from runtime.kv_store.eager_attention import eager_attention_forward
     from runtime.math.geometry import ModelGeometry
 
     geometry = ModelGeometry.of(model)
-    pre, post = {}, {}
-    handles = [
-        geometry.key_projections[layer].module.register_forward_hook(
-            lambda _m, _i, output, layer=layer: pre.__setitem__(layer, geometry.key_projections[layer].take(output))
-        )
-        for layer in range(geometry.num_layers)
-    ]
+    pre_keys, pre_queries, post = {}, {}, {}
+    handles = []
+    for layer in range(geometry.num_layers):
+        for store, projection in (
+            (pre_keys, geometry.key_projections[layer]),
+            (pre_queries, geometry.query_projections[layer]),
+        ):
+            handles.append(
+                projection.module.register_forward_hook(
+                    lambda _m, _i, output, store=store, projection=projection, layer=layer: store.__setitem__(
+                        layer, projection.take(output).float()
+                    )
+                )
+            )
     layer_of = {id(module): index for index, module in enumerate(geometry.attention_modules)}
 
     def recording(module, query, key, value, attention_mask, **kwargs):
-        post[layer_of[id(module)]] = key.transpose(1, 2).float()
+        post[layer_of[id(module)]] = (key.transpose(1, 2).float(), query.transpose(1, 2).float())
         return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     try:
-        with attention_implementation(model, "test_pre_post_keys", recording):
+        with attention_implementation(model, "test_pre_post_rope", recording):
             model(input_ids=ids, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
-    return {layer: keys.float() for layer, keys in pre.items()}, post
+    return {layer: (pre_keys[layer], pre_queries[layer]) for layer in pre_keys}, post
 
 
-def _provider(plan, need_type):
-    """The provider of the plan's scorer's need of type ``need_type``, given the plan's layers without
-    RoPE as :class:`runtime.scorers.ScorerInputs` gives them in the eviction."""
+def _provider(plan, need_type, need=None):
+    """The provider of the plan's scorer's need of type ``need_type`` (or ``need``), given the plan's
+    RoPE forms as :class:`runtime.scorers.ScorerInputs` gives them in the eviction."""
     from runtime.scorers.providers import PROVIDERS
 
-    need = next(need for need in plan.scorer.needs if isinstance(need, need_type))
-    return PROVIDERS[need_type](need, plan.scorer, plan.geometry, no_rope_layers=plan.no_rope_layers)
+    need = need or next(need for need in plan.scorer.needs if isinstance(need, need_type))
+    return PROVIDERS[need_type](need, plan.scorer, plan.geometry, rope_forms=plan.rope_forms)
 
 
 def _layer_inputs(layer, keys, next_position):
@@ -144,39 +159,42 @@ def _layer_inputs(layer, keys, next_position):
     )
 
 
-@pytest.mark.parametrize("name", sorted(WITHOUT_ROPE))
+@pytest.mark.parametrize("name", sorted(OTHER_FORMS))
 @torch.no_grad()
-def test_layers_without_rope_are_served_exactly_by_the_scorers_that_read_rope(name):
-    """SmolLM3 and EXAONE 4 leave some layers without RoPE: those keys are their own pre-RoPE keys, so
-    the rotation kvcal undoes there is the identity.  The flagship's leverage scorer is bound (it was
-    refused), and the keys it scores are the pre-RoPE keys of every layer, with and without RoPE;
-    Expected Attention's averaged RoPE is the identity there; both compress."""
+def test_the_other_forms_of_rope_are_served_exactly_by_the_scorers_that_read_rope(name):
+    """Cohere and Ernie 4.5 rotate interleaved pairs (their rotary modules lay the frequencies out two
+    ways), SmolLM3 and EXAONE 4 leave layers without RoPE (the identity): each layer's form is read off
+    the model, and the scorers that read RoPE, refused there before, follow it.  The keys the flagship's
+    leverage scorer scores are every layer's pre-RoPE keys; the rotation Expected Attention averages is,
+    over one position, the one the model applies to its pre-RoPE queries; both compress."""
     model = build_other(name)
-    expected = OTHER_ROPE[name][3]
+    forms = OTHER_FORMS[name]
     plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)  # uniform budgets, leverage scores
-    assert plan.scorer.name == "leverage" and plan.no_rope_layers == frozenset(expected)
+    assert plan.scorer.name == "leverage" and plan.rope_forms == RopeForms(forms, forms)
     ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(4))
-    pre, post = _pre_and_post_rope_keys(model, ids)
+    pre, post = _pre_and_post_rope(model, ids)
     key_rope = _provider(plan, KeyRope)
     for layer in range(len(pre)):
-        keys = post[layer].transpose(1, 2)  # [1, Hkv, T, d]
-        unrotated = unrotate(keys, *key_rope(_layer_inputs(layer, keys, 40)))
-        torch.testing.assert_close(unrotated, pre[layer].transpose(1, 2), rtol=1e-4, atol=1e-5)
-        if layer not in expected:  # a rotating layer: the keys it received differ from the pre-RoPE ones
-            assert float((post[layer] - pre[layer]).abs().max()) > 0.1
+        keys = post[layer][0].transpose(1, 2)  # [1, Hkv, T, d]
+        rotation = key_rope(_layer_inputs(layer, keys, 40))
+        assert rotation.interleaved == forms[layer].startswith("interleaved")
+        torch.testing.assert_close(rotation.undo(keys), pre[layer][0].transpose(1, 2), rtol=1e-4, atol=1e-5)
+        if forms[layer] != "none":  # a rotating layer: the keys it received differ from the pre-RoPE ones
+            assert float((post[layer][0] - pre[layer][0]).abs().max()) > 0.1
     cache, report = compress_prompt(model, ids, plan, context_columns=36)
     assert report.kv_bytes_after < report.kv_bytes_before
 
     expected_attention = bind(
         CompressionPolicy(keep_ratio=0.25, scorer="expected_attention", statistics="prompt"), None, model
     )
-    averaged_rope = _provider(expected_attention, AveragedRope)
+    one_position = _provider(expected_attention, AveragedRope, AveragedRope(1))
     for layer in range(len(pre)):
-        cos, sin = averaged_rope(_layer_inputs(layer, post[layer].transpose(1, 2), 40))  # [1, d]
-        if layer in expected:
-            assert bool((cos == 1).all()) and bool((sin == 0).all())
-        else:
-            assert float(sin.abs().max()) > 0.01
+        for position in (0, 7, 33):  # R(p) q_pre is the query the attention received at p
+            rotation = one_position(_layer_inputs(layer, post[layer][0].transpose(1, 2), position))
+            matrix = rotation.matrices()[0]  # [d, d]
+            torch.testing.assert_close(
+                pre[layer][1][0, position] @ matrix.T, post[layer][1][0, position], rtol=1e-4, atol=1e-5
+            )
     cache, report = compress_prompt(model, ids, expected_attention, context_columns=36)
     assert report.kv_bytes_after < report.kv_bytes_before
 
@@ -208,13 +226,14 @@ def test_the_embedded_weights_with_layers_without_rope_are_unrotated_exactly(emb
     model = T.SmolLM3ForCausalLM(config).eval()
     model.load_state_dict(embedded_model.state_dict())
     plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)
-    assert plan.no_rope_layers == frozenset(range(3, 30, 4))
+    forms = tuple("none" if layer % 4 == 3 else "rotate_half" for layer in range(30))
+    assert plan.rope_forms == RopeForms(forms, forms)
     ids = embedded_tokenizer("The passcode is 4817. " * 6 + "What is the passcode?", return_tensors="pt").input_ids
-    pre, post = _pre_and_post_rope_keys(model, ids)
+    pre, post = _pre_and_post_rope(model, ids)
     key_rope = _provider(plan, KeyRope)
     for layer in range(30):
-        keys = post[layer].transpose(1, 2)
-        unrotated = unrotate(keys, *key_rope(_layer_inputs(layer, keys, ids.shape[1])))
-        torch.testing.assert_close(unrotated, pre[layer].transpose(1, 2), rtol=1e-4, atol=1e-4)
+        keys = post[layer][0].transpose(1, 2)
+        unrotated = key_rope(_layer_inputs(layer, keys, ids.shape[1])).undo(keys)
+        torch.testing.assert_close(unrotated, pre[layer][0].transpose(1, 2), rtol=1e-4, atol=1e-4)
     cache, report = compress_prompt(model, ids, plan, context_columns=ids.shape[1] - 6)
     assert report.kv_bytes_after < report.kv_bytes_before

@@ -233,7 +233,8 @@ def test_scorer_rope_inputs_are_each_layers_own_rope():
             [n],
         )
         cos, sin = rope_cos_sin(geometry, torch.arange(n), layer=layer)
-        key_cos, key_sin = got[KeyRope()]  # [R, Hkv, n, d]
-        assert torch.equal(key_cos[0, 1], cos) and torch.equal(key_sin[0, 1], sin)
-        mean_cos, _ = got[AveragedRope(16)]  # [R, d]
+        key_rope = got[KeyRope()]  # cos, sin [R, Hkv, n, d]
+        assert torch.equal(key_rope.cos[0, 1], cos) and torch.equal(key_rope.sin[0, 1], sin)
+        assert not key_rope.interleaved
+        mean_cos = got[AveragedRope(16)].cos  # [R, d]
         assert torch.equal(mean_cos[0], averaged_rope(geometry, n, 16, layer=layer)[0])

@@ -83,7 +83,7 @@ class HeadEvictor:
             query_stats=plan.query_stats,
             query_centres=plan.query_centres,
             learned=plan.learned,
-            no_rope_layers=plan.no_rope_layers,
+            rope_forms=plan.rope_forms,
         )
 
     def _refuse_nan(self, layer_idx: int, h: int, what: str = "scores") -> None:

@@ -5,13 +5,45 @@ position, so the rotation at position ``p`` is the matrix ``R_p = diag(cos_p) + 
 where ``P x = rotate_half(x)``.  Because that is linear in ``(cos, sin)``, the average
 ``Rbar = mean_{p=t0..t0+T-1} R_p`` is ``diag(mean cos) + diag(mean sin) P``.  ``cos`` and
 ``sin`` come from the model's own rotary module, so RoPE scaling variants are honoured.
+
+Models rotate in one of three forms (:data:`FORMS`; which one each layer uses is read off the model
+by :mod:`runtime.plan.rope_check`): :data:`ROTATE_HALF`, the above; :data:`INTERLEAVED`, GPT-J's
+rotation of adjacent pairs ``(x0, x1), (x2, x3) ..`` (Cohere, Ernie 4.5, Helium), where ``P`` turns
+each pair, ``P x = (-x1, x0, -x3, x2, ..)``, and ``cos, sin`` repeat each pair's frequency
+(``[f0, f0, f1, f1, ..]``); and :data:`NO_ROPE`, a layer that does not rotate (SmolLM3, EXAONE 4),
+whose rotation is the identity, ``cos = 1, sin = 0``.  Every formula here holds in each form with its
+``P``: :class:`Rotation` carries ``cos, sin`` with the form's ``P``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from runtime.math.geometry import ModelGeometry
+
+ROTATE_HALF = "rotate_half"
+# adjacent pairs; the rotary module's cos, sin laid out as rotate_half takes them ([f, f]: Ernie 4.5,
+# Helium) or already per pair ([f0, f0, f1, f1, ..]: Cohere), as INTERLEAVED_PAIRED
+INTERLEAVED = "interleaved"
+INTERLEAVED_PAIRED = "interleaved, paired frequencies"
+NO_ROPE = "none"
+FORMS = (ROTATE_HALF, INTERLEAVED, INTERLEAVED_PAIRED, NO_ROPE)
+
+
+@dataclass(frozen=True)
+class RopeForms:
+    """Each layer's form (:data:`FORMS`; None: none of them) for its keys and for its queries, as
+    :func:`runtime.plan.rope_check.rope_forms` reads them off a model."""
+
+    keys: tuple[str | None, ...]
+    queries: tuple[str | None, ...]
+
+
+def interleaves(form: str) -> bool:
+    """Whether ``form`` rotates adjacent pairs (its ``P`` is the pairs' turn, :func:`pair_rotation_matrix`)."""
+    return form in (INTERLEAVED, INTERLEAVED_PAIRED)
 
 
 def rotate_half_matrix(head_dim: int, dtype=torch.float32, device=None) -> torch.Tensor:
@@ -26,34 +58,90 @@ def rotate_half_matrix(head_dim: int, dtype=torch.float32, device=None) -> torch
     return matrix
 
 
-def rope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``diag(cos) + diag(sin) P`` for ``cos, sin [d]`` (one position, or an average)."""
-    return torch.diag(cos) + sin.unsqueeze(1) * rotate_half_matrix(cos.shape[0], cos.dtype, cos.device)
+def pair_rotation_matrix(head_dim: int, dtype=torch.float32, device=None) -> torch.Tensor:
+    """``P [d, d]`` of the interleaved form: ``P @ x == (-x1, x0, -x3, x2, ..)``."""
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
+    matrix = torch.zeros(head_dim, head_dim, dtype=dtype, device=device)
+    index = torch.arange(0, head_dim, 2, device=device)
+    matrix[index, index + 1] = -1
+    matrix[index + 1, index] = 1
+    return matrix
+
+
+def rope_matrix(cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """``diag(cos) + diag(sin) P`` for ``cos, sin [d]`` (one position, or an average); ``P`` of the
+    interleaved form with ``interleaved``."""
+    turn = pair_rotation_matrix if interleaved else rotate_half_matrix
+    return torch.diag(cos) + sin.unsqueeze(1) * turn(cos.shape[0], cos.dtype, cos.device)
+
+
+def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Pre-RoPE keys from post-RoPE ``keys [..., n, d]`` and their own ``cos, sin [..., n, d]``.
+
+    transformers applies ``k cos + P(k) sin`` (``R_p = diag(cos) + diag(sin) P``, ``P`` rotate_half
+    or, ``interleaved``, the pairs' turn); ``R_p^T R_p = (cos^2 + sin^2) I``, so the inverse is
+    ``R_p^T / (cos^2 + sin^2) = (k cos - P(k) sin) / (cos^2 + sin^2)`` (the denominator is 1 unless
+    RoPE carries an attention factor).
+    """
+    # k cos - P(k) sin, written into one new tensor (0.80-0.82x the time of building P(k) first:
+    # R-compression-cost-2026-11-27); rotate_half(k) = [-k2, k1], the pairs' turn (-k1, k0, ..)
+    out = keys * cos
+    if interleaved:
+        out[..., 0::2].addcmul_(keys[..., 1::2], sin[..., 0::2])
+        out[..., 1::2].addcmul_(keys[..., 0::2], sin[..., 1::2], value=-1)
+    else:
+        half = keys.shape[-1] // 2
+        out[..., :half].addcmul_(keys[..., half:], sin[..., :half])
+        out[..., half:].addcmul_(keys[..., :half], sin[..., half:], value=-1)
+    return out.div_(cos * cos + sin * sin)
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """RoPE as a layer applies it at some positions (or averaged over a horizon): ``cos, sin [..., d]``
+    float32 in the layout of the layer's form, whose ``P`` is the pairs' turn when ``interleaved``."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleaved: bool = False
+
+    def to(self, device) -> Rotation:
+        return Rotation(self.cos.to(device), self.sin.to(device), self.interleaved)
+
+    def undo(self, keys: torch.Tensor) -> torch.Tensor:
+        """The pre-RoPE ``keys [..., n, d]`` (float32) of post-RoPE keys at these positions (:func:`unrotate`)."""
+        return unrotate(keys.float(), self.cos.float(), self.sin.float(), self.interleaved)
+
+    def matrices(self) -> torch.Tensor:
+        """``R [R, d, d]``: :func:`rope_matrix` of each row of ``cos, sin [R, d]``."""
+        return torch.stack([rope_matrix(c, s, self.interleaved) for c, s in zip(self.cos, self.sin, strict=True)])
 
 
 def rope_cos_sin(
-    model, positions: torch.Tensor, layer: int | None = None, *, rotated: bool = True
+    model, positions: torch.Tensor, layer: int | None = None, *, form: str = ROTATE_HALF
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer ``layer``'s ``cos, sin [len(positions), d]`` (float32) at absolute ``positions``;
-    ``rotated=False``: a layer that applies no RoPE (:func:`runtime.plan.rope_check.no_rope_layers`),
-    whose rotation is the identity, ``cos = 1, sin = 0``.
+    """Layer ``layer``'s ``cos, sin [len(positions), d]`` (float32) at absolute ``positions``, laid out
+    as the layer's ``form`` rotates (:data:`FORMS`; :data:`NO_ROPE`: ``cos = 1, sin = 0``).
 
     ``model``: a loaded model or its :class:`~runtime.math.geometry.ModelGeometry` (whose ``rotary``
     module is used, given the layer's type where it takes one: Gemma 3's sliding layers use
     another RoPE base than its full ones).  ``layer=None`` serves a model whose layers share one
     RoPE; for one whose layers differ it raises ``ValueError``.  A rotary module that returns
     complex frequencies ``e^{i p f}`` (Llama 4) gives ``cos = cat(cos pf, cos pf)`` and the same
-    for ``sin``: its frequencies in the layout ``rotate_half`` takes.  Llama 4 rotates interleaved
-    pairs instead, which :mod:`runtime.plan.rope_check` finds, refusing the scorers that read RoPE.
+    for ``sin``: its frequencies in the layout ``rotate_half`` takes.  Llama 4 also normalises after
+    the rotation, which :mod:`runtime.plan.rope_check` finds, refusing the scorers that read RoPE.
     """
+    if form not in FORMS:
+        raise ValueError(f"unknown RoPE form {form!r}; one of {', '.join(FORMS)}")
     geometry = ModelGeometry.of(model)
     rotary = geometry.rotary
     device = next(rotary.buffers(), torch.empty(0)).device
-    if not rotated:
-        shape = (positions.numel(), geometry.head_dim)
+    positions = positions.to(device=device, dtype=torch.long).reshape(1, -1)
+    if form == NO_ROPE:
+        shape = (positions.shape[1], geometry.head_dim)
         return torch.ones(shape, device=device), torch.zeros(shape, device=device)
     layer_type = geometry.rope_layer_type(layer)
-    positions = positions.to(device=device, dtype=torch.long).reshape(1, -1)
     probe = torch.zeros(1, positions.shape[1], 1, dtype=torch.float32, device=device)
     with torch.no_grad():
         output = rotary(probe, positions) if layer_type is None else rotary(probe, positions, layer_type)
@@ -61,18 +149,22 @@ def rope_cos_sin(
         cos, sin = torch.cat([output.real, output.real], dim=-1), torch.cat([output.imag, output.imag], dim=-1)
     else:
         cos, sin = output
-    return cos[0].float(), sin[0].float()
+    cos, sin = cos[0].float(), sin[0].float()
+    if form == INTERLEAVED:  # [f, f] -> [f0, f0, f1, f1, ..]
+        half = cos.shape[-1] // 2
+        cos, sin = cos[:, :half].repeat_interleave(2, -1), sin[:, :half].repeat_interleave(2, -1)
+    return cos, sin
 
 
 def averaged_rope(
-    model, start: int, horizon: int, layer: int | None = None, *, rotated: bool = True
+    model, start: int, horizon: int, layer: int | None = None, *, form: str = ROTATE_HALF
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean ``cos, sin [d]`` of layer ``layer`` over absolute positions ``start .. start + horizon - 1``
-    (``model``: a model or its :class:`~runtime.math.geometry.ModelGeometry`; ``layer`` and ``rotated``
+    (``model``: a model or its :class:`~runtime.math.geometry.ModelGeometry`; ``layer`` and ``form``
     as in :func:`rope_cos_sin`)."""
     if horizon <= 0:
         raise ValueError(f"the RoPE averaging horizon must be positive, got {horizon}")
     if start < 0:
         raise ValueError(f"the start position must be >= 0, got {start}")
-    cos, sin = rope_cos_sin(model, torch.arange(start, start + horizon), layer, rotated=rotated)
+    cos, sin = rope_cos_sin(model, torch.arange(start, start + horizon), layer, form=form)
     return cos.mean(0), sin.mean(0)

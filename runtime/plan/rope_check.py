@@ -11,11 +11,14 @@ forward pass (:func:`rope_mismatches`) compares, layer by layer, what the attent
 receives with the rotation of what the geometry reads; a policy that needs the rotation is refused
 on a model where they differ, by name (:func:`check_rope_for`), and served exactly elsewhere.
 
-A layer that applies no RoPE at all (SmolLM3's every fourth layer, EXAONE 4's full-attention layers,
-AfMoE's) is not a difference: its keys and queries are their own pre-RoPE reads, so its rotation is
-the identity, ``cos = 1, sin = 0`` at every position, and every formula of runtime.math.rope holds
-with it.  :func:`no_rope_layers` names those layers; the scorers' RoPE inputs take the identity
-there (:mod:`runtime.scorers.providers`), and only the other differences refuse.
+What the layers that differ do is read the same way, and two such differences are served too:
+runtime.math.rope's forms (:data:`runtime.math.rope.FORMS`) include the interleaved rotation of
+adjacent pairs (Cohere, Ernie 4.5, Helium) and the identity of a layer without RoPE (SmolLM3's every
+fourth layer, EXAONE 4's full-attention layers, AfMoE's), whose keys and queries are their own
+pre-RoPE reads.  Per layer, the first form whose un-rotation of what the attention received gives
+back the pre-RoPE read (:class:`runtime.math.rope.Rotation`, the scorers' own code) is the layer's
+form (:func:`rope_forms`); the scorers' RoPE inputs follow it (:mod:`runtime.scorers.providers`), and
+only a layer no form explains refuses (a norm after the rotation, one the pre-RoPE read misses).
 """
 
 from __future__ import annotations
@@ -27,7 +30,17 @@ import torch
 
 from runtime.kv_store.eager_attention import eager_attention_forward
 from runtime.math.geometry import ModelGeometry, UnsupportedModelError, input_device
-from runtime.math.rope import rope_cos_sin
+from runtime.math.rope import (
+    FORMS,
+    INTERLEAVED,
+    INTERLEAVED_PAIRED,
+    NO_ROPE,
+    ROTATE_HALF,
+    RopeForms,
+    Rotation,
+    interleaves,
+    rope_cos_sin,
+)
 
 PROBE_TOKENS = 8
 # relative error above which a layer does not rotate as runtime.math.rope does: float32 agrees to ~1e-6
@@ -47,19 +60,15 @@ class RopeMismatches:
     query_errors: tuple[float, ...]
     # per layer in keys or queries, what it does instead: "no RoPE", "interleaved RoPE", or OTHER
     features: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def no_rope(self) -> frozenset[int]:
-        """The layers that rotate neither their keys nor their queries (their rotation is the identity)."""
-        return frozenset(layer for layer, feature in self.features.items() if feature == NO_ROPE)
+    # per layer, the form of runtime.math.rope its keys and its queries follow (None: none)
+    forms: RopeForms | None = None
 
     def rotated_otherwise(self, *, keys: bool, queries: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The layers whose keys (when ``keys``) and queries (when ``queries``) no formula of
-        runtime.math.rope reproduces, the identity included: ``(key layers, query layers)``."""
-        unrotated = self.no_rope
+        """The layers whose keys (when ``keys``) and queries (when ``queries``) no form of
+        runtime.math.rope reproduces: ``(key layers, query layers)``."""
         return (
-            tuple(i for i in self.keys if keys and i not in unrotated),
-            tuple(i for i in self.queries if queries and i not in unrotated),
+            tuple(i for i in self.keys if keys and self.forms.keys[i] is None),
+            tuple(i for i in self.queries if queries and self.forms.queries[i] is None),
         )
 
     def describe(self) -> str:
@@ -81,33 +90,19 @@ def _rotated(pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 OTHER = "another rotation, a norm after it or one the pre-RoPE read misses"
-NO_ROPE = "no RoPE"
+# what a layer that differs does, by its form (the refusal's and describe()'s words)
+FEATURES = {NO_ROPE: "no RoPE", INTERLEAVED: "interleaved RoPE", INTERLEAVED_PAIRED: "interleaved RoPE", None: OTHER}
 
 
-def _interleaved(pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """``pre [B, T, H, d]`` rotated in interleaved pairs ``(x0, x1), (x2, x3), ..`` (GPT-J's RoPE:
-    Cohere, Ernie 4.5, Llama 4) at the frequencies of ``cos, sin [T, d]``, laid out either way
-    (halves, as rotate_half takes them, or pairs); None when they are neither."""
-    half = cos.shape[-1] // 2
-    if torch.allclose(cos[:, :half], cos[:, half:]) and torch.allclose(sin[:, :half], sin[:, half:]):
-        cos, sin = cos[:, :half], sin[:, :half]
-    elif torch.allclose(cos[:, 0::2], cos[:, 1::2]) and torch.allclose(sin[:, 0::2], sin[:, 1::2]):
-        cos, sin = cos[:, 0::2], sin[:, 0::2]
-    else:
-        return None
-    cos, sin = cos.repeat_interleave(2, -1)[None, :, None], sin.repeat_interleave(2, -1)[None, :, None]
-    turned = torch.stack([-pre[..., 1::2], pre[..., 0::2]], dim=-1).flatten(-2)
-    return pre * cos + turned * sin
-
-
-def _feature(pre: torch.Tensor, post: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str:
-    """What a layer whose rotation is not runtime.math.rope's does to its pre-RoPE ``pre``: ``post``."""
-    if _relative_error(pre, post) <= TOLERANCE:
-        return NO_ROPE
-    interleaved = _interleaved(pre, cos, sin)
-    if interleaved is not None and _relative_error(interleaved, post) <= TOLERANCE:
-        return "interleaved RoPE"
-    return OTHER
+def _form(geometry, layer: int, positions: torch.Tensor, pre: torch.Tensor, post: torch.Tensor) -> str | None:
+    """The first form of runtime.math.rope whose un-rotation of what layer ``layer``'s attention received,
+    ``post [B, T, H, d]`` at ``positions [T]``, gives back its pre-RoPE read ``pre``; None when none does."""
+    for form in FORMS:
+        cos, sin = rope_cos_sin(geometry, positions, layer, form=form)
+        rotation = Rotation(cos.to(post.device)[None, :, None], sin.to(post.device)[None, :, None], interleaves(form))
+        if _relative_error(pre, rotation.undo(post)) <= TOLERANCE:
+            return form
+    return None
 
 
 def _relative_error(expected: torch.Tensor, got: torch.Tensor) -> float:
@@ -152,7 +147,8 @@ def rope_mismatches(model) -> RopeMismatches:
 
     try:
         with attention_implementation(model, "kvcal_rope_probe", recording):
-            model(input_ids=ids, position_ids=positions, use_cache=False)
+            # the decoder without its output head: the vocabulary's logits are not needed
+            getattr(model, "base_model", model)(input_ids=ids, position_ids=positions, use_cache=False)
     except UnsupportedModelError:
         raise
     except (RuntimeError, ValueError) as error:  # e.g. a norm the pre-RoPE read applies with another shape
@@ -163,7 +159,7 @@ def rope_mismatches(model) -> RopeMismatches:
     finally:
         for handle in handles:
             handle.remove()
-    key_errors, query_errors, features = [], [], {}
+    key_errors, query_errors, features, key_forms, query_forms = [], [], {}, [], []
     for layer in range(geometry.num_layers):
         if layer not in post or layer not in pre_keys or layer not in pre_queries:
             raise UnsupportedModelError(
@@ -174,20 +170,25 @@ def rope_mismatches(model) -> RopeMismatches:
         query, key = post[layer]
         key_errors.append(_relative_error(_rotated(pre_keys[layer], cos, sin), key))
         query_errors.append(_relative_error(_rotated(pre_queries[layer], cos, sin), query))
-        key_feature = _feature(pre_keys[layer], key, cos, sin) if key_errors[-1] > TOLERANCE else None
-        query_feature = _feature(pre_queries[layer], query, cos, sin) if query_errors[-1] > TOLERANCE else None
-        if key_feature is not None or query_feature is not None:
-            # no RoPE only where neither keys nor queries rotate; one rotating and the other not is OTHER
-            if NO_ROPE in (key_feature, query_feature) and key_feature != query_feature:
-                features[layer] = OTHER
-            else:
-                features[layer] = key_feature or query_feature
+        key_forms.append(
+            ROTATE_HALF if key_errors[-1] <= TOLERANCE else _form(geometry, layer, positions[0], pre_keys[layer], key)
+        )
+        query_forms.append(
+            ROTATE_HALF
+            if query_errors[-1] <= TOLERANCE
+            else _form(geometry, layer, positions[0], pre_queries[layer], query)
+        )
+        if key_errors[-1] > TOLERANCE:
+            features[layer] = FEATURES[key_forms[-1]]
+        elif query_errors[-1] > TOLERANCE:
+            features[layer] = FEATURES[query_forms[-1]]
     result = RopeMismatches(
         keys=tuple(i for i, e in enumerate(key_errors) if e > TOLERANCE),
         queries=tuple(i for i, e in enumerate(query_errors) if e > TOLERANCE),
         key_errors=tuple(key_errors),
         query_errors=tuple(query_errors),
         features=features,
+        forms=RopeForms(tuple(key_forms), tuple(query_forms)),
     )
     _CHECKED[model] = result
     return result
@@ -207,18 +208,18 @@ def rope_needs(scorer) -> tuple[bool, bool]:
     return keys, any(isinstance(need, AveragedRope) for need in scorer.needs)
 
 
-def no_rope_layers(model, scorer=None) -> frozenset[int]:
-    """The layers of ``model`` that apply no RoPE (see the module docstring; one short forward pass,
-    cached per model), to give a scorer's RoPE inputs (:class:`runtime.scorers.ScorerInputs`); with
-    ``scorer``, none when it reads no RoPE (no forward pass then)."""
+def rope_forms(model, scorer=None) -> RopeForms | None:
+    """Each layer's RoPE form for its keys and its queries (see the module docstring; one short forward
+    pass, cached per model), for a scorer's RoPE inputs (:class:`runtime.scorers.ScorerInputs`); with
+    ``scorer``, None when it reads no RoPE (no forward pass then)."""
     if scorer is not None and not any(rope_needs(scorer)):
-        return frozenset()
-    return rope_mismatches(model).no_rope
+        return None
+    return rope_mismatches(model).forms
 
 
 def rope_problems(model, *, keys: bool, queries: bool) -> str | None:
-    """Which of the keys / queries ``model`` rotates otherwise than runtime.math.rope (layers without
-    RoPE aside: their rotation is the identity), and how (one clause), or None when none does."""
+    """Which of the keys / queries ``model`` rotates otherwise than every form of runtime.math.rope, and
+    how (one clause), or None when none does."""
     found = rope_mismatches(model)
     key_layers, query_layers = found.rotated_otherwise(keys=keys, queries=queries)
     problems = []
@@ -237,7 +238,7 @@ def check_rope_for(model, what: str, *, keys: bool, queries: bool) -> None:
     problems = rope_problems(model, keys=keys, queries=queries)
     if problems:
         raise UnsupportedModelError(
-            f"{type(model).__name__}: {what} needs RoPE applied as x cos + rotate_half(x) sin to the "
-            f"pre-RoPE projections, but {problems}: serve a scorer that reads no RoPE (keydiff, snapkv, "
-            "knorm, streaming) on this model"
+            f"{type(model).__name__}: {what} needs RoPE applied as x cos + P(x) sin (P: rotate_half or the "
+            f"interleaved pairs' turn; or no RoPE) to the pre-RoPE projections, but {problems}: serve a "
+            "scorer that reads no RoPE (keydiff, snapkv, knorm, streaming) on this model"
         )

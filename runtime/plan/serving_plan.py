@@ -32,9 +32,10 @@ import numpy as np
 import torch
 
 from runtime.math.geometry import ModelGeometry
+from runtime.math.rope import RopeForms
 from runtime.plan.calibration import architecture_mismatch
 from runtime.plan.policy import CompressionPolicy
-from runtime.plan.rope_check import check_rope_for, no_rope_layers, rope_needs
+from runtime.plan.rope_check import check_rope_for, rope_forms, rope_needs
 from runtime.scorers import QueryCentres, Scorer, chunk_specs, query_statistics, recent_query_window
 
 
@@ -65,8 +66,8 @@ class ServingPlan:
     query_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # mean [L, Hq, d], cov [L, Hq, d, d] (pre-RoPE)
     query_centres: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, Hkv, G, K, d], weights [L, Hkv, G, K]
     learned: tuple[torch.Tensor, np.ndarray] | None = None  # weights float32 [L, Hkv, 2d], bias float64 [L, Hkv]
-    # layers that apply no RoPE, where the scorer's RoPE inputs are the identity (runtime.plan.rope_check)
-    no_rope_layers: frozenset[int] = frozenset()
+    # each layer's RoPE form for its keys and queries, which the scorer's RoPE inputs follow (runtime.plan.rope_check)
+    rope_forms: RopeForms | None = None
 
     @property
     def num_layers(self) -> int:
@@ -160,7 +161,7 @@ def bind(policy: CompressionPolicy, calibration, model) -> ServingPlan:
     loaded = {}
     if (rope_keys or rope_queries) and isinstance(model, torch.nn.Module):  # the model's own rotation?
         check_rope_for(model, f"the {scorer.name} scorer", keys=rope_keys, queries=rope_queries)
-        loaded["no_rope_layers"] = no_rope_layers(model)
+        loaded["rope_forms"] = rope_forms(model)
     for requirement in policy.requirements(scorer):
         loaded.update(_LOADERS[requirement.section](scorer, calibration, geometry))
     if policy.correction in ("order0", "order1"):

@@ -19,9 +19,10 @@ and one per scorer: ``expected_attention``, ``prototype_attention``, ``keydiff``
 ``knorm``, ``streaming``, ``leverage`` (Compactor), ``kvzip``, ``learned``.
 """
 
+from runtime.math.rope import unrotate
 from runtime.scorers.base import Scorer
 from runtime.scorers.expected_attention import ExpectedAttentionScorer
-from runtime.scorers.helpers import chunked_attention_mass, leverage_scores, max_pooled, unrotate
+from runtime.scorers.helpers import chunked_attention_mass, leverage_scores, max_pooled
 from runtime.scorers.inputs import (
     ALL_QUERIES,
     AveragedRope,

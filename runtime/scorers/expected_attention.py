@@ -6,7 +6,7 @@ import torch
 
 from common.checks import check_integer, check_number
 from runtime.scorers.base import Scorer
-from runtime.scorers.helpers import averaged_rope_matrices, empty_heads_to_zero, max_pooled, value_weighted
+from runtime.scorers.helpers import empty_heads_to_zero, max_pooled, value_weighted
 from runtime.scorers.inputs import AveragedRope, LayerInputs, QueryStatistics
 
 
@@ -47,7 +47,7 @@ class ExpectedAttentionScorer(Scorer):
     def attention(self, inputs: LayerInputs) -> torch.Tensor:
         keys = inputs.keys.float()  # [R, Hkv, n, d]
         mean, cov = inputs[QueryStatistics(self.statistics)]  # [R, Hkv, G, d], [R, Hkv, G, d, d]
-        rbar = averaged_rope_matrices(*inputs[AveragedRope(self.horizon)]).to(keys.device)[:, None, None]
+        rbar = inputs[AveragedRope(self.horizon)].matrices().to(keys.device)[:, None, None]
         # rbar [R, 1, 1, d, d]; the per-head formula with leading [R, Hkv] axes
         mean = mean.float().to(keys.device).unsqueeze(-2) @ rbar.transpose(-1, -2)  # [R, Hkv, G, 1, d]
         cov = rbar @ cov.float().to(keys.device) @ rbar.transpose(-1, -2)  # [R, Hkv, G, d, d]

@@ -8,34 +8,11 @@ from __future__ import annotations
 import torch
 
 from runtime.math.arrays import to_device
-from runtime.math.rope import rope_matrix
 
 
 def masked(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``scores [..., n]`` with the padding (``~valid``) at ``-inf``: it never competes for a budget."""
     return scores.masked_fill(~valid, float("-inf"))
-
-
-def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Pre-RoPE keys from post-RoPE ``keys [..., n, d]`` and their own ``cos, sin [..., n, d]``.
-
-    transformers applies ``k cos + rotate_half(k) sin`` (``R_p = diag(cos) + diag(sin) P``,
-    see :mod:`runtime.math.rope`); ``R_p^T R_p = (cos^2 + sin^2) I``, so the inverse is
-    ``R_p^T / (cos^2 + sin^2)`` (the denominator is 1 unless RoPE carries an attention factor).
-    """
-    half = keys.shape[-1] // 2
-    # k cos - rotate_half(k) sin, rotate_half(k) = [-k2, k1], written into one new tensor
-    # (0.80-0.82x the time of building rotate_half first: R-compression-cost-2026-11-27)
-    out = keys * cos
-    out[..., :half].addcmul_(keys[..., half:], sin[..., :half])
-    out[..., half:].addcmul_(keys[..., :half], sin[..., half:], value=-1)
-    return out.div_(cos * cos + sin * sin)
-
-
-def averaged_rope_matrices(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``Rbar [R, d, d]`` from each row's horizon-averaged ``cos, sin [R, d]``
-    (:func:`runtime.math.rope.averaged_rope`)."""
-    return torch.stack([rope_matrix(c, s) for c, s in zip(cos, sin, strict=True)])
 
 
 def max_pooled(attention: torch.Tensor, pool: int) -> torch.Tensor:

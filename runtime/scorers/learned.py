@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from runtime.scorers.base import Scorer
-from runtime.scorers.helpers import masked, unrotate
+from runtime.scorers.helpers import masked
 from runtime.scorers.inputs import KeyRope, LayerInputs, LearnedWeights
 
 
@@ -27,9 +27,8 @@ class LearnedScorer(Scorer):
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         keys = inputs.keys.float()  # [R, Hkv, n, d]
-        cos, sin = inputs[KeyRope()]  # [R, Hkv, n, d]
         weights, bias = inputs[LearnedWeights()]  # [Hkv, 2d], [Hkv]
-        pre_rope = unrotate(keys, cos.float().to(keys.device), sin.float().to(keys.device))
+        pre_rope = inputs[KeyRope()].to(keys.device).undo(keys)  # cos, sin [R, Hkv, n, d] in the layer's form
         features = torch.cat([pre_rope, inputs.values.float()], dim=-1)  # [R, Hkv, n, 2d]
         scores = torch.einsum("rhnf,hf->rhn", features, weights.float().to(keys.device))
         return masked(scores + bias.float().to(keys.device)[:, None], inputs.valid)

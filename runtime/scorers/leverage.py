@@ -10,7 +10,7 @@ from common.checks import check_flag, check_integer, check_number
 from runtime.math.arrays import to_device
 from runtime.math.chunk_attention import ChunkSpec
 from runtime.scorers.base import Scorer
-from runtime.scorers.helpers import leverage_scores, masked, masked_zscore, unrotate
+from runtime.scorers.helpers import leverage_scores, masked, masked_zscore
 from runtime.scorers.inputs import ChunkAttentionMass, KeyRope, LayerInputs
 
 
@@ -156,9 +156,8 @@ class LeverageScorer(Scorer):
         RoPE is undone in float32 (as the tests' oracle does), the leverage computed in float64
         (docs/results.md R-leverage-cost-2026-11-27)."""
         keys = inputs.keys.float()  # RoPE undone in float32: 6x faster than in float64
-        if self.pre_rope:
-            cos, sin = inputs[KeyRope()]  # [R, Hkv, n, d]
-            keys = unrotate(keys, cos.float().to(keys.device), sin.float().to(keys.device))
+        if self.pre_rope:  # cos, sin [R, Hkv, n, d] in the layer's form (runtime.math.rope)
+            keys = inputs[KeyRope()].to(keys.device).undo(keys)
         sketch = None
         if self.sketch is not None:  # [1, Hkv, d, k], drawn per (layer, KV head)
             sketch = self.layer_sketch(inputs.layer, keys.shape[1], keys.shape[-1], keys.device)

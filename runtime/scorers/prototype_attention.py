@@ -6,7 +6,7 @@ import torch
 
 from common.checks import check_integer, check_number
 from runtime.scorers.base import Scorer
-from runtime.scorers.helpers import averaged_rope_matrices, empty_heads_to_zero, max_pooled, value_weighted
+from runtime.scorers.helpers import empty_heads_to_zero, max_pooled, value_weighted
 from runtime.scorers.inputs import AveragedRope, LayerInputs, QueryCentres
 
 
@@ -63,7 +63,7 @@ class PrototypeAttentionScorer(Scorer):
                 "re-run profile-model with the future-queries stage"
             )
         keys = inputs.keys.float()  # [R, Hkv, n, d]
-        rbar = averaged_rope_matrices(*inputs[AveragedRope(self.horizon)]).to(keys.device)  # [R, d, d]
+        rbar = inputs[AveragedRope(self.horizon)].matrices().to(keys.device)  # [R, d, d]
         centres, weights = inputs[QueryCentres()]  # [Hkv, G, K, d], [Hkv, G, K]
         rotated = torch.einsum("hgkd,red->rhgke", centres.float().to(keys.device), rbar)  # [R, Hkv, G, K, d]
         logits = inputs.scaling * torch.einsum("rhgke,rhne->rhgkn", rotated, keys)  # [R, Hkv, G, K, n]

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from runtime.math.chunk_attention import masses_at_positions
-from runtime.math.rope import averaged_rope, rope_cos_sin
+from runtime.math.rope import ROTATE_HALF, Rotation, averaged_rope, interleaves, rope_cos_sin
 from runtime.scorers.helpers import middle_chunk_attention
 from runtime.scorers.inputs import (
     ALL_QUERIES,
@@ -64,23 +64,24 @@ class QueryStatisticsProvider:
 
 
 class AveragedRopeProvider:
-    """``(cos [R, d], sin [R, d])``: the layer's RoPE averaged over the horizon from each row's next
-    position (the last call's positions are remembered per RoPE of the model, one per layer type
-    for Gemma 3: decoding asks for the same ones layer after layer); the identity on ``no_rope_layers``."""
+    """:class:`~runtime.math.rope.Rotation` ``cos, sin [R, d]``: the layer's RoPE in its form (``rope_forms``) averaged
+    over the horizon from each row's next position (the last call's positions are remembered per RoPE of the
+    model, one per layer type for Gemma 3: decoding asks for the same ones layer after layer)."""
 
-    def __init__(self, need: AveragedRope, scorer, geometry, no_rope_layers=frozenset(), **_):
-        self.horizon, self.geometry, self.memo, self.no_rope_layers = need.horizon, geometry, {}, no_rope_layers
+    def __init__(self, need: AveragedRope, scorer, geometry, rope_forms=None, **_):
+        self.horizon, self.geometry, self.memo, self.forms = need.horizon, geometry, {}, rope_forms
 
     def __call__(self, inputs: LayerInputs, **_):
-        rope = (self.geometry.rope_layer_types[inputs.layer], inputs.layer not in self.no_rope_layers)
+        form = self.forms.queries[inputs.layer] if self.forms else ROTATE_HALF  # it rotates query statistics
+        rope = (self.geometry.rope_layer_types[inputs.layer], form)
         known = self.memo.get(rope, {})
         memo = {
-            p: known.get(p) or averaged_rope(self.geometry, p, self.horizon, inputs.layer, rotated=rope[1])
+            p: known.get(p) or averaged_rope(self.geometry, p, self.horizon, inputs.layer, form=form)
             for p in inputs.next_positions
         }
         self.memo[rope] = memo
-        pairs = [memo[p] for p in inputs.next_positions]
-        return torch.stack([cos for cos, _ in pairs]), torch.stack([sin for _, sin in pairs])
+        cos, sin = (torch.stack(parts) for parts in zip(*(memo[p] for p in inputs.next_positions), strict=True))
+        return Rotation(cos, sin, interleaves(form))
 
 
 class RecentQueriesProvider:
@@ -133,22 +134,23 @@ class ChunkAttentionMassProvider:
 
 
 class KeyRopeProvider:
-    """``(cos, sin) [R, Hkv, n, d]`` of the layer's RoPE at each key's position (the identity on ``no_rope_layers``).
-    On a CPU the last result is reused while the positions and the layer's RoPE (Gemma 3 has one per layer type) are
-    the same (a fresh prompt's heads share them); elsewhere ``torch.equal`` would synchronise the host per tile."""
+    """:class:`~runtime.math.rope.Rotation` ``cos, sin [R, Hkv, n, d]``: the layer's RoPE in its form (``rope_forms``)
+    at each key's position.  On a CPU the last result is reused while the positions and the layer's RoPE are the
+    same (a fresh prompt's heads share them); elsewhere ``torch.equal`` would synchronise the host per tile."""
 
-    def __init__(self, need: KeyRope, scorer, geometry, no_rope_layers=frozenset(), **_):
-        self.geometry, self.memo, self.no_rope_layers = geometry, {}, no_rope_layers
+    def __init__(self, need: KeyRope, scorer, geometry, rope_forms=None, **_):
+        self.geometry, self.memo, self.forms = geometry, {}, rope_forms
 
     def __call__(self, inputs: LayerInputs, **_):
         positions = inputs.positions.reshape(-1)
-        rope = (self.geometry.rope_layer_types[inputs.layer], inputs.layer not in self.no_rope_layers)
+        form = self.forms.keys[inputs.layer] if self.forms else ROTATE_HALF
+        rope = (self.geometry.rope_layer_types[inputs.layer], form)
         memo = self.memo.get(rope) if positions.device.type == "cpu" else None
         if memo is None or memo[0].shape != positions.shape or not torch.equal(memo[0], positions):
-            memo = (positions.clone(), *rope_cos_sin(self.geometry, positions, inputs.layer, rotated=rope[1]))
+            memo = (positions.clone(), *rope_cos_sin(self.geometry, positions, inputs.layer, form=form))
             self.memo[rope] = memo if positions.device.type == "cpu" else None
-        shape = (*inputs.positions.shape, -1)
-        return memo[1].reshape(shape).to(inputs.keys.device), memo[2].reshape(shape).to(inputs.keys.device)
+        shape, device = (*inputs.positions.shape, -1), inputs.keys.device
+        return Rotation(memo[1].reshape(shape).to(device), memo[2].reshape(shape).to(device), interleaves(form))
 
 
 class LearnedWeightsProvider:
@@ -199,8 +201,7 @@ class ScorerInputs:
     prompt's statistics ``prompt_stats`` (:class:`~runtime.compression.prompt_statistics.QueryMoments`) and the
     artifact's tensors as :func:`runtime.plan.serving_plan.bind` loaded them (``query_stats``,
     ``query_centres``, ``learned``: the :class:`~runtime.plan.serving_plan.ServingPlan`'s fields of
-    those names) or the profiler computed them, and ``no_rope_layers``: the layers whose RoPE inputs
-    are the identity (:func:`runtime.plan.rope_check.no_rope_layers`; none by default)."""
+    those names) or the profiler computed them; ``rope_forms``: each layer's (None: all rotate_half)."""
 
     def __init__(
         self,
@@ -211,11 +212,11 @@ class ScorerInputs:
         query_stats=None,
         query_centres=None,
         learned=None,
-        no_rope_layers=(),
+        rope_forms=None,
     ):
         self.scorer, self.geometry = scorer, geometry
         sources = dict(prompt_stats=prompt_stats, query_stats=query_stats, query_centres=query_centres, learned=learned)
-        sources["no_rope_layers"] = frozenset(no_rope_layers)
+        sources["rope_forms"] = rope_forms
         self.providers = [(need, PROVIDERS[type(need)](need, scorer, geometry, **sources)) for need in scorer.needs]
 
     def layer(
