@@ -214,19 +214,31 @@ def test_the_embedded_model_rotates_as_runtime_rope(embedded_model):
     assert len(found.key_errors) == 30 and max(found.key_errors) < 1e-4
 
 
+# the embedded weights in another architecture with Llama's weight names: (config, model, options, layer forms)
+EMBEDDED_IN = {
+    "smollm3 (every fourth layer without RoPE)": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        {"no_rope_layer_interval": 4},
+        tuple("none" if layer % 4 == 3 else "rotate_half" for layer in range(30)),
+    ),
+    "ernie 4.5 (interleaved RoPE)": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {}, ("interleaved",) * 30),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EMBEDDED_IN))
 @torch.no_grad()
-def test_the_embedded_weights_with_layers_without_rope_are_unrotated_exactly(embedded_model, embedded_tokenizer):
-    """The real embedded weights in SmolLM3's architecture (Llama's weight names), every fourth layer
-    without RoPE: the keys the leverage scorer scores are every layer's pre-RoPE keys, at the real
-    weights' scale, and the compression serves."""
-    config = T.SmolLM3Config(
-        **{k: v for k, v in embedded_model.config.to_dict().items() if k not in ("architectures", "model_type")},
-        no_rope_layer_interval=4,
-    )
-    model = T.SmolLM3ForCausalLM(config).eval()
+def test_the_embedded_weights_in_another_form_of_rope_are_unrotated_exactly(name, embedded_model, embedded_tokenizer):
+    """The real embedded weights in SmolLM3's architecture (every fourth layer without RoPE) and in
+    Ernie 4.5's (interleaved RoPE), both with Llama's weight names: the keys the leverage scorer scores
+    are every layer's pre-RoPE keys, at the real weights' scale, and the compression serves."""
+    config_class, model_class, options, forms = EMBEDDED_IN[name]
+    if not hasattr(T, config_class):
+        pytest.skip(f"transformers {T.__version__} has no {config_class}")
+    own = {k: v for k, v in embedded_model.config.to_dict().items() if k not in ("architectures", "model_type")}
+    model = getattr(T, model_class)(getattr(T, config_class)(**own, **options)).eval()
     model.load_state_dict(embedded_model.state_dict())
     plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)
-    forms = tuple("none" if layer % 4 == 3 else "rotate_half" for layer in range(30))
     assert plan.rope_forms == RopeForms(forms, forms)
     ids = embedded_tokenizer("The passcode is 4817. " * 6 + "What is the passcode?", return_tensors="pt").input_ids
     pre, post = _pre_and_post_rope(model, ids)
