@@ -14,8 +14,9 @@ QueryStatistics(kind)     ``(mean [R, Hkv, G, d], cov [R, Hkv, G, d, d])`` pre-R
                           group's query heads: ``"calibrated"`` (the artifact's ``query_stats``),
                           ``"future"`` (its ``future_queries`` mean/covariance: queries after the
                           context of needle probes) or ``"prompt"`` (the prompt's own queries)
-AveragedRope(horizon)     ``(cos [R, d], sin [R, d])``: RoPE averaged over ``horizon`` positions
-                          from each row's next token
+AveragedRope(horizon)     :class:`~runtime.math.rope.Rotation` ``cos, sin [R, d]``: the layer's RoPE
+                          averaged over ``horizon`` positions from each row's next token, in the
+                          form its queries rotate in (``.matrices()``: ``Rbar [R, d, d]``)
 RecentQueries(window)     ``(queries [R, Hkv, G, w, d], positions int64 [R, w])``: the last
                           ``window`` post-RoPE prompt queries (:data:`ALL_QUERIES`: every one),
                           right-aligned to the longest row's record (``-1``: no query there)
@@ -23,8 +24,9 @@ ChunkAttentionMass(spec)  float32 ``[R, Hkv, n]``: the mass every key received f
                           its own chunk, softmax over that chunk's keys only (Compactor's
                           non-causal chunked attention, :mod:`runtime.math.chunk_attention`; 0 for a
                           key outside every chunk)
-KeyRope()                 ``(cos [R, Hkv, n, d], sin [R, Hkv, n, d])``: the RoPE of every key's
-                          own position (to undo it)
+KeyRope()                 :class:`~runtime.math.rope.Rotation` ``cos, sin [R, Hkv, n, d]``: the
+                          RoPE of every key's own position, in the form the layer's keys rotate in
+                          (``.undo(keys)``: the pre-RoPE keys)
 LearnedWeights()          ``(weights [Hkv, 2d], bias [Hkv])`` float32: the artifact's learned
                           scorer of this layer
 QueryCentres()            ``(centres [Hkv, G, K, d], weights [Hkv, G, K])``: the artifact's
