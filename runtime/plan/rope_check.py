@@ -58,10 +58,10 @@ class RopeMismatches:
     queries: tuple[int, ...]
     key_errors: tuple[float, ...]
     query_errors: tuple[float, ...]
+    # per layer, the form of runtime.math.rope its keys and its queries follow (None: none)
+    forms: RopeForms
     # per layer in keys or queries, what it does instead: "no RoPE", "interleaved RoPE", or OTHER
     features: dict[int, str] = field(default_factory=dict)
-    # per layer, the form of runtime.math.rope its keys and its queries follow (None: none)
-    forms: RopeForms | None = None
 
     def rotated_otherwise(self, *, keys: bool, queries: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The layers whose keys (when ``keys``) and queries (when ``queries``) no form of
