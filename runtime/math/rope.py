@@ -106,9 +106,6 @@ class Rotation:
     sin: torch.Tensor
     interleaved: bool = False
 
-    def to(self, device) -> Rotation:
-        return Rotation(self.cos.to(device), self.sin.to(device), self.interleaved)
-
     def undo(self, keys: torch.Tensor) -> torch.Tensor:
         """The pre-RoPE ``keys [..., n, d]`` (float32) of post-RoPE keys at these positions (:func:`unrotate`)."""
         return unrotate(keys.float(), self.cos.float(), self.sin.float(), self.interleaved)

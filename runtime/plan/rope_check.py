@@ -95,9 +95,10 @@ FEATURES = {NO_ROPE: "no RoPE", INTERLEAVED: "interleaved RoPE", INTERLEAVED_PAI
 
 
 def _form(geometry, layer: int, positions: torch.Tensor, pre: torch.Tensor, post: torch.Tensor) -> str | None:
-    """The first form of runtime.math.rope whose un-rotation of what layer ``layer``'s attention received,
-    ``post [B, T, H, d]`` at ``positions [T]``, gives back its pre-RoPE read ``pre``; None when none does."""
-    for form in FORMS:
+    """The first form of runtime.math.rope other than rotate_half (the caller found it did not) whose
+    un-rotation of what layer ``layer``'s attention received, ``post [B, T, H, d]`` at ``positions [T]``,
+    gives back its pre-RoPE read ``pre``; None when none does."""
+    for form in (form for form in FORMS if form != ROTATE_HALF):
         cos, sin = rope_cos_sin(geometry, positions, layer, form=form)
         rotation = Rotation(cos.to(post.device)[None, :, None], sin.to(post.device)[None, :, None], interleaves(form))
         if _relative_error(pre, rotation.undo(post)) <= TOLERANCE:
@@ -170,14 +171,11 @@ def rope_mismatches(model) -> RopeMismatches:
         query, key = post[layer]
         key_errors.append(_relative_error(_rotated(pre_keys[layer], cos, sin), key))
         query_errors.append(_relative_error(_rotated(pre_queries[layer], cos, sin), query))
-        key_forms.append(
-            ROTATE_HALF if key_errors[-1] <= TOLERANCE else _form(geometry, layer, positions[0], pre_keys[layer], key)
-        )
-        query_forms.append(
-            ROTATE_HALF
-            if query_errors[-1] <= TOLERANCE
-            else _form(geometry, layer, positions[0], pre_queries[layer], query)
-        )
+        for forms, error, pre, got in (
+            (key_forms, key_errors[-1], pre_keys[layer], key),
+            (query_forms, query_errors[-1], pre_queries[layer], query),
+        ):
+            forms.append(ROTATE_HALF if error <= TOLERANCE else _form(geometry, layer, positions[0], pre, got))
         if key_errors[-1] > TOLERANCE:
             features[layer] = FEATURES[key_forms[-1]]
         elif query_errors[-1] > TOLERANCE:

@@ -28,7 +28,7 @@ class LearnedScorer(Scorer):
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         keys = inputs.keys.float()  # [R, Hkv, n, d]
         weights, bias = inputs[LearnedWeights()]  # [Hkv, 2d], [Hkv]
-        pre_rope = inputs[KeyRope()].to(keys.device).undo(keys)  # cos, sin [R, Hkv, n, d] in the layer's form
+        pre_rope = inputs[KeyRope()].undo(keys)  # cos, sin [R, Hkv, n, d] in the layer's form
         features = torch.cat([pre_rope, inputs.values.float()], dim=-1)  # [R, Hkv, n, 2d]
         scores = torch.einsum("rhnf,hf->rhn", features, weights.float().to(keys.device))
         return masked(scores + bias.float().to(keys.device)[:, None], inputs.valid)

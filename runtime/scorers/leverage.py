@@ -157,7 +157,7 @@ class LeverageScorer(Scorer):
         (docs/results.md R-leverage-cost-2026-11-27)."""
         keys = inputs.keys.float()  # RoPE undone in float32: 6x faster than in float64
         if self.pre_rope:  # cos, sin [R, Hkv, n, d] in the layer's form (runtime.math.rope)
-            keys = inputs[KeyRope()].to(keys.device).undo(keys)
+            keys = inputs[KeyRope()].undo(keys)
         sketch = None
         if self.sketch is not None:  # [1, Hkv, d, k], drawn per (layer, KV head)
             sketch = self.layer_sketch(inputs.layer, keys.shape[1], keys.shape[-1], keys.device)
