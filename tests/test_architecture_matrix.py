@@ -124,6 +124,9 @@ EXACT = {
     "gemma2": "",
     "gemma3_text": "",
     "gemma3n_text": "",  # altup, laurel, per-layer inputs; without KV sharing (refused by name)
+    "glm": "interleaved RoPE in layers 0, 1, 2, 3",
+    "glm4": "interleaved RoPE in layers 0, 1, 2, 3",
+    "glm4_moe": "",
     "granite": "",
     "granitemoe": "",
     "granitemoeshared": "",
@@ -136,6 +139,7 @@ EXACT = {
     "iquestcoder": "",
     "jais2": "",
     "kolibri1": "",
+    "laguna": "",
     "lfm2": ANOTHER,  # attention layers only (conv layers: REFUSED_VARIANTS); q/k norms the pre-RoPE read misses
     "llama": "",
     "mellum": "",
@@ -145,10 +149,12 @@ EXACT = {
     "ministral3": "",
     "mistral": "",
     "mixtral": "",
+    "nemotron": "",
     "olmo": "",
     "olmo2": "",
     "olmo3": "",
     "olmoe": "",
+    "phi": "",
     "phi3": "",
     "phimoe": "",  # its attention passes no sliding_window; its mask slides (the ragged cache's window: config)
     "qwen2": "",
@@ -159,9 +165,12 @@ EXACT = {
     "seed_oss": "",
     "smollm3": "no RoPE in layer 3",
     "solar_open": "",
+    "stablelm": "",
     "starcoder2": "",
     "vaultgemma": "",
 }
+# model type: how many of a head's 16 dimensions RoPE turns where not all (partial RoPE, their default factors)
+PARTIAL = {"glm": 8, "glm4": 8, "glm4_moe": 8, "laguna": 8, "nemotron": 8, "phi": 8, "stablelm": 4}
 NOT_LLAMA_FAMILY = r"no decoder layers at model\.model\.layers \(not a Llama-family causal LM\)"
 # what the refusal names: the model types refused so
 REFUSED = {
@@ -194,15 +203,6 @@ REFUSED = {
     r"layer type\(s\) hybrid are not supported": ("falcon_h1",),
     r"layer type\(s\) conv are not supported": ("lfm3",),
     r"chunked attention \(attention_chunk_size": ("llama4_text",),
-    r"partial rotary embeddings \(RoPE on \d+ of 16 dimensions\)": (
-        "glm",
-        "glm4",
-        "glm4_moe",
-        "laguna",
-        "nemotron",
-        "phi",
-        "stablelm",
-    ),
     r"dynamic mask attention \(layer 0 self_attn\.dt_proj": ("doge",),
     r"differential attention \(layer 0 self_attn\.lambda_q1": ("diffllama",),
     r"full_attention layers without RoPE parameters": ("beam",),
@@ -409,6 +409,7 @@ def test_nothing_evicted_is_exact_and_the_rope_is_the_models(model_type):
 
     found = rope_mismatches(model)
     assert found.describe() == EXACT[model_type]
+    assert set(ModelGeometry.of(model).rotary_dims) == {PARTIAL.get(model_type, 16)}
     if rope_reading_refused(model_type):
         with pytest.raises(UnsupportedModelError, match=r"needs RoPE applied as .* reads no RoPE \(keydiff"):
             bind(CompressionPolicy(keep_ratio=0.25), None, model)  # leverage un-rotates the keys
@@ -430,7 +431,9 @@ def test_refused_by_the_name_of_what_kvcal_cannot_compute(model_type, reason):
         ModelGeometry.of(model)
     except UnsupportedModelError:
         pass
-    except RuntimeError as error:  # transformers 5.2's rotary (run by the partial-rotary check) cannot autocast on meta
+    except (
+        RuntimeError
+    ) as error:  # transformers 5.2's rotary (run to read its rotary dimensions) cannot autocast on meta
         if "autocast" not in str(error):
             raise
         model = tiny_model(model_type)

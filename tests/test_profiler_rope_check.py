@@ -5,8 +5,9 @@ Expected Attention and the query prototypes rotate pre-RoPE query statistics) wo
 with the wrong un-rotation on HunYuan (a norm after the rotation), StableLM's ``qk_layernorm``... and
 the runtime refuses to serve it there (runtime.plan.rope_check).  So ``profile-model`` refuses them,
 exit 2 and one ``error:`` line naming the model's RoPE and the stages, once the model is loaded and
-before any stage runs; the stages that read no RoPE run.  Interleaved RoPE (Cohere) and layers
-without RoPE (SmolLM3, EXAONE 4) are forms runtime.math.rope serves: every stage runs.
+before any stage runs; the stages that read no RoPE run.  Interleaved RoPE (Cohere), layers
+without RoPE (SmolLM3, EXAONE 4) and partial RoPE (Phi-4-mini) are forms runtime.math.rope serves:
+every stage runs.
 """
 
 from __future__ import annotations
@@ -91,16 +92,22 @@ def test_the_stages_the_refusal_names_run(tmp_path, embedded_tokenizer, capsys):
     [
         (("SmolLM3Config", "SmolLM3ForCausalLM"), {"no_rope_layer_interval": 2, "pad_token_id": 0}),
         (("CohereConfig", "CohereForCausalLM"), {}),
+        (("Phi3Config", "Phi3ForCausalLM"), {"partial_rotary_factor": 0.75, "pad_token_id": 0}),
     ],
-    ids=["smollm3 (the second of two layers without RoPE)", "cohere (interleaved RoPE)"],
+    ids=[
+        "smollm3 (the second of two layers without RoPE)",
+        "cohere (interleaved RoPE)",
+        "phi3 (Phi-4-mini's partial RoPE: 12 of 16 dimensions)",
+    ],
 )
 def test_a_model_in_another_form_of_rope_is_profiled_by_every_stage(
     architecture, options, tmp_path, embedded_tokenizer, capsys
 ):
     """SmolLM3 leaves every fourth layer without RoPE (``no_rope_layers``; here the second of two),
-    Cohere rotates interleaved pairs: forms of runtime.math.rope that runtime.plan.rope_check reads
-    off the model, so every stage runs, those that calibrate the leverage and learned scorers and
-    Expected Attention included (they were refused), and the recommendation measures the flagship."""
+    Cohere rotates interleaved pairs, Phi-4-mini turns 3/4 of a head's dimensions (refused whole
+    before): forms of runtime.math.rope that runtime.plan.rope_check reads off the model, so every
+    stage runs, those that calibrate the leverage and learned scorers and Expected Attention included
+    (they were refused), and the recommendation measures the flagship."""
     from profiler.stages import STAGE_NAMES
 
     model_dir = _model_dir(tmp_path, embedded_tokenizer, *architecture, **options)

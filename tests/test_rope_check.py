@@ -12,7 +12,7 @@ import transformers as T
 from tiny_architectures import NAMES, build
 
 from runtime import CompressionPolicy, bind, compress_prompt
-from runtime.math.geometry import UnsupportedModelError
+from runtime.math.geometry import ModelGeometry, UnsupportedModelError
 from runtime.math.rope import RopeForms
 from runtime.plan.rope_check import rope_mismatches
 from runtime.scorers import AveragedRope, KeyRope
@@ -54,6 +54,21 @@ OTHER_ROPE = {
         (1, 3),
     ),
     "smollm3 (every fourth layer without RoPE)": ("SmolLM3Config", "SmolLM3ForCausalLM", {}, (3,)),
+    # partial RoPE: the first r of a head's 16 dimensions turn, the rest pass (rotate_half within the r for
+    # Phi-4-mini's 0.75 and StableLM's 0.25, interleaved pairs within them for GLM-4's 0.5)
+    "phi3 (RoPE on 12 of 16 dimensions)": ("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.75}, ()),
+    "stablelm (RoPE on 4 of 16 dimensions)": (
+        "StableLmConfig",
+        "StableLmForCausalLM",
+        {"partial_rotary_factor": 0.25},
+        (),
+    ),
+    "glm4 (interleaved RoPE on 8 of 16 dimensions)": (
+        "Glm4Config",
+        "Glm4ForCausalLM",
+        {"partial_rotary_factor": 0.5, "head_dim": 16},
+        (0, 1, 2, 3),
+    ),
 }
 
 
@@ -79,6 +94,9 @@ OTHER_FORMS = {
     "ernie 4.5 (interleaved RoPE)": ("interleaved",) * 4,
     "exaone 4 (full-attention layers without RoPE)": ("rotate_half", "none") * 2,
     "smollm3 (every fourth layer without RoPE)": ("rotate_half",) * 3 + ("none",),
+    "phi3 (RoPE on 12 of 16 dimensions)": ("rotate_half",) * 4,
+    "stablelm (RoPE on 4 of 16 dimensions)": ("rotate_half",) * 4,
+    "glm4 (interleaved RoPE on 8 of 16 dimensions)": ("interleaved",) * 4,
 }
 
 
@@ -163,7 +181,8 @@ def _layer_inputs(layer, keys, next_position):
 @torch.no_grad()
 def test_the_other_forms_of_rope_are_served_exactly_by_the_scorers_that_read_rope(name):
     """Cohere and Ernie 4.5 rotate interleaved pairs (their rotary modules lay the frequencies out two
-    ways), SmolLM3 and EXAONE 4 leave layers without RoPE (the identity): each layer's form is read off
+    ways), SmolLM3 and EXAONE 4 leave layers without RoPE (the identity), Phi-4-mini, StableLM and GLM-4
+    turn only a head's first dimensions (in rotate_half's form or in pairs): each layer's form is read off
     the model, and the scorers that read RoPE, refused there before, follow it.  The keys the flagship's
     leverage scorer scores are every layer's pre-RoPE keys; the rotation Expected Attention averages is,
     over one position, the one the model applies to its pre-RoPE queries; both compress."""
@@ -197,6 +216,30 @@ def test_the_other_forms_of_rope_are_served_exactly_by_the_scorers_that_read_rop
             )
     cache, report = compress_prompt(model, ids, expected_attention, context_columns=36)
     assert report.kv_bytes_after < report.kv_bytes_before
+
+
+# the partial RoPE of OTHER_ROPE: how many of a head's first dimensions turn
+PARTIAL = {
+    "phi3 (RoPE on 12 of 16 dimensions)": 12,
+    "stablelm (RoPE on 4 of 16 dimensions)": 4,
+    "glm4 (interleaved RoPE on 8 of 16 dimensions)": 8,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARTIAL))
+@torch.no_grad()
+def test_partial_rope_turns_the_first_dimensions_the_geometry_reads(name):
+    """A model that turns only a head's first ``r`` dimensions (refused whole before: "partial rotary
+    embeddings are not supported") passes the others to its attention as the pre-RoPE read has them:
+    the geometry's ``rotary_dims`` is that ``r``."""
+    model = build_other(name)
+    rotary = PARTIAL[name]
+    assert ModelGeometry.of(model).rotary_dims == (rotary,) * 4
+    pre, post = _pre_and_post_rope(model, torch.randint(3, 200, (1, 20), generator=torch.Generator().manual_seed(2)))
+    for layer in range(4):
+        for before, after in zip(pre[layer], post[layer], strict=True):  # keys, queries
+            assert torch.equal(after[..., rotary:], before[..., rotary:])
+            assert float((after[..., :rotary] - before[..., :rotary]).abs().max()) > 0.1
 
 
 def test_a_pre_rope_read_that_cannot_be_made_is_refused_by_name():
@@ -240,6 +283,38 @@ def test_the_embedded_weights_in_another_form_of_rope_are_unrotated_exactly(name
     model.load_state_dict(embedded_model.state_dict())
     plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)
     assert plan.rope_forms == RopeForms(forms, forms)
+    ids = embedded_tokenizer("The passcode is 4817. " * 6 + "What is the passcode?", return_tensors="pt").input_ids
+    pre, post = _pre_and_post_rope(model, ids)
+    key_rope = _provider(plan, KeyRope)
+    for layer in range(30):
+        keys = post[layer][0].transpose(1, 2)
+        unrotated = key_rope(_layer_inputs(layer, keys, ids.shape[1])).undo(keys)
+        torch.testing.assert_close(unrotated, pre[layer][0].transpose(1, 2), rtol=1e-4, atol=1e-4)
+    cache, report = compress_prompt(model, ids, plan, context_columns=ids.shape[1] - 6)
+    assert report.kv_bytes_after < report.kv_bytes_before
+
+
+@torch.no_grad()
+def test_the_embedded_weights_with_phi_4_minis_partial_rope_are_unrotated_exactly(embedded_model, embedded_tokenizer):
+    """The real embedded weights in Phi-3's architecture (queries, keys and values fused in one
+    qkv_proj, gate and up in one gate_up_proj) with Phi-4-mini's partial RoPE (0.75: 48 of the 64
+    dimensions turn): the keys the flagship's leverage scorer scores are every layer's pre-RoPE keys,
+    and the compression serves."""
+    own = {k: v for k, v in embedded_model.config.to_dict().items() if k not in ("architectures", "model_type")}
+    model = T.Phi3ForCausalLM(T.Phi3Config(**own, partial_rotary_factor=0.75)).eval()
+    weights = dict(embedded_model.state_dict())
+    for layer in range(30):
+        attention, mlp = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
+        weights[attention + "qkv_proj.weight"] = torch.cat(
+            [weights.pop(f"{attention}{name}_proj.weight") for name in "qkv"]
+        )
+        weights[mlp + "gate_up_proj.weight"] = torch.cat(
+            [weights.pop(f"{mlp}{name}_proj.weight") for name in ("gate", "up")]
+        )
+    model.load_state_dict(weights)
+    assert ModelGeometry.of(model).rotary_dims == (48,) * 30
+    plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)
+    assert plan.rope_forms == RopeForms(("rotate_half",) * 30, ("rotate_half",) * 30)
     ids = embedded_tokenizer("The passcode is 4817. " * 6 + "What is the passcode?", return_tensors="pt").input_ids
     pre, post = _pre_and_post_rope(model, ids)
     key_rope = _provider(plan, KeyRope)

@@ -206,6 +206,9 @@ def test_a_rotation_other_than_runtime_ropes_is_named():
         "smollm3 (every fourth layer without RoPE)": "no RoPE in layer 3",
         "hunyuan (a norm after RoPE)": f"{OTHER} in layers 0, 1, 2, 3",
         "stablelm qk_layernorm (a norm the pre-RoPE read missed)": f"{OTHER} in layers 0, 1, 2, 3",
+        "phi3 (RoPE on 12 of 16 dimensions)": "",  # partial RoPE is the geometry's, not another form
+        "stablelm (RoPE on 4 of 16 dimensions)": "",
+        "glm4 (interleaved RoPE on 8 of 16 dimensions)": "interleaved RoPE in layers 0, 1, 2, 3",
     }
     assert set(expected) == set(OTHER_ROPE)
     for name, described in expected.items():

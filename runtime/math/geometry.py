@@ -99,6 +99,9 @@ class ModelGeometry:
     query_norm: bool  # True when the queries pass through a norm before RoPE (q_norm: Qwen3, Gemma 3, OLMo2)
     fused_qkv: bool  # True when one qkv_proj computes queries, keys and values (Phi-3)
     rope_layer_types: tuple[str | None, ...]  # per layer: the type the rotary module takes (None: it takes none)
+    # per layer: how many of a head's first dimensions RoPE turns, the rest passing as they are (d; fewer:
+    # partial RoPE, Phi-4-mini's 0.75, GLM-4's 0.5, StableLM's 0.25)
+    rotary_dims: tuple[int, ...]
     sliding_windows: tuple[int | None, ...]  # per layer: the sliding window (None: full attention)
     softcaps: tuple[float | None, ...]  # per layer: the attention-logit soft-cap (None: none)
     rotary: torch.nn.Module = field(repr=False)  # model.model.rotary_emb
@@ -202,7 +205,7 @@ class ModelGeometry:
             attention_modules.append(attention)
             scalings.append(float(getattr(attention, "scaling", head_dim**-0.5)))
         rope_layer_types = _rope_layer_types(name, rotary, config, len(layers))
-        _check_full_rotary(name, rotary, rope_layer_types, head_dim)
+        rotary_dims = _rotary_dims(name, rotary, rope_layer_types, head_dim)
         return cls(
             num_layers=len(layers),
             num_q_heads=num_q_heads,
@@ -216,6 +219,7 @@ class ModelGeometry:
             query_norm=query_norm,
             fused_qkv=fused,
             rope_layer_types=rope_layer_types,
+            rotary_dims=rotary_dims,
             sliding_windows=sliding_windows,
             softcaps=softcaps,
             rotary=rotary,
@@ -411,19 +415,25 @@ def _rope_layer_types(name: str, rotary, config, layers: int) -> tuple[str | Non
     return tuple(str(kind) for kind in types)
 
 
-def _check_full_rotary(name: str, rotary, rope_layer_types, head_dim: int) -> None:
-    """RoPE must turn the whole head dimension (runtime.math.rope's matrices are ``[d, d]``)."""
+def _rotary_dims(name: str, rotary, rope_layer_types, head_dim: int) -> tuple[int, ...]:
+    """Per layer, how many of a head's ``head_dim`` dimensions RoPE turns: the rotary module's ``cos``
+    width for the layer's type.  transformers turns the first ones and passes the rest (partial RoPE);
+    :mod:`runtime.plan.rope_check` confirms it per layer."""
     device = next(rotary.buffers(), torch.empty(0)).device
     probe = torch.zeros(1, 1, 1, device=device)
+    dims = {}
     for layer_type in sorted(set(rope_layer_types), key=str):
         extra = () if layer_type is None else (layer_type,)
         with torch.no_grad():
             output = rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=device), *extra)
         rotated = _rotary_dimensions(name, output)
-        if rotated != head_dim:
+        if rotated > head_dim or rotated % 2 or not rotated:
             raise UnsupportedModelError(
-                f"{name}: partial rotary embeddings (RoPE on {rotated} of {head_dim} dimensions) are not supported"
+                f"{name}: rotary embeddings on {rotated} of {head_dim} dimensions are not supported "
+                "(RoPE turns pairs of a head's dimensions)"
             )
+        dims[layer_type] = rotated
+    return tuple(dims[layer_type] for layer_type in rope_layer_types)
 
 
 def _rotary_dimensions(name: str, output) -> int:

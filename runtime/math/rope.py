@@ -13,6 +13,10 @@ each pair, ``P x = (-x1, x0, -x3, x2, ..)``, and ``cos, sin`` repeat each pair's
 (``[f0, f0, f1, f1, ..]``); and :data:`NO_ROPE`, a layer that does not rotate (SmolLM3, EXAONE 4),
 whose rotation is the identity, ``cos = 1, sin = 0``.  Every formula here holds in each form with its
 ``P``: :class:`Rotation` carries ``cos, sin`` with the form's ``P``.
+
+Partial RoPE (Phi-4-mini turns 48 of 64 dimensions, GLM-4 half of them, StableLM a quarter) turns a
+head's first ``r`` dimensions in one of these forms and passes the others: ``cos, sin`` are 1 and 0
+there, and ``P`` acts on the first ``r`` only (``rotary_dims``; rotate_half's halves are of the ``r``).
 """
 
 from __future__ import annotations
@@ -46,80 +50,109 @@ def interleaves(form: str) -> bool:
     return form in (INTERLEAVED, INTERLEAVED_PAIRED)
 
 
-def rotate_half_matrix(head_dim: int, dtype=torch.float32, device=None) -> torch.Tensor:
-    """``P [d, d]`` with ``P @ x == rotate_half(x) == cat(-x[d/2:], x[:d/2])``."""
-    if head_dim % 2:
-        raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
-    half = head_dim // 2
+def _rotated(head_dim: int, rotary_dims: int | None) -> int:
+    rotated = head_dim if rotary_dims is None else rotary_dims
+    if rotated % 2 or not 0 < rotated <= head_dim:
+        raise ValueError(f"RoPE turns an even number of a head's {head_dim} dimensions, got {rotated}")
+    return rotated
+
+
+def rotate_half_matrix(head_dim: int, dtype=torch.float32, device=None, rotary_dims: int | None = None) -> torch.Tensor:
+    """``P [d, d]`` with ``P @ x == rotate_half(x) == cat(-x[d/2:], x[:d/2])``; with ``rotary_dims``
+    ``r``, rotate_half of the first ``r`` dimensions and 0 for the others."""
+    rotated = _rotated(head_dim, rotary_dims)
+    half = rotated // 2
     matrix = torch.zeros(head_dim, head_dim, dtype=dtype, device=device)
     eye = torch.eye(half, dtype=dtype, device=device)
-    matrix[:half, half:] = -eye
-    matrix[half:, :half] = eye
+    matrix[:half, half:rotated] = -eye
+    matrix[half:rotated, :half] = eye
     return matrix
 
 
-def pair_rotation_matrix(head_dim: int, dtype=torch.float32, device=None) -> torch.Tensor:
-    """``P [d, d]`` of the interleaved form: ``P @ x == (-x1, x0, -x3, x2, ..)``."""
-    if head_dim % 2:
-        raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
+def pair_rotation_matrix(
+    head_dim: int, dtype=torch.float32, device=None, rotary_dims: int | None = None
+) -> torch.Tensor:
+    """``P [d, d]`` of the interleaved form: ``P @ x == (-x1, x0, -x3, x2, ..)``; with ``rotary_dims``
+    ``r``, the pairs of the first ``r`` dimensions and 0 for the others."""
     matrix = torch.zeros(head_dim, head_dim, dtype=dtype, device=device)
-    index = torch.arange(0, head_dim, 2, device=device)
+    index = torch.arange(0, _rotated(head_dim, rotary_dims), 2, device=device)
     matrix[index, index + 1] = -1
     matrix[index + 1, index] = 1
     return matrix
 
 
-def rope_matrix(cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def rope_matrix(
+    cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False, rotary_dims: int | None = None
+) -> torch.Tensor:
     """``diag(cos) + diag(sin) P`` for ``cos, sin [d]`` (one position, or an average); ``P`` of the
-    interleaved form with ``interleaved``."""
+    interleaved form with ``interleaved``, on the first ``rotary_dims`` dimensions (None: all)."""
     turn = pair_rotation_matrix if interleaved else rotate_half_matrix
-    return torch.diag(cos) + sin.unsqueeze(1) * turn(cos.shape[0], cos.dtype, cos.device)
+    return torch.diag(cos) + sin.unsqueeze(1) * turn(cos.shape[0], cos.dtype, cos.device, rotary_dims)
 
 
-def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def unrotate(
+    keys: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool = False,
+    rotary_dims: int | None = None,
+) -> torch.Tensor:
     """Pre-RoPE keys from post-RoPE ``keys [..., n, d]`` and their own ``cos, sin [..., n, d]``.
 
     transformers applies ``k cos + P(k) sin`` (``R_p = diag(cos) + diag(sin) P``, ``P`` rotate_half
-    or, ``interleaved``, the pairs' turn); ``R_p^T R_p = (cos^2 + sin^2) I``, so the inverse is
+    or, ``interleaved``, the pairs' turn, of the first ``rotary_dims`` dimensions; ``cos = 1, sin = 0``
+    on the others); ``R_p^T R_p = (cos^2 + sin^2) I``, so the inverse is
     ``R_p^T / (cos^2 + sin^2) = (k cos - P(k) sin) / (cos^2 + sin^2)`` (the denominator is 1 unless
     RoPE carries an attention factor).
     """
     # k cos - P(k) sin, written into one new tensor (0.80-0.82x the time of building P(k) first:
     # R-compression-cost-2026-11-27); rotate_half(k) = [-k2, k1], the pairs' turn (-k1, k0, ..)
+    rotated = _rotated(keys.shape[-1], rotary_dims)
     out = keys * cos
     if interleaved:
-        out[..., 0::2].addcmul_(keys[..., 1::2], sin[..., 0::2])
-        out[..., 1::2].addcmul_(keys[..., 0::2], sin[..., 1::2], value=-1)
+        out[..., 0:rotated:2].addcmul_(keys[..., 1:rotated:2], sin[..., 0:rotated:2])
+        out[..., 1:rotated:2].addcmul_(keys[..., 0:rotated:2], sin[..., 1:rotated:2], value=-1)
     else:
-        half = keys.shape[-1] // 2
-        out[..., :half].addcmul_(keys[..., half:], sin[..., :half])
-        out[..., half:].addcmul_(keys[..., :half], sin[..., half:], value=-1)
+        half = rotated // 2
+        out[..., :half].addcmul_(keys[..., half:rotated], sin[..., :half])
+        out[..., half:rotated].addcmul_(keys[..., :half], sin[..., half:rotated], value=-1)
     return out.div_(cos * cos + sin * sin)
 
 
 @dataclass(frozen=True)
 class Rotation:
     """RoPE as a layer applies it at some positions (or averaged over a horizon): ``cos, sin [..., d]``
-    float32 in the layout of the layer's form, whose ``P`` is the pairs' turn when ``interleaved``."""
+    float32 in the layout of the layer's form, whose ``P`` is the pairs' turn when ``interleaved``, on
+    the first ``rotary_dims`` of the ``d`` dimensions (None: all; partial RoPE)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     interleaved: bool = False
+    rotary_dims: int | None = None
 
     def undo(self, keys: torch.Tensor) -> torch.Tensor:
         """The pre-RoPE ``keys [..., n, d]`` (float32) of post-RoPE keys at these positions (:func:`unrotate`)."""
-        return unrotate(keys.float(), self.cos.float(), self.sin.float(), self.interleaved)
+        return unrotate(keys.float(), self.cos.float(), self.sin.float(), self.interleaved, self.rotary_dims)
 
     def matrices(self) -> torch.Tensor:
         """``R [R, d, d]``: :func:`rope_matrix` of each row of ``cos, sin [R, d]``."""
-        return torch.stack([rope_matrix(c, s, self.interleaved) for c, s in zip(self.cos, self.sin, strict=True)])
+        return torch.stack(
+            [rope_matrix(c, s, self.interleaved, self.rotary_dims) for c, s in zip(self.cos, self.sin, strict=True)]
+        )
+
+
+def rotation(model, layer: int, form: str, cos: torch.Tensor, sin: torch.Tensor) -> Rotation:
+    """The :class:`Rotation` of ``cos, sin`` (:func:`rope_cos_sin`'s or :func:`averaged_rope`'s) for layer
+    ``layer`` of ``model`` (or its :class:`~runtime.math.geometry.ModelGeometry`) rotating in ``form``."""
+    return Rotation(cos, sin, interleaves(form), ModelGeometry.of(model).rotary_dims[layer])
 
 
 def rope_cos_sin(
     model, positions: torch.Tensor, layer: int | None = None, *, form: str = ROTATE_HALF
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer ``layer``'s ``cos, sin [len(positions), d]`` (float32) at absolute ``positions``, laid out
-    as the layer's ``form`` rotates (:data:`FORMS`; :data:`NO_ROPE`: ``cos = 1, sin = 0``).
+    as the layer's ``form`` rotates (:data:`FORMS`; :data:`NO_ROPE`: ``cos = 1, sin = 0``), 1 and 0 on
+    the dimensions a partial RoPE passes.
 
     ``model``: a loaded model or its :class:`~runtime.math.geometry.ModelGeometry` (whose ``rotary``
     module is used, given the layer's type where it takes one: Gemma 3's sliding layers use
@@ -150,6 +183,10 @@ def rope_cos_sin(
     if form == INTERLEAVED:  # [f, f] -> [f0, f0, f1, f1, ..]
         half = cos.shape[-1] // 2
         cos, sin = cos[:, :half].repeat_interleave(2, -1), sin[:, :half].repeat_interleave(2, -1)
+    passed = geometry.head_dim - cos.shape[-1]  # partial RoPE: the last dimensions pass as they are
+    if passed:
+        cos = torch.cat([cos, cos.new_ones(cos.shape[0], passed)], dim=-1)
+        sin = torch.cat([sin, sin.new_zeros(sin.shape[0], passed)], dim=-1)
     return cos, sin
 
 

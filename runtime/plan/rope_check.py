@@ -37,9 +37,8 @@ from runtime.math.rope import (
     NO_ROPE,
     ROTATE_HALF,
     RopeForms,
-    Rotation,
-    interleaves,
     rope_cos_sin,
+    rotation,
 )
 
 PROBE_TOKENS = 8
@@ -82,28 +81,18 @@ class RopeMismatches:
         )
 
 
-def _rotated(pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``pre [B, T, H, d]`` rotated at each position: ``x cos + rotate_half(x) sin`` (``cos, sin [T, d]``)."""
-    half = pre.shape[-1] // 2
-    rotate_half = torch.cat([-pre[..., half:], pre[..., :half]], dim=-1)
-    return pre * cos[None, :, None] + rotate_half * sin[None, :, None]
-
-
 OTHER = "another rotation, a norm after it or one the pre-RoPE read misses"
 # what a layer that differs does, by its form (the refusal's and describe()'s words)
 FEATURES = {NO_ROPE: "no RoPE", INTERLEAVED: "interleaved RoPE", INTERLEAVED_PAIRED: "interleaved RoPE", None: OTHER}
 
 
-def _form(geometry, layer: int, positions: torch.Tensor, pre: torch.Tensor, post: torch.Tensor) -> str | None:
-    """The first form of runtime.math.rope other than rotate_half (the caller found it did not) whose
-    un-rotation of what layer ``layer``'s attention received, ``post [B, T, H, d]`` at ``positions [T]``,
-    gives back its pre-RoPE read ``pre``; None when none does."""
-    for form in (form for form in FORMS if form != ROTATE_HALF):
-        cos, sin = rope_cos_sin(geometry, positions, layer, form=form)
-        rotation = Rotation(cos.to(post.device)[None, :, None], sin.to(post.device)[None, :, None], interleaves(form))
-        if _relative_error(pre, rotation.undo(post)) <= TOLERANCE:
-            return form
-    return None
+def _error(geometry, layer: int, positions: torch.Tensor, form: str, pre: torch.Tensor, post: torch.Tensor) -> float:
+    """How far ``form``'s un-rotation (the scorers' own, :class:`runtime.math.rope.Rotation`) of what layer
+    ``layer``'s attention received, ``post [B, T, H, d]`` at ``positions [T]``, is from its pre-RoPE read
+    ``pre``, relative."""
+    cos, sin = rope_cos_sin(geometry, positions, layer, form=form)
+    cos, sin = cos.to(post.device)[None, :, None], sin.to(post.device)[None, :, None]
+    return _relative_error(pre, rotation(geometry, layer, form, cos, sin).undo(post))
 
 
 def _relative_error(expected: torch.Tensor, got: torch.Tensor) -> float:
@@ -166,16 +155,15 @@ def rope_mismatches(model) -> RopeMismatches:
             raise UnsupportedModelError(
                 f"{type(model).__name__}: layer {layer}'s queries and keys could not be read in a forward pass"
             )
-        cos, sin = rope_cos_sin(geometry, positions[0], layer)
-        cos, sin = cos.to(device), sin.to(device)
         query, key = post[layer]
-        key_errors.append(_relative_error(_rotated(pre_keys[layer], cos, sin), key))
-        query_errors.append(_relative_error(_rotated(pre_queries[layer], cos, sin), query))
-        for forms, error, pre, got in (
-            (key_forms, key_errors[-1], pre_keys[layer], key),
-            (query_forms, query_errors[-1], pre_queries[layer], query),
+        for forms, errors, pre, got in (
+            (key_forms, key_errors, pre_keys[layer], key),
+            (query_forms, query_errors, pre_queries[layer], query),
         ):
-            forms.append(ROTATE_HALF if error <= TOLERANCE else _form(geometry, layer, positions[0], pre, got))
+            errors.append(_error(geometry, layer, positions[0], ROTATE_HALF, pre, got))
+            others = (form for form in FORMS if form != ROTATE_HALF)
+            fits = (form for form in others if _error(geometry, layer, positions[0], form, pre, got) <= TOLERANCE)
+            forms.append(ROTATE_HALF if errors[-1] <= TOLERANCE else next(fits, None))
         if key_errors[-1] > TOLERANCE:
             features[layer] = FEATURES[key_forms[-1]]
         elif query_errors[-1] > TOLERANCE:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from runtime.math.chunk_attention import masses_at_positions
-from runtime.math.rope import ROTATE_HALF, Rotation, averaged_rope, interleaves, rope_cos_sin
+from runtime.math.rope import ROTATE_HALF, averaged_rope, rope_cos_sin, rotation
 from runtime.scorers.helpers import middle_chunk_attention
 from runtime.scorers.inputs import (
     ALL_QUERIES,
@@ -81,7 +81,7 @@ class AveragedRopeProvider:
         }
         self.memo[rope] = memo
         cos, sin = (torch.stack(parts) for parts in zip(*(memo[p] for p in inputs.next_positions), strict=True))
-        return Rotation(cos, sin, interleaves(form))
+        return rotation(self.geometry, inputs.layer, form, cos, sin)
 
 
 class RecentQueriesProvider:
@@ -149,8 +149,8 @@ class KeyRopeProvider:
         if memo is None or memo[0].shape != positions.shape or not torch.equal(memo[0], positions):
             memo = (positions.clone(), *rope_cos_sin(self.geometry, positions, inputs.layer, form=form))
             self.memo[rope] = memo if positions.device.type == "cpu" else None
-        shape, device = (*inputs.positions.shape, -1), inputs.keys.device
-        return Rotation(memo[1].reshape(shape).to(device), memo[2].reshape(shape).to(device), interleaves(form))
+        cos, sin = (part.reshape(*inputs.positions.shape, -1).to(inputs.keys.device) for part in memo[1:])
+        return rotation(self.geometry, inputs.layer, form, cos, sin)
 
 
 class LearnedWeightsProvider:
