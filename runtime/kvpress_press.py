@@ -212,7 +212,9 @@ class CalibratedPress(BasePress):
 def _post_rope_queries(module, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """The layer's post-RoPE queries ``[B, Hq, T, d]`` from its input ``hidden_states [B, T, D]``: the
     module's ``q_proj`` (and ``q_norm`` where it has one), rotated by the model's own
-    ``apply_rotary_pos_emb`` with the ``position_embeddings`` the forward pass was given."""
+    ``apply_rotary_pos_emb`` with the ``position_embeddings`` the forward pass was given, on the
+    dimensions they turn (a partial RoPE passes the others: Phi-2 and StableLM split them in the
+    attention's forward, not in ``apply_rotary_pos_emb``)."""
     batch, length, _ = hidden_states.shape
     if not hasattr(module, "q_proj"):
         raise ValueError(f"CalibratedPress supports attention layers with a q_proj, not {type(module).__name__}")
@@ -221,4 +223,5 @@ def _post_rope_queries(module, hidden_states: torch.Tensor, kwargs: dict) -> tor
         queries = module.q_norm(queries)
     cos, sin = kwargs["position_embeddings"]
     rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
-    return rotate(queries, queries, cos, sin)[0]
+    turned, passed = queries[..., : cos.shape[-1]], queries[..., cos.shape[-1] :]
+    return torch.cat([rotate(turned, turned, cos, sin)[0], passed], dim=-1)

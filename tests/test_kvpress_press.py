@@ -241,3 +241,40 @@ def test_a_ratio_set_after_construction_is_served(embedded_model, calibration):
     press.compression_ratio = 1.0
     with pytest.raises(ValueError, match=r"compression_ratio .* in \[0, 1\)"):
         press.post_init_from_model(embedded_model)
+
+
+@pytest.mark.parametrize("name", ["uniform/leverage", "inf/snapkv"])
+def test_a_partial_rope_model_keeps_the_runtimes_rows(embedded_tokenizer, one_thread, name):
+    """StableLM turns a quarter of a head's dimensions and splits them off in its attention's forward,
+    not in ``apply_rotary_pos_emb``: the queries the press's hook recomputes (Compactor's chunked
+    attention, SnapKV's last queries) are rotated on those dimensions alone, as the model's are, so
+    the press keeps the runtime's rows (a tiny random-weight model; it was refused whole before)."""
+    import numpy as np
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    from runtime.plan.calibration import Calibration
+
+    torch.manual_seed(0)
+    config = StableLmConfig(
+        vocab_size=len(embedded_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        partial_rotary_factor=0.25,
+        use_qkv_bias=True,
+        pad_token_id=embedded_tokenizer.eos_token_id,
+    )
+    model = StableLmForCausalLM(config).eval()
+    with torch.no_grad():  # queries that share a direction, as a trained model's do: kvpress's masking needs a key
+        for layer in model.model.layers:  # that every query ignores (random ones leave none)
+            layer.self_attn.q_proj.bias.fill_(3.0)
+    weights = np.random.default_rng(0).random((2, 2)) + 0.1
+    calibration = Calibration("memory.h5", None, {}, ("budgets",), inf_weights=weights / weights.sum())
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=embedded_tokenizer)
+    press = CalibratedPress(calibration, compression_ratio=0.75, policy=parse_policy(name).policy(0.5))
+    context = FILLER * 4 + "The passcode is 7315. " + FILLER * 4
+    answer, pressed, ours, kept, report, length = run_both(model, embedded_tokenizer, pipe, press, context, QUESTION, 4)
+    assert answer.strip() == ours.strip()
+    check_same(pressed, kept, press, report, length, 0.75)
