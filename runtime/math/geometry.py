@@ -102,6 +102,9 @@ class ModelGeometry:
     # per layer: how many of a head's first dimensions RoPE turns, the rest passing as they are (d; fewer:
     # partial RoPE, Phi-4-mini's 0.75, GLM-4's 0.5, StableLM's 0.25)
     rotary_dims: tuple[int, ...]
+    # per layer: the forward pass length above which the layer's RoPE turns with other frequencies
+    # (transformers' longrope: Phi-3.5, Phi-4-mini; original_max_position_embeddings), None: it never does
+    rope_switches: tuple[int | None, ...]
     sliding_windows: tuple[int | None, ...]  # per layer: the sliding window (None: full attention)
     softcaps: tuple[float | None, ...]  # per layer: the attention-logit soft-cap (None: none)
     rotary: torch.nn.Module = field(repr=False)  # model.model.rotary_emb
@@ -206,6 +209,10 @@ class ModelGeometry:
             scalings.append(float(getattr(attention, "scaling", head_dim**-0.5)))
         rope_layer_types = _rope_layer_types(name, rotary, config, len(layers))
         rotary_dims = _rotary_dims(name, rotary, rope_layer_types, head_dim)
+        switches = {
+            layer_type: _longrope_switch(config, parameters) for layer_type, parameters in _rope_parameters(config)
+        }
+        rope_switches = tuple(switches.get(kind, switches.get(None)) for kind in rope_layer_types)
         return cls(
             num_layers=len(layers),
             num_q_heads=num_q_heads,
@@ -220,6 +227,7 @@ class ModelGeometry:
             fused_qkv=fused,
             rope_layer_types=rope_layer_types,
             rotary_dims=rotary_dims,
+            rope_switches=rope_switches,
             sliding_windows=sliding_windows,
             softcaps=softcaps,
             rotary=rotary,
@@ -332,6 +340,18 @@ def _rope_parameters(config) -> list[tuple[str | None, dict]]:
     if rope and all(isinstance(value, dict) for value in rope.values()):
         return [(str(kind), value) for kind, value in rope.items()]
     return [(None, rope)]
+
+
+def _longrope_switch(config, parameters: dict) -> int | None:
+    """For transformers' longrope RoPE, the pass length above which it rotates with its long factors (a
+    pass whose largest position + 1 is at most ``original_max_position_embeddings`` takes the short
+    ones: ``dynamic_rope_update``); None for any other RoPE."""
+    if parameters.get("rope_type", parameters.get("type")) != "longrope":
+        return None
+    switch = parameters.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None
+    )
+    return None if switch is None else int(switch)
 
 
 def _linear(name: str, index: int, attention, attribute: str, features: int, expected: str) -> torch.nn.Linear:

@@ -195,10 +195,20 @@ def averaged_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean ``cos, sin [d]`` of layer ``layer`` over absolute positions ``start .. start + horizon - 1``
     (``model``: a model or its :class:`~runtime.math.geometry.ModelGeometry`; ``layer`` and ``form``
-    as in :func:`rope_cos_sin`)."""
+    as in :func:`rope_cos_sin`), each position's RoPE the one a query decoded there alone gets (the
+    frequencies of a longrope RoPE switch at ``original_max_position_embeddings``)."""
     if horizon <= 0:
         raise ValueError(f"the RoPE averaging horizon must be positive, got {horizon}")
     if start < 0:
         raise ValueError(f"the start position must be >= 0, got {start}")
-    cos, sin = rope_cos_sin(model, torch.arange(start, start + horizon), layer, form=form)
+    geometry = ModelGeometry.of(model)
+    switch = geometry.rope_switches[0 if layer is None else layer]
+    # longrope turns a pass by its longest position: a query decoded alone at p takes its short factors
+    # while p < switch, its long ones from there on (rope_cos_sin rotates its positions as one pass)
+    parts = [torch.arange(start, start + horizon)]
+    if switch is not None and start < switch < start + horizon:
+        parts = [torch.arange(start, switch), torch.arange(switch, start + horizon)]
+    cos, sin = (
+        torch.cat(part) for part in zip(*(rope_cos_sin(geometry, p, layer, form=form) for p in parts), strict=True)
+    )
     return cos.mean(0), sin.mean(0)

@@ -228,3 +228,23 @@ def check_rope_for(model, what: str, *, keys: bool, queries: bool) -> None:
             f"interleaved pairs' turn; or no RoPE) to the pre-RoPE projections, but {problems}: serve a "
             "scorer that reads no RoPE (keydiff, snapkv, knorm, streaming) on this model"
         )
+
+
+def check_passes_rotate_alike(model, scorer, pass_ends, what: str, remedy: str) -> None:
+    """Refuse ``what`` when ``scorer`` un-rotates keys (leverage, learned) that ``model`` rotated in forward
+    passes ending on both sides of a layer's RoPE switch (:attr:`ModelGeometry.rope_switches`: transformers'
+    longrope turns each pass with its short factors up to ``original_max_position_embeddings`` positions and
+    with its long ones beyond, Phi-3.5 and Phi-4-mini), since the keys of one side would be un-rotated with
+    the other's frequencies.  ``pass_ends``: the largest position + 1 of each pass whose keys are
+    un-rotated together (None: unknown in advance, refused wherever the RoPE switches)."""
+    if scorer is None or not rope_needs(scorer)[0]:
+        return
+    geometry = ModelGeometry.of(model)
+    for switch in sorted({s for s in geometry.rope_switches if s is not None}):
+        if pass_ends is None or min(pass_ends) <= switch < max(pass_ends):
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: {what} un-rotates with the {scorer.name} scorer keys of forward passes "
+                f"on both sides of {switch} positions, where the model's longrope RoPE turns from its short to its "
+                f"long factors (each pass by its longest position), so the keys of one side would be un-rotated "
+                f"with the other's: {remedy}, or serve a scorer that reads no RoPE (keydiff, snapkv, knorm, streaming)"
+            )

@@ -35,7 +35,7 @@ from runtime.math.geometry import ModelGeometry
 from runtime.math.rope import RopeForms
 from runtime.plan.calibration import architecture_mismatch
 from runtime.plan.policy import CompressionPolicy
-from runtime.plan.rope_check import check_rope_for, rope_forms, rope_needs
+from runtime.plan.rope_check import check_passes_rotate_alike, check_rope_for, rope_forms, rope_needs
 from runtime.scorers import QueryCentres, Scorer, chunk_specs, query_statistics, recent_query_window
 
 
@@ -162,6 +162,9 @@ def bind(policy: CompressionPolicy, calibration, model) -> ServingPlan:
     if (rope_keys or rope_queries) and isinstance(model, torch.nn.Module):  # the model's own rotation?
         check_rope_for(model, f"the {scorer.name} scorer", keys=rope_keys, queries=rope_queries)
         loaded["rope_forms"] = rope_forms(model)
+        if policy.evict_every is not None:  # keys of the prefill and of decode steps, un-rotated together
+            what = f"decode-time eviction (evict_every={policy.evict_every})"
+            check_passes_rotate_alike(model, scorer, None, what, "evict only the prompt (evict_every=None)")
     for requirement in policy.requirements(scorer):
         loaded.update(_LOADERS[requirement.section](scorer, calibration, geometry))
     if policy.correction in ("order0", "order1"):

@@ -42,6 +42,7 @@ from runtime.kv_store.cache import CacheConsumedError, RaggedCache
 from runtime.kv_store.transformers_compat import cache_argument
 from runtime.math.geometry import input_device
 from runtime.plan.policy import CompressionPolicy
+from runtime.plan.rope_check import check_passes_rotate_alike
 from runtime.plan.serving_plan import ServingPlan, as_plan
 from runtime.serve import decode_graph
 
@@ -177,6 +178,14 @@ def compress_prompt(
         stats = prefill(model, cache, input_ids[:, :columns], attention_mask[:, :columns], policy=plan)
         report = compress(model, cache, plan, prompt_stats=stats) if plan is not None else None
         return cache, report
+    if any(switch is not None for switch in plan.geometry.rope_switches):  # longrope: a pass's RoPE by its length
+        longest = attention_mask[:, :columns].cumsum(-1).amax(0).tolist()  # the longest row's length per column
+        ends = [longest[min(start + block_size, columns) - 1] for start in range(0, columns, block_size)]
+        what, remedy = (
+            f"a block-wise prefill (block_size={block_size})",
+            f"prefill in one pass (block_size None or >= {columns})",
+        )
+        check_passes_rotate_alike(model, plan.scorer, ends, what, remedy)
     lengths = attention_mask[:, :columns].sum(-1).tolist()  # each row's real context length
     stats = None
     for start in range(0, columns, block_size):
