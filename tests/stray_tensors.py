@@ -66,7 +66,7 @@ HOST_SIDE = {
     # a row's correction orders / tau from the artifact's numpy, moved by CorrectionCache.get
     ("runtime/kv_store/cache.py", "set_correction"),
     # `next(rotary.buffers(), torch.empty(0))`: the default is built even when a buffer is there
-    ("runtime/math/geometry.py", "_check_full_rotary"),
+    ("runtime/math/geometry.py", "_rotary_dims"),
     ("runtime/math/rope.py", "rope_cos_sin"),
     # a CPU generator draws the sketch (the same numbers on every device); moved before use
     ("runtime/scorers/leverage.py", "sketch_matrix"),
