@@ -140,7 +140,7 @@ EXACT = {
     "jais2": "",
     "kolibri1": "",
     "laguna": "",
-    "lfm2": ANOTHER,  # attention layers only (conv layers: REFUSED_VARIANTS); q/k norms the pre-RoPE read misses
+    "lfm2": "",  # attention layers only (conv layers: REFUSED_VARIANTS); q_layernorm / k_layernorm read
     "llama": "",
     "mellum": "",
     "minimax_m2": "",

@@ -205,7 +205,8 @@ def test_a_rotation_other_than_runtime_ropes_is_named():
         "exaone 4 (full-attention layers without RoPE)": "no RoPE in layers 1, 3",
         "smollm3 (every fourth layer without RoPE)": "no RoPE in layer 3",
         "hunyuan (a norm after RoPE)": f"{OTHER} in layers 0, 1, 2, 3",
-        "stablelm qk_layernorm (a norm the pre-RoPE read missed)": f"{OTHER} in layers 0, 1, 2, 3",
+        "stablelm qk_layernorm (a LayerNorm per head)": "",
+        "cohere use_qk_norm (norm weights per head)": "interleaved RoPE in layers 0, 1, 2, 3",
         "phi3 (RoPE on 12 of 16 dimensions)": "",  # partial RoPE is the geometry's, not another form
         "stablelm (RoPE on 4 of 16 dimensions)": "",
         "glm4 (interleaved RoPE on 8 of 16 dimensions)": "interleaved RoPE in layers 0, 1, 2, 3",

@@ -50,9 +50,11 @@ class Projection:
     """Where one projection is read: a forward hook on the linear ``module``, whose output
     ``[B, T, F]`` holds it (all of it, or the ``features`` slice of the last axis: a fused
     ``qkv_proj``), then :meth:`take`.  ``norm``: the norm the model applies next (``q_norm`` /
-    ``k_norm``), over each head's ``d`` features (Qwen3, Gemma 3) or over all ``H d`` (OLMo2);
-    :meth:`take` applies it, the same module to the same values, so the result is the model's
-    whatever layout the model normalises in (Gemma 3 does it on ``[B, H, T, d]``)."""
+    ``k_norm``, or ``q_layernorm`` / ``k_layernorm``), over each head's ``d`` features (Qwen3,
+    Gemma 3; with a weight per head, ``[H, d]``: Command R+) or over all ``H d`` (OLMo2); :meth:`take`
+    applies it, the same module to the same values, in the layout ``[B, T, H, d]``, or ``[B, H, T, d]``
+    with ``heads_first`` (StableLM's LayerNorm per head splits the heads off axis 1); a norm of each
+    head's ``d`` with one weight gives the model's whatever layout the model normalises in."""
 
     module: torch.nn.Module
     heads: int  # H
@@ -60,6 +62,7 @@ class Projection:
     features: slice | None = None
     norm: torch.nn.Module | None = None
     norm_per_head: bool = True
+    heads_first: bool = False
 
     def take(self, output: torch.Tensor) -> torch.Tensor:
         """The projection ``[B, T, H, d]`` in the hooked module's output ``[B, T, F]``."""
@@ -68,6 +71,9 @@ class Projection:
         if self.norm is None:
             return values.reshape(batch, tokens, self.heads, self.head_dim)
         with torch.no_grad():
+            if self.heads_first:
+                heads = values.reshape(batch, tokens, self.heads, self.head_dim).transpose(1, 2)
+                return self.norm(heads).transpose(1, 2)
             if self.norm_per_head:
                 return self.norm(values.reshape(batch, tokens, self.heads, self.head_dim))
             return self.norm(values).reshape(batch, tokens, self.heads, self.head_dim)
@@ -373,10 +379,22 @@ def _projections(name: str, index: int, attention, numbers: dict) -> dict[str, P
     k_proj = _linear(name, index, attention, "k_proj", kv_heads * dim, f"{kv_heads} KV heads x {dim}")
     v_proj = _linear(name, index, attention, "v_proj", kv_heads * dim, f"{kv_heads} KV heads x {dim}")
     return {
-        "query": _normed(name, index, q_proj, heads, dim, getattr(attention, "q_norm", None)),
-        "key": _normed(name, index, k_proj, kv_heads, dim, getattr(attention, "k_norm", None)),
+        "query": _normed(name, index, q_proj, heads, dim, _pre_rope_norm(attention, "q")),
+        "key": _normed(name, index, k_proj, kv_heads, dim, _pre_rope_norm(attention, "k")),
         "value": Projection(v_proj, kv_heads, dim),
     }
+
+
+def _pre_rope_norm(attention, side: str) -> torch.nn.Module | None:
+    """The norm ``attention`` applies to its queries (``side`` "q") or keys ("k") before RoPE:
+    ``q_norm`` (Qwen3, Gemma 3, OLMo2, Command R+), or ``q_layernorm`` (StableLM and Phi's
+    ``qk_layernorm``, LFM2).  HunYuan's ``query_layernorm`` comes after the rotation: not read here
+    (:mod:`runtime.plan.rope_check` finds that layer rotating otherwise)."""
+    for attribute in (f"{side}_norm", f"{side}_layernorm"):
+        norm = getattr(attention, attribute, None)
+        if norm is not None:
+            return norm
+    return None
 
 
 def _normed(name: str, index: int, linear, heads: int, dim: int, norm) -> Projection:
@@ -384,6 +402,9 @@ def _normed(name: str, index: int, linear, heads: int, dim: int, norm) -> Projec
     head) or ``H d`` (over all heads) features."""
     if norm is None:
         return Projection(linear, heads, dim)
+    per_head = getattr(norm, "norms", None)  # StableLM: a LayerNorm of d per head, heads on axis 1
+    if isinstance(per_head, torch.nn.ModuleList) and len(per_head) == heads:
+        return Projection(linear, heads, dim, norm=norm, heads_first=True)
     weight = getattr(norm, "weight", None)
     if weight is None:
         raise UnsupportedModelError(
@@ -395,7 +416,7 @@ def _normed(name: str, index: int, linear, heads: int, dim: int, norm) -> Projec
         raise UnsupportedModelError(
             f"{name}: layer {index} has a projection norm of {size} features, expected {dim} or {heads} x {dim}"
         )
-    return Projection(linear, heads, dim, norm=norm, norm_per_head=size == dim)
+    return Projection(linear, heads, dim, norm=norm, norm_per_head=size == dim or tuple(weight.shape) == (heads, dim))
 
 
 def _fused_projections(name: str, index: int, attention, numbers: dict) -> dict[str, Projection]:
@@ -410,7 +431,7 @@ def _fused_projections(name: str, index: int, attention, numbers: dict) -> dict[
         (heads + 2 * kv_heads) * dim,
         f"({heads} + 2 x {kv_heads}) heads x {dim}",
     )
-    if getattr(attention, "q_norm", None) is not None or getattr(attention, "k_norm", None) is not None:
+    if _pre_rope_norm(attention, "q") is not None or _pre_rope_norm(attention, "k") is not None:
         raise UnsupportedModelError(f"{name}: layer {index} has a fused qkv_proj and a query or key norm")
     queries, keys = heads * dim, (heads + kv_heads) * dim
     return {

@@ -5,8 +5,8 @@ a horizon for Expected Attention and the query prototypes, the profiler's pre-Ro
 statistics) assumes transformers' Llama rotation ``x cos + rotate_half(x) sin``, with ``cos, sin``
 from the model's rotary module, applied to what :class:`~runtime.math.geometry.ModelGeometry` reads as
 the pre-RoPE queries and keys.  Models differ: interleaved RoPE (Cohere, Ernie 4.5), layers without
-RoPE (SmolLM3, EXAONE 4), a norm after the rotation (HunYuan), a norm the pre-RoPE read misses
-(StableLM's ``qk_layernorm``).  Rather than a second, drifting implementation of each, one short
+RoPE (SmolLM3, EXAONE 4), a norm after the rotation (HunYuan), a norm before it the pre-RoPE read
+could miss (StableLM's ``qk_layernorm``, read since).  Rather than a second, drifting implementation of each, one short
 forward pass (:func:`rope_mismatches`) compares, layer by layer, what the attention function
 receives with the rotation of what the geometry reads; a policy that needs the rotation is refused
 on a model where they differ, by name (:func:`check_rope_for`), and served exactly elsewhere.
