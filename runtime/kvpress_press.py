@@ -85,7 +85,7 @@ class CalibratedPress(BasePress):
     :func:`runtime.plan.serving_plan.bind` loads them), and :func:`runtime.compression.keep_rule.keep_mask` keeps the
     sinks, the recent window and the best-scored rows: the same rows the runtime keeps.  What the
     runtime records during its own prefill is recomputed in the hook from what kvpress hands it:
-    the layer's post-RoPE queries (``q_proj``, the model's ``q_norm`` and its own RoPE, as
+    the layer's post-RoPE queries (``q_proj``, the model's norm before RoPE and its own RoPE, as
     kvpress's presses recompute them) for Compactor's chunked attention
     (:class:`runtime.math.chunk_attention.ChunkAttention`, the runtime's accumulation) and SnapKV's
     last queries.
@@ -173,7 +173,7 @@ class CalibratedPress(BasePress):
         queries = None
         window, specs = recent_query_window(scorer), chunk_specs(scorer)
         if window or specs:
-            queries = _post_rope_queries(module, hidden_states, kwargs)  # [B, Hq, T, d]
+            queries = _post_rope_queries(plan.geometry.query_projections[layer], module, hidden_states, kwargs)
         scaling = plan.geometry.scalings[layer]
         chunk_attention = None
         if specs:
@@ -209,18 +209,16 @@ class CalibratedPress(BasePress):
         return self.plan.head_budgets(context_length)
 
 
-def _post_rope_queries(module, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
+def _post_rope_queries(projection, module, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """The layer's post-RoPE queries ``[B, Hq, T, d]`` from its input ``hidden_states [B, T, D]``: the
-    module's ``q_proj`` (and ``q_norm`` where it has one), rotated by the model's own
-    ``apply_rotary_pos_emb`` with the ``position_embeddings`` the forward pass was given, on the
-    dimensions they turn (a partial RoPE passes the others: Phi-2 and StableLM split them in the
+    geometry's pre-RoPE read of them (``projection``: the layer's ``q_proj`` through the norm the model
+    applies before RoPE, in the model's layout, :class:`runtime.math.geometry.Projection`), rotated by
+    the model's own ``apply_rotary_pos_emb`` with the ``position_embeddings`` the forward pass was given,
+    on the dimensions they turn (a partial RoPE passes the others: Phi-2 and StableLM split them in the
     attention's forward, not in ``apply_rotary_pos_emb``)."""
-    batch, length, _ = hidden_states.shape
     if not hasattr(module, "q_proj"):
         raise ValueError(f"CalibratedPress supports attention layers with a q_proj, not {type(module).__name__}")
-    queries = module.q_proj(hidden_states).view(batch, length, -1, module.head_dim).transpose(1, 2)
-    if getattr(module, "q_norm", None) is not None:
-        queries = module.q_norm(queries)
+    queries = projection.take(projection.module(hidden_states)).transpose(1, 2)
     cos, sin = kwargs["position_embeddings"]
     rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
     turned, passed = queries[..., : cos.shape[-1]], queries[..., cos.shape[-1] :]

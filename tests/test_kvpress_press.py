@@ -243,33 +243,50 @@ def test_a_ratio_set_after_construction_is_served(embedded_model, calibration):
         press.post_init_from_model(embedded_model)
 
 
+# tiny models whose pre-RoPE queries are not q_proj's alone: (config class, model class, options)
+NOT_LLAMA_QUERIES = {
+    "stablelm, RoPE on 4 of 16 dimensions": ("StableLmConfig", "StableLmForCausalLM", {"partial_rotary_factor": 0.25}),
+    "stablelm qk_layernorm, a LayerNorm per head": (
+        "StableLmConfig",
+        "StableLmForCausalLM",
+        {"partial_rotary_factor": 0.25, "qk_layernorm": True},
+    ),
+    "cohere use_qk_norm, norm weights per head": ("CohereConfig", "CohereForCausalLM", {"use_qk_norm": True}),
+}
+
+
+@pytest.mark.parametrize("model_name", sorted(NOT_LLAMA_QUERIES))
 @pytest.mark.parametrize("name", ["uniform/leverage", "inf/snapkv"])
-def test_a_partial_rope_model_keeps_the_runtimes_rows(embedded_tokenizer, one_thread, name):
+def test_the_queries_of_a_model_unlike_llama_keep_the_runtimes_rows(embedded_tokenizer, one_thread, name, model_name):
     """StableLM turns a quarter of a head's dimensions and splits them off in its attention's forward,
-    not in ``apply_rotary_pos_emb``: the queries the press's hook recomputes (Compactor's chunked
-    attention, SnapKV's last queries) are rotated on those dimensions alone, as the model's are, so
-    the press keeps the runtime's rows (a tiny random-weight model; it was refused whole before)."""
+    not in ``apply_rotary_pos_emb``; with ``qk_layernorm`` it normalises each head with its own
+    LayerNorm on ``[B, H, T, d]``; Command R+ (Cohere ``use_qk_norm``) normalises with a weight per
+    head on ``[B, T, H, d]``.  The queries the press's hook recomputes (Compactor's chunked attention,
+    SnapKV's last queries) are the model's (the geometry's pre-RoPE read, rotated on the dimensions
+    RoPE turns), so the press keeps the runtime's rows (tiny random-weight models; refused or
+    mis-read before)."""
     import numpy as np
-    from transformers import StableLmConfig, StableLmForCausalLM
+    import transformers as T
 
     from runtime.plan.calibration import Calibration
 
+    config_class, model_class, options = NOT_LLAMA_QUERIES[model_name]
     torch.manual_seed(0)
-    config = StableLmConfig(
+    config = getattr(T, config_class)(
         vocab_size=len(embedded_tokenizer),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        partial_rotary_factor=0.25,
-        use_qkv_bias=True,
         pad_token_id=embedded_tokenizer.eos_token_id,
+        **options,
     )
-    model = StableLmForCausalLM(config).eval()
-    with torch.no_grad():  # queries that share a direction, as a trained model's do: kvpress's masking needs a key
-        for layer in model.model.layers:  # that every query ignores (random ones leave none)
-            layer.self_attn.q_proj.bias.fill_(3.0)
+    model = getattr(T, model_class)(config).eval()
+    with torch.no_grad():  # queries that share a direction, as a trained model's do: kvpress's masking needs
+        for layer in model.model.layers:  # a key every query ignores (random ones leave none)
+            q_proj = layer.self_attn.q_proj
+            q_proj.bias = torch.nn.Parameter(3 * torch.linspace(-1, 1, q_proj.out_features))
     weights = np.random.default_rng(0).random((2, 2)) + 0.1
     calibration = Calibration("memory.h5", None, {}, ("budgets",), inf_weights=weights / weights.sum())
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=embedded_tokenizer)
