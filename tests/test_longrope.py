@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as T
-from test_rope_check import _layer_inputs, _pre_and_post_rope, _provider
+from test_rope_check import COMMON, _layer_inputs, _pre_and_post_rope, _provider
 
 from runtime import CompressionPolicy, bind, compress_prompt, generate
 from runtime.math.geometry import ModelGeometry, UnsupportedModelError
@@ -40,18 +40,7 @@ def _phi3_longrope():
         "long_factor": [2.0 + 0.5 * i for i in range(half)],
     }
     config = T.Phi3Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        original_max_position_embeddings=SWITCH,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        rope_parameters=rope,
+        **{**COMMON, "num_hidden_layers": 2}, original_max_position_embeddings=SWITCH, rope_parameters=rope
     )
     torch.manual_seed(0)
     model = T.Phi3ForCausalLM(config).eval()

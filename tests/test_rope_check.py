@@ -280,55 +280,44 @@ EMBEDDED_IN = {
         tuple("none" if layer % 4 == 3 else "rotate_half" for layer in range(30)),
     ),
     "ernie 4.5 (interleaved RoPE)": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {}, ("interleaved",) * 30),
+    # queries, keys and values fused in one qkv_proj, gate and up in one gate_up_proj (the weights are fused)
+    "phi3 with Phi-4-mini's partial RoPE (48 of 64 dimensions turn)": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"partial_rotary_factor": 0.75},
+        ("rotate_half",) * 30,
+    ),
 }
+
+
+def _fused(weights: dict) -> dict:
+    """Llama's ``q_proj, k_proj, v_proj`` and ``gate_proj, up_proj`` weights as Phi-3's ``qkv_proj``
+    and ``gate_up_proj``."""
+    weights = dict(weights)
+    for layer in range(30):
+        attention, mlp = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
+        weights[attention + "qkv_proj.weight"] = torch.cat([weights.pop(f"{attention}{p}_proj.weight") for p in "qkv"])
+        weights[mlp + "gate_up_proj.weight"] = torch.cat([weights.pop(f"{mlp}{p}_proj.weight") for p in ("gate", "up")])
+    return weights
 
 
 @pytest.mark.parametrize("name", sorted(EMBEDDED_IN))
 @torch.no_grad()
 def test_the_embedded_weights_in_another_form_of_rope_are_unrotated_exactly(name, embedded_model, embedded_tokenizer):
-    """The real embedded weights in SmolLM3's architecture (every fourth layer without RoPE) and in
-    Ernie 4.5's (interleaved RoPE), both with Llama's weight names: the keys the leverage scorer scores
-    are every layer's pre-RoPE keys, at the real weights' scale, and the compression serves."""
+    """The real embedded weights in SmolLM3's architecture (every fourth layer without RoPE), in
+    Ernie 4.5's (interleaved RoPE), both with Llama's weight names, and in Phi-3's with Phi-4-mini's
+    partial RoPE: the keys the leverage scorer scores are every layer's pre-RoPE keys, at the real
+    weights' scale, and the compression serves."""
     config_class, model_class, options, forms = EMBEDDED_IN[name]
     if not hasattr(T, config_class):
         pytest.skip(f"transformers {T.__version__} has no {config_class}")
     own = {k: v for k, v in embedded_model.config.to_dict().items() if k not in ("architectures", "model_type")}
     model = getattr(T, model_class)(getattr(T, config_class)(**own, **options)).eval()
-    model.load_state_dict(embedded_model.state_dict())
+    weights = embedded_model.state_dict()
+    model.load_state_dict(_fused(weights) if hasattr(model.model.layers[0].self_attn, "qkv_proj") else weights)
+    assert ModelGeometry.of(model).rotary_dims == (int(64 * options.get("partial_rotary_factor", 1)),) * 30
     plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)
     assert plan.rope_forms == RopeForms(forms, forms)
-    ids = embedded_tokenizer("The passcode is 4817. " * 6 + "What is the passcode?", return_tensors="pt").input_ids
-    pre, post = _pre_and_post_rope(model, ids)
-    key_rope = _provider(plan, KeyRope)
-    for layer in range(30):
-        keys = post[layer][0].transpose(1, 2)
-        unrotated = key_rope(_layer_inputs(layer, keys, ids.shape[1])).undo(keys)
-        torch.testing.assert_close(unrotated, pre[layer][0].transpose(1, 2), rtol=1e-4, atol=1e-4)
-    cache, report = compress_prompt(model, ids, plan, context_columns=ids.shape[1] - 6)
-    assert report.kv_bytes_after < report.kv_bytes_before
-
-
-@torch.no_grad()
-def test_the_embedded_weights_with_phi_4_minis_partial_rope_are_unrotated_exactly(embedded_model, embedded_tokenizer):
-    """The real embedded weights in Phi-3's architecture (queries, keys and values fused in one
-    qkv_proj, gate and up in one gate_up_proj) with Phi-4-mini's partial RoPE (0.75: 48 of the 64
-    dimensions turn): the keys the flagship's leverage scorer scores are every layer's pre-RoPE keys,
-    and the compression serves."""
-    own = {k: v for k, v in embedded_model.config.to_dict().items() if k not in ("architectures", "model_type")}
-    model = T.Phi3ForCausalLM(T.Phi3Config(**own, partial_rotary_factor=0.75)).eval()
-    weights = dict(embedded_model.state_dict())
-    for layer in range(30):
-        attention, mlp = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
-        weights[attention + "qkv_proj.weight"] = torch.cat(
-            [weights.pop(f"{attention}{name}_proj.weight") for name in "qkv"]
-        )
-        weights[mlp + "gate_up_proj.weight"] = torch.cat(
-            [weights.pop(f"{mlp}{name}_proj.weight") for name in ("gate", "up")]
-        )
-    model.load_state_dict(weights)
-    assert ModelGeometry.of(model).rotary_dims == (48,) * 30
-    plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)
-    assert plan.rope_forms == RopeForms(("rotate_half",) * 30, ("rotate_half",) * 30)
     ids = embedded_tokenizer("The passcode is 4817. " * 6 + "What is the passcode?", return_tensors="pt").input_ids
     pre, post = _pre_and_post_rope(model, ids)
     key_rope = _provider(plan, KeyRope)

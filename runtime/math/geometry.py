@@ -102,7 +102,9 @@ class ModelGeometry:
     query_projections: tuple[Projection, ...]  # per layer: the pre-RoPE query (q_proj [+ q_norm] or qkv_proj[:Hq d])
     key_projections: tuple[Projection, ...]  # per layer: the pre-RoPE keys (k_proj [+ k_norm] or a qkv_proj slice)
     value_projections: tuple[Projection, ...]  # per layer: the values (v_proj or a qkv_proj slice)
-    query_norm: bool  # True when the queries pass through a norm before RoPE (q_norm: Qwen3, Gemma 3, OLMo2)
+    # True when the queries pass through a q_norm before RoPE (Qwen3, Gemma 3, OLMo2), as the artifact's
+    # identity records it (a q_layernorm, StableLM's, is read by query_projections but not counted here)
+    query_norm: bool
     fused_qkv: bool  # True when one qkv_proj computes queries, keys and values (Phi-3)
     rope_layer_types: tuple[str | None, ...]  # per layer: the type the rotary module takes (None: it takes none)
     # per layer: how many of a head's first dimensions RoPE turns, the rest passing as they are (d; fewer:
@@ -399,7 +401,8 @@ def _pre_rope_norm(attention, side: str) -> torch.nn.Module | None:
 
 def _normed(name: str, index: int, linear, heads: int, dim: int, norm) -> Projection:
     """``linear``'s output, through ``norm`` when there is one: a norm with a weight of ``d`` (per
-    head) or ``H d`` (over all heads) features."""
+    head), ``[H, d]`` (per head, a weight each: Command R+) or ``H d`` (over all heads) features, or a
+    module of one LayerNorm per head (StableLM's ``qk_layernorm``, on ``[B, H, T, d]``)."""
     if norm is None:
         return Projection(linear, heads, dim)
     per_head = getattr(norm, "norms", None)  # StableLM: a LayerNorm of d per head, heads on axis 1
