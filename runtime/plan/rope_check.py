@@ -86,13 +86,17 @@ OTHER = "another rotation, a norm after it or one the pre-RoPE read misses"
 FEATURES = {NO_ROPE: "no RoPE", INTERLEAVED: "interleaved RoPE", INTERLEAVED_PAIRED: "interleaved RoPE", None: OTHER}
 
 
-def _error(geometry, layer: int, positions: torch.Tensor, form: str, pre: torch.Tensor, post: torch.Tensor) -> float:
+def _error(
+    rotations: dict, geometry, layer: int, positions: torch.Tensor, form: str, pre: torch.Tensor, post: torch.Tensor
+) -> float:
     """How far ``form``'s un-rotation (the scorers' own, :class:`runtime.math.rope.Rotation`) of what layer
     ``layer``'s attention received, ``post [B, T, H, d]`` at ``positions [T]``, is from its pre-RoPE read
-    ``pre``, relative."""
-    cos, sin = rope_cos_sin(geometry, positions, layer, form=form)
-    cos, sin = cos.to(post.device)[None, :, None], sin.to(post.device)[None, :, None]
-    return _relative_error(pre, rotation(geometry, layer, form, cos, sin).undo(post))
+    ``pre``, relative.  ``rotations``: the layer's, by form, made once for its keys and its queries."""
+    if form not in rotations:
+        cos, sin = rope_cos_sin(geometry, positions, layer, form=form)
+        cos, sin = cos.to(post.device)[None, :, None], sin.to(post.device)[None, :, None]
+        rotations[form] = rotation(geometry, layer, form, cos, sin)
+    return _relative_error(pre, rotations[form].undo(post))
 
 
 def _relative_error(expected: torch.Tensor, got: torch.Tensor) -> float:
@@ -156,13 +160,16 @@ def rope_mismatches(model) -> RopeMismatches:
                 f"{type(model).__name__}: layer {layer}'s queries and keys could not be read in a forward pass"
             )
         query, key = post[layer]
+        rotations = {}
         for forms, errors, pre, got in (
             (key_forms, key_errors, pre_keys[layer], key),
             (query_forms, query_errors, pre_queries[layer], query),
         ):
-            errors.append(_error(geometry, layer, positions[0], ROTATE_HALF, pre, got))
+            errors.append(_error(rotations, geometry, layer, positions[0], ROTATE_HALF, pre, got))
             others = (form for form in FORMS if form != ROTATE_HALF)
-            fits = (form for form in others if _error(geometry, layer, positions[0], form, pre, got) <= TOLERANCE)
+            fits = (
+                form for form in others if _error(rotations, geometry, layer, positions[0], form, pre, got) <= TOLERANCE
+            )
             forms.append(ROTATE_HALF if errors[-1] <= TOLERANCE else next(fits, None))
         if key_errors[-1] > TOLERANCE:
             features[layer] = FEATURES[key_forms[-1]]
@@ -230,8 +237,9 @@ def check_rope_for(model, what: str, *, keys: bool, queries: bool) -> None:
         )
 
 
-def check_passes_rotate_alike(model, scorer, pass_ends, what: str, remedy: str) -> None:
-    """Refuse ``what`` when ``scorer`` un-rotates keys (leverage, learned) that ``model`` rotated in forward
+def check_passes_rotate_alike(name: str, geometry, scorer, pass_ends, what: str, remedy: str) -> None:
+    """Refuse ``what`` when ``scorer`` un-rotates keys (leverage, learned) that model ``name`` (of
+    ``geometry``, a :class:`~runtime.math.geometry.ModelGeometry`) rotated in forward
     passes ending on both sides of a layer's RoPE switch (:attr:`ModelGeometry.rope_switches`: transformers'
     longrope turns each pass with its short factors up to ``original_max_position_embeddings`` positions and
     with its long ones beyond, Phi-3.5 and Phi-4-mini), since the keys of one side would be un-rotated with
@@ -239,11 +247,10 @@ def check_passes_rotate_alike(model, scorer, pass_ends, what: str, remedy: str) 
     un-rotated together (None: unknown in advance, refused wherever the RoPE switches)."""
     if scorer is None or not rope_needs(scorer)[0]:
         return
-    geometry = ModelGeometry.of(model)
     for switch in sorted({s for s in geometry.rope_switches if s is not None}):
         if pass_ends is None or min(pass_ends) <= switch < max(pass_ends):
             raise UnsupportedModelError(
-                f"{type(model).__name__}: {what} un-rotates with the {scorer.name} scorer keys of forward passes "
+                f"{name}: {what} un-rotates with the {scorer.name} scorer keys of forward passes "
                 f"on both sides of {switch} positions, where the model's longrope RoPE turns from its short to its "
                 f"long factors (each pass by its longest position), so the keys of one side would be un-rotated "
                 f"with the other's: {remedy}, or serve a scorer that reads no RoPE (keydiff, snapkv, knorm, streaming)"

@@ -164,7 +164,8 @@ def bind(policy: CompressionPolicy, calibration, model) -> ServingPlan:
         loaded["rope_forms"] = rope_forms(model)
         if policy.evict_every is not None:  # keys of the prefill and of decode steps, un-rotated together
             what = f"decode-time eviction (evict_every={policy.evict_every})"
-            check_passes_rotate_alike(model, scorer, None, what, "evict only the prompt (evict_every=None)")
+            remedy = "evict only the prompt (evict_every=None)"
+            check_passes_rotate_alike(type(model).__name__, geometry, scorer, None, what, remedy)
     for requirement in policy.requirements(scorer):
         loaded.update(_LOADERS[requirement.section](scorer, calibration, geometry))
     if policy.correction in ("order0", "order1"):

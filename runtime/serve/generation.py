@@ -181,11 +181,9 @@ def compress_prompt(
     if any(switch is not None for switch in plan.geometry.rope_switches):  # longrope: a pass's RoPE by its length
         longest = attention_mask[:, :columns].cumsum(-1).amax(0).tolist()  # the longest row's length per column
         ends = [longest[min(start + block_size, columns) - 1] for start in range(0, columns, block_size)]
-        what, remedy = (
-            f"a block-wise prefill (block_size={block_size})",
-            f"prefill in one pass (block_size None or >= {columns})",
-        )
-        check_passes_rotate_alike(model, plan.scorer, ends, what, remedy)
+        what = f"a block-wise prefill (block_size={block_size})"
+        remedy = f"prefill in one pass (block_size None or >= {columns})"
+        check_passes_rotate_alike(type(model).__name__, plan.geometry, plan.scorer, ends, what, remedy)
     lengths = attention_mask[:, :columns].sum(-1).tolist()  # each row's real context length
     stats = None
     for start in range(0, columns, block_size):
