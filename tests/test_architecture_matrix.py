@@ -446,9 +446,8 @@ def test_refused_by_the_name_of_what_kvcal_cannot_compute(model_type, reason):
         ModelGeometry.of(model)
     except UnsupportedModelError:
         pass
-    except (
-        RuntimeError
-    ) as error:  # transformers 5.2's rotary (run to read its rotary dimensions) cannot autocast on meta
+    # transformers 5.2's rotary (run to read its rotary dimensions) cannot autocast on meta
+    except RuntimeError as error:
         if "autocast" not in str(error):
             raise
         model = tiny_model(model_type)

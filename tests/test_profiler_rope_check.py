@@ -2,7 +2,7 @@
 
 The stages that calibrate a scorer reading RoPE (leverage and learned un-rotate the cached keys;
 Expected Attention and the query prototypes rotate pre-RoPE query statistics) would calibrate it
-with the wrong un-rotation on HunYuan (a norm after the rotation), StableLM's ``qk_layernorm``... and
+with the wrong un-rotation on HunYuan (a norm after the rotation), Llama 4... and
 the runtime refuses to serve it there (runtime.plan.rope_check).  So ``profile-model`` refuses them,
 exit 2 and one ``error:`` line naming the model's RoPE and the stages, once the model is loaded and
 before any stage runs; the stages that read no RoPE run.  Interleaved RoPE (Cohere), layers
