@@ -85,7 +85,8 @@ class CalibratedPress(BasePress):
     :func:`runtime.plan.serving_plan.bind` loads them), and :func:`runtime.compression.keep_rule.keep_mask` keeps the
     sinks, the recent window and the best-scored rows: the same rows the runtime keeps.  What the
     runtime records during its own prefill is recomputed in the hook from what kvpress hands it:
-    the layer's post-RoPE queries (``q_proj``, the model's norm before RoPE and its own RoPE, as
+    the layer's post-RoPE queries (``q_proj`` or a fused ``qkv_proj``'s query rows, the model's norm
+    before RoPE and its own RoPE, as
     kvpress's presses recompute them) for Compactor's chunked attention
     (:class:`runtime.math.chunk_attention.ChunkAttention`, the runtime's accumulation) and SnapKV's
     last queries.
@@ -211,13 +212,12 @@ class CalibratedPress(BasePress):
 
 def _post_rope_queries(projection, module, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """The layer's post-RoPE queries ``[B, Hq, T, d]`` from its input ``hidden_states [B, T, D]``: the
-    geometry's pre-RoPE read of them (``projection``: the layer's ``q_proj`` through the norm the model
-    applies before RoPE, in the model's layout, :class:`runtime.math.geometry.Projection`), rotated by
+    geometry's pre-RoPE read of them (``projection``: the layer's ``q_proj``, or the query rows of a fused
+    ``qkv_proj`` as Phi-3's, through the norm the model applies before RoPE, in the model's layout,
+    :class:`runtime.math.geometry.Projection`), rotated by
     the model's own ``apply_rotary_pos_emb`` with the ``position_embeddings`` the forward pass was given,
     on the dimensions they turn (a partial RoPE passes the others: Phi-2 and StableLM split them in the
     attention's forward, not in ``apply_rotary_pos_emb``)."""
-    if not hasattr(module, "q_proj"):
-        raise ValueError(f"CalibratedPress supports attention layers with a q_proj, not {type(module).__name__}")
     queries = projection.take(projection.module(hidden_states)).transpose(1, 2)
     cos, sin = kwargs["position_embeddings"]
     rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb

@@ -252,7 +252,25 @@ NOT_LLAMA_QUERIES = {
         {"partial_rotary_factor": 0.25, "qk_layernorm": True},
     ),
     "cohere use_qk_norm, norm weights per head": ("CohereConfig", "CohereForCausalLM", {"use_qk_norm": True}),
+    "phi3, queries from a fused qkv_proj": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "phi3 with Phi-4-mini's partial RoPE (0.75), fused qkv_proj": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"partial_rotary_factor": 0.75},
+    ),
 }
+
+
+def _bias_the_queries(attention) -> None:
+    """Give the layer's query rows a bias that grows along them: queries that share a direction, as a
+    trained model's do (kvpress's masking needs a key every query ignores; random ones leave none).
+    A fused ``qkv_proj`` (Phi-3) holds the queries in its first ``Hq * d`` rows."""
+    fused = not hasattr(attention, "q_proj")
+    projection = attention.qkv_proj if fused else attention.q_proj
+    rows = attention.config.num_attention_heads * attention.head_dim if fused else projection.out_features
+    bias = torch.zeros(projection.out_features)
+    bias[:rows] = 3 * torch.linspace(-1, 1, rows)
+    projection.bias = torch.nn.Parameter(bias)
 
 
 @pytest.mark.parametrize("model_name", sorted(NOT_LLAMA_QUERIES))
@@ -264,7 +282,8 @@ def test_the_queries_of_a_model_unlike_llama_keep_the_runtimes_rows(embedded_tok
     head on ``[B, T, H, d]``.  The queries the press's hook recomputes (Compactor's chunked attention,
     SnapKV's last queries) are the model's (the geometry's pre-RoPE read, rotated on the dimensions
     RoPE turns), so the press keeps the runtime's rows (tiny random-weight models; refused or
-    mis-read before)."""
+    mis-read before).  Phi-3 and Phi-4-mini project queries, keys and values in one ``qkv_proj``
+    (refused before: the press asked for a ``q_proj``)."""
     import numpy as np
     import transformers as T
 
@@ -283,10 +302,9 @@ def test_the_queries_of_a_model_unlike_llama_keep_the_runtimes_rows(embedded_tok
         **options,
     )
     model = getattr(T, model_class)(config).eval()
-    with torch.no_grad():  # queries that share a direction, as a trained model's do: kvpress's masking needs
-        for layer in model.model.layers:  # a key every query ignores (random ones leave none)
-            q_proj = layer.self_attn.q_proj
-            q_proj.bias = torch.nn.Parameter(3 * torch.linspace(-1, 1, q_proj.out_features))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            _bias_the_queries(layer.self_attn)
     weights = np.random.default_rng(0).random((2, 2)) + 0.1
     calibration = Calibration("memory.h5", None, {}, ("budgets",), inf_weights=weights / weights.sum())
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=embedded_tokenizer)
