@@ -70,10 +70,20 @@ def test_the_stages_that_read_rope_are_refused_on_a_norm_after_rope_before_any_s
     assert not out.exists() and not list(tmp_path.glob("*.partial*"))
 
 
-def test_the_stages_the_refusal_names_run(tmp_path, embedded_tokenizer, capsys):
+@pytest.mark.parametrize("checkpoint_rope", [False, True], ids=["default RoPE", "the checkpoints' NTK-alpha"])
+def test_the_stages_the_refusal_names_run(tmp_path, embedded_tokenizer, capsys, checkpoint_rope):
     """The refusal names the recommendation's candidates that read RoPE (the flagship among them),
-    and the stages and options it proposes instead profile the model."""
-    model_dir = _model_dir(tmp_path, embedded_tokenizer, *HUNYUAN, head_dim=16)
+    and the stages and options it proposes instead profile the model; also with the RoPE HunYuan's
+    checkpoints write ("dynamic" with an alpha, which transformers fixes: refused before any weight
+    loaded as dynamic NTK until kvcal read it as transformers does, tests/test_rope_forms.py)."""
+    from test_rope_forms import HUNYUAN_ROPE, _static_ntk_alpha
+
+    options = {}
+    if checkpoint_rope:
+        if not _static_ntk_alpha("hunyuan_v1_dense"):
+            pytest.skip(f"transformers {T.__version__} re-scales HunYuan's NTK-alpha by length (refused)")
+        options["rope_scaling"] = HUNYUAN_ROPE
+    model_dir = _model_dir(tmp_path, embedded_tokenizer, *HUNYUAN, head_dim=16, **options)
     out = tmp_path / "kv_calibration.h5"
     one_family = ("--recommend-families", "retrieval", "--recommend-haystacks", "simple")
     stages = ("--stages", "behaviour,query-stats,budgets,moments,recommendation")

@@ -192,6 +192,66 @@ def test_dynamic_ntk_rope_of_one_layer_type_is_refused_by_name():
         ModelGeometry.of(model)
 
 
+# HunYuan's checkpoints (Hunyuan-7B, Hunyuan-A13B) as their config.json writes RoPE: "dynamic" with an alpha
+HUNYUAN_ROPE = {
+    "alpha": 1000.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "factor": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "type": "dynamic",
+}
+
+
+def _static_ntk_alpha(model_type: str) -> bool:
+    """Whether this transformers' rotary module for ``model_type`` turns "dynamic" with an ``alpha`` into a
+    fixed base (``compute_ntk_alpha_rope_parameters``; transformers 5.2 has none and re-scales by length)."""
+    import importlib
+
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    module = model_type_to_module_name(model_type)
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    return any(hasattr(value, "compute_ntk_alpha_rope_parameters") for value in vars(modeling).values())
+
+
+@pytest.mark.parametrize(
+    "config_class, model_class, options",
+    [
+        ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {}),
+        ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", {"num_experts": 2, "moe_topk": 1}),
+    ],
+    ids=["hunyuan dense", "hunyuan moe"],
+)
+def test_hunyuan_checkpoints_ntk_alpha_rope_is_served_where_transformers_fixes_it(config_class, model_class, options):
+    """Every HunYuan checkpoint writes ``rope_scaling: {"type": "dynamic", "alpha": 1000, ...}``, which
+    transformers' HunYuan rotary module turns into NTK-alpha: one base, ``theta * alpha ** (d / (d - 2))``,
+    whatever the length (``rope_type`` "ntk_alpha").  kvcal refused it as dynamic NTK, by the config's
+    string, before any weight loaded, so no HunYuan checkpoint was served at all.  Served exactly with
+    nothing evicted (a left-padded batch), compressed by a scorer that reads no RoPE; its norm after the
+    rotation still refuses the RoPE-reading scorers by name.  Where the rotary module has no NTK-alpha
+    (transformers 5.2: it re-scales by the longest position, as dynamic NTK) it stays refused."""
+    from runtime.math.geometry import check_config
+
+    model = _model(config_class, model_class, head_dim=16, rope_scaling=HUNYUAN_ROPE, **options)
+    if not _static_ntk_alpha(model.config.model_type):
+        with pytest.raises(UnsupportedModelError, match=r"dynamic NTK RoPE \(rope_type 'dynamic'\)"):
+            check_config(model.config)
+        return
+    assert model.model.rotary_emb.rope_type == "ntk_alpha"
+    check_config(model.config)  # profile-model and evaluate-artifact's check before the weights load
+    ModelGeometry.of(model)
+    assert_served_exactly(model)
+    ids, mask = _prompt()
+    _, report = compress_prompt(
+        model, ids, CompressionPolicy(keep_ratio=0.25, scorer="keydiff"), attention_mask=mask, context_columns=280
+    )
+    assert report.kv_bytes_after < report.kv_bytes_before
+    with pytest.raises(UnsupportedModelError, match=r"leverage scorer needs RoPE applied as"):
+        bind(CompressionPolicy(keep_ratio=0.25), None, model)
+
+
 def test_a_rotation_other_than_runtime_ropes_is_named():
     """runtime.plan.rope_check says what a layer does instead, for the refusals (issue 41 item 7: the
     profiler's names the model's RoPE)."""

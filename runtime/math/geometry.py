@@ -26,6 +26,7 @@ disagree; this module checks the modules against them.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from dataclasses import dataclass, field
 
@@ -266,7 +267,8 @@ def check_config(config, name: str | None = None) -> None:
     cache one latent per token, ``kv_lora_rank`` wide, from which every head's keys and values are
     projected) and dynamic NTK RoPE (the scale depends on the longest position of each forward pass
     and on the calls before: transformers' outputs depend on how the prompt is split, padded and
-    what ran before, by 3e-5 to 1e-3 on a tiny Llama, docs/design.md section 6); also a heterogeneous
+    what ran before, by 3e-5 to 1e-3 on a tiny Llama, docs/design.md section 6; not HunYuan's
+    NTK-alpha where transformers fixes its base, :func:`_fixed_ntk_alpha`); also a heterogeneous
     config (per-layer attention geometry, Gemma 4), layer types without RoPE parameters (Beam) and
     keys and values shared across layers (Gemma 3n).  ``name``: the
     model's, for the message (default: the config's architecture)."""
@@ -302,7 +304,7 @@ def check_config(config, name: str | None = None) -> None:
             "cached latent per token, as in DeepSeek V2 / V3) is not supported"
         )
     for layer_type, parameters in _rope_parameters(config):
-        if parameters.get("rope_type", parameters.get("type")) == "dynamic":
+        if parameters.get("rope_type", parameters.get("type")) == "dynamic" and not _fixed_ntk_alpha(config, parameters):
             of = "" if layer_type is None else f" of {layer_type} layers"
             raise UnsupportedModelError(
                 f"{name}: dynamic NTK RoPE (rope_type 'dynamic'){of} is not supported: it re-scales RoPE by the "
@@ -338,6 +340,24 @@ def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:
                 f"{name}: learned attention sinks (layer {index} self_attn.sinks, as in gpt-oss: a learned logit "
                 "per head in every softmax) are not supported: the ragged attention cannot compute them"
             )
+
+
+def _fixed_ntk_alpha(config, parameters: dict) -> bool:
+    """Whether transformers' rotary module for the config's model type reads "dynamic" with an ``alpha``
+    as NTK-alpha: one fixed base, ``rope_theta * alpha ** (d / (d - 2))``, whatever the length
+    (``compute_ntk_alpha_rope_parameters``, ``rope_type`` "ntk_alpha").  Every HunYuan checkpoint writes
+    its RoPE so (``{"type": "dynamic", "alpha": 1000, ...}``); transformers 5.24's HunYuan modules fix
+    the base, 5.2's re-scale it by the longest position as dynamic NTK does (tests/test_rope_forms.py)."""
+    if not parameters.get("alpha"):
+        return False
+    try:
+        from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+        module = model_type_to_module_name(str(getattr(config, "model_type", "")))
+        modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    except ImportError:  # a model type transformers does not ship (remote code): its rotary is unknown
+        return False
+    return any(hasattr(value, "compute_ntk_alpha_rope_parameters") for value in vars(modeling).values())
 
 
 def _rope_parameters(config) -> list[tuple[str | None, dict]]:
