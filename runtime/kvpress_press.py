@@ -217,9 +217,12 @@ def _post_rope_queries(projection, module, hidden_states: torch.Tensor, kwargs: 
     :class:`runtime.math.geometry.Projection`), rotated by
     the model's own ``apply_rotary_pos_emb`` with the ``position_embeddings`` the forward pass was given,
     on the dimensions they turn (a partial RoPE passes the others: Phi-2 and StableLM split them in the
-    attention's forward, not in ``apply_rotary_pos_emb``)."""
+    attention's forward, not in ``apply_rotary_pos_emb``), times the weight of a norm the model applies
+    after RoPE (HunYuan; :attr:`runtime.math.geometry.Projection.weight_after_rope`)."""
     queries = projection.take(projection.module(hidden_states)).transpose(1, 2)
     cos, sin = kwargs["position_embeddings"]
     rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
     turned, passed = queries[..., : cos.shape[-1]], queries[..., cos.shape[-1] :]
-    return torch.cat([rotate(turned, turned, cos, sin)[0], passed], dim=-1)
+    rotated = torch.cat([rotate(turned, turned, cos, sin)[0], passed], dim=-1)
+    weight = projection.weight_after_rope  # HunYuan normalises after RoPE: the read is normalised, weighted here
+    return rotated if weight is None else rotated * weight.to(rotated.dtype)

@@ -100,7 +100,6 @@ OPTIONS = {
         ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
     ),
 }
-ANOTHER = "another rotation, a norm after it or one the pre-RoPE read misses in layers 0, 1, 2, 3"
 # model type: what runtime.plan.rope_check finds ("": every layer rotates as runtime.math.rope)
 EXACT = {
     "afmoe": "no RoPE in layer 3",
@@ -131,8 +130,8 @@ EXACT = {
     "granitemoe": "",
     "granitemoeshared": "",
     "helium": "interleaved RoPE in layers 0, 1, 2, 3",
-    "hunyuan_v1_dense": ANOTHER,  # a norm after RoPE
-    "hunyuan_v1_moe": ANOTHER,
+    "hunyuan_v1_dense": "",  # a norm after RoPE, read: its weight applied after the rotation
+    "hunyuan_v1_moe": "",
     "hy_v3": "",
     "hyperclovax": "",
     "internlm3": "",

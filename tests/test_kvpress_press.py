@@ -252,6 +252,7 @@ NOT_LLAMA_QUERIES = {
         {"partial_rotary_factor": 0.25, "qk_layernorm": True},
     ),
     "cohere use_qk_norm, norm weights per head": ("CohereConfig", "CohereForCausalLM", {"use_qk_norm": True}),
+    "hunyuan, a norm after RoPE with a weight": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {"head_dim": 16}),
     "phi3, queries from a fused qkv_proj": ("Phi3Config", "Phi3ForCausalLM", {}),
     "phi3 with Phi-4-mini's partial RoPE (0.75), fused qkv_proj": (
         "Phi3Config",
@@ -271,6 +272,9 @@ def _bias_the_queries(attention) -> None:
     bias = torch.zeros(projection.out_features)
     bias[:rows] = 3 * torch.linspace(-1, 1, rows)
     projection.bias = torch.nn.Parameter(bias)
+    after_rope = getattr(attention, "query_layernorm", None)  # HunYuan: weights other than one, so they count
+    if after_rope is not None:
+        after_rope.weight.copy_(0.5 + torch.rand(after_rope.weight.shape, generator=torch.Generator().manual_seed(3)))
 
 
 @pytest.mark.parametrize("model_name", sorted(NOT_LLAMA_QUERIES))
@@ -283,7 +287,8 @@ def test_the_queries_of_a_model_unlike_llama_keep_the_runtimes_rows(embedded_tok
     SnapKV's last queries) are the model's (the geometry's pre-RoPE read, rotated on the dimensions
     RoPE turns), so the press keeps the runtime's rows (tiny random-weight models; refused or
     mis-read before).  Phi-3 and Phi-4-mini project queries, keys and values in one ``qkv_proj``
-    (refused before: the press asked for a ``q_proj``)."""
+    (refused before: the press asked for a ``q_proj``); HunYuan normalises after RoPE, its norm's
+    weight applied to the rotated queries (refused before)."""
     import numpy as np
     import transformers as T
 

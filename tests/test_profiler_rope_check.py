@@ -2,12 +2,12 @@
 
 The stages that calibrate a scorer reading RoPE (leverage and learned un-rotate the cached keys;
 Expected Attention and the query prototypes rotate pre-RoPE query statistics) would calibrate it
-with the wrong un-rotation on HunYuan (a norm after the rotation), Llama 4... and
+with the wrong rotation on Llama 4's layers without RoPE (queries scaled by their position) and
 the runtime refuses to serve it there (runtime.plan.rope_check).  So ``profile-model`` refuses them,
 exit 2 and one ``error:`` line naming the model's RoPE and the stages, once the model is loaded and
 before any stage runs; the stages that read no RoPE run.  Interleaved RoPE (Cohere), layers
-without RoPE (SmolLM3, EXAONE 4) and partial RoPE (Phi-4-mini) are forms runtime.math.rope serves:
-every stage runs.
+without RoPE (SmolLM3, EXAONE 4), partial RoPE (Phi-4-mini) and an RMS norm after RoPE (HunYuan) are
+forms runtime.math.rope serves: every stage runs.
 """
 
 from __future__ import annotations
@@ -56,34 +56,33 @@ def _one_error_line(capsys) -> str:
 HUNYUAN = ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM")  # a norm after its rotation
 
 
-def test_the_stages_that_read_rope_are_refused_on_a_norm_after_rope_before_any_stage(
+def _llama4_dir(tmp_path, tokenizer):
+    """Llama 4 text without chunked attention, its second layer without RoPE: there it scales its queries by
+    their position (attention temperature tuning), which no rotation of query statistics gives."""
+    if "chunked_attention" in T.Llama4TextConfig(attention_chunk_size=None).layer_types:
+        pytest.skip(f"transformers {T.__version__} types Llama 4's layers chunked_attention (refused by that name)")
+    options = dict(head_dim=16, num_local_experts=4, attention_chunk_size=None, no_rope_layers=[1, 0])
+    return _model_dir(tmp_path, tokenizer, "Llama4TextConfig", "Llama4ForCausalLM", **options)
+
+
+def test_the_stages_that_read_rope_are_refused_where_the_queries_rotate_otherwise_before_any_stage(
     tmp_path, embedded_tokenizer, capsys
 ):
-    model_dir = _model_dir(tmp_path, embedded_tokenizer, *HUNYUAN, head_dim=16)
+    model_dir = _llama4_dir(tmp_path, embedded_tokenizer)
     out = tmp_path / "kv_calibration.h5"
     assert _profile(model_dir, out) == 2  # the smoke preset's stages: query-stats, moments... read RoPE
     line = _one_error_line(capsys)
-    assert "a norm after it or one the pre-RoPE read misses in layers 0, 1" in line
+    assert "the queries of layers 1 are not (" in line and "attention temperature tuning) in layer 1" in line
     assert "runtime refuses those scorers" in line
     assert "query-stats (" in line and "moments (the leverage selection)" in line
     assert "--stages behaviour,budgets" in line and "--moments-selection keydiff" in line
     assert not out.exists() and not list(tmp_path.glob("*.partial*"))
 
 
-@pytest.mark.parametrize("checkpoint_rope", [False, True], ids=["default RoPE", "the checkpoints' NTK-alpha"])
-def test_the_stages_the_refusal_names_run(tmp_path, embedded_tokenizer, capsys, checkpoint_rope):
+def test_the_stages_the_refusal_names_run(tmp_path, embedded_tokenizer, capsys):
     """The refusal names the recommendation's candidates that read RoPE (the flagship among them),
-    and the stages and options it proposes instead profile the model; also with the RoPE HunYuan's
-    checkpoints write ("dynamic" with an alpha, which transformers fixes: refused before any weight
-    loaded as dynamic NTK until kvcal read it as transformers does, tests/test_rope_forms.py)."""
-    from test_rope_forms import HUNYUAN_ROPE, _static_ntk_alpha
-
-    options = {}
-    if checkpoint_rope:
-        if not _static_ntk_alpha("hunyuan_v1_dense"):
-            pytest.skip(f"transformers {T.__version__} re-scales HunYuan's NTK-alpha by length (refused)")
-        options["rope_scaling"] = HUNYUAN_ROPE
-    model_dir = _model_dir(tmp_path, embedded_tokenizer, *HUNYUAN, head_dim=16, **options)
+    and the stages and options it proposes instead profile the model."""
+    model_dir = _llama4_dir(tmp_path, embedded_tokenizer)
     out = tmp_path / "kv_calibration.h5"
     one_family = ("--recommend-families", "retrieval", "--recommend-haystacks", "simple")
     stages = ("--stages", "behaviour,query-stats,budgets,moments,recommendation")
@@ -103,11 +102,15 @@ def test_the_stages_the_refusal_names_run(tmp_path, embedded_tokenizer, capsys, 
         (("SmolLM3Config", "SmolLM3ForCausalLM"), {"no_rope_layer_interval": 2, "pad_token_id": 0}),
         (("CohereConfig", "CohereForCausalLM"), {}),
         (("Phi3Config", "Phi3ForCausalLM"), {"partial_rotary_factor": 0.75, "pad_token_id": 0}),
+        (HUNYUAN, {"head_dim": 16}),
+        (HUNYUAN, {"head_dim": 16, "rope_scaling": "the checkpoints'"}),
     ],
     ids=[
         "smollm3 (the second of two layers without RoPE)",
         "cohere (interleaved RoPE)",
         "phi3 (Phi-4-mini's partial RoPE: 12 of 16 dimensions)",
+        "hunyuan (a norm after RoPE)",
+        "hunyuan with its checkpoints' NTK-alpha RoPE",
     ],
 )
 def test_a_model_in_another_form_of_rope_is_profiled_by_every_stage(
@@ -117,9 +120,18 @@ def test_a_model_in_another_form_of_rope_is_profiled_by_every_stage(
     Cohere rotates interleaved pairs, Phi-4-mini turns 3/4 of a head's dimensions (refused whole
     before): forms of runtime.math.rope that runtime.plan.rope_check reads off the model, so every
     stage runs, those that calibrate the leverage and learned scorers and Expected Attention included
-    (they were refused), and the recommendation measures the flagship."""
+    (they were refused), and the recommendation measures the flagship.  HunYuan normalises after the
+    rotation (its norm's weight applied after it: refused before), also with the RoPE its checkpoints
+    write ("dynamic" with an alpha, which transformers fixes: refused before any weight loaded as
+    dynamic NTK)."""
+    from test_rope_forms import HUNYUAN_ROPE, _static_ntk_alpha
+
     from profiler.stages import STAGE_NAMES
 
+    if options.get("rope_scaling") == "the checkpoints'":
+        if not _static_ntk_alpha("hunyuan_v1_dense"):
+            pytest.skip(f"transformers {T.__version__} re-scales HunYuan's NTK-alpha by length (refused)")
+        options = {**options, "rope_scaling": HUNYUAN_ROPE}
     model_dir = _model_dir(tmp_path, embedded_tokenizer, *architecture, **options)
     out = tmp_path / "kv_calibration.h5"
     one_family = ("--recommend-families", "retrieval", "--recommend-haystacks", "simple")

@@ -4,8 +4,9 @@ runtime computes what the model computes, refused by name elsewhere.
 * Llama 4 text without chunked attention (``attention_chunk_size=None``): its rotary module returns
   complex frequencies (one tensor, not ``cos, sin``), its layers rotate interleaved pairs, every
   fourth layer has no RoPE and scales its queries by position (attention temperature tuning,
-  arXiv 2501.19399).  Nothing evicted, it is served exactly; the scorers that read RoPE are refused
-  by runtime.plan.rope_check.  With ``attention_chunk_size`` set it is refused as chunked attention.
+  arXiv 2501.19399), the others normalise after the rotation.  Nothing evicted, it is served exactly;
+  so are the scorers that un-rotate keys; those that rotate query statistics are refused by
+  runtime.plan.rope_check.  With ``attention_chunk_size`` set it is refused as chunked attention.
 """
 
 from __future__ import annotations
@@ -92,11 +93,32 @@ def test_llama4_without_chunked_attention_is_served_exactly():
     assert_served_exactly(model)
 
 
-def test_llama4_refuses_the_scorers_that_read_rope_by_name_and_serves_the_others():
+@torch.no_grad()
+def test_llama4_serves_the_scorers_that_unrotate_keys_and_refuses_query_statistics_by_name():
+    """Llama 4's RoPE layers normalise keys and queries after the rotation (an L2 norm without a weight): the
+    leverage scorer's un-rotated keys are each layer's keys before RoPE divided by their root mean square
+    (refused before, as "a norm after it").  Its layers without RoPE scale their queries by position
+    (attention temperature tuning), which no rotation of query statistics gives: Expected Attention is
+    refused by that name."""
+    from test_rope_check import _layer_inputs, _normalised_projections, _pre_and_post_rope, _provider
+
+    from runtime.scorers import KeyRope
+
     model = _llama4_without_chunks()
-    with pytest.raises(UnsupportedModelError, match=r"leverage scorer needs RoPE applied as .*keydiff"):
-        bind(CompressionPolicy(keep_ratio=0.25), None, model)
+    plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)  # the leverage scorer
     ids, mask = _prompt()
+    normalised = _normalised_projections(model, ids[:1, :40])
+    _, post = _pre_and_post_rope(model, ids[:1, :40])
+    key_rope = _provider(plan, KeyRope)
+    for layer in range(4):
+        keys = post[layer][0].transpose(1, 2)
+        unrotated = key_rope(_layer_inputs(layer, keys, 40)).undo(keys)
+        torch.testing.assert_close(unrotated, normalised[layer][0].transpose(1, 2), rtol=1e-4, atol=1e-5)
+    cache, report = compress_prompt(model, ids, plan, attention_mask=mask, context_columns=280)
+    assert report.kv_bytes_after < report.kv_bytes_before
+    statistics = CompressionPolicy(keep_ratio=0.25, scorer="expected_attention", statistics="prompt")
+    with pytest.raises(UnsupportedModelError, match=r"queries of layers 3 are not .*attention temperature tuning"):
+        bind(statistics, None, model)
     cache, report = compress_prompt(
         model, ids, CompressionPolicy(keep_ratio=0.25, scorer="keydiff"), attention_mask=mask, context_columns=280
     )
@@ -229,8 +251,8 @@ def test_hunyuan_checkpoints_ntk_alpha_rope_is_served_where_transformers_fixes_i
     transformers' HunYuan rotary module turns into NTK-alpha: one base, ``theta * alpha ** (d / (d - 2))``,
     whatever the length (``rope_type`` "ntk_alpha").  kvcal refused it as dynamic NTK, by the config's
     string, before any weight loaded, so no HunYuan checkpoint was served at all.  Served exactly with
-    nothing evicted (a left-padded batch), compressed by a scorer that reads no RoPE; its norm after the
-    rotation still refuses the RoPE-reading scorers by name.  Where the rotary module has no NTK-alpha
+    nothing evicted (a left-padded batch), compressed by keydiff and by leverage (its norm after the
+    rotation read).  Where the rotary module has no NTK-alpha
     (transformers 5.2: it re-scales by the longest position, as dynamic NTK) it stays refused."""
     from runtime.math.geometry import check_config
 
@@ -248,8 +270,8 @@ def test_hunyuan_checkpoints_ntk_alpha_rope_is_served_where_transformers_fixes_i
         model, ids, CompressionPolicy(keep_ratio=0.25, scorer="keydiff"), attention_mask=mask, context_columns=280
     )
     assert report.kv_bytes_after < report.kv_bytes_before
-    with pytest.raises(UnsupportedModelError, match=r"leverage scorer needs RoPE applied as"):
-        bind(CompressionPolicy(keep_ratio=0.25), None, model)
+    _, report = compress_prompt(model, ids, CompressionPolicy(keep_ratio=0.25), attention_mask=mask, context_columns=280)
+    assert report.kv_bytes_after < report.kv_bytes_before  # leverage: its norm after RoPE read (test_rope_check.py)
 
 
 def test_a_rotation_other_than_runtime_ropes_is_named():
@@ -257,14 +279,15 @@ def test_a_rotation_other_than_runtime_ropes_is_named():
     profiler's names the model's RoPE)."""
     from test_rope_check import OTHER_ROPE, build_other
 
-    from runtime.plan.rope_check import OTHER, rope_mismatches
+    from runtime.plan.rope_check import OTHER, TEMPERED, rope_mismatches
 
     expected = {
         "cohere (interleaved RoPE)": "interleaved RoPE in layers 0, 1, 2, 3",
         "ernie 4.5 (interleaved RoPE)": "interleaved RoPE in layers 0, 1, 2, 3",
         "exaone 4 (full-attention layers without RoPE)": "no RoPE in layers 1, 3",
         "smollm3 (every fourth layer without RoPE)": "no RoPE in layer 3",
-        "hunyuan (a norm after RoPE)": f"{OTHER} in layers 0, 1, 2, 3",
+        "hunyuan (a norm after RoPE)": "",  # an RMS norm: its weight applied after the rotation
+        "hunyuan with LayerNorms after RoPE (a norm that centres)": f"{OTHER} in layers 0, 1, 2, 3",
         "stablelm qk_layernorm (a LayerNorm per head)": "",
         "cohere use_qk_norm (norm weights per head)": "interleaved RoPE in layers 0, 1, 2, 3",
         "phi3 (RoPE on 12 of 16 dimensions)": "",  # partial RoPE is the geometry's, not another form
@@ -276,6 +299,6 @@ def test_a_rotation_other_than_runtime_ropes_is_named():
         assert rope_mismatches(build_other(name)).describe() == described, name
     if "chunked_attention" not in _llama4(attention_chunk_size=None).config.layer_types:  # see _llama4_without_chunks
         llama4 = rope_mismatches(_llama4(attention_chunk_size=None))  # an L2 norm after its rotation
-        assert llama4.describe() == f"{OTHER} in layers 0, 1, 2; no RoPE in layer 3"
+        assert llama4.describe() == f"interleaved RoPE in layers 0, 1, 2; {TEMPERED} in layer 3"
     with pytest.raises(UnsupportedModelError, match=r"are not \(another rotation, a norm after it .* in layers 0, 1"):
-        bind(CompressionPolicy(keep_ratio=0.25), None, build_other("hunyuan (a norm after RoPE)"))
+        bind(CompressionPolicy(keep_ratio=0.25), None, build_other("hunyuan with LayerNorms after RoPE (a norm that centres)"))

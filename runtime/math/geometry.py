@@ -64,6 +64,10 @@ class Projection:
     norm: torch.nn.Module | None = None
     norm_per_head: bool = True
     heads_first: bool = False
+    # the weight ``[d]`` of a norm the model applies after RoPE (HunYuan's query_layernorm / key_layernorm):
+    # the attention receives ``weight * R(p) take(output)``, the read being divided by its root mean square
+    # (``norm``: :class:`RootMeanSquare`); None also for a norm after RoPE without a weight (Llama 4)
+    weight_after_rope: torch.Tensor | None = None
 
     def take(self, output: torch.Tensor) -> torch.Tensor:
         """The projection ``[B, T, H, d]`` in the hooked module's output ``[B, T, F]``."""
@@ -78,6 +82,21 @@ class Projection:
             if self.norm_per_head:
                 return self.norm(values.reshape(batch, tokens, self.heads, self.head_dim))
             return self.norm(values).reshape(batch, tokens, self.heads, self.head_dim)
+
+
+class RootMeanSquare(torch.nn.Module):
+    """Each head's vector divided by its root mean square, ``x / sqrt(mean(x^2) + eps)`` (in float32, as
+    transformers' RMS norms compute), without a weight: the pre-RoPE read of a model that normalises after
+    the rotation.  A rotation keeps the mean square, so ``norm(R x) = w * R (x / sqrt(mean(x^2) + eps))``:
+    what this reads, rotated, times the norm's weight (:attr:`Projection.weight_after_rope`)."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = float(eps)
+
+    def forward(self, values: torch.Tensor) -> torch.Tensor:
+        x = values.float()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(values.dtype)
 
 
 def _rope_takes_layer_type(rotary) -> bool | None:
@@ -401,17 +420,53 @@ def _projections(name: str, index: int, attention, numbers: dict) -> dict[str, P
     k_proj = _linear(name, index, attention, "k_proj", kv_heads * dim, f"{kv_heads} KV heads x {dim}")
     v_proj = _linear(name, index, attention, "v_proj", kv_heads * dim, f"{kv_heads} KV heads x {dim}")
     return {
-        "query": _normed(name, index, q_proj, heads, dim, _pre_rope_norm(attention, "q")),
-        "key": _normed(name, index, k_proj, kv_heads, dim, _pre_rope_norm(attention, "k")),
+        "query": _read(name, index, attention, "q", q_proj, heads, dim),
+        "key": _read(name, index, attention, "k", k_proj, kv_heads, dim),
         "value": Projection(v_proj, kv_heads, dim),
     }
+
+
+def _read(name: str, index: int, attention, side: str, linear, heads: int, dim: int) -> Projection:
+    """The pre-RoPE read of the queries (``side`` "q") or keys ("k"): ``linear``'s output through the norm
+    the model applies before RoPE (:func:`_normed`), or, where it normalises after RoPE, divided by its root
+    mean square, the norm's weight kept to apply after the rotation (:func:`_norm_after_rope`)."""
+    before, after = _pre_rope_norm(attention, side), _norm_after_rope(attention, side)
+    if after is None:
+        return _normed(name, index, linear, heads, dim, before)
+    if before is not None:
+        raise UnsupportedModelError(f"{name}: layer {index} normalises its {side} projection both before and after RoPE")
+    eps = getattr(after, "variance_epsilon", getattr(after, "eps", None))
+    weight = getattr(after, "weight", None)
+    if not isinstance(eps, (int, float)) or (weight is not None and tuple(weight.shape) != (dim,)):
+        raise UnsupportedModelError(
+            f"{name}: layer {index} normalises its {side} projection after RoPE with a "
+            f"{type(after).__name__} kvcal cannot read (an RMS norm with an epsilon and a weight of {dim}, or none)"
+        )
+    if weight is not None and bool((weight == 0).any()):
+        raise UnsupportedModelError(
+            f"{name}: layer {index}'s norm after RoPE has a zero weight, which erases a dimension the RoPE "
+            "scorers would have to un-rotate"
+        )
+    return Projection(linear, heads, dim, norm=RootMeanSquare(eps), weight_after_rope=weight)
+
+
+def _norm_after_rope(attention, side: str) -> torch.nn.Module | None:
+    """The norm ``attention`` applies to its rotated queries (``side`` "q") or keys ("k"): HunYuan's
+    ``query_layernorm`` / ``key_layernorm``, Llama 4's ``qk_norm`` (one for both, on its RoPE layers).
+    :mod:`runtime.plan.rope_check` checks the read against what the attention receives (a norm that
+    centres, as a LayerNorm does, does not commute with the rotation and is refused there)."""
+    for attribute in ({"q": "query_layernorm", "k": "key_layernorm"}[side], "qk_norm"):
+        norm = getattr(attention, attribute, None)
+        if norm is not None:
+            return norm
+    return None
 
 
 def _pre_rope_norm(attention, side: str) -> torch.nn.Module | None:
     """The norm ``attention`` applies to its queries (``side`` "q") or keys ("k") before RoPE:
     ``q_norm`` (Qwen3, Gemma 3, OLMo2, Command R+), or ``q_layernorm`` (StableLM and Phi's
-    ``qk_layernorm``, LFM2).  HunYuan's ``query_layernorm`` comes after the rotation: not read here
-    (:mod:`runtime.plan.rope_check` finds that layer rotating otherwise)."""
+    ``qk_layernorm``, LFM2).  HunYuan's ``query_layernorm`` comes after the rotation
+    (:func:`_norm_after_rope`)."""
     for attribute in (f"{side}_norm", f"{side}_layernorm"):
         norm = getattr(attention, attribute, None)
         if norm is not None:
@@ -454,7 +509,7 @@ def _fused_projections(name: str, index: int, attention, numbers: dict) -> dict[
         (heads + 2 * kv_heads) * dim,
         f"({heads} + 2 x {kv_heads}) heads x {dim}",
     )
-    if _pre_rope_norm(attention, "q") is not None or _pre_rope_norm(attention, "k") is not None:
+    if any(find(attention, side) is not None for find in (_pre_rope_norm, _norm_after_rope) for side in "qk"):
         raise UnsupportedModelError(f"{name}: layer {index} has a fused qkv_proj and a query or key norm")
     queries, keys = heads * dim, (heads + kv_heads) * dim
     return {

@@ -129,22 +129,35 @@ class Rotation:
     sin: torch.Tensor
     interleaved: bool = False
     rotary_dims: int | None = None
+    # the weight [d] of a norm the layer applies after the rotation (HunYuan): it receives weight * R x
+    weight: torch.Tensor | None = None
 
     def undo(self, keys: torch.Tensor) -> torch.Tensor:
-        """The pre-RoPE ``keys [..., n, d]`` (float32) of post-RoPE keys at these positions (:func:`unrotate`)."""
-        return unrotate(keys.float(), self.cos.float(), self.sin.float(), self.interleaved, self.rotary_dims)
+        """The pre-RoPE ``keys [..., n, d]`` (float32) of post-RoPE keys at these positions (:func:`unrotate`;
+        divided by the norm's weight first where the layer normalises after the rotation)."""
+        keys = keys.float()
+        if self.weight is not None:
+            keys = keys / self.weight.to(keys.device)
+        return unrotate(keys, self.cos.float(), self.sin.float(), self.interleaved, self.rotary_dims)
 
     def matrices(self) -> torch.Tensor:
-        """``R [R, d, d]``: :func:`rope_matrix` of each row of ``cos, sin [R, d]``."""
-        return torch.stack(
+        """``R [R, d, d]``: :func:`rope_matrix` of each row of ``cos, sin [R, d]`` (``diag(weight) R``
+        where the layer normalises after the rotation)."""
+        matrices = torch.stack(
             [rope_matrix(c, s, self.interleaved, self.rotary_dims) for c, s in zip(self.cos, self.sin, strict=True)]
         )
+        return matrices if self.weight is None else self.weight.to(matrices.device)[:, None] * matrices
 
 
-def rotation(model, layer: int, form: str, cos: torch.Tensor, sin: torch.Tensor) -> Rotation:
-    """The :class:`Rotation` of ``cos, sin`` (:func:`rope_cos_sin`'s or :func:`averaged_rope`'s) for layer
-    ``layer`` of ``model`` (or its :class:`~runtime.math.geometry.ModelGeometry`) rotating in ``form``."""
-    return Rotation(cos, sin, interleaves(form), ModelGeometry.of(model).rotary_dims[layer])
+def rotation(model, layer: int, form: str, cos: torch.Tensor, sin: torch.Tensor, *, keys: bool) -> Rotation:
+    """The :class:`Rotation` of ``cos, sin`` (:func:`rope_cos_sin`'s or :func:`averaged_rope`'s) for the keys
+    (``keys``) or the queries of layer ``layer`` of ``model`` (or its
+    :class:`~runtime.math.geometry.ModelGeometry`) rotating in ``form``: with the weight of the norm the
+    layer applies to them after the rotation, if any (HunYuan's differs for keys and queries)."""
+    geometry = ModelGeometry.of(model)
+    read = (geometry.key_projections if keys else geometry.query_projections)[layer]
+    weight = None if read.weight_after_rope is None else read.weight_after_rope.detach().float()
+    return Rotation(cos, sin, interleaves(form), geometry.rotary_dims[layer], weight)
 
 
 def rope_cos_sin(

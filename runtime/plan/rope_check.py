@@ -5,7 +5,7 @@ a horizon for Expected Attention and the query prototypes, the profiler's pre-Ro
 statistics) assumes transformers' Llama rotation ``x cos + rotate_half(x) sin``, with ``cos, sin``
 from the model's rotary module, applied to what :class:`~runtime.math.geometry.ModelGeometry` reads as
 the pre-RoPE queries and keys.  Models differ: interleaved RoPE (Cohere, Ernie 4.5), layers without
-RoPE (SmolLM3, EXAONE 4), a norm after the rotation (HunYuan), a norm before it the pre-RoPE read
+RoPE (SmolLM3, EXAONE 4), a norm after the rotation (HunYuan, read since), a norm before it the pre-RoPE read
 could miss (StableLM's ``qk_layernorm``, read since).  Rather than a second, drifting implementation of each, one short
 forward pass (:func:`rope_mismatches`) compares, layer by layer, what the attention function
 receives with the rotation of what the geometry reads; a policy that needs the rotation is refused
@@ -18,7 +18,10 @@ fourth layer, EXAONE 4's full-attention layers, AfMoE's), whose keys and queries
 pre-RoPE reads.  Per layer, the first form whose un-rotation of what the attention received gives
 back the pre-RoPE read (:class:`runtime.math.rope.Rotation`, the scorers' own code) is the layer's
 form (:func:`rope_forms`); the scorers' RoPE inputs follow it (:mod:`runtime.scorers.providers`), and
-only a layer no form explains refuses (a norm after the rotation, one the pre-RoPE read misses).
+only a layer no form explains refuses (a norm after the rotation that centres, one the pre-RoPE read
+misses; for the queries, Llama 4's temperature by position).  An RMS norm after the rotation (HunYuan)
+is read by the geometry (:class:`runtime.math.geometry.RootMeanSquare`; :class:`runtime.math.rope.Rotation`
+carries its weight), so its layers follow their form like any other.
 """
 
 from __future__ import annotations
@@ -81,22 +84,30 @@ class RopeMismatches:
         )
 
 
-OTHER = "another rotation, a norm after it or one the pre-RoPE read misses"
+OTHER = "another rotation, a norm after it other than an RMS norm, or one the pre-RoPE read misses"
+TEMPERED = "no RoPE and queries scaled by their position (Llama 4's attention temperature tuning)"
 # what a layer that differs does, by its form (the refusal's and describe()'s words)
 FEATURES = {NO_ROPE: "no RoPE", INTERLEAVED: "interleaved RoPE", INTERLEAVED_PAIRED: "interleaved RoPE", None: OTHER}
 
 
 def _error(
-    rotations: dict, geometry, layer: int, positions: torch.Tensor, form: str, pre: torch.Tensor, post: torch.Tensor
+    rotations: dict,
+    geometry,
+    layer: int,
+    positions: torch.Tensor,
+    form: str,
+    keys: bool,
+    pre: torch.Tensor,
+    post: torch.Tensor,
 ) -> float:
     """How far ``form``'s un-rotation (the scorers' own, :class:`runtime.math.rope.Rotation`) of what layer
-    ``layer``'s attention received, ``post [B, T, H, d]`` at ``positions [T]``, is from its pre-RoPE read
-    ``pre``, relative.  ``rotations``: the layer's, by form, made once for its keys and its queries."""
+    ``layer``'s attention received as its keys (``keys``) or queries, ``post [B, T, H, d]`` at ``positions
+    [T]``, is from its pre-RoPE read ``pre``, relative.  ``rotations``: the layer's ``cos, sin`` by form,
+    made once for its keys and its queries."""
     if form not in rotations:
         cos, sin = rope_cos_sin(geometry, positions, layer, form=form)
-        cos, sin = cos.to(post.device)[None, :, None], sin.to(post.device)[None, :, None]
-        rotations[form] = rotation(geometry, layer, form, cos, sin)
-    return _relative_error(pre, rotations[form].undo(post))
+        rotations[form] = cos.to(post.device)[None, :, None], sin.to(post.device)[None, :, None]
+    return _relative_error(pre, rotation(geometry, layer, form, *rotations[form], keys=keys).undo(post))
 
 
 def _relative_error(expected: torch.Tensor, got: torch.Tensor) -> float:
@@ -161,23 +172,29 @@ def rope_mismatches(model) -> RopeMismatches:
             )
         query, key = post[layer]
         rotations = {}
-        for forms, errors, pre, got in (
-            (key_forms, key_errors, pre_keys[layer], key),
-            (query_forms, query_errors, pre_queries[layer], query),
+        for forms, errors, keys, pre, got in (
+            (key_forms, key_errors, True, pre_keys[layer], key),
+            (query_forms, query_errors, False, pre_queries[layer], query),
         ):
-            errors.append(_error(rotations, geometry, layer, positions[0], ROTATE_HALF, pre, got))
+            errors.append(_error(rotations, geometry, layer, positions[0], ROTATE_HALF, keys, pre, got))
             others = (form for form in FORMS if form != ROTATE_HALF)
             fits = (
-                form for form in others if _error(rotations, geometry, layer, positions[0], form, pre, got) <= TOLERANCE
+                form
+                for form in others
+                if _error(rotations, geometry, layer, positions[0], form, keys, pre, got) <= TOLERANCE
             )
             forms.append(ROTATE_HALF if errors[-1] <= TOLERANCE else next(fits, None))
         if key_errors[-1] > TOLERANCE:
             features[layer] = FEATURES[key_forms[-1]]
         elif query_errors[-1] > TOLERANCE:
             features[layer] = FEATURES[query_forms[-1]]
+    tempered = _tempered_queries(geometry, query_forms)
+    for layer in tempered:
+        query_forms[layer] = None
+        features[layer] = TEMPERED
     result = RopeMismatches(
         keys=tuple(i for i, e in enumerate(key_errors) if e > TOLERANCE),
-        queries=tuple(i for i, e in enumerate(query_errors) if e > TOLERANCE),
+        queries=tuple(sorted({i for i, e in enumerate(query_errors) if e > TOLERANCE} | set(tempered))),
         key_errors=tuple(key_errors),
         query_errors=tuple(query_errors),
         features=features,
@@ -185,6 +202,16 @@ def rope_mismatches(model) -> RopeMismatches:
     )
     _CHECKED[model] = result
     return result
+
+
+def _tempered_queries(geometry, query_forms: list) -> tuple[int, ...]:
+    """The layers without RoPE whose queries Llama 4 scales by their position (``attn_temperature_tuning``,
+    arXiv 2501.19399: by ``log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1``, 1 below ``floor_scale``
+    = 8192 positions in Llama 4 Scout, so the probe's first positions cannot see it): no rotation of the
+    queries' statistics gives what such a layer receives."""
+    if not getattr(geometry.text_config, "attn_temperature_tuning", False):
+        return ()
+    return tuple(layer for layer, form in enumerate(query_forms) if form == NO_ROPE)
 
 
 def _layers(indices: tuple[int, ...]) -> str:

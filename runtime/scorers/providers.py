@@ -81,7 +81,7 @@ class AveragedRopeProvider:
         }
         self.memo[rope] = memo
         cos, sin = (torch.stack(parts) for parts in zip(*(memo[p] for p in inputs.next_positions), strict=True))
-        return rotation(self.geometry, inputs.layer, form, cos, sin)
+        return rotation(self.geometry, inputs.layer, form, cos, sin, keys=False)
 
 
 class RecentQueriesProvider:
@@ -150,7 +150,7 @@ class KeyRopeProvider:
             memo = (positions.clone(), *rope_cos_sin(self.geometry, positions, inputs.layer, form=form))
             self.memo[rope] = memo if positions.device.type == "cpu" else None
         cos, sin = (part.reshape(*inputs.positions.shape, -1).to(inputs.keys.device) for part in memo[1:])
-        return rotation(self.geometry, inputs.layer, form, cos, sin)
+        return rotation(self.geometry, inputs.layer, form, cos, sin, keys=True)
 
 
 class LearnedWeightsProvider:
