@@ -333,13 +333,25 @@ def test_the_embedded_weights_in_another_form_of_rope_are_unrotated_exactly(name
     assert ModelGeometry.of(model).rotary_dims == (int(64 * options.get("partial_rotary_factor", 1)),) * 30
     plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)
     assert plan.rope_forms == RopeForms(forms, forms)
-    ids = embedded_tokenizer("The passcode is 4817. " * 6 + "What is the passcode?", return_tensors="pt").input_ids
-    pre, post = _pre_and_post_rope(model, ids)
+    ids = _embedded_prompt(embedded_tokenizer)
+    _assert_scored_keys_and_served(
+        model, plan, ids, {layer: keys for layer, (keys, _) in _pre_and_post_rope(model, ids)[0].items()}
+    )
+
+
+def _embedded_prompt(tokenizer) -> torch.Tensor:
+    return tokenizer("The passcode is 4817. " * 6 + "What is the passcode?", return_tensors="pt").input_ids
+
+
+def _assert_scored_keys_and_served(model, plan, ids, expected: dict) -> None:
+    """The keys the plan's leverage scorer scores (its un-rotation of what each layer's attention received) are
+    ``expected[layer] [B, T, Hkv, d]``, at the real weights' scale, and the compression serves."""
+    _, post = _pre_and_post_rope(model, ids)
     key_rope = _provider(plan, KeyRope)
-    for layer in range(30):
+    for layer in range(len(post)):
         keys = post[layer][0].transpose(1, 2)
         unrotated = key_rope(_layer_inputs(layer, keys, ids.shape[1])).undo(keys)
-        torch.testing.assert_close(unrotated, pre[layer][0].transpose(1, 2), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(unrotated, expected[layer].transpose(1, 2), rtol=1e-4, atol=1e-4)
     cache, report = compress_prompt(model, ids, plan, context_columns=ids.shape[1] - 6)
     assert report.kv_bytes_after < report.kv_bytes_before
 
@@ -455,13 +467,7 @@ def test_the_embedded_weights_with_a_norm_after_rope_are_unrotated_exactly(embed
     assert not unexpected and all("layernorm" in key for key in missing) and len(missing) == 60, missing
     _norm_weights_that_matter(model)
     plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)
-    ids = embedded_tokenizer("The passcode is 4817. " * 6 + "What is the passcode?", return_tensors="pt").input_ids
-    normalised = _normalised_projections(model, ids)
-    _, post = _pre_and_post_rope(model, ids)
-    key_rope = _provider(plan, KeyRope)
-    for layer in range(30):
-        keys = post[layer][0].transpose(1, 2)
-        unrotated = key_rope(_layer_inputs(layer, keys, ids.shape[1])).undo(keys)
-        torch.testing.assert_close(unrotated, normalised[layer][0].transpose(1, 2), rtol=1e-4, atol=1e-4)
-    cache, report = compress_prompt(model, ids, plan, context_columns=ids.shape[1] - 6)
-    assert report.kv_bytes_after < report.kv_bytes_before
+    ids = _embedded_prompt(embedded_tokenizer)
+    _assert_scored_keys_and_served(
+        model, plan, ids, {layer: keys for layer, (keys, _) in _normalised_projections(model, ids).items()}
+    )

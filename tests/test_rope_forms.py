@@ -270,7 +270,9 @@ def test_hunyuan_checkpoints_ntk_alpha_rope_is_served_where_transformers_fixes_i
         model, ids, CompressionPolicy(keep_ratio=0.25, scorer="keydiff"), attention_mask=mask, context_columns=280
     )
     assert report.kv_bytes_after < report.kv_bytes_before
-    _, report = compress_prompt(model, ids, CompressionPolicy(keep_ratio=0.25), attention_mask=mask, context_columns=280)
+    _, report = compress_prompt(
+        model, ids, CompressionPolicy(keep_ratio=0.25), attention_mask=mask, context_columns=280
+    )
     assert report.kv_bytes_after < report.kv_bytes_before  # leverage: its norm after RoPE read (test_rope_check.py)
 
 
@@ -301,4 +303,8 @@ def test_a_rotation_other_than_runtime_ropes_is_named():
         llama4 = rope_mismatches(_llama4(attention_chunk_size=None))  # an L2 norm after its rotation
         assert llama4.describe() == f"interleaved RoPE in layers 0, 1, 2; {TEMPERED} in layer 3"
     with pytest.raises(UnsupportedModelError, match=r"are not \(another rotation, a norm after it .* in layers 0, 1"):
-        bind(CompressionPolicy(keep_ratio=0.25), None, build_other("hunyuan with LayerNorms after RoPE (a norm that centres)"))
+        bind(
+            CompressionPolicy(keep_ratio=0.25),
+            None,
+            build_other("hunyuan with LayerNorms after RoPE (a norm that centres)"),
+        )

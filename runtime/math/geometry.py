@@ -323,7 +323,9 @@ def check_config(config, name: str | None = None) -> None:
             "cached latent per token, as in DeepSeek V2 / V3) is not supported"
         )
     for layer_type, parameters in _rope_parameters(config):
-        if parameters.get("rope_type", parameters.get("type")) == "dynamic" and not _fixed_ntk_alpha(config, parameters):
+        if parameters.get("rope_type", parameters.get("type")) == "dynamic" and not _fixed_ntk_alpha(
+            config, parameters
+        ):
             of = "" if layer_type is None else f" of {layer_type} layers"
             raise UnsupportedModelError(
                 f"{name}: dynamic NTK RoPE (rope_type 'dynamic'){of} is not supported: it re-scales RoPE by the "
@@ -434,7 +436,9 @@ def _read(name: str, index: int, attention, side: str, linear, heads: int, dim: 
     if after is None:
         return _normed(name, index, linear, heads, dim, before)
     if before is not None:
-        raise UnsupportedModelError(f"{name}: layer {index} normalises its {side} projection both before and after RoPE")
+        raise UnsupportedModelError(
+            f"{name}: layer {index} normalises its {side} projection both before and after RoPE"
+        )
     eps = getattr(after, "variance_epsilon", getattr(after, "eps", None))
     weight = getattr(after, "weight", None)
     if not isinstance(eps, (int, float)) or (weight is not None and tuple(weight.shape) != (dim,)):
