@@ -174,7 +174,10 @@ class CalibratedPress(BasePress):
         queries = None
         window, specs = recent_query_window(scorer), chunk_specs(scorer)
         if window or specs:
-            queries = _post_rope_queries(plan.geometry.query_projections[layer], module, hidden_states, kwargs)
+            geometry = plan.geometry
+            queries = _post_rope_queries(
+                geometry.query_projections[layer], geometry.query_scales[layer], module, hidden_states, kwargs
+            )
         scaling = plan.geometry.scalings[layer]
         chunk_attention = None
         if specs:
@@ -210,7 +213,7 @@ class CalibratedPress(BasePress):
         return self.plan.head_budgets(context_length)
 
 
-def _post_rope_queries(projection, module, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
+def _post_rope_queries(projection, scale, module, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """The layer's post-RoPE queries ``[B, Hq, T, d]`` from its input ``hidden_states [B, T, D]``: the
     geometry's pre-RoPE read of them (``projection``: the layer's ``q_proj``, or the query rows of a fused
     ``qkv_proj`` as Phi-3's, through the norm the model applies before RoPE, in the model's layout,
@@ -218,11 +221,18 @@ def _post_rope_queries(projection, module, hidden_states: torch.Tensor, kwargs: 
     the model's own ``apply_rotary_pos_emb`` with the ``position_embeddings`` the forward pass was given,
     on the dimensions they turn (a partial RoPE passes the others: Phi-2 and StableLM split them in the
     attention's forward, not in ``apply_rotary_pos_emb``), times the weight of a norm the model applies
-    after RoPE (HunYuan; :attr:`runtime.math.geometry.Projection.weight_after_rope`)."""
+    after RoPE (HunYuan; :attr:`runtime.math.geometry.Projection.weight_after_rope`) and the factor it scales
+    a query by at its position (``scale``, :class:`runtime.math.geometry.QueryScale`: Ministral 3; the
+    context's prefill starts at position 0)."""
     queries = projection.take(projection.module(hidden_states)).transpose(1, 2)
     cos, sin = kwargs["position_embeddings"]
     rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
     turned, passed = queries[..., : cos.shape[-1]], queries[..., cos.shape[-1] :]
     rotated = torch.cat([rotate(turned, turned, cos, sin)[0], passed], dim=-1)
     weight = projection.weight_after_rope  # HunYuan normalises after RoPE: the read is normalised, weighted here
-    return rotated if weight is None else rotated * weight.to(rotated.dtype)
+    if weight is not None:
+        rotated = rotated * weight.to(rotated.dtype)
+    if scale is not None:
+        positions = torch.arange(rotated.shape[2], device=rotated.device)
+        rotated = rotated * scale(positions).to(rotated.dtype)[:, None]
+    return rotated

@@ -253,6 +253,13 @@ NOT_LLAMA_QUERIES = {
     ),
     "cohere use_qk_norm, norm weights per head": ("CohereConfig", "CohereForCausalLM", {"use_qk_norm": True}),
     "hunyuan, a norm after RoPE with a weight": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {"head_dim": 16}),
+    # its checkpoints' RoPE with original_max_position_embeddings 64 (16384 in them): past it the queries are
+    # scaled by position (made when the test runs: transformers is imported there)
+    "ministral3, queries scaled by position": (
+        "Ministral3Config",
+        "Ministral3ForCausalLM",
+        {"rope_parameters": lambda T: dict(T.Ministral3Config().rope_parameters, original_max_position_embeddings=64)},
+    ),
     "phi3, queries from a fused qkv_proj": ("Phi3Config", "Phi3ForCausalLM", {}),
     "phi3 with Phi-4-mini's partial RoPE (0.75), fused qkv_proj": (
         "Phi3Config",
@@ -288,13 +295,15 @@ def test_the_queries_of_a_model_unlike_llama_keep_the_runtimes_rows(embedded_tok
     RoPE turns), so the press keeps the runtime's rows (tiny random-weight models; refused or
     mis-read before).  Phi-3 and Phi-4-mini project queries, keys and values in one ``qkv_proj``
     (refused before: the press asked for a ``q_proj``); HunYuan normalises after RoPE, its norm's
-    weight applied to the rotated queries (refused before)."""
+    weight applied to the rotated queries (refused before); Ministral 3 scales its rotated queries by
+    position past ``original_max_position_embeddings`` (missed before)."""
     import numpy as np
     import transformers as T
 
     from runtime.plan.calibration import Calibration
 
     config_class, model_class, options = NOT_LLAMA_QUERIES[model_name]
+    options = {key: value(T) if callable(value) else value for key, value in options.items()}
     torch.manual_seed(0)
     config = getattr(T, config_class)(
         vocab_size=len(embedded_tokenizer),

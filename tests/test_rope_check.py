@@ -471,3 +471,40 @@ def test_the_embedded_weights_with_a_norm_after_rope_are_unrotated_exactly(embed
     _assert_scored_keys_and_served(
         model, plan, ids, {layer: keys for layer, (keys, _) in _normalised_projections(model, ids).items()}
     )
+
+
+def _assert_query_rotation_is_the_models(model, queries: dict, positions, tokens: int = 80) -> None:
+    """Expected Attention's RoPE averaged over one position, applied to the queries before RoPE (``queries``:
+    ``{layer: [B, T, Hq, d]}`` of the model's forward pass over ``tokens`` ids, or None: the geometry's
+    reads), is the query the model's attention received there, in every layer; and it compresses."""
+    ids = torch.randint(3, 200, (1, tokens), generator=torch.Generator().manual_seed(4))
+    pre, post = _pre_and_post_rope(model, ids)
+    reads = queries(model, ids) if queries else {layer: query for layer, (_, query) in pre.items()}
+    expected_attention = bind(
+        CompressionPolicy(keep_ratio=0.25, scorer="expected_attention", statistics="prompt"), None, model
+    )
+    one_position = _provider(expected_attention, AveragedRope, AveragedRope(1))
+    for layer in range(len(post)):
+        for position in positions:
+            matrix = one_position(_layer_inputs(layer, post[layer][0].transpose(1, 2), position)).matrices()[0]
+            torch.testing.assert_close(
+                reads[layer][0, position] @ matrix.T, post[layer][1][0, position], rtol=1e-4, atol=1e-5
+            )
+    cache, report = compress_prompt(model, ids, expected_attention, context_columns=tokens - 4)
+    assert report.kv_bytes_after < report.kv_bytes_before
+
+
+@torch.no_grad()
+def test_queries_scaled_by_their_position_are_rotated_with_their_scale():
+    """Ministral 3 multiplies its rotated queries by ``1 + beta * log(1 + floor(p / original))``
+    (``llama_4_scaling_beta`` 0.1; ``original_max_position_embeddings``, 16384 in its checkpoints, 16 here):
+    1 below ``original``, so kvcal's 8-token RoPE probe cannot see it, and Expected Attention's averaged
+    rotation missed it past there (silently: 1.16x at position 70 here, 1.11x at 32K in the checkpoints).
+    The rotation now carries each position's scale."""
+    if not hasattr(T, "Ministral3Config"):
+        pytest.skip(f"transformers {T.__version__} has no Ministral3Config")
+    rope = dict(T.Ministral3Config().rope_parameters, original_max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = T.Ministral3ForCausalLM(T.Ministral3Config(**COMMON, head_dim=16, rope_parameters=rope)).eval()
+    assert rope["llama_4_scaling_beta"] == 0.1
+    _assert_query_rotation_is_the_models(model, None, (0, 7, 15, 16, 33, 70))

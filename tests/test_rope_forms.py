@@ -5,8 +5,8 @@ runtime computes what the model computes, refused by name elsewhere.
   complex frequencies (one tensor, not ``cos, sin``), its layers rotate interleaved pairs, every
   fourth layer has no RoPE and scales its queries by position (attention temperature tuning,
   arXiv 2501.19399), the others normalise after the rotation.  Nothing evicted, it is served exactly;
-  so are the scorers that un-rotate keys; those that rotate query statistics are refused by
-  runtime.plan.rope_check.  With ``attention_chunk_size`` set it is refused as chunked attention.
+  so are the scorers that read RoPE (the norm and the factor read by the geometry).  With
+  ``attention_chunk_size`` set it is refused as chunked attention.
 """
 
 from __future__ import annotations
@@ -94,17 +94,24 @@ def test_llama4_without_chunked_attention_is_served_exactly():
 
 
 @torch.no_grad()
-def test_llama4_serves_the_scorers_that_unrotate_keys_and_refuses_query_statistics_by_name():
+def test_llama4_serves_the_scorers_that_read_rope():
     """Llama 4's RoPE layers normalise keys and queries after the rotation (an L2 norm without a weight): the
-    leverage scorer's un-rotated keys are each layer's keys before RoPE divided by their root mean square
-    (refused before, as "a norm after it").  Its layers without RoPE scale their queries by position
-    (attention temperature tuning), which no rotation of query statistics gives: Expected Attention is
-    refused by that name."""
-    from test_rope_check import _layer_inputs, _normalised_projections, _pre_and_post_rope, _provider
+    leverage scorer's un-rotated keys are each layer's keys before RoPE divided by their root mean square.
+    Its layers without RoPE scale their queries by position (attention temperature tuning; 1 below
+    ``floor_scale``, 32 here): Expected Attention's rotation carries that factor (positions 33 and 70).
+    Both were refused before ("a norm after it")."""
+    from test_rope_check import (
+        _assert_query_rotation_is_the_models,
+        _layer_inputs,
+        _normalised_projections,
+        _pre_and_post_rope,
+        _provider,
+    )
 
     from runtime.scorers import KeyRope
 
     model = _llama4_without_chunks()
+    assert [scale is not None for scale in ModelGeometry.of(model).query_scales] == [False, False, False, True]
     plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)  # the leverage scorer
     ids, mask = _prompt()
     normalised = _normalised_projections(model, ids[:1, :40])
@@ -116,13 +123,11 @@ def test_llama4_serves_the_scorers_that_unrotate_keys_and_refuses_query_statisti
         torch.testing.assert_close(unrotated, normalised[layer][0].transpose(1, 2), rtol=1e-4, atol=1e-5)
     cache, report = compress_prompt(model, ids, plan, attention_mask=mask, context_columns=280)
     assert report.kv_bytes_after < report.kv_bytes_before
-    statistics = CompressionPolicy(keep_ratio=0.25, scorer="expected_attention", statistics="prompt")
-    with pytest.raises(UnsupportedModelError, match=r"queries of layers 3 are not .*attention temperature tuning"):
-        bind(statistics, None, model)
-    cache, report = compress_prompt(
-        model, ids, CompressionPolicy(keep_ratio=0.25, scorer="keydiff"), attention_mask=mask, context_columns=280
-    )
-    assert report.kv_bytes_after < report.kv_bytes_before
+
+    def queries(model, ids):
+        return {layer: query for layer, (_, query) in _normalised_projections(model, ids).items()}
+
+    _assert_query_rotation_is_the_models(model, queries, (0, 7, 30, 31, 33, 70))
 
 
 def test_llama4_with_chunked_attention_is_refused_by_name():
@@ -281,7 +286,7 @@ def test_a_rotation_other_than_runtime_ropes_is_named():
     profiler's names the model's RoPE)."""
     from test_rope_check import OTHER_ROPE, build_other
 
-    from runtime.plan.rope_check import OTHER, TEMPERED, rope_mismatches
+    from runtime.plan.rope_check import OTHER, rope_mismatches
 
     expected = {
         "cohere (interleaved RoPE)": "interleaved RoPE in layers 0, 1, 2, 3",
@@ -301,7 +306,7 @@ def test_a_rotation_other_than_runtime_ropes_is_named():
         assert rope_mismatches(build_other(name)).describe() == described, name
     if "chunked_attention" not in _llama4(attention_chunk_size=None).config.layer_types:  # see _llama4_without_chunks
         llama4 = rope_mismatches(_llama4(attention_chunk_size=None))  # an L2 norm after its rotation
-        assert llama4.describe() == f"interleaved RoPE in layers 0, 1, 2; {TEMPERED} in layer 3"
+        assert llama4.describe() == "interleaved RoPE in layers 0, 1, 2; no RoPE in layer 3"
     with pytest.raises(UnsupportedModelError, match=r"are not \(another rotation, a norm after it .* in layers 0, 1"):
         bind(
             CompressionPolicy(keep_ratio=0.25),

@@ -99,6 +99,42 @@ class RootMeanSquare(torch.nn.Module):
         return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(values.dtype)
 
 
+@dataclass(frozen=True)
+class QueryScale:
+    """A factor a layer multiplies its rotated queries by, by position ``p``:
+    ``1 + weight * log(1 + floor((p + offset) / period))``, 1 below ``period - offset``.  Ministral 3 and
+    Mistral 4 on every layer (``llama_4_scaling_beta`` as ``weight``, ``original_max_position_embeddings``
+    as ``period``, offset 0); Llama 4 on its layers without RoPE (attention temperature tuning, "Scalable-
+    Softmax Is Superior for Attention", arXiv 2501.19399: ``attn_scale``, ``floor_scale``, offset 1)."""
+
+    weight: float
+    period: int
+    offset: int = 0
+
+    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+        """float32 factors, the shape of ``positions``."""
+        steps = torch.floor((positions.float() + self.offset) / self.period)
+        return 1.0 + self.weight * torch.log1p(steps)
+
+
+def _query_scale(attention, config) -> QueryScale | None:
+    """The :class:`QueryScale` layer ``attention`` applies, read as transformers' attention applies it:
+    Llama 4's ``attn_temperature_tuning`` on a layer without RoPE (``use_rope`` False), or the
+    ``get_llama_4_attn_scale`` of Ministral 3 / Mistral 4's forward (from ``rope_parameters``; a Mistral
+    whose config carries the parameters but whose attention does not read them has none)."""
+    if getattr(attention, "attn_temperature_tuning", False) and not getattr(attention, "use_rope", True):
+        return QueryScale(float(attention.attn_scale), int(attention.floor_scale), 1)
+    try:
+        source = inspect.getsource(type(attention).forward)
+    except (OSError, TypeError):
+        return None
+    parameters = getattr(config, "rope_parameters", None) or {}
+    beta = parameters.get("llama_4_scaling_beta")
+    if "llama_4_attn_scale" not in source or beta is None:
+        return None
+    return QueryScale(float(beta), int(parameters["original_max_position_embeddings"]))
+
+
 def _rope_takes_layer_type(rotary) -> bool | None:
     """Whether the rotary module's forward takes the layer's type (Gemma 3: one RoPE per type):
     True when it must be given, None when it may (a default: PhiMoE's in transformers 5.2), False
@@ -133,6 +169,8 @@ class ModelGeometry:
     # per layer: the forward pass length above which the layer's RoPE turns with other frequencies
     # (transformers' longrope: Phi-3.5, Phi-4-mini; original_max_position_embeddings), None: it never does
     rope_switches: tuple[int | None, ...]
+    # per layer: the factor the layer multiplies its rotated queries by, by position (None: none)
+    query_scales: tuple[QueryScale | None, ...]
     sliding_windows: tuple[int | None, ...]  # per layer: the sliding window (None: full attention)
     softcaps: tuple[float | None, ...]  # per layer: the attention-logit soft-cap (None: none)
     rotary: torch.nn.Module = field(repr=False)  # model.model.rotary_emb
@@ -207,7 +245,7 @@ class ModelGeometry:
         query_norm = has_query_norm(model)
         first = getattr(layers[0], "self_attn", None) if len(layers) else None
         fused = getattr(first, "q_proj", None) is None and getattr(first, "qkv_proj", None) is not None
-        attention_modules, scalings = [], []
+        attention_modules, scalings, query_scales = [], [], []
         projections: dict[str, list[Projection]] = {"query": [], "key": [], "value": []}
         for index, layer in enumerate(layers):
             if getattr(layer, "mamba", None) is not None:  # transformers 5.2's Falcon-H1 and Bamba: no layer types
@@ -235,6 +273,7 @@ class ModelGeometry:
                 projections[kind].append(projection)
             attention_modules.append(attention)
             scalings.append(float(getattr(attention, "scaling", head_dim**-0.5)))
+            query_scales.append(_query_scale(attention, config))
         rope_layer_types = _rope_layer_types(name, rotary, config, len(layers))
         rotary_dims = _rotary_dims(name, rotary, rope_layer_types, head_dim)
         switches = {
@@ -256,6 +295,7 @@ class ModelGeometry:
             rope_layer_types=rope_layer_types,
             rotary_dims=rotary_dims,
             rope_switches=rope_switches,
+            query_scales=tuple(query_scales),
             sliding_windows=sliding_windows,
             softcaps=softcaps,
             rotary=rotary,

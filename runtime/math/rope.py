@@ -209,7 +209,9 @@ def averaged_rope(
     """Mean ``cos, sin [d]`` of layer ``layer`` over absolute positions ``start .. start + horizon - 1``
     (``model``: a model or its :class:`~runtime.math.geometry.ModelGeometry`; ``layer`` and ``form``
     as in :func:`rope_cos_sin`), each position's RoPE the one a query decoded there alone gets (the
-    frequencies of a longrope RoPE switch at ``original_max_position_embeddings``)."""
+    frequencies of a longrope RoPE switch at ``original_max_position_embeddings``), times the factor the
+    layer scales a query there by (:attr:`~runtime.math.geometry.ModelGeometry.query_scales`: the average
+    is of the queries' own rotations, the RoPE of keys never scaled)."""
     if horizon <= 0:
         raise ValueError(f"the RoPE averaging horizon must be positive, got {horizon}")
     if start < 0:
@@ -224,4 +226,18 @@ def averaged_rope(
     cos, sin = (
         torch.cat(part) for part in zip(*(rope_cos_sin(geometry, p, layer, form=form) for p in parts), strict=True)
     )
+    scale = _query_scale(geometry, layer)
+    if scale is not None:  # Ministral 3, Llama 4's layers without RoPE: queries scaled by position after RoPE
+        factors = scale(torch.cat(parts)).to(cos.device)[:, None]
+        cos, sin = cos * factors, sin * factors
     return cos.mean(0), sin.mean(0)
+
+
+def _query_scale(geometry: ModelGeometry, layer: int | None):
+    """Layer ``layer``'s :class:`~runtime.math.geometry.QueryScale` (None: none); ``layer=None`` serves only
+    a model whose layers all scale alike."""
+    if layer is not None:
+        return geometry.query_scales[layer]
+    if len(set(geometry.query_scales)) > 1:
+        raise ValueError("this model's layers scale their queries differently by position: pass the layer")
+    return geometry.query_scales[0] if geometry.query_scales else None

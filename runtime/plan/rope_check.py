@@ -19,9 +19,12 @@ pre-RoPE reads.  Per layer, the first form whose un-rotation of what the attenti
 back the pre-RoPE read (:class:`runtime.math.rope.Rotation`, the scorers' own code) is the layer's
 form (:func:`rope_forms`); the scorers' RoPE inputs follow it (:mod:`runtime.scorers.providers`), and
 only a layer no form explains refuses (a norm after the rotation that centres, one the pre-RoPE read
-misses; for the queries, Llama 4's temperature by position).  An RMS norm after the rotation (HunYuan)
-is read by the geometry (:class:`runtime.math.geometry.RootMeanSquare`; :class:`runtime.math.rope.Rotation`
-carries its weight), so its layers follow their form like any other.
+misses).  An RMS norm after the rotation (HunYuan) is read by the geometry
+(:class:`runtime.math.geometry.RootMeanSquare`; :class:`runtime.math.rope.Rotation` carries its weight),
+so its layers follow their form like any other.  A factor by position on the rotated queries
+(Ministral 3, Llama 4's layers without RoPE: :class:`runtime.math.geometry.QueryScale`) is 1 at the
+probe's positions; the geometry reads it off the attention and :func:`runtime.math.rope.averaged_rope`
+applies it.
 """
 
 from __future__ import annotations
@@ -85,7 +88,6 @@ class RopeMismatches:
 
 
 OTHER = "another rotation, a norm after it other than an RMS norm, or one the pre-RoPE read misses"
-TEMPERED = "no RoPE and queries scaled by their position (Llama 4's attention temperature tuning)"
 # what a layer that differs does, by its form (the refusal's and describe()'s words)
 FEATURES = {NO_ROPE: "no RoPE", INTERLEAVED: "interleaved RoPE", INTERLEAVED_PAIRED: "interleaved RoPE", None: OTHER}
 
@@ -188,13 +190,9 @@ def rope_mismatches(model) -> RopeMismatches:
             features[layer] = FEATURES[key_forms[-1]]
         elif query_errors[-1] > TOLERANCE:
             features[layer] = FEATURES[query_forms[-1]]
-    tempered = _tempered_queries(geometry, query_forms)
-    for layer in tempered:
-        query_forms[layer] = None
-        features[layer] = TEMPERED
     result = RopeMismatches(
         keys=tuple(i for i, e in enumerate(key_errors) if e > TOLERANCE),
-        queries=tuple(sorted({i for i, e in enumerate(query_errors) if e > TOLERANCE} | set(tempered))),
+        queries=tuple(i for i, e in enumerate(query_errors) if e > TOLERANCE),
         key_errors=tuple(key_errors),
         query_errors=tuple(query_errors),
         features=features,
@@ -202,16 +200,6 @@ def rope_mismatches(model) -> RopeMismatches:
     )
     _CHECKED[model] = result
     return result
-
-
-def _tempered_queries(geometry, query_forms: list) -> tuple[int, ...]:
-    """The layers without RoPE whose queries Llama 4 scales by their position (``attn_temperature_tuning``,
-    arXiv 2501.19399: by ``log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1``, 1 below ``floor_scale``
-    = 8192 positions in Llama 4 Scout, so the probe's first positions cannot see it): no rotation of the
-    queries' statistics gives what such a layer receives."""
-    if not getattr(geometry.text_config, "attn_temperature_tuning", False):
-        return ()
-    return tuple(layer for layer, form in enumerate(query_forms) if form == NO_ROPE)
 
 
 def _layers(indices: tuple[int, ...]) -> str:
