@@ -26,6 +26,7 @@ disagree; this module checks the modules against them.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass, field
@@ -124,15 +125,21 @@ def _query_scale(attention, config) -> QueryScale | None:
     whose config carries the parameters but whose attention does not read them has none)."""
     if getattr(attention, "attn_temperature_tuning", False) and not getattr(attention, "use_rope", True):
         return QueryScale(float(attention.attn_scale), int(attention.floor_scale), 1)
-    try:
-        source = inspect.getsource(type(attention).forward)
-    except (OSError, TypeError):
-        return None
     parameters = getattr(config, "rope_parameters", None) or {}
     beta = parameters.get("llama_4_scaling_beta")
-    if "llama_4_attn_scale" not in source or beta is None:
+    if beta is None or not _forward_calls(type(attention), "llama_4_attn_scale"):
         return None
     return QueryScale(float(beta), int(parameters["original_max_position_embeddings"]))
+
+
+@functools.cache
+def _forward_calls(module_class: type, name: str) -> bool:
+    """Whether ``module_class``'s forward names ``name`` in its source (read once per class: reading
+    source is slow, and every entry point asks for the geometry); False without the source."""
+    try:
+        return name in inspect.getsource(module_class.forward)
+    except (OSError, TypeError):
+        return False
 
 
 def _rope_takes_layer_type(rotary) -> bool | None:
