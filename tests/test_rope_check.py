@@ -494,17 +494,25 @@ def _assert_query_rotation_is_the_models(model, queries: dict, positions, tokens
     assert report.kv_bytes_after < report.kv_bytes_before
 
 
+@pytest.mark.parametrize("weights", ["tiny random", "the embedded model's"])
 @torch.no_grad()
-def test_queries_scaled_by_their_position_are_rotated_with_their_scale():
+def test_queries_scaled_by_their_position_are_rotated_with_their_scale(weights, request):
     """Ministral 3 multiplies its rotated queries by ``1 + beta * log(1 + floor(p / original))``
     (``llama_4_scaling_beta`` 0.1; ``original_max_position_embeddings``, 16384 in its checkpoints, 16 here):
     1 below ``original``, so kvcal's 8-token RoPE probe cannot see it, and Expected Attention's averaged
     rotation missed it past there (silently: 1.16x at position 70 here, 1.11x at 32K in the checkpoints).
-    The rotation now carries each position's scale."""
+    The rotation now carries each position's scale; on a tiny random model and on the embedded weights in
+    Ministral 3's architecture (Llama's weight names)."""
     if not hasattr(T, "Ministral3Config"):
         pytest.skip(f"transformers {T.__version__} has no Ministral3Config")
     rope = dict(T.Ministral3Config().rope_parameters, original_max_position_embeddings=16)
-    torch.manual_seed(0)
-    model = T.Ministral3ForCausalLM(T.Ministral3Config(**COMMON, head_dim=16, rope_parameters=rope)).eval()
     assert rope["llama_4_scaling_beta"] == 0.1
+    torch.manual_seed(0)
+    if weights == "tiny random":
+        model = T.Ministral3ForCausalLM(T.Ministral3Config(**COMMON, head_dim=16, rope_parameters=rope)).eval()
+    else:
+        embedded = request.getfixturevalue("embedded_model")
+        own = {k: v for k, v in embedded.config.to_dict().items() if k not in ("architectures", "model_type")}
+        model = T.Ministral3ForCausalLM(T.Ministral3Config(**{**own, "rope_parameters": rope})).eval()
+        model.load_state_dict(embedded.state_dict())
     _assert_query_rotation_is_the_models(model, None, (0, 7, 15, 16, 33, 70))
