@@ -202,6 +202,28 @@ def _layer_inputs(layer, keys, next_position):
     )
 
 
+def _assert_query_rotation_is_the_models(model, queries, positions, tokens: int = 80) -> None:
+    """Expected Attention's RoPE averaged over one position, applied to the queries before RoPE, is the query
+    the model's attention received there, in every layer at each of ``positions``; and it compresses.
+    ``queries(model, ids)``: ``{layer: [B, T, Hq, d]}`` of the model's forward pass over ``tokens`` ids (None:
+    the geometry's reads)."""
+    ids = torch.randint(3, 200, (1, tokens), generator=torch.Generator().manual_seed(4))
+    pre, post = _pre_and_post_rope(model, ids)
+    reads = queries(model, ids) if queries else {layer: query for layer, (_, query) in pre.items()}
+    expected_attention = bind(
+        CompressionPolicy(keep_ratio=0.25, scorer="expected_attention", statistics="prompt"), None, model
+    )
+    one_position = _provider(expected_attention, AveragedRope, AveragedRope(1))
+    for layer in range(len(post)):
+        for position in positions:
+            matrix = one_position(_layer_inputs(layer, post[layer][0].transpose(1, 2), position)).matrices()[0]
+            torch.testing.assert_close(
+                reads[layer][0, position] @ matrix.T, post[layer][1][0, position], rtol=1e-4, atol=1e-5
+            )
+    cache, report = compress_prompt(model, ids, expected_attention, context_columns=tokens - 4)
+    assert report.kv_bytes_after < report.kv_bytes_before
+
+
 @pytest.mark.parametrize("name", sorted(OTHER_FORMS))
 @torch.no_grad()
 def test_the_other_forms_of_rope_are_served_exactly_by_the_scorers_that_read_rope(name):
@@ -227,20 +249,7 @@ def test_the_other_forms_of_rope_are_served_exactly_by_the_scorers_that_read_rop
             assert float((post[layer][0] - pre[layer][0]).abs().max()) > 0.1
     cache, report = compress_prompt(model, ids, plan, context_columns=36)
     assert report.kv_bytes_after < report.kv_bytes_before
-
-    expected_attention = bind(
-        CompressionPolicy(keep_ratio=0.25, scorer="expected_attention", statistics="prompt"), None, model
-    )
-    one_position = _provider(expected_attention, AveragedRope, AveragedRope(1))
-    for layer in range(len(pre)):
-        for position in (0, 7, 33):  # R(p) q_pre is the query the attention received at p
-            rotation = one_position(_layer_inputs(layer, post[layer][0].transpose(1, 2), position))
-            matrix = rotation.matrices()[0]  # [d, d]
-            torch.testing.assert_close(
-                pre[layer][1][0, position] @ matrix.T, post[layer][1][0, position], rtol=1e-4, atol=1e-5
-            )
-    cache, report = compress_prompt(model, ids, expected_attention, context_columns=36)
-    assert report.kv_bytes_after < report.kv_bytes_before
+    _assert_query_rotation_is_the_models(model, None, (0, 7, 33), tokens=40)  # R(p) q_pre: the model's query at p
 
 
 # the partial RoPE of OTHER_ROPE: how many of a head's first dimensions turn
@@ -412,6 +421,11 @@ def _normalised_projections(model, ids):
     return result
 
 
+def _normalised_queries(model, ids) -> dict:
+    """:func:`_normalised_projections`' queries alone."""
+    return {layer: queries for layer, (_, queries) in _normalised_projections(model, ids).items()}
+
+
 @pytest.mark.parametrize("name", sorted(NORM_AFTER_ROPE))
 @torch.no_grad()
 def test_a_norm_after_rope_is_served_exactly_by_the_scorers_that_read_rope(name):
@@ -441,19 +455,7 @@ def test_a_norm_after_rope_is_served_exactly_by_the_scorers_that_read_rope(name)
         torch.testing.assert_close(unrotated, normalised[layer][0].transpose(1, 2), rtol=1e-4, atol=1e-5)
     cache, report = compress_prompt(model, ids, plan, context_columns=36)
     assert report.kv_bytes_after < report.kv_bytes_before
-
-    expected_attention = bind(
-        CompressionPolicy(keep_ratio=0.25, scorer="expected_attention", statistics="prompt"), None, model
-    )
-    one_position = _provider(expected_attention, AveragedRope, AveragedRope(1))
-    for layer in range(4):
-        for position in (0, 7, 33):
-            matrix = one_position(_layer_inputs(layer, post[layer][0].transpose(1, 2), position)).matrices()[0]
-            torch.testing.assert_close(
-                normalised[layer][1][0, position] @ matrix.T, post[layer][1][0, position], rtol=1e-4, atol=1e-5
-            )
-    cache, report = compress_prompt(model, ids, expected_attention, context_columns=36)
-    assert report.kv_bytes_after < report.kv_bytes_before
+    _assert_query_rotation_is_the_models(model, _normalised_queries, (0, 7, 33), tokens=40)
 
 
 @torch.no_grad()
@@ -471,27 +473,6 @@ def test_the_embedded_weights_with_a_norm_after_rope_are_unrotated_exactly(embed
     _assert_scored_keys_and_served(
         model, plan, ids, {layer: keys for layer, (keys, _) in _normalised_projections(model, ids).items()}
     )
-
-
-def _assert_query_rotation_is_the_models(model, queries: dict, positions, tokens: int = 80) -> None:
-    """Expected Attention's RoPE averaged over one position, applied to the queries before RoPE (``queries``:
-    ``{layer: [B, T, Hq, d]}`` of the model's forward pass over ``tokens`` ids, or None: the geometry's
-    reads), is the query the model's attention received there, in every layer; and it compresses."""
-    ids = torch.randint(3, 200, (1, tokens), generator=torch.Generator().manual_seed(4))
-    pre, post = _pre_and_post_rope(model, ids)
-    reads = queries(model, ids) if queries else {layer: query for layer, (_, query) in pre.items()}
-    expected_attention = bind(
-        CompressionPolicy(keep_ratio=0.25, scorer="expected_attention", statistics="prompt"), None, model
-    )
-    one_position = _provider(expected_attention, AveragedRope, AveragedRope(1))
-    for layer in range(len(post)):
-        for position in positions:
-            matrix = one_position(_layer_inputs(layer, post[layer][0].transpose(1, 2), position)).matrices()[0]
-            torch.testing.assert_close(
-                reads[layer][0, position] @ matrix.T, post[layer][1][0, position], rtol=1e-4, atol=1e-5
-            )
-    cache, report = compress_prompt(model, ids, expected_attention, context_columns=tokens - 4)
-    assert report.kv_bytes_after < report.kv_bytes_before
 
 
 @pytest.mark.parametrize("weights", ["tiny random", "the embedded model's"])

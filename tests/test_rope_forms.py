@@ -104,6 +104,7 @@ def test_llama4_serves_the_scorers_that_read_rope():
         _assert_query_rotation_is_the_models,
         _layer_inputs,
         _normalised_projections,
+        _normalised_queries,
         _pre_and_post_rope,
         _provider,
     )
@@ -124,10 +125,7 @@ def test_llama4_serves_the_scorers_that_read_rope():
     cache, report = compress_prompt(model, ids, plan, attention_mask=mask, context_columns=280)
     assert report.kv_bytes_after < report.kv_bytes_before
 
-    def queries(model, ids):
-        return {layer: query for layer, (_, query) in _normalised_projections(model, ids).items()}
-
-    _assert_query_rotation_is_the_models(model, queries, (0, 7, 30, 31, 33, 70))
+    _assert_query_rotation_is_the_models(model, _normalised_queries, (0, 7, 30, 31, 33, 70))
 
 
 def test_llama4_with_chunked_attention_is_refused_by_name():

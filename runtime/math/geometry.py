@@ -103,19 +103,19 @@ class RootMeanSquare(torch.nn.Module):
 @dataclass(frozen=True)
 class QueryScale:
     """A factor a layer multiplies its rotated queries by, by position ``p``:
-    ``1 + weight * log(1 + floor((p + offset) / period))``, 1 below ``period - offset``.  Ministral 3 and
-    Mistral 4 on every layer (``llama_4_scaling_beta`` as ``weight``, ``original_max_position_embeddings``
+    ``1 + beta * log(1 + floor((p + offset) / period))``, 1 below ``period - offset``.  Ministral 3 and
+    Mistral 4 on every layer (``llama_4_scaling_beta`` as ``beta``, ``original_max_position_embeddings``
     as ``period``, offset 0); Llama 4 on its layers without RoPE (attention temperature tuning, "Scalable-
     Softmax Is Superior for Attention", arXiv 2501.19399: ``attn_scale``, ``floor_scale``, offset 1)."""
 
-    weight: float
+    beta: float
     period: int
     offset: int = 0
 
     def __call__(self, positions: torch.Tensor) -> torch.Tensor:
         """float32 factors, the shape of ``positions``."""
         steps = torch.floor((positions.float() + self.offset) / self.period)
-        return 1.0 + self.weight * torch.log1p(steps)
+        return 1.0 + self.beta * torch.log1p(steps)
 
 
 def _query_scale(attention, config) -> QueryScale | None:

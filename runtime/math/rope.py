@@ -220,20 +220,21 @@ def averaged_rope(
     switch = geometry.rope_switches[0 if layer is None else layer]
     # longrope turns a pass by its longest position: a query decoded alone at p takes its short factors
     # while p < switch, its long ones from there on (rope_cos_sin rotates its positions as one pass)
-    parts = [torch.arange(start, start + horizon)]
+    positions = torch.arange(start, start + horizon)
+    parts = [positions]
     if switch is not None and start < switch < start + horizon:
         parts = [torch.arange(start, switch), torch.arange(switch, start + horizon)]
     cos, sin = (
         torch.cat(part) for part in zip(*(rope_cos_sin(geometry, p, layer, form=form) for p in parts), strict=True)
     )
-    scale = _query_scale(geometry, layer)
+    scale = _layer_query_scale(geometry, layer)
     if scale is not None:  # Ministral 3, Llama 4's layers without RoPE: queries scaled by position after RoPE
-        factors = scale(torch.cat(parts)).to(cos.device)[:, None]
+        factors = scale(positions).to(cos.device)[:, None]
         cos, sin = cos * factors, sin * factors
     return cos.mean(0), sin.mean(0)
 
 
-def _query_scale(geometry: ModelGeometry, layer: int | None):
+def _layer_query_scale(geometry: ModelGeometry, layer: int | None):
     """Layer ``layer``'s :class:`~runtime.math.geometry.QueryScale` (None: none); ``layer=None`` serves only
     a model whose layers all scale alike."""
     if layer is not None:
