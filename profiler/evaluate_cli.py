@@ -668,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
         check_given(options(), args)  # --attn-implementation (imports transformers)
         _check_outputs(args, None)  # before anything is read: a directory, a device, an unwritable place
         args.config = load_config(args.model)  # the model exists (its weights are not read)
-        check_config(args.config)  # MLA, dynamic NTK RoPE: refused by name before the weights load
+        check_config(args.config)  # MLA, Gemma 3n, Gemma 4, Beam: refused by name before the weights load
         _check_outputs(args, _found_artifact(args))  # before the lock of --json is taken
         _check_lm_eval(args)
     except (ValueError, OSError, ModelError) as exc:

@@ -274,7 +274,7 @@ class ProfileJob:
             )
         config = self._config = model_config(self.model_path)
         if config is not None:
-            check_config(config)  # MLA, dynamic NTK RoPE: refused by name before the weights load
+            check_config(config)  # MLA, Gemma 3n, Gemma 4, Beam: refused by name before the weights load
         if self.out.exists() and not self.options.force:
             try:
                 with open_artifact(self.out) as reader:

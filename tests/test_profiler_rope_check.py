@@ -36,7 +36,7 @@ def _model_dir(tmp_path, tokenizer, config_class: str, model_class: str, **optio
     if not hasattr(T, config_class):
         pytest.skip(f"transformers {T.__version__} has no {config_class}")
     torch.manual_seed(0)
-    config = getattr(T, config_class)(**COMMON, vocab_size=len(tokenizer), **options)
+    config = getattr(T, config_class)(**{**COMMON, "vocab_size": len(tokenizer), **options})
     model = getattr(T, model_class)(config).eval()
     return write_tiny_model_dir(tmp_path / model_class, tokenizer, probes=3, model=model, probe_length=64)
 
@@ -54,6 +54,7 @@ def _one_error_line(capsys) -> str:
 
 
 HUNYUAN = ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM")  # a norm after its rotation
+DYNAMIC_NTK = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}  # InternLM3's: factor 6
 
 
 @pytest.fixture
@@ -112,6 +113,7 @@ def test_the_stages_the_refusal_names_run(centring_norm_dir, tmp_path, capsys):
         (("Phi3Config", "Phi3ForCausalLM"), {"partial_rotary_factor": 0.75, "pad_token_id": 0}),
         (HUNYUAN, {"head_dim": 16}),
         (HUNYUAN, {"head_dim": 16, "rope_scaling": "the checkpoints'"}),
+        (("LlamaConfig", "LlamaForCausalLM"), {"rope_parameters": DYNAMIC_NTK, "pad_token_id": 0}),
     ],
     ids=[
         "smollm3 (the second of two layers without RoPE)",
@@ -119,6 +121,7 @@ def test_the_stages_the_refusal_names_run(centring_norm_dir, tmp_path, capsys):
         "phi3 (Phi-4-mini's partial RoPE: 12 of 16 dimensions)",
         "hunyuan (a norm after RoPE)",
         "hunyuan with its checkpoints' NTK-alpha RoPE",
+        "llama with dynamic NTK RoPE (InternLM3's checkpoints), inside its original context",
     ],
 )
 def test_a_model_in_another_form_of_rope_is_profiled_by_every_stage(
@@ -131,15 +134,14 @@ def test_a_model_in_another_form_of_rope_is_profiled_by_every_stage(
     (they were refused), and the recommendation measures the flagship.  HunYuan normalises after the
     rotation (its norm's weight applied after it: refused before), also with the RoPE its checkpoints
     write ("dynamic" with an alpha, which transformers fixes: refused before any weight loaded as
-    dynamic NTK)."""
-    from test_rope_forms import HUNYUAN_ROPE, _static_ntk_alpha
+    dynamic NTK).  Dynamic NTK itself was refused by name before the weights loaded: it is profiled
+    inside its original context (tests/test_dynamic_ntk.py)."""
+    from test_rope_forms import HUNYUAN_ROPE
 
     from profiler.stages import STAGE_NAMES
 
     if options.get("rope_scaling") == "the checkpoints'":
-        if not _static_ntk_alpha("hunyuan_v1_dense"):
-            pytest.skip(f"transformers {T.__version__} re-scales HunYuan's NTK-alpha by length (refused)")
-        options = {**options, "rope_scaling": HUNYUAN_ROPE}
+        options = {**options, "rope_scaling": HUNYUAN_ROPE}  # transformers 5.2: dynamic NTK, inside 1024 positions
     model_dir = _model_dir(tmp_path, embedded_tokenizer, *architecture, **options)
     out = tmp_path / "kv_calibration.h5"
     one_family = ("--recommend-families", "retrieval", "--recommend-haystacks", "simple")
@@ -148,6 +150,20 @@ def test_a_model_in_another_form_of_rope_is_profiled_by_every_stage(
         assert len(reader.sections) == len(STAGE_NAMES) == 8  # a section per stage
         candidates = [name.decode() for name in reader.section("recommendation").arrays["candidates"]]
     assert "inf/leverage+correction" in candidates  # the flagship measured held out
+
+
+def test_probes_past_a_dynamic_ntk_models_original_context_are_refused_before_any_stage(
+    tmp_path, embedded_tokenizer, capsys
+):
+    """Dynamic NTK RoPE re-scales every pass past the original context (``max_position_embeddings``) and
+    keeps the scale: the probe stages would calibrate another model than the one served."""
+    options = {"rope_parameters": DYNAMIC_NTK, "pad_token_id": 0, "max_position_embeddings": 64}
+    model_dir = _model_dir(tmp_path, embedded_tokenizer, "LlamaConfig", "LlamaForCausalLM", **options)
+    out = tmp_path / "kv_calibration.h5"
+    assert _profile(model_dir, out, "--stages", "behaviour", "--calib-tokens", "32") == 2
+    line = _one_error_line(capsys)
+    assert "past the model's original context of 64 positions" in line and "dynamic NTK" in line, line
+    assert not out.exists()
 
 
 def test_learned_attention_sinks_are_refused_by_name_before_any_stage(tmp_path, embedded_tokenizer, capsys):
@@ -164,18 +180,14 @@ def test_learned_attention_sinks_are_refused_by_name_before_any_stage(tmp_path, 
 @pytest.mark.parametrize(
     "config, feature",
     [
-        (
-            T.LlamaConfig(**COMMON, vocab_size=128, rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
-            "dynamic NTK",
-        ),
         (T.DeepseekV2Config(**COMMON, vocab_size=128, kv_lora_rank=16), r"multi-head latent attention \(MLA"),
     ],
-    ids=["dynamic NTK", "MLA"],
+    ids=["MLA"],
 )
 @pytest.mark.parametrize("command", ["profile-model", "evaluate-artifact"])
 def test_what_the_config_tells_is_refused_before_the_model_loads(command, config, feature, tmp_path, capsys):
-    """Dynamic NTK RoPE and MLA are read off config.json: a model directory with no weights at all is
-    refused by name (the load would fail otherwise, saying something else)."""
+    """MLA is read off config.json: a model directory with no weights at all is refused by name (the
+    load would fail otherwise, saying something else)."""
 
     from profiler.evaluate_cli import main as evaluate
 

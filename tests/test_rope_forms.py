@@ -178,45 +178,6 @@ def test_attention_kvcal_cannot_compute_is_refused_by_its_name(name):
         assert "partial rotary" not in str(refused.value) and "features, expected" not in str(refused.value)
 
 
-DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-
-
-@pytest.mark.parametrize("given", ["rope_parameters", "rope_scaling"])
-def test_dynamic_ntk_rope_is_refused_by_name(given):
-    """Issue 41 item 5.  Dynamic NTK re-scales RoPE by the longest position of each forward pass and
-    keeps the scale in the rotary module between calls, so what the model computes is not a function
-    of its input: on a fresh model (prompt 300, 20 steps, original context 200) transformers'
-    one-shot generate() and the same prompt prefilled in two parts differ by 2.9e-5, generate() run
-    twice on one model by 5.4e-4, a left-padded row and the row alone by 1.2e-3; a cache rotated at
-    one scale is un-rotated by the scorers at another.  Refused by name rather than served silently
-    (kvcal's nothing-evicted serving: 2.9e-5 from the one-shot generate(), 1.2e-7 from the two-part
-    prefill; the issue's check measured 3.9e-4 and 2.3e-3 on a padded batch)."""
-    options = {given: {"type": "dynamic", "factor": 2.0}} if given == "rope_scaling" else {given: DYNAMIC}
-    model = _model("LlamaConfig", "LlamaForCausalLM", **options)
-    ids = _prompt(rows=1)[0][:, :40]
-    for attempt in (
-        lambda: ModelGeometry.of(model),
-        lambda: generate(model, ids, None, max_new_tokens=2),
-        lambda: bind(CompressionPolicy(keep_ratio=0.5, scorer="keydiff"), None, model),
-    ):
-        with pytest.raises(UnsupportedModelError, match=r"dynamic NTK RoPE \(rope_type 'dynamic'\)"):
-            attempt()
-
-
-def test_dynamic_ntk_rope_of_one_layer_type_is_refused_by_name():
-    rope = {"full_attention": DYNAMIC, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
-    model = _model(
-        "Gemma3TextConfig",
-        "Gemma3ForCausalLM",
-        head_dim=16,
-        sliding_window=16,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        rope_parameters=rope,
-    )
-    with pytest.raises(UnsupportedModelError, match=r"dynamic NTK RoPE \(rope_type 'dynamic'\) of full_attention"):
-        ModelGeometry.of(model)
-
-
 # HunYuan's checkpoints (Hunyuan-7B, Hunyuan-A13B) as their config.json writes RoPE: "dynamic" with an alpha
 HUNYUAN_ROPE = {
     "alpha": 1000.0,
@@ -255,16 +216,15 @@ def test_hunyuan_checkpoints_ntk_alpha_rope_is_served_where_transformers_fixes_i
     whatever the length (``rope_type`` "ntk_alpha").  kvcal refused it as dynamic NTK, by the config's
     string, before any weight loaded, so no HunYuan checkpoint was served at all.  Served exactly with
     nothing evicted (a left-padded batch), compressed by keydiff and by leverage (its norm after the
-    rotation read).  Where the rotary module has no NTK-alpha
-    (transformers 5.2: it re-scales by the longest position, as dynamic NTK) it stays refused."""
-    from runtime.math.geometry import check_config
+    rotation read).  Where the rotary module has no NTK-alpha (transformers 5.2: it re-scales by the
+    longest position, as dynamic NTK) it is served as dynamic NTK, inside its original context
+    (tests/test_dynamic_ntk.py)."""
+    from runtime.math.geometry import check_config, original_context
 
     model = _model(config_class, model_class, head_dim=16, rope_scaling=HUNYUAN_ROPE, **options)
-    if not _static_ntk_alpha(model.config.model_type):
-        with pytest.raises(UnsupportedModelError, match=r"dynamic NTK RoPE \(rope_type 'dynamic'\)"):
-            check_config(model.config)
-        return
-    assert model.model.rotary_emb.rope_type == "ntk_alpha"
+    static = _static_ntk_alpha(model.config.model_type)
+    assert (model.model.rotary_emb.rope_type == "ntk_alpha") == static
+    assert original_context(model.config) == (None if static else COMMON["max_position_embeddings"])
     check_config(model.config)  # profile-model and evaluate-artifact's check before the weights load
     ModelGeometry.of(model)
     assert_served_exactly(model)

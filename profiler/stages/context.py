@@ -282,10 +282,24 @@ class StageContext:
 
         probes_file = self.settings["probes_file"]
         if probes_file:
-            return file_probes(probes_file)
-        return preset_probes(
-            self.preset.probes, self.tokenizer, self.identity.tokenizer_fingerprint, dict(self.preset.probe_overrides)
-        )
+            probes = file_probes(probes_file)
+        else:
+            probes = preset_probes(
+                self.preset.probes,
+                self.tokenizer,
+                self.identity.tokenizer_fingerprint,
+                dict(self.preset.probe_overrides),
+            )
+        original = [limit for limit in self.geometry.rope_limits if limit is not None]
+        longest = probes.max_tokens() + self.settings["max_new_tokens"] if original else 0
+        if original and longest > min(original):
+            raise ValueError(
+                f"the longest probe plus {self.settings['max_new_tokens']} new tokens is {longest} tokens, past the "
+                f"model's original context of {min(original)} positions, where its dynamic NTK RoPE re-scales every "
+                "forward pass by its length: kvcal profiles and serves it inside that context only; choose shorter "
+                "probes (--probes FILE from generate-probes, or a preset with shorter ones)"
+            )
+        return probes
 
     def calibration_config(self) -> dict:
         dataset = self.settings["calib_dataset"]

@@ -176,6 +176,9 @@ class ModelGeometry:
     # per layer: the forward pass length above which the layer's RoPE turns with other frequencies
     # (transformers' longrope: Phi-3.5, Phi-4-mini; original_max_position_embeddings), None: it never does
     rope_switches: tuple[int | None, ...]
+    # per layer: the longest forward pass served (dynamic NTK: its original context, past which transformers
+    # re-scales each pass by its length and keeps the scale, :func:`original_context`), None: no limit
+    rope_limits: tuple[int | None, ...]
     # per layer: the factor the layer multiplies its rotated queries by, by position (None: none)
     query_scales: tuple[QueryScale | None, ...]
     sliding_windows: tuple[int | None, ...]  # per layer: the sliding window (None: full attention)
@@ -287,6 +290,11 @@ class ModelGeometry:
             layer_type: _longrope_switch(config, parameters) for layer_type, parameters in _rope_parameters(config)
         }
         rope_switches = tuple(switches.get(kind, switches.get(None)) for kind in rope_layer_types)
+        dynamic, limit = _dynamic_ntk_types(config), original_context(config)
+        rope_limits = tuple(
+            limit if dynamic and (kind is None or kind in dynamic or None in dynamic) else None
+            for kind in rope_layer_types
+        )
         return cls(
             num_layers=len(layers),
             num_q_heads=num_q_heads,
@@ -302,6 +310,7 @@ class ModelGeometry:
             rope_layer_types=rope_layer_types,
             rotary_dims=rotary_dims,
             rope_switches=rope_switches,
+            rope_limits=rope_limits,
             query_scales=tuple(query_scales),
             sliding_windows=sliding_windows,
             softcaps=softcaps,
@@ -331,10 +340,8 @@ def check_config(config, name: str | None = None) -> None:
     """Refuse, from the transformers config alone (before any weight loads: the commands call it on
     config.json), attention kvcal does not compute: multi-head latent attention (DeepSeek V2 / V3
     cache one latent per token, ``kv_lora_rank`` wide, from which every head's keys and values are
-    projected) and dynamic NTK RoPE (the scale depends on the longest position of each forward pass
-    and on the calls before: transformers' outputs depend on how the prompt is split, padded and
-    what ran before, by 3e-5 to 1e-3 on a tiny Llama, docs/design.md section 6; not HunYuan's
-    NTK-alpha where transformers fixes its base, :func:`_fixed_ntk_alpha`); also a heterogeneous
+    projected) and dynamic NTK RoPE without a ``max_position_embeddings`` (kvcal serves dynamic NTK
+    inside that original context only: :func:`original_context`); also a heterogeneous
     config (per-layer attention geometry, Gemma 4), layer types without RoPE parameters (Beam) and
     keys and values shared across layers (Gemma 3n).  ``name``: the
     model's, for the message (default: the config's architecture)."""
@@ -369,17 +376,33 @@ def check_config(config, name: str | None = None) -> None:
             f"{name}: multi-head latent attention (MLA, kv_lora_rank={rank}: keys and values projected from one "
             "cached latent per token, as in DeepSeek V2 / V3) is not supported"
         )
-    for layer_type, parameters in _rope_parameters(config):
-        if parameters.get("rope_type", parameters.get("type")) == "dynamic" and not _fixed_ntk_alpha(
-            config, parameters
-        ):
-            of = "" if layer_type is None else f" of {layer_type} layers"
-            raise UnsupportedModelError(
-                f"{name}: dynamic NTK RoPE (rope_type 'dynamic'){of} is not supported: it re-scales RoPE by the "
-                "longest position of each forward pass and keeps that scale between calls, so a cache rotated at "
-                "one length is not what the model computes at another (transformers' own generate() differs from "
-                "itself by how the prompt is split or padded and by what ran before)"
-            )
+    if _dynamic_ntk_types(config) and original_context(config) is None:
+        raise UnsupportedModelError(
+            f"{name}: dynamic NTK RoPE (rope_type 'dynamic') without a max_position_embeddings is not supported: "
+            "transformers re-scales it past that original context, and kvcal serves it only inside it"
+        )
+
+
+def _dynamic_ntk_types(config) -> list[str | None]:
+    """The layer types (None: every layer) whose RoPE is transformers' dynamic NTK (not HunYuan's NTK-alpha
+    where transformers fixes its base, :func:`_fixed_ntk_alpha`)."""
+    return [
+        layer_type
+        for layer_type, parameters in _rope_parameters(text_config(config))
+        if parameters.get("rope_type", parameters.get("type")) == "dynamic" and not _fixed_ntk_alpha(config, parameters)
+    ]
+
+
+def original_context(config) -> int | None:
+    """For a model with dynamic NTK RoPE (in some layer type), its original context: the longest forward
+    pass transformers rotates with the default RoPE (``max_position_embeddings``; a longer pass re-scales
+    the base by its own length, and the rotary module keeps that scale for later passes: docs/design.md
+    section 6), the longest kvcal serves; None for any other model (or one without the number)."""
+    config = text_config(config)
+    positions = getattr(config, "max_position_embeddings", None)
+    if not _dynamic_ntk_types(config) or not isinstance(positions, int) or isinstance(positions, bool):
+        return None
+    return positions if positions > 0 else None
 
 
 def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:

@@ -185,6 +185,13 @@ def rope_cos_sin(
         shape = (positions.shape[1], geometry.head_dim)
         return torch.ones(shape, device=device), torch.zeros(shape, device=device)
     layer_type = geometry.rope_layer_type(layer)
+    limit = geometry.rope_limits[0 if layer is None else layer]
+    if limit is not None and positions.numel() and int(positions.max()) >= limit:  # a pass past it would re-scale
+        raise ValueError(
+            f"position {int(positions.max())} is past the {limit} positions of the model's original context, where "
+            "its dynamic NTK RoPE re-scales (and the rotary module keeps the scale): kvcal serves it inside that "
+            "context only"
+        )
     probe = torch.zeros(1, positions.shape[1], 1, dtype=torch.float32, device=device)
     with torch.no_grad():
         output = rotary(probe, positions) if layer_type is None else rotary(probe, positions, layer_type)
@@ -211,12 +218,19 @@ def averaged_rope(
     as in :func:`rope_cos_sin`), each position's RoPE the one a query decoded there alone gets (the
     frequencies of a longrope RoPE switch at ``original_max_position_embeddings``), times the factor the
     layer scales a query there by (:attr:`~runtime.math.geometry.ModelGeometry.query_scales`: the average
-    is of the queries' own rotations, the RoPE of keys never scaled)."""
+    is of the queries' own rotations, the RoPE of keys never scaled).  A dynamic NTK layer decodes no
+    query past its original context (:attr:`~runtime.math.geometry.ModelGeometry.rope_limits`): the
+    horizon stops there, and a start at or past it averages the last position inside it."""
     if horizon <= 0:
         raise ValueError(f"the RoPE averaging horizon must be positive, got {horizon}")
     if start < 0:
         raise ValueError(f"the start position must be >= 0, got {start}")
     geometry = ModelGeometry.of(model)
+    limit = geometry.rope_limits[0 if layer is None else layer]
+    if limit is not None:  # generate() refuses a generation past it: no query is decoded there
+        end = min(start + horizon, limit)
+        start = min(start, end - 1)
+        horizon = end - start
     switch = geometry.rope_switches[0 if layer is None else layer]
     # longrope turns a pass by its longest position: a query decoded alone at p takes its short factors
     # while p < switch, its long ones from there on (rope_cos_sin rotates its positions as one pass)

@@ -257,16 +257,29 @@ def check_passes_rotate_alike(name: str, geometry, scorer, pass_ends, what: str,
     ``geometry``, a :class:`~runtime.math.geometry.ModelGeometry`) rotated in forward
     passes ending on both sides of a layer's RoPE switch (:attr:`ModelGeometry.rope_switches`: transformers'
     longrope turns each pass with its short factors up to ``original_max_position_embeddings`` positions and
-    with its long ones beyond, Phi-3.5 and Phi-4-mini), since the keys of one side would be un-rotated with
+    with its long ones beyond, Phi-3.5 and Phi-4-mini; :attr:`ModelGeometry.rope_limits`: dynamic NTK re-scales
+    each pass past its original context by its length), since the keys of one side would be un-rotated with
     the other's frequencies.  ``pass_ends``: the largest position + 1 of each pass whose keys are
     un-rotated together (None: unknown in advance, refused wherever the RoPE switches)."""
     if scorer is None or not rope_needs(scorer)[0]:
         return
-    for switch in sorted({s for s in geometry.rope_switches if s is not None}):
+    turns = {
+        switch: "where the model's longrope RoPE turns from its short to its long factors (each pass by its longest "
+        "position)"
+        for switch in geometry.rope_switches
+        if switch is not None
+    }
+    turns.update(
+        {
+            limit: "the model's original context, past which its dynamic NTK RoPE re-scales each pass by its length"
+            for limit in geometry.rope_limits
+            if limit is not None
+        }
+    )
+    for switch in sorted(turns):
         if pass_ends is None or min(pass_ends) <= switch < max(pass_ends):
             raise UnsupportedModelError(
                 f"{name}: {what} un-rotates with the {scorer.name} scorer keys of forward passes "
-                f"on both sides of {switch} positions, where the model's longrope RoPE turns from its short to its "
-                f"long factors (each pass by its longest position), so the keys of one side would be un-rotated "
+                f"on both sides of {switch} positions, {turns[switch]}, so the keys of one side would be un-rotated "
                 f"with the other's: {remedy}, or serve a scorer that reads no RoPE (keydiff, snapkv, knorm, streaming)"
             )

@@ -40,7 +40,7 @@ from runtime.compression.prefill import CompressionReport, compress, prefill, pr
 from runtime.compression.ragged_attention import ragged_attention
 from runtime.kv_store.cache import CacheConsumedError, RaggedCache
 from runtime.kv_store.transformers_compat import cache_argument
-from runtime.math.geometry import input_device
+from runtime.math.geometry import input_device, original_context
 from runtime.plan.policy import CompressionPolicy
 from runtime.plan.rope_check import check_passes_rotate_alike
 from runtime.plan.serving_plan import ServingPlan, as_plan
@@ -74,11 +74,15 @@ def build_inputs(contexts: list[list[int]], questions: list[list[int]], pad_toke
 def context_limit(config) -> int | None:
     """The most token positions ``config``'s model was trained for (None: unknown).
 
-    ``max_position_embeddings``, or for a RoPE-scaled model (YaRN, dynamic NTK, linear, llama3,
-    longrope...) ``original_max_position_embeddings x factor`` when that is larger: scaling
-    stretches the positions a model can use, and several configs keep the original length in
-    ``max_position_embeddings``.
+    ``max_position_embeddings``, or for a RoPE-scaled model (YaRN, linear, llama3, longrope...)
+    ``original_max_position_embeddings x factor`` when that is larger: scaling stretches the
+    positions a model can use, and several configs keep the original length in
+    ``max_position_embeddings``.  Dynamic NTK RoPE is served inside its original context only
+    (:func:`~runtime.math.geometry.original_context`: transformers re-scales every pass past it).
     """
+    original = original_context(config)
+    if original is not None:
+        return original
     limit = getattr(config, "max_position_embeddings", None)
     if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
         return None
@@ -126,12 +130,34 @@ def check_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     longest = int(real.max())
     if limit is not None and longest > limit:
         row = int(real.argmax())
+        why = (
+            "its dynamic NTK RoPE is re-scaled past it, and kvcal serves it only inside it"
+            if original_context(model.config) is not None
+            else "past it the answer is not to be trusted"
+        )
         raise ValueError(
             f"the prompt has {longest} tokens (batch row {row}), more than the model's context of {limit} positions "
-            f"(max_position_embeddings {model.config.max_position_embeddings}): past it the answer is not to be "
-            "trusted; shorten the context"
+            f"(max_position_embeddings {model.config.max_position_embeddings}): {why}; shorten the context"
         )
     return attention_mask
+
+
+def check_inside_original_context(model, attention_mask: torch.Tensor, generate_kwargs: dict) -> None:
+    """Refuse ``model.generate(**generate_kwargs)`` after a prompt with ``attention_mask`` where it could reach
+    past the original context of a model with dynamic NTK RoPE (:func:`~runtime.math.geometry.original_context`;
+    a row's positions count its real tokens, as transformers numbers them from the mask)."""
+    original = original_context(model.config)
+    if original is None:
+        return
+    new_tokens = _new_tokens(model, generate_kwargs, attention_mask.shape[1])
+    longest = int(attention_mask.sum(-1).max())
+    if longest + new_tokens > original:
+        raise ValueError(
+            f"a prompt of {longest} tokens and up to {new_tokens} new tokens reach past the {original} positions "
+            "of the model's original context (max_position_embeddings), where its dynamic NTK RoPE re-scales every "
+            "forward pass by its length and keeps that scale for the next: kvcal serves it inside that context only; "
+            f"ask for at most {max(original - longest, 0)} new tokens, or shorten the prompt"
+        )
 
 
 @torch.no_grad()
@@ -285,6 +311,7 @@ def generate_from_cache(
         )
     if generate_kwargs.get("generation_config") is None:  # greedy unless asked: not the model's sampling default
         generate_kwargs.setdefault("do_sample", False)
+    check_inside_original_context(model, attention_mask, generate_kwargs)
     expand = rows_per_prompt(model, generate_kwargs)
     if expand > 1:
         cache.batch_repeat_interleave(expand)  # rows [b0, b0, ..., b1, b1, ...] as generate() expands its inputs
@@ -351,6 +378,8 @@ def generate(
     ``output_scores`` / ``output_logits``: :class:`GenerationResult` ``output``) work as with an
     uncompressed model; the prompt is compressed once per row, before generate() expands it.
     """
+    attention_mask = check_inputs(model, input_ids, attention_mask)
+    check_inside_original_context(model, attention_mask, generate_kwargs)  # before any forward pass
     cache, report = compress_prompt(
         model,
         input_ids,
@@ -360,7 +389,6 @@ def generate(
         calibration=calibration,
         block_size=block_size,
     )
-    attention_mask = check_inputs(model, input_ids, attention_mask)
     return generate_from_cache(
         model, input_ids, attention_mask, cache, report, decode_graphs=decode_graphs, **generate_kwargs
     )
@@ -471,6 +499,7 @@ def _answer_from_one_context(model, ids, mask, pairs, policy, calibration, gener
                 "tokens differ and one compressed context cannot serve both; pass question_aware=True"
             )
     mask = check_inputs(model, ids, mask)  # every prompt, before the context's forward pass
+    check_inside_original_context(model, mask, generate_kwargs)
     cache, report = compress_prompt(
         model, ids[:1], policy, attention_mask=mask[:1], context_columns=len(context_ids), calibration=calibration
     )
