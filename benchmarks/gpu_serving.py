@@ -660,6 +660,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    if args.tables is not None:  # written after minutes of work: made first
+        args.tables.mkdir(parents=True, exist_ok=True)
     out = Path(args.json or work / "gpu_serving.json")
     device = torch.device(args.device)
     results = {
