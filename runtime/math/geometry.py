@@ -386,9 +386,10 @@ def check_config(config, name: str | None = None) -> None:
 def _dynamic_ntk_types(config) -> list[str | None]:
     """The layer types (None: every layer) whose RoPE is transformers' dynamic NTK (not HunYuan's NTK-alpha
     where transformers fixes its base, :func:`_fixed_ntk_alpha`)."""
+    config = text_config(config)
     return [
         layer_type
-        for layer_type, parameters in _rope_parameters(text_config(config))
+        for layer_type, parameters in _rope_parameters(config)
         if parameters.get("rope_type", parameters.get("type")) == "dynamic" and not _fixed_ntk_alpha(config, parameters)
     ]
 

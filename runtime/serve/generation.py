@@ -40,7 +40,7 @@ from runtime.compression.prefill import CompressionReport, compress, prefill, pr
 from runtime.compression.ragged_attention import ragged_attention
 from runtime.kv_store.cache import CacheConsumedError, RaggedCache
 from runtime.kv_store.transformers_compat import cache_argument
-from runtime.math.geometry import input_device, original_context
+from runtime.math.geometry import input_device, original_context, text_config
 from runtime.plan.policy import CompressionPolicy
 from runtime.plan.rope_check import check_passes_rotate_alike
 from runtime.plan.serving_plan import ServingPlan, as_plan
@@ -135,9 +135,10 @@ def check_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
             if original_context(model.config) is not None
             else "past it the answer is not to be trusted"
         )
+        positions = getattr(text_config(model.config), "max_position_embeddings", limit)
         raise ValueError(
             f"the prompt has {longest} tokens (batch row {row}), more than the model's context of {limit} positions "
-            f"(max_position_embeddings {model.config.max_position_embeddings}): {why}; shorten the context"
+            f"(max_position_embeddings {positions}): {why}; shorten the context"
         )
     return attention_mask
 
