@@ -26,6 +26,7 @@ disagree; this module checks the modules against them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -69,10 +70,15 @@ class Projection:
     # the attention receives ``weight * R(p) take(output)``, the read being divided by its root mean square
     # (``norm``: :class:`RootMeanSquare`); None also for a norm after RoPE without a weight (Llama 4)
     weight_after_rope: torch.Tensor | None = None
+    # the bound the attention clamps the projection to, ``[-clip, clip]``, in place after the hook has run
+    # (OLMo's ``clip_qkv``: 8.0 in OLMo 1.7's checkpoints); None: no clamp
+    clip: float | None = None
 
     def take(self, output: torch.Tensor) -> torch.Tensor:
         """The projection ``[B, T, H, d]`` in the hooked module's output ``[B, T, F]``."""
         values = output.detach() if self.features is None else output.detach()[..., self.features]
+        if self.clip is not None:
+            values = values.clamp(-self.clip, self.clip)
         batch, tokens = values.shape[0], values.shape[1]
         if self.norm is None:
             return values.reshape(batch, tokens, self.heads, self.head_dim)
@@ -140,6 +146,17 @@ def _forward_calls(module_class: type, name: str) -> bool:
         return name in inspect.getsource(module_class.forward)
     except (OSError, TypeError):
         return False
+
+
+def _clip_qkv(attention, config) -> float | None:
+    """The bound ``attention`` clamps its query, key and value projections to (OLMo's ``clip_qkv``, read
+    where its forward reads it), None where it clamps nothing."""
+    clip = getattr(config, "clip_qkv", None)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not _forward_calls(type(attention), "clip_qkv"):
+        return None
+    if not clip > 0:
+        raise UnsupportedModelError(f"clip_qkv={clip}: the attention would clamp every projection to 0 or less")
+    return float(clip)
 
 
 def _rope_takes_layer_type(rotary) -> bool | None:
@@ -279,8 +296,9 @@ class ModelGeometry:
                 if fused
                 else _projections(name, index, attention, numbers)
             )
+            clip = _clip_qkv(attention, config)
             for kind, projection in found.items():
-                projections[kind].append(projection)
+                projections[kind].append(projection if clip is None else dataclasses.replace(projection, clip=clip))
             attention_modules.append(attention)
             scalings.append(float(getattr(attention, "scaling", head_dim**-0.5)))
             query_scales.append(_query_scale(attention, config))
