@@ -239,6 +239,40 @@ def test_hunyuan_checkpoints_ntk_alpha_rope_is_served_where_transformers_fixes_i
     assert report.kv_bytes_after < report.kv_bytes_before  # leverage: its norm after RoPE read (test_rope_check.py)
 
 
+# YaRN as Olmo 3's checkpoints write it (original 8192 positions, factor 8; here 256 and 4): transformers
+# multiplies cos and sin by its attention factor, 1 + 0.1 ln(factor) = 1.139 here
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0}
+
+
+@torch.no_grad()
+def test_yarn_rope_with_its_attention_factor_is_served_exactly():
+    """YaRN (Olmo 3, Ministral 3 and Qwen3's long-context configs) scales the rotary module's cos and sin
+    by an attention factor: the keys the attention receives are that factor times a rotation of the
+    pre-RoPE keys.  Nothing evicted is transformers' own; the leverage scorer's keys are the pre-RoPE keys,
+    Expected Attention's rotation the model's queries (positions 0, 7, 33)."""
+    from test_rope_check import (
+        _assert_query_rotation_is_the_models,
+        _layer_inputs,
+        _pre_and_post_rope,
+        _provider,
+    )
+
+    from runtime.scorers import KeyRope
+
+    model = _model("LlamaConfig", "LlamaForCausalLM", rope_parameters=YARN)
+    assert model.model.rotary_emb.attention_scaling > 1.1
+    assert_served_exactly(model)
+    plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)
+    ids = _prompt(rows=1)[0][:, :120]
+    pre, post = _pre_and_post_rope(model, ids)
+    key_rope = _provider(plan, KeyRope)
+    for layer in range(len(post)):
+        keys = post[layer][0].transpose(1, 2)
+        unrotated = key_rope(_layer_inputs(layer, keys, 120)).undo(keys)
+        torch.testing.assert_close(unrotated, pre[layer][0].transpose(1, 2), rtol=1e-4, atol=1e-5)
+    _assert_query_rotation_is_the_models(model, None, (0, 7, 33))
+
+
 def test_a_rotation_other_than_runtime_ropes_is_named():
     """runtime.plan.rope_check says what a layer does instead, for the refusals (issue 41 item 7: the
     profiler's names the model's RoPE)."""
