@@ -10,7 +10,8 @@ a 32-token sliding window where the architecture has one, vocabulary 256):
   ``runtime.math.rope``'s (``runtime.plan.rope_check``, the un-rotation the leverage scorer and the profiler's
   pre-RoPE query reads rely on) are the ones the table names, and there the scorers that read RoPE
   are refused by name, unless those layers follow another form runtime.math.rope serves (interleaved
-  pairs, no RoPE: the flagship serves); elsewhere the un-rotation and the query reads agree with the model's own.
+  pairs, no RoPE, the inverse rotation: the flagship serves); elsewhere the un-rotation and the query reads
+  agree with the model's own.
 * :data:`REFUSED`: ``ModelGeometry.of`` (every entry point's first check) refuses it naming the
   feature.
 * :data:`SKIPPED`: not a text decoder with a KV cache transformers can build tiny here, with why.
@@ -44,7 +45,7 @@ TOLERANCE = 1e-4
 def rope_reading_refused(model_type: str) -> bool:
     """Whether the scorers that read RoPE are refused on ``model_type``: some layer rotates otherwise than
     every form of runtime.math.rope (interleaved pairs and no RoPE are forms it serves)."""
-    served = ("no RoPE", "interleaved RoPE")
+    served = ("no RoPE", "interleaved RoPE", "the inverse RoPE rotation")
     return any(not clause.startswith(served) for clause in EXACT[model_type].split("; ") if clause)
 
 
@@ -148,6 +149,7 @@ EXACT = {
     "ministral3": "",
     "mistral": "",
     "mixtral": "",
+    "nanochat": "the inverse RoPE rotation in layers 0, 1, 2, 3",
     "nemotron": "",
     "olmo": "",
     "olmo2": "",
@@ -210,7 +212,7 @@ REFUSED = {
         "gemma4_text",
         "gemma4_unified_text",
     ),
-    r"a query or key norm without a weight": ("dory", "nanochat"),
+    r"recurrent layers \(n_recurrent_loops=2: a section of layers run several times": ("dory",),
     r"no rotary embedding at model\.model\.rotary_emb \(RoPE models only\)": (
         "granitemoehybrid",
         "inkling2_loop_text",

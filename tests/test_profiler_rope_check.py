@@ -114,6 +114,7 @@ def test_the_stages_the_refusal_names_run(centring_norm_dir, tmp_path, capsys):
         (HUNYUAN, {"head_dim": 16}),
         (HUNYUAN, {"head_dim": 16, "rope_scaling": "the checkpoints'"}),
         (("LlamaConfig", "LlamaForCausalLM"), {"rope_parameters": DYNAMIC_NTK, "pad_token_id": 0}),
+        (("NanoChatConfig", "NanoChatForCausalLM"), {"pad_token_id": 0}),
     ],
     ids=[
         "smollm3 (the second of two layers without RoPE)",
@@ -122,6 +123,7 @@ def test_the_stages_the_refusal_names_run(centring_norm_dir, tmp_path, capsys):
         "hunyuan (a norm after RoPE)",
         "hunyuan with its checkpoints' NTK-alpha RoPE",
         "llama with dynamic NTK RoPE (InternLM3's checkpoints), inside its original context",
+        "nanochat (the inverse rotation, norms without a weight after it)",
     ],
 )
 def test_a_model_in_another_form_of_rope_is_profiled_by_every_stage(
@@ -135,7 +137,8 @@ def test_a_model_in_another_form_of_rope_is_profiled_by_every_stage(
     rotation (its norm's weight applied after it: refused before), also with the RoPE its checkpoints
     write ("dynamic" with an alpha, which transformers fixes: refused before any weight loaded as
     dynamic NTK).  Dynamic NTK itself was refused by name before the weights loaded: it is profiled
-    inside its original context (tests/test_dynamic_ntk.py)."""
+    inside its original context (tests/test_dynamic_ntk.py).  NanoChat rotates by the opposite angle and
+    normalises without a weight after it (refused by name before)."""
     from test_rope_forms import HUNYUAN_ROPE
 
     from profiler.stages import STAGE_NAMES

@@ -273,6 +273,73 @@ def test_yarn_rope_with_its_attention_factor_is_served_exactly():
     _assert_query_rotation_is_the_models(model, None, (0, 7, 33))
 
 
+def _assert_reads_are_the_models(model, ids) -> None:
+    """The leverage scorer's keys are every layer's pre-RoPE keys as the geometry reads them, Expected
+    Attention's rotation the model's queries (positions 0, 7, 33), and the flagship's scorer compresses."""
+    from test_rope_check import (
+        _assert_query_rotation_is_the_models,
+        _layer_inputs,
+        _pre_and_post_rope,
+        _provider,
+    )
+
+    from runtime.scorers import KeyRope
+
+    plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)
+    pre, post = _pre_and_post_rope(model, ids)
+    key_rope = _provider(plan, KeyRope)
+    for layer in range(len(post)):
+        keys = post[layer][0].transpose(1, 2)
+        unrotated = key_rope(_layer_inputs(layer, keys, ids.shape[1])).undo(keys)
+        torch.testing.assert_close(unrotated, pre[layer][0].transpose(1, 2), rtol=1e-4, atol=1e-4)
+    _assert_query_rotation_is_the_models(model, None, (0, 7, 33))
+    _, report = compress_prompt(model, ids, plan, context_columns=ids.shape[1] - 4)
+    assert report.kv_bytes_after < report.kv_bytes_before
+
+
+@torch.no_grad()
+def test_nanochat_is_served_exactly_by_every_scorer():
+    """NanoChat rotates with ``rotate_half(x) = cat(x2, -x1)``: the inverse rotation, ``R(-p)``
+    (runtime.math.rope's ``REVERSED`` form), and then divides each head by its root mean square, without a
+    weight: a norm that commutes with any rotation, read before RoPE.  Refused by name before ("a query or
+    key norm without a weight")."""
+    from runtime.math.rope import REVERSED, RopeForms
+
+    model = _model("NanoChatConfig", "NanoChatForCausalLM", head_dim=16)
+    assert_served_exactly(model)
+    assert bind(CompressionPolicy(keep_ratio=0.25), None, model).rope_forms == RopeForms(
+        (REVERSED,) * 4, (REVERSED,) * 4
+    )
+    _assert_reads_are_the_models(model, _prompt(rows=1)[0][:, :120])
+
+
+@torch.no_grad()
+def test_the_embedded_attention_weights_in_nanochats_architecture_are_read_exactly(embedded_model, embedded_tokenizer):
+    """The real embedded weights' attention (its 30 layers' q, k, v, o projections) in NanoChat's
+    architecture (its MLP of other names random, its norms without weights)."""
+    if not hasattr(T, "NanoChatConfig"):
+        pytest.skip(f"transformers {T.__version__} has no NanoChatConfig")
+    config = embedded_model.config
+    torch.manual_seed(0)
+    model = T.NanoChatForCausalLM(
+        T.NanoChatConfig(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_hidden_layers,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads,
+            rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        )
+    ).eval()
+    own = embedded_model.state_dict()
+    attention = {name: value for name, value in own.items() if ".self_attn." in name}
+    missing, _ = model.load_state_dict(attention, strict=False)
+    assert not [name for name in missing if ".self_attn." in name]
+    ids = embedded_tokenizer("The passcode is 4817. " * 6 + "What is the passcode?", return_tensors="pt").input_ids
+    _assert_reads_are_the_models(model, ids)
+
+
 def test_a_rotation_other_than_runtime_ropes_is_named():
     """runtime.plan.rope_check says what a layer does instead, for the refusals (issue 41 item 7: the
     profiler's names the model's RoPE)."""

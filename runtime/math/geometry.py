@@ -360,8 +360,8 @@ def check_config(config, name: str | None = None) -> None:
     cache one latent per token, ``kv_lora_rank`` wide, from which every head's keys and values are
     projected) and dynamic NTK RoPE without a ``max_position_embeddings`` (kvcal serves dynamic NTK
     inside that original context only: :func:`original_context`); also a heterogeneous
-    config (per-layer attention geometry, Gemma 4), layer types without RoPE parameters (Beam) and
-    keys and values shared across layers (Gemma 3n).  ``name``: the
+    config (per-layer attention geometry, Gemma 4), layer types without RoPE parameters (Beam), keys
+    and values shared across layers (Gemma 3n) and layers run several times per token (Dory).  ``name``: the
     model's, for the message (default: the config's architecture)."""
     config = text_config(config)
     if name is None:
@@ -387,6 +387,12 @@ def check_config(config, name: str | None = None) -> None:
         raise UnsupportedModelError(
             f"{name}: keys and values shared across layers (num_kv_shared_layers={shared}: the last layers attend "
             "to an earlier layer's cache, as in Gemma 3n) are not supported"
+        )
+    loops = getattr(config, "n_recurrent_loops", None)
+    if isinstance(loops, int) and not isinstance(loops, bool) and loops > 1:
+        raise UnsupportedModelError(
+            f"{name}: recurrent layers (n_recurrent_loops={loops}: a section of layers run several times per token, "
+            "each loop writing its own cache, as in Dory) are not supported: kvcal's cache holds one pass of each layer"
         )
     rank = getattr(config, "kv_lora_rank", None)
     if rank:
@@ -569,19 +575,18 @@ def _pre_rope_norm(attention, side: str) -> torch.nn.Module | None:
 
 def _normed(name: str, index: int, linear, heads: int, dim: int, norm) -> Projection:
     """``linear``'s output, through ``norm`` when there is one: a norm with a weight of ``d`` (per
-    head), ``[H, d]`` (per head, a weight each: Command R+) or ``H d`` (over all heads) features, or a
-    module of one LayerNorm per head (StableLM's ``qk_layernorm``, on ``[B, H, T, d]``)."""
+    head), ``[H, d]`` (per head, a weight each: Command R+) or ``H d`` (over all heads) features, a
+    module of one LayerNorm per head (StableLM's ``qk_layernorm``, on ``[B, H, T, d]``), or a norm
+    without a weight, read as one of each head (NanoChat's, applied after RoPE: an RMS norm without a
+    weight commutes with the rotation; :mod:`runtime.plan.rope_check` checks the read on the model)."""
     if norm is None:
         return Projection(linear, heads, dim)
     per_head = getattr(norm, "norms", None)  # StableLM: a LayerNorm of d per head, heads on axis 1
     if isinstance(per_head, torch.nn.ModuleList) and len(per_head) == heads:
         return Projection(linear, heads, dim, norm=norm, heads_first=True)
     weight = getattr(norm, "weight", None)
-    if weight is None:
-        raise UnsupportedModelError(
-            f"{name}: layer {index} has a query or key norm without a weight (a parameter-free norm, as in "
-            "NanoChat): kvcal cannot tell whether it normalises each head or all of them"
-        )
+    if weight is None:  # NanoChat: read as a norm of each head (runtime.plan.rope_check checks it on the model)
+        return Projection(linear, heads, dim, norm=norm)
     size = weight.numel()
     if size not in (dim, heads * dim):
         raise UnsupportedModelError(

@@ -6,13 +6,15 @@ where ``P x = rotate_half(x)``.  Because that is linear in ``(cos, sin)``, the a
 ``Rbar = mean_{p=t0..t0+T-1} R_p`` is ``diag(mean cos) + diag(mean sin) P``.  ``cos`` and
 ``sin`` come from the model's own rotary module, so RoPE scaling variants are honoured.
 
-Models rotate in one of three forms (:data:`FORMS`; which one each layer uses is read off the model
+Models rotate in one of these forms (:data:`FORMS`; which one each layer uses is read off the model
 by :mod:`runtime.plan.rope_check`): :data:`ROTATE_HALF`, the above; :data:`INTERLEAVED`, GPT-J's
 rotation of adjacent pairs ``(x0, x1), (x2, x3) ..`` (Cohere, Ernie 4.5, Helium), where ``P`` turns
 each pair, ``P x = (-x1, x0, -x3, x2, ..)``, and ``cos, sin`` repeat each pair's frequency
-(``[f0, f0, f1, f1, ..]``); and :data:`NO_ROPE`, a layer that does not rotate (SmolLM3, EXAONE 4),
-whose rotation is the identity, ``cos = 1, sin = 0``.  Every formula here holds in each form with its
-``P``: :class:`Rotation` carries ``cos, sin`` with the form's ``P``.
+(``[f0, f0, f1, f1, ..]``); :data:`REVERSED`, rotate_half's rotation by the opposite angle
+(NanoChat's ``rotate_half`` returns ``cat(x2, -x1)``), ``R_p`` with ``sin`` negated; and
+:data:`NO_ROPE`, a layer that does not rotate (SmolLM3, EXAONE 4), whose rotation is the identity,
+``cos = 1, sin = 0``.  Every formula here holds in each form with its ``P``: :class:`Rotation` carries
+``cos, sin`` with the form's ``P``.
 
 Partial RoPE (Phi-4-mini turns 48 of 64 dimensions, GLM-4 half of them, StableLM a quarter) turns a
 head's first ``r`` dimensions in one of these forms and passes the others: ``cos, sin`` are 1 and 0
@@ -32,8 +34,10 @@ ROTATE_HALF = "rotate_half"
 # Helium) or already per pair ([f0, f0, f1, f1, ..]: Cohere), as INTERLEAVED_PAIRED
 INTERLEAVED = "interleaved"
 INTERLEAVED_PAIRED = "interleaved, paired frequencies"
+# rotate_half with its signs flipped, cat(x2, -x1): the inverse rotation R(-p) (NanoChat); sin negated
+REVERSED = "rotate_half, reversed"
 NO_ROPE = "none"
-FORMS = (ROTATE_HALF, INTERLEAVED, INTERLEAVED_PAIRED, NO_ROPE)
+FORMS = (ROTATE_HALF, INTERLEAVED, INTERLEAVED_PAIRED, REVERSED, NO_ROPE)
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,8 @@ def rope_cos_sin(
     else:
         cos, sin = output
     cos, sin = cos[0].float(), sin[0].float()
+    if form == REVERSED:  # R(-p): cos(-a) = cos(a), sin(-a) = -sin(a)
+        sin = -sin
     if form == INTERLEAVED:  # [f, f] -> [f0, f0, f1, f1, ..]
         half = cos.shape[-1] // 2
         cos, sin = cos[:, :half].repeat_interleave(2, -1), sin[:, :half].repeat_interleave(2, -1)

@@ -41,6 +41,7 @@ from runtime.math.rope import (
     INTERLEAVED,
     INTERLEAVED_PAIRED,
     NO_ROPE,
+    REVERSED,
     ROTATE_HALF,
     RopeForms,
     rope_cos_sin,
@@ -89,7 +90,13 @@ class RopeMismatches:
 
 OTHER = "another rotation, a norm after it other than an RMS norm, or one the pre-RoPE read misses"
 # what a layer that differs does, by its form (the refusal's and describe()'s words)
-FEATURES = {NO_ROPE: "no RoPE", INTERLEAVED: "interleaved RoPE", INTERLEAVED_PAIRED: "interleaved RoPE", None: OTHER}
+FEATURES = {
+    NO_ROPE: "no RoPE",
+    INTERLEAVED: "interleaved RoPE",
+    INTERLEAVED_PAIRED: "interleaved RoPE",
+    REVERSED: "the inverse RoPE rotation",
+    None: OTHER,
+}
 
 
 def _error(
