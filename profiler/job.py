@@ -204,9 +204,9 @@ class ProfileJob:
         stages, verb = ("the stages", "") if len(reads) > 1 else ("the stage", "s")
         raise UnsupportedModelError(
             f"{type(self.model).__name__}: {stages} {refused} calibrate{verb} scorers that need RoPE applied as "
-            f"x cos + P(x) sin (P: rotate_half or the interleaved pairs' turn; or no RoPE) to the pre-RoPE "
-            f"projections, but {problems}; the runtime refuses those "
-            f"scorers on this model. Profile what reads no RoPE: {remedy}"
+            f"x cos + P(x) sin (P: rotate_half, its inverse or the interleaved pairs' turn; or no RoPE) to the "
+            f"pre-RoPE projections, but {problems}; the runtime refuses those scorers on this model. Profile what "
+            f"reads no RoPE: {remedy}"
         )
 
     def context(self, kept: set[str]) -> StageContext:

@@ -253,8 +253,8 @@ def check_rope_for(model, what: str, *, keys: bool, queries: bool) -> None:
     problems = rope_problems(model, keys=keys, queries=queries)
     if problems:
         raise UnsupportedModelError(
-            f"{type(model).__name__}: {what} needs RoPE applied as x cos + P(x) sin (P: rotate_half or the "
-            f"interleaved pairs' turn; or no RoPE) to the pre-RoPE projections, but {problems}: serve a "
+            f"{type(model).__name__}: {what} needs RoPE applied as x cos + P(x) sin (P: rotate_half, its inverse "
+            f"or the interleaved pairs' turn; or no RoPE) to the pre-RoPE projections, but {problems}: serve a "
             "scorer that reads no RoPE (keydiff, snapkv, knorm, streaming) on this model"
         )
 
