@@ -522,7 +522,7 @@ def _flagship_calibration(model) -> Calibration:
 def test_the_flagship_serves_or_is_refused_by_name(model_type):
     """The flagship (INF budgets, leverage scores, MomentKV correction) from an in-memory
     calibration: served on a left-padded batch where the model rotates in a form of runtime.math.rope
-    (rotate_half, interleaved pairs, no RoPE), refused naming the model's RoPE elsewhere."""
+    (rotate_half, its inverse, interleaved pairs, no RoPE), refused naming the model's RoPE elsewhere."""
     model = tiny_model(model_type)
     if refused_on_older(model_type, model):
         return
