@@ -19,12 +19,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as T
-from test_rope_check import COMMON, _layer_inputs, _pre_and_post_rope, _provider
+from test_rope_check import COMMON, _assert_scored_keys_and_served, _pre_and_post_rope
 
 from runtime import CompressionPolicy, bind, compress_prompt, generate
 from runtime.math.geometry import ModelGeometry, UnsupportedModelError, check_config
 from runtime.math.rope import averaged_rope, rope_cos_sin
-from runtime.scorers import KeyRope
 from runtime.serve.generation import context_limit
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
@@ -109,15 +108,15 @@ def test_a_prompt_or_a_generation_past_the_original_context_is_refused_before_an
 
 @torch.no_grad()
 def test_the_keys_are_unrotated_exactly():
-    model = _dynamic_llama()
+    _assert_scored_keys_are_the_pre_rope_keys(_dynamic_llama(), _ids(120))
+
+
+def _assert_scored_keys_are_the_pre_rope_keys(model, ids):
+    """The leverage scorer's keys are every layer's pre-RoPE keys, and the compression serves."""
     plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)
-    ids = _ids(120)
-    pre, post = _pre_and_post_rope(model, ids)
-    key_rope = _provider(plan, KeyRope)
-    for layer in range(2):
-        keys = post[layer][0].transpose(1, 2)
-        unrotated = key_rope(_layer_inputs(layer, keys, 120)).undo(keys)
-        torch.testing.assert_close(unrotated, pre[layer][0].transpose(1, 2), rtol=1e-4, atol=1e-5)
+    pre, _ = _pre_and_post_rope(model, ids)
+    _assert_scored_keys_and_served(model, plan, ids, {layer: keys for layer, (keys, _) in pre.items()})
+    return plan
 
 
 @pytest.mark.parametrize(
@@ -189,13 +188,7 @@ def test_the_embedded_weights_with_internlm3s_rope_are_served_inside_the_origina
     ids = embedded_tokenizer("The passcode is 4817. " * 8 + "What is the passcode?", return_tensors="pt").input_ids
     assert ids.shape[1] < ORIGINAL - 8
     _assert_generates_as_transformers(model, ids, None, 8)
-    plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)
-    pre, post = _pre_and_post_rope(model, ids)
-    key_rope = _provider(plan, KeyRope)
-    for layer in range(len(post)):
-        keys = post[layer][0].transpose(1, 2)
-        unrotated = key_rope(_layer_inputs(layer, keys, ids.shape[1])).undo(keys)
-        torch.testing.assert_close(unrotated, pre[layer][0].transpose(1, 2), rtol=1e-4, atol=1e-4)
+    plan = _assert_scored_keys_are_the_pre_rope_keys(model, ids)
     with pytest.raises(ValueError, match=PAST):
         generate(model, ids, plan, max_new_tokens=ORIGINAL)
     _assert_rotary_untouched(model)

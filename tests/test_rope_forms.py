@@ -250,51 +250,21 @@ def test_yarn_rope_with_its_attention_factor_is_served_exactly():
     by an attention factor: the keys the attention receives are that factor times a rotation of the
     pre-RoPE keys.  Nothing evicted is transformers' own; the leverage scorer's keys are the pre-RoPE keys,
     Expected Attention's rotation the model's queries (positions 0, 7, 33)."""
-    from test_rope_check import (
-        _assert_query_rotation_is_the_models,
-        _layer_inputs,
-        _pre_and_post_rope,
-        _provider,
-    )
-
-    from runtime.scorers import KeyRope
-
     model = _model("LlamaConfig", "LlamaForCausalLM", rope_parameters=YARN)
     assert model.model.rotary_emb.attention_scaling > 1.1
     assert_served_exactly(model)
-    plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)
-    ids = _prompt(rows=1)[0][:, :120]
-    pre, post = _pre_and_post_rope(model, ids)
-    key_rope = _provider(plan, KeyRope)
-    for layer in range(len(post)):
-        keys = post[layer][0].transpose(1, 2)
-        unrotated = key_rope(_layer_inputs(layer, keys, 120)).undo(keys)
-        torch.testing.assert_close(unrotated, pre[layer][0].transpose(1, 2), rtol=1e-4, atol=1e-5)
-    _assert_query_rotation_is_the_models(model, None, (0, 7, 33))
+    _assert_reads_are_the_models(model, _prompt(rows=1)[0][:, :120])
 
 
 def _assert_reads_are_the_models(model, ids) -> None:
-    """The leverage scorer's keys are every layer's pre-RoPE keys as the geometry reads them, Expected
-    Attention's rotation the model's queries (positions 0, 7, 33), and the flagship's scorer compresses."""
-    from test_rope_check import (
-        _assert_query_rotation_is_the_models,
-        _layer_inputs,
-        _pre_and_post_rope,
-        _provider,
-    )
-
-    from runtime.scorers import KeyRope
+    """The leverage scorer's keys are every layer's pre-RoPE keys as the geometry reads them, the compression
+    serves, and Expected Attention's rotation is the model's queries (positions 0, 7, 33)."""
+    from test_rope_check import _assert_query_rotation_is_the_models, _assert_scored_keys_and_served, _pre_and_post_rope
 
     plan = bind(CompressionPolicy(keep_ratio=0.25), None, model)
-    pre, post = _pre_and_post_rope(model, ids)
-    key_rope = _provider(plan, KeyRope)
-    for layer in range(len(post)):
-        keys = post[layer][0].transpose(1, 2)
-        unrotated = key_rope(_layer_inputs(layer, keys, ids.shape[1])).undo(keys)
-        torch.testing.assert_close(unrotated, pre[layer][0].transpose(1, 2), rtol=1e-4, atol=1e-4)
+    pre, _ = _pre_and_post_rope(model, ids)
+    _assert_scored_keys_and_served(model, plan, ids, {layer: keys for layer, (keys, _) in pre.items()})
     _assert_query_rotation_is_the_models(model, None, (0, 7, 33))
-    _, report = compress_prompt(model, ids, plan, context_columns=ids.shape[1] - 4)
-    assert report.kv_bytes_after < report.kv_bytes_before
 
 
 @torch.no_grad()
