@@ -290,12 +290,12 @@ class StageContext:
                 self.identity.tokenizer_fingerprint,
                 dict(self.preset.probe_overrides),
             )
-        original = [limit for limit in self.geometry.rope_limits if limit is not None]
-        longest = probes.max_tokens() + self.settings["max_new_tokens"] if original else 0
-        if original and longest > min(original):
+        original = min((limit for limit in self.geometry.rope_limits if limit is not None), default=None)
+        if original is not None and probes.max_tokens() + self.settings["max_new_tokens"] > original:
+            longest = probes.max_tokens() + self.settings["max_new_tokens"]
             raise ValueError(
                 f"the longest probe plus {self.settings['max_new_tokens']} new tokens is {longest} tokens, past the "
-                f"model's original context of {min(original)} positions, where its dynamic NTK RoPE re-scales every "
+                f"model's original context of {original} positions, where its dynamic NTK RoPE re-scales every "
                 "forward pass by its length: kvcal profiles and serves it inside that context only; choose shorter "
                 "probes (--probes FILE from generate-probes, or a preset with shorter ones)"
             )

@@ -308,9 +308,10 @@ class ModelGeometry:
             layer_type: _longrope_switch(config, parameters) for layer_type, parameters in _rope_parameters(config)
         }
         rope_switches = tuple(switches.get(kind, switches.get(None)) for kind in rope_layer_types)
-        dynamic, limit = _dynamic_ntk_types(config), original_context(config)
+        limit = original_context(config)
+        dynamic = _dynamic_ntk_types(config) if limit is not None else []  # the layer types it limits
         rope_limits = tuple(
-            limit if dynamic and (kind is None or kind in dynamic or None in dynamic) else None
+            limit if limit is not None and (kind is None or kind in dynamic or None in dynamic) else None
             for kind in rope_layer_types
         )
         return cls(
