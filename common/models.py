@@ -395,12 +395,13 @@ def load_tokenizer(model: str | os.PathLike | None = None):
 # --dtype of the commands that load a model: "auto" is the checkpoint's own dtype
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_HELP = "auto (the checkpoint's), float32, bfloat16 or float16 (default: float32 on a CPU, auto on a GPU)"
-# "auto" for --attn-implementation: sdpa, or eager for a model that soft-caps its attention logits
+# "auto" for --attn-implementation: sdpa, or eager for a model that soft-caps its attention logits or whose
+# transformers class has no sdpa attention (gpt-oss: its learned attention sinks)
 AUTO_ATTENTION = "auto"
 ATTENTION_HELP = (
-    "auto (default: sdpa, or eager for a model that soft-caps its attention logits), eager, sdpa, "
-    "flash_attention_2, ... as transformers accepts them, or a hub kernel org/repo (refused if it cannot "
-    "run here)"
+    "auto (default: sdpa, or eager for a model that soft-caps its attention logits or has no sdpa attention in "
+    "transformers, as gpt-oss), eager, sdpa, flash_attention_2, ... as transformers accepts them, or a hub "
+    "kernel org/repo (refused if it cannot run here)"
 )
 
 
@@ -427,6 +428,19 @@ def attention_softcap(model: str | os.PathLike | None) -> float | None:
     return getattr(config, "attn_logit_softcapping", None) or None
 
 
+def _without_sdpa(model: str | os.PathLike | None) -> str | None:
+    """The name of ``model``'s causal-LM class when transformers gives it no sdpa attention (gpt-oss: its
+    learned attention sinks), read off its config before the weights load; None otherwise."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(_from_pretrained(AutoConfig, model))]
+    except KeyError:
+        return None
+    return model_class.__name__ if getattr(model_class, "_supports_sdpa", True) is False else None
+
+
 def load_config(model: str | os.PathLike | None = None):
     """The model's transformers config, without its weights (what the commands check before the
     model loads); a model that does not exist is a :class:`ModelNotFoundError` as for :func:`load_model`."""
@@ -447,8 +461,9 @@ def load_model(
     ``dtype``: a torch dtype, its name, or ``"auto"`` (the checkpoint's); None: float32 on a CPU,
     the checkpoint's on a GPU.  ``attn_implementation``: ``"auto"`` (default) is ``"sdpa"``, or
     ``"eager"`` when the model soft-caps its attention logits (sdpa cannot: transformers 5.24
-    refuses to load Gemma 2 with it, 5.2 silently drops the cap); asking for ``"sdpa"`` on such a
-    model is refused; None leaves the choice to transformers."""
+    refuses to load Gemma 2 with it, 5.2 silently drops the cap) or when transformers gives its class no
+    sdpa attention (gpt-oss); asking for ``"sdpa"`` on such a model is refused; None leaves the choice
+    to transformers."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -459,13 +474,17 @@ def load_model(
             raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPE_CHOICES)}")
         dtype = getattr(torch, dtype)
     if attn_implementation in (AUTO_ATTENTION, "sdpa"):
-        softcap = attention_softcap(model)
+        softcap, without_sdpa = attention_softcap(model), _without_sdpa(model)
         if softcap is not None and attn_implementation == "sdpa":
             raise ValueError(
                 f"the model soft-caps its attention logits (attn_logit_softcapping={softcap:g}), which sdpa "
                 "cannot do: use the eager attention implementation (or auto)"
             )
-        attn_implementation = "eager" if softcap is not None else "sdpa"
+        if without_sdpa is not None and attn_implementation == "sdpa":
+            raise ValueError(
+                f"transformers gives {without_sdpa} no sdpa attention: use the eager attention implementation (or auto)"
+            )
+        attn_implementation = "eager" if softcap is not None or without_sdpa is not None else "sdpa"
     kwargs = {"dtype": dtype}
     if device_map is not None:
         kwargs["device_map"] = device_map

@@ -25,6 +25,8 @@ one per generated token.  Cost per step and layer: one ``[Hq, T]`` GEMV-sized ma
 log-sum-exp and a max.  Records stay on the layer's device until the probe ends (no per-step
 host synchronisation).
 
+Learned attention sinks (gpt-oss's ``s_aux``) join the log-sum-exp as one more logit, so a weight is
+the model's own (:mod:`runtime.math.sinks`); the prefill then runs the reference eager attention.
 Soft-capping (Gemma 2) is applied to the logits before the mask, as the model's own attention
 does, and a soft-capping layer's prefill runs :func:`runtime.kv_store.eager_attention.attention_forward`
 (``sdpa`` cannot soft-cap).  A sliding-window layer's cache hands over only the window's keys
@@ -78,10 +80,12 @@ class DecodeAttentionRecorder:
         scaling: float | None,
         value: torch.Tensor | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Record the last query of a call.  query ``[1, Hq, q, d]``, key/value ``[1, Hkv, T, d]``
         (the keys of positions ``p - T + 1 .. p``, ``p`` the last query's position: all of them
-        but on a sliding-window layer); ``softcap``: the layer's logit soft-cap, if any.
+        but on a sliding-window layer); ``softcap``: the layer's logit soft-cap, if any; ``sinks [Hq]``:
+        its learned attention sinks, if any (their ``e^s`` joins every weight's normaliser).
 
         With ``value`` given (single-query calls), also return that query's attention output
         ``[1, 1, Hq, d]`` computed from the same float32 logits (matmul-softmax-matmul), so
@@ -117,6 +121,8 @@ class DecodeAttentionRecorder:
         if attention_mask is not None:
             logits = masked(logits, attention_mask[0, :, -1, :total])  # mask row [1 or Hq, T]
         log_norm = torch.logsumexp(logits, dim=-1)  # [Hq]
+        if sinks is not None:  # the sink's logit takes part in the softmax (runtime.math.sinks)
+            log_norm = torch.logaddexp(log_norm, sinks.float().to(log_norm.device))
         if visible:
             context_max, context_argmax = logits[:, :visible].max(dim=-1)  # [Hq], [Hq]
             context_weight = torch.exp(context_max - log_norm)
@@ -178,15 +184,15 @@ def capture_attention_forward(recorder: DecodeAttentionRecorder):
     """
 
     def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        softcap = kwargs.get("softcap")
+        softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
         with torch.no_grad():
             if query.shape[2] == 1 and query.dtype == torch.float32 and not dropout:
-                output = recorder.record(module.layer_idx, query, key, attention_mask, scaling, value, softcap)
+                output = recorder.record(module.layer_idx, query, key, attention_mask, scaling, value, softcap, sinks)
                 return output, None
             output, _ = attention_forward(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
-            recorder.record(module.layer_idx, query, key, attention_mask, scaling, softcap=softcap)
+            recorder.record(module.layer_idx, query, key, attention_mask, scaling, softcap=softcap, sinks=sinks)
         return output, None
 
     return forward

@@ -222,10 +222,11 @@ class _CurveMeasurer:
         )
         return priority_ranks(self.scorer.score(inputs)[0], None, self.n_sink, self.window)
 
-    def measure(self, layer, query, key, value, scaling):
+    def measure(self, layer, query, key, value, scaling, sinks=None):
         import torch
 
         from runtime.kv_store.eager_attention import soft_cap
+        from runtime.math.sinks import softmax_with_sinks
 
         kind, prefix, extra = self.target
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
@@ -245,19 +246,21 @@ class _CurveMeasurer:
             q = query[0, h * group : (h + 1) * group, prefix:].float()  # [G, W, d]
             k, v = key[0, h].float(), value[0, h].float()  # [T, d]
             logits = soft_cap(torch.einsum("gwd,td->gwt", q, k) * scale, self.softcaps[layer])  # [G, W, T]
+            # the query heads' learned sinks, one more logit in each softmax (runtime.math.sinks)
+            sink = None if sinks is None else sinks[h * group : (h + 1) * group].reshape(group, 1, 1)
             logits[..., prefix:] = logits[..., prefix:].masked_fill(~tail_causal, float("-inf"))
             if sliding is not None:
                 logits = logits.masked_fill(outside, float("-inf"))
             if kind == "text":
-                reference = torch.softmax(logits, dim=-1) @ v  # [G, W, d]
+                reference = softmax_with_sinks(logits, sink) @ v  # [G, W, d]
                 kept = ranks[None, :] < budgets[:, None]  # [NG, prefix]
                 masked = logits[None].expand(len(self.grid), -1, -1, -1).clone()  # [NG, G, W, T]
                 masked[..., :prefix] = masked[..., :prefix].masked_fill(~kept[:, None, None, :], float("-inf"))
-                estimate = torch.softmax(masked, dim=-1) @ v  # [NG, G, W, d]
+                estimate = softmax_with_sinks(masked, sink) @ v  # [NG, G, W, d]
                 error = (estimate - reference).norm(dim=-1) / reference.norm(dim=-1).clamp_min(1e-30)
                 self.sums[:, layer, h] += error.mean(dim=(1, 2)).double().cpu().numpy()
             elif kind == "probe":  # the question's attention mass on evicted R tokens
-                mass = torch.softmax(logits, dim=-1)[..., :prefix].mean(dim=(0, 1))  # [prefix]
+                mass = softmax_with_sinks(logits, sink)[..., :prefix].mean(dim=(0, 1))  # [prefix]
                 needle = extra  # bool [prefix]
                 lost = (ranks[None, :] >= budgets[:, None]) & needle[None, :]  # [NG, prefix]
                 self.sums[:, layer, h] += (lost.float() * mass[None, :]).sum(dim=1).double().cpu().numpy()
@@ -336,7 +339,7 @@ def measure_curves(
 
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         output = model_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        current[0].measure(module.layer_idx, query, key, value, scaling)
+        current[0].measure(module.layer_idx, query, key, value, scaling, kwargs.get("s_aux"))
         return output
 
     device = input_device(model)  # the embedding's: under device_map="auto" not necessarily the first parameter's

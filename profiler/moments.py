@@ -74,6 +74,7 @@ from runtime.compression.keep_rule import global_budgets, protected_mask, select
 from runtime.kv_store.attention_interface import attention_implementation
 from runtime.math.geometry import ModelGeometry, input_device
 from runtime.math.momentkv import ORDERS, MomentSums, attention_with_lse, corrected_attention, evict_in_rounds
+from runtime.math.sinks import sink_weight
 from runtime.plan.rope_check import rope_forms
 from runtime.scorers import (
     ALL_QUERIES,
@@ -170,6 +171,7 @@ class _CorrectionErrorMeasurer:
         self.tau = tau
         self.allocation = allocation
         self.pending: dict[int, tuple] = {}  # layer -> captured (query, key, value, scaling): global allocation
+        self.layer_sinks: dict[int, torch.Tensor | None] = {}  # layer -> its learned attention sinks [Hq]
         self.error_sums = np.zeros((len(keep_ratios), len(ORDERS), num_layers, num_kv_heads))
         self.calls = np.zeros(num_layers, dtype=np.int64)
         self.seconds = 0.0  # time spent scoring and measuring (not in the shared forward pass)
@@ -239,10 +241,15 @@ class _CorrectionErrorMeasurer:
         return heads, estimates
 
     @torch.no_grad()
-    def measure(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> None:
-        """One layer of one window: ``query [1, Hq, T, d]``, ``key/value [1, Hkv, T, d]`` (post-RoPE).
-        Under the global allocation the layer is kept until :meth:`finish_window` has seen every layer."""
+    def measure(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling, sinks=None
+    ) -> None:
+        """One layer of one window: ``query [1, Hq, T, d]``, ``key/value [1, Hkv, T, d]`` (post-RoPE), the
+        layer's learned attention sinks ``sinks [Hq]`` (None: none; :mod:`runtime.math.sinks`: the exact and the
+        corrected attention both take them).  Under the global allocation the layer is kept until
+        :meth:`finish_window` has seen every layer."""
         started = time.perf_counter()
+        self.layer_sinks[layer] = None if sinks is None else sinks.detach().float()
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         if self.allocation == "global":
             self.pending[layer] = (query.detach(), key.detach(), value.detach(), scale)
@@ -288,9 +295,13 @@ class _CorrectionErrorMeasurer:
         tail_causal = torch.ones(w, w, dtype=torch.bool, device=device).tril()  # [W, W]
         full_mask = torch.cat([torch.ones(w, prefix, dtype=torch.bool, device=device), tail_causal], dim=1)  # [W, T]
         sums = [MomentSums(len(heads), k0.shape[1], device=device) for _ in self.keep_ratios]
+        sinks, group = self.layer_sinks.get(layer), heads[0][0].shape[0]
         for h, (q, k, v) in enumerate(heads):
             tail_q = q[:, prefix:]  # [G, W, d]
-            reference, _ = attention_with_lse(tail_q, k, v, scale, mask=full_mask)  # [G, W, d]
+            sink = None if sinks is None else sinks[h * group : (h + 1) * group].to(device)  # [G]
+            reference, lse = attention_with_lse(tail_q, k, v, scale, mask=full_mask)  # [G, W, d]
+            if sink is not None:
+                reference = reference * sink_weight(lse, sink[:, None]).unsqueeze(-1)
             for r in range(len(self.keep_ratios)):
                 kept = self.kept_rows(h, k[:prefix], v[:prefix], scale, estimates[r][h], budgets[h][r], sums[r])
                 keys_R = torch.cat([k[:prefix][kept], k[prefix:]])  # [b + W, d]
@@ -298,7 +309,7 @@ class _CorrectionErrorMeasurer:
                 mask_R = torch.cat([torch.ones(w, kept.shape[0], dtype=torch.bool, device=device), tail_causal], 1)
                 for o, order in enumerate(ORDERS):
                     estimate_o = corrected_attention(
-                        tail_q, keys_R, values_R, sums[r], h, scale, order, tau=self.tau, mask=mask_R
+                        tail_q, keys_R, values_R, sums[r], h, scale, order, tau=self.tau, mask=mask_R, sinks=sink
                     )
                     self.error_sums[r, o, layer, h] += float(relative_error(estimate_o, reference))
         self.calls[layer] += 1
@@ -458,7 +469,7 @@ def measure_correction_errors_by_selection(
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         output = model_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         for measurer in measurers:
-            measurer.measure(module.layer_idx, query, key, value, scaling)
+            measurer.measure(module.layer_idx, query, key, value, scaling, kwargs.get("s_aux"))
         return output
 
     device = input_device(model)  # the embedding's: under device_map="auto" not necessarily the first parameter's

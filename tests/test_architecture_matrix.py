@@ -45,7 +45,7 @@ TOLERANCE = 1e-4
 def rope_reading_refused(model_type: str) -> bool:
     """Whether the scorers that read RoPE are refused on ``model_type``: some layer rotates otherwise than
     every form of runtime.math.rope (interleaved pairs and no RoPE are forms it serves)."""
-    served = ("no RoPE", "interleaved RoPE", "the inverse RoPE rotation")
+    served = ("no RoPE", "interleaved RoPE", "the inverse RoPE rotation", "rotate_half from frequencies given once")
     return any(not clause.startswith(served) for clause in EXACT[model_type].split("; ") if clause)
 
 
@@ -120,6 +120,7 @@ EXACT = {
     "exaone4": "no RoPE in layer 3",
     "exaone_moe": "no RoPE in layer 3",
     "flex_olmo": "",
+    "flint": "no RoPE in layers 0, 1, 3",  # learned attention sinks (s_aux)
     "gemma": "",
     "gemma2": "",
     "gemma3_text": "",
@@ -127,9 +128,12 @@ EXACT = {
     "glm": "interleaved RoPE in layers 0, 1, 2, 3",
     "glm4": "interleaved RoPE in layers 0, 1, 2, 3",
     "glm4_moe": "",
+    "gpt_oss": "rotate_half from frequencies given once in layers 0, 1, 2, 3",  # learned sinks, YaRN, sliding
     "granite": "",
     "granitemoe": "",
     "granitemoeshared": "",
+    "granite_swa": "",  # learned attention sinks (s_aux)
+    "granitemoe_swa": "",  # learned attention sinks (s_aux)
     "helium": "interleaved RoPE in layers 0, 1, 2, 3",
     "hunyuan_v1_dense": "",  # a norm after RoPE, read: its weight applied after the rotation
     "hunyuan_v1_moe": "",
@@ -170,8 +174,9 @@ EXACT = {
     "starcoder2": "",
     "vaultgemma": "",
 }
-# model type: how many of a head's 16 dimensions RoPE turns where not all (partial RoPE, their default factors)
-PARTIAL = {"glm": 8, "glm4": 8, "glm4_moe": 8, "laguna": 8, "nemotron": 8, "phi": 8, "stablelm": 4}
+# model type: its rotary module's width where not a head's 16 dimensions: partial RoPE turns only those (their
+# default factors); gpt-oss turns all 16 from 8 frequencies given once (runtime.math.rope.HALVES)
+PARTIAL = {"glm": 8, "glm4": 8, "glm4_moe": 8, "gpt_oss": 8, "laguna": 8, "nemotron": 8, "phi": 8, "stablelm": 4}
 NOT_LLAMA_FAMILY = r"no decoder layers at model\.model\.layers \(not a Llama-family causal LM\)"
 # what the refusal names: the model types refused so
 REFUSED = {
@@ -191,7 +196,8 @@ REFUSED = {
         "sarvam_mla",
         "youtu",
     ),
-    r"learned attention sinks": ("deepseek_v4", "flint", "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash"),
+    r"layer type\(s\) compressed_sparse_attention, heavily_compressed_attention are not supported": ("deepseek_v4",),
+    r"values of another head dim than the keys \(v_head_dim=": ("mimo_v2_flash",),
     r"layer type\(s\) linear_attention are not supported": (
         "bamba",
         "lara_mini",

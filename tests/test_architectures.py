@@ -147,7 +147,8 @@ def test_beams_run_and_at_full_budget_are_transformers_own(name):
 
 def test_attention_the_ragged_cache_cannot_compute_is_refused_by_name():
     """Hybrid layer types (linear attention) and Llama 4's chunked attention are refused when the
-    cache is made, before any forward pass; learned sinks when a model passes them."""
+    cache is made, before any forward pass; attention sinks passed as ``sinks`` (not gpt-oss's ``s_aux``,
+    served: tests/test_attention_sinks.py) when a model passes them."""
     from runtime import UnsupportedModelError
     from runtime.compression.ragged_attention import ragged_attention_forward
 
@@ -160,8 +161,8 @@ def test_attention_the_ragged_cache_cannot_compute_is_refused_by_name():
     with pytest.raises(UnsupportedModelError, match="chunked attention"):
         RaggedCache.for_model(model)
     query = torch.zeros(1, 4, 1, 16)
-    with pytest.raises(ValueError, match="attention sinks"):
-        ragged_attention_forward(None, query, query[:, :2], query[:, :2], None, s_aux=torch.zeros(4))
+    with pytest.raises(ValueError, match="attention sinks passed as sinks"):
+        ragged_attention_forward(None, query, query[:, :2], query[:, :2], None, sinks=torch.zeros(4))
 
 
 @pytest.mark.slow

@@ -226,8 +226,8 @@ def test_writer_refuses_a_section_that_breaks_its_relations(tmp_path, change, me
 
 def _reference_curves(model, windows, probes, grid, n_sink, window, query_window, layer_attention=True):
     """The losses computed directly: q/k/v from a plain capture, select_rows per budget, explicit
-    masked attention in float64 (with the layer's soft-cap and sliding window as the model's eager
-    attention has them; ``layer_attention=False``: plain causal attention, for contrast)."""
+    masked attention in float64 (with the layer's soft-cap, sliding window and learned sinks as the
+    model's eager attention has them; ``layer_attention=False``: plain causal attention, for contrast)."""
     from runtime.kv_store.attention_interface import attention_implementation
     from runtime.kv_store.eager_attention import attention_forward
 
@@ -235,22 +235,28 @@ def _reference_curves(model, windows, probes, grid, n_sink, window, query_window
 
     def capture(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         captured[module.layer_idx] = (query[0].double(), key[0].double(), value[0].double(), float(scaling))
-        cap, sliding = kwargs.get("softcap"), kwargs.get("sliding_window")
-        attend[module.layer_idx] = (cap, sliding) if layer_attention else (None, None)
+        cap, sliding, sinks = kwargs.get("softcap"), kwargs.get("sliding_window"), kwargs.get("s_aux")
+        sinks = None if sinks is None else sinks.double()
+        attend[module.layer_idx] = (cap, sliding, sinks) if layer_attention else (None, None, None)
         return attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     attend = {}
 
-    def weights(layer, keys, query, scale, t):
-        """Softmax of one query (position t) over ``keys [n, d]`` of positions ``0..n-1`` (those within
-        the layer's window), as the layer computes it: ``[n]``."""
-        cap, sliding = attend[layer]
+    def weights(layer, keys, query, scale, t, head, hidden=None):
+        """Softmax of query head ``head``'s query at position t over ``keys [n, d]`` of positions ``0..n-1``
+        (those within the layer's window, none of ``hidden`` bool [n]), as the layer computes it, the
+        head's sink logit in the softmax and its weight dropped: ``[n]``."""
+        cap, sliding, sinks = attend[layer]
         logits = scale * keys @ query
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
         if sliding is not None:
             logits[: max(0, t - sliding + 1)] = float("-inf")
-        return torch.softmax(logits, 0)
+        if hidden is not None:
+            logits = logits.masked_fill(hidden, float("-inf"))
+        if sinks is None:
+            return torch.softmax(logits, 0)
+        return torch.softmax(torch.cat([logits, sinks[head : head + 1]]), 0)[:-1]
 
     def passes(ids):
         captured.clear()
@@ -274,11 +280,10 @@ def _reference_curves(model, windows, probes, grid, n_sink, window, query_window
                     for qh in range(h * group, (h + 1) * group):
                         for t in range(prefix, total):
                             full = list(range(t + 1))
-                            part = kept + list(range(prefix, t + 1))
-                            o = weights(layer, k[h, full], q[qh, t], scale, t) @ v[h, full]
-                            w_hat = weights(layer, k[h, full], q[qh, t], scale, t)  # then renormalised on part
-                            w_hat = w_hat[part] / w_hat[part].sum()
-                            o_hat = w_hat @ v[h, part]
+                            hidden = torch.ones(t + 1, dtype=torch.bool)
+                            hidden[kept + list(range(prefix, t + 1))] = False
+                            o = weights(layer, k[h, full], q[qh, t], scale, t, qh) @ v[h, full]
+                            o_hat = weights(layer, k[h, full], q[qh, t], scale, t, qh, hidden) @ v[h, full]
                             errs.append(float((o_hat - o).norm() / o.norm()))
                     error[g, layer, h] += np.mean(errs) / len(windows)
     for probe in probes:
@@ -292,7 +297,7 @@ def _reference_curves(model, windows, probes, grid, n_sink, window, query_window
                 count = 0
                 for qh in range(h * group, (h + 1) * group):
                     for t in range(end, len(probe.input_ids)):
-                        mass += weights(layer, k[h, : t + 1], q[qh, t], scale, t)[:end]
+                        mass += weights(layer, k[h, : t + 1], q[qh, t], scale, t, qh)[:end]
                         count += 1
                 mass /= count
                 for g, budget in enumerate(budgets_for(end, grid)):
@@ -412,6 +417,27 @@ def test_measured_curves_follow_soft_capping_and_sliding_windows(one_thread):
     assert retention[0].max() > 0 and not np.allclose(
         plain, error, rtol=1e-2, atol=1e-4
     )  # the cap and window matter  # the cap and the window matter here
+
+
+def test_measured_curves_follow_learned_attention_sinks(one_thread):
+    """gpt-oss (sinks between 2 and 7; its sliding layers' 32-token window under 40- and 46-token passes):
+    the output errors and the needle mass are those of its attention with the sink's logit in every
+    softmax, which differ from plain attention's."""
+    from test_attention_sinks import gpt_oss
+
+    model = gpt_oss()
+    grid = (0.1, 0.5, 1.0)
+    windows = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    probes = [_tiny_probe(3), _tiny_probe(4)]
+    options = dict(grid=grid, n_sink=2, window=4)
+    measured = measure_curves(model, windows, probes, selection="keydiff", query_window=6, progress=False, **options)
+    error, retention = _reference_curves(model, windows, probes, query_window=6, **options)
+    plain, plain_retention = _reference_curves(model, windows, probes, query_window=6, layer_attention=False, **options)
+    assert np.allclose(measured["output_error"], error, rtol=1e-4, atol=1e-6)  # float32 against float64
+    assert np.allclose(measured["retention_loss"], retention, rtol=1e-4, atol=1e-7)
+    assert retention[0].max() > 0
+    assert not np.allclose(plain, error, rtol=1e-2, atol=1e-4)
+    assert not np.allclose(plain_retention, retention, rtol=1e-2, atol=1e-4)
 
 
 def test_answer_retention_counts_lost_retrieval_hits_like_a_direct_reference(tiny_llama, one_thread):

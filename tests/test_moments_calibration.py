@@ -13,9 +13,12 @@ from runtime.scorers import ExpectedAttentionScorer, KeyDiffScorer, SnapKVScorer
 
 
 def _projections(model, ids, pre_rope_keys: bool = False):
-    """Post-RoPE q [L, Hq, T, d] and k, v [L, Hkv, T, d] recomputed from q/k/v_proj hooks
-    (and, with ``pre_rope_keys``, the keys before RoPE [L, Hkv, T, d] as a fourth)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    """Post-RoPE q [L, Hq, T, d] and k, v [L, Hkv, T, d] recomputed from q/k/v_proj hooks, RoPE applied by
+    the model's own module's ``apply_rotary_pos_emb`` (and, with ``pre_rope_keys``, the keys before RoPE
+    [L, Hkv, T, d] as a fourth)."""
+    import importlib
+
+    apply_rotary_pos_emb = importlib.import_module(type(model).__module__).apply_rotary_pos_emb
 
     config = model.config
     hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -49,9 +52,10 @@ def _projections(model, ids, pre_rope_keys: bool = False):
     return (*out, torch.stack(raw)) if pre_rope_keys else out
 
 
-def _reference_errors(q, k, v, kept_prefix, query_window):
+def _reference_errors(q, k, v, kept_prefix, query_window, sinks=None):
     """Mean relative errors (none, 0th, 1st order) with the evicted prefix tokens masked out,
-    the evicted moments computed directly from the evicted tokens (float64)."""
+    the evicted moments computed directly from the evicted tokens (float64); ``sinks [G]``: the query
+    heads' learned sink logits, whose ``e^s`` joins each softmax's normaliser (exact and estimated)."""
     total, d = k.shape
     prefix = total - query_window
     q, k, v = q[:, prefix:].double(), k.double(), v.double()  # q [G, W, d]
@@ -61,21 +65,41 @@ def _reference_errors(q, k, v, kept_prefix, query_window):
     retained = torch.ones(total, dtype=torch.bool)
     retained[:prefix] = False
     retained[kept_prefix] = True
-    full = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1) @ v
+    sink = torch.full((q.shape[0], 1, 1), float("-inf"), dtype=torch.float64) if sinks is None else sinks.double()
+    sink = sink.reshape(-1, 1, 1).expand(-1, q.shape[1], 1)  # [G, W, 1]: e^-inf = 0 without sinks
+    causal_logits = logits.masked_fill(~causal, float("-inf"))
+    full = torch.softmax(torch.cat([causal_logits, sink], -1), -1)[..., :-1] @ v
     masked = logits.masked_fill(~(causal & retained), float("-inf"))
     out_R, lse_R = torch.softmax(masked, -1) @ v, torch.logsumexp(masked, -1)
     k_E, v_E = k[~retained], v[~retained]
     kbar, vbar = k_E.mean(0), v_E.mean(0)
     cov = (v_E - vbar).T @ (k_E - kbar) / k_E.shape[0]  # C_vk [d, d]
     lse_E = torch.log(torch.tensor(float(k_E.shape[0]))) + s * q @ kbar  # [G, W]
-    weight = torch.sigmoid(lse_R - lse_E).unsqueeze(-1)
-    estimates = [out_R, weight * out_R + (1 - weight) * vbar, weight * out_R + (1 - weight) * (vbar + s * q @ cov.T)]
+    z_R, z_E, z_sink = lse_R.exp().unsqueeze(-1), lse_E.exp().unsqueeze(-1), sink.exp()  # [G, W, 1]
+    estimates = [
+        z_R * out_R / (z_R + z_sink),
+        (z_R * out_R + z_E * vbar) / (z_R + z_E + z_sink),
+        (z_R * out_R + z_E * (vbar + s * q @ cov.T)) / (z_R + z_E + z_sink),
+    ]
     return [float(((e - full).norm(dim=-1) / full.norm(dim=-1)).mean()) for e in estimates]
 
 
-def test_tiny_llama_shapes_and_errors_match_independent_masked_reference(one_thread):
-    model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=0)
-    windows = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+def _tiny_gpt_oss():
+    """gpt-oss of the tiny Llama's geometry, every layer full, learned sinks between 2 and 7."""
+    from test_attention_sinks import gpt_oss
+
+    return gpt_oss(num_hidden_layers=2, layer_types=["full_attention"] * 2)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt-oss"])
+def test_tiny_llama_shapes_and_errors_match_independent_masked_reference(name, one_thread):
+    """A tiny Llama, and a tiny gpt-oss: its learned sinks join the exact and the corrected attention."""
+    if name == "llama":
+        model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, seed=0)
+    else:
+        model = _tiny_gpt_oss()
+    # from token 3: gpt-oss's pad token 0 embeds to zeros, its key to a zero vector (bias 0) KeyDiff cannot score
+    windows = torch.randint(3, 128, (2, 64), generator=torch.Generator().manual_seed(0))
     w, n_sink, recent, ratios = 16, 2, 4, (0.25, 0.5)
     result = measure_correction_errors(
         model,
@@ -116,7 +140,16 @@ def test_tiny_llama_shapes_and_errors_match_independent_masked_reference(one_thr
                     expected[r, :, layer, head] += (
                         np.array(
                             _reference_errors(
-                                q[layer, 2 * head : 2 * head + 2], k[layer, head], v[layer, head], kept, w
+                                q[layer, 2 * head : 2 * head + 2],
+                                k[layer, head],
+                                v[layer, head],
+                                kept,
+                                w,
+                                sinks=(
+                                    None
+                                    if name == "llama"
+                                    else model.model.layers[layer].self_attn.sinks[2 * head : 2 * head + 2].detach()
+                                ),
                             )
                         )
                         / 2

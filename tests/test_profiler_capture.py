@@ -153,3 +153,16 @@ def test_nested_scopes_record_into_their_own_recorder_only():
     assert [r.steps for r in recorders] == [3, 3]
     _, alone = _capture(model, prompts[1], 3)  # the same probe recorded on its own
     torch.testing.assert_close(recorders[1].results()["max_weight"], alone["max_weight"], rtol=0, atol=0)
+
+
+def test_capture_matches_eager_with_learned_attention_sinks():
+    """gpt-oss (sinks between 2 and 7, sliding layers of 32 tokens under a 45-token prompt): every recorded
+    weight is the model's own, the sink's logit in its normaliser, and generation is unchanged."""
+    from test_attention_sinks import gpt_oss
+
+    model = gpt_oss()
+    prompt = torch.randint(3, 256, (1, 45), generator=torch.Generator().manual_seed(6))
+    generated = _check_against_eager(model, prompt, steps=5, atol=1e-5)
+    with torch.no_grad():
+        plain = model.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(plain[0, 45:], generated)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 import transformers as T
@@ -169,15 +170,29 @@ def test_probes_past_a_dynamic_ntk_models_original_context_are_refused_before_an
     assert not out.exists()
 
 
-def test_learned_attention_sinks_are_refused_by_name_before_any_stage(tmp_path, embedded_tokenizer, capsys):
-    """Issue 41 item 6 from the command line: gpt-oss was refused as "partial rotary"."""
-    model_dir = _model_dir(
-        tmp_path, embedded_tokenizer, "GptOssConfig", "GptOssForCausalLM", head_dim=16, num_local_experts=4
-    )
+def test_learned_attention_sinks_are_profiled_by_every_stage(tmp_path, embedded_tokenizer, capsys):
+    """Issue 41 item 6 from the command line: gpt-oss was refused as "partial rotary", then by its learned
+    attention sinks; both are served now (tests/test_attention_sinks.py, its rotary module giving each
+    frequency once).  A smoke profile of every stage completes on a tiny gpt-oss with sinks between 2 and 7,
+    the RoPE-reading scorers' calibration included."""
+    from test_attention_sinks import gpt_oss
+
+    from artifacts import open_artifact
+    from profiler.stages import STAGE_NAMES
+
+    model = gpt_oss(vocab_size=len(embedded_tokenizer))
+    model_dir = write_tiny_model_dir(tmp_path / "gpt_oss", embedded_tokenizer, probes=3, model=model, probe_length=64)
     out = tmp_path / "kv_calibration.h5"
-    assert _profile(model_dir, out, "--stages", "behaviour", "--attn-implementation", "eager") == 2
-    assert "learned attention sinks" in _one_error_line(capsys)
-    assert not out.exists()
+    families = ("--recommend-families", "retrieval", "--recommend-haystacks", "simple")
+    assert _profile(model_dir, out, "--stages", ",".join(STAGE_NAMES), *families) == 0, capsys.readouterr().err
+    with open_artifact(out) as reader:
+        assert len(reader.sections) == 8
+        assert np.all(np.isfinite(reader.section("query_stats")["cov"]))
+        assert reader.config["profiler"]["attn_implementation"] == "eager"  # auto: transformers has no sdpa for it
+    sdpa = tmp_path / "sdpa.h5"
+    assert _profile(model_dir, sdpa, "--stages", "behaviour", "--attn-implementation", "sdpa") == 2
+    assert "gives GptOssForCausalLM no sdpa attention: use the eager" in _one_error_line(capsys)
+    assert not sdpa.exists()
 
 
 @pytest.mark.parametrize(

@@ -151,20 +151,14 @@ REFUSED = {
         dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1),
         r"multi-head latent attention \(MLA",
     ),
-    "gpt-oss, eager": (
-        "GptOssConfig",
-        "GptOssForCausalLM",
-        dict(head_dim=16, num_local_experts=4, sliding_window=32, attn_implementation="eager"),
-        "learned attention sinks",
-    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_attention_kvcal_cannot_compute_is_refused_by_its_name(name):
     """Issue 41 item 6: DeepSeek's MLA was refused as "layer 0 q_proj gives 64 features, expected 4
-    heads x 8" (V3: "no q_proj linear"), gpt-oss's learned sinks as "partial rotary" (it rotates all
-    of its dimensions, as two halves)."""
+    heads x 8" (V3: "no q_proj linear").  (gpt-oss, refused as "partial rotary" then by its learned sinks,
+    is served: tests/test_attention_sinks.py.)"""
     config_class, model_class, options, feature = REFUSED[name]
     model = _model(config_class, model_class, **options)
     ids = _prompt(rows=1)[0][:, :40]

@@ -144,10 +144,11 @@ class ReconstructionLayer(DynamicLayer):
         return query_length(query), self.base.tokens_seen  # the chunk's own causal mask (see runtime.kv_store.cache)
 
     def attend(
-        self, query: torch.Tensor, real, positions, scaling: float, *, window=None, softcap=None
+        self, query: torch.Tensor, real, positions, scaling: float, *, window=None, softcap=None, sinks=None
     ) -> torch.Tensor:
-        """The model's own attention of the chunk (its sliding ``window`` and ``softcap`` as
-        :meth:`RaggedLayer.attend` takes them), and the chunk's KVzip scores (soft-capped logits)."""
+        """The model's own attention of the chunk (its sliding ``window``, ``softcap`` and learned
+        ``sinks`` as :meth:`RaggedLayer.attend` takes them), and the chunk's KVzip scores (soft-capped
+        logits; KVzip's softmax has no sink)."""
         if self._pending is None:
             raise RuntimeError("ReconstructionLayer.attend called without a parked chunk")
         if real is not None and not bool(real.all()):
@@ -171,7 +172,7 @@ class ReconstructionLayer(DynamicLayer):
             if window is not None:  # a query at p sees keys at k > p - W
                 key_positions = torch.cat([kept_positions.long(), positions[0].long().to(kept_positions.device)])
                 mask &= positions[0].long().unsqueeze(1) - key_positions.unsqueeze(0) < window
-            if softcap is None:
+            if softcap is None and sinks is None:
                 out = torch.nn.functional.scaled_dot_product_attention(
                     q.unsqueeze(0),
                     all_keys[None, None],
@@ -180,7 +181,7 @@ class ReconstructionLayer(DynamicLayer):
                     scale=scaling,
                     enable_gqa=True,
                 )[0]  # [G, q, d]: the model's own attention, nothing dropped
-            else:  # sdpa cannot soft-cap
+            else:  # sdpa cannot soft-cap nor take a sink
                 out = eager_attention_forward(
                     None,
                     q.unsqueeze(0),
@@ -189,6 +190,7 @@ class ReconstructionLayer(DynamicLayer):
                     mask[None, None],
                     scaling=scaling,
                     softcap=softcap,
+                    s_aux=None if sinks is None else sinks[h * group : (h + 1) * group],
                 )[0][0].transpose(0, 1)  # [G, q, d]
             output[0, :, h * group : (h + 1) * group] = out.transpose(0, 1)
             # the score: softmax over the prefix, this chunk's context span and the chunk itself

@@ -25,13 +25,14 @@ import torch
 from runtime.compression.driver import after_attention
 from runtime.kv_store.attention_interface import attention_implementation, register_attention, switch_attention
 from runtime.kv_store.cache import ATTENTION_NAME, LAYER_TAG, RaggedLayer
+from runtime.kv_store.eager_attention import eager_attention_forward
 from runtime.math.arrays import to_device
 
-# What a model passes its attention function that the ragged attention cannot compute: learned
-# attention sinks (gpt-oss's ``s_aux``, ``sinks``) and additive position biases (T5-style).
+# What a model passes its attention function that the ragged attention cannot compute: a ``sinks``
+# argument (Inkling's: not gpt-oss's learned logit per head, ``s_aux``, which is served) and additive
+# position biases (T5-style).
 UNSUPPORTED_ARGUMENTS = {
-    "s_aux": "learned attention sinks (s_aux)",
-    "sinks": "learned attention sinks",
+    "sinks": "attention sinks passed as sinks (only gpt-oss's learned logits, s_aux, are served)",
     "position_bias": "an additive position bias",
 }
 
@@ -59,14 +60,20 @@ def ragged_attention_forward(
 ):
     """AttentionInterface function: ``(out [B, q, Hq, d], None)``.  ``sliding_window`` and
     ``softcap`` are what transformers' models pass for a sliding-window layer (Mistral, Qwen2,
-    Gemma 2 / 3, Phi-3) and for Gemma 2's logit soft-capping."""
+    Gemma 2 / 3, Phi-3) and for Gemma 2's logit soft-capping, ``s_aux`` gpt-oss's learned attention
+    sinks (a logit per query head)."""
     for name, feature in UNSUPPORTED_ARGUMENTS.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"the ragged attention cannot compute {feature}: this model is not supported")
+    sinks = kwargs.pop("s_aux", None)
     layer = getattr(key, LAYER_TAG, None)
     if layer is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if sinks is not None:  # sdpa has no sinks: the reference eager attention with the sink's logit
+            return eager_attention_forward(
+                module, query, key, value, attention_mask, dropout, scaling, softcap=softcap, s_aux=sinks
+            )
         if softcap is not None:
             raise ValueError(
                 "ragged attention over an ordinary cache cannot soft-cap attention logits: serve this model "
@@ -88,7 +95,7 @@ def ragged_attention_forward(
     scale = float(scaling) if scaling is not None else dim**-0.5
     if sliding_window is None:  # a module that passes none where its model's mask slides (PhiMoE)
         sliding_window = layer.mask_window
-    output = layer.attend(query, real, positions, scale, window=sliding_window, softcap=softcap)
+    output = layer.attend(query, real, positions, scale, window=sliding_window, softcap=softcap, sinks=sinks)
     if isinstance(layer, RaggedLayer):  # not KVzip's scoring layer (runtime.compression.kvzip), which stores nothing
         after_attention(layer)  # the decode-time evictions due, then the sliding-window drop
     # contiguous, as transformers' own attention functions return it (AfMoE's module views it)

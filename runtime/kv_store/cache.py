@@ -355,14 +355,16 @@ class RaggedLayer(DynamicLayer):
         *,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store the parked chunk's real tokens and attend every query head over its KV head's
         retained tokens plus the chunk (causally), all rows and heads in one computation.
 
         ``query [B, Hq, q, d]`` post-RoPE; ``real`` bool ``[B, q]`` (None: all real);
         ``positions`` int ``[B, q]`` RoPE positions of the chunk; ``window``: the layer's sliding
-        window W (None: full attention), ``softcap``: its logit soft-capping (None: none), as the
-        model passes them (:mod:`runtime.kv_store.layer_attention`).  Returns ``[B, q, Hq, d]``; rows of
+        window W (None: full attention), ``softcap``: its logit soft-capping (None: none), ``sinks``:
+        its learned attention sinks ``[Hq]`` (None: none), as the model passes them
+        (:mod:`runtime.kv_store.layer_attention`).  Returns ``[B, q, Hq, d]``; rows of
         padding queries are zero.
 
         A sliding-window layer then owes :meth:`drop_outside_window` before its next chunk.
@@ -399,7 +401,15 @@ class RaggedLayer(DynamicLayer):
         if fresh and prepared is None:  # nothing retained before this chunk: ordinary causal attention
             with label("kvcal.attention"):
                 output = chunk_only_attention(
-                    query, new_keys, new_values, real, scaling, positions=positions, window=window, softcap=softcap
+                    query,
+                    new_keys,
+                    new_values,
+                    real,
+                    scaling,
+                    positions=positions,
+                    window=window,
+                    softcap=softcap,
+                    sinks=sinks,
                 )
         else:
             # the layout of this storage generation (the property rebuilds it after a repack)
@@ -414,6 +424,7 @@ class RaggedLayer(DynamicLayer):
                 positions=positions,
                 window=window,
                 softcap=softcap,
+                sinks=sinks,
                 chunk=None if before is None else (new_keys, new_values, before),
             )
         self._advance_rows(q_len, counts)

@@ -12,6 +12,11 @@ arXiv 2408.00118), so the profiler's capture functions (:mod:`profiler.attention
     logits = logits + mask                 the mask transformers passes (bool: float32 min where False)
     out    = softmax(logits) v             softmax in float32, out in the query's dtype
 
+With learned attention sinks (``s_aux [Hq]``, gpt-oss's ``self_attn.sinks``, "gpt-oss-120b & gpt-oss-20b
+Model Card", arXiv 2508.10925) the sink is one more logit of every query's softmax whose value is
+dropped: ``out = softmax([logits, s_h])[:k] v``, as transformers' gpt-oss eager attention computes it
+(:mod:`runtime.math.sinks`).
+
 A sliding window needs nothing here: transformers builds it into the mask it passes (and a
 sliding layer's cache hands over only the keys the window can reach).  ``sliding_window`` is
 accepted and ignored, as transformers' own eager function does.
@@ -23,6 +28,8 @@ lengths equal or one query), the causal pattern is applied as ``sdpa``'s ``is_ca
 from __future__ import annotations
 
 import torch
+
+from runtime.math.sinks import softmax_with_sinks
 
 
 def soft_cap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -61,12 +68,14 @@ def eager_attention_forward(
     scaling: float | None = None,
     softcap: float | None = None,
     max_logits: int = MAX_LOGITS,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` function (see the module docstring): ``query [B, Hq, q, d]``,
-    ``key / value [B, Hkv, k, d]`` -> ``(out [B, q, Hq, d], None)``.  The queries are taken in
-    blocks whose logits ``[B, Hq, rows, k]`` hold at most ``max_logits`` numbers (one query at
-    least): each query's softmax is over its own row, so the blocks change nothing."""
+    ``key / value [B, Hkv, k, d]``, learned sinks ``s_aux [Hq]`` (None: none) -> ``(out [B, q, Hq, d],
+    None)``.  The queries are taken in blocks whose logits ``[B, Hq, rows, k]`` hold at most
+    ``max_logits`` numbers (one query at least): each query's softmax is over its own row, so the
+    blocks change nothing."""
     if dropout:
         raise ValueError("the reference attention does not implement attention dropout (use model.eval())")
     batch, num_q_heads, q_len, dim = query.shape
@@ -81,6 +90,7 @@ def eager_attention_forward(
     keys, values = key.float(), value.float()  # [B, Hkv, k, d]
     k_len = keys.shape[2]
     rows = max(1, max_logits // max(1, batch * num_q_heads * k_len))
+    sinks = None if s_aux is None else s_aux.float().reshape(1, num_q_heads, 1, 1)
     outputs = []
     for start in range(0, q_len, rows):
         stop = min(start + rows, q_len)
@@ -94,7 +104,7 @@ def eager_attention_forward(
         grouped = query[:, :, start:stop].float().reshape(batch, num_kv_heads, group * block, dim)  # [B, Hkv, G r, d]
         logits = torch.matmul(grouped, keys.transpose(-1, -2)) * scale  # [B, Hkv, G r, k]
         logits = soft_cap(logits.reshape(batch, num_q_heads, block, -1), softcap)  # [B, Hq, r, k]
-        weights = torch.softmax(masked(logits, mask), dim=-1)  # [B, Hq, r, k] float32
+        weights = softmax_with_sinks(masked(logits, mask), sinks)  # [B, Hq, r, k] float32
         weights = weights.reshape(batch, num_kv_heads, group * block, -1)
         outputs.append(torch.matmul(weights, values).reshape(batch, num_q_heads, block, dim))  # [B, Hq, r, d]
     output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # [B, Hq, q, d]
@@ -102,9 +112,9 @@ def eager_attention_forward(
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' ``sdpa`` function, or :func:`eager_attention_forward` when ``softcap`` is set
-    (which ``sdpa`` refuses): ``(out [B, q, Hq, d], None)``."""
-    if kwargs.get("softcap") is not None:
+    """transformers' ``sdpa`` function, or :func:`eager_attention_forward` when ``softcap`` or learned
+    sinks ``s_aux`` are set (which ``sdpa`` cannot compute): ``(out [B, q, Hq, d], None)``."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         return eager_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

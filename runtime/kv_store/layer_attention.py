@@ -13,6 +13,12 @@ heads, ``Hkv`` KV heads, ``G = Hq / Hkv``, ``q`` chunk tokens, ``d`` head dim, s
   :class:`~runtime.kv_store.layout.PageLayout`'s decode pages), then, with a correction set, the MomentKV
   merge with the evicted set's estimate (:func:`corrected_merge`, docs/design.md section 4).
 
+Both take the layer's learned attention ``sinks`` (gpt-oss's ``s_aux [Hq]``: one more logit in every query's
+softmax, whose value is dropped: :mod:`runtime.math.sinks`).  Attention over rows with log-sum-exp ``lse``
+and a sink ``s`` is the sink-less output times ``sigmoid(lse - s)`` (:func:`with_sinks`), so every kernel
+that gives ``lse`` serves it; the chunk-only prefill then runs the reference eager attention with the
+sink's logit.
+
 Both take the layer's ``window`` (a sliding-window layer's W: a query at RoPE position ``p`` sees a
 token at ``k`` only when ``p - k < W``, transformers' ``sliding_window_overlay``) and ``softcap``
 (Gemma 2's ``c tanh(logits / c)``), as transformers passes them to the attention function.  A
@@ -47,6 +53,7 @@ from runtime.kv_store.profiling import label
 from runtime.kv_store.segments import SegmentStore
 from runtime.kv_store.varlen_attention import varlen_chunk_attention, varlen_decode_attention, varlen_serves
 from runtime.math.momentkv import PreparedMoments
+from runtime.math.sinks import sink_weight
 
 
 def chunk_only_attention(
@@ -59,13 +66,15 @@ def chunk_only_attention(
     positions: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the chunk over itself, padding keys hidden: ``query [B, Hq, q, d]``,
     ``keys / values [B, Hkv, q, d]``, ``real`` bool ``[B, q]`` (None: all real); ``positions`` int
-    ``[B, q]`` (needed with a ``window``).  Returns ``[B, q, Hq, d]``; rows of padding queries are zero."""
+    ``[B, q]`` (needed with a ``window``); learned ``sinks [Hq]`` (None: none).  Returns ``[B, q, Hq, d]``;
+    rows of padding queries are zero."""
     q_len = query.shape[2]
-    if window is not None or softcap is not None:
-        return _masked_chunk_attention(query, keys, values, real, scaling, positions, window, softcap)
+    if window is not None or softcap is not None or sinks is not None:
+        return _masked_chunk_attention(query, keys, values, real, scaling, positions, window, softcap, sinks)
     if real is None:
         out = torch.nn.functional.scaled_dot_product_attention(
             query, keys, values, is_causal=True, scale=scaling, enable_gqa=True
@@ -80,10 +89,10 @@ def chunk_only_attention(
     return out * real[:, :, None, None].to(out.dtype)
 
 
-def _masked_chunk_attention(query, keys, values, real, scaling, positions, window, softcap) -> torch.Tensor:
-    """:func:`chunk_only_attention` with a sliding window and / or soft-capping: the causal, padding
-    and window mask ``[B, 1, q, q]`` through the reference eager attention (float32 scores, as
-    transformers' eager attention)."""
+def _masked_chunk_attention(query, keys, values, real, scaling, positions, window, softcap, sinks) -> torch.Tensor:
+    """:func:`chunk_only_attention` with a sliding window, soft-capping and / or learned sinks: the
+    causal, padding and window mask ``[B, 1, q, q]`` through the reference eager attention (float32
+    scores, as transformers' eager attention)."""
     batch, _, q_len, _ = query.shape
     device = query.device
     visible = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril().expand(batch, q_len, q_len)
@@ -95,7 +104,9 @@ def _masked_chunk_attention(query, keys, values, real, scaling, positions, windo
         distance = positions[:, :, None].long() - positions[:, None, :].long()  # [B, q, q]
         visible = visible & (distance < window)
     visible = visible | torch.eye(q_len, dtype=torch.bool, device=device)  # padding queries see themselves
-    out, _ = eager_attention_forward(None, query, keys, values, visible[:, None], scaling=scaling, softcap=softcap)
+    out, _ = eager_attention_forward(
+        None, query, keys, values, visible[:, None], scaling=scaling, softcap=softcap, s_aux=sinks
+    )
     if real is not None:
         out = out * real[:, :, None, None].to(out.dtype)
     return out  # [B, q, Hq, d]
@@ -112,14 +123,15 @@ def segment_layer_attention(
     positions: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     chunk: tuple[torch.Tensor, torch.Tensor, np.ndarray] | None = None,
 ) -> torch.Tensor:
     """Every query of ``query [B, Hq, q, d]`` (post-RoPE) over its KV head's rows in ``store`` (the
     chunk already appended: its token ``t`` sees everything before the chunk and the chunk's real
     tokens up to ``t``, inside the ``window`` from its position ``positions [B, q]`` when there is
-    one), merged with the evicted set's estimate when ``prepared``.  ``real`` bool ``[B, q]``
-    (None: all real).  Returns ``[B, q, Hq, d]`` in the query's dtype; rows of padding queries are
-    zero.
+    one), merged with the evicted set's estimate when ``prepared``, then with the learned ``sinks
+    [Hq]`` when given (:func:`with_sinks`).  ``real`` bool ``[B, q]`` (None: all real).  Returns
+    ``[B, q, Hq, d]`` in the query's dtype; rows of padding queries are zero.
 
     ``chunk``: the chunk's own ``keys / values [B, Hkv, q, d]`` and the rows each head held before
     it (``[B, Hkv]`` int, host).  With it, where the fused CPU kernel serves and there is no window
@@ -136,7 +148,8 @@ def segment_layer_attention(
     grouped = query.reshape(segments, group * q_len, dim)  # [S, G*q, d]
     if q_len == 1 and real is None:  # decoding: every query of a head sees all its stored rows
         with label("kvcal.attention"):
-            out, lse = _decode_step_attention(grouped, store, layout, scaling, softcap, need_lse=prepared is not None)
+            need_lse = prepared is not None or sinks is not None
+            out, lse = _decode_step_attention(grouped, store, layout, scaling, softcap, need_lse=need_lse)
     elif q_len > 1 and real is None and window is None and varlen_serves(query, store, softcap):
         with label("kvcal.attention"):  # a GPU: one FlashAttention varlen call over the buffer in place
             out, lse = varlen_chunk_attention(
@@ -174,7 +187,18 @@ def segment_layer_attention(
     if prepared is not None:
         with label("kvcal.correction"):
             # a decode step has just appended a row to every segment: no retained set is empty
-            out = corrected_merge(grouped, out, lse, prepared, scaling, retained_nonempty=q_len == 1 and real is None)
+            merged = corrected_merge(
+                grouped,
+                out,
+                lse,
+                prepared,
+                scaling,
+                retained_nonempty=q_len == 1 and real is None,
+                with_lse=sinks is not None,
+            )
+            out, lse = merged if sinks is not None else (merged, lse)
+    if sinks is not None:
+        out = with_sinks(out, lse, sinks, batch, q_len)
     if q_len == 1:  # [S, G, d] is already [B, 1, Hq, d]'s order
         output = out.view(batch, 1, num_q_heads, dim).to(query.dtype)
     else:
@@ -290,10 +314,12 @@ def corrected_merge(
     scaling: float,
     *,
     retained_nonempty: bool = False,
-) -> torch.Tensor:
+    with_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MomentKV's merge of the retained attention ``out [S, G*q, d]``, ``lse [S, G*q]`` (float32) with
     the evicted set's estimate for ``query [S, G*q, d]``: ``o = w o_R + (1 - w) o_E``,
-    ``w = sigmoid(lse_R - lse_E)``.  Returns ``[S, G*q, d]`` float32.  ``retained_nonempty``: the
+    ``w = sigmoid(lse_R - lse_E)``.  Returns ``[S, G*q, d]`` float32, and with ``with_lse`` also the
+    log-sum-exp of both sets, ``log(Z_R + Z_E)`` (what learned sinks need).  ``retained_nonempty``: the
     caller knows every query sees at least one retained row (``lse`` finite), so no weight is NaN."""
     out_E, lse_E = prepared.estimates(query, scaling)  # [S, G*q, d], [S, G*q]
     # w = Z_R / (Z_R + Z_E): exactly 1 where nothing was evicted (lse_E = -inf), and where
@@ -301,4 +327,17 @@ def corrected_merge(
     weight = torch.sigmoid(lse - lse_E)
     if not retained_nonempty:
         weight = weight.nan_to_num_(nan=1.0)
-    return torch.lerp(out_E, out, weight.unsqueeze(-1))
+    merged = torch.lerp(out_E, out, weight.unsqueeze(-1))
+    return (merged, torch.logaddexp(lse, lse_E)) if with_lse else merged
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, batch: int, q_len: int) -> torch.Tensor:
+    """The attention ``out [S, G*q, d]`` over rows of log-sum-exp ``lse [S, G*q]`` (float32) with each query
+    head's learned sink ``sinks [Hq]`` in its softmax: ``out`` times :func:`runtime.math.sinks.sink_weight`
+    (a query that sees no row keeps its 0).  ``S = batch * Hkv``; a segment's rows are its ``G`` heads times
+    ``q_len`` tokens.  Returns float32 ``[S, G*q, d]``."""
+    segments, rows = lse.shape
+    heads = segments // batch
+    sink = sinks.view(heads, rows // q_len, 1).expand(heads, rows // q_len, q_len).reshape(1, heads, rows)
+    weight = sink_weight(lse.view(batch, heads, rows), sink)  # [B, Hkv, G*q]
+    return out.float() * weight.view(segments, rows, 1)

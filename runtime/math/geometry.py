@@ -362,7 +362,8 @@ def check_config(config, name: str | None = None) -> None:
     projected) and dynamic NTK RoPE without a ``max_position_embeddings`` (kvcal serves dynamic NTK
     inside that original context only: :func:`original_context`); also a heterogeneous
     config (per-layer attention geometry, Gemma 4), layer types without RoPE parameters (Beam), keys
-    and values shared across layers (Gemma 3n) and layers run several times per token (Dory).  ``name``: the
+    and values shared across layers (Gemma 3n), layers run several times per token (Dory) and values of
+    another head dim than the keys (MiMo-V2-Flash).  ``name``: the
     model's, for the message (default: the config's architecture)."""
     config = text_config(config)
     if name is None:
@@ -401,6 +402,12 @@ def check_config(config, name: str | None = None) -> None:
             f"{name}: multi-head latent attention (MLA, kv_lora_rank={rank}: keys and values projected from one "
             "cached latent per token, as in DeepSeek V2 / V3) is not supported"
         )
+    value_dim, key_dim = getattr(config, "v_head_dim", None), getattr(config, "head_dim", None)
+    if isinstance(value_dim, int) and isinstance(key_dim, int) and value_dim != key_dim:
+        raise UnsupportedModelError(
+            f"{name}: values of another head dim than the keys (v_head_dim={value_dim}, head_dim={key_dim}, as in "
+            "MiMo-V2-Flash) are not supported: kvcal's cache holds keys and values of one head dim"
+        )
     if _dynamic_ntk_types(config) and original_context(config) is None:
         raise UnsupportedModelError(
             f"{name}: dynamic NTK RoPE (rope_type 'dynamic') without a max_position_embeddings is not supported: "
@@ -432,9 +439,7 @@ def original_context(config) -> int | None:
 
 
 def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:
-    """:func:`check_config`, then learned attention sinks, read off the modules (gpt-oss: a learned
-    logit per head that takes part in every softmax, ``self_attn.sinks``; runtime.compression.ragged_attention's
-    ``UNSUPPORTED_ARGUMENTS``), Doge's dynamic mask attention and DiffLlama's differential attention,
+    """:func:`check_config`, then Doge's dynamic mask attention and DiffLlama's differential attention,
     each refused by its name before the checks of the projections'
     shapes and of the rotary (which they fail, saying less or something wrong)."""
     check_config(config, name)
@@ -451,11 +456,6 @@ def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:
             raise UnsupportedModelError(
                 f"{name}: differential attention (layer {index} self_attn.lambda_q1, as in DiffLlama: two "
                 "attention maps per layer over one cache, subtracted) is not supported"
-            )
-        if isinstance(getattr(attention, "sinks", None), torch.Tensor):
-            raise UnsupportedModelError(
-                f"{name}: learned attention sinks (layer {index} self_attn.sinks, as in gpt-oss: a learned logit "
-                "per head in every softmax) are not supported: the ragged attention cannot compute them"
             )
 
 

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from runtime.math.arrays import to_device
+from runtime.math.sinks import sink_weight
 
 ORDER_NONE = -1
 ORDERS = (ORDER_NONE, 0, 1)  # the artifact's ``moments/order`` codes; errors[:, i] is ORDERS[i]
@@ -377,19 +378,27 @@ def corrected_attention(
     order: int,
     tau: float = 0.0,
     mask: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Normalization-corrected attention of ``query [G, q, d]`` (one KV head's query group).
 
     ``keys_R/values_R [n_R, d]`` are the retained tokens (``mask`` as in
     :func:`attention_with_lse`, over them).  Order -1, or an empty evicted set, returns
-    plain attention over the retained tokens exactly.  Output ``[G, q, d]`` in query dtype.
+    plain attention over the retained tokens exactly.  ``sinks [G]``: the query heads' learned
+    attention sinks (:mod:`runtime.math.sinks`: their ``e^s`` joins ``Z_R + Z_E``).  Output ``[G, q, d]``
+    in query dtype.
     """
     order = _check_order(order)
     out_R, lse_R = attention_with_lse(query, keys_R, values_R, scaling, mask)
     if order == ORDER_NONE or sums.count(head) == 0:
-        return out_R
-    out_E, lse_E = evicted_estimate(query, sums, head, scaling, order, tau)
-    return merge_outputs(out_R, lse_R.to(out_E.device), out_E, lse_E).to(query.dtype)
+        out, lse = out_R, lse_R
+    else:
+        out_E, lse_E = evicted_estimate(query, sums, head, scaling, order, tau)
+        lse_R = lse_R.to(out_E.device)
+        out, lse = merge_outputs(out_R, lse_R, out_E, lse_E), torch.logaddexp(lse_R.float(), lse_E.float())
+    if sinks is not None:
+        out = out.float() * sink_weight(lse, sinks.reshape(-1, 1)).unsqueeze(-1)  # [G, q, d]
+    return out.to(query.dtype)
 
 
 def moment_residuals(

@@ -11,7 +11,10 @@ by :mod:`runtime.plan.rope_check`): :data:`ROTATE_HALF`, the above; :data:`INTER
 rotation of adjacent pairs ``(x0, x1), (x2, x3) ..`` (Cohere, Ernie 4.5, Helium), where ``P`` turns
 each pair, ``P x = (-x1, x0, -x3, x2, ..)``, and ``cos, sin`` repeat each pair's frequency
 (``[f0, f0, f1, f1, ..]``); :data:`REVERSED`, rotate_half's rotation by the opposite angle
-(NanoChat's ``rotate_half`` returns ``cat(x2, -x1)``), ``R_p`` with ``sin`` negated; and
+(NanoChat's ``rotate_half`` returns ``cat(x2, -x1)``), ``R_p`` with ``sin`` negated; :data:`HALVES`,
+rotate_half from frequencies given once (gpt-oss's rotary module returns ``cos, sin [d/2]`` and turns the
+halves ``(x1 cos - x2 sin, x2 cos + x1 sin)``), which is rotate_half with ``cos, sin`` doubled, over all ``d``
+dimensions where the module's width alone would read as half of them rotated (partial RoPE); and
 :data:`NO_ROPE`, a layer that does not rotate (SmolLM3, EXAONE 4), whose rotation is the identity,
 ``cos = 1, sin = 0``.  Every formula here holds in each form with its ``P``: :class:`Rotation` carries
 ``cos, sin`` with the form's ``P``.
@@ -36,8 +39,10 @@ INTERLEAVED = "interleaved"
 INTERLEAVED_PAIRED = "interleaved, paired frequencies"
 # rotate_half with its signs flipped, cat(x2, -x1): the inverse rotation R(-p) (NanoChat); sin negated
 REVERSED = "rotate_half, reversed"
+# rotate_half whose rotary module gives each frequency once, cos, sin [d/2] for both halves (gpt-oss)
+HALVES = "rotate_half, frequencies once"
 NO_ROPE = "none"
-FORMS = (ROTATE_HALF, INTERLEAVED, INTERLEAVED_PAIRED, REVERSED, NO_ROPE)
+FORMS = (ROTATE_HALF, INTERLEAVED, INTERLEAVED_PAIRED, REVERSED, HALVES, NO_ROPE)
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,17 @@ class RopeForms:
 
     keys: tuple[str | None, ...]
     queries: tuple[str | None, ...]
+
+
+def form_applies(geometry: ModelGeometry, layer: int, form: str) -> bool:
+    """Whether layer ``layer`` can rotate in ``form``: :data:`HALVES` only where the rotary module's width
+    is half the head dim (every other form anywhere)."""
+    return form != HALVES or 2 * geometry.rotary_dims[layer] == geometry.head_dim
+
+
+def _form_rotary_dims(geometry: ModelGeometry, layer: int, form: str) -> int | None:
+    """How many dimensions layer ``layer`` turns in ``form``: all in :data:`HALVES`, else the module's width."""
+    return None if form == HALVES else geometry.rotary_dims[layer]
 
 
 def interleaves(form: str) -> bool:
@@ -161,7 +177,7 @@ def rotation(model, layer: int, form: str, cos: torch.Tensor, sin: torch.Tensor,
     geometry = ModelGeometry.of(model)
     read = (geometry.key_projections if keys else geometry.query_projections)[layer]
     weight = None if read.weight_after_rope is None else read.weight_after_rope.detach().float()
-    return Rotation(cos, sin, interleaves(form), geometry.rotary_dims[layer], weight)
+    return Rotation(cos, sin, interleaves(form), _form_rotary_dims(geometry, layer, form), weight)
 
 
 def rope_cos_sin(
@@ -206,6 +222,12 @@ def rope_cos_sin(
     cos, sin = cos[0].float(), sin[0].float()
     if form == REVERSED:  # R(-p): cos(-a) = cos(a), sin(-a) = -sin(a)
         sin = -sin
+    if form == HALVES:  # [f] for both halves -> [f, f]
+        if not form_applies(geometry, 0 if layer is None else layer, form):
+            raise ValueError(
+                f"{form!r} needs a rotary module of half the head dim, got {cos.shape[-1]} of {geometry.head_dim}"
+            )
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     if form == INTERLEAVED:  # [f, f] -> [f0, f0, f1, f1, ..]
         half = cos.shape[-1] // 2
         cos, sin = cos[:, :half].repeat_interleave(2, -1), sin[:, :half].repeat_interleave(2, -1)

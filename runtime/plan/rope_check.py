@@ -38,12 +38,14 @@ from runtime.kv_store.eager_attention import eager_attention_forward
 from runtime.math.geometry import ModelGeometry, UnsupportedModelError, input_device
 from runtime.math.rope import (
     FORMS,
+    HALVES,
     INTERLEAVED,
     INTERLEAVED_PAIRED,
     NO_ROPE,
     REVERSED,
     ROTATE_HALF,
     RopeForms,
+    form_applies,
     rope_cos_sin,
     rotation,
 )
@@ -95,6 +97,7 @@ FEATURES = {
     INTERLEAVED: "interleaved RoPE",
     INTERLEAVED_PAIRED: "interleaved RoPE",
     REVERSED: "the inverse RoPE rotation",
+    HALVES: "rotate_half from frequencies given once",
     None: OTHER,
 }
 
@@ -186,7 +189,7 @@ def rope_mismatches(model) -> RopeMismatches:
             (query_forms, query_errors, False, pre_queries[layer], query),
         ):
             errors.append(_error(rotations, geometry, layer, positions[0], ROTATE_HALF, keys, pre, got))
-            others = (form for form in FORMS if form != ROTATE_HALF)
+            others = (form for form in FORMS if form != ROTATE_HALF and form_applies(geometry, layer, form))
             fits = (
                 form
                 for form in others

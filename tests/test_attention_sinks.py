@@ -1,0 +1,150 @@
+"""Learned attention sinks (gpt-oss's ``s_aux``: a logit per query head that takes part in every softmax, its
+value dropped; "gpt-oss-120b & gpt-oss-20b Model Card", arXiv 2508.10925): served exactly.
+
+kvcal refused every model passing them (gpt-oss, Granite SWA, MiMo-V2-Flash...).  The references here are
+the unmodified model (nothing evicted; and one evicted row per head that the order-1 correction restores
+exactly) and a masked full attention with the sink's logit (rows evicted per head, in a chunk and in decode
+steps by each CPU kernel).  The sinks are drawn between 2 and 7 (about the log-sum-exp of a few hundred
+rows), so that they move every output; transformers initialises them near 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from test_rope_forms import COMMON, TOLERANCE, _prompt, assert_served_exactly
+from test_runtime_cache import inf_calibration
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from runtime import CompressionPolicy, compress_prompt, generate, ragged_attention
+from runtime.kv_store.transformers_compat import cache_argument
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
+
+
+def gpt_oss(seed: int = 0, **options):
+    """A tiny gpt-oss (sliding layers of a 32-token window and full ones alternate, YaRN, biased projections,
+    MoE) with sinks in [2, 7)."""
+    torch.manual_seed(seed)
+    options = dict(COMMON, max_position_embeddings=131072, sliding_window=32) | options  # YaRN: 32 x 4096
+    config = T.GptOssConfig(**options, head_dim=16, num_local_experts=4)
+    model = T.GptOssForCausalLM(config).eval()
+    model.generation_config.pad_token_id = 0
+    generator = torch.Generator().manual_seed(seed + 1)
+    for layer in model.model.layers:
+        layer.self_attn.sinks.data = 2.0 + 5.0 * torch.rand(config.num_attention_heads, generator=generator)
+    return model
+
+
+@torch.no_grad()
+def test_gpt_oss_is_served_exactly_and_its_sinks_count():
+    """A left-padded batch of 300 columns (every sliding layer's 32-token window moves), 20 greedy steps:
+    every step's logits are the model's own within 1e-4; without its sinks the model's logits move by more
+    than 100x that, so the runtime computes them."""
+    model = gpt_oss()
+    assert_served_exactly(model)
+    ids, mask = _prompt()
+    with_sinks = model(ids, attention_mask=mask).logits
+    for layer in model.model.layers:
+        layer.self_attn.sinks.data.fill_(-1e4)
+    without = model(ids, attention_mask=mask).logits
+    assert (with_sinks - without)[mask.bool()].abs().max() > 100 * TOLERANCE
+
+
+def masked_reference_logits(model, ids, evicted: dict[int, torch.Tensor], context: int):
+    """The model's logits over ``ids [1, T]`` by an attention of its own: causal, queries at positions
+    ``>= context`` blind to the evicted context positions of their KV head (``evicted[layer]`` bool ``[Hkv,
+    context]``), the layer's sliding window, and each query head's sink logit in the softmax."""
+    name = "kvcal_test_sink_reference"
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        group = query.shape[1] // key.shape[1]
+        total = key.shape[2]
+        position = torch.arange(total)
+        allowed = position[None, :] <= position[:, None]  # causal [T, T]
+        if kwargs.get("sliding_window") is not None:
+            allowed &= position[:, None] - position[None, :] < kwargs["sliding_window"]
+        allowed = allowed.expand(key.shape[1], total, total).clone()  # [Hkv, T, T]
+        allowed[:, context:, :context] &= ~evicted[module.layer_idx].unsqueeze(1)
+        allowed = allowed.repeat_interleave(group, dim=0)  # [Hq, T, T]
+        logits = (query @ key.repeat_interleave(group, 1).transpose(-1, -2)) * scaling  # [1, Hq, T, T]
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        sink = kwargs["s_aux"].reshape(1, -1, 1, 1).expand(1, query.shape[1], total, 1)
+        weights = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+        return (weights @ value.repeat_interleave(group, 1)).transpose(1, 2), None
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        return model(ids).logits
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kernel", ["live_rows", "pages"])
+def test_rows_evicted_per_head_equal_masked_attention_with_the_sinks(kernel, monkeypatch):
+    """KV heads keep different numbers of rows (INF budgets); a chunk of 6 tokens after the compressed
+    context, then 5 decode steps of a batch of 3, by the live-row kernel and by the pages: every row's
+    logits as the masked reference's (its window of 1024 never slides here, so the window masks pass
+    through the windowed kernels without hiding a row)."""
+    import runtime.kv_store.layer_attention
+
+    if kernel == "pages":
+        monkeypatch.setenv("KVCAL_DECODE_KERNEL", "pages")
+    monkeypatch.setattr(runtime.kv_store.layer_attention, "LIVE_ROW_CALLS", 8 if kernel == "live_rows" else 0)
+    chosen = []
+    decode_kernel = runtime.kv_store.layer_attention.decode_kernel
+    monkeypatch.setattr(
+        runtime.kv_store.layer_attention, "decode_kernel", lambda *a: chosen.append(decode_kernel(*a)) or chosen[-1]
+    )
+    model = gpt_oss(sliding_window=1024)
+    context, chunk, steps = 40, 6, 5
+    ids = torch.randint(3, 256, (3, context + chunk + steps), generator=torch.Generator().manual_seed(5))
+    policy = CompressionPolicy(budget=14, allocation="inf", scorer="keydiff", n_sink=2, window=4)
+    with ragged_attention(model):
+        cache, report = compress_prompt(model, ids, policy, context_columns=context, calibration=inf_calibration(4, 2))
+        logits = [model(ids[:, context : context + chunk], **cache_argument(model, cache)).logits]
+        for t in range(context + chunk, context + chunk + steps):
+            logits.append(model(ids[:, t : t + 1], **cache_argument(model, cache)).logits)
+    logits = torch.cat(logits, dim=1)
+    assert set(chosen) == {kernel}
+    assert len(np.unique(report.lengths_after[:, 0])) > 1  # heads keep different numbers of rows
+    for row in range(3):
+        evicted = {}
+        for index, layer in enumerate(cache.layers):
+            hidden = torch.ones(2, context, dtype=torch.bool)
+            for head in range(2):
+                kept = layer.head(row, head)[2].long()
+                hidden[head, kept[kept < context]] = False
+            evicted[index] = hidden
+        reference = masked_reference_logits(model, ids[row : row + 1], evicted, context)
+        torch.testing.assert_close(logits[row], reference[0, context:], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_the_correction_divides_by_both_sets_and_the_sink():
+    """One row evicted per head and the order-1 correction (tau 0): the evicted set's estimate is that row's
+    own exp(s q.k) and value, so the merged attention is the full attention, and with the sink in the
+    softmax (Z_R + Z_E + e^s below) the runtime's logits are the unmodified model's.  Without the
+    correction they are not (the row is missing).  Every layer full (a sliding layer is never corrected)."""
+    model = gpt_oss(layer_types=["full_attention"] * 4)  # sliding layers keep no moment sums
+    ids, mask = _prompt()
+    options = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    expected = model.generate(ids, attention_mask=mask, **options)
+    one_row = dict(budget=250, scorer="keydiff", n_sink=0, window=1)
+    differences = {}
+    for correction in ("order1", "none"):
+        policy = CompressionPolicy(**one_row, correction=correction, tau=0.0)
+        got = generate(model, ids, policy, attention_mask=mask, context_columns=251, **options)
+        evicted = got.report.lengths_before - got.report.lengths_after  # [L, B, Hkv]
+        assert (evicted[:, 0] == 1).all() and (evicted[:, 1] == 0).all()  # row 1 holds 211 context tokens
+        differences[correction] = max(
+            (a - b).abs().max().item() for a, b in zip(got.output.logits, expected.logits, strict=True)
+        )
+    assert differences["order1"] < 1e-5 and 100 * differences["order1"] < differences["none"], differences
