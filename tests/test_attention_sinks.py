@@ -148,3 +148,44 @@ def test_the_correction_divides_by_both_sets_and_the_sink():
             (a - b).abs().max().item() for a, b in zip(got.output.logits, expected.logits, strict=True)
         )
     assert differences["order1"] < 1e-5 and 100 * differences["order1"] < differences["none"], differences
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_the_embedded_weights_with_learned_sinks_are_served_exactly(embedded_model, embedded_tokenizer):
+    """The real embedded weights in Granite SWA's architecture (Llama's weight names; its multipliers at 1 and
+    its attention scale d^-1/2, so it is SmolLM2 plus what Granite SWA adds): learned sinks between 1 and 4,
+    three of every four layers sliding over 128 tokens, a 300-token prompt.  Nothing evicted, the runtime's
+    greedy answer and every step's logits are transformers' own; one row evicted per head of its full layers
+    and restored by the order-1 correction, still its own."""
+    if not hasattr(T, "GraniteSWAConfig"):
+        pytest.skip(f"transformers {T.__version__} has no Granite SWA")
+    own = {k: v for k, v in embedded_model.config.to_dict().items() if k not in ("architectures", "model_type")}
+    own.update(attention_multiplier=own["head_dim"] ** -0.5, sliding_window=128)
+    model = T.GraniteSWAForCausalLM(T.GraniteSWAConfig(**own)).eval()
+    missing, unexpected = model.load_state_dict(embedded_model.state_dict(), strict=False)
+    assert not unexpected and all(name.endswith("self_attn.sinks") for name in missing)
+    generator = torch.Generator().manual_seed(7)
+    for layer in model.model.layers:
+        layer.self_attn.sinks.data = 1.0 + 3.0 * torch.rand(layer.self_attn.sinks.shape, generator=generator)
+    assert {model.config.embedding_multiplier, model.config.residual_multiplier, model.config.logits_scaling} == {1.0}
+    model.generation_config.pad_token_id = embedded_tokenizer.pad_token_id or 0
+    text = "The passcode is 4817. " + "The grass is green and the sky is blue. " * 30 + "What is the passcode?"
+    ids = embedded_tokenizer(text, return_tensors="pt").input_ids[:, :300]
+    options = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    expected = model.generate(ids, **options)
+    sinks = [layer.self_attn.sinks.data.clone() for layer in model.model.layers]
+    for layer in model.model.layers:  # without them the model's logits move: the comparison would see them missing
+        layer.self_attn.sinks.data.fill_(-1e4)
+    assert (model(ids).logits[0, -1] - expected.logits[0][0]).abs().max() > 100 * TOLERANCE
+    for layer, own_sinks in zip(model.model.layers, sinks, strict=True):
+        layer.self_attn.sinks.data = own_sinks
+    for policy in (None, CompressionPolicy(budget=ids.shape[1] - 2, scorer="keydiff", correction="order1", tau=0.0)):
+        got = generate(model, ids, policy, context_columns=ids.shape[1] - 1, **options)
+        difference = max((a - b).abs().max().item() for a, b in zip(got.output.logits, expected.logits, strict=True))
+        assert difference < TOLERANCE, (policy, difference)
+        assert torch.equal(got.sequences, expected.sequences)
+        if policy is not None:  # the full layers held one row fewer per head
+            evicted = got.report.lengths_before - got.report.lengths_after  # [L, 1, Hkv]
+            full = [i for i, kind in enumerate(model.config.layer_types) if kind == "full_attention"]
+            assert (evicted[full] == 1).all() and evicted.sum() == evicted[full].sum()
