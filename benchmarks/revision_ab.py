@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib
 import io
 import json
@@ -102,7 +103,7 @@ def decode_ab(sides, model, plain_model, ids, batch: int, steps: int, cache_argu
     import torch
     from transformers import DynamicCache
 
-    runs = {}
+    runs, scopes = {}, {"plain": contextlib.nullcontext}
     for tag, (runtime, calibration) in sides.items():
         policy = runtime.FLAGSHIP.policy(0.75)
         base = prefilled(runtime, model, ids, [policy])
@@ -112,6 +113,8 @@ def decode_ab(sides, model, plain_model, ids, batch: int, steps: int, cache_argu
         compress_function(runtime)(model, base, policy, calibration)
         runs[f"full/{tag}"] = [full, torch.full((batch, 1), 1000)]
         runs[f"flagship/{tag}"] = [base, torch.full((batch, 1), 1000)]
+        # each side's caches attended by its own attention function (their signatures may differ)
+        scopes[f"full/{tag}"] = scopes[f"flagship/{tag}"] = lambda runtime=runtime: runtime.ragged_attention(model)
     plain = DynamicCache(config=plain_model.config)
     plain_model(ids, **cache_argument(plain_model, plain), use_cache=True, logits_to_keep=1)
     plain.batch_repeat_interleave(batch)
@@ -120,7 +123,8 @@ def decode_ab(sides, model, plain_model, ids, batch: int, steps: int, cache_argu
     for _ in range(2):  # warm-up; both sides must agree
         logits = {}
         for name, run in runs.items():
-            logits[name] = step(models[name], run[0], run[1], cache_argument)
+            with scopes[name]():
+                logits[name] = step(models[name], run[0], run[1], cache_argument)
             run[1] = logits[name].argmax(-1, keepdim=True)
         for config in ("full", "flagship"):
             if not torch.equal(logits[f"{config}/base"], logits[f"{config}/this"]):
@@ -130,9 +134,10 @@ def decode_ab(sides, model, plain_model, ids, batch: int, steps: int, cache_argu
     for i in range(steps):
         for name in names[i % len(names) :] + names[: i % len(names)]:
             run = runs[name]
-            start = time.perf_counter()
-            logits = step(models[name], run[0], run[1], cache_argument)
-            times[name].append(1000 * (time.perf_counter() - start))
+            with scopes[name]():  # the switch itself is not timed
+                start = time.perf_counter()
+                logits = step(models[name], run[0], run[1], cache_argument)
+                times[name].append(1000 * (time.perf_counter() - start))
             run[1] = logits.argmax(-1, keepdim=True)
     plain_ms = statistics.median(times["plain"])
     result = {"median_ms": {n: statistics.median(t) for n, t in times.items()}, "times_ms": times}

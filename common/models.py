@@ -434,9 +434,10 @@ def _without_sdpa(model: str | os.PathLike | None) -> str | None:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    config = _from_pretrained(AutoConfig, model)
     try:
-        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(_from_pretrained(AutoConfig, model))]
-    except KeyError:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except Exception:  # no causal LM for the config, or its module cannot import here: the load says which
         return None
     return model_class.__name__ if getattr(model_class, "_supports_sdpa", True) is False else None
 
