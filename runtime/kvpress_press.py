@@ -140,6 +140,11 @@ class CalibratedPress(BasePress):
     def post_init_from_model(self, model):
         """Bind the policy to the calibration and this model (kvpress calls this on entering the press)."""
         if model.config._attn_implementation == "eager":
+            if getattr(type(model), "_supports_sdpa", True) is False:  # gpt-oss: its learned sinks
+                raise ValueError(
+                    "kvpress masks evicted rows per head only in its patched attention functions, and transformers "
+                    f"gives {type(model).__name__} no sdpa attention (it runs eager); {_USE_THE_RUNTIME}"
+                )
             raise ValueError(
                 "kvpress masks evicted rows per head only in its patched attention functions, not in eager "
                 "attention: load the model with attn_implementation='sdpa'"

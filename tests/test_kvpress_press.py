@@ -227,6 +227,17 @@ def test_an_eager_model_is_refused(embedded_model, calibration):
     assert press.head_budgets(100).shape == (config.num_hidden_layers, config.num_key_value_heads)
 
 
+def test_a_model_without_sdpa_is_sent_to_the_runtime(calibration):
+    """gpt-oss (learned attention sinks) has no sdpa attention in transformers: the refusal says to serve it
+    with kvcal's runtime, which computes its sinks (tests/test_attention_sinks.py), not to load it with sdpa."""
+    from test_attention_sinks import gpt_oss
+
+    model = gpt_oss()
+    assert model.config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match=r"gives GptOssForCausalLM no sdpa attention .*runtime.generate"):
+        CalibratedPress(calibration, compression_ratio=0.5).post_init_from_model(model)
+
+
 def test_a_ratio_set_after_construction_is_served(embedded_model, calibration):
     """kvpress's evaluation harness sets ``press.compression_ratio`` on a built press: the press
     serves the new ratio from the next time kvpress enters it, with the artifact's budgets for it."""
