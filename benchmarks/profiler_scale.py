@@ -49,10 +49,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-GEOMETRIES = {  # hidden, query heads, KV heads, head dim, the real MLP width
+GEOMETRIES = {  # hidden, query heads, KV heads, head dim, the real MLP width (gpt-oss: each expert's)
     "8b": (4096, 32, 8, 128, 14336),
     "70b": (8192, 64, 8, 128, 28672),
+    # gpt-oss-20b (its config.json): 32 experts, 4 per token, sliding layers of 128 tokens alternating with
+    # full ones, YaRN over 4096 x 32 positions, learned attention sinks
+    "gpt-oss-20b": (2880, 64, 8, 64, 2880),
 }
+# gpt-oss's sinks as built here: uniform in [SINKS_LOW, SINKS_HIGH) per head (transformers initialises them
+# near 0, where they would hardly move an output: the sinks path would go unmeasured)
+SINKS_LOW, SINKS_HIGH = 2.0, 7.0
 STAGES = ("forward", "behaviour", "future-queries", "learned-scorer", "moments", "budget-curves")
 QUESTION_TOKENS = 32
 
@@ -60,17 +66,17 @@ QUESTION_TOKENS = 32
 def build_model_dir(
     directory: Path, geometry: str, layers: int, mlp_width: int, dtype: str, tokenizer=None, device=None
 ) -> None:
-    """A random-weight Llama of ``geometry`` saved with ``tokenizer`` (default: the embedded one) in
-    ``directory``, its weights drawn on ``device`` (default: the CPU; a GPU draws 8B-wide layers in
-    seconds rather than minutes)."""
+    """A random-weight Llama of ``geometry`` (gpt-oss for ``gpt-oss-20b``, its sinks drawn in ``[SINKS_LOW,
+    SINKS_HIGH)``) saved with ``tokenizer`` (default: the embedded one) in ``directory``, its weights drawn
+    on ``device`` (default: the CPU; a GPU draws 8B-wide layers in seconds rather than minutes)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     from common.models import load_tokenizer
 
     hidden, heads, kv_heads, head_dim, _ = GEOMETRIES[geometry]
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
-    config = LlamaConfig(
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=mlp_width,
@@ -79,20 +85,30 @@ def build_model_dir(
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         max_position_embeddings=131072,
-        rope_theta=500000.0,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
     )
+    if geometry.startswith("gpt-oss"):
+        config = transformers.GptOssConfig(**common, num_local_experts=32, num_experts_per_tok=4, sliding_window=128)
+        model_class = transformers.GptOssForCausalLM
+    else:
+        config = transformers.LlamaConfig(**common, rope_theta=500000.0)
+        model_class = transformers.LlamaForCausalLM
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))  # built in the saved dtype: no float32 copy of 70B-wide layers
     try:
         with torch.device(device or "cpu"):
-            model = LlamaForCausalLM(config).eval()
+            model = model_class(config).eval()
     finally:
         torch.set_default_dtype(previous)
+    for layer in model.model.layers:
+        sinks = getattr(layer.self_attn, "sinks", None)
+        if sinks is not None:
+            with torch.no_grad():
+                sinks.uniform_(SINKS_LOW, SINKS_HIGH)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
 
