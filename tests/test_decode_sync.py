@@ -251,6 +251,23 @@ def test_a_sliding_window_layer_synchronises_once_per_decode_step(one_thread):
     assert _total(syncs) <= _total(plain_syncs) + layers, dict(syncs)
 
 
+@pytest.mark.parametrize("correction", ["none", "order1"])
+def test_learned_attention_sinks_add_no_synchronisation(correction, one_thread):
+    """gpt-oss's learned sinks (every layer full here) are one factor per query from each kernel's
+    log-sum-exp: a decode step of keydiff at 75% evicted, with and without the order-1 correction,
+    synchronises no more than the same model's plain step (its experts' routing reads back in both)."""
+    from test_attention_sinks import gpt_oss
+
+    model = gpt_oss(layer_types=["full_attention"] * 4)
+    ids = torch.randint(3, 256, (2, 240), generator=torch.Generator().manual_seed(3))
+    prompt, decode = ids[:, :192], ids[:, 191:]
+    plain_syncs, plain_ops = decode_step_counts(model, _plain_cache(model, prompt[:, :-1]), decode)
+    policy = CompressionPolicy(compression_ratio=0.75, scorer="keydiff", correction=correction)
+    syncs, ops = decode_step_counts(model, _compressed(model, prompt, policy), decode)
+    print(f"sinks ({correction}): {_total(syncs)} syncs {dict(syncs)}, {ops} aten ops; plain {dict(plain_syncs)}")
+    assert _total(syncs) <= _total(plain_syncs), f"{dict(syncs)} vs plain's {dict(plain_syncs)}"
+
+
 @pytest.mark.slow
 def test_the_flagship_decode_step_on_the_embedded_model(embedded_model, embedded_tokenizer, smoke_artifact, one_thread):
     """The flagship ``inf/leverage+correction`` with the smoke artifact's budgets and correction

@@ -18,9 +18,10 @@ import torch
 
 
 def sink_weight(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """``Z / (Z + e^s) = sigmoid(lse - s)`` (float32), broadcasting ``lse`` against ``sinks``: 0 where
-    nothing is visible (``lse = -inf``), so a query that sees no row keeps its zero output."""
-    return torch.sigmoid(lse.float() - sinks.float().to(lse.device))
+    """``Z / (Z + e^s) = sigmoid(lse - s)`` (float32), broadcasting ``lse`` against ``sinks`` (both on the
+    layer's device: no copy in a decode step): 0 where nothing is visible (``lse = -inf``), so a query that
+    sees no row keeps its zero output."""
+    return torch.sigmoid(lse.float() - sinks.float())
 
 
 def softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
