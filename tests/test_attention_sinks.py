@@ -189,3 +189,25 @@ def test_the_embedded_weights_with_learned_sinks_are_served_exactly(embedded_mod
             evicted = got.report.lengths_before - got.report.lengths_after  # [L, 1, Hkv]
             full = [i for i, kind in enumerate(model.config.layer_types) if kind == "full_attention"]
             assert (evicted[full] == 1).all() and evicted.sum() == evicted[full].sum()
+
+
+@torch.no_grad()
+def test_a_first_chunk_with_sinks_takes_a_kernel_with_its_log_sum_exp(monkeypatch):
+    """A full layer's first chunk with learned sinks goes to the segment kernels, which give each query's
+    log-sum-exp (here the CPU's flash kernel), not to the chunk-only path's eager reference (4.3x slower at 4K
+    tokens of gpt-oss-20b's geometry: R-sink-prefill-2026-11-29); a sliding layer's takes the eager reference,
+    which masks its window.
+    Both are the model's own attention (the first tests)."""
+    import runtime.kv_store.layer_attention as layer_attention
+
+    eager_layers = []
+    masked = layer_attention._masked_chunk_attention
+    monkeypatch.setattr(
+        layer_attention,
+        "_masked_chunk_attention",
+        lambda *args: eager_layers.append(args[6]) or masked(*args),  # the window
+    )
+    model = gpt_oss()  # sliding, full, sliding, full
+    ids, mask = _prompt()
+    compress_prompt(model, ids, None, attention_mask=mask)
+    assert eager_layers == [32, 32]  # the two sliding layers, padding or not

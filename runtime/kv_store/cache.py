@@ -43,7 +43,12 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from runtime.kv_store.layer_attention import chunk_only_attention, decode_kernel, segment_layer_attention
+from runtime.kv_store.layer_attention import (
+    chunk_only_attention,
+    decode_kernel,
+    lse_kernel_serves,
+    segment_layer_attention,
+)
 from runtime.kv_store.layout import PageLayout
 from runtime.kv_store.profiling import label
 from runtime.kv_store.row_state import Correction, PreparedCorrection, RowState, fold_evicted
@@ -398,7 +403,9 @@ class RaggedLayer(DynamicLayer):
         # None: q_len for every row
         counts = store.append(new_keys, new_values, positions, real, step_positions=self.step_positions)
         prepared = self._correction.get(self.rows, store.num_heads, store.head_dim, store.device)
-        if fresh and prepared is None:  # nothing retained before this chunk: ordinary causal attention
+        # learned sinks need each query's log-sum-exp, which the segment kernels give
+        sinks_by_lse = sinks is not None and lse_kernel_serves(query, store, real, window, softcap)
+        if fresh and prepared is None and not sinks_by_lse:  # nothing retained before: ordinary causal attention
             with label("kvcal.attention"):
                 output = chunk_only_attention(
                     query,

@@ -209,6 +209,21 @@ def segment_layer_attention(
     return output
 
 
+def lse_kernel_serves(
+    query: torch.Tensor, store: SegmentStore, real: torch.Tensor | None, window: int | None, softcap: float | None
+) -> bool:
+    """Whether :func:`segment_layer_attention` attends a chunk by a fused kernel that gives each query's
+    log-sum-exp: a GPU's FlashAttention varlen call (no padding), the CPU's flash kernel in two parts; no
+    window nor soft-capping.  There a first chunk with learned sinks goes, rather than to
+    :func:`chunk_only_attention`'s eager reference (a 4096-token prefill of gpt-oss-20b's attention on the CPU
+    in 0.23x the time: docs/results.md R-sink-prefill-2026-11-29)."""
+    if window is not None or softcap is not None:
+        return False
+    return (real is None and varlen_serves(query, store, softcap)) or fused_kernel_serves(
+        query, store.key_buffer, softcap
+    )
+
+
 def _chunk_split_attention(
     query: torch.Tensor,
     grouped: torch.Tensor,
