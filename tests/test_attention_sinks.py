@@ -15,9 +15,7 @@ import pytest
 import torch
 import transformers as T
 from test_rope_forms import COMMON, TOLERANCE, _prompt, assert_served_exactly
-from test_runtime_cache import inf_calibration
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import AttentionInterface
+from test_runtime_cache import evicted_context, inf_calibration, masked_reference_logits
 
 from runtime import CompressionPolicy, compress_prompt, generate, ragged_attention
 from runtime.kv_store.transformers_compat import cache_argument
@@ -54,45 +52,13 @@ def test_gpt_oss_is_served_exactly_and_its_sinks_count():
     assert (with_sinks - without)[mask.bool()].abs().max() > 100 * TOLERANCE
 
 
-def masked_reference_logits(model, ids, evicted: dict[int, torch.Tensor], context: int):
-    """The model's logits over ``ids [1, T]`` by an attention of its own: causal, queries at positions
-    ``>= context`` blind to the evicted context positions of their KV head (``evicted[layer]`` bool ``[Hkv,
-    context]``), the layer's sliding window, and each query head's sink logit in the softmax."""
-    name = "kvcal_test_sink_reference"
-
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        group = query.shape[1] // key.shape[1]
-        total = key.shape[2]
-        position = torch.arange(total)
-        allowed = position[None, :] <= position[:, None]  # causal [T, T]
-        if kwargs.get("sliding_window") is not None:
-            allowed &= position[:, None] - position[None, :] < kwargs["sliding_window"]
-        allowed = allowed.expand(key.shape[1], total, total).clone()  # [Hkv, T, T]
-        allowed[:, context:, :context] &= ~evicted[module.layer_idx].unsqueeze(1)
-        allowed = allowed.repeat_interleave(group, dim=0)  # [Hq, T, T]
-        logits = (query @ key.repeat_interleave(group, 1).transpose(-1, -2)) * scaling  # [1, Hq, T, T]
-        logits = logits.masked_fill(~allowed, float("-inf"))
-        sink = kwargs["s_aux"].reshape(1, -1, 1, 1).expand(1, query.shape[1], total, 1)
-        weights = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
-        return (weights @ value.repeat_interleave(group, 1)).transpose(1, 2), None
-
-    AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        return model(ids).logits
-    finally:
-        model.set_attn_implementation(previous)
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("kernel", ["live_rows", "pages"])
 def test_rows_evicted_per_head_equal_masked_attention_with_the_sinks(kernel, monkeypatch):
     """KV heads keep different numbers of rows (INF budgets); a chunk of 6 tokens after the compressed
     context, then 5 decode steps of a batch of 3, by the live-row kernel and by the pages: every row's
-    logits as the masked reference's (its window of 1024 never slides here, so the window masks pass
-    through the windowed kernels without hiding a row)."""
+    logits as the masked reference's (tests/test_runtime_cache.py's, the sink's logit in its softmax; the
+    window of 1024 never slides here, so the window masks pass through the windowed kernels hiding no row)."""
     import runtime.kv_store.layer_attention
 
     if kernel == "pages":
@@ -116,14 +82,7 @@ def test_rows_evicted_per_head_equal_masked_attention_with_the_sinks(kernel, mon
     assert set(chosen) == {kernel}
     assert len(np.unique(report.lengths_after[:, 0])) > 1  # heads keep different numbers of rows
     for row in range(3):
-        evicted = {}
-        for index, layer in enumerate(cache.layers):
-            hidden = torch.ones(2, context, dtype=torch.bool)
-            for head in range(2):
-                kept = layer.head(row, head)[2].long()
-                hidden[head, kept[kept < context]] = False
-            evicted[index] = hidden
-        reference = masked_reference_logits(model, ids[row : row + 1], evicted, context)
+        reference = masked_reference_logits(model, ids[row : row + 1], evicted_context(cache, row, context), context)
         torch.testing.assert_close(logits[row], reference[0, context:], atol=1e-5, rtol=1e-5)
 
 

@@ -61,18 +61,28 @@ def test_ragged_attention_falls_back_to_sdpa_without_ragged_cache():
 
 def masked_reference_logits(model, ids, evicted: dict[int, torch.Tensor], context: int):
     """Full attention over ``ids [1, T]`` where queries at positions >= ``context`` cannot see the
-    evicted context positions of their KV head (``evicted[layer]``: bool ``[Hkv, context]``)."""
+    evicted context positions of their KV head (``evicted[layer]``: bool ``[Hkv, context]``); with the
+    layer's sliding window and each query head's learned sink logit in the softmax where the model passes
+    them (``sliding_window``, gpt-oss's ``s_aux``)."""
     name = "kvcal_test_masked_reference"
 
     def masked_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         group = query.shape[1] // key.shape[1]
         total = key.shape[2]
-        allowed = torch.ones(total, total, dtype=torch.bool).tril()  # causal
+        position = torch.arange(total)
+        allowed = position[None, :] <= position[:, None]  # causal [T, T]
+        if kwargs.get("sliding_window") is not None:
+            allowed &= position[:, None] - position[None, :] < kwargs["sliding_window"]
         allowed = allowed.expand(key.shape[1], total, total).clone()  # [Hkv, T, T]
         allowed[:, context:, :context] &= ~evicted[module.layer_idx].unsqueeze(1)
         allowed = allowed.repeat_interleave(group, dim=0)  # [Hq, T, T]
         logits = (query @ key.repeat_interleave(group, 1).transpose(-1, -2)) * scaling
-        weights = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+        logits = logits.masked_fill(~allowed, float("-inf"))  # [1, Hq, T, T]
+        if kwargs.get("s_aux") is None:
+            weights = torch.softmax(logits, dim=-1)
+        else:  # the sink's logit takes part in the softmax, its weight dropped
+            sink = kwargs["s_aux"].reshape(1, -1, 1, 1).expand(1, query.shape[1], total, 1)
+            weights = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
         return (weights @ value.repeat_interleave(group, 1)).transpose(1, 2), None
 
     AttentionInterface.register(name, masked_attention)
@@ -83,6 +93,19 @@ def masked_reference_logits(model, ids, evicted: dict[int, torch.Tensor], contex
         return model(ids).logits
     finally:
         model.set_attn_implementation(previous)
+
+
+def evicted_context(cache, row: int, context: int) -> dict[int, torch.Tensor]:
+    """Per layer, which of the first ``context`` positions each KV head of batch row ``row`` no longer holds:
+    bool ``[Hkv, context]`` (what :func:`masked_reference_logits` hides)."""
+    evicted = {}
+    for index, layer in enumerate(cache.layers):
+        hidden = torch.ones(layer.store.num_heads, context, dtype=torch.bool)
+        for head in range(layer.store.num_heads):
+            kept = layer.head(row, head)[2].long()
+            hidden[head, kept[kept < context]] = False
+        evicted[index] = hidden
+    return evicted
 
 
 @torch.no_grad()
@@ -98,14 +121,7 @@ def test_pruned_cache_equals_masked_full_attention(scorer):
         logits = model(ids[:, context:], **cache_argument(model, cache)).logits
     lengths = report.lengths_after[:, 0]  # [L, Hkv]
     assert len(np.unique(lengths)) > 1  # heads really keep different numbers of tokens
-    evicted = {}
-    for layer_idx, layer in enumerate(cache.layers):
-        mask = torch.ones(3, context, dtype=torch.bool)
-        for h in range(3):
-            kept = layer.head(0, h)[2].long()
-            mask[h, kept[kept < context]] = False
-        evicted[layer_idx] = mask
-    reference = masked_reference_logits(model, ids, evicted, context)
+    reference = masked_reference_logits(model, ids, evicted_context(cache, 0, context), context)
     torch.testing.assert_close(logits, reference[:, context:], atol=1e-5, rtol=1e-5)
 
 
@@ -143,14 +159,9 @@ def test_decode_steps_over_unequal_heads_equal_masked_full_attention(rows_alike,
             )
         assert len(np.unique(report.lengths_after[:, 0])) > 1  # heads keep different numbers of tokens
         for row in range(3):
-            evicted = {}
-            for layer_idx, layer in enumerate(cache.layers):
-                mask = torch.ones(3, context, dtype=torch.bool)
-                for h in range(3):
-                    kept = layer.head(row, h)[2].long()
-                    mask[h, kept[kept < context]] = False
-                evicted[layer_idx] = mask
-            reference = masked_reference_logits(model, ids[row : row + 1], evicted, context)
+            reference = masked_reference_logits(
+                model, ids[row : row + 1], evicted_context(cache, row, context), context
+            )
             torch.testing.assert_close(logits[row], reference[0, context:], atol=1e-5, rtol=1e-5)
 
 
