@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def build(layers: int):
+def build(layers: int, layer_type: str = "full_attention", window: int = 128):
+    """The random gpt-oss of gpt-oss-20b's attention described above, every layer ``layer_type``."""
     import torch
     import transformers
 
@@ -40,8 +41,8 @@ def build(layers: int):
         head_dim=64,
         num_local_experts=4,
         num_experts_per_tok=2,
-        sliding_window=128,
-        layer_types=["full_attention"] * layers,
+        sliding_window=window,
+        layer_types=[layer_type] * layers,
         max_position_embeddings=131072,
         pad_token_id=0,
     )

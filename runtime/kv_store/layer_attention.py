@@ -89,27 +89,71 @@ def chunk_only_attention(
     return out * real[:, :, None, None].to(out.dtype)
 
 
+# The fewest queries per block of a sliding layer's first chunk (:func:`_masked_chunk_attention`; a block
+# takes the window's ``W`` where that is more): each block's logits cover its own columns and the ``W - 1``
+# before them, at most ``2 q max(W, 256)`` logits over the chunk.
+WINDOW_BLOCK_QUERIES = 256
+
+
 def _masked_chunk_attention(query, keys, values, real, scaling, positions, window, softcap, sinks) -> torch.Tensor:
     """:func:`chunk_only_attention` with a sliding window, soft-capping and / or learned sinks: the
-    causal, padding and window mask ``[B, 1, q, q]`` through the reference eager attention (float32
-    scores, as transformers' eager attention)."""
-    batch, _, q_len, _ = query.shape
-    device = query.device
-    visible = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril().expand(batch, q_len, q_len)
-    if real is not None:
-        visible = visible & real[:, None, :]
-    if window is not None:
-        if positions is None:
-            raise ValueError("a sliding window needs the chunk's positions")
-        distance = positions[:, :, None].long() - positions[:, None, :].long()  # [B, q, q]
-        visible = visible & (distance < window)
-    visible = visible | torch.eye(q_len, dtype=torch.bool, device=device)  # padding queries see themselves
-    out, _ = eager_attention_forward(
-        None, query, keys, values, visible[:, None], scaling=scaling, softcap=softcap, s_aux=sinks
-    )
+    causal, padding and window mask through the reference eager attention (float32 scores, as
+    transformers' eager attention).  With a window ``W``, in blocks of ``b`` queries (``W``, at least
+    :data:`WINDOW_BLOCK_QUERIES`), each over the ``W - 1`` columns before the block and the block itself,
+    where columns bound positions (:func:`_columns_bound_positions`): ``q (W + b)`` logits, not ``q^2``."""
+    q_len = query.shape[2]
+    if window is not None and positions is None:
+        raise ValueError("a sliding window needs the chunk's positions")
+    step = max(WINDOW_BLOCK_QUERIES, window or 0)
+    blocked = window is not None and q_len > window + step and _columns_bound_positions(real, positions)
+    starts = range(0, q_len, step) if blocked else (0,)
+    outs = []
+    for start in starts:
+        stop = min(start + step, q_len) if blocked else q_len
+        first = max(0, start - window + 1) if blocked else 0  # the first column the block's window reaches
+        visible = _visible(real, positions, window, start, stop, first, query.device)  # [B, rows, keys]
+        out, _ = eager_attention_forward(
+            None,
+            query[:, :, start:stop],
+            keys[:, :, first:stop],
+            values[:, :, first:stop],
+            visible[:, None],
+            scaling=scaling,
+            softcap=softcap,
+            s_aux=sinks,
+        )
+        outs.append(out)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     if real is not None:
         out = out * real[:, :, None, None].to(out.dtype)
     return out  # [B, q, Hq, d]
+
+
+def _visible(real, positions, window, start: int, stop: int, first: int, device) -> torch.Tensor:
+    """Which keys of columns ``first .. stop - 1`` the queries of columns ``start .. stop - 1`` see: bool
+    ``[B or 1, rows, keys]``: causal by column, real keys, ``p_q - p_k < window``; a padding query itself."""
+    query_column = torch.arange(start, stop, device=device)[:, None]
+    key_column = torch.arange(first, stop, device=device)[None, :]
+    visible = (key_column <= query_column)[None]  # [1, rows, keys]
+    if real is not None:
+        visible = visible & real[:, None, first:stop]
+    if window is not None:
+        distance = positions[:, start:stop, None].long() - positions[:, None, first:stop].long()
+        visible = visible & (distance < window)
+    return visible | (key_column == query_column)[None]  # padding queries see themselves
+
+
+def _columns_bound_positions(real: torch.Tensor | None, positions: torch.Tensor) -> bool:
+    """Whether in every row a real key more columns back than a real query is at least as many positions
+    back (``p - c`` never falls along a row's real tokens: left padding, consecutive positions), so the keys
+    ``W`` or more columns back are outside a window of ``W``.  One read of the device (a prefill's)."""
+    offset = positions.long() - torch.arange(positions.shape[1], device=positions.device)  # [B, q]
+    if real is not None:
+        offset = offset.masked_fill(~real, torch.iinfo(torch.long).min)
+    holds = offset >= offset.cummax(dim=1).values
+    if real is not None:
+        holds = holds | ~real
+    return bool(holds.all())
 
 
 def segment_layer_attention(
