@@ -91,7 +91,8 @@ def chunk_only_attention(
 
 # The fewest queries per block of a sliding layer's first chunk (:func:`_masked_chunk_attention`; a block
 # takes the window's ``W`` where that is more): each block's logits cover its own columns and the ``W - 1``
-# before them, at most ``2 q max(W, 256)`` logits over the chunk.
+# before them, at most ``2 q max(W, 256)`` logits over the chunk (gpt-oss-20b's window of 128 at 4096 tokens:
+# 0.18x the time of every pair, docs/results.md R-window-prefill-2026-11-29).
 WINDOW_BLOCK_QUERIES = 256
 
 
