@@ -54,6 +54,59 @@ def build(layers: int, layer_type: str = "full_attention", window: int = 128):
     return model
 
 
+def alternate_prefills(model, ids, module, attribute: str, variants: dict, repeats: int, beside=None):
+    """``compress_prompt(model, ids[:, :-1], None)`` with ``module.attribute`` set to each of ``variants``
+    (name -> value) in turn, the order flipped every repeat, and each of ``beside`` (name -> callable) once a
+    repeat after them.  Returns ``(seconds {name: [s]}, logits {variant: the last position's, fed through
+    its cache}``."""
+    import torch
+
+    from runtime import compress_prompt
+    from runtime.compression.ragged_attention import ragged_attention
+    from runtime.kv_store.transformers_compat import cache_argument
+
+    beside = beside or {}
+    own = getattr(module, attribute)
+    times = {name: [] for name in (*variants, *beside)}
+    last = {}
+    with torch.no_grad():
+        for repeat in range(repeats):
+            for name in list(variants) if repeat % 2 == 0 else list(variants)[::-1]:
+                setattr(module, attribute, variants[name])
+                try:
+                    start = time.perf_counter()
+                    cache, _ = compress_prompt(model, ids[:, :-1], None)
+                    times[name].append(time.perf_counter() - start)
+                    with ragged_attention(model):
+                        last[name] = model(ids[:, -1:], **cache_argument(model, cache)).logits[0, -1]
+                finally:
+                    setattr(module, attribute, own)
+            for name, run in beside.items():
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+            print(f"repeat {repeat + 1}: " + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items()), flush=True)
+    return times, last
+
+
+def report(args, times: dict, last: dict, what: str) -> dict:
+    """Print the medians of ``times``, the first two variants' ratio and their last logits' difference, and
+    write them to ``args.json``; returns the medians."""
+    first, second = list(last)
+    median = {name: statistics.median(values) for name, values in times.items()}
+    difference = float((last[first] - last[second]).abs().max())
+    others = "".join(f", {name} {median[name]:.2f} s" for name in times if name not in last)
+    print(
+        f"\n{args.tokens} tokens x {what}, median of {args.repeats}: {first} {median[first]:.2f} s, {second} "
+        f"{median[second]:.2f} s ({first} / {second} {median[first] / median[second]:.3f}){others}; last logits "
+        f"differ by {difference:.2e}"
+    )
+    if args.json:
+        record = {"args": vars(args) | {"json": str(args.json)}, "seconds": times, "median": median}
+        args.json.write_text(json.dumps(record | {"logit_difference": difference}, indent=1))
+    return median
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -65,54 +118,14 @@ def main(argv=None) -> int:
     import torch
 
     import runtime.kv_store.cache as cache_module
-    from runtime import compress_prompt
-    from runtime.compression.ragged_attention import ragged_attention
-    from runtime.kv_store.transformers_compat import cache_argument
 
     torch.set_num_threads(1)
     model = build(args.layers)
     ids = torch.randint(3, 1024, (1, args.tokens), generator=torch.Generator().manual_seed(1))
-    kernel_serves = cache_module.lse_kernel_serves
-    variants = {"kernels": kernel_serves, "eager": lambda *_: False}
-    times = {name: [] for name in (*variants, "transformers eager")}
-    last = {}
-    with torch.no_grad():
-        for repeat in range(args.repeats):
-            order = list(variants) if repeat % 2 == 0 else list(variants)[::-1]
-            for name in order:
-                cache_module.lse_kernel_serves = variants[name]
-                try:
-                    start = time.perf_counter()
-                    cache, _ = compress_prompt(model, ids[:, :-1], None)
-                    times[name].append(time.perf_counter() - start)
-                    with ragged_attention(model):
-                        last[name] = model(ids[:, -1:], **cache_argument(model, cache)).logits[0, -1]
-                finally:
-                    cache_module.lse_kernel_serves = kernel_serves
-            start = time.perf_counter()
-            model.model(ids[:, :-1])
-            times["transformers eager"].append(time.perf_counter() - start)
-            print(f"repeat {repeat + 1}: " + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items()), flush=True)
-    median = {name: statistics.median(values) for name, values in times.items()}
-    difference = float((last["kernels"] - last["eager"]).abs().max())
-    print(
-        f"\n{args.tokens} tokens x {args.layers} full layers, median of {args.repeats}: "
-        f"kernels {median['kernels']:.2f} s, "
-        f"eager {median['eager']:.2f} s (kernels / eager {median['kernels'] / median['eager']:.3f}), transformers' "
-        f"eager forward {median['transformers eager']:.2f} s; last logits differ by {difference:.2e}"
-    )
-    if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "args": vars(args) | {"json": str(args.json)},
-                    "seconds": times,
-                    "median": median,
-                    "logit_difference": difference,
-                },
-                indent=1,
-            )
-        )
+    variants = {"kernels": cache_module.lse_kernel_serves, "eager": lambda *_: False}
+    beside = {"transformers' eager forward": lambda: model.model(ids[:, :-1])}
+    times, last = alternate_prefills(model, ids, cache_module, "lse_kernel_serves", variants, args.repeats, beside)
+    report(args, times, last, f"{args.layers} full layers")
     return 0
 
 

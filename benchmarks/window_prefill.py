@@ -14,10 +14,7 @@ seconds, their ratio, and the two variants' last logits' max |difference|.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,43 +32,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from sink_prefill import build
+    from sink_prefill import alternate_prefills, build, report
 
     import runtime.kv_store.layer_attention as layer_attention
-    from runtime import compress_prompt
-    from runtime.compression.ragged_attention import ragged_attention
-    from runtime.kv_store.transformers_compat import cache_argument
 
     torch.set_num_threads(1)
     model = build(args.layers, "sliding_attention", args.window)
     ids = torch.randint(3, 1024, (1, args.tokens), generator=torch.Generator().manual_seed(1))
-    block = layer_attention.WINDOW_BLOCK_QUERIES
-    variants = {"blocks": block, "one block": 10 * args.tokens}
-    times = {name: [] for name in variants}
-    last = {}
-    with torch.no_grad():
-        for repeat in range(args.repeats):
-            for name in list(variants) if repeat % 2 == 0 else list(variants)[::-1]:
-                layer_attention.WINDOW_BLOCK_QUERIES = variants[name]
-                try:
-                    start = time.perf_counter()
-                    cache, _ = compress_prompt(model, ids[:, :-1], None)
-                    times[name].append(time.perf_counter() - start)
-                    with ragged_attention(model):
-                        last[name] = model(ids[:, -1:], **cache_argument(model, cache)).logits[0, -1]
-                finally:
-                    layer_attention.WINDOW_BLOCK_QUERIES = block
-            print(f"repeat {repeat + 1}: " + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items()), flush=True)
-    median = {name: statistics.median(values) for name, values in times.items()}
-    difference = float((last["blocks"] - last["one block"]).abs().max())
-    print(
-        f"\n{args.tokens} tokens x {args.layers} sliding layers (window {args.window}), median of {args.repeats}: "
-        f"blocks {median['blocks']:.2f} s, one block {median['one block']:.2f} s "
-        f"(blocks / one block {median['blocks'] / median['one block']:.3f}); last logits differ by {difference:.2e}"
-    )
-    if args.json:
-        record = {"args": vars(args) | {"json": str(args.json)}, "seconds": times, "median": median}
-        args.json.write_text(json.dumps(record | {"logit_difference": difference}, indent=1))
+    variants = {"blocks": layer_attention.WINDOW_BLOCK_QUERIES, "one block": 10 * args.tokens}
+    times, last = alternate_prefills(model, ids, layer_attention, "WINDOW_BLOCK_QUERIES", variants, args.repeats)
+    report(args, times, last, f"{args.layers} sliding layers (window {args.window})")
     return 0
 
 

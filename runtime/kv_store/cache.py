@@ -403,9 +403,12 @@ class RaggedLayer(DynamicLayer):
         # None: q_len for every row
         counts = store.append(new_keys, new_values, positions, real, step_positions=self.step_positions)
         prepared = self._correction.get(self.rows, store.num_heads, store.head_dim, store.device)
-        # learned sinks need each query's log-sum-exp, which the segment kernels give
-        sinks_by_lse = sinks is not None and lse_kernel_serves(query, store, real, window, softcap)
-        if fresh and prepared is None and not sinks_by_lse:  # nothing retained before: ordinary causal attention
+        # nothing retained before this chunk: ordinary causal attention, but for learned sinks where the
+        # segment kernels give each query's log-sum-exp they need (asked only then: not on a decode step)
+        chunk_only = fresh and prepared is None
+        if chunk_only and sinks is not None:
+            chunk_only = not lse_kernel_serves(query, store, real, window, softcap)
+        if chunk_only:
             with label("kvcal.attention"):
                 output = chunk_only_attention(
                     query,

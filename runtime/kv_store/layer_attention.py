@@ -232,16 +232,13 @@ def segment_layer_attention(
     if prepared is not None:
         with label("kvcal.correction"):
             # a decode step has just appended a row to every segment: no retained set is empty
-            merged = corrected_merge(
-                grouped,
-                out,
-                lse,
-                prepared,
-                scaling,
-                retained_nonempty=q_len == 1 and real is None,
-                with_lse=sinks is not None,
-            )
-            out, lse = merged if sinks is not None else (merged, lse)
+            nonempty = q_len == 1 and real is None
+            if sinks is None:
+                out = corrected_merge(grouped, out, lse, prepared, scaling, retained_nonempty=nonempty)
+            else:  # the sinks need the log-sum-exp of both sets
+                out, lse = corrected_merge(
+                    grouped, out, lse, prepared, scaling, retained_nonempty=nonempty, with_lse=True
+                )
     if sinks is not None:
         out = with_sinks(out, lse, sinks, batch, q_len)
     if q_len == 1:  # [S, G, d] is already [B, 1, Hq, d]'s order

@@ -395,7 +395,8 @@ def corrected_attention(
     else:
         out_E, lse_E = evicted_estimate(query, sums, head, scaling, order, tau)
         lse_R = lse_R.to(out_E.device)
-        out, lse = merge_outputs(out_R, lse_R, out_E, lse_E), torch.logaddexp(lse_R.float(), lse_E.float())
+        out = merge_outputs(out_R, lse_R, out_E, lse_E)
+        lse = torch.logaddexp(lse_R.float(), lse_E.float()) if sinks is not None else None
     if sinks is not None:
         out = out.float() * sink_weight(lse, sinks.reshape(-1, 1)).unsqueeze(-1)  # [G, q, d]
     return out.to(query.dtype)
