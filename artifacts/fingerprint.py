@@ -58,6 +58,27 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+# where a multimodal checkpoint's model (``model.model``) keeps its language model (Gemma 3 and Mistral 3:
+# ``language_model``; Idefics3 and SmolVLM: ``text_model``)
+LANGUAGE_MODEL_ATTRIBUTES = ("language_model", "text_model")
+
+
+def decoder_stack(model):
+    """The module holding a causal LM's decoder layers: ``model.model`` (a Llama-family causal LM), else
+    the language model inside it (``model.model.language_model`` or ``.text_model``: a multimodal
+    checkpoint loaded whole, as transformers loads Gemma 3 or Mistral 3); None when neither has ``layers``.
+    Whether kvcal serves the language model of a multimodal checkpoint is
+    ``runtime.math.geometry.ModelGeometry``'s to say."""
+    backbone = getattr(model, "model", None)
+    if getattr(backbone, "layers", None) is not None:
+        return backbone
+    for name in LANGUAGE_MODEL_ATTRIBUTES:
+        inner = getattr(backbone, name, None)
+        if getattr(inner, "layers", None) is not None:
+            return inner
+    return None
+
+
 def attention_numbers(config) -> dict:
     """``num_layers``, ``num_q_heads``, ``num_kv_heads``, ``head_dim`` of a transformers config.
 
@@ -278,11 +299,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def has_query_norm(model) -> bool:
     """True when the attention modules normalise queries before RoPE (Qwen3-style ``q_norm``).
 
-    The one place this is decided: the first module with a ``q_proj`` (the first decoder
-    layer's attention) has a ``q_norm``.  ``runtime.math.geometry.ModelGeometry`` refuses models
-    whose layers disagree with it.
+    The one place this is decided: the first module with a ``q_proj`` in the decoder stack
+    (:func:`decoder_stack`: the first decoder layer's attention, not a vision tower's) has a ``q_norm``.
+    ``runtime.math.geometry.ModelGeometry`` refuses models whose layers disagree with it.
     """
-    for module in model.modules():
+    stack = decoder_stack(model)
+    for module in (model if stack is None else stack).modules():
         if hasattr(module, "q_proj"):
             return hasattr(module, "q_norm")
     return False

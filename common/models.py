@@ -428,16 +428,32 @@ def attention_softcap(model: str | os.PathLike | None) -> float | None:
     return getattr(config, "attn_logit_softcapping", None) or None
 
 
+def _auto_class(config):
+    """transformers' auto class that loads a model of ``config`` whole: ``AutoModelForCausalLM``, or
+    ``AutoModelForImageTextToText`` for a multimodal checkpoint transformers has no causal LM for (Mistral 3,
+    LLaVA, SmolVLM: kvcal serves its language model on text where it has checked the type,
+    ``runtime.math.geometry.MULTIMODAL_SERVED``; Gemma 3's causal LM is its multimodal model already)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def _without_sdpa(model: str | os.PathLike | None) -> str | None:
-    """The name of ``model``'s causal-LM class when transformers gives it no sdpa attention (gpt-oss: its
+    """The name of ``model``'s class when transformers gives it no sdpa attention (gpt-oss: its
     learned attention sinks), read off its config before the weights load; None otherwise."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = _from_pretrained(AutoConfig, model)
     try:
-        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    except Exception:  # no causal LM for the config, or its module cannot import here: the load says which
+        model_class = _auto_class(config)._model_mapping[type(config)]
+    except Exception:  # no model class for the config, or its module cannot import here: the load says which
         return None
     return model_class.__name__ if getattr(model_class, "_supports_sdpa", True) is False else None
 
@@ -457,7 +473,8 @@ def load_model(
     device_map=None,
     attn_implementation: str | None = AUTO_ATTENTION,
 ):
-    """A causal LM in eval mode (see :func:`resolve_model`).
+    """A causal LM in eval mode (see :func:`resolve_model`); a multimodal checkpoint loads whole
+    (:func:`_auto_class`).
 
     ``dtype``: a torch dtype, its name, or ``"auto"`` (the checkpoint's); None: float32 on a CPU,
     the checkpoint's on a GPU.  ``attn_implementation``: ``"auto"`` (default) is ``"sdpa"``, or
@@ -466,7 +483,6 @@ def load_model(
     sdpa attention (gpt-oss); asking for ``"sdpa"`` on such a model is refused; None leaves the choice
     to transformers."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     if dtype is None:
         dtype = torch.float32 if device_map in (None, "cpu") and not torch.cuda.is_available() else "auto"
@@ -492,7 +508,7 @@ def load_model(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     LOG.debug(f"loading the model {model or EMBEDDED} with {kwargs}")
-    loaded = _from_pretrained(AutoModelForCausalLM, model, **kwargs)
+    loaded = _from_pretrained(_auto_class(load_config(model)), model, **kwargs)
     loaded.eval()
     return loaded
 

@@ -16,6 +16,10 @@ Supported: decoder-only transformers in the Llama family as transformers 5.x wri
 head dimension applied by ``model.model.rotary_emb`` (one module for every layer, or one that
 takes the layer's type, as Gemma 3's, whose sliding layers use another base), attention
 dispatched through ``AttentionInterface``, and layers of full or sliding-window attention.
+The language model of a multimodal checkpoint loaded whole (``model.model.language_model``,
+:func:`~artifacts.fingerprint.decoder_stack`) is served on text where kvcal has checked the
+wrapper's text path: the types of :data:`MULTIMODAL_SERVED` (tests/test_multimodal_checkpoints.py);
+other multimodal checkpoints, and multimodal RoPE, are refused by name.
 
 The config numbers (``L``, ``Hq``, ``Hkv``, ``d``) and the query-norm flag are read by
 ``artifacts.fingerprint`` (:func:`~artifacts.fingerprint.attention_numbers`,
@@ -34,7 +38,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from artifacts.fingerprint import attention_numbers, has_query_norm, layer_attention, text_config
+from artifacts.fingerprint import (
+    LANGUAGE_MODEL_ATTRIBUTES,
+    attention_numbers,
+    decoder_stack,
+    has_query_norm,
+    layer_attention,
+    text_config,
+)
+
+# The multimodal checkpoints whose language model kvcal serves on text (Gemma 3 from 4B, Mistral Small 3.1 /
+# 3.2, the LLaVA family, Idefics3 and SmolVLM, Aya Vision, InternVL): for each, tests/test_multimodal_checkpoints.py
+# checks that the wrapper's text path is its language model's (positions, masks, logits) and that kvcal serves
+# it as that language model alone.  Others may number positions or mask the prompt otherwise (PaliGemma counts
+# positions from 1 and attends both ways over its prompt): refused until checked.
+MULTIMODAL_SERVED = frozenset(
+    ("aya_vision", "gemma3", "idefics3", "internvl", "llava", "llava_next", "llava_onevision", "mistral3", "smolvlm")
+)
 
 
 def input_device(model) -> torch.device:
@@ -248,15 +268,23 @@ class ModelGeometry:
         except ValueError as exc:
             raise UnsupportedModelError(f"{name}: {exc}") from None
         num_q_heads, num_kv_heads, head_dim = numbers["num_q_heads"], numbers["num_kv_heads"], numbers["head_dim"]
-        backbone = getattr(model, "model", None)
-        layers = getattr(backbone, "layers", None)
-        if backbone is None or layers is None:
+        backbone = decoder_stack(model)
+        if backbone is None:
             raise UnsupportedModelError(
                 f"{name}: no decoder layers at model.model.layers (not a Llama-family causal LM)"
             )
+        at = "model.model"
+        if backbone is not model.model:
+            _refuse_unchecked_multimodal(name, model)
+            at += next(
+                f".{attribute}"
+                for attribute in LANGUAGE_MODEL_ATTRIBUTES
+                if getattr(model.model, attribute, None) is backbone
+            )
+        layers = backbone.layers
         rotary = getattr(backbone, "rotary_emb", None)
         if rotary is None:
-            raise UnsupportedModelError(f"{name}: no rotary embedding at model.model.rotary_emb (RoPE models only)")
+            raise UnsupportedModelError(f"{name}: no rotary embedding at {at}.rotary_emb (RoPE models only)")
         if num_q_heads % num_kv_heads:
             raise UnsupportedModelError(
                 f"{name}: {num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads"
@@ -349,7 +377,7 @@ def mask_windows(model, geometry: ModelGeometry) -> tuple[int | None, ...]:
     if all(window is None for window in geometry.sliding_windows):
         return nothing
     try:
-        source = inspect.getsource(type(model.model).forward)
+        source = inspect.getsource(type(decoder_stack(model)).forward)
     except (OSError, TypeError):
         return nothing
     return geometry.sliding_windows if "sliding_window" in source else nothing
@@ -360,7 +388,8 @@ def check_config(config, name: str | None = None) -> None:
     config.json), attention kvcal does not compute: multi-head latent attention (DeepSeek V2 / V3
     cache one latent per token, ``kv_lora_rank`` wide, from which every head's keys and values are
     projected) and dynamic NTK RoPE without a ``max_position_embeddings`` (kvcal serves dynamic NTK
-    inside that original context only: :func:`original_context`); also a heterogeneous
+    inside that original context only: :func:`original_context`), multimodal RoPE (Qwen2-VL's
+    ``mrope_section``); also a heterogeneous
     config (per-layer attention geometry, Gemma 4), layer types without RoPE parameters (Beam), keys
     and values shared across layers (Gemma 3n), layers run several times per token (Dory) and values of
     another head dim than the keys (MiMo-V2-Flash).  ``name``: the
@@ -408,6 +437,16 @@ def check_config(config, name: str | None = None) -> None:
             f"{name}: values of another head dim than the keys (v_head_dim={value_dim}, head_dim={key_dim}, as in "
             "MiMo-V2-Flash) are not supported: kvcal's cache holds keys and values of one head dim"
         )
+    sections = next(
+        (parameters["mrope_section"] for _, parameters in _rope_parameters(config) if parameters.get("mrope_section")),
+        None,
+    )
+    if sections is not None:
+        raise UnsupportedModelError(
+            f"{name}: multimodal RoPE (mrope_section={list(sections)}: each head's rotary dims in sections turned by "
+            "a token's time, height and width positions, which the model computes from its inputs, as in Qwen2-VL) "
+            "is not supported"
+        )
     if _dynamic_ntk_types(config) and original_context(config) is None:
         raise UnsupportedModelError(
             f"{name}: dynamic NTK RoPE (rope_type 'dynamic') without a max_position_embeddings is not supported: "
@@ -443,7 +482,7 @@ def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:
     each refused by its name before the checks of the projections'
     shapes and of the rotary (which they fail, saying less or something wrong)."""
     check_config(config, name)
-    layers = getattr(getattr(model, "model", None), "layers", None) or ()
+    layers = getattr(decoder_stack(model), "layers", None) or ()
     for index, layer in enumerate(layers):
         attention = getattr(layer, "self_attn", None)
         if getattr(attention, "dt_proj", None) is not None and getattr(attention, "A", None) is not None:
@@ -457,6 +496,18 @@ def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:
                 f"{name}: differential attention (layer {index} self_attn.lambda_q1, as in DiffLlama: two "
                 "attention maps per layer over one cache, subtracted) is not supported"
             )
+
+
+def _refuse_unchecked_multimodal(name: str, model) -> None:
+    """Refuse a multimodal checkpoint loaded whole whose type is not one of :data:`MULTIMODAL_SERVED`,
+    naming the types served."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in MULTIMODAL_SERVED:
+        raise UnsupportedModelError(
+            f"{name}: the language model of a multimodal checkpoint ({model_type}) kvcal has not checked: "
+            f"its text path may number positions or mask the prompt otherwise than its language model alone; "
+            f"served on text: {', '.join(sorted(MULTIMODAL_SERVED))}"
+        )
 
 
 def _fixed_ntk_alpha(config, parameters: dict) -> bool:

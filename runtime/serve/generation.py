@@ -29,11 +29,13 @@ is never stored in the cache, and each row is compressed on its own real length.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 
 import torch
 from transformers.utils import ModelOutput
 
+from artifacts.fingerprint import decoder_stack
 from common.checks import check_integer
 from prompt_format import encode_prompt
 from runtime.compression.prefill import CompressionReport, compress, prefill, prefill_and_compress
@@ -143,10 +145,19 @@ def check_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     return attention_mask
 
 
-def check_inside_original_context(model, attention_mask: torch.Tensor, generate_kwargs: dict) -> None:
-    """Refuse ``model.generate(**generate_kwargs)`` after a prompt with ``attention_mask`` where it could reach
+def check_generate_arguments(model, attention_mask: torch.Tensor, generate_kwargs: dict) -> None:
+    """Refuse ``model.generate(**generate_kwargs)`` after a prompt with ``attention_mask``, before any forward
+    pass, where kvcal could not serve it as asked: another modality's input to a multimodal checkpoint
+    (:func:`other_modality_inputs`: the compressed prompt holds what the language model computed from the
+    tokens, so an image given to generate() would be dropped, or fail inside transformers), or new tokens
     past the original context of a model with dynamic NTK RoPE (:func:`~runtime.math.geometry.original_context`;
     a row's positions count its real tokens, as transformers numbers them from the mask)."""
+    given = sorted(name for name in other_modality_inputs(model) if generate_kwargs.get(name) is not None)
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: kvcal serves the language model of a multimodal checkpoint on text only (the "
+            "compressed cache holds what it computed from the prompt's tokens); pass the tokens alone"
+        )
     original = original_context(model.config)
     if original is None:
         return
@@ -159,6 +170,22 @@ def check_inside_original_context(model, attention_mask: torch.Tensor, generate_
             "forward pass by its length and keeps that scale for the next: kvcal serves it inside that context only; "
             f"ask for at most {max(original - longest, 0)} new tokens, or shorten the prompt"
         )
+
+
+# a causal LM head's own forward arguments (not another modality's)
+_HEAD_ARGUMENTS = frozenset(("labels", "logits_to_keep"))
+
+
+def other_modality_inputs(model) -> frozenset[str]:
+    """The forward arguments of a multimodal checkpoint loaded whole that its language model does not take
+    (but for a causal LM head's own): its images, videos and their sizes (``pixel_values``,
+    ``image_sizes``, Gemma 3's ``token_type_ids``...); empty for a text model."""
+    stack = decoder_stack(model)
+    if stack is None or stack is getattr(model, "model", None):
+        return frozenset()
+    given = inspect.signature(type(model).forward).parameters
+    taken = inspect.signature(type(stack).forward).parameters
+    return frozenset(given) - frozenset(taken) - _HEAD_ARGUMENTS
 
 
 @torch.no_grad()
@@ -312,7 +339,7 @@ def generate_from_cache(
         )
     if generate_kwargs.get("generation_config") is None:  # greedy unless asked: not the model's sampling default
         generate_kwargs.setdefault("do_sample", False)
-    check_inside_original_context(model, attention_mask, generate_kwargs)
+    check_generate_arguments(model, attention_mask, generate_kwargs)
     expand = rows_per_prompt(model, generate_kwargs)
     if expand > 1:
         cache.batch_repeat_interleave(expand)  # rows [b0, b0, ..., b1, b1, ...] as generate() expands its inputs
@@ -380,7 +407,7 @@ def generate(
     uncompressed model; the prompt is compressed once per row, before generate() expands it.
     """
     attention_mask = check_inputs(model, input_ids, attention_mask)
-    check_inside_original_context(model, attention_mask, generate_kwargs)  # before any forward pass
+    check_generate_arguments(model, attention_mask, generate_kwargs)  # before any forward pass
     cache, report = compress_prompt(
         model,
         input_ids,
@@ -500,7 +527,7 @@ def _answer_from_one_context(model, ids, mask, pairs, policy, calibration, gener
                 "tokens differ and one compressed context cannot serve both; pass question_aware=True"
             )
     mask = check_inputs(model, ids, mask)  # every prompt, before the context's forward pass
-    check_inside_original_context(model, mask, generate_kwargs)
+    check_generate_arguments(model, mask, generate_kwargs)
     cache, report = compress_prompt(
         model, ids[:1], policy, attention_mask=mask[:1], context_columns=len(context_ids), calibration=calibration
     )

@@ -1,0 +1,309 @@
+"""The language model of a multimodal checkpoint, served on text as kvcal serves that language model alone.
+
+Many checkpoints users deploy are multimodal: Gemma 3 from 4B up, Mistral Small 3.1 / 3.2, the LLaVA family,
+SmolVLM, Aya Vision, InternVL.  transformers loads them whole (``Gemma3ForConditionalGeneration``: a vision
+tower, a projector and the language model at ``model.model.language_model``).  kvcal serves their text: on
+each type of :data:`SERVED` (tiny random weights, 4 layers, a tiny vision tower never run), the wrapper's
+logits are its language model's alone (checked first), nothing evicted is exact on a left-padded batch, and
+with tokens evicted the compressed cache (every head's kept positions, keys and values) and the greedy tokens
+are those of the language model alone, built as a causal LM with the same weights.  Image inputs are
+refused by name (the compressed prompt holds text only); so are the multimodal types whose text path kvcal
+has not checked (PaliGemma numbers positions from 1 and attends both ways over its prompt) and multimodal
+RoPE (Qwen2-VL's position sections).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from test_architecture_matrix import EXACT, TOLERANCE, nothing_evicted_difference
+
+from artifacts.fingerprint import decoder_stack
+from runtime import CompressionPolicy, compress_prompt, generate
+from runtime.math.geometry import MULTIMODAL_SERVED, ModelGeometry, UnsupportedModelError
+from runtime.plan.rope_check import rope_mismatches
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
+
+VOCABULARY = 256
+TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=VOCABULARY,
+    max_position_embeddings=512,
+)
+VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+)
+IMAGE = dict(image_token_index=255)
+PINPOINTS = dict(image_grid_pinpoints=[[28, 28]])
+# model type: (its config's arguments, the model type of its language model, as in EXACT)
+SERVED = {
+    "gemma3": (
+        dict(
+            text_config=dict(**TEXT, sliding_window=32, layer_types=["sliding_attention", "full_attention"] * 2),
+            vision_config=VISION,
+            mm_tokens_per_image=4,
+            image_token_index=255,
+            boi_token_index=253,
+            eoi_token_index=254,
+        ),
+        "gemma3_text",
+    ),
+    "mistral3": (
+        dict(
+            text_config=dict(model_type="mistral", **TEXT, sliding_window=32),
+            vision_config=dict(model_type="pixtral", **VISION, head_dim=16),
+            **IMAGE,
+        ),
+        "mistral",
+    ),
+    "llava": (
+        dict(
+            text_config=dict(model_type="llama", **TEXT),
+            vision_config=dict(model_type="clip_vision_model", **VISION),
+            **IMAGE,
+        ),
+        "llama",
+    ),
+    "llava_next": (
+        dict(
+            text_config=dict(model_type="mistral", **TEXT),
+            vision_config=dict(model_type="clip_vision_model", **VISION),
+            **IMAGE,
+            **PINPOINTS,
+        ),
+        "mistral",
+    ),
+    "llava_onevision": (
+        dict(
+            text_config=dict(model_type="qwen2", **TEXT),
+            vision_config=dict(model_type="siglip_vision_model", **VISION),
+            video_token_index=254,
+            **IMAGE,
+            **PINPOINTS,
+        ),
+        "qwen2",
+    ),
+    "idefics3": (dict(text_config=dict(model_type="llama", **TEXT), vision_config=VISION, image_token_id=255), "llama"),
+    "smolvlm": (dict(text_config=dict(model_type="llama", **TEXT), vision_config=VISION, image_token_id=255), "llama"),
+    "aya_vision": (
+        dict(
+            # Aya Vision's head does not scale the logits by the text config's logit_scale, Cohere 2's own does:
+            # at 1 the language model alone is the wrapper's text path
+            text_config=dict(model_type="cohere2", **TEXT, sliding_window=32, logit_scale=1.0),
+            vision_config=dict(model_type="siglip_vision_model", **VISION),
+            **IMAGE,
+        ),
+        "cohere2",
+    ),
+    "internvl": (
+        dict(
+            text_config=dict(model_type="qwen2", **TEXT),
+            vision_config={**VISION, "image_size": [28, 28], "patch_size": [14, 14]},
+            image_token_id=255,
+        ),
+        "qwen2",
+    ),
+}
+REFUSED = {
+    "qwen2_5_vl": (
+        dict(
+            text_config=dict(
+                **TEXT, rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3], rope_theta=10000.0)
+            ),
+            vision_config=dict(depth=1, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=64),
+            image_token_id=255,
+            video_token_id=254,
+        ),
+        r"multimodal RoPE \(mrope_section=\[2, 3, 3\]",
+    ),
+    "paligemma": (
+        dict(
+            text_config=dict(model_type="gemma", **TEXT),
+            vision_config=dict(model_type="siglip_vision_model", **VISION),
+            **IMAGE,
+        ),
+        r"the language model of a multimodal checkpoint \(paligemma\) kvcal has not checked: .*gemma3, .*mistral3",
+    ),
+}
+
+
+_SPECIAL_TOKENS = frozenset(
+    ("image_token_index", "image_token_id", "boi_token_index", "eoi_token_index", "video_token_index", "video_token_id")
+)
+
+
+def _class(model_type: str):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type)
+    if name is None or not hasattr(T, name):
+        pytest.skip(f"transformers {T.__version__} has no {model_type}")
+    return getattr(T, name)
+
+
+def multimodal_model(model_type: str, *, meta: bool = False, vocab_size: int = VOCABULARY):
+    """The tiny multimodal ``model_type`` (:data:`SERVED` or :data:`REFUSED`), seed 0, float32, eval mode."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_class = _class(model_type)
+    arguments = (SERVED.get(model_type) or REFUSED[model_type])[0]
+    arguments = {**arguments, "text_config": {**arguments["text_config"], "vocab_size": vocab_size}}
+    for name in _SPECIAL_TOKENS.intersection(arguments):  # the image tokens at the vocabulary's end, wherever it is
+        arguments[name] += vocab_size - VOCABULARY
+    config = CONFIG_MAPPING[model_type](**arguments)
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            return model_class(config).eval()
+    model = model_class(config).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def language_model_alone(wrapper):
+    """The wrapper's language model as a causal LM of its own (its text config, its decoder stack's and LM
+    head's weights)."""
+    alone = T.AutoModelForCausalLM.from_config(wrapper.config.get_text_config()).eval()
+    alone.model.load_state_dict(decoder_stack(wrapper).state_dict())
+    alone.lm_head.load_state_dict(wrapper.lm_head.state_dict())
+    alone.generation_config.pad_token_id = 0
+    return alone
+
+
+def test_the_served_types_are_the_checked_ones():
+    assert set(SERVED) == set(MULTIMODAL_SERVED)
+    assert all(text in EXACT for _, text in SERVED.values())
+
+
+@pytest.mark.parametrize("model_type", sorted(SERVED))
+@torch.no_grad()
+def test_the_language_model_of_a_multimodal_checkpoint_is_served_as_it_alone(model_type):
+    wrapper = multimodal_model(model_type)
+    alone = language_model_alone(wrapper)
+    ids = torch.randint(3, 250, (1, 80), generator=torch.Generator().manual_seed(3))
+    assert (wrapper(ids).logits - alone(ids).logits).abs().max() < 1e-5  # the reference is the wrapper's text path
+
+    assert nothing_evicted_difference(wrapper) < TOLERANCE
+    assert rope_mismatches(wrapper).describe() == rope_mismatches(alone).describe() == EXACT[SERVED[model_type][1]]
+    geometry = ModelGeometry.of(wrapper)
+    assert geometry.attention_modules == tuple(layer.self_attn for layer in decoder_stack(wrapper).layers)
+
+    policy = CompressionPolicy(keep_ratio=0.25)  # leverage: un-rotates the keys with the model's RoPE
+    (cache, report), (own_cache, _) = (
+        compress_prompt(model, ids, policy, context_columns=70) for model in (wrapper, alone)
+    )
+    assert report.lengths_after.sum() < report.lengths_before.sum() / 2  # tokens were evicted
+    for served, own in zip(cache.layers, own_cache.layers, strict=True):
+        for head in range(served.store.num_heads):
+            keys, values, positions = served.head(0, head)
+            assert torch.equal(positions, own.head(0, head)[2])
+            assert torch.allclose(keys, own.head(0, head)[0], atol=1e-5)
+            assert torch.allclose(values, own.head(0, head)[1], atol=1e-5)
+    results = [generate(model, ids, policy, context_columns=70, max_new_tokens=6) for model in (wrapper, alone)]
+    assert torch.equal(results[0].sequences, results[1].sequences)
+    assert np.array_equal(results[0].report.lengths_after, results[1].report.lengths_after)
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_other_multimodal_checkpoints_are_refused_by_name(model_type):
+    model = multimodal_model(model_type, meta=True)
+    with pytest.raises(UnsupportedModelError, match=REFUSED[model_type][1]):
+        ModelGeometry.of(model)
+
+
+@torch.no_grad()
+def test_image_inputs_are_refused_by_name():
+    """The compressed prompt holds what the language model computed from the text: an image given to the
+    generation would be dropped (or fail inside transformers), so it is refused before anything runs."""
+    model = multimodal_model("llava")
+    ids = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(3))
+    pixels = torch.zeros(1, 3, 28, 28)
+    for policy in (None, CompressionPolicy(keep_ratio=0.5)):
+        with pytest.raises(ValueError, match=r"pixel_values.*text only"):
+            generate(model, ids, policy, max_new_tokens=2, pixel_values=pixels)
+    assert generate(model, ids, None, max_new_tokens=2).sequences.shape == (1, 42)
+
+
+def test_a_multimodal_checkpoint_profiles_as_its_language_model_alone(tmp_path, embedded_tokenizer, capsys):
+    """``profile-model`` on a saved Mistral 3 checkpoint (which transformers has no causal LM class for: it
+    loads whole), and on its language model saved alone: every section of the two artifacts is the same."""
+    from conftest import single_thread, tiny_profile_args, write_tiny_model_dir
+
+    from artifacts import open_artifact
+    from profiler.cli import main
+
+    wrapper = multimodal_model("mistral3", vocab_size=len(embedded_tokenizer))
+    artifacts = {}
+    for name, model in (("wrapper", wrapper), ("alone", language_model_alone(wrapper))):
+        model_dir = write_tiny_model_dir(tmp_path / name, embedded_tokenizer, probes=3, model=model, probe_length=64)
+        artifacts[name] = tmp_path / f"{name}.h5"
+        with single_thread():
+            assert main(tiny_profile_args(model_dir, artifacts[name], calib_samples=4)) == 0, capsys.readouterr().err
+    with open_artifact(artifacts["wrapper"]) as served, open_artifact(artifacts["alone"]) as own:
+        assert served.model.name != own.model.name and served.sections == own.sections
+        assert served.model.arch_fingerprint == own.model.arch_fingerprint
+        for section in served.sections:
+            for name, values in served.section(section).arrays.items():
+                expected = own.section(section).arrays[name]
+                if np.issubdtype(values.dtype, np.number):
+                    np.testing.assert_allclose(values, expected, rtol=1e-5, atol=1e-6, err_msg=f"{section}/{name}")
+                else:  # names (probe ids)
+                    assert np.array_equal(values, expected), f"{section}/{name}"
+
+
+@torch.no_grad()
+def test_the_embedded_model_inside_smolvlm_answers_as_itself(embedded_model, embedded_tokenizer, smoke_artifact):
+    """SmolVLM's language model is SmolLM2 (SmolVLM-256M's is SmolLM2-135M): the embedded weights in
+    SmolVLM's layout, a tiny vision tower beside them.  Served with the flagship from the smoke artifact
+    (profiled on the embedded model alone: its weights fingerprint differs, hence ``allow_mismatch``),
+    every head keeps the positions it keeps in the embedded model and the answers are the same."""
+    from runtime import answer, load_calibration
+    from runtime.plan.policy_spec import FLAGSHIP
+
+    if not hasattr(T, "SmolVLMConfig"):
+        pytest.skip(f"transformers {T.__version__} has no SmolVLM")
+    vocabulary = embedded_model.config.vocab_size
+    torch.manual_seed(0)
+    text = {k: v for k, v in embedded_model.config.to_dict().items() if k not in ("architectures",)}
+    config = T.SmolVLMConfig(text_config=text, vision_config=VISION, image_token_id=vocabulary - 1)
+    wrapper = T.SmolVLMForConditionalGeneration(config).eval()
+    wrapper.model.text_model.load_state_dict(embedded_model.model.state_dict())
+    wrapper.lm_head.load_state_dict(embedded_model.lm_head.state_dict())
+    wrapper.generation_config = embedded_model.generation_config
+
+    policy = FLAGSHIP.policy(0.75)
+    calibrations = {"alone": load_calibration(embedded_model, embedded_tokenizer, path=smoke_artifact)}
+    with pytest.warns(UserWarning, match=r"weights \(compared as float32\) fingerprint differs .* \(allow_mismatch=True\)"):
+        calibrations["wrapper"] = load_calibration(
+            wrapper, embedded_tokenizer, path=smoke_artifact, allow_mismatch=True
+        )
+    models = {"wrapper": wrapper, "alone": embedded_model}
+    context = "The vault code is 4417. " + "Grass is green and the sky is blue. " * 20 + "The boat is called Heron. "
+    questions = ["What is the vault code?", "What is the boat called?"]
+    answers = {
+        name: answer(
+            model, embedded_tokenizer, context, questions, policy, calibration=calibrations[name], max_new_tokens=8
+        )
+        for name, model in models.items()
+    }
+    assert answers["wrapper"] == answers["alone"]
+
+    ids = embedded_tokenizer(context, return_tensors="pt").input_ids
+    caches = {
+        name: compress_prompt(model, ids, policy, calibration=calibrations[name])[0] for name, model in models.items()
+    }
+    evicted = 0
+    for served, own in zip(caches["wrapper"].layers, caches["alone"].layers, strict=True):
+        for head in range(served.store.num_heads):
+            positions = served.head(0, head)[2]
+            assert torch.equal(positions, own.head(0, head)[2])
+            evicted += ids.shape[1] - len(positions)
+    assert evicted > 0.5 * ids.shape[1] * len(caches["wrapper"].layers) * served.store.num_heads
