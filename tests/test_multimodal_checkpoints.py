@@ -281,7 +281,9 @@ def test_the_embedded_model_inside_smolvlm_answers_as_itself(embedded_model, emb
 
     policy = FLAGSHIP.policy(0.75)
     calibrations = {"alone": load_calibration(embedded_model, embedded_tokenizer, path=smoke_artifact)}
-    with pytest.warns(UserWarning, match=r"weights \(compared as float32\) fingerprint differs .* \(allow_mismatch=True\)"):
+    with pytest.warns(
+        UserWarning, match=r"weights \(compared as float32\) fingerprint differs .* \(allow_mismatch=True\)"
+    ):
         calibrations["wrapper"] = load_calibration(
             wrapper, embedded_tokenizer, path=smoke_artifact, allow_mismatch=True
         )
@@ -307,3 +309,20 @@ def test_the_embedded_model_inside_smolvlm_answers_as_itself(embedded_model, emb
             assert torch.equal(positions, own.head(0, head)[2])
             evicted += ids.shape[1] - len(positions)
     assert evicted > 0.5 * ids.shape[1] * len(caches["wrapper"].layers) * served.store.num_heads
+
+
+def test_an_unchecked_multimodal_checkpoint_is_refused_before_its_weights_load(tmp_path, monkeypatch, capsys):
+    """The commands check config.json first (runtime.math.geometry.check_config): a PaliGemma checkpoint is
+    refused by name without loading its weights; an image-text model kvcal serves passes that check."""
+    from conftest import forbid_model_loading
+
+    from profiler.cli import main
+    from runtime.math.geometry import check_config
+
+    model_dir = tmp_path / "paligemma"
+    multimodal_model("paligemma").save_pretrained(model_dir)
+    forbid_model_loading(monkeypatch)
+    assert main([str(model_dir), "--out", str(tmp_path / "out.h5"), "--preset", "smoke", "--no-progress"]) == 2
+    assert "the language model of a multimodal checkpoint (paligemma) kvcal has not checked" in capsys.readouterr().err
+    assert not (tmp_path / "out.h5").exists()
+    check_config(multimodal_model("gemma3", meta=True).config)  # served: no error

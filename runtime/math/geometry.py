@@ -275,7 +275,7 @@ class ModelGeometry:
             )
         at = "model.model"
         if backbone is not model.model:
-            _refuse_unchecked_multimodal(name, model)
+            _refuse_unchecked_multimodal(name, model.config)
             at += next(
                 f".{attribute}"
                 for attribute in LANGUAGE_MODEL_ATTRIBUTES
@@ -392,9 +392,9 @@ def check_config(config, name: str | None = None) -> None:
     ``mrope_section``); also a heterogeneous
     config (per-layer attention geometry, Gemma 4), layer types without RoPE parameters (Beam), keys
     and values shared across layers (Gemma 3n), layers run several times per token (Dory) and values of
-    another head dim than the keys (MiMo-V2-Flash).  ``name``: the
-    model's, for the message (default: the config's architecture)."""
-    config = text_config(config)
+    another head dim than the keys (MiMo-V2-Flash), and a multimodal checkpoint of a type kvcal has not checked
+    (:data:`MULTIMODAL_SERVED`).  ``name``: the model's, for the message (default: the config's architecture)."""
+    checkpoint, config = config, text_config(config)
     if name is None:
         name = (getattr(config, "architectures", None) or [getattr(config, "model_type", None) or "the model"])[0]
     if getattr(config, "is_heterogeneous", False) is True:
@@ -452,6 +452,8 @@ def check_config(config, name: str | None = None) -> None:
             f"{name}: dynamic NTK RoPE (rope_type 'dynamic') without a max_position_embeddings is not supported: "
             "transformers re-scales it past that original context, and kvcal serves it only inside it"
         )
+    if config is not checkpoint:  # the text config of a multimodal checkpoint's
+        _refuse_unchecked_multimodal(name, checkpoint)
 
 
 def _dynamic_ntk_types(config) -> list[str | None]:
@@ -498,10 +500,10 @@ def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:
             )
 
 
-def _refuse_unchecked_multimodal(name: str, model) -> None:
-    """Refuse a multimodal checkpoint loaded whole whose type is not one of :data:`MULTIMODAL_SERVED`,
-    naming the types served."""
-    model_type = getattr(model.config, "model_type", None)
+def _refuse_unchecked_multimodal(name: str, config) -> None:
+    """Refuse a multimodal checkpoint (``config``: its own, not its text model's) whose type is not one of
+    :data:`MULTIMODAL_SERVED`, naming the types served."""
+    model_type = getattr(config, "model_type", None)
     if model_type not in MULTIMODAL_SERVED:
         raise UnsupportedModelError(
             f"{name}: the language model of a multimodal checkpoint ({model_type}) kvcal has not checked: "
