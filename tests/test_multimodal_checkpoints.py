@@ -326,3 +326,14 @@ def test_an_unchecked_multimodal_checkpoint_is_refused_before_its_weights_load(t
     assert "the language model of a multimodal checkpoint (paligemma) kvcal has not checked" in capsys.readouterr().err
     assert not (tmp_path / "out.h5").exists()
     check_config(multimodal_model("gemma3", meta=True).config)  # served: no error
+
+
+@torch.no_grad()
+def test_paligemma_served_as_a_causal_language_model_would_be_wrong(monkeypatch):
+    """Why an unchecked type is refused: PaliGemma's text path (positions from 1, the prompt attended both
+    ways) is not its language model's, and served as kvcal serves a causal LM, with nothing evicted, its
+    logits are off by far more than the matrix's tolerance (2.7e-2 at seed 0)."""
+    import runtime.math.geometry as geometry
+
+    monkeypatch.setattr(geometry, "MULTIMODAL_SERVED", geometry.MULTIMODAL_SERVED | {"paligemma"})
+    assert nothing_evicted_difference(multimodal_model("paligemma")) > 100 * TOLERANCE
