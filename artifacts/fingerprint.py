@@ -8,8 +8,9 @@ devices and library versions.
   theta and parameters, query norm), and, only for a model that has any, what its attention
   does beyond them (:func:`attention_variant`: sliding windows, logit soft-capping, per-layer
   RoPE), so a model of the same shapes without them does not match.
-* **weights** (:func:`weights_fingerprint`): for every parameter and buffer of the state dict,
-  in name order: its name, shape, and
+* **weights** (:func:`weights_fingerprint`): for every parameter and buffer of the state dict
+  (of a multimodal checkpoint, its language model's: :func:`language_model_tensors`), in name order:
+  its name, shape, and
     - ``bitsum``: the wrap-around (mod 2^64) sum of the float32 bit patterns of all its values,
       read as signed 32-bit integers.  Exact integer arithmetic, so the summation order (CPU,
       GPU, sharded) does not matter; every value takes part, so changing any single weight
@@ -221,7 +222,24 @@ def weights_fingerprints(model, dtypes: tuple[str, ...] = FINGERPRINT_DTYPES) ->
     does to a float32 checkpoint loaded with that dtype).  One pass over the weights for all of
     ``dtypes``; a tensor already in ``dtype`` (or of lower precision) is not changed by the cast.
     """
-    return tensors_fingerprints(model.state_dict(keep_vars=False).items(), dtypes)
+    return tensors_fingerprints(language_model_tensors(model), dtypes)
+
+
+def language_model_tensors(model) -> list:
+    """``(name, tensor)`` of what the weights fingerprint covers: ``model``'s state dict; of a multimodal
+    checkpoint loaded whole (:func:`decoder_stack` inside ``model.model``), its language model's alone,
+    named as that model alone names them (``model.layers.0...``, ``lm_head.weight``).  What kvcal computes
+    reads the language model only, so an artifact profiled on it alone serves the checkpoint and the
+    reverse; and the vision tower's names change between transformers versions (5.2's CLIP tower keeps
+    a ``vision_model.`` level that 5.24's drops), which would tell one checkpoint from itself."""
+    stack = decoder_stack(model)
+    if stack is None or stack is getattr(model, "model", None):
+        return list(model.state_dict(keep_vars=False).items())
+    named = [(f"model.{name}", tensor) for name, tensor in stack.state_dict(keep_vars=False).items()]
+    head = model.get_output_embeddings()
+    if head is not None:
+        named += [(f"lm_head.{name}", tensor) for name, tensor in head.state_dict(keep_vars=False).items()]
+    return named
 
 
 def tensors_fingerprints(named_tensors, dtypes: tuple[str, ...] = FINGERPRINT_DTYPES) -> dict[str, str]:

@@ -26,6 +26,7 @@ from common.checks import is_number
 from runtime.compression.eviction import HeadEvictor
 from runtime.compression.keep_rule import keep_mask
 from runtime.math.chunk_attention import ChunkAttention
+from runtime.math.geometry import text_config
 from runtime.plan.policy import CompressionPolicy
 from runtime.plan.recommendation import recommended_spec
 from runtime.plan.serving_plan import ServingPlan, bind
@@ -151,7 +152,7 @@ class CalibratedPress(BasePress):
             )
         if self.policy.compression_ratio != self.compression_ratio:  # set after construction (kvpress's harness does)
             self._resolve_policy()
-        if self.plan is None or self.plan.geometry.num_layers != model.config.num_hidden_layers:
+        if self.plan is None or self.plan.geometry.num_layers != text_config(model.config).num_hidden_layers:
             self.plan = bind(self.policy, self.calibration, model)
         else:
             self.plan.check_model(model)

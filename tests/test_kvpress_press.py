@@ -41,6 +41,7 @@ with warnings.catch_warnings():
 
 from transformers import pipeline  # noqa: E402
 
+from artifacts.fingerprint import decoder_stack, text_config  # noqa: E402
 from runtime import CompressionPolicy, generate, load_calibration, parse_policy  # noqa: E402
 from runtime.kvpress_press import CalibratedPress  # noqa: E402
 
@@ -64,9 +65,9 @@ def kvpress_kept(model, context_length: int) -> list[torch.Tensor]:
     """Per layer, bool ``[Hkv, T]``: the context rows the press left unmasked (read, then cleared,
     from each attention module's ``masked_key_indices``, which kvpress leaves set)."""
     kept = []
-    for layer in model.model.layers:
+    for layer in decoder_stack(model).layers:
         attention = layer.self_attn
-        keep = torch.ones(1, model.config.num_key_value_heads, context_length, dtype=torch.bool)
+        keep = torch.ones(1, text_config(model.config).num_key_value_heads, context_length, dtype=torch.bool)
         masked = attention.masked_key_indices
         assert masked is not None, "the press marked nothing: kvpress did not run its compress()"
         keep[masked] = False
@@ -338,3 +339,29 @@ def test_the_queries_of_a_model_unlike_llama_keep_the_runtimes_rows(embedded_tok
     answer, pressed, ours, kept, report, length = run_both(model, embedded_tokenizer, pipe, press, context, QUESTION, 4)
     assert answer.strip() == ours.strip()
     check_same(pressed, kept, press, report, length, 0.75)
+
+
+def test_a_multimodal_checkpoint_keeps_the_runtimes_rows_call_after_call(embedded_tokenizer, one_thread):
+    """kvpress runs a multimodal checkpoint's language model (a tiny LLaVA; kvpress names Gemma 3 among the
+    models it tests): the press keeps the runtime's rows, and serves a second call with the same press (it
+    read the layer count off the top-level config, which a multimodal config does not have: AttributeError)."""
+    import numpy as np
+    from test_multimodal_checkpoints import multimodal_model
+
+    from runtime.plan.calibration import Calibration
+
+    model = multimodal_model("llava", vocab_size=len(embedded_tokenizer))
+    with torch.no_grad():
+        for layer in decoder_stack(model).layers:
+            _bias_the_queries(layer.self_attn)
+    weights = np.random.default_rng(0).random((4, 2)) + 0.1
+    calibration = Calibration("memory.h5", None, {}, ("budgets",), inf_weights=weights / weights.sum())
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=embedded_tokenizer)
+    press = CalibratedPress(calibration, compression_ratio=0.75, policy=parse_policy("uniform/leverage").policy(0.5))
+    for passcode in ("7315", "2290"):
+        context = FILLER * 4 + f"The passcode is {passcode}. " + FILLER * 4
+        answer, pressed, ours, kept, report, length = run_both(
+            model, embedded_tokenizer, pipe, press, context, QUESTION, 4
+        )
+        assert answer.strip() == ours.strip()
+        check_same(pressed, kept, press, report, length, 0.75)

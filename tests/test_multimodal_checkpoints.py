@@ -20,7 +20,7 @@ import torch
 import transformers as T
 from test_architecture_matrix import EXACT, TOLERANCE, nothing_evicted_difference
 
-from artifacts.fingerprint import decoder_stack
+from artifacts.fingerprint import decoder_stack, weights_fingerprints
 from runtime import CompressionPolicy, compress_prompt, generate
 from runtime.math.geometry import MULTIMODAL_SERVED, ModelGeometry, UnsupportedModelError
 from runtime.plan.rope_check import rope_mismatches
@@ -196,6 +196,9 @@ def test_the_language_model_of_a_multimodal_checkpoint_is_served_as_it_alone(mod
     geometry = ModelGeometry.of(wrapper)
     assert geometry.attention_modules == tuple(layer.self_attn for layer in decoder_stack(wrapper).layers)
 
+    # an artifact of the language model alone is the checkpoint's: the same weights fingerprint, every dtype
+    assert weights_fingerprints(wrapper) == weights_fingerprints(alone)
+
     policy = CompressionPolicy(keep_ratio=0.25)  # leverage: un-rotates the keys with the model's RoPE
     (cache, report), (own_cache, _) = (
         compress_prompt(model, ids, policy, context_columns=70) for model in (wrapper, alone)
@@ -262,9 +265,9 @@ def test_a_multimodal_checkpoint_profiles_as_its_language_model_alone(tmp_path, 
 @torch.no_grad()
 def test_the_embedded_model_inside_smolvlm_answers_as_itself(embedded_model, embedded_tokenizer, smoke_artifact):
     """SmolVLM's language model is SmolLM2 (SmolVLM-256M's is SmolLM2-135M): the embedded weights in
-    SmolVLM's layout, a tiny vision tower beside them.  Served with the flagship from the smoke artifact
-    (profiled on the embedded model alone: its weights fingerprint differs, hence ``allow_mismatch``),
-    every head keeps the positions it keeps in the embedded model and the answers are the same."""
+    SmolVLM's layout, a tiny vision tower beside them.  The smoke artifact, profiled on the embedded model
+    alone, is this checkpoint's (the weights fingerprint is its language model's); served with the flagship
+    from it, every head keeps the positions it keeps in the embedded model and the answers are the same."""
     from runtime import answer, load_calibration
     from runtime.plan.policy_spec import FLAGSHIP
 
@@ -280,13 +283,10 @@ def test_the_embedded_model_inside_smolvlm_answers_as_itself(embedded_model, emb
     wrapper.generation_config = embedded_model.generation_config
 
     policy = FLAGSHIP.policy(0.75)
-    calibrations = {"alone": load_calibration(embedded_model, embedded_tokenizer, path=smoke_artifact)}
-    with pytest.warns(
-        UserWarning, match=r"weights \(compared as float32\) fingerprint differs .* \(allow_mismatch=True\)"
-    ):
-        calibrations["wrapper"] = load_calibration(
-            wrapper, embedded_tokenizer, path=smoke_artifact, allow_mismatch=True
-        )
+    calibrations = {
+        "alone": load_calibration(embedded_model, embedded_tokenizer, path=smoke_artifact),
+        "wrapper": load_calibration(wrapper, embedded_tokenizer, path=smoke_artifact),  # refused if it differed
+    }
     models = {"wrapper": wrapper, "alone": embedded_model}
     context = "The vault code is 4417. " + "Grass is green and the sky is blue. " * 20 + "The boat is called Heron. "
     questions = ["What is the vault code?", "What is the boat called?"]
@@ -337,3 +337,17 @@ def test_paligemma_served_as_a_causal_language_model_would_be_wrong(monkeypatch)
 
     monkeypatch.setattr(geometry, "MULTIMODAL_SERVED", geometry.MULTIMODAL_SERVED | {"paligemma"})
     assert nothing_evicted_difference(multimodal_model("paligemma")) > 100 * TOLERANCE
+
+
+@torch.no_grad()
+def test_the_prompt_checks_read_the_language_models_config():
+    """A multimodal config keeps the vocabulary and the context in its text config: a token outside the
+    vocabulary and a prompt past the context are refused before anything runs, as for the model alone."""
+    from runtime.serve.generation import context_limit
+
+    model = multimodal_model("llava")
+    assert context_limit(model.config) == TEXT["max_position_embeddings"] == 512
+    with pytest.raises(ValueError, match=r"token id 300 in input_ids is outside the model's vocabulary of 256 ids"):
+        generate(model, torch.tensor([[5, 300]]), None, max_new_tokens=1)
+    with pytest.raises(ValueError, match=r"the prompt has 600 tokens .* more than the model's context of 512"):
+        generate(model, torch.randint(3, 250, (1, 600)), None, max_new_tokens=1)

@@ -82,6 +82,7 @@ def context_limit(config) -> int | None:
     ``max_position_embeddings``.  Dynamic NTK RoPE is served inside its original context only
     (:func:`~runtime.math.geometry.original_context`: transformers re-scales every pass past it).
     """
+    config = text_config(config)  # a multimodal checkpoint's: its language model's
     original = original_context(config)
     if original is not None:
         return original
@@ -107,7 +108,7 @@ def check_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     batch, length = input_ids.shape
     if batch == 0 or length == 0:
         raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}): at least one row of tokens is needed")
-    vocab = getattr(model.config, "vocab_size", None)
+    vocab = getattr(text_config(model.config), "vocab_size", None)
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or (isinstance(vocab, int) and high >= vocab):
         bad = low if low < 0 else high
