@@ -351,3 +351,17 @@ def test_the_prompt_checks_read_the_language_models_config():
         generate(model, torch.tensor([[5, 300]]), None, max_new_tokens=1)
     with pytest.raises(ValueError, match=r"the prompt has 600 tokens .* more than the model's context of 512"):
         generate(model, torch.randint(3, 250, (1, 600)), None, max_new_tokens=1)
+
+
+@torch.no_grad()
+def test_the_vision_towers_attention_is_left_as_it_was():
+    """kvcal switches the attention function for its calls only: afterwards every part of the model
+    attends as before, the vision tower's own choice included (it was left as the language model's)."""
+    model = multimodal_model("llava")
+    model.set_attn_implementation({"text_config": "sdpa", "vision_config": "eager"})
+    before = [module.config._attn_implementation for module in model.modules() if isinstance(module, T.PreTrainedModel)]
+    assert set(before) == {"sdpa", "eager"}
+    generate(model, torch.randint(3, 250, (1, 30)), CompressionPolicy(keep_ratio=0.5), max_new_tokens=2)
+    after = [module.config._attn_implementation for module in model.modules() if isinstance(module, T.PreTrainedModel)]
+    assert after == before
+    assert model.config.vision_config._attn_implementation == "eager"

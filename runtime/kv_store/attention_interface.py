@@ -7,7 +7,8 @@ function with transformers' ``AttentionInterface`` **and** the ``sdpa`` mask bui
 ``AttentionMaskInterface`` (without the mask registration transformers silently passes
 ``attention_mask=None``), checks that the model dispatches attention through the interface,
 selects it with ``model.set_attn_implementation``, and afterwards restores the previous
-implementation and the function previously registered under the name (so scopes nest, and a
+implementation of every part of the model (a multimodal checkpoint's vision tower may attend otherwise
+than its language model) and the function previously registered under the name (so scopes nest, and a
 function built around per-scope state, e.g. a recorder passed by closure, never outlives its
 scope as the active one).  Nothing is registered at import time.
 """
@@ -64,6 +65,21 @@ def switch_attention(model, name: str, forward) -> str:
     return previous
 
 
+def _implementations(model) -> list[tuple[object, str | None]]:
+    """``(config, its attention implementation)`` of ``model``'s config, its sub-configs and the configs of
+    its sub-models: a multimodal checkpoint's parts may each have their own (a vision tower eager, the
+    language model sdpa), which ``set_attn_implementation(previous)`` would make one."""
+    configs, pending = {}, [model.config]
+    pending += [module.config for module in model.modules() if hasattr(module, "config") and module is not model]
+    while pending:
+        config = pending.pop()
+        if id(config) in configs or not hasattr(config, "_attn_implementation_internal"):
+            continue
+        configs[id(config)] = config
+        pending += [getattr(config, key, None) for key in getattr(config, "sub_configs", None) or ()]
+    return [(config, config._attn_implementation_internal) for config in configs.values()]
+
+
 @contextmanager
 def attention_implementation(model, name: str, forward):
     """``with attention_implementation(model, name, forward):`` run ``model``'s attention through
@@ -71,6 +87,7 @@ def attention_implementation(model, name: str, forward):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     registered = ALL_ATTENTION_FUNCTIONS.get(name)
+    chosen = _implementations(model)
     try:
         previous = switch_attention(model, name, forward)
         try:
@@ -78,6 +95,8 @@ def attention_implementation(model, name: str, forward):
         finally:
             if previous != name:
                 model.set_attn_implementation(previous)
+            for config, implementation in chosen:  # each part's own, where they differed (a vision tower's)
+                config._attn_implementation_internal = implementation
     finally:
         if registered is not None and registered is not forward:
             register_attention(name, registered)
