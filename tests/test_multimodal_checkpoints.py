@@ -365,3 +365,22 @@ def test_the_vision_towers_attention_is_left_as_it_was():
     after = [module.config._attn_implementation for module in model.modules() if isinstance(module, T.PreTrainedModel)]
     assert after == before
     assert model.config.vision_config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "says"),
+    [
+        ("llama4", r"chunked attention \(attention_chunk_size"),
+        ("qwen3_5", r"layer type\(s\) linear_attention are not supported"),
+        ("gemma3n", r"keys and values shared across layers"),
+    ],
+)
+def test_a_multimodal_config_is_refused_by_what_its_language_model_does_first(model_type, says):
+    """A multimodal checkpoint whose language model kvcal cannot compute is refused by that, not only as
+    unchecked (the commands read config.json: Llama 4 and Qwen3.5 checkpoints are multimodal ones)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from runtime.math.geometry import check_config
+
+    with pytest.raises(UnsupportedModelError, match=says):
+        check_config(CONFIG_MAPPING[model_type]())

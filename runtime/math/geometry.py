@@ -453,6 +453,10 @@ def check_config(config, name: str | None = None) -> None:
             "transformers re-scales it past that original context, and kvcal serves it only inside it"
         )
     if config is not checkpoint:  # the text config of a multimodal checkpoint's
+        try:  # what its language model's layers do first: that says more (Llama 4's chunks, Qwen3.5's linear layers)
+            layer_attention(config)
+        except ValueError as exc:
+            raise UnsupportedModelError(f"{name}: {exc}") from None
         _refuse_unchecked_multimodal(name, checkpoint)
 
 
