@@ -115,19 +115,20 @@ def layer_attention(config) -> tuple[tuple[int | None, ...], tuple[float | None,
 
     The one place these are read: the architecture fingerprint records them
     (:func:`attention_variant`) and ``runtime.math.geometry.ModelGeometry`` carries them.  Raises
-    ``ValueError`` for a layer type other than full or sliding attention, and for chunked attention.
+    ``ValueError`` for a layer type other than full or sliding attention, or chunked attention with a
+    chunk size (Llama 4's ``chunked_attention`` layers: inside one chunk, :func:`attention_chunk`, they
+    attend to every earlier token, which is all kvcal serves of them).
     """
     config = text_config(config)
     layers = attention_numbers(config)["num_layers"]
-    if getattr(config, "attention_chunk_size", None):
-        raise ValueError("chunked attention (attention_chunk_size, Llama 4) is not supported")
     window = getattr(config, "sliding_window", None)
     window = int(window) if window else None
     types = getattr(config, "layer_types", None)
     if types is None:
         windows = (window,) * layers
     else:
-        unknown = sorted({str(kind) for kind in types} - set(ATTENTION_LAYER_TYPES))
+        known = {*ATTENTION_LAYER_TYPES, *(("chunked_attention",) if attention_chunk(config) else ())}
+        unknown = sorted({str(kind) for kind in types} - known)
         if unknown:
             raise ValueError(f"layer type(s) {', '.join(unknown)} are not supported (only full and sliding attention)")
         if len(types) != layers:
@@ -137,11 +138,20 @@ def layer_attention(config) -> tuple[tuple[int | None, ...], tuple[float | None,
     return windows, (float(cap) if cap else None,) * layers
 
 
+def attention_chunk(config) -> int | None:
+    """The attention chunk of a model with chunked attention (Llama 4's ``attention_chunk_size``, 8192 in its
+    checkpoints: a chunked layer's query attends only to the keys of its own chunk of that many positions),
+    else None.  Inside the first chunk a chunked layer attends to every earlier token; kvcal serves such a
+    model there only (``runtime.math.geometry.position_limit``)."""
+    size = getattr(text_config(config), "attention_chunk_size", None)
+    return int(size) if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
 def attention_variant(config) -> dict:
     """What a model's attention does beyond the architecture numbers, for the fingerprint: the
     sliding window and which layers slide (``sliding_window``, ``sliding_layers``), the logit
-    soft-cap (``attn_logit_softcapping``) and per-layer-type RoPE parameters
-    (``rope_parameters_by_layer_type``, Gemma 3), each only when the model has it: empty for a
+    soft-cap (``attn_logit_softcapping``), the attention chunk (``attention_chunk_size``) and per-layer-type
+    RoPE parameters (``rope_parameters_by_layer_type``, Gemma 3), each only when the model has it: empty for a
     model that has none of them, whose fingerprint is then what it always was."""
     config = text_config(config)
     windows, caps = layer_attention(config)
@@ -152,6 +162,8 @@ def attention_variant(config) -> dict:
         variant["sliding_layers"] = sliding
     if caps and caps[0] is not None:
         variant["attn_logit_softcapping"] = caps[0]
+    if attention_chunk(config) is not None:
+        variant["attention_chunk_size"] = attention_chunk(config)
     rope = getattr(config, "rope_parameters", None)
     if isinstance(rope, dict) and rope and all(isinstance(value, dict) for value in rope.values()):
         variant["rope_parameters_by_layer_type"] = _jsonable(rope)

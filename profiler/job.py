@@ -296,7 +296,7 @@ class ProfileJob:
         if positions is not None and settings["calib_tokens"] > positions:
             raise ValueError(
                 f"calib_tokens (--calib-tokens) is {settings['calib_tokens']}, beyond the model's {positions} "
-                "positions (max_position_embeddings)"
+                "positions (max_position_embeddings, or the attention chunk of a model with chunked attention)"
             )
 
     def requested_load(self, config) -> dict:

@@ -19,10 +19,15 @@ def model_config(model_path: str):
 
 
 def model_positions(config) -> int | None:
-    """``max_position_embeddings`` of ``config`` (the text model's for a multimodal one), else None."""
+    """``max_position_embeddings`` of ``config`` (the text model's for a multimodal one), or its attention
+    chunk where that is shorter (Llama 4: kvcal profiles and serves it inside its first chunk), else None."""
+    from artifacts.fingerprint import attention_chunk
+
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     positions = getattr(config, "max_position_embeddings", None)
-    return positions if isinstance(positions, int) and positions > 0 else None
+    positions = positions if isinstance(positions, int) and positions > 0 else None
+    chunk = attention_chunk(config)
+    return chunk if chunk is not None and (positions is None or chunk < positions) else positions
 
 
 def other_architecture(config, stored_fingerprint: str) -> bool:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from kvpress.presses.base_press import BasePress
 
+from artifacts.fingerprint import attention_chunk
 from common.checks import is_number
 from runtime.compression.eviction import HeadEvictor
 from runtime.compression.keep_rule import keep_mask
@@ -167,6 +168,13 @@ class CalibratedPress(BasePress):
         the keys and values are returned unchanged (kvpress masks; see the class docstring)."""
         if self.compression_ratio == 0:
             return keys, values
+        chunk = attention_chunk(self.plan.geometry.text_config)
+        if chunk is not None and keys.shape[2] > chunk:
+            raise ValueError(
+                f"a context of {keys.shape[2]} tokens is past the model's attention chunk of {chunk} positions "
+                "(attention_chunk_size), past which its chunked layers attend within chunks, which kvcal does not "
+                "compute: shorten the context"
+            )
         keep = self.kept_rows(module, hidden_states, keys, values, kwargs)  # [B, Hkv, T]
         module.masked_key_indices = torch.nonzero(~keep, as_tuple=True)  # (batch, head, row), as AdaKV's
         return keys, values

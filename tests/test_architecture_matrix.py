@@ -146,6 +146,8 @@ EXACT = {
     "laguna": "",
     "lfm2": "",  # attention layers only (conv layers: REFUSED_VARIANTS); q_layernorm / k_layernorm read
     "llama": "",
+    # chunked attention, served inside its first chunk (8192 positions here, the prompt 60); a norm after RoPE
+    "llama4_text": "interleaved RoPE in layers 0, 1, 2; no RoPE in layer 3",
     "mellum": "",
     "minimax_m2": "",
     "minimax_m3_vl_text": "",
@@ -209,7 +211,6 @@ REFUSED = {
     ),
     r"layer type\(s\) hybrid are not supported": ("falcon_h1",),
     r"layer type\(s\) conv are not supported": ("lfm3",),
-    r"chunked attention \(attention_chunk_size": ("llama4_text",),
     r"dynamic mask attention \(layer 0 self_attn\.dt_proj": ("doge",),
     r"differential attention \(layer 0 self_attn\.lambda_q1": ("diffllama",),
     r"full_attention layers without RoPE parameters": ("beam",),

@@ -365,3 +365,34 @@ def test_a_multimodal_checkpoint_keeps_the_runtimes_rows_call_after_call(embedde
         )
         assert answer.strip() == ours.strip()
         check_same(pressed, kept, press, report, length, 0.75)
+
+
+def test_a_context_past_the_attention_chunk_is_refused(embedded_tokenizer, one_thread):
+    """Llama 4's chunked layers attend within chunks of ``attention_chunk_size`` positions, which kvcal's
+    scores do not compute: a context past the first chunk is refused by name (kvcal's runtime refuses it too)."""
+    import numpy as np
+    import transformers as T
+
+    from runtime.plan.calibration import Calibration
+
+    torch.manual_seed(0)
+    config = T.Llama4TextConfig(
+        vocab_size=len(embedded_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        intermediate_size_mlp=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=2,
+        attention_chunk_size=64,
+        pad_token_id=embedded_tokenizer.eos_token_id,
+    )
+    model = T.Llama4ForCausalLM(config).eval()
+    weights = np.random.default_rng(0).random((2, 2)) + 0.1
+    calibration = Calibration("memory.h5", None, {}, ("budgets",), inf_weights=weights / weights.sum())
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=embedded_tokenizer)
+    press = CalibratedPress(calibration, compression_ratio=0.5, policy=parse_policy("uniform/keydiff").policy(0.5))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"past the model's attention chunk of 64 positions"):
+        pipe(FILLER * 4, question=QUESTION, press=press, max_new_tokens=2)

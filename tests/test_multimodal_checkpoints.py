@@ -370,17 +370,44 @@ def test_the_vision_towers_attention_is_left_as_it_was():
 @pytest.mark.parametrize(
     ("model_type", "says"),
     [
-        ("llama4", r"chunked attention \(attention_chunk_size"),
-        ("qwen3_5", r"layer type\(s\) linear_attention are not supported"),
-        ("gemma3n", r"keys and values shared across layers"),
+        ("qwen3_5_text", r"layer type\(s\) linear_attention are not supported"),
+        ("mistral", r"the language model of a multimodal checkpoint \(llava\) kvcal has not checked"),
     ],
 )
-def test_a_multimodal_config_is_refused_by_what_its_language_model_does_first(model_type, says):
+def test_a_multimodal_config_is_refused_by_what_its_language_model_does_first(model_type, says, monkeypatch):
     """A multimodal checkpoint whose language model kvcal cannot compute is refused by that, not only as
-    unchecked (the commands read config.json: Llama 4 and Qwen3.5 checkpoints are multimodal ones)."""
+    unchecked (the commands read config.json before loading): a LLaVA around Qwen3.5's hybrid language model
+    names its linear-attention layers."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    import runtime.math.geometry as geometry
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {T.__version__} has no {model_type}")
+    monkeypatch.setattr(geometry, "MULTIMODAL_SERVED", geometry.MULTIMODAL_SERVED - {"llava"})
+    config = T.LlavaConfig(text_config=dict(model_type=model_type, **TEXT), vision_config=VISION)
+    with pytest.raises(UnsupportedModelError, match=says):
+        geometry.check_config(config)
+
+
+@torch.no_grad()
+def test_a_checkpoint_transformers_loads_as_its_language_model_is_that_model(tmp_path):
+    """Llama 4's checkpoints are multimodal, but transformers' causal LM for them is the language model alone
+    (``Llama4ForCausalLM``, the vision tower's weights left unread): config.json passes the multimodal check
+    and the loaded model is served as that language model (inside its first attention chunk)."""
+    from common.models import load_model
     from runtime.math.geometry import check_config
 
-    with pytest.raises(UnsupportedModelError, match=says):
-        check_config(CONFIG_MAPPING[model_type]())
+    text = dict(TEXT, intermediate_size_mlp=128, num_local_experts=4, attention_chunk_size=512, pad_token_id=0)
+    vision = dict(VISION, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64)
+    torch.manual_seed(0)
+    whole = T.Llama4ForConditionalGeneration(T.Llama4Config(text_config=text, vision_config=vision, **IMAGE)).eval()
+    whole.save_pretrained(tmp_path)
+    check_config(whole.config)
+    model = load_model(tmp_path)
+    assert type(model).__name__ == "Llama4ForCausalLM"
+    ids = torch.randint(3, 250, (1, 60), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(model(ids).logits, whole.language_model(ids).logits)
+    model.generation_config.pad_token_id = 0
+    assert nothing_evicted_difference(model) < TOLERANCE
+    assert generate(model, ids, CompressionPolicy(keep_ratio=0.25), max_new_tokens=3).report.kv_bytes_after > 0

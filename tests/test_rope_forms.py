@@ -128,13 +128,49 @@ def test_llama4_serves_the_scorers_that_read_rope():
     _assert_query_rotation_is_the_models(model, _normalised_queries, (0, 7, 30, 31, 33, 70))
 
 
-def test_llama4_with_chunked_attention_is_refused_by_name():
-    model = _llama4(attention_chunk_size=32)
+def _llama4_with_chunks(chunk: int):
+    """Llama 4 with chunks of ``chunk`` positions in its RoPE layers (8192 in its checkpoints)."""
+    model = _llama4(attention_chunk_size=chunk)
     assert "chunked_attention" in model.config.layer_types
-    with pytest.raises(UnsupportedModelError, match="chunked attention"):
-        RaggedCache.for_model(model)
-    with pytest.raises(UnsupportedModelError, match="chunked attention"):
-        generate(model, _prompt()[0], None, max_new_tokens=2)
+    return model
+
+
+def test_llama4_is_served_exactly_inside_its_first_attention_chunk():
+    """Llama 4's RoPE layers attend within chunks of ``attention_chunk_size`` positions (transformers cuts them by
+    column); inside the first chunk they attend to every earlier token, and kvcal serves the model there:
+    nothing evicted is transformers' own on a left-padded batch whose 300 columns and 20 new tokens fit in a
+    chunk of 320, and the flagship's leverage scorer evicts.  It was refused whatever the prompt."""
+    model = _llama4_with_chunks(PROMPT + STEPS)
+    assert_served_exactly(model)
+    ids, mask = _prompt()
+    with torch.no_grad():
+        result = generate(model, ids, CompressionPolicy(keep_ratio=0.25), attention_mask=mask, max_new_tokens=STEPS)
+    assert result.report.kv_bytes_after < result.report.kv_bytes_before
+
+
+def test_llama4_is_refused_past_its_first_attention_chunk():
+    """Past the first chunk its chunked layers attend within chunks, which kvcal does not compute: a prompt
+    longer than the chunk, or a generation that would reach past it, is refused by name before anything runs
+    (transformers counts padding columns into the chunks, and so does the check)."""
+    model = _llama4_with_chunks(PROMPT + STEPS - 1)
+    ids, mask = _prompt()
+    with pytest.raises(ValueError, match=r"300 columns .* 20 new tokens .* attention chunk of 319 positions"):
+        generate(model, ids, None, attention_mask=mask, max_new_tokens=STEPS)
+    assert generate(model, ids, None, attention_mask=mask, max_new_tokens=STEPS - 1).new_tokens.shape == (2, 19)
+    short = _llama4_with_chunks(PROMPT - 50)
+    with pytest.raises(ValueError, match=r"the prompt has 300 tokens .* context of 250 positions .* attention chunk"):
+        generate(short, ids[:1], None, max_new_tokens=1)
+
+
+def test_the_attention_chunk_is_in_the_architecture_fingerprint():
+    from artifacts.fingerprint import architecture_fingerprint, architecture_numbers
+
+    configs = [_llama4_with_chunks(256).config, _llama4_with_chunks(512).config]
+    chunkless = _llama4(attention_chunk_size=None).config
+    if "chunked_attention" not in chunkless.layer_types:  # transformers 5.2 types it so (refused: above)
+        configs.append(chunkless)
+    fingerprints = {architecture_fingerprint(architecture_numbers(config), False) for config in configs}
+    assert len(fingerprints) == len(configs)
 
 
 # name: (config class, model class, its options, what the refusal must name)
@@ -336,3 +372,34 @@ def test_a_rotation_other_than_runtime_ropes_is_named():
             None,
             build_other("hunyuan with LayerNorms after RoPE (a norm that centres)"),
         )
+
+
+@pytest.mark.parametrize("chunk", [256, 60])
+def test_llama4_is_profiled_inside_its_first_attention_chunk(chunk, tmp_path, embedded_tokenizer, capsys):
+    """A smoke profile of Llama 4 whose probes (up to 56 tokens, 61 with their new ones) and calibration windows
+    (56 tokens) fit in its attention chunk runs every default stage; with a chunk the probes do not fit in,
+    it is refused before any stage runs, naming the chunk."""
+    from conftest import single_thread, tiny_profile_args, write_tiny_model_dir
+
+    from profiler.cli import main
+
+    torch.manual_seed(0)
+    config = T.Llama4TextConfig(
+        **{**COMMON, "vocab_size": len(embedded_tokenizer)},
+        head_dim=16,
+        num_local_experts=4,
+        floor_scale=32,
+        attention_chunk_size=chunk,
+    )
+    model = T.Llama4ForCausalLM(config).eval()
+    model_dir = write_tiny_model_dir(tmp_path / "llama4", embedded_tokenizer, probes=3, model=model, probe_length=48)
+    out = tmp_path / "kv_calibration.h5"
+    with single_thread():
+        code = main(tiny_profile_args(model_dir, out, "--calib-tokens", "56", calib_samples=4))
+    error = capsys.readouterr().err
+    if chunk == 256:
+        assert code == 0, error
+        assert out.exists()
+    else:
+        assert code == 2 and not out.exists(), error
+        assert "past the model's attention chunk of 60 positions" in error and "longest probe" in error, error

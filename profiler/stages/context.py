@@ -20,6 +20,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from artifacts.fingerprint import attention_chunk
 from common.command_line import MAX_COUNT, MAX_SEED, MAX_TOKENS
 from common.log import output
 from common.options import Integer, Option, Text
@@ -297,6 +298,15 @@ class StageContext:
                 f"the longest probe plus {self.settings['max_new_tokens']} new tokens is {longest} tokens, past the "
                 f"model's original context of {original} positions, where its dynamic NTK RoPE re-scales every "
                 "forward pass by its length: kvcal profiles and serves it inside that context only; choose shorter "
+                "probes (--probes FILE from generate-probes, or a preset with shorter ones)"
+            )
+        chunk = attention_chunk(self.geometry.text_config)
+        if chunk is not None and probes.max_tokens() + self.settings["max_new_tokens"] > chunk:
+            longest = probes.max_tokens() + self.settings["max_new_tokens"]
+            raise ValueError(
+                f"the longest probe plus {self.settings['max_new_tokens']} new tokens is {longest} tokens, past the "
+                f"model's attention chunk of {chunk} positions (attention_chunk_size), past which its chunked layers "
+                "attend within chunks: kvcal profiles and serves it inside its first chunk only; choose shorter "
                 "probes (--probes FILE from generate-probes, or a preset with shorter ones)"
             )
         return probes

@@ -40,6 +40,7 @@ import torch
 
 from artifacts.fingerprint import (
     LANGUAGE_MODEL_ATTRIBUTES,
+    attention_chunk,
     attention_numbers,
     decoder_stack,
     has_query_norm,
@@ -452,12 +453,40 @@ def check_config(config, name: str | None = None) -> None:
             f"{name}: dynamic NTK RoPE (rope_type 'dynamic') without a max_position_embeddings is not supported: "
             "transformers re-scales it past that original context, and kvcal serves it only inside it"
         )
-    if config is not checkpoint:  # the text config of a multimodal checkpoint's
+    if config is not checkpoint and _loads_whole(checkpoint):  # a multimodal checkpoint, vision tower and all
         try:  # what its language model's layers do first: that says more (Llama 4's chunks, Qwen3.5's linear layers)
             layer_attention(config)
         except ValueError as exc:
             raise UnsupportedModelError(f"{name}: {exc}") from None
         _refuse_unchecked_multimodal(name, checkpoint)
+
+
+def position_limit(config) -> tuple[int, str] | None:
+    """``(positions, why)``: the most positions kvcal serves the model at, where it serves less than the model's
+    own context (``runtime.serve.generation.context_limit``), else None.  Dynamic NTK RoPE: its original
+    context (:func:`original_context`; a row's real tokens, as transformers numbers positions from the mask);
+    chunked attention: its first chunk (:func:`~artifacts.fingerprint.attention_chunk`; a prompt's columns
+    and its new tokens, padding included, as transformers cuts chunks by column)."""
+    limits = []
+    original = original_context(config)
+    if original is not None:
+        limits.append(
+            (
+                original,
+                f"the model's original context of {original} positions (max_position_embeddings), where its dynamic "
+                "NTK RoPE re-scales every forward pass by its length and keeps that scale for the next",
+            )
+        )
+    chunk = attention_chunk(config)
+    if chunk is not None:
+        limits.append(
+            (
+                chunk,
+                f"the model's attention chunk of {chunk} positions (attention_chunk_size), past which its chunked "
+                "layers attend within chunks, which kvcal does not compute",
+            )
+        )
+    return min(limits, key=lambda limit: limit[0], default=None)
 
 
 def _dynamic_ntk_types(config) -> list[str | None]:
@@ -502,6 +531,20 @@ def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:
                 f"{name}: differential attention (layer {index} self_attn.lambda_q1, as in DiffLlama: two "
                 "attention maps per layer over one cache, subtracted) is not supported"
             )
+
+
+def _loads_whole(config) -> bool:
+    """Whether a multimodal ``config``'s checkpoint loads whole (``common.models.load_model``): its causal LM
+    class is the multimodal model (Gemma 3), or it has none (Mistral 3, LLaVA: ``AutoModelForImageTextToText``);
+    not where transformers' causal LM for it is its language model alone (Llama 4, Qwen3.5: a text config
+    class), which is served or refused as that model."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except Exception:  # noqa: BLE001 - no causal LM (or its module cannot import here): loaded whole
+        return True
+    return getattr(model_class, "config_class", None) is type(config)
 
 
 def _refuse_unchecked_multimodal(name: str, config) -> None:

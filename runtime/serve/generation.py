@@ -35,14 +35,14 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import ModelOutput
 
-from artifacts.fingerprint import decoder_stack
+from artifacts.fingerprint import attention_chunk, decoder_stack
 from common.checks import check_integer
 from prompt_format import encode_prompt
 from runtime.compression.prefill import CompressionReport, compress, prefill, prefill_and_compress
 from runtime.compression.ragged_attention import ragged_attention
 from runtime.kv_store.cache import CacheConsumedError, RaggedCache
 from runtime.kv_store.transformers_compat import cache_argument
-from runtime.math.geometry import input_device, original_context, text_config
+from runtime.math.geometry import input_device, original_context, position_limit, text_config
 from runtime.plan.policy import CompressionPolicy
 from runtime.plan.rope_check import check_passes_rotate_alike
 from runtime.plan.serving_plan import ServingPlan, as_plan
@@ -79,13 +79,16 @@ def context_limit(config) -> int | None:
     ``max_position_embeddings``, or for a RoPE-scaled model (YaRN, linear, llama3, longrope...)
     ``original_max_position_embeddings x factor`` when that is larger: scaling stretches the
     positions a model can use, and several configs keep the original length in
-    ``max_position_embeddings``.  Dynamic NTK RoPE is served inside its original context only
-    (:func:`~runtime.math.geometry.original_context`: transformers re-scales every pass past it).
+    ``max_position_embeddings``.  Dynamic NTK RoPE is served inside its original context only, chunked
+    attention inside its first chunk (:func:`~runtime.math.geometry.position_limit`).
     """
     config = text_config(config)  # a multimodal checkpoint's: its language model's
-    original = original_context(config)
-    if original is not None:
-        return original
+    own = position_limit(config)
+    return min((limit for limit in (own and own[0], _model_context(config)) if limit is not None), default=None)
+
+
+def _model_context(config) -> int | None:
+    """:func:`context_limit` of the model itself (its positions, stretched by a RoPE scaling)."""
     limit = getattr(config, "max_position_embeddings", None)
     if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
         return None
@@ -133,9 +136,10 @@ def check_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     longest = int(real.max())
     if limit is not None and longest > limit:
         row = int(real.argmax())
+        own = position_limit(text_config(model.config))
         why = (
-            "its dynamic NTK RoPE is re-scaled past it, and kvcal serves it only inside it"
-            if original_context(model.config) is not None
+            f"kvcal serves it inside {own[1]}"
+            if own is not None and own[0] == limit
             else "past it the answer is not to be trusted"
         )
         positions = getattr(text_config(model.config), "max_position_embeddings", limit)
@@ -160,16 +164,25 @@ def check_generate_arguments(model, attention_mask: torch.Tensor, generate_kwarg
             "compressed cache holds what it computed from the prompt's tokens); pass the tokens alone"
         )
     original = original_context(model.config)
-    if original is None:
+    if original is None and attention_chunk(model.config) is None:
         return
     new_tokens = _new_tokens(model, generate_kwargs, attention_mask.shape[1])
     longest = int(attention_mask.sum(-1).max())
-    if longest + new_tokens > original:
+    if original is not None and longest + new_tokens > original:
         raise ValueError(
             f"a prompt of {longest} tokens and up to {new_tokens} new tokens reach past the {original} positions "
             "of the model's original context (max_position_embeddings), where its dynamic NTK RoPE re-scales every "
             "forward pass by its length and keeps that scale for the next: kvcal serves it inside that context only; "
             f"ask for at most {max(original - longest, 0)} new tokens, or shorten the prompt"
+        )
+    chunk = attention_chunk(model.config)
+    columns = attention_mask.shape[1]
+    if chunk is not None and columns + new_tokens > chunk:
+        raise ValueError(
+            f"a prompt of {columns} columns (padding included) and up to {new_tokens} new tokens reach past the "
+            f"model's attention chunk of {chunk} positions (attention_chunk_size), past which its chunked layers "
+            f"attend within chunks, which kvcal does not compute: kvcal serves it inside its first chunk only; ask "
+            f"for at most {max(chunk - columns, 0)} new tokens, or shorten the prompt (or its padding)"
         )
 
 
