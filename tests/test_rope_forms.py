@@ -157,6 +157,8 @@ def test_llama4_is_refused_past_its_first_attention_chunk():
     with pytest.raises(ValueError, match=r"300 columns .* 20 new tokens .* attention chunk of 319 positions"):
         generate(model, ids, None, attention_mask=mask, max_new_tokens=STEPS)
     assert generate(model, ids, None, attention_mask=mask, max_new_tokens=STEPS - 1).new_tokens.shape == (2, 19)
+    with pytest.raises(ValueError, match=r"the prompt has 300 columns \(padding included\), more than .* chunk of 290"):
+        compress_prompt(_llama4_with_chunks(290), ids[1:], None, attention_mask=mask[1:])  # 260 tokens, 40 padding
     short = _llama4_with_chunks(PROMPT - 50)
     with pytest.raises(ValueError, match=r"the prompt has 300 tokens .* context of 250 positions .* attention chunk"):
         generate(short, ids[:1], None, max_new_tokens=1)

@@ -147,6 +147,13 @@ def check_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
             f"the prompt has {longest} tokens (batch row {row}), more than the model's context of {limit} positions "
             f"(max_position_embeddings {positions}): {why}; shorten the context"
         )
+    chunk = attention_chunk(model.config)
+    if chunk is not None and length > chunk:  # transformers cuts the chunks by column, padding included
+        raise ValueError(
+            f"the prompt has {length} columns (padding included), more than the model's attention chunk of {chunk} "
+            "positions (attention_chunk_size), past which its chunked layers attend within chunks, which kvcal does "
+            "not compute; shorten the prompt or its padding"
+        )
     return attention_mask
 
 
@@ -156,7 +163,8 @@ def check_generate_arguments(model, attention_mask: torch.Tensor, generate_kwarg
     (:func:`other_modality_inputs`: the compressed prompt holds what the language model computed from the
     tokens, so an image given to generate() would be dropped, or fail inside transformers), or new tokens
     past the original context of a model with dynamic NTK RoPE (:func:`~runtime.math.geometry.original_context`;
-    a row's positions count its real tokens, as transformers numbers them from the mask)."""
+    a row's positions count its real tokens, as transformers numbers them from the mask) or past the first
+    attention chunk of a model with chunked attention (the prompt's columns count, padding included)."""
     given = sorted(name for name in other_modality_inputs(model) if generate_kwargs.get(name) is not None)
     if given:
         raise ValueError(
