@@ -142,8 +142,12 @@ def attention_chunk(config) -> int | None:
     """The attention chunk of a model with chunked attention (Llama 4's ``attention_chunk_size``, 8192 in its
     checkpoints: a chunked layer's query attends only to the keys of its own chunk of that many positions),
     else None.  Inside the first chunk a chunked layer attends to every earlier token; kvcal serves such a
-    model there only (``runtime.math.geometry.position_limit``)."""
-    size = getattr(text_config(config), "attention_chunk_size", None)
+    model there only (``runtime.math.geometry.position_limit``).  A size without ``chunked_attention`` layers
+    (a Llama's config carrying one) is ignored, as the model's own mask ignores it."""
+    config = text_config(config)
+    size = getattr(config, "attention_chunk_size", None)
+    if "chunked_attention" not in (getattr(config, "layer_types", None) or ()):
+        return None
     return int(size) if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 

@@ -146,9 +146,10 @@ def test_beams_run_and_at_full_budget_are_transformers_own(name):
 
 
 def test_attention_the_ragged_cache_cannot_compute_is_refused_by_name():
-    """Hybrid layer types (linear attention) and Llama 4's chunked attention are refused when the
-    cache is made, before any forward pass; attention sinks passed as ``sinks`` (not gpt-oss's ``s_aux``,
-    served: tests/test_attention_sinks.py) when a model passes them."""
+    """Hybrid layer types (linear attention) are refused when the cache is made, before any forward pass;
+    attention sinks passed as ``sinks`` (not gpt-oss's ``s_aux``, served: tests/test_attention_sinks.py) when
+    a model passes them."""
+    from artifacts.fingerprint import attention_chunk
     from runtime import UnsupportedModelError
     from runtime.compression.ragged_attention import ragged_attention_forward
 
@@ -157,9 +158,9 @@ def test_attention_the_ragged_cache_cannot_compute_is_refused_by_name():
     with pytest.raises(UnsupportedModelError, match="linear_attention"):
         RaggedCache.for_model(model)
     model = make_tiny("llama")
-    model.config.attention_chunk_size = 32
-    with pytest.raises(UnsupportedModelError, match="chunked attention"):
-        RaggedCache.for_model(model)
+    model.config.attention_chunk_size = 32  # a Llama ignores it (Llama 4's chunks: tests/test_rope_forms.py)
+    assert attention_chunk(model.config) is None
+    assert generate(model, torch.randint(3, 100, (1, 40)), None, max_new_tokens=2).sequences.shape == (1, 42)
     query = torch.zeros(1, 4, 1, 16)
     with pytest.raises(ValueError, match="attention sinks passed as sinks"):
         ragged_attention_forward(None, query, query[:, :2], query[:, :2], None, sinks=torch.zeros(4))
