@@ -375,8 +375,11 @@ def tiny_config(model_type: str, **options):
 
 def tiny_model(model_type: str, *, meta: bool = False, **options):
     """The tiny ``model_type``, random weights of seed 0, float32, eval mode (``meta``: no weights)."""
-    config = tiny_config(model_type, **options)
-    _, model_class = _classes(model_type)
+    return built(_classes(model_type)[1], tiny_config(model_type, **options), meta=meta)
+
+
+def built(model_class, config, *, meta: bool = False):
+    """``model_class(config)``: random weights of seed 0, float32, eval mode, padding id 0 (``meta``: no weights)."""
     torch.manual_seed(0)
     if meta:
         with torch.device("meta"):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as T
-from test_architecture_matrix import EXACT, TOLERANCE, nothing_evicted_difference
+from test_architecture_matrix import EXACT, TOLERANCE, built, nothing_evicted_difference
 
 from artifacts.fingerprint import decoder_stack, weights_fingerprints
 from runtime import CompressionPolicy, compress_prompt, generate
@@ -158,14 +158,7 @@ def multimodal_model(model_type: str, *, meta: bool = False, vocab_size: int = V
     arguments = {**arguments, "text_config": {**arguments["text_config"], "vocab_size": vocab_size}}
     for name in _SPECIAL_TOKENS.intersection(arguments):  # the image tokens at the vocabulary's end, wherever it is
         arguments[name] += vocab_size - VOCABULARY
-    config = CONFIG_MAPPING[model_type](**arguments)
-    torch.manual_seed(0)
-    if meta:
-        with torch.device("meta"):
-            return model_class(config).eval()
-    model = model_class(config).eval()
-    model.generation_config.pad_token_id = 0
-    return model
+    return built(model_class, CONFIG_MAPPING[model_type](**arguments), meta=meta)
 
 
 def language_model_alone(wrapper):

@@ -20,7 +20,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from artifacts.fingerprint import attention_chunk
 from common.command_line import MAX_COUNT, MAX_SEED, MAX_TOKENS
 from common.log import output
 from common.options import Integer, Option, Text
@@ -280,6 +279,7 @@ class StageContext:
         budget-curves): ``--probes`` (a JSON-lines file) or the preset's, built lazily
         (:class:`profiler.probe_source.ProbeSet`)."""
         from profiler.probe_source import file_probes, preset_probes
+        from runtime.math.geometry import position_limit
 
         probes_file = self.settings["probes_file"]
         if probes_file:
@@ -291,23 +291,13 @@ class StageContext:
                 self.identity.tokenizer_fingerprint,
                 dict(self.preset.probe_overrides),
             )
-        original = min((limit for limit in self.geometry.rope_limits if limit is not None), default=None)
-        if original is not None and probes.max_tokens() + self.settings["max_new_tokens"] > original:
-            longest = probes.max_tokens() + self.settings["max_new_tokens"]
+        limit = position_limit(self.geometry.text_config)  # dynamic NTK's original context, Llama 4's first chunk
+        longest = probes.max_tokens() + self.settings["max_new_tokens"]
+        if limit is not None and longest > limit[0]:
             raise ValueError(
-                f"the longest probe plus {self.settings['max_new_tokens']} new tokens is {longest} tokens, past the "
-                f"model's original context of {original} positions, where its dynamic NTK RoPE re-scales every "
-                "forward pass by its length: kvcal profiles and serves it inside that context only; choose shorter "
-                "probes (--probes FILE from generate-probes, or a preset with shorter ones)"
-            )
-        chunk = attention_chunk(self.geometry.text_config)
-        if chunk is not None and probes.max_tokens() + self.settings["max_new_tokens"] > chunk:
-            longest = probes.max_tokens() + self.settings["max_new_tokens"]
-            raise ValueError(
-                f"the longest probe plus {self.settings['max_new_tokens']} new tokens is {longest} tokens, past the "
-                f"model's attention chunk of {chunk} positions (attention_chunk_size), past which its chunked layers "
-                "attend within chunks: kvcal profiles and serves it inside its first chunk only; choose shorter "
-                "probes (--probes FILE from generate-probes, or a preset with shorter ones)"
+                f"the longest probe plus {self.settings['max_new_tokens']} new tokens is {longest} tokens, past "
+                f"{limit[1]}: kvcal profiles and serves it inside that limit only; choose shorter probes "
+                "(--probes FILE from generate-probes, or a preset with shorter ones)"
             )
         return probes
 
