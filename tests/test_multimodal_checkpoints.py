@@ -404,3 +404,29 @@ def test_a_checkpoint_transformers_loads_as_its_language_model_is_that_model(tmp
     model.generation_config.pad_token_id = 0
     assert nothing_evicted_difference(model) < TOLERANCE
     assert generate(model, ids, CompressionPolicy(keep_ratio=0.25), max_new_tokens=3).report.kv_bytes_after > 0
+
+
+@pytest.mark.parametrize("model_type", ["llava", "smolvlm", "internvl"])
+@torch.no_grad()
+def test_the_decode_steps_of_a_multimodal_checkpoint_are_replayed(model_type, monkeypatch):
+    """A wrapper's decode steps pass generate() nothing a captured step cannot take (its modality inputs are
+    None after the prompt): with the page kernel a GPU runs, they are replayed from a graph (the recorder of
+    tests/step_replay.py on the CPU) and generate what eager steps generate.  (A model with sliding-window
+    layers is never replayed, multimodal or not: runtime.kv_store.cache.RaggedLayer.replay_key.)"""
+    from step_replay import RecordedStep
+    from test_decode_graph import NEW_TOKENS, _generate
+
+    from runtime.kv_store.flex_decode import DECODE_KERNEL_VARIABLE
+
+    monkeypatch.setenv(DECODE_KERNEL_VARIABLE, "pages")
+    model = multimodal_model(model_type)
+    ids = torch.randint(3, 250, (2, 120), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    policy = CompressionPolicy(keep_ratio=0.25)
+    eager = _generate(model, ids, mask, policy, False)
+    replayed = _generate(model, ids, mask, policy, RecordedStep)
+    assert torch.equal(eager.sequences, replayed.sequences)
+    for a, b in zip(eager.output.logits[1:], replayed.output.logits[1:], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert replayed.graphs.captured == 1 and replayed.graphs.replayed == NEW_TOKENS - 3
