@@ -67,7 +67,9 @@ def test_rows_evicted_per_head_equal_masked_attention_with_the_sinks(kernel, mon
     chosen = []
     decode_kernel = runtime.kv_store.layer_attention.decode_kernel
     monkeypatch.setattr(
-        runtime.kv_store.layer_attention, "decode_kernel", lambda *a: chosen.append(decode_kernel(*a)) or chosen[-1]
+        runtime.kv_store.layer_attention,
+        "decode_kernel",
+        lambda *a, **k: chosen.append(decode_kernel(*a, **k)) or chosen[-1],
     )
     model = gpt_oss(sliding_window=1024)
     context, chunk, steps = 40, 6, 5

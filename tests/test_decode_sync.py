@@ -22,8 +22,9 @@ Cases: plain transformers (DynamicCache), ragged (nothing evicted), ``uniform/ke
 budgets), keydiff with the order-1 correction (the MomentKV merge), decode-time eviction (keydiff's
 ``evict_every``) on a step with nothing due and on an eviction round (at most one synchronisation
 for the whole round), on a tiny random-weight Llama; and the flagship ``inf/leverage+correction`` with
-the smoke artifact on the real embedded model.  A sliding-window layer (Mistral's) reads back once
-per step which rows left its window: at most one synchronisation per layer.
+the smoke artifact on the real embedded model.  A sliding-window layer (Mistral's) under the CPU's kernel
+reads back once per step which rows left its window: at most one synchronisation per layer (under the
+page kernel, a GPU's for such layers, it hides them and reads nothing: tests/test_window_hiding.py).
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ The layer's ``update()`` only parks the new chunk ``[B, Hkv, q, d]``; the regist
 function calls :meth:`RaggedLayer.attend`, which stores the chunk's real (non-padding) tokens,
 and computes attention for the whole layer; the attention function then hands the layer to
 :func:`runtime.compression.driver.after_attention` (the decode-time evictions due, then a sliding-window
-layer's :meth:`RaggedLayer.drop_outside_window`).  A chunk left parked means the model did not
+layer's :meth:`RaggedLayer.drop_outside_window`, or under the page kernel its hiding of those rows).
+A chunk left parked means the model did not
 run the ragged attention function, which is reported as an error at the next update.
 """
 
@@ -70,6 +71,8 @@ __all__ = [
 # Tensor attribute through which the attention function finds the layer that parked a chunk.
 LAYER_TAG = "_kvcal_ragged_layer"
 ATTENTION_NAME = "kvcal_ragged"
+# the least room a sliding-window layer makes for rows its decode steps hide (RaggedLayer._hides_window)
+_HIDING_ROOM = 16
 
 
 class CacheConsumedError(ValueError):
@@ -98,6 +101,9 @@ class RaggedLayer(DynamicLayer):
         self.chunk_specs: tuple[ChunkSpec, ...] = ()  # chunked attentions to accumulate (Compactor's)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the parked chunk [B, Hkv, q, d] x 2
         self._undropped = False  # a sliding-window layer attended a chunk: drop_outside_window() owed
+        # a sliding-window layer's one-token decode step hides what leaves its window instead of dropping it
+        # (decided in attend: _hides_window), and rows so hidden are still stored (dropped by _settle)
+        self._hiding, self._hidden, self._step_positions = False, False, None
         self._layout: PageLayout | None = None  # built for the store generation self._layout_generation
         self._layout_generation = 0
         self._correction = PreparedCorrection()
@@ -150,6 +156,7 @@ class RaggedLayer(DynamicLayer):
 
     @property
     def length(self) -> torch.Tensor:
+        self._settle()
         return _no_segments() if self.store is None else self.store.length  # int64 [B, Hkv] host, live rows
 
     @property
@@ -274,6 +281,7 @@ class RaggedLayer(DynamicLayer):
     def _reindex_batch(self, order: list[int]) -> None:
         if not self.is_initialized:
             return
+        self._settle()
         self.store.select_batch(order)
         self.rows = [self.rows[b].copy() for b in order]
         self._correction.clear()
@@ -283,16 +291,19 @@ class RaggedLayer(DynamicLayer):
     def compact(self) -> None:
         """Release what eviction freed: every capacity becomes its length rounded up to a page."""
         if self.is_initialized:
+            self._settle()
             self.store.compact()
 
     def head(self, b: int, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Live ``keys [n, d]``, ``values [n, d]`` and ``positions int32 [n]`` of head (b, h) (views)."""
+        self._settle()
         return self.store.head(b, h)
 
     def padded_rows(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Batch rows ``rows``' live tokens, every head padded to the longest (one gather):
         ``keys, values [R, Hkv, n, d]`` (padding zero), ``positions`` int64 ``[R, Hkv, n]`` and
         ``valid`` bool ``[R, Hkv, n]``."""
+        self._settle()
         return self.store.padded_rows(rows)
 
     def keep(self, b: int, h: int, rows: torch.Tensor, *, fold: bool = True, shrink: bool = True) -> None:
@@ -304,6 +315,7 @@ class RaggedLayer(DynamicLayer):
         next :meth:`compact` (``compress`` compacts once after evicting every head; ``attend``
         compacts before the next step at the latest); decode-time eviction keeps the capacity.
         """
+        self._settle()
         sums = self.rows[b].moments
         if fold and sums is not None:
             keys, values, _ = self.store.head(b, h)
@@ -324,6 +336,7 @@ class RaggedLayer(DynamicLayer):
         (``fold``), in one batched computation.  ``shrink``: as in :meth:`keep`; ``kept``: the host's
         count of the rows ``keep`` marks per head when known (:meth:`SegmentStore.keep_rows`).
         """
+        self._settle()
         if keep.device != self.store.device:
             keep = keep.to(self.store.device)
         if fold and any(self.rows[r].moments is not None for r in rows):
@@ -385,6 +398,11 @@ class RaggedLayer(DynamicLayer):
             real = None
         batch, _, q_len, _ = query.shape
         store = self.store
+        self._hiding = self._hides_window(q_len, real, sinks)
+        if self._hiding:
+            self._step_positions = positions
+        else:  # anything but a step that hides: what earlier steps hid is dropped first
+            self._settle()
         store.compact()
         if self.observe_queries:
             for b in range(batch):
@@ -446,10 +464,48 @@ class RaggedLayer(DynamicLayer):
         newest position + 1 - W), so it never holds more than ``W - 1`` tokens between forward passes
         (as transformers' own sliding-window cache layer), and decode steps need no window mask.
         Called after each :meth:`attend`, once the decode-time evictions due ran
-        (:func:`runtime.compression.driver.after_attention`); nothing for a full-attention layer."""
+        (:func:`runtime.compression.driver.after_attention`); nothing for a full-attention layer.
+
+        Which tokens leave depends on the stored positions, so dropping them reads the device once (a
+        synchronisation per layer and step on a GPU).  A one-token decode step under the page kernel
+        (:meth:`_hides_window`) hides them instead: their bias becomes -inf, on the device, and they stay
+        stored and counted until an operation that is not such a step drops them (:meth:`_settle`: the
+        next prefill chunk, a step under another kernel or out of room, a beam reorder, any read of the
+        rows or lengths).  Such a step synchronises nothing and replays from a graph."""
         if self._undropped:
-            self.store.drop_outside_window(self.window)
+            if self._hiding:
+                self.store.hide_outside_window(self.window, self._step_positions)
+                self._hidden, self._step_positions = True, None
+            else:
+                self.store.drop_outside_window(self.window)
             self._undropped = False
+
+    def _hides_window(self, q_len: int, real, sinks) -> bool:
+        """Whether this chunk's sliding-window drop is a hide (:meth:`drop_outside_window`): a sliding-window
+        layer's one-token decode step, every row real, no decode-time eviction (its scores and lengths
+        must see only what the window holds), under the page kernel (the one that reads the bias).
+        Host tables only, but where some head has no room for the step's row: then what is hidden is
+        dropped (one read of the device) and room made for a quarter of the window more (at least
+        :data:`_HIDING_ROOM` rows), so that steps without a repack or a read follow (a decode step
+        replayed from a graph has room for the whole generation: runtime.serve.generation.generate_from_cache
+        reserves it)."""
+        store = self.store
+        if self.window is None or q_len != 1 or real is not None:
+            return False
+        if any(row.decode_plan is not None for row in self.rows):
+            return False
+        if decode_kernel(store, self.softcap, need_lse=sinks is not None, window=self.window) != "pages":
+            return False
+        if store.free < 1:  # out of room: drop what is hidden and make room to hide the next rows in
+            self._settle()
+            store.reserve(np.full(store.batch_size, max(_HIDING_ROOM, self.window // 4), dtype=np.int64))
+        return True
+
+    def _settle(self) -> None:
+        """Drop the rows earlier decode steps only hid (:meth:`drop_outside_window`): one read of the device."""
+        if self._hidden:
+            self._hidden = False
+            self.store.drop_outside_window(self.window)
 
     def _advance_rows(self, q_len: int, counts) -> None:
         """The rows' and the layer's host counts after a chunk of ``q_len`` columns (``counts [B]``
@@ -467,23 +523,26 @@ class RaggedLayer(DynamicLayer):
         next (:mod:`runtime.serve.decode_graph`).  Host tables only: no torch op.
 
         None when the step would do host work of its own or host-sized device work: before the
-        first chunk or with one parked; a sliding-window layer (which drops rows by their stored
-        positions after every step); prompt queries or chunked attention still recorded; a repack
-        (no free row, or rows to release); the correction's quantities not built yet for the rows' sums; and the CPU
+        first chunk or with one parked; a sliding-window layer whose step would drop rather than hide
+        (another kernel than the page kernel, or decode-time eviction: :meth:`_hides_window`); prompt
+        queries or chunked attention still recorded; a repack (no free row, or rows to release); the
+        correction's quantities not built yet for the rows' sums; and the CPU
         kernel that reads the live rows in place (:func:`~runtime.kv_store.layer_attention.decode_kernel`:
         its calls are sized by the host's lengths).  Whether an eviction falls due after the step
         is the eviction driver's to say (:func:`runtime.compression.driver.due_after_step`)."""
         store = self.store
-        if store is None or self._pending is not None or self.window is not None:
+        if store is None or self._pending is not None:
+            return None
+        if self.window is not None and any(row.decode_plan is not None for row in self.rows):
             return None
         if self.observe_queries or self.chunk_specs or store.loose or store.free < 1 or not store.host_length.any():
             return None
         built, prepared = self._correction.built(self.rows)
         if not built:
             return None
-        kernel = decode_kernel(store, self.softcap, need_lse=prepared is not None)
-        if kernel == "live_rows":
-            return None
+        kernel = decode_kernel(store, self.softcap, need_lse=prepared is not None, window=self.window)
+        if kernel == "live_rows" or (self.window is not None and kernel != "pages"):
+            return None  # a sliding-window layer replays only where its step hides (_hides_window)
         return store.generation, id(prepared), kernel
 
     def advance_replayed(self) -> None:
@@ -491,6 +550,8 @@ class RaggedLayer(DynamicLayer):
         :meth:`attend` counts on the host for one real token per row."""
         self.store.advance_host(1)
         self._advance_rows(1, None)
+        if self.window is not None:  # the captured step hid what left the window (drop_outside_window)
+            self._hidden = True
 
     def _set_variant(self, window: int | None, softcap: float | None) -> None:
         """Record the layer's window and soft-capping at its first chunk; refuse a change later
@@ -616,6 +677,7 @@ class RaggedCache(Cache):
         (its heads are cut back to their budgets before they grow far)."""
         for layer in self.layers:
             if layer.is_initialized and not any(row.decode_plan is not None for row in layer.rows):
+                layer._settle()
                 layer.store.reserve(np.full(layer.batch_size, int(rows), dtype=np.int64))
 
     def compact(self) -> None:
@@ -652,6 +714,8 @@ class RaggedCache(Cache):
             raise ValueError("caches to stack must have seen the same number of columns")
         for cache in caches:
             cache._check_idle("stack or copy")
+            for layer in cache.layers:
+                layer._settle()  # a copy holds what the window holds, nothing hidden
         stacked = cls(len(first.layers))
         for index, target in enumerate(stacked.layers):
             sources = [c.layers[index] for c in caches]

@@ -194,7 +194,9 @@ def segment_layer_attention(
     if q_len == 1 and real is None:  # decoding: every query of a head sees all its stored rows
         with label("kvcal.attention"):
             need_lse = prepared is not None or sinks is not None
-            out, lse = _decode_step_attention(grouped, store, layout, scaling, softcap, need_lse=need_lse)
+            out, lse = _decode_step_attention(
+                grouped, store, layout, scaling, softcap, need_lse=need_lse, window=window
+            )
     elif q_len > 1 and real is None and window is None and varlen_serves(query, store, softcap):
         with label("kvcal.attention"):  # a GPU: one FlashAttention varlen call over the buffer in place
             out, lse = varlen_chunk_attention(
@@ -295,7 +297,7 @@ def _chunk_split_attention(
     return merge_attention(*prefix, own_out.reshape(segments, rows, dim), own_lse.reshape(segments, rows))
 
 
-def decode_kernel(store: SegmentStore, softcap: float | None, need_lse: bool) -> str:
+def decode_kernel(store: SegmentStore, softcap: float | None, need_lse: bool, window: int | None = None) -> str:
     """Which kernel a decode step over ``store`` runs (its queries on the store's device):
 
     * ``"flex"``: with ``KVCAL_DECODE_KERNEL=flex``, where :func:`~runtime.kv_store.flex_decode.flex_serves`:
@@ -316,8 +318,14 @@ def decode_kernel(store: SegmentStore, softcap: float | None, need_lse: bool) ->
       the same calls on the same buffers: a step that can be captured once and replayed
       (:mod:`runtime.serve.decode_graph`).
 
+    A sliding-window layer (``window``) off the CPU takes the page kernel unless another is asked for: its
+    step then hides what leaves the window instead of dropping it, which reads the device once per layer
+    and step (:meth:`runtime.kv_store.cache.RaggedLayer.drop_outside_window`), and replays from a graph.
+
     Which is faster where: docs/results.md R-decode-kernels-2026-11-27."""
     chosen, keys = selected_decode_kernel(), store.key_buffer
+    if window is not None and chosen not in ("flex", "pages") and keys.device.type != "cpu":
+        return "pages"
     if chosen == "flex" and flex_serves(keys, keys, store.head_dim, need_lse):
         return "flex"
     if chosen != "pages" and varlen_serves(keys, store, softcap):
@@ -337,11 +345,12 @@ def _decode_step_attention(
     softcap: float | None,
     *,
     need_lse: bool = True,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode step, ``query [S, G, d]`` over every segment's live rows: ``(out [S, G, d], lse [S, G])``
-    float32 by the kernel :func:`decode_kernel` chooses; unless ``need_lse``, ``lse`` may be None and
-    ``out`` in the buffer's dtype."""
-    kernel = decode_kernel(store, softcap, need_lse)
+    float32 by the kernel :func:`decode_kernel` chooses (for a sliding-window layer: ``window``); unless
+    ``need_lse``, ``lse`` may be None and ``out`` in the buffer's dtype."""
+    kernel = decode_kernel(store, softcap, need_lse, window=window)
     if kernel == "flex":
         return flex_decode_attention(query, store, scaling, softcap=softcap, need_lse=need_lse)
     if kernel == "varlen":  # a GPU: one FlashAttention varlen call, every table on the device

@@ -206,7 +206,7 @@ def decode_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every query of a segment sees the same rows (decoding): ``row_bias [num_pages, P]`` in the
     keys' dtype is 0 for a stored row and ``-inf`` for free capacity, and a segment's rows fill its
-    pages in order (a page holds a visible row exactly when its first row is one).  With one page
+    pages in order, though a sliding-window layer's decode steps may hide rows before visible ones.  With one page
     per segment (``owner`` is then ``arange(S)``), page ``s`` is segment ``s`` and nothing is merged.
 
     On CPU each page runs through PyTorch's fused flash-attention kernel (as one batch of
@@ -220,7 +220,9 @@ def decode_attention(
     if num_pages == 0 or not fused:
         bias = row_bias.float().unsqueeze(2)
         return paged_attention(query, key_pages, value_pages, owner, bias, scaling, softcap=softcap)
-    live = (row_bias[:, 0] == 0).unsqueeze(1)  # [np, 1]; a page with no visible row reports lse 0
+    # [np, 1]: pages with a visible row (a page with none reports lse 0); not only the first row's, which a
+    # sliding-window layer's hidden rows make -inf before visible ones (RaggedLayer.drop_outside_window)
+    live = (row_bias == 0).any(dim=1, keepdim=True)
     if num_pages == segments:  # one page per segment (equal capacities): nothing to merge
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query.to(key_pages.dtype).unsqueeze(1),

@@ -137,6 +137,7 @@ class SegmentStore:
         # one entry per buffer row, plus a trailing -inf that gathered padding reads
         self._row_bias = torch.empty(keys.shape[0] + 1, dtype=keys.dtype, device=keys.device)
         self._rebuild_bias()
+        self._row_batch = None  # int64 [C]: each buffer row's batch row, made on first use (hide_outside_window)
         self.ends = None
         self.refresh_lengths()
 
@@ -442,6 +443,24 @@ class SegmentStore:
             return
         shrink = int(self.host_capacity.max()) > 2 * window
         self.keep_rows(list(range(batch)), keep, shrink=shrink, kept=kept)
+
+    def hide_outside_window(self, window: int, newest: torch.Tensor) -> None:
+        """Hide from the page kernel every row the next query of its batch row cannot see through a sliding
+        window of ``window`` tokens (positions ``<= newest_b + 1 - window``; ``newest`` int ``[B]`` or ``[B, 1]``
+        on the device, the batch rows' latest positions): their bias becomes -inf, nothing moves and the
+        host tables still count them, until :meth:`drop_outside_window` drops them.  Device ops only, on
+        buffers that stay (a decode step that does this replays from a graph: runtime.serve.decode_graph);
+        only the page kernel, which reads the bias, may attend a store with hidden rows."""
+        if self._row_batch is None:  # each buffer row's batch row, free capacity included (its bias is -inf)
+            batch_of = np.repeat(np.arange(self.batch_size), self.num_heads)  # [S]
+            rows = np.zeros(self.key_buffer.shape[0], dtype=np.int64)
+            rows[segment_rows(self.host_offset.reshape(-1), self.host_capacity.reshape(-1))] = np.repeat(
+                batch_of, self.host_capacity.reshape(-1)
+            )
+            self._row_batch = to_device(rows, self.device)
+        bias = self.row_bias  # rebuilt from the host tables first if appends had left it behind
+        limit = (newest.reshape(-1).to(self.position_buffer.dtype) + (1 - window)).index_select(0, self._row_batch)
+        bias[:-1].masked_fill_(self.position_buffer <= limit, float("-inf"))
 
     # -- accounting ------------------------------------------------------------------------
 
