@@ -277,3 +277,37 @@ def test_one_token_appends_leave_the_bias_behind_until_it_is_read():
         assert counter.names["index_fill_"] == 1, counter.names
         assert store.bias_follows_appends
         _check(store, reference)
+
+
+@pytest.mark.parametrize("pages_per_segment", [1, 3])
+def test_the_page_kernel_counts_a_page_whose_first_rows_are_hidden(pages_per_segment):
+    """A sliding-window layer's decode steps hide the rows that left the window (bias -inf), which are a
+    segment's first rows: a page whose first rows are hidden and later ones visible still counts, in its
+    output and its log-sum-exp (the CPU path read the first row alone), with one page per segment and with
+    several merged."""
+    from runtime.kv_store.paged_attention import paged_attention
+
+    generator = torch.Generator().manual_seed(11)
+    segments, page, queries = 4, 8, 2
+    num_pages = segments * pages_per_segment
+    keys = torch.randn(num_pages, page, DIM, generator=generator)
+    values = torch.randn(num_pages, page, DIM, generator=generator)
+    owner = torch.arange(segments).repeat_interleave(pages_per_segment)
+    bias = torch.zeros(num_pages, page)
+    for s in range(segments):  # the first 3 + s rows of each segment hidden, the last 2 rows free capacity
+        first = s * pages_per_segment
+        flat = bias[first : first + pages_per_segment].view(-1)
+        flat[: 3 + s] = float("-inf")
+        flat[-2:] = float("-inf")
+    query = torch.randn(segments, queries, DIM, generator=generator)
+    out, lse = decode_attention(query, keys, values, owner, bias, 0.5)
+    reference = paged_attention(query, keys, values, owner, bias.unsqueeze(2), 0.5)
+    for s in range(segments):
+        pages = owner == s
+        k, v = keys[pages].reshape(-1, DIM), values[pages].reshape(-1, DIM)
+        visible = bias[pages].reshape(-1) == 0
+        logits = 0.5 * query[s] @ k[visible].T
+        torch.testing.assert_close(out[s], torch.softmax(logits, -1) @ v[visible], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[s], torch.logsumexp(logits, -1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, reference[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, reference[1], atol=1e-5, rtol=1e-5)
