@@ -49,12 +49,27 @@ from artifacts.fingerprint import (
 )
 
 # The multimodal checkpoints whose language model kvcal serves on text (Gemma 3 from 4B, Mistral Small 3.1 /
-# 3.2, the LLaVA family, Idefics3 and SmolVLM, Aya Vision, InternVL): for each, tests/test_multimodal_checkpoints.py
-# checks that the wrapper's text path is its language model's (positions, masks, logits) and that kvcal serves
-# it as that language model alone.  Others may number positions or mask the prompt otherwise (PaliGemma counts
-# positions from 1 and attends both ways over its prompt): refused until checked.
+# 3.2, the LLaVA family, Idefics3 and SmolVLM, Aya Vision, InternVL, Qwen2-VL / Qwen2.5-VL / Qwen3-VL): for each,
+# tests/test_multimodal_checkpoints.py checks that the wrapper's text path is its language model's (positions,
+# masks, logits) and that kvcal serves it as that language model alone (Qwen's multimodal RoPE turns a text
+# token's three position sections by one position: 1-D RoPE, Qwen2's and Qwen3's).  Others may number positions
+# or mask the prompt otherwise (PaliGemma counts positions from 1 and attends both ways over its prompt):
+# refused until checked.
 MULTIMODAL_SERVED = frozenset(
-    ("aya_vision", "gemma3", "idefics3", "internvl", "llava", "llava_next", "llava_onevision", "mistral3", "smolvlm")
+    (
+        "aya_vision",
+        "gemma3",
+        "idefics3",
+        "internvl",
+        "llava",
+        "llava_next",
+        "llava_onevision",
+        "mistral3",
+        "qwen2_5_vl",
+        "qwen2_vl",
+        "qwen3_vl",
+        "smolvlm",
+    )
 )
 
 
@@ -389,8 +404,8 @@ def check_config(config, name: str | None = None) -> None:
     config.json), attention kvcal does not compute: multi-head latent attention (DeepSeek V2 / V3
     cache one latent per token, ``kv_lora_rank`` wide, from which every head's keys and values are
     projected) and dynamic NTK RoPE without a ``max_position_embeddings`` (kvcal serves dynamic NTK
-    inside that original context only: :func:`original_context`), multimodal RoPE (Qwen2-VL's
-    ``mrope_section``); also a heterogeneous
+    inside that original context only: :func:`original_context`), multimodal RoPE (``mrope_section``, but
+    on the types checked: :data:`MULTIMODAL_SERVED`); also a heterogeneous
     config (per-layer attention geometry, Gemma 4), layer types without RoPE parameters (Beam), keys
     and values shared across layers (Gemma 3n), layers run several times per token (Dory) and values of
     another head dim than the keys (MiMo-V2-Flash), and a multimodal checkpoint of a type kvcal has not checked
@@ -442,11 +457,11 @@ def check_config(config, name: str | None = None) -> None:
         (parameters["mrope_section"] for _, parameters in _rope_parameters(config) if parameters.get("mrope_section")),
         None,
     )
-    if sections is not None:
+    if sections is not None and getattr(checkpoint, "model_type", None) not in MULTIMODAL_SERVED:
         raise UnsupportedModelError(
             f"{name}: multimodal RoPE (mrope_section={list(sections)}: each head's rotary dims in sections turned by "
-            "a token's time, height and width positions, which the model computes from its inputs, as in Qwen2-VL) "
-            "is not supported"
+            "a token's time, height and width positions, which the model computes from its inputs, as in GLM-4V) "
+            "is not supported on a model kvcal has not checked"
         )
     if _dynamic_ntk_types(config) and original_context(config) is None:
         raise UnsupportedModelError(
@@ -516,7 +531,7 @@ def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:
     """:func:`check_config`, then Doge's dynamic mask attention and DiffLlama's differential attention,
     each refused by its name before the checks of the projections'
     shapes and of the rotary (which they fail, saying less or something wrong)."""
-    check_config(config, name)
+    check_config(getattr(model, "config", config), name)  # the checkpoint's own: a multimodal one's type counts
     layers = getattr(decoder_stack(model), "layers", None) or ()
     for index, layer in enumerate(layers):
         attention = getattr(layer, "self_attn", None)
@@ -742,8 +757,14 @@ def _rotary_dims(name: str, rotary, rope_layer_types, head_dim: int) -> tuple[in
     dims = {}
     for layer_type in sorted(set(rope_layer_types), key=str):
         extra = () if layer_type is None else (layer_type,)
-        with torch.no_grad():
-            output = rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=device), *extra)
+        try:
+            with torch.no_grad():
+                output = rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=device), *extra)
+        except (IndexError, RuntimeError, ValueError) as exc:  # transformers 5.2's Qwen2-VL: sections of [3, B, T]
+            raise UnsupportedModelError(
+                f"{name}: its rotary embedding does not take one position per token ({type(exc).__name__}: {exc}); "
+                "kvcal computes RoPE from [batch, tokens] positions"
+            ) from None
         rotated = _rotary_dimensions(name, output)
         if rotated > head_dim or rotated % 2 or not rotated:
             raise UnsupportedModelError(

@@ -365,6 +365,7 @@ def generate_from_cache(
     expand = rows_per_prompt(model, generate_kwargs)
     if expand > 1:
         cache.batch_repeat_interleave(expand)  # rows [b0, b0, ..., b1, b1, ...] as generate() expands its inputs
+    _forget_positions(model)
     graphs = _step_graph(model, decode_graphs)
     if graphs:  # the room the generation will take, made once: a repack changes the buffers a graph reads
         cache.reserve(input_ids.shape[1] - held + _new_tokens(model, generate_kwargs, input_ids.shape[1]))
@@ -382,6 +383,17 @@ def generate_from_cache(
         output=None if isinstance(output, torch.Tensor) else output,
         graphs=counts,
     )
+
+
+def _forget_positions(model) -> None:
+    """Drop what a multimodal model kept of an earlier call's positions: Qwen2-VL / Qwen2.5-VL / Qwen3-VL keep
+    ``rope_deltas`` (the shift of each row's positions after its images), computed when a generation starts
+    from an empty cache and reused while the cache is not; a generation from kvcal's compressed cache starts
+    from a filled one, so it read the last call's (another batch's size: refused by the cache; the same size:
+    that call's shifts).  None makes generate() compute them from this prompt."""
+    for module in (model, getattr(model, "model", None)):
+        if getattr(module, "rope_deltas", None) is not None:
+            module.rope_deltas = None
 
 
 def _new_tokens(model, generate_kwargs: dict, prompt_columns: int) -> int:
