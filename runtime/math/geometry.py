@@ -760,7 +760,7 @@ def _rotary_dims(name: str, rotary, rope_layer_types, head_dim: int) -> tuple[in
         try:
             with torch.no_grad():
                 output = rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=device), *extra)
-        except (IndexError, RuntimeError, ValueError) as exc:  # transformers 5.2's Qwen2-VL: sections of [3, B, T]
+        except IndexError as exc:  # transformers 5.2's Qwen2-VL indexes the three sections of [3, B, T] positions
             raise UnsupportedModelError(
                 f"{name}: its rotary embedding does not take one position per token ({type(exc).__name__}: {exc}); "
                 "kvcal computes RoPE from [batch, tokens] positions"
