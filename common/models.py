@@ -419,11 +419,8 @@ def loaded_as(model) -> dict[str, str]:
     }
 
 
-def attention_softcap(model: str | os.PathLike | None) -> float | None:
-    """The attention-logit soft-cap of ``model``'s config (Gemma 2), read before the weights load."""
-    from transformers import AutoConfig
-
-    config = _from_pretrained(AutoConfig, model)
+def attention_softcap(config) -> float | None:
+    """The attention-logit soft-cap of a model's ``config`` (Gemma 2), read before the weights load."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(config, "attn_logit_softcapping", None) or None
 
@@ -445,12 +442,9 @@ def _auto_class(config):
     return AutoModelForCausalLM
 
 
-def _without_sdpa(model: str | os.PathLike | None) -> str | None:
-    """The name of ``model``'s class when transformers gives it no sdpa attention (gpt-oss: its
-    learned attention sinks), read off its config before the weights load; None otherwise."""
-    from transformers import AutoConfig
-
-    config = _from_pretrained(AutoConfig, model)
+def _without_sdpa(config) -> str | None:
+    """The name of the class that loads a model of ``config`` when transformers gives it no sdpa attention
+    (gpt-oss: its learned attention sinks), read before the weights load; None otherwise."""
     try:
         model_class = _auto_class(config)._model_mapping[type(config)]
     except Exception:  # no model class for the config, or its module cannot import here: the load says which
@@ -490,8 +484,9 @@ def load_model(
         if dtype not in DTYPE_CHOICES:
             raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPE_CHOICES)}")
         dtype = getattr(torch, dtype)
+    config = load_config(model)  # read once: the attention the model can take, the class that loads it
     if attn_implementation in (AUTO_ATTENTION, "sdpa"):
-        softcap, without_sdpa = attention_softcap(model), _without_sdpa(model)
+        softcap, without_sdpa = attention_softcap(config), _without_sdpa(config)
         if softcap is not None and attn_implementation == "sdpa":
             raise ValueError(
                 f"the model soft-caps its attention logits (attn_logit_softcapping={softcap:g}), which sdpa "
@@ -508,7 +503,7 @@ def load_model(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     LOG.debug(f"loading the model {model or EMBEDDED} with {kwargs}")
-    loaded = _from_pretrained(_auto_class(load_config(model)), model, **kwargs)
+    loaded = _from_pretrained(_auto_class(config), model, **kwargs)
     loaded.eval()
     return loaded
 

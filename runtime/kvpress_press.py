@@ -27,7 +27,7 @@ from common.checks import is_number
 from runtime.compression.eviction import HeadEvictor
 from runtime.compression.keep_rule import keep_mask
 from runtime.math.chunk_attention import ChunkAttention
-from runtime.math.geometry import text_config
+from runtime.math.geometry import past_the_chunk, text_config
 from runtime.plan.policy import CompressionPolicy
 from runtime.plan.recommendation import recommended_spec
 from runtime.plan.serving_plan import ServingPlan, bind
@@ -171,9 +171,7 @@ class CalibratedPress(BasePress):
         chunk = attention_chunk(self.plan.geometry.text_config)
         if chunk is not None and keys.shape[2] > chunk:
             raise ValueError(
-                f"a context of {keys.shape[2]} tokens is past the model's attention chunk of {chunk} positions "
-                "(attention_chunk_size), past which its chunked layers attend within chunks, which kvcal does not "
-                "compute: shorten the context"
+                f"a context of {keys.shape[2]} tokens is past {past_the_chunk(chunk)}: shorten the context"
             )
         keep = self.kept_rows(module, hidden_states, keys, values, kwargs)  # [B, Hkv, T]
         module.masked_key_indices = torch.nonzero(~keep, as_tuple=True)  # (batch, head, row), as AdaKV's

@@ -494,14 +494,16 @@ def position_limit(config) -> tuple[int, str] | None:
         )
     chunk = attention_chunk(config)
     if chunk is not None:
-        limits.append(
-            (
-                chunk,
-                f"the model's attention chunk of {chunk} positions (attention_chunk_size), past which its chunked "
-                "layers attend within chunks, which kvcal does not compute",
-            )
-        )
+        limits.append((chunk, past_the_chunk(chunk)))
     return min(limits, key=lambda limit: limit[0], default=None)
+
+
+def past_the_chunk(chunk: int) -> str:
+    """What a refusal past a model's first attention chunk says of it (:func:`position_limit`)."""
+    return (
+        f"the model's attention chunk of {chunk} positions (attention_chunk_size), past which its chunked layers "
+        "attend within chunks, which kvcal does not compute"
+    )
 
 
 def _dynamic_ntk_types(config) -> list[str | None]:

@@ -42,7 +42,7 @@ from runtime.compression.prefill import CompressionReport, compress, prefill, pr
 from runtime.compression.ragged_attention import ragged_attention
 from runtime.kv_store.cache import CacheConsumedError, RaggedCache
 from runtime.kv_store.transformers_compat import cache_argument
-from runtime.math.geometry import input_device, original_context, position_limit, text_config
+from runtime.math.geometry import input_device, original_context, past_the_chunk, position_limit, text_config
 from runtime.plan.policy import CompressionPolicy
 from runtime.plan.rope_check import check_passes_rotate_alike
 from runtime.plan.serving_plan import ServingPlan, as_plan
@@ -150,9 +150,8 @@ def check_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     chunk = attention_chunk(model.config)
     if chunk is not None and length > chunk:  # transformers cuts the chunks by column, padding included
         raise ValueError(
-            f"the prompt has {length} columns (padding included), more than the model's attention chunk of {chunk} "
-            "positions (attention_chunk_size), past which its chunked layers attend within chunks, which kvcal does "
-            "not compute; shorten the prompt or its padding"
+            f"the prompt has {length} columns (padding included), more than {past_the_chunk(chunk)}; shorten the "
+            "prompt or its padding"
         )
     return attention_mask
 
@@ -171,8 +170,8 @@ def check_generate_arguments(model, attention_mask: torch.Tensor, generate_kwarg
             f"{', '.join(given)}: kvcal serves the language model of a multimodal checkpoint on text only (the "
             "compressed cache holds what it computed from the prompt's tokens); pass the tokens alone"
         )
-    original = original_context(model.config)
-    if original is None and attention_chunk(model.config) is None:
+    original, chunk = original_context(model.config), attention_chunk(model.config)
+    if original is None and chunk is None:
         return
     new_tokens = _new_tokens(model, generate_kwargs, attention_mask.shape[1])
     longest = int(attention_mask.sum(-1).max())
@@ -183,14 +182,12 @@ def check_generate_arguments(model, attention_mask: torch.Tensor, generate_kwarg
             "forward pass by its length and keeps that scale for the next: kvcal serves it inside that context only; "
             f"ask for at most {max(original - longest, 0)} new tokens, or shorten the prompt"
         )
-    chunk = attention_chunk(model.config)
     columns = attention_mask.shape[1]
     if chunk is not None and columns + new_tokens > chunk:
         raise ValueError(
-            f"a prompt of {columns} columns (padding included) and up to {new_tokens} new tokens reach past the "
-            f"model's attention chunk of {chunk} positions (attention_chunk_size), past which its chunked layers "
-            f"attend within chunks, which kvcal does not compute: kvcal serves it inside its first chunk only; ask "
-            f"for at most {max(chunk - columns, 0)} new tokens, or shorten the prompt (or its padding)"
+            f"a prompt of {columns} columns (padding included) and up to {new_tokens} new tokens reach past "
+            f"{past_the_chunk(chunk)}: kvcal serves it inside its first chunk only; ask for at most "
+            f"{max(chunk - columns, 0)} new tokens, or shorten the prompt (or its padding)"
         )
 
 
