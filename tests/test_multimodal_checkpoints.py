@@ -44,6 +44,21 @@ VISION = dict(
 )
 IMAGE = dict(image_token_index=255)
 PINPOINTS = dict(image_grid_pinpoints=[[28, 28]])
+# a Qwen2.5-VL-style vision tower (Qwen2.5-VL, Qwen3-VL, GLM-4V), tiny
+MROPE_VISION = dict(depth=1, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=64)
+
+
+def _mrope_config(*, vision_config=MROPE_VISION, **rope) -> dict:
+    """The arguments of a tiny multimodal config with multimodal RoPE (Qwen2-VL's three position sections)."""
+    rope_parameters = dict(rope_type="default", mrope_section=[2, 3, 3], **rope)
+    return dict(
+        text_config=dict(**TEXT, rope_parameters=rope_parameters),
+        vision_config=vision_config,
+        image_token_id=255,
+        video_token_id=254,
+    )
+
+
 # model type: (its config's arguments, the model type of its language model, as in EXACT)
 SERVED = {
     "gemma3": (
@@ -105,38 +120,14 @@ SERVED = {
         "cohere2",
     ),
     "qwen2_vl": (
-        dict(
-            text_config=dict(**TEXT, rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3])),
-            vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
-            image_token_id=255,
-            video_token_id=254,
-        ),
+        _mrope_config(vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)),
         "qwen2",
     ),
-    "qwen2_5_vl": (
-        dict(
-            text_config=dict(**TEXT, rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3])),
-            vision_config=dict(depth=1, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=64),
-            image_token_id=255,
-            video_token_id=254,
-        ),
-        "qwen2",
-    ),
+    "qwen2_5_vl": (_mrope_config(), "qwen2"),
     "qwen3_vl": (
-        dict(
-            text_config=dict(
-                **TEXT, rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3], mrope_interleaved=True)
-            ),
-            vision_config=dict(
-                depth=1,
-                hidden_size=32,
-                out_hidden_size=64,
-                num_heads=2,
-                intermediate_size=64,
-                deepstack_visual_indexes=[0],
-            ),
-            image_token_id=255,
-            video_token_id=254,
+        _mrope_config(
+            mrope_interleaved=True,
+            vision_config=dict(MROPE_VISION, deepstack_visual_indexes=[0]),
         ),
         "qwen3",
     ),
@@ -151,12 +142,7 @@ SERVED = {
 }
 REFUSED = {
     "glm4v": (
-        dict(
-            text_config=dict(**TEXT, rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3])),
-            vision_config=dict(depth=1, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=64),
-            image_token_id=255,
-            video_token_id=254,
-        ),
+        _mrope_config(),
         r"multimodal RoPE \(mrope_section=\[2, 3, 3\].* not supported on a model kvcal has not checked",
     ),
     "paligemma": (
