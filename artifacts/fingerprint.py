@@ -82,6 +82,8 @@ def decoder_stack(model):
 
 def attention_numbers(config) -> dict:
     """``num_layers``, ``num_q_heads``, ``num_kv_heads``, ``head_dim`` of a transformers config.
+    ``num_layers`` counts the layers with a KV cache: every decoder layer, but of a hybrid model (Qwen3.5,
+    Qwen3-Next, LFM2) its attention layers alone (:func:`attention_layer_indices`).
 
     The one place these numbers are read from a config: the architecture fingerprint records
     them, and ``runtime.math.geometry.ModelGeometry`` checks the model's modules against them.
@@ -96,7 +98,7 @@ def attention_numbers(config) -> dict:
         raise ValueError(f"config lacks {', '.join(missing)}")
     num_q_heads = int(config.num_attention_heads)
     return {
-        "num_layers": int(config.num_hidden_layers),
+        "num_layers": len(attention_layer_indices(config)),
         "num_q_heads": num_q_heads,
         "num_kv_heads": int(getattr(config, "num_key_value_heads", None) or num_q_heads),
         "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // num_q_heads),
@@ -104,12 +106,28 @@ def attention_numbers(config) -> dict:
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # config.layer_types the toolkit knows
+# config.layer_types of a hybrid model's layers that keep a state of fixed size instead of a KV cache (Gated DeltaNet
+# in Qwen3.5 and Qwen3-Next, gated short convolutions in LFM2): kvcal leaves them, and their state, to transformers
+RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
+
+
+def attention_layer_indices(config) -> tuple[int, ...]:
+    """The decoder layers with a KV cache, in order: every layer, but of a hybrid model (``config.layer_types``
+    naming :data:`RECURRENT_LAYER_TYPES`) only the others.  Position ``i`` of this tuple is layer ``i`` of
+    everything kvcal computes (the artifact's ``L`` axis, ``ModelGeometry``'s tuples); of a model without
+    recurrent layers the two numberings are one."""
+    config = text_config(config)
+    layers = int(config.num_hidden_layers)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return tuple(range(layers))
+    return tuple(index for index, kind in enumerate(types) if kind not in RECURRENT_LAYER_TYPES)
 
 
 def layer_attention(config) -> tuple[tuple[int | None, ...], tuple[float | None, ...]]:
-    """Per layer, the sliding window (None: the layer attends to every earlier token) and the
-    attention-logit soft-cap (None: none) of a transformers config, as the models' attention
-    modules apply them: with ``config.layer_types`` the ``"sliding_attention"`` layers slide
+    """Per attention layer (:func:`attention_layer_indices`), the sliding window (None: the layer attends to
+    every earlier token) and the attention-logit soft-cap (None: none) of a transformers config, as the
+    models' attention modules apply them: with ``config.layer_types`` the ``"sliding_attention"`` layers slide
     (Qwen2, Gemma 2/3), without it every layer slides when ``config.sliding_window`` is set
     (Mistral, Phi-3); ``config.attn_logit_softcapping`` caps every layer (Gemma 2).
 
@@ -120,22 +138,33 @@ def layer_attention(config) -> tuple[tuple[int | None, ...], tuple[float | None,
     attend to every earlier token, which is all kvcal serves of them).
     """
     config = text_config(config)
-    layers = attention_numbers(config)["num_layers"]
+    layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
     window = int(window) if window else None
     types = getattr(config, "layer_types", None)
     if types is None:
         windows = (window,) * layers
     else:
-        known = {*ATTENTION_LAYER_TYPES, *(("chunked_attention",) if attention_chunk(config) else ())}
+        known = {
+            *ATTENTION_LAYER_TYPES,
+            *RECURRENT_LAYER_TYPES,
+            *(("chunked_attention",) if attention_chunk(config) else ()),
+        }
         unknown = sorted({str(kind) for kind in types} - known)
         if unknown:
-            raise ValueError(f"layer type(s) {', '.join(unknown)} are not supported (only full and sliding attention)")
+            raise ValueError(
+                f"layer type(s) {', '.join(unknown)} are not supported (only full and sliding attention, and beside "
+                f"them {' or '.join(RECURRENT_LAYER_TYPES)} layers, which keep no KV cache)"
+            )
         if len(types) != layers:
             raise ValueError(f"config has {len(types)} layer types for {layers} layers")
-        windows = tuple(window if kind == "sliding_attention" else None for kind in types)
+        if all(kind in RECURRENT_LAYER_TYPES for kind in types):
+            raise ValueError("no attention layer (every layer type is linear attention or convolution): no KV cache")
+        windows = tuple(
+            window if types[index] == "sliding_attention" else None for index in attention_layer_indices(config)
+        )
     cap = getattr(config, "attn_logit_softcapping", None)
-    return windows, (float(cap) if cap else None,) * layers
+    return windows, (float(cap) if cap else None,) * len(windows)
 
 
 def attention_chunk(config) -> int | None:
@@ -152,14 +181,18 @@ def attention_chunk(config) -> int | None:
 
 
 def attention_variant(config) -> dict:
-    """What a model's attention does beyond the architecture numbers, for the fingerprint: the
-    sliding window and which layers slide (``sliding_window``, ``sliding_layers``), the logit
+    """What a model's attention does beyond the architecture numbers, for the fingerprint: a hybrid model's
+    attention layers (``attention_layers``: decoder layer indices, :func:`attention_layer_indices`), the
+    sliding window and which (attention) layers slide (``sliding_window``, ``sliding_layers``), the logit
     soft-cap (``attn_logit_softcapping``), the attention chunk (``attention_chunk_size``) and per-layer-type
     RoPE parameters (``rope_parameters_by_layer_type``, Gemma 3), each only when the model has it: empty for a
     model that has none of them, whose fingerprint is then what it always was."""
     config = text_config(config)
     windows, caps = layer_attention(config)
     variant = {}
+    indices = attention_layer_indices(config)
+    if len(indices) != int(config.num_hidden_layers):  # a hybrid model: which decoder layers are attention
+        variant["attention_layers"] = list(indices)
     sliding = [layer for layer, window in enumerate(windows) if window is not None]
     if sliding:
         variant["sliding_window"] = windows[sliding[0]]
@@ -333,14 +366,21 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def has_query_norm(model) -> bool:
     """True when the attention modules normalise queries before RoPE (Qwen3-style ``q_norm``).
 
-    The one place this is decided: the first module with a ``q_proj`` in the decoder stack
-    (:func:`decoder_stack`: the first decoder layer's attention, not a vision tower's) has a ``q_norm``.
-    ``runtime.math.geometry.ModelGeometry`` refuses models whose layers disagree with it.
+    The one place this is decided: the first module with a ``q_proj`` in the decoder stack's attention layers
+    (:func:`decoder_stack`, :func:`attention_layer_indices`: the first attention layer's, not a vision tower's nor
+    a hybrid model's linear attention's) has a ``q_norm``.  ``runtime.math.geometry.ModelGeometry`` refuses models
+    whose layers disagree with it.
     """
     stack = decoder_stack(model)
-    for module in (model if stack is None else stack).modules():
-        if hasattr(module, "q_proj"):
-            return hasattr(module, "q_norm")
+    if stack is None:
+        scopes = [model]
+    else:
+        indices = attention_layer_indices(model.config) if hasattr(model, "config") else range(len(stack.layers))
+        scopes = [stack.layers[index] for index in indices if index < len(stack.layers)]
+    for scope in scopes:
+        for module in scope.modules():
+            if hasattr(module, "q_proj"):
+                return hasattr(module, "q_norm")
     return False
 
 

@@ -58,9 +58,20 @@ class DecodeAttentionRecorder:
     (for tests; memory grows with the context).
     """
 
-    def __init__(self, num_layers: int, num_q_heads: int, context_len: int, max_steps: int, keep_rows: bool = False):
+    def __init__(
+        self,
+        num_layers: int,
+        num_q_heads: int,
+        context_len: int,
+        max_steps: int,
+        keep_rows: bool = False,
+        layer_of=None,
+    ):
+        """``layer_of``: the layer an attention module records as (``ModelGeometry.layer_of``: a hybrid model's
+        attention layers are numbered among themselves); default its ``layer_idx``."""
         if context_len <= 0 or max_steps <= 0:
             raise ValueError(f"context_len ({context_len}) and max_steps ({max_steps}) must be positive")
+        self.layer_of = layer_of if layer_of is not None else (lambda module: module.layer_idx)
         self.num_layers = num_layers
         self.num_q_heads = num_q_heads
         self.context_len = context_len
@@ -187,12 +198,16 @@ def capture_attention_forward(recorder: DecodeAttentionRecorder):
         softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
         with torch.no_grad():
             if query.shape[2] == 1 and query.dtype == torch.float32 and not dropout:
-                output = recorder.record(module.layer_idx, query, key, attention_mask, scaling, value, softcap, sinks)
+                output = recorder.record(
+                    recorder.layer_of(module), query, key, attention_mask, scaling, value, softcap, sinks
+                )
                 return output, None
             output, _ = attention_forward(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
-            recorder.record(module.layer_idx, query, key, attention_mask, scaling, softcap=softcap, sinks=sinks)
+            recorder.record(
+                recorder.layer_of(module), query, key, attention_mask, scaling, softcap=softcap, sinks=sinks
+            )
         return output, None
 
     return forward

@@ -96,7 +96,9 @@ def run_probe(model, tokenizer, geometry: ModelGeometry, probe: Probe, max_new_t
     device = model.get_input_embeddings().weight.device
     ids = torch.tensor([probe.input_ids], dtype=torch.long, device=device)  # [1, C]
     context = ids.shape[1]
-    recorder = DecodeAttentionRecorder(geometry.num_layers, geometry.num_q_heads, context, max_new_tokens)
+    recorder = DecodeAttentionRecorder(
+        geometry.num_layers, geometry.num_q_heads, context, max_new_tokens, layer_of=geometry.layer_of
+    )
     with torch.no_grad(), capture_attention_implementation(model, recorder):
         out = greedy_generate(model, tokenizer, ids, max_new_tokens)
     generated = out[0, context:]

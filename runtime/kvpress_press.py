@@ -180,7 +180,8 @@ class CalibratedPress(BasePress):
     @torch.no_grad()
     def kept_rows(self, module, hidden_states, keys, values, kwargs) -> torch.Tensor:
         """bool ``[B, Hkv, T]``: the rows of layer ``module.layer_idx`` kvcal's runtime keeps."""
-        plan, policy, layer = self.plan, self.policy, module.layer_idx
+        plan, policy = self.plan, self.policy
+        layer = plan.geometry.layer_of(module)
         batch, heads, length, _ = keys.shape
         scorer = plan.scorer
         queries = None

@@ -93,6 +93,8 @@ OPTIONS = {
         layer_types=["sliding_attention", "full_attention"] * 2,
     ),
     "dots3_note_text": dict(num_key_value_heads=4),  # its config wants as many as the query heads
+    "lfm2": dict(full_attn_idxs=[1, 3]),  # as its checkpoints: convolution layers beside attention
+    "bamba": dict(attn_layer_indices=[1, 3]),  # as its checkpoints: Mamba 2 layers beside attention
     "dbrx": dict(
         d_model=64,
         n_heads=4,
@@ -108,6 +110,7 @@ EXACT = {
     "apertus1p5_text": "",
     "arcee": "",
     "aria_text": "",
+    "bamba": "",  # hybrid: Mamba 2 layers 0, 2
     "bitnet": "",
     "cohere": "interleaved RoPE in layers 0, 1, 2, 3",
     "cohere2": "interleaved RoPE in layers 0, 1, 2; no RoPE in layer 3",
@@ -144,7 +147,9 @@ EXACT = {
     "jais2": "",
     "kolibri1": "",
     "laguna": "",
-    "lfm2": "",  # attention layers only (conv layers: REFUSED_VARIANTS); q_layernorm / k_layernorm read
+    "lara_mini": "no RoPE in layer 1",  # hybrid: Gated DeltaNet layers 0, 2; layer 1 slides
+    "lfm2": "",  # hybrid: gated short convolutions in layers 0, 2; q_layernorm / k_layernorm read
+    "lfm3": "",  # hybrid: convolutions in layers 0, 1, 3
     "llama": "",
     # chunked attention, served inside its first chunk (8192 positions here, the prompt 60); a norm after RoPE
     "llama4_text": "interleaved RoPE in layers 0, 1, 2; no RoPE in layer 3",
@@ -161,6 +166,7 @@ EXACT = {
     "olmo2": "",
     "olmo3": "",
     "olmoe": "",
+    "olmo_hybrid": "",  # hybrid: Gated DeltaNet layers 0, 1, 2
     "phi": "",
     "phi3": "",
     "phimoe": "",  # its attention passes no sliding_window; its mask slides (the ragged cache's window: config)
@@ -168,6 +174,10 @@ EXACT = {
     "qwen2_moe": "",
     "qwen3": "",
     "qwen3_moe": "",
+    # hybrid: Gated DeltaNet layers 0, 1, 2, the attention's query projection with its output gate; partial RoPE
+    "qwen3_5_moe_text": "",
+    "qwen3_5_text": "",
+    "qwen3_next": "",
     "sarvam_moe": "",
     "seed_oss": "",
     "smollm3": "no RoPE in layer 3",
@@ -178,7 +188,10 @@ EXACT = {
 }
 # model type: its rotary module's width where not a head's 16 dimensions: partial RoPE turns only those (their
 # default factors); gpt-oss turns all 16 from 8 frequencies given once (runtime.math.rope.HALVES)
-PARTIAL = {"glm": 8, "glm4": 8, "glm4_moe": 8, "gpt_oss": 8, "laguna": 8, "nemotron": 8, "phi": 8, "stablelm": 4}
+PARTIAL = {
+    **{"glm": 8, "glm4": 8, "glm4_moe": 8, "gpt_oss": 8, "laguna": 8, "nemotron": 8, "phi": 8, "stablelm": 4},
+    **{"bamba": 8, "qwen3_5_moe_text": 4, "qwen3_5_text": 4, "qwen3_next": 4},
+}
 NOT_LLAMA_FAMILY = r"no decoder layers at model\.model\.layers \(not a Llama-family causal LM\)"
 # what the refusal names: the model types refused so
 REFUSED = {
@@ -200,17 +213,8 @@ REFUSED = {
     ),
     r"layer type\(s\) compressed_sparse_attention, heavily_compressed_attention are not supported": ("deepseek_v4",),
     r"values of another head dim than the keys \(v_head_dim=": ("mimo_v2_flash",),
-    r"layer type\(s\) linear_attention are not supported": (
-        "bamba",
-        "lara_mini",
-        "minimax",
-        "olmo_hybrid",
-        "qwen3_5_moe_text",
-        "qwen3_5_text",
-        "qwen3_next",
-    ),
+    r"layer 1 is a recurrent layer \(MiniMaxLightningAttention\) that does not keep its state": ("minimax",),
     r"layer type\(s\) hybrid are not supported": ("falcon_h1",),
-    r"layer type\(s\) conv are not supported": ("lfm3",),
     r"dynamic mask attention \(layer 0 self_attn\.dt_proj": ("doge",),
     r"differential attention \(layer 0 self_attn\.lambda_q1": ("diffllama",),
     r"full_attention layers without RoPE parameters": ("beam",),
@@ -327,7 +331,8 @@ SKIPPED = {
 OLDER_TRANSFORMERS = Version(T.__version__) < Version("5.3")
 REFUSED_ON_OLDER = {
     "falcon_h1": r"a state-space \(Mamba\) mixer in layer 0",
-    "bamba": r"a state-space \(Mamba\) mixer in layer 0",
+    "minimax": r"a hybrid model \(linear attention",  # refused as every hybrid model there (HYBRID_ON_OLDER)
+    "bamba, no attention layer": r"a state-space \(Mamba\) mixer in layer 0",  # no layer types there
 }
 UNBUILT_ON_OLDER = {
     "granitemoehybrid": "its tiny config does not build in transformers 5.2 (TypeError in transformers)"
@@ -335,11 +340,21 @@ UNBUILT_ON_OLDER = {
 # served on newer transformers, refused by the runtime on 5.2, whose Nemotron has attention classes of its own
 # (not through the AttentionInterface kvcal switches its attention function into)
 NOT_ROUTED_ON_OLDER = ("nemotron",)
+# hybrid models served on newer transformers, refused on 5.2: its Qwen3-Next and Qwen3.5 keep their linear
+# attention state in a cache class of their own; its Bamba and LFM2 have no layer types (a Mamba mixer refused)
+HYBRID_ON_OLDER = {
+    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2"), r"a hybrid model \(linear attention"),
+    "bamba": r"a state-space \(Mamba\) mixer in layer 0",
+}
 
 
 def refused_on_older(model_type: str, model) -> bool:
-    """Whether ``model_type`` is one of :data:`NOT_ROUTED_ON_OLDER` under transformers 5.2, after checking
-    that serving it is refused there by that name."""
+    """Whether ``model_type`` is one of :data:`NOT_ROUTED_ON_OLDER` or :data:`HYBRID_ON_OLDER` under
+    transformers 5.2, after checking that serving it is refused there by that name."""
+    if OLDER_TRANSFORMERS and model_type in HYBRID_ON_OLDER:
+        with pytest.raises(UnsupportedModelError, match=HYBRID_ON_OLDER[model_type]):
+            ModelGeometry.of(model)
+        return True
     if not (OLDER_TRANSFORMERS and model_type in NOT_ROUTED_ON_OLDER):
         return False
     with pytest.raises(ValueError, match=r"does not route attention through transformers' AttentionInterface"):
@@ -497,13 +512,20 @@ REFUSED_VARIANTS = {
         dict(num_kv_shared_layers=2),
         r"keys and values shared across layers \(num_kv_shared_layers=2",
     ),
-    "lfm2, convolution layers": ("lfm2", dict(full_attn_idxs=[1, 3]), r"layer type\(s\) conv are not supported"),
+    # a Bamba of Mamba 2 layers alone has no KV cache to compress
+    "bamba, no attention layer": (
+        "bamba",
+        dict(attn_layer_indices=None),
+        r"no attention layer \(every layer type is linear attention or convolution\)",
+    ),
 }
 
 
 @pytest.mark.parametrize("variant", sorted(REFUSED_VARIANTS))
 def test_a_variant_real_checkpoints_have_is_refused_by_name(variant):
     model_type, options, reason = REFUSED_VARIANTS[variant]
+    if OLDER_TRANSFORMERS:
+        reason = REFUSED_ON_OLDER.get(variant, reason)
     with pytest.raises(UnsupportedModelError, match=reason):
         ModelGeometry.of(tiny_model(model_type, meta=True, **options))
 

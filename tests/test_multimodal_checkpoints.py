@@ -59,6 +59,25 @@ def _mrope_config(*, vision_config=MROPE_VISION, **rope) -> dict:
     )
 
 
+# Qwen3.5's language model, hybrid: Gated DeltaNet layers 0 and 2, gated attention layers 1 and 3 with partial
+# RoPE (4 of 16 dims), its multimodal RoPE's sections interleaved over those
+QWEN3_5_TEXT = dict(
+    **TEXT,
+    layer_types=["linear_attention", "full_attention"] * 2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    rope_parameters=dict(
+        rope_type="default",
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        mrope_section=[1, 1, 0],
+        mrope_interleaved=True,
+    ),
+)
+QWEN3_5_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
 # model type: (its config's arguments, the model type of its language model, as in EXACT)
 SERVED = {
     "gemma3": (
@@ -131,6 +150,19 @@ SERVED = {
         ),
         "qwen3",
     ),
+    "qwen3_5": (
+        dict(text_config=QWEN3_5_TEXT, vision_config=MROPE_VISION, image_token_id=255, video_token_id=254),
+        "qwen3_5_text",
+    ),
+    "qwen3_5_moe": (
+        dict(
+            text_config=dict(QWEN3_5_TEXT, **QWEN3_5_MOE),
+            vision_config=MROPE_VISION,
+            image_token_id=255,
+            video_token_id=254,
+        ),
+        "qwen3_5_moe_text",
+    ),
     "internvl": (
         dict(
             text_config=dict(model_type="qwen2", **TEXT),
@@ -162,17 +194,22 @@ _SPECIAL_TOKENS = frozenset(
 
 
 # transformers 5.2's Qwen2-VL / Qwen2.5-VL / Qwen3-VL rotary modules take only [3, B, T] positions: refused there
-# by that name (5.24's take one position per token, as every other kvcal serves)
+# by that name (5.24's take one position per token, as every other kvcal serves); its Qwen3.5 keeps the linear
+# attention state in a cache class of its own (hybrid models: tests/test_architecture_matrix.py)
 OLDER_TRANSFORMERS = Version(T.__version__) < Version("5.3")
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl")
+REFUSED_ON_OLDER = {
+    **dict.fromkeys(QWEN_VL, r"its rotary embedding does not take one position per token"),
+    **dict.fromkeys(("qwen3_5", "qwen3_5_moe"), r"a hybrid model \(linear attention"),
+}
 
 
 def refused_on_older(model_type: str) -> bool:
-    """Whether ``model_type`` is a Qwen VL type under transformers 5.2, after checking that it is refused there
-    by that name (the geometry's rotary check)."""
-    if not (OLDER_TRANSFORMERS and model_type in QWEN_VL):
+    """Whether ``model_type`` is refused under transformers 5.2 (:data:`REFUSED_ON_OLDER`), after checking that
+    it is refused there by that name."""
+    if not (OLDER_TRANSFORMERS and model_type in REFUSED_ON_OLDER):
         return False
-    with pytest.raises(UnsupportedModelError, match=r"its rotary embedding does not take one position per token"):
+    with pytest.raises(UnsupportedModelError, match=REFUSED_ON_OLDER[model_type]):
         ModelGeometry.of(multimodal_model(model_type))
     return True
 
@@ -237,7 +274,8 @@ def test_the_language_model_of_a_multimodal_checkpoint_is_served_as_it_alone(mod
     assert nothing_evicted_difference(wrapper) < TOLERANCE
     assert rope_mismatches(wrapper).describe() == rope_mismatches(alone).describe() == EXACT[SERVED[model_type][1]]
     geometry = ModelGeometry.of(wrapper)
-    assert geometry.attention_modules == tuple(layer.self_attn for layer in decoder_stack(wrapper).layers)
+    layers = decoder_stack(wrapper).layers
+    assert geometry.attention_modules == tuple(layers[index].self_attn for index in geometry.layer_indices)
 
     # an artifact of the language model alone is the checkpoint's: the same weights fingerprint, every dtype
     assert weights_fingerprints(wrapper) == weights_fingerprints(alone)
@@ -247,7 +285,7 @@ def test_the_language_model_of_a_multimodal_checkpoint_is_served_as_it_alone(mod
         compress_prompt(model, ids, policy, context_columns=70) for model in (wrapper, alone)
     )
     assert report.lengths_after.sum() < report.lengths_before.sum() / 2  # tokens were evicted
-    for served, own in zip(cache.layers, own_cache.layers, strict=True):
+    for served, own in zip(cache.attention_layers, own_cache.attention_layers, strict=True):
         for head in range(served.store.num_heads):
             keys, values, positions = served.head(0, head)
             assert torch.equal(positions, own.head(0, head)[2])
@@ -413,14 +451,14 @@ def test_the_vision_towers_attention_is_left_as_it_was():
 @pytest.mark.parametrize(
     ("model_type", "says"),
     [
-        ("qwen3_5_text", r"layer type\(s\) linear_attention are not supported"),
+        ("deepseek_v3", r"multi-head latent attention \(MLA"),
         ("mistral", r"the language model of a multimodal checkpoint \(llava\) kvcal has not checked"),
     ],
 )
 def test_a_multimodal_config_is_refused_by_what_its_language_model_does_first(model_type, says, monkeypatch):
     """A multimodal checkpoint whose language model kvcal cannot compute is refused by that, not only as
-    unchecked (the commands read config.json before loading): a LLaVA around Qwen3.5's hybrid language model
-    names its linear-attention layers."""
+    unchecked (the commands read config.json before loading): a LLaVA around DeepSeek V3's language model
+    names its multi-head latent attention."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     import runtime.math.geometry as geometry
@@ -434,23 +472,33 @@ def test_a_multimodal_config_is_refused_by_what_its_language_model_does_first(mo
 
 
 @torch.no_grad()
-def test_a_checkpoint_transformers_loads_as_its_language_model_is_that_model(tmp_path):
-    """Llama 4's checkpoints are multimodal, but transformers' causal LM for them is the language model alone
-    (``Llama4ForCausalLM``, the vision tower's weights left unread): config.json passes the multimodal check
-    and the loaded model is served as that language model (inside its first attention chunk)."""
+@pytest.mark.parametrize("model_type", ["llama4", "qwen3_5"])
+def test_a_checkpoint_transformers_loads_as_its_language_model_is_that_model(model_type, tmp_path):
+    """Llama 4's and Qwen3.5's checkpoints are multimodal, but transformers' causal LM for them is the language
+    model alone (``Llama4ForCausalLM``, ``Qwen3_5ForCausalLM``, the vision tower's weights left unread):
+    config.json passes the multimodal check and the loaded model is served as that language model (Llama 4
+    inside its first attention chunk; Qwen3.5 keeps the wrapper's multimodal RoPE in its text config)."""
     from common.models import load_model
     from runtime.math.geometry import check_config
 
-    text = dict(TEXT, intermediate_size_mlp=128, num_local_experts=4, attention_chunk_size=512, pad_token_id=0)
-    vision = dict(VISION, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64)
-    torch.manual_seed(0)
-    whole = T.Llama4ForConditionalGeneration(T.Llama4Config(text_config=text, vision_config=vision, **IMAGE)).eval()
-    whole.save_pretrained(tmp_path)
+    if model_type == "llama4":
+        text = dict(TEXT, intermediate_size_mlp=128, num_local_experts=4, attention_chunk_size=512, pad_token_id=0)
+        vision = dict(VISION, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64)
+        torch.manual_seed(0)
+        whole = T.Llama4ForConditionalGeneration(T.Llama4Config(text_config=text, vision_config=vision, **IMAGE))
+    else:
+        if refused_on_older(model_type):
+            return
+        torch.manual_seed(0)
+        whole = multimodal_model(model_type)
+    whole.eval().save_pretrained(tmp_path)
     check_config(whole.config)
     model = load_model(tmp_path)
-    assert type(model).__name__ == "Llama4ForCausalLM"
+    assert type(model).__name__ == {"llama4": "Llama4ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}[model_type]
     ids = torch.randint(3, 250, (1, 60), generator=torch.Generator().manual_seed(3))
-    assert torch.equal(model(ids).logits, whole.language_model(ids).logits)
+    assert torch.equal(
+        model(ids).logits, whole.language_model(ids).logits if model_type == "llama4" else whole(ids).logits
+    )
     model.generation_config.pad_token_id = 0
     assert nothing_evicted_difference(model) < TOLERANCE
     assert generate(model, ids, CompressionPolicy(keep_ratio=0.25), max_new_tokens=3).report.kv_bytes_after > 0

@@ -48,7 +48,7 @@ def one_step(model, ids, mask, plan):
 
 
 def assert_same_cache(ours: RaggedCache, reference: RaggedCache) -> None:
-    for index, (mine, theirs) in enumerate(zip(ours.layers, reference.layers, strict=True)):
+    for index, (mine, theirs) in enumerate(zip(ours.attention_layers, reference.attention_layers, strict=True)):
         assert mine.lengths == theirs.lengths, f"layer {index}"
         assert mine.real_seen == theirs.real_seen
         for b in range(mine.batch_size):

@@ -14,6 +14,7 @@ from conftest import make_tiny_llama
 from scorer_oracles import Head, head_from_cache, layer_inputs, oracle_score, score_one
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from artifacts.fingerprint import attention_layer_indices
 from runtime import CompressionPolicy, RaggedCache, ragged_attention
 from runtime.compression.eviction import HeadEvictor
 from runtime.compression.kvzip import (
@@ -352,11 +353,13 @@ class ToyTokenizer:
 
 
 def naive_kvzip(model, context: list[int], chunks, sink: int) -> torch.Tensor:
-    """Scores from the model's own (eager) attention weights: for each chunk, one forward of
+    """Scores from the model's own (eager) attention weights (of each attention layer: a hybrid model's recurrent
+    layers return none): for each chunk, one forward of
     context + chunk input; the chunk queries' weights restricted to prefix + span + own tokens
     and renormalised (a softmax over a subset), max over GQA group and queries, max over chunks."""
     config = model.config
-    layers, heads, kv = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
+    layers = len(attention_layer_indices(config))  # the model's attention weights: of its attention layers only
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
     group = heads // kv
     t = len(context)
     best = torch.zeros(layers, kv, t, dtype=torch.float64)

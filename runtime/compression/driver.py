@@ -139,7 +139,7 @@ def due_after_step(cache) -> bool:
     """Whether a decode-time eviction falls due after the next one-token decode step of ``cache``
     (a :class:`runtime.kv_store.cache.RaggedCache`): that step must run eagerly, not be replayed from a graph.
     Host tables only: no torch op."""
-    for layer in cache.layers:
+    for layer in cache.attention_layers:
         if layer.store is not None and any([row.decode_plan is not None for row in layer.rows]):
             if due_evictions(layer.rows, layer.store.host_length + 1, layer.layer_idx):
                 return True
@@ -149,15 +149,16 @@ def due_after_step(cache) -> bool:
 @contextmanager
 def evicting_each_layer(model, cache, evict: Callable[[object], None]):
     """``with evicting_each_layer(model, cache, evict):`` a forward pass of ``model`` into ``cache``
-    calls ``evict(cache.layers[i])`` right after attention module ``i`` ran (forward hooks, removed
+    calls ``evict(cache.attention_layers[i])`` right after attention module ``i`` ran (forward hooks, removed
     when the block ends, also on error)."""
     modules = ModelGeometry.of(model).attention_modules
-    if len(modules) != len(cache.layers):
-        raise ValueError(f"the model has {len(modules)} attention modules, the cache {len(cache.layers)} layers")
+    if len(modules) != len(cache.attention_layers):
+        raise ValueError(
+            f"the model has {len(modules)} attention modules, the cache {len(cache.attention_layers)} attention layers"
+        )
     handles = []
     try:
-        for index, module in enumerate(modules):
-            layer = cache.layers[getattr(module, "layer_idx", index)]  # the cache layer the module updates
+        for module, layer in zip(modules, cache.attention_layers, strict=True):
             handles.append(module.register_forward_hook(lambda _module, _args, _output, layer=layer: evict(layer)))
         yield
     finally:

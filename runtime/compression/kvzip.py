@@ -40,7 +40,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from runtime.compression.keep_rule import global_budgets
 from runtime.compression.ragged_attention import ragged_attention
-from runtime.kv_store.cache import LAYER_TAG, RaggedCache, RaggedLayer
+from runtime.kv_store.cache import LAYER_TAG, RaggedCache, RaggedLayer, stacked_recurrent_layer
 from runtime.kv_store.eager_attention import eager_attention_forward, soft_cap
 from runtime.kv_store.transformers_compat import cache_argument, query_length
 from runtime.math.geometry import ModelGeometry
@@ -214,18 +214,37 @@ class ReconstructionLayer(DynamicLayer):
 
 
 class ReconstructionView(Cache):
-    """``Cache`` of :class:`ReconstructionLayer` views over row ``row`` of a :class:`RaggedCache`."""
+    """``Cache`` of :class:`ReconstructionLayer` views over row ``row`` of a :class:`RaggedCache`; of a hybrid
+    model, beside them its recurrent layers' states of that row as the context left them, restored before each
+    chunk (each chunk follows the context, as in one forward pass of context and chunk)."""
 
     def __init__(self, cache: RaggedCache, row: int, scores: torch.Tensor, query_block: int = 512):
+        views = iter(
+            ReconstructionLayer(layer, row, scores[index], query_block)
+            for index, layer in enumerate(cache.attention_layers)
+        )
+        self._recurrent = {index: (layer, row) for index, layer in cache.recurrent_layers.items()}
         super().__init__(
             layers=[
-                ReconstructionLayer(layer, row, scores[index], query_block) for index, layer in enumerate(cache.layers)
+                _row_state(*self._recurrent[i]) if i in self._recurrent else next(views)
+                for i in range(len(cache.layers))
             ]
         )
 
     def set_chunk(self, sink: int, start: int, end: int) -> None:
+        for index, (source, row) in self._recurrent.items():
+            self.layers[index] = _row_state(source, row)
         for layer in self.layers:
-            layer.sink, layer.span = sink, (start, end)
+            if isinstance(layer, ReconstructionLayer):
+                layer.sink, layer.span = sink, (start, end)
+
+
+def _row_state(recurrent_layer, row: int):
+    """A new recurrent cache layer holding batch row ``row`` of ``recurrent_layer``'s states (the reconstruction
+    never writes the cache's own)."""
+    state = stacked_recurrent_layer([recurrent_layer])
+    state.reorder_cache(torch.tensor([row], dtype=torch.long))
+    return state
 
 
 @torch.no_grad()
@@ -250,7 +269,7 @@ def kvzip_scores(
     """
     started = time.perf_counter()
     ids = torch.as_tensor(context_ids).reshape(-1).tolist()
-    layer0 = cache.layers[0]
+    layer0 = cache.attention_layers[0]
     if not layer0.is_initialized:
         raise ValueError("the cache is empty: prefill the context first")
     if not 0 <= row < layer0.batch_size:
@@ -263,7 +282,7 @@ def kvzip_scores(
         raise ValueError(f"prefix_length {prefix} leaves nothing of the {len(ids)}-token context to reconstruct")
     heads = ModelGeometry.of(model).num_kv_heads
     device = layer0.device
-    scores = torch.zeros(len(cache.layers), heads, len(ids), dtype=torch.float32, device=device)
+    scores = torch.zeros(len(cache.attention_layers), heads, len(ids), dtype=torch.float32, device=device)
     view = ReconstructionView(cache, row, scores, query_block)
     chunks = reconstruction_chunks(tokenizer, ids, prefix, suffix, chunk_size, overlap)
     seen = layer0.real_seen[row]
@@ -282,7 +301,7 @@ def kvzip_scores(
             )
             tokens += len(chunk_ids)
     last_keys = torch.stack(
-        [torch.stack([_key_at(layer, row, h, len(ids) - 1) for h in range(heads)]) for layer in cache.layers]
+        [torch.stack([_key_at(layer, row, h, len(ids) - 1) for h in range(heads)]) for layer in cache.attention_layers]
     )
     return KVzipScores(
         scores=scores.cpu(),
@@ -340,7 +359,7 @@ def kvzip_compress(
     (its scorer must be ``"kvzip"``); returns ``(report, scores)``."""
     from runtime.compression.prefill import compress
 
-    if cache.layers[0].batch_size != 1:
+    if cache.attention_layers[0].batch_size != 1:
         raise ValueError("kvzip_compress handles one prompt; call kvzip_scores per row and compress rows apart")
     scores = kvzip_scores(model, tokenizer, cache, context_ids, **options)
     return compress(model, cache, with_kvzip_scores(policy, scores), calibration), scores

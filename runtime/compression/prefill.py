@@ -67,8 +67,10 @@ def prefill(
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
     layers = ModelGeometry.of(model).num_layers
-    if len(cache.layers) != layers:
-        raise ValueError(f"the cache has {len(cache.layers)} layers, the model {layers}: is it another model's?")
+    if len(cache.attention_layers) != layers:
+        raise ValueError(
+            f"the cache has {len(cache.attention_layers)} layers, the model {layers}: is it another model's?"
+        )
     batch, length = input_ids.shape
     past = cache.get_seq_length()
     if attention_mask is None:
@@ -80,7 +82,8 @@ def prefill(
         )
     chunk_mask = attention_mask[:, past:].bool()
     seen = torch.tensor(
-        cache.layers[0].real_seen if cache.layers[0].is_initialized else [0] * batch, device=input_ids.device
+        cache.attention_layers[0].real_seen if cache.attention_layers[0].is_initialized else [0] * batch,
+        device=input_ids.device,
     )
     position_ids = (seen.unsqueeze(1) + chunk_mask.long().cumsum(-1) - 1).clamp(min=0)
     # what the policy's scorer reads from the prompt, and what the caller asks to record besides
@@ -137,7 +140,9 @@ def prefill_for_policies(model, cache: RaggedCache, input_ids: torch.Tensor, pol
 def score_layers(cache: RaggedCache, evictor: HeadEvictor, rows: list[int], next_positions: list[int]):
     """Every layer's scores ``[R, Hkv, n]`` of batch rows ``rows`` (padding ``-inf``) under
     ``evictor``'s scorer: what :func:`compress` ranks, computed before any head is cut."""
-    return [evictor.layer_scores(layer, index, rows, next_positions) for index, layer in enumerate(cache.layers)]
+    return [
+        evictor.layer_scores(layer, index, rows, next_positions) for index, layer in enumerate(cache.attention_layers)
+    ]
 
 
 def shared_scores(cache: RaggedCache, plans: list[ServingPlan], prompt_stats: QueryMoments | None = None):
@@ -150,13 +155,16 @@ def shared_scores(cache: RaggedCache, plans: list[ServingPlan], prompt_stats: Qu
     keys = {plan.policy.scores_key() for plan in plans}
     if len(keys) != 1 or None in keys:
         raise ValueError(f"shared scores need plans with one scores_key, got {sorted(map(repr, keys))}")
-    first = cache.layers[0]
+    first = cache.attention_layers[0]
     rows = [b for b in range(first.batch_size) if first.real_seen[b] > 0]
     positions = [first.real_seen[b] for b in rows]
     with torch.no_grad():
         started = time.perf_counter()
         evictor = HeadEvictor(plans[0], prompt_stats)
-        parts = [evictor.layer_score_parts(layer, index, rows, positions) for index, layer in enumerate(cache.layers)]
+        parts = [
+            evictor.layer_score_parts(layer, index, rows, positions)
+            for index, layer in enumerate(cache.attention_layers)
+        ]
         shared = time.perf_counter() - started
         results = []
         for plan in plans:
@@ -164,7 +172,7 @@ def shared_scores(cache: RaggedCache, plans: list[ServingPlan], prompt_stats: Qu
             evictor = HeadEvictor(plan, prompt_stats)
             scores = [
                 evictor.layer_scores(layer, index, rows, positions, parts=parts[index])
-                for index, layer in enumerate(cache.layers)
+                for index, layer in enumerate(cache.attention_layers)
             ]
             results.append((scores, shared + time.perf_counter() - started))
     return results
@@ -173,9 +181,9 @@ def shared_scores(cache: RaggedCache, plans: list[ServingPlan], prompt_stats: Qu
 def _check_shared_scores(scores, cache: RaggedCache, rows: list[int]) -> None:
     """``scores`` must be one ``[R, Hkv, n]`` tensor per layer for the cache's real rows, as
     :func:`shared_scores` computes them (the longest row's length ``n``)."""
-    if len(scores) != len(cache.layers):
-        raise ValueError(f"shared scores for {len(scores)} layers, the cache has {len(cache.layers)}")
-    for index, (layer, layer_scores) in enumerate(zip(cache.layers, scores, strict=True)):
+    if len(scores) != len(cache.attention_layers):
+        raise ValueError(f"shared scores for {len(scores)} layers, the cache has {len(cache.attention_layers)}")
+    for index, (layer, layer_scores) in enumerate(zip(cache.attention_layers, scores, strict=True)):
         longest = int(layer.length[rows].max()) if rows else 0
         expected = (len(rows), layer.num_heads, longest)
         if tuple(layer_scores.shape) != expected:
@@ -218,8 +226,8 @@ def _start_decoding(cache: RaggedCache, plan: ServingPlan, evictor: HeadEvictor,
     """After the last eviction of a prompt: the plan's MomentKV correction and decode-time eviction
     switched on for every row; what only the compression read (recorded queries, chunked
     attention) dropped unless decode-time eviction reads it."""
-    first = cache.layers[0]
-    windows = [layer.window for layer in cache.layers]
+    first = cache.attention_layers[0]
+    windows = [layer.window for layer in cache.attention_layers]
     for b in range(first.batch_size):
         if plan.corrections is not None:
             cache.set_correction(*plan.corrections, rows=[b])
@@ -245,7 +253,7 @@ def prefill_and_compress(
     ``seconds`` are the evictions' own."""
     if not plan.evicts_in_prefill:
         raise ValueError(f"{plan.policy.describe()} cannot evict inside the prefill: prefill, then compress()")
-    if cache.layers[0].is_initialized:
+    if cache.attention_layers[0].is_initialized:
         raise ValueError("prefill_and_compress needs an empty cache (a later chunk: prefill, then compress())")
     batch, num_layers = input_ids.shape[0], plan.num_layers
     budgets = np.zeros((batch, num_layers, plan.num_kv_heads), dtype=np.int64)
@@ -328,19 +336,21 @@ def compress(
     plan = as_plan(policy, calibration, model)
     policy = plan.policy
     evictor = HeadEvictor(plan, prompt_stats)
-    first = cache.layers[0]
+    first = cache.attention_layers[0]
     if not first.is_initialized:
         raise ValueError("the cache is empty: prefill it before compressing")
-    if len(cache.layers) != plan.num_layers:
-        raise ValueError(f"cache has {len(cache.layers)} layers, the model {plan.num_layers}")
+    if len(cache.attention_layers) != plan.num_layers:
+        raise ValueError(f"cache has {len(cache.attention_layers)} layers, the model {plan.num_layers}")
     if first.num_heads != plan.num_kv_heads:
         raise ValueError(f"cache has {first.num_heads} KV heads, the model {plan.num_kv_heads}")
-    if recent_query_window(plan.scorer) and any(q is None for layer in cache.layers for q in layer.recent_queries):
+    if recent_query_window(plan.scorer) and any(
+        q is None for layer in cache.attention_layers for q in layer.recent_queries
+    ):
         raise ValueError(f"{plan.scorer!r} needs the last prompt queries: prefill with policy=... first")
     for spec in chunk_specs(plan.scorer):
         if any(
             row.real_seen and (row.chunk_attention is None or spec not in row.chunk_attention)
-            for layer in cache.layers
+            for layer in cache.attention_layers
             for row in layer.rows
         ):
             raise ValueError(f"{plan.scorer!r} needs the prompt's chunked attention: prefill with policy=... first")
@@ -355,7 +365,7 @@ def compress(
     all_budgets = np.zeros((first.batch_size, num_layers, num_kv_heads), dtype=np.int64)
     rows = [b for b in range(first.batch_size) if first.real_seen[b] > 0]  # an all-padding row holds nothing
     next_positions = [first.real_seen[b] for b in rows]  # each row's next absolute position
-    windows = [layer.window for layer in cache.layers]  # sliding-window layers: budgets of what they hold
+    windows = [layer.window for layer in cache.attention_layers]  # sliding-window layers: budgets of what they hold
     for b in rows:
         budget_length = first.real_seen[b] if context_lengths is None else max(int(context_lengths[b]), 1)
         all_budgets[b] = plan.head_budgets(budget_length, windows)
@@ -367,11 +377,11 @@ def compress(
                 scores = score_layers(cache, evictor, rows, next_positions)
             for i, b in enumerate(rows):
                 per_head = [
-                    [layer_scores[i, h, : int(cache.layers[index].length[b, h])] for h in range(num_kv_heads)]
+                    [layer_scores[i, h, : int(cache.attention_layers[index].length[b, h])] for h in range(num_kv_heads)]
                     for index, layer_scores in enumerate(scores)
                 ]
                 all_budgets[b] = global_budgets(per_head, int(all_budgets[b].sum()), policy.n_sink, policy.window)
-        for index, layer in enumerate(cache.layers):
+        for index, layer in enumerate(cache.attention_layers):
             evictor.evict_layer(
                 layer,
                 index,

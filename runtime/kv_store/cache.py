@@ -40,6 +40,8 @@ run the ragged attention function, which is reported as an error at the next upd
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -595,12 +597,24 @@ class RaggedCache(Cache):
     """``Cache(layers=[RaggedLayer, ...])``; pass it as the model's cache argument
     (``runtime.kv_store.transformers_compat.cache_argument``; see the module docstring)."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, recurrent_layers: dict | None = None):
+        """``num_layers`` :class:`RaggedLayer` (the layers with a KV cache); ``recurrent_layers``: a hybrid
+        model's other decoder layers, ``{decoder index: transformers' cache layer}`` (``LinearAttentionLayer``:
+        a Gated DeltaNet's or a convolution's state of fixed size, which kvcal holds and never evicts), the
+        ragged layers filling the other indices in order."""
         if num_layers <= 0:
             raise ValueError(f"num_layers must be positive, got {num_layers}")
-        super().__init__(layers=[RaggedLayer(index) for index in range(num_layers)])
+        recurrent = dict(recurrent_layers or {})
+        ragged = [RaggedLayer(index) for index in range(num_layers)]
+        queue = iter(ragged)
+        super().__init__(
+            layers=[recurrent[i] if i in recurrent else next(queue) for i in range(num_layers + len(recurrent))]
+        )
+        # the RaggedLayer of every layer with a KV cache, in order: layer i of the artifact and of ModelGeometry
+        # (self.layers, which transformers indexes by decoder layer, also holds a hybrid model's recurrent layers)
+        self.attention_layers: list[RaggedLayer] = ragged if recurrent else self.layers
         shared = StepPositions()
-        for layer in self.layers:
+        for layer in self.attention_layers:
             layer.step_positions = shared
 
     @classmethod
@@ -608,16 +622,38 @@ class RaggedCache(Cache):
         """A cache for ``model`` (whose geometry refuses attention the cache cannot compute); it
         refuses a forward pass that does not run the ragged attention."""
         geometry = ModelGeometry.of(model)
-        cache = cls(geometry.num_layers)
-        for layer, window in zip(cache.layers, mask_windows(model, geometry), strict=True):
+        cache = cls(geometry.num_layers, recurrent_layers(model, geometry))
+        for layer, window in zip(cache.attention_layers, mask_windows(model, geometry), strict=True):
             layer.model_config, layer.mask_window = model.config, window
         return cache
+
+    @property
+    def recurrent_layers(self) -> dict:
+        """``{decoder index: cache layer}`` of a hybrid model's recurrent layers (empty for other models)."""
+        return {index: layer for index, layer in enumerate(self.layers) if not isinstance(layer, RaggedLayer)}
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        rows = self.attention_layers[0].batch_size if self.attention_layers[0].is_initialized else 0
+        self._reindex_recurrent([b for b in range(rows) for _ in range(repeats)])
+        for layer in self.attention_layers:
+            layer.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._reindex_recurrent([int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()])
+        for layer in self.attention_layers:
+            layer.batch_select_indices(indices)
+
+    def _reindex_recurrent(self, order: list[int]) -> None:
+        """Batch rows ``order`` of every recurrent layer's states (transformers' ``LinearAttentionLayer`` can
+        reorder its rows, not repeat or select them)."""
+        for layer in self.recurrent_layers.values():
+            layer.reorder_cache(torch.tensor(order, dtype=torch.long))
 
     def replay_key(self) -> tuple | None:
         """What the next one-token decode step depends on when it can be replayed from a graph
         captured at an earlier step with the same key (:meth:`RaggedLayer.replay_key`), else None."""
         keys = []
-        for layer in self.layers:
+        for layer in self.attention_layers:
             key = layer.replay_key()
             if key is None:
                 return None
@@ -626,32 +662,32 @@ class RaggedCache(Cache):
 
     def advance_replayed(self) -> None:
         """Count a replayed one-token decode step on the host (:meth:`RaggedLayer.advance_replayed`)."""
-        for layer in self.layers:
+        for layer in self.attention_layers:
             layer.advance_replayed()
 
     def head_lengths(self) -> torch.Tensor:
         """Live tokens per head, int64 ``[L, B, Hkv]``."""
-        return torch.stack([layer.length for layer in self.layers])
+        return torch.stack([layer.length for layer in self.attention_layers])
 
     def kv_bytes(self) -> int:
         """Bytes allocated for keys and values over all layers (page rounding and slack included)."""
-        return sum(layer.kv_bytes() for layer in self.layers)
+        return sum(layer.kv_bytes() for layer in self.attention_layers)
 
     def index_bytes(self) -> int:
-        return sum(layer.index_bytes() for layer in self.layers)
+        return sum(layer.index_bytes() for layer in self.attention_layers)
 
     def moment_bytes(self) -> int:
-        return sum(layer.moment_bytes() for layer in self.layers)
+        return sum(layer.moment_bytes() for layer in self.attention_layers)
 
     def track_moments(self) -> None:
         """Keep moment sums of every token evicted from now on (call before the first eviction)."""
-        for layer in self.layers:
+        for layer in self.attention_layers:
             layer.track_moments()
 
     def set_correction(self, orders, tau, rows: list[int] | None = None) -> None:
         """Correct attention with the moments: ``orders`` int ``[L, Hkv]`` in {-1, 0, 1}, ``tau [L, Hkv]``
         (None: switch correction off) for batch elements ``rows`` (default all)."""
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(self.attention_layers):
             for b in range(layer.batch_size) if rows is None else rows:
                 row = layer.rows[b]
                 if orders is None or layer.window is not None:  # sliding-window layers are never corrected
@@ -668,32 +704,32 @@ class RaggedCache(Cache):
         """Evict batch element ``row`` while decoding under ``plan`` (a
         :class:`runtime.compression.driver.DecodePlan`, carried with the row through beams and copies and
         read by :func:`runtime.compression.driver.after_attention`; None: stop)."""
-        for layer in self.layers:
+        for layer in self.attention_layers:
             layer.rows[row].decode_plan = plan
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` more tokens in every head of every row, made now (one repack per layer at
         most) rather than while decoding: a layer whose rows evict while decoding is left alone
         (its heads are cut back to their budgets before they grow far)."""
-        for layer in self.layers:
+        for layer in self.attention_layers:
             if layer.is_initialized and not any(row.decode_plan is not None for row in layer.rows):
                 layer._settle()
                 layer.store.reserve(np.full(layer.batch_size, int(rows), dtype=np.int64))
 
     def compact(self) -> None:
         """Release the memory eviction freed (every layer repacked once; see :meth:`RaggedLayer.compact`)."""
-        for layer in self.layers:
+        for layer in self.attention_layers:
             layer.compact()
 
     def bytes_per_token(self) -> int:
         """Key + value bytes of one token in one KV head."""
-        layer = self.layers[0]
+        layer = self.attention_layers[0]
         if not layer.is_initialized:
             raise ValueError("the cache is empty")
         return 2 * layer.head_dim * torch.empty(0, dtype=layer.dtype).element_size()
 
     def _check_idle(self, what: str) -> None:
-        if any(layer._pending is not None for layer in self.layers):
+        if any(layer._pending is not None for layer in self.attention_layers):
             raise RuntimeError(f"cannot {what} a cache in the middle of a forward pass")
 
     def copy(self) -> RaggedCache:
@@ -708,17 +744,23 @@ class RaggedCache(Cache):
         if not caches:
             raise ValueError("need at least one cache to stack")
         first = caches[0]
-        if any(len(c.layers) != len(first.layers) for c in caches):
-            raise ValueError("caches to stack must have the same number of layers")
+        if any(
+            len(c.layers) != len(first.layers) or c.recurrent_layers.keys() != first.recurrent_layers.keys()
+            for c in caches
+        ):
+            raise ValueError("caches to stack must have the same layers")
         if any(c.get_seq_length() != first.get_seq_length() for c in caches):
             raise ValueError("caches to stack must have seen the same number of columns")
         for cache in caches:
             cache._check_idle("stack or copy")
-            for layer in cache.layers:
+            for layer in cache.attention_layers:
                 layer._settle()  # a copy holds what the window holds, nothing hidden
-        stacked = cls(len(first.layers))
-        for index, target in enumerate(stacked.layers):
-            sources = [c.layers[index] for c in caches]
+        recurrent = {
+            index: stacked_recurrent_layer([c.layers[index] for c in caches]) for index in first.recurrent_layers
+        }
+        stacked = cls(len(first.attention_layers), recurrent)
+        for index, target in enumerate(stacked.attention_layers):
+            sources = [c.attention_layers[index] for c in caches]
             if not all(source.is_initialized for source in sources):
                 if len(caches) == 1:  # copying an empty cache
                     continue
@@ -742,16 +784,59 @@ class RaggedCache(Cache):
     def stop_observing(self) -> None:
         """Drop the recorded prompt queries and chunked attention, and record no more (what decoding
         needs no longer)."""
-        for layer in self.layers:
+        for layer in self.attention_layers:
             layer.stop_observing()
 
     def accumulate_chunk_attention(self, specs) -> None:
         """Accumulate, in every layer, the chunked attention of each :class:`~runtime.math.chunk_attention.ChunkSpec`
         of ``specs`` over the tokens that follow (Compactor's, :mod:`runtime.math.chunk_attention`)."""
-        for layer in self.layers:
+        for layer in self.attention_layers:
             layer.chunk_specs = tuple(dict.fromkeys((*layer.chunk_specs, *specs)))
 
     def observe_queries(self, count: int) -> None:
         """Keep the last ``count`` post-RoPE queries of each layer (SnapKV's observation window)."""
-        for layer in self.layers:
+        for layer in self.attention_layers:
             layer.observe_queries = int(count)
+
+
+def recurrent_layers(model, geometry: ModelGeometry) -> dict:
+    """``{decoder index: a new transformers cache layer}`` for ``model``'s layers without a KV cache (a hybrid
+    model's linear attention or convolution layers: ``geometry.layer_indices`` leaves them out), each of the
+    class transformers' own ``DynamicCache`` gives that layer type; empty for other models."""
+    config = geometry.text_config
+    if len(geometry.layer_indices) == int(config.num_hidden_layers):
+        return {}
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
+
+    kinds, options = get_layer_types_and_kwargs(config)
+    attention = set(geometry.layer_indices)
+    return {
+        index: DYNAMIC_LAYER_TYPE_MAPPING[kind](**option)
+        for index, (kind, option) in enumerate(zip(kinds, options, strict=True))
+        if index not in attention
+    }
+
+
+def stacked_recurrent_layer(sources: list):
+    """One recurrent cache layer (transformers' ``LinearAttentionLayer``) holding the batch rows of ``sources``
+    in order, its conv and recurrent states new tensors (concatenated along the batch), so that decoding the
+    result never writes into the sources (transformers updates these states in place)."""
+    base = sources[0]
+    target = copy.copy(base)
+    for name in (
+        "conv_states",
+        "recurrent_states",
+        "is_conv_states_initialized",
+        "is_recurrent_states_initialized",
+        "has_previous_state",
+        "conv_kernel_size",
+    ):
+        setattr(target, name, dict(getattr(base, name)))
+    for kind in ("conv", "recurrent"):
+        states, initialized = getattr(target, f"{kind}_states"), getattr(target, f"is_{kind}_states_initialized")
+        for index in states:
+            if any(getattr(source, f"is_{kind}_states_initialized")[index] != initialized[index] for source in sources):
+                raise ValueError("caches to stack must all be prefilled")
+            if initialized[index]:
+                states[index] = torch.cat([getattr(source, f"{kind}_states")[index] for source in sources])
+    return target

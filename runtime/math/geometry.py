@@ -41,6 +41,7 @@ import torch
 from artifacts.fingerprint import (
     LANGUAGE_MODEL_ATTRIBUTES,
     attention_chunk,
+    attention_layer_indices,
     attention_numbers,
     decoder_stack,
     has_query_norm,
@@ -49,7 +50,8 @@ from artifacts.fingerprint import (
 )
 
 # The multimodal checkpoints whose language model kvcal serves on text (Gemma 3 from 4B, Mistral Small 3.1 /
-# 3.2, the LLaVA family, Idefics3 and SmolVLM, Aya Vision, InternVL, Qwen2-VL / Qwen2.5-VL / Qwen3-VL): for each,
+# 3.2, the LLaVA family, Idefics3 and SmolVLM, Aya Vision, InternVL, Qwen2-VL / Qwen2.5-VL / Qwen3-VL, Qwen3.5
+# and its MoE): for each,
 # tests/test_multimodal_checkpoints.py checks that the wrapper's text path is its language model's (positions,
 # masks, logits) and that kvcal serves it as that language model alone (Qwen's multimodal RoPE turns a text
 # token's three position sections by one position: 1-D RoPE, Qwen2's and Qwen3's).  Others may number positions
@@ -67,10 +69,16 @@ MULTIMODAL_SERVED = frozenset(
         "mistral3",
         "qwen2_5_vl",
         "qwen2_vl",
+        "qwen3_5",
+        "qwen3_5_moe",
         "qwen3_vl",
         "smolvlm",
     )
 )
+# the language models of multimodal checkpoints as transformers' causal LM loads them alone, keeping the wrapper's
+# multimodal RoPE (a Qwen3.5 checkpoint loads as Qwen3_5ForCausalLM, its text config's mrope_section kept): on text
+# its three sections turn by one position, checked as the wrappers of MULTIMODAL_SERVED are
+MULTIMODAL_ROPE_SERVED = MULTIMODAL_SERVED | frozenset(("qwen3_5_text", "qwen3_5_moe_text"))
 
 
 def input_device(model) -> torch.device:
@@ -109,10 +117,15 @@ class Projection:
     # the bound the attention clamps the projection to, ``[-clip, clip]``, in place after the hook has run
     # (OLMo's ``clip_qkv``: 8.0 in OLMo 1.7's checkpoints); None: no clamp
     clip: float | None = None
+    # the width of each head's block in the output, of which the first ``head_dim`` are the head's: a query
+    # projection that also computes the attention's output gate, ``2 d`` per head (Qwen3.5, Qwen3-Next); None: d
+    head_width: int | None = None
 
     def take(self, output: torch.Tensor) -> torch.Tensor:
         """The projection ``[B, T, H, d]`` in the hooked module's output ``[B, T, F]``."""
         values = output.detach() if self.features is None else output.detach()[..., self.features]
+        if self.head_width is not None:
+            values = values.unflatten(-1, (self.heads, self.head_width))[..., : self.head_dim].flatten(-2)
         if self.clip is not None:
             values = values.clamp(-self.clip, self.clip)
         batch, tokens = values.shape[0], values.shape[1]
@@ -209,7 +222,10 @@ def _rope_takes_layer_type(rotary) -> bool | None:
 class ModelGeometry:
     """What the profiler and the runtime need to know about a model's attention (see module doc)."""
 
-    num_layers: int  # L
+    num_layers: int  # L: the layers with a KV cache (of a hybrid model, its attention layers alone)
+    # per layer: its index among the decoder layers (model.model.layers; transformers' layer_idx), which is the
+    # layer's own but in a hybrid model (Qwen3.5: three Gated DeltaNet layers to one attention layer)
+    layer_indices: tuple[int, ...]
     num_q_heads: int  # Hq
     num_kv_heads: int  # Hkv
     head_dim: int  # d
@@ -238,6 +254,17 @@ class ModelGeometry:
     softcaps: tuple[float | None, ...]  # per layer: the attention-logit soft-cap (None: none)
     rotary: torch.nn.Module = field(repr=False)  # model.model.rotary_emb
     text_config: object = field(repr=False)  # the (text) transformers config
+
+    def layer_of(self, module) -> int:
+        """The layer (index into this geometry's tuples and the artifact's ``L`` axis) of an attention module
+        transformers numbers ``module.layer_idx`` among the decoder layers: that index, but in a hybrid model."""
+        index = int(module.layer_idx)
+        if self.layer_indices[index : index + 1] == (index,):  # the first index + 1 decoder layers all attend
+            return index
+        try:
+            return self.layer_indices.index(index)
+        except ValueError:
+            raise ValueError(f"decoder layer {index} has no KV cache (a recurrent layer of a hybrid model)") from None
 
     @property
     def group_size(self) -> int:
@@ -305,8 +332,13 @@ class ModelGeometry:
             raise UnsupportedModelError(
                 f"{name}: {num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads"
             )
-        if len(layers) != numbers["num_layers"]:
-            raise UnsupportedModelError(f"{name}: config says {numbers['num_layers']} layers, model has {len(layers)}")
+        if len(layers) != int(config.num_hidden_layers):
+            raise UnsupportedModelError(
+                f"{name}: config says {config.num_hidden_layers} layers, model has {len(layers)}"
+            )
+        indices = attention_layer_indices(config)
+        if len(indices) != len(layers):
+            _refuse_recurrent_layers_kvcal_cannot_hold(name, layers, indices)
 
         try:
             sliding_windows, softcaps = layer_attention(config)
@@ -314,11 +346,12 @@ class ModelGeometry:
             raise UnsupportedModelError(f"{name}: {exc}") from None
 
         query_norm = has_query_norm(model)
-        first = getattr(layers[0], "self_attn", None) if len(layers) else None
+        first = getattr(layers[indices[0]], "self_attn", None) if indices else None
         fused = getattr(first, "q_proj", None) is None and getattr(first, "qkv_proj", None) is not None
         attention_modules, scalings, query_scales = [], [], []
         projections: dict[str, list[Projection]] = {"query": [], "key": [], "value": []}
-        for index, layer in enumerate(layers):
+        for index in indices:
+            layer = layers[index]
             if getattr(layer, "mamba", None) is not None:  # transformers 5.2's Falcon-H1 and Bamba: no layer types
                 raise UnsupportedModelError(
                     f"{name}: a state-space (Mamba) mixer in layer {index} (as in Falcon-H1 and Bamba) is not "
@@ -346,7 +379,7 @@ class ModelGeometry:
             attention_modules.append(attention)
             scalings.append(float(getattr(attention, "scaling", head_dim**-0.5)))
             query_scales.append(_query_scale(attention, config))
-        rope_layer_types = _rope_layer_types(name, rotary, config, len(layers))
+        rope_layer_types = _rope_layer_types(name, rotary, config, indices)
         rotary_dims = _rotary_dims(name, rotary, rope_layer_types, head_dim)
         switches = {
             layer_type: _longrope_switch(config, parameters) for layer_type, parameters in _rope_parameters(config)
@@ -359,7 +392,8 @@ class ModelGeometry:
             for kind in rope_layer_types
         )
         return cls(
-            num_layers=len(layers),
+            num_layers=len(indices),
+            layer_indices=indices,
             num_q_heads=num_q_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -405,7 +439,7 @@ def check_config(config, name: str | None = None) -> None:
     cache one latent per token, ``kv_lora_rank`` wide, from which every head's keys and values are
     projected) and dynamic NTK RoPE without a ``max_position_embeddings`` (kvcal serves dynamic NTK
     inside that original context only: :func:`original_context`), multimodal RoPE (``mrope_section``, but
-    on the types checked: :data:`MULTIMODAL_SERVED`); also a heterogeneous
+    on the types checked: :data:`MULTIMODAL_ROPE_SERVED`); also a heterogeneous
     config (per-layer attention geometry, Gemma 4), layer types without RoPE parameters (Beam), keys
     and values shared across layers (Gemma 3n), layers run several times per token (Dory) and values of
     another head dim than the keys (MiMo-V2-Flash), and a multimodal checkpoint of a type kvcal has not checked
@@ -457,7 +491,7 @@ def check_config(config, name: str | None = None) -> None:
         (parameters["mrope_section"] for _, parameters in _rope_parameters(config) if parameters.get("mrope_section")),
         None,
     )
-    if sections is not None and getattr(checkpoint, "model_type", None) not in MULTIMODAL_SERVED:
+    if sections is not None and getattr(checkpoint, "model_type", None) not in MULTIMODAL_ROPE_SERVED:
         raise UnsupportedModelError(
             f"{name}: multimodal RoPE (mrope_section={list(sections)}: each head's rotary dims in sections turned by "
             "a token's time, height and width positions, which the model computes from its inputs, as in GLM-4V) "
@@ -469,7 +503,7 @@ def check_config(config, name: str | None = None) -> None:
             "transformers re-scales it past that original context, and kvcal serves it only inside it"
         )
     if config is not checkpoint and _loads_whole(checkpoint):  # a multimodal checkpoint, vision tower and all
-        try:  # what its language model's layers do first: that says more (Llama 4's chunks, Qwen3.5's linear layers)
+        try:  # what its language model's layers do first: that says more (Llama 4's chunks, Falcon-H1's hybrid layers)
             layer_attention(config)
         except ValueError as exc:
             raise UnsupportedModelError(f"{name}: {exc}") from None
@@ -527,6 +561,39 @@ def original_context(config) -> int | None:
     if not _dynamic_ntk_types(config) or not isinstance(positions, int) or isinstance(positions, bool):
         return None
     return positions if positions > 0 else None
+
+
+# where a hybrid model's decoder layer keeps its recurrent mixer (Qwen3.5, Qwen3-Next, OLMo hybrid: a Gated
+# DeltaNet; LFM2: a gated short convolution; Bamba: Mamba 2)
+RECURRENT_MIXERS = ("linear_attn", "conv", "mamba", "self_attn")  # MiniMax: its lightning attention, self_attn
+
+
+def _refuse_recurrent_layers_kvcal_cannot_hold(name: str, layers, indices: tuple[int, ...]) -> None:
+    """A hybrid model's layers other than ``indices`` keep a recurrent state of fixed size, which kvcal's cache
+    holds in transformers' own cache layers (``cache_utils.LinearAttentionLayer``) beside its attention layers:
+    refuse a transformers without them (5.2 keeps the state in each model's own cache class) and a mixer that
+    does not read and write its state through the cache's ``update_conv_state`` / ``update_recurrent_state``."""
+    from transformers import cache_utils
+
+    if not hasattr(cache_utils, "LinearAttentionLayer"):
+        raise UnsupportedModelError(
+            f"{name}: a hybrid model (linear attention or convolution layers beside attention) needs a transformers "
+            "whose Cache holds such layers (cache_utils.LinearAttentionLayer); this one keeps their state in the "
+            "model's own cache class, which kvcal's cache is not"
+        )
+    for index, layer in enumerate(layers):
+        if index in indices:
+            continue
+        mixer = next((getattr(layer, a) for a in RECURRENT_MIXERS if getattr(layer, a, None) is not None), None)
+        try:
+            source = inspect.getsource(type(mixer).forward) if mixer is not None else ""
+        except (OSError, TypeError):
+            source = ""
+        if "update_conv_state" not in source and "update_recurrent_state" not in source:
+            raise UnsupportedModelError(
+                f"{name}: layer {index} is a recurrent layer ({type(mixer).__name__}) that does not keep its state "
+                "in transformers' Cache (update_conv_state / update_recurrent_state), where kvcal's cache holds it"
+            )
 
 
 def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:
@@ -631,14 +698,31 @@ def _linear(name: str, index: int, attention, attribute: str, features: int, exp
 def _projections(name: str, index: int, attention, numbers: dict) -> dict[str, Projection]:
     """Separate ``q_proj``, ``k_proj``, ``v_proj`` (the query and keys after their norms, if any)."""
     heads, kv_heads, dim = numbers["num_q_heads"], numbers["num_kv_heads"], numbers["head_dim"]
-    q_proj = _linear(name, index, attention, "q_proj", heads * dim, f"{heads} heads x {dim}")
+    gated = _output_gate_in_queries(attention, heads * dim)
+    q_proj = _linear(name, index, attention, "q_proj", heads * dim * (2 if gated else 1), f"{heads} heads x {dim}")
     k_proj = _linear(name, index, attention, "k_proj", kv_heads * dim, f"{kv_heads} KV heads x {dim}")
     v_proj = _linear(name, index, attention, "v_proj", kv_heads * dim, f"{kv_heads} KV heads x {dim}")
+    query = _read(name, index, attention, "q", q_proj, heads, dim)
     return {
-        "query": _read(name, index, attention, "q", q_proj, heads, dim),
+        "query": dataclasses.replace(query, head_width=2 * dim) if gated else query,
         "key": _read(name, index, attention, "k", k_proj, kv_heads, dim),
         "value": Projection(v_proj, kv_heads, dim),
     }
+
+
+def _output_gate_in_queries(attention, features: int) -> bool:
+    """Whether ``attention``'s ``q_proj`` computes, per head, its ``d`` query features and then ``d`` of an output
+    gate (Qwen3.5, Qwen3-Next: ``torch.chunk`` of each head's ``2 d``, the attention's output times the gate's
+    sigmoid): twice the query's ``features``, and a forward that splits a gate off them.  The read of the queries
+    takes each head's first half; :mod:`runtime.plan.rope_check` checks it against what the attention receives."""
+    q_proj = getattr(attention, "q_proj", None)
+    if not isinstance(q_proj, torch.nn.Linear) or q_proj.out_features != 2 * features:
+        return False
+    try:
+        source = inspect.getsource(type(attention).forward)
+    except (OSError, TypeError):
+        return False
+    return "gate" in source and "torch.chunk(" in source and "head_dim * 2" in source
 
 
 def _read(name: str, index: int, attention, side: str, linear, heads: int, dim: int) -> Projection:
@@ -735,19 +819,20 @@ def _fused_projections(name: str, index: int, attention, numbers: dict) -> dict[
     }
 
 
-def _rope_layer_types(name: str, rotary, config, layers: int) -> tuple[str | None, ...]:
-    """Per layer, what the rotary module takes (Gemma 3: the layer's type; None for one shared RoPE)."""
+def _rope_layer_types(name: str, rotary, config, indices: tuple[int, ...]) -> tuple[str | None, ...]:
+    """Per (attention) layer, what the rotary module takes (Gemma 3: the layer's type; None for one shared
+    RoPE); ``indices``: the decoder layers they are."""
     takes = _rope_takes_layer_type(rotary)
     if takes is False:
-        return (None,) * layers
+        return (None,) * len(indices)
     types = getattr(config, "layer_types", None)
     if takes is None and types is None:  # an optional layer type and none per layer: one shared RoPE
-        return (None,) * layers
-    if types is None or len(types) != layers:
+        return (None,) * len(indices)
+    if types is None or len(types) != int(config.num_hidden_layers):
         raise UnsupportedModelError(
             f"{name}: the rotary embedding takes a layer type, but the config has none per layer"
         )
-    return tuple(str(kind) for kind in types)
+    return tuple(str(types[index]) for index in indices)
 
 
 def _rotary_dims(name: str, rotary, rope_layer_types, head_dim: int) -> tuple[int, ...]:

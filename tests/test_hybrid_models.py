@@ -1,0 +1,250 @@
+"""Hybrid models (Qwen3.5, Qwen3-Next, OLMo hybrid, LFM2, Bamba): attention layers beside layers that keep a
+state of fixed size (Gated DeltaNet, short convolutions, Mamba 2).  kvcal compresses the attention layers' KV
+caches; the recurrent layers' states stay transformers' own cache layers inside the same ``RaggedCache``.
+
+Every such model type is in tests/test_architecture_matrix.py (nothing evicted is exact, beams are transformers'
+own, compressed serving runs).  Here, on a tiny Qwen3.5 whose attention layers are decoder layers 1 and 3 (so
+that an attention layer's index among kvcal's layers is not its decoder index): the cache's layout and the
+artifact fingerprint, eviction inside the prefill against prefill-then-compress, copies and stacks of a cache
+that decoding does not write through, KVzip's reconstruction against the model's own attention, decode steps
+replayed from a graph, and a whole profile served back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from test_prefill_eviction import assert_same_cache, greedy_logits, left_padded_batch, one_step, two_step
+from test_runtime_leverage_kvzip import ToyTokenizer, naive_kvzip
+from transformers import cache_utils
+
+from artifacts.fingerprint import architecture_numbers, attention_variant
+from runtime import CompressionPolicy, RaggedCache, bind, load_calibration
+from runtime.compression.kvzip import kvzip_scores, reconstruction_chunks
+from runtime.compression.prefill import prefill
+from runtime.compression.ragged_attention import ragged_attention
+from runtime.kv_store.flex_decode import DECODE_KERNEL_VARIABLE
+from runtime.math.geometry import ModelGeometry
+from runtime.plan.policy_spec import FLAGSHIP
+from runtime.serve.generation import compress_prompt, generate, generate_from_cache
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),  # conftest: one torch thread
+    pytest.mark.skipif(
+        not hasattr(cache_utils, "LinearAttentionLayer") or not hasattr(T, "Qwen3_5ForCausalLM"),
+        reason=f"transformers {T.__version__} keeps linear attention state in model-specific caches (refused: "
+        "tests/test_architecture_matrix.py HYBRID_ON_OLDER)",
+    ),
+]
+
+LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+
+
+def hybrid(vocab_size: int = 512, seed: int = 0):
+    """A tiny Qwen3.5 (text): Gated DeltaNet layers 0 and 2, gated attention layers 1 and 3 (their query
+    projection also computes the output gate), partial RoPE; random weights of ``seed``, float32."""
+    config = T.Qwen3_5TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        layer_types=LAYER_TYPES,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = T.Qwen3_5ForCausalLM(config).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def test_the_cache_holds_the_attention_layers_and_transformers_the_recurrent_states():
+    model = hybrid()
+    geometry = ModelGeometry.of(model)
+    assert (geometry.num_layers, geometry.layer_indices, geometry.rotary_dims) == (2, (1, 3), (4, 4))
+    assert [geometry.layer_of(module) for module in geometry.attention_modules] == [0, 1]
+    assert geometry.query_projections[0].head_width == 32  # each head's query, then its output gate
+    cache = RaggedCache.for_model(model)
+    assert [type(layer).__name__ for layer in cache.layers] == [
+        "LinearAttentionLayer",
+        "RaggedLayer",
+        "LinearAttentionLayer",
+        "RaggedLayer",
+    ]
+    assert cache.attention_layers == [cache.layers[1], cache.layers[3]]
+    assert [layer.layer_idx for layer in cache.attention_layers] == [0, 1]
+    # the artifact: L counts the attention layers, and which decoder layers they are is in the fingerprint
+    numbers = architecture_numbers(model.config)
+    assert numbers["num_layers"] == 2
+    assert attention_variant(model.config)["attention_layers"] == [1, 3]
+    other = T.Qwen3_5TextConfig(**{**model.config.to_dict(), "layer_types": LAYER_TYPES[::-1]})
+    assert architecture_numbers(other) != numbers
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        CompressionPolicy(keep_ratio=0.25, scorer="keydiff"),
+        CompressionPolicy(keep_ratio=0.25),  # leverage, Compactor's chunked attention
+        CompressionPolicy(keep_ratio=0.3, scorer="snapkv"),
+        CompressionPolicy(keep_ratio=0.25, scorer="keydiff", correction="order1"),
+    ],
+    ids=repr,
+)
+@torch.no_grad()
+def test_evicting_inside_the_prefill_keeps_what_prefill_then_compress_keeps(policy):
+    model = hybrid()
+    ids, mask, columns = left_padded_batch()
+    plan = bind(policy, None, model)
+    reference, expected = two_step(model, ids[:, :columns], mask[:, :columns], plan)
+    cache, report = one_step(model, ids[:, :columns], mask[:, :columns], plan)
+    assert_same_cache(cache, reference)
+    assert (report.budgets == expected.budgets).all() and report.budgets.shape[1] == 2
+    assert report.kv_bytes_after < report.kv_bytes_before
+    sequences, logits = greedy_logits(model, cache, ids, mask)
+    expected_sequences, expected_logits = greedy_logits(model, reference, ids, mask)
+    assert torch.equal(sequences, expected_sequences)
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-5)
+
+
+def _prompt():
+    ids = torch.randint(3, 500, (2, 120), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    return ids, mask
+
+
+def _decode(model, ids, mask, cache, report, **kwargs):
+    options = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return generate_from_cache(model, ids, mask, cache, report, **{**options, **kwargs})
+
+
+@torch.no_grad()
+def test_decoding_a_copy_leaves_the_recurrent_states_of_the_original():
+    """transformers updates a recurrent layer's states in place: a copy of a compressed cache owns new ones, so a
+    second generation from another copy of the same cache answers as the first; a stack of two caches (two
+    policies) answers, row by row, as each alone."""
+    model = hybrid()
+    ids, mask = _prompt()
+    policy = CompressionPolicy(keep_ratio=0.25, scorer="keydiff")
+    cache, report = compress_prompt(model, ids, policy, attention_mask=mask, context_columns=110)
+    before = {index: dict(layer.recurrent_states) for index, layer in cache.recurrent_layers.items()}
+    first = _decode(model, ids, mask, cache.copy(), report)
+    second = _decode(model, ids, mask, cache.copy(), report)
+    assert torch.equal(first.sequences, second.sequences)
+    for a, b in zip(first.output.logits, second.output.logits, strict=True):
+        assert torch.equal(a, b)
+    for index, layer in cache.recurrent_layers.items():
+        assert all(torch.equal(layer.recurrent_states[i], state) for i, state in before[index].items())
+
+    other, other_report = compress_prompt(
+        model, ids, CompressionPolicy(keep_ratio=0.5), attention_mask=mask, context_columns=110
+    )
+    alone = _decode(model, ids, mask, other.copy(), other_report)
+    stacked = RaggedCache.stack([cache, other])
+    rows = _decode(model, torch.cat([ids, ids]), torch.cat([mask, mask]), stacked, report)
+    assert torch.equal(rows.sequences[:2], first.sequences) and torch.equal(rows.sequences[2:], alone.sequences)
+
+
+@torch.no_grad()
+def test_several_questions_about_one_context_are_answered_as_each_alone():
+    """One compressed context copied to every question's row (``answer``'s path: the cache's rows repeated,
+    the recurrent states with them): each answer is that of the question asked alone."""
+    model = hybrid()
+    generator = torch.Generator().manual_seed(8)
+    context = torch.randint(3, 500, (1, 100), generator=generator)
+    questions = [torch.randint(3, 500, (1, 6), generator=generator) for _ in range(3)]
+    policy = CompressionPolicy(keep_ratio=0.25, scorer="keydiff")
+    cache, report = compress_prompt(model, context, policy)
+    cache.batch_repeat_interleave(len(questions))
+    ids = torch.cat([torch.cat([context, question], dim=1) for question in questions])
+    together = _decode(model, ids, torch.ones_like(ids), cache, report)
+    for row, question in enumerate(questions):
+        prompt = torch.cat([context, question], dim=1)
+        alone = generate(model, prompt, policy, context_columns=100, max_new_tokens=6)
+        assert torch.equal(together.sequences[row], alone.sequences[0])
+
+
+@pytest.mark.parametrize("chunk_size", [64, 23])
+def test_kvzip_scores_equal_the_models_attention_over_the_reconstruction(chunk_size):
+    """Each reconstruction chunk follows the context in the recurrent layers too: the scores are those of one
+    forward pass of context and chunk (the model's own eager attention of its two attention layers)."""
+    model = hybrid()
+    tokenizer = ToyTokenizer()
+    context = [1] + torch.randint(3, 120, (50,), generator=torch.Generator().manual_seed(9)).tolist()
+    cache = RaggedCache.for_model(model)
+    prefill(model, cache, torch.tensor([context]))
+    states = {index: dict(layer.recurrent_states) for index, layer in cache.recurrent_layers.items()}
+    scores = kvzip_scores(model, tokenizer, cache, context, chunk_size=chunk_size, overlap=4)
+    assert scores.scores.shape == (2, 2, 51)
+    for index, layer in cache.recurrent_layers.items():  # the cache is untouched
+        assert all(torch.equal(layer.recurrent_states[i], state) for i, state in states[index].items())
+    chunks = reconstruction_chunks(
+        tokenizer, context, 1, tokenizer("\n", add_special_tokens=False)["input_ids"], chunk_size, 4
+    )
+    want = naive_kvzip(model, context, chunks, sink=1)
+    torch.testing.assert_close(scores.scores.double(), want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", [None, CompressionPolicy(compression_ratio=0.75, scorer="keydiff")], ids=repr)
+def test_decode_steps_of_a_hybrid_model_are_replayed(policy, monkeypatch):
+    """With the page kernel a GPU runs, a hybrid model's decode steps (the recurrent layers' states updated in
+    place, at their addresses) replay from a graph (tests/step_replay.py's recorder on the CPU) and generate
+    what eager steps generate."""
+    from step_replay import RecordedStep
+
+    monkeypatch.setenv(DECODE_KERNEL_VARIABLE, "pages")
+    model = hybrid()
+    ids, mask = _prompt()
+    runs = []
+    for graphs in (False, RecordedStep):
+        with ragged_attention(model):
+            cache, report = compress_prompt(model, ids, policy, attention_mask=mask, context_columns=110)
+        runs.append(_decode(model, ids, mask, cache, report, max_new_tokens=16, decode_graphs=graphs))
+    eager, replayed = runs
+    assert torch.equal(eager.sequences, replayed.sequences)
+    for a, b in zip(eager.output.logits[1:], replayed.output.logits[1:], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert replayed.graphs.captured == 1 and replayed.graphs.replayed == 16 - 3
+
+
+def test_a_profile_of_a_hybrid_model_is_served_back(tmp_path, embedded_tokenizer, capsys):
+    """Every stage of a smoke profile on the hybrid model saved with the embedded tokenizer, as a user runs
+    it: the sections' layer axis is its two attention layers; the flagship served from the artifact evicts
+    in both and generates."""
+    from conftest import single_thread, tiny_profile_args, write_tiny_model_dir
+
+    from artifacts import open_artifact
+    from profiler.cli import main
+    from profiler.stages import STAGE_NAMES
+
+    model = hybrid(vocab_size=len(embedded_tokenizer))
+    model_dir = write_tiny_model_dir(tmp_path / "qwen3_5", embedded_tokenizer, probes=3, model=model, probe_length=96)
+    out = tmp_path / "kv_calibration.h5"
+    families = ("--recommend-families", "retrieval", "--recommend-haystacks", "simple")
+    with single_thread():
+        code = main(tiny_profile_args(model_dir, out, "--stages", ",".join(STAGE_NAMES), *families, calib_samples=4))
+    assert code == 0, capsys.readouterr().err
+    with open_artifact(out) as reader:
+        assert len(reader.sections) == 8 and reader.model.num_layers == 2
+        assert reader.section("behaviour")["steps"].shape == (2, 4)
+        assert np.all(reader.section("behaviour")["steps"] > 0)
+        assert reader.section("budgets")["inf_kv"].shape == (2, 2)
+        assert np.all(np.isfinite(reader.section("moments")["errors"]))
+    calibration = load_calibration(model, embedded_tokenizer, path=out)
+    ids = torch.randint(3, 500, (1, 200), generator=torch.Generator().manual_seed(4))
+    policy = FLAGSHIP.policy(0.75)
+    result = generate(model, ids, policy, calibration=calibration, context_columns=190, max_new_tokens=4)
+    assert result.new_tokens.shape == (1, 4)
+    assert result.report.kv_bytes_after < result.report.kv_bytes_before
