@@ -12,6 +12,8 @@ replayed from a graph, and a whole profile served back.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -221,8 +223,8 @@ def test_decode_steps_of_a_hybrid_model_are_replayed(policy, monkeypatch):
 
 def test_a_profile_of_a_hybrid_model_is_served_back(tmp_path, embedded_tokenizer, capsys):
     """Every stage of a smoke profile on the hybrid model saved with the embedded tokenizer, as a user runs
-    it: the sections' layer axis is its two attention layers; the flagship served from the artifact evicts
-    in both and generates."""
+    it: the sections' layer axis is its two attention layers; ``evaluate-artifact`` runs on it; the flagship
+    served from the artifact evicts in both and generates."""
     from conftest import single_thread, tiny_profile_args, write_tiny_model_dir
 
     from artifacts import open_artifact
@@ -242,6 +244,22 @@ def test_a_profile_of_a_hybrid_model_is_served_back(tmp_path, embedded_tokenizer
         assert np.all(reader.section("behaviour")["steps"] > 0)
         assert reader.section("budgets")["inf_kv"].shape == (2, 2)
         assert np.all(np.isfinite(reader.section("moments")["errors"]))
+    from profiler.evaluate_cli import main as evaluate
+
+    evaluation = tmp_path / "evaluation.json"
+    options = ["--preset", "smoke", "--tasks", "retrieval", "--haystacks", "simple", "--max-new-tokens", "4"]
+    options += ["--policies", "flagship,uniform/keydiff", "--compression-ratios", "0.5,0.9"]
+    with single_thread():
+        code = evaluate([str(model_dir), "--artifact", str(out), *options, "--json", str(evaluation), "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    results = json.loads(evaluation.read_text())["results"]
+    assert [(row["policy"], row["compression_ratio"]) for row in results] == [
+        ("flagship", 0.5),
+        ("flagship", 0.9),
+        ("uniform/keydiff", 0.5),
+        ("uniform/keydiff", 0.9),
+    ]
+    assert all(row["kv_fraction"] < 1.0 - row["compression_ratio"] + 0.1 for row in results)
     calibration = load_calibration(model, embedded_tokenizer, path=out)
     ids = torch.randint(3, 500, (1, 200), generator=torch.Generator().manual_seed(4))
     policy = FLAGSHIP.policy(0.75)
