@@ -109,19 +109,22 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # config.layer_
 # config.layer_types of a hybrid model's layers that keep a state of fixed size instead of a KV cache (Gated DeltaNet
 # in Qwen3.5 and Qwen3-Next, gated short convolutions in LFM2): kvcal leaves them, and their state, to transformers
 RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
+# config.layer_types of layers without a token mixer (Nemotron-H's MoE and MLP layers): nothing to cache
+MIXERLESS_LAYER_TYPES = ("moe", "mlp")
 
 
 def attention_layer_indices(config) -> tuple[int, ...]:
     """The decoder layers with a KV cache, in order: every layer, but of a hybrid model (``config.layer_types``
-    naming :data:`RECURRENT_LAYER_TYPES`) only the others.  Position ``i`` of this tuple is layer ``i`` of
-    everything kvcal computes (the artifact's ``L`` axis, ``ModelGeometry``'s tuples); of a model without
-    recurrent layers the two numberings are one."""
+    naming :data:`RECURRENT_LAYER_TYPES` or :data:`MIXERLESS_LAYER_TYPES`) only the others.  Position ``i`` of
+    this tuple is layer ``i`` of everything kvcal computes (the artifact's ``L`` axis, ``ModelGeometry``'s
+    tuples); of a model without such layers the two numberings are one."""
     config = text_config(config)
     layers = int(config.num_hidden_layers)
     types = getattr(config, "layer_types", None)
     if types is None:
         return tuple(range(layers))
-    return tuple(index for index, kind in enumerate(types) if kind not in RECURRENT_LAYER_TYPES)
+    without = (*RECURRENT_LAYER_TYPES, *MIXERLESS_LAYER_TYPES)
+    return tuple(index for index, kind in enumerate(types) if kind not in without)
 
 
 def layer_attention(config) -> tuple[tuple[int | None, ...], tuple[float | None, ...]]:
@@ -148,18 +151,21 @@ def layer_attention(config) -> tuple[tuple[int | None, ...], tuple[float | None,
         known = {
             *ATTENTION_LAYER_TYPES,
             *RECURRENT_LAYER_TYPES,
+            *MIXERLESS_LAYER_TYPES,
             *(("chunked_attention",) if attention_chunk(config) else ()),
         }
         unknown = sorted({str(kind) for kind in types} - known)
         if unknown:
             raise ValueError(
                 f"layer type(s) {', '.join(unknown)} are not supported (only full and sliding attention, and beside "
-                f"them {' or '.join(RECURRENT_LAYER_TYPES)} layers, which keep no KV cache)"
+                f"them {', '.join((*RECURRENT_LAYER_TYPES, *MIXERLESS_LAYER_TYPES))} layers, which keep no KV cache)"
             )
         if len(types) != layers:
             raise ValueError(f"config has {len(types)} layer types for {layers} layers")
-        if all(kind in RECURRENT_LAYER_TYPES for kind in types):
-            raise ValueError("no attention layer (every layer type is linear attention or convolution): no KV cache")
+        if not attention_layer_indices(config):
+            raise ValueError(
+                "no attention layer (every layer type is linear attention, convolution or MLP): no KV cache"
+            )
         windows = tuple(
             window if types[index] == "sliding_attention" else None for index in attention_layer_indices(config)
         )

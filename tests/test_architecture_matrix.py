@@ -95,6 +95,8 @@ OPTIONS = {
     "dots3_note_text": dict(num_key_value_heads=4),  # its config wants as many as the query heads
     "lfm2": dict(full_attn_idxs=[1, 3]),  # as its checkpoints: convolution layers beside attention
     "bamba": dict(attn_layer_indices=[1, 3]),  # as its checkpoints: Mamba 2 layers beside attention
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"] * 2),  # likewise
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1),  # likewise
     "dbrx": dict(
         d_model=64,
         n_heads=4,
@@ -136,6 +138,7 @@ EXACT = {
     "granitemoe": "",
     "granitemoeshared": "",
     "granite_swa": "",  # learned attention sinks (s_aux)
+    "granitemoehybrid": "no RoPE in layers 1, 3",  # hybrid: Mamba 2 layers 0, 2; no rotary module (Granite 4.0-H)
     "granitemoe_swa": "",  # learned attention sinks (s_aux)
     "helium": "interleaved RoPE in layers 0, 1, 2, 3",
     "hunyuan_v1_dense": "",  # a norm after RoPE, read: its weight applied after the rotation
@@ -143,11 +146,12 @@ EXACT = {
     "hy_v3": "",
     "hyperclovax": "",
     "internlm3": "",
+    "jamba": "no RoPE in layers 1, 3",  # hybrid: Mamba layers 0, 2; no rotary module
     "iquestcoder": "",
     "jais2": "",
     "kolibri1": "",
     "laguna": "",
-    "lara_mini": "no RoPE in layer 1",  # hybrid: Gated DeltaNet layers 0, 2; layer 1 slides
+    "lara_mini": "no RoPE in layer 3",  # hybrid: Gated DeltaNet layers 0, 2; layer 1 slides
     "lfm2": "",  # hybrid: gated short convolutions in layers 0, 2; q_layernorm / k_layernorm read
     "lfm3": "",  # hybrid: convolutions in layers 0, 1, 3
     "llama": "",
@@ -162,6 +166,7 @@ EXACT = {
     "mixtral": "",
     "nanochat": "the inverse RoPE rotation in layers 0, 1, 2, 3",
     "nemotron": "",
+    "nemotron_h": "no RoPE in layer 2",  # hybrid: a Mamba 2 layer, an MoE and an MLP layer (no mixer); no rotary
     "olmo": "",
     "olmo2": "",
     "olmo3": "",
@@ -191,6 +196,7 @@ EXACT = {
 PARTIAL = {
     **{"glm": 8, "glm4": 8, "glm4_moe": 8, "gpt_oss": 8, "laguna": 8, "nemotron": 8, "phi": 8, "stablelm": 4},
     **{"bamba": 8, "qwen3_5_moe_text": 4, "qwen3_5_text": 4, "qwen3_next": 4},
+    **{"granitemoehybrid": 0, "jamba": 0, "nemotron_h": 0},  # no rotary module: nothing turns
 }
 NOT_LLAMA_FAMILY = r"no decoder layers at model\.model\.layers \(not a Llama-family causal LM\)"
 # what the refusal names: the model types refused so
@@ -224,19 +230,11 @@ REFUSED = {
         "gemma4_unified_text",
     ),
     r"recurrent layers \(n_recurrent_loops=2: a section of layers run several times": ("dory",),
-    r"no rotary embedding at model\.model\.rotary_emb \(RoPE models only\)": (
-        "granitemoehybrid",
-        "inkling2_loop_text",
-        "inkling2_text",
-        "inkling_text",
-        "jamba",
-        "moshi",
-        "nemotron_h",
-        "recurrent_gemma",
-        "xglm",
-    ),
+    r"layer type\(s\) hybrid_sliding are not supported": ("inkling2_loop_text", "inkling2_text", "inkling_text"),
+    r"layer 0 is a recurrent layer \(RecurrentGemmaDecoderLayer\) that does not keep its state": ("recurrent_gemma",),
+    r"does not route attention through transformers' AttentionInterface": ("xglm",),
     r"layer 0 has no self_attn module": ("jetmoe", "modernbert-decoder"),  # mixture of attention heads; ModernBERT
-    r"layer 0 attention has no q_proj linear nor a fused qkv_proj": ("persimmon",),
+    r"layer 0 attention has no q_proj linear nor a fused qkv_proj": ("moshi", "persimmon"),
     NOT_LLAMA_FAMILY: (
         "bart",
         "bert",
@@ -332,6 +330,8 @@ OLDER_TRANSFORMERS = Version(T.__version__) < Version("5.3")
 REFUSED_ON_OLDER = {
     "falcon_h1": r"a state-space \(Mamba\) mixer in layer 0",
     "minimax": r"a hybrid model \(linear attention",  # refused as every hybrid model there (HYBRID_ON_OLDER)
+    # their attention modules bypass the AttentionInterface there
+    **dict.fromkeys(("moshi", "recurrent_gemma"), r"does not route attention through transformers' AttentionInterface"),
     "bamba, no attention layer": r"a state-space \(Mamba\) mixer in layer 0",  # no layer types there
 }
 UNBUILT_ON_OLDER = {
@@ -341,10 +341,11 @@ UNBUILT_ON_OLDER = {
 # (not through the AttentionInterface kvcal switches its attention function into)
 NOT_ROUTED_ON_OLDER = ("nemotron",)
 # hybrid models served on newer transformers, refused on 5.2: its Qwen3-Next and Qwen3.5 keep their linear
-# attention state in a cache class of their own; its Bamba and LFM2 have no layer types (a Mamba mixer refused)
+# attention state in a cache class of their own, so does its LFM2; its Bamba and Jamba have no layer types (a
+# Mamba mixer refused)
 HYBRID_ON_OLDER = {
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2"), r"a hybrid model \(linear attention"),
-    "bamba": r"a state-space \(Mamba\) mixer in layer 0",
+    **dict.fromkeys(("bamba", "jamba"), r"a state-space \(Mamba\) mixer in layer 0"),
 }
 
 
@@ -516,7 +517,7 @@ REFUSED_VARIANTS = {
     "bamba, no attention layer": (
         "bamba",
         dict(attn_layer_indices=None),
-        r"no attention layer \(every layer type is linear attention or convolution\)",
+        r"no attention layer \(every layer type is linear attention, convolution or MLP\)",
     ),
 }
 

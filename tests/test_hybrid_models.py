@@ -120,6 +120,12 @@ def test_evicting_inside_the_prefill_keeps_what_prefill_then_compress_keeps(poli
     torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-5)
 
 
+def _states(layer) -> list[torch.Tensor]:
+    """A recurrent cache layer's state tensors (conv and recurrent), cloned; none for a stateless layer."""
+    states = [*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]
+    return [state.clone() for state in states if state is not None]
+
+
 def _prompt():
     ids = torch.randint(3, 500, (2, 120), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
@@ -132,23 +138,28 @@ def _decode(model, ids, mask, cache, report, **kwargs):
     return generate_from_cache(model, ids, mask, cache, report, **{**options, **kwargs})
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5", "nemotron_h", "lfm2", "jamba"])
 @torch.no_grad()
-def test_decoding_a_copy_leaves_the_recurrent_states_of_the_original():
+def test_decoding_a_copy_leaves_the_recurrent_states_of_the_original(model_type):
     """transformers updates a recurrent layer's states in place: a copy of a compressed cache owns new ones, so a
     second generation from another copy of the same cache answers as the first; a stack of two caches (two
-    policies) answers, row by row, as each alone."""
-    model = hybrid()
+    policies) answers, row by row, as each alone.  Qwen3.5 here; Nemotron-H (Mamba 2, and MoE / MLP layers
+    without a state), LFM2 (convolutions) and Jamba (Mamba) as tests/test_architecture_matrix.py builds them."""
+    from test_architecture_matrix import tiny_model
+
+    model = hybrid() if model_type == "qwen3_5" else tiny_model(model_type)
     ids, mask = _prompt()
+    ids = ids % model.config.vocab_size
     policy = CompressionPolicy(keep_ratio=0.25, scorer="keydiff")
     cache, report = compress_prompt(model, ids, policy, attention_mask=mask, context_columns=110)
-    before = {index: dict(layer.recurrent_states) for index, layer in cache.recurrent_layers.items()}
+    before = {index: _states(layer) for index, layer in cache.recurrent_layers.items()}
     first = _decode(model, ids, mask, cache.copy(), report)
     second = _decode(model, ids, mask, cache.copy(), report)
     assert torch.equal(first.sequences, second.sequences)
     for a, b in zip(first.output.logits, second.output.logits, strict=True):
         assert torch.equal(a, b)
     for index, layer in cache.recurrent_layers.items():
-        assert all(torch.equal(layer.recurrent_states[i], state) for i, state in before[index].items())
+        assert all(torch.equal(a, b) for a, b in zip(_states(layer), before[index], strict=True))
 
     other, other_report = compress_prompt(
         model, ids, CompressionPolicy(keep_ratio=0.5), attention_mask=mask, context_columns=110

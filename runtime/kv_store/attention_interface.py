@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import torch
 
 from runtime.kv_store.transformers_compat import query_length
+from runtime.math.geometry import check_routes_attention
 
 
 def chunk_mask(**kwargs) -> torch.Tensor | None:
@@ -53,11 +54,7 @@ def register_attention(name: str, forward) -> None:
 
 def switch_attention(model, name: str, forward) -> str:
     """Register ``forward`` as ``name`` and select it on ``model``; returns the previous implementation."""
-    if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
-        raise ValueError(
-            f"{type(model).__name__} does not route attention through transformers' "
-            f"AttentionInterface, so the attention function {name!r} cannot be switched in"
-        )
+    check_routes_attention(model, f"the attention function {name!r}")
     register_attention(name, forward)
     previous = model.config._attn_implementation
     if previous != name:

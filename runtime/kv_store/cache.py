@@ -818,11 +818,14 @@ def recurrent_layers(model, geometry: ModelGeometry) -> dict:
 
 
 def stacked_recurrent_layer(sources: list):
-    """One recurrent cache layer (transformers' ``LinearAttentionLayer``) holding the batch rows of ``sources``
+    """One recurrent cache layer (transformers' ``LinearAttentionLayer``; its stateless ``DummyLayer``, copied)
+    holding the batch rows of ``sources``
     in order, its conv and recurrent states new tensors (concatenated along the batch), so that decoding the
     result never writes into the sources (transformers updates these states in place)."""
     base = sources[0]
     target = copy.copy(base)
+    if not hasattr(base, "conv_states"):  # transformers' DummyLayer (Nemotron-H's MoE and MLP layers): no state
+        return target
     for name in (
         "conv_states",
         "recurrent_states",

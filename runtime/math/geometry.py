@@ -40,6 +40,7 @@ import torch
 
 from artifacts.fingerprint import (
     LANGUAGE_MODEL_ATTRIBUTES,
+    RECURRENT_LAYER_TYPES,
     attention_chunk,
     attention_layer_indices,
     attention_numbers,
@@ -252,7 +253,9 @@ class ModelGeometry:
     query_scales: tuple[QueryScale | None, ...]
     sliding_windows: tuple[int | None, ...]  # per layer: the sliding window (None: full attention)
     softcaps: tuple[float | None, ...]  # per layer: the attention-logit soft-cap (None: none)
-    rotary: torch.nn.Module = field(repr=False)  # model.model.rotary_emb
+    # model.model.rotary_emb; None where the model has none (its attention takes no positions: Granite 4.0-H,
+    # Nemotron-H, Jamba), every layer's rotary_dims then 0
+    rotary: torch.nn.Module | None = field(repr=False)
     text_config: object = field(repr=False)  # the (text) transformers config
 
     def layer_of(self, module) -> int:
@@ -325,9 +328,9 @@ class ModelGeometry:
                 if getattr(model.model, attribute, None) is backbone
             )
         layers = backbone.layers
+        # None: the model rotates nothing at model.model.rotary_emb (Granite 4.0-H, Nemotron-H, Jamba: attention
+        # without positions); runtime.plan.rope_check then finds what its layers do (no RoPE, or another form)
         rotary = getattr(backbone, "rotary_emb", None)
-        if rotary is None:
-            raise UnsupportedModelError(f"{name}: no rotary embedding at {at}.rotary_emb (RoPE models only)")
         if num_q_heads % num_kv_heads:
             raise UnsupportedModelError(
                 f"{name}: {num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads"
@@ -338,15 +341,16 @@ class ModelGeometry:
             )
         indices = attention_layer_indices(config)
         if len(indices) != len(layers):
-            _refuse_recurrent_layers_kvcal_cannot_hold(name, layers, indices)
+            _refuse_recurrent_layers_kvcal_cannot_hold(name, layers, config)
 
         try:
             sliding_windows, softcaps = layer_attention(config)
         except ValueError as exc:
             raise UnsupportedModelError(f"{name}: {exc}") from None
+        check_routes_attention(model)
 
         query_norm = has_query_norm(model)
-        first = getattr(layers[indices[0]], "self_attn", None) if indices else None
+        first = attention_of(layers[indices[0]]) if indices else None
         fused = getattr(first, "q_proj", None) is None and getattr(first, "qkv_proj", None) is not None
         attention_modules, scalings, query_scales = [], [], []
         projections: dict[str, list[Projection]] = {"query": [], "key": [], "value": []}
@@ -357,7 +361,7 @@ class ModelGeometry:
                     f"{name}: a state-space (Mamba) mixer in layer {index} (as in Falcon-H1 and Bamba) is not "
                     "supported: kvcal evicts attention KV caches only"
                 )
-            attention = getattr(layer, "self_attn", None)
+            attention = attention_of(layer)
             if attention is None:
                 raise UnsupportedModelError(f"{name}: layer {index} has no self_attn module")
             if getattr(attention, "layer_idx", None) != index:
@@ -379,8 +383,11 @@ class ModelGeometry:
             attention_modules.append(attention)
             scalings.append(float(getattr(attention, "scaling", head_dim**-0.5)))
             query_scales.append(_query_scale(attention, config))
-        rope_layer_types = _rope_layer_types(name, rotary, config, indices)
-        rotary_dims = _rotary_dims(name, rotary, rope_layer_types, head_dim)
+        if rotary is None:
+            rope_layer_types, rotary_dims = (None,) * len(indices), (0,) * len(indices)
+        else:
+            rope_layer_types = _rope_layer_types(name, rotary, config, indices)
+            rotary_dims = _rotary_dims(name, rotary, rope_layer_types, head_dim)
         switches = {
             layer_type: _longrope_switch(config, parameters) for layer_type, parameters in _rope_parameters(config)
         }
@@ -564,12 +571,21 @@ def original_context(config) -> int | None:
 
 
 # where a hybrid model's decoder layer keeps its recurrent mixer (Qwen3.5, Qwen3-Next, OLMo hybrid: a Gated
-# DeltaNet; LFM2: a gated short convolution; Bamba: Mamba 2)
-RECURRENT_MIXERS = ("linear_attn", "conv", "mamba", "self_attn")  # MiniMax: its lightning attention, self_attn
+# DeltaNet; LFM2: a gated short convolution; Bamba, Granite 4.0-H, Jamba: Mamba 2; Nemotron-H: every layer's
+# mixer, whatever it is); MiniMax keeps its lightning attention at self_attn
+RECURRENT_MIXERS = ("linear_attn", "conv", "mamba", "mixer", "self_attn")
+# where a decoder layer keeps its attention (Nemotron-H: ``mixer``, its attention layers' one)
+ATTENTION_ATTRIBUTES = ("self_attn", "mixer")
 
 
-def _refuse_recurrent_layers_kvcal_cannot_hold(name: str, layers, indices: tuple[int, ...]) -> None:
-    """A hybrid model's layers other than ``indices`` keep a recurrent state of fixed size, which kvcal's cache
+def attention_of(layer) -> torch.nn.Module | None:
+    """Decoder layer ``layer``'s attention module (``self_attn``; Nemotron-H's ``mixer``), None if it has none."""
+    return next((getattr(layer, a) for a in ATTENTION_ATTRIBUTES if getattr(layer, a, None) is not None), None)
+
+
+def _refuse_recurrent_layers_kvcal_cannot_hold(name: str, layers, config) -> None:
+    """A hybrid model's recurrent layers (``config.layer_types``: :data:`RECURRENT_LAYER_TYPES`) keep a state of
+    fixed size, which kvcal's cache
     holds in transformers' own cache layers (``cache_utils.LinearAttentionLayer``) beside its attention layers:
     refuse a transformers without them (5.2 keeps the state in each model's own cache class) and a mixer that
     does not read and write its state through the cache's ``update_conv_state`` / ``update_recurrent_state``."""
@@ -582,9 +598,9 @@ def _refuse_recurrent_layers_kvcal_cannot_hold(name: str, layers, indices: tuple
             "model's own cache class, which kvcal's cache is not"
         )
     for index, layer in enumerate(layers):
-        if index in indices:
+        if config.layer_types[index] not in RECURRENT_LAYER_TYPES:
             continue
-        mixer = next((getattr(layer, a) for a in RECURRENT_MIXERS if getattr(layer, a, None) is not None), None)
+        mixer = next((getattr(layer, a) for a in RECURRENT_MIXERS if getattr(layer, a, None) is not None), layer)
         try:
             source = inspect.getsource(type(mixer).forward) if mixer is not None else ""
         except (OSError, TypeError):
@@ -594,6 +610,17 @@ def _refuse_recurrent_layers_kvcal_cannot_hold(name: str, layers, indices: tuple
                 f"{name}: layer {index} is a recurrent layer ({type(mixer).__name__}) that does not keep its state "
                 "in transformers' Cache (update_conv_state / update_recurrent_state), where kvcal's cache holds it"
             )
+
+
+def check_routes_attention(model, what: str = "kvcal's attention function") -> None:
+    """Refuse ``model`` when its attention modules do not call transformers' ``AttentionInterface`` (``what``
+    kvcal switches in would never run): transformers' own test, ``_can_set_attn_implementation`` (XGLM;
+    transformers 5.2's Nemotron)."""
+    if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
+        raise UnsupportedModelError(
+            f"{type(model).__name__} does not route attention through transformers' "
+            f"AttentionInterface, so {what} cannot be switched in"
+        )
 
 
 def _refuse_attention_kvcal_cannot_compute(name: str, config, model) -> None:

@@ -56,7 +56,9 @@ class RopeForms:
 
 def form_applies(geometry: ModelGeometry, layer: int, form: str) -> bool:
     """Whether layer ``layer`` can rotate in ``form``: :data:`HALVES` only where the rotary module's width
-    is half the head dim (every other form anywhere)."""
+    is half the head dim (every other form anywhere); a model without a rotary module, :data:`NO_ROPE` only."""
+    if geometry.rotary is None:
+        return form == NO_ROPE
     return form != HALVES or 2 * geometry.rotary_dims[layer] == geometry.head_dim
 
 
@@ -71,8 +73,9 @@ def interleaves(form: str) -> bool:
 
 
 def _rotated(head_dim: int, rotary_dims: int | None) -> int:
+    """How many of a head's dimensions turn (``rotary_dims``; None: all; 0: none, a model without RoPE)."""
     rotated = head_dim if rotary_dims is None else rotary_dims
-    if rotated % 2 or not 0 < rotated <= head_dim:
+    if rotated % 2 or not 0 <= rotated <= head_dim:
         raise ValueError(f"RoPE turns an even number of a head's {head_dim} dimensions, got {rotated}")
     return rotated
 
@@ -199,7 +202,11 @@ def rope_cos_sin(
         raise ValueError(f"unknown RoPE form {form!r}; one of {', '.join(FORMS)}")
     geometry = ModelGeometry.of(model)
     rotary = geometry.rotary
-    device = next(rotary.buffers(), torch.empty(0)).device
+    if rotary is None and form != NO_ROPE:
+        raise ValueError(
+            f"the model has no rotary module (model.model.rotary_emb): it rotates in no form but {NO_ROPE!r}"
+        )
+    device = positions.device if rotary is None else next(rotary.buffers(), torch.empty(0)).device
     positions = positions.to(device=device, dtype=torch.long).reshape(1, -1)
     if form == NO_ROPE:
         shape = (positions.shape[1], geometry.head_dim)

@@ -70,6 +70,13 @@ class RopeMismatches:
     forms: RopeForms
     # per layer in keys or queries, what it does instead: "no RoPE", "interleaved RoPE", or OTHER
     features: dict[int, str] = field(default_factory=dict)
+    # per layer, its decoder layer (ModelGeometry.layer_indices: another number in a hybrid model), which the
+    # words name; None: the same
+    layer_indices: tuple[int, ...] | None = None
+
+    def named(self, layers) -> tuple[int, ...]:
+        """The decoder layers (transformers' ``layer_idx``, what a user counts) of ``layers``."""
+        return tuple(layers if self.layer_indices is None else (self.layer_indices[i] for i in layers))
 
     def rotated_otherwise(self, *, keys: bool, queries: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The layers whose keys (when ``keys``) and queries (when ``queries``) no form of
@@ -80,10 +87,10 @@ class RopeMismatches:
         )
 
     def describe(self) -> str:
-        """What the layers do instead, grouped: ``"interleaved RoPE in layers 0, 1"``."""
+        """What the layers do instead, grouped: ``"interleaved RoPE in layers 0, 1"`` (decoder layers)."""
         grouped: dict[str, list[int]] = {}
         for layer, feature in sorted(self.features.items()):
-            grouped.setdefault(feature, []).append(layer)
+            grouped.setdefault(feature, []).append(self.named([layer])[0])
         return "; ".join(
             f"{feature} in layer{'s' if len(layers) > 1 else ''} {_layers(tuple(layers))}"
             for feature, layers in grouped.items()
@@ -188,7 +195,11 @@ def rope_mismatches(model) -> RopeMismatches:
             (key_forms, key_errors, True, pre_keys[layer], key),
             (query_forms, query_errors, False, pre_queries[layer], query),
         ):
-            errors.append(_error(rotations, geometry, layer, positions[0], ROTATE_HALF, keys, pre, got))
+            errors.append(
+                _error(rotations, geometry, layer, positions[0], ROTATE_HALF, keys, pre, got)
+                if form_applies(geometry, layer, ROTATE_HALF)
+                else float("inf")  # no rotary module: rotate_half cannot be the model's
+            )
             others = (form for form in FORMS if form != ROTATE_HALF and form_applies(geometry, layer, form))
             fits = (
                 form
@@ -207,6 +218,7 @@ def rope_mismatches(model) -> RopeMismatches:
         query_errors=tuple(query_errors),
         features=features,
         forms=RopeForms(tuple(key_forms), tuple(query_forms)),
+        layer_indices=geometry.layer_indices,
     )
     _CHECKED[model] = result
     return result
@@ -242,9 +254,9 @@ def rope_problems(model, *, keys: bool, queries: bool) -> str | None:
     key_layers, query_layers = found.rotated_otherwise(keys=keys, queries=queries)
     problems = []
     if key_layers:
-        problems.append(f"the keys of layers {_layers(key_layers)}")
+        problems.append(f"the keys of layers {_layers(found.named(key_layers))}")
     if query_layers:
-        problems.append(f"the queries of layers {_layers(query_layers)}")
+        problems.append(f"the queries of layers {_layers(found.named(query_layers))}")
     if not problems:
         return None
     return f"{' and '.join(problems)} are not ({found.describe()})"
