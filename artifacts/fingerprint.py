@@ -111,6 +111,9 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # config.layer_
 RECURRENT_LAYER_TYPES = ("linear_attention", "conv")
 # config.layer_types of layers without a token mixer (Nemotron-H's MoE and MLP layers): nothing to cache
 MIXERLESS_LAYER_TYPES = ("moe", "mlp")
+# config.layer_types of layers that attend (a KV cache, full attention) and run a recurrent mixer beside it, on
+# the same input (Falcon-H1: Mamba 2 and attention in every layer)
+STATEFUL_ATTENTION_LAYER_TYPES = ("hybrid",)
 
 
 def attention_layer_indices(config) -> tuple[int, ...]:
@@ -152,13 +155,15 @@ def layer_attention(config) -> tuple[tuple[int | None, ...], tuple[float | None,
             *ATTENTION_LAYER_TYPES,
             *RECURRENT_LAYER_TYPES,
             *MIXERLESS_LAYER_TYPES,
+            *STATEFUL_ATTENTION_LAYER_TYPES,
             *(("chunked_attention",) if attention_chunk(config) else ()),
         }
         unknown = sorted({str(kind) for kind in types} - known)
         if unknown:
             raise ValueError(
                 f"layer type(s) {', '.join(unknown)} are not supported (only full and sliding attention, and beside "
-                f"them {', '.join((*RECURRENT_LAYER_TYPES, *MIXERLESS_LAYER_TYPES))} layers, which keep no KV cache)"
+                f"them {', '.join((*RECURRENT_LAYER_TYPES, *MIXERLESS_LAYER_TYPES))} layers, which keep no KV cache, "
+                f"and {', '.join(STATEFUL_ATTENTION_LAYER_TYPES)} layers, attention beside a recurrent mixer)"
             )
         if len(types) != layers:
             raise ValueError(f"config has {len(types)} layer types for {layers} layers")

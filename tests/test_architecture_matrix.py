@@ -97,6 +97,7 @@ OPTIONS = {
     "bamba": dict(attn_layer_indices=[1, 3]),  # as its checkpoints: Mamba 2 layers beside attention
     "granitemoehybrid": dict(layer_types=["mamba", "attention"] * 2),  # likewise
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1),  # likewise
+    "falcon_h1": dict(key_multiplier=0.5),  # its checkpoints' multipliers are not 1 (the keys' read scales)
     "dbrx": dict(
         d_model=64,
         n_heads=4,
@@ -124,6 +125,7 @@ EXACT = {
     "exaone": "",
     "exaone4": "no RoPE in layer 3",
     "exaone_moe": "no RoPE in layer 3",
+    "falcon_h1": "",  # hybrid: attention beside Mamba 2 in every layer; keys scaled by key_multiplier (read)
     "flex_olmo": "",
     "flint": "no RoPE in layers 0, 1, 3",  # learned attention sinks (s_aux)
     "gemma": "",
@@ -220,7 +222,6 @@ REFUSED = {
     r"layer type\(s\) compressed_sparse_attention, heavily_compressed_attention are not supported": ("deepseek_v4",),
     r"values of another head dim than the keys \(v_head_dim=": ("mimo_v2_flash",),
     r"layer 1 is a recurrent layer \(MiniMaxLightningAttention\) that does not keep its state": ("minimax",),
-    r"layer type\(s\) hybrid are not supported": ("falcon_h1",),
     r"dynamic mask attention \(layer 0 self_attn\.dt_proj": ("doge",),
     r"differential attention \(layer 0 self_attn\.lambda_q1": ("diffllama",),
     r"full_attention layers without RoPE parameters": ("beam",),
@@ -328,7 +329,6 @@ SKIPPED = {
 # GraniteMoeHybrid config does not build (transformers' own TypeError).
 OLDER_TRANSFORMERS = Version(T.__version__) < Version("5.3")
 REFUSED_ON_OLDER = {
-    "falcon_h1": r"a state-space \(Mamba\) mixer in layer 0",
     "minimax": r"a hybrid model \(linear attention",  # refused as every hybrid model there (HYBRID_ON_OLDER)
     # their attention modules bypass the AttentionInterface there
     **dict.fromkeys(("moshi", "recurrent_gemma"), r"does not route attention through transformers' AttentionInterface"),
@@ -342,10 +342,10 @@ UNBUILT_ON_OLDER = {
 NOT_ROUTED_ON_OLDER = ("nemotron",)
 # hybrid models served on newer transformers, refused on 5.2: its Qwen3-Next and Qwen3.5 keep their linear
 # attention state in a cache class of their own, so does its LFM2; its Bamba and Jamba have no layer types (a
-# Mamba mixer refused)
+# Mamba mixer refused), nor does its Falcon-H1
 HYBRID_ON_OLDER = {
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2"), r"a hybrid model \(linear attention"),
-    **dict.fromkeys(("bamba", "jamba"), r"a state-space \(Mamba\) mixer in layer 0"),
+    **dict.fromkeys(("bamba", "falcon_h1", "jamba"), r"a state-space \(Mamba\) mixer in layer 0"),
 }
 
 

@@ -138,13 +138,14 @@ def _decode(model, ids, mask, cache, report, **kwargs):
     return generate_from_cache(model, ids, mask, cache, report, **{**options, **kwargs})
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "nemotron_h", "lfm2", "jamba"])
+@pytest.mark.parametrize("model_type", ["qwen3_5", "nemotron_h", "lfm2", "jamba", "falcon_h1"])
 @torch.no_grad()
 def test_decoding_a_copy_leaves_the_recurrent_states_of_the_original(model_type):
     """transformers updates a recurrent layer's states in place: a copy of a compressed cache owns new ones, so a
     second generation from another copy of the same cache answers as the first; a stack of two caches (two
     policies) answers, row by row, as each alone.  Qwen3.5 here; Nemotron-H (Mamba 2, and MoE / MLP layers
-    without a state), LFM2 (convolutions) and Jamba (Mamba) as tests/test_architecture_matrix.py builds them."""
+    without a state), LFM2 (convolutions), Jamba (Mamba) and Falcon-H1 (Mamba 2 beside attention in every layer:
+    the attention layers hold the states) as tests/test_architecture_matrix.py builds them."""
     from test_architecture_matrix import tiny_model
 
     model = hybrid() if model_type == "qwen3_5" else tiny_model(model_type)
@@ -152,13 +153,15 @@ def test_decoding_a_copy_leaves_the_recurrent_states_of_the_original(model_type)
     ids = ids % model.config.vocab_size
     policy = CompressionPolicy(keep_ratio=0.25, scorer="keydiff")
     cache, report = compress_prompt(model, ids, policy, attention_mask=mask, context_columns=110)
-    before = {index: _states(layer) for index, layer in cache.recurrent_layers.items()}
+    holders = {**cache.recurrent_layers, **{-1 - i: cache.attention_layers[i] for i in cache.stateful}}
+    assert holders, "no recurrent state"
+    before = {index: _states(layer) for index, layer in holders.items()}
     first = _decode(model, ids, mask, cache.copy(), report)
     second = _decode(model, ids, mask, cache.copy(), report)
     assert torch.equal(first.sequences, second.sequences)
     for a, b in zip(first.output.logits, second.output.logits, strict=True):
         assert torch.equal(a, b)
-    for index, layer in cache.recurrent_layers.items():
+    for index, layer in holders.items():
         assert all(torch.equal(a, b) for a, b in zip(_states(layer), before[index], strict=True))
 
     other, other_report = compress_prompt(
@@ -208,6 +211,19 @@ def test_kvzip_scores_equal_the_models_attention_over_the_reconstruction(chunk_s
     )
     want = naive_kvzip(model, context, chunks, sink=1)
     torch.testing.assert_close(scores.scores.double(), want, rtol=1e-4, atol=1e-6)
+
+
+def test_kvzip_on_attention_beside_a_recurrent_mixer_is_refused_by_name():
+    """Falcon-H1's layers run Mamba 2 beside their attention: KVzip's reconstruction, which would restore each
+    layer's state before every chunk, is not built for them and says so."""
+    from test_architecture_matrix import tiny_model
+
+    model = tiny_model("falcon_h1")
+    cache = RaggedCache.for_model(model)
+    prefill(model, cache, torch.tensor([[1] + list(range(3, 40))]))
+    assert set(cache.stateful) == {0, 1, 2, 3} and not cache.recurrent_layers
+    with pytest.raises(ValueError, match=r"not built for layers that run a recurrent mixer beside their attention"):
+        kvzip_scores(model, ToyTokenizer(), cache, [1] + list(range(3, 40)))
 
 
 @pytest.mark.parametrize("policy", [None, CompressionPolicy(compression_ratio=0.75, scorer="keydiff")], ids=repr)

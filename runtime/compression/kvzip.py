@@ -272,6 +272,11 @@ def kvzip_scores(
     layer0 = cache.attention_layers[0]
     if not layer0.is_initialized:
         raise ValueError("the cache is empty: prefill the context first")
+    if cache.stateful:
+        raise ValueError(
+            "KVzip's reconstruction is not built for layers that run a recurrent mixer beside their attention "
+            "(Falcon-H1's hybrid layers): score with another scorer"
+        )
     if not 0 <= row < layer0.batch_size:
         raise ValueError(f"row {row} outside the cache's batch of {layer0.batch_size}")
     if layer0.real_seen[row] != len(ids):

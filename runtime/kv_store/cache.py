@@ -56,7 +56,7 @@ from runtime.kv_store.layout import PageLayout
 from runtime.kv_store.profiling import label
 from runtime.kv_store.row_state import Correction, PreparedCorrection, RowState, fold_evicted
 from runtime.kv_store.segments import SegmentStore, StepPositions
-from runtime.kv_store.transformers_compat import query_length
+from runtime.kv_store.transformers_compat import LinearAttentionLayer, query_length
 from runtime.math.chunk_attention import ChunkSpec
 from runtime.math.geometry import ModelGeometry, mask_windows
 from runtime.math.momentkv import MomentSums
@@ -593,19 +593,49 @@ class RaggedLayer(DynamicLayer):
         return sum(row.moments.nbytes() for row in self.rows if row.moments is not None)
 
 
+class RaggedRecurrentLayer(RaggedLayer, LinearAttentionLayer or object):
+    """A layer that attends and runs a recurrent mixer beside it on the same input (Falcon-H1's ``hybrid``
+    layers, attention and Mamba 2): a :class:`RaggedLayer` for its KV cache, transformers'
+    ``LinearAttentionLayer`` for the mixer's conv and SSM states (which transformers' ``Cache`` finds at the
+    same decoder index), as transformers' own ``LinearAttentionAndFullAttentionLayer`` pairs them."""
+
+    def __init__(self, layer_idx: int = 0, number_of_states: int = 1, **kwargs):
+        RaggedLayer.__init__(self, layer_idx, **kwargs)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if args:  # the attention's keys and values
+            RaggedLayer.lazy_initialization(self, *args, **kwargs)
+        else:  # the mixer's conv_states= / recurrent_states=, state_idx=
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def reset(self) -> None:
+        config, mask_window, states = self.model_config, self.mask_window, self.number_of_states
+        self.__init__(self.layer_idx, number_of_states=states)
+        self.model_config, self.mask_window = config, mask_window
+
+    def _reindex_batch(self, order: list[int]) -> None:
+        RaggedLayer._reindex_batch(self, order)
+        LinearAttentionLayer.reorder_cache(self, torch.tensor(order, dtype=torch.long))
+
+
 class RaggedCache(Cache):
     """``Cache(layers=[RaggedLayer, ...])``; pass it as the model's cache argument
     (``runtime.kv_store.transformers_compat.cache_argument``; see the module docstring)."""
 
-    def __init__(self, num_layers: int, recurrent_layers: dict | None = None):
+    def __init__(self, num_layers: int, recurrent_layers: dict | None = None, stateful: dict | None = None):
         """``num_layers`` :class:`RaggedLayer` (the layers with a KV cache); ``recurrent_layers``: a hybrid
         model's other decoder layers, ``{decoder index: transformers' cache layer}`` (``LinearAttentionLayer``:
         a Gated DeltaNet's or a convolution's state of fixed size, which kvcal holds and never evicts), the
-        ragged layers filling the other indices in order."""
+        ragged layers filling the other indices in order; ``stateful``: ``{layer: {"number_of_states": n}}`` of
+        the layers with a KV cache that also run a recurrent mixer (:class:`RaggedRecurrentLayer`, Falcon-H1)."""
         if num_layers <= 0:
             raise ValueError(f"num_layers must be positive, got {num_layers}")
-        recurrent = dict(recurrent_layers or {})
-        ragged = [RaggedLayer(index) for index in range(num_layers)]
+        recurrent, stateful = dict(recurrent_layers or {}), dict(stateful or {})
+        ragged = [
+            RaggedRecurrentLayer(index, **stateful[index]) if index in stateful else RaggedLayer(index)
+            for index in range(num_layers)
+        ]
         queue = iter(ragged)
         super().__init__(
             layers=[recurrent[i] if i in recurrent else next(queue) for i in range(num_layers + len(recurrent))]
@@ -622,7 +652,7 @@ class RaggedCache(Cache):
         """A cache for ``model`` (whose geometry refuses attention the cache cannot compute); it
         refuses a forward pass that does not run the ragged attention."""
         geometry = ModelGeometry.of(model)
-        cache = cls(geometry.num_layers, recurrent_layers(model, geometry))
+        cache = cls(geometry.num_layers, *recurrent_layers(model, geometry))
         for layer, window in zip(cache.attention_layers, mask_windows(model, geometry), strict=True):
             layer.model_config, layer.mask_window = model.config, window
         return cache
@@ -631,6 +661,15 @@ class RaggedCache(Cache):
     def recurrent_layers(self) -> dict:
         """``{decoder index: cache layer}`` of a hybrid model's recurrent layers (empty for other models)."""
         return {index: layer for index, layer in enumerate(self.layers) if not isinstance(layer, RaggedLayer)}
+
+    @property
+    def stateful(self) -> dict:
+        """``{layer: {"number_of_states": n}}`` of the :class:`RaggedRecurrentLayer` among the attention layers."""
+        return {
+            index: {"number_of_states": layer.number_of_states}
+            for index, layer in enumerate(self.attention_layers)
+            if isinstance(layer, RaggedRecurrentLayer)
+        }
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         rows = self.attention_layers[0].batch_size if self.attention_layers[0].is_initialized else 0
@@ -758,7 +797,7 @@ class RaggedCache(Cache):
         recurrent = {
             index: stacked_recurrent_layer([c.layers[index] for c in caches]) for index in first.recurrent_layers
         }
-        stacked = cls(len(first.attention_layers), recurrent)
+        stacked = cls(len(first.attention_layers), recurrent, first.stateful)
         for index, target in enumerate(stacked.attention_layers):
             sources = [c.attention_layers[index] for c in caches]
             if not all(source.is_initialized for source in sources):
@@ -779,6 +818,8 @@ class RaggedCache(Cache):
             capacity = torch.cat([source.capacity for source in sources])  # [B', Hkv]
             target.store = SegmentStore.stacked(base.store, [(source.store, b) for source, b in rows], capacity)
             target.rows = [source.rows[b].copy() for source, b in rows]
+            if isinstance(target, RaggedRecurrentLayer):
+                _stack_states(target, sources)
         return stacked
 
     def stop_observing(self) -> None:
@@ -799,22 +840,31 @@ class RaggedCache(Cache):
             layer.observe_queries = int(count)
 
 
-def recurrent_layers(model, geometry: ModelGeometry) -> dict:
-    """``{decoder index: a new transformers cache layer}`` for ``model``'s layers without a KV cache (a hybrid
-    model's linear attention or convolution layers: ``geometry.layer_indices`` leaves them out), each of the
-    class transformers' own ``DynamicCache`` gives that layer type; empty for other models."""
+def recurrent_layers(model, geometry: ModelGeometry) -> tuple[dict, dict]:
+    """What :class:`RaggedCache` holds of ``model``'s recurrent states: ``({decoder index: a new transformers
+    cache layer}, {layer: options})``, the first for its layers without a KV cache (a hybrid model's linear
+    attention, convolution or MLP layers: ``geometry.layer_indices`` leaves them out), each of the class
+    transformers' own ``DynamicCache`` gives that layer type, the second for its attention layers that also run a
+    recurrent mixer (Falcon-H1's, :class:`RaggedRecurrentLayer`); both empty for other models."""
     config = geometry.text_config
-    if len(geometry.layer_indices) == int(config.num_hidden_layers):
-        return {}
+    types = getattr(config, "layer_types", None) or ()
+    if len(geometry.layer_indices) == int(config.num_hidden_layers) and "hybrid" not in types:
+        return {}, {}
     from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
 
     kinds, options = get_layer_types_and_kwargs(config)
     attention = set(geometry.layer_indices)
-    return {
+    recurrent = {
         index: DYNAMIC_LAYER_TYPE_MAPPING[kind](**option)
         for index, (kind, option) in enumerate(zip(kinds, options, strict=True))
         if index not in attention
     }
+    stateful = {
+        layer: {"number_of_states": options[index].get("number_of_states", 1)}
+        for layer, index in enumerate(geometry.layer_indices)
+        if kinds[index] == "hybrid"
+    }
+    return recurrent, stateful
 
 
 def stacked_recurrent_layer(sources: list):
@@ -822,10 +872,17 @@ def stacked_recurrent_layer(sources: list):
     holding the batch rows of ``sources``
     in order, its conv and recurrent states new tensors (concatenated along the batch), so that decoding the
     result never writes into the sources (transformers updates these states in place)."""
-    base = sources[0]
-    target = copy.copy(base)
-    if not hasattr(base, "conv_states"):  # transformers' DummyLayer (Nemotron-H's MoE and MLP layers): no state
+    target = copy.copy(sources[0])
+    if not hasattr(target, "conv_states"):  # transformers' DummyLayer (Nemotron-H's MoE and MLP layers): no state
         return target
+    _stack_states(target, sources)
+    return target
+
+
+def _stack_states(target, sources: list) -> None:
+    """Give ``target`` (a recurrent layer, or a :class:`RaggedRecurrentLayer`) new conv and recurrent states: those
+    of ``sources`` concatenated along the batch, their flags and kernel sizes the first's."""
+    base = sources[0]
     for name in (
         "conv_states",
         "recurrent_states",
@@ -842,4 +899,3 @@ def stacked_recurrent_layer(sources: list):
                 raise ValueError("caches to stack must all be prefilled")
             if initialized[index]:
                 states[index] = torch.cat([getattr(source, f"{kind}_states")[index] for source in sources])
-    return target

@@ -6,7 +6,10 @@ transformers 5.24 renamed the KV-cache argument of every model's ``forward``, of
 5.2 - 5.23 know only ``past_key_values``.  Callers pass the cache as
 ``model(ids, **cache_argument(model, cache))`` so that no version warns and none refuses.
 And a cache layer's ``get_mask_sizes`` is handed the chunk's length from 5.3 on, its
-``cache_position`` tensor in 5.2 (:func:`query_length` reads either).
+``cache_position`` tensor in 5.2 (:func:`query_length` reads either).  A hybrid model's recurrent
+states live in ``cache_utils.LinearAttentionLayer`` where transformers has it (not 5.2, whose hybrid
+models keep them in cache classes of their own, refused: ``runtime.math.geometry``);
+:data:`LinearAttentionLayer` is None there.
 
 The name is read from the model's own ``forward`` signature (``deprecate_kwarg`` keeps the
 wrapped signature visible through ``functools.wraps``), so a model class that still takes
@@ -19,6 +22,11 @@ import functools
 import inspect
 
 import torch
+
+try:
+    from transformers.cache_utils import LinearAttentionLayer
+except ImportError:  # transformers 5.2
+    LinearAttentionLayer = None
 
 LEGACY_CACHE_NAME = "past_key_values"
 CACHE_NAME = "cache"

@@ -41,6 +41,7 @@ import torch
 from artifacts.fingerprint import (
     LANGUAGE_MODEL_ATTRIBUTES,
     RECURRENT_LAYER_TYPES,
+    STATEFUL_ATTENTION_LAYER_TYPES,
     attention_chunk,
     attention_layer_indices,
     attention_numbers,
@@ -121,12 +122,16 @@ class Projection:
     # the width of each head's block in the output, of which the first ``head_dim`` are the head's: a query
     # projection that also computes the attention's output gate, ``2 d`` per head (Qwen3.5, Qwen3-Next); None: d
     head_width: int | None = None
+    # the factor the attention multiplies the projection by before RoPE (Falcon-H1's key_multiplier); None: 1
+    scale: float | None = None
 
     def take(self, output: torch.Tensor) -> torch.Tensor:
         """The projection ``[B, T, H, d]`` in the hooked module's output ``[B, T, F]``."""
         values = output.detach() if self.features is None else output.detach()[..., self.features]
         if self.head_width is not None:
             values = values.unflatten(-1, (self.heads, self.head_width))[..., : self.head_dim].flatten(-2)
+        if self.scale is not None:
+            values = values * self.scale
         if self.clip is not None:
             values = values.clamp(-self.clip, self.clip)
         batch, tokens = values.shape[0], values.shape[1]
@@ -340,7 +345,8 @@ class ModelGeometry:
                 f"{name}: config says {config.num_hidden_layers} layers, model has {len(layers)}"
             )
         indices = attention_layer_indices(config)
-        if len(indices) != len(layers):
+        types = getattr(config, "layer_types", None) or ()
+        if len(indices) != len(layers) or any(kind in STATEFUL_ATTENTION_LAYER_TYPES for kind in types):
             _refuse_recurrent_layers_kvcal_cannot_hold(name, layers, config)
 
         try:
@@ -356,7 +362,8 @@ class ModelGeometry:
         projections: dict[str, list[Projection]] = {"query": [], "key": [], "value": []}
         for index in indices:
             layer = layers[index]
-            if getattr(layer, "mamba", None) is not None:  # transformers 5.2's Falcon-H1 and Bamba: no layer types
+            # transformers 5.2's Falcon-H1 and Bamba: no layer types (newer ones type them hybrid, linear_attention)
+            if getattr(layer, "mamba", None) is not None and not types:
                 raise UnsupportedModelError(
                     f"{name}: a state-space (Mamba) mixer in layer {index} (as in Falcon-H1 and Bamba) is not "
                     "supported: kvcal evicts attention KV caches only"
@@ -585,7 +592,8 @@ def attention_of(layer) -> torch.nn.Module | None:
 
 def _refuse_recurrent_layers_kvcal_cannot_hold(name: str, layers, config) -> None:
     """A hybrid model's recurrent layers (``config.layer_types``: :data:`RECURRENT_LAYER_TYPES`) keep a state of
-    fixed size, which kvcal's cache
+    fixed size (so do the recurrent mixers beside attention of :data:`STATEFUL_ATTENTION_LAYER_TYPES`, Falcon-H1's),
+    which kvcal's cache
     holds in transformers' own cache layers (``cache_utils.LinearAttentionLayer``) beside its attention layers:
     refuse a transformers without them (5.2 keeps the state in each model's own cache class) and a mixer that
     does not read and write its state through the cache's ``update_conv_state`` / ``update_recurrent_state``."""
@@ -598,7 +606,7 @@ def _refuse_recurrent_layers_kvcal_cannot_hold(name: str, layers, config) -> Non
             "model's own cache class, which kvcal's cache is not"
         )
     for index, layer in enumerate(layers):
-        if config.layer_types[index] not in RECURRENT_LAYER_TYPES:
+        if config.layer_types[index] not in (*RECURRENT_LAYER_TYPES, *STATEFUL_ATTENTION_LAYER_TYPES):
             continue
         mixer = next((getattr(layer, a) for a in RECURRENT_MIXERS if getattr(layer, a, None) is not None), layer)
         try:
@@ -730,9 +738,15 @@ def _projections(name: str, index: int, attention, numbers: dict) -> dict[str, P
     k_proj = _linear(name, index, attention, "k_proj", kv_heads * dim, f"{kv_heads} KV heads x {dim}")
     v_proj = _linear(name, index, attention, "v_proj", kv_heads * dim, f"{kv_heads} KV heads x {dim}")
     query = _read(name, index, attention, "q", q_proj, heads, dim)
+    key = _read(name, index, attention, "k", k_proj, kv_heads, dim)
+    multiplier = getattr(attention, "key_multiplier", None)  # Falcon-H1: keys = k_proj(x) * key_multiplier
+    if isinstance(multiplier, (int, float)) and not isinstance(multiplier, bool) and multiplier != 1:
+        if key.norm is not None:
+            raise UnsupportedModelError(f"{name}: layer {index} scales its keys and normalises them")
+        key = dataclasses.replace(key, scale=float(multiplier))
     return {
         "query": dataclasses.replace(query, head_width=2 * dim) if gated else query,
-        "key": _read(name, index, attention, "k", k_proj, kv_heads, dim),
+        "key": key,
         "value": Projection(v_proj, kv_heads, dim),
     }
 
