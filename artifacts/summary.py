@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from .reader import ArtifactReader
@@ -222,13 +224,23 @@ def _described(sections: dict, name: str) -> bool:
     return name in sections and not sections[name].get("generic")
 
 
+def _layers(model: dict) -> str:
+    """``"L layers"``; of a hybrid model ``"L attention layers (decoder layers 3, 7, ...)"``."""
+    variant = json.loads(model.get("attention_variant") or "{}")
+    indices = variant.get("attention_layers")
+    if not indices:
+        return f"{model['num_layers']} layers"
+    shown = ", ".join(str(i) for i in indices[:8]) + (", ..." if len(indices) > 8 else "")
+    return f"{model['num_layers']} attention layers (decoder layers {shown})"
+
+
 def format_summary(summary: dict) -> str:
     """The summary as human-readable text."""
     m = summary["model"]
     lines = [
         f"{summary['path']}: valid calibration artifact (schema {summary['schema_version']}, "
         f"kvcal {summary['toolkit_version']}, created {summary['created']})",
-        f"model       {m['name']} ({m['model_type']}: {m['num_layers']} layers, {m['num_q_heads']} query heads, "
+        f"model       {m['name']} ({m['model_type']}: {_layers(m)}, {m['num_q_heads']} query heads, "
         f"{m['num_kv_heads']} KV heads, head dim {m['head_dim']}, RoPE theta {m['rope_theta']:g}"
         f"{', query norm' if m['query_norm'] else ''})",
         f"fingerprints  arch {m['arch_fingerprint'][:16]}  weights {m['weights_fingerprint'][:16]}  "

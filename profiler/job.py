@@ -170,7 +170,8 @@ class ProfileJob:
         self.loaded = loaded_as(self.model)
         self.identity = model_identity(self.model, self.tokenizer, options.model or "embedded")
         self.say(
-            f"model {self.identity.name} ({self.identity.model_type}, {self.geometry.num_layers} layers, "
+            f"model {self.identity.name} ({self.identity.model_type}, {self.geometry.num_layers} "
+            f"{'layers' if self.geometry.layer_indices[-1] + 1 == self.geometry.num_layers else 'attention layers'}, "
             f"{self.geometry.num_q_heads} query / {self.geometry.num_kv_heads} KV heads, "
             f"d={self.geometry.head_dim}; {self.loaded['dtype']}, {self.loaded['attn_implementation']} attention) "
             f"loaded in {time.perf_counter() - started:.1f} s; output: {self.out}"

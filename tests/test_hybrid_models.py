@@ -255,6 +255,7 @@ def test_a_profile_of_a_hybrid_model_is_served_back(tmp_path, embedded_tokenizer
     from conftest import single_thread, tiny_profile_args, write_tiny_model_dir
 
     from artifacts import open_artifact
+    from artifacts.summary import format_summary, summarize
     from profiler.cli import main
     from profiler.stages import STAGE_NAMES
 
@@ -265,11 +266,13 @@ def test_a_profile_of_a_hybrid_model_is_served_back(tmp_path, embedded_tokenizer
     with single_thread():
         code = main(tiny_profile_args(model_dir, out, "--stages", ",".join(STAGE_NAMES), *families, calib_samples=4))
     assert code == 0, capsys.readouterr().err
+    assert "(qwen3_5_text, 2 attention layers, 4 query / 2 KV heads" in capsys.readouterr().out
     with open_artifact(out) as reader:
         assert len(reader.sections) == 8 and reader.model.num_layers == 2
         assert reader.section("behaviour")["steps"].shape == (2, 4)
         assert np.all(reader.section("behaviour")["steps"] > 0)
         assert reader.section("budgets")["inf_kv"].shape == (2, 2)
+        assert "qwen3_5_text: 2 attention layers (decoder layers 1, 3)" in format_summary(summarize(reader))
         assert np.all(np.isfinite(reader.section("moments")["errors"]))
     from profiler.evaluate_cli import main as evaluate
 
