@@ -226,16 +226,19 @@ def test_kvzip_on_attention_beside_a_recurrent_mixer_is_refused_by_name():
         kvzip_scores(model, ToyTokenizer(), cache, [1] + list(range(3, 40)))
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5", "falcon_h1"])
 @pytest.mark.parametrize("policy", [None, CompressionPolicy(compression_ratio=0.75, scorer="keydiff")], ids=repr)
-def test_decode_steps_of_a_hybrid_model_are_replayed(policy, monkeypatch):
+def test_decode_steps_of_a_hybrid_model_are_replayed(policy, model_type, monkeypatch):
     """With the page kernel a GPU runs, a hybrid model's decode steps (the recurrent layers' states updated in
-    place, at their addresses) replay from a graph (tests/step_replay.py's recorder on the CPU) and generate
-    what eager steps generate."""
+    place, at their addresses; Falcon-H1's in its attention layers) replay from a graph (tests/step_replay.py's
+    recorder on the CPU) and generate what eager steps generate."""
     from step_replay import RecordedStep
+    from test_architecture_matrix import tiny_model
 
     monkeypatch.setenv(DECODE_KERNEL_VARIABLE, "pages")
-    model = hybrid()
+    model = hybrid() if model_type == "qwen3_5" else tiny_model(model_type)
     ids, mask = _prompt()
+    ids = ids % model.config.vocab_size
     runs = []
     for graphs in (False, RecordedStep):
         with ragged_attention(model):
