@@ -163,6 +163,51 @@ SERVED = {
         ),
         "qwen3_5_moe_text",
     ),
+    "lfm2_vl": (
+        dict(
+            text_config=dict(model_type="lfm2", **TEXT, full_attn_idxs=[1, 3]),  # hybrid: convolution layers 0, 2
+            vision_config=dict(model_type="siglip2_vision_model", **VISION),
+            image_token_id=255,
+        ),
+        "lfm2",
+    ),
+    "cohere2_vision": (
+        dict(
+            text_config=dict(model_type="cohere2", **TEXT, sliding_window=32, logit_scale=1.0),  # as Aya Vision's
+            vision_config=dict(model_type="siglip_vision_model", **VISION),
+            image_token_id=255,
+        ),
+        "cohere2",
+    ),
+    "llava_next_video": (
+        dict(
+            text_config=dict(model_type="llama", **TEXT),
+            vision_config=dict(model_type="clip_vision_model", **VISION),
+            video_token_index=254,
+            **IMAGE,
+            **PINPOINTS,
+        ),
+        "llama",
+    ),
+    "video_llava": (
+        dict(
+            text_config=dict(model_type="llama", **TEXT),
+            vision_config=dict(model_type="clip_vision_model", **VISION),
+            video_token_index=254,
+            **IMAGE,
+        ),
+        "llama",
+    ),
+    "vipllava": (
+        dict(
+            text_config=dict(model_type="llama", **TEXT),
+            vision_config=dict(model_type="clip_vision_model", **VISION),
+            **IMAGE,
+        ),
+        "llama",
+    ),
+    "ovis2": (dict(text_config=dict(model_type="qwen2", **TEXT), image_token_id=255), "qwen2"),
+    "lighton_ocr": (dict(text_config=dict(model_type="qwen3", **TEXT), image_token_id=255), "qwen3"),
     "internvl": (
         dict(
             text_config=dict(model_type="qwen2", **TEXT),
@@ -194,13 +239,13 @@ _SPECIAL_TOKENS = frozenset(
 
 
 # transformers 5.2's Qwen2-VL / Qwen2.5-VL / Qwen3-VL rotary modules take only [3, B, T] positions: refused there
-# by that name (5.24's take one position per token, as every other kvcal serves); its Qwen3.5 keeps the linear
-# attention state in a cache class of its own (hybrid models: tests/test_architecture_matrix.py)
+# by that name (5.24's take one position per token, as every other kvcal serves); its Qwen3.5 and LFM2 keep their
+# recurrent states in cache classes of their own (hybrid models: tests/test_architecture_matrix.py)
 OLDER_TRANSFORMERS = Version(T.__version__) < Version("5.3")
 QWEN_VL = ("qwen2_vl", "qwen2_5_vl")
 REFUSED_ON_OLDER = {
     **dict.fromkeys(QWEN_VL, r"its rotary embedding does not take one position per token"),
-    **dict.fromkeys(("qwen3_5", "qwen3_5_moe"), r"a hybrid model \(linear attention"),
+    **dict.fromkeys(("qwen3_5", "qwen3_5_moe", "lfm2_vl"), r"a hybrid model \(linear attention"),
 }
 
 

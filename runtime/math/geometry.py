@@ -52,8 +52,9 @@ from artifacts.fingerprint import (
 )
 
 # The multimodal checkpoints whose language model kvcal serves on text (Gemma 3 from 4B, Mistral Small 3.1 /
-# 3.2, the LLaVA family, Idefics3 and SmolVLM, Aya Vision, InternVL, Qwen2-VL / Qwen2.5-VL / Qwen3-VL, Qwen3.5
-# and its MoE): for each,
+# 3.2, the LLaVA family (LLaVA-NeXT-Video, Video-LLaVA, ViP-LLaVA too), Idefics3 and SmolVLM, Aya Vision and
+# Command A Vision, InternVL, Ovis2, LightOnOCR, LFM2-VL, Qwen2-VL / Qwen2.5-VL / Qwen3-VL, Qwen3.5 and its MoE):
+# for each,
 # tests/test_multimodal_checkpoints.py checks that the wrapper's text path is its language model's (positions,
 # masks, logits) and that kvcal serves it as that language model alone (Qwen's multimodal RoPE turns a text
 # token's three position sections by one position: 1-D RoPE, Qwen2's and Qwen3's).  Others may number positions
@@ -62,19 +63,26 @@ from artifacts.fingerprint import (
 MULTIMODAL_SERVED = frozenset(
     (
         "aya_vision",
+        "cohere2_vision",
         "gemma3",
         "idefics3",
         "internvl",
+        "lfm2_vl",
+        "lighton_ocr",
         "llava",
         "llava_next",
+        "llava_next_video",
         "llava_onevision",
         "mistral3",
+        "ovis2",
         "qwen2_5_vl",
         "qwen2_vl",
         "qwen3_5",
         "qwen3_5_moe",
         "qwen3_vl",
         "smolvlm",
+        "video_llava",
+        "vipllava",
     )
 )
 # the language models of multimodal checkpoints as transformers' causal LM loads them alone, keeping the wrapper's
