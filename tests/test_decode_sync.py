@@ -267,13 +267,18 @@ def test_learned_attention_sinks_add_no_synchronisation(correction, one_thread):
     synchronises no more than the same model's plain step (its experts' routing reads back in both)."""
     from test_attention_sinks import gpt_oss
 
-    model = gpt_oss(layer_types=["full_attention"] * 4)
-    ids = torch.randint(3, 256, (2, 240), generator=torch.Generator().manual_seed(3))
+    _keydiff_step_against_plain(gpt_oss(layer_types=["full_attention"] * 4), 256, correction, "sinks")
+
+
+def _keydiff_step_against_plain(model, vocabulary: int, correction: str, name: str) -> None:
+    """A decode step of ``model`` (a 192-token prompt of two rows) under keydiff at 75% evicted with
+    ``correction`` synchronises no more than the same model's plain step."""
+    ids = torch.randint(3, vocabulary, (2, 240), generator=torch.Generator().manual_seed(3))
     prompt, decode = ids[:, :192], ids[:, 191:]
     plain_syncs, plain_ops = decode_step_counts(model, _plain_cache(model, prompt[:, :-1]), decode)
     policy = CompressionPolicy(compression_ratio=0.75, scorer="keydiff", correction=correction)
     syncs, ops = decode_step_counts(model, _compressed(model, prompt, policy), decode)
-    print(f"sinks ({correction}): {_total(syncs)} syncs {dict(syncs)}, {ops} aten ops; plain {dict(plain_syncs)}")
+    print(f"{name} ({correction}): {_total(syncs)} syncs {dict(syncs)}, {ops} aten ops; plain {dict(plain_syncs)}")
     assert _total(syncs) <= _total(plain_syncs), f"{dict(syncs)} vs plain's {dict(plain_syncs)}"
 
 
@@ -286,14 +291,7 @@ def test_a_hybrid_models_recurrent_layers_add_no_synchronisation(correction, one
 
     if not hasattr(transformers.cache_utils, "LinearAttentionLayer"):
         pytest.skip(f"transformers {transformers.__version__} refuses hybrid models (tests/test_hybrid_models.py)")
-    model = hybrid()
-    ids = torch.randint(3, 500, (2, 240), generator=torch.Generator().manual_seed(3))
-    prompt, decode = ids[:, :192], ids[:, 191:]
-    plain_syncs, plain_ops = decode_step_counts(model, _plain_cache(model, prompt[:, :-1]), decode)
-    policy = CompressionPolicy(compression_ratio=0.75, scorer="keydiff", correction=correction)
-    syncs, ops = decode_step_counts(model, _compressed(model, prompt, policy), decode)
-    print(f"hybrid ({correction}): {_total(syncs)} syncs {dict(syncs)}, {ops} aten ops; plain {dict(plain_syncs)}")
-    assert _total(syncs) <= _total(plain_syncs), f"{dict(syncs)} vs plain's {dict(plain_syncs)}"
+    _keydiff_step_against_plain(hybrid(), 500, correction, "hybrid")
 
 
 @pytest.mark.slow

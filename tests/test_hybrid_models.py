@@ -44,31 +44,14 @@ pytestmark = [
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
 
-def hybrid(vocab_size: int = 512, seed: int = 0):
-    """A tiny Qwen3.5 (text): Gated DeltaNet layers 0 and 2, gated attention layers 1 and 3 (their query
-    projection also computes the output gate), partial RoPE; random weights of ``seed``, float32."""
-    config = T.Qwen3_5TextConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        layer_types=LAYER_TYPES,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        max_position_embeddings=1024,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(seed)
-    model = T.Qwen3_5ForCausalLM(config).eval()
-    model.generation_config.pad_token_id = 0
-    return model
+def hybrid(vocab_size: int = 512):
+    """A tiny Qwen3.5 (text; tests/test_architecture_matrix.py's shapes): Gated DeltaNet layers 0 and 2, gated
+    attention layers 1 and 3 (their query projection also computes the output gate), partial RoPE; random weights
+    of seed 0, float32."""
+    from test_architecture_matrix import tiny_model
+
+    linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+    return tiny_model("qwen3_5_text", vocab_size=vocab_size, layer_types=LAYER_TYPES, **linear)
 
 
 def test_the_cache_holds_the_attention_layers_and_transformers_the_recurrent_states():

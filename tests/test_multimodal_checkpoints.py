@@ -78,6 +78,17 @@ QWEN3_5_TEXT = dict(
 )
 QWEN3_5_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
+
+def _clip_llama(**extra) -> dict:
+    """The arguments of a tiny LLaVA-family config: a Llama beside a CLIP tower, and ``extra``."""
+    return dict(
+        text_config=dict(model_type="llama", **TEXT),
+        vision_config=dict(model_type="clip_vision_model", **VISION),
+        **IMAGE,
+        **extra,
+    )
+
+
 # model type: (its config's arguments, the model type of its language model, as in EXACT)
 SERVED = {
     "gemma3": (
@@ -99,14 +110,7 @@ SERVED = {
         ),
         "mistral",
     ),
-    "llava": (
-        dict(
-            text_config=dict(model_type="llama", **TEXT),
-            vision_config=dict(model_type="clip_vision_model", **VISION),
-            **IMAGE,
-        ),
-        "llama",
-    ),
+    "llava": (_clip_llama(), "llama"),
     "llava_next": (
         dict(
             text_config=dict(model_type="mistral", **TEXT),
@@ -179,33 +183,9 @@ SERVED = {
         ),
         "cohere2",
     ),
-    "llava_next_video": (
-        dict(
-            text_config=dict(model_type="llama", **TEXT),
-            vision_config=dict(model_type="clip_vision_model", **VISION),
-            video_token_index=254,
-            **IMAGE,
-            **PINPOINTS,
-        ),
-        "llama",
-    ),
-    "video_llava": (
-        dict(
-            text_config=dict(model_type="llama", **TEXT),
-            vision_config=dict(model_type="clip_vision_model", **VISION),
-            video_token_index=254,
-            **IMAGE,
-        ),
-        "llama",
-    ),
-    "vipllava": (
-        dict(
-            text_config=dict(model_type="llama", **TEXT),
-            vision_config=dict(model_type="clip_vision_model", **VISION),
-            **IMAGE,
-        ),
-        "llama",
-    ),
+    "llava_next_video": (_clip_llama(video_token_index=254, **PINPOINTS), "llama"),
+    "video_llava": (_clip_llama(video_token_index=254), "llama"),
+    "vipllava": (_clip_llama(), "llama"),
     "ovis2": (dict(text_config=dict(model_type="qwen2", **TEXT), image_token_id=255), "qwen2"),
     "lighton_ocr": (dict(text_config=dict(model_type="qwen3", **TEXT), image_token_id=255), "qwen3"),
     "internvl": (
