@@ -599,26 +599,34 @@ def attention_of(layer) -> torch.nn.Module | None:
 
 
 def _refuse_recurrent_layers_kvcal_cannot_hold(name: str, layers, config) -> None:
-    """A hybrid model's recurrent layers (``config.layer_types``: :data:`RECURRENT_LAYER_TYPES`) keep a state of
-    fixed size (so do the recurrent mixers beside attention of :data:`STATEFUL_ATTENTION_LAYER_TYPES`, Falcon-H1's),
-    which kvcal's cache
-    holds in transformers' own cache layers (``cache_utils.LinearAttentionLayer``) beside its attention layers:
-    refuse a transformers without them (5.2 keeps the state in each model's own cache class) and a mixer that
-    does not read and write its state through the cache's ``update_conv_state`` / ``update_recurrent_state``."""
+    """A hybrid model's recurrent layers (``config.layer_types``: :data:`RECURRENT_LAYER_TYPES`; and the mixers
+    beside attention of :data:`STATEFUL_ATTENTION_LAYER_TYPES`, Falcon-H1's) keep a state of fixed size, which
+    kvcal's cache holds in transformers' own cache layers (``cache_utils.LinearAttentionLayer``), one per layer
+    type as transformers' ``DynamicCache`` builds them (``get_layer_types_and_kwargs``: options per layer from
+    transformers 5.19; checked on 5.19, 5.20, 5.23 and 5.24).  Refuse a transformers without that (5.2 keeps the
+    states in each model's own cache class, 5.17 and 5.18 give one set of options for every layer) and a mixer
+    that does not read and write its state through the cache's ``update_conv_state`` / ``update_recurrent_state``."""
+    import transformers
     from transformers import cache_utils
 
-    if not hasattr(cache_utils, "LinearAttentionLayer"):
+    layout = getattr(cache_utils, "get_layer_types_and_kwargs", None)
+    per_layer = False
+    if layout is not None and hasattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING"):
+        options = layout(config)[1]
+        per_layer = isinstance(options, list) and len(options) == len(layers)
+    if not per_layer:
         raise UnsupportedModelError(
-            f"{name}: a hybrid model (linear attention or convolution layers beside attention) needs a transformers "
-            "whose Cache holds such layers (cache_utils.LinearAttentionLayer); this one keeps their state in the "
-            "model's own cache class, which kvcal's cache is not"
+            f"{name}: a hybrid model (linear attention, convolution or Mamba layers beside attention) needs a "
+            "transformers whose Cache builds one layer per layer type, linear attention layers included "
+            f"(cache_utils.get_layer_types_and_kwargs with options per layer: 5.19 on); transformers "
+            f"{transformers.__version__} keeps their state otherwise"
         )
     for index, layer in enumerate(layers):
         if config.layer_types[index] not in (*RECURRENT_LAYER_TYPES, *STATEFUL_ATTENTION_LAYER_TYPES):
             continue
         mixer = next((getattr(layer, a) for a in RECURRENT_MIXERS if getattr(layer, a, None) is not None), layer)
         try:
-            source = inspect.getsource(type(mixer).forward) if mixer is not None else ""
+            source = inspect.getsource(type(mixer).forward)
         except (OSError, TypeError):
             source = ""
         if "update_conv_state" not in source and "update_recurrent_state" not in source:
