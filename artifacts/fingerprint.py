@@ -167,13 +167,12 @@ def layer_attention(config) -> tuple[tuple[int | None, ...], tuple[float | None,
             )
         if len(types) != layers:
             raise ValueError(f"config has {len(types)} layer types for {layers} layers")
-        if not attention_layer_indices(config):
+        indices = attention_layer_indices(config)
+        if not indices:
             raise ValueError(
                 "no attention layer (every layer type is linear attention, convolution or MLP): no KV cache"
             )
-        windows = tuple(
-            window if types[index] == "sliding_attention" else None for index in attention_layer_indices(config)
-        )
+        windows = tuple(window if types[index] == "sliding_attention" else None for index in indices)
     cap = getattr(config, "attn_logit_softcapping", None)
     return windows, (float(cap) if cap else None,) * len(windows)
 
@@ -386,8 +385,7 @@ def has_query_norm(model) -> bool:
     if stack is None:
         scopes = [model]
     else:
-        indices = attention_layer_indices(model.config) if hasattr(model, "config") else range(len(stack.layers))
-        scopes = [stack.layers[index] for index in indices if index < len(stack.layers)]
+        scopes = [stack.layers[index] for index in attention_layer_indices(model.config) if index < len(stack.layers)]
     for scope in scopes:
         for module in scope.modules():
             if hasattr(module, "q_proj"):

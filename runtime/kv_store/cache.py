@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from artifacts.fingerprint import STATEFUL_ATTENTION_LAYER_TYPES
 from runtime.kv_store.layer_attention import (
     chunk_only_attention,
     decode_kernel,
@@ -848,7 +849,9 @@ def recurrent_layers(model, geometry: ModelGeometry) -> tuple[dict, dict]:
     recurrent mixer (Falcon-H1's, :class:`RaggedRecurrentLayer`); both empty for other models."""
     config = geometry.text_config
     types = getattr(config, "layer_types", None) or ()
-    if len(geometry.layer_indices) == int(config.num_hidden_layers) and "hybrid" not in types:
+    if len(geometry.layer_indices) == int(config.num_hidden_layers) and not set(types) & set(
+        STATEFUL_ATTENTION_LAYER_TYPES
+    ):
         return {}, {}
     from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
 
@@ -862,7 +865,7 @@ def recurrent_layers(model, geometry: ModelGeometry) -> tuple[dict, dict]:
     stateful = {
         layer: {"number_of_states": options[index].get("number_of_states", 1)}
         for layer, index in enumerate(geometry.layer_indices)
-        if kinds[index] == "hybrid"
+        if kinds[index] in STATEFUL_ATTENTION_LAYER_TYPES
     }
     return recurrent, stateful
 

@@ -625,10 +625,7 @@ def _refuse_recurrent_layers_kvcal_cannot_hold(name: str, layers, config) -> Non
         if config.layer_types[index] not in (*RECURRENT_LAYER_TYPES, *STATEFUL_ATTENTION_LAYER_TYPES):
             continue
         mixer = next((getattr(layer, a) for a in RECURRENT_MIXERS if getattr(layer, a, None) is not None), layer)
-        try:
-            source = inspect.getsource(type(mixer).forward)
-        except (OSError, TypeError):
-            source = ""
+        source = _forward_source(type(mixer))
         if "update_conv_state" not in source and "update_recurrent_state" not in source:
             raise UnsupportedModelError(
                 f"{name}: layer {index} is a recurrent layer ({type(mixer).__name__}) that does not keep its state "
@@ -775,11 +772,18 @@ def _output_gate_in_queries(attention, features: int) -> bool:
     q_proj = getattr(attention, "q_proj", None)
     if not isinstance(q_proj, torch.nn.Linear) or q_proj.out_features != 2 * features:
         return False
-    try:
-        source = inspect.getsource(type(attention).forward)
-    except (OSError, TypeError):
-        return False
+    source = _forward_source(type(attention))
     return "gate" in source and "torch.chunk(" in source and "head_dim * 2" in source
+
+
+@functools.cache
+def _forward_source(module_class: type) -> str:
+    """The source of ``module_class.forward`` ("" where it cannot be read), read once per class: the geometry
+    reads it per layer and is rebuilt at every call of an entry point."""
+    try:
+        return inspect.getsource(module_class.forward)
+    except (OSError, TypeError):
+        return ""
 
 
 def _read(name: str, index: int, attention, side: str, linear, heads: int, dim: int) -> Projection:
