@@ -140,8 +140,7 @@ def layer_attention(config) -> tuple[tuple[int | None, ...], tuple[float | None,
     The one place these are read: the architecture fingerprint records them
     (:func:`attention_variant`) and ``runtime.math.geometry.ModelGeometry`` carries them.  Raises
     ``ValueError`` for a layer type other than full or sliding attention, or chunked attention with a
-    chunk size (Llama 4's ``chunked_attention`` layers: inside one chunk, :func:`attention_chunk`, they
-    attend to every earlier token, which is all kvcal serves of them).
+    chunk size (Llama 4's ``chunked_attention`` layers, :func:`attention_chunks`).
     """
     config = text_config(config)
     layers = int(config.num_hidden_layers)
@@ -179,15 +178,25 @@ def layer_attention(config) -> tuple[tuple[int | None, ...], tuple[float | None,
 
 def attention_chunk(config) -> int | None:
     """The attention chunk of a model with chunked attention (Llama 4's ``attention_chunk_size``, 8192 in its
-    checkpoints: a chunked layer's query attends only to the keys of its own chunk of that many positions),
-    else None.  Inside the first chunk a chunked layer attends to every earlier token; kvcal serves such a
-    model there only (``runtime.math.geometry.position_limit``).  A size without ``chunked_attention`` layers
-    (a Llama's config carrying one) is ignored, as the model's own mask ignores it."""
+    checkpoints: a chunked layer's query at position ``p`` attends only to the keys at ``k <= p`` of its own
+    chunk of that many positions, ``k // C == p // C``), else None.  A size without ``chunked_attention``
+    layers (a Llama's config carrying one) is ignored, as the model's own mask ignores it."""
     config = text_config(config)
     size = getattr(config, "attention_chunk_size", None)
     if "chunked_attention" not in (getattr(config, "layer_types", None) or ()):
         return None
     return int(size) if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def attention_chunks(config) -> tuple[int | None, ...]:
+    """Per attention layer (:func:`attention_layer_indices`): the chunk its queries attend within
+    (:func:`attention_chunk`) for a ``chunked_attention`` layer, else None (Llama 4: three layers in four)."""
+    chunk = attention_chunk(config)
+    types = getattr(text_config(config), "layer_types", None)
+    indices = attention_layer_indices(config)
+    if chunk is None or types is None:
+        return (None,) * len(indices)
+    return tuple(chunk if types[index] == "chunked_attention" else None for index in indices)
 
 
 def attention_variant(config) -> dict:

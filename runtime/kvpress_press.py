@@ -171,7 +171,8 @@ class CalibratedPress(BasePress):
         chunk = attention_chunk(self.plan.geometry.text_config)
         if chunk is not None and keys.shape[2] > chunk:
             raise ValueError(
-                f"a context of {keys.shape[2]} tokens is past {past_the_chunk(chunk)}: shorten the context"
+                f"a context of {keys.shape[2]} tokens is past {past_the_chunk(chunk)}, which the press does not "
+                f"score as they attend; {_USE_THE_RUNTIME}, or shorten the context"
             )
         keep = self.kept_rows(module, hidden_states, keys, values, kwargs)  # [B, Hkv, T]
         module.masked_key_indices = torch.nonzero(~keep, as_tuple=True)  # (batch, head, row), as AdaKV's

@@ -14,9 +14,10 @@ from runtime.kv_store.segments import SegmentStore
 SOFTCAP = 2.0  # small, so that the cap changes the weights visibly
 
 
-def _naive(query, keys, values, positions, offsets, limit, query_positions, window, softcap, scaling):
+def _naive(query, keys, values, positions, offsets, limit, query_positions, window, softcap, scaling, chunk=None):
     """Per (segment, query row): softmax over the segment's first ``limit`` rows whose position
-    ``k`` satisfies ``p - k < window`` (``p`` the query's position), logits capped."""
+    ``k`` satisfies ``p - k < window`` (``p`` the query's position) and ``k // chunk == p // chunk``, logits
+    capped."""
     segments, rows, dim = query.shape
     out = torch.zeros(segments, rows, dim, dtype=torch.float64)
     lse = torch.full((segments, rows), float("-inf"), dtype=torch.float64)
@@ -26,6 +27,7 @@ def _naive(query, keys, values, positions, offsets, limit, query_positions, wind
                 offsets[s] + j
                 for j in range(int(limit[s, m]))
                 if window is None or int(query_positions[s, m]) - int(positions[offsets[s] + j]) < window
+                if chunk is None or int(query_positions[s, m]) // chunk == int(positions[offsets[s] + j]) // chunk
             ]
             if not chosen:
                 continue
@@ -44,9 +46,11 @@ def _pages(capacities, page):
 
 
 @pytest.mark.parametrize("softcap", [None, SOFTCAP])
-@pytest.mark.parametrize("window", [None, 1, 3, 7])
+@pytest.mark.parametrize("window, chunk", [(None, None), (1, None), (3, None), (7, None), (None, 2), (None, 5)])
 @pytest.mark.parametrize("page", [1, 4])
-def test_segment_attention_with_a_window_and_soft_capping_equals_the_direct_computation(page, window, softcap):
+def test_segment_attention_with_a_window_and_soft_capping_equals_the_direct_computation(page, window, chunk, softcap):
+    """Chunks of 2 and 5 positions (Llama 4's chunked layers: ``k // C == p // C``) cut some queries off from
+    every row they could see: ``out = 0``, ``lse = -inf``, as the direct computation."""
     generator = torch.Generator().manual_seed(0)
     capacities = [page * n for n in (3, 2, 4)]
     segments, rows, dim = len(capacities), 5, 8
@@ -62,12 +66,16 @@ def test_segment_attention_with_a_window_and_soft_capping_equals_the_direct_comp
     last = torch.stack([positions[offsets[s] + limit[s].clamp(min=1) - 1] for s in range(segments)]).long()
     query_positions = last + torch.randint(0, 3, (segments, rows), generator=generator)
     owner, start = _pages(capacities, page)
-    span = None if window is None else Window(positions.view(-1, page), query_positions, window)
+    span = (
+        None
+        if window is None and chunk is None
+        else Window.of(positions.view(-1, page), query_positions, window, chunk)
+    )
     out, lse = segment_attention(
         query, keys.view(-1, page, dim), values.view(-1, page, dim), owner, start, limit, 0.37,
         softcap=softcap, window=span,
     )  # fmt: skip
-    expected = _naive(query, keys, values, positions, offsets, limit, query_positions, window, softcap, 0.37)
+    expected = _naive(query, keys, values, positions, offsets, limit, query_positions, window, softcap, 0.37, chunk)
     torch.testing.assert_close(out.double(), expected[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), expected[1], atol=1e-5, rtol=1e-5)
 

@@ -292,6 +292,16 @@ def test_a_hybrid_models_recurrent_layers_add_no_synchronisation(correction, one
     _keydiff_step_against_plain(hybrid(), 500, correction, "hybrid")
 
 
+@pytest.mark.parametrize("correction", ["none", "order1"])
+def test_a_chunked_layer_adds_no_synchronisation(correction, one_thread):
+    """Llama 4 with attention chunks of 64 positions (tests/test_chunked_attention.py; the prompt's 191 tokens
+    cross two boundaries, the step measured none): its chunked layers drop their rows only after a step that opens
+    a chunk, decided on the host, so a decode step synchronises no more than the model's plain step."""
+    from test_rope_forms import _llama4_with_chunks
+
+    _keydiff_step_against_plain(_llama4_with_chunks(64), 256, correction, "Llama 4, chunks of 64")
+
+
 @pytest.mark.slow
 def test_the_flagship_decode_step_on_the_embedded_model(embedded_model, embedded_tokenizer, smoke_artifact, one_thread):
     """The flagship ``inf/leverage+correction`` with the smoke artifact's budgets and correction

@@ -6,7 +6,7 @@ runtime computes what the model computes, refused by name elsewhere.
   fourth layer has no RoPE and scales its queries by position (attention temperature tuning,
   arXiv 2501.19399), the others normalise after the rotation.  Nothing evicted, it is served exactly;
   so are the scorers that read RoPE (the norm and the factor read by the geometry).  With
-  ``attention_chunk_size`` set it is refused as chunked attention.
+  ``attention_chunk_size`` set its RoPE layers attend within chunks: tests/test_chunked_attention.py.
 """
 
 from __future__ import annotations
@@ -136,32 +136,16 @@ def _llama4_with_chunks(chunk: int):
 
 
 def test_llama4_is_served_exactly_inside_its_first_attention_chunk():
-    """Llama 4's RoPE layers attend within chunks of ``attention_chunk_size`` positions (transformers cuts them by
-    column); inside the first chunk they attend to every earlier token, and kvcal serves the model there:
-    nothing evicted is transformers' own on a left-padded batch whose 300 columns and 20 new tokens fit in a
-    chunk of 320, and the flagship's leverage scorer evicts.  It was refused whatever the prompt."""
+    """Llama 4's RoPE layers attend within chunks of ``attention_chunk_size`` positions; inside the first chunk
+    they attend to every earlier token: nothing evicted is transformers' own on a left-padded batch whose 300
+    columns and 20 new tokens fit in a chunk of 320, and the flagship's leverage scorer evicts.  Past the first
+    chunk: tests/test_chunked_attention.py."""
     model = _llama4_with_chunks(PROMPT + STEPS)
     assert_served_exactly(model)
     ids, mask = _prompt()
     with torch.no_grad():
         result = generate(model, ids, CompressionPolicy(keep_ratio=0.25), attention_mask=mask, max_new_tokens=STEPS)
     assert result.report.kv_bytes_after < result.report.kv_bytes_before
-
-
-def test_llama4_is_refused_past_its_first_attention_chunk():
-    """Past the first chunk its chunked layers attend within chunks, which kvcal does not compute: a prompt
-    longer than the chunk, or a generation that would reach past it, is refused by name before anything runs
-    (transformers counts padding columns into the chunks, and so does the check)."""
-    model = _llama4_with_chunks(PROMPT + STEPS - 1)
-    ids, mask = _prompt()
-    with pytest.raises(ValueError, match=r"300 columns .* 20 new tokens .* attention chunk of 319 positions"):
-        generate(model, ids, None, attention_mask=mask, max_new_tokens=STEPS)
-    assert generate(model, ids, None, attention_mask=mask, max_new_tokens=STEPS - 1).new_tokens.shape == (2, 19)
-    with pytest.raises(ValueError, match=r"the prompt has 300 columns \(padding included\), more than .* chunk of 290"):
-        compress_prompt(_llama4_with_chunks(290), ids[1:], None, attention_mask=mask[1:])  # 260 tokens, 40 padding
-    short = _llama4_with_chunks(PROMPT - 50)
-    with pytest.raises(ValueError, match=r"the prompt has 300 tokens .* context of 250 positions .* attention chunk"):
-        generate(short, ids[:1], None, max_new_tokens=1)
 
 
 def test_the_attention_chunk_is_in_the_architecture_fingerprint():

@@ -291,7 +291,8 @@ class StageContext:
                 self.identity.tokenizer_fingerprint,
                 dict(self.preset.probe_overrides),
             )
-        limit = position_limit(self.geometry.text_config)  # dynamic NTK's original context, Llama 4's first chunk
+        # dynamic NTK's original context, Llama 4's first chunk (the capture's attention sees every earlier token)
+        limit = position_limit(self.geometry.text_config, first_chunk=True)
         longest = probes.max_tokens() + self.settings["max_new_tokens"]
         if limit is not None and longest > limit[0]:
             raise ValueError(

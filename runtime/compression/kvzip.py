@@ -291,6 +291,15 @@ def kvzip_scores(
     view = ReconstructionView(cache, row, scores, query_block)
     chunks = reconstruction_chunks(tokenizer, ids, prefix, suffix, chunk_size, overlap)
     seen = layer0.real_seen[row]
+    attention_chunk = min(
+        (layer.attention_chunk for layer in cache.attention_layers if layer.attention_chunk), default=0
+    )
+    if attention_chunk and seen + max(len(chunk_ids) for _, _, chunk_ids in chunks) > attention_chunk:
+        raise ValueError(
+            f"KVzip's reconstruction runs after the context (positions {seen} on), past the model's first attention "
+            f"chunk of {attention_chunk} positions, where its chunked layers' queries see only their own chunk, not "
+            "the context: score with another scorer (or a context that leaves the reconstruction inside that chunk)"
+        )
     tokens = 0
     with ragged_attention(model):
         for start, end, chunk_ids in chunks:

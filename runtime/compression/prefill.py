@@ -228,12 +228,13 @@ def _start_decoding(cache: RaggedCache, plan: ServingPlan, evictor: HeadEvictor,
     attention) dropped unless decode-time eviction reads it."""
     first = cache.attention_layers[0]
     windows = [layer.window for layer in cache.attention_layers]
+    chunks = [layer.attention_chunk for layer in cache.attention_layers]
     for b in range(first.batch_size):
         if plan.corrections is not None:
             cache.set_correction(*plan.corrections, rows=[b])
         if first.real_seen[b] > 0:
             length = first.real_seen[b] if context_lengths is None else int(context_lengths[b])
-            budgets = plan.decode_budgets(length, windows)
+            budgets = plan.decode_budgets(length, windows, chunks)
             if budgets is not None:  # held to its budgets, cut back once a head holds evict_every more
                 cache.set_decode_plan(DecodePlan(evictor, budgets, int(plan.policy.evict_every), b), row=b)
     if not plan.decoding_observes:
@@ -259,7 +260,8 @@ def prefill_and_compress(
     budgets = np.zeros((batch, num_layers, plan.num_kv_heads), dtype=np.int64)
     lengths_before = np.zeros((num_layers, batch, plan.num_kv_heads), dtype=np.int64)
     evictor = HeadEvictor(plan)
-    tables: dict[tuple[int, int | None], np.ndarray] = {}  # (real tokens, window) -> [L, Hkv] budgets under it
+    # (real tokens, window, attention chunk) -> [L, Hkv] budgets under them
+    tables: dict[tuple[int, int | None, int | None], np.ndarray] = {}
     # the layers before this one hold their budgets (compressed), this one its whole chunk
     spent = {"seconds": 0.0, "bytes_before": 0, "compressed": 0, "peak": 0}
     observes = plan.decoding_observes
@@ -275,9 +277,11 @@ def prefill_and_compress(
         spent["peak"] = max(spent["peak"], spent["compressed"] + full)
         rows = [b for b in range(layer.batch_size) if layer.real_seen[b] > 0]  # an all-padding row holds nothing
         for b in rows:
-            key = (layer.real_seen[b], layer.window)
-            if key not in tables:  # a layer's budgets depend on its own window only: give every layer this one
-                tables[key] = plan.head_budgets(layer.real_seen[b], [layer.window] * num_layers)
+            key = (layer.real_seen[b], layer.window, layer.attention_chunk)
+            if key not in tables:  # a layer's budgets depend on its own window and chunk only: give every layer these
+                tables[key] = plan.head_budgets(
+                    layer.real_seen[b], [layer.window] * num_layers, [layer.attention_chunk] * num_layers
+                )
             budgets[b, index] = tables[key][index]
         with label("kvcal.eviction"):  # the scores' NaN check read back once, after the prefill
             evictor.evict_layer(
@@ -366,9 +370,10 @@ def compress(
     rows = [b for b in range(first.batch_size) if first.real_seen[b] > 0]  # an all-padding row holds nothing
     next_positions = [first.real_seen[b] for b in rows]  # each row's next absolute position
     windows = [layer.window for layer in cache.attention_layers]  # sliding-window layers: budgets of what they hold
+    chunks = [layer.attention_chunk for layer in cache.attention_layers]  # chunked layers: likewise
     for b in rows:
         budget_length = first.real_seen[b] if context_lengths is None else max(int(context_lengths[b]), 1)
-        all_budgets[b] = plan.head_budgets(budget_length, windows)
+        all_budgets[b] = plan.head_budgets(budget_length, windows, chunks)
     if scores is not None:
         _check_shared_scores(scores, cache, rows)
     with label("kvcal.eviction"):

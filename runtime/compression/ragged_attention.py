@@ -87,9 +87,11 @@ def ragged_attention_forward(
     batch, _, q_len, dim = query.shape
     real = _real_tokens(attention_mask, batch, q_len)
     positions = kwargs.get("position_ids")
-    if positions is None:  # no explicit positions: the chunk follows the real tokens seen
+    if positions is None and q_len == 1 and real is None and layer.step_positions.given is not None:
+        positions = layer.step_positions.given  # a captured step's (runtime.serve.decode_graph)
+    if positions is None:  # no explicit positions (Llama 4's layers): the chunk's real tokens follow those seen
         base = to_device(np.array(layer.real_seen, dtype=np.int64), query.device).unsqueeze(1)  # no blocking copy
-        positions = base + torch.arange(q_len, device=query.device)
+        positions = base + (torch.arange(q_len, device=query.device) if real is None else real.long().cumsum(1) - 1)
     if positions.shape != (batch, q_len):
         positions = positions.expand(batch, q_len)
     scale = float(scaling) if scaling is not None else dim**-0.5

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from artifacts.fingerprint import STATEFUL_ATTENTION_LAYER_TYPES
+from artifacts.fingerprint import STATEFUL_ATTENTION_LAYER_TYPES, attention_chunks
 from runtime.kv_store.layer_attention import (
     chunk_only_attention,
     decode_kernel,
@@ -115,6 +115,9 @@ class RaggedLayer(DynamicLayer):
         # the window the model's mask slides by where its attention passes none (PhiMoE), else None
         # (RaggedCache.for_model: geometry.mask_windows)
         self.mask_window: int | None = None
+        # a chunked layer's attention chunk (Llama 4's attention_chunk_size: its queries see the keys of their own
+        # chunk of C positions), else None (RaggedCache.for_model: artifacts.fingerprint.attention_chunks)
+        self.attention_chunk: int | None = None
         self.softcap: float | None = None  # the layer's attention logit soft-capping, else None
         # a decode step's positions converted once for every layer (RaggedCache shares one)
         self.step_positions = StepPositions()
@@ -256,9 +259,9 @@ class RaggedLayer(DynamicLayer):
         return query_length(query), self.tokens_seen
 
     def reset(self) -> None:
-        config, mask_window = self.model_config, self.mask_window
+        config, mask_window, attention_chunk = self.model_config, self.mask_window, self.attention_chunk
         self.__init__(self.layer_idx)
-        self.model_config, self.mask_window = config, mask_window
+        self.model_config, self.mask_window, self.attention_chunk = config, mask_window, attention_chunk
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
@@ -350,10 +353,11 @@ class RaggedLayer(DynamicLayer):
 
     def track_moments(self) -> None:
         """Start moment sums for every batch element (refused once something was evicted).  A
-        sliding-window layer keeps none (see :mod:`runtime.kv_store.layer_attention`): it is never corrected."""
+        sliding-window or chunked layer keeps none (see :mod:`runtime.kv_store.layer_attention`): it is never
+        corrected."""
         if not self.is_initialized:
             raise ValueError("the cache is empty: prefill it before tracking moments")
-        if self.window is not None:
+        if self.window is not None or self.attention_chunk is not None:
             return
         for b, row in enumerate(self.rows):
             if row.moments is not None:
@@ -388,7 +392,7 @@ class RaggedLayer(DynamicLayer):
         (:mod:`runtime.kv_store.layer_attention`).  Returns ``[B, q, Hq, d]``; rows of
         padding queries are zero.
 
-        A sliding-window layer then owes :meth:`drop_outside_window` before its next chunk.
+        A sliding-window or chunked layer then owes :meth:`drop_outside_window` before its next chunk.
         """
         if self._pending is None:
             raise RuntimeError("RaggedLayer.attend called without a parked chunk (update() first)")
@@ -428,7 +432,7 @@ class RaggedLayer(DynamicLayer):
         # segment kernels give each query's log-sum-exp they need (asked only then: not on a decode step)
         chunk_only = fresh and prepared is None
         if chunk_only and sinks is not None:
-            chunk_only = not lse_kernel_serves(query, store, real, window, softcap)
+            chunk_only = not lse_kernel_serves(query, store, real, window, softcap, self.attention_chunk)
         if chunk_only:
             with label("kvcal.attention"):
                 output = chunk_only_attention(
@@ -441,6 +445,7 @@ class RaggedLayer(DynamicLayer):
                     window=window,
                     softcap=softcap,
                     sinks=sinks,
+                    attention_chunk=self.attention_chunk,
                 )
         else:
             # the layout of this storage generation (the property rebuilds it after a repack)
@@ -457,9 +462,13 @@ class RaggedLayer(DynamicLayer):
                 softcap=softcap,
                 sinks=sinks,
                 chunk=None if before is None else (new_keys, new_values, before),
+                attention_chunk=self.attention_chunk,
             )
+        seen = [row.real_seen for row in self.rows]
         self._advance_rows(q_len, counts)
-        self._undropped = window is not None
+        self._undropped = window is not None or (
+            self.attention_chunk is not None and self._crosses_chunk(seen, [row.real_seen for row in self.rows])
+        )
         return output
 
     def drop_outside_window(self) -> None:
@@ -474,14 +483,28 @@ class RaggedLayer(DynamicLayer):
         (:meth:`_hides_window`) hides them instead: their bias becomes -inf, on the device, and they stay
         stored and counted until an operation that is not such a step drops them (:meth:`_settle`: the
         next prefill chunk, a step under another kernel or out of room, a beam reorder, any read of the
-        rows or lengths).  Such a step synchronises nothing and replays from a graph."""
+        rows or lengths).  Such a step synchronises nothing and replays from a graph.
+
+        A chunked layer drops, only after a chunk that took a row's next position into a new attention chunk
+        (the host's counts say so), every row before that chunk: one read of the device then, none
+        otherwise."""
         if self._undropped:
-            if self._hiding:
+            if self.window is None:  # a chunked layer (attend: only when a row's next chunk begins)
+                chunk = self.attention_chunk
+                first = np.array([row.real_seen // chunk * chunk for row in self.rows], dtype=np.int64)
+                self.store.drop_before(first, room=chunk)
+            elif self._hiding:
                 self.store.hide_outside_window(self.window, self._step_positions)
                 self._hidden, self._step_positions = True, None
             else:
                 self.store.drop_outside_window(self.window)
             self._undropped = False
+
+    def _crosses_chunk(self, before: list[int], after: list[int]) -> bool:
+        """Whether some row's next position (its real tokens fed, ``before`` and ``after`` a chunk) entered
+        another attention chunk of this chunked layer: what it holds before that chunk is to drop."""
+        chunk = self.attention_chunk
+        return any(new // chunk > old // chunk for old, new in zip(before, after, strict=True))
 
     def _hides_window(self, q_len: int, real, sinks) -> bool:
         """Whether this chunk's sliding-window drop is a hide (:meth:`drop_outside_window`): a sliding-window
@@ -527,7 +550,8 @@ class RaggedLayer(DynamicLayer):
 
         None when the step would do host work of its own or host-sized device work: before the
         first chunk or with one parked; a sliding-window layer whose step would drop rather than hide
-        (another kernel than the page kernel, or decode-time eviction: :meth:`_hides_window`); prompt
+        (another kernel than the page kernel, or decode-time eviction: :meth:`_hides_window`), a chunked layer
+        whose step takes a row into another attention chunk (its drop follows); prompt
         queries or chunked attention still recorded; a repack (no free row, or rows to release); the
         correction's quantities not built yet for the rows' sums; and the CPU
         kernel that reads the live rows in place (:func:`~runtime.kv_store.layer_attention.decode_kernel`:
@@ -538,6 +562,9 @@ class RaggedLayer(DynamicLayer):
             return None
         if self.window is not None and any(row.decode_plan is not None for row in self.rows):
             return None
+        seen = [row.real_seen for row in self.rows]
+        if self.attention_chunk is not None and self._crosses_chunk(seen, [n + 1 for n in seen]):
+            return None  # the step is followed by a chunked layer's drop (drop_outside_window): run it eagerly
         if self.observe_queries or self.chunk_specs or store.loose or store.free < 1 or not store.host_length.any():
             return None
         built, prepared = self._correction.built(self.rows)
@@ -612,8 +639,9 @@ class RaggedRecurrentLayer(RaggedLayer, LinearAttentionLayer or object):
 
     def reset(self) -> None:
         config, mask_window, states = self.model_config, self.mask_window, self.number_of_states
+        attention_chunk = self.attention_chunk
         self.__init__(self.layer_idx, number_of_states=states)
-        self.model_config, self.mask_window = config, mask_window
+        self.model_config, self.mask_window, self.attention_chunk = config, mask_window, attention_chunk
 
     def _reindex_batch(self, order: list[int]) -> None:
         RaggedLayer._reindex_batch(self, order)
@@ -654,8 +682,9 @@ class RaggedCache(Cache):
         refuses a forward pass that does not run the ragged attention."""
         geometry = ModelGeometry.of(model)
         cache = cls(geometry.num_layers, *recurrent_layers(model, geometry))
-        for layer, window in zip(cache.attention_layers, mask_windows(model, geometry), strict=True):
-            layer.model_config, layer.mask_window = model.config, window
+        chunks = attention_chunks(model.config)
+        for layer, window, chunk in zip(cache.attention_layers, mask_windows(model, geometry), chunks, strict=True):
+            layer.model_config, layer.mask_window, layer.attention_chunk = model.config, window, chunk
         return cache
 
     @property
@@ -730,7 +759,8 @@ class RaggedCache(Cache):
         for index, layer in enumerate(self.attention_layers):
             for b in range(layer.batch_size) if rows is None else rows:
                 row = layer.rows[b]
-                if orders is None or layer.window is not None:  # sliding-window layers are never corrected
+                if orders is None or layer.window is not None or layer.attention_chunk is not None:
+                    # sliding-window and chunked layers are never corrected (track_moments)
                     row.correction = None
                     continue
                 if row.moments is None:
@@ -815,6 +845,7 @@ class RaggedCache(Cache):
             target.chunk_specs = base.chunk_specs
             target.window, target.softcap = base.window, base.softcap
             target.model_config, target.mask_window = base.model_config, base.mask_window
+            target.attention_chunk = base.attention_chunk
             rows = [(source, b) for source in sources for b in range(source.batch_size)]
             capacity = torch.cat([source.capacity for source in sources])  # [B', Hkv]
             target.store = SegmentStore.stacked(base.store, [(source.store, b) for source, b in rows], capacity)

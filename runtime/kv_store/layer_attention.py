@@ -21,7 +21,8 @@ sink's logit.
 
 Both take the layer's ``window`` (a sliding-window layer's W: a query at RoPE position ``p`` sees a
 token at ``k`` only when ``p - k < W``, transformers' ``sliding_window_overlay``) and ``softcap``
-(Gemma 2's ``c tanh(logits / c)``), as transformers passes them to the attention function.  A
+(Gemma 2's ``c tanh(logits / c)``), as transformers passes them to the attention function, and its
+``attention_chunk`` (Llama 4's chunked layers: ``k // C == p // C``, transformers' ``chunked_overlay``).  A
 decode step needs no window mask: the cache layer drops, after every step, the tokens the next
 query cannot see (:meth:`runtime.kv_store.cache.RaggedLayer.attend`), so every stored row is visible.  The
 MomentKV estimate of the evicted set (:func:`corrected_merge`) uses uncapped logits: it estimates
@@ -43,6 +44,7 @@ from runtime.kv_store.paged_attention import (
     Window,
     causal_chunk_attention,
     decode_attention,
+    first_visible,
     fused_kernel_serves,
     live_row_calls,
     live_rows_attention,
@@ -67,14 +69,17 @@ def chunk_only_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the chunk over itself, padding keys hidden: ``query [B, Hq, q, d]``,
     ``keys / values [B, Hkv, q, d]``, ``real`` bool ``[B, q]`` (None: all real); ``positions`` int
-    ``[B, q]`` (needed with a ``window``); learned ``sinks [Hq]`` (None: none).  Returns ``[B, q, Hq, d]``;
-    rows of padding queries are zero."""
+    ``[B, q]`` (needed with a ``window`` or an ``attention_chunk``); learned ``sinks [Hq]`` (None: none).
+    Returns ``[B, q, Hq, d]``; rows of padding queries are zero."""
     q_len = query.shape[2]
-    if window is not None or softcap is not None or sinks is not None:
-        return _masked_chunk_attention(query, keys, values, real, scaling, positions, window, softcap, sinks)
+    if window is not None or softcap is not None or sinks is not None or attention_chunk is not None:
+        return _masked_chunk_attention(
+            query, keys, values, real, scaling, positions, window, softcap, sinks, attention_chunk
+        )
     if real is None:
         out = torch.nn.functional.scaled_dot_product_attention(
             query, keys, values, is_causal=True, scale=scaling, enable_gqa=True
@@ -96,33 +101,49 @@ def chunk_only_attention(
 WINDOW_BLOCK_QUERIES = 256
 
 
-def _masked_chunk_attention(query, keys, values, real, scaling, positions, window, softcap, sinks) -> torch.Tensor:
-    """:func:`chunk_only_attention` with a sliding window, soft-capping and / or learned sinks: the
-    causal, padding and window mask through the reference eager attention (float32 scores, as
-    transformers' eager attention).  With a window ``W``, in blocks of ``b`` queries (``W``, at least
-    :data:`WINDOW_BLOCK_QUERIES`), each over the ``W - 1`` columns before the block and the block itself,
-    where columns bound positions (:func:`_columns_bound_positions`): ``q (W + b)`` logits, not ``q^2``."""
+def _masked_chunk_attention(
+    query, keys, values, real, scaling, positions, window, softcap, sinks, attention_chunk=None
+) -> torch.Tensor:
+    """:func:`chunk_only_attention` with a sliding window, attention chunks, soft-capping and / or learned
+    sinks: the causal, padding and window mask through the reference eager attention (float32 scores, as
+    transformers' eager attention), or sdpa with that mask where there is neither soft-capping nor a sink.
+    With a window ``W`` (attention chunks of ``C``: a query sees at most ``C`` positions back), in blocks of
+    ``b`` queries (``W``, at least :data:`WINDOW_BLOCK_QUERIES`), each over the ``W - 1`` columns before the
+    block and the block itself, where columns bound positions (:func:`_columns_bound_positions`):
+    ``q (W + b)`` logits, not ``q^2``."""
     q_len = query.shape[2]
-    if window is not None and positions is None:
-        raise ValueError("a sliding window needs the chunk's positions")
-    step = max(WINDOW_BLOCK_QUERIES, window or 0)
-    blocked = window is not None and q_len > window + step and _columns_bound_positions(real, positions)
+    reach = min(span for span in (window, attention_chunk, q_len) if span is not None)
+    if reach < q_len and positions is None:
+        raise ValueError("a sliding window or attention chunks need the chunk's positions")
+    step = max(WINDOW_BLOCK_QUERIES, reach)
+    blocked = q_len > reach + step and _columns_bound_positions(real, positions)
     starts = range(0, q_len, step) if blocked else (0,)
+    first_seen = None if reach == q_len else first_visible(positions, window, attention_chunk)  # [B, q]
     outs = []
     for start in starts:
         stop = min(start + step, q_len) if blocked else q_len
-        first = max(0, start - window + 1) if blocked else 0  # the first column the block's window reaches
-        visible = _visible(real, positions, window, start, stop, first, query.device)  # [B, rows, keys]
-        out, _ = eager_attention_forward(
-            None,
-            query[:, :, start:stop],
-            keys[:, :, first:stop],
-            values[:, :, first:stop],
-            visible[:, None],
-            scaling=scaling,
-            softcap=softcap,
-            s_aux=sinks,
-        )
+        first = max(0, start - reach + 1) if blocked else 0  # the first column the block's window reaches
+        visible = _visible(real, positions, first_seen, start, stop, first, query.device)  # [B, rows, keys]
+        if softcap is None and sinks is None:  # sdpa's float32 accumulation, no logits materialised on a GPU
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, start:stop],
+                keys[:, :, first:stop],
+                values[:, :, first:stop],
+                attn_mask=visible[:, None],
+                scale=scaling,
+                enable_gqa=True,
+            ).transpose(1, 2)
+        else:
+            out, _ = eager_attention_forward(
+                None,
+                query[:, :, start:stop],
+                keys[:, :, first:stop],
+                values[:, :, first:stop],
+                visible[:, None],
+                scaling=scaling,
+                softcap=softcap,
+                s_aux=sinks,
+            )
         outs.append(out)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     if real is not None:
@@ -130,17 +151,18 @@ def _masked_chunk_attention(query, keys, values, real, scaling, positions, windo
     return out  # [B, q, Hq, d]
 
 
-def _visible(real, positions, window, start: int, stop: int, first: int, device) -> torch.Tensor:
+def _visible(real, positions, first_seen, start: int, stop: int, first: int, device) -> torch.Tensor:
     """Which keys of columns ``first .. stop - 1`` the queries of columns ``start .. stop - 1`` see: bool
-    ``[B or 1, rows, keys]``: causal by column, real keys, ``p_q - p_k < window``; a padding query itself."""
+    ``[B or 1, rows, keys]``: causal by column, real keys, ``p_k >= first_seen_q`` (the lowest position each
+    query sees, :func:`~runtime.kv_store.paged_attention.first_visible`; None: every earlier one); a padding
+    query itself."""
     query_column = torch.arange(start, stop, device=device)[:, None]
     key_column = torch.arange(first, stop, device=device)[None, :]
     visible = (key_column <= query_column)[None]  # [1, rows, keys]
     if real is not None:
         visible = visible & real[:, None, first:stop]
-    if window is not None:
-        distance = positions[:, start:stop, None].long() - positions[:, None, first:stop].long()
-        visible = visible & (distance < window)
+    if first_seen is not None:
+        visible = visible & (positions[:, None, first:stop].long() >= first_seen[:, start:stop, None])
     return visible | (key_column == query_column)[None]  # padding queries see themselves
 
 
@@ -170,11 +192,12 @@ def segment_layer_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk: tuple[torch.Tensor, torch.Tensor, np.ndarray] | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Every query of ``query [B, Hq, q, d]`` (post-RoPE) over its KV head's rows in ``store`` (the
     chunk already appended: its token ``t`` sees everything before the chunk and the chunk's real
-    tokens up to ``t``, inside the ``window`` from its position ``positions [B, q]`` when there is
-    one), merged with the evicted set's estimate when ``prepared``, then with the learned ``sinks
+    tokens up to ``t``, inside the ``window`` or the ``attention_chunk`` from its position ``positions [B, q]``
+    when there is one), merged with the evicted set's estimate when ``prepared``, then with the learned ``sinks
     [Hq]`` when given (:func:`with_sinks`).  ``real`` bool ``[B, q]`` (None: all real).  Returns
     ``[B, q, Hq, d]`` in the query's dtype; rows of padding queries are zero.
 
@@ -197,12 +220,23 @@ def segment_layer_attention(
             out, lse = _decode_step_attention(
                 grouped, store, layout, scaling, softcap, need_lse=need_lse, window=window
             )
-    elif q_len > 1 and real is None and window is None and varlen_serves(query, store, softcap):
+    elif (
+        q_len > 1
+        and real is None
+        and window is None
+        and attention_chunk is None
+        and varlen_serves(query, store, softcap)
+    ):
         with label("kvcal.attention"):  # a GPU: one FlashAttention varlen call over the buffer in place
             out, lse = varlen_chunk_attention(
                 query, store.key_buffer, store.value_buffer, store.host_offset, store.host_length, scaling
             )
-    elif chunk is not None and window is None and fused_kernel_serves(query, store.key_buffer, softcap):
+    elif (
+        chunk is not None
+        and window is None
+        and attention_chunk is None
+        and fused_kernel_serves(query, store.key_buffer, softcap)
+    ):
         with label("kvcal.attention"):
             out, lse = _chunk_split_attention(query, grouped, chunk, real, store, scaling)
     else:  # a chunk: rows visible to its token t = everything before the chunk + t's rank + 1
@@ -220,12 +254,15 @@ def segment_layer_attention(
         key_pages, value_pages = store.key_buffer.view(-1, page, dim), store.value_buffer.view(-1, page, dim)
         owner, page_start = layout.owner, layout.page_start
         span = None
-        if window is not None:
+        if window is not None or attention_chunk is not None:
             if positions is None:
-                raise ValueError("a sliding window needs the chunk's positions")
+                raise ValueError("a sliding window or attention chunks need the chunk's positions")
             query_positions = positions.to(device).long()[:, None, None, :].expand(batch, heads, group, q_len)
-            span = Window(
-                store.position_buffer.view(-1, page), query_positions.reshape(segments, group * q_len), window
+            span = Window.of(
+                store.position_buffer.view(-1, page),
+                query_positions.reshape(segments, group * q_len),
+                window,
+                attention_chunk,
             )
         with label("kvcal.attention"):
             out, lse = segment_attention(
@@ -254,14 +291,19 @@ def segment_layer_attention(
 
 
 def lse_kernel_serves(
-    query: torch.Tensor, store: SegmentStore, real: torch.Tensor | None, window: int | None, softcap: float | None
+    query: torch.Tensor,
+    store: SegmentStore,
+    real: torch.Tensor | None,
+    window: int | None,
+    softcap: float | None,
+    attention_chunk: int | None = None,
 ) -> bool:
     """Whether :func:`segment_layer_attention` attends a chunk by a fused kernel that gives each query's
     log-sum-exp: a GPU's FlashAttention varlen call (no padding), the CPU's flash kernel in two parts; no
     window nor soft-capping.  There a first chunk with learned sinks goes, rather than to
     :func:`chunk_only_attention`'s eager reference (a 4096-token prefill of gpt-oss-20b's attention on the CPU
     in 0.23x the time: docs/results.md R-sink-prefill-2026-11-29)."""
-    if window is not None or softcap is not None:
+    if window is not None or softcap is not None or attention_chunk is not None:
         return False
     return (real is None and varlen_serves(query, store, softcap)) or fused_kernel_serves(
         query, store.key_buffer, softcap

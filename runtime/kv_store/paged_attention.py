@@ -24,9 +24,9 @@ sdpa's error (tests/test_bf16_exactness.py).
 
 Two variants transformers' models pass to their attention function are honoured as they compute
 them: ``softcap`` (Gemma 2's logit soft-capping, ``logits = c tanh(logits / c)`` after scaling and
-before the mask) and, in :func:`segment_attention`, a sliding window (:class:`Window`: a query at
-RoPE position ``p`` sees a row at position ``k`` only when ``p - k < W``, transformers'
-``sliding_window_overlay``).  Pure torch, so it runs on
+before the mask) and, in :func:`segment_attention`, a sliding window or attention chunks (:class:`Window`: a
+query at RoPE position ``p`` sees a row at position ``k`` only when ``p - k < W``, transformers'
+``sliding_window_overlay``, or when ``k // C == p // C``, its ``chunked_overlay``).  Pure torch, so it runs on
 any device (on CUDA the matmuls are cuBLAS batched GEMMs).  A query with no visible row gets
 ``out = 0`` and ``lse = -inf``.
 """
@@ -48,23 +48,40 @@ LIVE_ROW_CALLS = 8
 _MAX_LOGITS = 1 << 24
 
 
+def first_visible(query_positions: torch.Tensor, window: int | None, chunk: int | None) -> torch.Tensor:
+    """The lowest RoPE position a query at ``query_positions`` (int, any shape) sees: ``p - W + 1`` through a
+    sliding window of ``W`` (transformers' ``sliding_window_overlay``: ``p - k < W``), ``C (p // C)`` inside
+    attention chunks of ``C`` positions (its ``chunked_overlay``: ``k // C == p // C``, Llama 4), the larger
+    of the two with both; int64.  Causality bounds it from above."""
+    positions = query_positions.long()
+    first = torch.full_like(positions, torch.iinfo(torch.long).min) if window is None else positions - (window - 1)
+    if chunk is not None:
+        first = torch.maximum(first, torch.div(positions, chunk, rounding_mode="floor") * chunk)
+    return first
+
+
 @dataclass(frozen=True)
 class Window:
-    """A sliding window over the pages: ``positions [num_pages, P]`` int (RoPE position of every
-    stored row), ``query_positions [S, M]`` int64 (of every query row), ``size`` W."""
+    """What a query sees of the pages, by position: ``positions [num_pages, P]`` int (RoPE position of every
+    stored row), ``first [S, M]`` int64 (the lowest position each query row sees, :func:`first_visible`: a
+    sliding window, attention chunks)."""
 
     positions: torch.Tensor
-    query_positions: torch.Tensor
-    size: int
+    first: torch.Tensor
+
+    @classmethod
+    def of(cls, positions: torch.Tensor, query_positions: torch.Tensor, window: int | None, chunk: int | None = None):
+        """The window of queries at ``query_positions [S, M]`` through a sliding ``window`` and / or ``chunk``."""
+        return cls(positions, first_visible(query_positions, window, chunk))
 
     def rows(self, lo: int, hi: int) -> Window:
         """The window of query rows ``lo .. hi - 1`` only (a tile)."""
-        return Window(self.positions, self.query_positions[:, lo:hi], self.size)
+        return Window(self.positions, self.first[:, lo:hi])
 
     def visible(self, owner: torch.Tensor) -> torch.Tensor:
         """bool ``[num_pages, P, M]``: the row lies inside the query's window."""
-        oldest = self.query_positions.index_select(0, owner) - self.size  # [np, M]: rows at or before are out
-        return self.positions.unsqueeze(2).long() > oldest.unsqueeze(1)
+        first = self.first.index_select(0, owner)  # [np, M]
+        return self.positions.unsqueeze(2).long() >= first.unsqueeze(1)
 
 
 _OUT_DTYPE_BMM: dict[tuple[str, torch.dtype], bool] = {}  # (device type, dtype) -> bmm takes out_dtype

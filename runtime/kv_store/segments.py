@@ -64,9 +64,15 @@ class StepPositions:
     head of every row), made once per step and shared by every layer of a cache: each layer is
     handed the same ``position_ids`` and would otherwise convert and expand it again (3 aten ops a
     layer, issue 39's op count).  Keyed on the tensor itself and its version counter, so a tensor
-    changed in place (a replayed graph's static input) is converted again."""
+    changed in place (a replayed graph's static input) is converted again.
+
+    ``given``: while a decode step is captured for a graph (or warmed up for one), the ``position_ids [B, 1]``
+    the model's forward was given (runtime.serve.decode_graph), for the layers of a model whose attention is
+    not handed them (Llama 4's), which would otherwise number the step from the host's counts: a graph
+    would replay the captured numbers.  None otherwise."""
 
     def __init__(self) -> None:
+        self.given: torch.Tensor | None = None
         self._source: torch.Tensor | None = None
         self._key: tuple = ()  # (the source's version, heads)
         self._flat: torch.Tensor | None = None
@@ -424,24 +430,45 @@ class SegmentStore:
         latest stored position.  The memory is released (at the next :meth:`compact`) only when
         the segments are far larger than the window, e.g. after a long prefill: decode steps
         reuse their capacity."""
+        live = self._live_positions()
+        if live is not None:
+            valid, positions = live
+            newest = torch.where(valid, positions, -1).amax(dim=(1, 2))  # [B]
+            self._keep_from(valid, positions, newest + 2 - window, room=window)
+
+    def drop_before(self, first: np.ndarray, room: int) -> None:
+        """Drop every row stored at a position below its batch row's ``first`` (int64 ``[B]``, host): a
+        chunked layer's rows before the chunk of its next query (Llama 4's ``attention_chunk_size``).  The
+        memory is released only when the segments are far larger than ``room`` (the chunk)."""
+        live = self._live_positions()
+        if live is not None:
+            valid, positions = live
+            self._keep_from(valid, positions, to_device(np.asarray(first, dtype=np.int64), self.device), room=room)
+
+    def _live_positions(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(valid bool [B, Hkv, n], positions int64 [B, Hkv, n])`` of every stored row (``n`` the longest
+        head; ``valid`` False past a head's length), None when nothing is stored."""
         lengths = self.host_length
         n = int(lengths.max()) if lengths.size else 0
         if n == 0:
-            return
+            return None
         batch, heads = lengths.shape
         row = np.arange(n)
         live = row < lengths[..., None]  # [B, Hkv, n] host
         index = to_device(np.where(live, self.host_offset[..., None] + row, 0), self.device)
-        valid = to_device(live, self.device)
         positions = self.position_buffer.index_select(0, index.reshape(-1)).view(batch, heads, n).long()
-        newest = torch.where(valid, positions, -1).amax(dim=(1, 2))  # [B]
-        keep = valid & (positions > (newest + 1 - window).view(batch, 1, 1))
-        # which rows fall out of the window depends on the stored positions: one read of the kept
-        # counts per step (a sliding-window layer's one synchronisation), which also says whether any fell
+        return to_device(live, self.device), positions
+
+    def _keep_from(self, valid: torch.Tensor, positions: torch.Tensor, first: torch.Tensor, room: int) -> None:
+        """Keep the rows at positions ``>= first`` (int ``[B]``, on the device) of their batch row."""
+        batch = valid.shape[0]
+        keep = valid & (positions >= first.view(batch, 1, 1))
+        # which rows fall out depends on the stored positions: one read of the kept counts (a
+        # sliding-window layer's one synchronisation per step), which also says whether any fell
         kept = keep.sum(-1).cpu().numpy()  # [B, Hkv]
-        if (kept == lengths).all():
+        if (kept == self.host_length).all():
             return
-        shrink = int(self.host_capacity.max()) > 2 * window
+        shrink = int(self.host_capacity.max()) > 2 * room
         self.keep_rows(list(range(batch)), keep, shrink=shrink, kept=kept)
 
     def hide_outside_window(self, window: int, newest: torch.Tensor) -> None:

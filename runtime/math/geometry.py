@@ -532,12 +532,12 @@ def check_config(config, name: str | None = None) -> None:
         _refuse_unchecked_multimodal(name, checkpoint)
 
 
-def position_limit(config) -> tuple[int, str] | None:
+def position_limit(config, *, first_chunk: bool = False) -> tuple[int, str] | None:
     """``(positions, why)``: the most positions kvcal serves the model at, where it serves less than the model's
     own context (``runtime.serve.generation.context_limit``), else None.  Dynamic NTK RoPE: its original
-    context (:func:`original_context`; a row's real tokens, as transformers numbers positions from the mask);
-    chunked attention: its first chunk (:func:`~artifacts.fingerprint.attention_chunk`; a prompt's columns
-    and its new tokens, padding included, as transformers cuts chunks by column)."""
+    context (:func:`original_context`; a row's real tokens, as transformers numbers positions from the mask).
+    ``first_chunk``: chunked attention inside its first chunk too (:func:`~artifacts.fingerprint.attention_chunk`),
+    where every earlier token is seen: what the profiler's capture computes (the runtime serves every chunk)."""
     limits = []
     original = original_context(config)
     if original is not None:
@@ -548,17 +548,18 @@ def position_limit(config) -> tuple[int, str] | None:
                 "NTK RoPE re-scales every forward pass by its length and keeps that scale for the next",
             )
         )
-    chunk = attention_chunk(config)
+    chunk = attention_chunk(config) if first_chunk else None
     if chunk is not None:
         limits.append((chunk, past_the_chunk(chunk)))
     return min(limits, key=lambda limit: limit[0], default=None)
 
 
 def past_the_chunk(chunk: int) -> str:
-    """What a refusal past a model's first attention chunk says of it (:func:`position_limit`)."""
+    """What a refusal past a model's first attention chunk says of it (:func:`position_limit`: the profiler's
+    capture; kvpress's cache)."""
     return (
         f"the model's attention chunk of {chunk} positions (attention_chunk_size), past which its chunked layers "
-        "attend within chunks, which kvcal does not compute"
+        "attend within chunks"
     )
 
 

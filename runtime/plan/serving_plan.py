@@ -97,19 +97,27 @@ class ServingPlan:
         scorer = self.scorer
         return self.policy.evict_every is not None and bool(recent_query_window(scorer) or chunk_specs(scorer))
 
-    def head_budgets(self, seq_len: int, windows: list[int | None] | None = None) -> np.ndarray:
+    def head_budgets(
+        self, seq_len: int, windows: list[int | None] | None = None, chunks: list[int | None] | None = None
+    ) -> np.ndarray:
         """Integer tokens to keep per KV head, int64 ``[L, Hkv]``, for a context of ``seq_len`` tokens.
 
-        ``windows``: each layer's sliding window (None: full attention; ``RaggedLayer.window``).  A
-        sliding-window layer holds at most ``W - 1`` tokens, so its heads get the budgets of a
-        context of ``min(seq_len, W - 1)`` tokens: a ratio is a ratio of what the layer holds.
+        ``windows``: each layer's sliding window (None: full attention; ``RaggedLayer.window``), ``chunks``
+        its attention chunk (None: none; ``RaggedLayer.attention_chunk``).  A sliding-window layer holds at
+        most ``W - 1`` tokens, a chunked layer those of its next query's chunk (``seq_len mod C``), so their
+        heads get the budgets of a context of what they hold: a ratio is a ratio of what the layer holds.
         """
+        seq_len = int(seq_len)
+        windows = list(windows or ()) or [None] * self.num_layers
+        chunks = list(chunks or ()) or [None] * self.num_layers
+        held = [
+            min(seq_len, seq_len if window is None else window - 1, seq_len if chunk is None else seq_len % chunk)
+            for window, chunk in zip(windows, chunks, strict=True)
+        ]
         budgets = self._budgets(seq_len)
-        for window in sorted({w for w in windows or () if w is not None}):
-            held = min(int(seq_len), window - 1)
-            if held < seq_len:
-                sliding = [index for index, w in enumerate(windows) if w == window]
-                budgets[sliding] = self._budgets(max(held, 1))[sliding]
+        for length in sorted(set(held) - {seq_len}):
+            layers = [index for index, n in enumerate(held) if n == length]
+            budgets[layers] = self._budgets(max(length, 1))[layers]
         return budgets
 
     def _budgets(self, seq_len: int) -> np.ndarray:
@@ -117,13 +125,21 @@ class ServingPlan:
             seq_len, self.num_layers, self.num_kv_heads, self.inf_weights, self.budget_curve
         )
 
-    def decode_budgets(self, context_length: int, windows: list[int | None] | None = None) -> np.ndarray | None:
+    def decode_budgets(
+        self, context_length: int, windows: list[int | None] | None = None, chunks: list[int | None] | None = None
+    ) -> np.ndarray | None:
         """What decode-time eviction holds each head to, int64 ``[L, Hkv]``: its budget for a context
         of ``max(context_length, policy.budget)`` tokens (a token budget bounds each head while
-        decoding even when the prompt was shorter).  None when the policy evicts only the prompt."""
+        decoding even when the prompt was shorter), where a chunked layer holds up to ``C - 1`` tokens
+        as a sliding window of ``C`` would.  None when the policy evicts only the prompt."""
         if self.policy.evict_every is None:
             return None
-        return self.head_budgets(max(int(context_length), self.policy.budget or 0), windows)
+        windows = list(windows or ()) or [None] * self.num_layers
+        spans = [
+            window if chunk is None else min(chunk, window or chunk)
+            for window, chunk in zip(windows, list(chunks or ()) or [None] * self.num_layers, strict=True)
+        ]
+        return self.head_budgets(max(int(context_length), self.policy.budget or 0), spans)
 
     def check_model(self, model) -> None:
         """Refuse serving this plan on a model of another attention shape than it was bound to."""

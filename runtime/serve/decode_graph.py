@@ -138,7 +138,8 @@ class DecodeGraphs:
         if key != self.warm_key:  # first step under this key: eagerly, on the capture's terms
             self.warm_key = key
             self.eager += 1
-            return self.graph_type.warm_up(lambda: self.forward(**others, **inputs))
+            with self._positions_given(inputs):
+                return self.graph_type.warm_up(lambda: self.forward(**others, **inputs))
         self.graph, self.key = None, None  # the old graph's memory goes back to the pool first
         self.inputs = {name: tensor.clone() for name, tensor in inputs.items()}
         # a model not told its step's position numbers it from the cache (transformers: the columns
@@ -151,10 +152,22 @@ class DecodeGraphs:
             position = torch.full(shape, self.cache.get_seq_length(), dtype=torch.int64)
             self.inputs[name] = position.to(inputs["input_ids"].device)
         graph = self.graph_type(self.pool)
-        self.outputs = graph.capture(lambda: self.forward(**others, **self.inputs))
+        with self._positions_given(self.inputs if "position_ids" in inputs else {}):  # not ours, by column
+            self.outputs = graph.capture(lambda: self.forward(**others, **self.inputs))
         self.graph, self.key = graph, key
         self.captured += 1
         return _copied(self.outputs)
+
+    @contextmanager
+    def _positions_given(self, inputs: dict[str, torch.Tensor]):
+        """The step's ``position_ids`` handed to the cache's layers for the block (``StepPositions.given``): a
+        model whose attention is not given them reads them there, from the graph's own input."""
+        shared = self.cache.attention_layers[0].step_positions
+        shared.given = inputs.get("position_ids")
+        try:
+            yield
+        finally:
+            shared.given = None
 
     def _signature(self, args, kwargs) -> tuple | None:
         """What a captured step is specialised to, for a call that is a one-token decode step of this

@@ -35,14 +35,14 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import ModelOutput
 
-from artifacts.fingerprint import attention_chunk, decoder_stack
+from artifacts.fingerprint import decoder_stack
 from common.checks import check_integer
 from prompt_format import encode_prompt
 from runtime.compression.prefill import CompressionReport, compress, prefill, prefill_and_compress
 from runtime.compression.ragged_attention import ragged_attention
 from runtime.kv_store.cache import CacheConsumedError, RaggedCache
 from runtime.kv_store.transformers_compat import cache_argument
-from runtime.math.geometry import input_device, original_context, past_the_chunk, position_limit, text_config
+from runtime.math.geometry import input_device, original_context, position_limit, text_config
 from runtime.plan.policy import CompressionPolicy
 from runtime.plan.rope_check import check_passes_rotate_alike
 from runtime.plan.serving_plan import ServingPlan, as_plan
@@ -79,8 +79,8 @@ def context_limit(config) -> int | None:
     ``max_position_embeddings``, or for a RoPE-scaled model (YaRN, linear, llama3, longrope...)
     ``original_max_position_embeddings x factor`` when that is larger: scaling stretches the
     positions a model can use, and several configs keep the original length in
-    ``max_position_embeddings``.  Dynamic NTK RoPE is served inside its original context only, chunked
-    attention inside its first chunk (:func:`~runtime.math.geometry.position_limit`).
+    ``max_position_embeddings``.  Dynamic NTK RoPE is served inside its original context only
+    (:func:`~runtime.math.geometry.position_limit`).
     """
     config = text_config(config)  # a multimodal checkpoint's: its language model's
     own = position_limit(config)
@@ -147,12 +147,6 @@ def check_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
             f"the prompt has {longest} tokens (batch row {row}), more than the model's context of {limit} positions "
             f"(max_position_embeddings {positions}): {why}; shorten the context"
         )
-    chunk = attention_chunk(model.config)
-    if chunk is not None and length > chunk:  # transformers cuts the chunks by column, padding included
-        raise ValueError(
-            f"the prompt has {length} columns (padding included), more than {past_the_chunk(chunk)}; shorten the "
-            "prompt or its padding"
-        )
     return attention_mask
 
 
@@ -162,32 +156,24 @@ def check_generate_arguments(model, attention_mask: torch.Tensor, generate_kwarg
     (:func:`other_modality_inputs`: the compressed prompt holds what the language model computed from the
     tokens, so an image given to generate() would be dropped, or fail inside transformers), or new tokens
     past the original context of a model with dynamic NTK RoPE (:func:`~runtime.math.geometry.original_context`;
-    a row's positions count its real tokens, as transformers numbers them from the mask) or past the first
-    attention chunk of a model with chunked attention (the prompt's columns count, padding included)."""
+    a row's positions count its real tokens, as transformers numbers them from the mask)."""
     given = sorted(name for name in other_modality_inputs(model) if generate_kwargs.get(name) is not None)
     if given:
         raise ValueError(
             f"{', '.join(given)}: kvcal serves the language model of a multimodal checkpoint on text only (the "
             "compressed cache holds what it computed from the prompt's tokens); pass the tokens alone"
         )
-    original, chunk = original_context(model.config), attention_chunk(model.config)
-    if original is None and chunk is None:
+    original = original_context(model.config)
+    if original is None:
         return
     new_tokens = _new_tokens(model, generate_kwargs, attention_mask.shape[1])
     longest = int(attention_mask.sum(-1).max())
-    if original is not None and longest + new_tokens > original:
+    if longest + new_tokens > original:
         raise ValueError(
             f"a prompt of {longest} tokens and up to {new_tokens} new tokens reach past the {original} positions "
             "of the model's original context (max_position_embeddings), where its dynamic NTK RoPE re-scales every "
             "forward pass by its length and keeps that scale for the next: kvcal serves it inside that context only; "
             f"ask for at most {max(original - longest, 0)} new tokens, or shorten the prompt"
-        )
-    columns = attention_mask.shape[1]
-    if chunk is not None and columns + new_tokens > chunk:
-        raise ValueError(
-            f"a prompt of {columns} columns (padding included) and up to {new_tokens} new tokens reach past "
-            f"{past_the_chunk(chunk)}: kvcal serves it inside its first chunk only; ask for at most "
-            f"{max(chunk - columns, 0)} new tokens, or shorten the prompt (or its padding)"
         )
 
 
