@@ -19,9 +19,10 @@ from runtime.kv_store.layer_attention import chunk_only_attention
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
 
-def reference(query, keys, values, real, positions, window, scaling, softcap=None, sinks=None):
-    """Every pair in float64: causal by column, real keys only, ``p_q - p_k < window``; a padding query sees
-    itself (zeroed after); the cap and the sink's logit as the eager attention takes them."""
+def reference(query, keys, values, real, positions, window, scaling, softcap=None, sinks=None, chunk=None):
+    """Every pair in float64: causal by column, real keys only, ``p_q - p_k < window`` (None: any), ``p_q // chunk
+    == p_k // chunk`` (None: any); a padding query sees itself (zeroed after); the cap and the sink's logit as the
+    eager attention takes them."""
     batch, heads, q_len, _ = query.shape
     group = heads // keys.shape[1]
     k = keys.double().repeat_interleave(group, 1)
@@ -31,7 +32,11 @@ def reference(query, keys, values, real, positions, window, scaling, softcap=Non
         logits = softcap * torch.tanh(logits / softcap)
     column = torch.arange(q_len)
     visible = (column[None, :] <= column[:, None]).expand(batch, q_len, q_len)
-    visible = visible & real[:, None, :] & (positions[:, :, None] - positions[:, None, :] < window)
+    visible = visible & real[:, None, :]
+    if window is not None:
+        visible = visible & (positions[:, :, None] - positions[:, None, :] < window)
+    if chunk is not None:
+        visible = visible & (positions[:, :, None] // chunk == positions[:, None, :] // chunk)
     visible = visible | torch.eye(q_len, dtype=torch.bool)
     logits = logits.masked_fill(~visible[:, None], float("-inf"))
     if sinks is None:
@@ -60,6 +65,14 @@ def _inputs(q_len=150, padding=(0, 37), seed=0):
     return query, keys, values, real, positions
 
 
+def _count_blocks(monkeypatch) -> list:
+    """The blocks the chunk-only path attends (one entry each)."""
+    blocks = []
+    own = layer_attention._block_attention
+    monkeypatch.setattr(layer_attention, "_block_attention", lambda *a, **k: blocks.append(1) or own(*a, **k))
+    return blocks
+
+
 @pytest.mark.parametrize("window", [1, 5, 16, 40, 149, 400])
 @pytest.mark.parametrize("features", ["plain", "softcap", "sinks"])
 def test_blocks_of_queries_equal_every_pair(window, features, monkeypatch):
@@ -69,9 +82,7 @@ def test_blocks_of_queries_equal_every_pair(window, features, monkeypatch):
     softcap = 2.0 if features == "softcap" else None
     sinks = torch.linspace(-1.0, 3.0, 4) if features == "sinks" else None
     expected = reference(query, keys, values, real, positions, window, 0.25, softcap, sinks)
-    blocks = []
-    eager = layer_attention.eager_attention_forward
-    monkeypatch.setattr(layer_attention, "eager_attention_forward", lambda *a, **k: blocks.append(1) or eager(*a, **k))
+    blocks = _count_blocks(monkeypatch)
     for queries_per_block in (8, 10_000):
         monkeypatch.setattr(layer_attention, "WINDOW_BLOCK_QUERIES", queries_per_block)
         blocks.clear()
@@ -91,10 +102,29 @@ def test_positions_slower_than_columns_keep_one_block(monkeypatch):
     positions[1] = torch.cumsum(real[1].long(), 0) - 1
     positions[1, 60:70] = 1
     expected = reference(query, keys, values, real, positions, 16, 0.25)
-    blocks = []
-    eager = layer_attention.eager_attention_forward
-    monkeypatch.setattr(layer_attention, "eager_attention_forward", lambda *a, **k: blocks.append(1) or eager(*a, **k))
+    blocks = _count_blocks(monkeypatch)
     monkeypatch.setattr(layer_attention, "WINDOW_BLOCK_QUERIES", 8)
     got = chunk_only_attention(query, keys, values, real, 0.25, positions=positions, window=16)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
     assert len(blocks) == 1
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 64, 149, 400])
+@pytest.mark.parametrize("features", ["plain", "softcap"])
+def test_attention_chunks_in_blocks_equal_every_pair(chunk, features, monkeypatch):
+    """Llama 4's chunked layers (``attention_chunk``: a query sees the keys of its own chunk of positions, counted
+    from a row's first real token): blocks over the ``C - 1`` columns before them, the float64 reference within
+    1e-5, left padding included."""
+    query, keys, values, real, positions = _inputs()
+    softcap = 2.0 if features == "softcap" else None
+    expected = reference(query, keys, values, real, positions, None, 0.25, softcap, chunk=chunk)
+    blocks = _count_blocks(monkeypatch)
+    for queries_per_block in (8, 10_000):
+        monkeypatch.setattr(layer_attention, "WINDOW_BLOCK_QUERIES", queries_per_block)
+        blocks.clear()
+        got = chunk_only_attention(
+            query, keys, values, real, 0.25, positions=positions, softcap=softcap, attention_chunk=chunk
+        )
+        torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+        step = max(queries_per_block, chunk)
+        assert len(blocks) == (-(-150 // step) if 150 > chunk + step else 1)

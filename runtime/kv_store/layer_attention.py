@@ -124,31 +124,27 @@ def _masked_chunk_attention(
         stop = min(start + step, q_len) if blocked else q_len
         first = max(0, start - reach + 1) if blocked else 0  # the first column the block's window reaches
         visible = _visible(real, positions, first_seen, start, stop, first, query.device)  # [B, rows, keys]
-        if softcap is None and sinks is None:  # sdpa's float32 accumulation, no logits materialised on a GPU
-            out = torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, start:stop],
-                keys[:, :, first:stop],
-                values[:, :, first:stop],
-                attn_mask=visible[:, None],
-                scale=scaling,
-                enable_gqa=True,
-            ).transpose(1, 2)
-        else:
-            out, _ = eager_attention_forward(
-                None,
-                query[:, :, start:stop],
-                keys[:, :, first:stop],
-                values[:, :, first:stop],
-                visible[:, None],
-                scaling=scaling,
-                softcap=softcap,
-                s_aux=sinks,
-            )
-        outs.append(out)
+        keys_seen, values_seen = keys[:, :, first:stop], values[:, :, first:stop]
+        outs.append(_block_attention(query[:, :, start:stop], keys_seen, values_seen, visible, scaling, softcap, sinks))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     if real is not None:
         out = out * real[:, :, None, None].to(out.dtype)
     return out  # [B, q, Hq, d]
+
+
+def _block_attention(query, keys, values, visible, scaling, softcap, sinks) -> torch.Tensor:
+    """One block of :func:`_masked_chunk_attention`: ``query [B, Hq, b, d]`` over ``keys / values [B, Hkv, k, d]``
+    where ``visible`` (bool ``[B, b, k]``); ``[B, b, Hq, d]``.  sdpa with the mask (no logits materialised on a
+    GPU), but for soft-capping or learned sinks: the reference eager attention (float32 scores)."""
+    if softcap is None and sinks is None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, keys, values, attn_mask=visible[:, None], scale=scaling, enable_gqa=True
+        )
+        return out.transpose(1, 2)
+    out, _ = eager_attention_forward(
+        None, query, keys, values, visible[:, None], scaling=scaling, softcap=softcap, s_aux=sinks
+    )
+    return out
 
 
 def _visible(real, positions, first_seen, start: int, stop: int, first: int, device) -> torch.Tensor:
