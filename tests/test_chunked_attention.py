@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_prefill_eviction import assert_same_cache, greedy_logits, one_step, two_step
+from test_prefill_eviction import POLICIES, assert_same_cache, greedy_logits, one_step, two_step
 from test_rope_forms import PROMPT, STEPS, _llama4, _llama4_with_chunks, _prompt, assert_served_exactly
 
 from runtime import CompressionPolicy, RaggedCache, bind, compress_prompt, generate, ragged_attention
@@ -46,16 +46,7 @@ def test_a_chunked_layer_holds_only_what_its_next_query_sees():
         assert layer.real_seen == real
 
 
-POLICIES = {
-    "uniform/keydiff": CompressionPolicy(keep_ratio=0.25, scorer="keydiff"),
-    "uniform/leverage (chunked attention mass)": CompressionPolicy(keep_ratio=0.25),
-    "uniform/snapkv (recent queries)": CompressionPolicy(keep_ratio=0.3, scorer="snapkv"),
-    "uniform/keydiff+order1 (moment sums)": CompressionPolicy(keep_ratio=0.25, scorer="keydiff", correction="order1"),
-    "uniform/leverage, decode-time eviction": CompressionPolicy(budget=24, evict_every=3),
-}
-
-
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(POLICIES))  # tests/test_prefill_eviction.py's
 @torch.no_grad()
 def test_evicting_inside_the_prefill_keeps_what_prefill_then_compress_keeps(name):
     """A chunked layer's budgets are those of what it holds (a ratio of its current chunk), and eviction inside
