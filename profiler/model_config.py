@@ -20,7 +20,8 @@ def model_config(model_path: str):
 
 def model_positions(config) -> int | None:
     """``max_position_embeddings`` of ``config`` (the text model's for a multimodal one), or its attention
-    chunk where that is shorter (Llama 4: kvcal profiles and serves it inside its first chunk), else None."""
+    chunk where that is shorter (Llama 4: kvcal profiles it inside its first chunk, where its capture computes what
+    the model computes; the runtime serves every chunk), else None."""
     from artifacts.fingerprint import attention_chunk
 
     config = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -157,7 +157,7 @@ EXACT = {
     "lfm2": "",  # hybrid: gated short convolutions in layers 0, 2; q_layernorm / k_layernorm read
     "lfm3": "",  # hybrid: convolutions in layers 0, 1, 3
     "llama": "",
-    # chunked attention, served inside its first chunk (8192 positions here, the prompt 60); a norm after RoPE
+    # chunked attention (chunks of 8192, the prompt 60: past them, tests/test_chunked_attention.py); a norm after RoPE
     "llama4_text": "interleaved RoPE in layers 0, 1, 2; no RoPE in layer 3",
     "mellum": "",
     "minimax_m2": "",

@@ -501,8 +501,8 @@ def test_a_multimodal_config_is_refused_by_what_its_language_model_does_first(mo
 def test_a_checkpoint_transformers_loads_as_its_language_model_is_that_model(model_type, tmp_path):
     """Llama 4's and Qwen3.5's checkpoints are multimodal, but transformers' causal LM for them is the language
     model alone (``Llama4ForCausalLM``, ``Qwen3_5ForCausalLM``, the vision tower's weights left unread):
-    config.json passes the multimodal check and the loaded model is served as that language model (Llama 4
-    inside its first attention chunk; Qwen3.5 keeps the wrapper's multimodal RoPE in its text config)."""
+    config.json passes the multimodal check and the loaded model is served as that language model (Qwen3.5 keeps
+    the wrapper's multimodal RoPE in its text config)."""
     from common.models import load_model
     from runtime.math.geometry import check_config
 
