@@ -171,3 +171,44 @@ def test_kvzip_past_the_first_chunk_is_refused_by_name():
                 kvzip_scores(model, ToyTokenizer(), cache, context)
         else:
             assert kvzip_scores(model, ToyTokenizer(), cache, context).scores.shape == (4, 2, 58)
+
+
+@torch.no_grad()
+def test_beams_across_a_chunk_boundary_are_transformers_own():
+    """Beam search (two beams, both returned) over a generation that opens a chunk in both rows (prompts of 60 and 40
+    real tokens, chunks of 64): beams reorder the cache's rows, each keeping its chunk; nothing evicted, the
+    unmodified model's sequences and scores."""
+    model = _llama4_with_chunks(64)
+    ids, mask = _prompt()
+    ids, mask = ids[:, -60:].clone(), mask[:, -60:].clone()
+    mask[1, :20], ids[1, :20] = 0, 0
+    beams = dict(
+        num_beams=2, num_return_sequences=2, max_new_tokens=30, do_sample=False, output_scores=True,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    expected = model.generate(ids, attention_mask=mask, **beams)
+    got = generate(model, ids, None, attention_mask=mask, **beams)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.output.scores, expected.scores, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+@torch.no_grad()
+def test_several_questions_about_one_context_are_answered_as_each_alone():
+    """One context compressed once and copied to every question's row (``answer``'s path), the questions crossing
+    a chunk boundary: each answer is that of the question asked alone."""
+    from runtime.serve.generation import generate_from_cache
+
+    model = _llama4_with_chunks(64)
+    generator = torch.Generator().manual_seed(8)
+    context = torch.randint(3, 256, (1, 120), generator=generator)
+    questions = [torch.randint(3, 256, (1, 12), generator=generator) for _ in range(3)]
+    policy = CompressionPolicy(keep_ratio=0.25, scorer="keydiff")
+    cache, report = compress_prompt(model, torch.cat([context, questions[0]], 1), policy, context_columns=120)
+    cache.batch_repeat_interleave(len(questions))
+    ids = torch.cat([torch.cat([context, question], dim=1) for question in questions])
+    together = generate_from_cache(model, ids, torch.ones_like(ids), cache, report, max_new_tokens=8, do_sample=False)
+    for row, question in enumerate(questions):
+        prompt = torch.cat([context, question], dim=1)
+        alone = generate(model, prompt, policy, context_columns=120, max_new_tokens=8, do_sample=False)
+        assert torch.equal(together.sequences[row], alone.sequences[0])

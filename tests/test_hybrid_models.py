@@ -180,7 +180,8 @@ def test_several_questions_about_one_context_are_answered_as_each_alone():
     context = torch.randint(3, 500, (1, 100), generator=generator)
     questions = [torch.randint(3, 500, (1, 6), generator=generator) for _ in range(3)]
     policy = CompressionPolicy(keep_ratio=0.25, scorer="keydiff")
-    cache, report = compress_prompt(model, context, policy)
+    # the context's 100 columns compressed, as generate(..., context_columns=100) compresses them below
+    cache, report = compress_prompt(model, torch.cat([context, questions[0]], 1), policy, context_columns=100)
     cache.batch_repeat_interleave(len(questions))
     ids = torch.cat([torch.cat([context, question], dim=1) for question in questions])
     together = _decode(model, ids, torch.ones_like(ids), cache, report)
