@@ -188,6 +188,15 @@ SERVED = {
     "vipllava": (_clip_llama(), "llama"),
     "ovis2": (dict(text_config=dict(model_type="qwen2", **TEXT), image_token_id=255), "qwen2"),
     "lighton_ocr": (dict(text_config=dict(model_type="qwen3", **TEXT), image_token_id=255), "qwen3"),
+    "exaone4_5": (  # its generate() numbers positions by column (test_exaone_4_5_is_served_as_its_text_model)
+        dict(
+            text_config=dict(model_type="exaone4", **TEXT, sliding_window=32),
+            vision_config=dict(MROPE_VISION, num_key_value_heads=2),
+            image_token_id=255,
+            video_token_id=254,
+        ),
+        "exaone4",
+    ),
     "internvl": (
         dict(
             text_config=dict(model_type="qwen2", **TEXT),
@@ -576,3 +585,24 @@ def test_a_generation_does_not_read_the_positions_an_earlier_one_left():
     assert torch.equal(after.sequences, fresh.sequences)
     for a, b in zip(after.output.logits, fresh.output.logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@torch.no_grad()
+def test_exaone_4_5_is_served_as_its_text_model():
+    """EXAONE 4.5's generate() drops the position ids it computes from the mask (its prepare_inputs_for_generation
+    sets them None) and its forward numbers a step's tokens by the cache's columns, padding included.  kvcal's
+    prefill numbers a left-padded row's tokens from its first real one, so its first decode step was 10 positions
+    off its stored keys (logits 0.05 - 0.23 off on this tiny model).  kvcal's generation hands the wrapper the
+    positions from the mask: a padded row is generated as it is alone (and as the wrapper's own generate(), whose
+    columns and positions differ by a constant, which RoPE does not see)."""
+    from test_architecture_matrix import STEPS, _prompt
+
+    model = multimodal_model("exaone4_5")
+    ids, mask = _prompt()
+    options = dict(max_new_tokens=STEPS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    expected = model.generate(ids, attention_mask=mask, **options)
+    got = generate(model, ids, None, attention_mask=mask, **options)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.output.logits, expected.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+    assert model.prepare_inputs_for_generation.__func__ is type(model).prepare_inputs_for_generation  # restored

@@ -64,6 +64,7 @@ MULTIMODAL_SERVED = frozenset(
     (
         "aya_vision",
         "cohere2_vision",
+        "exaone4_5",
         "gemma3",
         "idefics3",
         "internvl",

@@ -353,7 +353,8 @@ def generate_from_cache(
     if graphs:  # the room the generation will take, made once: a repack changes the buffers a graph reads
         cache.reserve(input_ids.shape[1] - held + _new_tokens(model, generate_kwargs, input_ids.shape[1]))
     replayed = decode_graph.decode_graphs(model, cache, graphs) if graphs else contextlib.nullcontext()
-    with ragged_attention(model), replayed as counts:  # for this call only: the model keeps its own implementation
+    # for this call only: the model keeps its own implementation
+    with ragged_attention(model), _positions_from_the_mask(model), replayed as counts:
         output = model.generate(
             input_ids, attention_mask=attention_mask, **cache_argument(model, cache), **generate_kwargs
         )
@@ -377,6 +378,42 @@ def _forget_positions(model) -> None:
     for module in (model, getattr(model, "model", None)):
         if getattr(module, "rope_deltas", None) is not None:
             module.rope_deltas = None
+
+
+# multimodal wrappers whose generate() drops the position ids it computes from the attention mask (their
+# prepare_inputs_for_generation sets them None), so that their forward numbers a step's tokens by the cache's
+# columns, padding included: EXAONE 4.5
+POSITIONS_DROPPED_BY_GENERATE = frozenset(("exaone4_5",))
+
+
+@contextlib.contextmanager
+def _positions_from_the_mask(model):
+    """For this block, a model of :data:`POSITIONS_DROPPED_BY_GENERATE` is handed by generate() the positions
+    generate() computes from the mask for every other model (a left-padded row's from its first real token),
+    those kvcal's prefill numbered its cache by: by the cache's columns, a padded row's first step would be its
+    padding's length past its stored keys.  The model's own method is restored after the block."""
+    if getattr(model.config, "model_type", None) not in POSITIONS_DROPPED_BY_GENERATE:
+        yield
+        return
+    own = vars(model).get("prepare_inputs_for_generation")  # an instance attribute, else None (the class's)
+    prepare = model.prepare_inputs_for_generation
+
+    def with_positions(input_ids, *args, **kwargs):
+        inputs = prepare(input_ids, *args, **kwargs)
+        mask, ids = kwargs.get("attention_mask"), inputs.get("input_ids")
+        if inputs.get("position_ids") is None and isinstance(mask, torch.Tensor) and isinstance(ids, torch.Tensor):
+            positions = mask.long().cumsum(-1) - 1
+            inputs["position_ids"] = positions.masked_fill(mask == 0, 1)[:, -ids.shape[1] :]
+        return inputs
+
+    model.prepare_inputs_for_generation = with_positions
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.prepare_inputs_for_generation
+        else:
+            model.prepare_inputs_for_generation = own
 
 
 def _new_tokens(model, generate_kwargs: dict, prompt_columns: int) -> int:
