@@ -195,20 +195,8 @@ def test_beams_across_a_chunk_boundary_are_transformers_own():
 
 @torch.no_grad()
 def test_several_questions_about_one_context_are_answered_as_each_alone():
-    """One context compressed once and copied to every question's row (``answer``'s path), the questions crossing
-    a chunk boundary: each answer is that of the question asked alone."""
-    from runtime.serve.generation import generate_from_cache
+    """One context of 120 tokens compressed once and copied to every question's row (``answer``'s path), the
+    questions of 12 tokens crossing the chunk boundary at 128: each answer is that of the question asked alone."""
+    from test_hybrid_models import assert_questions_answered_as_each_alone
 
-    model = _llama4_with_chunks(64)
-    generator = torch.Generator().manual_seed(8)
-    context = torch.randint(3, 256, (1, 120), generator=generator)
-    questions = [torch.randint(3, 256, (1, 12), generator=generator) for _ in range(3)]
-    policy = CompressionPolicy(keep_ratio=0.25, scorer="keydiff")
-    cache, report = compress_prompt(model, torch.cat([context, questions[0]], 1), policy, context_columns=120)
-    cache.batch_repeat_interleave(len(questions))
-    ids = torch.cat([torch.cat([context, question], dim=1) for question in questions])
-    together = generate_from_cache(model, ids, torch.ones_like(ids), cache, report, max_new_tokens=8, do_sample=False)
-    for row, question in enumerate(questions):
-        prompt = torch.cat([context, question], dim=1)
-        alone = generate(model, prompt, policy, context_columns=120, max_new_tokens=8, do_sample=False)
-        assert torch.equal(together.sequences[row], alone.sequences[0])
+    assert_questions_answered_as_each_alone(_llama4_with_chunks(64), 256, 120, 12)

@@ -171,24 +171,32 @@ def test_decoding_a_copy_leaves_the_recurrent_states_of_the_original(model_type)
     assert torch.equal(rows.sequences[:2], first.sequences) and torch.equal(rows.sequences[2:], alone.sequences)
 
 
-@torch.no_grad()
-def test_several_questions_about_one_context_are_answered_as_each_alone():
-    """One compressed context copied to every question's row (``answer``'s path: the cache's rows repeated,
-    the recurrent states with them): each answer is that of the question asked alone."""
-    model = hybrid()
+def assert_questions_answered_as_each_alone(model, vocabulary: int, context_length: int, question_length: int):
+    """One context of ``context_length`` random tokens compressed once (keydiff, 25% kept) and copied to each of
+    three questions' rows (``answer``'s path: the cache's rows repeated): each answer, greedy, is that of the
+    question asked alone (``generate(..., context_columns=context_length)``)."""
     generator = torch.Generator().manual_seed(8)
-    context = torch.randint(3, 500, (1, 100), generator=generator)
-    questions = [torch.randint(3, 500, (1, 6), generator=generator) for _ in range(3)]
+    context = torch.randint(3, vocabulary, (1, context_length), generator=generator)
+    questions = [torch.randint(3, vocabulary, (1, question_length), generator=generator) for _ in range(3)]
     policy = CompressionPolicy(keep_ratio=0.25, scorer="keydiff")
-    # the context's 100 columns compressed, as generate(..., context_columns=100) compresses them below
-    cache, report = compress_prompt(model, torch.cat([context, questions[0]], 1), policy, context_columns=100)
+    # the context's columns compressed, as generate(..., context_columns=...) compresses them below (compress_prompt
+    # of the context alone would leave its last column to generate())
+    cache, report = compress_prompt(
+        model, torch.cat([context, questions[0]], 1), policy, context_columns=context_length
+    )
     cache.batch_repeat_interleave(len(questions))
     ids = torch.cat([torch.cat([context, question], dim=1) for question in questions])
     together = _decode(model, ids, torch.ones_like(ids), cache, report)
     for row, question in enumerate(questions):
         prompt = torch.cat([context, question], dim=1)
-        alone = generate(model, prompt, policy, context_columns=100, max_new_tokens=6)
+        alone = generate(model, prompt, policy, context_columns=context_length, max_new_tokens=6)
         assert torch.equal(together.sequences[row], alone.sequences[0])
+
+
+@torch.no_grad()
+def test_several_questions_about_one_context_are_answered_as_each_alone():
+    """The recurrent states are repeated with the cache's rows."""
+    assert_questions_answered_as_each_alone(hybrid(), 500, 100, 6)
 
 
 @pytest.mark.parametrize("chunk_size", [64, 23])
