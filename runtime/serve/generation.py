@@ -406,6 +406,7 @@ def _positions_from_the_mask(model):
             inputs["position_ids"] = positions.masked_fill(mask == 0, 1)[:, -ids.shape[1] :]
         return inputs
 
+    with_positions.__signature__ = inspect.signature(prepare)  # generate() checks its arguments against it
     model.prepare_inputs_for_generation = with_positions
     try:
         yield
