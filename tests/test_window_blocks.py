@@ -128,3 +128,21 @@ def test_attention_chunks_in_blocks_equal_every_pair(chunk, features, monkeypatc
         torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
         step = max(queries_per_block, chunk)
         assert len(blocks) == (-(-150 // step) if 150 > chunk + step else 1)
+
+
+def test_a_masked_block_keeps_sdpa_on_a_fused_kernel(monkeypatch):
+    """sdpa with a mask and ``enable_gqa`` (KV heads broadcast to their query heads) falls back to its math kernel
+    on CUDA, which materialises every logit of the block (Llama 4's chunks of 8192 over 40 heads: gigabytes a
+    block): a masked block hands sdpa as many KV heads as query heads, and no ``enable_gqa``."""
+    calls = []
+    own = torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(query, key, value, attn_mask=None, **options):
+        calls.append((query.shape[1], key.shape[1], value.shape[1], attn_mask is not None, options.get("enable_gqa")))
+        return own(query, key, value, attn_mask=attn_mask, **options)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    query, keys, values, real, positions = _inputs()
+    chunk_only_attention(query, keys, values, real, 0.25, positions=positions, window=16)
+    chunk_only_attention(query, keys, values, real, 0.25, positions=positions, attention_chunk=16)
+    assert calls and all(masked and q == k == v and not gqa for q, k, v, masked, gqa in calls), calls

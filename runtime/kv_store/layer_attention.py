@@ -134,11 +134,15 @@ def _masked_chunk_attention(
 
 def _block_attention(query, keys, values, visible, scaling, softcap, sinks) -> torch.Tensor:
     """One block of :func:`_masked_chunk_attention`: ``query [B, Hq, b, d]`` over ``keys / values [B, Hkv, k, d]``
-    where ``visible`` (bool ``[B, b, k]``); ``[B, b, Hq, d]``.  sdpa with the mask (no logits materialised on a
-    GPU), but for soft-capping or learned sinks: the reference eager attention (float32 scores)."""
+    where ``visible`` (bool ``[B, b, k]``); ``[B, b, Hq, d]``.  sdpa with the mask, every KV head repeated for its
+    query heads (sdpa's ``enable_gqa`` with a mask falls back to its math kernel on CUDA, which materialises the
+    logits), but for soft-capping or learned sinks: the reference eager attention (float32 scores)."""
     if softcap is None and sinks is None:
+        group = query.shape[1] // keys.shape[1]
+        if group > 1:
+            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         out = torch.nn.functional.scaled_dot_product_attention(
-            query, keys, values, attn_mask=visible[:, None], scale=scaling, enable_gqa=True
+            query, keys, values, attn_mask=visible[:, None], scale=scaling
         )
         return out.transpose(1, 2)
     out, _ = eager_attention_forward(
