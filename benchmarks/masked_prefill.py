@@ -1,4 +1,5 @@
-"""A first prefill chunk through a sliding window or attention chunks: sdpa with the mask against the reference
+"""A first prefill chunk through a sliding window or attention chunks: sdpa with the mask (each KV head repeated for
+its query heads) against the reference
 eager attention (float32 logits materialised), block by block, as ``runtime.kv_store.layer_attention`` computes it.
 
 Both variants take the same blocks of queries and the same mask (``_visible``); the eager one is what every
