@@ -130,10 +130,11 @@ def test_attention_chunks_in_blocks_equal_every_pair(chunk, features, monkeypatc
         assert len(blocks) == (-(-150 // step) if 150 > chunk + step else 1)
 
 
-def test_a_masked_block_keeps_sdpa_on_a_fused_kernel(monkeypatch):
+def test_a_masked_first_chunk_keeps_sdpa_on_a_fused_kernel(monkeypatch):
     """sdpa with a mask and ``enable_gqa`` (KV heads broadcast to their query heads) falls back to its math kernel
-    on CUDA, which materialises every logit of the block (Llama 4's chunks of 8192 over 40 heads: gigabytes a
-    block): a masked block hands sdpa as many KV heads as query heads, and no ``enable_gqa``."""
+    on CUDA, which materialises every logit in float32 (a left-padded first chunk of 32K tokens, 8 rows and 32
+    heads: 1 TB; Llama 4's chunk blocks of 8192 over 40 heads: gigabytes each): a masked first chunk, with a window,
+    attention chunks or padding alone, hands sdpa as many KV heads as query heads, and no ``enable_gqa``."""
     calls = []
     own = torch.nn.functional.scaled_dot_product_attention
 
@@ -145,4 +146,5 @@ def test_a_masked_block_keeps_sdpa_on_a_fused_kernel(monkeypatch):
     query, keys, values, real, positions = _inputs()
     chunk_only_attention(query, keys, values, real, 0.25, positions=positions, window=16)
     chunk_only_attention(query, keys, values, real, 0.25, positions=positions, attention_chunk=16)
-    assert calls and all(masked and q == k == v and not gqa for q, k, v, masked, gqa in calls), calls
+    chunk_only_attention(query, keys, values, real, 0.25)  # a left-padded first chunk, no window: its padding mask
+    assert len(calls) == 3 and all(masked and q == k == v and not gqa for q, k, v, masked, gqa in calls), calls

@@ -42,6 +42,7 @@ from runtime.compression.keep_rule import global_budgets
 from runtime.compression.ragged_attention import ragged_attention
 from runtime.kv_store.cache import LAYER_TAG, RaggedCache, RaggedLayer, stacked_recurrent_layer
 from runtime.kv_store.eager_attention import eager_attention_forward, soft_cap
+from runtime.kv_store.layer_attention import masked_sdpa
 from runtime.kv_store.transformers_compat import cache_argument, query_length
 from runtime.math.geometry import ModelGeometry
 from runtime.plan.policy import CompressionPolicy
@@ -173,14 +174,8 @@ class ReconstructionLayer(DynamicLayer):
                 key_positions = torch.cat([kept_positions.long(), positions[0].long().to(kept_positions.device)])
                 mask &= positions[0].long().unsqueeze(1) - key_positions.unsqueeze(0) < window
             if softcap is None and sinks is None:
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    q.unsqueeze(0),
-                    all_keys[None, None],
-                    all_values[None, None],
-                    attn_mask=mask,
-                    scale=scaling,
-                    enable_gqa=True,
-                )[0]  # [G, q, d]: the model's own attention, nothing dropped
+                out = masked_sdpa(q.unsqueeze(0), all_keys[None, None], all_values[None, None], mask, scaling)[0]
+                # [G, q, d]: the model's own attention, nothing dropped
             else:  # sdpa cannot soft-cap nor take a sink
                 out = eager_attention_forward(
                     None,

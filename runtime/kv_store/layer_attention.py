@@ -88,10 +88,20 @@ def chunk_only_attention(
     causal = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
     eye = torch.eye(q_len, dtype=torch.bool, device=query.device)
     mask = (causal & real[:, None, None, :]) | eye  # padding queries see themselves (zeroed below)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True
-    ).transpose(1, 2)  # [B, q, Hq, d]
+    out = masked_sdpa(query, keys, values, mask, scaling).transpose(1, 2)  # [B, q, Hq, d]
     return out * real[:, :, None, None].to(out.dtype)
+
+
+def masked_sdpa(query, keys, values, mask, scaling: float) -> torch.Tensor:
+    """sdpa of ``query [B, Hq, q, d]`` over ``keys / values [B, Hkv, k, d]`` where ``mask`` (bool, broadcast to
+    ``[B, Hq, q, k]``), each KV head repeated for its query heads: with a mask, sdpa's ``enable_gqa`` falls back
+    to its math kernel on CUDA, which materialises every logit in float32 (a left-padded 32K-token prefill of 8 rows
+    and 32 heads: 1 TB); repeated heads keep its memory-efficient kernel, as transformers' own sdpa attention does
+    with a mask (``use_gqa_in_sdpa``).  Returns ``[B, Hq, q, d]``."""
+    group = query.shape[1] // keys.shape[1]
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
 
 
 # The fewest queries per block of a sliding layer's first chunk (:func:`_masked_chunk_attention`; a block
@@ -134,17 +144,10 @@ def _masked_chunk_attention(
 
 def _block_attention(query, keys, values, visible, scaling, softcap, sinks) -> torch.Tensor:
     """One block of :func:`_masked_chunk_attention`: ``query [B, Hq, b, d]`` over ``keys / values [B, Hkv, k, d]``
-    where ``visible`` (bool ``[B, b, k]``); ``[B, b, Hq, d]``.  sdpa with the mask, every KV head repeated for its
-    query heads (sdpa's ``enable_gqa`` with a mask falls back to its math kernel on CUDA, which materialises the
-    logits), but for soft-capping or learned sinks: the reference eager attention (float32 scores)."""
+    where ``visible`` (bool ``[B, b, k]``); ``[B, b, Hq, d]``.  sdpa with the mask (:func:`masked_sdpa`), but for
+    soft-capping or learned sinks: the reference eager attention (float32 scores)."""
     if softcap is None and sinks is None:
-        group = query.shape[1] // keys.shape[1]
-        if group > 1:
-            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, keys, values, attn_mask=visible[:, None], scale=scaling
-        )
-        return out.transpose(1, 2)
+        return masked_sdpa(query, keys, values, visible[:, None], scaling).transpose(1, 2)
     out, _ = eager_attention_forward(
         None, query, keys, values, visible[:, None], scaling=scaling, softcap=softcap, s_aux=sinks
     )
