@@ -464,10 +464,10 @@ class RaggedLayer(DynamicLayer):
                 chunk=None if before is None else (new_keys, new_values, before),
                 attention_chunk=self.attention_chunk,
             )
-        seen = [row.real_seen for row in self.rows]
+        seen = None if self.attention_chunk is None else [row.real_seen for row in self.rows]
         self._advance_rows(q_len, counts)
         self._undropped = window is not None or (
-            self.attention_chunk is not None and self._crosses_chunk(seen, [row.real_seen for row in self.rows])
+            seen is not None and self._crosses_chunk(seen, [row.real_seen for row in self.rows])
         )
         return output
 
@@ -562,9 +562,10 @@ class RaggedLayer(DynamicLayer):
             return None
         if self.window is not None and any(row.decode_plan is not None for row in self.rows):
             return None
-        seen = [row.real_seen for row in self.rows]
-        if self.attention_chunk is not None and self._crosses_chunk(seen, [n + 1 for n in seen]):
-            return None  # the step is followed by a chunked layer's drop (drop_outside_window): run it eagerly
+        if self.attention_chunk is not None:
+            seen = [row.real_seen for row in self.rows]
+            if self._crosses_chunk(seen, [n + 1 for n in seen]):
+                return None  # the step is followed by a chunked layer's drop (drop_outside_window): run it eagerly
         if self.observe_queries or self.chunk_specs or store.loose or store.free < 1 or not store.host_length.any():
             return None
         built, prepared = self._correction.built(self.rows)
