@@ -347,8 +347,8 @@ def compress(
         raise ValueError(f"cache has {len(cache.attention_layers)} layers, the model {plan.num_layers}")
     if first.num_heads != plan.num_kv_heads:
         raise ValueError(f"cache has {first.num_heads} KV heads, the model {plan.num_kv_heads}")
-    if recent_query_window(plan.scorer) and any(
-        q is None for layer in cache.attention_layers for q in layer.recent_queries
+    if recent_query_window(plan.scorer) and any(  # a row that has seen no token yet (a padded block) has none
+        row.real_seen and row.recent_queries is None for layer in cache.attention_layers for row in layer.rows
     ):
         raise ValueError(f"{plan.scorer!r} needs the last prompt queries: prefill with policy=... first")
     for spec in chunk_specs(plan.scorer):

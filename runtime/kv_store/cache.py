@@ -792,6 +792,14 @@ class RaggedCache(Cache):
         for layer in self.attention_layers:
             layer.compact()
 
+    def set_columns(self, columns: int) -> None:
+        """Count ``columns`` prompt columns fed, whatever layout fed them (the block-wise prefill lays each
+        row's blocks out on its own: runtime.serve.generation.row_blocks), so that generate() and the masks
+        read the caller's columns after it; the rows, their real tokens and positions stay as fed."""
+        self._check_idle("recount the columns of")
+        for layer in self.attention_layers:
+            layer.tokens_seen = int(columns)
+
     def bytes_per_token(self) -> int:
         """Key + value bytes of one token in one KV head."""
         layer = self.attention_layers[0]

@@ -237,19 +237,56 @@ def compress_prompt(
         stats = prefill(model, cache, input_ids[:, :columns], attention_mask[:, :columns], policy=plan)
         report = compress(model, cache, plan, prompt_stats=stats) if plan is not None else None
         return cache, report
+    prefix, prefix_mask = input_ids[:, :columns], attention_mask[:, :columns]
+    ids, mask, bounds = row_blocks(prefix, prefix_mask, block_size)
+    if ids is not prefix and cache.recurrent_layers:
+        raise ValueError(
+            f"a block-wise prefill of a padded batch (block_size={block_size}) on {type(model).__name__}, whose "
+            "recurrent layers run over every column, padding included: each row's blocks would have padding "
+            "between them; prefill in one pass (block_size None), or compress rows of one length together"
+        )
     if any(switch is not None for switch in plan.geometry.rope_switches):  # longrope: a pass's RoPE by its length
-        longest = attention_mask[:, :columns].cumsum(-1).amax(0).tolist()  # the longest row's length per column
-        ends = [longest[min(start + block_size, columns) - 1] for start in range(0, columns, block_size)]
+        longest = mask.cumsum(-1).amax(0).tolist()  # the longest row's length per column
+        ends = [longest[end - 1] for end in bounds]
         what = f"a block-wise prefill (block_size={block_size})"
         remedy = f"prefill in one pass (block_size None or >= {columns})"
         check_passes_rotate_alike(type(model).__name__, plan.geometry, plan.scorer, ends, what, remedy)
-    lengths = attention_mask[:, :columns].sum(-1).tolist()  # each row's real context length
-    stats = None
-    for start in range(0, columns, block_size):
-        end = min(start + block_size, columns)
-        stats = prefill(model, cache, input_ids[:, start:end], attention_mask[:, :end], policy=plan, prompt_stats=stats)
-        report = compress(model, cache, plan, prompt_stats=stats, context_lengths=lengths, final=end == columns)
+    lengths = mask.sum(-1).tolist()  # each row's real context length
+    stats, start = None, 0
+    for end in bounds:
+        stats = prefill(model, cache, ids[:, start:end], mask[:, :end], policy=plan, prompt_stats=stats)
+        report = compress(model, cache, plan, prompt_stats=stats, context_lengths=lengths, final=end == bounds[-1])
+        start = end
+    cache.set_columns(columns)  # what generate() reads of the prompt: its own columns, not the blocks' layout
     return cache, report
+
+
+def row_blocks(input_ids: torch.Tensor, attention_mask: torch.Tensor, block_size: int):
+    """The block-wise prefill's layout: ``(ids, mask, ends)``, the passes being ``ids[:, start:end]`` between
+    consecutive ``ends``, in which each row's blocks are its own real tokens ``[0, B), [B, 2B), ...`` (``B`` =
+    ``block_size``), as when the row is prefilled alone, however it is padded.  A row's last block may be
+    shorter, padded on its left; rows with fewer blocks start later (padding before them), so that every row
+    ends at the last column.  ``input_ids`` and ``attention_mask`` themselves, cut every ``B`` columns, when no
+    row is padded (every row's blocks are then the batch's columns, as a row alone)."""
+    rows, columns = input_ids.shape
+    if bool(attention_mask.all()):
+        return input_ids, attention_mask, [min(start + block_size, columns) for start in range(0, columns, block_size)]
+    real = [input_ids[b][attention_mask[b].bool()] for b in range(rows)]  # each row's tokens, padding dropped
+    counts = [len(tokens) for tokens in real]
+    passes = max(-(-n // block_size) for n in counts)
+    last = max(n - block_size * (-(-n // block_size) - 1) for n in counts)  # the widest last block
+    width = (passes - 1) * block_size + last
+    ids = torch.zeros(rows, width, dtype=input_ids.dtype, device=input_ids.device)
+    mask = torch.zeros(rows, width, dtype=attention_mask.dtype, device=attention_mask.device)
+    for b, tokens in enumerate(real):
+        blocks = -(-counts[b] // block_size)
+        for k in range(blocks):
+            block = tokens[k * block_size : (k + 1) * block_size]
+            pass_index = passes - blocks + k
+            end = pass_index * block_size + (block_size if pass_index < passes - 1 else last)
+            ids[b, end - len(block) : end], mask[b, end - len(block) : end] = block, 1
+    ends = [min((k + 1) * block_size, width) if k < passes - 1 else width for k in range(passes)]
+    return ids, mask, ends
 
 
 @dataclass
