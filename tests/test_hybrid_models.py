@@ -306,3 +306,42 @@ def test_a_profile_of_a_hybrid_model_is_served_back(tmp_path, embedded_tokenizer
     result = generate(model, ids, policy, calibration=calibration, context_columns=190, max_new_tokens=4)
     assert result.new_tokens.shape == (1, 4)
     assert result.report.kv_bytes_after < result.report.kv_bytes_before
+
+
+@torch.no_grad()
+def test_padding_between_a_rows_tokens_is_refused_by_name():
+    """Recurrent layers run over every column: padding between a row's context and a shorter question than another
+    row's (``[pad, context, pad, question]``) enters their state, and the row was answered otherwise than alone
+    (logits 9e-4 to 6e-3 apart, benchmarks/row_alone_campaign.py).  Refused by name before any forward pass, by
+    ``generate``, ``answer``'s several questions and ``generate_from_cache``; questions of one length, and left
+    padding alone, are served."""
+    from runtime.serve.generation import build_inputs
+
+    serves_hybrids()
+    model = hybrid()
+    generator = torch.Generator().manual_seed(4)
+    contexts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (60, 45)]
+    questions = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (6, 9)]
+    ids, mask, columns = build_inputs(contexts, questions, pad_token_id=0)
+    policy = CompressionPolicy(keep_ratio=0.5, scorer="keydiff")
+    refusal = r"padding between the tokens of batch row 0 .* recurrent layers"
+    with pytest.raises(ValueError, match=refusal):
+        generate(model, ids, policy, attention_mask=mask, context_columns=columns, max_new_tokens=2)
+    cache, report = compress_prompt(model, ids, policy, attention_mask=mask, context_columns=columns)
+    with pytest.raises(ValueError, match=refusal):
+        generate_from_cache(model, ids, mask, cache, report, max_new_tokens=2)
+    # one context, questions of two lengths (answer's path): the shorter question's row is padded before it
+    ids, mask, columns = build_inputs([contexts[0]] * 2, questions, pad_token_id=0)
+    cache, report = compress_prompt(model, ids[:1], policy, attention_mask=mask[:1], context_columns=columns)
+    cache.batch_repeat_interleave(2)
+    with pytest.raises(ValueError, match=refusal):
+        generate_from_cache(model, ids, mask, cache, report, max_new_tokens=2)
+    # questions of one length: the contexts' left padding alone, served as each row alone
+    ids, mask, columns = build_inputs(contexts, [q[:6] for q in questions], pad_token_id=0)
+    together = generate(model, ids, policy, attention_mask=mask, context_columns=columns, max_new_tokens=4)
+    for row, context in enumerate(contexts):
+        alone_ids, alone_mask, alone_columns = build_inputs([context], [questions[row][:6]], pad_token_id=0)
+        alone = generate(
+            model, alone_ids, policy, attention_mask=alone_mask, context_columns=alone_columns, max_new_tokens=4
+        )
+        assert together.new_tokens[row].tolist() == alone.new_tokens[0].tolist()

@@ -154,9 +154,11 @@ def check_generate_arguments(model, attention_mask: torch.Tensor, generate_kwarg
     """Refuse ``model.generate(**generate_kwargs)`` after a prompt with ``attention_mask``, before any forward
     pass, where kvcal could not serve it as asked: another modality's input to a multimodal checkpoint
     (:func:`other_modality_inputs`: the compressed prompt holds what the language model computed from the
-    tokens, so an image given to generate() would be dropped, or fail inside transformers), or new tokens
+    tokens, so an image given to generate() would be dropped, or fail inside transformers), padding between a
+    row's tokens on a model with recurrent layers (:func:`refuse_padding_inside_rows`), or new tokens
     past the original context of a model with dynamic NTK RoPE (:func:`~runtime.math.geometry.original_context`;
     a row's positions count its real tokens, as transformers numbers them from the mask)."""
+    refuse_padding_inside_rows(model, RaggedCache.for_model(model), attention_mask)
     given = sorted(name for name in other_modality_inputs(model) if generate_kwargs.get(name) is not None)
     if given:
         raise ValueError(
@@ -174,6 +176,26 @@ def check_generate_arguments(model, attention_mask: torch.Tensor, generate_kwarg
             "of the model's original context (max_position_embeddings), where its dynamic NTK RoPE re-scales every "
             "forward pass by its length and keeps that scale for the next: kvcal serves it inside that context only; "
             f"ask for at most {max(original - longest, 0)} new tokens, or shorten the prompt"
+        )
+
+
+def refuse_padding_inside_rows(model, cache: RaggedCache, attention_mask: torch.Tensor) -> None:
+    """Refuse a row with padding after its first token (``[pad, context, pad, question]``: a shorter question
+    than another row's) where ``cache`` holds recurrent states (a hybrid model's Gated DeltaNet, Mamba or short
+    convolution layers, Falcon-H1's mixers): those layers run over every column, and padding after a row's first
+    token enters their state (transformers zeroes its inputs, but the convolution's window and the state's decay
+    still move), so the row would be answered otherwise than alone.  Left padding alone is served: before a
+    row's first token the state is still empty."""
+    if not (cache.recurrent_layers or cache.stateful):
+        return
+    inside = attention_mask.cummax(-1).values > attention_mask  # a 0 after the row's first 1
+    rows = inside.any(-1).nonzero().flatten().tolist()
+    if rows:
+        raise ValueError(
+            f"padding between the tokens of batch row {rows[0]} (a shorter question than another row's, after its "
+            f"context) on {type(model).__name__}, whose recurrent layers run over every column: the padding would "
+            "enter their state and the row be answered otherwise than alone; give every row's question the same "
+            "length, or generate the rows one at a time"
         )
 
 
@@ -239,7 +261,7 @@ def compress_prompt(
         return cache, report
     prefix, prefix_mask = input_ids[:, :columns], attention_mask[:, :columns]
     ids, mask, bounds = row_blocks(prefix, prefix_mask, block_size)
-    if ids is not prefix and cache.recurrent_layers:
+    if ids is not prefix and (cache.recurrent_layers or cache.stateful):
         raise ValueError(
             f"a block-wise prefill of a padded batch (block_size={block_size}) on {type(model).__name__}, whose "
             "recurrent layers run over every column, padding included: each row's blocks would have padding "
@@ -372,6 +394,7 @@ def generate_from_cache(
     ``decode_graphs=True`` (a model on CUDA): the one-token decode steps are replayed from CUDA
     graphs wherever the cache allows it (:mod:`runtime.serve.decode_graph`); a
     :class:`~runtime.serve.decode_graph.StepGraph` class instead of True captures with it."""
+    refuse_padding_inside_rows(model, cache, attention_mask)
     held = cache.get_seq_length()
     if held >= input_ids.shape[1]:
         raise CacheConsumedError(
