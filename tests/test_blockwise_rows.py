@@ -126,3 +126,23 @@ def test_a_padded_batch_of_a_hybrid_model_in_blocks_is_refused_by_name():
     ids, mask, columns = build_inputs(contexts[1:], questions[1:], pad_token_id=0)
     cache, _ = compress_prompt(model, ids, policy, attention_mask=mask, context_columns=columns, block_size=16)
     assert cache.get_seq_length() == columns
+
+
+@torch.no_grad()
+def test_rows_whose_compressed_prefix_is_empty_are_served():
+    """A one-token prompt beside a long one leaves its row nothing to compress (generate() feeds the last column),
+    and a batch of one-token prompts leaves every row so: the blocks lay out the rows that have tokens, and the long
+    row keeps what it keeps alone."""
+    model = make_tiny("llama")
+    policy = CompressionPolicy(keep_ratio=0.3, scorer="keydiff")
+    ids = torch.randint(3, 500, (2, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    ids[1, :39], mask[1, :39] = 0, 0
+    cache, _ = compress_prompt(model, ids, policy, attention_mask=mask, block_size=16)
+    alone, _ = compress_prompt(model, ids[:1], policy, block_size=16)
+    assert_row_as_alone(cache, 0, alone)
+    assert cache.attention_layers[0].real_seen == [39, 0]
+    ones = torch.zeros_like(mask)
+    ones[:, -1] = 1
+    result = generate(model, ids, policy, attention_mask=ones, block_size=16, max_new_tokens=2)
+    assert result.new_tokens.shape == (2, 2)

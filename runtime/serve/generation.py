@@ -291,12 +291,12 @@ def row_blocks(input_ids: torch.Tensor, attention_mask: torch.Tensor, block_size
     ends at the last column.  ``input_ids`` and ``attention_mask`` themselves, cut every ``B`` columns, when no
     row is padded (every row's blocks are then the batch's columns, as a row alone)."""
     rows, columns = input_ids.shape
-    if bool(attention_mask.all()):
+    counts = [int(n) for n in attention_mask.sum(-1).tolist()]
+    if min(counts) == columns or not any(counts):  # the batch's columns are each row's (or no row has a token)
         return input_ids, attention_mask, [min(start + block_size, columns) for start in range(0, columns, block_size)]
     real = [input_ids[b][attention_mask[b].bool()] for b in range(rows)]  # each row's tokens, padding dropped
-    counts = [len(tokens) for tokens in real]
     passes = max(-(-n // block_size) for n in counts)
-    last = max(n - block_size * (-(-n // block_size) - 1) for n in counts)  # the widest last block
+    last = max(n - block_size * (-(-n // block_size) - 1) for n in counts if n)  # the widest last block
     width = (passes - 1) * block_size + last
     ids = torch.zeros(rows, width, dtype=input_ids.dtype, device=input_ids.device)
     mask = torch.zeros(rows, width, dtype=attention_mask.dtype, device=attention_mask.device)
