@@ -29,14 +29,19 @@ def rows(vocab: int, lengths=LENGTHS, question_lengths=(5, 5, 5), seed: int = 3)
     return contexts, questions
 
 
-def assert_row_as_alone(batch_cache, row: int, alone_cache) -> None:
-    for index, (mine, theirs) in enumerate(
-        zip(batch_cache.attention_layers, alone_cache.attention_layers, strict=True)
-    ):
+def assert_row_as_alone(batch_cache, row: int, alone_cache, tolerance: float = 1e-5) -> None:
+    """Row ``row`` of ``batch_cache`` holds, in every head, the positions of row 0 of ``alone_cache``, and keys and
+    values within ``tolerance`` (a batch and a row alone are computed with other shapes)."""
+    layers = zip(batch_cache.attention_layers, alone_cache.attention_layers, strict=True)
+    for index, (mine, theirs) in enumerate(layers):
         assert mine.real_seen[row] == theirs.real_seen[0], index
         for h in range(mine.num_heads):
-            for ours, reference in zip(mine.head(row, h), theirs.head(0, h), strict=True):
-                torch.testing.assert_close(ours, reference, rtol=0, atol=1e-5, msg=f"layer {index} row {row} head {h}")
+            keys, values, positions = mine.head(row, h)
+            alone_keys, alone_values, alone_positions = theirs.head(0, h)
+            where = f"layer {index} row {row} head {h}"
+            assert positions.tolist() == alone_positions.tolist(), where
+            torch.testing.assert_close(keys, alone_keys, rtol=tolerance, atol=tolerance, msg=where)
+            torch.testing.assert_close(values, alone_values, rtol=tolerance, atol=tolerance, msg=where)
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral-sw", "gemma2"])
@@ -146,3 +151,22 @@ def test_rows_whose_compressed_prefix_is_empty_are_served():
     ones[:, -1] = 1
     result = generate(model, ids, policy, attention_mask=ones, block_size=16, max_new_tokens=2)
     assert result.new_tokens.shape == (2, 2)
+
+
+@torch.no_grad()
+def test_the_embedded_model_keeps_each_padded_row_as_alone_in_blocks(embedded_model, embedded_tokenizer):
+    """The embedded model, the artifact-free policy (leverage scores, its chunked attention accumulated across the
+    blocks), two rows of a question-agnostic batch (61 and 37 context tokens) in blocks of 32: each row keeps, head
+    by head, what it keeps alone (the padded row's blocks were cut at 11 and 26 tokens, alone at 32 and 5)."""
+    policy = CompressionPolicy(keep_ratio=0.25)
+    texts = ["The harbour master logged every ship that came in. " * 6, "A short note about the weather. " * 5]
+    contexts = [embedded_tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    questions = [embedded_tokenizer(" Who logged ships?", add_special_tokens=False)["input_ids"]] * 2
+    ids, mask, columns = build_inputs(contexts, questions, pad_token_id=embedded_tokenizer.pad_token_id or 0)
+    cache, _ = compress_prompt(embedded_model, ids, policy, attention_mask=mask, context_columns=columns, block_size=32)
+    for row, context in enumerate(contexts):
+        alone_ids, alone_mask, alone_columns = build_inputs([context], [questions[row]], pad_token_id=0)
+        alone, _ = compress_prompt(
+            embedded_model, alone_ids, policy, attention_mask=alone_mask, context_columns=alone_columns, block_size=32
+        )
+        assert_row_as_alone(cache, row, alone, tolerance=1e-4)  # 30 layers in float32
