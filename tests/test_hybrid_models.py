@@ -345,3 +345,29 @@ def test_padding_between_a_rows_tokens_is_refused_by_name():
             model, alone_ids, policy, attention_mask=alone_mask, context_columns=alone_columns, max_new_tokens=4
         )
         assert together.new_tokens[row].tolist() == alone.new_tokens[0].tolist()
+
+
+@torch.no_grad()
+def test_answer_groups_questions_of_one_length_on_a_hybrid_model(embedded_tokenizer):
+    """``answer`` lays out no padding between a row's context and its question on a model with recurrent layers
+    (refused there, above): it answers the questions of each length together, the context compressed once, and
+    question-aware prompts are left-padded whole.  Each answer is the question's asked alone."""
+    from runtime import answer
+
+    serves_hybrids()
+    model = hybrid(vocab_size=len(embedded_tokenizer))
+    policy = CompressionPolicy(keep_ratio=0.5, scorer="keydiff")
+    context = "The harbour master logged every ship that came in, and the pilot boats too. " * 3
+    questions = ["Who logged ships?", "What did the harbour master log, and since when did he keep it?", "Who?"]
+    questions.append(questions[0].replace("ships", "boats"))  # the first's length: answered in its group
+    options = dict(max_new_tokens=5)
+    alone = [answer(model, embedded_tokenizer, context, question, policy, **options) for question in questions]
+    assert answer(model, embedded_tokenizer, context, questions, policy, **options) == alone
+    contexts = [context, context[:90], context[:140], context[:60]]
+    alone = [
+        answer(model, embedded_tokenizer, c, q, policy, **options) for c, q in zip(contexts, questions, strict=True)
+    ]
+    assert answer(model, embedded_tokenizer, contexts, questions, policy, **options) == alone
+    aware = dict(options, question_aware=True)
+    alone = [answer(model, embedded_tokenizer, c, q, policy, **aware) for c, q in zip(contexts, questions, strict=True)]
+    assert answer(model, embedded_tokenizer, contexts, questions, policy, **aware) == alone

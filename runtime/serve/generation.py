@@ -590,7 +590,9 @@ def answer(
       list of answers (one batch, left-padded).
 
     With ``num_return_sequences=n > 1`` each answer is a list of its ``n`` texts (beams: the
-    best first).  Arguments are checked before any forward pass.
+    best first).  Arguments are checked before any forward pass.  On a model with recurrent layers (a
+    hybrid), whose batch can hold no padding between a row's context and its question, the questions of
+    each length are answered together (the one context compressed once), not all in one batch.
     """
     check_integer("max_new_tokens", max_new_tokens, minimum=1)
     contexts, one_context = _strings("context", context)
@@ -606,45 +608,99 @@ def answer(
         contexts = contexts * len(questions)
     pairs = [split_prompt(tokenizer, c, q, chat=chat) for c, q in zip(contexts, questions, strict=True)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids, mask, context_columns = build_inputs(
-        [p[0] for p in pairs], [p[1] for p in pairs], pad, device=input_device(model)
-    )
     generate_kwargs.setdefault("pad_token_id", pad)
     generate_kwargs["max_new_tokens"] = max_new_tokens
-    if one_context and len(questions) > 1 and not question_aware:
-        result = _answer_from_one_context(model, ids, mask, pairs, policy, calibration, generate_kwargs)
-    else:
+    device = input_device(model)
+    if question_aware:  # each prompt whole, left-padded: no padding between its context and its question
+        prompts = [context + rest for context, rest in pairs]
+        width = max(len(prompt) for prompt in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=device)
+        result = generate(model, ids, policy, attention_mask=mask, calibration=calibration, **generate_kwargs)
+        return _texts(tokenizer, result, len(pairs), one_context and one_question)
+    # a model with recurrent layers cannot have padding between a row's context and its question: the rows with
+    # questions of one length are answered together (every row at once elsewhere)
+    groups = _question_groups(model, pairs)
+    if one_context and len(questions) > 1:
+        _check_one_context(pairs)  # every group is served the context compressed for the first
+        shared = None  # the context, compressed once
+        texts = [None] * len(pairs)
+        for group in groups:
+            ids, mask, _ = build_inputs([pairs[i][0] for i in group], [pairs[i][1] for i in group], pad, device)
+            result, shared = _answer_from_one_context(
+                model, ids, mask, [pairs[i] for i in group], policy, calibration, generate_kwargs, shared
+            )
+            for index, text in zip(group, _texts(tokenizer, result, len(group), False), strict=True):
+                texts[index] = text
+        return texts
+    texts = [None] * len(pairs)
+    for group in groups:
+        ids, mask, context_columns = build_inputs(
+            [pairs[i][0] for i in group], [pairs[i][1] for i in group], pad, device=device
+        )
         result = generate(
             model,
             ids,
             policy,
             attention_mask=mask,
-            context_columns=None if question_aware else context_columns,
+            context_columns=context_columns,
             calibration=calibration,
             **generate_kwargs,
         )
-    texts = [tokenizer.decode(row, skip_special_tokens=True).strip() for row in result.new_tokens]
-    per_question = len(texts) // len(pairs)  # num_return_sequences
-    if per_question > 1:
-        texts = [texts[i : i + per_question] for i in range(0, len(texts), per_question)]
+        for index, text in zip(group, _texts(tokenizer, result, len(group), False), strict=True):
+            texts[index] = text
     return texts[0] if one_context and one_question else texts
 
 
-@torch.no_grad()
-def _answer_from_one_context(model, ids, mask, pairs, policy, calibration, generate_kwargs) -> GenerationResult:
-    """Prompts ``ids [Q, Lc + Lq]`` (rows ``[context, pad, question]``) of one context: the context
-    (the same ``Lc`` tokens in every row) compressed once, in row 0, then copied to every row."""
-    context_ids = pairs[0][0]
+def _texts(tokenizer, result: GenerationResult, prompts: int, one: bool):
+    """The answers of ``prompts`` prompts from ``result``: a str each, or a list of them with
+    ``num_return_sequences``; the first alone when ``one``."""
+    texts = [tokenizer.decode(row, skip_special_tokens=True).strip() for row in result.new_tokens]
+    per_question = len(texts) // prompts  # num_return_sequences
+    if per_question > 1:
+        texts = [texts[i : i + per_question] for i in range(0, len(texts), per_question)]
+    return texts[0] if one else texts
+
+
+def _question_groups(model, pairs) -> list[list[int]]:
+    """The prompts answered together: all of them, but on a model with recurrent layers, whose batch can hold no
+    padding between a row's context and its question (:func:`refuse_padding_inside_rows`), those whose questions
+    have one length (in the order of their first prompt)."""
+    cache = RaggedCache.for_model(model)
+    if not (cache.recurrent_layers or cache.stateful):
+        return [list(range(len(pairs)))]
+    groups: dict[int, list[int]] = {}
+    for index, (_, question) in enumerate(pairs):
+        groups.setdefault(len(question), []).append(index)
+    return list(groups.values())
+
+
+def _check_one_context(pairs) -> None:
+    """Refuse questions whose prompts split one context at different tokens (the tokenizer merged the context's end
+    with a question's start): one compressed context cannot serve them all."""
     for index, (other, _) in enumerate(pairs):
-        if other != context_ids:  # the tokenizer merged the context's end with this question's start
+        if other != pairs[0][0]:
             raise ValueError(
                 f"question {index} splits the prompt at another token than question 0, so its context "
                 "tokens differ and one compressed context cannot serve both; pass question_aware=True"
             )
+
+
+@torch.no_grad()
+def _answer_from_one_context(model, ids, mask, pairs, policy, calibration, generate_kwargs, compressed=None):
+    """Prompts ``ids [Q, Lc + Lq]`` (rows ``[context, pad, question]``) of one context: the context
+    (the same ``Lc`` tokens in every row) compressed once, in row 0 (or ``compressed``, ``(cache, report)`` of an
+    earlier call, when given), then copied to every row.  Returns the :class:`GenerationResult` and
+    ``(cache, report)`` of the compressed context, for another call."""
+    context_ids = pairs[0][0]
+    _check_one_context(pairs)
     mask = check_inputs(model, ids, mask)  # every prompt, before the context's forward pass
     check_generate_arguments(model, mask, generate_kwargs)
-    cache, report = compress_prompt(
-        model, ids[:1], policy, attention_mask=mask[:1], context_columns=len(context_ids), calibration=calibration
-    )
+    if compressed is None:
+        compressed = compress_prompt(
+            model, ids[:1], policy, attention_mask=mask[:1], context_columns=len(context_ids), calibration=calibration
+        )
+    cache, report = compressed
+    cache = cache.copy()  # the compressed context stays as it is for another call
     cache.batch_repeat_interleave(ids.shape[0])  # one copy of the compressed context per question
-    return generate_from_cache(model, ids, mask, cache, report, **generate_kwargs)
+    return generate_from_cache(model, ids, mask, cache, report, **generate_kwargs), compressed
