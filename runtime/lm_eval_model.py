@@ -76,7 +76,7 @@ from runtime.lm_eval_cli import MODEL as MODEL_NAME
 from runtime.math.geometry import input_device
 from runtime.plan.calibration import Calibration, load_calibration
 from runtime.plan.policy_spec import ARTIFACT_FREE, parse_policy
-from runtime.serve.generation import check_inputs, compress_prompt, context_limit, generate
+from runtime.serve.generation import check_inputs, compress_prompt, context_limit, generate, holds_recurrent_states
 
 QUESTION_MODES = ("auto", "agnostic", "aware")
 # Where the question starts in the prompts of lm-eval's RULER tasks (their templates,
@@ -183,6 +183,8 @@ class KvcalLM(LM):
             self.tokenizer_source = resolve_model(tokenizer if tokenizer else self.pretrained)
             self.tokenizer = load_tokenizer(tokenizer if tokenizer else self.pretrained)
         self._device = input_device(self.model)
+        # a hybrid model's batch holds no padding between a row's context and its question: batched by its length
+        self._questions_by_length = holds_recurrent_states(self.model)
         limit = context_limit(self.model.config)
         self.max_length = _integer("max_length", max_length) if max_length is not None else limit
         self.calibration = None
@@ -294,7 +296,8 @@ class KvcalLM(LM):
                     "do_sample": True,
                     **{k: gen_kwargs[k] for k in ("temperature", "top_p", "top_k") if k in gen_kwargs},
                 }
-            key = (split is not None, tuple(until), max_gen, tuple(sorted(sample.items())))
+            question = len(ids) - split if split is not None and self._questions_by_length else None
+            key = (split is not None, tuple(until), max_gen, tuple(sorted(sample.items())), question)
             items.append((index, text, gen_kwargs, ids, split, until, max_gen, sample, key))
         # longest first within each group of like requests (lm-eval's convention: an early OOM)
         items.sort(key=lambda item: (item[8], -len(item[3])))
@@ -319,7 +322,7 @@ class KvcalLM(LM):
         return results
 
     def _generate_batch(self, batch) -> list[str]:
-        agnostic, until, max_gen, sample = batch[0][8]
+        agnostic, until, max_gen, sample, _ = batch[0][8]
         if agnostic:
             contexts = [item[3][: item[4]] for item in batch]
             questions = [item[3][item[4] :] for item in batch]

@@ -316,3 +316,27 @@ def test_ruler_table_instances_are_lm_evals_split_at_the_question_in_both_prompt
     question = tokenizer.decode(chat["question_ids"])
     assert "<|im_start|>assistant" in question and question.endswith(doc["gen_prefix"])
     assert table.score(chat, f" {doc['outputs'][0]}.") == 1.0 and table.score(chat, " 1000.") == 0.0
+
+
+def test_a_hybrid_models_batches_hold_questions_of_one_length(one_thread):
+    """On a model with recurrent layers (a tiny Qwen3.5) a question-agnostic batch cannot hold padding between a row's
+    context and its question (runtime.serve.generation.refuse_padding_inside_rows): the requests are batched by
+    their question's length, and each answer is the prompt's alone."""
+    from test_hybrid_models import hybrid, serves_hybrids
+
+    from common.models import load_tokenizer
+
+    serves_hybrids()
+    tokenizer = load_tokenizer()
+    model = hybrid(vocab_size=len(tokenizer))
+    prompts = [
+        CONTEXT + "\nQuestion: What is the passcode?",
+        FILLER * 3 + "The passcode is 77. " + FILLER * 2 + "\nQuestion: What is the passcode that was given above?",
+        FILLER * 2 + "\nQuestion: What colour is the sky?",
+        CONTEXT + "\nQuestion: What colour is the grass today, in the story?",
+    ]
+    requests = [request("generate_until", prompt, {"until": ["\n"], "max_gen_toks": 4}) for prompt in prompts]
+    single = KvcalLM(pretrained=model, tokenizer=tokenizer, compression_ratio=0.5, question="agnostic")
+    one_by_one = [single.generate_until([one])[0] for one in requests]
+    lm = KvcalLM(pretrained=model, tokenizer=tokenizer, compression_ratio=0.5, question="agnostic", batch_size=4)
+    assert lm.generate_until(requests) == one_by_one

@@ -179,6 +179,13 @@ def check_generate_arguments(model, attention_mask: torch.Tensor, generate_kwarg
         )
 
 
+def holds_recurrent_states(model) -> bool:
+    """Whether ``model`` has recurrent layers (a hybrid's Gated DeltaNet, Mamba or short convolutions, Falcon-H1's
+    mixers), which run over every column of a batch, padding included (:func:`refuse_padding_inside_rows`)."""
+    cache = RaggedCache.for_model(model)
+    return bool(cache.recurrent_layers or cache.stateful)
+
+
 def refuse_padding_inside_rows(model, cache: RaggedCache, attention_mask: torch.Tensor) -> None:
     """Refuse a row with padding after its first token (``[pad, context, pad, question]``: a shorter question
     than another row's) where ``cache`` holds recurrent states (a hybrid model's Gated DeltaNet, Mamba or short
@@ -666,8 +673,7 @@ def _question_groups(model, pairs) -> list[list[int]]:
     """The prompts answered together: all of them, but on a model with recurrent layers, whose batch can hold no
     padding between a row's context and its question (:func:`refuse_padding_inside_rows`), those whose questions
     have one length (in the order of their first prompt)."""
-    cache = RaggedCache.for_model(model)
-    if not (cache.recurrent_layers or cache.stateful):
+    if not holds_recurrent_states(model):
         return [list(range(len(pairs)))]
     groups: dict[int, list[int]] = {}
     for index, (_, question) in enumerate(pairs):
