@@ -110,6 +110,8 @@ def test_flex_serves_only_where_the_compiled_kernel_can():
     assert not flex_serves(query, store.key_buffer, 16, need_lse=True)  # compiled for CPU: no lse
     assert not flex_serves(query, store.key_buffer, 8, need_lse=False)  # below flex's smallest head dim
     assert not flex_serves(query, store.key_buffer[:0], 16, need_lse=False)  # nothing stored
+    wide = _store(torch.float64)  # flex_attention does not compile float64 for the CPU: it crashed there
+    assert not flex_serves(query.double(), wide.key_buffer, 16, need_lse=False)
 
 
 def test_without_the_flex_api_nothing_serves(monkeypatch):
@@ -197,3 +199,35 @@ def test_with_a_correction_on_cpu_the_flex_selection_falls_back_to_the_default_k
     monkeypatch.setenv(DECODE_KERNEL_VARIABLE, "flex")
     selected = generate(model, ids, policy, calibration=calibration, max_new_tokens=4)
     assert selected.new_tokens.tolist() == default.new_tokens.tolist()
+
+
+@torch.no_grad()
+@compiles[0]
+@compiles[1]
+def test_a_soft_capping_model_generates_with_the_flex_kernel_as_with_the_default_kernels(monkeypatch):
+    """Gemma 2's soft-cap in flex_attention's score_mod, compiled on the CPU: Inductor could not lower the cap (a
+    float the closure held, traced as an input read with .item(): "LoweringException: RuntimeError:
+    unbacked_bindings", found by benchmarks/row_alone_campaign.py); the compiled kernel now takes it as a constant,
+    and a left-padded batch generates the tokens of the default kernels."""
+    from tiny_architectures import make_tiny
+
+    import runtime.kv_store.layer_attention
+
+    model = make_tiny("gemma2")
+    ids = torch.randint(3, 500, (2, 90), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    ids[1, :20], mask[1, :20] = 0, 0
+    policy = CompressionPolicy(keep_ratio=0.4, scorer="keydiff")
+    monkeypatch.delenv(DECODE_KERNEL_VARIABLE, raising=False)
+    default = generate(model, ids, policy, attention_mask=mask, max_new_tokens=6)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("softcap"))
+        return flex_decode_attention(*args, **kwargs)
+
+    monkeypatch.setattr(runtime.kv_store.layer_attention, "flex_decode_attention", counted)
+    monkeypatch.setenv(DECODE_KERNEL_VARIABLE, "flex")
+    flex = generate(model, ids, policy, attention_mask=mask, max_new_tokens=6)
+    assert calls and all(cap == model.config.attn_logit_softcapping for cap in calls)
+    assert flex.new_tokens.tolist() == default.new_tokens.tolist()

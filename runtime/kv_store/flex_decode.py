@@ -30,6 +30,7 @@ mask_mod, lse included: how the tests check the CUDA path's arithmetic on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from dataclasses import dataclass
@@ -40,6 +41,9 @@ import torch
 DECODE_KERNEL_VARIABLE = "KVCAL_DECODE_KERNEL"
 _KV_BLOCK = 128  # rows per KV block of the block mask (flex_attention's default block size)
 _Q_BLOCK = 128  # one query block holds a segment's G query rows
+# the dtypes flex_attention compiles for on the CPU (torch 2.13: "`torch.float` , `torch.float16` and `torch.bfloat16`
+# are supported in FlexAttention for CPU device"; a float64 model takes the runtime's own kernels)
+CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MASK_CACHE_SIZE = 512  # block masks kept (least recently used dropped), keyed by storage generation
 
 
@@ -86,8 +90,11 @@ def selected_decode_kernel() -> str:
 
 def flex_serves(query: torch.Tensor, key_buffer: torch.Tensor, head_dim: int, need_lse: bool) -> bool:
     """Whether the compiled call can run here: the API exists, the buffer holds rows, the head dim
-    is a power of two >= 16 (flex_attention's kernels), and, on CPU, no log-sum-exp is needed."""
+    is a power of two >= 16 (flex_attention's kernels), and, on CPU, the buffer's dtype is one of
+    :data:`CPU_DTYPES` and no log-sum-exp is needed."""
     if FLEX_API is None or key_buffer.shape[0] == 0 or head_dim < 16 or head_dim & (head_dim - 1):
+        return False
+    if query.device.type == "cpu" and key_buffer.dtype not in CPU_DTYPES:
         return False
     return not (need_lse and query.device.type == "cpu")
 
@@ -180,16 +187,21 @@ def flex_decode_attention(
     lse_argument = {"return_aux": FLEX_API[2](lse=True)} if need_lse else {}
     keys = store.key_buffer.view(1, 1, -1, dim)  # [1, 1, C, d]
     values = store.value_buffer.view(1, 1, -1, dim)
-    result = function(
-        query.to(keys.dtype).unsqueeze(0),  # [1, S, G, d]
-        keys,
-        values,
-        score_mod=score_mod,
-        block_mask=mask.block_mask,
-        scale=float(scaling),
-        enable_gqa=True,
-        **lse_argument,
-    )
+    # the soft-cap a constant of the compiled kernel: torch.compile otherwise traces a float the closure holds as a
+    # graph input read back with .item(), which Inductor cannot lower inside flex_attention's score_mod
+    # ("LoweringException: RuntimeError: unbacked_bindings", torch 2.13 on the CPU)
+    constants = torch._dynamo.config.patch(specialize_float=True) if compiled else contextlib.nullcontext()
+    with constants:
+        result = function(
+            query.to(keys.dtype).unsqueeze(0),  # [1, S, G, d]
+            keys,
+            values,
+            score_mod=score_mod,
+            block_mask=mask.block_mask,
+            scale=float(scaling),
+            enable_gqa=True,
+            **lse_argument,
+        )
     if not need_lse:
         return result[0].float(), None
     out, aux = result  # [1, S, G, d] and an AuxOutput holding the lse [1, S, G]
