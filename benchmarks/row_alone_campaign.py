@@ -11,7 +11,9 @@ a tiny Qwen3.5, Gated DeltaNet layers beside attention), 2-3 rows of 12-200 toke
 question-agnostic prompts (``build_inputs``), several questions about one context compressed once
 (``answer``'s path), beam search (2 beams), every artifact-free scorer, the ratio evicted (0 to 0.95) or
 a fixed budget, the protected window and sinks, the block-wise prefill, decode-time eviction
-(``evict_every``) and the first-order correction.
+(``evict_every``), the first-order correction, and the attention kernel (the CPU's own, the page kernel
+and FlashAttention's varlen call that a GPU runs, the latter with its plain-torch reference forced in,
+and flex_attention).
 
 Each case runs ``runtime.generate`` on the batch and on each row alone (6 new tokens, one torch thread)
 and compares the row's tokens and every step's logits (beams: the sequence's score) within 1e-4; a step
@@ -27,7 +29,9 @@ kvcal's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
 import sys
 import time
@@ -87,6 +91,9 @@ def draw_case(rng: random.Random, index: int, names: list[str]) -> dict:
         "block_size": rng.choice((None, None, 16, 48)),
         "evict_every": rng.choice((None, None, 1, 3)),
         "correction": rng.choice(("none", "none", "order1")),
+        # the attention kernels: the CPU's own; the page kernel and FlashAttention's varlen call a GPU runs (varlen
+        # with its plain-torch reference, forced); flex_attention
+        "kernel": rng.choice(("default", "default", "pages", "varlen", "flex")),
         "seed": rng.randrange(1 << 30),
     }
     if rng.random() < 0.2:
@@ -193,7 +200,37 @@ def model_depends_on_the_batch(model, contexts, questions, agnostic: bool, row: 
     return gap if gap > TOLERANCE / 10 else None
 
 
+@contextlib.contextmanager
+def kernel(name: str):
+    """Run under the attention kernel ``name`` (``default``: whatever the runtime picks on this machine)."""
+    from runtime.kv_store import layer_attention, varlen_attention
+    from runtime.kv_store.flex_decode import DECODE_KERNEL_VARIABLE
+
+    saved = (os.environ.get(DECODE_KERNEL_VARIABLE), layer_attention.varlen_serves, varlen_attention.flash_varlen)
+    try:
+        if name in ("pages", "flex"):
+            os.environ[DECODE_KERNEL_VARIABLE] = name
+        if name == "varlen":
+            # varlen_serves but its device and dtype: a GPU's conditions
+            layer_attention.varlen_serves = lambda query, store, softcap: (
+                softcap is None and store.head_dim % 8 == 0 and store.increasing
+            )
+            varlen_attention.flash_varlen = varlen_attention.reference_varlen
+        yield
+    finally:
+        if saved[0] is None:
+            os.environ.pop(DECODE_KERNEL_VARIABLE, None)
+        else:
+            os.environ[DECODE_KERNEL_VARIABLE] = saved[0]
+        layer_attention.varlen_serves, varlen_attention.flash_varlen = saved[1], saved[2]
+
+
 def check(case: dict, builders: dict, models: dict) -> str | None:
+    with kernel(case.get("kernel", "default")):
+        return _check(case, builders, models)
+
+
+def _check(case: dict, builders: dict, models: dict) -> str | None:
     name = case["architecture"]
     if name not in models:
         model = builders[name]()
