@@ -61,7 +61,7 @@ def test_the_evaluation_runs_on_the_embedded_model(embedded_model, embedded_toke
 
 def test_the_runtime_entry_points_make_their_inputs_on_the_models_device(embedded_tokenizer):
     """answer() with several questions (one context compressed once) and with one, generate() with
-    beams, several returned sequences and sampling, compress_prompt() block by block; eviction
+    beams, several returned sequences and sampling, compress_prompt() block by block (a padded row too); eviction
     while decoding and moment eviction with the MomentKV correction."""
     from runtime import CompressionPolicy, answer, compress_prompt, generate
     from runtime.math.geometry import input_device
@@ -78,6 +78,9 @@ def test_the_runtime_entry_points_make_their_inputs_on_the_models_device(embedde
         for options in ({"num_beams": 2}, {"num_beams": 2, "num_return_sequences": 2}, {"do_sample": True}):
             generate(model, ids, policy, context_columns=ids.shape[1] - 3, max_new_tokens=2, **options)
         compress_prompt(model, ids, policy, block_size=16)
+        padded = torch.ones_like(ids)
+        padded[1, :9] = 0  # a padded row in blocks: each row's own blocks, laid out on the host
+        compress_prompt(model, ids, policy, attention_mask=padded, block_size=16)
         # eviction while decoding (under beams), and moment eviction with the correction
         for options in ({"evict_every": 1}, {"evict_every": 2, "scorer": "snapkv", "moment_eviction": True}):
             evicting = CompressionPolicy(compression_ratio=0.5, correction="order1", **options)

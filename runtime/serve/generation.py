@@ -301,12 +301,14 @@ def row_blocks(input_ids: torch.Tensor, attention_mask: torch.Tensor, block_size
     counts = [int(n) for n in attention_mask.sum(-1).tolist()]
     if min(counts) == columns or not any(counts):  # the batch's columns are each row's (or no row has a token)
         return input_ids, attention_mask, [min(start + block_size, columns) for start in range(0, columns, block_size)]
-    real = [input_ids[b][attention_mask[b].bool()] for b in range(rows)]  # each row's tokens, padding dropped
+    # laid out on the host (one copy each way, not a device read per row), the prompt's ids being small
+    host_ids, host_mask = input_ids.cpu(), attention_mask.cpu()
+    real = [host_ids[b][host_mask[b].bool()] for b in range(rows)]  # each row's tokens, padding dropped
     passes = max(-(-n // block_size) for n in counts)
     last = max(n - block_size * (-(-n // block_size) - 1) for n in counts if n)  # the widest last block
     width = (passes - 1) * block_size + last
-    ids = torch.zeros(rows, width, dtype=input_ids.dtype, device=input_ids.device)
-    mask = torch.zeros(rows, width, dtype=attention_mask.dtype, device=attention_mask.device)
+    ids = torch.zeros(rows, width, dtype=input_ids.dtype, device="cpu")
+    mask = torch.zeros(rows, width, dtype=attention_mask.dtype, device="cpu")
     for b, tokens in enumerate(real):
         blocks = -(-counts[b] // block_size)
         for k in range(blocks):
@@ -315,7 +317,7 @@ def row_blocks(input_ids: torch.Tensor, attention_mask: torch.Tensor, block_size
             end = pass_index * block_size + (block_size if pass_index < passes - 1 else last)
             ids[b, end - len(block) : end], mask[b, end - len(block) : end] = block, 1
     ends = [min((k + 1) * block_size, width) if k < passes - 1 else width for k in range(passes)]
-    return ids, mask, ends
+    return ids.to(input_ids.device), mask.to(attention_mask.device), ends
 
 
 @dataclass
