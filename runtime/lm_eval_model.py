@@ -76,7 +76,15 @@ from runtime.lm_eval_cli import MODEL as MODEL_NAME
 from runtime.math.geometry import input_device
 from runtime.plan.calibration import Calibration, load_calibration
 from runtime.plan.policy_spec import ARTIFACT_FREE, parse_policy
-from runtime.serve.generation import check_inputs, compress_prompt, context_limit, generate, holds_recurrent_states
+from runtime.serve.generation import (
+    build_inputs,
+    check_inputs,
+    compress_prompt,
+    context_limit,
+    generate,
+    holds_recurrent_states,
+    left_padded,
+)
 
 QUESTION_MODES = ("auto", "agnostic", "aware")
 # Where the question starts in the prompts of lm-eval's RULER tasks (their templates,
@@ -323,25 +331,17 @@ class KvcalLM(LM):
 
     def _generate_batch(self, batch) -> list[str]:
         agnostic, until, max_gen, sample, _ = batch[0][8]
-        if agnostic:
+        if agnostic:  # rows [pad, context, pad, question]
             contexts = [item[3][: item[4]] for item in batch]
             questions = [item[3][item[4] :] for item in batch]
-            context_columns = max(len(c) for c in contexts)
-            question_columns = max(len(q) for q in questions)
-            ids, mask = [], []
-            for context, question in zip(contexts, questions, strict=True):
-                pad_c, pad_q = context_columns - len(context), question_columns - len(question)
-                ids.append([self.pad_token_id] * pad_c + context + [self.pad_token_id] * pad_q + question)
-                mask.append([0] * pad_c + [1] * len(context) + [0] * pad_q + [1] * len(question))
+            input_ids, attention_mask, context_columns = build_inputs(
+                contexts, questions, self.pad_token_id, device=self._device
+            )
             self.counts["question_agnostic_prompts"] += len(batch)
         else:
-            width = max(len(item[3]) for item in batch)
-            ids = [[self.pad_token_id] * (width - len(item[3])) + item[3] for item in batch]
-            mask = [[0] * (width - len(item[3])) + [1] * len(item[3]) for item in batch]
+            input_ids, attention_mask = left_padded([item[3] for item in batch], self.pad_token_id, self._device)
             context_columns = None
             self.counts["question_aware_prompts"] += len(batch)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self._device)
-        attention_mask = torch.tensor(mask, dtype=torch.long, device=self._device)
         kwargs = {"max_new_tokens": max_gen, "pad_token_id": self.pad_token_id, **dict(sample)}
         if until:
             kwargs.update(stop_strings=list(until), tokenizer=self.tokenizer)

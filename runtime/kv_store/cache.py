@@ -694,6 +694,12 @@ class RaggedCache(Cache):
         return {index: layer for index, layer in enumerate(self.layers) if not isinstance(layer, RaggedLayer)}
 
     @property
+    def holds_recurrent_states(self) -> bool:
+        """Whether the model has recurrent layers (a hybrid's Gated DeltaNet, Mamba or short convolutions, Falcon-H1's
+        mixers beside attention), which run over every column of a batch, padding included."""
+        return bool(self.recurrent_layers or self.stateful)
+
+    @property
     def stateful(self) -> dict:
         """``{layer: {"number_of_states": n}}`` of the :class:`RaggedRecurrentLayer` among the attention layers."""
         return {

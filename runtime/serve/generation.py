@@ -73,6 +73,16 @@ def build_inputs(contexts: list[list[int]], questions: list[list[int]], pad_toke
     )
 
 
+def left_padded(prompts: list[list[int]], pad_token_id: int, device=None):
+    """``input_ids [B, T]`` and ``attention_mask`` of whole prompts, each padded on its left (the layout a
+    question-aware batch takes: nothing between a row's context and its question), on ``device`` (None: the CPU)."""
+    width = max(len(prompt) for prompt in prompts)
+    device = torch.device("cpu") if device is None else device
+    ids = [[pad_token_id] * (width - len(prompt)) + list(prompt) for prompt in prompts]
+    mask = [[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in prompts]
+    return torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(mask, dtype=torch.long, device=device)
+
+
 def context_limit(config) -> int | None:
     """The most token positions ``config``'s model was trained for (None: unknown).
 
@@ -182,8 +192,7 @@ def check_generate_arguments(model, attention_mask: torch.Tensor, generate_kwarg
 def holds_recurrent_states(model) -> bool:
     """Whether ``model`` has recurrent layers (a hybrid's Gated DeltaNet, Mamba or short convolutions, Falcon-H1's
     mixers), which run over every column of a batch, padding included (:func:`refuse_padding_inside_rows`)."""
-    cache = RaggedCache.for_model(model)
-    return bool(cache.recurrent_layers or cache.stateful)
+    return RaggedCache.for_model(model).holds_recurrent_states
 
 
 def refuse_padding_inside_rows(model, cache: RaggedCache, attention_mask: torch.Tensor) -> None:
@@ -193,7 +202,7 @@ def refuse_padding_inside_rows(model, cache: RaggedCache, attention_mask: torch.
     token enters their state (transformers zeroes its inputs, but the convolution's window and the state's decay
     still move), so the row would be answered otherwise than alone.  Left padding alone is served: before a
     row's first token the state is still empty."""
-    if not (cache.recurrent_layers or cache.stateful):
+    if not cache.holds_recurrent_states:
         return
     inside = attention_mask.cummax(-1).values > attention_mask  # a 0 after the row's first 1
     rows = inside.any(-1).nonzero().flatten().tolist()
@@ -268,7 +277,7 @@ def compress_prompt(
         return cache, report
     prefix, prefix_mask = input_ids[:, :columns], attention_mask[:, :columns]
     ids, mask, bounds = row_blocks(prefix, prefix_mask, block_size)
-    if ids is not prefix and (cache.recurrent_layers or cache.stateful):
+    if ids is not prefix and cache.holds_recurrent_states:
         raise ValueError(
             f"a block-wise prefill of a padded batch (block_size={block_size}) on {type(model).__name__}, whose "
             "recurrent layers run over every column, padding included: each row's blocks would have padding "
@@ -621,41 +630,33 @@ def answer(
     generate_kwargs["max_new_tokens"] = max_new_tokens
     device = input_device(model)
     if question_aware:  # each prompt whole, left-padded: no padding between its context and its question
-        prompts = [context + rest for context, rest in pairs]
-        width = max(len(prompt) for prompt in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=device)
+        ids, mask = left_padded([context + rest for context, rest in pairs], pad, device)
         result = generate(model, ids, policy, attention_mask=mask, calibration=calibration, **generate_kwargs)
         return _texts(tokenizer, result, len(pairs), one_context and one_question)
     # a model with recurrent layers cannot have padding between a row's context and its question: the rows with
     # questions of one length are answered together (every row at once elsewhere)
     groups = _question_groups(model, pairs)
-    if one_context and len(questions) > 1:
+    several = one_context and len(questions) > 1  # one context compressed once, copied to every question's row
+    if several:
         _check_one_context(pairs)  # every group is served the context compressed for the first
-        shared = None  # the context, compressed once
-        texts = [None] * len(pairs)
-        for group in groups:
-            ids, mask, _ = build_inputs([pairs[i][0] for i in group], [pairs[i][1] for i in group], pad, device)
+    texts, shared = [None] * len(pairs), None
+    for number, group in enumerate(groups):
+        ids, mask, columns = build_inputs([pairs[i][0] for i in group], [pairs[i][1] for i in group], pad, device)
+        if several:
+            keep = number < len(groups) - 1  # another group reads the compressed context after this one
             result, shared = _answer_from_one_context(
-                model, ids, mask, [pairs[i] for i in group], policy, calibration, generate_kwargs, shared
+                model, ids, mask, [pairs[i] for i in group], policy, calibration, generate_kwargs, shared, keep
             )
-            for index, text in zip(group, _texts(tokenizer, result, len(group), False), strict=True):
-                texts[index] = text
-        return texts
-    texts = [None] * len(pairs)
-    for group in groups:
-        ids, mask, context_columns = build_inputs(
-            [pairs[i][0] for i in group], [pairs[i][1] for i in group], pad, device=device
-        )
-        result = generate(
-            model,
-            ids,
-            policy,
-            attention_mask=mask,
-            context_columns=context_columns,
-            calibration=calibration,
-            **generate_kwargs,
-        )
+        else:
+            result = generate(
+                model,
+                ids,
+                policy,
+                attention_mask=mask,
+                context_columns=columns,
+                calibration=calibration,
+                **generate_kwargs,
+            )
         for index, text in zip(group, _texts(tokenizer, result, len(group), False), strict=True):
             texts[index] = text
     return texts[0] if one_context and one_question else texts
@@ -695,11 +696,14 @@ def _check_one_context(pairs) -> None:
 
 
 @torch.no_grad()
-def _answer_from_one_context(model, ids, mask, pairs, policy, calibration, generate_kwargs, compressed=None):
+def _answer_from_one_context(
+    model, ids, mask, pairs, policy, calibration, generate_kwargs, compressed=None, keep: bool = False
+):
     """Prompts ``ids [Q, Lc + Lq]`` (rows ``[context, pad, question]``) of one context: the context
     (the same ``Lc`` tokens in every row) compressed once, in row 0 (or ``compressed``, ``(cache, report)`` of an
-    earlier call, when given), then copied to every row.  Returns the :class:`GenerationResult` and
-    ``(cache, report)`` of the compressed context, for another call."""
+    earlier call, when given), then copied to every row; ``keep``: the compressed context left as it is (decoded
+    from a copy) for another call.  Returns the :class:`GenerationResult` and ``(cache, report)`` of the
+    compressed context."""
     context_ids = pairs[0][0]
     _check_one_context(pairs)
     mask = check_inputs(model, ids, mask)  # every prompt, before the context's forward pass
@@ -709,6 +713,7 @@ def _answer_from_one_context(model, ids, mask, pairs, policy, calibration, gener
             model, ids[:1], policy, attention_mask=mask[:1], context_columns=len(context_ids), calibration=calibration
         )
     cache, report = compressed
-    cache = cache.copy()  # the compressed context stays as it is for another call
+    if keep:
+        cache = cache.copy()
     cache.batch_repeat_interleave(ids.shape[0])  # one copy of the compressed context per question
     return generate_from_cache(model, ids, mask, cache, report, **generate_kwargs), compressed
