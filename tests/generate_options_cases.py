@@ -13,7 +13,7 @@ generate() beside the prompt.  A case is
 * **refused**: ``runtime.generate`` raises ``ValueError`` or ``TypeError`` with a one-line message matching
   the case's pattern, before the model runs any forward pass (no prefill wasted).
 
-Run this file to count them:
+Run this file to count them (docs/results.md R-generate-options-2026-11-29):
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tests/generate_options_cases.py
 """
