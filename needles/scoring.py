@@ -24,7 +24,8 @@ def answer_is_correct(generated_text: str, probe: Probe | str) -> bool:
 
 
 def greedy_answer(model, tokenizer, probe: Probe, max_new_tokens: int = 16) -> str:
-    """The model's uncompressed greedy continuation of ``probe.input_ids`` (special tokens dropped)."""
+    """The model's uncompressed greedy continuation of ``probe.input_ids`` (special tokens dropped), one token
+    a step through a cache whatever the checkpoint's ``use_cache`` says."""
     import torch
 
     device = next(model.parameters()).device
@@ -36,5 +37,6 @@ def greedy_answer(model, tokenizer, probe: Probe, max_new_tokens: int = 16) -> s
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            use_cache=True,
         )
     return tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)

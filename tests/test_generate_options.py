@@ -132,3 +132,35 @@ def test_embedded_model_saved_without_a_cache_answers_as_transformers(embedded_m
         assert config.use_cache is False
     finally:
         config.use_cache = saved
+
+
+@torch.no_grad()
+def test_the_profilers_greedy_decoding_keeps_a_cache_on_a_checkpoint_saved_without_one(tmp_path):
+    """profile-model's greedy passes (the behaviour stage, the held-out tasks) and the needles' uncompressed answer
+    decode one token per step through a cache whatever the checkpoint's ``use_cache`` says.  Before, a checkpoint
+    saved with ``"use_cache": false`` recomputed the whole sequence at every step (the same artifact within 2e-6,
+    at the cost of a forward pass over the prompt for every new token)."""
+    from needles.probe import Probe
+    from needles.scoring import greedy_answer
+    from profiler.greedy import greedy_generate
+
+    model = _saved_without_cache(tmp_path)
+    lengths = []
+    handle = model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+
+    class Vocabulary:
+        pad_token_id, eos_token_id = 0, 2
+
+        def decode(self, tokens, skip_special_tokens=True):
+            return " ".join(str(int(t)) for t in tokens)
+
+    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(2))
+    greedy_generate(model, Vocabulary(), ids, max_new_tokens=5)
+    assert lengths == [20, 1, 1, 1, 1]
+    lengths.clear()
+    probe = Probe("p", "retrieval", 20, 50.0, 0, "q", "a", ids[0].tolist(), [], 20)
+    greedy_answer(model, Vocabulary(), probe, max_new_tokens=4)
+    handle.remove()
+    assert lengths == [20, 1, 1, 1]
