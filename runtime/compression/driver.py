@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from runtime.kv_store.profiling import label
+from runtime.kv_store.shared_scope import this_thread_only
 from runtime.math.geometry import ModelGeometry
 
 
@@ -159,7 +160,8 @@ def evicting_each_layer(model, cache, evict: Callable[[object], None]):
     handles = []
     try:
         for module, layer in zip(modules, cache.attention_layers, strict=True):
-            handles.append(module.register_forward_hook(lambda _module, _args, _output, layer=layer: evict(layer)))
+            hook = this_thread_only(lambda _module, _args, _output, layer=layer: evict(layer))
+            handles.append(module.register_forward_hook(hook))
         yield
     finally:
         for handle in handles:

@@ -39,6 +39,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from runtime.kv_store.shared_scope import this_thread_only
 from runtime.math.geometry import ModelGeometry
 
 
@@ -148,7 +149,8 @@ class QueryMoments:
             return hook
 
         handles = [
-            module.register_forward_hook(make_hook(layer)) for layer, module in enumerate(geometry.query_modules)
+            module.register_forward_hook(this_thread_only(make_hook(layer)))
+            for layer, module in enumerate(geometry.query_modules)
         ]
         try:
             yield self

@@ -25,7 +25,8 @@ import torch
 from runtime.compression.driver import after_attention
 from runtime.kv_store.attention_interface import attention_implementation, register_attention, switch_attention
 from runtime.kv_store.cache import ATTENTION_NAME, LAYER_TAG, RaggedLayer
-from runtime.kv_store.eager_attention import eager_attention_forward
+from runtime.kv_store.eager_attention import attention_forward
+from runtime.kv_store.shared_scope import shared_switch
 from runtime.math.arrays import to_device
 
 # What a model passes its attention function that the ragged attention cannot compute: a ``sinks``
@@ -67,20 +68,19 @@ def ragged_attention_forward(
             raise ValueError(f"the ragged attention cannot compute {feature}: this model is not supported")
     sinks = kwargs.pop("s_aux", None)
     layer = getattr(key, LAYER_TAG, None)
-    if layer is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        if sinks is not None:  # sdpa has no sinks: the reference eager attention with the sink's logit
-            return eager_attention_forward(
-                module, query, key, value, attention_mask, dropout, scaling, softcap=softcap, s_aux=sinks
-            )
-        if softcap is not None:
-            raise ValueError(
-                "ragged attention over an ordinary cache cannot soft-cap attention logits: serve this model "
-                "with a RaggedCache (runtime.generate / compress_prompt), or with its own eager attention"
-            )
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+    if layer is None:  # an ordinary cache (another thread's plain call while a kvcal call holds the switch):
+        # transformers' sdpa, or the reference eager attention where sdpa cannot compute the soft-cap or sinks
+        return attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=scaling,
+            dropout=dropout,
+            softcap=softcap,
+            s_aux=sinks,
+            **kwargs,
         )
     if dropout:
         raise ValueError("ragged attention does not implement attention dropout (use model.eval())")
@@ -116,5 +116,8 @@ def enable(model) -> None:
 
 
 def ragged_attention(model):
-    """``with ragged_attention(model):`` enable for the block, then restore the previous one."""
-    return attention_implementation(model, ATTENTION_NAME, ragged_attention_forward)
+    """``with ragged_attention(model):`` enable for the block, then restore the previous one, once no other
+    call (another thread's, serving the same model) is inside such a block (:func:`shared_switch`)."""
+    return shared_switch(
+        model, ATTENTION_NAME, lambda: attention_implementation(model, ATTENTION_NAME, ragged_attention_forward)
+    )

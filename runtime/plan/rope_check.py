@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.kv_store.eager_attention import eager_attention_forward
+from runtime.kv_store.shared_scope import this_thread_only
 from runtime.math.geometry import ModelGeometry, UnsupportedModelError, input_device
 from runtime.math.rope import (
     FORMS,
@@ -159,8 +160,8 @@ def rope_mismatches(model) -> RopeMismatches:
             return hook
 
         key, query = geometry.key_projections[layer], geometry.query_projections[layer]
-        handles.append(key.module.register_forward_hook(keep(pre_keys, key, layer)))
-        handles.append(query.module.register_forward_hook(keep(pre_queries, query, layer)))
+        handles.append(key.module.register_forward_hook(this_thread_only(keep(pre_keys, key, layer))))
+        handles.append(query.module.register_forward_hook(this_thread_only(keep(pre_queries, query, layer))))
     layer_of = {id(module): index for index, module in enumerate(geometry.attention_modules)}
 
     def recording(module, query, key, value, attention_mask, **kwargs):

@@ -34,6 +34,8 @@ only what was dispatched at capture, on the same tensors, with the same argument
 from __future__ import annotations
 
 import inspect
+import threading
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Protocol
@@ -192,6 +194,11 @@ class DecodeGraphs:
         return tuple(entries)
 
 
+# the models a generation replaying captured steps holds (:func:`decode_graphs`)
+_GRAPHED: weakref.WeakSet = weakref.WeakSet()
+_GRAPHED_LOCK = threading.Lock()
+
+
 def _copied(outputs):
     """``outputs`` with every tensor in it copied out of the graph's memory (the next replay
     overwrites it; generate() may keep what a step returned)."""
@@ -209,14 +216,28 @@ def _copied(outputs):
 def decode_graphs(model, cache: RaggedCache, graph=CudaStepGraph):
     """``with decode_graphs(model, cache) as graphs:`` inside the block, ``model``'s one-token decode
     steps over ``cache`` are replayed from captured graphs (:class:`DecodeGraphs`; ``graph``: how a
-    step is captured).  The model's own ``forward`` is restored on exit."""
-    own = vars(model).get("forward")  # an instance attribute (accelerate's hooks set one), else None
-    graphs = DecodeGraphs(model.forward, cache, graph, cache_keyword=cache_name(model))
-    model.forward = graphs
+    step is captured).  The model's own ``forward`` is restored on exit.  One generation at a time per
+    model: another thread's, while this one holds the model, is refused (the wrapped ``forward`` is the
+    model's, and a graph capture must not overlap other work on the device)."""
+    with _GRAPHED_LOCK:
+        if model in _GRAPHED:
+            raise ValueError(
+                "decode_graphs: another generation on this model is replaying captured decode steps; captured "
+                "steps serve one generation at a time per model (its forward is wrapped for the generation, and a "
+                "CUDA graph capture must not overlap other work): generate without decode_graphs, or one at a time"
+            )
+        _GRAPHED.add(model)
     try:
-        yield graphs
+        own = vars(model).get("forward")  # an instance attribute (accelerate's hooks set one), else None
+        graphs = DecodeGraphs(model.forward, cache, graph, cache_keyword=cache_name(model))
+        model.forward = graphs
+        try:
+            yield graphs
+        finally:
+            if own is None:
+                del model.forward
+            else:
+                model.forward = own
     finally:
-        if own is None:
-            del model.forward
-        else:
-            model.forward = own
+        with _GRAPHED_LOCK:
+            _GRAPHED.discard(model)

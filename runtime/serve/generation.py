@@ -29,6 +29,7 @@ is never stored in the cache, and each row is compressed on its own real length.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ from prompt_format import encode_prompt
 from runtime.compression.prefill import CompressionReport, compress, prefill, prefill_and_compress
 from runtime.compression.ragged_attention import ragged_attention
 from runtime.kv_store.cache import CacheConsumedError, RaggedCache
+from runtime.kv_store.shared_scope import shared_switch
 from runtime.kv_store.transformers_compat import cache_argument
 from runtime.math.geometry import input_device, original_context, position_limit, text_config
 from runtime.plan.policy import CompressionPolicy
@@ -291,14 +293,20 @@ def _transformers_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-@contextlib.contextmanager
 def _served_cache_defaults(model):
     """For this block, ``model.generation_config`` says ``use_cache=True`` and no ``cache_implementation``
     (:data:`_CACHE_DEFAULTS`): a checkpoint saved with ``"use_cache": false`` (as training with gradient
     checkpointing leaves it) or a static cache in its generation_config.json would make generate() feed the
     whole prompt again at every step behind the compressed cache (a doubled context, the prompt held
     uncompressed), or refuse the cache kvcal hands it.  transformers' own result is the same tokens with or
-    without a cache; the caller's own asking is refused by :func:`check_generation_options`."""
+    without a cache; the caller's own asking is refused by :func:`check_generation_options`.  Restored when
+    the last call holding it ends (:func:`~runtime.kv_store.shared_scope.shared_switch`: threads serving one
+    model)."""
+    return shared_switch(model, "generation cache defaults", functools.partial(_cache_defaults, model))
+
+
+@contextlib.contextmanager
+def _cache_defaults(model):
     config = getattr(model, "generation_config", None)
     saved = {name: getattr(config, name) for name in _CACHE_DEFAULTS if config is not None and hasattr(config, name)}
     changed = {name: value for name, value in _CACHE_DEFAULTS.items() if name in saved and saved[name] != value}
@@ -587,15 +595,19 @@ def _forget_positions(model) -> None:
 POSITIONS_DROPPED_BY_GENERATE = frozenset(("exaone4_5",))
 
 
-@contextlib.contextmanager
 def _positions_from_the_mask(model):
     """For this block, a model of :data:`POSITIONS_DROPPED_BY_GENERATE` is handed by generate() the positions
     generate() computes from the mask for every other model (a left-padded row's from its first real token),
     those kvcal's prefill numbered its cache by: by the cache's columns, a padded row's first step would be its
-    padding's length past its stored keys.  The model's own method is restored after the block."""
+    padding's length past its stored keys.  The model's own method is restored after the block (after the
+    last call holding it: :func:`~runtime.kv_store.shared_scope.shared_switch`)."""
     if getattr(model.config, "model_type", None) not in POSITIONS_DROPPED_BY_GENERATE:
-        yield
-        return
+        return contextlib.nullcontext()
+    return shared_switch(model, "positions from the mask", functools.partial(_positions_switch, model))
+
+
+@contextlib.contextmanager
+def _positions_switch(model):
     own = vars(model).get("prepare_inputs_for_generation")  # an instance attribute, else None (the class's)
     prepare = model.prepare_inputs_for_generation
 
