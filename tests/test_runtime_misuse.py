@@ -57,3 +57,32 @@ def test_model_generate_with_beams_through_an_unexpanded_cache_says_what_is_unsu
     message = str(info.value)
     assert "1 batch row" in message and "3 rows" in message and "num_beams" in message
     assert "runtime.generate" in message and "batch_repeat_interleave(3)" in message
+
+
+@torch.no_grad()
+def test_a_right_padded_batch_is_refused_before_any_forward_pass():
+    """Many tokenizers pad on the right by default.  A row ending with padding was answered after its padding,
+    silently otherwise than alone (transformers' generate() only warns); now refused by name, in generate()
+    and compress_prompt(), before the prefill.  The layouts kvcal builds (left padding, and padding between
+    a context and its question) end every row with a token and are served."""
+    from runtime import compress_prompt, generate
+    from runtime.serve.generation import build_inputs
+
+    model = tiny()
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(4, 128, (2, 30), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, 22:] = 0  # the second row right-padded
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"batch row 1 ends with padding.*padding_side = 'left'"):
+            generate(model, ids, policy(), attention_mask=mask, context_columns=20, max_new_tokens=3, pad_token_id=0)
+        with pytest.raises(ValueError, match="batch row 1 ends with padding"):
+            compress_prompt(model, ids, policy(), attention_mask=mask)
+    finally:
+        hook.remove()
+    assert calls == []
+    left, left_mask, columns = build_inputs([ids[0, :20].tolist(), ids[1, :12].tolist()], [[5, 6], [7]], 0)
+    served = generate(model, left, policy(), attention_mask=left_mask, context_columns=columns, max_new_tokens=3)
+    assert served.sequences.shape == (2, left.shape[1] + 3)

@@ -139,11 +139,19 @@ def check_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     if not ((attention_mask == 0) | (attention_mask == 1)).all():
         raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
     real = attention_mask.sum(-1)
-    empty = (real == 0).nonzero().flatten().tolist()
+    all_padding, padded_last = torch.stack([real == 0, attention_mask[:, -1] == 0]).tolist()  # one read
+    empty = [row for row, flag in enumerate(all_padding) if flag]
     if empty:
         raise ValueError(
             f"batch row {empty[0]} of attention_mask is all padding: it has no token to generate from"
             + (f" (rows {empty} are)" if len(empty) > 1 else "")
+        )
+    right = [row for row, flag in enumerate(padded_last) if flag]
+    if right:
+        raise ValueError(
+            f"batch row {right[0]} ends with padding (its last column's attention_mask is 0): generation continues "
+            "after every row's last column, so a right-padded row would be answered after its padding; pad on the "
+            "left (tokenizer.padding_side = 'left')" + (f" (rows {right} end so)" if len(right) > 1 else "")
         )
     limit = context_limit(model.config)
     longest = int(real.max())
