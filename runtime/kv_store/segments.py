@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from runtime.kv_store.layout import exclusive_cumsum, page_size_for, round_up, segment_rows
-from runtime.math.arrays import host_array, to_device
+from runtime.math.arrays import host_array, to_device, version_counter
 
 _MIN_SLACK = 16
 _GENERATIONS = itertools.count(1)  # unique over all stores: a layout built for one never fits another
@@ -64,7 +64,8 @@ class StepPositions:
     head of every row), made once per step and shared by every layer of a cache: each layer is
     handed the same ``position_ids`` and would otherwise convert and expand it again (3 aten ops a
     layer, issue 39's op count).  Keyed on the tensor itself and its version counter, so a tensor
-    changed in place (a replayed graph's static input) is converted again.
+    changed in place (a replayed graph's static input) is converted again (an inference tensor keeps no
+    counter: keyed on itself alone, as generate() hands every eager step a new one).
 
     ``given``: while a decode step is captured for a graph (or warmed up for one), the ``position_ids [B, 1]``
     the model's forward was given (runtime.serve.decode_graph), for the layers of a model whose attention is
@@ -79,7 +80,7 @@ class StepPositions:
 
     def flat(self, positions: torch.Tensor, heads: int) -> torch.Tensor:
         """``positions [B, 1]`` as int32 ``[B * heads]``, row-major (segment ``b * heads + h``)."""
-        key = (positions._version, heads)
+        key = (version_counter(positions), heads)
         if positions is not self._source or key != self._key:
             self._source, self._key = positions, key
             self._flat = positions.expand(positions.shape[0], heads).reshape(-1).to(torch.int32)

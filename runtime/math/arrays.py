@@ -33,3 +33,10 @@ def to_device(host, device) -> torch.Tensor:
     if device.type == "cuda" and tensor.device.type == "cpu":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def version_counter(tensor: torch.Tensor) -> int | None:
+    """``tensor``'s version counter (bumped by every in-place change), the key of a memo that must see such a
+    change; None for a tensor made under ``torch.inference_mode()``, which keeps none (reading it raises): a memo
+    then keys on the tensor's identity alone."""
+    return None if tensor.is_inference() else tensor._version

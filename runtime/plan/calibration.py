@@ -65,6 +65,7 @@ from artifacts.fingerprint import (
     weights_fingerprint,
 )
 from common.names import MOMENT_SELECTIONS
+from runtime.math.arrays import version_counter
 from runtime.plan.budgets import kv_head_scores
 from runtime.plan.recommendation import Recommendation, recommended_policy
 
@@ -387,7 +388,7 @@ def model_weights_fingerprint(model, dtype: str = "float32") -> str:
     """``weights_fingerprint(model, dtype)``, remembered (per dtype) until a weight tensor changes."""
     memo = _memo(model)
     tensors = list(model.named_parameters()) + list(model.named_buffers())
-    versions = tuple((name, tensor.data_ptr(), tensor.dtype, tensor._version) for name, tensor in tensors)
+    versions = tuple((name, tensor.data_ptr(), tensor.dtype, version_counter(tensor)) for name, tensor in tensors)
     if memo.get("versions") != versions:
         memo["weights"] = {}
         memo["versions"] = versions
