@@ -34,7 +34,6 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-import transformers
 from transformers.utils import ModelOutput
 
 from artifacts.fingerprint import decoder_stack
@@ -50,6 +49,7 @@ from runtime.plan.policy import CompressionPolicy
 from runtime.plan.rope_check import check_passes_rotate_alike
 from runtime.plan.serving_plan import ServingPlan, as_plan
 from runtime.serve import decode_graph
+from runtime.serve.generate_options import check_generation_options, generation_config, served_cache_defaults
 
 
 def build_inputs(contexts: list[list[int]], questions: list[list[int]], pad_token_id: int, device=None):
@@ -199,132 +199,6 @@ def check_generate_arguments(model, attention_mask: torch.Tensor, generate_kwarg
             "forward pass by its length and keeps that scale for the next: kvcal serves it inside that context only; "
             f"ask for at most {max(original - longest, 0)} new tokens, or shorten the prompt"
         )
-
-
-# generate()'s decoding modes served through the compressed cache: one token per row and step, the cache reordered
-# with the beams.  The others read a cache otherwise: assisted decoding (an assistant model, prompt lookup, early
-# exit, multi-token prediction) verifies drafts and crops the cache back; contrastive search, DoLa, group beams and
-# constraints are loops transformers 5 moved to the Hub (custom_generate).
-SERVED_MODES = frozenset(("greedy_search", "sample", "beam_search", "beam_sample"))
-# the options that make generate() take another mode, by mode
-_MODE_OPTIONS = {
-    "assisted_generation": ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp"),
-    "contrastive_search": ("penalty_alpha",),
-    "dola_generation": ("dola_layers",),
-    "constrained_beam_search": ("constraints", "force_words_ids"),
-    "group_beam_search": ("num_beam_groups",),
-}
-_MODE_REASONS = {
-    "assisted_generation": "it verifies drafted tokens and crops the cache back, which a compressed cache cannot undo",
-    "contrastive_search": "a loop transformers moved to the Hub, which re-reads the cache its own way",
-    "dola_generation": "a loop transformers moved to the Hub, which re-reads the cache its own way",
-    "constrained_beam_search": "a loop transformers moved to the Hub, which re-reads the cache its own way",
-    "group_beam_search": "a loop transformers moved to the Hub, which re-reads the cache its own way",
-}
-# generate()'s chunked prefill (``prefill_chunk_size``) feeds the prompt from its first column whatever the cache
-# holds before transformers 5.21, behind kvcal's compressed cache the prompt again; from 5.21 on it feeds the columns
-# after the cache's (read in 5.2, 5.10, 5.17 to 5.20: from the first; 5.21.0, 5.21.1, 5.23, 5.24: after the cache)
-CHUNKED_PREFILL_AFTER_THE_CACHE = (5, 21)
-# model inputs generate() hands the forward pass, which kvcal makes itself: the cache, the embeddings and
-# positions of the prompt it compressed (positions numbered from each row's first real token)
-_MADE_BY_KVCAL = ("past_key_values", "cache", "inputs_embeds", "position_ids", "cache_position")
-# what a checkpoint's generation_config.json may set that kvcal overrides for its calls: it generates through its
-# own compressed cache (generate_from_cache); transformers itself ignores "hybrid"
-_CACHE_DEFAULTS = {"use_cache": True, "cache_implementation": None}
-
-
-def check_generation_options(model, generate_kwargs: dict) -> None:
-    """Refuse, before any forward pass, an option of ``model.generate`` that kvcal would not serve as transformers
-    serves it (tests/generate_options_cases.py holds every option of generate() and what becomes of it): a
-    cache, embeddings or positions of the caller's (:data:`_MADE_BY_KVCAL`), ``custom_generate``, a decoding mode
-    outside :data:`SERVED_MODES`, ``use_cache=False`` or a ``cache_implementation`` asked for (generate() would
-    re-read the whole prompt at every step, or build another cache), ``token_healing`` (it re-tokenises the
-    prompt's last tokens inside generate(), after kvcal compressed them) and ``output_attentions`` (kvcal's
-    attention computes no attention weights to return).  A checkpoint's own ``use_cache: false`` or
-    ``cache_implementation`` (its ``generation_config``) is not the caller's: :func:`_served_cache_defaults`."""
-    given = [name for name in _MADE_BY_KVCAL if generate_kwargs.get(name) is not None]
-    if given:
-        raise ValueError(
-            f"{given[0]}: kvcal makes the cache, embeddings and positions of the prompt it compresses; pass the "
-            "prompt's input_ids and attention_mask alone"
-        )
-    if generate_kwargs.get("custom_generate") is not None:
-        raise ValueError(
-            "custom_generate: a decoding loop of its own reads and writes the cache in ways kvcal has not checked; "
-            "kvcal serves generate()'s greedy, sampling and beam search"
-        )
-    asked = dict(generate_kwargs)
-    if (config := generate_kwargs.get("generation_config")) is not None:  # its settings are the caller's too
-        asked = {name: getattr(config, name, None) for name in _CACHE_DEFAULTS} | asked
-    if asked.get("use_cache") is False:
-        raise ValueError(
-            "use_cache=False: generate() would feed the whole prompt again at every step, around the compressed "
-            "cache; kvcal generates through its cache (leave use_cache unset)"
-        )
-    if asked.get("cache_implementation") not in (None, "hybrid"):
-        raise ValueError(
-            f"cache_implementation={asked['cache_implementation']!r}: kvcal generates through its own compressed "
-            "cache (a RaggedCache), not one generate() builds; leave it unset (decode_graphs=True replays a CUDA "
-            "model's decode steps from captured graphs)"
-        )
-    config = _generation_config(model, generate_kwargs)
-    if (
-        getattr(config, "prefill_chunk_size", None) is not None
-        and _transformers_version() < CHUNKED_PREFILL_AFTER_THE_CACHE
-    ):
-        raise ValueError(
-            f"prefill_chunk_size: transformers {transformers.__version__}'s generate() prefills in chunks from the "
-            "prompt's first column whatever the cache holds (the whole prompt again behind kvcal's compressed cache; "
-            "5.21 on starts after the cache); leave it unset (kvcal's block_size prefills the context in blocks)"
-        )
-    if getattr(config, "token_healing", False):
-        raise ValueError(
-            "token_healing: generate() would re-tokenise the prompt's last tokens after kvcal compressed them; "
-            "heal the prompt before calling kvcal"
-        )
-    if config.output_attentions:
-        raise ValueError(
-            "output_attentions: kvcal's attention kernels compute no attention weights to return (scores, "
-            "logits and hidden states can be returned)"
-        )
-    mode = str(getattr(config.get_generation_mode(generate_kwargs.get("assistant_model")), "value", ""))
-    if mode and mode not in SERVED_MODES:
-        names = [n for n in _MODE_OPTIONS.get(mode, ()) if generate_kwargs.get(n) or getattr(config, n, None)]
-        raise ValueError(
-            f"{', '.join(names) or mode}: generate()'s {mode.replace('_', ' ')}, which kvcal does not serve: "
-            f"{_MODE_REASONS.get(mode, 'not checked')}; kvcal serves greedy, sampling and beam search"
-        )
-
-
-def _transformers_version() -> tuple[int, int]:
-    major, minor = transformers.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
-def _served_cache_defaults(model):
-    """For this block, ``model.generation_config`` says ``use_cache=True`` and no ``cache_implementation``
-    (:data:`_CACHE_DEFAULTS`): a checkpoint saved with ``"use_cache": false`` (as training with gradient
-    checkpointing leaves it) or a static cache in its generation_config.json would make generate() feed the
-    whole prompt again at every step behind the compressed cache (a doubled context, the prompt held
-    uncompressed), or refuse the cache kvcal hands it.  transformers' own result is the same tokens with or
-    without a cache; the caller's own asking is refused by :func:`check_generation_options`.  Restored when
-    the last call holding it ends (:func:`~runtime.kv_store.shared_scope.shared_switch`: threads serving one
-    model)."""
-    return shared_switch(model, "generation cache defaults", functools.partial(_cache_defaults, model))
-
-
-@contextlib.contextmanager
-def _cache_defaults(model):
-    config = getattr(model, "generation_config", None)
-    saved = {name: getattr(config, name) for name in _CACHE_DEFAULTS if config is not None and hasattr(config, name)}
-    changed = {name: value for name, value in _CACHE_DEFAULTS.items() if name in saved and saved[name] != value}
-    for name, value in changed.items():
-        setattr(config, name, value)
-    try:
-        yield
-    finally:
-        for name in changed:
-            setattr(config, name, saved[name])
 
 
 def holds_recurrent_states(model) -> bool:
@@ -511,22 +385,12 @@ def rows_per_prompt(model, generate_kwargs: dict) -> int:
     same in every supported version), so a default set in the model's ``generation_config``
     counts as it does in generate().
     """
-    config = _generation_config(model, generate_kwargs)
+    config = generation_config(model, generate_kwargs)
     # generate() divides by num_beams (0: ZeroDivisionError) and returns nothing for 0 sequences
     beams = 1 if config.num_beams is None else check_integer("num_beams", config.num_beams, minimum=1)
     sequences = config.num_return_sequences
     sequences = 1 if sequences is None else check_integer("num_return_sequences", sequences, minimum=1)
     return max(beams, sequences)
-
-
-def _generation_config(model, generate_kwargs: dict):
-    """The generation config ``model.generate(**generate_kwargs)`` resolves (transformers' own
-    ``_prepare_generation_config``: its arguments, or ``generation_config``, over
-    ``model.generation_config`` over the library defaults)."""
-    kwargs = dict(generate_kwargs)
-    with _served_cache_defaults(model):
-        config, _ = model._prepare_generation_config(kwargs.pop("generation_config", None), **kwargs)
-    return config
 
 
 def generate_from_cache(
@@ -571,7 +435,7 @@ def generate_from_cache(
         cache.reserve(input_ids.shape[1] - held + _new_tokens(model, generate_kwargs, input_ids.shape[1]))
     replayed = decode_graph.decode_graphs(model, cache, graphs) if graphs else contextlib.nullcontext()
     # for this call only: the model keeps its own implementation
-    with ragged_attention(model), _positions_from_the_mask(model), _served_cache_defaults(model), replayed as counts:
+    with ragged_attention(model), _positions_from_the_mask(model), served_cache_defaults(model), replayed as counts:
         output = model.generate(
             input_ids, attention_mask=attention_mask, **cache_argument(model, cache), **generate_kwargs
         )
@@ -640,8 +504,8 @@ def _positions_switch(model):
 
 def _new_tokens(model, generate_kwargs: dict, prompt_columns: int) -> int:
     """How many tokens ``model.generate(**generate_kwargs)`` generates at most after a prompt of
-    ``prompt_columns`` columns (:func:`_generation_config`)."""
-    config = _generation_config(model, generate_kwargs)
+    ``prompt_columns`` columns (:func:`~runtime.serve.generate_options.generation_config`)."""
+    config = generation_config(model, generate_kwargs)
     if config.max_new_tokens is not None:
         return int(config.max_new_tokens)
     return max(0, int(config.max_length or 0) - prompt_columns)
