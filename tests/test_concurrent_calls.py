@@ -14,18 +14,17 @@ import threading
 import pytest
 import torch
 from conftest import make_tiny_llama
+from test_inference_mode import ARTIFACT_FREE_POLICIES
 from tiny_architectures import make_tiny
 
 from runtime import CompressionPolicy, RaggedCache, answer, generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
+# keydiff, and the two whose prefill hooks the attention modules (chunk mass, the prompt's query statistics)
 POLICIES = {
-    "keydiff": CompressionPolicy(keep_ratio=0.5, scorer="keydiff"),
-    "leverage + correction": CompressionPolicy(keep_ratio=0.5, scorer="leverage", correction="order1"),
-    "expected attention (the prompt's statistics)": CompressionPolicy(
-        keep_ratio=0.5, scorer="expected_attention", statistics="prompt"
-    ),
+    name: ARTIFACT_FREE_POLICIES[name]
+    for name in ("keydiff", "leverage + order-1 correction", "expected attention, the prompt's statistics")
 }
 
 

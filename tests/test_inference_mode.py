@@ -15,7 +15,8 @@ from runtime.plan.policy_spec import FLAGSHIP
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
-POLICIES = {
+# artifact-free policies, one of each way the runtime evicts (shared with test_concurrent_calls.py)
+ARTIFACT_FREE_POLICIES = {
     "keydiff": CompressionPolicy(keep_ratio=0.5, scorer="keydiff"),
     "leverage + order-1 correction": CompressionPolicy(keep_ratio=0.5, scorer="leverage", correction="order1"),
     "expected attention, the prompt's statistics": CompressionPolicy(
@@ -33,16 +34,16 @@ def _generate(model, policy, **options):
     return generate(model, ids, policy, attention_mask=mask, context_columns=30, max_new_tokens=6, **options)
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", ARTIFACT_FREE_POLICIES)
 def test_a_call_under_inference_mode_answers_as_under_no_grad(name):
     model = make_tiny_llama(num_layers=2).eval()
     with torch.no_grad():
-        expected = _generate(model, POLICIES[name], pad_token_id=0).sequences
+        expected = _generate(model, ARTIFACT_FREE_POLICIES[name], pad_token_id=0).sequences
     with torch.inference_mode():
-        served = _generate(model, POLICIES[name], pad_token_id=0).sequences
+        served = _generate(model, ARTIFACT_FREE_POLICIES[name], pad_token_id=0).sequences
     assert torch.equal(served, expected)
     with torch.no_grad():  # and again outside it, after a call inside
-        assert torch.equal(_generate(model, POLICIES[name], pad_token_id=0).sequences, expected)
+        assert torch.equal(_generate(model, ARTIFACT_FREE_POLICIES[name], pad_token_id=0).sequences, expected)
 
 
 def test_a_model_built_under_inference_mode_loads_its_calibration_and_serves_the_flagship(tmp_path):

@@ -10,6 +10,8 @@ query statistics; the RoPE check).  Both are the model's, not the call's:
 * :func:`shared_switch`: the first call into a switch applies it and the last one out undoes it (a count
   per model and switch, under a lock); a call entering while another holds the switch finds it applied,
   and a call that leaves early does not undo it under the others;
+* :func:`held_alone`: a change only one call may hold at a time per model (a generation replaying captured
+  decode steps wraps the model's ``forward``): a second call is refused by name;
 * :func:`this_thread_only`: a forward hook acts only in the thread that registered it, as another
   thread's forward pass runs through the same modules (it evicted this call's cache, or summed its
   queries into this call's statistics).
@@ -26,7 +28,7 @@ import threading
 import weakref
 
 _LOCK = threading.Lock()
-# model -> {switch name: [calls holding it, the ExitStack that undoes it]}
+# model -> {switch name: [calls holding it, the ExitStack that undoes it]; a name held alone: None}
 _HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -51,6 +53,22 @@ def shared_switch(model, name: str, switch):
             if entry[0] == 0:
                 del held[name]
                 entry[1].close()
+
+
+@contextlib.contextmanager
+def held_alone(model, name: str, refusal: str):
+    """``with held_alone(model, name, refusal):`` the block holds ``name`` on ``model`` alone: while another
+    call (any thread's) holds it, ``ValueError(refusal)`` is raised instead."""
+    with _LOCK:
+        held = _HELD.setdefault(model, {})
+        if name in held:
+            raise ValueError(refusal)
+        held[name] = None
+    try:
+        yield
+    finally:
+        with _LOCK:
+            del held[name]
 
 
 def this_thread_only(hook):

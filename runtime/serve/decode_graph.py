@@ -34,8 +34,6 @@ only what was dispatched at capture, on the same tensors, with the same argument
 from __future__ import annotations
 
 import inspect
-import threading
-import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Protocol
@@ -44,6 +42,7 @@ import torch
 
 from runtime.compression.driver import due_after_step
 from runtime.kv_store.cache import RaggedCache
+from runtime.kv_store.shared_scope import held_alone
 from runtime.kv_store.transformers_compat import CACHE_NAME, cache_name
 
 # the tensor inputs of a decode step a captured graph reads from its own copies
@@ -194,9 +193,12 @@ class DecodeGraphs:
         return tuple(entries)
 
 
-# the models a generation replaying captured steps holds (:func:`decode_graphs`)
-_GRAPHED: weakref.WeakSet = weakref.WeakSet()
-_GRAPHED_LOCK = threading.Lock()
+# a second generation replaying captured steps on a model (:func:`decode_graphs`)
+_ONE_GENERATION = (
+    "decode_graphs: another generation on this model is replaying captured decode steps; captured steps serve one "
+    "generation at a time per model (its forward is wrapped for the generation, and a CUDA graph capture must not "
+    "overlap other work): generate without decode_graphs, or one at a time"
+)
 
 
 def _copied(outputs):
@@ -219,15 +221,7 @@ def decode_graphs(model, cache: RaggedCache, graph=CudaStepGraph):
     step is captured).  The model's own ``forward`` is restored on exit.  One generation at a time per
     model: another thread's, while this one holds the model, is refused (the wrapped ``forward`` is the
     model's, and a graph capture must not overlap other work on the device)."""
-    with _GRAPHED_LOCK:
-        if model in _GRAPHED:
-            raise ValueError(
-                "decode_graphs: another generation on this model is replaying captured decode steps; captured "
-                "steps serve one generation at a time per model (its forward is wrapped for the generation, and a "
-                "CUDA graph capture must not overlap other work): generate without decode_graphs, or one at a time"
-            )
-        _GRAPHED.add(model)
-    try:
+    with held_alone(model, "decode graphs", _ONE_GENERATION):
         own = vars(model).get("forward")  # an instance attribute (accelerate's hooks set one), else None
         graphs = DecodeGraphs(model.forward, cache, graph, cache_keyword=cache_name(model))
         model.forward = graphs
@@ -238,6 +232,3 @@ def decode_graphs(model, cache: RaggedCache, graph=CudaStepGraph):
                 del model.forward
             else:
                 model.forward = own
-    finally:
-        with _GRAPHED_LOCK:
-            _GRAPHED.discard(model)
