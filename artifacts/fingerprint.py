@@ -92,17 +92,30 @@ def attention_numbers(config) -> dict:
     """
     config = text_config(config)
     missing = [name for name in ("num_hidden_layers", "num_attention_heads") if getattr(config, name, None) is None]
-    if not missing and getattr(config, "head_dim", None) is None and getattr(config, "hidden_size", None) is None:
-        missing.append("head_dim (or hidden_size)")
     if missing:
         raise ValueError(f"config lacks {', '.join(missing)}")
+    indices = attention_layer_indices(config)
+    shapes = held_layer_config(config)
+    if getattr(shapes, "head_dim", None) is None and getattr(shapes, "hidden_size", None) is None:
+        raise ValueError("config lacks head_dim (or hidden_size)")
     num_q_heads = int(config.num_attention_heads)
     return {
-        "num_layers": len(attention_layer_indices(config)),
+        "num_layers": len(indices),
         "num_q_heads": num_q_heads,
-        "num_kv_heads": int(getattr(config, "num_key_value_heads", None) or num_q_heads),
-        "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // num_q_heads),
+        "num_kv_heads": int(getattr(shapes, "num_key_value_heads", None) or num_q_heads),
+        "head_dim": int(getattr(shapes, "head_dim", None) or shapes.hidden_size // num_q_heads),
     }
+
+
+def held_layer_config(config):
+    """The config to read the attention geometry of the layers kvcal holds from (head dim, KV heads): of a model
+    whose sliding layers stay transformers' own (:func:`sliding_layers_left_to_transformers`, Gemma 4), its first
+    full-attention layer's (transformers' ``per_layer_config``, where a heterogeneous config keeps what varies:
+    reading ``config.head_dim`` there raises), else ``config`` (its text config) itself."""
+    config = text_config(config)
+    if sliding_layers_left_to_transformers(config):
+        return config.per_layer_config[attention_layer_indices(config)[0]]
+    return config
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # config.layer_types the toolkit knows
@@ -117,17 +130,41 @@ STATEFUL_ATTENTION_LAYER_TYPES = ("hybrid",)
 
 
 def attention_layer_indices(config) -> tuple[int, ...]:
-    """The decoder layers with a KV cache, in order: every layer, but of a hybrid model (``config.layer_types``
-    naming :data:`RECURRENT_LAYER_TYPES` or :data:`MIXERLESS_LAYER_TYPES`) only the others.  Position ``i`` of
-    this tuple is layer ``i`` of everything kvcal computes (the artifact's ``L`` axis, ``ModelGeometry``'s
-    tuples); of a model without such layers the two numberings are one."""
+    """The decoder layers whose KV cache kvcal holds, in order: every layer, but of a hybrid model
+    (``config.layer_types`` naming :data:`RECURRENT_LAYER_TYPES` or :data:`MIXERLESS_LAYER_TYPES`) only the others,
+    and of a model whose sliding layers have another attention geometry (Gemma 4:
+    :func:`sliding_layers_left_to_transformers`) its full-attention layers alone.  Position ``i`` of this tuple is
+    layer ``i`` of everything kvcal computes (the artifact's ``L`` axis, ``ModelGeometry``'s tuples); of a model
+    without such layers the two numberings are one."""
     config = text_config(config)
     layers = int(config.num_hidden_layers)
     types = getattr(config, "layer_types", None)
     if types is None:
         return tuple(range(layers))
     without = (*RECURRENT_LAYER_TYPES, *MIXERLESS_LAYER_TYPES)
+    if sliding_layers_left_to_transformers(config):
+        without += ("sliding_attention",)
     return tuple(index for index, kind in enumerate(types) if kind not in without)
+
+
+# the attributes a heterogeneous config (transformers' ``per_layer_config``) may vary between its sliding and its
+# full-attention layers for kvcal to serve it (Gemma 4: a wider head dim and fewer KV heads on the full layers)
+PER_LAYER_GEOMETRY = frozenset({"head_dim", "num_key_value_heads"})
+
+
+def sliding_layers_left_to_transformers(config) -> bool:
+    """Whether kvcal leaves ``config``'s sliding-window layers to transformers' own cache layers and holds its
+    full-attention layers alone: a heterogeneous config (``is_heterogeneous``, Gemma 4) whose layers differ
+    only in :data:`PER_LAYER_GEOMETRY`.  Those sliding layers are of another head dim or KV heads than the full
+    ones (the artifact's axes are one geometry), and bounded by their window; the full layers, whose caches
+    grow with the context, are what kvcal evicts.  Whether the full layers share one geometry is
+    ``runtime.math.geometry.check_config``'s to check."""
+    config = text_config(config)
+    if getattr(config, "is_heterogeneous", False) is not True:
+        return False
+    varying = set(getattr(config, "per_layer_attributes", None) or ())
+    types = getattr(config, "layer_types", None) or ()
+    return bool(varying) and varying <= PER_LAYER_GEOMETRY and "sliding_attention" in types
 
 
 def layer_attention(config) -> tuple[tuple[int | None, ...], tuple[float | None, ...]]:

@@ -339,7 +339,9 @@ def measure_curves(
 
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         output = model_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        current[0].measure(geometry.layer_of(module), query, key, value, scaling, kwargs.get("s_aux"))
+        layer = geometry.layer_of(module)
+        if layer is not None:  # None: a layer kvcal leaves to transformers (Gemma 4's sliding ones)
+            current[0].measure(layer, query, key, value, scaling, kwargs.get("s_aux"))
         return output
 
     device = input_device(model)  # the embedding's: under device_map="auto" not necessarily the first parameter's

@@ -468,8 +468,9 @@ def measure_correction_errors_by_selection(
 
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         output = model_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        for measurer in measurers:
-            measurer.measure(geometry.layer_of(module), query, key, value, scaling, kwargs.get("s_aux"))
+        layer = geometry.layer_of(module)  # None: a layer kvcal leaves to transformers (Gemma 4's sliding ones)
+        for measurer in measurers if layer is not None else ():
+            measurer.measure(layer, query, key, value, scaling, kwargs.get("s_aux"))
         return output
 
     device = input_device(model)  # the embedding's: under device_map="auto" not necessarily the first parameter's

@@ -92,6 +92,19 @@ OPTIONS = {
         num_kv_shared_layers=0,
         layer_types=["sliding_attention", "full_attention"] * 2,
     ),
+    # as its checkpoints: sliding layers of head dim 16 and 2 KV heads, full-attention layers of 32 and 1 whose values
+    # are their keys (attention_k_eq_v) and whose RoPE turns a quarter of the head (proportional); per-layer inputs
+    "gemma4_text": dict(
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        vocab_size_per_layer_input=256,
+        hidden_size_per_layer_input=8,
+    ),
+    "gemma4_unified_text": dict(  # full-attention layers of head dim 32
+        layer_types=["sliding_attention", "full_attention"] * 2, global_head_dim=32
+    ),
     "dots3_note_text": dict(num_key_value_heads=4),  # its config wants as many as the query heads
     "lfm2": dict(full_attn_idxs=[1, 3]),  # as its checkpoints: convolution layers beside attention
     "bamba": dict(attn_layer_indices=[1, 3]),  # as its checkpoints: Mamba 2 layers beside attention
@@ -132,6 +145,9 @@ EXACT = {
     "gemma2": "",
     "gemma3_text": "",
     "gemma3n_text": "",  # altup, laurel, per-layer inputs; without KV sharing (refused by name)
+    # kvcal holds the full-attention layers alone; the sliding ones, of another geometry, stay transformers' own
+    "gemma4_text": "",
+    "gemma4_unified_text": "",
     "glm": "interleaved RoPE in layers 0, 1, 2, 3",
     "glm4": "interleaved RoPE in layers 0, 1, 2, 3",
     "glm4_moe": "",
@@ -199,6 +215,8 @@ PARTIAL = {
     **{"glm": 8, "glm4": 8, "glm4_moe": 8, "gpt_oss": 8, "laguna": 8, "nemotron": 8, "phi": 8, "stablelm": 4},
     **{"bamba": 8, "qwen3_5_moe_text": 4, "qwen3_5_text": 4, "qwen3_next": 4},
     **{"granitemoehybrid": 0, "jamba": 0, "nemotron_h": 0},  # no rotary module: nothing turns
+    # proportional RoPE: frequencies over the whole head of 32, the last three quarters of them zero (nothing turns)
+    **{"gemma4_text": 32, "gemma4_unified_text": 32},
 }
 NOT_LLAMA_FAMILY = r"no decoder layers at model\.model\.layers \(not a Llama-family causal LM\)"
 # what the refusal names: the model types refused so
@@ -225,11 +243,7 @@ REFUSED = {
     r"dynamic mask attention \(layer 0 self_attn\.dt_proj": ("doge",),
     r"differential attention \(layer 0 self_attn\.lambda_q1": ("diffllama",),
     r"full_attention layers without RoPE parameters": ("beam",),
-    r"a heterogeneous config \(attributes that vary per layer: head_dim": (
-        "dots3_note_text",
-        "gemma4_text",
-        "gemma4_unified_text",
-    ),
+    r"a heterogeneous config \(attributes that vary per layer: head_dim, kv_lora_rank": ("dots3_note_text",),
     r"recurrent layers \(n_recurrent_loops=2: a section of layers run several times": ("dory",),
     r"layer type\(s\) hybrid_sliding are not supported": ("inkling2_loop_text", "inkling2_text", "inkling_text"),
     r"layer 0 is a recurrent layer \(RecurrentGemmaDecoderLayer\) that does not keep its state": ("recurrent_gemma",),

@@ -14,7 +14,7 @@ from conftest import make_tiny_llama
 from scorer_oracles import Head, head_from_cache, layer_inputs, oracle_score, score_one
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from artifacts.fingerprint import attention_layer_indices
+from artifacts.fingerprint import attention_layer_indices, attention_numbers
 from runtime import CompressionPolicy, RaggedCache, ragged_attention
 from runtime.compression.eviction import HeadEvictor
 from runtime.compression.kvzip import (
@@ -353,13 +353,14 @@ class ToyTokenizer:
 
 
 def naive_kvzip(model, context: list[int], chunks, sink: int) -> torch.Tensor:
-    """Scores from the model's own (eager) attention weights (of each attention layer: a hybrid model's recurrent
-    layers return none): for each chunk, one forward of
+    """Scores from the model's own (eager) attention weights (of each layer kvcal holds: a hybrid model's recurrent
+    layers return none, Gemma 4's sliding layers are not scored): for each chunk, one forward of
     context + chunk input; the chunk queries' weights restricted to prefix + span + own tokens
     and renormalised (a softmax over a subset), max over GQA group and queries, max over chunks."""
     config = model.config
-    layers = len(attention_layer_indices(config))  # the model's attention weights: of its attention layers only
-    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    indices = attention_layer_indices(config)  # the layers scored, by decoder index
+    numbers = attention_numbers(config)  # of those layers (Gemma 4: its full-attention layers' geometry)
+    layers, heads, kv = len(indices), numbers["num_q_heads"], numbers["num_kv_heads"]
     group = heads // kv
     t = len(context)
     best = torch.zeros(layers, kv, t, dtype=torch.float64)
@@ -370,7 +371,9 @@ def naive_kvzip(model, context: list[int], chunks, sink: int) -> torch.Tensor:
             attentions = model(input_ids=ids, output_attentions=True).attentions
         q = len(chunk_ids)
         for layer in range(layers):
-            weights = attentions[layer][0].double()  # [Hq, t + q, t + q]
+            # one per attention module: of a hybrid its attention layers', of Gemma 4 every decoder layer's
+            at = indices[layer] if len(attentions) == config.num_hidden_layers else layer
+            weights = attentions[at][0].double()  # [Hq, t + q, t + q]
             for head in range(heads):
                 for i in range(q):
                     row = weights[head, t + i]

@@ -40,7 +40,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from runtime.compression.keep_rule import global_budgets
 from runtime.compression.ragged_attention import ragged_attention
-from runtime.kv_store.cache import LAYER_TAG, RaggedCache, RaggedLayer, stacked_recurrent_layer
+from runtime.kv_store.cache import LAYER_TAG, RaggedCache, RaggedLayer, stacked_transformers_layer
 from runtime.kv_store.eager_attention import eager_attention_forward, soft_cap
 from runtime.kv_store.layer_attention import masked_sdpa
 from runtime.kv_store.transformers_compat import cache_argument, query_length
@@ -209,16 +209,17 @@ class ReconstructionLayer(DynamicLayer):
 
 
 class ReconstructionView(Cache):
-    """``Cache`` of :class:`ReconstructionLayer` views over row ``row`` of a :class:`RaggedCache`; of a hybrid
-    model, beside them its recurrent layers' states of that row as the context left them, restored before each
-    chunk (each chunk follows the context, as in one forward pass of context and chunk)."""
+    """``Cache`` of :class:`ReconstructionLayer` views over row ``row`` of a :class:`RaggedCache`; beside them the
+    states of that row in transformers' own layers (a hybrid model's recurrent layers, Gemma 4's sliding ones) as
+    the context left them, restored before each chunk (each chunk follows the context, as in one forward pass of
+    context and chunk)."""
 
     def __init__(self, cache: RaggedCache, row: int, scores: torch.Tensor, query_block: int = 512):
         views = iter(
             ReconstructionLayer(layer, row, scores[index], query_block)
             for index, layer in enumerate(cache.attention_layers)
         )
-        self._recurrent = {index: (layer, row) for index, layer in cache.recurrent_layers.items()}
+        self._recurrent = {index: (layer, row) for index, layer in cache.transformers_layers.items()}
         super().__init__(
             layers=[
                 _row_state(*self._recurrent[i]) if i in self._recurrent else next(views)
@@ -234,10 +235,10 @@ class ReconstructionView(Cache):
                 layer.sink, layer.span = sink, (start, end)
 
 
-def _row_state(recurrent_layer, row: int):
-    """A new recurrent cache layer holding batch row ``row`` of ``recurrent_layer``'s states (the reconstruction
+def _row_state(layer, row: int):
+    """A new transformers cache layer holding batch row ``row`` of ``layer``'s states (the reconstruction
     never writes the cache's own)."""
-    state = stacked_recurrent_layer([recurrent_layer])
+    state = stacked_transformers_layer([layer])
     state.reorder_cache(torch.tensor([row], dtype=torch.long))
     return state
 

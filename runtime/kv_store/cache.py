@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from artifacts.fingerprint import STATEFUL_ATTENTION_LAYER_TYPES, attention_chunks
+from artifacts.fingerprint import STATEFUL_ATTENTION_LAYER_TYPES, attention_chunks, sliding_layers_left_to_transformers
 from runtime.kv_store.layer_attention import (
     chunk_only_attention,
     decode_kernel,
@@ -653,15 +653,17 @@ class RaggedCache(Cache):
     """``Cache(layers=[RaggedLayer, ...])``; pass it as the model's cache argument
     (``runtime.kv_store.transformers_compat.cache_argument``; see the module docstring)."""
 
-    def __init__(self, num_layers: int, recurrent_layers: dict | None = None, stateful: dict | None = None):
-        """``num_layers`` :class:`RaggedLayer` (the layers with a KV cache); ``recurrent_layers``: a hybrid
-        model's other decoder layers, ``{decoder index: transformers' cache layer}`` (``LinearAttentionLayer``:
-        a Gated DeltaNet's or a convolution's state of fixed size, which kvcal holds and never evicts), the
-        ragged layers filling the other indices in order; ``stateful``: ``{layer: {"number_of_states": n}}`` of
-        the layers with a KV cache that also run a recurrent mixer (:class:`RaggedRecurrentLayer`, Falcon-H1)."""
+    def __init__(self, num_layers: int, transformers_layers: dict | None = None, stateful: dict | None = None):
+        """``num_layers`` :class:`RaggedLayer` (the layers whose KV cache kvcal holds); ``transformers_layers``: the
+        model's other decoder layers, ``{decoder index: transformers' cache layer}`` (a hybrid model's
+        ``LinearAttentionLayer``: a Gated DeltaNet's or a convolution's state of fixed size; Gemma 4's
+        ``DynamicSlidingWindowLayer``: a sliding layer's last window of keys and values, of another geometry
+        than the full layers'), which kvcal holds and never evicts, the ragged layers filling the other
+        indices in order; ``stateful``: ``{layer: {"number_of_states": n}}`` of the layers with a KV cache that
+        also run a recurrent mixer (:class:`RaggedRecurrentLayer`, Falcon-H1)."""
         if num_layers <= 0:
             raise ValueError(f"num_layers must be positive, got {num_layers}")
-        recurrent, stateful = dict(recurrent_layers or {}), dict(stateful or {})
+        recurrent, stateful = dict(transformers_layers or {}), dict(stateful or {})
         ragged = [
             RaggedRecurrentLayer(index, **stateful[index]) if index in stateful else RaggedLayer(index)
             for index in range(num_layers)
@@ -671,7 +673,7 @@ class RaggedCache(Cache):
             layers=[recurrent[i] if i in recurrent else next(queue) for i in range(num_layers + len(recurrent))]
         )
         # the RaggedLayer of every layer with a KV cache, in order: layer i of the artifact and of ModelGeometry
-        # (self.layers, which transformers indexes by decoder layer, also holds a hybrid model's recurrent layers)
+        # (self.layers, which transformers indexes by decoder layer, also holds the transformers_layers)
         self.attention_layers: list[RaggedLayer] = ragged if recurrent else self.layers
         shared = StepPositions()
         for layer in self.attention_layers:
@@ -682,22 +684,43 @@ class RaggedCache(Cache):
         """A cache for ``model`` (whose geometry refuses attention the cache cannot compute); it
         refuses a forward pass that does not run the ragged attention."""
         geometry = ModelGeometry.of(model)
-        cache = cls(geometry.num_layers, *recurrent_layers(model, geometry))
+        cache = cls(geometry.num_layers, *transformers_layers(model, geometry))
         chunks = attention_chunks(model.config)
         for layer, window, chunk in zip(cache.attention_layers, mask_windows(model, geometry), chunks, strict=True):
             layer.model_config, layer.mask_window, layer.attention_chunk = model.config, window, chunk
         return cache
 
     @property
-    def recurrent_layers(self) -> dict:
-        """``{decoder index: cache layer}`` of a hybrid model's recurrent layers (empty for other models)."""
+    def transformers_layers(self) -> dict:
+        """``{decoder index: cache layer}`` of the decoder layers whose caches stay transformers' own: a hybrid
+        model's recurrent layers, Gemma 4's sliding-window layers (empty for other models)."""
         return {index: layer for index, layer in enumerate(self.layers) if not isinstance(layer, RaggedLayer)}
 
     @property
     def holds_recurrent_states(self) -> bool:
         """Whether the model has recurrent layers (a hybrid's Gated DeltaNet, Mamba or short convolutions, Falcon-H1's
-        mixers beside attention), which run over every column of a batch, padding included."""
-        return bool(self.recurrent_layers or self.stateful)
+        mixers beside attention), which run over every column of a batch, padding included (a sliding layer's
+        keys and values, Gemma 4's, are masked as transformers masks them: not a recurrent state)."""
+        held = self.transformers_layers.values()
+        return bool(self.stateful) or any(not isinstance(layer, DynamicLayer) for layer in held)
+
+    @property
+    def padding_enters(self) -> str | None:
+        """What of the model reads every column fed, padding included, so that padding between a row's tokens
+        (a shorter question than another row's, after its context) answers the row otherwise than alone: its
+        recurrent layers (their state), or its sliding layers in transformers' cache (their window counts
+        columns, padding too, where the row alone would see that many real tokens); None: neither."""
+        if self.holds_recurrent_states:
+            return "recurrent layers run over every column, padding included (it enters their state)"
+        if self.holds_transformers_keys:
+            return "sliding layers (transformers' own) count their window in columns, padding included"
+        return None
+
+    @property
+    def holds_transformers_keys(self) -> bool:
+        """Whether transformers' own cache layers hold some layers' keys and values (Gemma 4's sliding layers):
+        they keep every column fed, padding included, in transformers' layout."""
+        return any(isinstance(layer, DynamicLayer) for layer in self.transformers_layers.values())
 
     @property
     def stateful(self) -> dict:
@@ -710,24 +733,30 @@ class RaggedCache(Cache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         rows = self.attention_layers[0].batch_size if self.attention_layers[0].is_initialized else 0
-        self._reindex_recurrent([b for b in range(rows) for _ in range(repeats)])
+        self._reindex_transformers_layers([b for b in range(rows) for _ in range(repeats)])
         for layer in self.attention_layers:
             layer.batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._reindex_recurrent([int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()])
+        self._reindex_transformers_layers([int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()])
         for layer in self.attention_layers:
             layer.batch_select_indices(indices)
 
-    def _reindex_recurrent(self, order: list[int]) -> None:
-        """Batch rows ``order`` of every recurrent layer's states (transformers' ``LinearAttentionLayer`` can
-        reorder its rows, not repeat or select them)."""
-        for layer in self.recurrent_layers.values():
+    def _reindex_transformers_layers(self, order: list[int]) -> None:
+        """Batch rows ``order`` of every transformers cache layer's states (``LinearAttentionLayer`` can
+        reorder its rows, not repeat or select them; ``reorder_cache`` takes any order of rows)."""
+        for layer in self.transformers_layers.values():
+            if isinstance(layer, DynamicLayer) and not layer.is_initialized:
+                continue
             layer.reorder_cache(torch.tensor(order, dtype=torch.long))
 
     def replay_key(self) -> tuple | None:
         """What the next one-token decode step depends on when it can be replayed from a graph
-        captured at an earlier step with the same key (:meth:`RaggedLayer.replay_key`), else None."""
+        captured at an earlier step with the same key (:meth:`RaggedLayer.replay_key`), else None (also
+        where transformers' own layers hold keys and values, Gemma 4's sliding ones: each step makes them new
+        tensors, which a captured graph would not read)."""
+        if self.holds_transformers_keys:
+            return None
         keys = []
         for layer in self.attention_layers:
             key = layer.replay_key()
@@ -830,7 +859,7 @@ class RaggedCache(Cache):
             raise ValueError("need at least one cache to stack")
         first = caches[0]
         if any(
-            len(c.layers) != len(first.layers) or c.recurrent_layers.keys() != first.recurrent_layers.keys()
+            len(c.layers) != len(first.layers) or c.transformers_layers.keys() != first.transformers_layers.keys()
             for c in caches
         ):
             raise ValueError("caches to stack must have the same layers")
@@ -841,7 +870,7 @@ class RaggedCache(Cache):
             for layer in cache.attention_layers:
                 layer._settle()  # a copy holds what the window holds, nothing hidden
         recurrent = {
-            index: stacked_recurrent_layer([c.layers[index] for c in caches]) for index in first.recurrent_layers
+            index: stacked_transformers_layer([c.layers[index] for c in caches]) for index in first.transformers_layers
         }
         stacked = cls(len(first.attention_layers), recurrent, first.stateful)
         for index, target in enumerate(stacked.attention_layers):
@@ -887,22 +916,30 @@ class RaggedCache(Cache):
             layer.observe_queries = int(count)
 
 
-def recurrent_layers(model, geometry: ModelGeometry) -> tuple[dict, dict]:
-    """What :class:`RaggedCache` holds of ``model``'s recurrent states: ``({decoder index: a new transformers
-    cache layer}, {layer: options})``, the first for its layers without a KV cache (a hybrid model's linear
-    attention, convolution or MLP layers: ``geometry.layer_indices`` leaves them out), each of the class
-    transformers' own ``DynamicCache`` gives that layer type, the second for its attention layers that also run a
-    recurrent mixer (Falcon-H1's, :class:`RaggedRecurrentLayer`); both empty for other models."""
+def transformers_layers(model, geometry: ModelGeometry) -> tuple[dict, dict]:
+    """What :class:`RaggedCache` holds in transformers' own cache layers: ``({decoder index: a new transformers
+    cache layer}, {layer: options})``, the first for the layers ``geometry.layer_indices`` leaves out (a hybrid
+    model's linear attention, convolution or MLP layers, each of the class transformers' own ``DynamicCache``
+    gives that layer type; Gemma 4's sliding-window layers, ``DynamicSlidingWindowLayer`` of the config's
+    window), the second for its attention layers that also run a recurrent mixer (Falcon-H1's,
+    :class:`RaggedRecurrentLayer`); both empty for other models."""
     config = geometry.text_config
     types = getattr(config, "layer_types", None) or ()
     if len(geometry.layer_indices) == int(config.num_hidden_layers) and not set(types) & set(
         STATEFUL_ATTENTION_LAYER_TYPES
     ):
         return {}, {}
+    attention = set(geometry.layer_indices)
+    if sliding_layers_left_to_transformers(config):  # the same class on every transformers that has Gemma 4
+        from transformers.cache_utils import DynamicSlidingWindowLayer
+
+        window = int(config.sliding_window)
+        return {
+            i: DynamicSlidingWindowLayer(sliding_window=window) for i in range(len(types)) if i not in attention
+        }, {}
     from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
 
     kinds, options = get_layer_types_and_kwargs(config)
-    attention = set(geometry.layer_indices)
     recurrent = {
         index: DYNAMIC_LAYER_TYPE_MAPPING[kind](**option)
         for index, (kind, option) in enumerate(zip(kinds, options, strict=True))
@@ -916,12 +953,19 @@ def recurrent_layers(model, geometry: ModelGeometry) -> tuple[dict, dict]:
     return recurrent, stateful
 
 
-def stacked_recurrent_layer(sources: list):
-    """One recurrent cache layer (transformers' ``LinearAttentionLayer``; its stateless ``DummyLayer``, copied)
-    holding the batch rows of ``sources``
-    in order, its conv and recurrent states new tensors (concatenated along the batch), so that decoding the
-    result never writes into the sources (transformers updates these states in place)."""
+def stacked_transformers_layer(sources: list):
+    """One transformers cache layer (a recurrent ``LinearAttentionLayer``; a stateless ``DummyLayer``, copied; a
+    sliding layer's ``DynamicSlidingWindowLayer``) holding the batch rows of ``sources`` in order, its states
+    (conv and recurrent; keys and values) new tensors concatenated along the batch, so that decoding the result
+    never writes into the sources (transformers updates recurrent states in place)."""
     target = copy.copy(sources[0])
+    if isinstance(target, DynamicLayer):  # Gemma 4's sliding layers: the last window of every column fed
+        if any(source.is_initialized != target.is_initialized for source in sources):
+            raise ValueError("caches to stack must all be prefilled")
+        if target.is_initialized:
+            target.keys = torch.cat([source.keys for source in sources])
+            target.values = torch.cat([source.values for source in sources])
+        return target
     if not hasattr(target, "conv_states"):  # transformers' DummyLayer (Nemotron-H's MoE and MLP layers): no state
         return target
     _stack_states(target, sources)

@@ -40,6 +40,7 @@ import torch
 
 from artifacts.fingerprint import (
     LANGUAGE_MODEL_ATTRIBUTES,
+    PER_LAYER_GEOMETRY,
     RECURRENT_LAYER_TYPES,
     STATEFUL_ATTENTION_LAYER_TYPES,
     attention_chunk,
@@ -47,7 +48,9 @@ from artifacts.fingerprint import (
     attention_numbers,
     decoder_stack,
     has_query_norm,
+    held_layer_config,
     layer_attention,
+    sliding_layers_left_to_transformers,
     text_config,
 )
 
@@ -272,15 +275,19 @@ class ModelGeometry:
     rotary: torch.nn.Module | None = field(repr=False)
     text_config: object = field(repr=False)  # the (text) transformers config
 
-    def layer_of(self, module) -> int:
+    def layer_of(self, module) -> int | None:
         """The layer (index into this geometry's tuples and the artifact's ``L`` axis) of an attention module
-        transformers numbers ``module.layer_idx`` among the decoder layers: that index, but in a hybrid model."""
+        transformers numbers ``module.layer_idx`` among the decoder layers: that index, but in a hybrid model;
+        None for an attention module whose cache stays transformers' own (Gemma 4's sliding layers:
+        ``artifacts.fingerprint.sliding_layers_left_to_transformers``), which kvcal neither measures nor evicts."""
         index = int(module.layer_idx)
         if self.layer_indices[index : index + 1] == (index,):  # the first index + 1 decoder layers all attend
             return index
         try:
             return self.layer_indices.index(index)
         except ValueError:
+            if sliding_layers_left_to_transformers(self.text_config):
+                return None
             raise ValueError(f"decoder layer {index} has no KV cache (a recurrent layer of a hybrid model)") from None
 
     @property
@@ -355,7 +362,9 @@ class ModelGeometry:
             )
         indices = attention_layer_indices(config)
         types = getattr(config, "layer_types", None) or ()
-        if len(indices) != len(layers) or any(kind in STATEFUL_ATTENTION_LAYER_TYPES for kind in types):
+        # (Gemma 4's sliding layers, left to transformers as well, need no more than its sliding-window cache layer)
+        left = len(indices) != len(layers) and not sliding_layers_left_to_transformers(config)
+        if left or any(kind in STATEFUL_ATTENTION_LAYER_TYPES for kind in types):
             _refuse_recurrent_layers_kvcal_cannot_hold(name, layers, config)
 
         try:
@@ -471,11 +480,7 @@ def check_config(config, name: str | None = None) -> None:
     if name is None:
         name = (getattr(config, "architectures", None) or [getattr(config, "model_type", None) or "the model"])[0]
     if getattr(config, "is_heterogeneous", False) is True:
-        varying = ", ".join(sorted(getattr(config, "per_layer_attributes", None) or ()))
-        raise UnsupportedModelError(
-            f"{name}: a heterogeneous config (attributes that vary per layer: {varying}; as in Gemma 4) is not "
-            "supported: kvcal needs one attention geometry for every layer"
-        )
+        _check_per_layer_geometry(name, config)
     rope = getattr(config, "rope_parameters", None)
     if isinstance(rope, dict) and any(isinstance(value, dict) for value in rope.values()):
         # per layer type (transformers 5.2's Gemma 3 also keeps a top-level rope_theta: None, no layer type)
@@ -504,7 +509,8 @@ def check_config(config, name: str | None = None) -> None:
             f"{name}: multi-head latent attention (MLA, kv_lora_rank={rank}: keys and values projected from one "
             "cached latent per token, as in DeepSeek V2 / V3) is not supported"
         )
-    value_dim, key_dim = getattr(config, "v_head_dim", None), getattr(config, "head_dim", None)
+    shapes = held_layer_config(config) if sliding_layers_left_to_transformers(config) else config
+    value_dim, key_dim = getattr(shapes, "v_head_dim", None), getattr(shapes, "head_dim", None)
     if isinstance(value_dim, int) and isinstance(key_dim, int) and value_dim != key_dim:
         raise UnsupportedModelError(
             f"{name}: values of another head dim than the keys (v_head_dim={value_dim}, head_dim={key_dim}, as in "
@@ -531,6 +537,33 @@ def check_config(config, name: str | None = None) -> None:
         except ValueError as exc:
             raise UnsupportedModelError(f"{name}: {exc}") from None
         _refuse_unchecked_multimodal(name, checkpoint)
+
+
+def _check_per_layer_geometry(name: str, config) -> None:
+    """Refuse a heterogeneous config (transformers' ``per_layer_config``) kvcal cannot hold: one that varies more
+    than :data:`~artifacts.fingerprint.PER_LAYER_GEOMETRY` between its layers, or whose layers kvcal holds
+    (:func:`~artifacts.fingerprint.attention_layer_indices`: the full-attention ones, its sliding layers staying
+    transformers' own) differ among themselves."""
+    varying = ", ".join(sorted(getattr(config, "per_layer_attributes", None) or ()))
+    if not sliding_layers_left_to_transformers(config):
+        raise UnsupportedModelError(
+            f"{name}: a heterogeneous config (attributes that vary per layer: {varying}) is not supported: kvcal "
+            "serves one only where its sliding-window layers alone differ, in head dim and KV heads (as in Gemma 4)"
+        )
+    held = attention_layer_indices(config)
+    if not held:
+        raise UnsupportedModelError(f"{name}: no full-attention layer beside the sliding ones: nothing to evict")
+    shapes = {
+        index: tuple(
+            getattr(config.per_layer_config[index], attribute, None) for attribute in sorted(PER_LAYER_GEOMETRY)
+        )
+        for index in held
+    }
+    if len(set(shapes.values())) != 1:
+        raise UnsupportedModelError(
+            f"{name}: its full-attention layers differ in {varying} ({shapes}): kvcal needs one attention geometry "
+            "for the layers it holds"
+        )
 
 
 def position_limit(config, *, first_chunk: bool = False) -> tuple[int, str] | None:
@@ -751,7 +784,10 @@ def _projections(name: str, index: int, attention, numbers: dict) -> dict[str, P
     gated = _output_gate_in_queries(attention, heads * dim)
     q_proj = _linear(name, index, attention, "q_proj", heads * dim * (2 if gated else 1), f"{heads} heads x {dim}")
     k_proj = _linear(name, index, attention, "k_proj", kv_heads * dim, f"{kv_heads} KV heads x {dim}")
-    v_proj = _linear(name, index, attention, "v_proj", kv_heads * dim, f"{kv_heads} KV heads x {dim}")
+    if getattr(attention, "v_proj", None) is None and _values_are_the_keys(attention):
+        v_proj = k_proj  # Gemma 4's attention_k_eq_v: the values are k_proj's output, normed by v_norm alone
+    else:
+        v_proj = _linear(name, index, attention, "v_proj", kv_heads * dim, f"{kv_heads} KV heads x {dim}")
     query = _read(name, index, attention, "q", q_proj, heads, dim)
     key = _read(name, index, attention, "k", k_proj, kv_heads, dim)
     multiplier = getattr(attention, "key_multiplier", None)  # Falcon-H1: keys = k_proj(x) * key_multiplier
@@ -762,8 +798,16 @@ def _projections(name: str, index: int, attention, numbers: dict) -> dict[str, P
     return {
         "query": dataclasses.replace(query, head_width=2 * dim) if gated else query,
         "key": key,
-        "value": Projection(v_proj, kv_heads, dim),
+        # the values as cached: through the norm the model applies to them (Gemma 3n's and Gemma 4's v_norm)
+        "value": _normed(name, index, v_proj, kv_heads, dim, getattr(attention, "v_norm", None)),
     }
+
+
+def _values_are_the_keys(attention) -> bool:
+    """Whether ``attention`` (without a ``v_proj``) takes its values from its key projection's output (Gemma 4's
+    full-attention layers under ``attention_k_eq_v``: ``value_states = key_states`` before the key norm and
+    RoPE, then ``v_norm``), read off its forward's source."""
+    return "if self.v_proj is not None else key_states" in _forward_source(type(attention))
 
 
 def _output_gate_in_queries(attention, features: int) -> bool:

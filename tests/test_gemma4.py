@@ -1,0 +1,278 @@
+"""Gemma 4: full-attention layers of one geometry (head dim 512, 2-4 KV heads, values that are the keys under
+``attention_k_eq_v``, proportional RoPE over a quarter of the head) beside sliding-window layers of another (head
+dim 256, more KV heads), in one heterogeneous config (transformers' ``per_layer_config``).
+
+kvcal holds and evicts the full-attention layers, whose caches grow with the context; the sliding layers, bounded
+by their window, stay transformers' own ``DynamicSlidingWindowLayer`` inside the same ``RaggedCache``
+(``artifacts.fingerprint.sliding_layers_left_to_transformers``), as a hybrid model's recurrent layers do.
+tests/test_architecture_matrix.py checks nothing evicted is exact, beams are transformers' own and the flagship
+serves.  Here, on a tiny Gemma 4 whose full-attention layers are decoder layers 1 and 3 and whose prompts run past
+the sliding window: the layout and the artifact's numbers, the values read as the model caches them, eviction
+inside the prefill, copies, stacks and several questions, KVzip's reconstruction, the block-wise prefill, and a
+whole profile served back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from test_hybrid_models import assert_questions_answered_as_each_alone
+from test_prefill_eviction import assert_same_cache, greedy_logits, left_padded_batch, one_step, two_step
+from test_runtime_leverage_kvzip import ToyTokenizer, naive_kvzip
+
+from artifacts.fingerprint import architecture_numbers, attention_variant
+from runtime import CompressionPolicy, RaggedCache, bind, load_calibration
+from runtime.compression.kvzip import kvzip_scores, reconstruction_chunks
+from runtime.compression.prefill import prefill
+from runtime.math.geometry import ModelGeometry, UnsupportedModelError, check_config
+from runtime.plan.policy_spec import FLAGSHIP
+from runtime.serve.generation import compress_prompt, generate, generate_from_cache
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),  # conftest: one torch thread
+    pytest.mark.skipif(not hasattr(T, "Gemma4ForCausalLM"), reason=f"transformers {T.__version__} has no Gemma 4"),
+]
+
+LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+WINDOW = 32
+
+
+def gemma4(vocab_size: int = 512, **options):
+    """A tiny Gemma 4 (text): sliding layers 0 and 2 of 2 KV heads x 16, full-attention layers 1 and 3 of 1 KV
+    head x 32 whose values are their keys, a window of 32, per-layer inputs; random weights of seed 0, float32."""
+    from test_architecture_matrix import tiny_model
+
+    size = dict(vocab_size=vocab_size, vocab_size_per_layer_input=vocab_size)
+    return tiny_model("gemma4_text", sliding_window=WINDOW, **size, **options)
+
+
+def _prompt():
+    ids = torch.randint(3, 500, (2, 120), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    return ids, mask
+
+
+def _decode(model, ids, mask, cache, report, **kwargs):
+    options = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return generate_from_cache(model, ids, mask, cache, report, **{**options, **kwargs})
+
+
+def test_kvcal_holds_the_full_attention_layers_and_transformers_the_sliding_ones():
+    model = gemma4()
+    geometry = ModelGeometry.of(model)
+    assert (geometry.num_layers, geometry.layer_indices, geometry.num_kv_heads, geometry.head_dim) == (2, (1, 3), 1, 32)
+    assert geometry.sliding_windows == (None, None)
+    cache = RaggedCache.for_model(model)
+    kinds = [type(layer).__name__ for layer in cache.layers]
+    assert kinds == ["DynamicSlidingWindowLayer", "RaggedLayer", "DynamicSlidingWindowLayer", "RaggedLayer"]
+    assert cache.transformers_layers.keys() == {0, 2} and cache.layers[0].sliding_window == WINDOW
+    assert cache.holds_transformers_keys and not cache.holds_recurrent_states
+    # the artifact: L counts the full-attention layers, of their geometry; which they are is in the fingerprint
+    numbers = architecture_numbers(model.config)
+    assert (numbers["num_layers"], numbers["num_kv_heads"], numbers["head_dim"]) == (2, 1, 32)
+    assert attention_variant(model.config)["attention_layers"] == [1, 3]
+    wider = gemma4(global_head_dim=64).config
+    assert architecture_numbers(wider)["head_dim"] == 64 and architecture_numbers(wider) != numbers
+
+
+@pytest.mark.parametrize("shared_values", [True, False], ids=["attention_k_eq_v", "v_proj"])
+@torch.no_grad()
+def test_the_values_read_are_the_values_the_model_caches(shared_values):
+    """The profiler reads each layer's values off a projection (``geometry.value_projections``): under
+    ``attention_k_eq_v`` the key projection's output, through ``v_norm`` (a norm without a weight); with a
+    ``v_proj``, its output through ``v_norm`` too.  Each equals what the model's own cache holds."""
+    model = gemma4(attention_k_eq_v=shared_values)
+    geometry = ModelGeometry.of(model)
+    ids = torch.randint(3, 500, (1, 20), generator=torch.Generator().manual_seed(5))
+    taken = {}
+
+    def read(layer, projection):
+        def hook(_module, _args, output):
+            taken[layer] = projection.take(output)
+
+        return hook
+
+    hooks = [
+        projection.module.register_forward_hook(read(layer, projection))
+        for layer, projection in enumerate(geometry.value_projections)
+    ]
+    try:
+        cache = model(ids, use_cache=True).past_key_values
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for layer, index in enumerate(geometry.layer_indices):
+        cached = cache.layers[index].values  # [1, Hkv, T, d]
+        torch.testing.assert_close(taken[layer].transpose(1, 2), cached, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        CompressionPolicy(keep_ratio=0.25, scorer="keydiff"),
+        CompressionPolicy(keep_ratio=0.25),  # leverage, Compactor's chunked attention
+        CompressionPolicy(keep_ratio=0.3, scorer="snapkv"),
+        CompressionPolicy(keep_ratio=0.25, scorer="keydiff", correction="order1"),
+    ],
+    ids=repr,
+)
+@torch.no_grad()
+def test_evicting_inside_the_prefill_keeps_what_prefill_then_compress_keeps(policy):
+    model = gemma4()
+    ids, mask, columns = left_padded_batch()
+    plan = bind(policy, None, model)
+    reference, expected = two_step(model, ids[:, :columns], mask[:, :columns], plan)
+    cache, report = one_step(model, ids[:, :columns], mask[:, :columns], plan)
+    assert_same_cache(cache, reference)
+    assert (report.budgets == expected.budgets).all() and report.budgets.shape[1] == 2
+    assert report.kv_bytes_after < report.kv_bytes_before
+    sequences, logits = greedy_logits(model, cache, ids, mask)
+    expected_sequences, expected_logits = greedy_logits(model, reference, ids, mask)
+    assert torch.equal(sequences, expected_sequences)
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_copies_and_stacks_answer_as_each_cache_alone():
+    """A stack of two caches compressed under two policies answers, row by row, as each alone: the sliding
+    layers' keys and values are stacked with the rows (before this, a stack kept the first cache's sliding
+    layers alone); decoding a copy leaves the original's sliding layers as they were."""
+    model = gemma4()
+    ids, mask = _prompt()
+    cache, report = compress_prompt(
+        model, ids, CompressionPolicy(keep_ratio=0.25), attention_mask=mask, context_columns=110
+    )
+    sliding = {index: (layer.keys.clone(), layer.values.clone()) for index, layer in cache.transformers_layers.items()}
+    first = _decode(model, ids, mask, cache.copy(), report)
+    second = _decode(model, ids, mask, cache.copy(), report)
+    assert torch.equal(first.sequences, second.sequences)
+    for index, layer in cache.transformers_layers.items():
+        assert torch.equal(layer.keys, sliding[index][0]) and torch.equal(layer.values, sliding[index][1])
+    policy = CompressionPolicy(keep_ratio=0.5, scorer="keydiff")
+    other, other_report = compress_prompt(model, ids.flip(0), policy, attention_mask=mask.flip(0), context_columns=110)
+    alone = _decode(model, ids.flip(0), mask.flip(0), other.copy(), other_report)
+    stacked = RaggedCache.stack([cache, other])
+    rows = _decode(model, torch.cat([ids, ids.flip(0)]), torch.cat([mask, mask.flip(0)]), stacked, report)
+    assert torch.equal(rows.sequences[:2], first.sequences) and torch.equal(rows.sequences[2:], alone.sequences)
+
+
+@torch.no_grad()
+def test_several_questions_about_one_context_are_answered_as_each_alone(embedded_tokenizer):
+    """The sliding layers are repeated with the cache's rows; questions of several lengths are answered together
+    (padding between a row's context and its question is masked in the sliding layers, as transformers masks it)
+    and each as alone."""
+    from runtime import answer
+
+    assert_questions_answered_as_each_alone(gemma4(), 500, 100, 6)
+    model = gemma4(vocab_size=len(embedded_tokenizer))
+    policy = CompressionPolicy(keep_ratio=0.5, scorer="keydiff")
+    context = "The harbour master logged every ship that came in, and the pilot boats too. " * 3
+    questions = ["Who logged ships?", "What did the harbour master log, and since when did he keep it?", "Who?"]
+    alone = [answer(model, embedded_tokenizer, context, question, policy, max_new_tokens=5) for question in questions]
+    assert answer(model, embedded_tokenizer, context, questions, policy, max_new_tokens=5) == alone
+
+
+@pytest.mark.parametrize("chunk_size", [64, 23])
+def test_kvzip_scores_equal_the_models_attention_over_the_reconstruction(chunk_size):
+    """Each reconstruction chunk follows the context in the sliding layers too (their window of the context,
+    restored before every chunk): the scores are those of one forward pass of context and chunk."""
+    model = gemma4()
+    tokenizer = ToyTokenizer()
+    context = [1] + torch.randint(3, 120, (50,), generator=torch.Generator().manual_seed(9)).tolist()
+    cache = RaggedCache.for_model(model)
+    prefill(model, cache, torch.tensor([context]))
+    sliding = {index: layer.keys.clone() for index, layer in cache.transformers_layers.items()}
+    scores = kvzip_scores(model, tokenizer, cache, context, chunk_size=chunk_size, overlap=4)
+    assert scores.scores.shape == (2, 1, 51)
+    assert all(torch.equal(cache.layers[index].keys, keys) for index, keys in sliding.items())  # untouched
+    chunks = reconstruction_chunks(
+        tokenizer, context, 1, tokenizer("\n", add_special_tokens=False)["input_ids"], chunk_size, 4
+    )
+    want = naive_kvzip(model, context, chunks, sink=1)
+    torch.testing.assert_close(scores.scores.double(), want, rtol=1e-4, atol=1e-6)
+
+
+@torch.no_grad()
+def test_the_block_wise_prefill_serves_rows_of_one_length_and_refuses_a_padded_batch():
+    """Blocks of one row, or of rows of one length, feed the sliding layers every column in order: with nothing
+    evicted the answer is the unmodified model's.  A padded batch, whose rows' blocks the block-wise prefill lays
+    out apart, would feed them padding between blocks: refused by name before any forward pass."""
+    model = gemma4()
+    ids, mask = _prompt()
+    keep_all = CompressionPolicy(keep_ratio=1.0, scorer="keydiff")
+    blocks = generate(model, ids[:1], keep_all, context_columns=110, block_size=40, max_new_tokens=6)
+    assert torch.equal(blocks.sequences, model.generate(ids[:1], max_new_tokens=6, do_sample=False))
+    with pytest.raises(ValueError, match=r"block-wise prefill of a padded batch .* sliding layers"):
+        generate(model, ids, keep_all, attention_mask=mask, context_columns=110, block_size=40, max_new_tokens=2)
+
+
+def test_full_attention_layers_of_two_geometries_are_refused_by_name():
+    """A per-layer config may give full-attention layers geometries of their own (transformers' Gemma 4 then
+    fails to build its rotary embedding): kvcal's artifact has one, and its config check, which the commands run
+    on config.json before any weight loads, says so."""
+    config = gemma4(meta=True).config
+    overrides = {1: {"head_dim": 32}, 3: {"head_dim": 64}}
+    other = type(config)(**{**config.to_dict(), "per_layer_config": overrides})
+    with pytest.raises(UnsupportedModelError, match=r"its full-attention layers differ in head_dim"):
+        check_config(other)
+    # and more than the geometry varying (a window per layer, here): refused as before
+    overrides = {0: {"sliding_window": 16}, 1: {"head_dim": 32}, 3: {"head_dim": 32}}
+    other = type(config)(**{**config.to_dict(), "per_layer_config": overrides})
+    with pytest.raises(UnsupportedModelError, match=r"a heterogeneous config \(attributes that vary per layer: head_d"):
+        check_config(other)
+
+
+def test_a_profile_of_gemma4_is_served_back(tmp_path, embedded_tokenizer, capsys):
+    """Every stage of a smoke profile on the tiny Gemma 4 saved with the embedded tokenizer: the sections' layer
+    axis is its two full-attention layers; the flagship served from the artifact evicts in both and generates."""
+    from conftest import single_thread, tiny_profile_args, write_tiny_model_dir
+
+    from artifacts import open_artifact
+    from profiler.cli import main
+    from profiler.stages import STAGE_NAMES
+
+    model = gemma4(vocab_size=len(embedded_tokenizer))
+    model_dir = write_tiny_model_dir(tmp_path / "gemma4", embedded_tokenizer, probes=3, model=model, probe_length=96)
+    out = tmp_path / "kv_calibration.h5"
+    families = ("--recommend-families", "retrieval", "--recommend-haystacks", "simple")
+    with single_thread():
+        code = main(tiny_profile_args(model_dir, out, "--stages", ",".join(STAGE_NAMES), *families, calib_samples=4))
+    assert code == 0, capsys.readouterr().err
+    with open_artifact(out) as reader:
+        assert len(reader.sections) == 8 and reader.model.num_layers == 2 and reader.model.head_dim == 32
+        assert reader.section("budgets")["inf_kv"].shape == (2, 1)
+        assert np.all(np.isfinite(reader.section("query_stats")["cov"]))
+        assert np.all(np.isfinite(reader.section("moments")["errors"]))
+    calibration = load_calibration(model, embedded_tokenizer, path=out)
+    ids = torch.randint(3, 500, (1, 200), generator=torch.Generator().manual_seed(4))
+    result = generate(model, ids, FLAGSHIP.policy(0.75), calibration=calibration, context_columns=190, max_new_tokens=4)
+    assert result.new_tokens.shape == (1, 4)
+    assert result.report.kv_bytes_after < result.report.kv_bytes_before
+
+
+@torch.no_grad()
+def test_padding_between_a_rows_tokens_is_refused_by_name():
+    """The sliding layers' window counts columns (transformers' mask): padding between a row's context and a
+    shorter question than another row's would leave the row fewer real tokens in the window than alone.  Refused
+    by name before any forward pass; left padding alone is served as each row alone."""
+    from runtime.serve.generation import build_inputs
+
+    model = gemma4()
+    generator = torch.Generator().manual_seed(4)
+    contexts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (60, 45)]
+    questions = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (6, 9)]
+    ids, mask, columns = build_inputs(contexts, questions, pad_token_id=0)
+    policy = CompressionPolicy(keep_ratio=0.5, scorer="keydiff")
+    with pytest.raises(ValueError, match=r"batch row 0 .* sliding layers \(transformers' own\) count their window"):
+        generate(model, ids, policy, attention_mask=mask, context_columns=columns, max_new_tokens=2)
+    ids, mask, columns = build_inputs(contexts, [q[:6] for q in questions], pad_token_id=0)
+    together = generate(model, ids, policy, attention_mask=mask, context_columns=columns, max_new_tokens=4)
+    for row, context in enumerate(contexts):
+        alone_ids, alone_mask, alone_columns = build_inputs([context], [questions[row][:6]], pad_token_id=0)
+        alone = generate(
+            model, alone_ids, policy, attention_mask=alone_mask, context_columns=alone_columns, max_new_tokens=4
+        )
+        assert together.new_tokens[row].tolist() == alone.new_tokens[0].tolist()
