@@ -89,6 +89,13 @@ def _clip_llama(**extra) -> dict:
     )
 
 
+# Gemma 4's language model: sliding layers 0 and 2 of 2 KV heads x 16, full-attention layers 1 and 3 of head dim 32
+GEMMA4_TEXT = dict(
+    **TEXT, sliding_window=32, layer_types=["sliding_attention", "full_attention"] * 2, global_head_dim=32
+)
+GEMMA4_VISION = dict(VISION, num_key_value_heads=2, head_dim=16, image_size=None)
+
+
 # model type: (its config's arguments, the model type of its language model, as in EXACT)
 SERVED = {
     "gemma3": (
@@ -101,6 +108,30 @@ SERVED = {
             eoi_token_index=254,
         ),
         "gemma3_text",
+    ),
+    "gemma4": (  # full-attention layers of another geometry than the sliding ones (tests/test_gemma4.py)
+        dict(
+            text_config=dict(GEMMA4_TEXT, attention_k_eq_v=True, num_global_key_value_heads=1),
+            vision_config=GEMMA4_VISION,
+            audio_config=None,
+            image_token_id=255,
+            boi_token_id=253,
+            eoi_token_id=254,
+            video_token_id=252,
+        ),
+        "gemma4_text",
+    ),
+    "gemma4_unified": (
+        dict(
+            text_config=GEMMA4_TEXT,
+            vision_config=GEMMA4_VISION,
+            audio_config=None,
+            image_token_id=255,
+            boi_token_id=253,
+            eoi_token_id=254,
+            video_token_id=252,
+        ),
+        "gemma4_unified_text",
     ),
     "mistral3": (
         dict(

@@ -54,7 +54,7 @@ from artifacts.fingerprint import (
     text_config,
 )
 
-# The multimodal checkpoints whose language model kvcal serves on text (Gemma 3 from 4B, Mistral Small 3.1 /
+# The multimodal checkpoints whose language model kvcal serves on text (Gemma 3 from 4B, Gemma 4, Mistral Small 3.1 /
 # 3.2, the LLaVA family (LLaVA-NeXT-Video, Video-LLaVA, ViP-LLaVA too), Idefics3 and SmolVLM, Aya Vision and
 # Command A Vision, InternVL, Ovis2, LightOnOCR, LFM2-VL, Qwen2-VL / Qwen2.5-VL / Qwen3-VL, Qwen3.5 and its MoE):
 # for each,
@@ -69,6 +69,8 @@ MULTIMODAL_SERVED = frozenset(
         "cohere2_vision",
         "exaone4_5",
         "gemma3",
+        "gemma4",
+        "gemma4_unified",
         "idefics3",
         "internvl",
         "lfm2_vl",
