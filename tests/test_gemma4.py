@@ -276,3 +276,24 @@ def test_padding_between_a_rows_tokens_is_refused_by_name():
             model, alone_ids, policy, attention_mask=alone_mask, context_columns=alone_columns, max_new_tokens=4
         )
         assert together.new_tokens[row].tolist() == alone.new_tokens[0].tolist()
+
+
+@pytest.mark.parametrize("policy", [None, CompressionPolicy(compression_ratio=0.75, scorer="keydiff")], ids=repr)
+def test_decode_steps_run_eagerly_where_transformers_holds_the_sliding_layers(policy, monkeypatch):
+    """transformers' sliding-window layer makes new key and value tensors at every step, which a graph captured
+    at one step would not read at the next: with ``decode_graphs`` (tests/step_replay.py's recorder on the CPU,
+    the page kernel a GPU runs) every step runs eagerly, and generates what eager steps generate."""
+    from step_replay import RecordedStep
+
+    from runtime.kv_store.flex_decode import DECODE_KERNEL_VARIABLE
+
+    monkeypatch.setenv(DECODE_KERNEL_VARIABLE, "pages")
+    model = gemma4()
+    ids, mask = _prompt()
+    runs = []
+    for graphs in (False, RecordedStep):
+        cache, report = compress_prompt(model, ids, policy, attention_mask=mask, context_columns=110)
+        runs.append(_decode(model, ids, mask, cache, report, max_new_tokens=12, decode_graphs=graphs))
+    eager, asked = runs
+    assert torch.equal(eager.sequences, asked.sequences)
+    assert asked.graphs.captured == asked.graphs.replayed == 0 and asked.graphs.eager >= 12
