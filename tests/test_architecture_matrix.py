@@ -527,6 +527,12 @@ REFUSED_VARIANTS = {
         dict(num_kv_shared_layers=2),
         r"keys and values shared across layers \(num_kv_shared_layers=2",
     ),
+    # Gemma 4 E2B / E4B: their last layers attend to an earlier layer's cache of their type
+    "gemma4_text, KV sharing": (
+        "gemma4_text",
+        dict(num_kv_shared_layers=2),
+        r"keys and values shared across layers \(num_kv_shared_layers=2",
+    ),
     # a Bamba of Mamba 2 layers alone has no KV cache to compress
     "bamba, no attention layer": (
         "bamba",
