@@ -201,6 +201,8 @@ class CompressionReport:
     budgets: np.ndarray  # int64 [B, L, Hkv] budget given to each head
     lengths_before: np.ndarray  # int64 [L, B, Hkv]
     lengths_after: np.ndarray  # int64 [L, B, Hkv]
+    # of the L layers kvcal holds (RaggedCache.attention_layers): not a hybrid's recurrent states, nor Gemma 4's
+    # sliding layers, which transformers holds (each at most its window of every row's columns)
     kv_bytes_before: int
     kv_bytes_after: int
     seconds: float

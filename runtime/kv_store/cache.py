@@ -775,7 +775,8 @@ class RaggedCache(Cache):
         return torch.stack([layer.length for layer in self.attention_layers])
 
     def kv_bytes(self) -> int:
-        """Bytes allocated for keys and values over all layers (page rounding and slack included)."""
+        """Bytes allocated for keys and values over the layers kvcal holds (page rounding and slack included; not
+        the :attr:`transformers_layers`, Gemma 4's sliding ones)."""
         return sum(layer.kv_bytes() for layer in self.attention_layers)
 
     def index_bytes(self) -> int:
