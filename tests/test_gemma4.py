@@ -78,13 +78,20 @@ def test_kvcal_holds_the_full_attention_layers_and_transformers_the_sliding_ones
     assert architecture_numbers(wider)["head_dim"] == 64 and architecture_numbers(wider) != numbers
 
 
-@pytest.mark.parametrize("shared_values", [True, False], ids=["attention_k_eq_v", "v_proj"])
+@pytest.mark.parametrize("variant", ["attention_k_eq_v", "v_proj", "gemma3n"])
 @torch.no_grad()
-def test_the_values_read_are_the_values_the_model_caches(shared_values):
-    """The profiler reads each layer's values off a projection (``geometry.value_projections``): under
-    ``attention_k_eq_v`` the key projection's output, through ``v_norm`` (a norm without a weight); with a
-    ``v_proj``, its output through ``v_norm`` too.  Each equals what the model's own cache holds."""
-    model = gemma4(attention_k_eq_v=shared_values)
+def test_the_values_read_are_the_values_the_model_caches(variant):
+    """The profiler reads each layer's values off a projection (``geometry.value_projections``; the learned
+    scorer's features, which the runtime computes from the cached values): under ``attention_k_eq_v`` the key
+    projection's output, through ``v_norm`` (a norm without a weight); with a ``v_proj``, its output through
+    ``v_norm`` too, Gemma 3n's as well (read before its ``v_norm`` until now).  Each equals what the model's own
+    cache holds."""
+    from test_architecture_matrix import tiny_model
+
+    if variant == "gemma3n":
+        model = tiny_model("gemma3n_text", vocab_size=512, vocab_size_per_layer_input=512)
+    else:
+        model = gemma4(attention_k_eq_v=variant == "attention_k_eq_v")
     geometry = ModelGeometry.of(model)
     ids = torch.randint(3, 500, (1, 20), generator=torch.Generator().manual_seed(5))
     taken = {}
