@@ -205,6 +205,22 @@ def tiny_profile_args(model_dir, out, *extra: str, calib_samples: int = 8) -> li
     ]
 
 
+def profile_every_stage(model, directory, tokenizer, capsys, *, probe_length: int = 96):
+    """The path of an artifact of every stage of a smoke profile (retrieval probes, simple haystacks) on ``model``
+    saved with ``tokenizer`` in ``directory`` (:func:`write_tiny_model_dir`, 3 probes), the command's exit checked;
+    the model directory is ``directory / "model"``."""
+    from profiler.cli import main
+    from profiler.stages import STAGE_NAMES
+
+    model_dir = write_tiny_model_dir(directory / "model", tokenizer, probes=3, model=model, probe_length=probe_length)
+    out = directory / "kv_calibration.h5"
+    families = ("--recommend-families", "retrieval", "--recommend-haystacks", "simple")
+    with single_thread():
+        code = main(tiny_profile_args(model_dir, out, "--stages", ",".join(STAGE_NAMES), *families, calib_samples=4))
+    assert code == 0, capsys.readouterr().err
+    return out
+
+
 @pytest.fixture
 def tiny_llama():
     return make_tiny_llama()

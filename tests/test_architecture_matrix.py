@@ -602,19 +602,12 @@ SMOKE = ("granitemoe", "phimoe", "starcoder2", "olmo3")
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", SMOKE)
 def test_a_smoke_profile_runs_every_stage(model_type, tmp_path, embedded_tokenizer, capsys):
-    from conftest import single_thread, tiny_profile_args, write_tiny_model_dir
+    from conftest import profile_every_stage
 
     from artifacts import open_artifact
-    from profiler.cli import main
-    from profiler.stages import STAGE_NAMES
 
     model = tiny_model(model_type, vocab_size=len(embedded_tokenizer))
-    model_dir = write_tiny_model_dir(tmp_path / model_type, embedded_tokenizer, probes=3, model=model, probe_length=64)
-    out = tmp_path / "kv_calibration.h5"
-    families = ("--recommend-families", "retrieval", "--recommend-haystacks", "simple")
-    with single_thread():
-        code = main(tiny_profile_args(model_dir, out, "--stages", ",".join(STAGE_NAMES), *families, calib_samples=4))
-    assert code == 0, capsys.readouterr().err
+    out = profile_every_stage(model, tmp_path, embedded_tokenizer, capsys, probe_length=64)
     with open_artifact(out) as reader:
         assert len(reader.sections) == 8
         assert np.all(np.isfinite(reader.section("query_stats")["cov"]))

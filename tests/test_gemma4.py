@@ -18,17 +18,22 @@ import numpy as np
 import pytest
 import torch
 import transformers as T
-from test_hybrid_models import assert_questions_answered_as_each_alone
-from test_prefill_eviction import assert_same_cache, greedy_logits, left_padded_batch, one_step, two_step
+from test_hybrid_models import (
+    assert_padding_inside_rows_is_refused,
+    assert_questions_answered_as_each_alone,
+    decode_from_cache,
+    padded_prompt,
+)
+from test_prefill_eviction import PARTIAL_LAYER_POLICIES, assert_prefill_eviction_is_prefill_then_compress
 from test_runtime_leverage_kvzip import ToyTokenizer, naive_kvzip
 
 from artifacts.fingerprint import architecture_numbers, attention_variant
-from runtime import CompressionPolicy, RaggedCache, bind, load_calibration
+from runtime import CompressionPolicy, RaggedCache, load_calibration
 from runtime.compression.kvzip import kvzip_scores, reconstruction_chunks
 from runtime.compression.prefill import prefill
 from runtime.math.geometry import ModelGeometry, UnsupportedModelError, check_config
 from runtime.plan.policy_spec import FLAGSHIP
-from runtime.serve.generation import compress_prompt, generate, generate_from_cache
+from runtime.serve.generation import compress_prompt, generate
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),  # conftest: one torch thread
@@ -46,18 +51,6 @@ def gemma4(vocab_size: int = 512, **options):
 
     size = dict(vocab_size=vocab_size, vocab_size_per_layer_input=vocab_size)
     return tiny_model("gemma4_text", sliding_window=WINDOW, **size, **options)
-
-
-def _prompt():
-    ids = torch.randint(3, 500, (2, 120), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    mask[1, :17] = 0
-    return ids, mask
-
-
-def _decode(model, ids, mask, cache, report, **kwargs):
-    options = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    return generate_from_cache(model, ids, mask, cache, report, **{**options, **kwargs})
 
 
 def test_kvcal_holds_the_full_attention_layers_and_transformers_the_sliding_ones():
@@ -116,30 +109,10 @@ def test_the_values_read_are_the_values_the_model_caches(variant):
         torch.testing.assert_close(taken[layer].transpose(1, 2), cached, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "policy",
-    [
-        CompressionPolicy(keep_ratio=0.25, scorer="keydiff"),
-        CompressionPolicy(keep_ratio=0.25),  # leverage, Compactor's chunked attention
-        CompressionPolicy(keep_ratio=0.3, scorer="snapkv"),
-        CompressionPolicy(keep_ratio=0.25, scorer="keydiff", correction="order1"),
-    ],
-    ids=repr,
-)
+@pytest.mark.parametrize("policy", PARTIAL_LAYER_POLICIES, ids=repr)
 @torch.no_grad()
 def test_evicting_inside_the_prefill_keeps_what_prefill_then_compress_keeps(policy):
-    model = gemma4()
-    ids, mask, columns = left_padded_batch()
-    plan = bind(policy, None, model)
-    reference, expected = two_step(model, ids[:, :columns], mask[:, :columns], plan)
-    cache, report = one_step(model, ids[:, :columns], mask[:, :columns], plan)
-    assert_same_cache(cache, reference)
-    assert (report.budgets == expected.budgets).all() and report.budgets.shape[1] == 2
-    assert report.kv_bytes_after < report.kv_bytes_before
-    sequences, logits = greedy_logits(model, cache, ids, mask)
-    expected_sequences, expected_logits = greedy_logits(model, reference, ids, mask)
-    assert torch.equal(sequences, expected_sequences)
-    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-5)
+    assert_prefill_eviction_is_prefill_then_compress(gemma4(), policy, layers=2)
 
 
 @torch.no_grad()
@@ -148,21 +121,21 @@ def test_copies_and_stacks_answer_as_each_cache_alone():
     layers' keys and values are stacked with the rows (before this, a stack kept the first cache's sliding
     layers alone); decoding a copy leaves the original's sliding layers as they were."""
     model = gemma4()
-    ids, mask = _prompt()
+    ids, mask = padded_prompt()
     cache, report = compress_prompt(
         model, ids, CompressionPolicy(keep_ratio=0.25), attention_mask=mask, context_columns=110
     )
     sliding = {index: (layer.keys.clone(), layer.values.clone()) for index, layer in cache.transformers_layers.items()}
-    first = _decode(model, ids, mask, cache.copy(), report)
-    second = _decode(model, ids, mask, cache.copy(), report)
+    first = decode_from_cache(model, ids, mask, cache.copy(), report)
+    second = decode_from_cache(model, ids, mask, cache.copy(), report)
     assert torch.equal(first.sequences, second.sequences)
     for index, layer in cache.transformers_layers.items():
         assert torch.equal(layer.keys, sliding[index][0]) and torch.equal(layer.values, sliding[index][1])
     policy = CompressionPolicy(keep_ratio=0.5, scorer="keydiff")
     other, other_report = compress_prompt(model, ids.flip(0), policy, attention_mask=mask.flip(0), context_columns=110)
-    alone = _decode(model, ids.flip(0), mask.flip(0), other.copy(), other_report)
+    alone = decode_from_cache(model, ids.flip(0), mask.flip(0), other.copy(), other_report)
     stacked = RaggedCache.stack([cache, other])
-    rows = _decode(model, torch.cat([ids, ids.flip(0)]), torch.cat([mask, mask.flip(0)]), stacked, report)
+    rows = decode_from_cache(model, torch.cat([ids, ids.flip(0)]), torch.cat([mask, mask.flip(0)]), stacked, report)
     assert torch.equal(rows.sequences[:2], first.sequences) and torch.equal(rows.sequences[2:], alone.sequences)
 
 
@@ -208,7 +181,7 @@ def test_the_block_wise_prefill_serves_rows_of_one_length_and_refuses_a_padded_b
     evicted the answer is the unmodified model's.  A padded batch, whose rows' blocks the block-wise prefill lays
     out apart, would feed them padding between blocks: refused by name before any forward pass."""
     model = gemma4()
-    ids, mask = _prompt()
+    ids, mask = padded_prompt()
     keep_all = CompressionPolicy(keep_ratio=1.0, scorer="keydiff")
     blocks = generate(model, ids[:1], keep_all, context_columns=110, block_size=40, max_new_tokens=6)
     assert torch.equal(blocks.sequences, model.generate(ids[:1], max_new_tokens=6, do_sample=False))
@@ -235,19 +208,12 @@ def test_full_attention_layers_of_two_geometries_are_refused_by_name():
 def test_a_profile_of_gemma4_is_served_back(tmp_path, embedded_tokenizer, capsys):
     """Every stage of a smoke profile on the tiny Gemma 4 saved with the embedded tokenizer: the sections' layer
     axis is its two full-attention layers; the flagship served from the artifact evicts in both and generates."""
-    from conftest import single_thread, tiny_profile_args, write_tiny_model_dir
+    from conftest import profile_every_stage
 
     from artifacts import open_artifact
-    from profiler.cli import main
-    from profiler.stages import STAGE_NAMES
 
     model = gemma4(vocab_size=len(embedded_tokenizer))
-    model_dir = write_tiny_model_dir(tmp_path / "gemma4", embedded_tokenizer, probes=3, model=model, probe_length=96)
-    out = tmp_path / "kv_calibration.h5"
-    families = ("--recommend-families", "retrieval", "--recommend-haystacks", "simple")
-    with single_thread():
-        code = main(tiny_profile_args(model_dir, out, "--stages", ",".join(STAGE_NAMES), *families, calib_samples=4))
-    assert code == 0, capsys.readouterr().err
+    out = profile_every_stage(model, tmp_path, embedded_tokenizer, capsys)
     with open_artifact(out) as reader:
         assert len(reader.sections) == 8 and reader.model.num_layers == 2 and reader.model.head_dim == 32
         assert reader.section("budgets")["inf_kv"].shape == (2, 1)
@@ -263,26 +229,8 @@ def test_a_profile_of_gemma4_is_served_back(tmp_path, embedded_tokenizer, capsys
 @torch.no_grad()
 def test_padding_between_a_rows_tokens_is_refused_by_name():
     """The sliding layers' window counts columns (transformers' mask): padding between a row's context and a
-    shorter question than another row's would leave the row fewer real tokens in the window than alone.  Refused
-    by name before any forward pass; left padding alone is served as each row alone."""
-    from runtime.serve.generation import build_inputs
-
-    model = gemma4()
-    generator = torch.Generator().manual_seed(4)
-    contexts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (60, 45)]
-    questions = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (6, 9)]
-    ids, mask, columns = build_inputs(contexts, questions, pad_token_id=0)
-    policy = CompressionPolicy(keep_ratio=0.5, scorer="keydiff")
-    with pytest.raises(ValueError, match=r"batch row 0 .* sliding layers \(transformers' own\) count their window"):
-        generate(model, ids, policy, attention_mask=mask, context_columns=columns, max_new_tokens=2)
-    ids, mask, columns = build_inputs(contexts, [q[:6] for q in questions], pad_token_id=0)
-    together = generate(model, ids, policy, attention_mask=mask, context_columns=columns, max_new_tokens=4)
-    for row, context in enumerate(contexts):
-        alone_ids, alone_mask, alone_columns = build_inputs([context], [questions[row][:6]], pad_token_id=0)
-        alone = generate(
-            model, alone_ids, policy, attention_mask=alone_mask, context_columns=alone_columns, max_new_tokens=4
-        )
-        assert together.new_tokens[row].tolist() == alone.new_tokens[0].tolist()
+    shorter question than another row's would leave the row fewer real tokens in the window than alone."""
+    assert_padding_inside_rows_is_refused(gemma4(), r"sliding layers \(transformers' own\) count their window")
 
 
 @pytest.mark.parametrize("policy", [None, CompressionPolicy(compression_ratio=0.75, scorer="keydiff")], ids=repr)
@@ -296,11 +244,11 @@ def test_decode_steps_run_eagerly_where_transformers_holds_the_sliding_layers(po
 
     monkeypatch.setenv(DECODE_KERNEL_VARIABLE, "pages")
     model = gemma4()
-    ids, mask = _prompt()
+    ids, mask = padded_prompt()
     runs = []
     for graphs in (False, RecordedStep):
         cache, report = compress_prompt(model, ids, policy, attention_mask=mask, context_columns=110)
-        runs.append(_decode(model, ids, mask, cache, report, max_new_tokens=12, decode_graphs=graphs))
+        runs.append(decode_from_cache(model, ids, mask, cache, report, max_new_tokens=12, decode_graphs=graphs))
     eager, asked = runs
     assert torch.equal(eager.sequences, asked.sequences)
     assert asked.graphs.captured == asked.graphs.replayed == 0 and asked.graphs.eager >= 12

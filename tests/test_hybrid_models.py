@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 import transformers as T
-from test_prefill_eviction import assert_same_cache, greedy_logits, left_padded_batch, one_step, two_step
+from test_prefill_eviction import PARTIAL_LAYER_POLICIES, assert_prefill_eviction_is_prefill_then_compress
 from test_runtime_leverage_kvzip import ToyTokenizer, naive_kvzip
 
 from artifacts.fingerprint import architecture_numbers, attention_variant
-from runtime import CompressionPolicy, RaggedCache, bind, load_calibration
+from runtime import CompressionPolicy, RaggedCache, load_calibration
 from runtime.compression.kvzip import kvzip_scores, reconstruction_chunks
 from runtime.compression.prefill import prefill
 from runtime.compression.ragged_attention import ragged_attention
@@ -92,30 +92,10 @@ def test_the_cache_holds_the_attention_layers_and_transformers_the_recurrent_sta
     assert architecture_numbers(other) != numbers
 
 
-@pytest.mark.parametrize(
-    "policy",
-    [
-        CompressionPolicy(keep_ratio=0.25, scorer="keydiff"),
-        CompressionPolicy(keep_ratio=0.25),  # leverage, Compactor's chunked attention
-        CompressionPolicy(keep_ratio=0.3, scorer="snapkv"),
-        CompressionPolicy(keep_ratio=0.25, scorer="keydiff", correction="order1"),
-    ],
-    ids=repr,
-)
+@pytest.mark.parametrize("policy", PARTIAL_LAYER_POLICIES, ids=repr)
 @torch.no_grad()
 def test_evicting_inside_the_prefill_keeps_what_prefill_then_compress_keeps(policy):
-    model = hybrid()
-    ids, mask, columns = left_padded_batch()
-    plan = bind(policy, None, model)
-    reference, expected = two_step(model, ids[:, :columns], mask[:, :columns], plan)
-    cache, report = one_step(model, ids[:, :columns], mask[:, :columns], plan)
-    assert_same_cache(cache, reference)
-    assert (report.budgets == expected.budgets).all() and report.budgets.shape[1] == 2
-    assert report.kv_bytes_after < report.kv_bytes_before
-    sequences, logits = greedy_logits(model, cache, ids, mask)
-    expected_sequences, expected_logits = greedy_logits(model, reference, ids, mask)
-    assert torch.equal(sequences, expected_sequences)
-    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-5)
+    assert_prefill_eviction_is_prefill_then_compress(hybrid(), policy, layers=2)
 
 
 def _states(layer) -> list[torch.Tensor]:
@@ -124,14 +104,16 @@ def _states(layer) -> list[torch.Tensor]:
     return [state.clone() for state in states if state is not None]
 
 
-def _prompt():
+def padded_prompt():
+    """Two rows of 120 columns, the second left-padded by 17."""
     ids = torch.randint(3, 500, (2, 120), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, :17] = 0
     return ids, mask
 
 
-def _decode(model, ids, mask, cache, report, **kwargs):
+def decode_from_cache(model, ids, mask, cache, report, **kwargs):
+    """``generate_from_cache``, greedy, 6 new tokens and their logits unless ``kwargs`` say otherwise."""
     options = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
     return generate_from_cache(model, ids, mask, cache, report, **{**options, **kwargs})
 
@@ -147,15 +129,15 @@ def test_decoding_a_copy_leaves_the_recurrent_states_of_the_original(model_type)
     from test_architecture_matrix import tiny_model
 
     model = hybrid() if model_type == "qwen3_5" else tiny_model(model_type)
-    ids, mask = _prompt()
+    ids, mask = padded_prompt()
     ids = ids % model.config.vocab_size
     policy = CompressionPolicy(keep_ratio=0.25, scorer="keydiff")
     cache, report = compress_prompt(model, ids, policy, attention_mask=mask, context_columns=110)
     holders = {**cache.transformers_layers, **{-1 - i: cache.attention_layers[i] for i in cache.stateful}}
     assert holders, "no recurrent state"
     before = {index: _states(layer) for index, layer in holders.items()}
-    first = _decode(model, ids, mask, cache.copy(), report)
-    second = _decode(model, ids, mask, cache.copy(), report)
+    first = decode_from_cache(model, ids, mask, cache.copy(), report)
+    second = decode_from_cache(model, ids, mask, cache.copy(), report)
     assert torch.equal(first.sequences, second.sequences)
     for a, b in zip(first.output.logits, second.output.logits, strict=True):
         assert torch.equal(a, b)
@@ -165,9 +147,9 @@ def test_decoding_a_copy_leaves_the_recurrent_states_of_the_original(model_type)
     other, other_report = compress_prompt(
         model, ids, CompressionPolicy(keep_ratio=0.5), attention_mask=mask, context_columns=110
     )
-    alone = _decode(model, ids, mask, other.copy(), other_report)
+    alone = decode_from_cache(model, ids, mask, other.copy(), other_report)
     stacked = RaggedCache.stack([cache, other])
-    rows = _decode(model, torch.cat([ids, ids]), torch.cat([mask, mask]), stacked, report)
+    rows = decode_from_cache(model, torch.cat([ids, ids]), torch.cat([mask, mask]), stacked, report)
     assert torch.equal(rows.sequences[:2], first.sequences) and torch.equal(rows.sequences[2:], alone.sequences)
 
 
@@ -186,7 +168,7 @@ def assert_questions_answered_as_each_alone(model, vocabulary: int, context_leng
     )
     cache.batch_repeat_interleave(len(questions))
     ids = torch.cat([torch.cat([context, question], dim=1) for question in questions])
-    together = _decode(model, ids, torch.ones_like(ids), cache, report)
+    together = decode_from_cache(model, ids, torch.ones_like(ids), cache, report)
     for row, question in enumerate(questions):
         prompt = torch.cat([context, question], dim=1)
         alone = generate(model, prompt, policy, context_columns=context_length, max_new_tokens=6)
@@ -244,13 +226,13 @@ def test_decode_steps_of_a_hybrid_model_are_replayed(policy, model_type, monkeyp
 
     monkeypatch.setenv(DECODE_KERNEL_VARIABLE, "pages")
     model = hybrid() if model_type == "qwen3_5" else tiny_model(model_type)
-    ids, mask = _prompt()
+    ids, mask = padded_prompt()
     ids = ids % model.config.vocab_size
     runs = []
     for graphs in (False, RecordedStep):
         with ragged_attention(model):
             cache, report = compress_prompt(model, ids, policy, attention_mask=mask, context_columns=110)
-        runs.append(_decode(model, ids, mask, cache, report, max_new_tokens=16, decode_graphs=graphs))
+        runs.append(decode_from_cache(model, ids, mask, cache, report, max_new_tokens=16, decode_graphs=graphs))
     eager, replayed = runs
     assert torch.equal(eager.sequences, replayed.sequences)
     for a, b in zip(eager.output.logits[1:], replayed.output.logits[1:], strict=True):
@@ -262,20 +244,14 @@ def test_a_profile_of_a_hybrid_model_is_served_back(tmp_path, embedded_tokenizer
     """Every stage of a smoke profile on the hybrid model saved with the embedded tokenizer, as a user runs
     it: the sections' layer axis is its two attention layers; ``evaluate-artifact`` runs on it; the flagship
     served from the artifact evicts in both and generates."""
-    from conftest import single_thread, tiny_profile_args, write_tiny_model_dir
+    from conftest import profile_every_stage, single_thread
 
     from artifacts import open_artifact
     from artifacts.summary import format_summary, summarize
-    from profiler.cli import main
-    from profiler.stages import STAGE_NAMES
 
     model = hybrid(vocab_size=len(embedded_tokenizer))
-    model_dir = write_tiny_model_dir(tmp_path / "qwen3_5", embedded_tokenizer, probes=3, model=model, probe_length=96)
-    out = tmp_path / "kv_calibration.h5"
-    families = ("--recommend-families", "retrieval", "--recommend-haystacks", "simple")
-    with single_thread():
-        code = main(tiny_profile_args(model_dir, out, "--stages", ",".join(STAGE_NAMES), *families, calib_samples=4))
-    assert code == 0, capsys.readouterr().err
+    out = profile_every_stage(model, tmp_path, embedded_tokenizer, capsys)
+    model_dir = tmp_path / "model"
     assert "(qwen3_5_text, 2 attention layers, 4 query / 2 KV heads" in capsys.readouterr().out
     with open_artifact(out) as reader:
         assert len(reader.sections) == 8 and reader.model.num_layers == 2
@@ -312,19 +288,23 @@ def test_a_profile_of_a_hybrid_model_is_served_back(tmp_path, embedded_tokenizer
 def test_padding_between_a_rows_tokens_is_refused_by_name():
     """Recurrent layers run over every column: padding between a row's context and a shorter question than another
     row's (``[pad, context, pad, question]``) enters their state, and the row was answered otherwise than alone
-    (logits 9e-4 to 6e-3 apart, benchmarks/row_alone_campaign.py).  Refused by name before any forward pass, by
-    ``generate``, ``answer``'s several questions and ``generate_from_cache``; questions of one length, and left
-    padding alone, are served."""
+    (logits 9e-4 to 6e-3 apart, benchmarks/row_alone_campaign.py)."""
+    serves_hybrids()
+    assert_padding_inside_rows_is_refused(hybrid(), r"recurrent layers")
+
+
+def assert_padding_inside_rows_is_refused(model, why: str) -> None:
+    """Padding between a row's tokens is refused, naming ``why`` (a regex of the reason), before any forward pass,
+    by ``generate``, ``answer``'s several questions and ``generate_from_cache``; questions of one length, and left
+    padding alone, are served as each row alone."""
     from runtime.serve.generation import build_inputs
 
-    serves_hybrids()
-    model = hybrid()
     generator = torch.Generator().manual_seed(4)
     contexts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (60, 45)]
     questions = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (6, 9)]
     ids, mask, columns = build_inputs(contexts, questions, pad_token_id=0)
     policy = CompressionPolicy(keep_ratio=0.5, scorer="keydiff")
-    refusal = r"padding between the tokens of batch row 0 .* recurrent layers"
+    refusal = rf"padding between the tokens of batch row 0 .* {why}"
     with pytest.raises(ValueError, match=refusal):
         generate(model, ids, policy, attention_mask=mask, context_columns=columns, max_new_tokens=2)
     cache, report = compress_prompt(model, ids, policy, attention_mask=mask, context_columns=columns)

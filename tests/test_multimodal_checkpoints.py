@@ -96,6 +96,12 @@ GEMMA4_TEXT = dict(
 GEMMA4_VISION = dict(VISION, num_key_value_heads=2, head_dim=16, image_size=None)
 
 
+def _gemma4(text: dict) -> dict:
+    """The arguments of a tiny Gemma 4 (or Gemma 4 unified) config: ``text`` beside a tiny vision tower, no audio."""
+    tokens = dict(image_token_id=255, boi_token_id=253, eoi_token_id=254, video_token_id=252)
+    return dict(text_config=text, vision_config=GEMMA4_VISION, audio_config=None, **tokens)
+
+
 # model type: (its config's arguments, the model type of its language model, as in EXACT)
 SERVED = {
     "gemma3": (
@@ -109,30 +115,9 @@ SERVED = {
         ),
         "gemma3_text",
     ),
-    "gemma4": (  # full-attention layers of another geometry than the sliding ones (tests/test_gemma4.py)
-        dict(
-            text_config=dict(GEMMA4_TEXT, attention_k_eq_v=True, num_global_key_value_heads=1),
-            vision_config=GEMMA4_VISION,
-            audio_config=None,
-            image_token_id=255,
-            boi_token_id=253,
-            eoi_token_id=254,
-            video_token_id=252,
-        ),
-        "gemma4_text",
-    ),
-    "gemma4_unified": (
-        dict(
-            text_config=GEMMA4_TEXT,
-            vision_config=GEMMA4_VISION,
-            audio_config=None,
-            image_token_id=255,
-            boi_token_id=253,
-            eoi_token_id=254,
-            video_token_id=252,
-        ),
-        "gemma4_unified_text",
-    ),
+    # full-attention layers of another geometry than the sliding ones (tests/test_gemma4.py)
+    "gemma4": (_gemma4(dict(GEMMA4_TEXT, attention_k_eq_v=True, num_global_key_value_heads=1)), "gemma4_text"),
+    "gemma4_unified": (_gemma4(GEMMA4_TEXT), "gemma4_unified_text"),
     "mistral3": (
         dict(
             text_config=dict(model_type="mistral", **TEXT, sliding_window=32),

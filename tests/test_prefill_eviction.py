@@ -78,6 +78,32 @@ def greedy_logits(model, cache, ids, mask, steps=6):
     return out.sequences, torch.stack(out.logits)
 
 
+# the policies a model whose layers kvcal holds only in part (a hybrid's attention layers, Gemma 4's full ones) is
+# checked under: keydiff, leverage with Compactor's chunked attention, SnapKV, keydiff with the order-1 correction
+PARTIAL_LAYER_POLICIES = [
+    CompressionPolicy(keep_ratio=0.25, scorer="keydiff"),
+    CompressionPolicy(keep_ratio=0.25),
+    CompressionPolicy(keep_ratio=0.3, scorer="snapkv"),
+    CompressionPolicy(keep_ratio=0.25, scorer="keydiff", correction="order1"),
+]
+
+
+def assert_prefill_eviction_is_prefill_then_compress(model, policy, layers: int) -> None:
+    """Evicting each of ``model``'s ``layers`` layers inside the prefill keeps what prefilling and then compressing
+    keeps, on a left-padded batch, and greedy decoding from either cache agrees (logits within 1e-5)."""
+    ids, mask, columns = left_padded_batch()
+    plan = bind(policy, None, model)
+    reference, expected = two_step(model, ids[:, :columns], mask[:, :columns], plan)
+    cache, report = one_step(model, ids[:, :columns], mask[:, :columns], plan)
+    assert_same_cache(cache, reference)
+    assert (report.budgets == expected.budgets).all() and report.budgets.shape[1] == layers
+    assert report.kv_bytes_after < report.kv_bytes_before
+    sequences, logits = greedy_logits(model, cache, ids, mask)
+    expected_sequences, expected_logits = greedy_logits(model, reference, ids, mask)
+    assert torch.equal(sequences, expected_sequences)
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", sorted(POLICIES))
 @torch.no_grad()
 def test_evicting_inside_the_prefill_keeps_what_prefill_then_compress_keeps(name):
