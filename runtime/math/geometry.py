@@ -886,7 +886,7 @@ def _pre_rope_norm(attention, side: str) -> torch.nn.Module | None:
 
 def _normed(name: str, index: int, linear, heads: int, dim: int, norm) -> Projection:
     """``linear``'s output, through ``norm`` when there is one: a norm with a weight of ``d`` (per
-    head), ``[H, d]`` (per head, a weight each: Command R+) or ``H d`` (over all heads) features, a
+    head), ``[H, d]`` (per head, a weight each: Command R+), ``H d`` (over all heads) or 1 features, a
     module of one LayerNorm per head (StableLM's ``qk_layernorm``, on ``[B, H, T, d]``), or a norm
     without a weight, read as one of each head (NanoChat's, applied after RoPE: an RMS norm without a
     weight commutes with the rotation; :mod:`runtime.plan.rope_check` checks the read on the model)."""
@@ -896,7 +896,9 @@ def _normed(name: str, index: int, linear, heads: int, dim: int, norm) -> Projec
     if isinstance(per_head, torch.nn.ModuleList) and len(per_head) == heads:
         return Projection(linear, heads, dim, norm=norm, heads_first=True)
     weight = getattr(norm, "weight", None)
-    if weight is None:  # NanoChat: read as a norm of each head (runtime.plan.rope_check checks it on the model)
+    # NanoChat: read as a norm of each head (runtime.plan.rope_check checks it on the model); a weight of one
+    # element is a scale for every feature (transformers 5.2's Gemma 3n v_norm without a scale: a buffer of 1.0)
+    if weight is None or weight.numel() == 1:
         return Projection(linear, heads, dim, norm=norm)
     size = weight.numel()
     if size not in (dim, heads * dim):
