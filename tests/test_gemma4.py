@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from test_hybrid_models import (
+    assert_evaluate_artifact_runs,
     assert_padding_inside_rows_is_refused,
     assert_questions_answered_as_each_alone,
     decode_from_cache,
@@ -204,7 +205,8 @@ def test_full_attention_layers_of_two_geometries_are_refused_by_name():
 
 def test_a_profile_of_gemma4_is_served_back(tmp_path, embedded_tokenizer, capsys):
     """Every stage of a smoke profile on the tiny Gemma 4 saved with the embedded tokenizer: the sections' layer
-    axis is its two full-attention layers; the flagship served from the artifact evicts in both and generates."""
+    axis is its two full-attention layers; ``evaluate-artifact`` runs on it; the flagship served from the artifact
+    evicts in both and generates."""
     from conftest import profile_every_stage
 
     from artifacts import open_artifact
@@ -216,6 +218,7 @@ def test_a_profile_of_gemma4_is_served_back(tmp_path, embedded_tokenizer, capsys
         assert reader.section("budgets")["inf_kv"].shape == (2, 1)
         assert np.all(np.isfinite(reader.section("query_stats")["cov"]))
         assert np.all(np.isfinite(reader.section("moments")["errors"]))
+    assert_evaluate_artifact_runs(tmp_path / "model", out, tmp_path / "evaluation.json", capsys)
     calibration = load_calibration(model, embedded_tokenizer, path=out)
     ids = torch.randint(3, 500, (1, 200), generator=torch.Generator().manual_seed(4))
     result = generate(model, ids, FLAGSHIP.policy(0.75), calibration=calibration, context_columns=190, max_new_tokens=4)

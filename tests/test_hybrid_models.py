@@ -244,7 +244,7 @@ def test_a_profile_of_a_hybrid_model_is_served_back(tmp_path, embedded_tokenizer
     """Every stage of a smoke profile on the hybrid model saved with the embedded tokenizer, as a user runs
     it: the sections' layer axis is its two attention layers; ``evaluate-artifact`` runs on it; the flagship
     served from the artifact evicts in both and generates."""
-    from conftest import profile_every_stage, single_thread
+    from conftest import profile_every_stage
 
     from artifacts import open_artifact
     from artifacts.summary import format_summary, summarize
@@ -260,13 +260,29 @@ def test_a_profile_of_a_hybrid_model_is_served_back(tmp_path, embedded_tokenizer
         assert reader.section("budgets")["inf_kv"].shape == (2, 2)
         assert "qwen3_5_text: 2 attention layers (decoder layers 1, 3)" in format_summary(summarize(reader))
         assert np.all(np.isfinite(reader.section("moments")["errors"]))
+    assert_evaluate_artifact_runs(model_dir, out, tmp_path / "evaluation.json", capsys)
+    calibration = load_calibration(model, embedded_tokenizer, path=out)
+    ids = torch.randint(3, 500, (1, 200), generator=torch.Generator().manual_seed(4))
+    policy = FLAGSHIP.policy(0.75)
+    result = generate(model, ids, policy, calibration=calibration, context_columns=190, max_new_tokens=4)
+    assert result.new_tokens.shape == (1, 4)
+    assert result.report.kv_bytes_after < result.report.kv_bytes_before
+
+
+def assert_evaluate_artifact_runs(model_dir, artifact, evaluation, capsys) -> None:
+    """``evaluate-artifact`` on ``model_dir``'s model with ``artifact`` (smoke preset, retrieval on simple
+    haystacks, the flagship and uniform/keydiff at 50 and 90% evicted) exits 0, writes its four results to
+    ``evaluation`` and keeps about what each ratio promises."""
+    from conftest import single_thread
+
     from profiler.evaluate_cli import main as evaluate
 
-    evaluation = tmp_path / "evaluation.json"
     options = ["--preset", "smoke", "--tasks", "retrieval", "--haystacks", "simple", "--max-new-tokens", "4"]
     options += ["--policies", "flagship,uniform/keydiff", "--compression-ratios", "0.5,0.9"]
     with single_thread():
-        code = evaluate([str(model_dir), "--artifact", str(out), *options, "--json", str(evaluation), "--no-progress"])
+        code = evaluate(
+            [str(model_dir), "--artifact", str(artifact), *options, "--json", str(evaluation), "--no-progress"]
+        )
     assert code == 0, capsys.readouterr().err
     results = json.loads(evaluation.read_text())["results"]
     assert [(row["policy"], row["compression_ratio"]) for row in results] == [
@@ -276,12 +292,6 @@ def test_a_profile_of_a_hybrid_model_is_served_back(tmp_path, embedded_tokenizer
         ("uniform/keydiff", 0.9),
     ]
     assert all(row["kv_fraction"] < 1.0 - row["compression_ratio"] + 0.1 for row in results)
-    calibration = load_calibration(model, embedded_tokenizer, path=out)
-    ids = torch.randint(3, 500, (1, 200), generator=torch.Generator().manual_seed(4))
-    policy = FLAGSHIP.policy(0.75)
-    result = generate(model, ids, policy, calibration=calibration, context_columns=190, max_new_tokens=4)
-    assert result.new_tokens.shape == (1, 4)
-    assert result.report.kv_bytes_after < result.report.kv_bytes_before
 
 
 @torch.no_grad()
