@@ -108,12 +108,12 @@ def attention_numbers(config) -> dict:
 
 
 def held_layer_config(config):
-    """The config to read the attention geometry of the layers kvcal holds from (head dim, KV heads): of a model
-    whose sliding layers stay transformers' own (:func:`sliding_layers_left_to_transformers`, Gemma 4), its first
+    """The config to read the attention geometry of the layers kvcal evicts from (head dim, KV heads): of a model
+    whose sliding layers are held apart (:func:`sliding_layers_apart`, Gemma 4), its first
     full-attention layer's (transformers' ``per_layer_config``, where a heterogeneous config keeps what varies:
     reading ``config.head_dim`` there raises), else ``config`` (its text config) itself."""
     config = text_config(config)
-    if sliding_layers_left_to_transformers(config):
+    if sliding_layers_apart(config):
         return config.per_layer_config[attention_layer_indices(config)[0]]
     return config
 
@@ -130,10 +130,10 @@ STATEFUL_ATTENTION_LAYER_TYPES = ("hybrid",)
 
 
 def attention_layer_indices(config) -> tuple[int, ...]:
-    """The decoder layers whose KV cache kvcal holds, in order: every layer, but of a hybrid model
+    """The decoder layers whose KV cache kvcal profiles and evicts, in order: every layer, but of a hybrid model
     (``config.layer_types`` naming :data:`RECURRENT_LAYER_TYPES` or :data:`MIXERLESS_LAYER_TYPES`) only the others,
     and of a model whose sliding layers have another attention geometry (Gemma 4:
-    :func:`sliding_layers_left_to_transformers`) its full-attention layers alone.  Position ``i`` of this tuple is
+    :func:`sliding_layers_apart`) its full-attention layers alone.  Position ``i`` of this tuple is
     layer ``i`` of everything kvcal computes (the artifact's ``L`` axis, ``ModelGeometry``'s tuples); of a model
     without such layers the two numberings are one."""
     config = text_config(config)
@@ -142,7 +142,7 @@ def attention_layer_indices(config) -> tuple[int, ...]:
     if types is None:
         return tuple(range(layers))
     without = (*RECURRENT_LAYER_TYPES, *MIXERLESS_LAYER_TYPES)
-    if sliding_layers_left_to_transformers(config):
+    if sliding_layers_apart(config):
         without += ("sliding_attention",)
     return tuple(index for index, kind in enumerate(types) if kind not in without)
 
@@ -152,12 +152,13 @@ def attention_layer_indices(config) -> tuple[int, ...]:
 PER_LAYER_GEOMETRY = frozenset({"head_dim", "num_key_value_heads"})
 
 
-def sliding_layers_left_to_transformers(config) -> bool:
-    """Whether kvcal leaves ``config``'s sliding-window layers to transformers' own cache layers and holds its
-    full-attention layers alone: a heterogeneous config (``is_heterogeneous``, Gemma 4) whose layers differ
-    only in :data:`PER_LAYER_GEOMETRY`.  Those sliding layers are of another head dim or KV heads than the full
-    ones (the artifact's axes are one geometry), and bounded by their window; the full layers, whose caches
-    grow with the context, are what kvcal evicts.  Whether the full layers share one geometry is
+def sliding_layers_apart(config) -> bool:
+    """Whether kvcal holds ``config``'s sliding-window layers apart from the layers it profiles and evicts, its
+    full-attention ones: a heterogeneous config (``is_heterogeneous``, Gemma 4) whose layers differ only in
+    :data:`PER_LAYER_GEOMETRY`.  Those sliding layers are of another head dim or KV heads than the full ones (the
+    artifact's axes are one geometry) and bounded by their window: ``runtime.kv_store.cache.RaggedCache`` keeps
+    each in a layer of its own geometry, its window of real tokens, never evicted; the full layers, whose caches
+    grow with the context, are what the artifact covers.  Whether the full layers share one geometry is
     ``runtime.math.geometry.check_config``'s to check."""
     config = text_config(config)
     if getattr(config, "is_heterogeneous", False) is not True:

@@ -1,13 +1,14 @@
 """A randomised campaign: does every row of a left-padded batch get the answer it gets alone?
 
-    python benchmarks/row_alone_campaign.py [--cases 200] [--seed 0] [--json OUT]
+    python benchmarks/row_alone_campaign.py [--cases 200] [--seed 0] [--architectures NAME ...] [--json OUT]
 
 kvcal promises that padding is never stored and each row is compressed on its own real length
 (runtime/serve/generation.py), so a row's generated tokens and logits do not depend on the rows beside
 it.  The tests check that on chosen cases; this draws many at random, over what a request can combine:
 the architecture (tests/tiny_architectures.py's ten tiny models: sliding windows, soft-capping, query
 norms, fused projections; a tiny Llama 4 with chunks of 64 positions; a tiny gpt-oss with learned sinks;
-a tiny Qwen3.5, Gated DeltaNet layers beside attention), 2-3 rows of 12-200 tokens, question-aware or
+a tiny Qwen3.5, Gated DeltaNet layers beside attention; a tiny Gemma 4, its sliding layers transformers' own),
+2-3 rows of 12-200 tokens, question-aware or
 question-agnostic prompts (``build_inputs``), several questions about one context compressed once
 (``answer``'s path), beam search (2 beams), every artifact-free scorer, the ratio evicted (0 to 0.95) or
 a fixed budget, the protected window and sinks, the block-wise prefill, decode-time eviction
@@ -56,7 +57,9 @@ SCORERS = ("keydiff", "knorm", "leverage", "snapkv", "streaming")
 
 def architectures() -> dict:
     import tiny_architectures
+    import transformers
     from test_attention_sinks import gpt_oss
+    from test_gemma4 import gemma4
     from test_hybrid_models import hybrid
     from test_rope_forms import _llama4_with_chunks
 
@@ -64,12 +67,14 @@ def architectures() -> dict:
     made["llama4-chunks-64"] = lambda: _llama4_with_chunks(64)
     made["gpt-oss"] = lambda: gpt_oss()
     made["qwen3.5-hybrid"] = lambda: hybrid()
+    if hasattr(transformers, "Gemma4ForCausalLM"):  # sliding layers transformers' own, full ones of another geometry
+        made["gemma4"] = lambda: gemma4()
     return made
 
 
 # KNorm ranks keys by their norm, which an RMS norm over each head (with the tiny models' unit weights) makes equal
 # up to rounding: the ranking is then rounding's, in a batch as alone, and says nothing of kvcal's logic
-KEYS_OF_ONE_NORM = ("qwen3", "gemma3", "qwen3.5-hybrid")
+KEYS_OF_ONE_NORM = ("qwen3", "gemma3", "qwen3.5-hybrid", "gemma4")
 
 
 def draw_case(rng: random.Random, index: int, names: list[str]) -> dict:
@@ -266,12 +271,20 @@ def main(argv=None) -> int:
     parser.add_argument("--only", type=int, nargs="*", default=None, help="run these case indices alone")
     parser.add_argument("--json", default=None)
     parser.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    parser.add_argument(
+        "--architectures", nargs="*", default=None, help="draw among these architectures only (default: every one)"
+    )
     args = parser.parse_args(argv)
     global DTYPE
     DTYPE = getattr(torch, args.dtype)
     torch.set_num_threads(1)
     builders = architectures()
     names = sorted(builders)
+    if args.architectures:
+        unknown = sorted(set(args.architectures) - set(names))
+        if unknown:
+            parser.error(f"unknown architectures {unknown}; choose among {names}")
+        names = sorted(args.architectures)
     rng = random.Random(args.seed)
     cases = [draw_case(rng, index, names) for index in range(args.cases)]
     if args.only is not None:

@@ -82,8 +82,8 @@ from runtime.serve.generation import (
     compress_prompt,
     context_limit,
     generate,
+    holds_recurrent_states,
     left_padded,
-    padding_enters,
 )
 
 QUESTION_MODES = ("auto", "agnostic", "aware")
@@ -191,9 +191,8 @@ class KvcalLM(LM):
             self.tokenizer_source = resolve_model(tokenizer if tokenizer else self.pretrained)
             self.tokenizer = load_tokenizer(tokenizer if tokenizer else self.pretrained)
         self._device = input_device(self.model)
-        # a hybrid model's (Gemma 4's) batch holds no padding between a row's context and its question: batched by
-        # the question's length
-        self._questions_by_length = padding_enters(self.model) is not None
+        # a hybrid model's batch holds no padding between a row's context and its question: batched by its length
+        self._questions_by_length = holds_recurrent_states(self.model)
         limit = context_limit(self.model.config)
         self.max_length = _integer("max_length", max_length) if max_length is not None else limit
         self.calibration = None

@@ -4,7 +4,7 @@ dim 256, more KV heads), in one heterogeneous config (transformers' ``per_layer_
 
 kvcal holds and evicts the full-attention layers, whose caches grow with the context; the sliding layers, bounded
 by their window, stay transformers' own ``DynamicSlidingWindowLayer`` inside the same ``RaggedCache``
-(``artifacts.fingerprint.sliding_layers_left_to_transformers``), as a hybrid model's recurrent layers do.
+(``artifacts.fingerprint.sliding_layers_apart``), as a hybrid model's recurrent layers do.
 tests/test_architecture_matrix.py checks nothing evicted is exact, beams are transformers' own and the flagship
 serves.  Here, on a tiny Gemma 4 whose full-attention layers are decoder layers 1 and 3 and whose prompts run past
 the sliding window: the layout and the artifact's numbers, the values read as the model caches them, eviction
@@ -19,7 +19,6 @@ import pytest
 import torch
 from test_hybrid_models import (
     assert_evaluate_artifact_runs,
-    assert_padding_inside_rows_is_refused,
     assert_questions_answered_as_each_alone,
     decode_from_cache,
     padded_prompt,
@@ -57,10 +56,15 @@ def test_kvcal_holds_the_full_attention_layers_and_transformers_the_sliding_ones
     assert (geometry.num_layers, geometry.layer_indices, geometry.num_kv_heads, geometry.head_dim) == (2, (1, 3), 1, 32)
     assert geometry.sliding_windows == (None, None)
     cache = RaggedCache.for_model(model)
-    kinds = [type(layer).__name__ for layer in cache.layers]
-    assert kinds == ["DynamicSlidingWindowLayer", "RaggedLayer", "DynamicSlidingWindowLayer", "RaggedLayer"]
-    assert cache.transformers_layers.keys() == {0, 2} and cache.layers[0].sliding_window == WINDOW
-    assert cache.holds_transformers_keys and not cache.holds_recurrent_states
+    assert cache.window_layers.keys() == {0, 2} and cache.attention_layers == [cache.layers[1], cache.layers[3]]
+    assert cache.ragged_layers == cache.layers and not cache.transformers_layers and not cache.holds_recurrent_states
+    ids, mask = padded_prompt()
+    compressed, _ = compress_prompt(model, ids, CompressionPolicy(keep_ratio=0.25), attention_mask=mask)
+    sliding = compressed.layers[0]  # each row's window of real tokens (W - 1 between forward passes), 2 x 16 wide
+    assert (sliding.window, sliding.num_heads, sliding.head_dim) == (WINDOW, 2, 16)
+    assert sliding.length.tolist() == [[WINDOW - 1] * 2] * 2
+    full = compressed.layers[1]  # a quarter of each row's real tokens, 1 x 32 wide
+    assert (full.num_heads, full.head_dim) == (1, 32) and full.length.sum() < (119 + 102) / 2
     # the artifact: L counts the full-attention layers, of their geometry; which they are is in the fingerprint
     numbers = architecture_numbers(model.config)
     assert (numbers["num_layers"], numbers["num_kv_heads"], numbers["head_dim"]) == (2, 1, 32)
@@ -139,9 +143,8 @@ def test_copies_and_stacks_answer_as_each_cache_alone():
 
 @torch.no_grad()
 def test_several_questions_about_one_context_are_answered_as_each_alone(embedded_tokenizer):
-    """The sliding layers are repeated with the cache's rows; questions of several lengths are answered together
-    (padding between a row's context and its question is masked in the sliding layers, as transformers masks it)
-    and each as alone."""
+    """The sliding layers are repeated with the cache's rows; questions of several lengths are answered together,
+    padded between the context and the question, and each as alone."""
     from runtime import answer
 
     assert_questions_answered_as_each_alone(gemma4(), 500, 100, 6)
@@ -174,17 +177,23 @@ def test_kvzip_scores_equal_the_models_attention_over_the_reconstruction(chunk_s
 
 
 @torch.no_grad()
-def test_the_block_wise_prefill_serves_rows_of_one_length_and_refuses_a_padded_batch():
-    """Blocks of one row, or of rows of one length, feed the sliding layers every column in order: with nothing
-    evicted the answer is the unmodified model's.  A padded batch, whose rows' blocks the block-wise prefill lays
-    out apart, would feed them padding between blocks: refused by name before any forward pass."""
+def test_the_block_wise_prefill_of_a_padded_batch_answers_each_row_as_alone():
+    """The block-wise prefill lays out each row's own blocks (runtime.serve.generation.row_blocks), padding
+    between them, which the sliding layers never store: with nothing evicted each row's answer is the unmodified
+    model's on that row alone, and with tokens evicted the row's own in blocks alone."""
     model = gemma4()
     ids, mask = padded_prompt()
     keep_all = CompressionPolicy(keep_ratio=1.0, scorer="keydiff")
-    blocks = generate(model, ids[:1], keep_all, context_columns=110, block_size=40, max_new_tokens=6)
-    assert torch.equal(blocks.sequences, model.generate(ids[:1], max_new_tokens=6, do_sample=False))
-    with pytest.raises(ValueError, match=r"block-wise prefill of a padded batch .* sliding layers"):
-        generate(model, ids, keep_all, attention_mask=mask, context_columns=110, block_size=40, max_new_tokens=2)
+    blocks = generate(model, ids, keep_all, attention_mask=mask, context_columns=110, block_size=40, max_new_tokens=6)
+    policy = CompressionPolicy(keep_ratio=0.25, scorer="keydiff")
+    evicted = generate(model, ids, policy, attention_mask=mask, context_columns=110, block_size=40, max_new_tokens=6)
+    for row in range(2):
+        real = ids[row : row + 1, int((mask[row] == 0).sum()) :]
+        plain = model.generate(real, max_new_tokens=6, do_sample=False)
+        assert blocks.new_tokens[row].tolist() == plain[0, real.shape[1] :].tolist()
+        columns = 110 - (ids.shape[1] - real.shape[1])
+        alone = generate(model, real, policy, context_columns=columns, block_size=40, max_new_tokens=6)
+        assert evicted.new_tokens[row].tolist() == alone.new_tokens[0].tolist()
 
 
 def test_full_attention_layers_of_two_geometries_are_refused_by_name():
@@ -227,17 +236,34 @@ def test_a_profile_of_gemma4_is_served_back(tmp_path, embedded_tokenizer, capsys
 
 
 @torch.no_grad()
-def test_padding_between_a_rows_tokens_is_refused_by_name():
-    """The sliding layers' window counts columns (transformers' mask): padding between a row's context and a
-    shorter question than another row's would leave the row fewer real tokens in the window than alone."""
-    assert_padding_inside_rows_is_refused(gemma4(), r"sliding layers \(transformers' own\) count their window")
+def test_padding_between_a_rows_tokens_is_served_as_each_row_alone():
+    """Each sliding layer's window counts a row's real tokens, padding never stored: a question-agnostic batch
+    whose questions differ in length (``[pad, context, pad, question]``) answers each row as alone (transformers'
+    own sliding layers would count the padding in the window)."""
+    from runtime.serve.generation import build_inputs
+
+    model = gemma4()
+    generator = torch.Generator().manual_seed(4)
+    contexts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (60, 45)]
+    questions = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (6, 19)]
+    ids, mask, columns = build_inputs(contexts, questions, pad_token_id=0)
+    assert mask[0].tolist().count(0) == 13 and mask[0, -1] == 1  # padded between its context and question
+    policy = CompressionPolicy(keep_ratio=0.5, scorer="keydiff")
+    options = dict(max_new_tokens=6, output_logits=True, return_dict_in_generate=True)
+    together = generate(model, ids, policy, attention_mask=mask, context_columns=columns, **options)
+    for row, (context, question) in enumerate(zip(contexts, questions, strict=True)):
+        alone_ids, alone_mask, alone_columns = build_inputs([context], [question], pad_token_id=0)
+        alone = generate(model, alone_ids, policy, attention_mask=alone_mask, context_columns=alone_columns, **options)
+        assert together.new_tokens[row].tolist() == alone.new_tokens[0].tolist()
+        for step, logits in enumerate(together.logits):
+            torch.testing.assert_close(logits[row], alone.logits[step][0], rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("policy", [None, CompressionPolicy(compression_ratio=0.75, scorer="keydiff")], ids=repr)
-def test_decode_steps_run_eagerly_where_transformers_holds_the_sliding_layers(policy, monkeypatch):
-    """transformers' sliding-window layer makes new key and value tensors at every step, which a graph captured
-    at one step would not read at the next: with ``decode_graphs`` (tests/step_replay.py's recorder on the CPU,
-    the page kernel a GPU runs) every step runs eagerly, and generates what eager steps generate."""
+def test_decode_steps_are_replayed(policy, monkeypatch):
+    """With the page kernel a GPU runs, Gemma 4's decode steps (the sliding layers hiding what leaves their window,
+    as Gemma 3's) replay from a graph (tests/step_replay.py's recorder on the CPU) and generate what eager steps
+    generate."""
     from step_replay import RecordedStep
 
     from runtime.kv_store.flex_decode import DECODE_KERNEL_VARIABLE
@@ -249,6 +275,8 @@ def test_decode_steps_run_eagerly_where_transformers_holds_the_sliding_layers(po
     for graphs in (False, RecordedStep):
         cache, report = compress_prompt(model, ids, policy, attention_mask=mask, context_columns=110)
         runs.append(decode_from_cache(model, ids, mask, cache, report, max_new_tokens=12, decode_graphs=graphs))
-    eager, asked = runs
-    assert torch.equal(eager.sequences, asked.sequences)
-    assert asked.graphs.captured == asked.graphs.replayed == 0 and asked.graphs.eager >= 12
+    eager, replayed = runs
+    assert torch.equal(eager.sequences, replayed.sequences)
+    for a, b in zip(eager.output.logits[1:], replayed.output.logits[1:], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert replayed.graphs.captured == 1 and replayed.graphs.replayed >= 8

@@ -40,7 +40,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from runtime.compression.keep_rule import global_budgets
 from runtime.compression.ragged_attention import ragged_attention
-from runtime.kv_store.cache import LAYER_TAG, RaggedCache, RaggedLayer, stacked_transformers_layer
+from runtime.kv_store.cache import LAYER_TAG, RaggedCache, RaggedLayer, row_layer, stacked_recurrent_layer
 from runtime.kv_store.eager_attention import eager_attention_forward, soft_cap
 from runtime.kv_store.layer_attention import masked_sdpa
 from runtime.kv_store.transformers_compat import cache_argument, query_length
@@ -210,8 +210,8 @@ class ReconstructionLayer(DynamicLayer):
 
 class ReconstructionView(Cache):
     """``Cache`` of :class:`ReconstructionLayer` views over row ``row`` of a :class:`RaggedCache`; beside them the
-    states of that row in transformers' own layers (a hybrid model's recurrent layers, Gemma 4's sliding ones) as
-    the context left them, restored before each chunk (each chunk follows the context, as in one forward pass of
+    states of that row in its other layers (a hybrid model's recurrent layers, Gemma 4's sliding ones) as the
+    context left them, restored before each chunk (each chunk follows the context, as in one forward pass of
     context and chunk)."""
 
     def __init__(self, cache: RaggedCache, row: int, scores: torch.Tensor, query_block: int = 512):
@@ -219,7 +219,8 @@ class ReconstructionView(Cache):
             ReconstructionLayer(layer, row, scores[index], query_block)
             for index, layer in enumerate(cache.attention_layers)
         )
-        self._recurrent = {index: (layer, row) for index, layer in cache.transformers_layers.items()}
+        others = {**cache.transformers_layers, **cache.window_layers}
+        self._recurrent = {index: (layer, row) for index, layer in others.items()}
         super().__init__(
             layers=[
                 _row_state(*self._recurrent[i]) if i in self._recurrent else next(views)
@@ -236,9 +237,11 @@ class ReconstructionView(Cache):
 
 
 def _row_state(layer, row: int):
-    """A new transformers cache layer holding batch row ``row`` of ``layer``'s states (the reconstruction
-    never writes the cache's own)."""
-    state = stacked_transformers_layer([layer])
+    """A new cache layer holding batch row ``row`` of ``layer``'s states (a recurrent layer's, a sliding layer's
+    window: the reconstruction never writes the cache's own)."""
+    if isinstance(layer, RaggedLayer):
+        return row_layer(layer, row)
+    state = stacked_recurrent_layer([layer])
     state.reorder_cache(torch.tensor([row], dtype=torch.long))
     return state
 

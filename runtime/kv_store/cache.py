@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from artifacts.fingerprint import STATEFUL_ATTENTION_LAYER_TYPES, attention_chunks, sliding_layers_left_to_transformers
+from artifacts.fingerprint import STATEFUL_ATTENTION_LAYER_TYPES, attention_chunks, sliding_layers_apart
 from runtime.kv_store.layer_attention import (
     chunk_only_attention,
     decode_kernel,
@@ -653,30 +653,31 @@ class RaggedCache(Cache):
     """``Cache(layers=[RaggedLayer, ...])``; pass it as the model's cache argument
     (``runtime.kv_store.transformers_compat.cache_argument``; see the module docstring)."""
 
-    def __init__(self, num_layers: int, transformers_layers: dict | None = None, stateful: dict | None = None):
-        """``num_layers`` :class:`RaggedLayer` (the layers whose KV cache kvcal holds); ``transformers_layers``: the
-        model's other decoder layers, ``{decoder index: transformers' cache layer}`` (a hybrid model's
-        ``LinearAttentionLayer``: a Gated DeltaNet's or a convolution's state of fixed size; Gemma 4's
-        ``DynamicSlidingWindowLayer``: a sliding layer's last window of keys and values, of another geometry
-        than the full layers'), which kvcal holds and never evicts, the ragged layers filling the other
-        indices in order; ``stateful``: ``{layer: {"number_of_states": n}}`` of the layers with a KV cache that
-        also run a recurrent mixer (:class:`RaggedRecurrentLayer`, Falcon-H1)."""
+    def __init__(self, num_layers: int, others: dict | None = None, stateful: dict | None = None):
+        """``num_layers`` :class:`RaggedLayer` (the layers whose KV cache kvcal evicts: the artifact's ``L``);
+        ``others``: the model's other decoder layers, ``{decoder index: cache layer}``, which kvcal holds and
+        never evicts: a hybrid model's recurrent layers in transformers' own ``LinearAttentionLayer`` (a Gated
+        DeltaNet's or a convolution's state of fixed size), Gemma 4's sliding layers in a :class:`RaggedLayer` of
+        their own geometry (:attr:`window_layers`), the evicted layers filling the other indices in order;
+        ``stateful``: ``{layer: {"number_of_states": n}}`` of the layers with a KV cache that also run a recurrent
+        mixer (:class:`RaggedRecurrentLayer`, Falcon-H1)."""
         if num_layers <= 0:
             raise ValueError(f"num_layers must be positive, got {num_layers}")
-        recurrent, stateful = dict(transformers_layers or {}), dict(stateful or {})
+        others, stateful = dict(others or {}), dict(stateful or {})
         ragged = [
             RaggedRecurrentLayer(index, **stateful[index]) if index in stateful else RaggedLayer(index)
             for index in range(num_layers)
         ]
         queue = iter(ragged)
-        super().__init__(
-            layers=[recurrent[i] if i in recurrent else next(queue) for i in range(num_layers + len(recurrent))]
-        )
-        # the RaggedLayer of every layer with a KV cache, in order: layer i of the artifact and of ModelGeometry
-        # (self.layers, which transformers indexes by decoder layer, also holds the transformers_layers)
-        self.attention_layers: list[RaggedLayer] = ragged if recurrent else self.layers
+        super().__init__(layers=[others[i] if i in others else next(queue) for i in range(num_layers + len(others))])
+        # the RaggedLayer of every layer kvcal evicts, in order: layer i of the artifact and of ModelGeometry
+        # (self.layers, which transformers indexes by decoder layer, also holds the other layers)
+        self.attention_layers: list[RaggedLayer] = ragged if others else self.layers
+        # every RaggedLayer, those evicted and Gemma 4's sliding ones, in decoder order: what the storage's own
+        # operations go over (copies and stacks, row reorders, column counts, replayed steps)
+        self.ragged_layers: list[RaggedLayer] = [layer for layer in self.layers if isinstance(layer, RaggedLayer)]
         shared = StepPositions()
-        for layer in self.attention_layers:
+        for layer in self.ragged_layers:
             layer.step_positions = shared
 
     @classmethod
@@ -684,43 +685,37 @@ class RaggedCache(Cache):
         """A cache for ``model`` (whose geometry refuses attention the cache cannot compute); it
         refuses a forward pass that does not run the ragged attention."""
         geometry = ModelGeometry.of(model)
-        cache = cls(geometry.num_layers, *transformers_layers(model, geometry))
+        cache = cls(geometry.num_layers, *other_layers(model, geometry))
         chunks = attention_chunks(model.config)
         for layer, window, chunk in zip(cache.attention_layers, mask_windows(model, geometry), chunks, strict=True):
             layer.model_config, layer.mask_window, layer.attention_chunk = model.config, window, chunk
+        for layer in cache.window_layers.values():  # their window: what the attention call passes
+            layer.model_config = model.config
         return cache
 
     @property
     def transformers_layers(self) -> dict:
-        """``{decoder index: cache layer}`` of the decoder layers whose caches stay transformers' own: a hybrid
-        model's recurrent layers, Gemma 4's sliding-window layers (empty for other models)."""
+        """``{decoder index: cache layer}`` of the decoder layers whose states stay transformers' own: a hybrid
+        model's recurrent layers (empty for other models)."""
         return {index: layer for index, layer in enumerate(self.layers) if not isinstance(layer, RaggedLayer)}
+
+    @property
+    def window_layers(self) -> dict:
+        """``{decoder index: RaggedLayer}`` of the sliding-window layers kvcal holds apart from the evicted ones,
+        of their own head dim and KV heads (Gemma 4's: ``artifacts.fingerprint.sliding_layers_apart``): each keeps
+        its window of every row's real tokens, never evicted (empty for other models)."""
+        evicted = {id(layer) for layer in self.attention_layers}
+        return {
+            index: layer
+            for index, layer in enumerate(self.layers)
+            if isinstance(layer, RaggedLayer) and id(layer) not in evicted
+        }
 
     @property
     def holds_recurrent_states(self) -> bool:
         """Whether the model has recurrent layers (a hybrid's Gated DeltaNet, Mamba or short convolutions, Falcon-H1's
-        mixers beside attention), which run over every column of a batch, padding included (a sliding layer's
-        keys and values, Gemma 4's, are masked as transformers masks them: not a recurrent state)."""
-        held = self.transformers_layers.values()
-        return bool(self.stateful) or any(not isinstance(layer, DynamicLayer) for layer in held)
-
-    @property
-    def padding_enters(self) -> str | None:
-        """What of the model reads every column fed, padding included, so that padding between a row's tokens
-        (a shorter question than another row's, after its context) answers the row otherwise than alone: its
-        recurrent layers (their state), or its sliding layers in transformers' cache (their window counts
-        columns, padding too, where the row alone would see that many real tokens); None: neither."""
-        if self.holds_recurrent_states:
-            return "recurrent layers run over every column, padding included (it enters their state)"
-        if self.holds_transformers_keys:
-            return "sliding layers (transformers' own) count their window in columns, padding included"
-        return None
-
-    @property
-    def holds_transformers_keys(self) -> bool:
-        """Whether transformers' own cache layers hold some layers' keys and values (Gemma 4's sliding layers):
-        they keep every column fed, padding included, in transformers' layout."""
-        return any(isinstance(layer, DynamicLayer) for layer in self.transformers_layers.values())
+        mixers beside attention), which run over every column of a batch, padding included."""
+        return bool(self.transformers_layers or self.stateful)
 
     @property
     def stateful(self) -> dict:
@@ -733,32 +728,26 @@ class RaggedCache(Cache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         rows = self.attention_layers[0].batch_size if self.attention_layers[0].is_initialized else 0
-        self._reindex_transformers_layers([b for b in range(rows) for _ in range(repeats)])
-        for layer in self.attention_layers:
+        self._reindex_recurrent([b for b in range(rows) for _ in range(repeats)])
+        for layer in self.ragged_layers:
             layer.batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._reindex_transformers_layers([int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()])
-        for layer in self.attention_layers:
+        self._reindex_recurrent([int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()])
+        for layer in self.ragged_layers:
             layer.batch_select_indices(indices)
 
-    def _reindex_transformers_layers(self, order: list[int]) -> None:
-        """Batch rows ``order`` of every transformers cache layer's states (``LinearAttentionLayer`` can
-        reorder its rows, not repeat or select them; ``reorder_cache`` takes any order of rows)."""
+    def _reindex_recurrent(self, order: list[int]) -> None:
+        """Batch rows ``order`` of every recurrent layer's states (transformers' ``LinearAttentionLayer`` can
+        reorder its rows, not repeat or select them)."""
         for layer in self.transformers_layers.values():
-            if isinstance(layer, DynamicLayer) and not layer.is_initialized:
-                continue
             layer.reorder_cache(torch.tensor(order, dtype=torch.long))
 
     def replay_key(self) -> tuple | None:
         """What the next one-token decode step depends on when it can be replayed from a graph
-        captured at an earlier step with the same key (:meth:`RaggedLayer.replay_key`), else None (also
-        where transformers' own layers hold keys and values, Gemma 4's sliding ones: each step makes them new
-        tensors, which a captured graph would not read)."""
-        if self.holds_transformers_keys:
-            return None
+        captured at an earlier step with the same key (:meth:`RaggedLayer.replay_key`), else None."""
         keys = []
-        for layer in self.attention_layers:
+        for layer in self.ragged_layers:
             key = layer.replay_key()
             if key is None:
                 return None
@@ -767,7 +756,7 @@ class RaggedCache(Cache):
 
     def advance_replayed(self) -> None:
         """Count a replayed one-token decode step on the host (:meth:`RaggedLayer.advance_replayed`)."""
-        for layer in self.attention_layers:
+        for layer in self.ragged_layers:
             layer.advance_replayed()
 
     def head_lengths(self) -> torch.Tensor:
@@ -775,8 +764,8 @@ class RaggedCache(Cache):
         return torch.stack([layer.length for layer in self.attention_layers])
 
     def kv_bytes(self) -> int:
-        """Bytes allocated for keys and values over the layers kvcal holds (page rounding and slack included; not
-        the :attr:`transformers_layers`, Gemma 4's sliding ones)."""
+        """Bytes allocated for keys and values over the layers kvcal evicts (page rounding and slack included; not
+        the :attr:`window_layers`, Gemma 4's sliding ones, each at most its window)."""
         return sum(layer.kv_bytes() for layer in self.attention_layers)
 
     def index_bytes(self) -> int:
@@ -818,14 +807,14 @@ class RaggedCache(Cache):
         """Room for ``rows`` more tokens in every head of every row, made now (one repack per layer at
         most) rather than while decoding: a layer whose rows evict while decoding is left alone
         (its heads are cut back to their budgets before they grow far)."""
-        for layer in self.attention_layers:
+        for layer in self.ragged_layers:
             if layer.is_initialized and not any(row.decode_plan is not None for row in layer.rows):
                 layer._settle()
                 layer.store.reserve(np.full(layer.batch_size, int(rows), dtype=np.int64))
 
     def compact(self) -> None:
         """Release the memory eviction freed (every layer repacked once; see :meth:`RaggedLayer.compact`)."""
-        for layer in self.attention_layers:
+        for layer in self.ragged_layers:
             layer.compact()
 
     def set_columns(self, columns: int) -> None:
@@ -833,7 +822,7 @@ class RaggedCache(Cache):
         row's blocks out on its own: runtime.serve.generation.row_blocks), so that generate() and the masks
         read the caller's columns after it; the rows, their real tokens and positions stay as fed."""
         self._check_idle("recount the columns of")
-        for layer in self.attention_layers:
+        for layer in self.ragged_layers:
             layer.tokens_seen = int(columns)
 
     def bytes_per_token(self) -> int:
@@ -844,7 +833,7 @@ class RaggedCache(Cache):
         return 2 * layer.head_dim * torch.empty(0, dtype=layer.dtype).element_size()
 
     def _check_idle(self, what: str) -> None:
-        if any(layer._pending is not None for layer in self.attention_layers):
+        if any(layer._pending is not None for layer in self.ragged_layers):
             raise RuntimeError(f"cannot {what} a cache in the middle of a forward pass")
 
     def copy(self) -> RaggedCache:
@@ -860,7 +849,9 @@ class RaggedCache(Cache):
             raise ValueError("need at least one cache to stack")
         first = caches[0]
         if any(
-            len(c.layers) != len(first.layers) or c.transformers_layers.keys() != first.transformers_layers.keys()
+            len(c.layers) != len(first.layers)
+            or c.transformers_layers.keys() != first.transformers_layers.keys()
+            or c.window_layers.keys() != first.window_layers.keys()
             for c in caches
         ):
             raise ValueError("caches to stack must have the same layers")
@@ -868,35 +859,15 @@ class RaggedCache(Cache):
             raise ValueError("caches to stack must have seen the same number of columns")
         for cache in caches:
             cache._check_idle("stack or copy")
-            for layer in cache.attention_layers:
+            for layer in cache.ragged_layers:
                 layer._settle()  # a copy holds what the window holds, nothing hidden
-        recurrent = {
-            index: stacked_transformers_layer([c.layers[index] for c in caches]) for index in first.transformers_layers
+        others = {
+            index: stacked_recurrent_layer([c.layers[index] for c in caches]) for index in first.transformers_layers
         }
-        stacked = cls(len(first.attention_layers), recurrent, first.stateful)
-        for index, target in enumerate(stacked.attention_layers):
-            sources = [c.attention_layers[index] for c in caches]
-            if not all(source.is_initialized for source in sources):
-                if len(caches) == 1:  # copying an empty cache
-                    continue
-                raise ValueError("caches to stack must all be prefilled")
-            if len({(s.num_heads, s.head_dim, s.dtype, s.key_buffer.device) for s in sources}) != 1:
-                raise ValueError("caches to stack must have the same KV heads, head dim, dtype and device")
-            base = sources[0]
-            target.is_initialized = True
-            target.dtype, target.device = base.dtype, base.device
-            target.keys, target.values = base.keys, base.values
-            target.tokens_seen, target.observe_queries = base.tokens_seen, base.observe_queries
-            target.chunk_specs = base.chunk_specs
-            target.window, target.softcap = base.window, base.softcap
-            target.model_config, target.mask_window = base.model_config, base.mask_window
-            target.attention_chunk = base.attention_chunk
-            rows = [(source, b) for source in sources for b in range(source.batch_size)]
-            capacity = torch.cat([source.capacity for source in sources])  # [B', Hkv]
-            target.store = SegmentStore.stacked(base.store, [(source.store, b) for source, b in rows], capacity)
-            target.rows = [source.rows[b].copy() for source, b in rows]
-            if isinstance(target, RaggedRecurrentLayer):
-                _stack_states(target, sources)
+        others.update({index: RaggedLayer(layer.layer_idx) for index, layer in first.window_layers.items()})
+        stacked = cls(len(first.attention_layers), others, first.stateful)
+        for index, target in enumerate(stacked.ragged_layers):
+            fill_stacked(target, [c.ragged_layers[index] for c in caches])
         return stacked
 
     def stop_observing(self) -> None:
@@ -917,13 +888,48 @@ class RaggedCache(Cache):
             layer.observe_queries = int(count)
 
 
-def transformers_layers(model, geometry: ModelGeometry) -> tuple[dict, dict]:
-    """What :class:`RaggedCache` holds in transformers' own cache layers: ``({decoder index: a new transformers
-    cache layer}, {layer: options})``, the first for the layers ``geometry.layer_indices`` leaves out (a hybrid
-    model's linear attention, convolution or MLP layers, each of the class transformers' own ``DynamicCache``
-    gives that layer type; Gemma 4's sliding-window layers, ``DynamicSlidingWindowLayer`` of the config's
-    window), the second for its attention layers that also run a recurrent mixer (Falcon-H1's,
-    :class:`RaggedRecurrentLayer`); both empty for other models."""
+def fill_stacked(target: RaggedLayer, sources: list[RaggedLayer]) -> None:
+    """Fill the new, empty ``target`` with the batch rows of ``sources`` in order (:meth:`RaggedCache.stack`,
+    layer by layer), its buffers new: decoding it never writes into the sources, nor they into it."""
+    if not all(source.is_initialized for source in sources):
+        if len(sources) == 1:  # copying an empty layer
+            return
+        raise ValueError("caches to stack must all be prefilled")
+    if len({(s.num_heads, s.head_dim, s.dtype, s.key_buffer.device) for s in sources}) != 1:
+        raise ValueError("caches to stack must have the same KV heads, head dim, dtype and device")
+    base = sources[0]
+    target.is_initialized = True
+    target.dtype, target.device = base.dtype, base.device
+    target.keys, target.values = base.keys, base.values
+    target.tokens_seen, target.observe_queries = base.tokens_seen, base.observe_queries
+    target.chunk_specs = base.chunk_specs
+    target.window, target.softcap = base.window, base.softcap
+    target.model_config, target.mask_window = base.model_config, base.mask_window
+    target.attention_chunk = base.attention_chunk
+    rows = [(source, b) for source in sources for b in range(source.batch_size)]
+    capacity = torch.cat([source.capacity for source in sources])  # [B', Hkv]
+    target.store = SegmentStore.stacked(base.store, [(source.store, b) for source, b in rows], capacity)
+    target.rows = [source.rows[b].copy() for source, b in rows]
+    if isinstance(target, RaggedRecurrentLayer):
+        _stack_states(target, sources)
+
+
+def row_layer(layer: RaggedLayer, row: int) -> RaggedLayer:
+    """A new :class:`RaggedLayer` holding batch row ``row`` of ``layer`` (its buffers new)."""
+    copied = RaggedLayer(layer.layer_idx)
+    layer._settle()
+    fill_stacked(copied, [layer])
+    copied.batch_select_indices(torch.tensor([row]))
+    return copied
+
+
+def other_layers(model, geometry: ModelGeometry) -> tuple[dict, dict]:
+    """What :class:`RaggedCache` holds beside the layers kvcal evicts: ``({decoder index: a new cache layer},
+    {layer: options})``, the first for the layers ``geometry.layer_indices`` leaves out (a hybrid model's linear
+    attention, convolution or MLP layers, each in the class transformers' own ``DynamicCache`` gives that layer
+    type; Gemma 4's sliding-window layers, each a :class:`RaggedLayer` of its own geometry, never evicted), the
+    second for its attention layers that also run a recurrent mixer (Falcon-H1's, :class:`RaggedRecurrentLayer`);
+    both empty for other models."""
     config = geometry.text_config
     types = getattr(config, "layer_types", None) or ()
     if len(geometry.layer_indices) == int(config.num_hidden_layers) and not set(types) & set(
@@ -931,13 +937,8 @@ def transformers_layers(model, geometry: ModelGeometry) -> tuple[dict, dict]:
     ):
         return {}, {}
     attention = set(geometry.layer_indices)
-    if sliding_layers_left_to_transformers(config):  # the same class on every transformers that has Gemma 4
-        from transformers.cache_utils import DynamicSlidingWindowLayer
-
-        window = int(config.sliding_window)
-        return {
-            i: DynamicSlidingWindowLayer(sliding_window=window) for i in range(len(types)) if i not in attention
-        }, {}
+    if sliding_layers_apart(config):
+        return {index: RaggedLayer(index) for index in range(len(types)) if index not in attention}, {}
     from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
 
     kinds, options = get_layer_types_and_kwargs(config)
@@ -954,19 +955,12 @@ def transformers_layers(model, geometry: ModelGeometry) -> tuple[dict, dict]:
     return recurrent, stateful
 
 
-def stacked_transformers_layer(sources: list):
-    """One transformers cache layer (a recurrent ``LinearAttentionLayer``; a stateless ``DummyLayer``, copied; a
-    sliding layer's ``DynamicSlidingWindowLayer``) holding the batch rows of ``sources`` in order, its states
-    (conv and recurrent; keys and values) new tensors concatenated along the batch, so that decoding the result
-    never writes into the sources (transformers updates recurrent states in place)."""
+def stacked_recurrent_layer(sources: list):
+    """One recurrent cache layer (transformers' ``LinearAttentionLayer``; its stateless ``DummyLayer``, copied)
+    holding the batch rows of ``sources``
+    in order, its conv and recurrent states new tensors (concatenated along the batch), so that decoding the
+    result never writes into the sources (transformers updates these states in place)."""
     target = copy.copy(sources[0])
-    if isinstance(target, DynamicLayer):  # Gemma 4's sliding layers: the last window of every column fed
-        if any(source.is_initialized != target.is_initialized for source in sources):
-            raise ValueError("caches to stack must all be prefilled")
-        if target.is_initialized:
-            target.keys = torch.cat([source.keys for source in sources])
-            target.values = torch.cat([source.values for source in sources])
-        return target
     if not hasattr(target, "conv_states"):  # transformers' DummyLayer (Nemotron-H's MoE and MLP layers): no state
         return target
     _stack_states(target, sources)

@@ -50,7 +50,7 @@ from artifacts.fingerprint import (
     has_query_norm,
     held_layer_config,
     layer_attention,
-    sliding_layers_left_to_transformers,
+    sliding_layers_apart,
     text_config,
 )
 
@@ -280,15 +280,15 @@ class ModelGeometry:
     def layer_of(self, module) -> int | None:
         """The layer (index into this geometry's tuples and the artifact's ``L`` axis) of an attention module
         transformers numbers ``module.layer_idx`` among the decoder layers: that index, but in a hybrid model;
-        None for an attention module whose cache stays transformers' own (Gemma 4's sliding layers:
-        ``artifacts.fingerprint.sliding_layers_left_to_transformers``), which kvcal neither measures nor evicts."""
+        None for an attention module of a layer held apart from the artifact's (Gemma 4's sliding layers:
+        ``artifacts.fingerprint.sliding_layers_apart``), which kvcal neither measures nor evicts."""
         index = int(module.layer_idx)
         if self.layer_indices[index : index + 1] == (index,):  # the first index + 1 decoder layers all attend
             return index
         try:
             return self.layer_indices.index(index)
         except ValueError:
-            if sliding_layers_left_to_transformers(self.text_config):
+            if sliding_layers_apart(self.text_config):
                 return None
             raise ValueError(f"decoder layer {index} has no KV cache (a recurrent layer of a hybrid model)") from None
 
@@ -364,8 +364,8 @@ class ModelGeometry:
             )
         indices = attention_layer_indices(config)
         types = getattr(config, "layer_types", None) or ()
-        # (Gemma 4's sliding layers, left to transformers as well, need no more than its sliding-window cache layer)
-        left = len(indices) != len(layers) and not sliding_layers_left_to_transformers(config)
+        # (Gemma 4's sliding layers, left out as well, are held in kvcal's own layers: nothing of transformers needed)
+        left = len(indices) != len(layers) and not sliding_layers_apart(config)
         if left or any(kind in STATEFUL_ATTENTION_LAYER_TYPES for kind in types):
             _refuse_recurrent_layers_kvcal_cannot_hold(name, layers, config)
 
@@ -511,7 +511,7 @@ def check_config(config, name: str | None = None) -> None:
             f"{name}: multi-head latent attention (MLA, kv_lora_rank={rank}: keys and values projected from one "
             "cached latent per token, as in DeepSeek V2 / V3) is not supported"
         )
-    shapes = held_layer_config(config) if sliding_layers_left_to_transformers(config) else config
+    shapes = held_layer_config(config) if sliding_layers_apart(config) else config
     value_dim, key_dim = getattr(shapes, "v_head_dim", None), getattr(shapes, "head_dim", None)
     if isinstance(value_dim, int) and isinstance(key_dim, int) and value_dim != key_dim:
         raise UnsupportedModelError(
@@ -543,11 +543,11 @@ def check_config(config, name: str | None = None) -> None:
 
 def _check_per_layer_geometry(name: str, config) -> None:
     """Refuse a heterogeneous config (transformers' ``per_layer_config``) kvcal cannot hold: one that varies more
-    than :data:`~artifacts.fingerprint.PER_LAYER_GEOMETRY` between its layers, or whose layers kvcal holds
-    (:func:`~artifacts.fingerprint.attention_layer_indices`: the full-attention ones, its sliding layers staying
-    transformers' own) differ among themselves."""
+    than :data:`~artifacts.fingerprint.PER_LAYER_GEOMETRY` between its layers, or whose layers kvcal evicts
+    (:func:`~artifacts.fingerprint.attention_layer_indices`: the full-attention ones, its sliding layers held
+    apart) differ among themselves."""
     varying = ", ".join(sorted(getattr(config, "per_layer_attributes", None) or ()))
-    if not sliding_layers_left_to_transformers(config):
+    if not sliding_layers_apart(config):
         raise UnsupportedModelError(
             f"{name}: a heterogeneous config (attributes that vary per layer: {varying}) is not supported: kvcal "
             "serves one only where its sliding-window layers alone differ, in head dim and KV heads (as in Gemma 4)"

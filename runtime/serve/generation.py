@@ -201,30 +201,29 @@ def check_generate_arguments(model, attention_mask: torch.Tensor, generate_kwarg
         )
 
 
-def padding_enters(model) -> str | None:
-    """What of ``model`` reads every column of a batch, padding included (:attr:`RaggedCache.padding_enters`: a
-    hybrid's recurrent layers, Gemma 4's sliding layers), so that its batches hold no padding between a row's
-    tokens (:func:`refuse_padding_inside_rows`); None for other models."""
-    return RaggedCache.for_model(model).padding_enters
+def holds_recurrent_states(model) -> bool:
+    """Whether ``model`` has recurrent layers (a hybrid's Gated DeltaNet, Mamba or short convolutions, Falcon-H1's
+    mixers), which run over every column of a batch, padding included (:func:`refuse_padding_inside_rows`)."""
+    return RaggedCache.for_model(model).holds_recurrent_states
 
 
 def refuse_padding_inside_rows(model, cache: RaggedCache, attention_mask: torch.Tensor) -> None:
     """Refuse a row with padding after its first token (``[pad, context, pad, question]``: a shorter question
-    than another row's) where ``cache`` holds layers that read every column (:attr:`RaggedCache.padding_enters`):
-    a hybrid model's Gated DeltaNet, Mamba or short convolution layers, Falcon-H1's mixers (transformers zeroes
-    their inputs, but the convolution's window and the state's decay still move), Gemma 4's sliding layers in
-    transformers' cache (the window counts columns), so the row would be answered otherwise than alone.  Left
-    padding alone is served: before a row's first token the state is still empty, and no window reaches it."""
-    why = cache.padding_enters
-    if why is None:
+    than another row's) where ``cache`` holds recurrent states (a hybrid model's Gated DeltaNet, Mamba or short
+    convolution layers, Falcon-H1's mixers): those layers run over every column, and padding after a row's first
+    token enters their state (transformers zeroes its inputs, but the convolution's window and the state's decay
+    still move), so the row would be answered otherwise than alone.  Left padding alone is served: before a
+    row's first token the state is still empty."""
+    if not cache.holds_recurrent_states:
         return
     inside = attention_mask.cummax(-1).values > attention_mask  # a 0 after the row's first 1
     rows = inside.any(-1).nonzero().flatten().tolist()
     if rows:
         raise ValueError(
             f"padding between the tokens of batch row {rows[0]} (a shorter question than another row's, after its "
-            f"context) on {type(model).__name__}, whose {why}: the row would be answered otherwise than alone; "
-            "give every row's question the same length, or generate the rows one at a time"
+            f"context) on {type(model).__name__}, whose recurrent layers run over every column: the padding would "
+            "enter their state and the row be answered otherwise than alone; give every row's question the same "
+            "length, or generate the rows one at a time"
         )
 
 
@@ -290,10 +289,10 @@ def compress_prompt(
         return cache, report
     prefix, prefix_mask = input_ids[:, :columns], attention_mask[:, :columns]
     ids, mask, bounds = row_blocks(prefix, prefix_mask, block_size)
-    if ids is not prefix and cache.padding_enters is not None:
+    if ids is not prefix and cache.holds_recurrent_states:
         raise ValueError(
             f"a block-wise prefill of a padded batch (block_size={block_size}) on {type(model).__name__}, whose "
-            f"{cache.padding_enters}: each row's blocks would have padding "
+            "recurrent layers run over every column, padding included: each row's blocks would have padding "
             "between them; prefill in one pass (block_size None), or compress rows of one length together"
         )
     if any(switch is not None for switch in plan.geometry.rope_switches):  # longrope: a pass's RoPE by its length
@@ -681,10 +680,10 @@ def _texts(tokenizer, result: GenerationResult, prompts: int, one: bool):
 
 
 def _question_groups(model, pairs) -> list[list[int]]:
-    """The prompts answered together: all of them, but on a model whose batch can hold no padding between a row's
-    context and its question (:func:`refuse_padding_inside_rows`: recurrent layers, Gemma 4's sliding layers),
-    those whose questions have one length (in the order of their first prompt)."""
-    if padding_enters(model) is None:
+    """The prompts answered together: all of them, but on a model with recurrent layers, whose batch can hold no
+    padding between a row's context and its question (:func:`refuse_padding_inside_rows`), those whose questions
+    have one length (in the order of their first prompt)."""
+    if not holds_recurrent_states(model):
         return [list(range(len(pairs)))]
     groups: dict[int, list[int]] = {}
     for index, (_, question) in enumerate(pairs):
