@@ -196,7 +196,7 @@ def capture_attention_forward(recorder: DecodeAttentionRecorder):
 
     def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
-        layer = recorder.layer_of(module)  # None: a layer kvcal leaves to transformers (Gemma 4's sliding ones)
+        layer = recorder.layer_of(module)  # None: a layer held apart, never measured (Gemma 4's sliding ones)
         with torch.no_grad():
             if layer is not None and query.shape[2] == 1 and query.dtype == torch.float32 and not dropout:
                 output = recorder.record(layer, query, key, attention_mask, scaling, value, softcap, sinks)

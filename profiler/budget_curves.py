@@ -340,7 +340,7 @@ def measure_curves(
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         output = model_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         layer = geometry.layer_of(module)
-        if layer is not None:  # None: a layer kvcal leaves to transformers (Gemma 4's sliding ones)
+        if layer is not None:  # None: a layer held apart, never measured (Gemma 4's sliding ones)
             current[0].measure(layer, query, key, value, scaling, kwargs.get("s_aux"))
         return output
 

@@ -237,7 +237,7 @@ def record_window(model, context: torch.Tensor, instruction: torch.Tensor, hidde
 
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-        layer = geometry.layer_of(module)  # None: a layer kvcal leaves to transformers (Gemma 4's sliding ones)
+        layer = geometry.layer_of(module)  # None: a layer held apart, never measured (Gemma 4's sliding ones)
         if layer is not None:
             teacher[layer] = reconstruction_importance(query[0], key[0], context_len, scale).cpu()
         return model_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)

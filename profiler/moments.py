@@ -468,7 +468,7 @@ def measure_correction_errors_by_selection(
 
     def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         output = model_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        layer = geometry.layer_of(module)  # None: a layer kvcal leaves to transformers (Gemma 4's sliding ones)
+        layer = geometry.layer_of(module)  # None: a layer held apart, never measured (Gemma 4's sliding ones)
         for measurer in measurers if layer is not None else ():
             measurer.measure(layer, query, key, value, scaling, kwargs.get("s_aux"))
         return output

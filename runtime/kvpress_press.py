@@ -166,8 +166,8 @@ class CalibratedPress(BasePress):
 
         ``hidden_states [B, T, D]``; ``keys, values [B, Hkv, T, d]`` (post-RoPE, the whole context);
         the keys and values are returned unchanged (kvpress masks; see the class docstring)."""
-        if self.compression_ratio == 0 or self.plan.geometry.layer_of(module) is None:  # None: a layer kvcal
-            return keys, values  # leaves to transformers, never evicted (Gemma 4's sliding ones)
+        if self.compression_ratio == 0 or self.plan.geometry.layer_of(module) is None:  # None: a layer held
+            return keys, values  # apart from the artifact's, never evicted (Gemma 4's sliding ones)
         chunk = attention_chunk(self.plan.geometry.text_config)
         if chunk is not None and keys.shape[2] > chunk:
             raise ValueError(

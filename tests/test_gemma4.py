@@ -57,7 +57,7 @@ def test_kvcal_holds_the_full_attention_layers_and_transformers_the_sliding_ones
     assert geometry.sliding_windows == (None, None)
     cache = RaggedCache.for_model(model)
     assert cache.window_layers.keys() == {0, 2} and cache.attention_layers == [cache.layers[1], cache.layers[3]]
-    assert cache.ragged_layers == cache.layers and not cache.transformers_layers and not cache.holds_recurrent_states
+    assert cache.ragged_layers == cache.layers and not cache.recurrent_layers and not cache.holds_recurrent_states
     ids, mask = padded_prompt()
     compressed, _ = compress_prompt(model, ids, CompressionPolicy(keep_ratio=0.25), attention_mask=mask)
     sliding = compressed.layers[0]  # each row's window of real tokens (W - 1 between forward passes), 2 x 16 wide
@@ -127,11 +127,11 @@ def test_copies_and_stacks_answer_as_each_cache_alone():
     cache, report = compress_prompt(
         model, ids, CompressionPolicy(keep_ratio=0.25), attention_mask=mask, context_columns=110
     )
-    sliding = {index: (layer.keys.clone(), layer.values.clone()) for index, layer in cache.transformers_layers.items()}
+    sliding = {index: (layer.keys.clone(), layer.values.clone()) for index, layer in cache.recurrent_layers.items()}
     first = decode_from_cache(model, ids, mask, cache.copy(), report)
     second = decode_from_cache(model, ids, mask, cache.copy(), report)
     assert torch.equal(first.sequences, second.sequences)
-    for index, layer in cache.transformers_layers.items():
+    for index, layer in cache.recurrent_layers.items():
         assert torch.equal(layer.keys, sliding[index][0]) and torch.equal(layer.values, sliding[index][1])
     policy = CompressionPolicy(keep_ratio=0.5, scorer="keydiff")
     other, other_report = compress_prompt(model, ids.flip(0), policy, attention_mask=mask.flip(0), context_columns=110)
@@ -165,7 +165,7 @@ def test_kvzip_scores_equal_the_models_attention_over_the_reconstruction(chunk_s
     context = [1] + torch.randint(3, 120, (50,), generator=torch.Generator().manual_seed(9)).tolist()
     cache = RaggedCache.for_model(model)
     prefill(model, cache, torch.tensor([context]))
-    sliding = {index: layer.keys.clone() for index, layer in cache.transformers_layers.items()}
+    sliding = {index: layer.keys.clone() for index, layer in cache.recurrent_layers.items()}
     scores = kvzip_scores(model, tokenizer, cache, context, chunk_size=chunk_size, overlap=4)
     assert scores.scores.shape == (2, 1, 51)
     assert all(torch.equal(cache.layers[index].keys, keys) for index, keys in sliding.items())  # untouched

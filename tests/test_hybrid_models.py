@@ -133,7 +133,7 @@ def test_decoding_a_copy_leaves_the_recurrent_states_of_the_original(model_type)
     ids = ids % model.config.vocab_size
     policy = CompressionPolicy(keep_ratio=0.25, scorer="keydiff")
     cache, report = compress_prompt(model, ids, policy, attention_mask=mask, context_columns=110)
-    holders = {**cache.transformers_layers, **{-1 - i: cache.attention_layers[i] for i in cache.stateful}}
+    holders = {**cache.recurrent_layers, **{-1 - i: cache.attention_layers[i] for i in cache.stateful}}
     assert holders, "no recurrent state"
     before = {index: _states(layer) for index, layer in holders.items()}
     first = decode_from_cache(model, ids, mask, cache.copy(), report)
@@ -190,10 +190,10 @@ def test_kvzip_scores_equal_the_models_attention_over_the_reconstruction(chunk_s
     context = [1] + torch.randint(3, 120, (50,), generator=torch.Generator().manual_seed(9)).tolist()
     cache = RaggedCache.for_model(model)
     prefill(model, cache, torch.tensor([context]))
-    states = {index: dict(layer.recurrent_states) for index, layer in cache.transformers_layers.items()}
+    states = {index: dict(layer.recurrent_states) for index, layer in cache.recurrent_layers.items()}
     scores = kvzip_scores(model, tokenizer, cache, context, chunk_size=chunk_size, overlap=4)
     assert scores.scores.shape == (2, 2, 51)
-    for index, layer in cache.transformers_layers.items():  # the cache is untouched
+    for index, layer in cache.recurrent_layers.items():  # the cache is untouched
         assert all(torch.equal(layer.recurrent_states[i], state) for i, state in states[index].items())
     chunks = reconstruction_chunks(
         tokenizer, context, 1, tokenizer("\n", add_special_tokens=False)["input_ids"], chunk_size, 4
@@ -210,7 +210,7 @@ def test_kvzip_on_attention_beside_a_recurrent_mixer_is_refused_by_name():
     model = tiny_model("falcon_h1")
     cache = RaggedCache.for_model(model)
     prefill(model, cache, torch.tensor([[1] + list(range(3, 40))]))
-    assert set(cache.stateful) == {0, 1, 2, 3} and not cache.transformers_layers
+    assert set(cache.stateful) == {0, 1, 2, 3} and not cache.recurrent_layers
     with pytest.raises(ValueError, match=r"not built for layers that run a recurrent mixer beside their attention"):
         kvzip_scores(model, ToyTokenizer(), cache, [1] + list(range(3, 40)))
 

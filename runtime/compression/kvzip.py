@@ -219,7 +219,7 @@ class ReconstructionView(Cache):
             ReconstructionLayer(layer, row, scores[index], query_block)
             for index, layer in enumerate(cache.attention_layers)
         )
-        others = {**cache.transformers_layers, **cache.window_layers}
+        others = {**cache.recurrent_layers, **cache.window_layers}
         self._recurrent = {index: (layer, row) for index, layer in others.items()}
         super().__init__(
             layers=[

@@ -694,7 +694,7 @@ class RaggedCache(Cache):
         return cache
 
     @property
-    def transformers_layers(self) -> dict:
+    def recurrent_layers(self) -> dict:
         """``{decoder index: cache layer}`` of the decoder layers whose states stay transformers' own: a hybrid
         model's recurrent layers (empty for other models)."""
         return {index: layer for index, layer in enumerate(self.layers) if not isinstance(layer, RaggedLayer)}
@@ -715,7 +715,7 @@ class RaggedCache(Cache):
     def holds_recurrent_states(self) -> bool:
         """Whether the model has recurrent layers (a hybrid's Gated DeltaNet, Mamba or short convolutions, Falcon-H1's
         mixers beside attention), which run over every column of a batch, padding included."""
-        return bool(self.transformers_layers or self.stateful)
+        return bool(self.recurrent_layers or self.stateful)
 
     @property
     def stateful(self) -> dict:
@@ -740,7 +740,7 @@ class RaggedCache(Cache):
     def _reindex_recurrent(self, order: list[int]) -> None:
         """Batch rows ``order`` of every recurrent layer's states (transformers' ``LinearAttentionLayer`` can
         reorder its rows, not repeat or select them)."""
-        for layer in self.transformers_layers.values():
+        for layer in self.recurrent_layers.values():
             layer.reorder_cache(torch.tensor(order, dtype=torch.long))
 
     def replay_key(self) -> tuple | None:
@@ -850,7 +850,7 @@ class RaggedCache(Cache):
         first = caches[0]
         if any(
             len(c.layers) != len(first.layers)
-            or c.transformers_layers.keys() != first.transformers_layers.keys()
+            or c.recurrent_layers.keys() != first.recurrent_layers.keys()
             or c.window_layers.keys() != first.window_layers.keys()
             for c in caches
         ):
@@ -861,9 +861,7 @@ class RaggedCache(Cache):
             cache._check_idle("stack or copy")
             for layer in cache.ragged_layers:
                 layer._settle()  # a copy holds what the window holds, nothing hidden
-        others = {
-            index: stacked_recurrent_layer([c.layers[index] for c in caches]) for index in first.transformers_layers
-        }
+        others = {index: stacked_recurrent_layer([c.layers[index] for c in caches]) for index in first.recurrent_layers}
         others.update({index: RaggedLayer(layer.layer_idx) for index, layer in first.window_layers.items()})
         stacked = cls(len(first.attention_layers), others, first.stateful)
         for index, target in enumerate(stacked.ragged_layers):
