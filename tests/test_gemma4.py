@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from test_hybrid_models import (
+    assert_decode_steps_replayed,
     assert_evaluate_artifact_runs,
     assert_questions_answered_as_each_alone,
     decode_from_cache,
@@ -264,19 +265,7 @@ def test_decode_steps_are_replayed(policy, monkeypatch):
     """With the page kernel a GPU runs, Gemma 4's decode steps (the sliding layers hiding what leaves their window,
     as Gemma 3's) replay from a graph (tests/step_replay.py's recorder on the CPU) and generate what eager steps
     generate."""
-    from step_replay import RecordedStep
-
     from runtime.kv_store.flex_decode import DECODE_KERNEL_VARIABLE
 
     monkeypatch.setenv(DECODE_KERNEL_VARIABLE, "pages")
-    model = gemma4()
-    ids, mask = padded_prompt()
-    runs = []
-    for graphs in (False, RecordedStep):
-        cache, report = compress_prompt(model, ids, policy, attention_mask=mask, context_columns=110)
-        runs.append(decode_from_cache(model, ids, mask, cache, report, max_new_tokens=12, decode_graphs=graphs))
-    eager, replayed = runs
-    assert torch.equal(eager.sequences, replayed.sequences)
-    for a, b in zip(eager.output.logits[1:], replayed.output.logits[1:], strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    assert replayed.graphs.captured == 1 and replayed.graphs.replayed >= 8
+    assert_decode_steps_replayed(gemma4(), policy, new_tokens=12)

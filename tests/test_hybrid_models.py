@@ -221,23 +221,31 @@ def test_decode_steps_of_a_hybrid_model_are_replayed(policy, model_type, monkeyp
     """With the page kernel a GPU runs, a hybrid model's decode steps (the recurrent layers' states updated in
     place, at their addresses; Falcon-H1's in its attention layers) replay from a graph (tests/step_replay.py's
     recorder on the CPU) and generate what eager steps generate."""
-    from step_replay import RecordedStep
     from test_architecture_matrix import tiny_model
 
     monkeypatch.setenv(DECODE_KERNEL_VARIABLE, "pages")
     model = hybrid() if model_type == "qwen3_5" else tiny_model(model_type)
+    assert_decode_steps_replayed(model, policy, new_tokens=16)
+
+
+def assert_decode_steps_replayed(model, policy, new_tokens: int) -> None:
+    """``new_tokens`` greedy steps from :func:`padded_prompt` compressed under ``policy`` (under the page kernel the
+    caller sets), replayed from a graph (tests/step_replay.py's recorder), are the eager steps: the same sequences,
+    logits within 1e-5, one capture replayed at every step but the first three."""
+    from step_replay import RecordedStep
+
     ids, mask = padded_prompt()
     ids = ids % model.config.vocab_size
     runs = []
     for graphs in (False, RecordedStep):
         with ragged_attention(model):
             cache, report = compress_prompt(model, ids, policy, attention_mask=mask, context_columns=110)
-        runs.append(decode_from_cache(model, ids, mask, cache, report, max_new_tokens=16, decode_graphs=graphs))
+        runs.append(decode_from_cache(model, ids, mask, cache, report, max_new_tokens=new_tokens, decode_graphs=graphs))
     eager, replayed = runs
     assert torch.equal(eager.sequences, replayed.sequences)
     for a, b in zip(eager.output.logits[1:], replayed.output.logits[1:], strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    assert replayed.graphs.captured == 1 and replayed.graphs.replayed == 16 - 3
+    assert replayed.graphs.captured == 1 and replayed.graphs.replayed == new_tokens - 3
 
 
 def test_a_profile_of_a_hybrid_model_is_served_back(tmp_path, embedded_tokenizer, capsys):
