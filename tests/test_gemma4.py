@@ -1,15 +1,15 @@
-"""Gemma 4: full-attention layers of one geometry (head dim 512, 2-4 KV heads, values that are the keys under
-``attention_k_eq_v``, proportional RoPE over a quarter of the head) beside sliding-window layers of another (head
-dim 256, more KV heads), in one heterogeneous config (transformers' ``per_layer_config``).
+"""Gemma 4: full-attention layers of one geometry (by transformers' defaults a head dim of 512, against 256; fewer
+KV heads under ``attention_k_eq_v``, whose values are the keys; proportional RoPE over a quarter of the head)
+beside sliding-window layers of another, in one heterogeneous config (transformers' ``per_layer_config``).
 
-kvcal holds and evicts the full-attention layers, whose caches grow with the context; the sliding layers, bounded
-by their window, stay transformers' own ``DynamicSlidingWindowLayer`` inside the same ``RaggedCache``
-(``artifacts.fingerprint.sliding_layers_apart``), as a hybrid model's recurrent layers do.
-tests/test_architecture_matrix.py checks nothing evicted is exact, beams are transformers' own and the flagship
-serves.  Here, on a tiny Gemma 4 whose full-attention layers are decoder layers 1 and 3 and whose prompts run past
-the sliding window: the layout and the artifact's numbers, the values read as the model caches them, eviction
-inside the prefill, copies, stacks and several questions, KVzip's reconstruction, the block-wise prefill, and a
-whole profile served back.
+kvcal profiles and evicts the full-attention layers, whose caches grow with the context; the sliding layers,
+bounded by their window, are held apart in ``RaggedLayer``s of their own geometry inside the same ``RaggedCache``
+(``RaggedCache.window_layers``; ``artifacts.fingerprint.sliding_layers_apart``), each row's window of real tokens,
+never evicted.  tests/test_architecture_matrix.py checks nothing evicted is exact, beams are transformers' own and
+the flagship serves.  Here, on a tiny Gemma 4 whose full-attention layers are decoder layers 1 and 3 and whose
+prompts run past the sliding window: the layout and the artifact's numbers, the values read as the model caches
+them, eviction inside the prefill, copies, stacks and several questions, KVzip's reconstruction, padding inside
+rows, the block-wise prefill of a padded batch, replayed decode steps, and a whole profile served back.
 """
 
 from __future__ import annotations
