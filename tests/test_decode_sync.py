@@ -293,6 +293,19 @@ def test_a_hybrid_models_recurrent_layers_add_no_synchronisation(correction, one
 
 
 @pytest.mark.parametrize("correction", ["none", "order1"])
+def test_gemma4s_sliding_layers_held_apart_add_no_synchronisation(correction, one_thread, monkeypatch):
+    """A tiny Gemma 4 (tests/test_gemma4.py: sliding layers 0 and 2 held apart in kvcal's own layers, full layers 1
+    and 3 of another geometry evicted), prompts past the window, under the page kernel a GPU runs: a decode step
+    synchronises no more than the same model's plain step."""
+    from test_gemma4 import gemma4
+
+    from runtime.kv_store.flex_decode import DECODE_KERNEL_VARIABLE
+
+    monkeypatch.setenv(DECODE_KERNEL_VARIABLE, "pages")
+    _keydiff_step_against_plain(gemma4(), 500, correction, "Gemma 4")
+
+
+@pytest.mark.parametrize("correction", ["none", "order1"])
 def test_a_chunked_layer_adds_no_synchronisation(correction, one_thread):
     """Llama 4 with attention chunks of 64 positions (tests/test_chunked_attention.py; the prompt's 191 tokens
     cross two boundaries, the step measured none): its chunked layers drop their rows only after a step that opens
