@@ -306,23 +306,19 @@ def assert_evaluate_artifact_runs(model_dir, artifact, evaluation, capsys) -> No
 def test_padding_between_a_rows_tokens_is_refused_by_name():
     """Recurrent layers run over every column: padding between a row's context and a shorter question than another
     row's (``[pad, context, pad, question]``) enters their state, and the row was answered otherwise than alone
-    (logits 9e-4 to 6e-3 apart, benchmarks/row_alone_campaign.py)."""
-    serves_hybrids()
-    assert_padding_inside_rows_is_refused(hybrid(), r"recurrent layers")
-
-
-def assert_padding_inside_rows_is_refused(model, why: str) -> None:
-    """Padding between a row's tokens is refused, naming ``why`` (a regex of the reason), before any forward pass,
-    by ``generate``, ``answer``'s several questions and ``generate_from_cache``; questions of one length, and left
-    padding alone, are served as each row alone."""
+    (logits 9e-4 to 6e-3 apart, benchmarks/row_alone_campaign.py).  Refused by name before any forward pass, by
+    ``generate``, ``answer``'s several questions and ``generate_from_cache``; questions of one length, and left
+    padding alone, are served."""
     from runtime.serve.generation import build_inputs
 
+    serves_hybrids()
+    model = hybrid()
     generator = torch.Generator().manual_seed(4)
     contexts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (60, 45)]
     questions = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (6, 9)]
     ids, mask, columns = build_inputs(contexts, questions, pad_token_id=0)
     policy = CompressionPolicy(keep_ratio=0.5, scorer="keydiff")
-    refusal = rf"padding between the tokens of batch row 0 .* {why}"
+    refusal = r"padding between the tokens of batch row 0 .* recurrent layers"
     with pytest.raises(ValueError, match=refusal):
         generate(model, ids, policy, attention_mask=mask, context_columns=columns, max_new_tokens=2)
     cache, report = compress_prompt(model, ids, policy, attention_mask=mask, context_columns=columns)

@@ -511,7 +511,7 @@ def check_config(config, name: str | None = None) -> None:
             f"{name}: multi-head latent attention (MLA, kv_lora_rank={rank}: keys and values projected from one "
             "cached latent per token, as in DeepSeek V2 / V3) is not supported"
         )
-    shapes = held_layer_config(config) if sliding_layers_apart(config) else config
+    shapes = held_layer_config(config)
     value_dim, key_dim = getattr(shapes, "v_head_dim", None), getattr(shapes, "head_dim", None)
     if isinstance(value_dim, int) and isinstance(key_dim, int) and value_dim != key_dim:
         raise UnsupportedModelError(
