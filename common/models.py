@@ -357,6 +357,8 @@ _INTEGER_CONFIG_FIELDS = (
     "vocab_size",
     "max_position_embeddings",
 )
+# of those, what a config may give per decoder layer, as a list of integers (Gemma 3n's intermediate_size)
+_PER_LAYER_CONFIG_FIELDS = frozenset({"intermediate_size"})
 
 
 def _wrong_config_field(resolved: str) -> str | None:
@@ -371,6 +373,10 @@ def _wrong_config_field(resolved: str) -> str | None:
         return None
     for name in _INTEGER_CONFIG_FIELDS:
         value = config.get(name)
+        if name in _PER_LAYER_CONFIG_FIELDS and isinstance(value, list) and value:  # one per layer (Gemma 3n)
+            if all(isinstance(entry, int) and not isinstance(entry, bool) for entry in value):
+                continue
+            return f"{name} must be an integer (or one per layer), got {value!r}"
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             return f"{name} must be an integer, got {value!r}"
     return None

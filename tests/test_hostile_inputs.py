@@ -60,6 +60,23 @@ def test_model_directory_with_an_invalid_config_field_is_a_clear_model_error(tmp
         assert str(directory) in message and "num_hidden_layers" in message and "\n" not in message
 
 
+def test_a_per_layer_intermediate_size_is_a_valid_config_field(tmp_path):
+    """Gemma 3n's config.json gives ``intermediate_size`` per layer (a list of integers), as its checkpoints do: the
+    model loads, while a list of anything else is still named."""
+    from test_architecture_matrix import tiny_model
+
+    from common.models import ModelError, embedded_model_dir, load_model
+
+    directory = tmp_path / "gemma3n"
+    tiny_model("gemma3n_text").save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(embedded_model_dir() / name, directory / name)
+    assert isinstance(json.loads((directory / "config.json").read_text())["intermediate_size"], list)
+    assert type(load_model(directory)).__name__ == "Gemma3nForCausalLM"
+    with pytest.raises(ModelError, match=r"intermediate_size must be an integer.*got \[128, 'x'\]"):
+        load_model(_bad_config_dir(tmp_path, intermediate_size=[128, "x"]))
+
+
 @pytest.mark.parametrize("command", ["profile-model", "evaluate-artifact", "generate-probes"])
 def test_commands_exit_2_on_a_model_directory_with_an_invalid_config(command, tmp_path, capsys, one_thread):
     directory = _bad_config_dir(tmp_path, num_hidden_layers="x")
