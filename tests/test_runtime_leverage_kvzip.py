@@ -411,6 +411,27 @@ def test_kvzip_scores_equal_the_models_attention_over_the_reconstruction(chunk_s
     torch.testing.assert_close(scores.scores.double(), want, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen2"])
+def test_kvzip_scores_of_a_sliding_layer_are_its_windowed_attention(model_type):
+    """A sliding layer's reconstruction queries see only the keys inside their window, as in the model's own forward
+    pass: a context longer than the window (51 tokens, window 32) scores as the model's attention weights say."""
+    from test_architecture_matrix import tiny_model
+
+    types = ["sliding_attention", "full_attention"]
+    model = tiny_model(model_type, layer_types=types * 2, use_sliding_window=True, vocab_size=128)
+    from runtime.math.geometry import ModelGeometry
+
+    assert ModelGeometry.of(model).sliding_windows == (32, None, 32, None)
+    tokenizer = ToyTokenizer()
+    context = [1] + torch.randint(3, 120, (50,), generator=torch.Generator().manual_seed(9)).tolist()
+    cache = RaggedCache.for_model(model)
+    prefill(model, cache, torch.tensor([context]))
+    scores = kvzip_scores(model, tokenizer, cache, context, chunk_size=23, overlap=4)
+    chunks = reconstruction_chunks(tokenizer, context, 1, tokenizer("\n", add_special_tokens=False)["input_ids"], 23, 4)
+    want = naive_kvzip(model, context, chunks, sink=1)
+    torch.testing.assert_close(scores.scores.double(), want, rtol=1e-4, atol=1e-6)
+
+
 def test_kvzip_scorer_reads_scores_by_position_and_refuses_another_prompt():
     model = make_tiny_llama(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
     tokenizer = ToyTokenizer()

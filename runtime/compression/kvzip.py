@@ -18,7 +18,8 @@ changed and memory stays bounded by one chunk.
 A cached KV pair's score is the largest attention weight any reconstruction query of its
 GQA group gives it, where (as in the paper's code and kvpress's ``KVzipPress``) the softmax
 of chunk ``c`` runs over the template prefix (``sink`` rows: the system prompt), the cached
-rows of the context span chunk ``c`` reconstructs, and the chunk's own tokens; the scores are
+rows of the context span chunk ``c`` reconstructs, and the chunk's own tokens (in a sliding-window layer,
+those inside each query's window, as its forward pass sees them); the scores are
 the running maximum over chunks.  Rows of the prefix are scored too (they sit in every
 chunk's softmax).  :class:`KVzipScorer` (``runtime.scorers``' name ``"kvzip"``) reads these
 scores back; with ``allocation="global"`` the engine ranks every head's tokens together, the
@@ -195,11 +196,18 @@ class ReconstructionLayer(DynamicLayer):
             scored = keys.index_select(0, rows).float()  # [m, d]
             own = new_keys[0, h].float()
             best = torch.zeros(rows.shape[0], dtype=torch.float32, device=query.device)
+            if window is not None:  # a sliding layer's query at p sees keys at k > p - W, as in its forward pass
+                key_positions = torch.cat([kept_positions.index_select(0, rows), positions[0].long().to(rows.device)])
+                visible = positions[0].long().to(rows.device).unsqueeze(1) - key_positions.unsqueeze(0) < window
+                visible[:, rows.shape[0] :] &= causal
             for lo in range(0, q_len, self.query_block):
                 hi = min(lo + self.query_block, q_len)
                 block = q[:, lo:hi].float()  # [G, b, d]
                 logits = soft_cap(torch.cat([block @ scored.T, block @ own.T], dim=-1) * scaling, softcap)
-                logits[..., rows.shape[0] :].masked_fill_(~causal[lo:hi], float("-inf"))
+                if window is None:
+                    logits[..., rows.shape[0] :].masked_fill_(~causal[lo:hi], float("-inf"))
+                else:
+                    logits.masked_fill_(~visible[lo:hi], float("-inf"))
                 weights = torch.softmax(logits, dim=-1)[..., : rows.shape[0]]
                 best = torch.maximum(best, weights.amax(dim=(0, 1)))
             target = self.scores[h]
