@@ -38,6 +38,7 @@ Importing this module does not import torch; the functions that take a model do.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 
@@ -132,19 +133,58 @@ STATEFUL_ATTENTION_LAYER_TYPES = ("hybrid",)
 def attention_layer_indices(config) -> tuple[int, ...]:
     """The decoder layers whose KV cache kvcal profiles and evicts, in order: every layer, but of a hybrid model
     (``config.layer_types`` naming :data:`RECURRENT_LAYER_TYPES` or :data:`MIXERLESS_LAYER_TYPES`) only the others,
-    and of a model whose sliding layers have another attention geometry (Gemma 4:
-    :func:`sliding_layers_apart`) its full-attention layers alone.  Position ``i`` of this tuple is
+    of a model whose sliding layers have another attention geometry (Gemma 4:
+    :func:`sliding_layers_apart`) its full-attention layers alone, and never a layer that attends to an earlier
+    layer's cache instead of its own (:func:`kv_shared_layers`).  Position ``i`` of this tuple is
     layer ``i`` of everything kvcal computes (the artifact's ``L`` axis, ``ModelGeometry``'s tuples); of a model
     without such layers the two numberings are one."""
     config = text_config(config)
     layers = int(config.num_hidden_layers)
+    readers = kv_shared_layers(config)
     types = getattr(config, "layer_types", None)
     if types is None:
-        return tuple(range(layers))
+        return tuple(index for index in range(layers) if index not in readers)
     without = (*RECURRENT_LAYER_TYPES, *MIXERLESS_LAYER_TYPES)
     if sliding_layers_apart(config):
         without += ("sliding_attention",)
-    return tuple(index for index, kind in enumerate(types) if kind not in without)
+    return tuple(index for index, kind in enumerate(types) if kind not in without and index not in readers)
+
+
+def kv_shared_layers(config) -> dict[int, int]:
+    """``{decoder layer: decoder layer whose cache it attends to}`` of a model whose last
+    ``config.num_kv_shared_layers`` layers compute no keys and values of their own (Gemma 3n, Gemma 4 E2B / E4B):
+    each attends with its own queries to the cache of the last earlier layer of its layer type, as transformers'
+    models compute it (``kv_sharing_modes``: those sources "store", the layers after them "reuse").  Empty for
+    a model without such layers.  kvcal profiles and evicts the sources alone; a layer reading a source's cache
+    attends over what the source holds (``runtime.kv_store.cache.RaggedLayer.attend_shared``).  Raises
+    ``ValueError`` where no layer of a reader's type precedes the shared ones (every layer shared: a draft model's
+    config, which reads another model's cache)."""
+    config = text_config(config)
+    shared = getattr(config, "num_kv_shared_layers", None)
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared <= 0:
+        return {}
+    types = getattr(config, "layer_types", None)
+    return dict(_kv_sources(int(config.num_hidden_layers), shared, None if types is None else tuple(types)))
+
+
+@functools.lru_cache(maxsize=64)
+def _kv_sources(layers: int, shared: int, types: tuple | None) -> tuple[tuple[int, int], ...]:
+    """:func:`kv_shared_layers` as ``((reader, source), ...)`` (cached: the attention function asks at every
+    call of a Gemma 3n / Gemma 4 layer)."""
+    first = layers - shared
+    kinds = types if types is not None else ("full_attention",) * layers
+    if len(kinds) != layers:
+        raise ValueError(f"config has {len(kinds)} layer types for {layers} layers")
+    pairs = []
+    for reader in range(max(first, 0), layers):
+        earlier = [index for index in range(max(first, 0)) if kinds[index] == kinds[reader]]
+        if not earlier:
+            raise ValueError(
+                f"keys and values shared across layers (num_kv_shared_layers={shared} of {layers}): layer {reader} "
+                f"({kinds[reader]}) would attend to the cache of no earlier layer of its type"
+            )
+        pairs.append((reader, earlier[-1]))
+    return tuple(pairs)
 
 
 # the attributes a heterogeneous config (transformers' ``per_layer_config``) may vary between its sliding and its
@@ -239,7 +279,8 @@ def attention_chunks(config) -> tuple[int | None, ...]:
 
 def attention_variant(config) -> dict:
     """What a model's attention does beyond the architecture numbers, for the fingerprint: a hybrid model's
-    attention layers (``attention_layers``: decoder layer indices, :func:`attention_layer_indices`), the
+    attention layers (``attention_layers``: decoder layer indices, :func:`attention_layer_indices`), the layers
+    attending to another's cache (``kv_shared_layers``: ``[reader, source]`` pairs, :func:`kv_shared_layers`), the
     sliding window and which (attention) layers slide (``sliding_window``, ``sliding_layers``), the logit
     soft-cap (``attn_logit_softcapping``), the attention chunk (``attention_chunk_size``) and per-layer-type
     RoPE parameters (``rope_parameters_by_layer_type``, Gemma 3), each only when the model has it: empty for a
@@ -250,6 +291,9 @@ def attention_variant(config) -> dict:
     indices = attention_layer_indices(config)
     if len(indices) != int(config.num_hidden_layers):  # a hybrid model: which decoder layers are attention
         variant["attention_layers"] = list(indices)
+    readers = kv_shared_layers(config)
+    if readers:  # which decoder layer attends to which one's cache
+        variant["kv_shared_layers"] = [[reader, source] for reader, source in sorted(readers.items())]
     sliding = [layer for layer, window in enumerate(windows) if window is not None]
     if sliding:
         variant["sliding_window"] = windows[sliding[0]]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from kvpress.presses.base_press import BasePress
 
-from artifacts.fingerprint import attention_chunk
+from artifacts.fingerprint import attention_chunk, kv_shared_layers
 from common.checks import is_number
 from runtime.compression.eviction import HeadEvictor
 from runtime.compression.keep_rule import keep_mask
@@ -141,6 +141,11 @@ class CalibratedPress(BasePress):
 
     def post_init_from_model(self, model):
         """Bind the policy to the calibration and this model (kvpress calls this on entering the press)."""
+        if kv_shared_layers(model.config):  # Gemma 3n, Gemma 4 E2B / E4B
+            raise ValueError(
+                "kvpress masks evicted rows per attention module, and this model's last layers attend to an earlier "
+                f"layer's cache, which they would read whole; {_USE_THE_RUNTIME}"
+            )
         if model.config._attn_implementation == "eager":
             if getattr(type(model), "_supports_sdpa", True) is False:  # gpt-oss: its learned sinks
                 raise ValueError(

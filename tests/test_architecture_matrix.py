@@ -84,7 +84,7 @@ SMALL = dict(  # what each config class accepts of these is given (its own names
 )
 # model type: its own options over SMALL (the names its config class gives them)
 OPTIONS = {
-    "gemma3n_text": dict(  # without KV sharing (with it: REFUSED_VARIANTS)
+    "gemma3n_text": dict(  # without KV sharing (with it, as its checkpoints: tests/test_kv_sharing.py)
         vocab_size_per_layer_input=256,
         hidden_size_per_layer_input=8,
         laurel_rank=8,
@@ -144,7 +144,7 @@ EXACT = {
     "gemma": "",
     "gemma2": "",
     "gemma3_text": "",
-    "gemma3n_text": "",  # altup, laurel, per-layer inputs; without KV sharing (refused by name)
+    "gemma3n_text": "",  # altup, laurel, per-layer inputs; KV sharing in tests/test_kv_sharing.py
     # kvcal holds the full-attention layers alone; the sliding ones, of another geometry, stay transformers' own
     "gemma4_text": "",
     "gemma4_unified_text": "",
@@ -520,19 +520,6 @@ def test_beams_are_transformers_own_and_compressed_serving_runs(model_type):
 
 # a variant of an exact model type that real checkpoints have: (model type, options, what the refusal names)
 REFUSED_VARIANTS = {
-    # the last layers attend to an earlier layer's cache (they have no k_proj): refused as such, not
-    # as "layer 2 attention has no k_proj linear"
-    "gemma3n_text, KV sharing": (
-        "gemma3n_text",
-        dict(num_kv_shared_layers=2),
-        r"keys and values shared across layers \(num_kv_shared_layers=2",
-    ),
-    # Gemma 4 E2B / E4B: their last layers attend to an earlier layer's cache of their type
-    "gemma4_text, KV sharing": (
-        "gemma4_text",
-        dict(num_kv_shared_layers=2),
-        r"keys and values shared across layers \(num_kv_shared_layers=2",
-    ),
     # a Bamba of Mamba 2 layers alone has no KV cache to compress
     "bamba, no attention layer": (
         "bamba",

@@ -305,6 +305,20 @@ def test_gemma4s_sliding_layers_held_apart_add_no_synchronisation(correction, on
     _keydiff_step_against_plain(gemma4(), 500, correction, "Gemma 4")
 
 
+@pytest.mark.parametrize("model_type", ["gemma3n_text", "gemma4_text"])
+@pytest.mark.parametrize("correction", ["none", "order1"])
+def test_layers_reading_another_layers_cache_add_no_synchronisation(model_type, correction, one_thread, monkeypatch):
+    """Gemma 3n and Gemma 4 whose last two layers read layers 2 and 3's caches (tests/test_kv_sharing.py), under the
+    page kernel a GPU runs: a decode step, the readers attending over their sources' evicted caches, synchronises
+    no more than the same model's plain step."""
+    from test_kv_sharing import sharing
+
+    from runtime.kv_store.flex_decode import DECODE_KERNEL_VARIABLE
+
+    monkeypatch.setenv(DECODE_KERNEL_VARIABLE, "pages")
+    _keydiff_step_against_plain(sharing(model_type), 500, correction, f"{model_type}, KV sharing")
+
+
 @pytest.mark.parametrize("correction", ["none", "order1"])
 def test_a_chunked_layer_adds_no_synchronisation(correction, one_thread):
     """Llama 4 with attention chunks of 64 positions (tests/test_chunked_attention.py; the prompt's 191 tokens

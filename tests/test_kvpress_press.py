@@ -239,6 +239,17 @@ def test_a_model_without_sdpa_is_sent_to_the_runtime(calibration):
         CalibratedPress(calibration, compression_ratio=0.5).post_init_from_model(model)
 
 
+def test_a_model_whose_layers_read_another_layers_cache_is_sent_to_the_runtime(calibration):
+    """Gemma 3n and Gemma 4 E2B / E4B: their last layers attend to an earlier layer's cache, which kvpress's masks
+    (per attention module) would leave whole for them; kvcal's runtime evicts it for every layer reading it
+    (tests/test_kv_sharing.py)."""
+    from test_architecture_matrix import tiny_model
+
+    model = tiny_model("gemma3n_text", layer_types=["full_attention"] * 4, num_kv_shared_layers=2)
+    with pytest.raises(ValueError, match=r"attend to an earlier layer's cache.*runtime.generate"):
+        CalibratedPress(calibration, compression_ratio=0.5).post_init_from_model(model)
+
+
 def test_a_ratio_set_after_construction_is_served(embedded_model, calibration):
     """kvpress's evaluation harness sets ``press.compression_ratio`` on a built press: the press
     serves the new ratio from the next time kvpress enters it, with the artifact's budgets for it."""

@@ -120,6 +120,7 @@ class ReconstructionLayer(DynamicLayer):
         self.span = (0, 0)  # positions [start, end) of the context the current chunk reconstructs
         self.sink = 0  # the first `sink` positions sit in every chunk's softmax
         self._pending = None
+        self._shared = None  # what the layers reading the base layer's cache attend (attend_shared)
         self.is_initialized = True
         self.dtype, self.device = base.dtype, base.device
 
@@ -157,13 +158,66 @@ class ReconstructionLayer(DynamicLayer):
             raise ValueError("the reconstruction chunk has no padding")
         new_keys, new_values = self._pending
         self._pending = None
-        _, num_q_heads, q_len, dim = query.shape
-        heads = self.base.num_heads
-        group = num_q_heads // heads
-        output = query.new_zeros(1, q_len, num_q_heads, dim)
+        q_len = query.shape[2]
+        output = self._attention(query, new_keys, new_values, positions, scaling, window, softcap, sinks)
+        if self.base.shared_by:  # the layers reading the base layer's cache attend the same keys next
+            self._shared = [(new_keys, new_values, positions, scaling, window, softcap, q_len), self.base.shared_by]
+        group = query.shape[1] // self.base.num_heads
         causal = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
         start, end = self.span
-        for h in range(heads):
+        for h in range(self.base.num_heads):
+            keys, _, kept_positions = self.base.head(self.row, h)
+            q = query[0, h * group : (h + 1) * group]  # [G, q, d]
+            # the score: softmax over the prefix, this chunk's context span and the chunk itself
+            kept_positions = kept_positions.long()
+            rows = ((kept_positions < self.sink) | ((kept_positions >= start) & (kept_positions < end))).nonzero()
+            rows = rows.squeeze(1)
+            scored = keys.index_select(0, rows).float()  # [m, d]
+            own = new_keys[0, h].float()
+            best = torch.zeros(rows.shape[0], dtype=torch.float32, device=query.device)
+            if window is not None:  # a sliding layer's query at p sees keys at k > p - W, as in its forward pass
+                key_positions = torch.cat([kept_positions.index_select(0, rows), positions[0].long().to(rows.device)])
+                visible = positions[0].long().to(rows.device).unsqueeze(1) - key_positions.unsqueeze(0) < window
+                visible[:, rows.shape[0] :] &= causal
+            for lo in range(0, q_len, self.query_block):
+                hi = min(lo + self.query_block, q_len)
+                block = q[:, lo:hi].float()  # [G, b, d]
+                logits = soft_cap(torch.cat([block @ scored.T, block @ own.T], dim=-1) * scaling, softcap)
+                if window is None:
+                    logits[..., rows.shape[0] :].masked_fill_(~causal[lo:hi], float("-inf"))
+                else:
+                    logits.masked_fill_(~visible[lo:hi], float("-inf"))
+                weights = torch.softmax(logits, dim=-1)[..., : rows.shape[0]]
+                best = torch.maximum(best, weights.amax(dim=(0, 1)))
+            target = self.scores[h]
+            where = kept_positions.index_select(0, rows).to(target.device)
+            target[where] = torch.maximum(target[where], best.to(target.device))
+        return output
+
+    def attend_shared(self, query: torch.Tensor, *, window=None, softcap=None) -> tuple[torch.Tensor, bool]:
+        """A layer reading the base layer's cache (``RaggedLayer.attend_shared``) attends its ``query`` over what
+        :meth:`attend` attended (the chunk's last columns where it has fewer), scoring nothing: its outputs reach
+        only later readers, never a layer kvcal scores (the readers are the model's last layers).  Returns
+        ``(output, False)``: nothing follows a reconstruction layer's attention."""
+        if self._shared is None:
+            raise RuntimeError("a layer reading the reconstruction layer's cache attended before it did")
+        (new_keys, new_values, positions, scaling, shared_window, shared_softcap, q_len), left = self._shared
+        if (window, softcap) != (shared_window, shared_softcap):
+            raise ValueError("a layer reading another's cache attends with another window or soft-cap")
+        count = query.shape[2]
+        if count < q_len:  # the chunk's last columns (transformers' Gemma 4): zero queries before them, dropped
+            query = torch.cat([query.new_zeros(*query.shape[:2], q_len - count, query.shape[3]), query], dim=2)
+        output = self._attention(query, new_keys, new_values, positions, scaling, window, softcap, None)
+        self._shared = None if left == 1 else [self._shared[0], left - 1]
+        return output[:, q_len - count :], False
+
+    def _attention(self, query, new_keys, new_values, positions, scaling, window, softcap, sinks) -> torch.Tensor:
+        """``[1, q, Hq, d]``: each query head over its KV head's retained tokens of the row and the chunk (causal)."""
+        _, num_q_heads, q_len, dim = query.shape
+        group = num_q_heads // self.base.num_heads
+        output = query.new_zeros(1, q_len, num_q_heads, dim)
+        causal = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+        for h in range(self.base.num_heads):
             keys, values, kept_positions = self.base.head(self.row, h)
             old = keys.shape[0]
             q = query[0, h * group : (h + 1) * group]  # [G, q, d]
@@ -189,30 +243,6 @@ class ReconstructionLayer(DynamicLayer):
                     s_aux=None if sinks is None else sinks[h * group : (h + 1) * group],
                 )[0][0].transpose(0, 1)  # [G, q, d]
             output[0, :, h * group : (h + 1) * group] = out.transpose(0, 1)
-            # the score: softmax over the prefix, this chunk's context span and the chunk itself
-            kept_positions = kept_positions.long()
-            rows = ((kept_positions < self.sink) | ((kept_positions >= start) & (kept_positions < end))).nonzero()
-            rows = rows.squeeze(1)
-            scored = keys.index_select(0, rows).float()  # [m, d]
-            own = new_keys[0, h].float()
-            best = torch.zeros(rows.shape[0], dtype=torch.float32, device=query.device)
-            if window is not None:  # a sliding layer's query at p sees keys at k > p - W, as in its forward pass
-                key_positions = torch.cat([kept_positions.index_select(0, rows), positions[0].long().to(rows.device)])
-                visible = positions[0].long().to(rows.device).unsqueeze(1) - key_positions.unsqueeze(0) < window
-                visible[:, rows.shape[0] :] &= causal
-            for lo in range(0, q_len, self.query_block):
-                hi = min(lo + self.query_block, q_len)
-                block = q[:, lo:hi].float()  # [G, b, d]
-                logits = soft_cap(torch.cat([block @ scored.T, block @ own.T], dim=-1) * scaling, softcap)
-                if window is None:
-                    logits[..., rows.shape[0] :].masked_fill_(~causal[lo:hi], float("-inf"))
-                else:
-                    logits.masked_fill_(~visible[lo:hi], float("-inf"))
-                weights = torch.softmax(logits, dim=-1)[..., : rows.shape[0]]
-                best = torch.maximum(best, weights.amax(dim=(0, 1)))
-            target = self.scores[h]
-            where = kept_positions.index_select(0, rows).to(target.device)
-            target[where] = torch.maximum(target[where], best.to(target.device))
         return output
 
 

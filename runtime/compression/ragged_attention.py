@@ -14,7 +14,9 @@ The ragged function receives post-RoPE ``query [B, Hq, q, d]`` and the new chunk
 it hands over to :meth:`RaggedLayer.attend` (each query head over its KV head's retained
 tokens), then hands the layer to the eviction driver (:func:`runtime.compression.driver.after_attention`:
 the decode-time evictions due); with any other cache (or none) it is exactly transformers' SDPA
-attention, so an enabled model keeps working with ordinary caches.
+attention, so an enabled model keeps working with ordinary caches.  A layer that reads an earlier layer's cache
+(KV sharing: Gemma 3n, Gemma 4 E2B / E4B) is handed that layer's tagged chunk and attends as it did
+(:meth:`RaggedLayer.attend_shared`); the eviction driver then runs after the last such layer.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from artifacts.fingerprint import kv_shared_layers
 from runtime.compression.driver import after_attention
 from runtime.kv_store.attention_interface import attention_implementation, register_attention, switch_attention
 from runtime.kv_store.cache import ATTENTION_NAME, LAYER_TAG, RaggedLayer
@@ -84,6 +87,15 @@ def ragged_attention_forward(
         )
     if dropout:
         raise ValueError("ragged attention does not implement attention dropout (use model.eval())")
+    if sliding_window is None:  # a module that passes none where its model's mask slides (PhiMoE)
+        sliding_window = layer.mask_window
+    if _reads_another_layers_cache(module):  # KV sharing: the layer that computed these keys attended them first
+        if sinks is not None:
+            raise ValueError("the ragged attention cannot compute learned sinks in a layer reading another's cache")
+        output, last = layer.attend_shared(query, window=sliding_window, softcap=softcap)
+        if last:  # what follows the source layer's attention waited for the last of its readers
+            after_attention(layer)
+        return (output if output.is_contiguous() else output.contiguous()), None
     batch, _, q_len, dim = query.shape
     real = _real_tokens(attention_mask, batch, q_len)
     positions = kwargs.get("position_ids")
@@ -95,13 +107,20 @@ def ragged_attention_forward(
     if positions.shape != (batch, q_len):
         positions = positions.expand(batch, q_len)
     scale = float(scaling) if scaling is not None else dim**-0.5
-    if sliding_window is None:  # a module that passes none where its model's mask slides (PhiMoE)
-        sliding_window = layer.mask_window
     output = layer.attend(query, real, positions, scale, window=sliding_window, softcap=softcap, sinks=sinks)
-    if isinstance(layer, RaggedLayer):  # not KVzip's scoring layer (runtime.compression.kvzip), which stores nothing
+    # not KVzip's scoring layer (runtime.compression.kvzip), which stores nothing; nor yet a layer whose readers
+    # attend over its storage next (the last of them runs it)
+    if isinstance(layer, RaggedLayer) and not layer.owes_readers:
         after_attention(layer)  # the decode-time evictions due, then the sliding-window drop
     # contiguous, as transformers' own attention functions return it (AfMoE's module views it)
     return (output if output.is_contiguous() else output.contiguous()), None
+
+
+def _reads_another_layers_cache(module) -> bool:
+    """Whether attention ``module`` attends to an earlier layer's keys and values instead of its own
+    (``artifacts.fingerprint.kv_shared_layers``: Gemma 3n's and Gemma 4 E2B / E4B's last layers)."""
+    config = getattr(module, "config", None)
+    return config is not None and int(getattr(module, "layer_idx", -1)) in kv_shared_layers(config)
 
 
 def register() -> None:

@@ -41,12 +41,19 @@ run the ragged attention function, which is reported as an error at the next upd
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from artifacts.fingerprint import STATEFUL_ATTENTION_LAYER_TYPES, attention_chunks, sliding_layers_apart
+from artifacts.fingerprint import (
+    STATEFUL_ATTENTION_LAYER_TYPES,
+    attention_chunks,
+    kv_shared_layers,
+    sliding_layers_apart,
+)
 from runtime.kv_store.layer_attention import (
     chunk_only_attention,
     decode_kernel,
@@ -89,6 +96,20 @@ def _no_segments() -> torch.Tensor:
     return torch.zeros(0, 0, dtype=torch.int64)
 
 
+@dataclass
+class SharedChunk:
+    """What the layers reading a layer's cache attend (:meth:`RaggedLayer.attend_shared`): the layer's attention of
+    its last chunk for any query at the chunk's ``q_len`` columns, under its ``window`` and ``softcap``; the storage
+    ``generation`` it read (None: the chunk alone), and how many readers are ``left``."""
+
+    attention: Callable[[torch.Tensor], torch.Tensor]
+    q_len: int
+    window: int | None
+    softcap: float | None
+    generation: int | None
+    left: int
+
+
 class RaggedLayer(DynamicLayer):
     """One decoder layer's packed per-KV-head token stores (see the module docstring)."""
 
@@ -110,6 +131,10 @@ class RaggedLayer(DynamicLayer):
         self._layout: PageLayout | None = None  # built for the store generation self._layout_generation
         self._layout_generation = 0
         self._correction = PreparedCorrection()
+        # how many layers read this layer's cache instead of their own (RaggedCache.for_model:
+        # artifacts.fingerprint.kv_shared_layers), and what they attend next (attend_shared)
+        self.shared_by = 0
+        self._shared: SharedChunk | None = None
         self.model_config = None  # the model's config (RaggedCache.for_model): its attention is checked
         self.window: int | None = None  # a sliding-window layer's W (from the attention call), else None
         # the window the model's mask slides by where its attention passes none (PhiMoE), else None
@@ -260,8 +285,10 @@ class RaggedLayer(DynamicLayer):
 
     def reset(self) -> None:
         config, mask_window, attention_chunk = self.model_config, self.mask_window, self.attention_chunk
+        shared_by = self.shared_by
         self.__init__(self.layer_idx)
         self.model_config, self.mask_window, self.attention_chunk = config, mask_window, attention_chunk
+        self.shared_by = shared_by
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
@@ -398,6 +425,12 @@ class RaggedLayer(DynamicLayer):
             raise RuntimeError("RaggedLayer.attend called without a parked chunk (update() first)")
         if self._undropped:
             raise RuntimeError(f"layer {self.layer_idx}: drop_outside_window() was owed after the last chunk")
+        if self._shared is not None:
+            self._pending = None
+            raise RuntimeError(
+                f"layer {self.layer_idx}: {self._shared.left} of the layers reading its cache did not attend its last "
+                "chunk (a forward pass stopped part-way: prefill a new cache)"
+            )
         new_keys, new_values = self._pending
         self._pending = None
         self._set_variant(window, softcap)
@@ -433,24 +466,26 @@ class RaggedLayer(DynamicLayer):
         chunk_only = fresh and prepared is None
         if chunk_only and sinks is not None:
             chunk_only = not lse_kernel_serves(query, store, real, window, softcap, self.attention_chunk)
-        if chunk_only:
-            with label("kvcal.attention"):
-                output = chunk_only_attention(
-                    query,
-                    new_keys,
-                    new_values,
-                    real,
-                    scaling,
-                    positions=positions,
-                    window=window,
-                    softcap=softcap,
-                    sinks=sinks,
-                    attention_chunk=self.attention_chunk,
-                )
-        else:
-            # the layout of this storage generation (the property rebuilds it after a repack)
-            layout = self._layout if self._layout_generation == store.generation else self.layout
-            output = segment_layer_attention(
+        # the layout of this storage generation (the property rebuilds it after a repack)
+        layout = None if chunk_only else self._layout if self._layout_generation == store.generation else self.layout
+        attention_chunk = self.attention_chunk
+
+        def attention(query: torch.Tensor) -> torch.Tensor:  # this chunk's attention of any query at its columns
+            if chunk_only:
+                with label("kvcal.attention"):
+                    return chunk_only_attention(
+                        query,
+                        new_keys,
+                        new_values,
+                        real,
+                        scaling,
+                        positions=positions,
+                        window=window,
+                        softcap=softcap,
+                        sinks=sinks,
+                        attention_chunk=attention_chunk,
+                    )
+            return segment_layer_attention(
                 query,
                 store,
                 layout,
@@ -462,7 +497,13 @@ class RaggedLayer(DynamicLayer):
                 softcap=softcap,
                 sinks=sinks,
                 chunk=None if before is None else (new_keys, new_values, before),
-                attention_chunk=self.attention_chunk,
+                attention_chunk=attention_chunk,
+            )
+
+        output = attention(query)
+        if self.shared_by:  # the layers reading this cache attend next, over what this chunk attended
+            self._shared = SharedChunk(
+                attention, q_len, window, softcap, None if chunk_only else store.generation, self.shared_by
             )
         seen = None if self.attention_chunk is None else [row.real_seen for row in self.rows]
         self._advance_rows(q_len, counts)
@@ -470,6 +511,49 @@ class RaggedLayer(DynamicLayer):
             seen is not None and self._crosses_chunk(seen, [row.real_seen for row in self.rows])
         )
         return output
+
+    @property
+    def owes_readers(self) -> bool:
+        """Whether the layers reading this layer's cache (:attr:`shared_by`) are still to attend its last chunk over
+        the storage, which what follows its attention (``runtime.compression.driver.after_attention``: decode-time
+        evictions, the sliding-window drop) would change: the last of them runs it instead."""
+        return self._shared is not None and self._shared.generation is not None
+
+    def attend_shared(
+        self, query: torch.Tensor, *, window: int | None = None, softcap: float | None = None
+    ) -> tuple[torch.Tensor, bool]:
+        """A layer that reads this layer's cache instead of its own (KV sharing,
+        ``artifacts.fingerprint.kv_shared_layers``: Gemma 3n, Gemma 4 E2B / E4B) attends its ``query
+        [B, Hq, q, d]`` exactly as this layer attended its last chunk: over the tokens it held, evictions included,
+        and the chunk, with its positions, padding and correction.  ``q`` may be fewer than the chunk's columns: the
+        chunk's last ``q`` (transformers' Gemma 4 runs only the columns whose logits it keeps through these
+        layers).  Returns ``(output [B, q, Hq, d], whether it was the last reader owed what follows this layer's
+        attention)``: see :attr:`owes_readers`."""
+        shared = self._shared
+        if shared is None:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: a layer reading its cache attended before it did, or more than "
+                f"{self.shared_by} layers read it"
+            )
+        if (window, softcap) != (shared.window, shared.softcap):
+            raise ValueError(
+                f"layer {self.layer_idx} attended with window {shared.window} and soft-cap {shared.softcap}, a layer "
+                f"reading its cache with window {window} and soft-cap {softcap}: not the same attention"
+            )
+        if shared.generation is not None and self.store.generation != shared.generation:
+            raise RuntimeError(f"layer {self.layer_idx}: its storage changed before the layers reading it attended")
+        q_len = query.shape[2]
+        if q_len > shared.q_len:
+            raise ValueError(f"{q_len} queries read layer {self.layer_idx}'s chunk of {shared.q_len} columns")
+        if q_len < shared.q_len:  # the chunk's last columns: the others' queries are zeros, their outputs dropped
+            batch, heads, _, dim = query.shape
+            query = torch.cat([query.new_zeros(batch, heads, shared.q_len - q_len, dim), query], dim=2)
+        output = shared.attention(query)[:, shared.q_len - q_len :]
+        shared.left -= 1
+        if shared.left:
+            return output, False
+        self._shared = None
+        return output, shared.generation is not None
 
     def drop_outside_window(self) -> None:
         """A sliding-window layer drops every token the next query cannot see (those at or before its
@@ -691,6 +775,8 @@ class RaggedCache(Cache):
             layer.model_config, layer.mask_window, layer.attention_chunk = model.config, window, chunk
         for layer in cache.window_layers.values():  # their window: what the attention call passes
             layer.model_config = model.config
+        for source in kv_shared_layers(geometry.text_config).values():  # the layers reading its cache, not theirs
+            cache.layers[source].shared_by += 1
         return cache
 
     @property
@@ -891,11 +977,13 @@ def fill_stacked(target: RaggedLayer, sources: list[RaggedLayer]) -> None:
     layer by layer), its buffers new: decoding it never writes into the sources, nor they into it."""
     if not all(source.is_initialized for source in sources):
         if len(sources) == 1:  # copying an empty layer
+            target.shared_by = sources[0].shared_by
             return
         raise ValueError("caches to stack must all be prefilled")
     if len({(s.num_heads, s.head_dim, s.dtype, s.key_buffer.device) for s in sources}) != 1:
         raise ValueError("caches to stack must have the same KV heads, head dim, dtype and device")
     base = sources[0]
+    target.shared_by = base.shared_by
     target.is_initialized = True
     target.dtype, target.device = base.dtype, base.device
     target.keys, target.values = base.keys, base.values
@@ -930,13 +1018,14 @@ def other_layers(model, geometry: ModelGeometry) -> tuple[dict, dict]:
     both empty for other models."""
     config = geometry.text_config
     types = getattr(config, "layer_types", None) or ()
-    if len(geometry.layer_indices) == int(config.num_hidden_layers) and not set(types) & set(
+    readers = kv_shared_layers(config)  # layers attending to another's cache: none of their own (transformers' too)
+    if len(geometry.layer_indices) + len(readers) == int(config.num_hidden_layers) and not set(types) & set(
         STATEFUL_ATTENTION_LAYER_TYPES
     ):
         return {}, {}
     attention = set(geometry.layer_indices)
     if sliding_layers_apart(config):
-        return {index: RaggedLayer(index) for index in range(len(types)) if index not in attention}, {}
+        return {index: RaggedLayer(index) for index in range(len(types)) if index not in attention | set(readers)}, {}
     from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
 
     kinds, options = get_layer_types_and_kwargs(config)

@@ -49,6 +49,7 @@ from artifacts.fingerprint import (
     decoder_stack,
     has_query_norm,
     held_layer_config,
+    kv_shared_layers,
     layer_attention,
     sliding_layers_apart,
     text_config,
@@ -281,14 +282,15 @@ class ModelGeometry:
         """The layer (index into this geometry's tuples and the artifact's ``L`` axis) of an attention module
         transformers numbers ``module.layer_idx`` among the decoder layers: that index, but in a hybrid model;
         None for an attention module of a layer held apart from the artifact's (Gemma 4's sliding layers:
-        ``artifacts.fingerprint.sliding_layers_apart``), which kvcal neither measures nor evicts."""
+        ``artifacts.fingerprint.sliding_layers_apart``), which kvcal neither measures nor evicts, and for a layer
+        attending to an earlier layer's cache (``artifacts.fingerprint.kv_shared_layers``), which has none."""
         index = int(module.layer_idx)
         if self.layer_indices[index : index + 1] == (index,):  # the first index + 1 decoder layers all attend
             return index
         try:
             return self.layer_indices.index(index)
         except ValueError:
-            if sliding_layers_apart(self.text_config):
+            if sliding_layers_apart(self.text_config) or index in kv_shared_layers(self.text_config):
                 return None
             raise ValueError(f"decoder layer {index} has no KV cache (a recurrent layer of a hybrid model)") from None
 
@@ -365,7 +367,8 @@ class ModelGeometry:
         indices = attention_layer_indices(config)
         types = getattr(config, "layer_types", None) or ()
         # (Gemma 4's sliding layers, left out as well, are held in kvcal's own layers: nothing of transformers needed)
-        left = len(indices) != len(layers) and not sliding_layers_apart(config)
+        readers = kv_shared_layers(config)
+        left = len(indices) + len(readers) != len(layers) and not sliding_layers_apart(config)
         if left or any(kind in STATEFUL_ATTENTION_LAYER_TYPES for kind in types):
             _refuse_recurrent_layers_kvcal_cannot_hold(name, layers, config)
 
@@ -374,6 +377,7 @@ class ModelGeometry:
         except ValueError as exc:
             raise UnsupportedModelError(f"{name}: {exc}") from None
         check_routes_attention(model)
+        _check_kv_sharing(name, layers, readers)
 
         query_norm = has_query_norm(model)
         first = attention_of(layers[indices[0]]) if indices else None
@@ -450,6 +454,26 @@ class ModelGeometry:
         )
 
 
+def _check_kv_sharing(name: str, layers, readers: dict[int, int]) -> None:
+    """The model's attention modules share keys and values as ``readers`` (:func:`kv_shared_layers`, from the
+    config) says: each reader marked ``is_kv_shared_layer`` (and, in transformers 5.2, reading the source named),
+    every other layer not."""
+    for index, layer in enumerate(layers):
+        attention = attention_of(layer)
+        marked = getattr(attention, "is_kv_shared_layer", False) is True
+        if marked != (index in readers):
+            raise UnsupportedModelError(
+                f"{name}: layer {index} {'attends' if marked else 'does not attend'} to an earlier layer's keys and "
+                f"values, which its config (num_kv_shared_layers) says {'it does not' if marked else 'it does'}"
+            )
+        source = getattr(attention, "kv_shared_layer_index", None)
+        if index in readers and source is not None and int(source) != readers[index]:
+            raise UnsupportedModelError(
+                f"{name}: layer {index} reads the keys and values of layer {source}, not of layer {readers[index]}, "
+                "the last earlier layer of its type"
+            )
+
+
 def mask_windows(model, geometry: ModelGeometry) -> tuple[int | None, ...]:
     """Per layer, the window to attend with where the attention module passes no ``sliding_window``:
     the config's (``geometry.sliding_windows``) when the model's decoder stack builds a
@@ -493,12 +517,10 @@ def check_config(config, name: str | None = None) -> None:
                 f"{name}: {', '.join(without)} layers without RoPE parameters (rope_parameters[{without[0]!r}] is "
                 "None, as in Beam) are not supported: the rotary embedding cannot be read for them"
             )
-    shared = getattr(config, "num_kv_shared_layers", None)
-    if isinstance(shared, int) and shared > 0:
-        raise UnsupportedModelError(
-            f"{name}: keys and values shared across layers (num_kv_shared_layers={shared}: the last layers attend "
-            "to an earlier layer's cache, as in Gemma 3n) are not supported"
-        )
+    try:  # Gemma 3n, Gemma 4 E2B / E4B: the last layers attend to an earlier layer's cache (served)
+        kv_shared_layers(config)
+    except ValueError as exc:
+        raise UnsupportedModelError(f"{name}: {exc}: not supported") from None
     loops = getattr(config, "n_recurrent_loops", None)
     if isinstance(loops, int) and not isinstance(loops, bool) and loops > 1:
         raise UnsupportedModelError(
