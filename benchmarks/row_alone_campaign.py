@@ -7,7 +7,8 @@ kvcal promises that padding is never stored and each row is compressed on its ow
 it.  The tests check that on chosen cases; this draws many at random, over what a request can combine:
 the architecture (tests/tiny_architectures.py's ten tiny models: sliding windows, soft-capping, query
 norms, fused projections; a tiny Llama 4 with chunks of 64 positions; a tiny gpt-oss with learned sinks;
-a tiny Qwen3.5, Gated DeltaNet layers beside attention; a tiny Gemma 4, its sliding layers transformers' own),
+a tiny Qwen3.5, Gated DeltaNet layers beside attention; a tiny Gemma 4, its sliding layers held apart; tiny
+Gemma 3n and Gemma 4 whose last two layers read earlier layers' caches),
 2-3 rows of 12-200 tokens, question-aware or
 question-agnostic prompts (``build_inputs``), several questions about one context compressed once
 (``answer``'s path), beam search (2 beams), every artifact-free scorer, the ratio evicted (0 to 0.95) or
@@ -61,6 +62,7 @@ def architectures() -> dict:
     from test_attention_sinks import gpt_oss
     from test_gemma4 import gemma4
     from test_hybrid_models import hybrid
+    from test_kv_sharing import sharing
     from test_rope_forms import _llama4_with_chunks
 
     made = {name: (lambda name=name: tiny_architectures.make_tiny(name)) for name in tiny_architectures.NAMES}
@@ -69,12 +71,16 @@ def architectures() -> dict:
     made["qwen3.5-hybrid"] = lambda: hybrid()
     if hasattr(transformers, "Gemma4ForCausalLM"):  # sliding layers transformers' own, full ones of another geometry
         made["gemma4"] = lambda: gemma4()
+    # KV sharing: six layers, the last two reading layers 2 and 3's caches (tests/test_kv_sharing.py)
+    made["gemma3n-kv-sharing"] = lambda: sharing("gemma3n_text")
+    if hasattr(transformers, "Gemma4ForCausalLM"):
+        made["gemma4-kv-sharing"] = lambda: sharing("gemma4_text")
     return made
 
 
 # KNorm ranks keys by their norm, which an RMS norm over each head (with the tiny models' unit weights) makes equal
 # up to rounding: the ranking is then rounding's, in a batch as alone, and says nothing of kvcal's logic
-KEYS_OF_ONE_NORM = ("qwen3", "gemma3", "qwen3.5-hybrid", "gemma4")
+KEYS_OF_ONE_NORM = ("qwen3", "gemma3", "qwen3.5-hybrid", "gemma4", "gemma3n-kv-sharing", "gemma4-kv-sharing")
 
 
 def draw_case(rng: random.Random, index: int, names: list[str]) -> dict:
