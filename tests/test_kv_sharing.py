@@ -159,6 +159,25 @@ def test_transformers_generate_over_the_cache_is_the_models_own(model_type):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@torch.no_grad()
+def test_gemma4s_readers_attend_only_the_columns_it_runs_through_them(monkeypatch):
+    """transformers' Gemma 4 runs a prefill's readers over the columns whose logits it keeps alone (kvcal's prefill
+    keeps one): each reader attends those queries over the chunk (``chunk_tail_attention``: ``t q`` logits), not
+    the whole chunk's ``q^2``, and the answer is the model's own."""
+    import runtime.kv_store.cache as cache_module
+
+    model = sharing("gemma4_text")
+    calls = []
+    own = cache_module.chunk_tail_attention
+    monkeypatch.setattr(
+        cache_module, "chunk_tail_attention", lambda query, *a, **k: calls.append(query.shape[2]) or own(query, *a, **k)
+    )
+    ids = torch.randint(3, 500, (1, 90), generator=torch.Generator().manual_seed(7))
+    result = generate(model, ids, None, max_new_tokens=3)
+    assert calls == [1, 1]  # the prompt's forward pass: readers 4 and 5, one query each
+    assert torch.equal(result.sequences, model.generate(ids, max_new_tokens=3, do_sample=False))
+
+
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 @pytest.mark.parametrize("policy", [None, CompressionPolicy(compression_ratio=0.75, scorer="keydiff")], ids=repr)
 def test_decode_steps_are_replayed(model_type, policy, monkeypatch):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import runtime.kv_store.layer_attention as layer_attention
-from runtime.kv_store.layer_attention import chunk_only_attention
+from runtime.kv_store.layer_attention import chunk_only_attention, chunk_tail_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -148,3 +148,35 @@ def test_a_masked_first_chunk_keeps_sdpa_on_a_fused_kernel(monkeypatch):
     chunk_only_attention(query, keys, values, real, 0.25, positions=positions, attention_chunk=16)
     chunk_only_attention(query, keys, values, real, 0.25)  # a left-padded first chunk, no window: its padding mask
     assert len(calls) == 3 and all(masked and q == k == v and not gqa for q, k, v, masked, gqa in calls), calls
+
+
+@pytest.mark.parametrize("tail", [1, 5, 150])
+@pytest.mark.parametrize(
+    "features", [dict(), dict(window=16), dict(softcap=2.0, window=40), dict(attention_chunk=64), dict(sinks=True)]
+)
+@pytest.mark.parametrize("padding", [(0, 37), (0, 0)])
+def test_the_chunks_last_columns_alone_equal_every_pair(tail, features, padding):
+    """``chunk_tail_attention``: the queries of the chunk's last ``tail`` columns alone (a layer reading another's
+    cache, which Gemma 4 runs only where generate() keeps logits) over the whole chunk, without a window, with
+    one (columns bounding positions: the keys trimmed), soft-capping, attention chunks and learned sinks: the
+    float64 reference's last rows within 1e-5."""
+    query, keys, values, real, positions = _inputs(padding=padding)
+    options = dict(features)
+    sinks = torch.linspace(-1.0, 3.0, 4) if options.pop("sinks", False) else None
+    expected = reference(
+        query,
+        keys,
+        values,
+        real,
+        positions,
+        options.get("window"),
+        0.25,
+        options.get("softcap"),
+        sinks,
+        chunk=options.get("attention_chunk"),
+    )
+    got = chunk_tail_attention(
+        query[:, :, -tail:], keys, values, real, 0.25, positions=positions, sinks=sinks, **options
+    )
+    assert got.shape == (2, tail, 4, 16)
+    torch.testing.assert_close(got.double(), expected[:, -tail:], atol=1e-5, rtol=1e-5)

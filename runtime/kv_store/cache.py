@@ -56,6 +56,7 @@ from artifacts.fingerprint import (
 )
 from runtime.kv_store.layer_attention import (
     chunk_only_attention,
+    chunk_tail_attention,
     decode_kernel,
     lse_kernel_serves,
     segment_layer_attention,
@@ -470,10 +471,13 @@ class RaggedLayer(DynamicLayer):
         layout = None if chunk_only else self._layout if self._layout_generation == store.generation else self.layout
         attention_chunk = self.attention_chunk
 
-        def attention(query: torch.Tensor) -> torch.Tensor:  # this chunk's attention of any query at its columns
+        def attention(query: torch.Tensor) -> torch.Tensor:
+            """This chunk's attention of queries at its columns, or at its last ``t`` columns (``query [B, Hq, t,
+            d]``, ``t`` fewer: a layer reading this one's cache, run only where its model keeps logits)."""
+            tail = query.shape[2]
             if chunk_only:
                 with label("kvcal.attention"):
-                    return chunk_only_attention(
+                    return (chunk_only_attention if tail == q_len else chunk_tail_attention)(
                         query,
                         new_keys,
                         new_values,
@@ -485,6 +489,9 @@ class RaggedLayer(DynamicLayer):
                         sinks=sinks,
                         attention_chunk=attention_chunk,
                     )
+            if tail < q_len:  # zero queries at the columns before, their outputs dropped (the kernels take the chunk)
+                batch, heads, _, dim = query.shape
+                query = torch.cat([query.new_zeros(batch, heads, q_len - tail, dim), query], dim=2)
             return segment_layer_attention(
                 query,
                 store,
@@ -498,7 +505,7 @@ class RaggedLayer(DynamicLayer):
                 sinks=sinks,
                 chunk=None if before is None else (new_keys, new_values, before),
                 attention_chunk=attention_chunk,
-            )
+            )[:, q_len - tail :]
 
         output = attention(query)
         if self.shared_by:  # the layers reading this cache attend next, over what this chunk attended
@@ -542,13 +549,9 @@ class RaggedLayer(DynamicLayer):
             )
         if shared.generation is not None and self.store.generation != shared.generation:
             raise RuntimeError(f"layer {self.layer_idx}: its storage changed before the layers reading it attended")
-        q_len = query.shape[2]
-        if q_len > shared.q_len:
-            raise ValueError(f"{q_len} queries read layer {self.layer_idx}'s chunk of {shared.q_len} columns")
-        if q_len < shared.q_len:  # the chunk's last columns: the others' queries are zeros, their outputs dropped
-            batch, heads, _, dim = query.shape
-            query = torch.cat([query.new_zeros(batch, heads, shared.q_len - q_len, dim), query], dim=2)
-        output = shared.attention(query)[:, shared.q_len - q_len :]
+        if query.shape[2] > shared.q_len:
+            raise ValueError(f"{query.shape[2]} queries read layer {self.layer_idx}'s chunk of {shared.q_len} columns")
+        output = shared.attention(query)
         shared.left -= 1
         if shared.left:
             return output, False

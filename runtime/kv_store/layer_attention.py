@@ -92,6 +92,37 @@ def chunk_only_attention(
     return out * real[:, :, None, None].to(out.dtype)
 
 
+def chunk_tail_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    real: torch.Tensor | None,
+    scaling: float,
+    *,
+    positions: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
+) -> torch.Tensor:
+    """:func:`chunk_only_attention` of the chunk's last ``t`` columns alone: ``query [B, Hq, t, d]`` over
+    ``keys / values [B, Hkv, q, d]`` (``t <= q``), ``real`` and ``positions`` ``[B, q]`` the whole chunk's.
+    Returns ``[B, t, Hq, d]``, what :func:`chunk_only_attention` gives those columns (a layer reading another's
+    cache, whose model runs only the columns whose logits it keeps: Gemma 4; ``t q`` logits, not ``q^2``)."""
+    tail, total = query.shape[2], keys.shape[2]
+    start = total - tail
+    reach = min(span for span in (window, attention_chunk, total) if span is not None)
+    if reach < total and positions is None:
+        raise ValueError("a sliding window or attention chunks need the chunk's positions")
+    first_seen = None if reach == total else first_visible(positions, window, attention_chunk)  # [B, q]
+    first = max(0, start - reach + 1) if reach < total and _columns_bound_positions(real, positions) else 0
+    visible = _visible(real, positions, first_seen, start, total, first, query.device)  # [B, t, keys]
+    out = _block_attention(query, keys[:, :, first:], values[:, :, first:], visible, scaling, softcap, sinks)
+    if real is not None:
+        out = out * real[:, start:, None, None].to(out.dtype)
+    return out  # [B, t, Hq, d]
+
+
 def masked_sdpa(query, keys, values, mask, scaling: float) -> torch.Tensor:
     """sdpa of ``query [B, Hq, q, d]`` over ``keys / values [B, Hkv, k, d]`` where ``mask`` (bool, broadcast to
     ``[B, Hq, q, k]``), each KV head repeated for its query heads: with a mask, sdpa's ``enable_gqa`` falls back
