@@ -257,3 +257,40 @@ def test_gemma4_e2b_e4b_as_checkpoints_ship_are_served_as_their_language_model_a
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     results = [generate(model, ids, policy, context_columns=70, max_new_tokens=6) for model in (wrapper, alone)]
     assert torch.equal(results[0].sequences, results[1].sequences)
+
+
+@pytest.mark.slow
+def test_a_gemma4_e2b_e4b_checkpoint_profiles_and_serves(tmp_path, embedded_tokenizer, capsys):
+    """Every stage of a smoke profile on a saved multimodal Gemma 4 whose language model shares KV (as E2B / E4B
+    ship), loaded whole as ``profile-model`` loads it: the artifact covers its full layers that own a cache, records
+    which layer reads which, ``evaluate-artifact`` runs on it, and the flagship served from it evicts and generates."""
+    import transformers as T
+    from conftest import profile_every_stage
+    from test_architecture_matrix import built
+    from test_multimodal_checkpoints import GEMMA4_TEXT, VOCABULARY, _gemma4
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from artifacts import open_artifact
+
+    if "gemma4" not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {T.__version__} has no Gemma 4")
+    vocabulary = len(embedded_tokenizer)
+    # the probes' tasks need more than the multimodal tests' 512 positions
+    shape = dict(num_hidden_layers=6, layer_types=LAYER_TYPES, vocab_size=vocabulary, max_position_embeddings=1024)
+    text = {**GEMMA4_TEXT, **shape, "num_kv_shared_layers": 2}
+    arguments = _gemma4(text)
+    for name in ("image_token_id", "boi_token_id", "eoi_token_id", "video_token_id"):  # at the vocabulary's end
+        arguments[name] += vocabulary - VOCABULARY
+    wrapper = built(T.Gemma4ForConditionalGeneration, CONFIG_MAPPING["gemma4"](**arguments))
+    out = profile_every_stage(wrapper, tmp_path, embedded_tokenizer, capsys)
+    with open_artifact(out) as reader:
+        assert len(reader.sections) == 8 and reader.model.num_layers == 2
+        assert '"kv_shared_layers":[[4,2],[5,3]]' in reader.model.attention_variant.replace(" ", "")
+    assert_evaluate_artifact_runs(tmp_path / "model", out, tmp_path / "evaluation.json", capsys)
+    calibration = load_calibration(wrapper, embedded_tokenizer, path=out)
+    ids = torch.randint(3, 500, (1, 200), generator=torch.Generator().manual_seed(4))
+    result = generate(
+        wrapper, ids, FLAGSHIP.policy(0.75), calibration=calibration, context_columns=190, max_new_tokens=4
+    )
+    assert result.new_tokens.shape == (1, 4)
+    assert result.report.kv_bytes_after < result.report.kv_bytes_before
