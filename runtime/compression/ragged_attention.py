@@ -119,8 +119,10 @@ def ragged_attention_forward(
 def _reads_another_layers_cache(module) -> bool:
     """Whether attention ``module`` attends to an earlier layer's keys and values instead of its own
     (``artifacts.fingerprint.kv_shared_layers``: Gemma 3n's and Gemma 4 E2B / E4B's last layers)."""
-    config = getattr(module, "config", None)
-    return config is not None and int(getattr(module, "layer_idx", -1)) in kv_shared_layers(config)
+    config = getattr(module, "config", None)  # the text config: an attention module's own
+    if not getattr(config, "num_kv_shared_layers", None):  # every other model, at every call: one attribute read
+        return False
+    return int(getattr(module, "layer_idx", -1)) in kv_shared_layers(config)
 
 
 def register() -> None:
