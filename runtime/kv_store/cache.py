@@ -492,7 +492,7 @@ class RaggedLayer(DynamicLayer):
             if tail < q_len:  # zero queries at the columns before, their outputs dropped (the kernels take the chunk)
                 batch, heads, _, dim = query.shape
                 query = torch.cat([query.new_zeros(batch, heads, q_len - tail, dim), query], dim=2)
-            return segment_layer_attention(
+            output = segment_layer_attention(
                 query,
                 store,
                 layout,
@@ -505,7 +505,8 @@ class RaggedLayer(DynamicLayer):
                 sinks=sinks,
                 chunk=None if before is None else (new_keys, new_values, before),
                 attention_chunk=attention_chunk,
-            )[:, q_len - tail :]
+            )
+            return output if tail == q_len else output[:, q_len - tail :]  # no op dispatched for a whole chunk
 
         output = attention(query)
         if self.shared_by:  # the layers reading this cache attend next, over what this chunk attended
