@@ -14,12 +14,11 @@ rows, the block-wise prefill of a padded batch, replayed decode steps, and a who
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from test_hybrid_models import (
     assert_decode_steps_replayed,
-    assert_evaluate_artifact_runs,
+    assert_profile_served_back,
     assert_questions_answered_as_each_alone,
     decode_from_cache,
     padded_prompt,
@@ -28,11 +27,10 @@ from test_prefill_eviction import PARTIAL_LAYER_POLICIES, assert_prefill_evictio
 from test_runtime_leverage_kvzip import ToyTokenizer, naive_kvzip
 
 from artifacts.fingerprint import architecture_numbers, attention_variant
-from runtime import CompressionPolicy, RaggedCache, load_calibration
+from runtime import CompressionPolicy, RaggedCache
 from runtime.compression.kvzip import kvzip_scores, reconstruction_chunks
 from runtime.compression.prefill import prefill
 from runtime.math.geometry import ModelGeometry, UnsupportedModelError, check_config
-from runtime.plan.policy_spec import FLAGSHIP
 from runtime.serve.generation import compress_prompt, generate
 
 # conftest: one torch thread; each test skips where transformers has no Gemma 4 (5.2: gemma4() skips)
@@ -217,23 +215,12 @@ def test_a_profile_of_gemma4_is_served_back(tmp_path, embedded_tokenizer, capsys
     """Every stage of a smoke profile on the tiny Gemma 4 saved with the embedded tokenizer: the sections' layer
     axis is its two full-attention layers; ``evaluate-artifact`` runs on it; the flagship served from the artifact
     evicts in both and generates."""
-    from conftest import profile_every_stage
 
-    from artifacts import open_artifact
+    def check(reader):
+        assert reader.model.head_dim == 32 and reader.section("budgets")["inf_kv"].shape == (2, 1)
 
     model = gemma4(vocab_size=len(embedded_tokenizer))
-    out = profile_every_stage(model, tmp_path, embedded_tokenizer, capsys)
-    with open_artifact(out) as reader:
-        assert len(reader.sections) == 8 and reader.model.num_layers == 2 and reader.model.head_dim == 32
-        assert reader.section("budgets")["inf_kv"].shape == (2, 1)
-        assert np.all(np.isfinite(reader.section("query_stats")["cov"]))
-        assert np.all(np.isfinite(reader.section("moments")["errors"]))
-    assert_evaluate_artifact_runs(tmp_path / "model", out, tmp_path / "evaluation.json", capsys)
-    calibration = load_calibration(model, embedded_tokenizer, path=out)
-    ids = torch.randint(3, 500, (1, 200), generator=torch.Generator().manual_seed(4))
-    result = generate(model, ids, FLAGSHIP.policy(0.75), calibration=calibration, context_columns=190, max_new_tokens=4)
-    assert result.new_tokens.shape == (1, 4)
-    assert result.report.kv_bytes_after < result.report.kv_bytes_before
+    assert_profile_served_back(model, tmp_path, embedded_tokenizer, capsys, layers=2, check=check)
 
 
 @torch.no_grad()

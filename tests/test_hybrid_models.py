@@ -277,6 +277,30 @@ def test_a_profile_of_a_hybrid_model_is_served_back(tmp_path, embedded_tokenizer
     assert result.report.kv_bytes_after < result.report.kv_bytes_before
 
 
+def assert_profile_served_back(model, tmp_path, tokenizer, capsys, layers: int, check=None) -> None:
+    """Every stage of a smoke profile on ``model`` saved with ``tokenizer`` (``conftest.profile_every_stage``):
+    eight sections whose layer axis holds ``layers``, finite query statistics and moment errors, and ``check
+    (reader)`` of the artifact where given; ``evaluate-artifact`` runs on it; the flagship served from it evicts and
+    generates."""
+    from conftest import profile_every_stage
+
+    from artifacts import open_artifact
+
+    out = profile_every_stage(model, tmp_path, tokenizer, capsys)
+    with open_artifact(out) as reader:
+        assert len(reader.sections) == 8 and reader.model.num_layers == layers
+        assert np.all(np.isfinite(reader.section("query_stats")["cov"]))
+        assert np.all(np.isfinite(reader.section("moments")["errors"]))
+        if check is not None:
+            check(reader)
+    assert_evaluate_artifact_runs(tmp_path / "model", out, tmp_path / "evaluation.json", capsys)
+    calibration = load_calibration(model, tokenizer, path=out)
+    ids = torch.randint(3, 500, (1, 200), generator=torch.Generator().manual_seed(4))
+    result = generate(model, ids, FLAGSHIP.policy(0.75), calibration=calibration, context_columns=190, max_new_tokens=4)
+    assert result.new_tokens.shape == (1, 4)
+    assert result.report.kv_bytes_after < result.report.kv_bytes_before
+
+
 def assert_evaluate_artifact_runs(model_dir, artifact, evaluation, capsys) -> None:
     """``evaluate-artifact`` on ``model_dir``'s model with ``artifact`` (smoke preset, retrieval on simple
     haystacks, the flagship and uniform/keydiff at 50 and 90% evicted) exits 0, writes its four results to

@@ -14,12 +14,11 @@ back.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from test_hybrid_models import (
     assert_decode_steps_replayed,
-    assert_evaluate_artifact_runs,
+    assert_profile_served_back,
     assert_questions_answered_as_each_alone,
 )
 from test_prefill_eviction import PARTIAL_LAYER_POLICIES, assert_prefill_eviction_is_prefill_then_compress
@@ -27,12 +26,11 @@ from test_runtime_cache import evicted_context, masked_reference_logits
 from test_runtime_leverage_kvzip import ToyTokenizer, naive_kvzip
 
 from artifacts.fingerprint import attention_variant, kv_shared_layers
-from runtime import CompressionPolicy, RaggedCache, load_calibration, ragged_attention
+from runtime import CompressionPolicy, RaggedCache, ragged_attention
 from runtime.compression.kvzip import kvzip_scores, reconstruction_chunks
 from runtime.compression.prefill import prefill
 from runtime.kv_store.transformers_compat import cache_argument
 from runtime.math.geometry import ModelGeometry, UnsupportedModelError, check_config
-from runtime.plan.policy_spec import FLAGSHIP
 from runtime.serve.generation import compress_prompt, generate
 
 # conftest: one torch thread
@@ -162,15 +160,15 @@ def test_transformers_generate_over_the_cache_is_the_models_own(model_type):
 @torch.no_grad()
 def test_gemma4s_readers_attend_only_the_columns_it_runs_through_them(monkeypatch):
     """transformers' Gemma 4 runs a prefill's readers over the columns whose logits it keeps alone (kvcal's prefill
-    keeps one): each reader attends those queries over the chunk (``chunk_tail_attention``: ``t q`` logits), not
+    keeps one): each reader attends those queries over the chunk (``chunk_only_attention``: ``t q`` logits), not
     the whole chunk's ``q^2``, and the answer is the model's own."""
-    import runtime.kv_store.cache as cache_module
+    import runtime.kv_store.layer_attention as layer_attention
 
     model = sharing("gemma4_text")
     calls = []
-    own = cache_module.chunk_tail_attention
+    own = layer_attention._chunk_tail_attention
     monkeypatch.setattr(
-        cache_module, "chunk_tail_attention", lambda query, *a, **k: calls.append(query.shape[2]) or own(query, *a, **k)
+        layer_attention, "_chunk_tail_attention", lambda query, *a: calls.append(query.shape[2]) or own(query, *a)
     )
     ids = torch.randint(3, 500, (1, 90), generator=torch.Generator().manual_seed(7))
     result = generate(model, ids, None, max_new_tokens=3)
@@ -211,23 +209,9 @@ def test_a_profile_is_served_back(model_type, tmp_path, embedded_tokenizer, caps
     """Every stage of a smoke profile on the tiny model saved with the embedded tokenizer: the sections' layer axis
     is its layers that own a cache; ``evaluate-artifact`` runs on it; the flagship served from the artifact evicts
     and generates."""
-    from conftest import profile_every_stage
-
-    from artifacts import open_artifact
-
     model = sharing(model_type, vocab_size=len(embedded_tokenizer))
     layers = len(ModelGeometry.of(model).layer_indices)
-    out = profile_every_stage(model, tmp_path, embedded_tokenizer, capsys)
-    with open_artifact(out) as reader:
-        assert len(reader.sections) == 8 and reader.model.num_layers == layers
-        assert np.all(np.isfinite(reader.section("query_stats")["cov"]))
-        assert np.all(np.isfinite(reader.section("moments")["errors"]))
-    assert_evaluate_artifact_runs(tmp_path / "model", out, tmp_path / "evaluation.json", capsys)
-    calibration = load_calibration(model, embedded_tokenizer, path=out)
-    ids = torch.randint(3, 500, (1, 200), generator=torch.Generator().manual_seed(4))
-    result = generate(model, ids, FLAGSHIP.policy(0.75), calibration=calibration, context_columns=190, max_new_tokens=4)
-    assert result.new_tokens.shape == (1, 4)
-    assert result.report.kv_bytes_after < result.report.kv_bytes_before
+    assert_profile_served_back(model, tmp_path, embedded_tokenizer, capsys, layers=layers)
 
 
 @torch.no_grad()
@@ -265,12 +249,9 @@ def test_a_gemma4_e2b_e4b_checkpoint_profiles_and_serves(tmp_path, embedded_toke
     ship), loaded whole as ``profile-model`` loads it: the artifact covers its full layers that own a cache, records
     which layer reads which, ``evaluate-artifact`` runs on it, and the flagship served from it evicts and generates."""
     import transformers as T
-    from conftest import profile_every_stage
     from test_architecture_matrix import built
     from test_multimodal_checkpoints import GEMMA4_TEXT, VOCABULARY, _gemma4
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    from artifacts import open_artifact
 
     if "gemma4" not in CONFIG_MAPPING:
         pytest.skip(f"transformers {T.__version__} has no Gemma 4")
@@ -282,15 +263,8 @@ def test_a_gemma4_e2b_e4b_checkpoint_profiles_and_serves(tmp_path, embedded_toke
     for name in ("image_token_id", "boi_token_id", "eoi_token_id", "video_token_id"):  # at the vocabulary's end
         arguments[name] += vocabulary - VOCABULARY
     wrapper = built(T.Gemma4ForConditionalGeneration, CONFIG_MAPPING["gemma4"](**arguments))
-    out = profile_every_stage(wrapper, tmp_path, embedded_tokenizer, capsys)
-    with open_artifact(out) as reader:
-        assert len(reader.sections) == 8 and reader.model.num_layers == 2
+
+    def check(reader):  # which layer reads which, in the fingerprint
         assert '"kv_shared_layers":[[4,2],[5,3]]' in reader.model.attention_variant.replace(" ", "")
-    assert_evaluate_artifact_runs(tmp_path / "model", out, tmp_path / "evaluation.json", capsys)
-    calibration = load_calibration(wrapper, embedded_tokenizer, path=out)
-    ids = torch.randint(3, 500, (1, 200), generator=torch.Generator().manual_seed(4))
-    result = generate(
-        wrapper, ids, FLAGSHIP.policy(0.75), calibration=calibration, context_columns=190, max_new_tokens=4
-    )
-    assert result.new_tokens.shape == (1, 4)
-    assert result.report.kv_bytes_after < result.report.kv_bytes_before
+
+    assert_profile_served_back(wrapper, tmp_path, embedded_tokenizer, capsys, layers=2, check=check)

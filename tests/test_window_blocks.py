@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import runtime.kv_store.layer_attention as layer_attention
-from runtime.kv_store.layer_attention import chunk_only_attention, chunk_tail_attention
+from runtime.kv_store.layer_attention import chunk_only_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread
 
@@ -156,7 +156,7 @@ def test_a_masked_first_chunk_keeps_sdpa_on_a_fused_kernel(monkeypatch):
 )
 @pytest.mark.parametrize("padding", [(0, 37), (0, 0)])
 def test_the_chunks_last_columns_alone_equal_every_pair(tail, features, padding):
-    """``chunk_tail_attention``: the queries of the chunk's last ``tail`` columns alone (a layer reading another's
+    """``chunk_only_attention`` of the queries of the chunk's last ``tail`` columns alone (a layer reading another's
     cache, which Gemma 4 runs only where generate() keeps logits) over the whole chunk, without a window, with
     one (columns bounding positions: the keys trimmed), soft-capping, attention chunks and learned sinks: the
     float64 reference's last rows within 1e-5."""
@@ -175,7 +175,7 @@ def test_the_chunks_last_columns_alone_equal_every_pair(tail, features, padding)
         sinks,
         chunk=options.get("attention_chunk"),
     )
-    got = chunk_tail_attention(
+    got = chunk_only_attention(
         query[:, :, -tail:], keys, values, real, 0.25, positions=positions, sinks=sinks, **options
     )
     assert got.shape == (2, tail, 4, 16)

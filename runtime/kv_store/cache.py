@@ -56,7 +56,6 @@ from artifacts.fingerprint import (
 )
 from runtime.kv_store.layer_attention import (
     chunk_only_attention,
-    chunk_tail_attention,
     decode_kernel,
     lse_kernel_serves,
     segment_layer_attention,
@@ -477,7 +476,7 @@ class RaggedLayer(DynamicLayer):
             tail = query.shape[2]
             if chunk_only:
                 with label("kvcal.attention"):
-                    return (chunk_only_attention if tail == q_len else chunk_tail_attention)(
+                    return chunk_only_attention(  # the chunk's last columns alone where tail is fewer
                         query,
                         new_keys,
                         new_values,

@@ -74,8 +74,16 @@ def chunk_only_attention(
     """Causal attention of the chunk over itself, padding keys hidden: ``query [B, Hq, q, d]``,
     ``keys / values [B, Hkv, q, d]``, ``real`` bool ``[B, q]`` (None: all real); ``positions`` int
     ``[B, q]`` (needed with a ``window`` or an ``attention_chunk``); learned ``sinks [Hq]`` (None: none).
-    Returns ``[B, q, Hq, d]``; rows of padding queries are zero."""
+    Returns ``[B, q, Hq, d]``; rows of padding queries are zero.
+
+    ``query`` may hold the chunk's last ``t < q`` columns alone (``[B, Hq, t, d]``; ``real`` and ``positions`` still
+    the chunk's): then ``[B, t, Hq, d]``, those columns' rows, at ``t q`` logits (a layer reading another's cache,
+    which Gemma 4 runs only where generate() keeps logits)."""
     q_len = query.shape[2]
+    if q_len < keys.shape[2]:
+        return _chunk_tail_attention(
+            query, keys, values, real, scaling, positions, window, softcap, sinks, attention_chunk
+        )
     if window is not None or softcap is not None or sinks is not None or attention_chunk is not None:
         return _masked_chunk_attention(
             query, keys, values, real, scaling, positions, window, softcap, sinks, attention_chunk
@@ -92,23 +100,10 @@ def chunk_only_attention(
     return out * real[:, :, None, None].to(out.dtype)
 
 
-def chunk_tail_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    real: torch.Tensor | None,
-    scaling: float,
-    *,
-    positions: torch.Tensor | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    attention_chunk: int | None = None,
-) -> torch.Tensor:
-    """:func:`chunk_only_attention` of the chunk's last ``t`` columns alone: ``query [B, Hq, t, d]`` over
-    ``keys / values [B, Hkv, q, d]`` (``t <= q``), ``real`` and ``positions`` ``[B, q]`` the whole chunk's.
-    Returns ``[B, t, Hq, d]``, what :func:`chunk_only_attention` gives those columns (a layer reading another's
-    cache, whose model runs only the columns whose logits it keeps: Gemma 4; ``t q`` logits, not ``q^2``)."""
+def _chunk_tail_attention(query, keys, values, real, scaling, positions, window, softcap, sinks, attention_chunk):
+    """:func:`chunk_only_attention` of the chunk's last ``t`` columns alone (``query [B, Hq, t, d]``, ``t`` fewer
+    than the chunk's ``q``): one block of queries over the keys their window or chunk reaches (the whole chunk
+    without one), ``t q`` logits.  ``[B, t, Hq, d]``."""
     tail, total = query.shape[2], keys.shape[2]
     start = total - tail
     reach = min(span for span in (window, attention_chunk, total) if span is not None)
@@ -120,7 +115,7 @@ def chunk_tail_attention(
     out = _block_attention(query, keys[:, :, first:], values[:, :, first:], visible, scaling, softcap, sinks)
     if real is not None:
         out = out * real[:, start:, None, None].to(out.dtype)
-    return out  # [B, t, Hq, d]
+    return out
 
 
 def masked_sdpa(query, keys, values, mask, scaling: float) -> torch.Tensor:
