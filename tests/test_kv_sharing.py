@@ -172,7 +172,9 @@ def test_gemma4s_readers_attend_only_the_columns_it_runs_through_them(monkeypatc
     )
     ids = torch.randint(3, 500, (1, 90), generator=torch.Generator().manual_seed(7))
     result = generate(model, ids, None, max_new_tokens=3)
-    assert calls == [1, 1]  # the prompt's forward pass: readers 4 and 5, one query each
+    # the prompt's forward pass: readers 4 and 5, one query each (transformers before 5.24, 5.17 checked, runs every
+    # column through them: their whole chunk, no fewer queries)
+    assert calls == ([1, 1] if hasattr(model.model, "_maybe_slice_kv_shared_inputs") else [])
     assert torch.equal(result.sequences, model.generate(ids, max_new_tokens=3, do_sample=False))
 
 
@@ -181,14 +183,15 @@ def test_gemma4s_readers_attend_only_the_columns_it_runs_through_them(monkeypatc
 def test_decode_steps_are_replayed(model_type, policy, monkeypatch):
     """With the page kernel a GPU runs, decode steps (the readers attending in the captured step) replay from a graph
     (tests/step_replay.py's recorder on the CPU) and generate what eager steps generate."""
-    from test_architecture_matrix import OLDER_TRANSFORMERS
+    import transformers as T
+    from packaging.version import Version
 
     from runtime.kv_store.flex_decode import DECODE_KERNEL_VARIABLE
 
-    if OLDER_TRANSFORMERS and model_type == "gemma3n_text":
+    if Version(T.__version__) < Version("5.24") and model_type == "gemma3n_text":
         pytest.skip(
-            "transformers 5.2's Gemma 3n makes a scalar tensor in every step outside torch's dispatcher (with or "
-            "without KV sharing), which tests/step_replay.py's recorder refuses"
+            "transformers' Gemma 3n before 5.24 (5.2 and 5.17 checked) makes a scalar tensor in every step outside "
+            "torch's dispatcher (with or without KV sharing), which tests/step_replay.py's recorder refuses"
         )
     monkeypatch.setenv(DECODE_KERNEL_VARIABLE, "pages")
     assert_decode_steps_replayed(sharing(model_type), policy, new_tokens=12)
