@@ -6,25 +6,24 @@
 A random Gemma 4 (text) with Gemma 4 E2B's attention shape (8 query heads, one KV head, head dim 256 in the sliding
 layers and 512 in the full ones, four sliding layers to one full), ``--layers`` layers of which the last
 ``--shared`` read earlier layers' caches, its MLP and hidden size small (``--hidden``), float32, one torch thread.
-A prefill of ``--tokens`` tokens into an empty ``RaggedCache`` (the model's forward pass under kvcal's attention,
-one column of logits kept, as ``runtime.compression.prefill.prefill`` runs it): transformers' Gemma 4
+``compress_prompt(model, ids, None)`` (the prefill alone, one column of logits kept; ``sink_prefill.py``'s
+alternation): transformers' Gemma 4
 (5.24) runs only the column whose logits the prefill keeps through the readers, and each reader attends that
 query over the chunk (``chunk_only_attention`` given fewer queries: ``t q`` logits); or, as first built, zero
 queries fill the other columns and the whole chunk is attended, its last row kept.  The two alternate
-``--repeats`` times.  Printed: the median seconds, their ratio, and the two variants' last logits' max |difference|.
+``--repeats`` times.  Printed: the median seconds, their ratio, and the two variants' last logits' max |difference|
+(the last token fed through each cache).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 def build(layers: int, shared: int, hidden: int, window: int):
@@ -66,55 +65,28 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import torch
+    from sink_prefill import alternate_prefills, report
 
     import runtime.kv_store.layer_attention as layer_attention
-    from runtime import RaggedCache, ragged_attention
-    from runtime.kv_store.transformers_compat import cache_argument
 
     torch.set_num_threads(1)
     model = build(args.layers, args.shared, args.hidden, args.window)
     if not hasattr(model.model, "_maybe_slice_kv_shared_inputs"):
         parser.error("this transformers runs every column through Gemma 4's readers: nothing to compare")
     ids = torch.randint(3, 1000, (1, args.tokens), generator=torch.Generator().manual_seed(0))
-    tail = layer_attention._chunk_tail_attention
 
-    def padded(query, keys, values, real, scaling, positions, window, softcap, sinks, attention_chunk):
-        fewer, total = query.shape[2], keys.shape[2]
-        query = torch.cat([query.new_zeros(*query.shape[:2], total - fewer, query.shape[3]), query], dim=2)
-        out = layer_attention.chunk_only_attention(
+    def every_column(query, keys, values, real, scaling, positions, window, softcap, sinks, chunk):
+        """As first built: zero queries before the kept columns, the whole chunk attended, their rows dropped."""
+        options = dict(positions=positions, window=window, softcap=softcap, sinks=sinks, attention_chunk=chunk)
+        return layer_attention.at_the_chunks_columns(
+            lambda whole: layer_attention.chunk_only_attention(whole, keys, values, real, scaling, **options),
             query,
-            keys,
-            values,
-            real,
-            scaling,
-            positions=positions,
-            window=window,
-            softcap=softcap,
-            sinks=sinks,
-            attention_chunk=attention_chunk,
+            keys.shape[2],
         )
-        return out[:, total - fewer :]
 
-    seconds, logits = {"columns run": [], "every column": []}, {}
-    with torch.no_grad():
-        for _ in range(args.repeats):
-            for name, function in (("columns run", tail), ("every column", padded)):
-                layer_attention._chunk_tail_attention = function
-                cache = RaggedCache.for_model(model)
-                started = time.perf_counter()
-                with ragged_attention(model):
-                    output = model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_argument(model, cache))
-                seconds[name].append(time.perf_counter() - started)
-                logits[name] = output.logits
-    layer_attention._chunk_tail_attention = tail
-    medians = {name: statistics.median(values) for name, values in seconds.items()}
-    ratio = medians["columns run"] / medians["every column"]
-    difference = float((logits["columns run"] - logits["every column"]).abs().max())
-    for name, value in medians.items():
-        print(f"{name}: {value:.3f} s (median of {args.repeats})")
-    print(f"ratio columns run / every column: {ratio:.3f}; last logits max |difference| {difference:.2e}")
-    if args.json:
-        args.json.write_text(json.dumps({**vars(args), "json": None, "seconds": seconds, "ratio": ratio}, indent=1))
+    variants = {"columns run": layer_attention._chunk_tail_attention, "every column": every_column}
+    times, last = alternate_prefills(model, ids, layer_attention, "_chunk_tail_attention", variants, args.repeats)
+    report(args, times, last, f"{args.layers} layers, the last {args.shared} reading earlier ones' caches")
     return 0
 
 

@@ -41,9 +41,16 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from runtime.compression.keep_rule import global_budgets
 from runtime.compression.ragged_attention import ragged_attention
-from runtime.kv_store.cache import LAYER_TAG, RaggedCache, RaggedLayer, row_layer, stacked_recurrent_layer
+from runtime.kv_store.cache import (
+    LAYER_TAG,
+    RaggedCache,
+    RaggedLayer,
+    SharedChunk,
+    row_layer,
+    stacked_recurrent_layer,
+)
 from runtime.kv_store.eager_attention import eager_attention_forward, soft_cap
-from runtime.kv_store.layer_attention import masked_sdpa
+from runtime.kv_store.layer_attention import at_the_chunks_columns, masked_sdpa
 from runtime.kv_store.transformers_compat import cache_argument, query_length
 from runtime.math.geometry import ModelGeometry
 from runtime.plan.policy import CompressionPolicy
@@ -160,8 +167,21 @@ class ReconstructionLayer(DynamicLayer):
         self._pending = None
         q_len = query.shape[2]
         output = self._attention(query, new_keys, new_values, positions, scaling, window, softcap, sinks)
-        if self.base.shared_by:  # the layers reading the base layer's cache attend the same keys next
-            self._shared = [(new_keys, new_values, positions, scaling, window, softcap, q_len), self.base.shared_by]
+        if self.base.shared_by:  # the layers reading the base layer's cache attend the same keys next, scoring nothing
+            self._shared = SharedChunk(
+                lambda query: at_the_chunks_columns(
+                    lambda query: self._attention(
+                        query, new_keys, new_values, positions, scaling, window, softcap, None
+                    ),
+                    query,
+                    q_len,
+                ),
+                q_len,
+                window,
+                softcap,
+                None,
+                self.base.shared_by,
+            )
         group = query.shape[1] // self.base.num_heads
         causal = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
         start, end = self.span
@@ -201,15 +221,10 @@ class ReconstructionLayer(DynamicLayer):
         ``(output, False)``: nothing follows a reconstruction layer's attention."""
         if self._shared is None:
             raise RuntimeError("a layer reading the reconstruction layer's cache attended before it did")
-        (new_keys, new_values, positions, scaling, shared_window, shared_softcap, q_len), left = self._shared
-        if (window, softcap) != (shared_window, shared_softcap):
-            raise ValueError("a layer reading another's cache attends with another window or soft-cap")
-        count = query.shape[2]
-        if count < q_len:  # the chunk's last columns (transformers' Gemma 4): zero queries before them, dropped
-            query = torch.cat([query.new_zeros(*query.shape[:2], q_len - count, query.shape[3]), query], dim=2)
-        output = self._attention(query, new_keys, new_values, positions, scaling, window, softcap, None)
-        self._shared = None if left == 1 else [self._shared[0], left - 1]
-        return output[:, q_len - count :], False
+        output = self._shared.read(query, window, softcap, None)
+        if not self._shared.left:
+            self._shared = None
+        return output, False
 
     def _attention(self, query, new_keys, new_values, positions, scaling, window, softcap, sinks) -> torch.Tensor:
         """``[1, q, Hq, d]``: each query head over its KV head's retained tokens of the row and the chunk (causal)."""

@@ -55,6 +55,7 @@ from artifacts.fingerprint import (
     sliding_layers_apart,
 )
 from runtime.kv_store.layer_attention import (
+    at_the_chunks_columns,
     chunk_only_attention,
     decode_kernel,
     lse_kernel_serves,
@@ -108,6 +109,21 @@ class SharedChunk:
     softcap: float | None
     generation: int | None
     left: int
+
+    def read(self, query: torch.Tensor, window: int | None, softcap: float | None, generation: int | None):
+        """One reader's attention of ``query [B, Hq, t, d]`` (``t``: the chunk's columns or its last ones) under its
+        ``window`` and ``softcap``, the storage being at ``generation``; counts the reader."""
+        if (window, softcap) != (self.window, self.softcap):
+            raise ValueError(
+                f"a layer attended with window {self.window} and soft-cap {self.softcap}, a layer reading its cache "
+                f"with window {window} and soft-cap {softcap}: not the same attention"
+            )
+        if self.generation is not None and generation != self.generation:
+            raise RuntimeError("a layer's storage changed before the layers reading it attended")
+        if query.shape[2] > self.q_len:
+            raise ValueError(f"{query.shape[2]} queries read a chunk of {self.q_len} columns")
+        self.left -= 1
+        return self.attention(query)
 
 
 class RaggedLayer(DynamicLayer):
@@ -473,7 +489,6 @@ class RaggedLayer(DynamicLayer):
         def attention(query: torch.Tensor) -> torch.Tensor:
             """This chunk's attention of queries at its columns, or at its last ``t`` columns (``query [B, Hq, t,
             d]``, ``t`` fewer: a layer reading this one's cache, run only where its model keeps logits)."""
-            tail = query.shape[2]
             if chunk_only:
                 with label("kvcal.attention"):
                     return chunk_only_attention(  # the chunk's last columns alone where tail is fewer
@@ -488,24 +503,24 @@ class RaggedLayer(DynamicLayer):
                         sinks=sinks,
                         attention_chunk=attention_chunk,
                     )
-            if tail < q_len:  # zero queries at the columns before, their outputs dropped (the kernels take the chunk)
-                batch, heads, _, dim = query.shape
-                query = torch.cat([query.new_zeros(batch, heads, q_len - tail, dim), query], dim=2)
-            output = segment_layer_attention(
+            return at_the_chunks_columns(  # the kernels take the whole chunk's queries
+                lambda query: segment_layer_attention(
+                    query,
+                    store,
+                    layout,
+                    real,
+                    scaling,
+                    prepared,
+                    positions=positions,
+                    window=window,
+                    softcap=softcap,
+                    sinks=sinks,
+                    chunk=None if before is None else (new_keys, new_values, before),
+                    attention_chunk=attention_chunk,
+                ),
                 query,
-                store,
-                layout,
-                real,
-                scaling,
-                prepared,
-                positions=positions,
-                window=window,
-                softcap=softcap,
-                sinks=sinks,
-                chunk=None if before is None else (new_keys, new_values, before),
-                attention_chunk=attention_chunk,
+                q_len,
             )
-            return output if tail == q_len else output[:, q_len - tail :]  # no op dispatched for a whole chunk
 
         output = attention(query)
         if self.shared_by:  # the layers reading this cache attend next, over what this chunk attended
@@ -542,17 +557,7 @@ class RaggedLayer(DynamicLayer):
                 f"layer {self.layer_idx}: a layer reading its cache attended before it did, or more than "
                 f"{self.shared_by} layers read it"
             )
-        if (window, softcap) != (shared.window, shared.softcap):
-            raise ValueError(
-                f"layer {self.layer_idx} attended with window {shared.window} and soft-cap {shared.softcap}, a layer "
-                f"reading its cache with window {window} and soft-cap {softcap}: not the same attention"
-            )
-        if shared.generation is not None and self.store.generation != shared.generation:
-            raise RuntimeError(f"layer {self.layer_idx}: its storage changed before the layers reading it attended")
-        if query.shape[2] > shared.q_len:
-            raise ValueError(f"{query.shape[2]} queries read layer {self.layer_idx}'s chunk of {shared.q_len} columns")
-        output = shared.attention(query)
-        shared.left -= 1
+        output = shared.read(query, window, softcap, self.store.generation)
         if shared.left:
             return output, False
         self._shared = None

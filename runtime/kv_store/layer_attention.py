@@ -100,6 +100,17 @@ def chunk_only_attention(
     return out * real[:, :, None, None].to(out.dtype)
 
 
+def at_the_chunks_columns(attend, query: torch.Tensor, columns: int) -> torch.Tensor:
+    """``attend(query)`` (``[B, t, Hq, d]``) for a ``query [B, Hq, t, d]`` at a chunk's ``columns`` columns or at
+    its last ``t``: zero queries then fill the columns before, their rows dropped, for an attention that takes the
+    whole chunk's queries (a layer reading another's cache, run only where its model keeps logits)."""
+    tail = query.shape[2]
+    if tail == columns:  # no op dispatched for a whole chunk
+        return attend(query)
+    batch, heads, _, dim = query.shape
+    return attend(torch.cat([query.new_zeros(batch, heads, columns - tail, dim), query], dim=2))[:, columns - tail :]
+
+
 def _chunk_tail_attention(query, keys, values, real, scaling, positions, window, softcap, sinks, attention_chunk):
     """:func:`chunk_only_attention` of the chunk's last ``t`` columns alone (``query [B, Hq, t, d]``, ``t`` fewer
     than the chunk's ``q``): one block of queries over the keys their window or chunk reaches (the whole chunk
