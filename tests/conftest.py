@@ -413,38 +413,100 @@ def make_random_artifact(
     return Artifact(model=identity, config=config, sections=built)
 
 
+def _smoke_stages() -> str:
+    """Every stage of the smoke profile but the recommendation (which needs held-out tasks), opt-in ones too."""
+    from profiler.stages import STAGE_NAMES
+
+    return ",".join(name for name in STAGE_NAMES if name != "recommendation")
+
+
 def _smoke_profile(out) -> str:
     """Run `profile-model --preset smoke` into ``out``; its stdout."""
     import io
 
     from profiler.cli import main
-    from profiler.stages import STAGE_NAMES
 
     printed = io.StringIO()
     with single_thread(), contextlib.redirect_stdout(printed):
-        # every stage but the recommendation (which needs held-out tasks), the opt-in ones included
-        stages = ",".join(name for name in STAGE_NAMES if name != "recommendation")
-        assert main(["--preset", "smoke", "--out", str(out), "--no-progress", "--stages", stages]) == 0
+        assert main(["--preset", "smoke", "--out", str(out), "--no-progress", "--stages", _smoke_stages()]) == 0
     return printed.getvalue()
 
 
-@pytest.fixture(scope="session")
-def smoke_run(tmp_path_factory):
-    """`profile-model --preset smoke` on the embedded model, run once per test run: (path, stdout).
-    Under pytest-xdist the workers share it: the first to ask runs it, under a lock in the run's
-    own temporary directory, and the others read what it wrote."""
+def _shared_smoke_directory(config):
+    """Where the workers of one pytest-xdist run share the smoke profile (this run's temporary directory, all
+    workers'), or None outside xdist."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
-        out = tmp_path_factory.mktemp("smoke_artifact") / "kv_calibration.h5"
-        return out, _smoke_profile(out)
+        return None
+    return config._tmp_path_factory.getbasetemp().parent / "smoke_artifact"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Under pytest-xdist, start the smoke profile (``smoke_run``) in a child process as soon as a worker has
+    collected a test that needs it, so that no worker idles on a lock while another runs it in-process: the
+    workers run the other tests meanwhile, which come first.  The first worker to get here starts it; the child
+    writes its stdout and stderr beside the artifact, then its exit status (``status``, written last, whole)."""
+    shared = _shared_smoke_directory(config)
+    needing = [item for item in items if "smoke_run" in item.fixturenames]
+    if shared is None or not needing:
+        return
+    # the tests that need it last (in collection order otherwise, the same in every worker, as xdist requires):
+    # each worker's first tests, and its first minute, go to the others
+    items[:] = [item for item in items if "smoke_run" not in item.fixturenames] + needing
+    import shlex
+    import subprocess
+    import sys
+
     from filelock import FileLock
 
-    shared = tmp_path_factory.getbasetemp().parent / "smoke_artifact"  # this run's, all workers'
     with FileLock(f"{shared}.lock"):
-        out, printed = shared / "kv_calibration.h5", shared / "stdout.txt"
-        if not printed.exists():
-            shared.mkdir(exist_ok=True)
-            printed.write_text(_smoke_profile(out))
-        return out, printed.read_text()
+        if shared.exists():
+            return
+        shared.mkdir()
+        command = [sys.executable, "-m", "profiler.cli", "--preset", "smoke", "--out", "kv_calibration.h5"]
+        command = shlex.join([*command, "--no-progress", "--stages", _smoke_stages()])
+        script = f"{command} > stdout.txt 2> stderr.txt; echo $? > status.partial; mv status.partial status"
+        config._smoke_child = subprocess.Popen(["sh", "-c", script], env=profile_env(), cwd=shared)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A smoke profile this worker started: waited for (another worker may still need it), or stopped when the
+    run was interrupted or stopped early (``-x``)."""
+    child = getattr(session.config, "_smoke_child", None)
+    if child is None:
+        return
+    if child.poll() is None and (exitstatus == pytest.ExitCode.INTERRUPTED or session.shouldstop):
+        child.kill()
+    child.wait()
+
+
+def _wait_for_shared_smoke(shared) -> tuple:
+    """The artifact and stdout of the smoke profile a worker started (``pytest_collection_modifyitems``), once
+    its child has ended; the test fails with the child's stderr if it did not succeed."""
+    import time
+
+    status = shared / "status"
+    deadline = time.monotonic() + 1800
+    while not status.exists():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the smoke profile in {shared} did not end within 30 minutes")
+        time.sleep(0.2)
+    code = status.read_text().strip()
+    if code != "0":
+        pytest.fail(f"profile-model --preset smoke exited {code}: {(shared / 'stderr.txt').read_text()[-4000:]}")
+    return shared / "kv_calibration.h5", (shared / "stdout.txt").read_text()
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory, request):
+    """`profile-model --preset smoke` on the embedded model, run once per test run: (path, stdout).
+    Under pytest-xdist the workers share it: a child process started after collection
+    (``pytest_collection_modifyitems``) runs it while the workers run other tests; outside xdist it runs
+    here, in-process."""
+    shared = _shared_smoke_directory(request.config)
+    if shared is None:
+        out = tmp_path_factory.mktemp("smoke_artifact") / "kv_calibration.h5"
+        return out, _smoke_profile(out)
+    return _wait_for_shared_smoke(shared)
 
 
 @pytest.fixture(scope="session")
