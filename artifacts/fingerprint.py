@@ -108,13 +108,23 @@ def attention_numbers(config) -> dict:
     }
 
 
+def value_head_dim(config) -> int:
+    """The head dim of the values kvcal caches: ``v_head_dim`` where the config gives one (MiMo-V2-Flash's values
+    are narrower than its keys), else the keys' ``head_dim`` (:func:`attention_numbers`)."""
+    shapes = held_layer_config(config)
+    value = getattr(shapes, "v_head_dim", None)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return attention_numbers(config)["head_dim"]
+
+
 def held_layer_config(config):
     """The config to read the attention geometry of the layers kvcal evicts from (head dim, KV heads): of a model
     whose sliding layers are held apart (:func:`sliding_layers_apart`, Gemma 4), its first
     full-attention layer's (transformers' ``per_layer_config``, where a heterogeneous config keeps what varies:
     reading ``config.head_dim`` there raises), else ``config`` (its text config) itself."""
     config = text_config(config)
-    if sliding_layers_apart(config):
+    if sliding_layers_apart(config) and getattr(config, "is_heterogeneous", False) is True:
         return config.per_layer_config[attention_layer_indices(config)[0]]
     return config
 
@@ -190,21 +200,26 @@ def _kv_sources(layers: int, shared: int, types: tuple | None) -> tuple[tuple[in
 # the attributes a heterogeneous config (transformers' ``per_layer_config``) may vary between its sliding and its
 # full-attention layers for kvcal to serve it (Gemma 4: a wider head dim and fewer KV heads on the full layers)
 PER_LAYER_GEOMETRY = frozenset({"head_dim", "num_key_value_heads"})
+# the model types whose sliding-window layers have another attention geometry than their full-attention ones by
+# the model's code, not a heterogeneous config: MiMo-V2-Flash's have twice the KV heads (and learned sinks)
+SLIDING_GEOMETRY_APART = frozenset({"mimo_v2_flash"})
 
 
 def sliding_layers_apart(config) -> bool:
     """Whether kvcal holds ``config``'s sliding-window layers apart from the layers it profiles and evicts, its
     full-attention ones: a heterogeneous config (``is_heterogeneous``, Gemma 4) whose layers differ only in
-    :data:`PER_LAYER_GEOMETRY`.  Those sliding layers are of another head dim or KV heads than the full ones (the
+    :data:`PER_LAYER_GEOMETRY`, or a model of :data:`SLIDING_GEOMETRY_APART` (MiMo-V2-Flash).  Those sliding layers are of another head dim or KV heads than the full ones (the
     artifact's axes are one geometry) and bounded by their window: ``runtime.kv_store.cache.RaggedCache`` keeps
     each in a layer of its own geometry, its window of real tokens, never evicted; the full layers, whose caches
     grow with the context, are what the artifact covers.  Whether the full layers share one geometry is
     ``runtime.math.geometry.check_config``'s to check."""
     config = text_config(config)
+    types = getattr(config, "layer_types", None) or ()
+    if getattr(config, "model_type", None) in SLIDING_GEOMETRY_APART:
+        return "sliding_attention" in types
     if getattr(config, "is_heterogeneous", False) is not True:
         return False
     varying = set(getattr(config, "per_layer_attributes", None) or ())
-    types = getattr(config, "layer_types", None) or ()
     return bool(varying) and varying <= PER_LAYER_GEOMETRY and "sliding_attention" in types
 
 
@@ -282,8 +297,9 @@ def attention_variant(config) -> dict:
     attention layers (``attention_layers``: decoder layer indices, :func:`attention_layer_indices`), the layers
     attending to another's cache (``kv_shared_layers``: ``[reader, source]`` pairs, :func:`kv_shared_layers`), the
     sliding window and which (attention) layers slide (``sliding_window``, ``sliding_layers``), the logit
-    soft-cap (``attn_logit_softcapping``), the attention chunk (``attention_chunk_size``) and per-layer-type
-    RoPE parameters (``rope_parameters_by_layer_type``, Gemma 3), each only when the model has it: empty for a
+    soft-cap (``attn_logit_softcapping``), the attention chunk (``attention_chunk_size``), per-layer-type
+    RoPE parameters (``rope_parameters_by_layer_type``, Gemma 3) and the values' head dim where it is not the
+    keys' (``value_head_dim``, :func:`value_head_dim`), each only when the model has it: empty for a
     model that has none of them, whose fingerprint is then what it always was."""
     config = text_config(config)
     windows, caps = layer_attention(config)
@@ -305,6 +321,8 @@ def attention_variant(config) -> dict:
     rope = getattr(config, "rope_parameters", None)
     if isinstance(rope, dict) and rope and all(isinstance(value, dict) for value in rope.values()):
         variant["rope_parameters_by_layer_type"] = _jsonable(rope)
+    if value_head_dim(config) != attention_numbers(config)["head_dim"]:
+        variant["value_head_dim"] = value_head_dim(config)
     return variant
 
 

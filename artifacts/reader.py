@@ -181,7 +181,7 @@ class ArtifactReader:
             if not isinstance(group, h5py.Group):
                 raise ArtifactError(f"/{name} must be a group")
             shapes = {key: obj.shape for key, obj in group.items() if isinstance(obj, h5py.Dataset)}
-            self._dims[name] = section_dims(name, shapes, arch)
+            self._dims[name] = section_dims(name, shapes, arch, self.model.value_head_dim)
             self._section_attrs[name] = check_section_attrs(name, group.attrs)
             self._refuse_unknown_attrs(f"/{name}", group.attrs, SECTIONS[name].attrs)
             for key, obj in group.items():

@@ -199,7 +199,10 @@ SECTIONS: dict[str, SectionSpec] = {
         "and value to the log KVzip reconstruction importance, fitted on calibration text.",
         {
             "weights": DatasetSpec(
-                "<f8", ("L", "Hkv", "F"), "coefficients on the features [pre-RoPE key, value] (F = 2d)", magnitude=1e12
+                "<f8",
+                ("L", "Hkv", "F"),
+                "coefficients on the features [pre-RoPE key, value] (F = 2d; d + dv where the values' head dim dv is another)",
+                magnitude=1e12,
             ),
             "bias": DatasetSpec("<f8", ("L", "Hkv"), "intercept", magnitude=1e12),
             "ridge": DatasetSpec(
@@ -338,6 +341,17 @@ class ModelIdentity:
 
     def dims(self) -> dict[str, int]:
         return {"L": self.num_layers, "Hq": self.num_q_heads, "Hkv": self.num_kv_heads, "d": self.head_dim}
+
+    @property
+    def value_head_dim(self) -> int:
+        """The values' head dim: ``d`` but where ``attention_variant`` records another (MiMo-V2-Flash's
+        ``value_head_dim``, :func:`artifacts.fingerprint.value_head_dim`)."""
+        try:  # a malformed attention_variant is artifacts.validation's to refuse, by name
+            variant = json.loads(self.attention_variant) if self.attention_variant else {}
+        except ValueError:
+            variant = {}
+        value = variant.get("value_head_dim") if isinstance(variant, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else self.head_dim
 
     def dtype_fingerprints(self) -> dict[str, str]:
         """``weights_fingerprints`` as a dict (empty when the file has none)."""

@@ -183,15 +183,19 @@ def _check_dtype_fingerprints(identity: ModelIdentity) -> None:
         raise ArtifactError("/model: weights_fingerprints['float32'] differs from weights_fingerprint")
 
 
-def section_dims(section: str, shapes: dict[str, tuple[int, ...]], arch: dict[str, int]) -> dict[str, int]:
+def section_dims(
+    section: str, shapes: dict[str, tuple[int, ...]], arch: dict[str, int], value_dim: int | None = None
+) -> dict[str, int]:
     """Architecture dims plus the section's free dims, inferred from dataset shapes and checked.
 
-    ``shapes`` maps each of the section's dataset names to its shape.  Every dataset must be
+    ``shapes`` maps each of the section's dataset names to its shape; ``value_dim``: the values' head dim
+    (:attr:`~artifacts.schema.ModelIdentity.value_head_dim`; None: ``d``).  Every dataset must be
     present (the section's ``optional`` ones all together or none), have the right rank, agree
     on free dims, and match the architecture exactly.
     """
     spec = SECTIONS[section]
     dims = dict(arch)
+    value_dim = dims["d"] if value_dim is None else value_dim
     optional_present = [name for name in spec.optional if name in shapes]
     if optional_present and len(optional_present) != len(spec.optional):
         absent = [name for name in spec.optional if name not in shapes]
@@ -217,9 +221,9 @@ def section_dims(section: str, shapes: dict[str, tuple[int, ...]], arch: dict[st
         if shape != expected:
             named = ", ".join(f"{s}={v}" for s, v in zip(dspec.shape, expected, strict=True))
             raise ArtifactError(f"/{section}/{name}: shape {shape} does not match the recorded architecture ({named})")
-    if section == "learned_scorer" and dims["F"] != 2 * dims["d"]:
+    if section == "learned_scorer" and dims["F"] != dims["d"] + value_dim:
         raise ArtifactError(
-            f"/learned_scorer/weights: F = {dims['F']} features, the format says 2d = {2 * dims['d']} "
+            f"/learned_scorer/weights: F = {dims['F']} features, the format says d + dv = {dims['d'] + value_dim} "
             "(the pre-RoPE key and the value)"
         )
     return dims

@@ -56,7 +56,8 @@ def write_artifact(path: str | os.PathLike, artifact: Artifact) -> Path:
             raise ArtifactError(f"/{section_name}: unknown dataset(s) {sorted(unknown)}")
         arrays = {name: _as_schema_dtype(section_name, name, value) for name, value in section.arrays.items()}
         prepared[section_name] = arrays
-        dims = section_dims(section_name, {n: a.shape for n, a in arrays.items()}, arch)
+        shapes = {n: a.shape for n, a in arrays.items()}
+        dims = section_dims(section_name, shapes, arch, artifact.model.value_head_dim)
         for name, array in arrays.items():
             check_array(section_name, name, array, dims)
         checked_attrs[section_name] = check_section_attrs(section_name, section.attrs)

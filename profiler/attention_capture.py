@@ -156,7 +156,7 @@ class DecodeAttentionRecorder:
             return None
         weights = torch.exp(logits - log_norm[:, None]).reshape(num_kv_heads, group, total)  # [Hkv, G, T]
         output = torch.matmul(weights, value[0].float())  # [Hkv, G, d]
-        return output.reshape(1, 1, num_q_heads, head_dim).to(query.dtype)  # [B, q, Hq, d]
+        return output.reshape(1, 1, num_q_heads, -1).to(query.dtype)  # [B, q, Hq, dv]
 
     @property
     def steps(self) -> int:

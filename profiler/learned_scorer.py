@@ -263,12 +263,13 @@ def record_window(model, context: torch.Tensor, instruction: torch.Tensor, hidde
         for handle in handles:
             handle.remove()
     shape = (context_len, geometry.num_kv_heads, geometry.head_dim)
+    value_shape = (context_len, geometry.num_kv_heads, geometry.value_head_dim)
     return [
         WindowRecord(
             teacher=teacher[layer],
             kv=kv_features(
                 captured[layer, "keys"].reshape(shape).transpose(0, 1),
-                captured[layer, "values"].reshape(shape).transpose(0, 1),
+                captured[layer, "values"].reshape(value_shape).transpose(0, 1),
             ),
             hidden=captured[layer, "hidden"] if hidden else None,
         )

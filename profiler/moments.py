@@ -294,7 +294,8 @@ class _CorrectionErrorMeasurer:
         # causal masks of the W queries: over all T tokens (reference) and over the tail only
         tail_causal = torch.ones(w, w, dtype=torch.bool, device=device).tril()  # [W, W]
         full_mask = torch.cat([torch.ones(w, prefix, dtype=torch.bool, device=device), tail_causal], dim=1)  # [W, T]
-        sums = [MomentSums(len(heads), k0.shape[1], device=device) for _ in self.keep_ratios]
+        value_dim = heads[0][2].shape[-1]  # the keys' head dim but for MiMo-V2-Flash's narrower values
+        sums = [MomentSums(len(heads), k0.shape[1], device=device, value_dim=value_dim) for _ in self.keep_ratios]
         sinks, group = self.layer_sinks.get(layer), heads[0][0].shape[0]
         for h, (q, k, v) in enumerate(heads):
             tail_q = q[:, prefix:]  # [G, W, d]

@@ -117,6 +117,11 @@ OPTIONS = {
     "granitemoehybrid": dict(layer_types=["mamba", "attention"] * 2),  # likewise
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1),  # likewise
     "falcon_h1": dict(key_multiplier=0.5),  # its checkpoints' multipliers are not 1 (the keys' read scales)
+    # as its checkpoints: values narrower than the keys (24 to 16 here, 128 to 192 there), full-attention layers first
+    # and every few, sliding layers of twice the KV heads with learned sinks between them
+    "mimo_v2_flash": dict(
+        v_head_dim=24, layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    ),
     "dbrx": dict(
         d_model=64,
         n_heads=4,
@@ -182,6 +187,7 @@ EXACT = {
     # chunked attention (chunks of 8192, the prompt 60: past them, tests/test_chunked_attention.py); a norm after RoPE
     "llama4_text": "interleaved RoPE in layers 0, 1, 2; no RoPE in layer 3",
     "mellum": "",
+    "mimo_v2_flash": "",  # values narrower than the keys; sliding layers of other KV heads held apart
     "minimax_m2": "",
     "minimax_m3_vl_text": "",
     "ministral": "",
@@ -223,6 +229,7 @@ PARTIAL = {
     **{"granitemoehybrid": 0, "jamba": 0, "nemotron_h": 0},  # no rotary module: nothing turns
     # proportional RoPE: frequencies over the whole head of 32, the last three quarters of them zero (nothing turns)
     **{"gemma4_text": 32, "gemma4_unified_text": 32},
+    "mimo_v2_flash": 6,  # partial_rotary_factor 0.334 of 16: int(5.3) = 5 dims, 3 frequencies (64 of 192 in its checkpoints)
 }
 NOT_LLAMA_FAMILY = r"no decoder layers at model\.model\.layers \(not a Llama-family causal LM\)"
 # what the refusal names: the model types refused so
@@ -244,7 +251,6 @@ REFUSED = {
         "youtu",
     ),
     r"layer type\(s\) compressed_sparse_attention, heavily_compressed_attention are not supported": ("deepseek_v4",),
-    r"values of another head dim than the keys \(v_head_dim=": ("mimo_v2_flash",),
     r"layer 1 is a recurrent layer \(MiniMaxLightningAttention\) that does not keep its state": ("minimax",),
     r"dynamic mask attention \(layer 0 self_attn\.dt_proj": ("doge",),
     r"differential attention \(layer 0 self_attn\.lambda_q1": ("diffllama",),

@@ -65,7 +65,7 @@ class LearnedScorerStage(ShardedStage):
         self.held_out = max(1, count // 5)
         self.fit_windows = count - self.held_out
         geometry = context.geometry
-        features = 2 * geometry.head_dim
+        features = geometry.head_dim + geometry.value_head_dim  # [pre-RoPE key, value]
         self.sums = [RidgeSums(geometry.num_kv_heads, features, 1) for _ in range(geometry.num_layers)]
         ids = context.tokenizer(RECONSTRUCTION_INSTRUCTION, add_special_tokens=False)["input_ids"]
         self.instruction = torch.tensor(ids, dtype=torch.long)

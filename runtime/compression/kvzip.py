@@ -227,10 +227,11 @@ class ReconstructionLayer(DynamicLayer):
         return output, False
 
     def _attention(self, query, new_keys, new_values, positions, scaling, window, softcap, sinks) -> torch.Tensor:
-        """``[1, q, Hq, d]``: each query head over its KV head's retained tokens of the row and the chunk (causal)."""
-        _, num_q_heads, q_len, dim = query.shape
+        """``[1, q, Hq, dv]``: each query head over its KV head's retained tokens of the row and the chunk (causal);
+        ``dv`` the values' head dim."""
+        _, num_q_heads, q_len, _ = query.shape
         group = num_q_heads // self.base.num_heads
-        output = query.new_zeros(1, q_len, num_q_heads, dim)
+        output = query.new_zeros(1, q_len, num_q_heads, new_values.shape[-1])
         causal = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
         for h in range(self.base.num_heads):
             keys, values, kept_positions = self.base.head(self.row, h)

@@ -178,12 +178,16 @@ class RaggedLayer(DynamicLayer):
         return 0 if self.store is None else self.store.head_dim
 
     @property
+    def value_dim(self) -> int:  # head_dim but where the values are narrower (MiMo-V2-Flash)
+        return 0 if self.store is None else self.store.value_dim
+
+    @property
     def key_buffer(self) -> torch.Tensor | None:
         return None if self.store is None else self.store.key_buffer  # [C, d]
 
     @property
     def value_buffer(self) -> torch.Tensor | None:
-        return None if self.store is None else self.store.value_buffer  # [C, d]
+        return None if self.store is None else self.store.value_buffer  # [C, value_dim]
 
     @property
     def position_buffer(self) -> torch.Tensor | None:
@@ -251,7 +255,7 @@ class RaggedLayer(DynamicLayer):
         # Our own record of the KV dtype and device: DynamicLayer stopped setting ``dtype`` in 5.24.
         self.dtype, self.device = key_states.dtype, key_states.device
         batch, heads, _, dim = key_states.shape
-        self.store = SegmentStore(batch, heads, dim, self.dtype, self.device)
+        self.store = SegmentStore(batch, heads, dim, self.dtype, self.device, value_states.shape[-1])
         self.rows = [RowState() for _ in range(batch)]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -410,7 +414,7 @@ class RaggedLayer(DynamicLayer):
                     f"batch element {b} already evicted tokens without tracking their moments; "
                     "track moments before the first eviction"
                 )
-            row.moments = MomentSums(self.num_heads, self.head_dim, device=self.device)
+            row.moments = MomentSums(self.num_heads, self.head_dim, device=self.device, value_dim=self.value_dim)
 
     # -- attention ---------------------------------------------------------------------------
 
@@ -476,7 +480,7 @@ class RaggedLayer(DynamicLayer):
         before = store.host_length.copy() if q_len > 1 else None  # [B, Hkv] rows held before a chunk
         # None: q_len for every row
         counts = store.append(new_keys, new_values, positions, real, step_positions=self.step_positions)
-        prepared = self._correction.get(self.rows, store.num_heads, store.head_dim, store.device)
+        prepared = self._correction.get(self.rows, store.num_heads, store.head_dim, store.device, store.value_dim)
         # nothing retained before this chunk: ordinary causal attention, but for learned sinks where the
         # segment kernels give each query's log-sum-exp they need (asked only then: not on a decode step)
         chunk_only = fresh and prepared is None
@@ -924,7 +928,7 @@ class RaggedCache(Cache):
         layer = self.attention_layers[0]
         if not layer.is_initialized:
             raise ValueError("the cache is empty")
-        return 2 * layer.head_dim * torch.empty(0, dtype=layer.dtype).element_size()
+        return (layer.head_dim + layer.value_dim) * torch.empty(0, dtype=layer.dtype).element_size()
 
     def _check_idle(self, what: str) -> None:
         if any(layer._pending is not None for layer in self.ragged_layers):
@@ -988,7 +992,7 @@ def fill_stacked(target: RaggedLayer, sources: list[RaggedLayer]) -> None:
             target.shared_by = sources[0].shared_by
             return
         raise ValueError("caches to stack must all be prefilled")
-    if len({(s.num_heads, s.head_dim, s.dtype, s.key_buffer.device) for s in sources}) != 1:
+    if len({(s.num_heads, s.head_dim, s.value_dim, s.dtype, s.key_buffer.device) for s in sources}) != 1:
         raise ValueError("caches to stack must have the same KV heads, head dim, dtype and device")
     base = sources[0]
     target.shared_by = base.shared_by

@@ -106,7 +106,7 @@ def eager_attention_forward(
         logits = soft_cap(logits.reshape(batch, num_q_heads, block, -1), softcap)  # [B, Hq, r, k]
         weights = softmax_with_sinks(masked(logits, mask), sinks)  # [B, Hq, r, k] float32
         weights = weights.reshape(batch, num_kv_heads, group * block, -1)
-        outputs.append(torch.matmul(weights, values).reshape(batch, num_q_heads, block, dim))  # [B, Hq, r, d]
+        outputs.append(torch.matmul(weights, values).reshape(batch, num_q_heads, block, -1))  # [B, Hq, r, dv]
     output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # [B, Hq, q, d]
     return output.transpose(1, 2).contiguous().to(query.dtype), None  # [B, q, Hq, d]
 

@@ -186,7 +186,7 @@ def flex_decode_attention(
     function = _compiled_flex() if compiled else FLEX_API[0]
     lse_argument = {"return_aux": FLEX_API[2](lse=True)} if need_lse else {}
     keys = store.key_buffer.view(1, 1, -1, dim)  # [1, 1, C, d]
-    values = store.value_buffer.view(1, 1, -1, dim)
+    values = store.value_buffer.view(1, 1, -1, store.value_dim)  # [1, 1, C, dv]
     # the soft-cap a constant of the compiled kernel: torch.compile otherwise traces a float the closure holds as a
     # graph input read back with .item(), which Inductor cannot lower inside flex_attention's score_mod
     # ("LoweringException: RuntimeError: unbacked_bindings", torch 2.13 on the CPU)

@@ -275,7 +275,7 @@ def segment_layer_attention(
         chunk is not None
         and window is None
         and attention_chunk is None
-        and fused_kernel_serves(query, store.key_buffer, softcap)
+        and fused_kernel_serves(query, store.key_buffer, softcap, store.value_buffer)
     ):
         with label("kvcal.attention"):
             out, lse = _chunk_split_attention(query, grouped, chunk, real, store, scaling)
@@ -291,7 +291,8 @@ def segment_layer_attention(
             visible = torch.where(real.unsqueeze(1), visible, torch.zeros_like(visible))
         limit = visible.unsqueeze(2).expand(batch, heads, group, q_len).reshape(segments, group * q_len)  # [S, G*q]
         page = layout.page_size
-        key_pages, value_pages = store.key_buffer.view(-1, page, dim), store.value_buffer.view(-1, page, dim)
+        key_pages = store.key_buffer.view(-1, page, dim)
+        value_pages = store.value_buffer.view(-1, page, store.value_dim)
         owner, page_start = layout.owner, layout.page_start
         span = None
         if window is not None or attention_chunk is not None:
@@ -320,11 +321,12 @@ def segment_layer_attention(
                 )
     if sinks is not None:
         out = with_sinks(out, lse, sinks, batch, q_len)
+    value_dim = store.value_dim  # the output's head dim: the values' (d but for MiMo-V2-Flash)
     if q_len == 1:  # [S, G, d] is already [B, 1, Hq, d]'s order
-        output = out.view(batch, 1, num_q_heads, dim).to(query.dtype)
+        output = out.view(batch, 1, num_q_heads, value_dim).to(query.dtype)
     else:
-        output = out.view(batch, heads, group, q_len, dim).permute(0, 3, 1, 2, 4)
-        output = output.reshape(batch, q_len, num_q_heads, dim).to(query.dtype)
+        output = out.view(batch, heads, group, q_len, value_dim).permute(0, 3, 1, 2, 4)
+        output = output.reshape(batch, q_len, num_q_heads, value_dim).to(query.dtype)
     if real is not None:
         output = output * real[:, :, None, None].to(output.dtype)
     return output
@@ -346,7 +348,7 @@ def lse_kernel_serves(
     if window is not None or softcap is not None or attention_chunk is not None:
         return False
     return (real is None and varlen_serves(query, store, softcap)) or fused_kernel_serves(
-        query, store.key_buffer, softcap
+        query, store.key_buffer, softcap, store.value_buffer
     )
 
 
@@ -364,7 +366,8 @@ def _chunk_split_attention(
     (:func:`~runtime.kv_store.paged_attention.causal_chunk_attention`).  ``query [B, Hq, q, d]``, ``grouped``
     the same as ``[S, G*q, d]``; returns ``(out [S, G*q, d], lse [S, G*q])`` float32."""
     keys, values, before = chunk
-    segments, rows, dim = grouped.shape
+    segments, rows, _ = grouped.shape
+    dim = store.value_dim
     dtype = store.key_buffer.dtype
     prefix = live_rows_attention(
         grouped,
@@ -412,7 +415,7 @@ def decode_kernel(store: SegmentStore, softcap: float | None, need_lse: bool, wi
         return "flex"
     if chosen != "pages" and varlen_serves(keys, store, softcap):
         return "varlen"
-    if chosen != "pages" and fused_kernel_serves(keys, keys, softcap):
+    if chosen != "pages" and fused_kernel_serves(keys, keys, softcap, store.value_buffer):
         length = store.host_length.tolist()
         if (store.uniform and length[0][0] > 0) or live_row_calls(length, store.head_stride) <= LIVE_ROW_CALLS:
             return "live_rows"

@@ -148,4 +148,5 @@ class PageLayout:
             key_rows, bias_rows, page, owner = self.gather
             keys, values = keys.index_select(0, key_rows), values.index_select(0, key_rows)
             bias = row_bias.index_select(0, bias_rows)
-        return DecodePages(keys.view(-1, page, dim), values.view(-1, page, dim), owner, bias.view(-1, page))
+        pages = (keys.view(-1, page, dim), values.view(-1, page, values.shape[-1]))  # [np, P, d], [np, P, dv]
+        return DecodePages(*pages, owner, bias.view(-1, page))

@@ -163,8 +163,8 @@ def paged_attention(
     """The split-K computation with an additive ``bias`` (0 visible, ``-inf`` hidden) broadcastable
     to ``[num_pages, P, M]``: e.g. ``[num_pages, P, 1]``, one bias per stored row, while decoding;
     logits soft-capped first when ``softcap``.  Returns ``(out [S, M, d], lse [S, M])`` float32."""
-    segments, rows, dim = query.shape
-    num_pages = key_pages.shape[0]
+    segments, rows, _ = query.shape
+    num_pages, dim = key_pages.shape[0], value_pages.shape[-1]  # the output's: the values' head dim
     device = query.device
     if num_pages == 0:
         return (
@@ -233,7 +233,7 @@ def decode_attention(
     """
     segments, rows, dim = query.shape
     num_pages, page, _ = key_pages.shape
-    fused = query.device.type == "cpu" and key_pages.dtype in _FLASH_CPU_DTYPES and softcap is None
+    fused = fused_kernel_serves(query, key_pages, softcap, value_pages)
     if num_pages == 0 or not fused:
         bias = row_bias.float().unsqueeze(2)
         return paged_attention(query, key_pages, value_pages, owner, bias, scaling, softcap=softcap)
@@ -302,10 +302,14 @@ def merge_attention(
     return out, top + torch.log(total)
 
 
-def fused_kernel_serves(query: torch.Tensor, key_buffer: torch.Tensor, softcap: float | None) -> bool:
+def fused_kernel_serves(
+    query: torch.Tensor, key_buffer: torch.Tensor, softcap: float | None, value_buffer: torch.Tensor | None = None
+) -> bool:
     """Whether :func:`live_rows_attention` can run: PyTorch's fused CPU flash-attention kernel takes
-    the keys' dtype on this device and nothing is soft-capped (the kernel cannot cap)."""
-    return query.device.type == "cpu" and key_buffer.dtype in _FLASH_CPU_DTYPES and softcap is None
+    the keys' dtype on this device, nothing is soft-capped (the kernel cannot cap) and the values are of the
+    keys' head dim (``value_buffer``; the kernel takes one head size: not MiMo-V2-Flash's narrower values)."""
+    same_dim = value_buffer is None or value_buffer.shape[-1] == key_buffer.shape[-1]
+    return query.device.type == "cpu" and key_buffer.dtype in _FLASH_CPU_DTYPES and softcap is None and same_dim
 
 
 def evenly_spaced_heads(length: list[list[int]], head_stride: list[int | None]) -> list[bool]:

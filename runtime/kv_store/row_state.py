@@ -129,7 +129,9 @@ class PreparedCorrection:
             return True, self._memo[1]
         return False, None
 
-    def get(self, states: list[RowState], heads: int, head_dim: int, device) -> PreparedMoments | None:
+    def get(
+        self, states: list[RowState], heads: int, head_dim: int, device, value_dim: int | None = None
+    ) -> PreparedMoments | None:
         """:class:`PreparedMoments` over ``states`` (None: nothing to correct)."""
         key = self.key(states)
         if key is None:
@@ -150,7 +152,8 @@ class PreparedCorrection:
         if not (orders >= 0).any():
             self._memo = (key, None)
             return None
-        sums = MomentSums.concatenate([state.moments if on else None for state, on in pairs], heads, head_dim, device)
+        parts = [state.moments if on else None for state, on in pairs]
+        sums = MomentSums.concatenate(parts, heads, head_dim, device, value_dim)
         prepared = PreparedMoments(sums, orders, tau)
         if self._memo is not None and self._memo[1] is not None and _same_rows(self._memo[0], key):
             # the same rows' sums grew (a decode-time eviction round): into the tensors a captured step reads

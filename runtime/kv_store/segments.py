@@ -99,18 +99,20 @@ def _even_strides(offset) -> list[int | None]:
 
 
 class SegmentStore:
-    """One layer's packed segments ``[B, Hkv]`` of head dim ``d`` (see the module docstring)."""
+    """One layer's packed segments ``[B, Hkv]`` of head dim ``d`` (see the module docstring), values of
+    ``value_dim`` (``d`` but where a model's values are narrower than its keys: MiMo-V2-Flash)."""
 
-    def __init__(self, batch: int, heads: int, dim: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, batch: int, heads: int, dim: int, dtype: torch.dtype, device, value_dim: int | None = None):
         """An empty store: every segment of capacity 0."""
         self.num_heads, self.head_dim, self.dtype = int(heads), int(dim), dtype
+        self.value_dim = int(dim if value_dim is None else value_dim)
         zeros = torch.zeros(batch, heads, dtype=torch.int64)
         # whether one-token appends update the bias: from its first read on (module docstring); until
         # then they leave it behind, and that read rebuilds it
         self.bias_follows_appends = False
         self.install(
             torch.zeros(0, dim, dtype=dtype, device=device),
-            torch.zeros(0, dim, dtype=dtype, device=device),
+            torch.zeros(0, self.value_dim, dtype=dtype, device=device),
             torch.zeros(0, dtype=torch.int32, device=device),
             zeros,
             zeros.clone(),
@@ -197,7 +199,7 @@ class SegmentStore:
         offset = exclusive_cumsum(capacity.reshape(-1)).reshape(capacity.shape)
         total, device = int(capacity.sum()), self.device
         keys = torch.zeros(total, self.head_dim, dtype=self.dtype, device=device)
-        values = torch.zeros(total, self.head_dim, dtype=self.dtype, device=device)
+        values = torch.zeros(total, self.value_dim, dtype=self.dtype, device=device)
         positions = torch.zeros(total, dtype=torch.int32, device=device)
         for source in {id(store): store for store, _ in sources}.values():
             rows = [index for index, (store, _) in enumerate(sources) if store is source]
@@ -216,7 +218,7 @@ class SegmentStore:
     ) -> SegmentStore:
         """A new store of the rows ``sources`` (``(store, row)`` pairs of ``like``'s head count, head
         dim, dtype and device) with capacities ``capacity [len(sources), Hkv]``: copies, not views."""
-        store = cls(0, like.num_heads, like.head_dim, like.dtype, like.device)
+        store = cls(0, like.num_heads, like.head_dim, like.dtype, like.device, like.value_dim)
         store.repack(capacity, sources)
         return store
 
@@ -268,7 +270,7 @@ class SegmentStore:
         self._store(
             target,
             keys.transpose(1, 2)[take].reshape(-1, dim),  # [T, Hkv, d] -> rows in target's order
-            values.transpose(1, 2)[take].reshape(-1, dim),
+            values.transpose(1, 2)[take].reshape(-1, values.shape[-1]),
             positions[take].unsqueeze(1).expand(-1, heads).reshape(-1),
         )
         self.length += counts.unsqueeze(1)
@@ -288,7 +290,7 @@ class SegmentStore:
             self._store(  # the bias only once something reads it (module docstring)
                 self.ends,
                 keys.reshape(-1, dim),
-                values.reshape(-1, dim),
+                values.reshape(-1, values.shape[-1]),
                 memo.flat(positions, heads),
                 bias=self.bias_follows_appends,
             )
@@ -296,7 +298,7 @@ class SegmentStore:
             capacity, length = int(self.host_capacity[0, 0]), int(self.host_length[0, 0])
             end = length + q_len
             self.key_buffer.view(batch, heads, capacity, dim)[:, :, length:end] = keys
-            self.value_buffer.view(batch, heads, capacity, dim)[:, :, length:end] = values
+            self.value_buffer.view(batch, heads, capacity, values.shape[-1])[:, :, length:end] = values
             self.position_buffer.view(batch, heads, capacity)[:, :, length:end] = positions.to(torch.int32).unsqueeze(1)
             self._row_bias[:-1].view(batch, heads, capacity)[:, :, length:end].fill_(0.0)  # no scalar tensor
         else:
@@ -305,7 +307,7 @@ class SegmentStore:
             self._store(
                 target,
                 keys.reshape(-1, dim),
-                values.reshape(-1, dim),
+                values.reshape(-1, values.shape[-1]),
                 positions.unsqueeze(1).expand(batch, heads, q_len).reshape(-1),
             )
         self.ends += q_len  # on the device, in place

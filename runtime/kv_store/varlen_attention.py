@@ -53,6 +53,8 @@ def varlen_serves(query: torch.Tensor, store, softcap: float | None) -> bool:
         return False
     if store.head_dim % 8 or store.head_dim > MAX_HEAD_DIM or not _flash_runs(query.device.index):
         return False
+    if store.value_dim != store.head_dim:  # FlashAttention 2 takes one head size (not MiMo-V2-Flash's values)
+        return False
     return store.increasing
 
 

@@ -53,6 +53,7 @@ from artifacts.fingerprint import (
     layer_attention,
     sliding_layers_apart,
     text_config,
+    value_head_dim,
 )
 
 # The multimodal checkpoints whose language model kvcal serves on text (Gemma 3 from 4B, Gemma 4, Mistral Small 3.1 /
@@ -249,7 +250,8 @@ class ModelGeometry:
     layer_indices: tuple[int, ...]
     num_q_heads: int  # Hq
     num_kv_heads: int  # Hkv
-    head_dim: int  # d
+    head_dim: int  # d: the queries' and keys'
+    value_head_dim: int  # the values' (d but for MiMo-V2-Flash's narrower values: artifacts.fingerprint.value_head_dim)
     scalings: tuple[float, ...]  # per layer: the attention scale s (module.scaling, else 1/sqrt(d))
     attention_modules: tuple[torch.nn.Module, ...]  # per layer: model.model.layers[i].self_attn
     query_projections: tuple[Projection, ...]  # per layer: the pre-RoPE query (q_proj [+ q_norm] or qkv_proj[:Hq d])
@@ -335,7 +337,7 @@ class ModelGeometry:
         config = text_config(config)
         _refuse_attention_kvcal_cannot_compute(name, config, model)
         try:
-            numbers = attention_numbers(config)
+            numbers = {**attention_numbers(config), "value_head_dim": value_head_dim(config)}
         except ValueError as exc:
             raise UnsupportedModelError(f"{name}: {exc}") from None
         num_q_heads, num_kv_heads, head_dim = numbers["num_q_heads"], numbers["num_kv_heads"], numbers["head_dim"]
@@ -435,6 +437,7 @@ class ModelGeometry:
             num_q_heads=num_q_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
+            value_head_dim=numbers["value_head_dim"],
             scalings=tuple(scalings),
             attention_modules=tuple(attention_modules),
             query_projections=tuple(projections["query"]),
@@ -532,13 +535,6 @@ def check_config(config, name: str | None = None) -> None:
         raise UnsupportedModelError(
             f"{name}: multi-head latent attention (MLA, kv_lora_rank={rank}: keys and values projected from one "
             "cached latent per token, as in DeepSeek V2 / V3) is not supported"
-        )
-    shapes = held_layer_config(config)
-    value_dim, key_dim = getattr(shapes, "v_head_dim", None), getattr(shapes, "head_dim", None)
-    if isinstance(value_dim, int) and isinstance(key_dim, int) and value_dim != key_dim:
-        raise UnsupportedModelError(
-            f"{name}: values of another head dim than the keys (v_head_dim={value_dim}, head_dim={key_dim}, as in "
-            "MiMo-V2-Flash) are not supported: kvcal's cache holds keys and values of one head dim"
         )
     sections = next(
         (parameters["mrope_section"] for _, parameters in _rope_parameters(config) if parameters.get("mrope_section")),
@@ -805,13 +801,14 @@ def _linear(name: str, index: int, attention, attribute: str, features: int, exp
 def _projections(name: str, index: int, attention, numbers: dict) -> dict[str, Projection]:
     """Separate ``q_proj``, ``k_proj``, ``v_proj`` (the query and keys after their norms, if any)."""
     heads, kv_heads, dim = numbers["num_q_heads"], numbers["num_kv_heads"], numbers["head_dim"]
+    value_dim = numbers.get("value_head_dim", dim)
     gated = _output_gate_in_queries(attention, heads * dim)
     q_proj = _linear(name, index, attention, "q_proj", heads * dim * (2 if gated else 1), f"{heads} heads x {dim}")
     k_proj = _linear(name, index, attention, "k_proj", kv_heads * dim, f"{kv_heads} KV heads x {dim}")
     if getattr(attention, "v_proj", None) is None and _values_are_the_keys(attention):
         v_proj = k_proj  # Gemma 4's attention_k_eq_v: the values are k_proj's output, normed by v_norm alone
     else:
-        v_proj = _linear(name, index, attention, "v_proj", kv_heads * dim, f"{kv_heads} KV heads x {dim}")
+        v_proj = _linear(name, index, attention, "v_proj", kv_heads * value_dim, f"{kv_heads} KV heads x {value_dim}")
     query = _read(name, index, attention, "q", q_proj, heads, dim)
     key = _read(name, index, attention, "k", k_proj, kv_heads, dim)
     multiplier = getattr(attention, "key_multiplier", None)  # Falcon-H1: keys = k_proj(x) * key_multiplier
@@ -822,9 +819,23 @@ def _projections(name: str, index: int, attention, numbers: dict) -> dict[str, P
     return {
         "query": dataclasses.replace(query, head_width=2 * dim) if gated else query,
         "key": key,
-        # the values as cached: through the norm the model applies to them (Gemma 3n's and Gemma 4's v_norm)
-        "value": _normed(name, index, v_proj, kv_heads, dim, getattr(attention, "v_norm", None)),
+        # the values as cached: through the norm the model applies to them (Gemma 3n's and Gemma 4's v_norm), times
+        # the factor it scales them by (MiMo-V2-Flash's v_scale, attention_value_scale)
+        "value": _value_read(
+            _normed(name, index, v_proj, kv_heads, value_dim, getattr(attention, "v_norm", None)), attention
+        ),
     }
+
+
+def _value_read(value: Projection, attention) -> Projection:
+    """``value`` scaled by the factor ``attention`` multiplies its values by before caching them (MiMo-V2-Flash's
+    ``v_scale``), where it has one other than 1."""
+    factor = getattr(attention, "v_scale", None)
+    if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor != 1:
+        if value.norm is not None:
+            raise UnsupportedModelError("a model that scales its values and normalises them is not supported")
+        return dataclasses.replace(value, scale=float(factor))
+    return value
 
 
 def _values_are_the_keys(attention) -> bool:

@@ -63,19 +63,29 @@ def _check_order(order: int) -> int:
 class MomentSums:
     """Running moments of the evicted tokens of one layer's KV heads (float32).
 
-    ``n [Hkv]`` (int64 counts), ``s_k [Hkv, d]``, ``s_v [Hkv, d]``, ``S_vk [Hkv, d, d]``.
+    ``n [Hkv]`` (int64 counts), ``s_k [Hkv, d]``, ``s_v [Hkv, dv]``, ``S_vk [Hkv, dv, d]``: ``dv`` the values'
+    head dim, ``value_dim`` (``d`` but where a model's values are narrower than its keys: MiMo-V2-Flash).
     Keep one instance per (batch element, layer).
     """
 
-    def __init__(self, num_kv_heads: int, head_dim: int, device: torch.device | str | None = None):
-        if num_kv_heads <= 0 or head_dim <= 0:
-            raise ValueError(f"num_kv_heads ({num_kv_heads}) and head_dim ({head_dim}) must be positive")
+    def __init__(
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str | None = None,
+        value_dim: int | None = None,
+    ):
+        value_dim = head_dim if value_dim is None else value_dim
+        if num_kv_heads <= 0 or head_dim <= 0 or value_dim <= 0:
+            raise ValueError(
+                f"num_kv_heads ({num_kv_heads}), head_dim ({head_dim}) and value_dim ({value_dim}) must be positive"
+            )
         self.num_kv_heads = int(num_kv_heads)
-        self.head_dim = int(head_dim)
+        self.head_dim, self.value_dim = int(head_dim), int(value_dim)
         self.n = torch.zeros(num_kv_heads, dtype=torch.int64, device=device)  # [Hkv]
         self.s_k = torch.zeros(num_kv_heads, head_dim, dtype=torch.float32, device=device)  # [Hkv, d]
-        self.s_v = torch.zeros(num_kv_heads, head_dim, dtype=torch.float32, device=device)  # [Hkv, d]
-        self.S_vk = torch.zeros(num_kv_heads, head_dim, head_dim, dtype=torch.float32, device=device)  # [Hkv, d, d]
+        self.s_v = torch.zeros(num_kv_heads, value_dim, dtype=torch.float32, device=device)  # [Hkv, dv]
+        self.S_vk = torch.zeros(num_kv_heads, value_dim, head_dim, dtype=torch.float32, device=device)  # [Hkv, dv, d]
         self.version = 0  # bumped by every add(): derived quantities can be cached against it
 
     def _check_head(self, head: int) -> int:
@@ -84,11 +94,16 @@ class MomentSums:
         return int(head)
 
     def add(self, head: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Fold evicted tokens ``keys [m, d]``, ``values [m, d]`` of ``head`` into the sums in place."""
+        """Fold evicted tokens ``keys [m, d]``, ``values [m, dv]`` of ``head`` into the sums in place."""
         head = self._check_head(head)
-        if keys.dim() != 2 or keys.shape != values.shape or keys.shape[1] != self.head_dim:
+        if (
+            keys.dim() != 2
+            or values.dim() != 2
+            or keys.shape[0] != values.shape[0]
+            or (keys.shape[1], values.shape[1]) != (self.head_dim, self.value_dim)
+        ):
             raise ValueError(
-                f"add expects keys and values [m, {self.head_dim}] of the same shape, got "
+                f"add expects keys [m, {self.head_dim}] and values [m, {self.value_dim}], got "
                 f"{tuple(keys.shape)} and {tuple(values.shape)}"
             )
         if keys.shape[0] == 0:
@@ -99,7 +114,7 @@ class MomentSums:
         self.n[head] += k.shape[0]
         self.s_k[head] += k.sum(0)
         self.s_v[head] += v.sum(0)
-        self.S_vk[head] += v.T @ k  # sum_i v_i k_i^T  [d, d]
+        self.S_vk[head] += v.T @ k  # sum_i v_i k_i^T  [dv, d]
 
     def count(self, head: int) -> int:
         return int(self.n[self._check_head(head)])
@@ -110,12 +125,12 @@ class MomentSums:
         return self.s_k[head] / max(int(self.n[head]), 1)
 
     def mean_value(self, head: int) -> torch.Tensor:
-        """``vbar [d]`` (zeros when nothing was evicted)."""
+        """``vbar [dv]`` (zeros when nothing was evicted)."""
         head = self._check_head(head)
         return self.s_v[head] / max(int(self.n[head]), 1)
 
     def cross_cov(self, head: int, tau: float = 0.0) -> torch.Tensor:
-        """``C_vk = S_vk/n - vbar kbar^T [d, d]``; entries with ``|C_vk| < tau`` zeroed."""
+        """``C_vk = S_vk/n - vbar kbar^T [dv, d]``; entries with ``|C_vk| < tau`` zeroed."""
         head = self._check_head(head)
         n = int(self.n[head])
         if n == 0:
@@ -130,18 +145,22 @@ class MomentSums:
     def copy(self) -> MomentSums:
         other = MomentSums.__new__(MomentSums)
         other.num_kv_heads, other.head_dim, other.version = self.num_kv_heads, self.head_dim, self.version
+        other.value_dim = self.value_dim
         other.n, other.s_k, other.s_v, other.S_vk = (t.clone() for t in (self.n, self.s_k, self.s_v, self.S_vk))
         return other
 
     @classmethod
-    def concatenate(cls, parts: list[MomentSums | None], num_kv_heads: int, head_dim: int, device=None) -> MomentSums:
+    def concatenate(
+        cls, parts: list[MomentSums | None], num_kv_heads: int, head_dim: int, device=None, value_dim: int | None = None
+    ) -> MomentSums:
         """One set of sums whose heads are ``parts``' heads in order (``None``: ``num_kv_heads``
         empty heads): a whole layer's batch rows as one ``[B * Hkv]`` set, so that
         :class:`PreparedMoments` corrects every row and head in one batched computation."""
         joined = cls.__new__(cls)
         joined.num_kv_heads, joined.head_dim = num_kv_heads * len(parts), head_dim
+        joined.value_dim = head_dim if value_dim is None else value_dim
         joined.version = 0
-        empty = cls(num_kv_heads, head_dim, device=device) if any(part is None for part in parts) else None
+        empty = cls(num_kv_heads, head_dim, device, joined.value_dim) if any(part is None for part in parts) else None
         filled = [empty if part is None else part for part in parts]
         joined.n = torch.cat([part.n for part in filled])
         joined.s_k = torch.cat([part.s_k for part in filled])
@@ -153,9 +172,10 @@ class MomentSums:
         return sum(t.numel() * t.element_size() for t in (self.n, self.s_k, self.s_v, self.S_vk))
 
 
-def _kernel_applies(query: torch.Tensor, keys: torch.Tensor, mask) -> bool:
+def _kernel_applies(query: torch.Tensor, keys: torch.Tensor, mask, values: torch.Tensor | None = None) -> bool:
     return (
         mask is None
+        and (values is None or values.shape[-1] == keys.shape[-1])  # the kernel takes one head size
         and query.device.type == "cpu"
         and keys.shape[0] > 0
         and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -179,20 +199,29 @@ def attention_with_lse(
     ``aten._scaled_dot_product_flash_attention_for_cpu`` (returns ``(output, logsumexp)``);
     otherwise (or with ``use_kernel=False``) matmul-softmax-matmul in float32.
     """
-    if query.dim() != 3 or keys.dim() != 2 or keys.shape != values.shape or query.shape[-1] != keys.shape[-1]:
+    if (
+        query.dim() != 3
+        or keys.dim() != 2
+        or values.dim() != 2
+        or keys.shape[0] != values.shape[0]
+        or query.shape[-1] != keys.shape[-1]
+    ):
         raise ValueError(
-            f"attention_with_lse expects query [G, q, d] and keys/values [n, d], got "
+            f"attention_with_lse expects query [G, q, d], keys [n, d] and values [n, dv], got "
             f"{tuple(query.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}"
         )
     groups, q_len, dim = query.shape
     n = keys.shape[0]
     if use_kernel is None:
-        use_kernel = _kernel_applies(query, keys, mask)
-    elif use_kernel and not _kernel_applies(query, keys, mask):
-        raise ValueError("the CPU flash-attention kernel needs a CPU float query, no mask and at least one key")
+        use_kernel = _kernel_applies(query, keys, mask, values)
+    elif use_kernel and not _kernel_applies(query, keys, mask, values):
+        raise ValueError(
+            "the CPU flash-attention kernel needs a CPU float query, no mask, at least one key and values of the "
+            "keys' head dim"
+        )
     if n == 0:
         return (
-            torch.zeros_like(query),
+            query.new_zeros(groups, q_len, values.shape[-1]),
             torch.full((groups, q_len), float("-inf"), dtype=torch.float32, device=query.device),
         )
     if use_kernel:
@@ -231,10 +260,11 @@ def evicted_estimate(
     q = query.float().to(sums.s_k.device)  # [G, q, d]
     n = sums.count(head)
     if n == 0:
-        return torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), device=q.device)
-    kbar, vbar = sums.mean_key(head), sums.mean_value(head)  # [d], [d]
+        empty = q.new_zeros(*q.shape[:-1], sums.value_dim)
+        return empty, torch.full(q.shape[:-1], float("-inf"), device=q.device)
+    kbar, vbar = sums.mean_key(head), sums.mean_value(head)  # [d], [dv]
     lse = math.log(n) + float(scaling) * (q @ kbar)  # [G, q]
-    out = vbar.expand_as(q)
+    out = vbar.expand(*q.shape[:-1], -1)
     if order == 1:
         out = out + float(scaling) * (q @ sums.cross_cov(head, tau).T)  # (C q) for every query row
     return out.clone(), lse
@@ -274,19 +304,19 @@ class PreparedMoments:
         count = sums.n.float()  # [Hkv]
         safe = count.clamp_min(1)
         self.version = sums.version
-        self.num_kv_heads, self.head_dim = heads, sums.head_dim
+        self.num_kv_heads, self.head_dim, self.value_dim = heads, sums.head_dim, sums.value_dim
         self.active = (orders >= 0) & (count > 0)  # [Hkv]
         live = self.active.float()
         kbar = sums.s_k / safe[:, None] * live[:, None]  # [Hkv, d], zero where inactive
-        self.vbar = sums.s_v / safe[:, None] * live[:, None]
-        cov = sums.S_vk / safe[:, None, None] - self.vbar[:, :, None] * kbar[:, None, :]  # [Hkv, d, d]
+        self.vbar = sums.s_v / safe[:, None] * live[:, None]  # [Hkv, dv]
+        cov = sums.S_vk / safe[:, None, None] - self.vbar[:, :, None] * kbar[:, None, :]  # [Hkv, dv, d]
         cov = torch.where(cov.abs() < tau[:, None, None], torch.zeros_like(cov), cov)
         cov = cov * (self.active & (orders == 1)).float()[:, None, None]
-        # one matmul gives both C q (first d columns) and q.kbar (last column)
-        self.projection = torch.cat([cov, kbar[:, None, :]], dim=1).transpose(1, 2).contiguous()  # [Hkv, d, d+1]
+        # one matmul gives both C q (first dv columns) and q.kbar (last column)
+        self.projection = torch.cat([cov, kbar[:, None, :]], dim=1).transpose(1, 2).contiguous()  # [Hkv, d, dv+1]
         self.log_n = torch.where(self.active, torch.log(safe), torch.full_like(safe, float("-inf")))  # [Hkv]
-        # what the matmul's result is added to: vbar (first d columns) and log n (last column)
-        self.offset = torch.cat([self.vbar, self.log_n[:, None]], dim=1).unsqueeze(1)  # [Hkv, 1, d+1]
+        # what the matmul's result is added to: vbar (first dv columns) and log n (last column)
+        self.offset = torch.cat([self.vbar, self.log_n[:, None]], dim=1).unsqueeze(1)  # [Hkv, 1, dv+1]
 
     def refill(self, other: PreparedMoments) -> None:
         """Take ``other``'s quantities (the same heads and head dim) into this one's tensors, in place:
@@ -319,12 +349,12 @@ class PreparedMoments:
         if q.device != self.projection.device:  # a decode step's query is on the sums' device already
             q = q.to(self.projection.device)
         flat = q if q.dim() == 3 else q.reshape(heads, -1, dim)  # [Hkv, G*q, d]
-        # [vbar, log n] + s q [C, kbar]: o_E in the first d columns, lse_E in the last  [Hkv, G*q, d+1]
+        # [vbar, log n] + s q [C, kbar]: o_E in the first dv columns, lse_E in the last  [Hkv, G*q, dv+1]
         estimate = torch.baddbmm(self.offset, flat, self.projection, alpha=float(scaling))
-        out_E, lse_E = estimate[..., :dim], estimate[..., dim]
+        out_E, lse_E = estimate[..., : self.value_dim], estimate[..., self.value_dim]
         if q.dim() == 3:
             return out_E, lse_E
-        return out_E.view(query.shape), lse_E.view(query.shape[:-1])
+        return out_E.view(*query.shape[:-1], self.value_dim), lse_E.view(query.shape[:-1])
 
     def corrected(self, query: torch.Tensor, out_R: torch.Tensor, lse_R: torch.Tensor, scaling: float) -> torch.Tensor:
         """Merged output ``[Hkv, G, q, d]`` float32 from the retained ``out_R [Hkv, G, q, d]`` and
@@ -425,7 +455,12 @@ def moment_scores(
 
     ``attention [n]`` is any scorer's attention estimate of the tokens (e.g. EA's ``a_j``).
     """
-    if attention.dim() != 1 or keys.dim() != 2 or keys.shape != values.shape or attention.shape[0] != keys.shape[0]:
+    if (
+        attention.dim() != 1
+        or keys.dim() != 2
+        or values.dim() != 2
+        or not attention.shape[0] == keys.shape[0] == values.shape[0]
+    ):
         raise ValueError(
             f"moment_scores expects attention [n] and keys/values [n, d], got "
             f"{tuple(attention.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}"
@@ -455,9 +490,9 @@ def evict_in_rounds(
     indices, sorted, int64.
     """
     n = keys.shape[0]
-    if attention.shape != (n,) or values.shape != keys.shape:
+    if attention.shape != (n,) or values.dim() != 2 or values.shape[0] != n:
         raise ValueError(
-            f"evict_in_rounds expects attention [n] and keys/values [n, d], got "
+            f"evict_in_rounds expects attention [n], keys [n, d] and values [n, dv], got "
             f"{tuple(attention.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}"
         )
     if rounds <= 0:

@@ -287,13 +287,13 @@ def _uniform_corrections(policy, geometry) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _load_learned(scorer, calibration, geometry) -> dict:
-    weights = torch.from_numpy(np.asarray(calibration.scorer_weights, dtype=np.float32))  # [L, Hkv, 2d]
-    L, Hkv, d = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
+    weights = torch.from_numpy(np.asarray(calibration.scorer_weights, dtype=np.float32))  # [L, Hkv, d + dv]
+    L, Hkv, d, dv = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, geometry.value_head_dim
     bias = np.asarray(calibration.scorer_bias, dtype=np.float64)  # [L, Hkv]
-    if tuple(weights.shape) != (L, Hkv, 2 * d) or bias.shape != (L, Hkv):
+    if tuple(weights.shape) != (L, Hkv, d + dv) or bias.shape != (L, Hkv):
         raise ValueError(
             f"learned scorer weights of shape {tuple(weights.shape)} (bias {bias.shape}) do not fit the model "
-            f"({L} layers, {Hkv} KV heads, d={d})"
+            f"({L} layers, {Hkv} KV heads, d={d}, values of {dv})"
         )
     return {"learned": (weights, bias)}
 
