@@ -208,8 +208,9 @@ SLIDING_GEOMETRY_APART = frozenset({"mimo_v2_flash"})
 def sliding_layers_apart(config) -> bool:
     """Whether kvcal holds ``config``'s sliding-window layers apart from the layers it profiles and evicts, its
     full-attention ones: a heterogeneous config (``is_heterogeneous``, Gemma 4) whose layers differ only in
-    :data:`PER_LAYER_GEOMETRY`, or a model of :data:`SLIDING_GEOMETRY_APART` (MiMo-V2-Flash).  Those sliding layers are of another head dim or KV heads than the full ones (the
-    artifact's axes are one geometry) and bounded by their window: ``runtime.kv_store.cache.RaggedCache`` keeps
+    :data:`PER_LAYER_GEOMETRY`, or a model of :data:`SLIDING_GEOMETRY_APART` (MiMo-V2-Flash).  Those sliding
+    layers are of another head dim or KV heads than the full ones (the artifact's axes are one geometry) and
+    bounded by their window: ``runtime.kv_store.cache.RaggedCache`` keeps
     each in a layer of its own geometry, its window of real tokens, never evicted; the full layers, whose caches
     grow with the context, are what the artifact covers.  Whether the full layers share one geometry is
     ``runtime.math.geometry.check_config``'s to check."""

@@ -201,7 +201,7 @@ SECTIONS: dict[str, SectionSpec] = {
             "weights": DatasetSpec(
                 "<f8",
                 ("L", "Hkv", "F"),
-                "coefficients on the features [pre-RoPE key, value] (F = 2d; d + dv where the values' head dim dv is another)",
+                "coefficients on the features [pre-RoPE key, value] (F = 2d; d + dv for values of head dim dv)",
                 magnitude=1e12,
             ),
             "bias": DatasetSpec("<f8", ("L", "Hkv"), "intercept", magnitude=1e12),

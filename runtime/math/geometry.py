@@ -48,7 +48,6 @@ from artifacts.fingerprint import (
     attention_numbers,
     decoder_stack,
     has_query_norm,
-    held_layer_config,
     kv_shared_layers,
     layer_attention,
     sliding_layers_apart,
