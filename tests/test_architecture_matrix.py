@@ -229,7 +229,7 @@ PARTIAL = {
     **{"granitemoehybrid": 0, "jamba": 0, "nemotron_h": 0},  # no rotary module: nothing turns
     # proportional RoPE: frequencies over the whole head of 32, the last three quarters of them zero (nothing turns)
     **{"gemma4_text": 32, "gemma4_unified_text": 32},
-    "mimo_v2_flash": 6,  # partial_rotary_factor 0.334 of 16: int(5.3) = 5 dims, 3 frequencies (64 of 192 in checkpoints)
+    "mimo_v2_flash": 6,  # partial_rotary_factor 0.334 of 16: int(5.3) = 5 dims, 3 frequencies (checkpoints: 64 of 192)
 }
 NOT_LLAMA_FAMILY = r"no decoder layers at model\.model\.layers \(not a Llama-family causal LM\)"
 # what the refusal names: the model types refused so
