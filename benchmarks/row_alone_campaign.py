@@ -75,6 +75,10 @@ def architectures() -> dict:
     made["gemma3n-kv-sharing"] = lambda: sharing("gemma3n_text")
     if hasattr(transformers, "Gemma4ForCausalLM"):
         made["gemma4-kv-sharing"] = lambda: sharing("gemma4_text")
+    if hasattr(transformers, "MiMoV2FlashForCausalLM"):  # values narrower than the keys, sliding layers held apart
+        from test_mimo_v2_flash import mimo
+
+        made["mimo-v2-flash"] = lambda: mimo()
     return made
 
 

@@ -500,9 +500,9 @@ def check_config(config, name: str | None = None) -> None:
     projected) and dynamic NTK RoPE without a ``max_position_embeddings`` (kvcal serves dynamic NTK
     inside that original context only: :func:`original_context`), multimodal RoPE (``mrope_section``, but
     on the types checked: :data:`MULTIMODAL_ROPE_SERVED`); also a heterogeneous
-    config (per-layer attention geometry, Gemma 4), layer types without RoPE parameters (Beam), keys
-    and values shared across layers (Gemma 3n), layers run several times per token (Dory) and values of
-    another head dim than the keys (MiMo-V2-Flash), and a multimodal checkpoint of a type kvcal has not checked
+    config that varies more than Gemma 4's (per-layer attention geometry), layer types without RoPE parameters
+    (Beam), keys and values shared across layers where a reader has no earlier layer of its type to read,
+    layers run several times per token (Dory), and a multimodal checkpoint of a type kvcal has not checked
     (:data:`MULTIMODAL_SERVED`).  ``name``: the model's, for the message (default: the config's architecture)."""
     checkpoint, config = config, text_config(config)
     if name is None:
