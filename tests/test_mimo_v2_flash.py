@@ -150,3 +150,14 @@ def test_kvzip_scores_equal_the_models_attention_over_the_reconstruction():
     chunks = reconstruction_chunks(tokenizer, context, 1, tokenizer("\n", add_special_tokens=False)["input_ids"], 23, 4)
     want = naive_kvzip(model, context, chunks, sink=1)
     torch.testing.assert_close(scores.scores.double(), want, rtol=1e-4, atol=1e-6)
+
+
+@torch.no_grad()
+def test_a_block_wise_prefill_with_nothing_evicted_answers_as_the_unmodified_model():
+    """Blocks of 16 columns: each block attends the rows stored before it and itself (values of their own head dim
+    through the page kernel, the fused CPU kernel taking one head size), as one forward pass would."""
+    model = mimo()
+    ids, mask = padded_prompt()
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    got = generate(model, ids, None, attention_mask=mask, max_new_tokens=5, block_size=16)
+    assert torch.equal(got.sequences, expected)
