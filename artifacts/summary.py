@@ -234,6 +234,12 @@ def _layers(model: dict) -> str:
     return f"{model['num_layers']} attention layers (decoder layers {shown})"
 
 
+def _values_width(model: dict) -> str:
+    """``" (values 128)"`` where the values' head dim is not the keys' (MiMo-V2-Flash), else nothing."""
+    value = json.loads(model.get("attention_variant") or "{}").get("value_head_dim")
+    return f" (values {value})" if value else ""
+
+
 def format_summary(summary: dict) -> str:
     """The summary as human-readable text."""
     m = summary["model"]
@@ -241,7 +247,7 @@ def format_summary(summary: dict) -> str:
         f"{summary['path']}: valid calibration artifact (schema {summary['schema_version']}, "
         f"kvcal {summary['toolkit_version']}, created {summary['created']})",
         f"model       {m['name']} ({m['model_type']}: {_layers(m)}, {m['num_q_heads']} query heads, "
-        f"{m['num_kv_heads']} KV heads, head dim {m['head_dim']}, RoPE theta {m['rope_theta']:g}"
+        f"{m['num_kv_heads']} KV heads, head dim {m['head_dim']}{_values_width(m)}, RoPE theta {m['rope_theta']:g}"
         f"{', query norm' if m['query_norm'] else ''})",
         f"fingerprints  arch {m['arch_fingerprint'][:16]}  weights {m['weights_fingerprint'][:16]}  "
         f"tokenizer {m['tokenizer_fingerprint'][:16]}",

@@ -17,7 +17,6 @@ from runtime import CompressionPolicy, RaggedCache, generate
 from runtime.compression.prefill import prefill
 from runtime.math.geometry import ModelGeometry
 from runtime.math.momentkv import MomentSums, PreparedMoments, attention_with_lse, merge_outputs
-from runtime.plan.policy_spec import FLAGSHIP
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -130,7 +129,11 @@ def test_a_profile_of_mimo_v2_flash_is_served_back(tmp_path, embedded_tokenizer,
 
     model = mimo(vocab_size=len(embedded_tokenizer))
     assert_profile_served_back(model, tmp_path, embedded_tokenizer, capsys, layers=2, check=check)
-    assert FLAGSHIP is not None
+    from artifacts.cli import main as inspect_artifact
+
+    capsys.readouterr()
+    assert inspect_artifact([str(tmp_path / "kv_calibration.h5")]) == 0
+    assert "2 KV heads, head dim 16 (values 24)," in capsys.readouterr().out
 
 
 def test_kvzip_scores_equal_the_models_attention_over_the_reconstruction():
