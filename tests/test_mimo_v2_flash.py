@@ -164,3 +164,26 @@ def test_a_block_wise_prefill_with_nothing_evicted_answers_as_the_unmodified_mod
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     got = generate(model, ids, None, attention_mask=mask, max_new_tokens=5, block_size=16)
     assert torch.equal(got.sequences, expected)
+
+
+@torch.no_grad()
+def test_the_value_read_is_what_the_cache_holds():
+    """The profiler's read of a layer's values (``v_proj``'s output times ``v_scale``, as the model scales them before
+    caching) equals what the cache holds, for every head."""
+    model = mimo()
+    geometry = ModelGeometry.of(model)
+    read = {}
+    projection = geometry.value_projections[1]
+    handle = projection.module.register_forward_hook(
+        lambda _m, _i, output: read.update(v=projection.take(output))  # the last pass: the prefill
+    )
+    ids = torch.randint(3, 250, (1, 30), generator=torch.Generator().manual_seed(6))
+    cache = RaggedCache.for_model(model)
+    try:
+        prefill(model, cache, ids)
+    finally:
+        handle.remove()
+    layer = cache.attention_layers[1]
+    for h in range(2):
+        _, values, _ = layer.head(0, h)
+        torch.testing.assert_close(values, read["v"][0, :, h], rtol=0, atol=1e-6)
