@@ -680,7 +680,7 @@ def test_inf_weights_that_do_not_sum_to_one_are_refused(artifact_path):
 def test_learned_scorer_with_features_other_than_twice_head_dim_is_refused(tmp_path):
     artifact = make_random_artifact(sections=("learned_scorer",))
     artifact.sections["learned_scorer"].arrays["weights"] = np.zeros((30, 3, 100))
-    with pytest.raises(ArtifactError, match=r"learned_scorer/weights: F = 100 features, the format says 2d = 128"):
+    with pytest.raises(ArtifactError, match=r"learned_scorer/weights: F = 100 features, the format says d \+ dv = 128"):
         write_artifact(tmp_path / "a.h5", artifact)
 
 

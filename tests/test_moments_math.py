@@ -81,8 +81,13 @@ def test_moment_sums_equal_direct_recomputation_after_many_adds():
         clamped = sums.cross_cov(head, tau=0.05)
         assert torch.all((clamped == 0) | (clamped.abs() >= 0.05))
     assert sums.nbytes() == 2 * 8 + 2 * 2 * D * 4 + 2 * D * D * 4  # O(d^2), independent of tokens seen
-    with pytest.raises(ValueError, match="same shape"):
+    with pytest.raises(ValueError, match=rf"add expects keys \[m, {D}\] and values \[m, {D}\]"):
         sums.add(0, torch.zeros(3, D), torch.zeros(2, D))
+    with pytest.raises(ValueError, match=rf"add expects keys \[m, {D}\] and values \[m, {D}\]"):
+        sums.add(0, torch.zeros(3, D), torch.zeros(3, D + 8))  # values of another head dim than the sums'
+    narrower = MomentSums(2, D, value_dim=D - 8)  # values narrower than the keys (MiMo-V2-Flash)
+    narrower.add(1, torch.ones(3, D), torch.ones(3, D - 8))
+    assert narrower.S_vk.shape == (2, D - 8, D) and narrower.count(1) == 3
 
 
 def test_nothing_evicted_corrected_equals_plain_attention():
