@@ -227,9 +227,7 @@ def kernel(name: str):
             os.environ[DECODE_KERNEL_VARIABLE] = name
         if name == "varlen":
             # varlen_serves but its device and dtype: a GPU's conditions
-            layer_attention.varlen_serves = lambda query, store, softcap: (
-                softcap is None and store.head_dim % 8 == 0 and store.increasing
-            )
+            layer_attention.varlen_serves = lambda query, store, softcap: varlen_attention.varlen_takes(store, softcap)
             varlen_attention.flash_varlen = varlen_attention.reference_varlen
         yield
     finally:

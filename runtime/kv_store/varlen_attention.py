@@ -49,13 +49,18 @@ def varlen_serves(query: torch.Tensor, store, softcap: float | None) -> bool:
     (module docstring); a chunk's caller has already ruled out padding and sliding windows.  Host
     reads only."""
     keys = store.key_buffer
-    if query.device.type != "cuda" or keys.dtype not in FLASH_DTYPES or softcap is not None:
+    if query.device.type != "cuda" or keys.dtype not in FLASH_DTYPES or not _flash_runs(query.device.index):
         return False
-    if store.head_dim % 8 or store.head_dim > MAX_HEAD_DIM or not _flash_runs(query.device.index):
+    return varlen_takes(store, softcap)
+
+
+def varlen_takes(store, softcap: float | None) -> bool:
+    """What :func:`varlen_serves` asks of ``store`` itself, whatever the device: no soft-cap, a head dim the kernel
+    takes (a multiple of 8, at most :data:`MAX_HEAD_DIM`), values of that head dim (FlashAttention 2 takes one head
+    size: not MiMo-V2-Flash's narrower values), rows stored in increasing position order.  Host reads only."""
+    if softcap is not None or store.head_dim % 8 or store.head_dim > MAX_HEAD_DIM:
         return False
-    if store.value_dim != store.head_dim:  # FlashAttention 2 takes one head size (not MiMo-V2-Flash's values)
-        return False
-    return store.increasing
+    return store.value_dim == store.head_dim and store.increasing
 
 
 @functools.cache
