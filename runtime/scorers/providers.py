@@ -162,12 +162,10 @@ class LearnedWeightsProvider:
         learned = _given(learned, f"{scorer!r} needs the artifact's learned_scorer weights")
         weights, bias = (torch.as_tensor(np.asarray(part), dtype=torch.float32) for part in learned)
         shape = (geometry.num_layers, geometry.num_kv_heads)
-        features = geometry.head_dim + geometry.value_head_dim  # [pre-RoPE key, value]
-        if tuple(weights.shape) != (*shape, features) or tuple(bias.shape) != shape:
-            raise ValueError(
+        if tuple(weights.shape) != (*shape, geometry.head_dim + geometry.value_head_dim) or tuple(bias.shape) != shape:
+            raise ValueError(  # the features: [pre-RoPE key, value]
                 f"learned scorer weights of shape {tuple(weights.shape)} (bias {tuple(bias.shape)}) do not fit the "
-                f"model ({shape[0]} layers, {shape[1]} KV heads, d={geometry.head_dim}, values of "
-                f"{geometry.value_head_dim})"
+                f"model ({shape[0]} layers, {shape[1]} KV heads, d={geometry.head_dim}, dv={geometry.value_head_dim})"
             )
         self.weights, self.bias = weights, bias
 
