@@ -305,6 +305,20 @@ def test_gemma4s_sliding_layers_held_apart_add_no_synchronisation(correction, on
     _keydiff_step_against_plain(gemma4(), 500, correction, "Gemma 4")
 
 
+@pytest.mark.parametrize("correction", ["none", "order1"])
+def test_values_narrower_than_the_keys_add_no_synchronisation(correction, one_thread):
+    """A tiny MiMo-V2-Flash (tests/test_mimo_v2_flash.py: values of 24 to keys of 16, sliding layers of other KV heads
+    with sinks held apart), its layers on the page kernel (the fused kernels take one head size): a decode step
+    synchronises no more than the same model's plain step."""
+    import transformers
+
+    if not hasattr(transformers, "MiMoV2FlashForCausalLM"):
+        pytest.skip("this transformers has no MiMo-V2-Flash")
+    from test_mimo_v2_flash import mimo
+
+    _keydiff_step_against_plain(mimo(vocab_size=512), 500, correction, "MiMo-V2-Flash")
+
+
 @pytest.mark.parametrize("model_type", ["gemma3n_text", "gemma4_text"])
 @pytest.mark.parametrize("correction", ["none", "order1"])
 def test_layers_reading_another_layers_cache_add_no_synchronisation(model_type, correction, one_thread, monkeypatch):
