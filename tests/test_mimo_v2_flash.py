@@ -187,3 +187,17 @@ def test_the_value_read_is_what_the_cache_holds():
     for h in range(2):
         _, values, _ = layer.head(0, h)
         torch.testing.assert_close(values, read["v"][0, :, h], rtol=0, atol=1e-6)
+
+
+def test_the_checkpoints_geometry_is_read_from_their_config():
+    """transformers' MiMo-V2-Flash config (its checkpoints' numbers) built on the meta device, no weights: kvcal
+    evicts its 9 full-attention layers of 4 KV heads (keys of 192, values of 128 scaled by 0.707, RoPE on 64 dims) and
+    holds the 39 sliding layers apart."""
+    config = T.MiMoV2FlashConfig()
+    with torch.device("meta"):
+        model = T.MiMoV2FlashForCausalLM(config)
+    geometry = ModelGeometry.of(model)
+    assert geometry.layer_indices == (0, 5, 11, 17, 23, 29, 35, 41, 47)
+    assert (geometry.num_kv_heads, geometry.head_dim, geometry.value_head_dim) == (4, 192, 128)
+    assert set(geometry.rotary_dims) == {64} and geometry.value_projections[0].scale == pytest.approx(0.707)
+    assert attention_variant(config)["value_head_dim"] == 128
