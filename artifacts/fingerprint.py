@@ -322,8 +322,9 @@ def attention_variant(config) -> dict:
     rope = getattr(config, "rope_parameters", None)
     if isinstance(rope, dict) and rope and all(isinstance(value, dict) for value in rope.values()):
         variant["rope_parameters_by_layer_type"] = _jsonable(rope)
-    if value_head_dim(config) != attention_numbers(config)["head_dim"]:
-        variant["value_head_dim"] = value_head_dim(config)
+    value = value_head_dim(config)
+    if value != attention_numbers(config)["head_dim"]:
+        variant["value_head_dim"] = value
     return variant
 
 

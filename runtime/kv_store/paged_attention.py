@@ -303,12 +303,12 @@ def merge_attention(
 
 
 def fused_kernel_serves(
-    query: torch.Tensor, key_buffer: torch.Tensor, softcap: float | None, value_buffer: torch.Tensor | None = None
+    query: torch.Tensor, key_buffer: torch.Tensor, softcap: float | None, value_buffer: torch.Tensor
 ) -> bool:
     """Whether :func:`live_rows_attention` can run: PyTorch's fused CPU flash-attention kernel takes
     the keys' dtype on this device, nothing is soft-capped (the kernel cannot cap) and the values are of the
     keys' head dim (``value_buffer``; the kernel takes one head size: not MiMo-V2-Flash's narrower values)."""
-    same_dim = value_buffer is None or value_buffer.shape[-1] == key_buffer.shape[-1]
+    same_dim = value_buffer.shape[-1] == key_buffer.shape[-1]
     return query.device.type == "cpu" and key_buffer.dtype in _FLASH_CPU_DTYPES and softcap is None and same_dim
 
 

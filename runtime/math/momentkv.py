@@ -172,10 +172,10 @@ class MomentSums:
         return sum(t.numel() * t.element_size() for t in (self.n, self.s_k, self.s_v, self.S_vk))
 
 
-def _kernel_applies(query: torch.Tensor, keys: torch.Tensor, mask, values: torch.Tensor | None = None) -> bool:
+def _kernel_applies(query: torch.Tensor, keys: torch.Tensor, mask, values: torch.Tensor) -> bool:
     return (
         mask is None
-        and (values is None or values.shape[-1] == keys.shape[-1])  # the kernel takes one head size
+        and values.shape[-1] == keys.shape[-1]  # the kernel takes one head size
         and query.device.type == "cpu"
         and keys.shape[0] > 0
         and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
